@@ -1,0 +1,8 @@
+"""flexfa: attention variants written as Python functions, compiled to fused FlashAttention kernels."""
+__version__ = "0.1.0"
+
+from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
+from .frontend import trace
+
+__all__ = ["FlexFAError", "InputError", "InputTypeError", "TraceError", "UnsupportedOpError",
+           "trace", "__version__"]

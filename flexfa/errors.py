@@ -1,0 +1,25 @@
+"""flexfa's exception types.
+
+Every error flexfa raises on bad input subclasses one of the builtin types a caller would
+catch (ValueError, TypeError, NotImplementedError), so ``except ValueError`` keeps working.
+"""
+
+
+class FlexFAError(Exception):
+    """Base class of every flexfa error."""
+
+
+class TraceError(FlexFAError, TypeError):
+    """A mod could not be traced: unsupported construct, control flow on a traced value, ..."""
+
+
+class UnsupportedOpError(TraceError, NotImplementedError):
+    """A mod called a torch function or operator flexfa cannot trace or render."""
+
+
+class InputError(FlexFAError, ValueError):
+    """Bad arguments to a public function (shapes, lengths, block sizes, options)."""
+
+
+class InputTypeError(FlexFAError, TypeError):
+    """Arguments of the wrong type to a public function."""

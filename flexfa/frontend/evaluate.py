@@ -1,0 +1,127 @@
+"""Evaluating the IR with torch on broadcast index grids.
+
+This is the eager reference (``score`` of shape [B,H,L,S] in float64 gives the float64
+reference) and the dense-mask path. Index values are int64 tensors that broadcast against
+each other (e.g. ``b`` [B,1,1,1], ``q_idx`` [1,1,L,1]). The evaluation is differentiable in
+``score`` and in float buffers, so torch.autograd on it is the reference for gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ir import DType, Node, Op
+from .trace import TracedMod
+
+_TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int64}
+
+
+def _floordiv(a, b):
+    if a.dtype.is_floating_point or b.dtype.is_floating_point:
+        return torch.floor(a / b)
+    return torch.div(a, b, rounding_mode="floor")
+
+
+_BINARY = {
+    Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div,
+    Op.FLOORDIV: _floordiv, Op.MOD: torch.remainder, Op.POW: torch.pow,
+    Op.MAX: torch.maximum, Op.MIN: torch.minimum,
+    Op.LT: torch.lt, Op.LE: torch.le, Op.EQ: torch.eq, Op.NE: torch.ne,
+}
+_LOGIC = {
+    Op.AND: (torch.logical_and, torch.bitwise_and),
+    Op.OR: (torch.logical_or, torch.bitwise_or),
+    Op.XOR: (torch.logical_xor, torch.bitwise_xor),
+    Op.NOT: (torch.logical_not, torch.bitwise_not),
+}
+_UNARY = {
+    Op.NEG: torch.neg, Op.ABS: torch.abs, Op.SIGN: torch.sign, Op.FLOOR: torch.floor,
+    Op.CEIL: torch.ceil, Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.LOG: torch.log,
+    Op.LOG2: torch.log2, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt, Op.TANH: torch.tanh,
+    Op.SIGMOID: torch.sigmoid, Op.SIN: torch.sin, Op.COS: torch.cos, Op.TAN: torch.tan,
+    Op.ERF: torch.erf,
+}
+
+
+def evaluate_node(root: Node, *, score=None, b=None, h=None, q_idx=None, kv_idx=None,
+                  buffers=(), float_dtype=torch.float32, device=None) -> torch.Tensor:
+    """Evaluate ``root`` on broadcastable torch tensors; FLOAT math runs in ``float_dtype``."""
+    leaves = {Op.SCORE: score, Op.B: b, Op.H: h, Op.Q_IDX: q_idx, Op.KV_IDX: kv_idx}
+    if device is None:
+        device = next((v.device for v in leaves.values() if isinstance(v, torch.Tensor)), "cpu")
+    values: dict[int, torch.Tensor] = {}
+    for node in root.toposort():
+        values[id(node)] = _eval_one(node, [values[id(s)] for s in node.src], leaves, buffers,
+                                     float_dtype, device)
+    return values[id(root)]
+
+
+def _target_dtype(dtype: DType, float_dtype):
+    return float_dtype if dtype is DType.FLOAT else _TORCH_DTYPE[dtype]
+
+
+def _eval_one(node: Node, srcs, leaves, buffers, float_dtype, device):
+    op = node.op
+    target = _target_dtype(node.dtype, float_dtype)
+    if op is Op.CONST:
+        return torch.tensor(node.arg, dtype=target, device=device)
+    if op in leaves:
+        value = leaves[op]
+        if value is None:
+            raise ValueError(f"evaluating the IR needs a value for {op.name.lower()}")
+        value = torch.as_tensor(value, device=device)
+        return value.to(target)
+    if op is Op.LOAD:
+        buf = buffers[node.arg].to(device)  # no copy when already there
+        if srcs:
+            srcs = torch.broadcast_tensors(*srcs)
+            value = buf[tuple(srcs)]
+        else:
+            value = buf.reshape(())
+        return value.to(target)
+    if op is Op.CAST:
+        (x,) = srcs
+        if node.dtype is DType.INT and x.dtype.is_floating_point:
+            return torch.trunc(x).to(target)
+        return x.to(target)
+    if op is Op.WHERE:
+        cond, a, b = srcs
+        return torch.where(cond, a, b)
+    if op in _LOGIC:
+        logical, bitwise = _LOGIC[op]
+        fn = logical if node.dtype is DType.BOOL else bitwise
+        return fn(*srcs)
+    if op in _BINARY:
+        return _BINARY[op](*srcs)
+    if op in _UNARY:
+        return _UNARY[op](*srcs)
+    raise NotImplementedError(f"no eager evaluation rule for IR op {op.name}")
+
+
+def index_grids(B: int, H: int, L: int, S: int, device="cpu", q_offset: int = 0):
+    """int64 index tensors shaped to broadcast to [B,H,L,S] (rows start at ``q_offset``)."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    q = torch.arange(q_offset, q_offset + L, device=device).view(1, 1, L, 1)
+    kv = torch.arange(S, device=device).view(1, 1, 1, S)
+    return b, h, q, kv
+
+
+def evaluate(traced: TracedMod, *, score=None, b=None, h=None, q_idx=None, kv_idx=None,
+             buffers=None, float_dtype=torch.float32, device=None) -> torch.Tensor:
+    """Evaluate a traced mod; ``buffers`` default to the tensors captured at trace time."""
+    return evaluate_node(traced.root, score=score, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx,
+                         buffers=traced.buffers if buffers is None else buffers,
+                         float_dtype=float_dtype, device=device)
+
+
+def dense_mask(traced: TracedMod, B: int, H: int, L: int, S: int, device="cpu",
+               rows_per_chunk: int | None = None) -> torch.Tensor:
+    """The [B,H,L,S] bool mask of a mask_mod, evaluated ``rows_per_chunk`` query rows at a time."""
+    out = torch.empty(B, H, L, S, dtype=torch.bool, device=device)
+    step = rows_per_chunk or L
+    for start in range(0, L, step):
+        rows = min(step, L - start)
+        b, h, q, kv = index_grids(B, H, rows, S, device, q_offset=start)
+        value = evaluate(traced, b=b, h=h, q_idx=q, kv_idx=kv, device=device)
+        out[:, :, start:start + rows] = value.expand(B, H, rows, S)
+    return out
