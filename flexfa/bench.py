@@ -1,0 +1,298 @@
+"""``python -m flexfa bench``: flexfa vs torch FlexAttention (compiled) vs SDPA, in one process.
+
+Every case is checked against FlexAttention before it is timed; times are medians of
+``triton.testing.do_bench``; FLOPs are 4*B*H*L*S*E times the block density of the mask (from
+torch's own BlockMask, so both sides are charged the same work), x3.5 for fwd+bwd.
+Writes ``results.json`` (with GPU name, versions, date and commit) and ``results.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document", "prefix")
+
+
+def _variants(S: int, H: int, device):
+    import torch
+
+    lengths = torch.randint(256, 2048, (S // 256 + 2,), generator=torch.Generator().manual_seed(0))
+    doc_id = torch.searchsorted(lengths.cumsum(0), torch.arange(S), right=True).to(device)
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device, dtype=torch.float32) / H)
+    prefix = S // 4
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding_window_1024(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def softcap_30(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    return {"full": (None, None), "causal": (None, causal), "sliding": (None, sliding_window_1024),
+            "alibi": (alibi, causal), "softcap": (softcap_30, causal),
+            "document": (None, document_causal), "prefix": (None, prefix_lm)}
+
+
+def _versions() -> dict:
+    import torch
+    import triton
+
+    import flexfa
+
+    commit = os.environ.get("FLEXFA_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__), check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__,
+            "flexfa": flexfa.__version__, "python": platform.python_version(),
+            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+def _ceilings():
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: x @ x, warmup=50, rep=200, return_mode="median")
+    return {"bf16_matmul_tflops": 2 * 8192 ** 3 / ms / 1e9}
+
+
+def _time(fn, q, k, v, bwd: bool, rep: int) -> float:
+    import torch
+    from triton.testing import do_bench
+
+    if not bwd:
+        return do_bench(lambda: fn(q, k, v), warmup=25, rep=rep, return_mode="median")
+    do = torch.randn_like(q)
+
+    def step():
+        fn(q, k, v).backward(do)
+    return do_bench(step, warmup=25, rep=rep, return_mode="median", grad_to_none=[q, k, v])
+
+
+def _relerr(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _check(fa_fn, flex_fn, q, k, v, bwd: bool) -> dict:
+    """flexfa vs FlexAttention on the benchmark inputs: relative L2 errors of out (and grads)."""
+    import torch
+
+    result = {}
+    outs, grads = [], []
+    do = torch.randn_like(q)
+    for fn in (fa_fn, flex_fn):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v)
+        outs.append(out.detach())
+        if bwd:
+            out.backward(do)
+            grads.append([t.grad.detach().clone() for t in (q, k, v)])
+    result["out_relerr"] = _relerr(outs[0], outs[1])
+    if bwd:
+        for name, a, b in zip(("dq", "dk", "dv"), grads[0], grads[1]):
+            result[f"{name}_relerr"] = _relerr(a, b)
+    for t in (q, k, v):
+        t.grad = None
+    return result
+
+
+def run(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    import flexfa
+
+    torch.manual_seed(0)
+    torch._dynamo.config.recompile_limit = 10 ** 4
+    torch._dynamo.config.accumulated_recompile_limit = 10 ** 5
+    compiled_flex = torch.compile(torch_flex, dynamic=False)
+    meta = _versions()
+    meta.update(_ceilings())
+    print(json.dumps(meta), flush=True)
+    rows = []
+    passes = [p == "fwd+bwd" for p in args.passes.split(",")]
+    for S in [int(s) for s in args.seqs.split(",")]:
+        for D in [int(d) for d in args.dims.split(",")]:
+            B, H = max(1, args.tokens // S), args.heads
+            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            variants = _variants(S, H, "cuda")
+            for name in args.variants.split(","):
+                score_mod, mask_mod = variants[name]
+                tbm = torch_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
+                density = 1.0 - tbm.sparsity() / 100.0 if tbm is not None else 1.0
+                t0 = time.perf_counter()
+                fbm = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
+                torch.cuda.synchronize()
+                fa_bm_ms = (time.perf_counter() - t0) * 1e3
+
+                def fa_fn(q, k, v, score_mod=score_mod, fbm=fbm):
+                    return flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=fbm)
+
+                def flex_fn(q, k, v, score_mod=score_mod, tbm=tbm):
+                    return compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm)
+
+                impls = {"flexfa": fa_fn, "flex": flex_fn}
+                if name in ("full", "causal"):
+                    for label, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                                           ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+                        def sdpa_fn(q, k, v, backend=backend, causal=(name == "causal")):
+                            with sdpa_kernel(backend):
+                                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        impls[label] = sdpa_fn
+                for bwd in passes:
+                    pass_name = "fwd+bwd" if bwd else "fwd"
+                    first = {}
+                    for label, fn in impls.items():
+                        t0 = time.perf_counter()
+                        try:
+                            out = fn(q, k, v)
+                            if bwd:
+                                out.sum().backward()
+                            torch.cuda.synchronize()
+                        except Exception as exc:  # a peer may not support a case; record it
+                            rows.append(dict(impl=label, variant=name, S=S, D=D, B=B, H=H,
+                                             pass_=pass_name, error=repr(exc)[:200]))
+                            continue
+                        first[label] = time.perf_counter() - t0
+                    check = _check(fa_fn, flex_fn, q, k, v, bwd) if "flex" in first else {}
+                    for label, fn in impls.items():
+                        if label not in first:
+                            continue
+                        ms = _time(fn, q, k, v, bwd, args.rep)
+                        flops = 4 * B * H * S * S * D * density * (3.5 if bwd else 1.0)
+                        row = dict(impl=label, variant=name, S=S, D=D, B=B, H=H, pass_=pass_name,
+                                   ms=ms, tflops=flops / ms / 1e9, density=density,
+                                   first_call_s=first[label])
+                        if label == "flexfa":
+                            row.update(check, blockmask_ms=fa_bm_ms)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    return {"meta": meta, "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows) -> dict:
+    """Speedup of flexfa over FlexAttention per case, and the geometric means per pass."""
+    by_case = {}
+    for r in rows:
+        if "ms" in r:
+            by_case.setdefault((r["variant"], r["S"], r["D"], r["pass_"]), {})[r["impl"]] = r["ms"]
+    speedups = {}
+    for (variant, S, D, pass_), times in by_case.items():
+        if "flexfa" in times and "flex" in times:
+            speedups.setdefault(pass_, []).append(
+                dict(variant=variant, S=S, D=D, speedup=times["flex"] / times["flexfa"]))
+    summary = {}
+    for pass_, items in speedups.items():
+        geo = math.exp(sum(math.log(i["speedup"]) for i in items) / len(items))
+        worst = min(items, key=lambda i: i["speedup"])
+        summary[pass_] = dict(geomean_speedup=geo, worst=worst, cases=len(items))
+    return summary
+
+
+def print_table(result: dict) -> None:
+    rows = result["rows"]
+    print(f"\n{'variant':9} {'S':>6} {'D':>4} {'pass':8} {'flexfa ms':>10} {'TF/s':>6} "
+          f"{'flex ms':>9} {'TF/s':>6} {'speedup':>8} {'cudnn ms':>9} {'err':>8}")
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["variant"], r["S"], r["D"], r["pass_"]), {})[r["impl"]] = r
+    for (variant, S, D, pass_), impls in cases.items():
+        fa, fl, cu = impls.get("flexfa", {}), impls.get("flex", {}), impls.get("sdpa-cudnn", {})
+
+        def cell(r, key, fmt):
+            return format(r[key], fmt) if key in r else "-"
+        speed = f"{fl['ms'] / fa['ms']:.2f}x" if "ms" in fa and "ms" in fl else "-"
+        print(f"{variant:9} {S:6} {D:4} {pass_:8} {cell(fa, 'ms', '10.3f'):>10} "
+              f"{cell(fa, 'tflops', '6.0f'):>6} {cell(fl, 'ms', '9.3f'):>9} "
+              f"{cell(fl, 'tflops', '6.0f'):>6} {speed:>8} {cell(cu, 'ms', '9.3f'):>9} "
+              f"{cell(fa, 'out_relerr', '8.1e'):>8}")
+    for pass_, s in result["summary"].items():
+        w = s["worst"]
+        print(f"{pass_}: geomean speedup over FlexAttention {s['geomean_speedup']:.3f}x over "
+              f"{s['cases']} cases; worst {w['speedup']:.2f}x ({w['variant']} S={w['S']} D={w['D']})")
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in result["rows"] if "tflops" in r]
+    passes = sorted({r["pass_"] for r in rows})
+    fig, axes = plt.subplots(len(passes), 1, figsize=(14, 4.5 * len(passes)), squeeze=False)
+    for ax, pass_ in zip(axes[:, 0], passes):
+        cases = sorted({(r["variant"], r["S"], r["D"]) for r in rows if r["pass_"] == pass_},
+                       key=lambda c: (c[2], c[1], c[0]))
+        impls = ["flexfa", "flex", "sdpa-cudnn", "sdpa-flash"]
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = []
+            for c in cases:
+                match = [r for r in rows if (r["variant"], r["S"], r["D"]) == c
+                         and r["pass_"] == pass_ and r["impl"] == impl]
+                vals.append(match[0]["tflops"] if match else 0.0)
+            ax.bar([j + i * width for j in range(len(cases))], vals, width, label=impl)
+        ax.set_xticks([j + 0.4 for j in range(len(cases))])
+        ax.set_xticklabels([f"{v}\nS={s // 1024}k D={d}" for v, s, d in cases], fontsize=6)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{pass_}, bf16, H=16, B*S=16384 on {result['meta']['gpu']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flexfa bench", description=__doc__)
+    parser.add_argument("--seqs", default="2048,8192,16384")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--passes", default="fwd,fwd+bwd")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, "results.png"))
+    print_table(result)
+    return 0
