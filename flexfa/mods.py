@@ -1,0 +1,305 @@
+"""Ready-made mods: factories that return named ``score_mod`` / ``mask_mod`` functions.
+
+Every mod here is a plain Python function of ``(b, h, q_idx, kv_idx)`` (mask_mod, True = keep)
+or ``(score, b, h, q_idx, kv_idx)`` (score_mod, returns the new score). Each one works three
+ways: traced by flexfa, called with real torch tensors (broadcast index grids), and passed to
+torch's own ``flex_attention`` / ``create_block_mask``. Factories name their result after
+their arguments (``sliding_window(1024).__name__ == "sliding_window_1024"``) so kernels,
+logs and profiler traces say which variant they are, and each result carries a docstring
+with its formula. Tensors a mod reads (document ids, ALiBi slopes, a bias table) are exposed
+as attributes of the returned function.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .errors import InputError, InputTypeError
+
+__all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
+           "softcap", "relative_bias", "dilated_window", "global_sliding", "natten_2d",
+           "chunked"]
+
+
+# ---- argument checks -----------------------------------------------------------------------
+
+def _int_arg(func: str, name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputTypeError(f"{func}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise InputError(f"{func}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _positive_float(func: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputTypeError(f"{func}: {name} must be a number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise InputError(f"{func}: {name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.Tensor:
+    tensor = torch.as_tensor(values, device=device)
+    if tensor.dim() != 1 or tensor.numel() == 0:
+        raise InputError(f"{func}: {name} must be a non-empty 1-d sequence, got shape "
+                         f"{tuple(tensor.shape)}")
+    if dtype is torch.bool and tensor.dtype is not torch.bool:
+        raise InputTypeError(f"{func}: {name} must be bool (True = global token), got {tensor.dtype}")
+    if dtype is not torch.bool and (tensor.dtype.is_floating_point or tensor.dtype is torch.bool):
+        raise InputTypeError(f"{func}: {name} must hold integers, got {tensor.dtype}")
+    return tensor.to(dtype)
+
+
+def _number_name(value: float) -> str:
+    """30.0 -> '30', 2.5 -> '2p5': identifier-safe numbers for mod names."""
+    text = f"{value:g}"
+    return text.replace(".", "p").replace("-", "m").replace("+", "")
+
+
+def _named(fn, name: str, doc: str, **attributes):
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    for key, value in attributes.items():
+        setattr(fn, key, value)
+    return fn
+
+
+# ---- mask_mods -----------------------------------------------------------------------------
+
+def causal(b, h, q_idx, kv_idx):
+    """Causal mask: ``q_idx >= kv_idx``."""
+    return q_idx >= kv_idx
+
+
+def sliding_window(window: int, causal: bool = True):
+    """Sliding window of ``window`` keys.
+
+    causal (default): ``0 <= q_idx - kv_idx < window`` (the query itself and the
+    ``window - 1`` keys before it); ``causal=False``: ``|q_idx - kv_idx| < window``.
+    """
+    window = _int_arg("sliding_window", "window", window)
+    if causal:
+        def mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        return _named(mod, f"sliding_window_{window}",
+                      f"keep iff 0 <= q_idx - kv_idx < {window}")
+
+    def mod(b, h, q_idx, kv_idx):
+        return abs(q_idx - kv_idx) < window
+    return _named(mod, f"sliding_window_{window}_bidirectional",
+                  f"keep iff |q_idx - kv_idx| < {window}")
+
+
+def prefix_lm(prefix_length: int):
+    """Prefix LM: the first ``prefix_length`` keys are seen by everyone, the rest causally.
+
+    keep iff ``kv_idx < prefix_length or q_idx >= kv_idx``.
+    """
+    n = _int_arg("prefix_lm", "prefix_length", prefix_length, minimum=0)
+
+    def mod(b, h, q_idx, kv_idx):
+        return (kv_idx < n) | (q_idx >= kv_idx)
+    return _named(mod, f"prefix_lm_{n}", f"keep iff kv_idx < {n} or q_idx >= kv_idx")
+
+
+def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
+    """The int32 document id of every token of a packed sequence.
+
+    Accepts cu_seqlens (offsets: starts with 0, non-decreasing, e.g. ``[0, 3, 7, 10]``) or a
+    list of document lengths (all > 0, e.g. ``[3, 4, 3]``); both give
+    ``[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]``.
+    """
+    values = _one_dim("document", "offsets_or_lengths", offsets_or_lengths, torch.int64, "cpu")
+    if values[0].item() == 0 and values.numel() >= 2:  # cu_seqlens
+        lengths = values.diff()
+        if (lengths < 0).any():
+            raise InputError(f"document: offsets (cu_seqlens) must be non-decreasing, got "
+                             f"{values.tolist()}")
+    else:
+        lengths = values
+        if (lengths <= 0).any():
+            raise InputError(f"document: lengths must all be > 0 (or pass offsets starting at "
+                             f"0), got {values.tolist()}")
+    if lengths.sum().item() == 0:
+        raise InputError(f"document: the documents hold no tokens: {values.tolist()}")
+    ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return ids.to(device=device, dtype=torch.int32)
+
+
+def document(offsets_or_lengths, device=None):
+    """Packed documents: a token attends only to tokens of its own document.
+
+    keep iff ``doc_ids[q_idx] == doc_ids[kv_idx]``, where ``doc_ids`` (exposed as
+    ``mod.doc_ids``, int32, one entry per token) comes from cu_seqlens or a list of lengths
+    (see ``document_ids``). Q_LEN and KV_LEN must not exceed ``len(doc_ids)``. Combine with
+    ``causal`` through ``and_masks`` for packed causal language modelling.
+    """
+    doc_ids = document_ids(offsets_or_lengths, device)
+    count = int(doc_ids[-1].item()) + 1
+
+    def mod(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+    return _named(mod, f"document_{count}",
+                  f"keep iff doc_ids[q_idx] == doc_ids[kv_idx] ({count} documents, "
+                  f"{doc_ids.numel()} tokens)", doc_ids=doc_ids)
+
+
+def dilated_window(window: int, dilation: int):
+    """Causal dilated window: ``window`` keys spaced ``dilation`` apart, ending at the query.
+
+    keep iff ``d = q_idx - kv_idx`` satisfies ``0 <= d < window * dilation`` and
+    ``d % dilation == 0``.
+    """
+    window = _int_arg("dilated_window", "window", window)
+    dilation = _int_arg("dilated_window", "dilation", dilation)
+    span = window * dilation
+
+    def mod(b, h, q_idx, kv_idx):
+        distance = q_idx - kv_idx
+        return (distance >= 0) & (distance < span) & (distance % dilation == 0)
+    return _named(mod, f"dilated_window_{window}_{dilation}",
+                  f"keep iff d = q_idx - kv_idx has 0 <= d < {span} and d % {dilation} == 0")
+
+
+def global_sliding(window: int, is_global, causal: bool = True, device=None):
+    """Sliding window plus global tokens (Longformer style).
+
+    ``is_global`` is a bool per token (exposed as ``mod.is_global``): global tokens see every
+    key and every query sees them. causal (default): keep iff ``q_idx >= kv_idx`` and
+    (``q_idx - kv_idx < window`` or ``is_global[q_idx]`` or ``is_global[kv_idx]``);
+    ``causal=False``: keep iff ``|q_idx - kv_idx| < window`` or either token is global.
+    """
+    window = _int_arg("global_sliding", "window", window)
+    flags = _one_dim("global_sliding", "is_global", is_global, torch.bool, device)
+    suffix = "" if causal else "_bidirectional"
+    if causal:
+        def mod(b, h, q_idx, kv_idx):
+            near = q_idx - kv_idx < window
+            return (q_idx >= kv_idx) & (near | flags[q_idx] | flags[kv_idx])
+    else:
+        def mod(b, h, q_idx, kv_idx):
+            return (abs(q_idx - kv_idx) < window) | flags[q_idx] | flags[kv_idx]
+    count = int(flags.sum().item())
+    return _named(mod, f"global_sliding_{window}{suffix}",
+                  f"{'causal ' if causal else ''}window {window} or a global token "
+                  f"({count} of {flags.numel()} tokens global)", is_global=flags)
+
+
+def natten_2d(width: int, height: int, kernel: int):
+    """2-D neighbourhood attention over a ``width x height`` image flattened row-major.
+
+    Token ``i`` sits at ``(x, y) = (i % width, i // width)``. A query attends to the
+    ``kernel x kernel`` keys around it; near the border the window is shifted inwards so it
+    always holds ``kernel**2`` keys (as NATTEN does): with ``r = kernel // 2``,
+    ``cx = clamp(qx, r, width-1-r)``, ``cy = clamp(qy, r, height-1-r)``, keep iff
+    ``|kx - cx| <= r and |ky - cy| <= r``.
+    """
+    width = _int_arg("natten_2d", "width", width)
+    height = _int_arg("natten_2d", "height", height)
+    kernel = _int_arg("natten_2d", "kernel", kernel)
+    if kernel % 2 == 0 or kernel > min(width, height):
+        raise InputError(f"natten_2d: kernel must be odd and <= min(width, height) = "
+                         f"{min(width, height)}, got kernel={kernel}")
+    r = kernel // 2
+
+    def mod(b, h, q_idx, kv_idx):
+        center_x = torch.clamp(q_idx % width, r, width - 1 - r)
+        center_y = torch.clamp(q_idx // width, r, height - 1 - r)
+        near_x = abs(kv_idx % width - center_x) <= r
+        near_y = abs(kv_idx // width - center_y) <= r
+        return near_x & near_y
+    return _named(mod, f"natten_2d_{width}x{height}_k{kernel}",
+                  f"keep iff key within the {kernel}x{kernel} window around the query on a "
+                  f"{width}x{height} grid (window clamped inside the grid)")
+
+
+def chunked(chunk_size: int, causal: bool = False):
+    """Chunked (block-diagonal) attention: tokens attend within their chunk of ``chunk_size``.
+
+    keep iff ``q_idx // chunk_size == kv_idx // chunk_size`` (and ``q_idx >= kv_idx`` with
+    ``causal=True``, as in Llama 4's chunked layers).
+    """
+    size = _int_arg("chunked", "chunk_size", chunk_size)
+    if causal:
+        def mod(b, h, q_idx, kv_idx):
+            return (q_idx // size == kv_idx // size) & (q_idx >= kv_idx)
+        return _named(mod, f"chunked_{size}_causal",
+                      f"keep iff q_idx // {size} == kv_idx // {size} and q_idx >= kv_idx")
+
+    def mod(b, h, q_idx, kv_idx):
+        return q_idx // size == kv_idx // size
+    return _named(mod, f"chunked_{size}", f"keep iff q_idx // {size} == kv_idx // {size}")
+
+
+# ---- score_mods ----------------------------------------------------------------------------
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard ALiBi slopes (Press et al.), float32 ``[num_heads]``.
+
+    For ``n`` a power of two, head ``i`` gets ``2 ** (-8 * (i + 1) / n)``; otherwise the
+    slopes of the largest power of two ``m < n`` followed by every other slope of ``2 m``.
+    """
+    n = _int_arg("alibi", "num_heads", num_heads)
+
+    def power_of_two(count):
+        return [2.0 ** (-8.0 * (i + 1) / count) for i in range(count)]
+    m = 2 ** int(math.floor(math.log2(n)))
+    slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: n - m]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi(num_heads: int, device=None):
+    """ALiBi: ``score - slopes[h] * |q_idx - kv_idx|`` (``mod.slopes``: see ``alibi_slopes``).
+
+    On the causal part this is the paper's ``score + slopes[h] * (kv_idx - q_idx)``.
+    """
+    slopes = alibi_slopes(num_heads).to(device)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * abs(q_idx - kv_idx)
+    return _named(mod, f"alibi_{num_heads}", "score - slopes[h] * |q_idx - kv_idx| "
+                  f"({num_heads} heads, slopes 2^(-8(i+1)/n))", slopes=slopes)
+
+
+def softcap(cap: float):
+    """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``."""
+    cap = _positive_float("softcap", "cap", cap)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    return _named(mod, f"softcap_{_number_name(cap)}", f"{cap:g} * tanh(score / {cap:g})")
+
+
+def relative_bias(table: torch.Tensor, offset: int | None = None):
+    """A learnable relative-position bias: ``score + table[clamp(q_idx - kv_idx + offset)]``.
+
+    ``table`` is float ``[R]`` (shared by all heads) or ``[H, R]`` (per head: ``table[h, ...]``)
+    and is used as is, not copied, so ``table.requires_grad_()`` makes flexfa compute its
+    gradient. The index is clamped to ``[0, R - 1]``, so distances beyond the table reuse its
+    ends. ``offset`` defaults to ``(R - 1) // 2``: for ``R = 2 N - 1`` the centre entry is
+    distance 0 and the table covers every distance of an ``N x N`` attention.
+    """
+    if not isinstance(table, torch.Tensor):
+        raise InputTypeError(f"relative_bias: table must be a torch.Tensor, got "
+                             f"{type(table).__name__}")
+    if table.dim() not in (1, 2) or table.shape[-1] == 0 or not table.dtype.is_floating_point:
+        raise InputError(f"relative_bias: table must be a float tensor of shape [R] or [H, R], "
+                         f"got shape {tuple(table.shape)} and dtype {table.dtype}")
+    size = table.shape[-1]
+    offset = (size - 1) // 2 if offset is None else _int_arg("relative_bias", "offset", offset, 0)
+    last = size - 1
+
+    if table.dim() == 1:
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + table[torch.clamp(q_idx - kv_idx + offset, 0, last)]
+        name = f"relative_bias_{size}"
+    else:
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + table[h, torch.clamp(q_idx - kv_idx + offset, 0, last)]
+        name = f"relative_bias_{table.shape[0]}x{size}"
+    per_head = "[h, " if table.dim() == 2 else "["
+    return _named(mod, name, f"score + table{per_head}clamp(q_idx - kv_idx + {offset}, 0, {last})]",
+                  table=table, offset=offset)
