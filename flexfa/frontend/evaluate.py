@@ -7,10 +7,14 @@ each other (e.g. ``b`` [B,1,1,1], ``q_idx`` [1,1,L,1]). The evaluation is differ
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .ir import DType, Node, Op
-from .trace import TracedMod
+
+if TYPE_CHECKING:  # trace imports simplify, which folds constants with apply_op below
+    from .trace import TracedMod
 
 _TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int64}
 
@@ -78,9 +82,16 @@ def _eval_one(node: Node, srcs, leaves, buffers, float_dtype, device):
         else:
             value = buf.reshape(())
         return value.to(target)
+    return apply_op(op, node.dtype, srcs, float_dtype)
+
+
+def apply_op(op: Op, dtype: DType, srcs, float_dtype=torch.float32) -> torch.Tensor:
+    """One non-leaf IR op on torch tensors; ``dtype`` is the node's. Shared with constant
+    folding (simplify.py), so folded constants equal what evaluation would compute."""
+    target = _target_dtype(dtype, float_dtype)
     if op is Op.CAST:
         (x,) = srcs
-        if node.dtype is DType.INT and x.dtype.is_floating_point:
+        if dtype is DType.INT and x.dtype.is_floating_point:
             return torch.trunc(x).to(target)
         return x.to(target)
     if op is Op.WHERE:
@@ -88,7 +99,7 @@ def _eval_one(node: Node, srcs, leaves, buffers, float_dtype, device):
         return torch.where(cond, a, b)
     if op in _LOGIC:
         logical, bitwise = _LOGIC[op]
-        fn = logical if node.dtype is DType.BOOL else bitwise
+        fn = logical if dtype is DType.BOOL else bitwise
         return fn(*srcs)
     if op in _BINARY:
         return _BINARY[op](*srcs)

@@ -253,6 +253,19 @@ def where(cond: Node, a: Node, b: Node) -> Node:
     return Node.make(Op.WHERE, common, (cast(cond, DType.BOOL), cast(a, common), cast(b, common)))
 
 
+def rewrite(root: Node, fn) -> Node:
+    """Rebuild the graph sources-first: every node, rebuilt on its already rewritten sources,
+    is replaced by ``fn(node)``. Returns the new root (``root`` itself if nothing changed)."""
+    done: dict[Node, Node] = {}
+    for node in root.toposort():
+        src = tuple(done[s] for s in node.src)
+        rebuilt = node
+        if any(new is not old for new, old in zip(src, node.src)):
+            rebuilt = Node.make(node.op, node.dtype, src, node.arg)
+        done[node] = fn(rebuilt)
+    return done[root]
+
+
 # ---- printing -----------------------------------------------------------------------------
 
 def format_ir(root: Node, buffer_names: list[str] | None = None) -> str:

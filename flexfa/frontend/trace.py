@@ -20,6 +20,7 @@ import torch
 from ..errors import TraceError, UnsupportedOpError
 from . import ir
 from .ir import DType, Node, Op
+from .simplify import simplify
 
 SCORE_MOD = "score_mod"
 MASK_MOD = "mask_mod"
@@ -51,9 +52,12 @@ class TracedMod:
         return tuple(i for i, t in enumerate(self.buffers) if t.requires_grad)
 
     def format(self) -> str:
-        names = [f"buf{i}{list(t.shape)}:{str(t.dtype).replace('torch.', '')}"
-                 for i, t in enumerate(self.buffers)]
-        return f"{self.kind} {self.name}\n" + ir.format_ir(self.root, names)
+        """The IR listing under a header naming the mod and its captured buffers."""
+        lines = [f"{self.kind} {self.name}"]
+        lines += [f"buf{i}: {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+                  + (" requires_grad" if t.requires_grad else "")
+                  for i, t in enumerate(self.buffers)]
+        return "\n".join(lines) + "\n" + ir.format_ir(self.root)
 
     def __repr__(self) -> str:
         return f"TracedMod({self.kind} {self.name!r}, key={self.key[:12]})"
@@ -109,13 +113,15 @@ class Proxy:
     # -- conversions that would need a concrete value
     def __bool__(self):
         raise self.tracer.error(
-            "Python control flow (if/while/and/or/not, bool()) on a traced value is not "
-            "supported; use torch.where(cond, a, b) or the operators & | ~")
+            "Python control flow on a traced value (if/while, and/or/not, bool(), builtin "
+            "max/min) is not supported: the value is not known while tracing; use "
+            "torch.where(cond, a, b), torch.maximum/minimum or the operators & | ~")
 
     def _no_concrete(self, what):
         raise self.tracer.error(
             f"{what} of a traced value needs a concrete number, which a mod does not have "
-            "while being traced; use .int()/.float() or torch.where instead")
+            "while being traced; use .int()/.float() for casts, torch.exp etc. instead of "
+            "math.exp, and torch.where instead of branches")
 
     def __int__(self):
         self._no_concrete("int()")
@@ -159,12 +165,62 @@ class Proxy:
     def type(self, dtype):
         return self.to(dtype)
 
+    # -- what code written for real index tensors asks of them (torch's noop_mask and
+    # and_masks call b.new_ones((), dtype=torch.bool, device=b.device))
+    shape = torch.Size([])
+    ndim = 0
+    device = None  # a traced value lives on no device
+
+    def dim(self):
+        return 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _TORCH_DTYPE[self.node.dtype]
+
+    def new_full(self, size, fill_value, *, dtype=None, **kwargs):
+        if tuple(size) != ():
+            raise self.tracer.error(
+                f"new_full/new_ones/new_zeros with size {tuple(size)}: a mod computes one "
+                "scalar per (b, h, q_idx, kv_idx); use size ()")
+        target = self.node.dtype if dtype is None else _ir_dtype(self.tracer, dtype)
+        return _wrap(ir.cast(_lift(fill_value, self.tracer), target), self.tracer)
+
+    def new_ones(self, *size, dtype=None, **kwargs):
+        size = kwargs.pop("size", size[0] if len(size) == 1 else size)
+        return self.new_full(size, 1, dtype=dtype)
+
+    def new_zeros(self, *size, dtype=None, **kwargs):
+        size = kwargs.pop("size", size[0] if len(size) == 1 else size)
+        return self.new_full(size, 0, dtype=dtype)
+
+    def new_tensor(self, data, *, dtype=None, **kwargs):
+        return self.new_full((), data, dtype=dtype)
+
+    def __getattr__(self, name):
+        # only reached when normal lookup fails: tensor methods (score.exp()) go to the same
+        # handlers as the torch functions; everything else gets a clear error
+        if name.startswith("__") or name in Proxy.__slots__:
+            raise AttributeError(name)
+        method = getattr(torch.Tensor, name, None)
+        handler = _TORCH_FUNCTIONS.get(method)
+        if handler is not None:
+            return functools.partial(handler, self)
+        if method is None:
+            raise self.tracer.error(f"traced values have no attribute {name!r}")
+        raise _unsupported(self.tracer, method)
+
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
         return _dispatch(func, args, kwargs)
 
 
+_TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int32, DType.FLOAT: torch.float32}
+
+
 def _ir_dtype(tracer: _Tracer, dtype: torch.dtype) -> DType:
+    if not isinstance(dtype, torch.dtype):
+        raise tracer.error(f"expected a torch.dtype, got {type(dtype).__name__} {dtype!r:.40}")
     if dtype is torch.bool:
         return DType.BOOL
     if dtype in _FLOAT_TORCH:
@@ -238,7 +294,7 @@ class _BufferView:
         raise self.tracer.error("a partially indexed captured tensor has no truth value")
 
     def __setitem__(self, index, value):
-        raise self.tracer.error("in-place assignment to a captured tensor is not allowed in a mod")
+        raise self.tracer.error(_SETITEM_MESSAGE.format(shape=tuple(self.tensor.shape)))
 
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
@@ -370,7 +426,11 @@ def _getitem(tensor, index):
 
 def _setitem(tensor, index, value):
     tracer = _find_tracer(index, value)
-    raise tracer.error("in-place assignment to a captured tensor is not allowed in a mod")
+    raise tracer.error(_SETITEM_MESSAGE.format(shape=tuple(tensor.shape)))
+
+
+_SETITEM_MESSAGE = ("assignment into the captured tensor of shape {shape} is not allowed in a "
+                    "mod: mods must be pure; compute a new value instead (e.g. torch.where)")
 
 
 def _cast_method(dtype):
@@ -424,12 +484,18 @@ def _torch_functions() -> dict:
     add("ones_like", lambda x, **kw: _full_like(x, 1, **kw))
     add("full_like", _full_like)
     add("relu", _relu)
+    add("clamp_min", lambda x, min: _clamp(x, min=min))
+    add("clamp_max", lambda x, max: _clamp(x, max=max))
+    add("square", lambda x: _binary(Op.MUL)(x, x))
     for name, dtype in (("float", torch.float32), ("double", torch.float64), ("int", torch.int32),
                         ("long", torch.int64), ("bool", torch.bool)):
         table[getattr(torch.Tensor, name)] = _cast_method(dtype)
     for name in ("tanh", "sigmoid"):
         table[getattr(F, name)] = _unary(Op.TANH if name == "tanh" else Op.SIGMOID)
     table[F.relu] = _relu
+    table[F.relu6] = lambda x, inplace=False: _clamp(x, 0.0, 6.0)
+    table[F.hardtanh] = lambda x, min_val=-1.0, max_val=1.0, inplace=False: _clamp(
+        x, min_val, max_val)
     table[torch.Tensor.__getitem__] = _getitem
     table[torch.Tensor.__setitem__] = _setitem
     for dunder, handler in _DUNDERS.items():
@@ -442,26 +508,60 @@ def _torch_functions() -> dict:
 _TORCH_FUNCTIONS = _torch_functions()
 
 
+@functools.lru_cache(maxsize=None)
+def _public_names() -> dict[int, str]:
+    """id(function) -> the public name users write (torch.exp, torch.Tensor.exp, F.relu)."""
+    names: dict[int, str] = {}
+    spaces = (("torch.nn.functional", torch.nn.functional), ("torch.special", torch.special),
+              ("torch.Tensor", torch.Tensor), ("torch", torch))
+    for prefix, space in spaces:  # later spaces win: torch.erf over torch.special.erf
+        for attr in dir(space):
+            if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
+                continue
+            obj = getattr(space, attr, None)
+            if callable(obj):
+                names[id(obj)] = f"{prefix}.{attr}"
+    return names
+
+
 def _func_name(func) -> str:
+    public = _public_names().get(id(func))
+    if public is not None:
+        return public
     module = getattr(func, "__module__", None) or ""
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    if "Tensor" in name or module.startswith("torch._C"):
-        return f"torch.{name}" if not name.startswith("Tensor") else f"torch.{name}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if module.startswith("torch") or name.startswith(("_VariableFunctionsClass.", "TensorBase.")):
+        return "torch." + name.split(".")[-1]  # torch._C internals print as torch.<name>
     return f"{module}.{name}" if module else name
 
 
 def supported_functions() -> list[str]:
-    names = {getattr(f, "__name__", "") for f in _TORCH_FUNCTIONS}
-    return sorted(n for n in names if n and not n.startswith("_"))
+    """Public names of the torch functions and tensor methods a mod may call."""
+    names = {_func_name(f) for f in _TORCH_FUNCTIONS}
+    names = {n for n in names if "__" not in n}
+    # torch.Tensor.exp is listed as torch.exp; methods with no function form stay
+    return sorted(n for n in names
+                  if not (n.startswith("torch.Tensor.") and "torch." + n[13:] in names))
+
+
+def _unsupported(tracer: _Tracer, func) -> TraceError:
+    name = _func_name(func)
+    bare = name.rsplit(".", 1)[-1]
+    if (bare.endswith("_") and not bare.startswith("_")) or bare.startswith("__i"):
+        return tracer.error(
+            f"in-place {name} is not allowed in a mod: mods must be pure, so neither a "
+            "captured tensor nor a traced value may be modified; compute a new value instead "
+            "(x = x + 1)")
+    return tracer.error(
+        f"torch function {name} is not supported in mods; supported: "
+        + ", ".join(supported_functions()) + "; operators + - * / // % ** < <= == != >= > "
+        "& | ^ ~ and abs()", UnsupportedOpError)
 
 
 def _dispatch(func, args, kwargs):
     handler = _TORCH_FUNCTIONS.get(func)
     if handler is None:
-        tracer = _find_tracer(*args, *(kwargs or {}).values())
-        raise tracer.error(
-            f"torch function {_func_name(func)} is not supported in mods; supported: "
-            + ", ".join(supported_functions()), UnsupportedOpError)
+        raise _unsupported(_find_tracer(*args, *(kwargs or {}).values()), func)
     return handler(*args, **(kwargs or {}))
 
 
@@ -530,6 +630,8 @@ def _referenced_values(fn):
 
 def trace(fn, kind: str | None = None) -> TracedMod:
     """Trace ``fn`` into a ``TracedMod``. ``kind`` defaults to what the arity says."""
+    if kind not in (None, SCORE_MOD, MASK_MOD):
+        raise TraceError(f"kind must be {SCORE_MOD!r}, {MASK_MOD!r} or None, got {kind!r}")
     expected = mod_kind(fn)
     kind = kind or expected
     if kind != expected:
@@ -562,10 +664,25 @@ def _trace_uncached(fn, kind: str) -> TracedMod:
         raise
     except Exception as exc:
         raise TraceError(f"in mod {name!r}: tracing raised {type(exc).__name__}: {exc}") from exc
-    if any(t._version != v for t, v in zip(watched, versions)):
-        raise tracer.error("the mod modified a captured tensor in place; mods must be pure")
-    root = _result_node(tracer, result, kind)
-    return TracedMod(kind, root, tuple(tracer.buffers), name)
+    for tensor, version in zip(watched, versions):
+        if tensor._version != version:
+            raise tracer.error(
+                f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
+                "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
+    root = simplify(_result_node(tracer, result, kind))
+    root, buffers = _drop_unused_buffers(root, tuple(tracer.buffers))
+    return TracedMod(kind, root, buffers, name)
+
+
+def _drop_unused_buffers(root: Node, buffers: tuple) -> tuple[Node, tuple]:
+    """Renumber LOAD slots after simplification removed reads (``0 * bias[q_idx]``)."""
+    used = sorted({n.arg for n in root.toposort() if n.op is Op.LOAD})
+    if len(used) == len(buffers):
+        return root, buffers
+    new_slot = {old: new for new, old in enumerate(used)}
+    root = ir.rewrite(root, lambda n: ir.load(new_slot[n.arg], n.src, n.dtype)
+                      if n.op is Op.LOAD else n)
+    return root, tuple(buffers[i] for i in used)
 
 
 def _result_node(tracer: _Tracer, result, kind: str) -> Node:
