@@ -2,7 +2,7 @@
 __version__ = "0.1.0"
 
 from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
-from .frontend import trace
+from .frontend import and_masks, noop_mask, or_masks, trace
 
 __all__ = ["FlexFAError", "InputError", "InputTypeError", "TraceError", "UnsupportedOpError",
-           "trace", "__version__"]
+           "trace", "and_masks", "noop_mask", "or_masks", "__version__"]
