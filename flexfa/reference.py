@@ -1,0 +1,70 @@
+"""The eager reference: dense attention with a score_mod and a mask, in float64 by default.
+
+It materializes the ``[B, H, L, S]`` scores, so it is for checking at small sizes only (the
+demo, the examples, the tests). The mods are traced and evaluated through
+``flexfa.frontend.evaluate``, the same IR the kernels are generated from, and the whole
+computation is differentiable in q, k, v and in captured tensors that require grad.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import InputError
+from .frontend import dense_mask, evaluate, index_grids, trace
+
+
+def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
+                        enable_gqa=False, return_lse=False, dtype=torch.float64):
+    """``softmax(score_mod(q k^T * scale) masked by mask_mod) @ v``, computed in ``dtype``.
+
+    Shapes as ``flex_attention``: query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value
+    ``[B, Hkv, S, Ev]``. A row with nothing to attend gives out = 0 and lse = -inf (and zero
+    gradients). Returns out (and lse, natural log) in ``dtype``.
+    """
+    B, Hq, L, E = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    if Hq != Hkv:
+        if not enable_gqa or Hq % Hkv:
+            raise InputError(f"query has {Hq} heads but key has {Hkv}; pass enable_gqa=True "
+                             "with query heads a multiple of key heads")
+        key = key.repeat_interleave(Hq // Hkv, dim=1)
+        value = value.repeat_interleave(Hq // Hkv, dim=1)
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    scores = q @ k.transpose(-1, -2) * scale
+    if score_mod is not None:
+        b, h, q_idx, kv_idx = index_grids(B, Hq, L, S, device=query.device)
+        scores = evaluate(trace(score_mod), score=scores, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx,
+                          float_dtype=dtype).expand(B, Hq, L, S)
+    if mask_mod is not None:
+        keep = dense_mask(trace(mask_mod), B, Hq, L, S, device=query.device)
+        scores = scores.masked_fill(~keep, -math.inf)
+    # empty rows: take the logsumexp of zeros instead of -inf (a NaN-free backward), then
+    # report -inf; their probabilities exp(-inf - finite) are exactly 0
+    has_any = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    lse = torch.logsumexp(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1,
+                          keepdim=True)
+    out = torch.exp(scores - lse) @ v
+    if not return_lse:
+        return out
+    return out, torch.where(has_any, lse, torch.full_like(lse, -math.inf)).squeeze(-1)
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference, computed in float64 (0.0 for empty tensors)."""
+    if got.numel() == 0:
+        return 0.0
+    return (got.detach().double() - want.detach().double()).abs().max().item()
+
+
+def error_bound(eager_error: float, dtype: torch.dtype, fudge: float = 4.0) -> float:
+    """How far a kernel result may be from the float64 reference.
+
+    ``fudge`` times the error of the same computation done eagerly in the kernel's input
+    dtype, plus a floor for that dtype (kernels accumulate in float32 in a different order,
+    and GPU float32 dots may use TF32).
+    """
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 2e-3)
+    return fudge * eager_error + floor

@@ -1,0 +1,65 @@
+"""python -m flexfa info and python -m flexfa cache: what they print and what they delete."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from flexfa import info
+from flexfa.runtime import cli
+
+REPO = pathlib.Path(__file__).parents[1]
+
+
+def test_info_reports_versions_device_and_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "fwd").mkdir(parents=True)
+    (tmp_path / "cache" / "fwd" / "kernel.py").write_text("x" * 1000)
+    assert info.main([]) == 0
+    text = capsys.readouterr().out
+    for word in ("flexfa:", "torch:", "triton:", "gpu", "TRITON_INTERPRET",
+                 f"{tmp_path / 'cache'} (1 files, 1000 B)", "FLEXFA_CACHE_DIR="):
+        assert word in text, f"{word!r} missing from info output:\n{text}"
+
+
+def test_info_rejects_arguments(capsys):
+    assert info.main(["--bogus"]) == 2
+    assert "--bogus" in capsys.readouterr().err
+
+
+def test_cache_path_size_and_clear(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "flexfa-cache"
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(cache))
+    assert cli.cache_dir() == cache
+    (cache / "a" / "b").mkdir(parents=True)
+    (cache / "a" / "b" / "k.py").write_text("12345")
+    (cache / "top.json").write_text("{}")
+    keep = tmp_path / "outside.txt"
+    keep.write_text("not in the cache")
+    assert cli.main(["path"]) == 0 and capsys.readouterr().out.strip() == str(cache)
+    assert cli.main(["size"]) == 0 and "2 files, 7 bytes" in capsys.readouterr().out
+    assert cli.main(["clear"]) == 0
+    assert "removed 2 files" in capsys.readouterr().out
+    assert cache.is_dir() and not any(cache.iterdir()), "clear empties the directory"
+    assert keep.exists(), "clear touches nothing outside the cache directory"
+
+
+def test_cache_clear_refuses_home_and_unknown_commands(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    (tmp_path / "precious.txt").write_text("keep me")
+    assert cli.main(["clear"]) == 1
+    assert (tmp_path / "precious.txt").exists()
+    assert "refusing" in capsys.readouterr().err
+    assert cli.main(["explode"]) == 2
+    assert cli.main([]) == 2
+
+
+@pytest.mark.parametrize("args,expected", [(["info"], "triton:"), (["cache", "path"], "cache")])
+def test_commands_run_through_python_m_flexfa(args, expected, tmp_path):
+    env = {"FLEXFA_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "flexfa", *args], capture_output=True,
+                          text=True, env=env, cwd=str(REPO),
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert expected in done.stdout
