@@ -1,0 +1,297 @@
+"""The expression renderer: IR nodes -> Triton expressions.
+
+``render(roots, leaves, buffers)`` turns one or several IR roots into SSA assignments plus one
+expression per root. Roots share common subexpressions (the backward renders the score_mod
+and its gradients together); a value used once is inlined, a value used more than once gets a
+name. Every op maps to a format string in a rule table; an op without a rule is an
+``UnsupportedOpError`` naming it.
+
+Kernel types: INT is int32, FLOAT is float32, BOOL is int1. INT math in int32 can overflow
+where Python's would not (e.g. ``q_idx * S`` beyond 2**31); only huge sizes reach that.
+Where Triton differs from Python/torch, helpers from ``templates/helpers.tmpl`` restore the
+Python meaning: floor division and modulo (floor, divisor's sign), integer and float powers,
+``sign`` (0 for NaN), ``tanh``/``tan`` (no interpreter-safe builtin), and captured-tensor
+indices (negative wraps, then clamped into range so padded rows/columns read in bounds).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import UnsupportedOpError
+from ..frontend.evaluate import evaluate_node
+from ..frontend.ir import DType, Node, Op
+
+FLOAT, INT, BOOL = DType.FLOAT, DType.INT, DType.BOOL
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+    """Names of the mod inputs inside the kernel. ``q_idx`` is an int32 ``[BLOCK_M, 1]`` tile,
+    ``kv_idx`` an int32 ``[1, BLOCK_N]`` tile (or transposed in a transposed loop), ``b`` and
+    ``h`` int32 scalars (``h`` is the query head), ``score`` the float32 score tile. A leaf set
+    to None may not appear in the rendered graph (a mask_mod has no score)."""
+
+    score: str | None = "score"
+    b: str = "off_b"
+    h: str = "off_h"
+    q_idx: str = "q_idx"
+    kv_idx: str = "kv_idx"
+
+    def name(self, op: Op) -> str:
+        field = {Op.SCORE: "score", Op.B: "b", Op.H: "h", Op.Q_IDX: "q_idx", Op.KV_IDX: "kv_idx"}[op]
+        value = getattr(self, field)
+        if value is None:
+            raise UnsupportedOpError(f"the graph reads {field}, which this kernel does not provide")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferArgs:
+    """Kernel argument names of one captured tensor: base pointer, one stride and one size
+    per dimension."""
+
+    ptr: str
+    strides: tuple[str, ...]
+    sizes: tuple[str, ...]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return (self.ptr, *self.strides, *self.sizes)
+
+
+def buffer_args(slot: int, rank: int, prefix: str = "buf") -> BufferArgs:
+    """Standard names for buffer ``slot``: ``buf0_ptr``, ``buf0_stride0``, ``buf0_size0``, ..."""
+    base = f"{prefix}{slot}"
+    return BufferArgs(f"{base}_ptr", tuple(f"{base}_stride{d}" for d in range(rank)),
+                      tuple(f"{base}_size{d}" for d in range(rank)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """SSA assignment lines (in order) and one expression per root."""
+
+    lines: tuple[str, ...]
+    values: tuple[str, ...]
+
+    def code(self, indent: str = "") -> str:
+        return "\n".join(indent + line for line in self.lines)
+
+
+# ---- the rule tables ------------------------------------------------------------------------
+
+# (op, node dtype) -> format string over the rendered sources; (op, None) matches any dtype
+_RULES: dict[tuple[Op, DType | None], str] = {
+    (Op.ADD, None): "({0} + {1})",
+    (Op.SUB, None): "({0} - {1})",
+    (Op.MUL, None): "({0} * {1})",
+    (Op.DIV, None): "({0} / {1})",
+    (Op.FLOORDIV, INT): "flexfa_floordiv({0}, {1})",
+    (Op.FLOORDIV, FLOAT): "tl.floor({0} / {1})",
+    (Op.MOD, None): "flexfa_mod({0}, {1})",
+    (Op.POW, INT): "flexfa_ipow({0}, {1})",
+    (Op.POW, FLOAT): "flexfa_pow({0}, {1})",
+    (Op.MAX, FLOAT): "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    (Op.MAX, INT): "tl.maximum({0}, {1})",
+    (Op.MAX, BOOL): "({0} | {1})",
+    (Op.MIN, FLOAT): "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    (Op.MIN, INT): "tl.minimum({0}, {1})",
+    (Op.MIN, BOOL): "({0} & {1})",
+    (Op.LT, None): "({0} < {1})",
+    (Op.LE, None): "({0} <= {1})",
+    (Op.EQ, None): "({0} == {1})",
+    (Op.NE, None): "({0} != {1})",
+    (Op.AND, None): "({0} & {1})",
+    (Op.OR, None): "({0} | {1})",
+    (Op.XOR, None): "({0} ^ {1})",
+    (Op.NOT, BOOL): "({0} == 0)",
+    (Op.NOT, INT): "(~{0})",
+    (Op.WHERE, None): "tl.where({0}, {1}, {2})",
+    (Op.NEG, None): "(-{0})",
+    (Op.ABS, BOOL): "{0}",
+    (Op.ABS, None): "tl.abs({0})",
+    (Op.SIGN, BOOL): "{0}",
+    (Op.SIGN, INT): "flexfa_sign({0})",
+    (Op.SIGN, FLOAT): "flexfa_sign({0})",
+    (Op.FLOOR, FLOAT): "tl.floor({0})",
+    (Op.CEIL, FLOAT): "tl.ceil({0})",
+    (Op.EXP, FLOAT): "tl.exp({0})",
+    (Op.EXP2, FLOAT): "tl.exp2({0})",
+    (Op.LOG, FLOAT): "tl.log({0})",
+    (Op.LOG2, FLOAT): "tl.log2({0})",
+    (Op.SQRT, FLOAT): "tl.sqrt_rn({0})",
+    (Op.RSQRT, FLOAT): "tl.rsqrt({0})",
+    (Op.TANH, FLOAT): "flexfa_tanh({0})",
+    (Op.SIGMOID, FLOAT): "tl.sigmoid({0})",
+    (Op.SIN, FLOAT): "tl.sin({0})",
+    (Op.COS, FLOAT): "tl.cos({0})",
+    (Op.TAN, FLOAT): "flexfa_tan({0})",
+    (Op.ERF, FLOAT): "tl.erf({0})",
+}
+
+# (source dtype, target dtype) -> format string; float -> int truncates toward zero (fptosi)
+_CASTS: dict[tuple[DType, DType], str] = {
+    (INT, FLOAT): "{0}.to(tl.float32)",
+    (BOOL, FLOAT): "{0}.to(tl.float32)",
+    (BOOL, INT): "{0}.to(tl.int32)",
+    (FLOAT, INT): "{0}.to(tl.int32)",
+    (INT, BOOL): "({0} != 0)",
+    (FLOAT, BOOL): "({0} != 0)",
+}
+
+# how a loaded element becomes a kernel value of the LOAD node's dtype
+_LOAD_CONVERT = {FLOAT: "{0}.to(tl.float32)", INT: "{0}.to(tl.int32)", BOOL: "({0} != 0)"}
+
+# small constant integer exponents render as products (exact, and what the backward expects)
+_MAX_UNROLLED_POWER = 4
+
+
+def literal(value) -> str:
+    """A Python value as Triton source: ``True``, ``(-3)``, ``0.125``, ``float("-inf")``."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, int):
+        return f"({value})" if value < 0 else str(value)
+    value = float(value)
+    if math.isnan(value):
+        return 'float("nan")'
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else 'float("-inf")'
+    return f"({value!r})" if value < 0 or str(value).startswith("-") else repr(value)
+
+
+def _rule(node: Node) -> str:
+    if node.op is Op.CAST:
+        key = (node.src[0].dtype, node.dtype)
+        if key not in _CASTS:
+            raise UnsupportedOpError(f"cannot render a cast from {key[0].value} to {key[1].value}")
+        return _CASTS[key]
+    rule = _RULES.get((node.op, node.dtype)) or _RULES.get((node.op, None))
+    if rule is None:
+        raise UnsupportedOpError(
+            f"cannot render IR op {node.op.name} on {node.dtype.value} values to Triton")
+    return rule
+
+
+def _fold(node: Node) -> str:
+    """A node whose sources are all constants becomes a literal (evaluated like the kernel)."""
+    value = evaluate_node(node, float_dtype=torch.float32, device="cpu")
+    python = value.item()
+    if node.dtype is FLOAT:
+        python = float(python)
+    elif node.dtype is INT:
+        python = int(python)
+    else:
+        python = bool(python)
+    return literal(python)
+
+
+def _folds(node: Node) -> bool:
+    return node.op is not Op.LOAD and bool(node.src) and all(s.op is Op.CONST for s in node.src)
+
+
+def _power(node: Node, base: str) -> str | None:
+    exponent = node.src[1]
+    if exponent.op is not Op.CONST or float(exponent.arg) != int(exponent.arg):
+        return None
+    n = int(exponent.arg)
+    if not 1 <= n <= _MAX_UNROLLED_POWER:
+        return None
+    return "(" + " * ".join([base] * n) + ")"
+
+
+class _Renderer:
+    def __init__(self, leaves: Leaves, buffers: Sequence[BufferArgs], prefix: str):
+        self.leaves, self.buffers, self.prefix = leaves, buffers, prefix
+        self.lines: list[str] = []
+        self.exprs: dict[int, str] = {}
+
+    def name(self) -> str:
+        return f"{self.prefix}{len(self.lines)}"
+
+    def expr(self, node: Node, operands: list[str]) -> str:
+        op = node.op
+        if op is Op.CONST:
+            return literal(node.arg)
+        if op in (Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
+            return self.leaves.name(op)
+        if op is Op.LOAD:
+            return self.load(node, operands)
+        if _folds(node):
+            return _fold(node)
+        if op is Op.POW:
+            unrolled = _power(node, operands[0])
+            if unrolled is not None:
+                return unrolled
+        return _rule(node).format(*operands)
+
+    def load(self, node: Node, indices: list[str]) -> str:
+        slot = node.arg
+        if slot >= len(self.buffers):
+            raise UnsupportedOpError(f"the graph reads captured buffer {slot} but only "
+                                     f"{len(self.buffers)} buffer argument sets were given")
+        args = self.buffers[slot]
+        assert len(args.strides) == len(indices), (
+            f"buffer {slot} has {len(args.strides)} dims but is indexed with {len(indices)}")
+        offset = " + ".join(f"flexfa_index({i}, {size}) * {stride}"
+                            for i, size, stride in zip(indices, args.sizes, args.strides))
+        pointer = f"{args.ptr} + {offset}" if offset else args.ptr
+        return _LOAD_CONVERT[node.dtype].format(f"tl.load({pointer})")
+
+
+def _use_counts(roots: Sequence[Node]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    seen: set[int] = set()
+    for root in roots:
+        for node in root.toposort():
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for s in node.src:
+                counts[id(s)] = counts.get(id(s), 0) + 1
+    return counts
+
+
+def _order(roots: Sequence[Node]) -> list[Node]:
+    order, seen = [], set()
+    for root in roots:
+        for node in root.toposort():
+            if id(node) not in seen:
+                seen.add(id(node))
+                order.append(node)
+    return order
+
+
+def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
+           buffers: Sequence[BufferArgs] = (), prefix: str = "t") -> Rendered:
+    """Render ``roots`` into SSA lines named ``{prefix}0, {prefix}1, ...`` plus one expression
+    per root. Leaves and constants stay inline; every other node used more than once, and
+    every root that is not a leaf or constant, gets a name."""
+    renderer = _Renderer(leaves, buffers, prefix)
+    counts = _use_counts(roots)
+    root_ids = {id(r) for r in roots}
+    for node in _order(roots):
+        text = renderer.expr(node, [renderer.exprs[id(s)] for s in node.src])
+        simple = node.op in (Op.CONST, Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX) or _folds(node)
+        if not simple and (counts.get(id(node), 0) > 1 or id(node) in root_ids):
+            name = renderer.name()
+            renderer.lines.append(f"{name} = {text}")
+            text = name
+        renderer.exprs[id(node)] = text
+    return Rendered(tuple(renderer.lines), tuple(renderer.exprs[id(r)] for r in roots))
+
+
+def leaf_ops(root: Node) -> frozenset[Op]:
+    """Which of SCORE, B, H, Q_IDX, KV_IDX the graph reads (decides a result's tile shape)."""
+    return frozenset(n.op for n in root.toposort()
+                     if n.op in (Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX))
+
+
+def needs_tile_broadcast(root: Node) -> bool:
+    """True when the value is not already a full [rows, cols] tile: it reads neither the
+    score nor both q_idx and kv_idx (a constant, ``h``, ``bias[q_idx]`` ...)."""
+    used = leaf_ops(root)
+    return Op.SCORE not in used and not {Op.Q_IDX, Op.KV_IDX} <= used

@@ -1,0 +1,1 @@
+"""The runtime: kernel cache (memory, disk), module loading and kernel launches."""
