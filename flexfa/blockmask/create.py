@@ -1,0 +1,100 @@
+"""``create_block_mask`` and ``create_mask``: the public entry points.
+
+create_block_mask = trace -> classify tiles by interval analysis (analysis.py) -> evaluate
+only the undecided tiles exactly (exact.py) -> ordered tables (tables.py). No step allocates
+``Q_LEN x KV_LEN``: the largest tensors are the ``[B, H, Q_TILES, KV_TILES]`` tables themselves.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..errors import InputError
+from ..frontend.evaluate import dense_mask, evaluate, index_grids
+from ..frontend.trace import MASK_MOD, TracedMod, trace
+from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
+from .block_mask import BlockMask
+from .checks import batch_size, block_size_pair, positive_int, resolve_device
+from .exact import settle_undecided
+from .tables import dense_to_ordered
+
+log = logging.getLogger("flexfa.blockmask")
+SLOW_BUILD_S = 2.0  # builds slower than this report at INFO level
+
+
+def _trace_mask(func: str, mask_mod) -> TracedMod:
+    if isinstance(mask_mod, TracedMod):
+        if mask_mod.kind != MASK_MOD:
+            raise InputError(f"{func}: expected a traced mask_mod, got a traced {mask_mod.kind}")
+        return mask_mod
+    return trace(mask_mod, MASK_MOD)  # TraceError on wrong arity or a non-bool result
+
+
+def _as_callable(traced: TracedMod):
+    """A torch-callable mask_mod for a BlockMask built from an already traced mask."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return evaluate(traced, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
+    mask_mod.__name__ = traced.name
+    return mask_mod
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128) -> BlockMask:
+    """The BlockMask of ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend).
+
+    ``B`` / ``H`` ``None`` mean the mask is the same for every batch / head (size-1 tables).
+    ``BLOCK_SIZE`` is an int or a ``(q, kv)`` pair of powers of two from 16 to 256. The
+    result equals torch's ``create_block_mask`` table for table. ``mask_mod`` may also be a
+    ``TracedMod`` of kind mask_mod.
+    """
+    func = "create_block_mask"
+    block = block_size_pair(func, BLOCK_SIZE)
+    B, H = batch_size(func, "B", B), batch_size(func, "H", H)
+    Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)
+    device = resolve_device(func, device)
+    traced = _trace_mask(func, mask_mod)
+    grid = TileGrid(B, H, Q_LEN, KV_LEN, block[0], block[1], device)
+
+    started = time.perf_counter()
+    classes, undecided = tile_classes(traced, grid)
+    partial = (classes == PARTIAL).expand(B, H, -1, -1)
+    full = (classes == FULL).expand(B, H, -1, -1)
+    kv_num_blocks, kv_indices = dense_to_ordered(partial)
+    full_kv_num_blocks, full_kv_indices = dense_to_ordered(full)
+    elapsed = time.perf_counter() - started
+    log.log(logging.INFO if elapsed > SLOW_BUILD_S else logging.DEBUG,
+            "block mask %s: %d x %d tiles, %d evaluated exactly, %.2f s", traced.name,
+            grid.q_tiles, grid.kv_tiles, undecided, elapsed)
+    user_mod = _as_callable(traced) if isinstance(mask_mod, TracedMod) else mask_mod
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                    full_kv_indices, BLOCK_SIZE=block, mask_mod=user_mod,
+                                    seq_lengths=(Q_LEN, KV_LEN), traced_mask=traced)
+
+
+def tile_classes(traced: TracedMod, grid: TileGrid) -> tuple[torch.Tensor, int]:
+    """int8 ``[B?, H?, Q_TILES, KV_TILES]`` classes (EMPTY/PARTIAL/FULL) and how many tiles
+    needed exact evaluation."""
+    analysis = TileAnalysis(traced, grid)
+    step = analysis.rows_per_chunk()
+    classes = torch.cat([analysis.classify(start, min(start + step, grid.q_tiles))
+                         for start in range(0, grid.q_tiles, step)], dim=2)
+    undecided = settle_undecided(traced, grid, classes)
+    return classes, undecided
+
+
+def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
+    """The dense ``[B, H, Q_LEN, KV_LEN]`` bool mask of a mask_mod, or of a score_mod (kept
+    where the score is not -inf, scores all 0 before the mod). For small sizes and debugging."""
+    func = "create_mask"
+    B, H = batch_size(func, "B", B), batch_size(func, "H", H)
+    Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)
+    device = resolve_device(func, device)
+    traced = mod_fn if isinstance(mod_fn, TracedMod) else trace(mod_fn)
+    with torch.no_grad():
+        if traced.kind == MASK_MOD:
+            return dense_mask(traced, B, H, Q_LEN, KV_LEN, device)
+        b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
+        score = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
+        out = evaluate(traced, score=score, b=b, h=h, q_idx=q, kv_idx=kv, device=device)
+        return ~torch.isneginf(out.expand(B, H, Q_LEN, KV_LEN))

@@ -1,0 +1,79 @@
+"""Pictures of a BlockMask: a text drawing for ``repr`` and a PNG through matplotlib.
+
+A tile is empty (skipped), partial (mask_mod runs on it) or full (computed, no mask code).
+In text one character pair stands for a group of tiles: ``##`` all full, two spaces all
+empty, ``~~`` anything else.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .tables import ordered_to_dense
+
+EMPTY_CHAR, PARTIAL_CHAR, FULL_CHAR = " ", "~", "#"
+
+
+def tile_classes(block_mask) -> torch.Tensor:
+    """``[B, H, Q_TILES, KV_TILES]`` int8: 0 empty, 1 partial, 2 full."""
+    kv_tiles = block_mask.kv_indices.shape[-1]
+    classes = ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, kv_tiles)
+    if block_mask.full_kv_num_blocks is not None:
+        full = ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_tiles)
+        classes = torch.maximum(classes, 2 * full)
+    return classes.to(torch.int8).cpu()
+
+
+def _group_char(group: torch.Tensor) -> str:
+    if bool((group == 2).all()):
+        return FULL_CHAR
+    if bool((group == 0).all()):
+        return EMPTY_CHAR
+    return PARTIAL_CHAR
+
+
+def to_text(block_mask, grid_size: int | tuple[int, int] = (24, 24), limit: int = 2) -> str:
+    """One drawing per (b, h) for the first ``limit`` of them, at most ``grid_size`` cells."""
+    classes = tile_classes(block_mask)
+    B, H, rows, cols = classes.shape
+    max_rows, max_cols = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
+    row_step, col_step = -(-rows // max_rows), -(-cols // max_cols)
+    drawings = []
+    for count, (b, h) in enumerate(itertools.product(range(B), range(H))):
+        if count == limit:
+            drawings.append(f"... {B * H - limit} more (b, h) pairs; index the mask to see them")
+            break
+        lines = [f"b={b}, h={h}" + (f" (each cell {row_step}x{col_step} tiles)"
+                                    if row_step * col_step > 1 else "")]
+        for r in range(0, rows, row_step):
+            cells = (_group_char(classes[b, h, r:r + row_step, c:c + col_step]) * 2
+                     for c in range(0, cols, col_step))
+            lines.append("|" + "".join(cells) + "|")
+        drawings.append("\n".join(lines))
+    return "\n".join(drawings)
+
+
+def to_png(block_mask, path, limit: int = 4, dpi: int = 100) -> None:
+    """Save the tile classes of the first ``limit`` (b, h) pairs as one PNG image."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure
+    except ImportError as exc:  # plots are an optional extra
+        raise ImportError("BlockMask.to_png needs matplotlib (pip install flexfa[plots])") from exc
+    classes = tile_classes(block_mask)
+    B, H = classes.shape[:2]
+    pairs = list(itertools.product(range(B), range(H)))[:limit]
+    figure = Figure(figsize=(4 * len(pairs), 4.4), dpi=dpi)
+    FigureCanvasAgg(figure)  # attaches itself; no pyplot, so no global state is touched
+    colors = ListedColormap(["#ffffff", "#f4a261", "#264653"])
+    for i, (b, h) in enumerate(pairs):
+        axes = figure.add_subplot(1, len(pairs), i + 1)
+        axes.imshow(classes[b, h].numpy(), cmap=colors, vmin=0, vmax=2, interpolation="nearest")
+        axes.set_title(f"b={b}, h={h}")
+        axes.set_xlabel("kv tile")
+        axes.set_ylabel("q tile")
+    figure.suptitle(f"{block_mask.describe()}\nwhite: empty, orange: partial, dark: full",
+                    fontsize=9)
+    figure.savefig(path)

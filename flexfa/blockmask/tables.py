@@ -1,0 +1,43 @@
+"""Conversions between a dense 0/1 tile grid and the ordered tables a BlockMask stores.
+
+The ordered form of a ``[..., ROWS, COLS]`` 0/1 grid is ``num_blocks [..., ROWS]`` (how many
+ones each row has) and ``indices [..., ROWS, COLS]``: the columns of the ones in ascending
+order, then the columns of the zeros in ascending order. That is exactly what torch's
+``argsort(dense, descending=True, stable=True)`` gives, so tables compare equal with torch's
+entry by entry; here it is computed with a cumulative sum and one scatter, no sort.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_blocks, indices)`` of a 0/1 (or bool) grid, both int32 and contiguous."""
+    ones = dense.to(torch.int32)
+    cols = ones.shape[-1]
+    ones_before = torch.cumsum(ones, dim=-1, dtype=torch.int32) - ones  # exclusive prefix sum
+    num_blocks = ones.sum(-1, dtype=torch.int32)
+    col = torch.arange(cols, dtype=torch.int32, device=dense.device)
+    zeros_before = col - ones_before
+    position = torch.where(ones.bool(), ones_before, num_blocks.unsqueeze(-1) + zeros_before)
+    indices = torch.empty_like(ones)
+    indices.scatter_(-1, position.long(), col.expand_as(ones).contiguous())
+    return num_blocks.contiguous(), indices
+
+
+def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
+    """The int32 0/1 grid ``[..., ROWS, cols]`` listed by the first ``num_blocks`` indices of a row."""
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
+    # unlisted entries go to a spare column that is dropped afterwards
+    target = torch.where(listed, indices.long(), cols)
+    dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.int32, device=indices.device)
+    dense.scatter_(-1, target, 1)
+    return dense[..., :cols].contiguous()
+
+
+def transpose_ordered(num_blocks: torch.Tensor, indices: torch.Tensor,
+                      cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ordered tables of the transposed grid (kv tables -> q tables for the backward)."""
+    cols = indices.shape[-1] if cols is None else cols
+    dense = ordered_to_dense(num_blocks, indices, cols)
+    return dense_to_ordered(dense.transpose(-2, -1))
