@@ -1,0 +1,58 @@
+"""The shared test reference and the one tolerance helper (DESIGN.md's oracle).
+
+``reference_attention`` is dense attention computed through ``flexfa.frontend.evaluate`` on
+``[B, H, L, S]`` grids (it wraps ``flexfa.reference.attention_reference``): differentiable in
+q, k, v and captured tensors, so ``torch.autograd`` on it gives reference gradients. A row
+with nothing to attend gives out = 0 and lse = -inf, never NaN.
+
+``assert_close_to_reference(actual, ref64, eager)``: the error of flexfa against the float64
+reference must be at most ``fudge`` times the error of the same computation done eagerly in
+the kernel's dtype, plus a ``floor``. Infinite entries (lse of an empty row) must match
+exactly, and flexfa must not produce NaN where the reference has none.
+"""
+from __future__ import annotations
+
+import torch
+
+from flexfa.reference import attention_reference, max_error
+
+# per input dtype: the floor added to the bound (float32 accumulation in another order)
+FLOORS = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 2e-5, torch.float64: 1e-10}
+
+
+def reference_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
+                        dtype=torch.float64):
+    """(out, lse) of dense attention in ``dtype``; lse is natural-log, -inf for empty rows."""
+    return attention_reference(q, k, v, score_mod, mask_mod, scale=scale, enable_gqa=enable_gqa,
+                               return_lse=True, dtype=dtype)
+
+
+def reference_pair(q, k, v, score_mod=None, mask_mod=None, **kwargs):
+    """(float64 reference, same-dtype eager reference), each an (out, lse) pair."""
+    exact = reference_attention(q, k, v, score_mod, mask_mod, dtype=torch.float64, **kwargs)
+    eager = reference_attention(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs)
+    return exact, eager
+
+
+def assert_close_to_reference(actual: torch.Tensor, ref64: torch.Tensor,
+                              eager_same_dtype: torch.Tensor, fudge: float = 4.0,
+                              floor: float | None = None, name: str = "output") -> None:
+    """error(actual, ref64) <= fudge * error(eager_same_dtype, ref64) + floor."""
+    assert actual.shape == ref64.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(ref64.shape)}"
+    actual64, ref64 = actual.detach().double().cpu(), ref64.detach().double().cpu()
+    eager64 = eager_same_dtype.detach().double().cpu()
+    if floor is None:
+        floor = FLOORS.get(actual.dtype, FLOORS.get(eager_same_dtype.dtype, 2e-3))
+    new_nans = torch.isnan(actual64) & ~torch.isnan(ref64)
+    assert not new_nans.any(), f"{name}: {int(new_nans.sum())} NaN where the reference has none"
+    infinite = torch.isinf(ref64)
+    assert torch.equal(torch.isinf(actual64), infinite), (
+        f"{name}: infinite entries differ from the reference (e.g. lse of empty rows)")
+    assert torch.equal(actual64[infinite], ref64[infinite]), f"{name}: wrong sign of infinity"
+    finite = ~infinite & ~torch.isnan(ref64)
+    error = max_error(actual64[finite], ref64[finite])
+    eager_finite = finite & torch.isfinite(eager64)
+    eager_error = max_error(eager64[eager_finite], ref64[eager_finite])
+    bound = fudge * eager_error + floor
+    assert error <= bound, (f"{name}: max error {error:.3e} vs float64 exceeds {fudge} x eager "
+                            f"{actual.dtype} error {eager_error:.3e} + {floor:.1e} = {bound:.3e}")
