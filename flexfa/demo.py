@@ -161,45 +161,16 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines + (["", "notes:", *notes] if notes else []))
 
 
-def tile_kinds(block_mask):
-    """[q tiles, kv tiles] array of the first batch and head: 0 skipped, 1 partial, 2 full."""
-    import numpy as np
-    kinds = np.zeros(tuple(block_mask.kv_indices.shape[-2:]), dtype=np.int64)
-    tables = [(block_mask.kv_num_blocks, block_mask.kv_indices, 1)]
-    if getattr(block_mask, "full_kv_num_blocks", None) is not None:
-        tables.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2))
-    for counts, indices, kind in tables:
-        counts, indices = counts[0, 0].cpu(), indices[0, 0].cpu()
-        for row in range(counts.shape[0]):
-            kinds[row, indices[row, :int(counts[row])].numpy()] = kind
-    return kinds
-
-
 def draw_block_mask(variant: Variant, args, device, path: str) -> str:
     """Save a picture of ``variant``'s block mask; returns a line saying what happened."""
     import flexfa
     block_mask = flexfa.create_block_mask(variant.mask_mod, None, None, args.seq_len,
                                           args.seq_len, device=device, BLOCK_SIZE=args.block_size)
-    for method in ("save_png", "to_png", "plot"):  # the BlockMask's own picture, if it has one
-        if hasattr(block_mask, method):
-            getattr(block_mask, method)(path)
-            return f"block mask of {variant.name!r} drawn to {path}"
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        block_mask.to_png(path)
     except ImportError:
         return "no PNG: matplotlib is not installed (pip install 'flexfa[plots]')"
-    tiles = tile_kinds(block_mask)
-    figure, axes = plt.subplots(figsize=(4, 4))
-    axes.imshow(tiles, cmap="Greys", vmin=0, vmax=2)
-    axes.set_title(f"{variant.name}\n{block_mask.sparsity():.1f}% of tiles skipped "
-                   "(black: full, grey: partial)", fontsize=9)
-    axes.set_xlabel("kv tile")
-    axes.set_ylabel("q tile")
-    figure.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(figure)
-    return f"block mask of {variant.name!r} drawn to {path}"
+    return f"block mask of {variant.name!r} drawn to {path}:\n{block_mask!r}"
 
 
 # ---- entry point -----------------------------------------------------------------------------
