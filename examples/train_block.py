@@ -19,12 +19,10 @@ import sys
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import flexfa
+from flexfa import mods
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import flexfa  # noqa: E402
-from flexfa import mods  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling flex_module.py
 from flex_module import FlexAttention  # noqa: E402
 
 
@@ -63,9 +61,9 @@ def sample_batch(seq_len: int, vocab: int, generator):
     return torch.cat(pieces).unsqueeze(0), lengths
 
 
-def train(steps: int, seq_len: int, device, dim=32, heads=2, vocab=16, block_size=128, lr=3e-3,
+def train(steps: int, seq_len: int, device, dim=32, heads=2, vocab=16, block_size=128, lr=1e-2,
           seed=0, log_every=1):
-    """Train and return the list of losses."""
+    """Train; returns (model, list of losses)."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     model = Block(vocab, dim, heads, seq_len, block_size).to(device)
@@ -88,7 +86,7 @@ def train(steps: int, seq_len: int, device, dim=32, heads=2, vocab=16, block_siz
         if step % log_every == 0 or step == steps - 1:
             print(f"step {step:4d}  loss {loss.item():.4f}  documents {len(lengths)}  "
                   f"bias grad norm {model.rel_bias.grad.norm():.2e}")
-    return losses
+    return model, losses
 
 
 def main(argv=None) -> int:
@@ -101,7 +99,7 @@ def main(argv=None) -> int:
     steps = args.steps or (300 if on_gpu else 8)
     seq_len = args.seq_len or (1024 if on_gpu else 96)
     print(f"training on {device}: {steps} steps, sequences of {seq_len} tokens")
-    losses = train(steps, seq_len + 1, device, block_size=128 if on_gpu else 32,
+    _, losses = train(steps, seq_len + 1, device, block_size=128 if on_gpu else 32,
                    log_every=max(steps // 10, 1))
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return 0

@@ -76,9 +76,16 @@ def make_variants(seq_len: int, heads: int, device) -> list[Variant]:
 
 # ---- one variant -----------------------------------------------------------------------------
 
-def _cache_files() -> int:
-    from .runtime.cli import cache_dir, cache_size
-    return cache_size(cache_dir())[0]
+def _cache_counts() -> tuple[int, int]:
+    """(sources generated, sources read from disk) so far in this process."""
+    from .runtime.cache import STATS
+    return STATS.codegen, STATS.disk_hits
+
+
+def _kernel_origin(before: tuple[int, int], after: tuple[int, int]) -> str:
+    if after[0] > before[0]:
+        return "compiled"
+    return "disk cache" if after[1] > before[1] else "memory cache"
 
 
 def _inputs(args, device, dtype):
@@ -106,7 +113,7 @@ def run_variant(variant: Variant, args, device, dtype) -> Result:
                                               args.seq_len, device=device,
                                               BLOCK_SIZE=args.block_size)
         result.sparsity = float(block_mask.sparsity())
-    files_before = _cache_files()
+    counts_before = _cache_counts()
     start = time.perf_counter()
     out = flexfa.flex_attention(q, k, v, score_mod=variant.score_mod, block_mask=block_mask)
     grad_out = torch.randn_like(out)
@@ -122,7 +129,7 @@ def run_variant(variant: Variant, args, device, dtype) -> Result:
     if device.type == "cuda":
         torch.cuda.synchronize()
     result.seconds = time.perf_counter() - start
-    result.kernel = "compiled" if _cache_files() > files_before else "cached"
+    result.kernel = _kernel_origin(counts_before, _cache_counts())
 
     def reference(dtype_):
         ref = attention_reference(q, k, v, variant.score_mod, variant.mask_mod, dtype=dtype_)
