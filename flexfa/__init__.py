@@ -3,6 +3,7 @@ __version__ = "0.1.0"
 
 from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
 from .frontend import and_masks, noop_mask, or_masks, trace
+from .api import flex_attention
 
 __all__ = ["FlexFAError", "InputError", "InputTypeError", "TraceError", "UnsupportedOpError",
-           "trace", "and_masks", "noop_mask", "or_masks", "__version__"]
+           "flex_attention", "trace", "and_masks", "noop_mask", "or_masks", "__version__"]

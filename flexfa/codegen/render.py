@@ -125,7 +125,7 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.SQRT, FLOAT): "tl.sqrt_rn({0})",
     (Op.RSQRT, FLOAT): "tl.rsqrt({0})",
     (Op.TANH, FLOAT): "flexfa_tanh({0})",
-    (Op.SIGMOID, FLOAT): "tl.sigmoid({0})",
+    (Op.SIGMOID, FLOAT): "flexfa_sigmoid({0})",
     (Op.SIN, FLOAT): "tl.sin({0})",
     (Op.COS, FLOAT): "tl.cos({0})",
     (Op.TAN, FLOAT): "flexfa_tan({0})",

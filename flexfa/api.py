@@ -1,0 +1,150 @@
+"""``flex_attention``: the drop-in for ``torch.nn.attention.flex_attention.flex_attention``.
+
+Inputs are validated first (flexfa's error classes, naming the argument and the values), the
+mods are traced and simplified, and the call goes through ``FlexAttentionFunction`` when a
+gradient is needed, else straight to the forward kernel.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .errors import InputError, InputTypeError
+from .frontend.trace import TracedMod
+from .runtime.forward import AttentionCall, run_forward
+from .runtime.options import parse_kernel_options
+from .runtime.pipeline import prepare_mask, prepare_score_mod
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+_NAMES = ("query", "key", "value")
+
+
+def _check_tensors(query, key, value) -> None:
+    for name, tensor in zip(_NAMES, (query, key, value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise InputError(f"{name} must be 4-D [B, H, seq_len, head_dim], got shape "
+                             f"{tuple(tensor.shape)} ({tensor.dim()}-D)")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(f"{name} has dtype {tensor.dtype}; flex_attention supports "
+                                 "float16, bfloat16 and float32")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise InputError(f"{name} is on device {tensor.device}; flexfa runs on CUDA "
+                             "(compiled kernels) or CPU (Triton interpreter)")
+    for name, tensor in zip(_NAMES[1:], (key, value)):
+        if tensor.dtype != query.dtype:
+            raise InputError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
+                             "query, key and value must share one dtype")
+        if tensor.device != query.device:
+            raise InputError(f"{name} is on {tensor.device} but query is on {query.device}")
+
+
+def _check_shapes(query, key, value, enable_gqa: bool) -> None:
+    B, Hq, L, E = query.shape
+    for name, tensor in zip(_NAMES[1:], (key, value)):
+        if tensor.shape[0] != B:
+            raise InputError(f"{name} has batch size {tensor.shape[0]} but query has {B}")
+    if key.shape[1] != value.shape[1]:
+        raise InputError(f"value has {value.shape[1]} heads but key has {key.shape[1]}")
+    if key.shape[2] != value.shape[2]:
+        raise InputError(f"value has sequence length {value.shape[2]} but key has {key.shape[2]}")
+    if key.shape[3] != E:
+        raise InputError(f"key has head_dim {key.shape[3]} but query has {E}; q.k needs equal "
+                         "head dims")
+    for name, dim in (("query/key", E), ("value", value.shape[3])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise InputError(f"{name} head_dim is {dim}; flexfa supports 1..{MAX_HEAD_DIM}")
+    Hkv = key.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise InputError(f"query has {Hq} heads but key has {Hkv}; query heads must be a "
+                         "multiple of key heads (grouped-query attention)")
+    if Hq != Hkv and not enable_gqa:
+        raise InputError(f"query has {Hq} heads but key has {Hkv}; pass enable_gqa=True for "
+                         "grouped-query attention, or give key/value as many heads as query")
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InputTypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale):
+        raise InputError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_block_mask(block_mask, query, key) -> None:
+    if block_mask is None:
+        return
+    if not all(hasattr(block_mask, a) for a in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE")):
+        raise InputTypeError(f"block_mask must be a BlockMask (from create_block_mask) or None, "
+                             f"got {type(block_mask).__name__}")
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    if hasattr(block_mask, "_check_compatible"):
+        block_mask._check_compatible(B, Hq, L, S)
+    mask_B, mask_H = block_mask.kv_num_blocks.shape[:2]
+    seq_lengths = tuple(getattr(block_mask, "seq_lengths", (L, S)))
+    if mask_B not in (1, B) or mask_H not in (1, Hq) or seq_lengths != (L, S):
+        raise InputError(f"block_mask was built for (B={mask_B}, H={mask_H}, lengths="
+                         f"{seq_lengths}) but the inputs have (B={B}, H={Hq}, lengths={(L, S)})")
+    if block_mask.kv_num_blocks.device != query.device:
+        raise InputError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
+                         f"{query.device}; move it with block_mask.to(device)")
+
+
+def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) -> None:
+    if traced is None:
+        return
+    for slot, tensor in enumerate(traced.buffers):
+        if tensor.device != device:
+            raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
+                             f"{tuple(tensor.shape)} on {tensor.device} but query is on "
+                             f"{device}; move the captured tensor to {device}")
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False, kernel_options=None):
+    """Attention with a score_mod and a block mask, as one fused kernel generated for them.
+
+    query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value ``[B, Hkv, S, Ev]`` (fp16, bf16 or
+    fp32, one device) -> out ``[B, Hq, L, Ev]`` in query's dtype; with ``return_lse`` also
+    lse ``[B, Hq, L]`` float32 (natural log; -inf for a row that attends to nothing, whose
+    output is 0). ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale``
+    defaults to ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs run compiled
+    kernels; CPU inputs run the same kernels under the Triton interpreter.
+    ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
+    """
+    _check_tensors(query, key, value)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    return_lse = _check_flag("return_lse", return_lse)
+    _check_shapes(query, key, value, enable_gqa)
+    scale = _check_scale(scale, query.shape[3])
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    _check_block_mask(block_mask, query, key)
+    options = parse_kernel_options(kernel_options)
+    score = prepare_score_mod(score_mod)
+    mask = prepare_mask(block_mask)
+    _check_buffers(score, "score_mod", query.device)
+    _check_buffers(mask, "mask_mod", query.device)
+    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
+    buffers = score.buffers if score is not None else ()
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, *buffers))
+    if needs_grad:
+        from .autograd import FlexAttentionFunction
+        out, lse = FlexAttentionFunction.apply(query, key, value, call, *buffers)
+    else:
+        out, lse = run_forward(query, key, value, call, return_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,98 @@
+"""``KernelSpec``: everything besides the mods' IR that selects and names a kernel."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+# torch dtype <-> the short names used in specs, kernel names and Triton signatures
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+INTERPRET = "interpret"  # the target of kernels run by the Triton interpreter on CPU tensors
+
+
+def next_power_of_two(n: int, minimum: int = 16) -> int:
+    """Padded head dim: tl.arange needs powers of two, tl.dot needs >= 16."""
+    p = minimum
+    while p < n:
+        p *= 2
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """A forward-kernel variant. Rendering is a pure function of (mods' IR, spec).
+
+    ``target`` is ``"interpret"`` or ``"cuda:<capability>"`` (e.g. ``"cuda:90"``); the source
+    is the same, but the spec keeps the two apart in caches.
+    """
+
+    dtype: str  # "fp16" | "bf16" | "fp32": q, k and v share it
+    head_dim: int  # E
+    head_dim_v: int  # Ev
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    has_block_mask: bool
+    has_full_blocks: bool
+    sparse_q: int  # block-mask block sizes; equal to block_m / block_n when dense
+    sparse_kv: int
+    even_l: bool
+    even_s: bool
+    return_lse: bool
+    gqa_group: int
+    input_precision: str  # "ieee" | "tf32"
+    target: str
+    template: str = "fwd"
+
+    def __post_init__(self):
+        assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
+        assert self.sparse_q % self.block_m == 0 and self.sparse_kv % self.block_n == 0, (
+            f"block-mask blocks ({self.sparse_q}, {self.sparse_kv}) must be multiples of the "
+            f"tiles ({self.block_m}, {self.block_n})")
+        assert self.input_precision in ("ieee", "tf32"), self.input_precision
+
+    @property
+    def head_dim_pad(self) -> int:
+        return next_power_of_two(self.head_dim)
+
+    @property
+    def head_dim_v_pad(self) -> int:
+        return next_power_of_two(self.head_dim_v)
+
+    @property
+    def interpret(self) -> bool:
+        return self.target == INTERPRET
+
+    @property
+    def dot_in_fp32(self) -> bool:
+        """bf16 dots run on fp32 copies under the interpreter (its bf16 tl.dot is wrong)."""
+        return self.interpret and self.dtype == "bf16"
+
+    def constexprs(self, has_score_mod: bool) -> dict[str, object]:
+        """The template's constexpr arguments."""
+        return dict(
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, E=self.head_dim, E_PAD=self.head_dim_pad,
+            EV=self.head_dim_v, EV_PAD=self.head_dim_v_pad, HAS_SCORE_MOD=has_score_mod,
+            HAS_BLOCK_MASK=self.has_block_mask, HAS_FULL_BLOCKS=self.has_full_blocks,
+            SPARSE_Q=self.sparse_q, SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l,
+            EVEN_S=self.even_s, RETURN_LSE=self.return_lse, GQA_GROUP=self.gqa_group,
+            INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+
+    def launch_options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def kernel_name(spec: KernelSpec, key: str) -> str:
+    """Readable and unique: ``flexfa_fwd_d128_bf16_<first 12 hex of the cache key>``."""
+    return f"flexfa_{spec.template}_d{spec.head_dim}_{spec.dtype}_{key[:12]}"
+
+
+def spec_key(spec: KernelSpec, *parts: str) -> str:
+    """sha256 over the spec and extra parts (IR keys, versions, template hashes)."""
+    digest = hashlib.sha256(repr(dataclasses.astuple(spec)).encode())
+    for part in parts:
+        digest.update(b"|" + part.encode())
+    return digest.hexdigest()

@@ -1,0 +1,184 @@
+"""Running the forward kernel: a spec from the inputs, the kernel from the cache, one launch.
+
+``run_forward(q, k, v, call, return_lse)`` assumes validated inputs (``flexfa.api`` checks
+them). Per-signature work (spec, key, module) is memoized, so a cached call costs a dict
+lookup plus the launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from ..codegen.forward import forward_kernel
+from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec
+from ..errors import InputError
+from ..frontend.trace import TracedMod
+from .cache import get_module
+from .options import KernelOptions
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """A flex_attention call apart from q, k, v: what the forward and backward need."""
+
+    score: TracedMod | None  # prepared (traced, simplified) score_mod
+    mask: TracedMod | None  # prepared mask_mod of the block mask
+    block_mask: object | None  # flexfa or torch BlockMask (None: dense)
+    scale: float
+    options: KernelOptions
+    gqa_group: int  # query heads per kv head
+
+
+@functools.cache
+def _cuda_target(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"cuda:{major * 10 + minor}"
+
+
+def target_of(device: torch.device) -> str:
+    """``"interpret"`` for CPU tensors, ``"cuda:<capability>"`` for CUDA tensors."""
+    if device.type == "cpu":
+        return INTERPRET
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _largest_tile(block: int) -> int:
+    """The largest power of two (<= 128) dividing a block-mask block size."""
+    tile = 128
+    while tile > 1 and block % tile:
+        tile //= 2
+    return tile
+
+
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the Ampere-class template."""
+    if target == INTERPRET:
+        return 64, 64, 4, 1  # big tiles: the interpreter's cost is per tile, not per element
+    if head_dim_pad <= 64:
+        tiles = (128, 64, 4, 3)
+    elif head_dim_pad <= 128:
+        tiles = (128, 64, 8, 3)
+    else:
+        tiles = (64, 32, 4, 2)
+    if dtype == torch.float32:  # twice the bytes per element: halve the kv tile
+        tiles = (tiles[0], max(16, tiles[1] // 2), tiles[2], 2)
+    return tiles
+
+
+def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: str):
+    """Tiles from kernel_options or defaults, fitted to the block mask's block sizes."""
+    block_m, block_n, warps, stages = default_tiles(head_dim_pad, dtype, target)
+    options = call.options
+    if call.block_mask is None:
+        sparse_q = sparse_kv = None
+    else:
+        sparse_q, sparse_kv = (int(b) for b in call.block_mask.BLOCK_SIZE)
+        block_m = min(block_m, _largest_tile(sparse_q))
+        block_n = min(block_n, _largest_tile(sparse_kv))
+    block_m = options.block_m or block_m
+    block_n = options.block_n or block_n
+    if sparse_q is not None:
+        for key, tile, block in (("BLOCK_M", block_m, sparse_q), ("BLOCK_N", block_n, sparse_kv)):
+            if tile < 16 or block % tile:
+                raise InputError(
+                    f"block_mask has BLOCK_SIZE {call.block_mask.BLOCK_SIZE}; kernel tile {key}="
+                    f"{tile} must divide {block} and be >= 16 (build the mask with a "
+                    "BLOCK_SIZE that is a multiple of 16, or pass a smaller kernel_options "
+                    f"{key!r})")
+    else:
+        sparse_q, sparse_kv = block_m, block_n
+    return (block_m, block_n, options.num_warps or warps, options.num_stages or stages,
+            sparse_q, sparse_kv)
+
+
+def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
+    L, E = q.shape[2], q.shape[3]
+    S, Ev = k.shape[2], v.shape[3]
+    target = target_of(q.device)
+    spec = KernelSpec(dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=16,
+                      block_n=16, num_warps=4, num_stages=1, has_block_mask=False,
+                      has_full_blocks=False, sparse_q=16, sparse_kv=16, even_l=True,
+                      even_s=True, return_lse=return_lse, gqa_group=call.gqa_group,
+                      input_precision=call.options.fp32_precision, target=target)
+    block_m, block_n, warps, stages, sparse_q, sparse_kv = choose_tiles(
+        call, spec.head_dim_pad, q.dtype, target)
+    mask = call.block_mask
+    return dataclasses.replace(
+        spec, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+        has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0)
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
+def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
+    """The launchable forward kernel (a Triton JITFunction or InterpretedFunction)."""
+    memo_key = (spec, score.key if score else None, mask.key if mask else None)
+    kernel = _KERNELS.get(memo_key)
+    if kernel is None:
+        generated = forward_kernel(spec, score, mask)
+        module = get_module(generated.name, generated.key, spec.interpret,
+                            lambda: generated.source)
+        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
+    return kernel
+
+
+@functools.cache
+def _dummy_table(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _broadcast_strides(table: torch.Tensor) -> list[int]:
+    """Strides of a block-mask table, 0 along size-1 (broadcast) batch/head dims."""
+    return [0 if size == 1 else stride for size, stride in zip(table.shape, table.stride())]
+
+
+def _table_args(block_mask, device) -> list:
+    if block_mask is None:
+        dummy = _dummy_table(device)
+        return [dummy] * 4 + [0] * 14
+    tables = [block_mask.kv_num_blocks, block_mask.kv_indices]
+    full = getattr(block_mask, "full_kv_num_blocks", None)
+    tables += [full, block_mask.full_kv_indices] if full is not None else [tables[0], tables[1]]
+    return [*tables, *(s for t in tables for s in _broadcast_strides(t))]
+
+
+def buffer_launch_args(traced: TracedMod | None) -> list:
+    """Pointer, strides and sizes of each captured tensor, matching ``BufferArgs.params``."""
+    if traced is None:
+        return []
+    args = []
+    for tensor in traced.buffers:
+        args += [tensor, *tensor.stride(), *tensor.shape]
+    return args
+
+
+def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
+    """(out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 natural log, or None)."""
+    B, Hq, L, _ = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    out = torch.empty(B, Hq, L, Ev, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    spec = forward_spec(q, k, v, call, return_lse)
+    kernel = get_forward_kernel(spec, call.score, call.mask)
+    grid = (triton.cdiv(L, spec.block_m), B * Hq)
+    args = [q, k, v, out, lse if lse is not None else out,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),
+            *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
+    constexprs = spec.constexprs(call.score is not None)
+    if q.device.type == "cuda":
+        with torch.cuda.device(q.device):
+            kernel[grid](*args, **constexprs, **spec.launch_options())
+    else:
+        kernel[grid](*args, **constexprs, **spec.launch_options())
+    return out, lse
