@@ -1,5 +1,5 @@
 """Block masks: which (q tile, kv tile) pairs a mask removes, found without the L x S mask."""
-from .block_mask import BlockMask, noop_mask
+from .block_mask import BlockMask
 from .create import create_block_mask, create_mask
 
-__all__ = ["BlockMask", "create_block_mask", "create_mask", "noop_mask"]
+__all__ = ["BlockMask", "create_block_mask", "create_mask"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, InputTypeError
+from ..frontend.combinators import noop_mask
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from . import draw
 from .checks import block_size_pair
@@ -23,11 +24,6 @@ from .tables import ordered_to_dense, transpose_ordered
 
 _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-
-
-def noop_mask(b, h, q_idx, kv_idx):
-    """Keeps everything."""
-    return q_idx >= 0
 
 
 def sliced_mask_mod(b, h, q_idx, kv_idx):
@@ -115,12 +111,15 @@ class BlockMask:
         return dense
 
     def sparsity(self) -> float:
-        """Percent of the ``B*H*Q_LEN*KV_LEN`` area in skipped tiles (torch's formula)."""
+        """Percent of tiles skipped (neither partial nor full), over all batches and heads.
+
+        Equals torch's ``sparsity()`` when the lengths are tile multiples; torch counts area
+        instead, which goes negative when the last tiles run past the sequence ends.
+        """
         computed = int(self.kv_num_blocks.sum())
         if self.full_kv_num_blocks is not None:
             computed += int(self.full_kv_num_blocks.sum())
-        computed_area = computed * self.BLOCK_SIZE[0] * self.BLOCK_SIZE[1]
-        return 100.0 * (1.0 - computed_area / self.numel())
+        return 100.0 * (1.0 - computed / self.kv_indices.numel())
 
     def __getitem__(self, index) -> "BlockMask":
         """Slice batches, heads and q tiles like a tensor; dims are kept (an int -> size 1)."""

@@ -59,8 +59,8 @@ def finish(dtype: DType, lo: torch.Tensor, hi: torch.Tensor) -> Interval:
         lo = torch.where((lo < -INT_CAP) | (lo > INT_CAP), -INF, lo)
         hi = torch.where((hi > INT_CAP) | (hi < -INT_CAP), INF, hi)
         return Interval(lo, hi)
-    lo = lo - lo.abs() * FLOAT_REL_SLACK - FLOAT_ABS_SLACK
-    hi = hi + hi.abs() * FLOAT_REL_SLACK + FLOAT_ABS_SLACK
+    lo = torch.where(torch.isfinite(lo), lo - lo.abs() * FLOAT_REL_SLACK - FLOAT_ABS_SLACK, lo)
+    hi = torch.where(torch.isfinite(hi), hi + hi.abs() * FLOAT_REL_SLACK + FLOAT_ABS_SLACK, hi)
     lo = torch.where(lo < -FLOAT_CAP, -INF, lo)
     hi = torch.where(hi > FLOAT_CAP, INF, hi)
     return Interval(lo, hi)

@@ -13,7 +13,7 @@ import torch
 
 def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num_blocks, indices)`` of a 0/1 (or bool) grid, both int32 and contiguous."""
-    ones = dense.to(torch.int32)
+    ones = dense.to(torch.int32).contiguous()
     cols = ones.shape[-1]
     ones_before = torch.cumsum(ones, dim=-1, dtype=torch.int32) - ones  # exclusive prefix sum
     num_blocks = ones.sum(-1, dtype=torch.int32)

@@ -1,0 +1,60 @@
+"""flexfa's create_block_mask equals torch's, table for table, on the mask zoo."""
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexfa
+from flexfa.blockmask import create_block_mask
+
+from .zoo import ZOO
+
+TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def assert_same_as_torch(mask_mod, B, H, L, S, block):
+    ours = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    theirs = torch_create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    for name in TABLES:
+        mine, ref = getattr(ours, name), getattr(theirs, name)
+        assert mine.dtype == torch.int32 and mine.is_contiguous(), name
+        assert torch.equal(mine, ref), f"{name} differs:\nflexfa {mine}\ntorch {ref}"
+    assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE and ours.seq_lengths == theirs.seq_lengths
+    assert ours.mask_mod is mask_mod
+    return ours
+
+
+# (B, H, Q_LEN, KV_LEN, BLOCK_SIZE): lengths off tile multiples, L != S, pairs of block sizes
+SHAPES = [
+    (1, 1, 256, 256, 32),
+    (2, 3, 232, 100, 16),
+    (1, 2, 100, 232, (16, 64)),
+    (2, 1, 200, 200, (64, 32)),
+    (1, 1, 250, 250, 128),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + f"_bs{s[4]}")
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_matches_torch(name, shape):
+    B, H, L, S, block = shape
+    assert_same_as_torch(ZOO[name](B, H, L, S), B, H, L, S, block)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128, 256, (256, 16), (16, 256), (128, 64)])
+def test_block_sizes(block):
+    for name in ("causal", "document_causal", "natten_2d"):
+        assert_same_as_torch(ZOO[name](1, 1, 240, 240), None, None, 240, 240, block)
+
+
+def test_none_means_broadcast():
+    mask = create_block_mask(flexfa.mods.causal, None, None, 100, 100, device="cpu",
+                             BLOCK_SIZE=32)
+    assert mask.kv_num_blocks.shape == (1, 1, 4)
+    assert mask.kv_indices.shape == (1, 1, 4, 4)
+    assert mask.q_indices.shape == (1, 1, 4, 4)
+
+
+def test_batch_independent_mask_is_expanded_to_B_H():
+    ours = assert_same_as_torch(flexfa.mods.causal, 3, 2, 64, 64, 16)
+    assert ours.kv_indices.shape == (3, 2, 4, 4)
