@@ -168,16 +168,16 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines + (["", "notes:", *notes] if notes else []))
 
 
-def draw_block_mask(variant: Variant, args, device, path: str) -> str:
-    """Save a picture of ``variant``'s block mask; returns a line saying what happened."""
+def draw_block_mask(variant: Variant, args, device, path: str, length: int) -> str:
+    """Save a picture of ``variant``'s block mask at ``length``; returns what happened."""
     import flexfa
-    block_mask = flexfa.create_block_mask(variant.mask_mod, None, None, args.seq_len,
-                                          args.seq_len, device=device, BLOCK_SIZE=args.block_size)
+    block_mask = flexfa.create_block_mask(variant.mask_mod, None, None, length, length,
+                                          device=device, BLOCK_SIZE=args.block_size)
     try:
         block_mask.to_png(path)
     except ImportError:
         return "no PNG: matplotlib is not installed (pip install 'flexfa[plots]')"
-    return f"block mask of {variant.name!r} drawn to {path}:\n{block_mask!r}"
+    return f"block mask of {variant.name!r} at L=S={length} drawn to {path}:\n{block_mask!r}"
 
 
 # ---- entry point -----------------------------------------------------------------------------
@@ -236,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         log.info("demo: %s -> %s", variant.name, result.status)
     print(format_table(results))
-    masked = [v for v in variants if v.mask_mod is not None]
-    if not args.no_png and masked:
+    # the sliding window reads no captured tensor, so it can be drawn longer than it ran
+    window = next((v for v in variants if v.name.startswith("sliding window")), None)
+    if not args.no_png and window is not None:
         try:
-            print("\n" + draw_block_mask(masked[min(1, len(masked) - 1)], args, device, args.png))
+            length = max(args.seq_len, 16 * args.block_size)
+            print("\n" + draw_block_mask(window, args, device, args.png, length))
         except Exception as exc:
             print(f"\nno PNG: {type(exc).__name__}: {exc}")
     failed = [r.name for r in results if r.failed]

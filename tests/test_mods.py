@@ -6,8 +6,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
+import flexfa
 from flexfa import mods
 from flexfa.frontend import dense_mask, evaluate, index_grids, trace
+from flexfa.reference import attention_reference
 
 SHAPES = [(36, 36), (100, 100), (37, 100)]  # L x S, not tile multiples, L != S
 
@@ -251,3 +253,27 @@ def test_every_factory_names_and_documents_its_mod():
         assert mod.__doc__ and mod.__name__.isidentifier()
         assert trace(mod).name == mod.__name__
     assert math.isclose(float(mods.alibi(8).slopes[0]), 0.5)
+
+
+# ---- through the kernels -----------------------------------------------------------------------
+
+KERNEL_CASES = [
+    (None, mods.causal), (None, mods.sliding_window(24)), (None, mods.prefix_lm(20)),
+    (None, flexfa.and_masks(mods.document([30, 50, 20]), mods.causal)),
+    (None, mods.dilated_window(8, 3)), (None, mods.natten_2d(10, 10, 5)),
+    (None, mods.global_sliding(10, torch.arange(100) % 37 == 0)), (None, mods.chunked(32)),
+    (mods.alibi(2), mods.causal), (mods.softcap(5.0), None),
+    (mods.relative_bias(torch.randn(2, 199)), None),
+]
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", KERNEL_CASES,
+                         ids=lambda m: getattr(m, "__name__", "none"))
+def test_ready_mods_run_through_flex_attention(score_mod, mask_mod):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 100, 16) for _ in range(3))
+    block_mask = None if mask_mod is None else flexfa.create_block_mask(
+        mask_mod, None, None, 100, 100, device="cpu", BLOCK_SIZE=32)
+    out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    want = attention_reference(q, k, v, score_mod, mask_mod)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
