@@ -10,9 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
+
+import torch
+
+import flexfa
+from .mods import alibi_slopes, document_ids
+from .reference import attention_reference, error_bound, max_error
+from .runtime.cache import STATS
 
 log = logging.getLogger("flexfa")
 
@@ -48,9 +54,6 @@ class Result:
 
 def make_variants(seq_len: int, heads: int, device) -> list[Variant]:
     """The demo's variants, each mod written inline as a lambda."""
-    import torch
-    from .mods import alibi_slopes, document_ids
-
     window = max(seq_len // 4, 1)
     slopes = alibi_slopes(heads).to(device)
     third = max(seq_len // 3, 1)
@@ -78,7 +81,6 @@ def make_variants(seq_len: int, heads: int, device) -> list[Variant]:
 
 def _cache_counts() -> tuple[int, int]:
     """(sources generated, sources read from disk) so far in this process."""
-    from .runtime.cache import STATS
     return STATS.codegen, STATS.disk_hits
 
 
@@ -89,22 +91,12 @@ def _kernel_origin(before: tuple[int, int], after: tuple[int, int]) -> str:
 
 
 def _inputs(args, device, dtype):
-    import torch
     shape = (args.batch, args.heads, args.seq_len, args.head_dim)
     return [torch.randn(shape, device=device, dtype=dtype).requires_grad_() for _ in range(3)]
 
 
-def _gradients(out, inputs, grad_out):
-    import torch
-    return torch.autograd.grad(out, inputs, grad_out)
-
-
 def run_variant(variant: Variant, args, device, dtype) -> Result:
     """Forward (and backward where available) against the float64 and same-dtype references."""
-    import torch
-    import flexfa
-    from .reference import attention_reference, error_bound, max_error
-
     result = Result(variant.name)
     q, k, v = _inputs(args, device, dtype)
     block_mask = None
@@ -121,7 +113,7 @@ def run_variant(variant: Variant, args, device, dtype) -> Result:
     grads = None
     if out.requires_grad:
         try:
-            grads = _gradients(out, leaves, grad_out)
+            grads = torch.autograd.grad(out, leaves, grad_out)
         except NotImplementedError as exc:
             result.note = f"backward missing: {exc}"
     else:
@@ -133,7 +125,7 @@ def run_variant(variant: Variant, args, device, dtype) -> Result:
 
     def reference(dtype_):
         ref = attention_reference(q, k, v, variant.score_mod, variant.mask_mod, dtype=dtype_)
-        return ref, (_gradients(ref, leaves, grad_out.to(dtype_)) if grads is not None else None)
+        return ref, (torch.autograd.grad(ref, leaves, grad_out.to(dtype_)) if grads is not None else None)
 
     exact, exact_grads = reference(torch.float64)
     eager, eager_grads = reference(dtype)
@@ -170,7 +162,6 @@ def format_table(results: list[Result]) -> str:
 
 def draw_block_mask(variant: Variant, args, device, path: str, length: int) -> str:
     """Save a picture of ``variant``'s block mask at ``length``; returns what happened."""
-    import flexfa
     block_mask = flexfa.create_block_mask(variant.mask_mod, None, None, length, length,
                                           device=device, BLOCK_SIZE=args.block_size)
     try:
@@ -200,7 +191,6 @@ def parse_args(argv):
 
 
 def _pick_device(choice: str) -> str:
-    import torch
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
@@ -211,12 +201,9 @@ def _pick_device(choice: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv or []))
     kind = _pick_device(args.device)
-    if kind == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is loaded
     for key, value in SIZES[kind].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    import torch
     device, dtype = torch.device(kind), getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     where = (torch.cuda.get_device_name() if kind == "cuda" else
