@@ -147,6 +147,9 @@ class BlockMask:
 
     def _check_compatible(self, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:
         """Raise InputError unless this mask can serve a call with these sizes (B/H may be 1)."""
+        if self.mask_mod is sliced_mask_mod:
+            raise InputError("block_mask was sliced, which resets its mask_mod; assign "
+                             "block_mask.mask_mod before passing it to flex_attention")
         mask_B, mask_H = self.kv_num_blocks.shape[:2]
         if (mask_B not in (1, B) or mask_H not in (1, H)
                 or self.seq_lengths != (Q_LEN, KV_LEN)):
@@ -156,9 +159,6 @@ class BlockMask:
                 f"Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); the mask's B and H must equal the call's or "
                 "be 1, and its lengths must match: build it with create_block_mask(mask_mod, "
                 f"{B}, {H}, {Q_LEN}, {KV_LEN}, ...)")
-        if self.mask_mod is sliced_mask_mod:
-            raise InputError("block_mask was sliced, which resets its mask_mod; assign "
-                             "block_mask.mask_mod before passing it to flex_attention")
 
     # ---- pictures -------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ def to_png(block_mask, path, limit: int = 4, dpi: int = 100) -> None:
     classes = tile_classes(block_mask)
     B, H = classes.shape[:2]
     pairs = list(itertools.product(range(B), range(H)))[:limit]
-    figure = Figure(figsize=(4 * len(pairs), 4.4), dpi=dpi)
+    figure = Figure(figsize=(max(5, 4 * len(pairs)), 5), dpi=dpi)
     FigureCanvasAgg(figure)  # attaches itself; no pyplot, so no global state is touched
     colors = ListedColormap(["#ffffff", "#f4a261", "#264653"])
     for i, (b, h) in enumerate(pairs):
@@ -74,6 +74,7 @@ def to_png(block_mask, path, limit: int = 4, dpi: int = 100) -> None:
         axes.set_title(f"b={b}, h={h}")
         axes.set_xlabel("kv tile")
         axes.set_ylabel("q tile")
-    figure.suptitle(f"{block_mask.describe()}\nwhite: empty, orange: partial, dark: full",
-                    fontsize=9)
+    title = block_mask.describe().replace(", sparsity", ",\nsparsity")
+    figure.suptitle(f"{title}\nwhite: empty, orange: partial, dark: full", fontsize=8)
+    figure.subplots_adjust(top=0.8)
     figure.savefig(path)
