@@ -2,12 +2,17 @@
 
 The forward runs the generated forward kernel and saves what the backward needs: q, k, v,
 out, lse (float32, natural log) and the score_mod's captured tensors; ``ctx.call`` keeps the
-prepared mods, the block mask, the scale and the kernel options.
+prepared mods, the block mask, the scale and the kernel options. The backward runs the
+generated backward kernels (``flexfa.runtime.backward``): P is recomputed tile by tile from
+lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
+require grad, and through lse when the caller used it (``return_lse=True``).
 """
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from .runtime.backward import run_backward
 from .runtime.forward import AttentionCall, run_forward
 
 
@@ -19,10 +24,18 @@ class FlexAttentionFunction(torch.autograd.Function):
         out, lse = run_forward(query, key, value, call, return_lse=True)
         ctx.call = call
         ctx.save_for_backward(query, key, value, out, lse, *buffers)
-        ctx.mark_non_differentiable(lse)
+        # unused outputs get None instead of zeros: no lse gradient means no dlse term
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError("flexfa: the backward pass of flex_attention is not "
-                                  "implemented yet")
+        query, key, value, out, lse = ctx.saved_tensors[:5]
+        call = ctx.call
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, buffer_grads = run_backward(query, key, value, out, lse, grad_out,
+                                                grad_lse, call)
+        buffers = call.score.buffers if call.score is not None else ()
+        return (dq, dk, dv, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))

@@ -1,0 +1,204 @@
+"""Running the backward kernels: delta preprocess, dK/dV, dQ (+ captured-tensor gradients).
+
+``run_backward(q, k, v, out, lse, grad_out, grad_lse, call)`` returns ``(dq, dk, dv,
+{slot: grad})`` for the score_mod's captured tensors that require grad. P is recomputed from
+the saved lse tile by tile; nothing of size L x S is allocated.
+
+Captured-tensor gradients are accumulated in float32 with atomics, or, with
+``kernel_options={"deterministic": True}``, in int64 fixed point with 32 fraction bits:
+integer addition is associative, so the sum does not depend on the order in which programs
+add, and two runs give bit-identical results. The trade-off: an absolute resolution of
+2**-32 per tile contribution instead of float32's relative one, and a range of +-2**31
+for any partial sum. dq, dk and dv are written by exactly one program each in both modes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
+from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
+from ..errors import InputError
+from ..frontend.grad import JointGraph, derive
+from ..frontend.trace import TracedMod
+from .cache import get_module
+from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
+
+_FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
+
+
+def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)."""
+    if target == INTERPRET:
+        return 64, 64, 64, 64, 4, 1
+    if head_dim_pad <= 64:
+        tiles = (32, 128, 128, 32, 4, 3)
+    elif head_dim_pad <= 128:
+        tiles = (32, 64, 64, 32, 4, 2)
+    else:
+        tiles = (16, 32, 32, 16, 4, 1)
+    if dtype == torch.float32:
+        tiles = (tiles[0], max(16, tiles[1] // 2), max(16, tiles[2] // 2), tiles[3], 4, 1)
+    return tiles
+
+
+def _fit(tile: int, block: int | None, what: str, call: AttentionCall) -> int:
+    if block is None:
+        return tile
+    tile = min(tile, _largest_tile(block))
+    if tile < 16:
+        raise InputError(
+            f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; the backward's "
+            f"{what} tile must divide it and be >= 16: build the mask with a BLOCK_SIZE that is "
+            "a multiple of 16")
+    return tile
+
+
+def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool) -> BackwardSpec:
+    L, E = q.shape[2], q.shape[3]
+    S, Ev = k.shape[2], v.shape[3]
+    target = target_of(q.device)
+    m1, n1, m2, n2, warps, stages = default_backward_tiles(
+        next_power_of_two(max(E, Ev)), q.dtype, target)
+    mask, options = call.block_mask, call.options
+    if options.block_m:  # the caller's tiles bound the backward's as well
+        m1, m2 = min(m1, options.block_m), min(m2, options.block_m)
+    if options.block_n:
+        n1, n2 = min(n1, options.block_n), min(n2, options.block_n)
+    sparse_q, sparse_kv = (int(b) for b in mask.BLOCK_SIZE) if mask is not None else (None, None)
+    m1, m2 = _fit(m1, sparse_q, "query", call), _fit(m2, sparse_q, "query", call)
+    n1, n2 = _fit(n1, sparse_kv, "key", call), _fit(n2, sparse_kv, "key", call)
+    if mask is None:
+        sparse_q, sparse_kv = max(m1, m2), max(n1, n2)
+    return BackwardSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m1=m1, block_n1=n1,
+        block_m2=m2, block_n2=n2, num_warps=options.num_warps or warps,
+        num_stages=options.num_stages or stages, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_q_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % m1 == 0, even_s1=S % n1 == 0,
+        even_l2=L % m2 == 0, even_s2=S % n2 == 0, gqa_group=call.gqa_group,
+        deterministic=options.deterministic, has_dlse=has_dlse,
+        input_precision=options.fp32_precision, target=target)
+
+
+_JOINTS: dict[tuple, JointGraph] = {}
+_KERNELS: dict[tuple, object] = {}
+
+
+def joint_graph(score: TracedMod | None) -> JointGraph | None:
+    """The score_mod's joint graph for the captured tensors that require grad now."""
+    if score is None:
+        return None
+    memo_key = (score.key, score.grad_buffers)
+    joint = _JOINTS.get(memo_key)
+    if joint is None:
+        joint = _JOINTS[memo_key] = derive(score)
+    return joint
+
+
+def get_backward_module(spec: BackwardSpec, joint, score, mask):
+    memo_key = (spec, score.key if score else None, score.grad_buffers if score else None,
+                mask.key if mask else None)
+    module = _KERNELS.get(memo_key)
+    if module is None:
+        generated = backward_kernel(spec, joint, score, mask)
+        module = get_module(generated.name, generated.key, spec.interpret,
+                            lambda: generated.source)
+        _KERNELS[memo_key] = module = (module, generated.name)
+    return module  # (module, name)
+
+
+@functools.cache
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _table_args(block_mask, side: str, device) -> list:
+    """``side`` "kv" (dQ walks kv tiles) or "q" (dK/dV walks the transposed q tables): the
+    partial and full tables and their strides, 0 along broadcast batch/head dims."""
+    if block_mask is None:
+        return [_dummy(device)] * 4 + [0] * 14
+    tables = [getattr(block_mask, f"{side}_num_blocks"), getattr(block_mask, f"{side}_indices")]
+    full = getattr(block_mask, f"full_{side}_num_blocks", None)
+    tables += [full, getattr(block_mask, f"full_{side}_indices")] if full is not None else tables[:2]
+    return [*tables, *(s for t in tables for s in _broadcast_strides(t))]
+
+
+def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall):
+    """(dq, dk, dv, {slot: grad of captured tensor slot}) for one flex_attention call."""
+    joint = joint_graph(call.score)
+    grad_slots = joint.grad_slots if joint is not None else ()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    accum = torch.int64 if call.options.deterministic else torch.float32
+    grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
+             for s in grad_slots}
+    if q.numel() and k.numel():
+        spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None)
+        module, name = get_backward_module(spec, joint, call.score, call.mask)
+        for launch in backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
+                                        call, joint, grads, dq, dk, dv):
+            launch.run()
+    else:  # nothing to attend: all gradients are zero
+        for t in (dq, dk, dv):
+            t.zero_()
+    buffer_grads = {}
+    for slot, acc in grads.items():
+        target = call.score.buffers[slot]
+        value = acc.double() / _FIXED_POINT_SCALE if acc.dtype == torch.int64 else acc
+        buffer_grads[slot] = value.to(target.dtype)
+    return dq, dk, dv, buffer_grads
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch: also what the compile-only check compiles."""
+
+    kernel: object
+    grid: tuple[int, int]
+    args: list
+    constexprs: dict
+    options: dict
+
+    def run(self) -> None:
+        device = next(a.device for a in self.args if isinstance(a, torch.Tensor))
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+        else:
+            self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,
+                      dq, dk, dv) -> list[Launch]:
+    """The three launches of a backward pass, in order: delta, dK/dV, dQ."""
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    device, options = q.device, spec.launch_options()
+    lse = lse.contiguous()
+    delta = torch.empty(B, Hq, L, dtype=torch.float32, device=device)
+    dlse = grad_lse.float().contiguous() if grad_lse is not None else delta
+    delta_block = 16 if spec.interpret else 64
+    mod_args = buffer_launch_args(call.score) + buffer_launch_args(call.mask)
+    mod_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in mod_args]
+    grad_args = [x for g in grads.values() for x in (g, *g.stride())]
+    one, scale = dscore_is_one(joint), float(call.scale)
+    return [
+        Launch(module.flexfa_bwd_delta, (triton.cdiv(L, delta_block), B * Hq),
+               [out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), Hq, L],
+               spec.delta_constexprs(delta_block), {"num_warps": 4}),
+        Launch(getattr(module, f"{name}_dkdv"), (triton.cdiv(S, spec.block_n1), B * Hkv),
+               [q, k, v, grad_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                *grad_out.stride(), *dk.stride(), *dv.stride(),
+                *_table_args(call.block_mask, "q", device), Hq, L, S, scale, *mod_args],
+               spec.dkdv_constexprs(one), options),
+        Launch(getattr(module, f"{name}_dq"), (triton.cdiv(L, spec.block_m2), B * Hq),
+               [q, k, v, grad_out, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                *grad_out.stride(), *dq.stride(), *_table_args(call.block_mask, "kv", device),
+                Hq, L, S, scale, *mod_args, *grad_args],
+               spec.dq_constexprs(one, bool(grads)), options),
+    ]
