@@ -10,7 +10,7 @@ import flexfa
 from flexfa.frontend import dense_mask, trace
 from reference import assert_close_to_reference, reference_pair
 
-SMALL_TILES = {"BLOCK_M": 32, "BLOCK_N": 16}
+SMALL_TILES = {"BLOCK_M": 32, "BLOCK_N": 32}
 
 
 def make_qkv(B, Hq, Hkv, L, S, E, Ev=None, dtype=torch.float32, seed=0, device="cpu"):

@@ -73,14 +73,14 @@ def test_natten_2d():
 # ---- block-sparse iteration -----------------------------------------------------------------
 
 @pytest.mark.parametrize("full", [True, False])
-@pytest.mark.parametrize("tiles", [(16, 16), (32, 64)])
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 32)])
 def test_block_tables_from_a_dense_mask(full, tiles):
     """Tables built in the test, per batch and head, with blocks larger than the tiles."""
     def mask_mod(b, h, q_idx, kv_idx):
         return ((q_idx + 3 * h) // 20 == kv_idx // 50) | (kv_idx == b)
 
-    q, k, v = make_qkv(2, 2, 2, 100, 150, 24, Ev=40, seed=3)
-    block_mask = dense_block_mask(mask_mod, 2, 2, 100, 150, 32, 64, full=full)
+    q, k, v = make_qkv(2, 1, 1, 100, 150, 24, Ev=40, seed=3)
+    block_mask = dense_block_mask(mask_mod, 2, 1, 100, 150, 32, 64, full=full)
     check_forward(q, k, v, None, mask_mod, block_mask,
                   kernel_options={"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]})
 
@@ -91,9 +91,9 @@ def test_block_mask_with_score_mod_and_gqa():
     def score_mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
-    q, k, v = make_qkv(2, 4, 2, 130, 130, 32, dtype=torch.bfloat16, seed=4)
-    block_mask = create_block_mask(mods.sliding_window(50), 2, 4, 130, 130, device="cpu",
-                                   BLOCK_SIZE=32)
+    q, k, v = make_qkv(1, 4, 2, 130, 130, 32, dtype=torch.bfloat16, seed=4)
+    block_mask = create_block_mask(mods.sliding_window(50), 1, 4, 130, 130, device="cpu",
+                                   BLOCK_SIZE=64)
     check_forward(q, k, v, score_mod, mods.sliding_window(50), block_mask, enable_gqa=True)
 
 
