@@ -139,7 +139,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     mask = prepare_mask(block_mask)
     _check_buffers(score, "score_mod", query.device)
     _check_buffers(mask, "mask_mod", query.device)
-    if torch.is_grad_enabled():
+    if mask is not None and torch.is_grad_enabled():
         check_mask_mod_grad(mask)  # a mask has no gradient: error on grad-requiring captures
     call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
     buffers = score.buffers if score is not None else ()

@@ -47,6 +47,13 @@ class CacheStats:
 STATS = CacheStats()
 _MEMO: dict[tuple[str, bool], object] = {}
 _LOCK = threading.RLock()
+_DERIVED_MEMOS: list[dict] = []  # per-signature memos built on top of this one
+
+
+def register_memo(memo: dict) -> dict:
+    """Register a memo of things derived from loaded modules, cleared with ``clear_memo``."""
+    _DERIVED_MEMOS.append(memo)
+    return memo
 
 
 def kernel_path(name: str) -> Path:
@@ -154,3 +161,5 @@ def clear_memo() -> None:
     """Forget the modules loaded in this process (the disk cache stays)."""
     with _LOCK:
         _MEMO.clear()
+        for memo in _DERIVED_MEMOS:
+            memo.clear()

@@ -16,7 +16,7 @@ from ..codegen.forward import forward_kernel
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec
 from ..errors import InputError
 from ..frontend.trace import TracedMod
-from .cache import get_module
+from .cache import get_module, register_memo
 from .options import KernelOptions
 
 
@@ -113,7 +113,7 @@ def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0)
 
 
-_KERNELS: dict[tuple, object] = {}
+_KERNELS: dict[tuple, object] = register_memo({})
 
 
 def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):

@@ -1,0 +1,130 @@
+"""The kernel cache: memo, disk, second process, corruption, concurrency, FLEXFA_DEBUG."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.runtime import cache
+from flexfa.runtime.cache import STATS
+from forward_utils import make_qkv
+
+# one script, run in this process and in a subprocess: the same mod gives the same kernel
+SCRIPT = textwrap.dedent("""
+    import torch, flexfa
+    from flexfa.runtime.cache import STATS
+
+    def cache_probe_mod(score, b, h, q_idx, kv_idx):
+        return score * 0.75 + (q_idx - kv_idx) * 0.015625
+
+    q = torch.ones(1, 1, 20, 16); k = torch.ones(1, 1, 24, 16); v = torch.ones(1, 1, 24, 16)
+    out = flexfa.flex_attention(q, k, v, score_mod=cache_probe_mod)
+    print("codegen", STATS.codegen, "disk_hits", STATS.disk_hits, "sum", round(out.sum().item(), 3))
+""")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    cache.clear_memo()
+    STATS.reset()
+    yield tmp_path
+    cache.clear_memo()
+
+
+def _run(score_mod, L=20, S=24):
+    q, k, v = make_qkv(1, 1, 1, L, S, 16)
+    return flexfa.flex_attention(q, k, v, score_mod=score_mod)
+
+
+def test_same_mod_twice_generates_once(fresh_cache):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + 0.125
+
+    _run(mod)
+    _run(mod)
+    assert STATS.codegen == 1 and STATS.disk_hits == 0
+    files = list(fresh_cache.glob("flexfa_fwd_d16_fp32_*.py"))
+    assert len(files) == 1 and files[0].stem in files[0].read_text()
+
+
+def test_new_closure_values_do_not_regenerate(fresh_cache):
+    def make(bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[q_idx % 4]
+        return biased
+
+    first = _run(make(torch.zeros(4)))
+    second = _run(make(torch.full((4,), 2.0)))  # a new function and tensor, same shape
+    assert STATS.codegen == 1
+    torch.testing.assert_close(first, second)  # a constant shift per row cancels in softmax
+    third = _run(make(torch.zeros(5)))  # another shape: another kernel
+    assert STATS.codegen == 2 and third.shape == first.shape
+
+
+def test_a_second_process_reuses_the_disk_cache(fresh_cache):
+    namespace = {}
+    exec(compile(SCRIPT, "cache_script", "exec"), namespace)
+    assert STATS.codegen == 1
+    env = {**os.environ, "FLEXFA_CACHE_DIR": str(fresh_cache), "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=os.path.dirname(flexfa.__path__[0]))
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert words[:4] == ["codegen", "0", "disk_hits", "1"], result.stdout
+
+
+def test_corrupted_file_is_regenerated_with_a_warning(fresh_cache):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * 2.0
+
+    expected = _run(mod)
+    (path,) = fresh_cache.glob("flexfa_fwd_*.py")
+    good = path.read_text()
+    for broken in (good[: len(good) // 2], "garbage\n" + good[40:]):
+        path.write_text(broken)
+        cache.clear_memo()
+        with pytest.warns(RuntimeWarning, match="invalid"):
+            again = _run(mod)
+        torch.testing.assert_close(again, expected)
+        assert path.read_text() == good
+    assert STATS.regenerated == 2
+
+
+def test_threads_share_one_generation(fresh_cache):
+    """Concurrent first calls generate and import a module once (the interpreter itself is
+    not thread-safe, so this exercises the cache layer directly)."""
+    calls, modules = [], []
+
+    def generate():
+        calls.append(1)
+        return "VALUE = 42\n"
+
+    def worker():
+        modules.append(cache.get_module("flexfa_test_threads", "k" * 64, True, generate))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and STATS.codegen == 1
+    assert len(modules) == 4 and all(m is modules[0] for m in modules) and modules[0].VALUE == 42
+
+
+def test_debug_logs_ir_and_source_path(fresh_cache, monkeypatch, caplog):
+    monkeypatch.setenv("FLEXFA_DEBUG", "1")
+
+    def debug_probe(score, b, h, q_idx, kv_idx):
+        return score + (q_idx * 0 + 0.3125)  # simplifies to score + 0.3125
+
+    with caplog.at_level(logging.INFO, logger="flexfa"):
+        _run(debug_probe)
+    text = caplog.text
+    assert "traced score_mod debug_probe" in text and "simplified score_mod" in text
+    assert "source:" in text and str(fresh_cache) in text
