@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .runtime.backward import run_backward
+from .runtime.backward import joint_graph, run_backward
 from .runtime.forward import AttentionCall, run_forward
 
 
@@ -21,6 +21,7 @@ class FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, call: AttentionCall, *buffers):
+        joint_graph(call.score)  # derive now: a mod without a derivative fails early
         out, lse = run_forward(query, key, value, call, return_lse=True)
         ctx.call = call
         ctx.save_for_backward(query, key, value, out, lse, *buffers)

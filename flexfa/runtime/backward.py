@@ -20,6 +20,7 @@ import torch
 import triton
 
 from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
+from ..blockmask.tables import transpose_ordered
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
@@ -77,7 +78,7 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool) -> BackwardSpec:
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m1=m1, block_n1=n1,
         block_m2=m2, block_n2=n2, num_warps=options.num_warps or warps,
         num_stages=options.num_stages or stages, has_block_mask=mask is not None,
-        has_full_blocks=mask is not None and getattr(mask, "full_q_num_blocks", None) is not None,
+        has_full_blocks=mask is not None and bool(_tables(mask, "full_q")),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % m1 == 0, even_s1=S % n1 == 0,
         even_l2=L % m2 == 0, even_s2=S % n2 == 0, gqa_group=call.gqa_group,
         deterministic=options.deterministic, has_dlse=has_dlse,
@@ -116,14 +117,25 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _tables(block_mask, name: str) -> tuple:
+    """(num_blocks, indices) of table ``name`` ("kv", "full_kv", "q", "full_q"), or ()
+    when absent. q tables missing on a duck-typed mask are transposed from the kv tables."""
+    num_blocks = getattr(block_mask, f"{name}_num_blocks", None)
+    if num_blocks is not None:
+        return num_blocks, getattr(block_mask, f"{name}_indices")
+    if not name.endswith("q"):
+        return ()
+    source = _tables(block_mask, name[:-1] + "kv")
+    return transpose_ordered(*source) if source else ()
+
+
 def _table_args(block_mask, side: str, device) -> list:
     """``side`` "kv" (dQ walks kv tiles) or "q" (dK/dV walks the transposed q tables): the
     partial and full tables and their strides, 0 along broadcast batch/head dims."""
     if block_mask is None:
         return [_dummy(device)] * 4 + [0] * 14
-    tables = [getattr(block_mask, f"{side}_num_blocks"), getattr(block_mask, f"{side}_indices")]
-    full = getattr(block_mask, f"full_{side}_num_blocks", None)
-    tables += [full, getattr(block_mask, f"full_{side}_indices")] if full is not None else tables[:2]
+    tables = list(_tables(block_mask, side))
+    tables += list(_tables(block_mask, f"full_{side}")) or tables[:2]
     return [*tables, *(s for t in tables for s in _broadcast_strides(t))]
 
 

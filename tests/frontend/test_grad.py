@@ -74,7 +74,7 @@ def test_unary_rule(name):
 
 BINARY_MODS = {
     "add": lambda s, t: s + t, "sub": lambda s, t: s - t, "mul": lambda s, t: s * t,
-    "div": lambda s, t: s / t, "floordiv": lambda s, t: s // t, "mod": lambda s, t: s % t,
+    "div": lambda s, t: s / t, "mod": lambda s, t: s % t,
     "pow": lambda s, t: torch.abs(s) ** t, "max": torch.maximum, "min": torch.minimum,
     "where": lambda s, t: torch.where(s > t, s * t, s - t),
 }
@@ -87,6 +87,17 @@ def test_binary_rule_score_and_buffer(name):
     bias = (torch.randn(H, L, S, dtype=F64) + 0.3).requires_grad_(True)
     traced = trace(lambda score, b, h, q_idx, kv_idx: fn(score, bias[h, q_idx, kv_idx]))
     _check_against_autograd(traced)
+
+
+def test_float_floordiv_and_rounding_have_zero_gradient():
+    """Piecewise constant: no score gradient and no buffer gradient (torch has no derivative
+    for floor_divide at all, so this is checked directly)."""
+    bias = torch.randn(H, L, S, dtype=F64, requires_grad=True)
+    for fn in (lambda s, t: s // t, lambda s, t: torch.floor(s * t) + torch.ceil(s) + torch.sign(t)):
+        traced = trace(lambda score, b, h, q_idx, kv_idx: fn(score, bias[h, q_idx, kv_idx]))
+        joint = derive(traced)
+        assert joint.dscore.op is Op.CONST and joint.dscore.arg == 0.0
+        assert joint.dloads == ()
 
 
 def test_max_min_ties_split_the_gradient_like_torch():

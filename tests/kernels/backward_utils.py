@@ -1,0 +1,70 @@
+"""Helpers shared by the backward-kernel tests: one check of flexfa's gradients (q, k, v, the
+score_mod's captured tensors that require grad, optionally through lse) against autograd of
+the float64 dense reference, with the shared error oracle."""
+from __future__ import annotations
+
+import torch
+
+import flexfa
+from reference import assert_close_to_reference, reference_attention
+
+# gradients sum over a row or a column: a little more rounding than out itself
+GRAD_FUDGE = 6.0
+
+
+def flexfa_grads(q, k, v, score_mod=None, block_mask=None, *, grad_out, grad_lse=None,
+                 enable_gqa=False, kernel_options=None, buffers=(), scale=None):
+    """(dq, dk, dv, *buffer grads) of flexfa for the given upstream gradients."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out, lse = flexfa.flex_attention(q, k, v, score_mod, block_mask, scale=scale,
+                                     enable_gqa=enable_gqa, return_lse=True,
+                                     kernel_options=kernel_options)
+    outputs, grads = [out], [grad_out]
+    if grad_lse is not None:
+        outputs.append(lse)
+        grads.append(grad_lse)
+    return torch.autograd.grad(outputs, [q, k, v, *buffers], grads, allow_unused=True)
+
+
+def reference_grads(q, k, v, score_mod=None, mask_mod=None, *, grad_out, grad_lse=None,
+                    enable_gqa=False, buffers=(), dtype=torch.float64, scale=None):
+    """The same gradients from autograd through the dense reference computed in ``dtype``."""
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    out, lse = reference_attention(q, k, v, score_mod, mask_mod, scale=scale,
+                                   enable_gqa=enable_gqa, dtype=dtype)
+    outputs, grads = [out], [grad_out.to(dtype)]
+    if grad_lse is not None:
+        outputs.append(lse)
+        grads.append(grad_lse.to(dtype))
+    result = torch.autograd.grad(outputs, [q, k, v, *buffers], grads, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(result, [q, k, v, *buffers])]
+
+
+def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
+                   enable_gqa=False, kernel_options=None, buffers=(), with_lse=False,
+                   scale=None, seed=0, fudge=GRAD_FUDGE):
+    """flexfa's dq, dk, dv and buffer gradients vs the float64 reference (oracle: error <=
+    fudge x the same-dtype eager reference's error + the dtype's floor). Returns flexfa's."""
+    generator = torch.Generator().manual_seed(seed)
+    B, Hq, L, _ = q.shape
+    grad_out = torch.randn(B, Hq, L, v.shape[3], generator=generator).to(q.dtype)
+    grad_lse = torch.randn(B, Hq, L, generator=generator) if with_lse else None
+    kwargs = dict(grad_out=grad_out, grad_lse=grad_lse, enable_gqa=enable_gqa,
+                  buffers=buffers, scale=scale)
+    got = flexfa_grads(q, k, v, score_mod, block_mask, kernel_options=kernel_options, **kwargs)
+    exact = reference_grads(q, k, v, score_mod, mask_mod, **kwargs)
+    eager = reference_grads(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs)
+    names = ["dq", "dk", "dv"] + [f"grad of captured tensor {i}" for i in range(len(buffers))]
+    for name, g, want, same_dtype, like in zip(names, got, exact, eager, [q, k, v, *buffers]):
+        assert g is not None, f"{name}: no gradient"
+        assert g.shape == like.shape and g.dtype == like.dtype, (
+            f"{name}: {tuple(g.shape)} {g.dtype}, expected {tuple(like.shape)} {like.dtype}")
+        # buffers are float32 whatever q's dtype: their oracle uses q's dtype floor
+        floor = None if name.startswith("d") else _floor(q.dtype)
+        assert_close_to_reference(g, want, same_dtype, fudge=fudge, floor=floor, name=name)
+    return got
+
+
+def _floor(dtype):
+    from reference import FLOORS
+    return FLOORS[dtype]
