@@ -25,7 +25,7 @@ from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
 from ..frontend.trace import TracedMod
-from .cache import get_module
+from .cache import get_module, register_memo
 from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
 
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
@@ -85,8 +85,8 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool) -> BackwardSpec:
         input_precision=options.fp32_precision, target=target)
 
 
-_JOINTS: dict[tuple, JointGraph] = {}
-_KERNELS: dict[tuple, object] = {}
+_JOINTS: dict[tuple, JointGraph] = register_memo({})
+_KERNELS: dict[tuple, object] = register_memo({})
 
 
 def joint_graph(score: TracedMod | None) -> JointGraph | None:

@@ -1,0 +1,136 @@
+"""Backward edge cases under the interpreter: rows with nothing to attend, the deterministic
+option, mixed captured tensors, and bad input (grad-requiring mask captures, mods without a
+derivative, backward after a no_grad call)."""
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.blockmask import create_block_mask
+from flexfa.errors import InputError, UnsupportedOpError
+from flexfa.frontend import grad as grad_module
+from flexfa.frontend.ir import Op
+from backward_utils import check_backward, flexfa_grads
+from forward_utils import make_qkv
+
+B, H, L, S, E = 1, 2, 100, 72, 16
+
+
+def _late_start(b, h, q_idx, kv_idx):
+    # rows 0..39 attend to nothing; the rest are causal
+    return (q_idx >= 40) & (kv_idx <= q_idx)
+
+
+def test_fully_masked_rows_get_zero_gradients_not_nan():
+    bias = torch.zeros(H, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * torch.exp(bias[h]) + torch.log(score * score)  # -inf/NaN-prone
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=10)
+    block_mask = create_block_mask(_late_start, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    dq, dk, dv, dbias = flexfa_grads(q, k, v, score_mod, block_mask, buffers=(bias,),
+                                     grad_out=torch.randn(B, H, L, E),
+                                     grad_lse=torch.randn(B, H, L))
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("bias", dbias)):
+        assert not torch.isnan(g).any(), f"{name} has NaN"
+    assert torch.count_nonzero(dq[:, :, :40]) == 0
+    assert torch.count_nonzero(dq[:, :, 40:]) > 0
+
+
+def test_fully_masked_rows_match_the_reference():
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=11)
+    block_mask = create_block_mask(_late_start, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    check_backward(q, k, v, mods.softcap(4.0), _late_start, block_mask, with_lse=True)
+
+
+def test_everything_masked_gives_zero_gradients():
+    nothing = lambda b, h, q_idx, kv_idx: q_idx < 0  # noqa: E731
+    q, k, v = make_qkv(B, H, H, 40, 40, E, seed=12)
+    block_mask = create_block_mask(nothing, None, None, 40, 40, device="cpu", BLOCK_SIZE=32)
+    grads = flexfa_grads(q, k, v, None, block_mask, grad_out=torch.randn(B, H, 40, E))
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def _bias_mod():
+    rel = torch.randn(L + S - 1).requires_grad_(True)
+    scale = torch.randn(H).requires_grad_(True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * scale[h] + rel[q_idx - kv_idx + S - 1]
+    return score_mod, (rel, scale)
+
+
+def test_deterministic_runs_agree_with_the_reference():
+    score_mod, buffers = _bias_mod()
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=13)
+    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    options = {"deterministic": True, "BLOCK_M": 32, "BLOCK_N": 32}
+    check_backward(q, k, v, score_mod, mods.causal, block_mask, buffers=buffers,
+                   kernel_options=options)
+
+
+def test_deterministic_is_bitwise_repeatable():
+    score_mod, buffers = _bias_mod()
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=14)
+    grad_out = torch.randn(B, H, L, E)
+    runs = [flexfa_grads(q, k, v, score_mod, None, buffers=buffers, grad_out=grad_out,
+                         kernel_options={"deterministic": True}) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_mixed_captured_tensors_only_grad_ones_get_gradients():
+    table = torch.randn(H, L, S)  # no grad
+    doc = torch.arange(L + S) // 25  # int
+    gain = torch.rand(H, dtype=torch.float16).requires_grad_(True)  # half-precision leaf
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        same_doc = doc[q_idx] == doc[kv_idx]
+        return torch.where(same_doc, score * gain[h], score) + table[h, q_idx, kv_idx]
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=15)
+    (dgain,) = check_backward(q, k, v, score_mod, None, None, buffers=(gain,))[3:]
+    assert dgain.dtype == torch.float16 and table.grad is None
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def test_grad_requiring_capture_in_mask_mod_is_an_error():
+    cutoff = torch.tensor([30.0, 50.0], requires_grad=True)
+
+    def learned_mask(b, h, q_idx, kv_idx):
+        return kv_idx < cutoff[h]
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=16)
+    block_mask = create_block_mask(learned_mask, None, H, L, S, device="cpu", BLOCK_SIZE=32)
+    with pytest.raises(InputError, match="learned_mask.*require grad.*no gradient"):
+        flexfa.flex_attention(q.requires_grad_(True), k, v, block_mask=block_mask)
+    with torch.no_grad():  # inference is fine
+        flexfa.flex_attention(q, k, v, block_mask=block_mask)
+
+
+def test_mod_without_derivative_names_the_op(monkeypatch):
+    monkeypatch.delitem(grad_module._RULES, Op.ERF)
+
+    def erf_mod(score, b, h, q_idx, kv_idx):
+        return torch.erf(score * 0.123456)
+
+    q, k, v = make_qkv(B, H, H, 16, 16, E, seed=17)
+    with pytest.raises(UnsupportedOpError, match="erf_mod.*ERF"):
+        flexfa.flex_attention(q.requires_grad_(True), k, v, erf_mod)
+    with torch.no_grad():  # no derivative needed without grad
+        flexfa.flex_attention(q, k, v, erf_mod)
+
+
+def test_backward_after_no_grad_call_behaves_like_torch():
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(B, H, H, 16, 16, E, seed=18))
+    with torch.no_grad():
+        out = flexfa.flex_attention(q, k, v)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert not out.requires_grad and out.grad_fn is None
+    with pytest.raises(RuntimeError) as torch_error:
+        expected.sum().backward()
+    with pytest.raises(RuntimeError) as flexfa_error:
+        out.sum().backward()
+    assert str(flexfa_error.value) == str(torch_error.value)
