@@ -4,6 +4,11 @@ Triton decides at decoration time whether ``@triton.jit`` makes an interpreted f
 (``TRITON_INTERPRET=1``) or a compiled one, so a module is imported with that variable set
 for the duration of the import: CPU tensors get an interpreted copy, CUDA tensors a compiled
 one, from the same file, and the two copies live side by side under different module names.
+
+Interpreted launches are serialized by ``INTERPRETER_LOCK``: Triton's interpreter keeps the
+current program id in one process-wide builder and patches ``triton.language`` while a kernel
+runs, so two threads launching at once would read each other's program ids (wrong results or
+crashes). Compiled launches are not affected.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import threading
 from pathlib import Path
 
 _ENV_LOCK = threading.Lock()
+INTERPRETER_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -41,6 +47,26 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
     module = importlib.util.module_from_spec(spec)
     with triton_mode(interpret):
         spec.loader.exec_module(module)
+    if interpret:
+        _serialize_launches(module)
     # Triton's compiled path looks kernels' modules up by name (for their globals/source)
     sys.modules[name] = module
     return module
+
+
+def _serialize_launches(module) -> None:
+    """Make ``kernel[grid](...)`` of each interpreted kernel in ``module`` hold
+    ``INTERPRETER_LOCK``. Only the launch (``run``) is wrapped, on the instance: calls from one
+    kernel to another stay plain, and module globals keep their Triton types."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for value in list(vars(module).values()):
+        if isinstance(value, InterpretedFunction) and "run" not in vars(value):
+            value.run = _locked(value.run)
+
+
+def _locked(run):
+    def locked_run(*args, **kwargs):
+        with INTERPRETER_LOCK:
+            return run(*args, **kwargs)
+    return locked_run
