@@ -57,30 +57,39 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
     grid = TileGrid(B, H, Q_LEN, KV_LEN, block[0], block[1], device)
 
     started = time.perf_counter()
-    classes, undecided = tile_classes(traced, grid)
-    partial = (classes == PARTIAL).expand(B, H, -1, -1)
-    full = (classes == FULL).expand(B, H, -1, -1)
-    kv_num_blocks, kv_indices = dense_to_ordered(partial)
-    full_kv_num_blocks, full_kv_indices = dense_to_ordered(full)
+    classes, (undecided, in_full) = tile_classes(traced, grid)
+    tables = _ordered_tables(classes, B, H)
     elapsed = time.perf_counter() - started
     log.log(logging.INFO if elapsed > SLOW_BUILD_S else logging.DEBUG,
-            "block mask %s: %d x %d tiles, %d evaluated exactly, %.2f s", traced.name,
-            grid.q_tiles, grid.kv_tiles, undecided, elapsed)
+            "block mask %s: %d x %d tiles, %d undecided by intervals, %d of them evaluated "
+            "element by element, %.2f s", traced.name, grid.q_tiles, grid.kv_tiles, undecided,
+            in_full, elapsed)
     user_mod = _as_callable(traced) if isinstance(mask_mod, TracedMod) else mask_mod
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks,
-                                    full_kv_indices, BLOCK_SIZE=block, mask_mod=user_mod,
-                                    seq_lengths=(Q_LEN, KV_LEN), traced_mask=traced)
+    return BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block, mask_mod=user_mod,
+                     traced_mask=traced)
 
 
-def tile_classes(traced: TracedMod, grid: TileGrid) -> tuple[torch.Tensor, int]:
-    """int8 ``[B?, H?, Q_TILES, KV_TILES]`` classes (EMPTY/PARTIAL/FULL) and how many tiles
-    needed exact evaluation."""
+def _ordered_tables(classes: torch.Tensor, B: int, H: int) -> list[torch.Tensor]:
+    """The eight BlockMask tables (kv, full kv, q, full q), expanded to [B, H, ...]."""
+    partial, full = classes == PARTIAL, classes == FULL
+    tables = [*dense_to_ordered(partial), *dense_to_ordered(full),
+              *dense_to_ordered(partial.transpose(-2, -1)),
+              *dense_to_ordered(full.transpose(-2, -1))]
+    if classes.shape[:2] == (B, H):
+        return tables
+    # computed once for a mask that ignores b / h, then copied out (torch's tables are
+    # contiguous [B, H, ...])
+    return [t.expand(B, H, *t.shape[2:]).contiguous() for t in tables]
+
+
+def tile_classes(traced: TracedMod, grid: TileGrid) -> tuple[torch.Tensor, tuple[int, int]]:
+    """int8 ``[B?, H?, Q_TILES, KV_TILES]`` classes (EMPTY/PARTIAL/FULL), with how many tiles
+    intervals left undecided and how many of those were evaluated element by element."""
     analysis = TileAnalysis(traced, grid)
     step = analysis.rows_per_chunk()
     classes = torch.cat([analysis.classify(start, min(start + step, grid.q_tiles))
                          for start in range(0, grid.q_tiles, step)], dim=2)
-    undecided = settle_undecided(traced, grid, classes)
-    return classes, undecided
+    return classes, settle_undecided(traced, grid, classes)
 
 
 def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:

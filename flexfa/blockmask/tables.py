@@ -13,16 +13,17 @@ import torch
 
 def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num_blocks, indices)`` of a 0/1 (or bool) grid, both int32 and contiguous."""
-    ones = dense.to(torch.int32).contiguous()
+    ones = dense.contiguous().bool()
     cols = ones.shape[-1]
-    ones_before = torch.cumsum(ones, dim=-1, dtype=torch.int32) - ones  # exclusive prefix sum
-    num_blocks = ones.sum(-1, dtype=torch.int32)
-    col = torch.arange(cols, dtype=torch.int32, device=dense.device)
-    zeros_before = col - ones_before
-    position = torch.where(ones.bool(), ones_before, num_blocks.unsqueeze(-1) + zeros_before)
-    indices = torch.empty_like(ones)
-    indices.scatter_(-1, position.long(), col.expand_as(ones).contiguous())
-    return num_blocks.contiguous(), indices
+    ones_through = torch.cumsum(ones, dim=-1)  # int64
+    num_blocks = ones_through[..., -1]
+    ones_before = ones_through - ones.to(torch.int64)
+    col = torch.arange(cols, device=dense.device)
+    # ones go to their rank among the ones, zeros after all ones in their rank among zeros
+    position = torch.where(ones, ones_before, num_blocks.unsqueeze(-1) + (col - ones_before))
+    indices = torch.empty(ones.shape, dtype=torch.int32, device=dense.device)
+    indices.scatter_(-1, position, col.to(torch.int32).expand(ones.shape))
+    return num_blocks.to(torch.int32), indices
 
 
 def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Bad arguments to create_block_mask / create_mask fail early with flexfa's errors."""
+import pytest
+import torch
+
+from flexfa import mods
+from flexfa.blockmask import create_block_mask, create_mask
+from flexfa.errors import InputError, InputTypeError, TraceError
+
+
+def build(**changes):
+    args = dict(mask_mod=mods.causal, B=1, H=1, Q_LEN=100, KV_LEN=100, device="cpu",
+                BLOCK_SIZE=32)
+    args.update(changes)
+    return create_block_mask(**args)
+
+
+@pytest.mark.parametrize("block", [0, 8, 24, 100, 512, (32, 48), (128, 1024), -16])
+def test_block_size_out_of_range(block):
+    with pytest.raises(InputError, match="power of two from 16 to 256") as info:
+        build(BLOCK_SIZE=block)
+    assert repr(block) in str(info.value)
+
+
+@pytest.mark.parametrize("block", [32.0, "32", (32,), (32, 32, 32), True, None])
+def test_block_size_wrong_type(block):
+    with pytest.raises(InputTypeError, match="BLOCK_SIZE"):
+        build(BLOCK_SIZE=block)
+
+
+@pytest.mark.parametrize("name,value", [("Q_LEN", 0), ("KV_LEN", -5), ("B", 0), ("H", -1)])
+def test_non_positive_sizes(name, value):
+    with pytest.raises(InputError, match=f"{name}={value}"):
+        build(**{name: value})
+
+
+@pytest.mark.parametrize("name,value", [("Q_LEN", 10.0), ("KV_LEN", "8"), ("B", 2.5), ("H", True)])
+def test_non_int_sizes(name, value):
+    with pytest.raises(InputTypeError, match=name):
+        build(**{name: value})
+
+
+def test_wrong_arity():
+    def three(b, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score
+    with pytest.raises(TraceError, match="3 required positional"):
+        build(mask_mod=three)
+    with pytest.raises(TraceError, match="score_mod"):
+        build(mask_mod=score_mod)
+
+
+def test_non_bool_result():
+    def distance(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx
+    with pytest.raises(TraceError, match="must return bool"):
+        build(mask_mod=distance)
+
+
+def test_not_callable():
+    with pytest.raises(TraceError, match="callable"):
+        build(mask_mod="causal")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_cuda():
+    with pytest.raises(InputError, match="CUDA is not available.*device='cpu'"):
+        build(device="cuda")
+    with pytest.raises(InputError, match="CUDA is not available"):
+        create_mask(mods.causal, 1, 1, 8, 8, device="cuda")
+
+
+def test_bad_device_name():
+    with pytest.raises(InputError, match="not a torch device"):
+        build(device="gpu0")
+
+
+def test_create_mask_checks_lengths():
+    with pytest.raises(InputError, match="KV_LEN=0"):
+        create_mask(mods.causal, 1, 1, 8, 0, device="cpu")
