@@ -7,6 +7,11 @@ warning. Writers take an fcntl lock on ``<name>.lock``, look again after getting
 write a temp file then ``os.replace`` it: readers never see a torn file. Triton's own cache
 then keeps the compiled binaries.
 
+The directory is ``cache_location.usable_cache_dir()``: the configured one, created 0o700, when it
+is owned by this user, not writable by others and writable; else a private temporary one,
+with a warning. A file not owned by this user, or writable by others, is never imported (it
+is regenerated with a warning); so is one whose header does not match its content.
+
 ``get_module(name, key, interpret, generate)`` is the one entry point; ``STATS`` counts what
 happened (tests use it to see that a second call or a second process skips code generation).
 """
@@ -23,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .cli import cache_dir
+from .cache_location import fall_back, is_fallback, untrusted, usable_cache_dir
 from .debug import debug
 from .loader import load_module
 
@@ -56,8 +61,8 @@ def register_memo(memo: dict) -> dict:
     return memo
 
 
-def kernel_path(name: str) -> Path:
-    return cache_dir() / f"{name}.py"
+def kernel_path(name: str, directory: Path | None = None) -> Path:
+    return (directory or usable_cache_dir()) / f"{name}.py"
 
 
 def _with_header(key: str, source: str) -> str:
@@ -68,11 +73,15 @@ def _with_header(key: str, source: str) -> str:
 def read_source(path: Path, key: str) -> tuple[str | None, str | None]:
     """(source, None) if ``path`` holds a complete file for ``key``; else (None, why)."""
     try:
-        text = path.read_text()
+        with open(path, encoding="utf-8") as handle:
+            problem = untrusted(os.fstat(handle.fileno()))
+            text = handle.read()
     except FileNotFoundError:
         return None, None
     except (OSError, UnicodeDecodeError) as exc:
         return None, f"unreadable ({exc})"
+    if problem is not None:
+        return None, f"untrusted: it {problem}"
     header, _, source = text.partition("\n")
     expected = _with_header(key, source).partition("\n")[0]
     if header == expected:
@@ -112,16 +121,27 @@ def file_lock(path: Path):
 
 
 def ensure_source(name: str, key: str, generate: Callable[[], str]) -> Path:
-    """The path of a valid source file for ``key``, generating it if needed."""
-    path = kernel_path(name)
+    """The path of a valid source file for ``key``, generating it if needed; a directory
+    that fails a write (full, made read-only meanwhile) is replaced by the private one."""
+    directory = usable_cache_dir()
+    try:
+        return _ensure_source_in(directory, name, key, generate)
+    except OSError as exc:
+        if is_fallback(directory):
+            raise
+        fallback = fall_back(directory, f"failed a write ({exc})")
+        return _ensure_source_in(fallback, name, key, generate)
+
+
+def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[], str]) -> Path:
+    path = kernel_path(name, directory)
     source, problem = read_source(path, key)
     if source is not None:
         STATS.disk_hits += 1
         return path
     if problem is not None:
         warnings.warn(f"flexfa: cached kernel {path} is invalid ({problem}); regenerating it",
-                      RuntimeWarning, stacklevel=3)
-    path.parent.mkdir(parents=True, exist_ok=True)
+                      RuntimeWarning, stacklevel=4)
     with file_lock(path.with_suffix(".lock")):
         source, problem_now = read_source(path, key)  # another process may have written it
         if source is not None:
