@@ -1,0 +1,187 @@
+"""The disk cache under faults: damaged files are regenerated with a warning, unusable
+directories fall back to a private temporary one with a warning, foreign files never run."""
+import builtins
+import errno
+import os
+import stat
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.runtime import cache, cache_location
+from flexfa.runtime.cache import STATS
+from .inputs import assert_matches_reference, qkv
+
+NOBODY = 65534  # a uid that is not this process's (tests run as any user, often root)
+
+
+def faults_probe(score, b, h, q_idx, kv_idx):
+    return score * 0.5 + (q_idx - kv_idx) * 0.03125
+
+
+def _attend():
+    q, k, v = qkv()
+    out = flexfa.flex_attention(q, k, v, score_mod=faults_probe)
+    assert_matches_reference(out, q, k, v, faults_probe)
+    return out
+
+
+def _only_kernel(directory):
+    (path,) = directory.glob("flexfa_fwd_*.py")
+    return path
+
+
+def _damage_and_rerun(directory, text: str | bytes):
+    """Overwrite the one cached kernel with ``text``, forget the memo, run again."""
+    path = _only_kernel(directory)
+    good = path.read_text()
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    cache.clear_memo()
+    with pytest.warns(RuntimeWarning, match="is invalid") as record:
+        _attend()
+    assert str(path) in str(record[0].message)
+    assert path.read_text() == good, "the damaged file was not replaced by a good one"
+    return str(record[0].message)
+
+
+def test_cache_dir_is_created_user_private(fresh_cache):
+    assert not fresh_cache.exists()
+    _attend()
+    mode = stat.S_IMODE(fresh_cache.stat().st_mode)
+    assert mode == 0o700, f"cache directory created with mode {oct(mode)}"
+    path = _only_kernel(fresh_cache)
+    assert not stat.S_IMODE(path.stat().st_mode) & 0o022, "kernel file writable by others"
+    assert not list(fresh_cache.glob(".*.tmp")) and not list(fresh_cache.glob(".probe.*"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "binary", "edited",
+                                    "other key"])
+def test_damaged_file_is_regenerated_with_a_warning(fresh_cache, damage):
+    _attend()
+    good = _only_kernel(fresh_cache).read_text()
+    header, _, body = good.partition("\n")
+    other_key = header.replace("key=", "key=0")
+    text = {"truncated": good[: len(good) * 2 // 3], "empty": "",
+            "garbage": "print('not flexfa')\n" * 5, "binary": bytes(range(256)) * 4,
+            "edited": header + "\n" + body.replace("tl.", "tl .", 1),
+            "other key": other_key + "\n" + body}[damage]
+    message = _damage_and_rerun(fresh_cache, text)
+    expected = {"truncated": "checksum", "empty": "header", "garbage": "header",
+                "binary": "unreadable", "edited": "checksum", "other key": "another cache key"}
+    assert expected[damage] in message
+    assert STATS.regenerated == 1 and STATS.codegen == 2
+
+
+@pytest.mark.parametrize("foreign", ["other owner", "group writable"])
+def test_foreign_file_with_a_valid_checksum_is_never_imported(fresh_cache, foreign):
+    """A file flexfa did not write (another user's, or one others could have changed) is
+    not imported even when its header and checksum are consistent."""
+    _attend()
+    path = _only_kernel(fresh_cache)
+    key = path.read_text().partition("\n")[0].split("key=")[1].split()[0]
+    payload = "import builtins\nbuiltins.flexfa_foreign_code_ran = True\n"
+    path.write_text(cache._with_header(key, payload))
+    if foreign == "other owner":
+        os.chown(path, NOBODY, NOBODY) if os.geteuid() == 0 else pytest.skip("needs root")
+    else:
+        path.chmod(0o666)
+    cache.clear_memo()
+    with pytest.warns(RuntimeWarning, match="untrusted"):
+        _attend()
+    assert not getattr(builtins, "flexfa_foreign_code_ran", False), "foreign code was executed"
+    assert path.stat().st_uid == os.geteuid() and "flexfa_foreign" not in path.read_text()
+
+
+def _fallback_run(configured):
+    """One call with an unusable cache directory: warns, still correct, the kernel lands in
+    the private fallback directory."""
+    cache.clear_memo()
+    with pytest.warns(RuntimeWarning, match="private temporary directory") as record:
+        _attend()
+    fallback = cache_location.fallback_dir()
+    assert str(configured) in str(record[0].message) and str(fallback) in str(record[0].message)
+    assert stat.S_IMODE(fallback.stat().st_mode) == 0o700
+    assert _only_kernel(fallback).exists()
+    return str(record[0].message)
+
+
+def test_read_only_cache_dir_falls_back(fresh_cache):
+    fresh_cache.mkdir(mode=0o500)
+    try:
+        message = _fallback_run(fresh_cache)
+        assert "read-only" in message
+        assert not any(fresh_cache.iterdir()), "flexfa wrote into a read-only directory"
+    finally:
+        fresh_cache.chmod(0o700)
+
+
+def test_missing_cache_dir_is_created(fresh_cache, monkeypatch, recwarn):
+    nested = fresh_cache / "a" / "b"
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(nested))
+    _attend()
+    assert _only_kernel(nested).exists()
+    assert not [w for w in recwarn if "flexfa" in str(w.message)]
+
+
+def test_missing_cache_dir_that_cannot_be_created_falls_back(fresh_cache, monkeypatch):
+    fresh_cache.parent.joinpath("a_file").write_text("not a directory")
+    configured = fresh_cache.parent / "a_file" / "cache"
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(configured))
+    assert "cannot be created" in _fallback_run(configured)
+
+
+def test_cache_path_that_is_a_file_falls_back(fresh_cache):
+    fresh_cache.write_text("not a directory")
+    assert "cannot be created" in _fallback_run(fresh_cache)
+
+
+@pytest.mark.parametrize("foreign", ["other owner", "world writable"])
+def test_untrusted_cache_dir_falls_back(fresh_cache, foreign):
+    fresh_cache.mkdir(mode=0o700)
+    if foreign == "other owner":
+        os.chown(fresh_cache, NOBODY, NOBODY) if os.geteuid() == 0 else pytest.skip("needs root")
+        match = "owned by uid"
+    else:
+        fresh_cache.chmod(0o777)
+        match = "writable by group or others"
+    assert match in _fallback_run(fresh_cache)
+    assert not any(fresh_cache.iterdir())
+
+
+def test_failed_write_falls_back(fresh_cache, monkeypatch):
+    """A directory that passes the checks but fails the write (disk full) is replaced."""
+    real_write = cache.write_atomic
+
+    def full_disk(path, text):
+        if path.parent == fresh_cache:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, text)
+
+    monkeypatch.setattr(cache, "write_atomic", full_disk)
+    assert "failed a write" in _fallback_run(fresh_cache)
+
+
+def test_fallback_is_shared_by_later_kernels(fresh_cache):
+    """A second kernel of the same process goes to the same fallback directory."""
+    fresh_cache.mkdir(mode=0o500)
+    try:
+        _fallback_run(fresh_cache)
+        q, k, v = qkv(L=24, S=24, E=32)
+        with pytest.warns(RuntimeWarning, match="read-only"):
+            out = flexfa.flex_attention(q, k, v)
+        assert_matches_reference(out, q, k, v)
+        assert len(list(cache_location.fallback_dir().glob("flexfa_fwd_*.py"))) == 2
+    finally:
+        fresh_cache.chmod(0o700)
+
+
+def test_clean_directory_gives_no_warning(fresh_cache, recwarn):
+    _attend()
+    cache.clear_memo()
+    out = _attend()
+    assert STATS.codegen == 1 and STATS.disk_hits == 1 and torch.isfinite(out).all()
+    assert not [w for w in recwarn if "flexfa" in str(w.message)]
