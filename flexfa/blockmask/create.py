@@ -57,7 +57,13 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
     grid = TileGrid(B, H, Q_LEN, KV_LEN, block[0], block[1], device)
 
     started = time.perf_counter()
-    classes, (undecided, in_full) = tile_classes(traced, grid)
+    try:
+        classes, (undecided, in_full) = tile_classes(traced, grid)
+    except (IndexError, RuntimeError) as exc:  # e.g. a captured tensor shorter than Q_LEN
+        raise InputError(
+            f"{func}: evaluating mask_mod {traced.name!r} for Q_LEN={Q_LEN}, KV_LEN={KV_LEN} "
+            f"(B={B}, H={H}) failed with {type(exc).__name__}: {exc}; captured tensors must "
+            "cover every b, h, q_idx and kv_idx in range") from exc
     tables = _ordered_tables(classes, B, H)
     elapsed = time.perf_counter() - started
     log.log(logging.INFO if elapsed > SLOW_BUILD_S else logging.DEBUG,

@@ -79,3 +79,10 @@ def test_bad_device_name():
 def test_create_mask_checks_lengths():
     with pytest.raises(InputError, match="KV_LEN=0"):
         create_mask(mods.causal, 1, 1, 8, 0, device="cpu")
+
+
+def test_captured_tensor_too_short():
+    doc = mods.document([30, 40])  # 70 tokens
+
+    with pytest.raises(InputError, match="Q_LEN=100, KV_LEN=100.*IndexError.*captured tensors"):
+        build(mask_mod=doc)
