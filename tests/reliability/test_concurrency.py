@@ -1,0 +1,98 @@
+"""The cache under concurrency: 8 processes racing on one new kernel, threads running
+different mods at once."""
+import multiprocessing
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+import flexfa
+from flexfa.runtime import cache
+from .inputs import assert_matches_reference, qkv
+from .workers import attend_once
+
+PROCESSES = 8
+
+
+def _watch_for_torn_files(directory, stop: threading.Event, problems: list) -> None:
+    """Read every kernel file that appears while the processes run: each must be complete."""
+    while not stop.is_set():
+        for path in directory.glob("flexfa_fwd_*.py"):
+            key = path.read_text().partition(" key=")[2].split(" ")[0]
+            source, problem = cache.read_source(path, key)
+            if source is None and problem is not None:
+                problems.append(f"{path.name}: {problem}")
+        time.sleep(0.005)
+
+
+def test_processes_started_at_once_share_one_generation(tmp_path):
+    directory = tmp_path / "cache"  # empty: nobody has generated this mod yet
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(PROCESSES), context.Queue()
+    workers = [context.Process(target=attend_once, args=(str(directory), barrier, results))
+               for _ in range(PROCESSES)]
+    for worker in workers:
+        worker.start()
+    stop, torn = threading.Event(), []
+    watcher = threading.Thread(target=_watch_for_torn_files, args=(tmp_path, stop, torn))
+    watcher.start()
+    try:
+        reports = [results.get(timeout=280) for _ in workers]
+    finally:
+        stop.set()
+        watcher.join()
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    failures = [r["traceback"] for r in reports if "traceback" in r]
+    assert not failures, failures[0]
+    assert [w.exitcode for w in workers] == [0] * PROCESSES
+    assert all(r["error"] < 1e-5 for r in reports), [r["error"] for r in reports]
+    assert not [r["warnings"] for r in reports if r["warnings"]], "a process saw a bad file"
+    assert sum(r["codegen"] for r in reports) == 1, [r["codegen"] for r in reports]
+    assert sum(r["disk_hits"] for r in reports) == PROCESSES - 1
+    assert not torn, torn
+    assert len(list(directory.glob("flexfa_fwd_*.py"))) == 1
+    assert not list(directory.glob(".*.tmp")), "temporary files left behind"
+
+
+def _thread_mod(i: int):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + ((kv_idx * (i + 1)) % 7) * 0.5 - h * i * 0.25
+    mod.__name__ = f"thread_mod_{i}"
+    return mod
+
+
+def test_threads_with_different_mods_get_their_own_results(fresh_cache):
+    """Each thread's result is its own mod's, on a fresh cache (all threads generate at once)
+    and again from the memo. A short switch interval makes the threads interleave inside
+    kernel launches, where Triton's interpreter keeps global state."""
+    q, k, v = qkv(B=2, Hq=2, Hkv=2, L=100, S=72, E=16)
+    mods = [_thread_mod(i) for i in range(6)]
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        for _ in range(2):
+            outputs, errors = {}, []
+
+            def work(i):
+                try:
+                    outputs[i] = flexfa.flex_attention(q, k, v, score_mod=mods[i])
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(mods))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors, errors[0]
+            for i, mod in enumerate(mods):
+                assert_matches_reference(outputs[i], q, k, v, mod)
+    finally:
+        sys.setswitchinterval(previous)
+    assert cache.STATS.codegen == len(mods)
+    assert not torch.equal(outputs[0], outputs[1])
