@@ -37,11 +37,12 @@ def mod_buffer_args(score: TracedMod | None, mask: TracedMod | None
     return score_args, mask_args
 
 
-def score_mod_code(score: TracedMod | None, args: list[BufferArgs]) -> str:
-    """Statements setting ``score_mod_out`` (a full fp32 tile) from ``score`` and indices."""
+def score_mod_code(score: TracedMod | None, args: list[BufferArgs], fast_math: bool = False) -> str:
+    """Statements setting ``score_mod_out`` (a full fp32 tile) from ``score`` and indices;
+    ``fast_math`` for GPU targets (hardware tanh/sigmoid/exp)."""
     if score is None:
         return "score_mod_out = score"
-    rendered = render([score.root], FORWARD_LEAVES, args, prefix="s")
+    rendered = render([score.root], FORWARD_LEAVES, args, prefix="s", fast_math=fast_math)
     value = rendered.values[0]
     if needs_tile_broadcast(score.root):
         value = f"tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32) + ({value})"
@@ -78,7 +79,7 @@ def forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | 
         HELPERS=load_template("helpers.tmpl").rstrip("\n"),
         BUFFER_PARAMS="".join(f", {p}" for p in names),
         BUFFER_ARGS="".join(f", {p}" for p in names),
-        SCORE_MOD=score_mod_code(score, score_args),
+        SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret),
         MASK_MOD=mask_mod_code(mask, mask_args),
     )
     return GeneratedKernel(key, name, source)

@@ -132,6 +132,14 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.ERF, FLOAT): "tl.erf({0})",
 }
 
+# fast hardware paths that replace rules above in kernels compiled for a GPU (fast_math=True);
+# helpers.tmpl maps them back to the exact helpers under the interpreter
+_FAST_RULES: dict[tuple[Op, DType | None], str] = {
+    (Op.TANH, FLOAT): "flexfa_fast_tanh({0})",
+    (Op.SIGMOID, FLOAT): "flexfa_fast_sigmoid({0})",
+    (Op.EXP, FLOAT): "flexfa_fast_exp({0})",
+}
+
 # (source dtype, target dtype) -> format string; float -> int truncates toward zero (fptosi)
 _CASTS: dict[tuple[DType, DType], str] = {
     (INT, FLOAT): "{0}.to(tl.float32)",
@@ -163,7 +171,9 @@ def literal(value) -> str:
     return f"({value!r})" if value < 0 or str(value).startswith("-") else repr(value)
 
 
-def _rule(node: Node) -> str:
+def _rule(node: Node, fast_math: bool = False) -> str:
+    if fast_math and (node.op, node.dtype) in _FAST_RULES:
+        return _FAST_RULES[(node.op, node.dtype)]
     if node.op is Op.CAST:
         key = (node.src[0].dtype, node.dtype)
         if key not in _CASTS:
@@ -204,8 +214,10 @@ def _power(node: Node, base: str) -> str | None:
 
 
 class _Renderer:
-    def __init__(self, leaves: Leaves, buffers: Sequence[BufferArgs], prefix: str):
+    def __init__(self, leaves: Leaves, buffers: Sequence[BufferArgs], prefix: str,
+                 fast_math: bool = False):
         self.leaves, self.buffers, self.prefix = leaves, buffers, prefix
+        self.fast_math = fast_math
         self.lines: list[str] = []
         self.exprs: dict[int, str] = {}
 
@@ -226,7 +238,7 @@ class _Renderer:
             unrolled = _power(node, operands[0])
             if unrolled is not None:
                 return unrolled
-        return _rule(node).format(*operands)
+        return _rule(node, self.fast_math).format(*operands)
 
     def load(self, node: Node, indices: list[str]) -> str:
         slot = node.arg
@@ -266,11 +278,14 @@ def _order(roots: Sequence[Node]) -> list[Node]:
 
 
 def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
-           buffers: Sequence[BufferArgs] = (), prefix: str = "t") -> Rendered:
+           buffers: Sequence[BufferArgs] = (), prefix: str = "t",
+           fast_math: bool = False) -> Rendered:
     """Render ``roots`` into SSA lines named ``{prefix}0, {prefix}1, ...`` plus one expression
     per root. Leaves and constants stay inline; every other node used more than once, and
-    every root that is not a leaf or constant, gets a name."""
-    renderer = _Renderer(leaves, buffers, prefix)
+    every root that is not a leaf or constant, gets a name. ``fast_math`` (kernels compiled
+    for a GPU) renders tanh, sigmoid and exp to the hardware approximations of helpers.tmpl;
+    a derivative that reads ``tanh(x)`` (1 - tanh(x)**2) reuses the forward value's name."""
+    renderer = _Renderer(leaves, buffers, prefix, fast_math)
     counts = _use_counts(roots)
     root_ids = {id(r) for r in roots}
     for node in _order(roots):
