@@ -153,6 +153,8 @@ _CASTS: dict[tuple[DType, DType], str] = {
 # how a loaded element becomes a kernel value of the LOAD node's dtype
 _LOAD_CONVERT = {FLOAT: "{0}.to(tl.float32)", INT: "{0}.to(tl.int32)", BOOL: "({0} != 0)"}
 
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
 # small constant integer exponents render as products (exact, and what the backward expects)
 _MAX_UNROLLED_POWER = 4
 
@@ -186,17 +188,32 @@ def _rule(node: Node, fast_math: bool = False) -> str:
     return rule
 
 
+def _int32_literal(value: int) -> str:
+    """An INT constant as a kernel literal: it must fit the kernel's int32."""
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise UnsupportedOpError(
+            f"integer constant {value} does not fit in int32, the type of index math in "
+            f"kernels ({INT32_MIN}..{INT32_MAX}); use a float constant or smaller numbers")
+    return literal(value)
+
+
+def _check_divisor(node: Node) -> None:
+    """Integer // or % by a constant 0 raises in Python; in a kernel it would be garbage."""
+    divisor = node.src[1]
+    if node.dtype is INT and divisor.op is Op.CONST and divisor.arg == 0:
+        symbol = "//" if node.op is Op.FLOORDIV else "%"
+        raise UnsupportedOpError(f"integer division by zero: the mod computes x {symbol} 0")
+
+
 def _fold(node: Node) -> str:
     """A node whose sources are all constants becomes a literal (evaluated like the kernel)."""
     value = evaluate_node(node, float_dtype=torch.float32, device="cpu")
     python = value.item()
     if node.dtype is FLOAT:
-        python = float(python)
-    elif node.dtype is INT:
-        python = int(python)
-    else:
-        python = bool(python)
-    return literal(python)
+        return literal(float(python))
+    if node.dtype is INT:
+        return _int32_literal(int(python))
+    return literal(bool(python))
 
 
 def _folds(node: Node) -> bool:
@@ -227,11 +244,13 @@ class _Renderer:
     def expr(self, node: Node, operands: list[str]) -> str:
         op = node.op
         if op is Op.CONST:
-            return literal(node.arg)
+            return _int32_literal(node.arg) if node.dtype is INT else literal(node.arg)
         if op in (Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
             return self.leaves.name(op)
         if op is Op.LOAD:
             return self.load(node, operands)
+        if op in (Op.FLOORDIV, Op.MOD):
+            _check_divisor(node)
         if _folds(node):
             return _fold(node)
         if op is Op.POW:
