@@ -1,4 +1,4 @@
-"""hypothesis: random mask IRs, lengths and block sizes; flexfa's tables equal the tables
+"""hypothesis: random mask IRs, sizes and block sizes; flexfa's tables equal the tables
 derived from the dense mask (the mod called on real index tensors, L x S, small sizes)."""
 import torch
 import torch.nn.functional as F
@@ -6,8 +6,7 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import _dense_to_ordered
 
 from flexfa.blockmask import create_block_mask
-
-from .random_masks import mask_mods
+from tests.strategies import ALL_OPS, mask_mods
 
 
 def reference_tables(mask_mod, B, H, L, S, q_block, kv_block):
@@ -24,22 +23,31 @@ def reference_tables(mask_mod, B, H, L, S, q_block, kv_block):
     return (kept > 0) & ~full, full
 
 
+def assert_tables_match_dense(mask_mod, B, H, L, S, q_block, kv_block):
+    ours = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+    partial, full = reference_tables(mask_mod, B, H, L, S, q_block, kv_block)
+    expected = {"kv": partial, "full_kv": full, "q": partial.transpose(-2, -1),
+                "full_q": full.transpose(-2, -1)}
+    for prefix, dense in expected.items():
+        num_blocks, indices = _dense_to_ordered(dense)
+        assert torch.equal(getattr(ours, f"{prefix}_num_blocks"), num_blocks), prefix
+        assert torch.equal(getattr(ours, f"{prefix}_indices"), indices), prefix
+
+
 block_sizes = st.sampled_from([16, 32, 64])
-lengths = st.integers(1, 200)
 
 
 @settings(max_examples=40)
-@given(mask_mods(), st.integers(1, 2), st.integers(1, 3), lengths, lengths, block_sizes,
-       block_sizes)
-def test_random_masks_match_dense(mask_mod, B, H, L, S, q_block, kv_block):
-    ours = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=(q_block, kv_block))
-    partial, full = reference_tables(mask_mod, B, H, L, S, q_block, kv_block)
-    for (num_blocks, indices), expected in (
-            ((ours.kv_num_blocks, ours.kv_indices), partial),
-            ((ours.full_kv_num_blocks, ours.full_kv_indices), full)):
-        ref_num, ref_indices = _dense_to_ordered(expected)
-        assert torch.equal(num_blocks, ref_num)
-        assert torch.equal(indices, ref_indices)
-    ref_q = _dense_to_ordered(full.transpose(-2, -1))
-    assert torch.equal(ours.full_q_num_blocks, ref_q[0])
-    assert torch.equal(ours.full_q_indices, ref_q[1])
+@given(st.data(), st.integers(1, 2), st.integers(1, 3), st.integers(1, 200),
+       st.integers(1, 200), block_sizes, block_sizes)
+def test_random_masks_match_dense(data, B, H, L, S, q_block, kv_block):
+    mask_mod = data.draw(mask_mods(B, H, L, S, ops=ALL_OPS))
+    assert_tables_match_dense(mask_mod, B, H, L, S, q_block, kv_block)
+
+
+@settings(max_examples=10)
+@given(st.data(), st.sampled_from([(100, 232), (232, 100), (256, 256)]))
+def test_random_masks_match_dense_at_larger_sizes(data, lengths):
+    L, S = lengths
+    mask_mod = data.draw(mask_mods(2, 2, L, S, ops=ALL_OPS))
+    assert_tables_match_dense(mask_mod, 2, 2, L, S, 32, 16)
