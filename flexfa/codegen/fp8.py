@@ -1,0 +1,164 @@
+"""The FP8 forward kernel: ``FP8KernelSpec`` and the filler of ``fwd_fp8.tmpl``.
+
+Same hooks and leaves as the bf16 forward (``flexfa/codegen/forward.py``): the score_mod and
+mask_mod render identically, because the kernel hands them the descaled float32 score.
+Importing this module registers the FP8 variants with ``python -m flexfa compile-check``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..frontend.trace import TracedMod
+from . import compile_check
+from .forward import (GeneratedKernel, buffer_signature, mask_mod_code, mod_buffer_args,
+                      score_mod_code)
+from .spec import INTERPRET, kernel_name, next_power_of_two, spec_key
+from .template import fill, load_template, template_hash
+from .versions import versions_key
+
+FP8_TEMPLATES = ("fwd_fp8.tmpl", "helpers.tmpl")
+P_SHIFT = 8  # P is cast to e4m3 as P * 2**8: [0, 1] -> [0, 256], well inside e4m3's 448
+FP8_MIN_DIM = 32  # e4m3 dots reduce over K >= 32: E and BLOCK_N pad/tile to at least this
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8KernelSpec:
+    """An FP8 forward-kernel variant; rendering is a pure function of (mods' IR, spec)."""
+
+    out_dtype: str  # "bf16" | "fp16"
+    head_dim: int  # E of the FP8 q/k (after any rotation padding)
+    head_dim_v: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    has_block_mask: bool
+    has_full_blocks: bool
+    sparse_q: int
+    sparse_kv: int
+    scale_q: int  # rows per Q scale block
+    scale_kv: int  # rows per K/V scale block
+    even_l: bool
+    even_s: bool
+    return_lse: bool
+    gqa_group: int
+    target: str
+    template: str = "fwd_fp8"
+    dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
+
+    def __post_init__(self):
+        assert self.out_dtype in ("bf16", "fp16"), self.out_dtype
+        for tile, block, what in ((self.block_m, self.sparse_q, "block-mask q"),
+                                  (self.block_n, self.sparse_kv, "block-mask kv"),
+                                  (self.block_m, self.scale_q, "Q scale"),
+                                  (self.block_n, self.scale_kv, "K/V scale")):
+            assert block % tile == 0, f"tile {tile} must divide the {what} block {block}"
+
+    @property
+    def head_dim_pad(self) -> int:
+        return next_power_of_two(self.head_dim, FP8_MIN_DIM)
+
+    @property
+    def head_dim_v_pad(self) -> int:
+        return next_power_of_two(self.head_dim_v, FP8_MIN_DIM)
+
+    @property
+    def interpret(self) -> bool:
+        return self.target == INTERPRET
+
+    def constexprs(self, has_score_mod: bool) -> dict[str, object]:
+        return dict(
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, E=self.head_dim, E_PAD=self.head_dim_pad,
+            EV=self.head_dim_v, EV_PAD=self.head_dim_v_pad, HAS_SCORE_MOD=has_score_mod,
+            HAS_BLOCK_MASK=self.has_block_mask, HAS_FULL_BLOCKS=self.has_full_blocks,
+            SPARSE_Q=self.sparse_q, SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l,
+            EVEN_S=self.even_s, RETURN_LSE=self.return_lse, GQA_GROUP=self.gqa_group,
+            SCALE_Q=self.scale_q, SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT,
+            EMULATE_FP8_CAST=self.interpret)
+
+    def launch_options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def fp8_forward_key(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
+    return spec_key(spec, score.key if score else "-", mask.key if mask else "-",
+                    versions_key(), template_hash(*FP8_TEMPLATES))
+
+
+def fp8_forward_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None
+                       ) -> GeneratedKernel:
+    """Key, name (``flexfa_fwd_fp8_d128_e4m3_<hash>``) and source of the FP8 forward kernel."""
+    key = fp8_forward_key(spec, score, mask)
+    name = kernel_name(spec, key)
+    score_args, mask_args = mod_buffer_args(score, mask)
+    names = [p for args in (*score_args, *mask_args) for p in args.params]
+    source = fill(
+        load_template("fwd_fp8.tmpl"),
+        KERNEL_NAME=name,
+        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
+        BUFFER_PARAMS="".join(f", {p}" for p in names),
+        BUFFER_ARGS="".join(f", {p}" for p in names),
+        SCORE_MOD=score_mod_code(score, score_args),
+        MASK_MOD=mask_mod_code(mask, mask_args),
+    )
+    return GeneratedKernel(key, name, source)
+
+
+def fp8_forward_signature(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None
+                          ) -> tuple[dict[str, str], dict[str, object]]:
+    """(signature, constexprs) of the FP8 kernel, for ``triton.compile(ASTSource(...))``."""
+    signature = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Q_SCALE": "*fp32",
+                 "K_SCALE": "*fp32", "V_SCALE": "*fp32", "OUT": f"*{spec.out_dtype}",
+                 "LSE": "*fp32"}
+    for tensor, dims in (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd"), ("o", "bhmd")):
+        signature.update({f"stride_{tensor}{d}": "i32" for d in dims})
+    signature.update({name: "i32" for name in ("stride_qs_b", "stride_qs_h", "stride_kvs_b",
+                                               "stride_kvs_h")})
+    signature.update({name: "*i32" for name in ("KV_NUM_BLOCKS", "KV_INDICES", "FULL_KV_NUM_BLOCKS",
+                                                "FULL_KV_INDICES")})
+    for table, dims in (("nb", "bhm"), ("ix", "bhmn"), ("fnb", "bhm"), ("fix", "bhmn")):
+        signature.update({f"stride_{table}_{d}": "i32" for d in dims})
+    signature.update(HQ="i32", L="i32", S="i32", sm_scale="fp32")
+    score_args, mask_args = mod_buffer_args(score, mask)
+    signature.update(buffer_signature(score, score_args))
+    signature.update(buffer_signature(mask, mask_args))
+    constexprs = spec.constexprs(score is not None)
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature, constexprs
+
+
+# ---- compile-check variants -----------------------------------------------------------------
+
+def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None):
+    """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles."""
+    def build(arch: int) -> compile_check.CompileJob:
+        from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
+        from ..fp8.runtime import default_fp8_tiles
+        from ..runtime.cache import get_module
+        from ..runtime.pipeline import prepare
+
+        score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
+        mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
+        block_m, block_n, warps, stages = default_fp8_tiles(
+            next_power_of_two(head_dim, FP8_MIN_DIM), f"cuda:{arch}")
+        spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
+                             head_dim_v=head_dim_v or head_dim, block_m=block_m,
+                             block_n=block_n, num_warps=warps, num_stages=stages,
+                             has_block_mask=mask is not None, has_full_blocks=mask is not None,
+                             sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
+                             even_l=False, even_s=False, return_lse=True, gqa_group=1,
+                             target=f"cuda:{arch}")
+        generated = fp8_forward_kernel(spec, score, mask)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        signature, constexprs = fp8_forward_signature(spec, score, mask)
+        return compile_check.CompileJob(getattr(module, generated.name), signature, constexprs,
+                                        spec.launch_options(), generated.name)
+    return build
+
+
+compile_check.register("fwd_fp8_d128_dense", fp8_job(128))
+compile_check.register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=compile_check._causal))
+compile_check.register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=compile_check._softcap))
+compile_check.register("fwd_fp8_d128_alibi_document",
+                       fp8_job(128, score_mod=compile_check._slopes_mod(),
+                               mask_mod=compile_check._document_mask()))

@@ -1,0 +1,70 @@
+"""``flex_attention_fp8``: flex_attention with Q, K, V in e4m3 (forward only)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..api import _check_block_mask, _check_buffers, _check_flag, _check_scale
+from ..errors import InputError, InputTypeError
+from ..runtime.forward import AttentionCall
+from ..runtime.options import parse_kernel_options
+from ..runtime.pipeline import prepare_mask, prepare_score_mod
+from .checks import check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad
+from .quantize import FP8Inputs, quantize
+from .runtime import run_fp8_forward
+
+
+def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
+    """``query`` if it is an FP8Inputs, else the three bf16/fp16 tensors quantized."""
+    if isinstance(query, FP8Inputs):
+        if key is not None or value is not None:
+            raise InputError("query is an FP8Inputs (it holds q, k and v): pass key=None and "
+                             "value=None")
+        return query
+    if check_mixed(query, key, value):
+        raise InputError("query, key and value are FP8 tensors without their scales; pass the "
+                         "FP8Inputs that flexfa.fp8.quantize returns (tensors and scales "
+                         "together), or bf16/fp16 tensors to be quantized here")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in (torch.bfloat16,
+                                                                       torch.float16):
+            raise InputTypeError(f"{name} has dtype {tensor.dtype}; flex_attention_fp8 takes "
+                                 "bfloat16 or float16 tensors (or an FP8Inputs)")
+    check_no_grad((("query", query), ("key", key), ("value", value)), ())
+    return quantize(query, key, value, block_size=block_size, rotate=rotate, seed=seed)
+
+
+def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=None, scale=None,
+                       rotate=True, block_size=128, enable_gqa=False, return_lse=False,
+                       kernel_options=None, seed=0):
+    """Attention with a score_mod and a block mask on e4m3 tensor cores (forward only).
+
+    ``query, key, value``: bf16/fp16 tensors shaped as for ``flexfa.flex_attention``, which
+    are quantized here (``flexfa.fp8.quantize(..., block_size, rotate, seed)``), or
+    ``query=`` an ``FP8Inputs`` from ``quantize`` with ``key=value=None`` (then ``rotate``,
+    ``block_size`` and ``seed`` are already decided). The score_mod sees the descaled float32
+    ``q.k * scale`` (``scale`` defaults to ``1/sqrt(E)`` of the original head dim); the output
+    has the inputs' dtype, lse is float32. Raises ``FP8UnsupportedError`` when a gradient is
+    required or the GPU has no FP8 tensor cores (compute capability < 8.9).
+    """
+    x = _inputs(query, key, value, rotate, block_size, seed)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    return_lse = _check_flag("return_lse", return_lse)
+    check_fp8_inputs(x, enable_gqa)
+    check_fp8_device(x.q.device)
+    scale = _check_scale(scale, x.head_dim)
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    _check_block_mask(block_mask, x.q, x.k)
+    score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
+    _check_buffers(score, "score_mod", x.q.device)
+    _check_buffers(mask, "mask_mod", x.q.device)
+    check_no_grad((), score.buffers if score is not None else ())
+    call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),
+                         x.q.shape[1] // x.k.shape[1])
+    x = dataclasses.replace(x, **{n: getattr(x, n).contiguous()
+                                  for n in ("q_scale", "k_scale", "v_scale")})
+    out, lse = run_fp8_forward(x, call, return_lse)
+    return (out, lse) if return_lse else out
+

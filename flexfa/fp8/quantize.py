@@ -1,0 +1,121 @@
+"""Quantizing Q, K, V to float8_e4m3fn with per-block scales (and an optional rotation).
+
+A block is ``block_q`` query rows (or ``block_kv`` key/value rows) of one head; its scale is
+``amax / 448`` (448: the largest finite e4m3 value), so the block's largest entry lands on
+448. The kernel multiplies the scales back (they are *descales*): ``q = q_fp8 * q_scale``.
+V is stored with the sequence dim contiguous (a transposed layout seen through a
+``[B, H, S, Ev]`` view), the K-major operand layout Hopper's FP8 wgmma wants for ``P @ V``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .hadamard import padded_dim, random_signs, unrotate
+from .hadamard import rotate as hadamard_rotate
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Inputs:
+    """Q, K, V in float8_e4m3fn with their float32 descales, as ``quantize`` returns them."""
+
+    q: torch.Tensor  # [B, Hq, L, Ep] (Ep: head dim, padded to a power of two when rotated)
+    k: torch.Tensor  # [B, Hkv, S, Ep]
+    v: torch.Tensor  # [B, Hkv, S, Ev], stride 1 along S
+    q_scale: torch.Tensor  # [B, Hq, ceil(L / block_q)] float32
+    k_scale: torch.Tensor  # [B, Hkv, ceil(S / block_kv)] float32
+    v_scale: torch.Tensor  # [B, Hkv, ceil(S / block_kv)] float32
+    block_q: int
+    block_kv: int
+    head_dim: int  # E before padding: the default softmax scale is 1/sqrt(head_dim)
+    dtype: torch.dtype  # dtype of the original inputs, and of the attention output
+    signs: torch.Tensor | None = None  # the rotation's +-1 signs (None: not rotated)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 (q, k, v) in the original basis: descaled, un-rotated, padding removed."""
+        q = _descale(self.q, self.q_scale, self.block_q)
+        k = _descale(self.k, self.k_scale, self.block_kv)
+        v = _descale(self.v, self.v_scale, self.block_kv)
+        if self.signs is not None:
+            q, k = (unrotate(x, self.signs, self.head_dim) for x in (q, k))
+        return q, k, v
+
+
+def output_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The attention output's dtype: the inputs' for bf16/fp16, else bf16."""
+    return input_dtype if input_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Max |x| per block of ``block`` rows: ``[B, H, N, E] -> [B, H, ceil(N / block)]``."""
+    B, H, N, E = x.shape
+    blocks = -(-N // block)
+    padded = torch.nn.functional.pad(x.abs(), (0, 0, 0, blocks * block - N))
+    return padded.view(B, H, blocks, block * E).amax(dim=-1)
+
+
+def _scales(amax: torch.Tensor) -> torch.Tensor:
+    # an all-zero block gets scale 1 (any scale represents zeros; 0 would divide by zero)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
+
+
+def _expand(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:
+    """Per-block scales ``[B, H, nb]`` -> per-row ``[B, H, rows, 1]``."""
+    return scale.repeat_interleave(block, dim=-1)[..., :rows, None]
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    scaled = x.float() / _expand(scale, block, x.shape[2])
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def _descale(x8: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    return x8.float() * _expand(scale, block, x8.shape[2])
+
+
+def _seq_contiguous(v8: torch.Tensor) -> torch.Tensor:
+    """``v8`` [B, H, S, Ev] copied into S-contiguous storage (S padded to 16 for alignment)."""
+    B, H, S, Ev = v8.shape
+    storage = torch.zeros(B, H, Ev, -(-S // 16) * 16, dtype=v8.dtype, device=v8.device)
+    storage[..., :S] = v8.transpose(-1, -2)
+    return storage.transpose(-1, -2)[:, :, :S, :]
+
+
+def _block_sizes(block_size) -> tuple[int, int]:
+    from .checks import check_block_size  # validation lives with the other checks
+    return check_block_size(block_size)
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size=128,
+             rotate: bool = True, seed: int = 0, per_tensor: bool = False) -> FP8Inputs:
+    """Quantize bf16/fp16/fp32 ``q [B,Hq,L,E]``, ``k [B,Hkv,S,E]``, ``v [B,Hkv,S,Ev]`` to e4m3.
+
+    ``block_size``: rows per scale block, an int or ``(block_q, block_kv)``; a power of two
+    >= 16 (the kernel's tiles must divide it). ``rotate``: apply one random-sign Hadamard
+    rotation (signs from ``seed``) to Q and K first; head dims that are not powers of two are
+    zero-padded. ``per_tensor``: one scale per tensor instead of per block (the plain FP8
+    baseline; the scale tables keep their per-block shape, filled with that one value).
+    """
+    from .checks import check_quantize_inputs
+    check_quantize_inputs(q, k, v, rotate, per_tensor)
+    block_q, block_kv = _block_sizes(block_size)
+    head_dim = q.shape[-1]
+    signs = None
+    if rotate:
+        signs = random_signs(padded_dim(head_dim), seed, q.device)
+        q, k = hadamard_rotate(q, signs), hadamard_rotate(k, signs)
+    scales = []
+    for x, block in ((q, block_q), (k, block_kv), (v, block_kv)):
+        amax = _block_amax(x.float(), block)
+        if per_tensor:
+            amax = torch.full_like(amax, float(amax.max()) if amax.numel() else 0.0)
+        scales.append(_scales(amax))
+    q8, k8, v8 = (_to_fp8(x, s, b) for x, s, b in zip((q, k, v), scales,
+                                                       (block_q, block_kv, block_kv)))
+    return FP8Inputs(q8, k8, _seq_contiguous(v8), *scales, block_q=block_q, block_kv=block_kv,
+                     head_dim=head_dim, dtype=output_dtype(v.dtype), signs=signs)
+

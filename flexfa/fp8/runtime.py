@@ -1,0 +1,119 @@
+"""Running the FP8 forward kernel on validated ``FP8Inputs``: tiles, spec, cache, launch."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel
+from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
+from ..errors import InputError
+from ..frontend.trace import TracedMod
+from ..runtime.cache import get_module, register_memo
+from ..runtime.forward import AttentionCall, _table_args, buffer_launch_args, target_of
+from .quantize import FP8Inputs
+
+
+def default_fp8_tiles(head_dim_pad: int, target: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); 64 x 64 under the interpreter.
+
+    GPU choices from sm_90 compile checks (ptxas spills, causal mask): 128 x 128 at E <= 64
+    spills nothing; at E = 128 it spills ~400 B, 128 x 64 nothing; E = 256 spills at any tile.
+    """
+    if target == INTERPRET:
+        return 64, 64, 4, 1
+    if head_dim_pad <= 64:
+        return 128, 128, 8, 3
+    if head_dim_pad <= 128:
+        return 128, 64, 8, 3
+    return 128, 64, 8, 2
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    tile = cap
+    while tile > 1 and n % tile:
+        tile //= 2
+    return tile
+
+
+def _fit(name: str, default: int, pinned: int | None, blocks: dict[str, int], minimum: int) -> int:
+    """A tile dividing every block in ``blocks`` (the pinned one, or the largest <= default)."""
+    tile = pinned or default
+    if pinned is None:
+        for block in blocks.values():
+            tile = _largest_pow2_divisor(block, tile)
+    bad = {what: block for what, block in blocks.items() if block % tile}
+    if bad or tile < minimum:
+        raise InputError(
+            f"FP8 kernel tile {name}={tile} must be >= {minimum} and divide the "
+            f"{', '.join(f'{w} block {b}' for w, b in blocks.items())}; choose block sizes "
+            f"that are multiples of {minimum} or pass a fitting kernel_options {name!r}")
+    return tile
+
+
+def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSpec:
+    L, E = x.q.shape[2], x.q.shape[3]
+    S, Ev = x.k.shape[2], x.v.shape[3]
+    target = target_of(x.q.device)
+    block_m, block_n, warps, stages = default_fp8_tiles(
+        next_power_of_two(E, FP8_MIN_DIM), target)
+    q_blocks, kv_blocks = {"Q scale": x.block_q}, {"K/V scale": x.block_kv}
+    mask = call.block_mask
+    if mask is not None:
+        sparse_q, sparse_kv = (int(b) for b in mask.BLOCK_SIZE)
+        q_blocks["block_mask q"], kv_blocks["block_mask kv"] = sparse_q, sparse_kv
+    options = call.options
+    block_m = _fit("BLOCK_M", block_m, options.block_m, q_blocks, 16)
+    block_n = _fit("BLOCK_N", block_n, options.block_n, kv_blocks, 16)
+    if mask is None:
+        sparse_q, sparse_kv = block_m, block_n
+    return FP8KernelSpec(
+        out_dtype=DTYPE_NAMES[x.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m,
+        block_n=block_n, num_warps=options.num_warps or warps,
+        num_stages=options.num_stages or stages, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
+        even_l=L % block_m == 0, even_s=S % block_n == 0, return_lse=return_lse,
+        gqa_group=call.gqa_group, target=target)
+
+
+_KERNELS: dict[tuple, object] = register_memo({})
+
+
+def get_fp8_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None):
+    memo_key = (spec, score.key if score else None, mask.key if mask else None)
+    kernel = _KERNELS.get(memo_key)
+    if kernel is None:
+        generated = fp8_forward_kernel(spec, score, mask)
+        module = get_module(generated.name, generated.key, spec.interpret,
+                            lambda: generated.source)
+        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
+    return kernel
+
+
+def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
+    """(out [B, Hq, L, Ev] in ``x.dtype``, lse [B, Hq, L] float32 or None)."""
+    B, Hq, L, _ = x.q.shape
+    S, Ev = x.k.shape[2], x.v.shape[3]
+    device = x.q.device
+    out = torch.empty(B, Hq, L, Ev, dtype=x.dtype, device=device)
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=device) if return_lse else None
+    if out.numel() == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    spec = fp8_spec(x, call, return_lse)
+    kernel = get_fp8_kernel(spec, call.score, call.mask)
+    grid = (triton.cdiv(L, spec.block_m), B * Hq)
+    assert x.k_scale.stride() == x.v_scale.stride(), "K and V scales must share strides"
+    args = [x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, out, lse if lse is not None else out,
+            *x.q.stride(), *x.k.stride(), *x.v.stride(), *out.stride(),
+            *x.q_scale.stride()[:2], *x.k_scale.stride()[:2],
+            *_table_args(call.block_mask, device), Hq, L, S, float(call.scale),
+            *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
+    launch = dict(spec.constexprs(call.score is not None), **spec.launch_options())
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](*args, **launch)
+    else:
+        kernel[grid](*args, **launch)
+    return out, lse
