@@ -20,6 +20,7 @@ from .runtime.pipeline import prepare_mask, prepare_score_mod
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 _NAMES = ("query", "key", "value")
 
 
@@ -75,6 +76,9 @@ def _check_scale(scale, head_dim: int) -> float:
         raise InputTypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
     if not math.isfinite(scale):
         raise InputError(f"scale must be finite, got {scale}")
+    if abs(scale) > MAX_SCALE:  # the kernels hold scale * log2(e) in float32
+        raise InputError(f"scale is {scale}; it must be at most {MAX_SCALE:.3e} in magnitude "
+                         "(kernels keep scale * log2(e) in float32)")
     return float(scale)
 
 
