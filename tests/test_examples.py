@@ -18,9 +18,9 @@ def load(name: str):
 
 def test_train_block_trains_the_bias():
     train_block = load("train_block")
-    model, losses = train_block.train(steps=3, seq_len=49, device="cpu", dim=16, heads=2,
-                                      block_size=16)
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    model, losses = train_block.train(steps=2, seq_len=49, device="cpu", dim=16, heads=2,
+                                      block_size=32)
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert all(loss < 2 * math.log(16) for loss in losses), f"losses out of range: {losses}"
     assert model.rel_bias.abs().sum() > 0, "the optimizer never moved the bias"
     assert model.rel_bias.grad is not None and model.rel_bias.grad.abs().sum() > 0, \
@@ -33,13 +33,13 @@ def test_module_wrapper_matches_dense_attention():
     from flexfa.reference import attention_reference
     torch.manual_seed(0)
     attn = flex_module.FlexAttention(32, 2, score_mod=mods.softcap(10.0),
-                                     mask_mod=mods.sliding_window(20), block_size=16)
+                                     mask_mod=mods.sliding_window(20), block_size=32)
     assert "softcap_10" in repr(attn) and "sliding_window_20" in repr(attn)
-    x = torch.randn(2, 50, 32, requires_grad=True)
+    x = torch.randn(2, 70, 32, requires_grad=True)
     y = attn(x)
-    q, k, v = attn.qkv(x).view(2, 50, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    q, k, v = attn.qkv(x).view(2, 70, 3, 2, 16).permute(2, 0, 3, 1, 4)
     dense = attention_reference(q, k, v, attn.score_mod, attn.mask_mod, dtype=torch.float32)
-    want = attn.out(dense.transpose(1, 2).reshape(2, 50, 32))
+    want = attn.out(dense.transpose(1, 2).reshape(2, 70, 32))
     torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
     y.square().mean().backward()
     assert x.grad is not None and attn.qkv.weight.grad.abs().sum() > 0
@@ -49,8 +49,8 @@ def test_module_wrapper_matches_dense_attention():
 
 @pytest.mark.parametrize("name,argv", [
     ("flex_module", ["--seq-len", "40", "--dim", "32"]),
-    ("compare_torch", ["--seq-len", "64", "--heads", "2", "--head-dim", "16"]),
-    ("train_block", ["--steps", "2", "--seq-len", "32"]),
+    ("compare_torch", ["--seq-len", "48", "--heads", "1", "--head-dim", "16"]),
+    ("train_block", ["--steps", "1", "--seq-len", "32"]),
 ])
 def test_example_scripts_run(name, argv, capsys):
     assert load(name).main(argv) == 0

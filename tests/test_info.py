@@ -3,8 +3,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 from flexfa import info
 from flexfa.runtime import cli
 
@@ -55,11 +53,9 @@ def test_cache_clear_refuses_home_and_unknown_commands(monkeypatch, tmp_path, ca
     assert cli.main([]) == 2
 
 
-@pytest.mark.parametrize("args,expected", [(["info"], "triton:"), (["cache", "path"], "cache")])
-def test_commands_run_through_python_m_flexfa(args, expected, tmp_path):
+def test_info_runs_through_python_m_flexfa(tmp_path):
     env = {"FLEXFA_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "flexfa", *args], capture_output=True,
-                          text=True, env=env, cwd=str(REPO),
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-m", "flexfa", "info"], capture_output=True,
+                          text=True, env=env, cwd=str(REPO), timeout=120)
     assert done.returncode == 0, done.stderr
-    assert expected in done.stdout
+    assert "triton:" in done.stdout and str(tmp_path / "cache") in done.stdout
