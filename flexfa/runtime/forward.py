@@ -168,6 +168,9 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse
+    from .hopper import run_hopper_forward, use_hopper  # sm_90: the Hopper template
+    if use_hopper(q, k, v):
+        return run_hopper_forward(q, k, v, call, return_lse)
     spec = forward_spec(q, k, v, call, return_lse)
     kernel = get_forward_kernel(spec, call.score, call.mask)
     grid = (triton.cdiv(L, spec.block_m), B * Hq)

@@ -1,0 +1,107 @@
+"""The Hopper (sm_90) forward template: filling ``fwd_hopper.tmpl`` and its compile checks.
+
+Same hooks and the same ``KernelSpec`` as the Ampere-class ``fwd.tmpl`` (with
+``template="fwd_hopper"``), so the score_mod and mask_mod code is rendered once by
+``flexfa.codegen.forward``; what differs is how tiles reach shared memory (host tensor
+descriptors, TMA), the flat pipelined block loop and the reversed q-tile order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..frontend.trace import TracedMod
+from .forward import GeneratedKernel, forward_signature, mask_mod_code, mod_buffer_args, score_mod_code
+from .spec import KernelSpec, kernel_name, spec_key
+from .template import fill, load_template, template_hash
+from .versions import versions_key
+
+HOPPER_TEMPLATE = "fwd_hopper"
+HOPPER_TEMPLATES = ("fwd_hopper.tmpl", "helpers.tmpl")
+
+
+def hopper_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
+    return spec_key(spec, score.key if score else "-", mask.key if mask else "-",
+                    versions_key(), template_hash(*HOPPER_TEMPLATES))
+
+
+def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
+                  ) -> GeneratedKernel:
+    """Key, name (``flexfa_fwd_hopper_d128_bf16_<hash>``) and source of the Hopper forward."""
+    assert spec.template == HOPPER_TEMPLATE, f"spec is for template {spec.template!r}"
+    key = hopper_key(spec, score, mask)
+    name = kernel_name(spec, key)
+    score_args, mask_args = mod_buffer_args(score, mask)
+    names = "".join(f", {p}" for args in (*score_args, *mask_args) for p in args.params)
+    source = fill(
+        load_template("fwd_hopper.tmpl"),
+        KERNEL_NAME=name,
+        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
+        BUFFER_PARAMS=names,
+        BUFFER_ARGS=names,
+        SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret),
+        MASK_MOD=mask_mod_code(mask, mask_args),
+    )
+    return GeneratedKernel(key, name, source)
+
+
+def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
+                     ) -> tuple[dict[str, str], dict[str, object]]:
+    """(signature, constexprs) of the Hopper forward, for ``triton.compile(ASTSource(...))``."""
+    ampere, constexprs = forward_signature(spec, score, mask)
+    signature = {
+        "Q_DESC": f"tensordesc<{spec.dtype}[{spec.block_m}, {spec.head_dim_pad}]>",
+        "K_DESC": f"tensordesc<{spec.dtype}[{spec.block_n}, {spec.head_dim_pad}]>",
+        "V_DESC": f"tensordesc<{spec.dtype}[{spec.block_n}, {spec.head_dim_v_pad}]>",
+    }
+    dropped = {"Q", "K", "V", *(f"stride_{t}{d}" for t, dims in
+                                (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd")) for d in dims)}
+    signature.update({k: v for k, v in ampere.items() if k not in dropped})
+    return signature, constexprs
+
+
+# ---- compile-only checks (python -m flexfa compile-check) ----------------------------------
+
+def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
+               block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
+               return_lse: bool = True):
+    """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
+    def build(arch: int):
+        from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
+        from ..runtime.cache import get_module
+        from ..runtime.pipeline import prepare
+        from .compile_check import CompileJob
+
+        score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
+        mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=block_m,
+                          block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                          has_block_mask=mask is not None, has_full_blocks=mask is not None,
+                          sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
+                          return_lse=return_lse, gqa_group=1, input_precision="ieee",
+                          target=f"cuda:{arch}", template=HOPPER_TEMPLATE)
+        generated = hopper_kernel(spec, score, mask)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        signature, constexprs = hopper_signature(spec, score, mask)
+        return CompileJob(getattr(module, generated.name), signature, constexprs,
+                          spec.launch_options(), generated.name)
+    return build
+
+
+def _register_compile_checks() -> None:
+    import torch
+
+    from . import compile_check as check
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    check.register("fwd_hopper_d128_bf16_causal", hopper_job(128, "bf16", mask_mod=causal))
+    check.register("fwd_hopper_d64_bf16_dense", hopper_job(64, "bf16", return_lse=False))
+    check.register("fwd_hopper_d128_fp16_softcap_causal",
+                   hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal))
+
+
+_register_compile_checks()

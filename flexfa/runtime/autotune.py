@@ -1,0 +1,146 @@
+"""Autotuning the forward tiles per (template, target, head dims, dtype, mask density class).
+
+A small pruned config space per head dim is timed on the caller's own inputs the first time a
+class is met; the winner goes into ``<cache dir>/autotune.json`` (atomic write under a lock),
+so a new process reuses it without timing anything. A progress line goes to stderr while
+tuning. Nothing is tuned under the interpreter (CPU tensors get fixed small tiles), when the
+caller pins tiles through ``kernel_options``, or with ``FLEXFA_AUTOTUNE=0``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+from .cache import file_lock, write_atomic
+from .cache_location import usable_cache_dir
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry is the default when not tuning.
+# Pruned by hand on the H200: 128-row tiles fill two wgmma warpgroups, BLOCK_N = 128 keeps a
+# block-mask block one loop iteration, 64 halves the registers for wide heads.
+HOPPER_CONFIGS: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    16: ((128, 128, 4, 3), (128, 64, 4, 3)),
+    32: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)),
+    64: ((128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3)),
+    128: ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)),
+    256: ((128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
+}
+
+_FILE = "autotune.json"
+_LOCK = threading.Lock()
+_MEMO: dict[str, tuple[int, int, int, int]] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("FLEXFA_AUTOTUNE", "1") != "0"
+
+
+def density_class(block_mask) -> str:
+    """"dense" (no mask), "sparse" (< 30% of the tiles visited), "masked" otherwise; kept on
+    the mask object, so the device-to-host read happens once per mask."""
+    if block_mask is None:
+        return "dense"
+    cached = getattr(block_mask, "_flexfa_density_class", None)
+    if cached is not None:
+        return cached
+    visited = int(block_mask.kv_num_blocks.sum())
+    full = getattr(block_mask, "full_kv_num_blocks", None)
+    if full is not None:
+        visited += int(full.sum())
+    q_blocks, kv_blocks = block_mask.kv_indices.shape[-2], block_mask.kv_indices.shape[-1]
+    b, h = block_mask.kv_num_blocks.shape[:2]
+    density = visited / max(1, b * h * q_blocks * kv_blocks)
+    result = "sparse" if density < 0.3 else "masked"
+    try:
+        block_mask._flexfa_density_class = result
+    except AttributeError:  # a frozen or slotted mask object: recompute next time
+        pass
+    return result
+
+
+def tune_key(template: str, target: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,
+             density: str) -> str:
+    return f"{template}|{target}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}"
+
+
+def _path():
+    return usable_cache_dir() / _FILE
+
+
+def _read_all() -> dict:
+    try:
+        with open(_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def lookup(key: str) -> tuple[int, int, int, int] | None:
+    """A stored winner: this process's memo, then the disk file."""
+    config = _MEMO.get(key)
+    if config is None:
+        stored = _read_all().get(key)
+        if isinstance(stored, list) and len(stored) == 4 and all(isinstance(x, int) for x in stored):
+            config = _MEMO[key] = tuple(stored)
+    return config
+
+
+def store(key: str, config: tuple[int, int, int, int], timings: dict) -> None:
+    _MEMO[key] = config
+    path = _path()
+    with file_lock(path.with_suffix(".lock")):
+        data = _read_all()
+        data[key] = list(config)
+        data.setdefault("_timings_ms", {})[key] = timings
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+
+
+def tune(key: str, configs, time_config: Callable[[tuple], float]) -> tuple[int, int, int, int]:
+    """Time every config (``time_config(config) -> ms``; an exception drops the config),
+    keep the fastest and store it; a progress line per config on stderr."""
+    with _LOCK:
+        known = lookup(key)
+        if known is not None:
+            return known
+        timings = {}
+        for i, config in enumerate(configs):
+            label = "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
+            print(f"\rflexfa: tuning {key}: {i + 1}/{len(configs)} ({label})", end="",
+                  file=sys.stderr, flush=True)
+            try:
+                timings[label] = time_config(config)
+            except Exception as exc:  # too many registers / shared memory: skip the config
+                timings[label] = f"failed: {type(exc).__name__}"
+        good = {label: ms for label, ms in timings.items() if isinstance(ms, float)}
+        assert good, f"no config of {key} ran: {timings}"
+        best_label = min(good, key=good.get)
+        best = configs[list(timings).index(best_label)]
+        print(f"\rflexfa: tuned {key}: {best_label} ({good[best_label]:.3f} ms)" + " " * 20,
+              file=sys.stderr, flush=True)
+        store(key, tuple(best), timings)
+        return tuple(best)
+
+
+def clear_memo() -> None:
+    _MEMO.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pinned:
+    """Tiles the caller fixed through kernel_options (None: free)."""
+
+    block_m: int | None
+    block_n: int | None
+    num_warps: int | None
+    num_stages: int | None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+    def apply(self, config: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        return tuple(p if p is not None else c for p, c in zip(dataclasses.astuple(self), config))

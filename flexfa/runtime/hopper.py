@@ -1,0 +1,165 @@
+"""Running the Hopper forward template: when it applies, its tiles (tuned), one launch.
+
+``use_hopper(q, k, v)`` is true on sm_90 for fp16/bf16 inputs whose [B, H, len, dim] layout
+flattens to 16-byte aligned rows (what tensor descriptors need); everything else keeps the
+Ampere-class template. ``FLEXFA_FORWARD_TEMPLATE`` = ``hopper`` / ``ampere`` forces a choice
+(``hopper`` also under the interpreter, which is how CI tests this template).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
+from ..codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
+from ..errors import InputError
+from ..frontend.trace import TracedMod
+from . import autotune
+from .cache import get_module, register_memo
+from .forward import AttentionCall, _largest_tile, _table_args, buffer_launch_args, target_of
+
+HOPPER_TARGETS = ("cuda:90",)
+_INTERPRET_CONFIG = (64, 64, 4, 1)
+
+
+def _flat_rows(t: torch.Tensor) -> bool:
+    """[B, H, n, d] is a [B * H * n, d] matrix with 16-byte aligned rows."""
+    B, H, n, _ = t.shape
+    row = t.stride(2)
+    return (t.stride(3) == 1 and (row * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0 and (H == 1 or t.stride(1) == n * row)
+            and (B == 1 or t.stride(0) == H * n * row))
+
+
+def use_hopper(q, k, v) -> bool:
+    forced = os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto")
+    if forced == "ampere":
+        return False
+    if forced != "hopper" and target_of(q.device) not in HOPPER_TARGETS:
+        return False
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] >= 8 and v.shape[3] >= 8
+            and q.shape[2] > 0 and k.shape[2] > 0
+            and all(_flat_rows(t) for t in (q, k, v)))
+
+
+def _fits(config, sparse_q: int | None, sparse_kv: int | None) -> bool:
+    block_m, block_n = config[:2]
+    return sparse_q is None or (sparse_q % block_m == 0 and sparse_kv % block_n == 0)
+
+
+def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, int, int, int]]:
+    configs = autotune.HOPPER_CONFIGS[max(16, min(256, head_dim_pad))]
+    fitted = [c for c in configs if _fits(c, sparse_q, sparse_kv)]
+    if fitted:
+        return fitted
+    # a block mask with small blocks: shrink the default's tiles to divide them
+    block_m, block_n, warps, stages = configs[0]
+    return [(min(block_m, _largest_tile(sparse_q)), min(block_n, _largest_tile(sparse_kv)),
+             4, stages)]
+
+
+def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config) -> KernelSpec:
+    L, E, S, Ev = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+    block_m, block_n, warps, stages = config
+    mask = call.block_mask
+    if mask is not None:
+        sparse_q, sparse_kv = (int(b) for b in mask.BLOCK_SIZE)
+        if sparse_q % block_m or sparse_kv % block_n or block_m < 16 or block_n < 16:
+            raise InputError(f"block_mask has BLOCK_SIZE {tuple(mask.BLOCK_SIZE)}; kernel tiles "
+                             f"BLOCK_M={block_m}, BLOCK_N={block_n} must divide it and be >= 16")
+    else:
+        sparse_q, sparse_kv = block_m, block_n
+    return KernelSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m, block_n=block_n,
+        num_warps=warps, num_stages=stages, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
+        return_lse=return_lse, gqa_group=call.gqa_group,
+        input_precision=call.options.fp32_precision, target=target, template=HOPPER_TEMPLATE)
+
+
+_KERNELS: dict[tuple, object] = register_memo({})
+
+
+def get_hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
+    memo_key = (spec, score.key if score else None, mask.key if mask else None)
+    kernel = _KERNELS.get(memo_key)
+    if kernel is None:
+        generated = hopper_kernel(spec, score, mask)
+        module = get_module(generated.name, generated.key, spec.interpret,
+                            lambda: generated.source)
+        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
+    return kernel
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, cols_pad: int) -> TensorDescriptor:
+    B, H, n, d = t.shape
+    return TensorDescriptor(t, [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad])
+
+
+def _launch(q, k, v, out, lse, call: AttentionCall, spec: KernelSpec) -> None:
+    B, Hq, L, _ = q.shape
+    kernel = get_hopper_kernel(spec, call.score, call.mask)
+    grid = (triton.cdiv(L, spec.block_m), B * Hq)
+    args = [_descriptor(q, spec.block_m, spec.head_dim_pad),
+            _descriptor(k, spec.block_n, spec.head_dim_pad),
+            _descriptor(v, spec.block_n, spec.head_dim_v_pad),
+            out, lse if lse is not None else out, *out.stride(),
+            *_table_args(call.block_mask, q.device), Hq, L, k.shape[2], float(call.scale),
+            *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
+    constexprs = spec.constexprs(call.score is not None)
+    if q.device.type == "cuda":
+        with torch.cuda.device(q.device):
+            kernel[grid](*args, **constexprs, **spec.launch_options())
+    else:
+        kernel[grid](*args, **constexprs, **spec.launch_options())
+
+
+def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, out, lse):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): pinned, stored, tuned now, or the default."""
+    options = call.options
+    pinned = autotune.Pinned(options.block_m, options.block_n, options.num_warps,
+                             options.num_stages)
+    mask = call.block_mask
+    sparse = tuple(int(b) for b in mask.BLOCK_SIZE) if mask is not None else (None, None)
+    if target == "interpret":  # fixed tiles: the interpreter's cost is per tile
+        block_m, block_n, warps, stages = _INTERPRET_CONFIG
+        if mask is not None:
+            block_m, block_n = (min(block_m, _largest_tile(sparse[0])),
+                                min(block_n, _largest_tile(sparse[1])))
+        return pinned.apply((block_m, block_n, warps, stages))
+    e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
+    candidates = _candidates(max(e_pad, ev_pad), *sparse)
+    if pinned.any or not autotune.enabled() or len(candidates) == 1:
+        return pinned.apply(candidates[0])
+    key = autotune.tune_key(HOPPER_TEMPLATE, target, e_pad, ev_pad, DTYPE_NAMES[q.dtype],
+                            autotune.density_class(mask))
+    config = autotune.lookup(key)
+    if config is not None and config in candidates:
+        return config
+
+    def time_config(config) -> float:
+        spec = _spec(q, k, v, call, return_lse, target, config)
+        return triton.testing.do_bench(lambda: _launch(q, k, v, out, lse, call, spec),
+                                       warmup=5, rep=25, return_mode="median")
+    return autotune.tune(key, candidates, time_config)
+
+
+def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool):
+    """(out, lse) as ``flexfa.runtime.forward.run_forward``, through the Hopper template."""
+    B, Hq, L, _ = q.shape
+    out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    target = target_of(q.device)
+    config = choose_config(q, k, v, call, return_lse, target, out, lse)
+    spec = _spec(q, k, v, call, return_lse, target, config)
+    _launch(q, k, v, out, lse, call, spec)
+    return out, lse
