@@ -119,7 +119,8 @@ def verdict(result: dict) -> str:
     target = CPU_CASES[result["case"]][3]
     notes = []
     if target is not None:
-        notes.append(("time ok" if result["best_s"] < target else "TIME MISSED") + f" (<{target:g} s)")
+        met = "time ok" if result["best_s"] < target else "TIME MISSED"
+        notes.append(f"{met} (<{target:g} s)")
     if result["implementation"] == "flexfa":
         notes.append("memory ok" if result["peak_rss_mb"] < MEMORY_TARGET_MB else "MEMORY MISSED")
     return ", ".join(notes)
@@ -164,7 +165,8 @@ def run_cuda(lengths=(65536, 131072), repeats: int = 20) -> list[dict]:
                 build(mask_mod, 1, 1, length, length, device="cuda", BLOCK_SIZE=BLOCK)  # warm-up
                 times = []
                 for _ in range(repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
                     start.record()
                     build(mask_mod, 1, 1, length, length, device="cuda", BLOCK_SIZE=BLOCK)
                     end.record()

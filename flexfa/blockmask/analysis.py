@@ -15,6 +15,7 @@ masked), otherwise UNDECIDED, for ``exact.py`` to settle element by element.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -102,7 +103,8 @@ class TileAnalysis:
         if axis is None:
             values = self._evaluate_1d(node, Bn, Hn, None, 0, 1)
             return _finish_values(node.dtype, values, values)
-        length, block = ((grid.Q_LEN, grid.Q_BLOCK) if axis == "q" else (grid.KV_LEN, grid.KV_BLOCK))
+        length, block = ((grid.Q_LEN, grid.Q_BLOCK) if axis == "q"
+                         else (grid.KV_LEN, grid.KV_BLOCK))
         tiles_per_chunk = max(1, MAX_GRID_ELEMENTS // (Bn * Hn * block))
         los, his = [], []
         for first in range(0, -(-length // block), tiles_per_chunk):
@@ -117,17 +119,19 @@ class TileAnalysis:
         return _finish_values(node.dtype, lo.reshape(shape), hi.reshape(shape))
 
     def _evaluate_1d(self, node, Bn, Hn, axis, start, count) -> torch.Tensor:
+        """``node`` at positions ``[start, start + count)`` of ``axis``, shaped [Bn, Hn, ., .]."""
         device = self.grid.device
         positions = torch.arange(start, start + count, device=device)
-        q = positions.view(1, 1, count, 1) if axis == "q" else torch.zeros((), dtype=torch.int64, device=device)
-        kv = positions.view(1, 1, 1, count) if axis == "kv" else torch.zeros((), dtype=torch.int64, device=device)
+        unused = torch.zeros((), dtype=torch.int64, device=device)  # an axis node ignores
+        q = positions.view(1, 1, count, 1) if axis == "q" else unused
+        kv = positions.view(1, 1, 1, count) if axis == "kv" else unused
         b = torch.arange(Bn, device=device).view(Bn, 1, 1, 1)
         h = torch.arange(Hn, device=device).view(1, Hn, 1, 1)
         with torch.no_grad():
             value = evaluate_node(node, b=b, h=h, q_idx=q, kv_idx=kv,
                                   buffers=self.traced.buffers, device=device)
-        shape = (Bn, Hn, count if axis == "q" else 1, count if axis == "kv" else 1)
-        return value.broadcast_to(shape)
+        return value.broadcast_to((Bn, Hn, q.shape[2] if axis == "q" else 1,
+                                   kv.shape[3] if axis == "kv" else 1))
 
     # ---- mixed nodes: interval rules over the tile grid -----------------------------------
 
@@ -139,15 +143,11 @@ class TileAnalysis:
         q_ends = torch.arange(q_tile_start + 1, q_tile_stop + 1, device=grid.device) * grid.Q_BLOCK
         kv_ends = torch.arange(1, grid.kv_tiles + 1, device=grid.device) * grid.KV_BLOCK
         complete = (q_ends <= grid.Q_LEN).view(-1, 1) & (kv_ends <= grid.KV_LEN).view(1, -1)
-        surely_true = root.lo == 1
-        surely_false = root.hi == 0
-        kept_class = torch.where(complete, FULL, PARTIAL).to(torch.int8)
-        classes = torch.where(surely_true, kept_class, torch.tensor(UNDECIDED, dtype=torch.int8,
-                                                                    device=grid.device))
-        classes = torch.where(surely_false, torch.tensor(EMPTY, dtype=torch.int8,
-                                                         device=grid.device), classes)
-        classes = classes.broadcast_to(shape).contiguous()
-        return classes
+        int8 = functools.partial(torch.tensor, dtype=torch.int8, device=grid.device)
+        kept_class = torch.where(complete, int8(FULL), int8(PARTIAL))
+        classes = torch.where(root.lo == 1, kept_class, int8(UNDECIDED))  # surely True
+        classes = torch.where(root.hi == 0, int8(EMPTY), classes)  # surely False
+        return classes.broadcast_to(shape).contiguous()
 
     def rows_per_chunk(self) -> int:
         Bn, Hn = self.root_shape
@@ -160,8 +160,7 @@ class TileAnalysis:
         remaining_uses = _use_counts(self.order)
         for node in self.order:
             if node.op is Op.LOAD:
-                like = next(iter(ranges.values())).lo if ranges else torch.zeros((), device=self.grid.device)
-                ranges[id(node)] = intervals.unknown(node.dtype, like)
+                ranges[id(node)] = intervals.unknown(node.dtype, self.grid.device)
             else:
                 ranges[id(node)] = intervals.apply_rule(node, [ranges[id(s)] for s in node.src])
             for src in node.src:  # free what no later node reads

@@ -107,7 +107,8 @@ class BlockMask:
         kv_tiles = self.kv_indices.shape[-1]
         dense = ordered_to_dense(self.kv_num_blocks, self.kv_indices, kv_tiles)
         if self.full_kv_num_blocks is not None:
-            dense = dense | ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, kv_tiles)
+            full = ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, kv_tiles)
+            dense = dense | full
         return dense
 
     def sparsity(self) -> float:

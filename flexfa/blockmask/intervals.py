@@ -40,12 +40,11 @@ def exact(value: torch.Tensor) -> Interval:
     return Interval(value, value)
 
 
-def unknown(dtype: DType, like: torch.Tensor) -> Interval:
-    if dtype is DType.BOOL:
-        return Interval(torch.zeros((), dtype=torch.float64, device=like.device),
-                        torch.ones((), dtype=torch.float64, device=like.device))
-    return Interval(torch.full((), -INF, dtype=torch.float64, device=like.device),
-                    torch.full((), INF, dtype=torch.float64, device=like.device))
+def unknown(dtype: DType, device) -> Interval:
+    """No information: any value (for BOOL, maybe True and maybe False)."""
+    lo, hi = (0.0, 1.0) if dtype is DType.BOOL else (-INF, INF)
+    return Interval(torch.tensor(lo, dtype=torch.float64, device=device),
+                    torch.tensor(hi, dtype=torch.float64, device=device))
 
 
 def finish(dtype: DType, lo: torch.Tensor, hi: torch.Tensor) -> Interval:
@@ -311,7 +310,7 @@ def apply_rule(node: Node, sources: list[Interval]) -> Interval:
     """The interval of ``node`` from its sources' intervals; unknown for ops with no rule."""
     rule = RULES.get(node.op)
     if rule is None:
-        return unknown(node.dtype, sources[0].lo if sources else torch.zeros(()))
+        return unknown(node.dtype, sources[0].lo.device if sources else "cpu")
     lo, hi = rule(node, *sources)
     lo, hi = torch.as_tensor(lo, dtype=torch.float64), torch.as_tensor(hi, dtype=torch.float64)
     return finish(node.dtype, lo, hi)

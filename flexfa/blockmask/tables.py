@@ -27,7 +27,8 @@ def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
-    """The int32 0/1 grid ``[..., ROWS, cols]`` listed by the first ``num_blocks`` indices of a row."""
+    """The int32 0/1 grid ``[..., ROWS, cols]``: ones where a row's first ``num_blocks``
+    indices point."""
     listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
     # unlisted entries go to a spare column that is dropped afterwards
     target = torch.where(listed, indices.long(), cols)
