@@ -35,12 +35,15 @@ class FP8Inputs:
     dtype: torch.dtype  # dtype of the original inputs, and of the attention output
     signs: torch.Tensor | None = None  # the rotation's +-1 signs (None: not rotated)
 
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """float32 (q, k, v) in the original basis: descaled, un-rotated, padding removed."""
+    def dequantize(self, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 (q, k, v): descaled, and with ``unrotate`` back in the original basis with
+        the padding removed; without it, q and k stay rotated and padded, the basis the kernel
+        computes q.k in (quantization error leaks into padded channels, so only there is
+        q.k exactly the kernel's)."""
         q = _descale(self.q, self.q_scale, self.block_q)
         k = _descale(self.k, self.k_scale, self.block_kv)
         v = _descale(self.v, self.v_scale, self.block_kv)
-        if self.signs is not None:
+        if self.signs is not None and unrotate:
             q, k = (unrotate(x, self.signs, self.head_dim) for x in (q, k))
         return q, k, v
 

@@ -1,0 +1,71 @@
+"""The random-sign Hadamard rotation: orthogonal, q.k-preserving, invertible, padded."""
+import math
+
+import pytest
+import torch
+
+from flexfa.errors import InputError
+from flexfa.fp8.hadamard import (hadamard_matrix, pad_head_dim, padded_dim, random_signs,
+                                 rotate, rotation_matrix, unrotate)
+
+
+@pytest.mark.parametrize("d", [1, 2, 16, 64, 128, 256])
+def test_hadamard_matrix_is_orthogonal_up_to_d(d):
+    h = hadamard_matrix(d)
+    assert set(h.unique().tolist()) <= {-1.0, 1.0}
+    assert torch.equal(h @ h.T, d * torch.eye(d))
+
+
+@pytest.mark.parametrize("d", [0, 3, 48, 100])
+def test_hadamard_matrix_rejects_other_sizes(d):
+    with pytest.raises(InputError, match=f"d={d}"):
+        hadamard_matrix(d)
+
+
+def test_signs_are_reproducible_plus_minus_one():
+    a, b, c = random_signs(64, seed=1), random_signs(64, seed=1), random_signs(64, seed=2)
+    assert set(a.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_rotation_matrix_is_orthogonal():
+    r = rotation_matrix(random_signs(128, seed=3)).double()
+    assert torch.allclose(r @ r.T, torch.eye(128, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("E", [32, 64, 128, 48, 80])
+def test_rotation_keeps_float32_dot_products(E):
+    """q.k in float32 after rotating q and k with the same signs equals q.k before, to
+    float32 rounding (relative to |q||k|); E that is not a power of two is zero-padded."""
+    generator = torch.Generator().manual_seed(E)
+    q = torch.randn(2, 3, 50, E, generator=generator)
+    k = torch.randn(2, 3, 70, E, generator=generator)
+    q[..., 1] *= 60.0  # an outlier channel
+    k[..., 1] *= 30.0
+    signs = random_signs(padded_dim(E), seed=E)
+    qr, kr = rotate(q, signs), rotate(k, signs)
+    assert qr.shape[-1] == padded_dim(E) and qr.dtype == torch.float32
+    before = q.double() @ k.double().transpose(-1, -2)
+    after = qr @ kr.transpose(-1, -2)
+    norms = q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :]
+    assert ((after.double() - before).abs() / norms).max() < 1e-5 * math.sqrt(E)
+    # the rotation spreads the outlier channel: the largest entry shrinks
+    assert qr.abs().max() < 0.5 * q.abs().max()
+
+
+def test_unrotate_inverts_rotate_and_cuts_padding():
+    x = torch.randn(1, 2, 10, 48)
+    signs = random_signs(64, seed=0)
+    back = unrotate(rotate(x, signs), signs, head_dim=48)
+    assert back.shape == x.shape
+    assert torch.allclose(back, x, atol=1e-5)
+
+
+def test_padding():
+    assert padded_dim(16) == 32 and padded_dim(48) == 64 and padded_dim(128) == 128
+    x = torch.ones(1, 1, 2, 48)
+    padded = pad_head_dim(x, 64)
+    assert padded.shape[-1] == 64 and padded[..., 48:].abs().sum() == 0
+    assert pad_head_dim(x, 48) is x
+    with pytest.raises(InputError, match="larger than"):
+        rotate(torch.ones(1, 1, 2, 80), random_signs(64))

@@ -1,0 +1,120 @@
+"""The FP8 forward kernel under the Triton interpreter (FP8 dots emulated) against float64.
+
+Two references: attention on the *dequantized* inputs in float64 (what the kernel computes,
+apart from P's e4m3 cast and the bf16 output: tight bounds), and attention on the original
+inputs in float64 (the FP8 tolerance: relative RMSE of out, max error of lse).
+"""
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.fp8 import flex_attention_fp8, quantize
+from reference import reference_attention
+
+B, H, L, S, E = 1, 2, 100, 232, 64
+
+
+def _qkv(Hq=H, Hkv=H, L=L, S=S, E=E, Ev=None, dtype=torch.bfloat16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev or E))
+    return [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+
+
+def _rel_rmse(got, want):
+    finite = torch.isfinite(want)
+    diff = (got.double() - want.double())[finite]
+    return float(diff.pow(2).mean().sqrt() / want.double()[finite].pow(2).mean().sqrt())
+
+
+def check_fp8(q, k, v, score_mod=None, mask_mod=None, *, block_size=128, rotate=True,
+              mask_block=64, enable_gqa=False, kernel_options=None, rel_rmse=0.08,
+              lse_error=0.15):
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = flexfa.create_block_mask(mask_mod, B, None, q.shape[2], k.shape[2],
+                                              device="cpu", BLOCK_SIZE=mask_block)
+    x = quantize(q, k, v, block_size=block_size, rotate=rotate)
+    out, lse = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask,
+                                  enable_gqa=enable_gqa, return_lse=True,
+                                  kernel_options=kernel_options)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == q.shape[:3]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    scale = q.shape[-1] ** -0.5
+    # 1. what the kernel computes: float64 attention on the dequantized inputs
+    out_dq, lse_dq = reference_attention(*x.dequantize(unrotate=False), score_mod, mask_mod, scale=scale,
+                                         enable_gqa=enable_gqa)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_dq))
+    finite = torch.isfinite(lse_dq)
+    assert (lse - lse_dq)[finite].abs().max() < 1e-4  # P's cast does not touch lse
+    assert _rel_rmse(out, out_dq) < 0.025  # P in e4m3 and out in bf16
+    # 2. the FP8 tolerance: float64 attention on the original inputs
+    out64, lse64 = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=enable_gqa)
+    assert _rel_rmse(out, out64) < rel_rmse
+    assert (lse - lse64)[finite].abs().max() < lse_error
+    return out, lse
+
+
+def _doc_lengths(n):
+    return [n // 3, n - 2 * (n // 3), n // 3]
+
+
+VARIANTS = {
+    "dense": (None, None),
+    "causal": (None, mods.causal),
+    "alibi_causal": (mods.alibi(H), mods.causal),
+    "softcap": (mods.softcap(5.0), None),
+    "document": (None, mods.document(_doc_lengths(S))),
+    "sliding_window": (None, mods.sliding_window(40)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant(name):
+    score_mod, mask_mod = VARIANTS[name]
+    q, k, v = _qkv(L=S) if name == "document" else _qkv()  # documents need L == S
+    check_fp8(q, k, v, score_mod, mask_mod)
+
+
+def test_without_rotation_and_small_blocks():
+    q, k, v = _qkv()
+    check_fp8(q, k, v, None, mods.causal, block_size=(32, 16), rotate=False, mask_block=32)
+
+
+def test_gqa_head_dims_and_fp16():
+    """GQA (4 query heads per kv head), E = 48 (rotated: padded to 64), Ev = 40, fp16."""
+    q, k, v = _qkv(Hq=4, Hkv=1, E=48, Ev=40, dtype=torch.float16, seed=3)
+    check_fp8(q, k, v, mods.softcap(8.0), mods.causal, enable_gqa=True)
+
+
+def test_kernel_options_pin_tiles():
+    q, k, v = _qkv(seed=4)
+    check_fp8(q, k, v, None, mods.causal, kernel_options={"BLOCK_M": 32, "BLOCK_N": 16})
+
+
+def test_empty_rows_give_zero_and_minus_inf():
+    def late_keys(b, h, q_idx, kv_idx):  # rows q_idx < 50 attend to nothing
+        return (kv_idx < q_idx - 50) & (kv_idx >= 0)
+
+    q, k, v = _qkv()
+    out, lse = check_fp8(q, k, v, None, late_keys)
+    assert (out[:, :, :51] == 0).all() and torch.isinf(lse[:, :, :51]).all()
+    assert torch.isfinite(lse[:, :, 51:]).all()
+
+
+def test_bf16_tensors_are_quantized_in_the_call():
+    q, k, v = _qkv(seed=5)
+    direct = flex_attention_fp8(q, k, v, rotate=True, block_size=64, seed=7)
+    staged = flex_attention_fp8(quantize(q, k, v, block_size=64, rotate=True, seed=7))
+    assert torch.equal(direct, staged)
+    out64 = reference_attention(q, k, v)[0]
+    assert _rel_rmse(direct, out64) < 0.08
+
+
+def test_scale_and_zero_lengths():
+    q, k, v = _qkv(seed=6)
+    out = flex_attention_fp8(q, k, v, scale=0.05)
+    assert _rel_rmse(out, reference_attention(q, k, v, scale=0.05)[0]) < 0.08
+    empty, lse = flex_attention_fp8(q[:, :, :0], k, v, return_lse=True)
+    assert empty.shape == (B, H, 0, E) and lse.shape == (B, H, 0)

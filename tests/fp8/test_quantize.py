@@ -1,0 +1,94 @@
+"""Quantization to e4m3 with per-block scales: shapes, layout, round trips within e4m3
+precision, per-tensor scales, zero blocks."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexfa.fp8 import FP8Inputs, quantize
+from flexfa.fp8.hadamard import rotate
+from flexfa.fp8.quantize import E4M3_MAX, FP8_DTYPE
+
+HALF_ULP = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: round to nearest is within 2**-4 relative
+HALF_SUBNORMAL = 2.0 ** -10  # the subnormal step is 2**-9 (in scaled units)
+
+
+def _inputs(B, Hq, Hkv, L, S, E, Ev, seed=0, dtype=torch.bfloat16):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev))
+    return [(3.0 * torch.randn(s, generator=generator)).to(dtype) for s in shapes]
+
+
+def _per_row(scale, block, rows):
+    return scale.repeat_interleave(block, dim=-1)[..., :rows, None]
+
+
+def _assert_within_e4m3(x8, scale, block, exact):
+    """Every element of ``x8 * scale`` is within e4m3 rounding of ``exact``."""
+    step = _per_row(scale, block, exact.shape[2])
+    got = x8.float() * step
+    bound = torch.maximum(HALF_ULP * exact.abs(), HALF_SUBNORMAL * step) * (1 + 1e-6)
+    assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
+
+
+@settings(max_examples=8)
+@given(L=st.integers(1, 130), S=st.integers(1, 130), E=st.sampled_from([16, 24, 64]),
+       block_q=st.sampled_from([16, 32, 64]), block_kv=st.sampled_from([16, 64, 128]),
+       group=st.sampled_from([1, 2]), rotated=st.booleans())
+def test_round_trip_within_e4m3_precision(L, S, E, block_q, block_kv, group, rotated):
+    q, k, v = _inputs(1, 2 * group, 2, L, S, E, Ev=40)
+    x = quantize(q, k, v, block_size=(block_q, block_kv), rotate=rotated, seed=5)
+    assert x.q.dtype == x.k.dtype == x.v.dtype == FP8_DTYPE
+    assert (x.block_q, x.block_kv, x.head_dim, x.dtype) == (block_q, block_kv, E, torch.bfloat16)
+    Ep = x.q.shape[-1]
+    assert Ep == (max(32, 1 << (E - 1).bit_length()) if rotated else E)
+    assert x.q_scale.shape == (1, 2 * group, -(-L // block_q))
+    assert x.k_scale.shape == x.v_scale.shape == (1, 2, -(-S // block_kv))
+    assert x.v.shape == v.shape and (S == 1 or x.v.stride(2) == 1)  # V: S contiguous
+    # in the rotated basis, element by element
+    exact_q, exact_k = (rotate(t, x.signs) if rotated else t.float() for t in (q, k))
+    _assert_within_e4m3(x.q, x.q_scale, block_q, exact_q)
+    _assert_within_e4m3(x.k, x.k_scale, block_kv, exact_k)
+    _assert_within_e4m3(x.v, x.v_scale, block_kv, v.float())
+    # back in the original basis: RMSE within e4m3 precision
+    for got, want in zip(x.dequantize(), (q, k, v)):
+        assert got.shape == want.shape
+        rel = (got - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt()
+        assert rel < HALF_ULP
+
+
+def test_scales_put_each_block_max_on_448():
+    q, k, v = _inputs(2, 2, 2, 100, 232, 64, 64)
+    x = quantize(q, k, v, block_size=32, rotate=False)
+    blocks = torch.nn.functional.pad(q.float().abs(), (0, 0, 0, 28)).view(2, 2, 4, -1).amax(-1)
+    assert torch.allclose(x.q_scale, blocks / E4M3_MAX)
+    assert x.q.float().abs().amax() == E4M3_MAX
+
+
+def test_per_tensor_has_one_scale():
+    q, k, v = _inputs(1, 2, 2, 100, 100, 32, 32)
+    x = quantize(q, k, v, block_size=32, rotate=False, per_tensor=True)
+    for scale, t in ((x.q_scale, q), (x.k_scale, k), (x.v_scale, v)):
+        assert (scale == scale.flatten()[0]).all()
+        assert torch.allclose(scale.flatten()[0], t.float().abs().max() / E4M3_MAX)
+
+
+def test_zero_blocks_get_scale_one():
+    q, k, v = _inputs(1, 1, 1, 64, 64, 32, 32)
+    q[:, :, :32] = 0
+    x = quantize(q, k, v, block_size=32, rotate=True)
+    assert x.q_scale[0, 0, 0] == 1.0 and x.q[:, :, :32].float().abs().max() == 0
+
+
+def test_fp16_and_fp32_inputs_set_the_output_dtype():
+    q, k, v = _inputs(1, 1, 1, 40, 40, 32, 32, dtype=torch.float16)
+    assert quantize(q, k, v).dtype == torch.float16
+    assert quantize(q.float(), k.float(), v.float()).dtype == torch.bfloat16
+
+
+def test_fp8inputs_is_a_frozen_record():
+    q, k, v = _inputs(1, 1, 1, 40, 40, 32, 32)
+    x = quantize(q, k, v)
+    assert isinstance(x, FP8Inputs)
+    with pytest.raises(AttributeError):
+        x.q = q
