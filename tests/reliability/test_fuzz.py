@@ -1,0 +1,179 @@
+"""Fuzzing the front door: random mods (supported or not), shapes, dtypes, strides, devices,
+block masks and argument faults through ``flex_attention`` and ``create_block_mask``. Every
+call either matches the reference or raises a flexfa error (a ValueError, TypeError or
+NotImplementedError) whose message names the problem; nothing else escapes."""
+import os
+
+import torch
+from hypothesis import given, note, settings, strategies as st
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexfa
+from reference import assert_close_to_reference, reference_pair
+from .fuzz_cases import FAULTS, KERNEL_ONLY_WORDS, make_mod, mod_sources
+
+# more examples for a longer hunt: FLEXFA_FUZZ_EXAMPLES=500 HYPOTHESIS_PROFILE=dev pytest ...
+EXAMPLES = int(os.environ.get("FLEXFA_FUZZ_EXAMPLES", "0")) or None
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LAYOUTS = ["contiguous", "transposed", "sliced", "strided rows", "broadcast"]
+TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def outcome(call, expected_words: tuple[str, ...]):
+    """Run ``call()``; an error must be a flexfa error containing one of ``expected_words``
+    (and only happen when some are expected); returns the result or None after an error."""
+    try:
+        result = call()
+    except Exception as exc:  # the point: classify whatever comes out
+        assert isinstance(exc, flexfa.FlexFAError), f"{type(exc).__name__} escaped: {exc}"
+        assert isinstance(exc, (ValueError, TypeError, NotImplementedError)), type(exc).__mro__
+        assert expected_words, f"a valid call raised {type(exc).__name__}: {exc}"
+        message = str(exc).lower()
+        assert any(word.lower() in message for word in expected_words), (
+            f"the error does not name the problem ({expected_words}): {exc}")
+        return None
+    assert not expected_words, f"expected an error naming one of {expected_words}; got a result"
+    return result
+
+
+def tensor(draw, shape, dtype, generator):
+    """A random tensor of ``shape`` in one of several memory layouts."""
+    B, H, N, D = shape
+    layout = draw(st.sampled_from(LAYOUTS))
+    note(f"layout {layout} for shape {shape}")
+    if layout == "transposed":
+        base = torch.randn(B, N, H, D, generator=generator).transpose(1, 2)
+    elif layout == "sliced":
+        base = torch.randn(B, H, N, D + 8, generator=generator)[..., 3:D + 3]
+    elif layout == "strided rows":
+        base = torch.randn(B, H, 2 * N, D, generator=generator)[:, :, ::2]
+    elif layout == "broadcast":
+        base = torch.randn(1, H, N, D, generator=generator).expand(B, H, N, D)
+    else:
+        base = torch.randn(B, H, N, D, generator=generator)
+    return base.to(dtype)
+
+
+@st.composite
+def attention_calls(draw):
+    """(kwargs of flex_attention, mask spec or None, expected error words)."""
+    B, Hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    L, S = draw(st.integers(1, 100)), draw(st.integers(1, 100))
+    E = draw(st.sampled_from([8, 16, 24, 40]))
+    Ev = draw(st.sampled_from([E, 8, 24]))
+    dtype = draw(st.sampled_from(DTYPES))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    Hq = Hkv * group
+    args = {"query": tensor(draw, (B, Hq, L, E), dtype, generator),
+            "key": tensor(draw, (B, Hkv, S, E), dtype, generator),
+            "value": tensor(draw, (B, Hkv, S, Ev), dtype, generator),
+            "scale": draw(st.sampled_from([None, 0.1, 1.0, -0.5])),
+            "return_lse": draw(st.booleans()),
+            "enable_gqa": group > 1 or draw(st.booleans()),
+            "kernel_options": draw(st.sampled_from(
+                [None, {"BLOCK_M": 16}, {"BLOCK_N": 16, "num_warps": 2}]))}
+    expected = []
+    if group > 1 and draw(st.integers(0, 5)) == 0:
+        args["enable_gqa"] = False
+        expected.append("enable_gqa")
+    if draw(st.booleans()):
+        source, words = draw(mod_sources("score"))
+        args["score_mod"], text = make_mod("score", source)
+        note(text)
+        expected += words or ()
+    mask = None
+    if draw(st.booleans()):
+        source, words = draw(mod_sources("mask"))
+        mask_mod, text = make_mod("mask", source)
+        note(text)
+        block = draw(st.sampled_from([16, 32, 64, 128, (16, 64), (64, 32)]))
+        if words == KERNEL_ONLY_WORDS:  # the mask builds; flex_attention rejects it
+            expected += words
+            words = None
+        mask = (mask_mod, draw(st.sampled_from([None, B])), draw(st.sampled_from([None, Hq])),
+                L, S, block, words)
+    if draw(st.integers(0, 2)) == 0:
+        fault = draw(st.sampled_from(sorted(FAULTS)))
+        note(f"fault: {fault}")
+        apply, words = FAULTS[fault]
+        apply(args)
+        expected += words
+    return args, mask, tuple(expected)
+
+
+def _mask_or_error(mask):
+    mask_mod, B, H, L, S, block, words = mask
+    return outcome(lambda: flexfa.create_block_mask(mask_mod, B, H, L, S, device="cpu",
+                                                    BLOCK_SIZE=block), tuple(words or ()))
+
+
+@settings(max_examples=EXAMPLES or 12)
+@given(attention_calls())
+def test_flex_attention_front_door(case):
+    args, mask, expected = case
+    if mask is not None:
+        args["block_mask"] = _mask_or_error(mask)
+        if args["block_mask"] is None:
+            return  # the mask_mod was rejected, correctly (checked above)
+    result = outcome(lambda: flexfa.flex_attention(**args), expected)
+    if result is None:
+        return
+    out, lse = result if args["return_lse"] else (result, None)
+    q, k, v = args["query"], args["key"], args["value"]
+    exact, eager = reference_pair(q, k, v, args.get("score_mod"),
+                                  mask[0] if mask is not None else None, scale=args["scale"],
+                                  enable_gqa=args["enable_gqa"])
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
+    assert_close_to_reference(out, exact[0], eager[0])
+    if lse is not None:
+        assert lse.dtype == torch.float32
+        assert_close_to_reference(lse, exact[1], eager[1], name="lse")
+
+
+BAD_SIZES = {0: "positive", -3: "positive", 2.0: "int", "4": "int"}
+BAD_BLOCKS = {24: "power of two", 8: "power of two", 512: "power of two", (16,): "pair",
+              "16": "int", 0: "power of two"}
+BAD_DEVICES = {"meta": "not supported", "cuda": "cuda", "nope": "not a torch device",
+               7: "device"}
+
+
+@st.composite
+def block_mask_calls(draw):
+    """(positional args of create_block_mask, kwargs, expected error words)."""
+    source, words = draw(mod_sources("mask"))
+    mask_mod, text = make_mod("mask", source)
+    note(text)
+    expected = list(words or ()) if words != KERNEL_ONLY_WORDS else []
+    B, H = draw(st.sampled_from([None, 1, 2])), draw(st.sampled_from([None, 1, 3]))
+    L, S = draw(st.integers(1, 300)), draw(st.integers(1, 300))
+    block = draw(st.sampled_from([16, 32, 64, 128, 256, (16, 64), (128, 32)]))
+    device = draw(st.sampled_from(["cpu", None, torch.device("cpu")]))
+    fault = draw(st.sampled_from([None, None, "B", "H", "Q_LEN", "KV_LEN", "BLOCK_SIZE",
+                                  "device"]))
+    note(f"fault: {fault}")
+    if fault in ("B", "H", "Q_LEN", "KV_LEN"):
+        value = draw(st.sampled_from(sorted(BAD_SIZES, key=repr)))
+        B, H, L, S = (value if fault == name else current for name, current in
+                      zip(("B", "H", "Q_LEN", "KV_LEN"), (B, H, L, S)))
+        expected += [fault, BAD_SIZES[value]]
+    elif fault == "BLOCK_SIZE":
+        block = draw(st.sampled_from(sorted(BAD_BLOCKS, key=repr)))
+        expected += ["BLOCK_SIZE"]
+    elif fault == "device":
+        device = draw(st.sampled_from(sorted(BAD_DEVICES, key=repr)))
+        expected += [BAD_DEVICES[device]]
+    return (mask_mod, B, H, L, S), {"device": device, "BLOCK_SIZE": block}, tuple(expected)
+
+
+@settings(max_examples=EXAMPLES or 25)
+@given(block_mask_calls())
+def test_create_block_mask_front_door(case):
+    args, kwargs, expected = case
+    ours = outcome(lambda: flexfa.create_block_mask(*args, **kwargs), expected)
+    if ours is None:
+        return
+    theirs = torch_create_block_mask(*args, device="cpu", BLOCK_SIZE=kwargs["BLOCK_SIZE"])
+    for name in TABLES:
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), f"{name} differs"
+    assert ours.seq_lengths == tuple(args[3:5])
