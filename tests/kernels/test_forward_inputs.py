@@ -1,0 +1,92 @@
+"""flex_attention rejects bad input early, with flexfa errors naming argument and values."""
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.blockmask import create_block_mask
+from flexfa.errors import InputError, InputTypeError, TraceError
+
+q = torch.randn(1, 4, 20, 16)
+k = torch.randn(1, 2, 30, 16)
+v = torch.randn(1, 2, 30, 8)
+
+
+def call(**overrides):
+    args = dict(query=q, key=k, value=v, enable_gqa=True)
+    args.update(overrides)
+    return flexfa.flex_attention(**args)
+
+
+BAD = [
+    (dict(query=[1.0]), InputTypeError, "query must be a torch.Tensor"),
+    (dict(key=torch.randn(2, 30, 16)), InputError, r"key must be 4-D.*\(2, 30, 16\)"),
+    (dict(query=q.long()), InputTypeError, "query has dtype torch.int64"),
+    (dict(value=v.double()), InputTypeError, "value has dtype torch.float64"),
+    (dict(key=k.half()), InputError, "key has dtype torch.float16 but query has torch.float32"),
+    (dict(key=torch.randn(2, 2, 30, 16)), InputError, "key has batch size 2 but query has 1"),
+    (dict(value=torch.randn(1, 2, 31, 8)), InputError, "value has sequence length 31 but key has 30"),
+    (dict(value=torch.randn(1, 1, 30, 8)), InputError, "value has 1 heads but key has 2"),
+    (dict(key=torch.randn(1, 2, 30, 24)), InputError, "key has head_dim 24 but query has 16"),
+    (dict(key=torch.randn(1, 3, 30, 16), value=torch.randn(1, 3, 30, 8)), InputError,
+     "query has 4 heads but key has 3"),
+    (dict(enable_gqa=False), InputError, "pass enable_gqa=True"),
+    (dict(query=torch.randn(1, 2, 20, 264), key=torch.randn(1, 2, 30, 264)), InputError,
+     "head_dim is 264"),
+    (dict(scale="0.1"), InputTypeError, "scale must be a float"),
+    (dict(scale=float("nan")), InputError, "scale must be finite"),
+    (dict(return_lse=1), InputTypeError, "return_lse must be a bool"),
+    (dict(score_mod=3), InputTypeError, "score_mod must be callable"),
+    (dict(score_mod=lambda s, b, h: s), TraceError, "3 required positional"),
+    (dict(kernel_options={"BLOCK_K": 16}), InputError, r"unknown keys \['BLOCK_K'\].*BLOCK_M"),
+    (dict(kernel_options={"BLOCK_M": 48}), InputError, "BLOCK_M.*48"),
+    (dict(kernel_options={"num_warps": 3}), InputError, "num_warps.*3"),
+    (dict(kernel_options={"fp32_precision": "bf16"}), InputError, "'ieee' or 'tf32'"),
+    (dict(kernel_options=[("BLOCK_M", 16)]), InputTypeError, "kernel_options must be a dict"),
+    (dict(block_mask="causal"), InputTypeError, "block_mask must be a BlockMask"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD, ids=[m[:30] for _, _, m in BAD])
+def test_bad_input_is_rejected(overrides, error, message):
+    with pytest.raises(error, match=message):
+        call(**overrides)
+
+
+def test_errors_are_builtin_exception_types():
+    with pytest.raises(ValueError):
+        call(enable_gqa=False)
+    with pytest.raises(TypeError):
+        call(query="q")
+
+
+def test_block_mask_for_other_lengths_or_heads():
+    wrong_len = create_block_mask(mods.causal, None, None, 20, 32, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(InputError, match="32"):
+        call(block_mask=wrong_len)
+    wrong_heads = create_block_mask(mods.causal, 1, 3, 20, 30, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(InputError, match="H=3"):
+        call(block_mask=wrong_heads)
+
+
+def test_block_size_must_fit_the_kernel_tiles():
+    block_mask = create_block_mask(mods.causal, None, None, 20, 30, device="cpu", BLOCK_SIZE=32)
+    with pytest.raises(InputError, match="BLOCK_M=64 must divide 32"):
+        call(block_mask=block_mask, kernel_options={"BLOCK_M": 64})
+
+
+def test_captured_tensor_on_another_device_is_rejected():
+    bias = torch.zeros(4, device="meta")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    with pytest.raises(InputError, match="captured tensor of shape \\(4,\\) on meta"):
+        call(score_mod=score_mod)
+
+
+def test_block_mask_on_another_device_is_rejected():
+    block_mask = create_block_mask(mods.causal, None, None, 20, 30, device="cpu", BLOCK_SIZE=16)
+    block_mask.kv_num_blocks = block_mask.kv_num_blocks.to("meta")
+    with pytest.raises(InputError, match="block_mask is on meta"):
+        call(block_mask=block_mask)
