@@ -1,0 +1,121 @@
+"""Clear, early errors of the FP8 path."""
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from flexfa.errors import InputError, InputTypeError
+from flexfa.fp8 import FP8UnsupportedError, flex_attention_fp8, quantize
+from flexfa.fp8.checks import check_fp8_device
+
+
+def _qkv(dtype=torch.bfloat16, L=40, S=40, E=32):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, E, generator=generator).to(dtype) for n in (L, S, S)]
+
+
+def test_backward_is_not_supported():
+    q, k, v = _qkv()
+    q.requires_grad_(True)
+    with pytest.raises(FP8UnsupportedError, match="forward-only.*query requires grad"):
+        flex_attention_fp8(q, k, v)
+    with pytest.raises(NotImplementedError):  # the builtin class callers may catch
+        flex_attention_fp8(q, k, v)
+    with torch.no_grad():
+        assert flex_attention_fp8(q, k, v).shape == q.shape
+
+
+def test_captured_tensor_requiring_grad():
+    q, k, v = _qkv()
+    bias = torch.zeros(2, requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    with pytest.raises(FP8UnsupportedError, match="captured tensor requires grad"):
+        flex_attention_fp8(q, k, v, score_mod=head_bias)
+
+
+def test_mixing_fp8_and_bf16():
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match="mix FP8.*key torch.float8_e4m3fn"):
+        flex_attention_fp8(q, k.to(torch.float8_e4m3fn), v)
+
+
+def test_fp8_tensors_without_scales():
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv())
+    with pytest.raises(InputError, match="without their scales"):
+        flex_attention_fp8(q, k, v)
+
+
+def test_fp8inputs_with_key_or_value():
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match="key=None"):
+        flex_attention_fp8(quantize(q, k, v), k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_other_input_dtypes(dtype):
+    q, k, v = _qkv(dtype)
+    with pytest.raises(InputTypeError, match=f"query has dtype {dtype}"):
+        flex_attention_fp8(q, k, v)
+
+
+def test_non_e4m3_fp8():
+    x = quantize(*_qkv())
+    e5m2 = dataclasses.replace(x, k=x.k.float().to(torch.float8_e5m2))
+    with pytest.raises(FP8UnsupportedError, match="float8_e5m2.*e4m3fn only"):
+        flex_attention_fp8(e5m2)
+
+
+@pytest.mark.parametrize("field,shape", [("q_scale", (1, 2, 2)), ("k_scale", (1, 1, 1)),
+                                         ("v_scale", (2, 1))])
+def test_scales_of_the_wrong_shape(field, shape):
+    x = quantize(*_qkv())
+    bad = dataclasses.replace(x, **{field: torch.ones(shape)})
+    with pytest.raises(InputError, match=re.escape(f"{field} has shape {shape}; expected")):
+        flex_attention_fp8(bad)
+
+
+def test_scales_of_the_wrong_dtype():
+    x = quantize(*_qkv())
+    with pytest.raises(InputTypeError, match="k_scale has dtype torch.float16"):
+        flex_attention_fp8(dataclasses.replace(x, k_scale=x.k_scale.half()))
+
+
+@pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64"])
+def test_bad_block_sizes(block_size):
+    with pytest.raises((InputError, InputTypeError), match="block_size"):
+        quantize(*_qkv(), block_size=block_size)
+
+
+def test_quantize_rejects_fp8_and_bad_shapes():
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match="already torch.float8_e4m3fn"):
+        quantize(q.to(torch.float8_e4m3fn), k, v)
+    with pytest.raises(InputError, match="key has head_dim 16 but query has 32"):
+        quantize(q, k[..., :16], v)
+    with pytest.raises(InputTypeError, match="rotate must be a bool"):
+        quantize(q, k, v, rotate=1)
+
+
+def test_tile_that_does_not_divide_the_scale_block():
+    x = quantize(*_qkv(), block_size=32)
+    with pytest.raises(InputError, match="BLOCK_M=64 must be >= 16 and divide the Q scale block 32"):
+        flex_attention_fp8(x, kernel_options={"BLOCK_M": 64})
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (7, 5)])
+def test_gpu_without_fp8_tensor_cores(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    with pytest.raises(FP8UnsupportedError, match=f"compute capability >= 8.9.*has "
+                                                  f"{capability[0]}.{capability[1]}"):
+        check_fp8_device(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_gpus_with_fp8_tensor_cores_pass(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    check_fp8_device(torch.device("cuda", 0))
