@@ -1,0 +1,47 @@
+"""Compile-only checks: the forward kernel compiles for sm_80 (mma.sync) and sm_90 (wgmma)
+without a GPU; the compile-check command's registry and table."""
+import pytest
+
+from flexfa.codegen import compile_check
+from flexfa.codegen.compile_check import CompileResult, compile_job, format_table
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("arch,instruction", [(80, "mma_sync"), (90, "wgmma")])
+def test_forward_with_mods_compiles(arch, instruction):
+    name = "fwd_d64_fp16_alibi_document"  # score_mod with a buffer, mask_mod with a buffer
+    result = compile_job(name, arch, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    assert getattr(result, instruction), f"no {instruction} in the sm_{arch} PTX"
+    assert ".entry flexfa_fwd_d64_fp16_" in result.ptx
+
+
+def test_failures_are_reported_not_raised():
+    def broken(arch):
+        raise RuntimeError("no such template")
+
+    result = compile_job("broken", 80, broken)
+    assert not result.ok and "no such template" in result.error
+    table = format_table([result, CompileResult("other", 90, False, skipped=True)])
+    assert "FAIL" in table and "skip" in table and "broken sm_80: RuntimeError" in table
+
+
+def test_main_lists_variants_and_validates_arch(capsys):
+    assert compile_check.main(["--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "fwd_d128_bf16_causal" in listed and "fwd_d256_bf16_dense" in listed
+    assert compile_check.main(["--arch", "eighty"]) == 2
+
+
+def test_register_limits_archs(monkeypatch):
+    monkeypatch.setattr(compile_check, "REGISTRY", dict(compile_check.REGISTRY))
+    monkeypatch.setattr(compile_check, "ARCHS", dict(compile_check.ARCHS))
+    compile_check.register("hopper_only_probe", lambda arch: None, archs=(90,))
+    assert compile_check.supports("hopper_only_probe", 90)
+    assert not compile_check.supports("hopper_only_probe", 80)
+    with pytest.raises(AssertionError, match="registered twice"):
+        compile_check.register("hopper_only_probe", lambda arch: None)
