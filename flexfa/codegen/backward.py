@@ -199,3 +199,104 @@ def _buffer_grad_code(joint: JointGraph | None, args, grad_args) -> str:
         pointer = f"{grad.ptr} + {offset}" if offset else grad.ptr
         lines.append(f"flexfa_grad_add({pointer}, {value}, DETERMINISTIC)")
     return "\n".join(lines)
+
+
+# ---- compile-only check variants (python -m flexfa compile-check) --------------------------
+
+_SIGNATURE_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "float64": "*fp64",
+                    "int32": "*i32", "int64": "*i64", "bool": "*i1", "uint8": "*u8", "int8": "*i8"}
+
+
+def launch_signature(kernel, args, constexprs) -> dict[str, str]:
+    """Triton signature of a launch: pointer types from the tensors, i32/fp32 for scalars."""
+    values = iter(args)
+    signature = {}
+    for param in kernel.params:
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            continue
+        value = next(values)
+        if hasattr(value, "dtype"):
+            signature[param.name] = _SIGNATURE_TYPES[str(value.dtype).replace("torch.", "")]
+        else:
+            signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+    return signature
+
+
+def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
+                 head_dim_v=None, gqa_group: int = 1, deterministic: bool = False):
+    """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv")
+    kernel of these mods at the default GPU tiles; example launch arguments are tiny CPU
+    tensors of the right dtypes (only their types reach the signature)."""
+    def build(arch: int):
+        import torch
+
+        from ..blockmask import create_block_mask
+        from ..runtime.backward import (backward_launches, backward_spec,
+                                        get_backward_module, joint_graph)
+        from ..runtime.cache import get_module
+        from ..runtime.forward import AttentionCall
+        from ..runtime.options import KernelOptions
+        from ..runtime.pipeline import prepare_mask, prepare_score_mod
+        from .compile_check import CompileJob
+        from .spec import TORCH_DTYPES
+
+        torch_dtype, hkv, length = TORCH_DTYPES[dtype], 2, 256
+        q = torch.zeros(1, hkv * gqa_group, length, head_dim, dtype=torch_dtype)
+        k = torch.zeros(1, hkv, length, head_dim, dtype=torch_dtype)
+        v = torch.zeros(1, hkv, length, head_dim_v or head_dim, dtype=torch_dtype)
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu") \
+            if mask_mod is not None else None
+        call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
+                             0.125, KernelOptions(deterministic=deterministic), gqa_group)
+        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}")
+        # lengths that are not tile multiples: the bounds-checked code paths
+        spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
+                                   even_s2=False)
+        joint = joint_graph(call.score)
+        generated = backward_kernel(spec, joint, call.score, call.mask)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        out, lse = torch.zeros_like(q[..., :v.shape[3]]), torch.zeros(q.shape[:3])
+        grads = {s: torch.zeros(call.score.buffers[s].shape,
+                                dtype=torch.int64 if deterministic else torch.float32)
+                 for s in (joint.grad_slots if joint else ())}
+        launches = backward_launches(spec, module, generated.name, q, k, v, out, lse, out, lse,
+                                     call, joint, grads, q, k, v)
+        launch = launches[{"delta": 0, "dkdv": 1, "dq": 2}[which]]
+        return CompileJob(launch.kernel, launch_signature(launch.kernel, launch.args,
+                                                          launch.constexprs),
+                          launch.constexprs, launch.options, generated.name)
+    return build
+
+
+def _register_compile_checks() -> None:
+    import torch
+
+    from . import compile_check as check
+
+    bias = torch.zeros(4, 256, 256, requires_grad=True)
+
+    def learnable_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    variants = {
+        "d64_bf16_dense": dict(head_dim=64, dtype="bf16"),
+        "d128_bf16_softcap_causal": dict(head_dim=128, dtype="bf16", score_mod=softcap,
+                                         mask_mod=causal),
+        "d64_fp16_bias_deterministic": dict(head_dim=64, dtype="fp16", score_mod=learnable_bias,
+                                            deterministic=True),
+        "d80_bf16_ev48_gqa_causal": dict(head_dim=80, dtype="bf16", mask_mod=causal,
+                                         head_dim_v=48, gqa_group=2),
+    }
+    for label, kwargs in variants.items():
+        for which in ("dkdv", "dq"):
+            check.register(f"bwd_{which}_{label}", backward_job(which, **kwargs))
+
+
+_register_compile_checks()

@@ -32,17 +32,20 @@ _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
 
 def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
-    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)."""
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages).
+
+    GPU choices keep ptxas spills near zero on sm_80/sm_90 (``python -m flexfa
+    compile-check --only bwd`` prints registers and spills): the dK/dV program holds K, V and
+    two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one.
+    """
     if target == INTERPRET:
-        return 64, 64, 64, 64, 4, 1
-    if head_dim_pad <= 64:
-        tiles = (32, 128, 128, 32, 4, 3)
-    elif head_dim_pad <= 128:
-        tiles = (32, 64, 64, 32, 4, 2)
+        return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
+    if head_dim_pad <= 128:
+        tiles = (32, 64, 64, 32, 8, 2)
     else:
-        tiles = (16, 32, 32, 16, 4, 1)
-    if dtype == torch.float32:
-        tiles = (tiles[0], max(16, tiles[1] // 2), max(16, tiles[2] // 2), tiles[3], 4, 1)
+        tiles = (16, 32, 32, 16, 8, 1)
+    if dtype == torch.float32:  # twice the bytes per element: halve the owned tiles
+        tiles = (tiles[0], max(16, tiles[1] // 2), max(16, tiles[2] // 2), tiles[3], 8, 1)
     return tiles
 
 
@@ -58,10 +61,12 @@ def _fit(tile: int, block: int | None, what: str, call: AttentionCall) -> int:
     return tile
 
 
-def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool) -> BackwardSpec:
+def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
+                  target: str | None = None) -> BackwardSpec:
+    """The backward variant for these inputs; ``target`` defaults to the inputs' device."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
-    target = target_of(q.device)
+    target = target or target_of(q.device)
     m1, n1, m2, n2, warps, stages = default_backward_tiles(
         next_power_of_two(max(E, Ev)), q.dtype, target)
     mask, options = call.block_mask, call.options
