@@ -12,8 +12,9 @@ import dataclasses
 
 import torch
 
-from .hadamard import padded_dim, random_signs, unrotate
+from .hadamard import padded_dim, random_signs
 from .hadamard import rotate as hadamard_rotate
+from .hadamard import unrotate as hadamard_unrotate
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -44,7 +45,7 @@ class FP8Inputs:
         k = _descale(self.k, self.k_scale, self.block_kv)
         v = _descale(self.v, self.v_scale, self.block_kv)
         if self.signs is not None and unrotate:
-            q, k = (unrotate(x, self.signs, self.head_dim) for x in (q, k))
+            q, k = (hadamard_unrotate(x, self.signs, self.head_dim) for x in (q, k))
         return q, k, v
 
 
