@@ -66,9 +66,11 @@ def builder(implementation: str):
     return create_block_mask
 
 
-def run_cpu_case(name: str, repeats: int) -> dict:
+def run_cpu_case(name: str, repeats: int, threads: int | None) -> dict:
     """Runs inside the subprocess: build the mask, report times and this process's peak RSS."""
     import torch
+    if threads:
+        torch.set_num_threads(threads)
     implementation, mask_name, length, _ = CPU_CASES[name]
     build = builder(implementation)
     mask_mod = make_mask(mask_name, length)
@@ -96,7 +98,7 @@ def available_memory_mb() -> float:
     return float("inf")
 
 
-def run_cases(names, repeats: int) -> list[dict]:
+def run_cases(names, repeats: int, threads: int | None) -> list[dict]:
     results = []
     for name in names:
         implementation, _, length, _ = CPU_CASES[name]
@@ -106,8 +108,9 @@ def run_cases(names, repeats: int) -> list[dict]:
                             f"{available_memory_mb():.0f} MB available"})
             continue
         reps = 1 if implementation == "torch" else repeats
-        proc = subprocess.run([sys.executable, __file__, "--case", name, "--repeats", str(reps)],
-                              capture_output=True, text=True, check=False)
+        command = [sys.executable, __file__, "--case", name, "--repeats", str(reps)]
+        command += ["--threads", str(threads)] if threads else []
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             results.append({"case": name, "skipped": f"failed: {proc.stderr.strip()[-300:]}"})
             continue
@@ -189,21 +192,24 @@ def main(argv=None) -> int:
     parser.add_argument("--case", choices=sorted(CPU_CASES), help="run one case (subprocess)")
     parser.add_argument("--only", nargs="*", choices=sorted(CPU_CASES), help="cases to run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
     parser.add_argument("--cuda", action="store_true", help="GPU benchmark (document mask)")
     args = parser.parse_args(argv)
     if args.case:
-        print(json.dumps(run_cpu_case(args.case, args.repeats)))
+        print(json.dumps(run_cpu_case(args.case, args.repeats, args.threads)))
         return 0
     if args.cuda:
         print(json.dumps(run_cuda(), indent=1))
         return 0
     import torch
-    results = run_cases(args.only or list(CPU_CASES), args.repeats)
+    results = run_cases(args.only or list(CPU_CASES), args.repeats, args.threads)
     print(json.dumps(results, indent=1) if args.json else format_table(results, args.markdown))
-    print(f"\n{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads, BLOCK_SIZE {BLOCK}, B = H = 1, {time.strftime('%Y-%m-%d %H:%M')}")
+    threads = results[0].get("threads", "?") if results else "?"
+    print(f"\n{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}, torch "
+          f"{torch.__version__}, {threads} threads, BLOCK_SIZE {BLOCK}, B = H = 1, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
     return 0
 
 

@@ -7,8 +7,9 @@ conservative: when an op cannot be bounded the result is "unknown" (``[-inf, inf
 ``[0, 1]`` for BOOL), never a wrong bound.
 
 Soundness conventions (so that a decided tile is always right):
-- INT bounds beyond ``INT_CAP`` become infinite: float64 computes every int below 2**53
-  exactly, and a value near int64 overflow is not worth bounding.
+- INT bounds beyond ``INT_CAP`` (or NaN, from ``0 * inf``) become infinite: float64 computes
+  every int below 2**53 exactly, and a value near int64 overflow is not worth bounding. Ints
+  are never NaN themselves, so each side can be widened alone.
 - FLOAT bounds are widened after every op by a relative and an absolute slack, because the
   exact evaluation runs in float32 while these bounds are float64.
 - A FLOAT value may be NaN only where its interval has an infinite end, so FLOAT comparisons
@@ -51,13 +52,13 @@ def finish(dtype: DType, lo: torch.Tensor, hi: torch.Tensor) -> Interval:
     """Make raw float64 bounds sound for ``dtype`` (see the module docstring)."""
     if dtype is DType.BOOL:
         return Interval(lo, hi)
-    bad = torch.isnan(lo) | torch.isnan(hi)
+    if dtype is DType.INT:  # a NaN bound fails both tests, so it becomes infinite too
+        lo = torch.where((lo >= -INT_CAP) & (lo <= INT_CAP), lo, -INF)
+        hi = torch.where((hi >= -INT_CAP) & (hi <= INT_CAP), hi, INF)
+        return Interval(lo, hi)
+    bad = torch.isnan(lo) | torch.isnan(hi)  # a float value may be NaN: know nothing
     lo = torch.where(bad, -INF, lo)
     hi = torch.where(bad, INF, hi)
-    if dtype is DType.INT:
-        lo = torch.where((lo < -INT_CAP) | (lo > INT_CAP), -INF, lo)
-        hi = torch.where((hi > INT_CAP) | (hi < -INT_CAP), INF, hi)
-        return Interval(lo, hi)
     lo = torch.where(torch.isfinite(lo), lo - lo.abs() * FLOAT_REL_SLACK - FLOAT_ABS_SLACK, lo)
     hi = torch.where(torch.isfinite(hi), hi + hi.abs() * FLOAT_REL_SLACK + FLOAT_ABS_SLACK, hi)
     lo = torch.where(lo < -FLOAT_CAP, -INF, lo)

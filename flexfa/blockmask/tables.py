@@ -14,16 +14,15 @@ import torch
 def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num_blocks, indices)`` of a 0/1 (or bool) grid, both int32 and contiguous."""
     ones = dense.contiguous().bool()
-    cols = ones.shape[-1]
-    ones_through = torch.cumsum(ones, dim=-1)  # int64
-    num_blocks = ones_through[..., -1]
-    ones_before = ones_through - ones.to(torch.int64)
-    col = torch.arange(cols, device=dense.device)
-    # ones go to their rank among the ones, zeros after all ones in their rank among zeros
-    position = torch.where(ones, ones_before, num_blocks.unsqueeze(-1) + (col - ones_before))
+    ones_through = torch.cumsum(ones, dim=-1, dtype=torch.int32)  # inclusive prefix sum
+    num_blocks = ones_through[..., -1:].clone()
+    col = torch.arange(ones.shape[-1], dtype=torch.int32, device=dense.device)
+    # a zero goes after all ones, at its rank among the zeros; a one at its rank among ones
+    zero_position = (col - ones_through).add_(num_blocks)
+    position = torch.where(ones, ones_through.sub_(1), zero_position)
     indices = torch.empty(ones.shape, dtype=torch.int32, device=dense.device)
-    indices.scatter_(-1, position, col.to(torch.int32).expand(ones.shape))
-    return num_blocks.to(torch.int32), indices
+    indices.scatter_(-1, position.long(), col.expand(ones.shape))
+    return num_blocks.squeeze(-1), indices
 
 
 def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
