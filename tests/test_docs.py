@@ -115,6 +115,14 @@ def test_the_docs_have_the_pages_the_index_promises():
         assert f"({page})" in index, f"docs/index.md does not link {page}"
 
 
+def test_every_flexfa_variable_is_documented():
+    documented = (REPO / "docs" / "environment.md").read_text()
+    names = {name for path in (REPO / "flexfa").rglob("*.py")
+             for name in re.findall(r"FLEXFA_[A-Z0-9_]+", path.read_text())}
+    missing = sorted(name for name in names if f"`{name}`" not in documented)
+    assert not missing, f"docs/environment.md does not document {missing}"
+
+
 def update(paths) -> None:
     """Rewrite every ``<!-- output -->`` block with what its python block prints now."""
     import tempfile
