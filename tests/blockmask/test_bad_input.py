@@ -86,3 +86,13 @@ def test_captured_tensor_too_short():
 
     with pytest.raises(InputError, match="Q_LEN=100, KV_LEN=100.*IndexError.*captured tensors"):
         build(mask_mod=doc)
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 4, 64, 64), (2, 2, 64, 64), (2, 4, 64, 128)])
+def test_flex_attention_rejects_a_mismatched_mask(mask_shape):
+    import flexfa
+    q = k = v = torch.randn(2, 4, 64, 16)
+    mask = create_block_mask(mods.causal, *mask_shape, device="cpu", BLOCK_SIZE=32)
+    B, H, L, S = mask_shape
+    with pytest.raises(InputError, match=rf"B={B}, H={H}, Q_LEN={L}, KV_LEN={S}.*B=2, H=4"):
+        flexfa.flex_attention(q, k, v, block_mask=mask)
