@@ -96,3 +96,47 @@ def test_threads_with_different_mods_get_their_own_results(fresh_cache):
         sys.setswitchinterval(previous)
     assert cache.STATS.codegen == len(mods)
     assert not torch.equal(outputs[0], outputs[1])
+
+
+def test_threads_running_backward_get_their_own_gradients(fresh_cache):
+    """Forward and backward launches of several threads interleave; each thread's gradients
+    (including a captured tensor's) are its own mod's."""
+    q, k, v = qkv(L=40, S=56)
+    biases = [torch.linspace(-1, 1, 8) * (i + 1) for i in range(3)]
+
+    def make(bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[(q_idx + kv_idx) % 8]
+        return biased
+
+    def grads(bias, q, k, v):
+        bias = bias.clone().requires_grad_()
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = flexfa.flex_attention(q, k, v, score_mod=make(bias))
+        out.pow(2).sum().backward()
+        return [t.grad for t in (q, k, v, bias)]
+
+    expected = [grads(b, q, k, v) for b in biases]  # one thread: the known-good answers
+    cache.clear_memo()
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            results[i] = grads(biases[i], q, k, v)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(biases))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert not errors, errors[0]
+    for i, want in enumerate(expected):
+        for got, ref in zip(results[i], want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
