@@ -175,20 +175,35 @@ def draw_block_mask(variant: Variant, args, device, path: str, length: int) -> s
 # ---- entry point -----------------------------------------------------------------------------
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m flexfa demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--head-dim", type=int)
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--block-size", type=int)
+    parser = argparse.ArgumentParser(
+        prog="python -m flexfa demo",
+        description="Run a few attention variants forward and backward through flexfa, check "
+                    "them against float64 attention, print a table and draw a block mask.")
+    cpu, gpu = SIZES["cpu"], SIZES["cuda"]
+
+    def size(flag, key, kind=int, **kwargs):
+        parser.add_argument(flag, type=kind, help=f"default {cpu[key]} on CPU, {gpu[key]} on GPU",
+                            **kwargs)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: CUDA when torch sees a GPU, else the CPU interpreter")
+    size("--batch", "batch")
+    size("--heads", "heads")
+    size("--seq-len", "seq_len")
+    size("--head-dim", "head_dim")
+    size("--dtype", "dtype", str, choices=["float32", "float16", "bfloat16"])
+    size("--block-size", "block_size")
     parser.add_argument("--png", default="flexfa_demo_blockmask.png",
-                        help="where to draw the block mask picture")
+                        help="where to draw the block mask picture (default: %(default)s)")
     parser.add_argument("--no-png", action="store_true", help="skip the picture")
     parser.add_argument("--only", help="run only variants whose name contains this text")
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    args = parser.parse_args(argv)
+    for key, least in (("batch", 1), ("heads", 1), ("seq_len", 3), ("head_dim", 1),
+                       ("block_size", 16)):
+        value = getattr(args, key)
+        if value is not None and value < least:
+            parser.error(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
+    return args
 
 
 def _pick_device(choice: str) -> str:
