@@ -58,3 +58,11 @@ def test_none_means_broadcast():
 def test_batch_independent_mask_is_expanded_to_B_H():
     ours = assert_same_as_torch(flexfa.mods.causal, 3, 2, 64, 64, 16)
     assert ours.kv_indices.shape == (3, 2, 4, 4)
+
+
+@pytest.mark.parametrize("name", ["document_long", "sliding_bidirectional", "natten_2d",
+                                  "global_sliding", "dilated_window"])
+def test_realistic_tiles(name):
+    """128 x 128 tiles over 2000 tokens: the probes and the full evaluation at real tile sizes."""
+    B, H, L, S = 1, 2, 2000, 1900
+    assert_same_as_torch(ZOO[name](B, H, L, S), B, H, L, S, 128)
