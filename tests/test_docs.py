@@ -23,7 +23,7 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
-FENCE = re.compile(r"^```(\w*)\s*$")
+FENCE = re.compile(r"^(\s*)```(\w*)\s*$")  # fences may be indented (inside lists)
 GPU, OUTPUT = "<!-- gpu -->", "<!-- output -->"
 
 
@@ -34,6 +34,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     marker: str  # the non-empty line right before the fence
     end: int  # 0-based index of the closing fence line
+    indent: str  # the fence's indentation, removed from the code
 
 
 def blocks(path: pathlib.Path) -> list[Block]:
@@ -41,16 +42,17 @@ def blocks(path: pathlib.Path) -> list[Block]:
     found, i = [], 0
     while i < len(lines):
         match = FENCE.match(lines[i])
-        if not match or not match.group(1):
+        if not match or not match.group(2):
             i += 1
             continue
-        start = i
+        start, indent = i, match.group(1)
         i += 1
-        while i < len(lines) and not lines[i].startswith("```"):
+        while i < len(lines) and not lines[i].strip().startswith("```"):
             i += 1
         before = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        found.append(Block(match.group(1), "\n".join(lines[start + 1:i]) + "\n", start + 1,
-                           before, i))
+        code = "\n".join(line[len(indent):] if line.startswith(indent) else line.lstrip()
+                         for line in lines[start + 1:i]) + "\n"
+        found.append(Block(match.group(2), code, start + 1, before, i, indent))
         i += 1
     return found
 
@@ -132,7 +134,8 @@ def update(paths) -> None:
         checks = run_page(path, torch.cuda.is_available())
         lines = path.read_text().splitlines()
         for block, printed in sorted(checks, key=lambda c: -c[0].line):
-            lines[block.line:block.end] = printed.rstrip("\n").split("\n")
+            lines[block.line:block.end] = [(block.indent + line).rstrip()
+                                           for line in printed.rstrip("\n").split("\n")]
         path.write_text("\n".join(lines) + "\n")
         print(f"updated {len(checks)} output blocks in {path.relative_to(REPO)}")
 
