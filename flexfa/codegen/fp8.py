@@ -7,6 +7,7 @@ Importing this module registers the FP8 variants with ``python -m flexfa compile
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from ..frontend.trace import TracedMod
 from . import compile_check
@@ -16,7 +17,8 @@ from .spec import INTERPRET, kernel_name, next_power_of_two, spec_key
 from .template import fill, load_template, template_hash
 from .versions import versions_key
 
-FP8_TEMPLATES = ("fwd_fp8.tmpl", "helpers.tmpl")
+FP8_TEMPLATES = ("fwd_fp8.tmpl", "helpers.tmpl", "fp8_helpers.tmpl")
+QUANTIZE_TEMPLATES = ("fwd_fp8_quantize.tmpl", "helpers.tmpl", "fp8_helpers.tmpl")
 P_SHIFT = 8  # P is cast to e4m3 as P * 2**8: [0, 1] -> [0, 256], well inside e4m3's 448
 FP8_MIN_DIM = 32  # e4m3 dots reduce over K >= 32: E and BLOCK_N pad/tile to at least this
 
@@ -96,6 +98,7 @@ def fp8_forward_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: Trace
         load_template("fwd_fp8.tmpl"),
         KERNEL_NAME=name,
         HELPERS=load_template("helpers.tmpl").rstrip("\n"),
+        FP8_HELPERS=load_template("fp8_helpers.tmpl").rstrip("\n"),
         BUFFER_PARAMS="".join(f", {p}" for p in names),
         BUFFER_ARGS="".join(f", {p}" for p in names),
         SCORE_MOD=score_mod_code(score, score_args),
@@ -125,6 +128,26 @@ def fp8_forward_signature(spec: FP8KernelSpec, score: TracedMod | None, mask: Tr
     constexprs = spec.constexprs(score is not None)
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs
+
+
+def quantize_kernel() -> GeneratedKernel:
+    """The e4m3 quantization kernel (one for every mod and shape; flags are constexprs)."""
+    text = "|".join(("fp8_quantize", versions_key(), template_hash(*QUANTIZE_TEMPLATES)))
+    key = hashlib.sha256(text.encode()).hexdigest()
+    name = f"flexfa_fp8_quantize_{key[:12]}"
+    source = fill(load_template("fwd_fp8_quantize.tmpl"), KERNEL_NAME=name,
+                  HELPERS=load_template("helpers.tmpl").rstrip("\n"),
+                  FP8_HELPERS=load_template("fp8_helpers.tmpl").rstrip("\n"))
+    return GeneratedKernel(key, name, source)
+
+
+def quantize_signature(dtype: str, constexprs: dict) -> dict[str, str]:
+    signature = {"X": f"*{dtype}", "X8": "*fp8e4nv", "SCALE": "*fp32", "SIGNED_H": "*fp32"}
+    for tensor, dims in (("x", "bhnd"), ("o", "bhnd")):
+        signature.update({f"stride_{tensor}{d}": "i32" for d in dims})
+    signature.update(stride_sb="i32", stride_sh="i32", H="i32", N="i32", inv_sqrt_d="fp32")
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature
 
 
 # ---- compile-check variants -----------------------------------------------------------------
@@ -162,3 +185,26 @@ compile_check.register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=compile_chec
 compile_check.register("fwd_fp8_d128_alibi_document",
                        fp8_job(128, score_mod=compile_check._slopes_mod(),
                                mask_mod=compile_check._document_mask()))
+
+
+def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
+    """A compile-check builder: the quantization kernel for one head dim and input dtype."""
+    def build(arch: int) -> compile_check.CompileJob:
+        from ..runtime.cache import get_module
+
+        generated = quantize_kernel()
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        e_pad = next_power_of_two(head_dim, FP8_MIN_DIM if rotate else 16)
+        constexprs = dict(E=head_dim, E_PAD=e_pad, E_OUT=e_pad if rotate else head_dim,
+                          BLOCK=block, ROWS=min(block, 64 if e_pad >= 256 else 128),
+                          ROTATE=rotate, DOT_IN_FP32=dtype == "fp32", EMULATE_FP8_CAST=False)
+        return compile_check.CompileJob(getattr(module, generated.name),
+                                        quantize_signature(dtype, constexprs), constexprs,
+                                        {"num_warps": 8 if e_pad >= 128 else 4, "num_stages": 1},
+                                        generated.name)
+    return build
+
+
+compile_check.register("fp8_quantize_d128_bf16_rotate", quantize_job(128, "bf16", True))
+compile_check.register("fp8_quantize_d256_fp16_rotate", quantize_job(256, "fp16", True))
+compile_check.register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False))

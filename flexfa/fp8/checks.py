@@ -36,7 +36,7 @@ def check_block_size(block_size) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def check_quantize_inputs(q, k, v, rotate, per_tensor) -> None:
+def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
     """bf16/fp16/fp32 4-D tensors of consistent shapes on one device."""
     for name, tensor in zip(_NAMES, (q, k, v)):
         if not isinstance(tensor, torch.Tensor):
@@ -53,9 +53,12 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor) -> None:
         if tensor.device != q.device:
             raise InputError(f"{name} is on {tensor.device} but query is on {q.device}")
     _check_shapes(q, k, v, enable_gqa=True)
-    for name, flag in (("rotate", rotate), ("per_tensor", per_tensor)):
-        if not isinstance(flag, bool):
+    for name, flag in (("rotate", rotate), ("per_tensor", per_tensor), ("fused", fused)):
+        if not isinstance(flag, bool) and not (name == "fused" and flag is None):
             raise InputTypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    if per_tensor and fused:
+        raise InputError("per_tensor=True quantizes with torch operations; pass fused=None or "
+                         "False with it")
 
 
 def check_mixed(query, key, value) -> bool:

@@ -81,12 +81,18 @@ def _descale(x8: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     return x8.float() * _expand(scale, block, x8.shape[2])
 
 
-def _seq_contiguous(v8: torch.Tensor) -> torch.Tensor:
-    """``v8`` [B, H, S, Ev] copied into S-contiguous storage (S padded to 16 for alignment)."""
-    B, H, S, Ev = v8.shape
-    storage = torch.zeros(B, H, Ev, -(-S // 16) * 16, dtype=v8.dtype, device=v8.device)
-    storage[..., :S] = v8.transpose(-1, -2)
+def _seq_contiguous_storage(v: torch.Tensor) -> torch.Tensor:
+    """An e4m3 ``[B, H, S, Ev]`` view of S-contiguous storage (S padded to 16: aligned rows)."""
+    B, H, S, Ev = v.shape
+    storage = torch.zeros(B, H, Ev, -(-S // 16) * 16, dtype=FP8_DTYPE, device=v.device)
     return storage.transpose(-1, -2)[:, :, :S, :]
+
+
+def _seq_contiguous(v8: torch.Tensor) -> torch.Tensor:
+    """``v8`` [B, H, S, Ev] copied into S-contiguous storage."""
+    out = _seq_contiguous_storage(v8)
+    out.copy_(v8)
+    return out
 
 
 def _block_sizes(block_size) -> tuple[int, int]:
@@ -95,7 +101,8 @@ def _block_sizes(block_size) -> tuple[int, int]:
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size=128,
-             rotate: bool = True, seed: int = 0, per_tensor: bool = False) -> FP8Inputs:
+             rotate: bool = True, seed: int = 0, per_tensor: bool = False,
+             fused: bool | None = None) -> FP8Inputs:
     """Quantize bf16/fp16/fp32 ``q [B,Hq,L,E]``, ``k [B,Hkv,S,E]``, ``v [B,Hkv,S,Ev]`` to e4m3.
 
     ``block_size``: rows per scale block, an int or ``(block_q, block_kv)``; a power of two
@@ -103,14 +110,35 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size=128,
     rotation (signs from ``seed``) to Q and K first; head dims that are not powers of two are
     zero-padded. ``per_tensor``: one scale per tensor instead of per block (the plain FP8
     baseline; the scale tables keep their per-block shape, filled with that one value).
+    ``fused``: quantize with one Triton kernel per tensor (rotation, amax, cast in one pass;
+    the default on CUDA, not available with ``per_tensor``) instead of torch operations
+    (the default on CPU; ``fused=True`` runs the kernel under the interpreter).
     """
     from .checks import check_quantize_inputs
-    check_quantize_inputs(q, k, v, rotate, per_tensor)
+    check_quantize_inputs(q, k, v, rotate, per_tensor, fused)
     block_q, block_kv = _block_sizes(block_size)
+    signs = random_signs(padded_dim(q.shape[-1]), seed, q.device) if rotate else None
+    if fused is None:
+        fused = q.device.type == "cuda" and not per_tensor
+    if fused:
+        return _quantize_fused(q, k, v, block_q, block_kv, signs)
+    return _quantize_torch(q, k, v, block_q, block_kv, signs, per_tensor)
+
+
+def _quantize_fused(q, k, v, block_q, block_kv, signs) -> FP8Inputs:
+    from .runtime import quantize_rows
+    width = q.shape[-1] if signs is None else signs.shape[0]
+    q8, k8 = (torch.empty(*x.shape[:3], width, dtype=FP8_DTYPE, device=x.device) for x in (q, k))
+    v8 = _seq_contiguous_storage(v)
+    scales = [quantize_rows(x, block, signs if x is not v else None, out) for x, block, out in
+              ((q, block_q, q8), (k, block_kv, k8), (v, block_kv, v8))]
+    return FP8Inputs(q8, k8, v8, *scales, block_q=block_q, block_kv=block_kv,
+                     head_dim=q.shape[-1], dtype=output_dtype(v.dtype), signs=signs)
+
+
+def _quantize_torch(q, k, v, block_q, block_kv, signs, per_tensor) -> FP8Inputs:
     head_dim = q.shape[-1]
-    signs = None
-    if rotate:
-        signs = random_signs(padded_dim(head_dim), seed, q.device)
+    if signs is not None:
         q, k = hadamard_rotate(q, signs), hadamard_rotate(k, signs)
     scales = []
     for x, block in ((q, block_q), (k, block_kv), (v, block_kv)):

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel
+from ..codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, quantize_kernel
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from ..runtime.cache import get_module, register_memo
 from ..runtime.forward import AttentionCall, _table_args, buffer_launch_args, target_of
+from .hadamard import hadamard_matrix
 from .quantize import FP8Inputs
 
 
@@ -117,3 +118,42 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
     else:
         kernel[grid](*args, **launch)
     return out, lse
+
+
+def _quantize_launcher(interpret: bool):
+    memo_key = ("quantize", interpret)
+    kernel = _KERNELS.get(memo_key)
+    if kernel is None:
+        generated = quantize_kernel()
+        module = get_module(generated.name, generated.key, interpret, lambda: generated.source)
+        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
+    return kernel
+
+
+def quantize_rows(x: torch.Tensor, block: int, signs: torch.Tensor | None,
+                  out: torch.Tensor) -> torch.Tensor:
+    """One fused pass: rotate (with ``signs``), per-block amax, e4m3 values into ``out``
+    (any strides, ``[B, H, N, len(signs) or E]``); returns the descales ``[B, H, nb]``."""
+    B, H, N, E = x.shape
+    e_pad = signs.shape[0] if signs is not None else next_power_of_two(E, 16)
+    scale = torch.empty(B, H, triton.cdiv(N, block), dtype=torch.float32, device=x.device)
+    if scale.numel() == 0:
+        return scale
+    signed_h = scale  # a placeholder pointer when not rotating
+    if signs is not None:
+        signed_h = (hadamard_matrix(e_pad, x.device) * signs[:, None].to(x.device)).contiguous()
+    interpret = x.device.type == "cpu"
+    rows = min(block, 64 if e_pad >= 256 else 128)
+    kernel = _quantize_launcher(interpret)
+    args = [x, out, scale, signed_h, *x.stride(), *out.stride(), *scale.stride()[:2], H, N,
+            1.0 / e_pad ** 0.5]
+    launch = dict(E=E, E_PAD=e_pad, E_OUT=out.shape[-1], BLOCK=block, ROWS=rows,
+                  ROTATE=signs is not None, DOT_IN_FP32=interpret or x.dtype == torch.float32,
+                  EMULATE_FP8_CAST=interpret, num_warps=8 if e_pad >= 128 else 4)
+    grid = (scale.shape[2], B * H)
+    if interpret:
+        kernel[grid](*args, **launch)
+    else:
+        with torch.cuda.device(x.device):
+            kernel[grid](*args, **launch)
+    return scale

@@ -92,3 +92,24 @@ def test_fp8inputs_is_a_frozen_record():
     assert isinstance(x, FP8Inputs)
     with pytest.raises(AttributeError):
         x.q = q
+
+
+@pytest.mark.parametrize("dtype,E,rotated,block_size", [
+    (torch.bfloat16, 64, True, 128), (torch.float16, 48, True, (32, 64)),
+    (torch.float32, 40, False, 64), (torch.bfloat16, 24, False, (16, 256))])
+def test_fused_kernel_matches_torch_bit_for_bit(dtype, E, rotated, block_size):
+    """The Triton quantization kernel (interpreted here; the CUDA default) gives the same
+    e4m3 values, scales and layout as the torch path, ties rounded to even."""
+    q, k, v = _inputs(1, 2, 1, 100, 150, E, 24, seed=E, dtype=dtype)
+    a = quantize(q, k, v, block_size=block_size, rotate=rotated, fused=False)
+    b = quantize(q, k, v, block_size=block_size, rotate=rotated, fused=True)
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype, name
+        assert torch.equal(x.float(), y.float()), name
+
+
+def test_fused_and_per_tensor_exclude_each_other():
+    from flexfa.errors import InputError
+    with pytest.raises(InputError, match="per_tensor=True"):
+        quantize(*_inputs(1, 1, 1, 16, 16, 32, 32), per_tensor=True, fused=True)
