@@ -19,15 +19,10 @@ if TYPE_CHECKING:  # trace imports simplify, which folds constants with apply_op
 _TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int64}
 
 
-def _floordiv(a, b):
-    if a.dtype.is_floating_point or b.dtype.is_floating_point:
-        return torch.floor(a / b)
-    return torch.div(a, b, rounding_mode="floor")
-
-
 _BINARY = {
     Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div,
-    Op.FLOORDIV: _floordiv, Op.MOD: torch.remainder, Op.POW: torch.pow,
+    Op.FLOORDIV: torch.floor_divide,  # Python's //, also for floats (1.0 // 0.1 == 9.0)
+    Op.MOD: torch.remainder, Op.POW: torch.pow,
     Op.MAX: torch.maximum, Op.MIN: torch.minimum,
     Op.LT: torch.lt, Op.LE: torch.le, Op.EQ: torch.eq, Op.NE: torch.ne,
 }

@@ -157,8 +157,11 @@ def complement(node: Node) -> Node | None:
 # ---- canonical forms -----------------------------------------------------------------------
 
 def constant_right(node: Node) -> Node | None:
-    """Commutative ops keep a constant on the right: ``2 * x`` -> ``x * 2``."""
+    """Commutative ops keep a constant on the right: ``2 * x`` -> ``x * 2``. Not float
+    max/min: ``max(0.0, -0.0)`` and ``max(-0.0, 0.0)`` differ in the sign of zero."""
     a, b = node.src
+    if node.op in (Op.MAX, Op.MIN) and node.dtype is _F:
+        return None
     if _is_const(a) and not _is_const(b):
         return Node.make(node.op, node.dtype, (b, a), node.arg)
     return None
@@ -175,11 +178,9 @@ def int_sub_const(node: Node) -> Node | None:
 
 def reassociate(node: Node) -> Node | None:
     """``(x op c1) op c2`` -> ``x op (c1 op c2)`` for INT add/mul (exact in wrap-around
-    arithmetic) and for max/min of any dtype."""
+    arithmetic) and INT/BOOL max/min (float: the sign of zero, see constant_right)."""
     a, b = node.src
-    if not (_is_const(b) and a.op is node.op and _is_const(a.src[1])):
-        return None
-    if node.op in (Op.ADD, Op.MUL) and node.dtype is not _I:
+    if not (_is_const(b) and a.op is node.op and _is_const(a.src[1])) or node.dtype is _F:
         return None
     combined = fold(Node.make(node.op, node.dtype, (a.src[1], b)))
     return None if combined is None else Node.make(node.op, node.dtype, (a.src[0], combined))

@@ -119,24 +119,24 @@ class Proxy:
 
     def _no_concrete(self, what):
         raise self.tracer.error(
-            f"{what} of a traced value needs a concrete number, which a mod does not have "
-            "while being traced; use .int()/.float() for casts, torch.exp etc. instead of "
-            "math.exp, and torch.where instead of branches")
+            f"{what} needs a concrete number, which a mod does not have while being traced; "
+            "use .int()/.float() for casts, torch.exp etc. instead of math.exp, and "
+            "torch.where instead of branches")
 
     def __int__(self):
-        self._no_concrete("int()")
+        self._no_concrete("int() of a traced value")
 
     def __float__(self):
-        self._no_concrete("float()")
+        self._no_concrete("float() of a traced value")
 
     def __index__(self):
-        self._no_concrete("using as a Python index")
+        self._no_concrete("using a traced value as a Python index (range(), slices, lists)")
 
     def __len__(self):
-        self._no_concrete("len()")
+        self._no_concrete("len() of a traced value")
 
     def __iter__(self):
-        self._no_concrete("iterating")
+        self._no_concrete("iterating over a traced value")
 
     # -- casts
     def float(self):
