@@ -157,7 +157,7 @@ def _score_code(joint: JointGraph | None, args, with_loads: bool) -> str:
     lines = list(rendered.lines)
     for root, name, value in zip(roots, names, rendered.values):
         if name == "score_mod_out" and needs_tile_broadcast(root):
-            value = f"({value}) + tl.zeros_like(score)"
+            value = f"({value}) + tl.full(score.shape, 0.0, tl.float32)"
         lines.append(f"{name} = {value}")
     return "\n".join(lines)
 
@@ -188,11 +188,11 @@ def _buffer_grad_code(joint: JointGraph | None, args, grad_args) -> str:
         if rows and cols:
             value = contrib
         elif rows:
-            value = f"tl.sum({contrib}, 1, keep_dims=True)"
+            value = f"tl.reduce({contrib}, 1, flexfa_sum_combine, keep_dims=True)"
         elif cols:
-            value = f"tl.sum({contrib}, 0, keep_dims=True)"
+            value = f"tl.reduce({contrib}, 0, flexfa_sum_combine, keep_dims=True)"
         else:
-            value = f"tl.sum(tl.sum({contrib}, 1), 0)"
+            value = f"tl.reduce(tl.reduce({contrib}, 1, flexfa_sum_combine), 0, flexfa_sum_combine)"
         size_names, grad = args[slot].sizes, grad_args[slot]
         offset = " + ".join(f"flexfa_index(load{i}_idx{d}, {size}) * {stride}"
                             for d, (size, stride) in enumerate(zip(size_names, grad.strides)))
