@@ -74,6 +74,8 @@ def test_cuda_without_cuda():
 def test_bad_device_name():
     with pytest.raises(InputError, match="not a torch device"):
         build(device="gpu0")
+    with pytest.raises(InputError, match="'meta' is not supported.*'cpu' or 'cuda'"):
+        build(device="meta")
 
 
 def test_create_mask_checks_lengths():
