@@ -1,4 +1,5 @@
-"""Autotuning the forward tiles per (template, target, head dims, dtype, mask density class).
+"""Autotuning the forward tiles per (template, target, head dims, dtype, mask density class,
+short or long kv length).
 
 A small pruned config space per head dim is timed on the caller's own inputs the first time a
 class is met; the winner goes into ``<cache dir>/autotune.json`` (atomic write under a lock),
@@ -28,6 +29,12 @@ HOPPER_CONFIGS: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     128: ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)),
     256: ((128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
 }
+
+# below this many score elements (B * H * L * S) a launch is mostly overhead and timing it
+# says nothing about the config: the default is used and nothing is stored
+MIN_TUNED_WORK = 2 ** 28
+# kv lengths up to this are tuned apart from longer ones (short rows favour other tiles)
+SHORT_KV = 4096
 
 _FILE = "autotune.json"
 _LOCK = threading.Lock()
@@ -62,8 +69,9 @@ def density_class(block_mask) -> str:
 
 
 def tune_key(template: str, target: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,
-             density: str) -> str:
-    return f"{template}|{target}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}"
+             density: str, kv_len: int) -> str:
+    length = "short" if kv_len <= SHORT_KV else "long"
+    return f"{template}|{target}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}|{length}"
 
 
 def _path():

@@ -96,27 +96,73 @@ def get_hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod
     return kernel
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, cols_pad: int) -> TensorDescriptor:
+class _TrustedDescriptor(TensorDescriptor):
+    """A TensorDescriptor whose checks ran once, when its plan was made (use_hopper checks
+    each call's base alignment): per call only the base tensor changes."""
+
+    def __post_init__(self):
+        pass
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, cols_pad: int, trusted: bool = False):
     B, H, n, d = t.shape
-    return TensorDescriptor(t, [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad])
+    kind = _TrustedDescriptor if trusted else TensorDescriptor
+    return kind(t, [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad])
 
 
-def _launch(q, k, v, out, lse, call: AttentionCall, spec: KernelSpec) -> None:
+@dataclasses.dataclass
+class _Plan:
+    """Everything about a launch that depends only on the call's signature (shapes, strides,
+    dtypes, mods, block mask object, options): made once, then each call only allocates the
+    outputs, wraps q/k/v in descriptors and launches the compiled kernel directly."""
+
+    spec: KernelSpec
+    kernel: object  # the JITFunction (or InterpretedFunction)
+    grid: tuple[int, int, int]
+    fixed: list  # out strides, block-mask tables, HQ, L, S
+    constexprs: dict
+    block_mask: object  # kept so the id in the plan's key cannot be reused
+    compiled: object = None  # Triton's CompiledKernel after the first launch (CUDA)
+    tail: tuple = ()  # constexpr values in parameter order, for direct launches
+
+
+def _args(plan: _Plan, q, k, v, out, lse, call: AttentionCall, trusted: bool) -> list:
+    spec = plan.spec
+    return [_descriptor(q, spec.block_m, spec.head_dim_pad, trusted),
+            _descriptor(k, spec.block_n, spec.head_dim_pad, trusted),
+            _descriptor(v, spec.block_n, spec.head_dim_v_pad, trusted),
+            out, lse if lse is not None else out, *out.stride(), *plan.fixed,
+            float(call.scale), *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
+
+
+def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
     B, Hq, L, _ = q.shape
     kernel = get_hopper_kernel(spec, call.score, call.mask)
-    grid = (triton.cdiv(L, spec.block_m), B * Hq)
-    args = [_descriptor(q, spec.block_m, spec.head_dim_pad),
-            _descriptor(k, spec.block_n, spec.head_dim_pad),
-            _descriptor(v, spec.block_n, spec.head_dim_v_pad),
-            out, lse if lse is not None else out, *out.stride(),
-            *_table_args(call.block_mask, q.device), Hq, L, k.shape[2], float(call.scale),
-            *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
-    constexprs = spec.constexprs(call.score is not None)
+    fixed = [*_table_args(call.block_mask, q.device), Hq, L, k.shape[2]]
+    return _Plan(spec, kernel, (triton.cdiv(L, spec.block_m), B * Hq, 1), fixed,
+                 spec.constexprs(call.score is not None), call.block_mask)
+
+
+def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
+    if plan.compiled is not None and triton.knobs.runtime.launch_enter_hook is None:
+        # cached: the compiled kernel's launcher directly, without Triton's argument binding
+        # (the plan's key fixes every specialization: shapes, strides, alignment, dtypes)
+        compiled = plan.compiled
+        stream = torch._C._cuda_getCurrentRawStream(q.device.index)
+        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *_args(plan, q, k, v, out, lse, call, True), *plan.tail)
+        return
+    args = _args(plan, q, k, v, out, lse, call, False)
+    options = plan.spec.launch_options()
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):
-            kernel[grid](*args, **constexprs, **spec.launch_options())
+            compiled = plan.kernel[plan.grid[:2]](*args, **plan.constexprs, **options)
+        names = [p.name for p in plan.kernel.params[len(args):]]
+        if sorted(names) == sorted(plan.constexprs):
+            plan.tail = tuple(plan.constexprs[n] for n in names)
+            plan.compiled = compiled
     else:
-        kernel[grid](*args, **constexprs, **spec.launch_options())
+        plan.kernel[plan.grid[:2]](*args, **plan.constexprs, **options)
 
 
 def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, out, lse):
@@ -134,19 +180,33 @@ def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, o
         return pinned.apply((block_m, block_n, warps, stages))
     e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
     candidates = _candidates(max(e_pad, ev_pad), *sparse)
-    if pinned.any or not autotune.enabled() or len(candidates) == 1:
+    work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    if (pinned.any or not autotune.enabled() or len(candidates) == 1
+            or work < autotune.MIN_TUNED_WORK):
         return pinned.apply(candidates[0])
     key = autotune.tune_key(HOPPER_TEMPLATE, target, e_pad, ev_pad, DTYPE_NAMES[q.dtype],
-                            autotune.density_class(mask))
+                            autotune.density_class(mask), k.shape[2])
     config = autotune.lookup(key)
     if config is not None and config in candidates:
         return config
 
     def time_config(config) -> float:
-        spec = _spec(q, k, v, call, return_lse, target, config)
-        return triton.testing.do_bench(lambda: _launch(q, k, v, out, lse, call, spec),
+        plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, config))
+        return triton.testing.do_bench(lambda: _launch_plan(plan, q, k, v, out, lse, call),
                                        warmup=5, rep=25, return_mode="median")
     return autotune.tune(key, candidates, time_config)
+
+
+_PLANS: dict[tuple, _Plan] = register_memo({})
+_MAX_PLANS = 256
+
+
+def _plan_key(q, k, v, call: AttentionCall, return_lse: bool) -> tuple:
+    buffers = [t for mod in (call.score, call.mask) if mod is not None for t in mod.buffers]
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+            return_lse, call.score.key if call.score else None,
+            call.mask.key if call.mask else None, id(call.block_mask), call.options,
+            call.gqa_group, tuple((t.stride(), t.data_ptr() % 16 == 0) for t in buffers))
 
 
 def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool):
@@ -158,8 +218,14 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool):
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse
-    target = target_of(q.device)
-    config = choose_config(q, k, v, call, return_lse, target, out, lse)
-    spec = _spec(q, k, v, call, return_lse, target, config)
-    _launch(q, k, v, out, lse, call, spec)
+    key = _plan_key(q, k, v, call, return_lse)
+    plan = _PLANS.get(key)
+    if plan is None or plan.block_mask is not call.block_mask:
+        target = target_of(q.device)
+        config = choose_config(q, k, v, call, return_lse, target, out, lse)
+        plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, config))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    _launch_plan(plan, q, k, v, out, lse, call)
     return out, lse

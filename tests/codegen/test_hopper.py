@@ -1,0 +1,169 @@
+"""The Hopper forward template under the interpreter, its selection, fast-math rendering,
+and its sm_90 compile check (wgmma, TMA, tanh.approx)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.codegen.render import render
+from flexfa.frontend.grad import derive
+from flexfa.frontend.trace import SCORE_MOD, trace
+from flexfa.runtime import hopper
+from flexfa.runtime.pipeline import prepare
+
+from kernels.forward_utils import check_forward, make_qkv
+
+
+@pytest.fixture
+def hopper_template(monkeypatch):
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
+    launched = []
+    original = hopper.run_hopper_forward
+
+    def spy(*args, **kwargs):
+        launched.append(True)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(hopper, "run_hopper_forward", spy)
+    return launched
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_40(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+def gate(score, b, h, q_idx, kv_idx):
+    return score * torch.sigmoid(score) + torch.exp(-0.01 * (q_idx - kv_idx).abs())
+
+
+CASES = {
+    # name: (B, Hq, Hkv, L, S, E, Ev, dtype, score_mod, mask_mod)
+    "causal_ragged": (1, 2, 2, 100, 100, 64, 64, torch.bfloat16, None, causal),
+    "softcap_gqa": (2, 4, 2, 232, 100, 32, 32, torch.float16, softcap, None),
+    "sliding_wide_head": (1, 2, 1, 130, 232, 80, 48, torch.bfloat16, gate, sliding_40),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hopper_matches_reference(name, hopper_template):
+    B, Hq, Hkv, L, S, E, Ev, dtype, score_mod, mask_mod = CASES[name]
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=len(name))
+    block_mask = (flexfa.create_block_mask(mask_mod, B, None, L, S, device="cpu")
+                  if mask_mod else None)
+    check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv)
+    assert hopper_template, "the Hopper template did not run"
+
+
+def test_hopper_equals_ampere_template(monkeypatch):
+    q, k, v = make_qkv(1, 2, 2, 100, 232, 64, dtype=torch.bfloat16, seed=3)
+    block_mask = flexfa.create_block_mask(causal, 1, None, 100, 232, device="cpu")
+    results = {}
+    for template in ("ampere", "hopper"):
+        monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+        results[template] = flexfa.flex_attention(q, k, v, score_mod=softcap,
+                                                  block_mask=block_mask, return_lse=True)
+    for a, b in zip(results["ampere"], results["hopper"]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+
+
+def test_empty_rows_give_zero_and_minus_inf(hopper_template):
+    def nothing_before_50(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx >= 50)
+    q, k, v = make_qkv(1, 1, 1, 100, 100, 32, dtype=torch.float16)
+    mask = flexfa.create_block_mask(nothing_before_50, 1, 1, 100, 100, device="cpu")
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, return_lse=True)
+    assert hopper_template
+    assert torch.all(out[0, 0, :50] == 0) and torch.all(lse[0, 0, :50] == float("-inf"))
+    assert torch.isfinite(out).all() and torch.isfinite(lse[0, 0, 50:]).all()
+
+
+def test_plan_is_reused_and_new_mask_gets_a_new_plan(hopper_template):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16)
+    hopper._PLANS.clear()
+    mask = flexfa.create_block_mask(causal, 1, None, 64, 64, device="cpu")
+    first = flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert len(hopper._PLANS) == 1
+    again = flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert len(hopper._PLANS) == 1
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    other = flexfa.create_block_mask(sliding_40, 1, None, 64, 64, device="cpu")
+    flexfa.flex_attention(q, k, v, block_mask=other)
+    assert len(hopper._PLANS) == 2
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: torch.randn(1, 2, 64, 32, dtype=torch.float16), True),
+    (lambda: torch.randn(1, 64, 2, 32, dtype=torch.float16).transpose(1, 2), False),
+    (lambda: torch.randn(1, 2, 64, 32), False),  # fp32 stays on the Ampere template
+    (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :4], False),
+    (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32], False),  # 72-byte rows
+])
+def test_use_hopper_needs_flat_aligned_rows(make, expected, monkeypatch):
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
+    t = make()
+    assert hopper.use_hopper(t, t, t) is expected
+
+
+def test_use_hopper_is_off_for_cpu_by_default_and_when_forced_off(monkeypatch):
+    t = torch.randn(1, 2, 64, 32, dtype=torch.float16)
+    monkeypatch.delenv("FLEXFA_FORWARD_TEMPLATE", raising=False)
+    assert not hopper.use_hopper(t, t, t)
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "ampere")
+    assert not hopper.use_hopper(t, t, t)
+
+
+# ---- fast transcendentals --------------------------------------------------------------------
+
+def test_fast_math_renders_hardware_helpers_only_when_asked():
+    traced = prepare(trace(gate, SCORE_MOD))
+    exact = render([traced.root], fast_math=False)
+    fast = render([traced.root], fast_math=True)
+    exact_text, fast_text = "\n".join((*exact.lines, *exact.values)), "\n".join((*fast.lines, *fast.values))
+    assert "flexfa_fast_sigmoid(" in fast_text and "flexfa_fast_exp(" in fast_text
+    assert "flexfa_fast" not in exact_text and "flexfa_sigmoid(" in exact_text
+
+
+def test_tanh_derivative_reuses_the_forward_value():
+    joint = derive(prepare(trace(softcap, SCORE_MOD)))
+    rendered = render([joint.forward, joint.dscore], fast_math=True)
+    text = "\n".join((*rendered.lines, *rendered.values))
+    assert text.count("flexfa_fast_tanh(") == 1, text
+
+
+def test_generated_gpu_kernel_uses_fast_tanh_and_interpreted_one_is_exact():
+    from flexfa.codegen.hopper import hopper_kernel
+    from flexfa.codegen.spec import KernelSpec
+
+    score = prepare(trace(softcap, SCORE_MOD))
+    fields = dict(dtype="bf16", head_dim=64, head_dim_v=64, block_m=128, block_n=128,
+                  num_warps=8, num_stages=2, has_block_mask=False, has_full_blocks=False,
+                  sparse_q=128, sparse_kv=128, even_l=True, even_s=True, return_lse=False,
+                  gqa_group=1, input_precision="ieee", template="fwd_hopper")
+    gpu = hopper_kernel(KernelSpec(**fields, target="cuda:90"), score, None)
+    cpu = hopper_kernel(KernelSpec(**fields, target="interpret"), score, None)
+    assert "flexfa_fast_tanh(" in gpu.source and "flexfa_fast_tanh(" not in cpu.source
+    assert gpu.key != cpu.key and gpu.name.startswith("flexfa_fwd_hopper_d64_bf16_")
+
+
+# ---- compile-only checks for sm_90 -----------------------------------------------------------
+
+def test_sm90_hopper_kernel_has_wgmma_tma_and_fast_tanh():
+    from flexfa.codegen.compile_check import compile_job
+    from flexfa.codegen.hopper import hopper_job
+
+    result = compile_job("hopper_softcap_causal", 90,
+                         hopper_job(128, "bf16", score_mod=softcap, mask_mod=causal))
+    assert result.ok, result.error
+    assert result.wgmma and not result.mma_sync
+    assert "cp.async.bulk.tensor" in result.ptx  # TMA loads
+    assert "tanh.approx.f32" in result.ptx
+    if result.spill_bytes is not None:
+        assert result.spill_bytes == 0

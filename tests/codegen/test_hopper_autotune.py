@@ -1,0 +1,120 @@
+"""Autotuning: the fastest config wins, is stored on disk, a new process reads it instead of
+timing again; progress on stderr; pinned options and the interpreter never tune."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.runtime import autotune, hopper
+from flexfa.runtime.forward import AttentionCall
+from flexfa.runtime.options import KernelOptions
+
+CONFIGS = ((128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3))
+
+
+@pytest.fixture
+def tune_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    autotune.clear_memo()
+    yield tmp_path
+    autotune.clear_memo()
+
+
+def test_fastest_config_wins_and_is_persisted(tune_dir, capsys):
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.5, CONFIGS[2]: 2.0}
+    timed = []
+
+    def time_config(config):
+        timed.append(config)
+        return times[config]
+    best = autotune.tune("k|cuda:90|e128", CONFIGS, time_config)
+    assert best == CONFIGS[1] and timed == list(CONFIGS)
+    assert "flexfa: tuned k|cuda:90|e128: 128x64 w8 s3" in capsys.readouterr().err
+    stored = json.loads((tune_dir / "autotune.json").read_text())
+    assert stored["k|cuda:90|e128"] == list(CONFIGS[1])
+    assert set(stored["_timings_ms"]["k|cuda:90|e128"]) == {"128x128 w8 s2", "128x64 w8 s3",
+                                                            "64x128 w4 s3"}
+    # again in this process: no timing
+    assert autotune.tune("k|cuda:90|e128", CONFIGS, lambda c: pytest.fail("timed again")) == best
+
+
+def test_a_new_process_reads_the_winner_from_disk(tune_dir):
+    autotune.tune("k2", CONFIGS, lambda c: {CONFIGS[2]: 1.0}.get(c, 2.0))
+    code = ("from flexfa.runtime import autotune; import sys; "
+            "print(autotune.tune('k2', %r, lambda c: sys.exit('timed again')))" % (CONFIGS,))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**__import__("os").environ, "FLEXFA_CACHE_DIR": str(tune_dir)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(CONFIGS[2])
+
+
+def test_failing_configs_are_skipped_and_all_failing_is_an_error(tune_dir):
+    def time_config(config):
+        if config[0] == 128:
+            raise RuntimeError("out of shared memory")
+        return 1.0
+    assert autotune.tune("k3", CONFIGS, time_config) == CONFIGS[2]
+    with pytest.raises(AssertionError, match="no config of k4 ran"):
+        autotune.tune("k4", CONFIGS, lambda c: 1 / 0)
+
+
+def test_corrupt_file_is_ignored(tune_dir):
+    (tune_dir / "autotune.json").write_text("{not json")
+    assert autotune.lookup("anything") is None
+    autotune.tune("k5", CONFIGS, lambda c: 1.0)
+    assert autotune.lookup("k5") == CONFIGS[0]
+
+
+def test_key_separates_density_and_length_classes():
+    keys = {autotune.tune_key("fwd_hopper", "cuda:90", 128, 128, "bf16", d, n)
+            for d in ("dense", "masked", "sparse") for n in (2048, 16384)}
+    assert len(keys) == 6
+
+
+def test_density_class_is_computed_once_per_mask():
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < 64
+    assert autotune.density_class(None) == "dense"
+    mask = flexfa.create_block_mask(causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
+    assert autotune.density_class(mask) == "masked"
+    mask.kv_num_blocks = None  # a second call must not read the tables again
+    assert autotune.density_class(mask) == "masked"
+    narrow = flexfa.create_block_mask(window, 1, 1, 2048, 2048, device="cpu", BLOCK_SIZE=64)
+    assert autotune.density_class(narrow) == "sparse"
+
+
+def _call(options=KernelOptions()):
+    return AttentionCall(None, None, None, 0.125, options, 1)
+
+
+def test_interpreter_and_pinned_options_never_tune(monkeypatch):
+    monkeypatch.setattr(autotune, "tune", lambda *a: pytest.fail("tuned"))
+    q = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16)
+    assert hopper.choose_config(q, q, q, _call(), False, "interpret", None, None) == (64, 64, 4, 1)
+    big = torch.empty(16, 16, 2048, 128, dtype=torch.bfloat16)  # never touched: no launch
+    pinned = _call(KernelOptions(block_m=64, num_stages=4))
+    assert hopper.choose_config(big, big, big, pinned, False, "cuda:90", None, None) == (
+        64, 128, 8, 4)
+    monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
+    assert hopper.choose_config(big, big, big, _call(), False, "cuda:90", None, None) == (
+        autotune.HOPPER_CONFIGS[128][0])
+
+
+def test_small_problems_use_the_default_without_timing(monkeypatch):
+    monkeypatch.setattr(autotune, "tune", lambda *a: pytest.fail("tuned"))
+    q = torch.empty(1, 2, 256, 64, dtype=torch.float16)
+    assert hopper.choose_config(q, q, q, _call(), False, "cuda:90", None, None) == (
+        autotune.HOPPER_CONFIGS[64][0])
+
+
+def test_candidates_fit_small_mask_blocks():
+    assert all(c[0] <= 64 and c[1] <= 64 for c in hopper._candidates(128, 64, 64))
+    assert hopper._candidates(128, 32, 16) == [(32, 16, 4, 2)]
