@@ -40,8 +40,10 @@ def rmse(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).pow(2).mean().sqrt())
 
 
-def compare(q, k, v, score_mod=None, block_mask=None, block_size=128) -> dict[str, float]:
-    """RMSE vs float64 of the bf16 kernel, per-tensor FP8 and block-scaled rotated FP8."""
+def compare(q, k, v, score_mod=None, block_mask=None, block_size=128,
+            ablation=False) -> dict[str, float]:
+    """RMSE vs float64 of the bf16 kernel, per-tensor FP8 and block-scaled rotated FP8 (with
+    ``ablation``, also block scales without rotation and rotation with one scale)."""
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     exact = attention_reference(q, k, v, score_mod, mask_mod)
     with torch.no_grad():
@@ -52,6 +54,13 @@ def compare(q, k, v, score_mod=None, block_mask=None, block_size=128) -> dict[st
                                   rotate=True, block_size=block_size)
     result = {"bf16": rmse(bf16, exact), "fp8_per_tensor": rmse(plain, exact),
               "fp8_block_rotated": rmse(best, exact), "out_rms": rmse(exact, 0 * exact)}
+    if ablation:
+        for name, rotate, per_tensor in (("fp8_block_only", False, False),
+                                         ("fp8_rotated_only", True, True)):
+            x = quantize(q, k, v, block_size, rotate=rotate, per_tensor=per_tensor)
+            with torch.no_grad():
+                out = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask)
+            result[name] = rmse(out, exact)
     result["ratio_vs_per_tensor"] = result["fp8_block_rotated"] / result["fp8_per_tensor"]
     result["ratio_vs_bf16"] = result["fp8_block_rotated"] / result["bf16"]
     return result
@@ -65,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args(argv)
     q, k, v = outlier_inputs(H=args.heads, L=args.seq, S=args.seq, E=args.dim, device=args.device)
-    for name, value in compare(q, k, v).items():
+    for name, value in compare(q, k, v, ablation=True).items():
         print(f"{name:22} {value:.3e}")
     return 0
 
