@@ -112,6 +112,9 @@ def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) ->
     if traced is None:
         return
     for slot, tensor in enumerate(traced.buffers):
+        if tensor.numel() == 0:  # a kernel would read out of bounds: there is no element
+            raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
+                             f"{tuple(tensor.shape)}, which has no elements")
         if tensor.device != device:
             raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
                              f"{tuple(tensor.shape)} on {tensor.device} but query is on "
