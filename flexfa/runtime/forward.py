@@ -129,6 +129,36 @@ def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMo
     return kernel
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Everything per call signature: the spec, the kernel and its keyword arguments."""
+
+    spec: KernelSpec
+    kernel: object
+    kwargs: dict  # constexprs and launch options
+    block_m: int
+
+
+_LAUNCHES: dict[tuple, _Launch] = register_memo({})
+
+
+def _launch_for(q, k, v, call: AttentionCall, return_lse: bool) -> _Launch:
+    """The memoized launch for this call signature (a dict lookup once it exists)."""
+    mask = call.block_mask
+    signature = (q.device, q.dtype, q.shape[2], q.shape[3], k.shape[2], v.shape[3], return_lse,
+                 call.gqa_group, call.options, call.score.key if call.score else None,
+                 call.mask.key if call.mask else None,
+                 None if mask is None else (tuple(mask.BLOCK_SIZE),
+                                            getattr(mask, "full_kv_num_blocks", None) is None))
+    launch = _LAUNCHES.get(signature)
+    if launch is None:
+        spec = forward_spec(q, k, v, call, return_lse)
+        kernel = get_forward_kernel(spec, call.score, call.mask)
+        kwargs = {**spec.constexprs(call.score is not None), **spec.launch_options()}
+        launch = _LAUNCHES[signature] = _Launch(spec, kernel, kwargs, spec.block_m)
+    return launch
+
+
 @functools.cache
 def _dummy_table(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
@@ -172,17 +202,15 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
     from .hopper import run_hopper_forward, use_hopper  # sm_90: the Hopper template
     if use_hopper(q, k, v):
         return run_hopper_forward(q, k, v, call, return_lse)
-    spec = forward_spec(q, k, v, call, return_lse)
-    kernel = get_forward_kernel(spec, call.score, call.mask)
-    grid = (triton.cdiv(L, spec.block_m), B * Hq)
+    launch = _launch_for(q, k, v, call, return_lse)
+    grid = (triton.cdiv(L, launch.block_m), B * Hq)
     args = [q, k, v, out, lse if lse is not None else out,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
-    constexprs = spec.constexprs(call.score is not None)
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
-            kernel[grid](*args, **constexprs, **spec.launch_options())
+            launch.kernel[grid](*args, **launch.kwargs)
     else:
-        kernel[grid](*args, **constexprs, **spec.launch_options())
+        launch.kernel[grid](*args, **launch.kwargs)
     return out, lse

@@ -9,7 +9,7 @@ import weakref
 
 from ..frontend import simplify
 from ..frontend.ir import Node
-from ..frontend.trace import MASK_MOD, SCORE_MOD, TracedMod, trace
+from ..frontend.trace import MASK_MOD, SCORE_MOD, TracedMod, _fingerprint, trace
 from .debug import debug, debug_enabled
 
 _SIMPLIFIED: dict[Node, Node] = {}  # root -> simplified root (nodes are hash-consed)
@@ -37,8 +37,25 @@ def _simplified(traced: TracedMod) -> TracedMod:
     return dataclasses.replace(traced, root=root)
 
 
+# fn -> (fingerprint, prepared): skips trace()'s signature inspection on repeated calls; the
+# fingerprint (closure cells, globals, captured tensors' identity and shape) is trace's own
+_BY_FUNCTION: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def prepare_score_mod(score_mod) -> TracedMod | None:
-    return None if score_mod is None else prepare(trace(score_mod, SCORE_MOD))
+    if score_mod is None:
+        return None
+    fingerprint = _fingerprint(score_mod)
+    hit = _BY_FUNCTION.get(score_mod) if fingerprint is not None else None
+    if hit is not None and hit[0] == fingerprint:
+        return hit[1]
+    prepared = prepare(trace(score_mod, SCORE_MOD))
+    if fingerprint is not None:
+        try:
+            _BY_FUNCTION[score_mod] = (fingerprint, prepared)
+        except TypeError:  # not weak-referenceable
+            pass
+    return prepared
 
 
 def prepare_mask(block_mask) -> TracedMod | None:
