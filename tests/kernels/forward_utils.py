@@ -7,6 +7,7 @@ import types
 import torch
 
 import flexfa
+from flexfa import mods
 from flexfa.frontend import dense_mask, trace
 from reference import assert_close_to_reference, reference_pair
 
@@ -18,6 +19,29 @@ def make_qkv(B, Hq, Hkv, L, S, E, Ev=None, dtype=torch.float32, seed=0, device="
     Ev = E if Ev is None else Ev
     shapes = ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev))
     return [torch.randn(s, generator=generator).to(device=device, dtype=dtype) for s in shapes]
+
+
+def named_variants(H, L, S, device="cpu"):
+    """The named suite as {name: (score_mod, mask_mod)}, sized for [*, H, L, S] inputs."""
+    generator = torch.Generator().manual_seed(1)
+    table = (0.3 * torch.randn(H, 2 * max(L, S) - 1, generator=generator)).to(device)
+    learned = (0.3 * torch.randn(H, L, S, generator=generator)).to(device)
+
+    def learnable_bias(score, b, h, q_idx, kv_idx):
+        return score + learned[h, q_idx, kv_idx]
+
+    third = max(S // 3, 1)
+    return {
+        "causal": (None, mods.causal),
+        "sliding_window": (None, mods.sliding_window(max(S // 6, 1))),
+        "prefix_lm": (None, mods.prefix_lm(S // 8)),
+        "document": (None, mods.document([third, S - 2 * third, third], device=device)),
+        "alibi_causal": (mods.alibi(H, device=device), mods.causal),
+        "softcap": (mods.softcap(5.0), None),
+        "relative_bias": (mods.relative_bias(table), None),
+        "learnable_bias_table": (learnable_bias, mods.causal),
+        "dilated": (None, mods.dilated_window(8, 3)),
+    }
 
 
 def tables_from_dense(keep: torch.Tensor, block_q: int, block_kv: int, mask_mod, full=True):

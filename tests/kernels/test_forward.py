@@ -8,38 +8,14 @@ import torch
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from forward_utils import SMALL_TILES, check_forward, dense_block_mask, make_qkv
+from forward_utils import SMALL_TILES, check_forward, dense_block_mask, make_qkv, named_variants
 
 B, H, L, S, E = 1, 2, 100, 232, 32
 
 
 # ---- the named suite --------------------------------------------------------------------------
 
-def _doc_lengths(n):
-    return [n // 3, n - 2 * (n // 3), n // 3]
-
-
-def _named_cases():
-    table = 0.5 * torch.randn(H, 2 * 232 - 1, generator=torch.Generator().manual_seed(1))
-    learned = 0.3 * torch.randn(H, L, S, generator=torch.Generator().manual_seed(2))
-
-    def learnable_bias(score, b, h, q_idx, kv_idx):
-        return score + learned[h, q_idx, kv_idx]
-
-    return {
-        "causal": (None, mods.causal),
-        "sliding_window": (None, mods.sliding_window(40)),
-        "prefix_lm": (None, mods.prefix_lm(30)),
-        "document": (None, mods.document(_doc_lengths(232))),
-        "alibi_causal": (mods.alibi(H), mods.causal),
-        "softcap": (mods.softcap(5.0), None),
-        "relative_bias": (mods.relative_bias(table), None),
-        "learnable_bias_table": (learnable_bias, mods.causal),
-        "dilated": (None, mods.dilated_window(8, 3)),
-    }
-
-
-NAMED = _named_cases()
+NAMED = named_variants(H, L, S)
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))

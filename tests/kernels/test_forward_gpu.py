@@ -8,32 +8,11 @@ import torch
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from forward_utils import check_forward, make_qkv
+from forward_utils import check_forward, make_qkv, named_variants
 
 pytestmark = pytest.mark.gpu
 
 B, H, L = 2, 8, 1024
-
-
-def _named(device):
-    table = 0.1 * torch.randn(H, 2 * L - 1, device=device)
-    learned = 0.1 * torch.randn(H, L, L, device=device)
-
-    def learnable_bias(score, b, h, q_idx, kv_idx):
-        return score + learned[h, q_idx, kv_idx]
-
-    return {
-        "causal": (None, mods.causal),
-        "sliding_window": (None, mods.sliding_window(256)),
-        "prefix_lm": (None, mods.prefix_lm(200)),
-        "document": (None, mods.document([300, 500, 224], device=device)),
-        "alibi_causal": (mods.alibi(H, device=device), mods.causal),
-        "softcap": (mods.softcap(20.0), None),
-        "relative_bias": (mods.relative_bias(table), None),
-        "learnable_bias_table": (learnable_bias, mods.causal),
-        "dilated": (None, mods.dilated_window(64, 4)),
-        "natten_2d": (None, mods.natten_2d(32, 32, 7)),
-    }
 
 
 NAMES = ["causal", "sliding_window", "prefix_lm", "document", "alibi_causal", "softcap",
@@ -44,7 +23,10 @@ NAMES = ["causal", "sliding_window", "prefix_lm", "document", "alibi_causal", "s
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("E", [64, 128])
 def test_named_variant_on_gpu(name, dtype, E):
-    score_mod, mask_mod = _named("cuda")[name]
+    if name == "natten_2d":
+        score_mod, mask_mod = None, mods.natten_2d(32, 32, 7)
+    else:
+        score_mod, mask_mod = named_variants(H, L, L, "cuda")[name]
     q, k, v = make_qkv(B, H, H, L, L, E, dtype=dtype, device="cuda")
     block_mask = None
     if mask_mod is not None:
