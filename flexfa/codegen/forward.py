@@ -66,22 +66,28 @@ def forward_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | Non
                     versions_key(), template_hash(*FORWARD_TEMPLATES))
 
 
+def mod_hooks(score: TracedMod | None, mask: TracedMod | None, fast_math: bool
+              ) -> dict[str, str]:
+    """The hooks every forward-style template shares: helpers, captured-buffer parameters
+    and arguments, and the rendered score_mod / mask_mod."""
+    score_args, mask_args = mod_buffer_args(score, mask)
+    names = [p for args in (*score_args, *mask_args) for p in args.params]
+    return dict(
+        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
+        BUFFER_PARAMS="".join(f", {p}" for p in names),
+        BUFFER_ARGS="".join(f", {p}" for p in names),
+        SCORE_MOD=score_mod_code(score, score_args, fast_math=fast_math),
+        MASK_MOD=mask_mod_code(mask, mask_args),
+    )
+
+
 def forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                    ) -> GeneratedKernel:
     """Key, name and source of the forward kernel for these mods and this spec."""
     key = forward_key(spec, score, mask)
     name = kernel_name(spec, key)
-    score_args, mask_args = mod_buffer_args(score, mask)
-    names = [p for args in (*score_args, *mask_args) for p in args.params]
-    source = fill(
-        load_template("fwd.tmpl"),
-        KERNEL_NAME=name,
-        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
-        BUFFER_PARAMS="".join(f", {p}" for p in names),
-        BUFFER_ARGS="".join(f", {p}" for p in names),
-        SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret),
-        MASK_MOD=mask_mod_code(mask, mask_args),
-    )
+    source = fill(load_template("fwd.tmpl"), KERNEL_NAME=name,
+                  **mod_hooks(score, mask, fast_math=not spec.interpret))
     return GeneratedKernel(key, name, source)
 
 
