@@ -11,8 +11,7 @@ import hashlib
 
 from ..frontend.trace import TracedMod
 from . import compile_check
-from .forward import (GeneratedKernel, buffer_signature, mask_mod_code, mod_buffer_args,
-                      score_mod_code)
+from .forward import GeneratedKernel, buffer_signature, mod_buffer_args, mod_hooks
 from .spec import INTERPRET, kernel_name, next_power_of_two, spec_key
 from .template import fill, load_template, template_hash
 from .versions import versions_key
@@ -92,18 +91,9 @@ def fp8_forward_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: Trace
     """Key, name (``flexfa_fwd_fp8_d128_e4m3_<hash>``) and source of the FP8 forward kernel."""
     key = fp8_forward_key(spec, score, mask)
     name = kernel_name(spec, key)
-    score_args, mask_args = mod_buffer_args(score, mask)
-    names = [p for args in (*score_args, *mask_args) for p in args.params]
-    source = fill(
-        load_template("fwd_fp8.tmpl"),
-        KERNEL_NAME=name,
-        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
-        FP8_HELPERS=load_template("fp8_helpers.tmpl").rstrip("\n"),
-        BUFFER_PARAMS="".join(f", {p}" for p in names),
-        BUFFER_ARGS="".join(f", {p}" for p in names),
-        SCORE_MOD=score_mod_code(score, score_args),
-        MASK_MOD=mask_mod_code(mask, mask_args),
-    )
+    source = fill(load_template("fwd_fp8.tmpl"), KERNEL_NAME=name,
+                  FP8_HELPERS=load_template("fp8_helpers.tmpl").rstrip("\n"),
+                  **mod_hooks(score, mask, fast_math=not spec.interpret))
     return GeneratedKernel(key, name, source)
 
 

@@ -80,15 +80,19 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
 _KERNELS: dict[tuple, object] = register_memo({})
 
 
-def get_fp8_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None):
-    memo_key = (spec, score.key if score else None, mask.key if mask else None)
+def _memoized(memo_key: tuple, interpret: bool, generate):
+    """The launchable kernel of ``generate()`` (a GeneratedKernel), memoized per signature."""
     kernel = _KERNELS.get(memo_key)
     if kernel is None:
-        generated = fp8_forward_kernel(spec, score, mask)
-        module = get_module(generated.name, generated.key, spec.interpret,
-                            lambda: generated.source)
+        generated = generate()
+        module = get_module(generated.name, generated.key, interpret, lambda: generated.source)
         kernel = _KERNELS[memo_key] = getattr(module, generated.name)
     return kernel
+
+
+def get_fp8_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None):
+    return _memoized((spec, score.key if score else None, mask.key if mask else None),
+                     spec.interpret, lambda: fp8_forward_kernel(spec, score, mask))
 
 
 def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
@@ -120,16 +124,6 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
     return out, lse
 
 
-def _quantize_launcher(interpret: bool):
-    memo_key = ("quantize", interpret)
-    kernel = _KERNELS.get(memo_key)
-    if kernel is None:
-        generated = quantize_kernel()
-        module = get_module(generated.name, generated.key, interpret, lambda: generated.source)
-        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
-    return kernel
-
-
 def quantize_rows(x: torch.Tensor, block: int, signs: torch.Tensor | None,
                   out: torch.Tensor) -> torch.Tensor:
     """One fused pass: rotate (with ``signs``), per-block amax, e4m3 values into ``out``
@@ -144,7 +138,7 @@ def quantize_rows(x: torch.Tensor, block: int, signs: torch.Tensor | None,
         signed_h = (hadamard_matrix(e_pad, x.device) * signs[:, None].to(x.device)).contiguous()
     interpret = x.device.type == "cpu"
     rows = min(block, 64 if e_pad >= 256 else 128)
-    kernel = _quantize_launcher(interpret)
+    kernel = _memoized(("quantize", interpret), interpret, quantize_kernel)
     args = [x, out, scale, signed_h, *x.stride(), *out.stride(), *scale.stride()[:2], H, N,
             1.0 / e_pad ** 0.5]
     launch = dict(E=E, E_PAD=e_pad, E_OUT=out.shape[-1], BLOCK=block, ROWS=rows,
