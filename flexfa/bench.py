@@ -136,6 +136,10 @@ def run(args) -> dict:
     compiled_flex = torch.compile(torch_flex, dynamic=False)
     meta = _versions()
     meta.update(_ceilings())
+    from .codegen.hopper import RESCALE_THRESHOLD
+    meta.update(forward_template=os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto"),
+                rescale_threshold=RESCALE_THRESHOLD,
+                autotune=os.environ.get("FLEXFA_AUTOTUNE", "1"))
     print(json.dumps(meta), flush=True)
     rows = []
     passes = [p == "fwd+bwd" for p in args.passes.split(",")]
@@ -196,9 +200,18 @@ def run(args) -> dict:
                             row.update(check, blockmask_ms=fa_bm_ms)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
+                    _save_partial(args, meta, rows)
             del q, k, v
             torch.cuda.empty_cache()
     return {"meta": meta, "rows": rows, "summary": summarize(rows)}
+
+
+def _save_partial(args, meta, rows) -> None:
+    """results.json after every case, so a run stopped at a time limit keeps what it measured."""
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "summary": summarize(rows), "partial": True}, f,
+                  indent=1)
 
 
 def summarize(rows) -> dict:

@@ -8,6 +8,7 @@ descriptors, TMA), the flat pipelined block loop and the reversed q-tile order.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, forward_signature, mask_mod_code, mod_buffer_args, score_mod_code
@@ -17,11 +18,15 @@ from .versions import versions_key
 
 HOPPER_TEMPLATE = "fwd_hopper"
 HOPPER_TEMPLATES = ("fwd_hopper.tmpl", "helpers.tmpl")
+# RESCALE_THRESHOLD of fwd_hopper.tmpl: 0 rescales on every tile, 8 only when a row max grew
+# by more than 2**8 (measured on the H200: see docs/performance.md)
+RESCALE_THRESHOLD = int(os.environ.get("FLEXFA_RESCALE_THRESHOLD", "0"))
 
 
 def hopper_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
     return spec_key(spec, score.key if score else "-", mask.key if mask else "-",
-                    versions_key(), template_hash(*HOPPER_TEMPLATES))
+                    versions_key(), template_hash(*HOPPER_TEMPLATES),
+                    f"rescale={RESCALE_THRESHOLD}")
 
 
 def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
@@ -36,6 +41,7 @@ def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | N
         load_template("fwd_hopper.tmpl"),
         KERNEL_NAME=name,
         HELPERS=load_template("helpers.tmpl").rstrip("\n"),
+        RESCALE_THRESHOLD=str(RESCALE_THRESHOLD),
         BUFFER_PARAMS=names,
         BUFFER_ARGS=names,
         SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret),

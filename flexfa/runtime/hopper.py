@@ -77,7 +77,9 @@ def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config) -
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m, block_n=block_n,
         num_warps=warps, num_stages=stages, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
-        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
+        # EVEN_S also needs whole block-mask blocks: the flat loop visits every sub-tile of
+        # a block, and a sub-tile past S would read the next head's rows unmasked
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target, template=HOPPER_TEMPLATE)
 

@@ -62,6 +62,27 @@ def test_hopper_matches_reference(name, hopper_template):
     assert hopper_template, "the Hopper template did not run"
 
 
+def test_ragged_last_mask_block_with_sub_tiles(hopper_template):
+    # S = 192 with 128-wide mask blocks and 64-wide tiles: the last (full) block's second
+    # sub-tile lies past S and must be masked, not read from the next head
+    def everything(b, h, q_idx, kv_idx):
+        return kv_idx >= 0
+    q, k, v = make_qkv(2, 2, 2, 192, 192, 32, dtype=torch.float16)
+    mask = flexfa.create_block_mask(everything, 2, None, 192, 192, device="cpu")
+    check_forward(q, k, v, None, everything, mask)
+
+
+def test_lazy_rescale_matches_reference(hopper_template, monkeypatch):
+    from flexfa.codegen import hopper as codegen_hopper
+    monkeypatch.setattr(codegen_hopper, "RESCALE_THRESHOLD", 8)
+    monkeypatch.setattr(hopper, "_KERNELS", {})
+    monkeypatch.setattr(hopper, "_PLANS", {})
+    q, k, v = make_qkv(1, 2, 2, 232, 232, 32, dtype=torch.float16, seed=5)
+    q = q * 3  # spread the scores so that row maxima move between tiles
+    block_mask = flexfa.create_block_mask(causal, 1, None, 232, 232, device="cpu")
+    check_forward(q, k, v, softcap, causal, block_mask)
+
+
 def test_hopper_equals_ampere_template(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 100, 232, 64, dtype=torch.bfloat16, seed=3)
     block_mask = flexfa.create_block_mask(causal, 1, None, 100, 232, device="cpu")

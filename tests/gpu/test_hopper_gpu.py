@@ -1,0 +1,94 @@
+"""Hopper-specific GPU checks: the template is chosen on sm_90, the direct (planned) launch
+equals Triton's, fast tanh stays accurate, dispatch is cheap, tuning persists."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.runtime import hopper
+
+pytestmark = pytest.mark.gpu
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_hopper_template_is_used_and_planned_launch_matches_first_launch():
+    q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert hopper.use_hopper(q, k, v)
+    hopper._PLANS.clear()
+    mask = flexfa.create_block_mask(causal, 2, None, 1000, 1000, device="cuda")
+    first = flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask)
+    (plan,) = hopper._PLANS.values()
+    assert plan.compiled is not None  # the next call launches the compiled kernel directly
+    out = torch.full_like(first, float("nan"))
+    out.copy_(flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask))
+    torch.testing.assert_close(out, first, atol=0, rtol=0)
+    other = torch.randn_like(q)  # new data through the same plan
+    os.environ["FLEXFA_FORWARD_TEMPLATE"] = "ampere"
+    try:
+        ampere = flexfa.flex_attention(other, k, v, score_mod=softcap, block_mask=mask)
+    finally:
+        del os.environ["FLEXFA_FORWARD_TEMPLATE"]
+    hop = flexfa.flex_attention(other, k, v, score_mod=softcap, block_mask=mask)
+    assert float((hop.float() - ampere.float()).norm() / ampere.float().norm()) < 5e-3
+
+
+def test_fast_tanh_is_accurate():
+    q, k, v = (torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.float16) * 3 for _ in range(3))
+    out = flexfa.flex_attention(q, k, v, score_mod=softcap)
+    from flexfa.reference import attention_reference
+    ref = attention_reference(q, k, v, softcap)
+    assert float((out.double() - ref).abs().max()) < 1e-2
+
+
+def test_dispatch_of_a_cached_call_is_under_50_us():
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = flexfa.create_block_mask(causal, 1, None, 128, 128, device="cuda")
+    with torch.no_grad():
+        for _ in range(50):
+            flexfa.flex_attention(q, k, v, block_mask=mask)
+        torch.cuda.synchronize()
+        calls = 1000
+        start = time.perf_counter()
+        for _ in range(calls):
+            flexfa.flex_attention(q, k, v, block_mask=mask)
+        torch.cuda.synchronize()
+    per_call_us = (time.perf_counter() - start) / calls * 1e6
+    assert per_call_us < 50, f"{per_call_us:.1f} us per cached call"
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_tuned_config_is_reused_by_a_new_process(tmp_path):
+    code = """
+import torch, flexfa
+q, k, v = (torch.randn(4, 16, 4096, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+flexfa.flex_attention(q, k, v)
+torch.cuda.synchronize()
+"""
+    env = {**os.environ, "FLEXFA_CACHE_DIR": str(tmp_path), "FLEXFA_AUTOTUNE": "1"}
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "flexfa: tuned fwd_hopper|cuda:90|e64|ev64|bf16|dense|long" in first.stderr
+    stored = json.loads((tmp_path / "autotune.json").read_text())
+    assert "fwd_hopper|cuda:90|e64|ev64|bf16|dense|long" in stored
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert "tuning" not in second.stderr
