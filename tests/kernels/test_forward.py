@@ -172,3 +172,13 @@ def test_requires_grad_goes_through_autograd_function():
     with torch.no_grad():
         assert flexfa.flex_attention(q, k, v).grad_fn is None
     assert math.isfinite(out.sum().item())
+
+
+def test_tf32_option_is_its_own_kernel():
+    from flexfa.runtime import forward
+    q, k, v = make_qkv(1, 1, 1, 30, 30, 16)
+    ieee = flexfa.flex_attention(q, k, v)
+    tf32 = flexfa.flex_attention(q, k, v, kernel_options={"fp32_precision": "tf32"})
+    torch.testing.assert_close(tf32, ieee, atol=2e-3, rtol=2e-3)  # the interpreter has no tf32
+    precisions = {launch.spec.input_precision for launch in forward._LAUNCHES.values()}
+    assert {"ieee", "tf32"} <= precisions
