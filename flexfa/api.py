@@ -103,9 +103,31 @@ def _check_block_mask(block_mask, query, key) -> None:
     if mask_B not in (1, B) or mask_H not in (1, Hq) or seq_lengths != (L, S):
         raise InputError(f"block_mask was built for (B={mask_B}, H={mask_H}, lengths="
                          f"{seq_lengths}) but the inputs have (B={B}, H={Hq}, lengths={(L, S)})")
+    _check_table_shapes(block_mask, L, S)
     if block_mask.kv_num_blocks.device != query.device:
         raise InputError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
                          f"{query.device}; move it with block_mask.to(device)")
+
+
+def _check_table_shapes(block_mask, L: int, S: int) -> None:
+    """The tables must have a row for every q tile and a column for every kv tile of (L, S):
+    the kernels index them without bounds checks."""
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    q_tiles, kv_tiles = -(-L // block_q), -(-S // block_kv)
+    for name in ("kv_indices", "full_kv_indices"):
+        table = getattr(block_mask, name, None)
+        if table is not None and (table.shape[-2] < q_tiles or table.shape[-1] < kv_tiles):
+            raise InputError(
+                f"block_mask.{name} has {table.shape[-2]} x {table.shape[-1]} tiles but lengths "
+                f"(L={L}, S={S}) with BLOCK_SIZE {(block_q, block_kv)} need {q_tiles} x "
+                f"{kv_tiles}")
+    for name in ("q_indices", "full_q_indices"):
+        table = getattr(block_mask, name, None)
+        if table is not None and (table.shape[-2] < kv_tiles or table.shape[-1] < q_tiles):
+            raise InputError(
+                f"block_mask.{name} has {table.shape[-2]} x {table.shape[-1]} tiles but lengths "
+                f"(L={L}, S={S}) with BLOCK_SIZE {(block_q, block_kv)} need {kv_tiles} x "
+                f"{q_tiles}")
 
 
 def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) -> None:

@@ -201,7 +201,21 @@ def _table_pair(func: str, name: str, num_blocks, indices):
         raise InputError(f"{func}: {name}_num_blocks has shape {tuple(num_blocks.shape)} but "
                          f"{name}_indices has {tuple(indices.shape)}; expected "
                          f"{tuple(indices.shape[:-1])}")
+    _check_table_values(func, name, num_blocks, indices)
     while indices.dim() < 4:
         indices, num_blocks = indices.unsqueeze(0), num_blocks.unsqueeze(0)
     return (num_blocks.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous())
+
+
+def _check_table_values(func: str, name: str, num_blocks, indices) -> None:
+    """Counts in 0..KV_TILES and tile indices in 0..KV_TILES-1: kernels trust the tables."""
+    kv_tiles = indices.shape[-1]
+    low, high = (int(num_blocks.min()), int(num_blocks.max())) if num_blocks.numel() else (0, 0)
+    if low < 0 or high > kv_tiles:
+        raise InputError(f"{func}: {name}_num_blocks must be in 0..{kv_tiles} (the tiles per "
+                         f"row of {name}_indices), got values from {low} to {high}")
+    low, high = (int(indices.min()), int(indices.max())) if indices.numel() else (0, 0)
+    if low < 0 or high >= kv_tiles:
+        raise InputError(f"{func}: {name}_indices must be tile indices in 0..{kv_tiles - 1}, "
+                         f"got values from {low} to {high}")
 
