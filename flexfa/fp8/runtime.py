@@ -73,7 +73,8 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         num_stages=options.num_stages or stages, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
-        even_l=L % block_m == 0, even_s=S % block_n == 0, return_lse=return_lse,
+        even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
+        return_lse=return_lse,
         gqa_group=call.gqa_group, target=target)
 
 

@@ -118,3 +118,10 @@ def test_scale_and_zero_lengths():
     assert _rel_rmse(out, reference_attention(q, k, v, scale=0.05)[0]) < 0.08
     empty, lse = flex_attention_fp8(q[:, :, :0], k, v, return_lse=True)
     assert empty.shape == (B, H, 0, E) and lse.shape == (B, H, 0)
+
+
+def test_ragged_last_mask_block_with_even_tiles():
+    """S = 224: a multiple of the 32-wide kernel tile but not of the 64-wide mask block, so
+    the flat block loop visits a sub-tile past S, which must be masked."""
+    q, k, v = _qkv(L=96, S=224, seed=8)
+    check_fp8(q, k, v, None, mods.causal, block_size=64, kernel_options={"BLOCK_N": 32})
