@@ -17,7 +17,7 @@ import sys
 FP8_VARIANTS = ("full", "causal", "alibi", "softcap", "document")
 
 
-def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep):
+def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, options=None):
     import torch
     from triton.testing import do_bench
 
@@ -30,9 +30,11 @@ def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep):
     impls = {
         "flexfa-bf16": lambda: flexfa.flex_attention(q, k, v, score_mod=score_mod,
                                                      block_mask=block_mask),
-        "flexfa-fp8": lambda: flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask),
+        "flexfa-fp8": lambda: flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask,
+                                                 kernel_options=options),
         "flexfa-fp8+quant": lambda: flex_attention_fp8(q, k, v, score_mod=score_mod,
-                                                       block_mask=block_mask),
+                                                       block_mask=block_mask,
+                                                       kernel_options=options),
     }
     outs, rows = {}, []
     for label, fn in impls.items():
@@ -68,6 +70,7 @@ def run_fp8(args) -> list[dict]:
     from flexfa.bench import _variants
 
     torch.manual_seed(0)
+    options = json.loads(args.kernel_options) if args.kernel_options else None
     rows = []
     with torch.no_grad():
         for S in [int(s) for s in args.seqs.split(",")]:
@@ -82,7 +85,7 @@ def run_fp8(args) -> list[dict]:
                                   if mask_mod else None)
                     density = 1.0 - block_mask.sparsity() / 100.0 if block_mask else 1.0
                     for row in _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask,
-                                          density, args.rep):
+                                          density, args.rep, options):
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 del q, k, v
@@ -110,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    parser.add_argument("--kernel-options", default="",
+                        help='FP8 kernel_options as JSON, e.g. \'{"BLOCK_N": 128, "num_stages": 2}\'')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     import torch

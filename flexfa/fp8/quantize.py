@@ -130,8 +130,8 @@ def _quantize_fused(q, k, v, block_q, block_kv, signs) -> FP8Inputs:
     width = q.shape[-1] if signs is None else signs.shape[0]
     q8, k8 = (torch.empty(*x.shape[:3], width, dtype=FP8_DTYPE, device=x.device) for x in (q, k))
     v8 = _seq_contiguous_storage(v)
-    scales = [quantize_rows(x, block, signs if x is not v else None, out) for x, block, out in
-              ((q, block_q, q8), (k, block_kv, k8), (v, block_kv, v8))]
+    scales = [quantize_rows(x, block, rotation, out) for x, block, rotation, out in
+              ((q, block_q, signs, q8), (k, block_kv, signs, k8), (v, block_kv, None, v8))]
     return FP8Inputs(q8, k8, v8, *scales, block_q=block_q, block_kv=block_kv,
                      head_dim=q.shape[-1], dtype=output_dtype(v.dtype), signs=signs)
 

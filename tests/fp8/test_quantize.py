@@ -113,3 +113,11 @@ def test_fused_and_per_tensor_exclude_each_other():
     from flexfa.errors import InputError
     with pytest.raises(InputError, match="per_tensor=True"):
         quantize(*_inputs(1, 1, 1, 16, 16, 32, 32), per_tensor=True, fused=True)
+
+
+def test_one_tensor_as_q_k_and_v():
+    """Self-attention style calls pass one tensor three times: V is never rotated."""
+    x = _inputs(1, 1, 1, 40, 40, 32, 32)[0]
+    for fused in (False, True):
+        quantized = quantize(x, x, x, rotate=True, fused=fused)
+        assert torch.allclose(quantized.dequantize()[2], x.float(), rtol=HALF_ULP, atol=1e-3)
