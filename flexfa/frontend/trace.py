@@ -629,18 +629,21 @@ def _referenced_values(fn):
 
 
 def trace(fn, kind: str | None = None) -> TracedMod:
-    """Trace ``fn`` into a ``TracedMod``. ``kind`` defaults to what the arity says."""
+    """Trace ``fn`` into a ``TracedMod``. ``kind`` defaults to what the arity says.
+
+    Traces are cached by function identity plus a fingerprint of what the function can see
+    (closure cells, referenced globals), so calling this per step costs microseconds."""
     if kind not in (None, SCORE_MOD, MASK_MOD):
         raise TraceError(f"kind must be {SCORE_MOD!r}, {MASK_MOD!r} or None, got {kind!r}")
+    fingerprint = _fingerprint(fn)
+    if fingerprint is not None:
+        cached = _cache_get(fn)
+        if cached is not None and cached[0] == fingerprint and kind in (None, cached[1].kind):
+            return cached[1]
     expected = mod_kind(fn)
     kind = kind or expected
     if kind != expected:
         raise TraceError(f"expected a {kind} but {_name(fn)!r} has the arity of a {expected}")
-    fingerprint = _fingerprint(fn)
-    if fingerprint is not None:
-        cached = _CACHE.get(fn)
-        if cached is not None and cached[0] == fingerprint and cached[1].kind == kind:
-            return cached[1]
     traced = _trace_uncached(fn, kind)
     if fingerprint is not None:
         try:
@@ -648,6 +651,13 @@ def trace(fn, kind: str | None = None) -> TracedMod:
         except TypeError:  # not weak-referenceable
             pass
     return traced
+
+
+def _cache_get(fn):
+    try:
+        return _CACHE.get(fn)
+    except TypeError:  # not weak-referenceable: never cached
+        return None
 
 
 def _trace_uncached(fn, kind: str) -> TracedMod:

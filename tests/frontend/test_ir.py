@@ -8,13 +8,17 @@ import pytest
 from flexfa.frontend import ir, trace
 from flexfa.frontend.ir import DType, Node, Op
 
+# builds _example() in a fresh interpreter from ir.py alone (no torch import: fast)
 _KEY_SCRIPT = """
-import torch
-from flexfa.frontend import trace
-bias = torch.zeros(3, 7)
-def alibi_bias(score, b, h, q_idx, kv_idx):
-    return score + bias[h, (q_idx - kv_idx) % 7] * 0.5 - torch.exp2(-(h + 1.0)) * abs(q_idx - kv_idx)
-print(trace(alibi_bias).key)
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("standalone_ir", sys.argv[1])
+ir = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ir)
+Op, DType = ir.Op, ir.DType
+q, kv = ir.index(Op.Q_IDX), ir.index(Op.KV_IDX)
+diff = ir.binary(Op.SUB, q, kv)
+bias = ir.load(0, (ir.binary(Op.MOD, diff, ir.const(7)),), DType.FLOAT)
+print(ir.binary(Op.ADD, ir.score(), ir.binary(Op.MUL, bias, ir.const(0.5))).key)
 """
 
 
@@ -39,11 +43,22 @@ def test_key_differs_with_structure_and_is_stable_across_processes():
     b = ir.binary(Op.ADD, ir.score(), ir.const(0.5))
     assert a.key != b.key and len(a.key) == 64
     # another interpreter (another PYTHONHASHSEED, other object ids) computes the same key
-    other = subprocess.run([sys.executable, "-c", _KEY_SCRIPT], capture_output=True, text=True,
-                           check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
-    namespace = {}
-    exec(_KEY_SCRIPT.rsplit("print", 1)[0], namespace)
-    assert other.stdout.strip() == trace(namespace["alibi_bias"]).key
+    other = subprocess.run([sys.executable, "-c", _KEY_SCRIPT, ir.__file__], capture_output=True,
+                           text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert other.stdout.strip() == a.key
+
+
+def test_traced_mod_key_is_its_ir_key_plus_buffer_specs():
+    import torch
+
+    bias = torch.zeros(3, 7)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h, (q_idx - kv_idx) % 7]
+
+    traced = trace(biased)
+    assert traced.buffer_specs == (((3, 7), torch.float32),)
+    assert traced.key != traced.root.key and len(traced.key) == 64
 
 
 def test_nodes_are_immutable_and_built_only_by_make():

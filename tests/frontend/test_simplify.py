@@ -96,7 +96,7 @@ def _operations(root):
 
 
 @given(ir_trees())
-@settings(max_examples=150)
+@settings(max_examples=100)
 def test_simplify_is_exact_on_random_trees(root):
     try:
         expected = _evaluate(root)
