@@ -297,6 +297,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time the FP8 forward (flexfa.fp8.bench) on the same grid")
     args = parser.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -308,4 +310,10 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "results.png"))
     print_table(result)
+    if args.fp8:
+        from .fp8 import bench as fp8_bench
+        result["fp8_rows"] = fp8_bench.run_fp8(args)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        fp8_bench.print_table(result["fp8_rows"])
     return 0

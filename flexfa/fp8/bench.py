@@ -70,7 +70,7 @@ def run_fp8(args) -> list[dict]:
     from flexfa.bench import _variants
 
     torch.manual_seed(0)
-    options = json.loads(args.kernel_options) if args.kernel_options else None
+    options = json.loads(getattr(args, "kernel_options", "") or "null")
     rows = []
     with torch.no_grad():
         for S in [int(s) for s in args.seqs.split(",")]:
