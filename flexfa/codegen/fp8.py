@@ -169,12 +169,15 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None):
     return build
 
 
-compile_check.register("fwd_fp8_d128_dense", fp8_job(128))
-compile_check.register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=compile_check._causal))
-compile_check.register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=compile_check._softcap))
+FP8_ARCHS = (89, 90)  # e4m3 tensor cores: Ada (mma.sync) and Hopper (wgmma)
+compile_check.register("fwd_fp8_d128_dense", fp8_job(128), archs=FP8_ARCHS)
+compile_check.register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=compile_check._causal),
+                       archs=FP8_ARCHS)
+compile_check.register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=compile_check._softcap),
+                       archs=FP8_ARCHS)
 compile_check.register("fwd_fp8_d128_alibi_document",
                        fp8_job(128, score_mod=compile_check._slopes_mod(),
-                               mask_mod=compile_check._document_mask()))
+                               mask_mod=compile_check._document_mask()), archs=FP8_ARCHS)
 
 
 def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
@@ -195,6 +198,9 @@ def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
     return build
 
 
-compile_check.register("fp8_quantize_d128_bf16_rotate", quantize_job(128, "bf16", True))
-compile_check.register("fp8_quantize_d256_fp16_rotate", quantize_job(256, "fp16", True))
-compile_check.register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False))
+compile_check.register("fp8_quantize_d128_bf16_rotate", quantize_job(128, "bf16", True),
+                       archs=FP8_ARCHS)
+compile_check.register("fp8_quantize_d256_fp16_rotate", quantize_job(256, "fp16", True),
+                       archs=FP8_ARCHS)
+compile_check.register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
+                       archs=FP8_ARCHS)
