@@ -61,7 +61,8 @@ def test_variant_accuracy(name):
     out_dq, lse_dq = attention_reference(*x.dequantize(unrotate=False), score_mod, mask_mod,
                                          scale=E ** -0.5, return_lse=True)
     assert _rel_rmse(out, out_dq) < 0.025
-    assert (lse.double() - lse_dq).abs().max() < 1e-3
+    # compiled score_mods use fast tanh/exp (tanh.approx.f32: ~2**-11 relative)
+    assert (lse.double() - lse_dq).abs().max() < 1e-2
     out64, lse64 = attention_reference(q, k, v, score_mod, mask_mod, return_lse=True)
     assert _rel_rmse(out, out64) < 0.08
     assert (lse.double() - lse64).abs().max() < 0.15
