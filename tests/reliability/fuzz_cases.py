@@ -53,6 +53,7 @@ UNSUPPORTED_SCORE = [
     ("torch.zeros(4, device='meta')[kv_idx % 4]", ("meta",)),
     ("score @ score", ("tracing raised",)),
     ("[score]", ("returned a list",)),
+    ("torch.zeros(0, 4)[q_idx, kv_idx % 4]", ("no elements",)),
 ]
 UNSUPPORTED_MASK = [
     ("q_idx - kv_idx", ("must return bool",)),

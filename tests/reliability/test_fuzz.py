@@ -58,7 +58,8 @@ def tensor(draw, shape, dtype, generator):
 @st.composite
 def attention_calls(draw):
     """(kwargs of flex_attention, mask spec or None, expected error words)."""
-    B, Hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 3]))
     L, S = draw(st.integers(1, 100)), draw(st.integers(1, 100))
     E = draw(st.sampled_from([8, 16, 24, 40]))
     Ev = draw(st.sampled_from([E, 8, 24]))

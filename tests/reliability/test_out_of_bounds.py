@@ -1,0 +1,65 @@
+"""Inputs that would make a kernel read out of bounds (a segfault under the interpreter, an
+illegal address on a GPU) are rejected up front with a flexfa error."""
+import types
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import BlockMask
+from .inputs import qkv
+
+
+def _tables(q_tiles, kv_tiles):
+    num_blocks = torch.ones(1, 1, q_tiles, dtype=torch.int32)
+    indices = torch.arange(kv_tiles, dtype=torch.int32).expand(1, 1, q_tiles, kv_tiles)
+    return num_blocks.clone(), indices.contiguous()
+
+
+@pytest.mark.parametrize("fault, match", [
+    ("index past the last tile", "tile indices in 0..3"),
+    ("negative index", "tile indices in 0..3"),
+    ("count past the row", r"must be in 0\.\.4"),
+    ("negative count", r"must be in 0\.\.4"),
+])
+def test_from_kv_blocks_rejects_values_out_of_range(fault, match):
+    num_blocks, indices = _tables(4, 4)
+    target = {"index past the last tile": (indices, 99), "negative index": (indices, -5),
+              "count past the row": (num_blocks, 9), "negative count": (num_blocks, -3)}[fault]
+    target[0].view(-1)[0] = target[1]
+    with pytest.raises(flexfa.InputError, match=match):
+        BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=16, seq_lengths=(64, 64))
+
+
+@pytest.mark.parametrize("kind", ["flexfa", "duck-typed"])
+def test_tables_smaller_than_the_lengths_are_rejected(kind):
+    L = S = 100  # needs 7 x 7 tiles of 16
+    num_blocks, indices = _tables(4, 4)
+    if kind == "flexfa":
+        mask = BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=16, seq_lengths=(L, S))
+    else:
+        mask = types.SimpleNamespace(kv_num_blocks=num_blocks, kv_indices=indices,
+                                     full_kv_num_blocks=None, full_kv_indices=None,
+                                     BLOCK_SIZE=(16, 16), seq_lengths=(L, S),
+                                     mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= 0)
+    q, k, v = qkv(L=L, S=S)
+    with pytest.raises(flexfa.InputError, match="need 7 x 7"):
+        flexfa.flex_attention(q, k, v, block_mask=mask)
+
+
+def test_tables_covering_the_lengths_are_accepted():
+    q, k, v = qkv(L=64, S=64)
+    mask = BlockMask.from_kv_blocks(*_tables(4, 4), BLOCK_SIZE=16, seq_lengths=(64, 64))
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert torch.isfinite(out).all()
+
+
+def test_empty_captured_tensor_is_rejected():
+    empty = torch.zeros(0, 8)
+
+    def reads_nothing(score, b, h, q_idx, kv_idx):
+        return score + empty[q_idx, kv_idx % 8]
+
+    q, k, v = qkv(L=20, S=24)
+    with pytest.raises(flexfa.InputError, match=r"shape \(0, 8\), which has no elements"):
+        flexfa.flex_attention(q, k, v, score_mod=reads_nothing)
