@@ -60,7 +60,9 @@ def test_variant_accuracy(name):
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     out_dq, lse_dq = attention_reference(*x.dequantize(unrotate=False), score_mod, mask_mod,
                                          scale=E ** -0.5, return_lse=True)
-    assert _rel_rmse(out, out_dq) < 0.025
+    # P in e4m3 rounds each weight by ~2**-3 / sqrt(12) = 3.6% RMS; with random V the
+    # output is a sum of the same size as that noise, so ~2% relative error remains
+    assert _rel_rmse(out, out_dq) < 0.04
     # compiled score_mods use fast tanh/exp (tanh.approx.f32: ~2**-11 relative)
     assert (lse.double() - lse_dq).abs().max() < 1e-2
     out64, lse64 = attention_reference(q, k, v, score_mod, mask_mod, return_lse=True)
