@@ -182,3 +182,11 @@ def test_tf32_option_is_its_own_kernel():
     torch.testing.assert_close(tf32, ieee, atol=2e-3, rtol=2e-3)  # the interpreter has no tf32
     precisions = {launch.spec.input_precision for launch in forward._LAUNCHES.values()}
     assert {"ieee", "tf32"} <= precisions
+
+
+def test_empty_sizes():
+    q, k, v = make_qkv(1, 2, 2, 10, 0, 16)
+    out, lse = flexfa.flex_attention(q, k, v, return_lse=True)  # no keys: every row empty
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    q, k, v = make_qkv(0, 2, 2, 10, 5, 16)
+    assert flexfa.flex_attention(q, k, v).shape == (0, 2, 10, 16)
