@@ -37,18 +37,40 @@ def _sylvester(d: int) -> torch.Tensor:
     return h
 
 
-def hadamard_matrix(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The d x d Sylvester Hadamard matrix, entries +-1 (``H @ H.T == d * I``)."""
-    if not is_power_of_two(d):
-        raise InputError(f"a Hadamard matrix needs a power-of-two size, got d={d}")
+@functools.lru_cache(maxsize=32)
+def _on_device(d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _sylvester(d).to(device=device, dtype=dtype)
 
 
-def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
-    """A reproducible +-1 float32 vector of length d (the same for Q and K of one call)."""
-    generator = torch.Generator().manual_seed(int(seed))
-    bits = torch.randint(0, 2, (d,), generator=generator)
+def hadamard_matrix(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The d x d Sylvester Hadamard matrix, entries +-1 (``H @ H.T == d * I``). Cached per
+    device (no host-to-device copy per call): treat it as read-only."""
+    if not is_power_of_two(d):
+        raise InputError(f"a Hadamard matrix needs a power-of-two size, got d={d}")
+    return _on_device(d, torch.device(device or "cpu"), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    bits = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed))
     return (1.0 - 2.0 * bits.to(torch.float32)).to(device)
+
+
+def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
+    """A reproducible +-1 float32 vector of length d (the same for Q and K of one call);
+    cached per (d, seed, device): treat it as read-only."""
+    return _signs(d, int(seed), torch.device(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=64)
+def _signed(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    return (hadamard_matrix(d, device) * random_signs(d, seed, device)[:, None]).contiguous()
+
+
+def signed_hadamard(d: int, seed: int = 0, device=None) -> torch.Tensor:
+    """``diag(random_signs(d, seed)) @ H`` (entries +-1), cached: the fused quantization
+    kernel's rotation matrix before its 1/sqrt(d)."""
+    return _signed(d, int(seed), torch.device(device or "cpu"))
 
 
 def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:

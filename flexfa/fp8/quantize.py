@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from .hadamard import padded_dim, random_signs
+from .hadamard import padded_dim, random_signs, signed_hadamard
 from .hadamard import rotate as hadamard_rotate
 from .hadamard import unrotate as hadamard_unrotate
 
@@ -121,17 +121,18 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size=128,
     if fused is None:
         fused = q.device.type == "cuda" and not per_tensor
     if fused:
-        return _quantize_fused(q, k, v, block_q, block_kv, signs)
+        return _quantize_fused(q, k, v, block_q, block_kv, signs, seed)
     return _quantize_torch(q, k, v, block_q, block_kv, signs, per_tensor)
 
 
-def _quantize_fused(q, k, v, block_q, block_kv, signs) -> FP8Inputs:
+def _quantize_fused(q, k, v, block_q, block_kv, signs, seed) -> FP8Inputs:
     from .runtime import quantize_rows
     width = q.shape[-1] if signs is None else signs.shape[0]
+    rotation = None if signs is None else signed_hadamard(width, seed, q.device)
     q8, k8 = (torch.empty(*x.shape[:3], width, dtype=FP8_DTYPE, device=x.device) for x in (q, k))
     v8 = _seq_contiguous_storage(v)
-    scales = [quantize_rows(x, block, rotation, out) for x, block, rotation, out in
-              ((q, block_q, signs, q8), (k, block_kv, signs, k8), (v, block_kv, None, v8))]
+    scales = [quantize_rows(x, block, matrix, out) for x, block, matrix, out in
+              ((q, block_q, rotation, q8), (k, block_kv, rotation, k8), (v, block_kv, None, v8))]
     return FP8Inputs(q8, k8, v8, *scales, block_q=block_q, block_kv=block_kv,
                      head_dim=q.shape[-1], dtype=output_dtype(v.dtype), signs=signs)
 

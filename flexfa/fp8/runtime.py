@@ -10,7 +10,6 @@ from ..errors import InputError
 from ..frontend.trace import TracedMod
 from ..runtime.cache import get_module, register_memo
 from ..runtime.forward import AttentionCall, _table_args, buffer_launch_args, target_of
-from .hadamard import hadamard_matrix
 from .quantize import FP8Inputs
 
 
@@ -125,25 +124,26 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
     return out, lse
 
 
-def quantize_rows(x: torch.Tensor, block: int, signs: torch.Tensor | None,
+def quantize_rows(x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
                   out: torch.Tensor) -> torch.Tensor:
-    """One fused pass: rotate (with ``signs``), per-block amax, e4m3 values into ``out``
-    (any strides, ``[B, H, N, len(signs) or E]``); returns the descales ``[B, H, nb]``."""
+    """One fused pass: rotate (``x @ signed_h / sqrt(d)``, ``signed_h`` from
+    ``hadamard.signed_hadamard``; None: no rotation), per-block amax, e4m3 values into ``out``
+    (any strides, ``[B, H, N, d or E]``); returns the descales ``[B, H, nb]``."""
     B, H, N, E = x.shape
-    e_pad = signs.shape[0] if signs is not None else next_power_of_two(E, 16)
+    rotate = signed_h is not None
+    e_pad = signed_h.shape[0] if rotate else next_power_of_two(E, 16)
     scale = torch.empty(B, H, triton.cdiv(N, block), dtype=torch.float32, device=x.device)
     if scale.numel() == 0:
         return scale
-    signed_h = scale  # a placeholder pointer when not rotating
-    if signs is not None:
-        signed_h = (hadamard_matrix(e_pad, x.device) * signs[:, None].to(x.device)).contiguous()
+    if not rotate:
+        signed_h = scale  # a placeholder pointer
     interpret = x.device.type == "cpu"
     rows = min(block, 64 if e_pad >= 256 else 128)
     kernel = _memoized(("quantize", interpret), interpret, quantize_kernel)
     args = [x, out, scale, signed_h, *x.stride(), *out.stride(), *scale.stride()[:2], H, N,
             1.0 / e_pad ** 0.5]
     launch = dict(E=E, E_PAD=e_pad, E_OUT=out.shape[-1], BLOCK=block, ROWS=rows,
-                  ROTATE=signs is not None, DOT_IN_FP32=interpret or x.dtype == torch.float32,
+                  ROTATE=rotate, DOT_IN_FP32=interpret or x.dtype == torch.float32,
                   EMULATE_FP8_CAST=interpret, num_warps=8 if e_pad >= 128 else 4)
     grid = (scale.shape[2], B * H)
     if interpret:
