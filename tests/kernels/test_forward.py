@@ -190,3 +190,13 @@ def test_empty_sizes():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     q, k, v = make_qkv(0, 2, 2, 10, 5, 16)
     assert flexfa.flex_attention(q, k, v).shape == (0, 2, 10, 16)
+
+
+def test_torch_block_mask_is_accepted():
+    """A BlockMask from torch.nn.attention.flex_attention works as a drop-in."""
+    torch_flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    mask_mod = mods.sliding_window(30)
+    block_mask = torch_flex.create_block_mask(mask_mod, None, None, 100, 150, device="cpu",
+                                              BLOCK_SIZE=64)
+    q, k, v = make_qkv(1, 2, 2, 100, 150, 32)
+    check_forward(q, k, v, None, mask_mod, block_mask)
