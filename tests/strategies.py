@@ -195,6 +195,13 @@ def _p(e) -> str:
     return src if _atomic(src) else f"({src})"
 
 
+def _add(a: Expr, b: Expr, minus: bool = False) -> Expr:
+    """``a + b`` or ``a - b`` (the kind is a's: b is a's kind or a constant)."""
+    if minus:
+        return Expr(f"{_p(a)} - {_p(b)}", a.kind, a.lo - b.hi, a.hi - b.lo)
+    return Expr(f"{_p(a)} + {_p(b)}", a.kind, a.lo + b.lo, a.hi + b.hi)
+
+
 def _span(values):
     return min(values), max(values)
 
@@ -251,12 +258,10 @@ class _Generator:
         return expr
 
     def _int_add(self, depth):
-        a, b = self.int_expr(depth), self.int_operand(depth)
-        return Expr(f"{_p(a)} + {_p(b)}", "int", a.lo + b.lo, a.hi + b.hi)
+        return _add(self.int_expr(depth), self.int_operand(depth))
 
     def _int_sub(self, depth):
-        a, b = self.int_expr(depth), self.int_operand(depth)
-        return Expr(f"{_p(a)} - {_p(b)}", "int", a.lo - b.hi, a.hi - b.lo)
+        return _add(self.int_expr(depth), self.int_operand(depth), minus=True)
 
     def int_operand(self, depth) -> Expr:
         """An int expression or a constant, for the right side of a binary op."""
@@ -364,12 +369,10 @@ class _Generator:
         return Expr(spelled.format(a.src, p=_p(a)), "float", a.lo, a.hi)
 
     def _f_add(self, depth):
-        a, b = self.float_expr(depth), self.float_operand(depth)
-        return Expr(f"{_p(a)} + {_p(b)}", "float", a.lo + b.lo, a.hi + b.hi)
+        return _add(self.float_expr(depth), self.float_operand(depth))
 
     def _f_sub(self, depth):
-        a, b = self.float_expr(depth), self.float_operand(depth)
-        return Expr(f"{_p(a)} - {_p(b)}", "float", a.lo - b.hi, a.hi - b.lo)
+        return _add(self.float_expr(depth), self.float_operand(depth), minus=True)
 
     def _f_mul(self, depth):
         a, b = self.float_expr(depth), self.float_operand(depth)
