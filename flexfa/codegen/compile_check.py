@@ -134,6 +134,14 @@ def _document_mask():
     return document
 
 
+def _global_tokens_mask():
+    is_global = torch.zeros(4096, dtype=torch.bool)
+
+    def global_or_causal(b, h, q_idx, kv_idx):
+        return is_global[kv_idx] | (q_idx >= kv_idx)
+    return global_or_causal
+
+
 def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_dim_v=None,
                 return_lse: bool = True) -> Callable[[int], CompileJob]:
     """A builder compiling the forward kernel for these mods at default GPU tiles."""
@@ -169,6 +177,7 @@ register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slope
                                                      mask_mod=_document_mask()))
 register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=_causal, head_dim_v=48))
 register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
+register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tokens_mask()))
 
 
 def _load_other_variants() -> None:
