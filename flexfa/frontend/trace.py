@@ -145,12 +145,20 @@ def trace(fn, kind: str | None = None) -> TracedMod:
     if kind != expected:
         raise TraceError(f"expected a {kind} but {_name(fn)!r} has the arity of a {expected}")
     traced = _trace_uncached(fn, kind)
-    if fingerprint is not None:
+    if fingerprint is not None and trace_is_reusable(fn, traced):
         try:
             _CACHE[fn] = (fingerprint, traced)
         except TypeError:  # not weak-referenceable
             pass
     return traced
+
+
+def trace_is_reusable(fn, traced: TracedMod) -> bool:
+    """True when every buffer is a tensor the mod captured. A buffer computed while tracing
+    (``torch.tanh(t0)`` of a captured 0-d tensor runs eagerly) holds this call's values and,
+    for a parameter, this call's autograd graph: such a trace must not be reused."""
+    captured = {id(t) for t in _captured_tensors(fn)}
+    return all(id(t) in captured for t in traced.buffers)
 
 
 def _cache_get(fn):

@@ -9,7 +9,8 @@ import weakref
 
 from ..frontend import simplify
 from ..frontend.ir import Node
-from ..frontend.trace import MASK_MOD, SCORE_MOD, TracedMod, _fingerprint, trace
+from ..frontend.trace import (MASK_MOD, SCORE_MOD, TracedMod, _fingerprint, trace,
+                              trace_is_reusable)
 from .debug import debug, debug_enabled
 
 _SIMPLIFIED: dict[Node, Node] = {}  # root -> simplified root (nodes are hash-consed)
@@ -50,7 +51,7 @@ def prepare_score_mod(score_mod) -> TracedMod | None:
     if hit is not None and hit[0] == fingerprint:
         return hit[1]
     prepared = prepare(trace(score_mod, SCORE_MOD))
-    if fingerprint is not None:
+    if fingerprint is not None and trace_is_reusable(score_mod, prepared):
         try:
             _BY_FUNCTION[score_mod] = (fingerprint, prepared)
         except TypeError:  # not weak-referenceable

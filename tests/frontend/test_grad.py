@@ -331,3 +331,42 @@ def test_random_mods_match_autograd(expr, seed):
         return _as_tensor(expr(env), env)
 
     _check_against_autograd(trace(mod), seed=seed)
+
+
+# ---- hypothesis: the shared random-mod strategy (smooth ops, learnable captures) ----------
+
+@given(data=st.data())
+@settings(max_examples=25)
+def test_shared_random_smooth_mods_match_autograd_of_the_python_function(data):
+    """derive + evaluate_joint == torch.autograd of calling the drawn mod directly."""
+    from strategies import score_mods
+
+    mod = data.draw(score_mods(B, H, L, S, smooth=True, grad_buffers=True))
+    traced = trace(mod)
+    b, h, q, kv = _grids()
+    score = (torch.randn(B, H, L, S, dtype=F64, generator=torch.Generator().manual_seed(0))
+             * 3).requires_grad_(True)
+    upstream = torch.randn(B, H, L, S, dtype=F64)
+    # the drawn mod's leaf parameters; a captured tensor computed from one while tracing
+    # (``torch.tanh(t0)``) is a buffer whose gradient flows on to t0 through torch's graph
+    params = [t for t in mod.captured.values() if t.requires_grad]
+    out = mod(score, b, h, q, kv).expand(B, H, L, S)
+    expected = torch.autograd.grad(out, [score, *params], upstream, allow_unused=True)
+    got_score, got = evaluate_joint(derive(traced), traced, upstream, score=score.detach(), b=b,
+                                    h=h, q_idx=q, kv_idx=kv,
+                                    buffers=[t.detach() for t in traced.buffers])
+    # the direct call rounds float32-only subexpressions (e.g. sigmoid(t0[h])) in float32
+    tol = dict(rtol=2e-5, atol=1e-5)
+    want = expected[0] if expected[0] is not None else torch.zeros_like(score)
+    torch.testing.assert_close(got_score.expand(B, H, L, S), want, **tol)
+    slots = list(got)
+    if not params:
+        return
+    chained = torch.autograd.grad([traced.buffers[s] for s in slots],
+                                  params, [got[s].to(traced.buffers[s].dtype) for s in slots],
+                                  allow_unused=True) \
+        if slots else [None] * len(params)
+    for value, want in zip(chained, expected[1:]):
+        value = torch.zeros(()) if value is None else value
+        want = torch.zeros_like(value) if want is None else want
+        torch.testing.assert_close(value.double().expand_as(want), want.double(), **tol)

@@ -160,3 +160,19 @@ def test_backward_on_cpu_without_triton_interpret_set(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_parameter_transformed_while_tracing_gets_fresh_values_and_gradients():
+    """``torch.sigmoid(gate)`` on an unindexed 0-d parameter runs eagerly during tracing; the
+    trace holds its result, so it is never reused from the trace cache: each call sees the
+    current gate and the gradient reaches gate through torch's graph."""
+    gate = torch.tensor(0.3, requires_grad=True)
+
+    def gated(score, b, h, q_idx, kv_idx):
+        return score * torch.sigmoid(gate)
+
+    q, k, v = make_qkv(B, H, H, 24, 40, E, seed=19)
+    for step in range(2):
+        check_backward(q, k, v, gated, None, None, buffers=(gate,), seed=step)
+        with torch.no_grad():
+            gate.add_(1.0)  # an optimizer step

@@ -1,0 +1,51 @@
+"""Hypothesis: random smooth score_mods with learnable captured tensors, random masks, shapes
+(lengths not tile multiples, L != S, GQA, E != Ev), dtypes and block sizes; dq, dk, dv and
+captured-tensor gradients against autograd of the float64 reference (the shared oracle)."""
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from flexfa.blockmask import create_block_mask
+from backward_utils import check_backward
+from forward_utils import make_qkv
+from strategies import mask_mods, score_mods
+
+
+@st.composite
+def problems(draw):
+    B = draw(st.sampled_from([1, 2]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    L, S = draw(st.integers(1, 140)), draw(st.integers(1, 140))
+    E, Ev = draw(st.sampled_from([16, 24, 32])), draw(st.sampled_from([16, 40]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    score_mod = draw(st.none() | score_mods(B, Hq, L, S, smooth=True, grad_buffers=True,
+                                            max_depth=3, max_buffers=2))
+    mask_mod = draw(st.none() | mask_mods(B, Hq, L, S, max_depth=2, max_buffers=1))
+    block = draw(st.sampled_from([16, 32, (32, 64), 64]))
+    # kernel tiles must divide the mask's blocks: 16 always does
+    options = draw(st.sampled_from([None, {"deterministic": True},
+                                    {"BLOCK_M": 16, "BLOCK_N": 16}]))
+    return dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype, score_mod=score_mod,
+                mask_mod=mask_mod, block=block, options=options,
+                with_lse=draw(st.booleans()), seed=draw(st.integers(0, 1000)))
+
+
+@given(problem=problems())
+@settings(max_examples=10)
+def test_random_backward_matches_reference(problem):
+    p = problem
+    note(f"B={p['B']} Hq={p['Hq']} Hkv={p['Hkv']} L={p['L']} S={p['S']} E={p['E']} "
+         f"Ev={p['Ev']} {p['dtype']} block={p['block']} options={p['options']} "
+         f"lse={p['with_lse']}")
+    q, k, v = make_qkv(p["B"], p["Hq"], p["Hkv"], p["L"], p["S"], p["E"], Ev=p["Ev"],
+                       dtype=p["dtype"], seed=p["seed"])
+    block_mask = None
+    if p["mask_mod"] is not None:
+        block_mask = create_block_mask(p["mask_mod"], p["B"], p["Hq"], p["L"], p["S"],
+                                       device="cpu", BLOCK_SIZE=p["block"])
+    score_mod = p["score_mod"]
+    buffers = tuple(t for t in getattr(score_mod, "captured", {}).values() if t.requires_grad)
+    check_backward(q, k, v, score_mod, p["mask_mod"], block_mask, buffers=buffers,
+                   enable_gqa=p["Hq"] != p["Hkv"], kernel_options=p["options"],
+                   with_lse=p["with_lse"], seed=p["seed"])
