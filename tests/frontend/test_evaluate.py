@@ -108,3 +108,18 @@ def test_mask_strategy_gives_empty_partial_and_full_tiles():
 
     collect()
     assert kinds == {"empty", "partial", "full"}
+
+
+@given(st.data())
+@settings(max_examples=15)
+def test_strategy_knobs(data):
+    plain = data.draw(score_mods(B, H, L, S, max_buffers=0, ops={"add", "mul", "tanh"}))
+    assert plain.captured == {} and trace(plain).buffers == ()
+    assert plain.sizes == (B, H, L, S) and plain.__doc__ == plain.source
+    learnable = data.draw(score_mods(B, H, L, S, grad_buffers=True, ops={"float_load", "add"},
+                                     max_rank=1, max_depth=2))
+    floats = [t for t in learnable.captured.values() if t.dtype.is_floating_point]
+    assert all(t.requires_grad and t.dim() <= 1 for t in floats)
+    mask = data.draw(mask_mods(B, H, L, S, max_depth=1, int_dtypes=(torch.int16,)))
+    assert all(t.dtype in (torch.int16, torch.bool) or t.dtype.is_floating_point
+               for t in mask.captured.values())
