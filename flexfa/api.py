@@ -114,20 +114,14 @@ def _check_table_shapes(block_mask, L: int, S: int) -> None:
     the kernels index them without bounds checks."""
     block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
     q_tiles, kv_tiles = -(-L // block_q), -(-S // block_kv)
-    for name in ("kv_indices", "full_kv_indices"):
+    needs = {"kv_indices": (q_tiles, kv_tiles), "full_kv_indices": (q_tiles, kv_tiles),
+             "q_indices": (kv_tiles, q_tiles), "full_q_indices": (kv_tiles, q_tiles)}
+    for name, (rows, cols) in needs.items():
         table = getattr(block_mask, name, None)
-        if table is not None and (table.shape[-2] < q_tiles or table.shape[-1] < kv_tiles):
+        if table is not None and (table.shape[-2] < rows or table.shape[-1] < cols):
             raise InputError(
                 f"block_mask.{name} has {table.shape[-2]} x {table.shape[-1]} tiles but lengths "
-                f"(L={L}, S={S}) with BLOCK_SIZE {(block_q, block_kv)} need {q_tiles} x "
-                f"{kv_tiles}")
-    for name in ("q_indices", "full_q_indices"):
-        table = getattr(block_mask, name, None)
-        if table is not None and (table.shape[-2] < kv_tiles or table.shape[-1] < q_tiles):
-            raise InputError(
-                f"block_mask.{name} has {table.shape[-2]} x {table.shape[-1]} tiles but lengths "
-                f"(L={L}, S={S}) with BLOCK_SIZE {(block_q, block_kv)} need {kv_tiles} x "
-                f"{q_tiles}")
+                f"(L={L}, S={S}) with BLOCK_SIZE {(block_q, block_kv)} need {rows} x {cols}")
 
 
 def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) -> None:
