@@ -13,7 +13,7 @@ import torch
 import triton
 
 from ..codegen.forward import forward_kernel
-from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec
+from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
@@ -96,22 +96,20 @@ def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: str):
 
 
 def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
+    """The KernelSpec of the forward kernel for these (validated) inputs."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     target = target_of(q.device)
-    spec = KernelSpec(dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=16,
-                      block_n=16, num_warps=4, num_stages=1, has_block_mask=False,
-                      has_full_blocks=False, sparse_q=16, sparse_kv=16, even_l=True,
-                      even_s=True, return_lse=return_lse, gqa_group=call.gqa_group,
-                      input_precision=call.options.fp32_precision, target=target)
     block_m, block_n, warps, stages, sparse_q, sparse_kv = choose_tiles(
-        call, spec.head_dim_pad, q.dtype, target)
+        call, next_power_of_two(E), q.dtype, target)
     mask = call.block_mask
-    return dataclasses.replace(
-        spec, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-        has_block_mask=mask is not None,
+    return KernelSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m, block_n=block_n,
+        num_warps=warps, num_stages=stages, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
-        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0)
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
+        return_lse=return_lse, gqa_group=call.gqa_group,
+        input_precision=call.options.fp32_precision, target=target)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
