@@ -44,6 +44,7 @@ class FP8KernelSpec:
     return_lse: bool
     gqa_group: int
     target: str
+    use_tma: bool = False  # Q/K/V^T tiles through tensor descriptors (runtime checks layouts)
     template: str = "fwd_fp8"
     dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
 
@@ -75,7 +76,7 @@ class FP8KernelSpec:
             SPARSE_Q=self.sparse_q, SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l,
             EVEN_S=self.even_s, RETURN_LSE=self.return_lse, GQA_GROUP=self.gqa_group,
             SCALE_Q=self.scale_q, SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT,
-            EMULATE_FP8_CAST=self.interpret)
+            EMULATE_FP8_CAST=self.interpret, USE_TMA=self.use_tma)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -142,7 +143,7 @@ def quantize_signature(dtype: str, constexprs: dict) -> dict[str, str]:
 
 # ---- compile-check variants -----------------------------------------------------------------
 
-def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None):
+def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False):
     """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles."""
     def build(arch: int) -> compile_check.CompileJob:
         from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
@@ -153,14 +154,14 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None):
         score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
         mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
         block_m, block_n, warps, stages = default_fp8_tiles(
-            next_power_of_two(head_dim, FP8_MIN_DIM), f"cuda:{arch}")
+            next_power_of_two(head_dim, FP8_MIN_DIM), f"cuda:{arch}", use_tma)
         spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
                              head_dim_v=head_dim_v or head_dim, block_m=block_m,
                              block_n=block_n, num_warps=warps, num_stages=stages,
                              has_block_mask=mask is not None, has_full_blocks=mask is not None,
                              sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
                              even_l=False, even_s=False, return_lse=True, gqa_group=1,
-                             target=f"cuda:{arch}")
+                             target=f"cuda:{arch}", use_tma=use_tma)
         generated = fp8_forward_kernel(spec, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = fp8_forward_signature(spec, score, mask)
@@ -178,6 +179,8 @@ compile_check.register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=compile_chec
 compile_check.register("fwd_fp8_d128_alibi_document",
                        fp8_job(128, score_mod=compile_check._slopes_mod(),
                                mask_mod=compile_check._document_mask()), archs=FP8_ARCHS)
+compile_check.register("fwd_fp8_d128_causal_tma",
+                       fp8_job(128, mask_mod=compile_check._causal, use_tma=True), archs=(90,))
 
 
 def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):

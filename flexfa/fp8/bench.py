@@ -1,7 +1,8 @@
 """``python -m flexfa.fp8.bench``: the FP8 forward beside flexfa's bf16 forward, in one process.
 
 Per case (variant, S, D): flexfa bf16 forward, the FP8 kernel on pre-quantized inputs
-("fp8", what FlashAttention-3 reports), and quantize + kernel ("fp8+quant", what
+("fp8", what FlashAttention-3 reports; "fp8-tma": the same with tiles loaded through tensor
+descriptors, ``FLEXFA_FP8_TMA=1``), and quantize + kernel ("fp8+quant", what
 ``flex_attention_fp8`` on bf16 inputs costs). Times are medians of ``triton.testing.do_bench``;
 FLOPs are 4*B*H*L*S*D times the mask's block density. Each row also has the relative L2 error
 of the FP8 output against the bf16 one. ``run_fp8(args)`` returns the rows for the main
@@ -15,6 +16,19 @@ import os
 import sys
 
 FP8_VARIANTS = ("full", "causal", "alibi", "softcap", "document")
+
+
+def _with_env(name: str, value: str, fn):
+    """``fn()`` with the environment variable ``name`` set to ``value`` for the call."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, options=None):
@@ -36,6 +50,8 @@ def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, o
                                                        block_mask=block_mask,
                                                        kernel_options=options),
     }
+    # the FP8 kernel with its tiles loaded through tensor descriptors (FLEXFA_FP8_TMA=1)
+    impls["flexfa-fp8-tma"] = lambda fn=impls["flexfa-fp8"]: _with_env("FLEXFA_FP8_TMA", "1", fn)
     outs, rows = {}, []
     for label, fn in impls.items():
         try:

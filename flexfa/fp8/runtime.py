@@ -1,6 +1,8 @@
 """Running the FP8 forward kernel on validated ``FP8Inputs``: tiles, spec, cache, launch."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -13,15 +15,18 @@ from ..runtime.forward import AttentionCall, _table_args, buffer_launch_args, ta
 from .quantize import FP8Inputs
 
 
-def default_fp8_tiles(head_dim_pad: int, target: str) -> tuple[int, int, int, int]:
+def default_fp8_tiles(head_dim_pad: int, target: str, use_tma: bool = False
+                      ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); 64 x 64 under the interpreter.
 
-    GPU choices from sm_90 compile checks (ptxas spills, causal mask): 128 x 128 at E <= 64
-    spills nothing; at E = 128 it spills ~400 B, 128 x 64 nothing; E = 256 spills at any tile.
+    GPU choices from sm_90 compile checks (ptxas spills, causal mask): with pointer loads
+    128 x 128 at E <= 64 spills nothing, at E = 128 it spills ~400 B and 128 x 64 nothing;
+    with tensor descriptors (USE_TMA) 128 x 128 at E = 128 needs 221 registers, no spills;
+    E = 256 spills at any tile.
     """
     if target == INTERPRET:
         return 64, 64, 4, 1
-    if head_dim_pad <= 64:
+    if head_dim_pad <= 64 or (use_tma and head_dim_pad <= 128):
         return 128, 128, 8, 3
     if head_dim_pad <= 128:
         return 128, 64, 8, 3
@@ -50,12 +55,28 @@ def _fit(name: str, default: int, pinned: int | None, blocks: dict[str, int], mi
     return tile
 
 
+def tma_requested() -> bool:
+    """``FLEXFA_FP8_TMA=1``: load tiles through tensor descriptors (experimental, off by
+    default until measured faster on the GPU)."""
+    return os.environ.get("FLEXFA_FP8_TMA", "0") == "1"
+
+
+def tma_layout_ok(x: FP8Inputs) -> bool:
+    """Tensor descriptors need unit stride along the loaded rows' last dim (E for Q and K, S
+    for V) and 16-byte aligned bases and row strides (e4m3: one byte per element)."""
+    unit = (x.q.stride(3), x.k.stride(3), x.v.stride(2)) == (1, 1, 1)
+    strides = (*x.q.stride()[:3], *x.k.stride()[:3], x.v.stride(0), x.v.stride(1), x.v.stride(3))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (x.q, x.k, x.v))
+    return unit and aligned and all(s % 16 == 0 for s in strides)
+
+
 def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSpec:
     L, E = x.q.shape[2], x.q.shape[3]
     S, Ev = x.k.shape[2], x.v.shape[3]
     target = target_of(x.q.device)
+    use_tma = tma_requested() and tma_layout_ok(x)
     block_m, block_n, warps, stages = default_fp8_tiles(
-        next_power_of_two(E, FP8_MIN_DIM), target)
+        next_power_of_two(E, FP8_MIN_DIM), target, use_tma)
     q_blocks, kv_blocks = {"Q scale": x.block_q}, {"K/V scale": x.block_kv}
     mask = call.block_mask
     if mask is not None:
@@ -74,7 +95,7 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse,
-        gqa_group=call.gqa_group, target=target)
+        gqa_group=call.gqa_group, target=target, use_tma=use_tma)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -116,6 +137,9 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
             *_table_args(call.block_mask, device), Hq, L, S, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
     launch = dict(spec.constexprs(call.score is not None), **spec.launch_options())
+    if spec.use_tma:  # device-side descriptors live in a scratch buffer from this allocator
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(
+            size, dtype=torch.int8, device=device))
     if device.type == "cuda":
         with torch.cuda.device(device):
             kernel[grid](*args, **launch)

@@ -127,3 +127,26 @@ def test_ragged_last_mask_block_with_even_tiles():
     the flat block loop visits a sub-tile past S, which must be masked."""
     q, k, v = _qkv(L=96, S=224, seed=8)
     check_fp8(q, k, v, None, mods.causal, block_size=64, kernel_options={"BLOCK_N": 32})
+
+
+@pytest.mark.parametrize("name", ["dense", "alibi_causal"])
+def test_tensor_descriptor_loads_match_pointer_loads(monkeypatch, name):
+    """FLEXFA_FP8_TMA=1: the same kernel with Q, K, V^T tiles through tensor descriptors
+    (zero fill past L, S and E instead of masked loads) gives bit-identical results."""
+    from flexfa.fp8 import runtime
+    from flexfa.runtime.forward import AttentionCall
+    from flexfa.runtime.options import DEFAULT_OPTIONS
+
+    score_mod, mask_mod = VARIANTS[name]
+    q, k, v = _qkv(E=48, seed=9)  # rotated: padded to 64 columns
+    x = quantize(q, k, v, block_size=64, rotate=True)
+    block_mask = (flexfa.create_block_mask(mask_mod, B, None, L, S, device="cpu", BLOCK_SIZE=64)
+                  if mask_mod else None)
+    plain = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    monkeypatch.setenv("FLEXFA_FP8_TMA", "1")
+    call = AttentionCall(None, None, None, 1.0, DEFAULT_OPTIONS, 1)
+    assert runtime.fp8_spec(x, call, False).use_tma
+    tma = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    assert torch.equal(plain[0], tma[0]) and torch.equal(plain[1], tma[1])
+    unaligned = quantize(q[..., :40], k[..., :40], v, rotate=False)  # rows of 40 bytes
+    assert not runtime.fp8_spec(unaligned, call, False).use_tma
