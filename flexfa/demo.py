@@ -36,6 +36,13 @@ class Variant:
     mask_mod: object = None
     learned: tuple = ()  # captured tensors whose gradients are checked too
 
+    def __post_init__(self):
+        # lambdas are all called "<lambda>": name them after the variant for logs and reprs
+        slug = "".join(c if c.isalnum() else "_" for c in self.name.lower())
+        for kind, mod in (("score", self.score_mod), ("mask", self.mask_mod)):
+            if mod is not None and mod.__name__ == "<lambda>":
+                mod.__name__ = mod.__qualname__ = f"demo_{slug}_{kind}"
+
 
 @dataclasses.dataclass
 class Result:
