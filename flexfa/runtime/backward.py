@@ -26,6 +26,7 @@ from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
 from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
+from .debug import debug
 from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
 
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
@@ -102,6 +103,7 @@ def joint_graph(score: TracedMod | None) -> JointGraph | None:
     joint = _JOINTS.get(memo_key)
     if joint is None:
         joint = _JOINTS[memo_key] = derive(score)
+        debug(f"joint graph of score_mod {score.name}", joint.format())
     return joint
 
 

@@ -13,7 +13,8 @@ ALLOWED = {
     "num_warps": ("num_warps", "warps per program: 1, 2, 4, 8 or 16"),
     "num_stages": ("num_stages", "software-pipelining stages: 1..8"),
     "fp32_precision": ("fp32_precision", "tl.dot precision of fp32 inputs: 'ieee' or 'tf32'"),
-    "deterministic": ("deterministic", "backward without atomics (reserved for the backward)"),
+    "deterministic": ("deterministic", "bit-identical gradients across runs (fixed-point "
+                      "atomics for captured-tensor gradients)"),
 }
 
 
