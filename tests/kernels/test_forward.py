@@ -29,7 +29,7 @@ def test_named_variant(name):
     check_forward(q, k, v, score_mod, mask_mod, block_mask, kernel_options=SMALL_TILES)
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "alibi_causal"])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi_causal", "dilated"])
 def test_named_variant_with_create_block_mask(name):
     score_mod, mask_mod = NAMED[name]
     q, k, v = make_qkv(B, H, H, L, S, E, dtype=torch.float16)
