@@ -19,8 +19,8 @@ import functools
 import torch
 import triton
 
-from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
 from ..blockmask.tables import transpose_ordered
+from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
@@ -32,6 +32,14 @@ from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_la
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
 
+# sm_90 tiles measured on the H200 (benchmarks/hopper_sweep.py, docs/performance.md), fwd+bwd
+# of causal bf16 attention. E=128, S=8192: (32, 64, 64, 32, 4, 2) 5.63 ms; (64, 128, 128, 64,
+# 8, 2) 5.68; (64, 64, 64, 64, 4, 3) 7.13; (32, 128, 128, 32, 4, 3) 10.35; 8 warps on the
+# 32 x 64 tiles 11.66 (2.1x slower). E=64, S=2048: (32, 128, 128, 32, 4, 3) 1.00 ms; (64, 128,
+# 128, 64, 8, 3) 1.18; (64, 64, 64, 64, 4, 3) 1.21.
+HOPPER_BACKWARD_TILES = {"cuda:90": {64: (32, 128, 128, 32, 4, 3), 128: (32, 64, 64, 32, 4, 2)}}
+
+
 def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
     """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages).
 
@@ -41,6 +49,8 @@ def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
     """
     if target == INTERPRET:
         return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
+    if target in HOPPER_BACKWARD_TILES and dtype != torch.float32 and head_dim_pad <= 128:
+        return HOPPER_BACKWARD_TILES[target][64 if head_dim_pad <= 64 else 128]
     if head_dim_pad <= 128:
         tiles = (32, 64, 64, 32, 8, 2)
     else:
