@@ -199,7 +199,7 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
         return out, lse
     from .hopper import run_hopper_forward, use_hopper  # sm_90: the Hopper template
     if use_hopper(q, k, v):
-        return run_hopper_forward(q, k, v, call, return_lse)
+        return run_hopper_forward(q, k, v, call, return_lse, out, lse)
     launch = _launch_for(q, k, v, call, return_lse)
     grid = (triton.cdiv(L, launch.block_m), B * Hq)
     args = [q, k, v, out, lse if lse is not None else out,
