@@ -35,15 +35,26 @@ def _flat_rows(t: torch.Tensor) -> bool:
             and (B == 1 or t.stride(0) == H * n * row))
 
 
+_LAYOUTS: dict[tuple, bool] = {}
+
+
 def use_hopper(q, k, v) -> bool:
     forced = os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto")
     if forced == "ampere":
         return False
-    if forced != "hopper" and target_of(q.device) not in HOPPER_TARGETS:
-        return False
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] >= 8 and v.shape[3] >= 8
-            and q.shape[2] > 0 and k.shape[2] > 0
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+           forced)
+    usable = _LAYOUTS.get(key)
+    if usable is None:
+        if len(_LAYOUTS) > 4096:
+            _LAYOUTS.clear()
+        usable = _LAYOUTS[key] = (
+            (forced == "hopper" or target_of(q.device) in HOPPER_TARGETS)
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] >= 8
+            and v.shape[3] >= 8 and q.shape[2] > 0 and k.shape[2] > 0
             and all(_flat_rows(t) for t in (q, k, v)))
+    # the base pointers are not part of the key: 16-byte alignment is checked every call
+    return usable and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
 
 
 def _fits(config, sparse_q: int | None, sparse_kv: int | None) -> bool:
@@ -106,12 +117,6 @@ class _TrustedDescriptor(TensorDescriptor):
         pass
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, cols_pad: int, trusted: bool = False):
-    B, H, n, d = t.shape
-    kind = _TrustedDescriptor if trusted else TensorDescriptor
-    return kind(t, [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad])
-
-
 @dataclasses.dataclass
 class _Plan:
     """Everything about a launch that depends only on the call's signature (shapes, strides,
@@ -124,35 +129,52 @@ class _Plan:
     fixed: list  # out strides, block-mask tables, HQ, L, S
     constexprs: dict
     block_mask: object  # kept so the id in the plan's key cannot be reused
+    descriptors: tuple = ()  # (shape, strides, block) of the q, k, v descriptors
+    out_strides: tuple = ()
     compiled: object = None  # Triton's CompiledKernel after the first launch (CUDA)
     tail: tuple = ()  # constexpr values in parameter order, for direct launches
 
 
 def _args(plan: _Plan, q, k, v, out, lse, call: AttentionCall, trusted: bool) -> list:
-    spec = plan.spec
-    return [_descriptor(q, spec.block_m, spec.head_dim_pad, trusted),
-            _descriptor(k, spec.block_n, spec.head_dim_pad, trusted),
-            _descriptor(v, spec.block_n, spec.head_dim_v_pad, trusted),
-            out, lse if lse is not None else out, *out.stride(), *plan.fixed,
-            float(call.scale), *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
+    kind = _TrustedDescriptor if trusted else TensorDescriptor
+    (q_shape, q_strides, q_block), (k_shape, k_strides, k_block), (v_shape, v_strides, v_block) = (
+        plan.descriptors)
+    return [kind(q, q_shape, q_strides, q_block), kind(k, k_shape, k_strides, k_block),
+            kind(v, v_shape, v_strides, v_block), out, lse if lse is not None else out,
+            *plan.out_strides, *plan.fixed, float(call.scale),
+            *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
+
+
+def _geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
+    B, H, n, d = t.shape
+    return [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad]
 
 
 def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
     B, Hq, L, _ = q.shape
     kernel = get_hopper_kernel(spec, call.score, call.mask)
     fixed = [*_table_args(call.block_mask, q.device), Hq, L, k.shape[2]]
+    descriptors = (_geometry(q, spec.block_m, spec.head_dim_pad),
+                   _geometry(k, spec.block_n, spec.head_dim_pad),
+                   _geometry(v, spec.block_n, spec.head_dim_v_pad))
+    out_strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1)  # a fresh contiguous out
     return _Plan(spec, kernel, (triton.cdiv(L, spec.block_m), B * Hq, 1), fixed,
-                 spec.constexprs(call.score is not None), call.block_mask)
+                 spec.constexprs(call.score is not None), call.block_mask, descriptors,
+                 out_strides)
 
 
 def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
-    if plan.compiled is not None and triton.knobs.runtime.launch_enter_hook is None:
-        # cached: the compiled kernel's launcher directly, without Triton's argument binding
-        # (the plan's key fixes every specialization: shapes, strides, alignment, dtypes)
-        compiled = plan.compiled
+    if plan.compiled is not None:
+        # cached: the compiled kernel's launcher directly, as Triton's JITFunction.run does
+        # after its argument binding, which the plan's key makes unnecessary (it fixes every
+        # specialization: shapes, strides, alignment, dtypes)
+        compiled, hooks = plan.compiled, triton.knobs.runtime
         stream = torch._C._cuda_getCurrentRawStream(q.device.index)
-        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *_args(plan, q, k, v, out, lse, call, True), *plan.tail)
+        args = _args(plan, q, k, v, out, lse, call, True)
+        args.extend(plan.tail)
+        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(plan.grid, stream, *args),
+                     hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
         return
     args = _args(plan, q, k, v, out, lse, call, False)
     options = plan.spec.launch_options()
@@ -211,11 +233,14 @@ def _plan_key(q, k, v, call: AttentionCall, return_lse: bool) -> tuple:
             call.gqa_group, tuple((t.stride(), t.data_ptr() % 16 == 0) for t in buffers))
 
 
-def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool):
-    """(out, lse) as ``flexfa.runtime.forward.run_forward``, through the Hopper template."""
+def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out=None, lse=None):
+    """(out, lse) as ``flexfa.runtime.forward.run_forward``, through the Hopper template;
+    ``out`` (contiguous) and ``lse`` may come preallocated."""
     B, Hq, L, _ = q.shape
-    out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
+    if out is None:
+        out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         if lse is not None:
             lse.fill_(float("-inf"))

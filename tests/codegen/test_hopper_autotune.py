@@ -118,3 +118,16 @@ def test_small_problems_use_the_default_without_timing(monkeypatch):
 def test_candidates_fit_small_mask_blocks():
     assert all(c[0] <= 64 and c[1] <= 64 for c in hopper._candidates(128, 64, 64))
     assert hopper._candidates(128, 32, 16) == [(32, 16, 4, 2)]
+
+
+def test_backward_tiles_on_sm90_are_the_measured_ones():
+    from flexfa.runtime.backward import HOPPER_BACKWARD_TILES, default_backward_tiles
+    table = HOPPER_BACKWARD_TILES["cuda:90"]
+    assert default_backward_tiles(128, torch.bfloat16, "cuda:90") == table[128]
+    assert default_backward_tiles(64, torch.float16, "cuda:90") == table[64]
+    assert default_backward_tiles(32, torch.bfloat16, "cuda:90") == table[64]
+    # fp32 and wide heads keep the generic choice
+    assert default_backward_tiles(128, torch.float32, "cuda:90") == default_backward_tiles(
+        128, torch.float32, "cuda:80")
+    assert default_backward_tiles(256, torch.bfloat16, "cuda:90") == default_backward_tiles(
+        256, torch.bfloat16, "cuda:80")
