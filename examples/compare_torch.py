@@ -12,18 +12,14 @@ Run it: ``python examples/compare_torch.py``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 
 import torch
 from torch.nn.attention import flex_attention as torch_fa
 
-if not torch.cuda.is_available():  # Triton reads this once, when it is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import flexfa  # noqa: E402
-from flexfa import mods  # noqa: E402
+import flexfa
+from flexfa import mods
 
 
 def variants(seq_len: int, heads: int, device):

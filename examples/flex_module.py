@@ -12,16 +12,12 @@ Run it: ``python examples/flex_module.py`` (CUDA if present, else the CPU interp
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():  # Triton reads this once, when it is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import flexfa  # noqa: E402
-from flexfa import mods  # noqa: E402
+import flexfa
+from flexfa import mods
 
 
 class FlexAttention(nn.Module):

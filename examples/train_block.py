@@ -19,11 +19,8 @@ import sys
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():  # Triton reads this once, when it is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import flexfa  # noqa: E402
-from flexfa import mods  # noqa: E402
+import flexfa
+from flexfa import mods
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling flex_module.py
 from flex_module import FlexAttention  # noqa: E402

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 
@@ -221,26 +220,10 @@ def _pick_device(choice: str) -> str:
     return choice
 
 
-def _interpreter_ready() -> bool:
-    """Whether Triton's own library (``tl.sum``, ...) was decorated for the interpreter.
-
-    Triton decides that once, when it is first imported, from ``TRITON_INTERPRET``; kernels
-    that call its library functions on CPU tensors need it set by then.
-    """
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(tl.sum, InterpretedFunction)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
     kind = _pick_device(args.device)
-    if kind == "cpu" and not _interpreter_ready():  # start again with the variable set
-        log.info("demo: restarting with TRITON_INTERPRET=1 for the CPU")
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "flexfa", "demo", *argv],
-                  {**os.environ, "TRITON_INTERPRET": "1"})
     for key, value in SIZES[kind].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
