@@ -32,6 +32,8 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
             raise InputTypeError(f"{name} has dtype {tensor.dtype}; flex_attention_fp8 takes "
                                  "bfloat16 or float16 tensors (or an FP8Inputs)")
     check_no_grad((("query", query), ("key", key), ("value", value)), ())
+    if isinstance(query, torch.Tensor):
+        check_fp8_device(query.device)  # before the quantization kernel runs
     return quantize(query, key, value, block_size=block_size, rotate=rotate, seed=seed)
 
 

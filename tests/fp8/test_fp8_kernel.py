@@ -150,3 +150,25 @@ def test_tensor_descriptor_loads_match_pointer_loads(monkeypatch, name):
     assert torch.equal(plain[0], tma[0]) and torch.equal(plain[1], tma[1])
     unaligned = quantize(q[..., :40], k[..., :40], v, rotate=False)  # rows of 40 bytes
     assert not runtime.fp8_spec(unaligned, call, False).use_tma
+
+
+def test_sub_tiles_past_s_read_descales_inside_the_table():
+    """S = 160, K/V scale blocks of 32, mask blocks of 128: the last mask block's sub-tiles at
+    192 and 224 lie past S; their descale index is clamped, so the NaN stored right after the
+    scale tables (read by the last head if it were not) never reaches the output."""
+    import dataclasses
+
+    q, k, v = _qkv(L=64, S=160, seed=10)
+    x = quantize(q, k, v, block_size=(64, 32))
+    poisoned = {}
+    for name in ("k_scale", "v_scale"):
+        storage = torch.full((B * H * 5 + 8,), float("nan"))
+        poisoned[name] = storage[:B * H * 5].view(B, H, 5)  # contiguous; NaN just past it
+        poisoned[name].copy_(getattr(x, name))
+    x = dataclasses.replace(x, **poisoned)
+    block_mask = flexfa.create_block_mask(flexfa.noop_mask, B, None, 64, 160, device="cpu",
+                                          BLOCK_SIZE=128)
+    out = flex_attention_fp8(x, block_mask=block_mask)
+    assert not torch.isnan(out).any()
+    out64 = reference_attention(q, k, v)[0]
+    assert _rel_rmse(out, out64) < 0.08
