@@ -139,7 +139,9 @@ def _mods(draw, config: _Config):
     if config.is_score_mod:
         expr = gen.float_expr(config.max_depth)
         if "score" not in expr.src:
-            expr = Expr(f"score + {_p(expr)}", "float")
+            bound = config.score_bound
+            expr = _add(Expr("score", "float", -bound, bound), expr)
+        expr = gen.moderate(expr)
         params = "score, b, h, q_idx, kv_idx"
     else:
         expr = gen.mask_expr(config.max_depth)
@@ -339,7 +341,7 @@ class _Generator:
                 bound = self.config.score_bound
                 return Expr("score", "float", -bound, bound)
             return self.load("float", depth - 1) if what == "float_load" else \
-                self._int_to_float(depth - 1)
+                self.moderate(self._int_to_float(depth - 1))
         choices = self.allowed("add", "sub", "mul", "div", "tanh", "sigmoid", "exp", "exp2",
                                "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tan", "erf",
                                "neg", "pow", "where", "abs", "minmax", "clamp", "relu",
