@@ -6,6 +6,8 @@ inputs in float64 (the FP8 tolerance: relative RMSE of out, max error of lse).
 """
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flexfa
 from flexfa import mods
@@ -172,3 +174,27 @@ def test_sub_tiles_past_s_read_descales_inside_the_table():
     assert not torch.isnan(out).any()
     out64 = reference_attention(q, k, v)[0]
     assert _rel_rmse(out, out64) < 0.08
+
+
+@settings(max_examples=6)
+@given(L=st.integers(1, 150), S=st.integers(1, 150), E=st.sampled_from([16, 40, 64]),
+       group=st.sampled_from([1, 2]), block_q=st.sampled_from([16, 32, 128]),
+       block_kv=st.sampled_from([32, 64]), rotate=st.booleans(), causal=st.booleans())
+def test_random_shapes(L, S, E, group, block_q, block_kv, rotate, causal):
+    """Any lengths (not tile multiples), GQA, block sizes and head dims, with and without
+    rotation, dense or a causal block mask: against both float64 references."""
+    generator = torch.Generator().manual_seed(L * 1000 + S)
+    q = torch.randn(1, 2 * group, L, E, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, S, E, generator=generator).to(torch.bfloat16) for _ in range(2))
+    mask_mod = mods.causal if causal else None
+    block_mask = (flexfa.create_block_mask(mods.causal, 1, None, L, S, device="cpu",
+                                           BLOCK_SIZE=64) if causal else None)
+    x = quantize(q, k, v, block_size=(block_q, block_kv), rotate=rotate)
+    out, lse = flex_attention_fp8(x, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    out_dq, lse_dq = reference_attention(*x.dequantize(unrotate=False), None, mask_mod,
+                                         scale=E ** -0.5, enable_gqa=True)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_dq))
+    finite = torch.isfinite(lse_dq)
+    assert (lse - lse_dq)[finite].abs().max() < 1e-4
+    assert (out.double() - out_dq).abs().max() < 0.1 * out_dq.abs().max() + 1e-2
+    assert not torch.isnan(out).any()
