@@ -112,14 +112,22 @@ def forward_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod
     signature = {"Q": element, "K": element, "V": element, "OUT": element, "LSE": "*fp32"}
     for tensor, dims in (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd"), ("o", "bhmd")):
         signature.update({f"stride_{tensor}{d}": "i32" for d in dims})
-    signature.update({name: "*i32" for name in ("KV_NUM_BLOCKS", "KV_INDICES", "FULL_KV_NUM_BLOCKS",
-                                                "FULL_KV_INDICES")})
+    constexprs = spec.constexprs(score is not None)
+    signature.update(tables_and_mods_signature(score, mask, constexprs))
+    return signature, constexprs
+
+
+def tables_and_mods_signature(score: TracedMod | None, mask: TracedMod | None,
+                              constexprs: dict[str, object]) -> dict[str, str]:
+    """The signature entries forward-style kernels share after their tensors and strides:
+    block-mask tables and strides, HQ/L/S/sm_scale, captured buffers, then constexprs."""
+    signature = {name: "*i32" for name in ("KV_NUM_BLOCKS", "KV_INDICES", "FULL_KV_NUM_BLOCKS",
+                                           "FULL_KV_INDICES")}
     for table, dims in (("nb", "bhm"), ("ix", "bhmn"), ("fnb", "bhm"), ("fix", "bhmn")):
         signature.update({f"stride_{table}_{d}": "i32" for d in dims})
     signature.update(HQ="i32", L="i32", S="i32", sm_scale="fp32")
     score_args, mask_args = mod_buffer_args(score, mask)
     signature.update(buffer_signature(score, score_args))
     signature.update(buffer_signature(mask, mask_args))
-    constexprs = spec.constexprs(score is not None)
     signature.update({name: "constexpr" for name in constexprs})
-    return signature, constexprs
+    return signature
