@@ -11,7 +11,7 @@ import hashlib
 
 from ..frontend.trace import TracedMod
 from . import compile_check
-from .forward import GeneratedKernel, buffer_signature, mod_buffer_args, mod_hooks
+from .forward import GeneratedKernel, mod_hooks, tables_and_mods_signature
 from .spec import INTERPRET, kernel_name, next_power_of_two, spec_key
 from .template import fill, load_template, template_hash
 from .versions import versions_key
@@ -108,16 +108,8 @@ def fp8_forward_signature(spec: FP8KernelSpec, score: TracedMod | None, mask: Tr
         signature.update({f"stride_{tensor}{d}": "i32" for d in dims})
     signature.update({name: "i32" for name in ("stride_qs_b", "stride_qs_h", "stride_kvs_b",
                                                "stride_kvs_h")})
-    signature.update({name: "*i32" for name in ("KV_NUM_BLOCKS", "KV_INDICES", "FULL_KV_NUM_BLOCKS",
-                                                "FULL_KV_INDICES")})
-    for table, dims in (("nb", "bhm"), ("ix", "bhmn"), ("fnb", "bhm"), ("fix", "bhmn")):
-        signature.update({f"stride_{table}_{d}": "i32" for d in dims})
-    signature.update(HQ="i32", L="i32", S="i32", sm_scale="fp32")
-    score_args, mask_args = mod_buffer_args(score, mask)
-    signature.update(buffer_signature(score, score_args))
-    signature.update(buffer_signature(mask, mask_args))
     constexprs = spec.constexprs(score is not None)
-    signature.update({name: "constexpr" for name in constexprs})
+    signature.update(tables_and_mods_signature(score, mask, constexprs))
     return signature, constexprs
 
 
