@@ -115,10 +115,12 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
     mask_code = _mask_code(mask, mask_args)
     dq = fill(load_template("bwd_dq.tmpl"), KERNEL_NAME=name,
               BUFFER_PARAMS=mod_params + grad_params, BUFFER_ARGS=mod_params + grad_params,
-              SCORE_JOINT=_score_code(joint, score_args, with_loads=True), MASK_MOD=mask_code,
+              SCORE_JOINT=_score_code(joint, score_args, with_loads=True,
+                                      fast_math=not spec.interpret), MASK_MOD=mask_code,
               BUFFER_GRADS=_buffer_grad_code(joint, score_args, grad_args))
     dkdv = fill(load_template("bwd_dkdv.tmpl"), KERNEL_NAME=name, BUFFER_PARAMS=mod_params,
-                BUFFER_ARGS=mod_params, SCORE_JOINT=_score_code(joint, score_args, False),
+                BUFFER_ARGS=mod_params, SCORE_JOINT=_score_code(joint, score_args, False,
+                                        fast_math=not spec.interpret),
                 MASK_MOD=mask_code)
     text = "\n\n".join([
         f"# flexfa generated backward kernels: {name}\n"
@@ -140,7 +142,7 @@ def _joint_key(joint: JointGraph | None) -> str:
     return ",".join(parts)
 
 
-def _score_code(joint: JointGraph | None, args, with_loads: bool) -> str:
+def _score_code(joint: JointGraph | None, args, with_loads: bool, fast_math: bool = False) -> str:
     """Statements setting score_mod_out, dscore and (dQ kernel) dload{i}, load{i}_idx{d}."""
     if joint is None:
         return "score_mod_out = score"
@@ -153,7 +155,9 @@ def _score_code(joint: JointGraph | None, args, with_loads: bool) -> str:
             for d, index in enumerate(load.src):
                 roots.append(index)
                 names.append(f"load{i}_idx{d}")
-    rendered = render(roots, Leaves(), args, prefix="s")
+    # fast_math (GPU targets): hardware tanh/sigmoid/exp as in the forward; the derivative
+    # of tanh reads the forward's tanh value (one tanh.approx per element)
+    rendered = render(roots, Leaves(), args, prefix="s", fast_math=fast_math)
     lines = list(rendered.lines)
     for root, name, value in zip(roots, names, rendered.values):
         if name == "score_mod_out" and needs_tile_broadcast(root):
