@@ -279,7 +279,8 @@ def plot(result: dict, path: str) -> None:
                 vals.append(match[0]["tflops"] if match else 0.0)
             ax.bar([j + i * width for j in range(len(cases))], vals, width, label=impl)
         ax.set_xticks([j + 0.4 for j in range(len(cases))])
-        ax.set_xticklabels([f"{v}\nS={s // 1024}k D={d}" for v, s, d in cases], fontsize=6)
+        ax.set_xticklabels([f"{v} {s // 1024}k E{d}" for v, s, d in cases], fontsize=7,
+                           rotation=90)
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"{pass_}, bf16, H=16, B*S=16384 on {result['meta']['gpu']}")
         ax.legend(fontsize=7)
