@@ -36,7 +36,10 @@ class FlexAttentionFunction(torch.autograd.Function):
         call = ctx.call
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv, buffer_grads = run_backward(query, key, value, out, lse, grad_out,
-                                                grad_lse, call)
+        dq, dk, dv, buffer_grads = run_backward(
+            query, key, value, out, lse, grad_out, grad_lse, call,
+            need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        if not ctx.needs_input_grad[0]:
+            dq = None
         buffers = call.score.buffers if call.score is not None else ()
         return (dq, dk, dv, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))

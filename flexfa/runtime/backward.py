@@ -156,8 +156,13 @@ def _table_args(block_mask, side: str, device) -> list:
     return [*tables, *(s for t in tables for s in _broadcast_strides(t))]
 
 
-def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall):
-    """(dq, dk, dv, {slot: grad of captured tensor slot}) for one flex_attention call."""
+def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
+                 need_dkdv: bool = True):
+    """(dq, dk, dv, {slot: grad of captured tensor slot}) for one flex_attention call.
+
+    ``need_dkdv=False`` (key and value need no gradient) skips the dK/dV kernel; dk and dv
+    are then None. The dQ kernel always runs: it also produces the captured-tensor
+    gradients."""
     joint = joint_graph(call.score)
     grad_slots = joint.grad_slots if joint is not None else ()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -169,8 +174,9 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall):
     if q.numel() and k.numel():
         spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None)
         module, name = get_backward_module(spec, joint, call.score, call.mask)
-        for launch in backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
-                                        call, joint, grads, dq, dk, dv):
+        launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
+                                     call, joint, grads, dq, dk, dv)
+        for launch in launches if need_dkdv else launches[::2]:  # delta, (dK/dV), dQ
             launch.run()
     else:  # nothing to attend: all gradients are zero
         for t in (dq, dk, dv):
@@ -180,6 +186,8 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall):
         target = call.score.buffers[slot]
         value = acc.double() / _FIXED_POINT_SCALE if acc.dtype == torch.int64 else acc
         buffer_grads[slot] = value.to(target.dtype)
+    if not need_dkdv:
+        dk = dv = None
     return dq, dk, dv, buffer_grads
 
 

@@ -176,3 +176,16 @@ def test_parameter_transformed_while_tracing_gets_fresh_values_and_gradients():
         check_backward(q, k, v, gated, None, None, buffers=(gate,), seed=step)
         with torch.no_grad():
             gate.add_(1.0)  # an optimizer step
+
+
+def test_frozen_key_value_and_an_expanded_upstream_gradient():
+    """k, v without grad skip the dK/dV kernel; out.sum() hands backward a stride-0 grad."""
+    score_mod, (rel, scale) = _bias_mod()
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=20)
+    q.requires_grad_(True)
+    flexfa.flex_attention(q, k, v, score_mod).sum().backward()
+    assert k.grad is None and v.grad is None
+    expected = flexfa_grads(q, k, v, score_mod, None, buffers=(rel, scale),
+                            grad_out=torch.ones(B, H, L, E))
+    for got, want in zip((q.grad, rel.grad, scale.grad), (expected[0], *expected[3:])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
