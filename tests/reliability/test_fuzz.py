@@ -92,8 +92,11 @@ def attention_calls(draw):
         if words == KERNEL_ONLY_WORDS:  # the mask builds; flex_attention rejects it
             expected += words
             words = None
-        mask = (mask_mod, draw(st.sampled_from([None, B])), draw(st.sampled_from([None, Hq])),
-                L, S, block, words)
+        # B / H None (broadcast) only for masks that ignore b and h, as in torch
+        per_head = "(b == 0)" in source
+        mask_B = B if per_head else draw(st.sampled_from([None, B]))
+        mask_H = Hq if per_head else draw(st.sampled_from([None, Hq]))
+        mask = (mask_mod, mask_B, mask_H, L, S, block, words)
     if draw(st.integers(0, 2)) == 0:
         fault = draw(st.sampled_from(sorted(FAULTS)))
         note(f"fault: {fault}")
