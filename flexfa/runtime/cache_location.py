@@ -29,15 +29,6 @@ _FALLBACK: list[Path] = []  # this process's private temporary cache, created on
 _LOCK = threading.Lock()
 
 
-def _writable_by_mode(info: os.stat_result) -> bool:
-    """Whether the permission bits grant this user write access (root included)."""
-    if info.st_uid == os.geteuid():
-        return bool(info.st_mode & stat.S_IWUSR)
-    if info.st_gid == os.getegid() or info.st_gid in os.getgroups():
-        return bool(info.st_mode & stat.S_IWGRP)
-    return bool(info.st_mode & stat.S_IWOTH)
-
-
 def untrusted(info: os.stat_result) -> str | None:
     """Why a file or directory with this ``stat`` may hold code flexfa did not write, or None."""
     if info.st_uid != os.geteuid():
@@ -60,7 +51,7 @@ def directory_problem(directory: Path) -> str | None:
     problem = untrusted(info)
     if problem is not None:
         return problem
-    if not _writable_by_mode(info):
+    if not info.st_mode & stat.S_IWUSR:  # owned by this user (checked above); root too
         return f"is read-only (mode {oct(stat.S_IMODE(info.st_mode))})"
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe.")
@@ -76,9 +67,14 @@ def fallback_dir() -> Path:
     with _LOCK:
         if not _FALLBACK:
             path = Path(tempfile.mkdtemp(prefix="flexfa-cache-"))
-            atexit.register(shutil.rmtree, path, ignore_errors=True)
+            atexit.register(_remove, path, os.getpid())
             _FALLBACK.append(path)
         return _FALLBACK[0]
+
+
+def _remove(path: Path, creator: int) -> None:
+    if os.getpid() == creator:  # a forked child exiting must not remove its parent's cache
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def is_fallback(directory: Path) -> bool:
