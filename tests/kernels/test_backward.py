@@ -149,3 +149,15 @@ def test_gradcheck_tiny_shapes():
               for shape in ((1, 2, 10, 16), (1, 2, 12, 16), (1, 2, 12, 16), (2, 10, 12), (2,))]
     assert torch.autograd.gradcheck(attention, inputs, eps=1e-3, atol=2e-3, rtol=2e-2,
                                     fast_mode=True)
+
+
+def test_full_blocks_run_no_mask_code():
+    """Tables that list every tile as full, with a causal mask_mod attached: a kernel that ran
+    mask code on full tiles would drop the upper triangle; the gradients must be dense ones."""
+    from forward_utils import tables_from_dense
+
+    q, k, v = make_qkv(B, H, H, 64, 64, E, seed=9)
+    everything = torch.ones(1, 1, 64, 64, dtype=torch.bool)
+    block_mask = tables_from_dense(everything, 32, 32, mods.causal, full=True)
+    assert int(block_mask.kv_num_blocks.sum()) == 0  # no partial tile at all
+    check_backward(q, k, v, None, None, block_mask, kernel_options=TILES)
