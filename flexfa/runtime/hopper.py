@@ -164,10 +164,11 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
 
 
 def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
-    if plan.compiled is not None:
+    if plan.compiled is not None and q.device.index == torch.cuda.current_device():
         # cached: the compiled kernel's launcher directly, as Triton's JITFunction.run does
         # after its argument binding, which the plan's key makes unnecessary (it fixes every
-        # specialization: shapes, strides, alignment, dtypes)
+        # specialization: shapes, strides, alignment, dtypes); another current device takes
+        # the path below, which switches to q's device
         compiled, hooks = plan.compiled, triton.knobs.runtime
         stream = torch._C._cuda_getCurrentRawStream(q.device.index)
         args = _args(plan, q, k, v, out, lse, call, True)
