@@ -1,8 +1,8 @@
 """Running the Hopper forward template: when it applies, its tiles (tuned), one launch.
 
-``use_hopper(q, k, v)`` is true on sm_90 for fp16/bf16 inputs whose [B, H, len, dim] layout
-flattens to 16-byte aligned rows (what tensor descriptors need); everything else keeps the
-Ampere-class template. ``FLEXFA_FORWARD_TEMPLATE`` = ``hopper`` / ``ampere`` forces a choice
+``use_hopper(q, k, v)`` is true on sm_90 for fp16/bf16 inputs with head dims 8..128 whose
+[B, H, len, dim] layout flattens to 16-byte aligned rows (what tensor descriptors need);
+everything else keeps the Ampere-class template. ``FLEXFA_FORWARD_TEMPLATE`` = ``hopper`` / ``ampere`` forces a choice
 (``hopper`` also under the interpreter, which is how CI tests this template).
 """
 from __future__ import annotations
@@ -23,6 +23,9 @@ from .cache import get_module, register_memo
 from .forward import AttentionCall, _largest_tile, _table_args, buffer_launch_args, target_of
 
 HOPPER_TARGETS = ("cuda:90",)
+# wider heads keep the Ampere template: at E = 256 this one compiles (196 KB of shared memory)
+# but spills about 600 bytes and was never measured on the H200
+HOPPER_MAX_HEAD_DIM = 128
 _INTERPRET_CONFIG = (64, 64, 4, 1)
 
 
@@ -51,7 +54,8 @@ def use_hopper(q, k, v) -> bool:
         usable = _LAYOUTS[key] = (
             (forced == "hopper" or target_of(q.device) in HOPPER_TARGETS)
             and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] >= 8
-            and v.shape[3] >= 8 and q.shape[2] > 0 and k.shape[2] > 0
+            and v.shape[3] >= 8 and max(q.shape[3], v.shape[3]) <= HOPPER_MAX_HEAD_DIM
+            and q.shape[2] > 0 and k.shape[2] > 0
             and all(_flat_rows(t) for t in (q, k, v)))
     # the base pointers are not part of the key: 16-byte alignment is checked every call
     return usable and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)

@@ -126,6 +126,8 @@ def test_plan_is_reused_and_new_mask_gets_a_new_plan(hopper_template):
     (lambda: torch.randn(1, 2, 64, 32), False),  # fp32 stays on the Ampere template
     (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :4], False),
     (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32], False),  # 72-byte rows
+    (lambda: torch.randn(1, 2, 64, 256, dtype=torch.bfloat16), False),  # wide heads: Ampere
+    (lambda: torch.randn(1, 2, 64, 128, dtype=torch.bfloat16), True),
 ])
 def test_use_hopper_needs_flat_aligned_rows(make, expected, monkeypatch):
     monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
