@@ -56,7 +56,8 @@ def _close(got, want, what):
 
 UNARY_MODS = {
     "neg": lambda s: -s, "abs": torch.abs, "sign": torch.sign, "floor": torch.floor,
-    "ceil": torch.ceil, "exp": torch.exp, "exp2": torch.exp2, "log": lambda s: torch.log(torch.abs(s)),
+    "ceil": torch.ceil, "exp": torch.exp, "exp2": torch.exp2,
+    "log": lambda s: torch.log(torch.abs(s)),
     "log2": lambda s: torch.log2(torch.abs(s)), "sqrt": lambda s: torch.sqrt(torch.abs(s)),
     "rsqrt": lambda s: torch.rsqrt(torch.abs(s)), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
     "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "erf": torch.erf,
@@ -93,7 +94,8 @@ def test_float_floordiv_and_rounding_have_zero_gradient():
     """Piecewise constant: no score gradient and no buffer gradient (torch has no derivative
     for floor_divide at all, so this is checked directly)."""
     bias = torch.randn(H, L, S, dtype=F64, requires_grad=True)
-    for fn in (lambda s, t: s // t, lambda s, t: torch.floor(s * t) + torch.ceil(s) + torch.sign(t)):
+    rounding = lambda s, t: torch.floor(s * t) + torch.ceil(s) + torch.sign(t)  # noqa: E731
+    for fn in (lambda s, t: s // t, rounding):
         traced = trace(lambda score, b, h, q_idx, kv_idx: fn(score, bias[h, q_idx, kv_idx]))
         joint = derive(traced)
         assert joint.dscore.op is Op.CONST and joint.dscore.arg == 0.0
@@ -290,7 +292,8 @@ def float_exprs(draw, depth=3):
             return lambda env: value
         if kind == "index":
             ix = draw(int_exprs())
-            return lambda env: ix(env).float() * 0.25 if not isinstance(ix(env), int) else ix(env) * 0.25
+            return lambda env: (ix(env) * 0.25 if isinstance(ix(env), int)
+                                else ix(env).float() * 0.25)
         slot = draw(st.integers(0, 4))
         ix = [draw(int_exprs()) for _ in range(3)]
         sizes = {0: (L + S,), 1: (H, L, S), 2: (H,), 3: (7,)}

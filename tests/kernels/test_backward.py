@@ -129,16 +129,29 @@ def test_gradient_through_lse_only():
     assert torch.count_nonzero(v.grad) == 0
 
 
-def test_gradcheck_tiny_shapes():
-    """torch.autograd.gradcheck in float64 (inputs and Jacobians): the kernels compute in
-    float32, so the finite-difference step and tolerances suit float32 rounding."""
-    mask = create_block_mask(mods.causal, None, None, 10, 12, device="cpu", BLOCK_SIZE=16)
+GRADCHECK_MODS = {
+    # name: (score_mod(score, b, h, q_idx, kv_idx, param), parameter shape, mask_mod)
+    "gated_tanh_bias_table": (lambda s, b, h, q, kv, p: torch.tanh(s) * torch.sigmoid(p[0, 0, h])
+                              + p[1 + h, q, kv], (3, 10, 12), mods.causal),
+    "relative_bias": (lambda s, b, h, q, kv, p: s + p[q - kv + 11], (22,), None),
+    "learnable_alibi_window": (lambda s, b, h, q, kv, p: s - p[h] * (q - kv),
+                               (2,), mods.sliding_window(6)),
+}
 
-    def attention(q, k, v, bias, gate):
-        bias32, gate32 = bias.float(), gate.float()
+
+@pytest.mark.parametrize("name", sorted(GRADCHECK_MODS))
+def test_gradcheck_tiny_shapes(name):
+    """torch.autograd.gradcheck in float64 (inputs and Jacobians, out and lse): the kernels
+    compute in float32, so the finite-difference step and tolerances suit float32 rounding."""
+    mod, param_shape, mask_mod = GRADCHECK_MODS[name]
+    mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, 10, 12,
+                                                           device="cpu", BLOCK_SIZE=16)
+
+    def attention(q, k, v, param):
+        param32 = param.float()
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.tanh(score) * torch.sigmoid(gate32[h]) + bias32[h, q_idx, kv_idx]
+            return mod(score, b, h, q_idx, kv_idx, param32)
 
         out, lse = flexfa.flex_attention(q.float(), k.float(), v.float(), score_mod, mask,
                                          return_lse=True)
@@ -146,7 +159,7 @@ def test_gradcheck_tiny_shapes():
 
     generator = torch.Generator().manual_seed(8)
     inputs = [torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_(True)
-              for shape in ((1, 2, 10, 16), (1, 2, 12, 16), (1, 2, 12, 16), (2, 10, 12), (2,))]
+              for shape in ((1, 2, 10, 16), (1, 2, 12, 16), (1, 2, 12, 16), param_shape)]
     assert torch.autograd.gradcheck(attention, inputs, eps=1e-3, atol=2e-3, rtol=2e-2,
                                     fast_mode=True)
 
