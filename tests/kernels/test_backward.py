@@ -174,3 +174,14 @@ def test_full_blocks_run_no_mask_code():
     block_mask = tables_from_dense(everything, 32, 32, mods.causal, full=True)
     assert int(block_mask.kv_num_blocks.sum()) == 0  # no partial tile at all
     check_backward(q, k, v, None, None, block_mask, kernel_options=TILES)
+
+
+def test_one_parameter_read_at_two_index_sets():
+    """Both loads scatter into the same gradient (rows by q_idx, columns by kv_idx)."""
+    pos = _learnable(9, max(L, S))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + pos[q_idx] * pos[kv_idx] - pos[kv_idx]
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=10)
+    check_backward(q, k, v, score_mod, None, None, buffers=(pos,), kernel_options=TILES)
