@@ -90,7 +90,7 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.MUL, None): "({0} * {1})",
     (Op.DIV, None): "({0} / {1})",
     (Op.FLOORDIV, INT): "flexfa_floordiv({0}, {1})",
-    (Op.FLOORDIV, FLOAT): "tl.floor({0} / {1})",
+    (Op.FLOORDIV, FLOAT): "flexfa_ffloordiv({0}, {1})",
     (Op.MOD, None): "flexfa_mod({0}, {1})",
     (Op.POW, INT): "flexfa_ipow({0}, {1})",
     (Op.POW, FLOAT): "flexfa_pow({0}, {1})",

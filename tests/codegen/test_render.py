@@ -37,7 +37,10 @@ def _check(fn, tmp_path, exact=False):
 
 FLOAT_MODS = {
     "add_sub_mul_div": lambda s, b, h, q, kv: (s + q) * 0.5 - kv / (h + 1.5),
-    "floordiv_float": lambda s, b, h, q, kv: s // 0.7,
+    "floordiv_float": lambda s, b, h, q, kv: s // 0.7 + s // -1.3,
+    # quotients that floor(a / b) rounds the wrong way: 1.0 // 0.1 is 9.0 in Python and torch
+    "floordiv_float_rounding": lambda s, b, h, q, kv: (q * 0.1 + 1.0) // 0.1
+    + (q + 1.0) // (kv * 0.1 + 0.05),
     "mod_float": lambda s, b, h, q, kv: torch.remainder(s, -1.3) + s % 0.9,
     "pow_float": lambda s, b, h, q, kv: torch.pow(s, 2.0) + s ** 3 + torch.abs(s) ** 0.37
     + torch.pow(s, (kv % 3).float()),
