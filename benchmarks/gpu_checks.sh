@@ -14,11 +14,11 @@ step() {  # step NAME SECONDS COMMAND...
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1)"
 }
-step fwd_bwd 150 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_forward_gpu.py tests/kernels/test_backward_gpu.py
-step fp8 80 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
-step memory 60 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
-step hopper 60 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_hopper_gpu.py
-step fp8_bench 60 python -m flexfa.fp8.bench --seqs 16384 --dims 128 --variants full,causal --out "$OUT"
-step blockmask_bench 40 python benchmarks/blockmask_bench.py --cuda
+step fwd_bwd 130 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_forward_gpu.py tests/kernels/test_backward_gpu.py
+step fp8 60 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
+step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
+step hopper 45 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_hopper_gpu.py
+step fp8_bench 45 python -m flexfa.fp8.bench --seqs 16384 --dims 128 --variants full,causal --out "$OUT"
+step blockmask_bench 25 python benchmarks/blockmask_bench.py --cuda
 tail -n 25 "$OUT/fp8_bench.log" "$OUT/blockmask_bench.log"
 grep -h -E "^(FAILED|ERROR)" "$OUT"/*.log | head -20
