@@ -12,6 +12,7 @@ import os
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
@@ -20,6 +21,7 @@ from ..errors import InputError
 from ..frontend.trace import TracedMod
 from . import autotune
 from .cache import get_module, register_memo
+from .debug import log
 from .forward import AttentionCall, _largest_tile, _table_args, buffer_launch_args, target_of
 
 HOPPER_TARGETS = ("cuda:90",)
@@ -252,12 +254,50 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out=None,
         return out, lse
     key = _plan_key(q, k, v, call, return_lse)
     plan = _PLANS.get(key)
-    if plan is None or plan.block_mask is not call.block_mask:
-        target = target_of(q.device)
-        config = choose_config(q, k, v, call, return_lse, target, out, lse)
-        plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, config))
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    _launch_plan(plan, q, k, v, out, lse, call)
+    if plan is not None and plan.block_mask is call.block_mask:
+        _launch_plan(plan, q, k, v, out, lse, call)
+        return out, lse
+    target = target_of(q.device)
+    config = choose_config(q, k, v, call, return_lse, target, out, lse)
+    plan = _first_launch(q, k, v, call, return_lse, target, config, out, lse)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
     return out, lse
+
+
+def _smaller_configs(config, pinned: autotune.Pinned):
+    """``config``, then one pipeline stage less at a time, then half the key tile: what to try
+    when the GPU cannot hold the one before. Fields the caller pinned stay as they are."""
+    block_m, block_n, warps, stages = config
+    yield config
+    if pinned.num_stages is None:
+        for fewer in range(stages - 1, 0, -1):
+            yield block_m, block_n, warps, fewer
+    if pinned.block_n is None and block_n > 32:
+        yield block_m, block_n // 2, warps, 1 if pinned.num_stages is None else stages
+
+
+def _first_launch(q, k, v, call: AttentionCall, return_lse: bool, target: str, config,
+                  out, lse) -> _Plan:
+    """Make the plan and launch it once. Captured-tensor reads are pipelined through shared
+    memory too, so a score_mod with a bias table can need more than the default tiles leave
+    (H200, E = 64, 3 stages: 245,816 bytes of 232,448): such a config falls back to smaller
+    ones instead of failing the call."""
+    options = call.options
+    pinned = autotune.Pinned(options.block_m, options.block_n, options.num_warps,
+                             options.num_stages)
+    error = None
+    for tried in _smaller_configs(config, pinned):
+        plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, tried))
+        try:
+            _launch_plan(plan, q, k, v, out, lse, call)
+        except OutOfResources as exc:
+            error = exc
+            continue
+        if tried != config:
+            log.info("forward tiles %s do not fit this GPU (%s); using %s", config, error, tried)
+        return plan
+    raise InputError(
+        f"the forward kernel does not fit this GPU with tiles {config} or smaller ones: "
+        f"{error}; pass smaller BLOCK_M/BLOCK_N/num_stages in kernel_options") from error

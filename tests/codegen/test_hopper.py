@@ -190,3 +190,55 @@ def test_sm90_hopper_kernel_has_wgmma_tma_and_fast_tanh():
     assert "tanh.approx.f32" in result.ptx
     if result.spill_bytes is not None:
         assert result.spill_bytes == 0
+
+
+def _out_of_shared_memory_above(monkeypatch, max_stages: int, max_block_n: int = 1024):
+    """Make launches with more stages (or wider key tiles) than given fail as a GPU whose
+    shared memory is too small does (Triton's OutOfResources at the first launch)."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+    original = hopper._launch_plan
+
+    def launch(plan, *args):
+        tried.append((plan.spec.block_n, plan.spec.num_stages))
+        if plan.spec.num_stages > max_stages or plan.spec.block_n > max_block_n:
+            raise OutOfResources(245816, 232448, "shared memory")
+        return original(plan, *args)
+    monkeypatch.setattr(hopper, "_launch_plan", launch)
+    monkeypatch.setattr(hopper, "choose_config", lambda *a: (64, 64, 4, 3))
+    return tried
+
+
+def test_tiles_that_do_not_fit_fall_back_to_fewer_stages(hopper_template, monkeypatch):
+    # on the H200 a bias-table score_mod at E = 64 needs 245,816 bytes with 3 stages
+    tried = _out_of_shared_memory_above(monkeypatch, max_stages=2)
+    hopper._PLANS.clear()
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.bfloat16)
+    bias = torch.randn(199)
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx - kv_idx + 99]
+    check_forward(q, k, v, relative_bias)
+    assert tried[:2] == [(64, 3), (64, 2)]
+    (plan,) = hopper._PLANS.values()
+    assert plan.spec.num_stages == 2
+    tried.clear()
+    check_forward(q, k, v, relative_bias)  # the plan that fits is kept: no retry
+    assert tried == [(64, 2)]
+
+
+def test_key_tiles_halve_when_no_stage_count_fits(hopper_template, monkeypatch):
+    tried = _out_of_shared_memory_above(monkeypatch, max_stages=1, max_block_n=32)
+    hopper._PLANS.clear()
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.float16)
+    check_forward(q, k, v, softcap)
+    assert tried[-1] == (32, 1) and (64, 1) in tried
+
+
+def test_pinned_tiles_that_do_not_fit_are_a_clear_error(hopper_template, monkeypatch):
+    _out_of_shared_memory_above(monkeypatch, max_stages=0)
+    hopper._PLANS.clear()
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16)
+    with pytest.raises(flexfa.InputError, match="does not fit this GPU.*kernel_options"):
+        flexfa.flex_attention(q, k, v, kernel_options={"num_stages": 3, "BLOCK_N": 64})
