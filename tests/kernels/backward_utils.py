@@ -47,8 +47,8 @@ def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
     fudge x the same-dtype eager reference's error + the dtype's floor). Returns flexfa's."""
     generator = torch.Generator().manual_seed(seed)
     B, Hq, L, _ = q.shape
-    grad_out = torch.randn(B, Hq, L, v.shape[3], generator=generator).to(q.dtype)
-    grad_lse = torch.randn(B, Hq, L, generator=generator) if with_lse else None
+    grad_out = torch.randn(B, Hq, L, v.shape[3], generator=generator).to(q.device, q.dtype)
+    grad_lse = torch.randn(B, Hq, L, generator=generator).to(q.device) if with_lse else None
     kwargs = dict(grad_out=grad_out, grad_lse=grad_lse, enable_gqa=enable_gqa,
                   buffers=buffers, scale=scale)
     got = flexfa_grads(q, k, v, score_mod, block_mask, kernel_options=kernel_options, **kwargs)
