@@ -3,8 +3,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-import torch
 
 import flexfa
 from flexfa import demo

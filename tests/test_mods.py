@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import flexfa

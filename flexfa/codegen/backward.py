@@ -236,8 +236,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         import torch
 
         from ..blockmask import create_block_mask
-        from ..runtime.backward import (backward_launches, backward_spec,
-                                        get_backward_module, joint_graph)
+        from ..runtime.backward import backward_launches, backward_spec, joint_graph
         from ..runtime.cache import get_module
         from ..runtime.forward import AttentionCall
         from ..runtime.options import KernelOptions

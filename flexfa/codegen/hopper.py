@@ -7,7 +7,6 @@ descriptors, TMA), the flat pipelined block loop and the reversed q-tile order.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from ..frontend.trace import TracedMod

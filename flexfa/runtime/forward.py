@@ -115,16 +115,23 @@ def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
 _KERNELS: dict[tuple, object] = register_memo({})
 
 
-def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
-    """The launchable forward kernel (a Triton JITFunction or InterpretedFunction)."""
+def generated_kernel(memo: dict, generate, spec: KernelSpec, score: TracedMod | None,
+                     mask: TracedMod | None):
+    """The launchable kernel (a Triton JITFunction or InterpretedFunction) that
+    ``generate(spec, score, mask)`` renders, through the cache, memoized in ``memo``."""
     memo_key = (spec, score.key if score else None, mask.key if mask else None)
-    kernel = _KERNELS.get(memo_key)
+    kernel = memo.get(memo_key)
     if kernel is None:
-        generated = forward_kernel(spec, score, mask)
+        generated = generate(spec, score, mask)
         module = get_module(generated.name, generated.key, spec.interpret,
                             lambda: generated.source)
-        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
+        kernel = memo[memo_key] = getattr(module, generated.name)
     return kernel
+
+
+def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
+    """The launchable Ampere-class forward kernel."""
+    return generated_kernel(_KERNELS, forward_kernel, spec, score, mask)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,9 +20,10 @@ from ..codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from . import autotune
-from .cache import get_module, register_memo
+from .cache import register_memo
 from .debug import log
-from .forward import AttentionCall, _largest_tile, _table_args, buffer_launch_args, target_of
+from .forward import (AttentionCall, _largest_tile, _table_args, buffer_launch_args,
+                      generated_kernel, target_of)
 
 HOPPER_TARGETS = ("cuda:90",)
 # wider heads keep the Ampere template: at E = 256 this one compiles (196 KB of shared memory)
@@ -105,14 +106,8 @@ _KERNELS: dict[tuple, object] = register_memo({})
 
 
 def get_hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
-    memo_key = (spec, score.key if score else None, mask.key if mask else None)
-    kernel = _KERNELS.get(memo_key)
-    if kernel is None:
-        generated = hopper_kernel(spec, score, mask)
-        module = get_module(generated.name, generated.key, spec.interpret,
-                            lambda: generated.source)
-        kernel = _KERNELS[memo_key] = getattr(module, generated.name)
-    return kernel
+    """The launchable Hopper forward kernel."""
+    return generated_kernel(_KERNELS, hopper_kernel, spec, score, mask)
 
 
 class _TrustedDescriptor(TensorDescriptor):

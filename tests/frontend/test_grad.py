@@ -1,5 +1,4 @@
 """Derivatives as IR (flexfa.frontend.grad) against torch.autograd in float64."""
-import math
 
 import pytest
 import torch

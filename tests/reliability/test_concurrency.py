@@ -1,7 +1,6 @@
 """The cache under concurrency: 8 processes racing on one new kernel, threads running
 different mods at once."""
 import multiprocessing
-import queue
 import sys
 import threading
 import time
