@@ -1,9 +1,9 @@
 """``python -m flexfa.fp8.bench``: the FP8 forward beside flexfa's bf16 forward, in one process.
 
 Per case (variant, S, D): flexfa bf16 forward, the FP8 kernel on pre-quantized inputs
-("fp8", what FlashAttention-3 reports; "fp8-tma": the same with tiles loaded through tensor
-descriptors, ``FLEXFA_FP8_TMA=1``), and quantize + kernel ("fp8+quant", what
-``flex_attention_fp8`` on bf16 inputs costs). Times are medians of ``triton.testing.do_bench``;
+("fp8", what FlashAttention-3 reports, with pointer loads, ``FLEXFA_FP8_TMA=0``; "fp8-tma":
+the same with tiles loaded through tensor descriptors, ``FLEXFA_FP8_TMA=1``), and quantize +
+kernel ("fp8+quant", what ``flex_attention_fp8`` on bf16 inputs costs, default load path). Times are medians of ``triton.testing.do_bench``;
 FLOPs are 4*B*H*L*S*D times the mask's block density. Each row also has the relative L2 error
 of the FP8 output against the bf16 one. ``run_fp8(args)`` returns the rows for the main
 benchmark (``flexfa/bench.py``) to merge; this module also writes ``fp8_results.json``.
@@ -41,17 +41,23 @@ def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, o
     from .quantize import quantize
 
     x = quantize(q, k, v)
+
+    def fp8():
+        return flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask,
+                                  kernel_options=options)
+
     impls = {
         "flexfa-bf16": lambda: flexfa.flex_attention(q, k, v, score_mod=score_mod,
                                                      block_mask=block_mask),
-        "flexfa-fp8": lambda: flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask,
-                                                 kernel_options=options),
+        # the FP8 kernel with pointer loads
+        "flexfa-fp8": lambda: _with_env("FLEXFA_FP8_TMA", "0", fp8),
+        # what flex_attention_fp8 on bf16 tensors costs, with the default load path
         "flexfa-fp8+quant": lambda: flex_attention_fp8(q, k, v, score_mod=score_mod,
                                                        block_mask=block_mask,
                                                        kernel_options=options),
+        # the FP8 kernel with tensor-descriptor (TMA) loads
+        "flexfa-fp8-tma": lambda: _with_env("FLEXFA_FP8_TMA", "1", fp8),
     }
-    # the FP8 kernel with its tiles loaded through tensor descriptors (FLEXFA_FP8_TMA=1)
-    impls["flexfa-fp8-tma"] = lambda fn=impls["flexfa-fp8"]: _with_env("FLEXFA_FP8_TMA", "1", fn)
     outs, rows = {}, []
     for label, fn in impls.items():
         try:

@@ -198,3 +198,17 @@ def test_random_shapes(L, S, E, group, block_q, block_kv, rotate, causal):
     assert (lse - lse_dq)[finite].abs().max() < 1e-4
     assert (out.double() - out_dq).abs().max() < 0.1 * out_dq.abs().max() + 1e-2
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("env, target, expected", [
+    (None, "interpret", False), (None, "cuda:90", True), (None, "cuda:89", False),
+    ("auto", "cuda:90", True), ("0", "cuda:90", False), ("1", "interpret", True),
+    ("1", "cuda:89", True)])
+def test_tma_loads_are_the_default_on_sm90_only(env, target, expected, monkeypatch):
+    from flexfa.fp8.runtime import tma_requested
+
+    if env is None:
+        monkeypatch.delenv("FLEXFA_FP8_TMA", raising=False)
+    else:
+        monkeypatch.setenv("FLEXFA_FP8_TMA", env)
+    assert tma_requested(target) is expected
