@@ -146,14 +146,11 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
                 return_lse: bool = True) -> Callable[[int], CompileJob]:
     """A builder compiling the forward kernel for these mods at default GPU tiles."""
     def build(arch: int) -> CompileJob:
-        from ..runtime.cache import get_module
         from ..runtime.forward import default_tiles
-        from ..runtime.pipeline import prepare
         from .forward import forward_kernel, forward_signature
         from .spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 
-        score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
-        mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
+        score, mask = traced_mods(score_mod, mask_mod)
         block_m, block_n, warps, stages = default_tiles(next_power_of_two(head_dim),
                                                         TORCH_DTYPES[dtype], f"cuda:{arch}")
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
@@ -162,12 +159,28 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
                           sparse_q=128 if mask else block_m, sparse_kv=128 if mask else block_n,
                           even_l=False, even_s=False, return_lse=return_lse, gqa_group=1,
                           input_precision="ieee", target=f"cuda:{arch}")
-        generated = forward_kernel(spec, score, mask)
-        module = get_module(generated.name, generated.key, False, lambda: generated.source)
-        signature, constexprs = forward_signature(spec, score, mask)
-        return CompileJob(getattr(module, generated.name), signature, constexprs,
-                          spec.launch_options(), generated.name)
+        return kernel_job(spec, score, mask, forward_kernel, forward_signature)
     return build
+
+
+def traced_mods(score_mod, mask_mod):
+    """(score, mask) TracedMods as the runtime prepares them (None where a mod is None)."""
+    from ..runtime.pipeline import prepare
+
+    return (prepare(trace(score_mod, SCORE_MOD)) if score_mod else None,
+            prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None)
+
+
+def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:
+    """The CompileJob of the compiled-mode kernel ``generate(spec, score, mask)`` renders;
+    ``signature_of(spec, score, mask)`` gives its (signature, constexprs)."""
+    from ..runtime.cache import get_module
+
+    generated = generate(spec, score, mask)
+    module = get_module(generated.name, generated.key, False, lambda: generated.source)
+    signature, constexprs = signature_of(spec, score, mask)
+    return CompileJob(getattr(module, generated.name), signature, constexprs,
+                      spec.launch_options(), generated.name)
 
 
 register("fwd_d64_bf16_dense", forward_job(64, "bf16", return_lse=False))

@@ -71,24 +71,16 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                return_lse: bool = True):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
     def build(arch: int):
-        from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
-        from ..runtime.cache import get_module
-        from ..runtime.pipeline import prepare
-        from .compile_check import CompileJob
+        from .compile_check import kernel_job, traced_mods
 
-        score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
-        mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
+        score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=block_m,
                           block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
                           target=f"cuda:{arch}", template=HOPPER_TEMPLATE)
-        generated = hopper_kernel(spec, score, mask)
-        module = get_module(generated.name, generated.key, False, lambda: generated.source)
-        signature, constexprs = hopper_signature(spec, score, mask)
-        return CompileJob(getattr(module, generated.name), signature, constexprs,
-                          spec.launch_options(), generated.name)
+        return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
     return build
 
 
