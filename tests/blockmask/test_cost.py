@@ -79,3 +79,17 @@ def test_slow_builds_are_logged(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="flexfa.blockmask"):
         create_block_mask(mods.causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=32)
     assert "block mask causal: 8 x 8 tiles, 8 undecided by intervals, 0 of them" in caplog.text
+
+
+def test_long_exact_evaluation_logs_a_progress_line(monkeypatch, caplog):
+    # a lookup by both indices cannot be bounded: every tile is evaluated element by element
+    table = torch.ones(96, 80, dtype=torch.bool)
+
+    def lookup(b, h, q_idx, kv_idx):
+        return table[q_idx, kv_idx]
+    monkeypatch.setattr(exact, "PROGRESS_EVERY_S", -1.0)
+    with caplog.at_level(logging.INFO, logger="flexfa.blockmask"):
+        block_mask = create_block_mask(lookup, 1, 1, 96, 80, device="cpu", BLOCK_SIZE=16)
+    assert any("evaluated" in r.getMessage() and "element by element" in r.getMessage()
+               for r in caplog.records)
+    assert int(block_mask.full_kv_num_blocks.sum()) == 6 * 5
