@@ -136,20 +136,15 @@ def trace(fn, kind: str | None = None) -> TracedMod:
     if kind not in (None, SCORE_MOD, MASK_MOD):
         raise TraceError(f"kind must be {SCORE_MOD!r}, {MASK_MOD!r} or None, got {kind!r}")
     fingerprint = _fingerprint(fn)
-    if fingerprint is not None:
-        cached = _cache_get(fn)
-        if cached is not None and cached[0] == fingerprint and kind in (None, cached[1].kind):
-            return cached[1]
+    cached = memo_get(_CACHE, fn, fingerprint)
+    if cached is not None and kind in (None, cached.kind):
+        return cached
     expected = mod_kind(fn)
     kind = kind or expected
     if kind != expected:
         raise TraceError(f"expected a {kind} but {_name(fn)!r} has the arity of a {expected}")
     traced = _trace_uncached(fn, kind)
-    if fingerprint is not None and trace_is_reusable(fn, traced):
-        try:
-            _CACHE[fn] = (fingerprint, traced)
-        except TypeError:  # not weak-referenceable
-            pass
+    memo_put(_CACHE, fn, fingerprint, traced)
     return traced
 
 
@@ -161,11 +156,25 @@ def trace_is_reusable(fn, traced: TracedMod) -> bool:
     return all(id(t) in captured for t in traced.buffers)
 
 
-def _cache_get(fn):
-    try:
-        return _CACHE.get(fn)
-    except TypeError:  # not weak-referenceable: never cached
+def memo_get(memo, fn, fingerprint) -> TracedMod | None:
+    """What ``memo`` (a WeakKeyDictionary keyed by mod) holds for ``fn`` under this
+    ``fingerprint`` (from ``_fingerprint``), or None."""
+    if fingerprint is None:
         return None
+    try:
+        hit = memo.get(fn)
+    except TypeError:  # not weak-referenceable: never memoized
+        return None
+    return hit[1] if hit is not None and hit[0] == fingerprint else None
+
+
+def memo_put(memo, fn, fingerprint, traced: TracedMod) -> None:
+    """Memoize ``traced`` for ``fn`` when it may be reused (see ``trace_is_reusable``)."""
+    if fingerprint is not None and trace_is_reusable(fn, traced):
+        try:
+            memo[fn] = (fingerprint, traced)
+        except TypeError:  # not weak-referenceable
+            pass
 
 
 def _trace_uncached(fn, kind: str) -> TracedMod:

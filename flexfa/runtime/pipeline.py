@@ -9,8 +9,8 @@ import weakref
 
 from ..frontend import simplify
 from ..frontend.ir import Node
-from ..frontend.trace import (MASK_MOD, SCORE_MOD, TracedMod, _fingerprint, trace,
-                              trace_is_reusable)
+from ..frontend.trace import (MASK_MOD, SCORE_MOD, TracedMod, _fingerprint, memo_get,
+                              memo_put, trace)
 from .debug import debug, debug_enabled
 
 _SIMPLIFIED: dict[Node, Node] = {}  # root -> simplified root (nodes are hash-consed)
@@ -47,15 +47,10 @@ def prepare_score_mod(score_mod) -> TracedMod | None:
     if score_mod is None:
         return None
     fingerprint = _fingerprint(score_mod)
-    hit = _BY_FUNCTION.get(score_mod) if fingerprint is not None else None
-    if hit is not None and hit[0] == fingerprint:
-        return hit[1]
-    prepared = prepare(trace(score_mod, SCORE_MOD))
-    if fingerprint is not None and trace_is_reusable(score_mod, prepared):
-        try:
-            _BY_FUNCTION[score_mod] = (fingerprint, prepared)
-        except TypeError:  # not weak-referenceable
-            pass
+    prepared = memo_get(_BY_FUNCTION, score_mod, fingerprint)
+    if prepared is None:
+        prepared = prepare(trace(score_mod, SCORE_MOD))
+        memo_put(_BY_FUNCTION, score_mod, fingerprint, prepared)
     return prepared
 
 
