@@ -45,8 +45,11 @@ class BackwardSpec:
     has_full_blocks: bool
     sparse_q: int
     sparse_kv: int
-    even_l1: bool  # L % block_m1 == 0
-    even_s1: bool  # S % block_n1 == 0
+    # no bounds checks needed on that side: the dK/dV kernel's walk over q (L a multiple of
+    # the block-mask block, or of block_m1 without a mask) and its own keys (S % block_n1),
+    # the dQ kernel's own rows (L % block_m2) and its walk over keys (like even_l1)
+    even_l1: bool
+    even_s1: bool
     even_l2: bool
     even_s2: bool
     gqa_group: int
@@ -54,6 +57,7 @@ class BackwardSpec:
     has_dlse: bool
     input_precision: str
     target: str
+    use_tma: bool = False  # Q/dO and K/V tiles through tensor descriptors (sm_90)
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -71,7 +75,7 @@ class BackwardSpec:
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, GQA_GROUP=self.gqa_group,
                     INPUT_PRECISION=self.input_precision,
-                    DOT_UPCAST=self.interpret and self.dtype == "bf16")
+                    DOT_UPCAST=self.interpret and self.dtype == "bf16", USE_TMA=self.use_tma)
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
@@ -212,7 +216,8 @@ _SIGNATURE_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32",
 
 
 def launch_signature(kernel, args, constexprs) -> dict[str, str]:
-    """Triton signature of a launch: pointer types from the tensors, i32/fp32 for scalars."""
+    """Triton signature of a launch: pointer types from the tensors, tensordesc<...> from
+    tensor descriptors, i32/fp32 for scalars."""
     values = iter(args)
     signature = {}
     for param in kernel.params:
@@ -220,7 +225,10 @@ def launch_signature(kernel, args, constexprs) -> dict[str, str]:
             signature[param.name] = "constexpr"
             continue
         value = next(values)
-        if hasattr(value, "dtype"):
+        if hasattr(value, "block_shape"):  # a tensor descriptor
+            element = _SIGNATURE_TYPES[str(value.base.dtype).replace("torch.", "")][1:]
+            signature[param.name] = f"tensordesc<{element}{list(value.block_shape)}>"
+        elif hasattr(value, "dtype"):
             signature[param.name] = _SIGNATURE_TYPES[str(value.dtype).replace("torch.", "")]
         else:
             signature[param.name] = "fp32" if isinstance(value, float) else "i32"

@@ -45,6 +45,7 @@ class FP8KernelSpec:
     gqa_group: int
     target: str
     use_tma: bool = False  # Q/K/V^T tiles through tensor descriptors (runtime checks layouts)
+    exp_f16: bool = False  # P's exp2 in float16, two per instruction (ex2.approx.f16x2)
     template: str = "fwd_fp8"
     dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
 
@@ -76,7 +77,7 @@ class FP8KernelSpec:
             SPARSE_Q=self.sparse_q, SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l,
             EVEN_S=self.even_s, RETURN_LSE=self.return_lse, GQA_GROUP=self.gqa_group,
             SCALE_Q=self.scale_q, SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT,
-            EMULATE_FP8_CAST=self.interpret, USE_TMA=self.use_tma)
+            EMULATE_FP8_CAST=self.interpret, USE_TMA=self.use_tma, EXP_F16=self.exp_f16)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -135,7 +136,8 @@ def quantize_signature(dtype: str, constexprs: dict) -> dict[str, str]:
 
 # ---- compile-check variants -----------------------------------------------------------------
 
-def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False):
+def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False,
+            exp_f16=False):
     """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles."""
     def build(arch: int) -> compile_check.CompileJob:
         from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
@@ -153,7 +155,7 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
                              has_block_mask=mask is not None, has_full_blocks=mask is not None,
                              sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
                              even_l=False, even_s=False, return_lse=True, gqa_group=1,
-                             target=f"cuda:{arch}", use_tma=use_tma)
+                             target=f"cuda:{arch}", use_tma=use_tma, exp_f16=exp_f16)
         generated = fp8_forward_kernel(spec, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = fp8_forward_signature(spec, score, mask)
@@ -173,6 +175,9 @@ compile_check.register("fwd_fp8_d128_alibi_document",
                                mask_mod=compile_check._document_mask()), archs=FP8_ARCHS)
 compile_check.register("fwd_fp8_d128_causal_tma",
                        fp8_job(128, mask_mod=compile_check._causal, use_tma=True), archs=(90,))
+compile_check.register("fwd_fp8_d128_causal_tma_exp16",
+                       fp8_job(128, mask_mod=compile_check._causal, use_tma=True, exp_f16=True),
+                       archs=(90,))
 
 
 def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):

@@ -2,7 +2,8 @@
 
 Per case (variant, S, D): flexfa bf16 forward, the FP8 kernel on pre-quantized inputs
 ("fp8", what FlashAttention-3 reports, with pointer loads, ``FLEXFA_FP8_TMA=0``; "fp8-tma":
-the same with tiles loaded through tensor descriptors, ``FLEXFA_FP8_TMA=1``), and quantize +
+the same with tiles loaded through tensor descriptors, ``FLEXFA_FP8_TMA=1``; "fp8-tma-exp16":
+that with P's exp2 in float16, ``FLEXFA_FP8_EXP16=1``), and quantize +
 kernel ("fp8+quant", what ``flex_attention_fp8`` on bf16 inputs costs, default load path). Times are medians of ``triton.testing.do_bench``;
 FLOPs are 4*B*H*L*S*D times the mask's block density. Each row also has the relative L2 error
 of the FP8 output against the bf16 one. ``run_fp8(args)`` returns the rows for the main
@@ -57,6 +58,9 @@ def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, o
                                                        kernel_options=options),
         # the FP8 kernel with tensor-descriptor (TMA) loads
         "flexfa-fp8-tma": lambda: _with_env("FLEXFA_FP8_TMA", "1", fp8),
+        # the same with P's exp2 in float16, two per instruction
+        "flexfa-fp8-tma-exp16": lambda: _with_env(
+            "FLEXFA_FP8_TMA", "1", lambda: _with_env("FLEXFA_FP8_EXP16", "1", fp8)),
     }
     outs, rows = {}, []
     for label, fn in impls.items():

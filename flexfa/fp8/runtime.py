@@ -67,6 +67,19 @@ def tma_requested(target: str) -> bool:
     return mode == "1" or (mode == "auto" and target in TMA_TARGETS)
 
 
+EXP_F16_TARGETS: tuple[str, ...] = ()
+
+
+def exp_f16_requested(target: str) -> bool:
+    """P's exp2 in float16, two per instruction? ``FLEXFA_FP8_EXP16``: ``1`` always (under the
+    interpreter too, with an exact float16 fallback), ``0`` never, unset/``auto`` on the
+    targets in ``EXP_F16_TARGETS``."""
+    mode = os.environ.get("FLEXFA_FP8_EXP16", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise InputError(f"FLEXFA_FP8_EXP16 must be auto, 0 or 1, got {mode!r}")
+    return mode == "1" or (mode == "auto" and target in EXP_F16_TARGETS)
+
+
 def tma_layout_ok(x: FP8Inputs) -> bool:
     """Tensor descriptors need unit stride along the loaded rows' last dim (E for Q and K, S
     for V) and 16-byte aligned bases and row strides (e4m3: one byte per element)."""
@@ -101,7 +114,8 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse,
-        gqa_group=call.gqa_group, target=target, use_tma=use_tma)
+        gqa_group=call.gqa_group, target=target, use_tma=use_tma,
+        exp_f16=exp_f16_requested(target))
 
 
 _KERNELS: dict[tuple, object] = register_memo({})

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..blockmask.tables import transpose_ordered
 from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
@@ -28,6 +30,7 @@ from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
 from .debug import debug
 from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
+from .hopper import HOPPER_MAX_HEAD_DIM, HOPPER_TARGETS, _flat_rows, _geometry
 
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
@@ -74,9 +77,27 @@ def _fit(tile: int, block: int | None, what: str, call: AttentionCall) -> int:
     return tile
 
 
+def use_backward_tma(target: str, *tensors) -> bool:
+    """Q, dO (dK/dV kernel) and K, V (dQ kernel) tiles through tensor descriptors (TMA).
+
+    On sm_90 for fp16/bf16 whenever every tensor is a [B * H * n, d] matrix with 16-byte
+    aligned rows (as for the Hopper forward); ``FLEXFA_BACKWARD_TMA=0`` turns it off, ``=1``
+    forces it where the layout allows (the interpreter too: how CI tests this path)."""
+    setting = os.environ.get("FLEXFA_BACKWARD_TMA", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise InputError(f"FLEXFA_BACKWARD_TMA must be auto, 0 or 1, got {setting!r}")
+    if setting == "0" or (setting == "auto" and target not in HOPPER_TARGETS):
+        return False
+    return (tensors[0].dtype in (torch.float16, torch.bfloat16)
+            and 8 <= min(t.shape[3] for t in tensors)
+            and max(t.shape[3] for t in tensors) <= HOPPER_MAX_HEAD_DIM
+            and all(t.shape[2] > 0 and _flat_rows(t) for t in tensors))
+
+
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
-                  target: str | None = None) -> BackwardSpec:
-    """The backward variant for these inputs; ``target`` defaults to the inputs' device."""
+                  target: str | None = None, grad_out=None) -> BackwardSpec:
+    """The backward variant for these inputs; ``target`` defaults to the inputs' device,
+    ``grad_out`` (for the TMA decision) to a tensor laid out like q."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     target = target or target_of(q.device)
@@ -92,15 +113,19 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
     n1, n2 = _fit(n1, sparse_kv, "key", call), _fit(n2, sparse_kv, "key", call)
     if mask is None:
         sparse_q, sparse_kv = max(m1, m2), max(n1, n2)
+        walk_q, walk_kv = m1, n2
+    else:  # the kernels walk whole blocks: a ragged last block needs the bounds checks
+        walk_q, walk_kv = sparse_q, sparse_kv
     return BackwardSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m1=m1, block_n1=n1,
         block_m2=m2, block_n2=n2, num_warps=options.num_warps or warps,
         num_stages=options.num_stages or stages, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and bool(_tables(mask, "full_q")),
-        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % m1 == 0, even_s1=S % n1 == 0,
-        even_l2=L % m2 == 0, even_s2=S % n2 == 0, gqa_group=call.gqa_group,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % walk_q == 0, even_s1=S % n1 == 0,
+        even_l2=L % m2 == 0, even_s2=S % walk_kv == 0, gqa_group=call.gqa_group,
         deterministic=options.deterministic, has_dlse=has_dlse,
-        input_precision=options.fp32_precision, target=target)
+        input_precision=options.fp32_precision, target=target,
+        use_tma=use_backward_tma(target, q, k, v, q if grad_out is None else grad_out))
 
 
 _JOINTS: dict[tuple, JointGraph] = register_memo({})
@@ -174,7 +199,7 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
              for s in grad_slots}
     if q.numel() and k.numel():
-        spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None)
+        spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, grad_out=grad_out)
         module, name = get_backward_module(spec, joint, call.score, call.mask)
         launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
                                      call, joint, grads, dq, dk, dv)
@@ -226,17 +251,25 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
     mod_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in mod_args]
     grad_args = [x for g in grads.values() for x in (g, *g.stride())]
     one, scale = dscore_is_one(joint), float(call.scale)
+    if spec.use_tma:
+        e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
+        q_desc = TensorDescriptor(q, *_geometry(q, spec.block_m1, e_pad))
+        do_desc = TensorDescriptor(grad_out, *_geometry(grad_out, spec.block_m1, ev_pad))
+        k_desc = TensorDescriptor(k, *_geometry(k, spec.block_n2, e_pad))
+        v_desc = TensorDescriptor(v, *_geometry(v, spec.block_n2, ev_pad))
+    else:  # unused pointers in the kernels' descriptor slots
+        q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
     return [
         Launch(module.flexfa_bwd_delta, (triton.cdiv(L, delta_block), B * Hq),
                [out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), Hq, L],
                spec.delta_constexprs(delta_block), {"num_warps": 4}),
         Launch(getattr(module, f"{name}_dkdv"), (triton.cdiv(S, spec.block_n1), B * Hkv),
-               [q, k, v, grad_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+               [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                 *grad_out.stride(), *dk.stride(), *dv.stride(),
                 *_table_args(call.block_mask, "q", device), Hq, L, S, scale, *mod_args],
                spec.dkdv_constexprs(one), options),
         Launch(getattr(module, f"{name}_dq"), (triton.cdiv(L, spec.block_m2), B * Hq),
-               [q, k, v, grad_out, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+               [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                 *grad_out.stride(), *dq.stride(), *_table_args(call.block_mask, "kv", device),
                 Hq, L, S, scale, *mod_args, *grad_args],
                spec.dq_constexprs(one, bool(grads)), options),

@@ -189,3 +189,14 @@ def test_frozen_key_value_and_an_expanded_upstream_gradient():
                             grad_out=torch.ones(B, H, L, E))
     for got, want in zip((q.grad, rel.grad, scale.grad), (expected[0], *expected[3:])):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("L, S", [(192, 192), (200, 136)])
+def test_block_walks_over_several_tiles_with_a_partial_last_block(L, S):
+    # 128-token blocks walked as 64-row / 64-key tiles in one flat loop: the last block of
+    # each side is partly (192) or raggedly (200, 136) past the end, so the tiles there must
+    # be masked even where the length is a multiple of the tile
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=15)
+    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
+    check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
+                   kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})

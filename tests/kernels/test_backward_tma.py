@@ -1,0 +1,75 @@
+"""The backward's tensor-descriptor (TMA) path, forced under the interpreter with
+FLEXFA_BACKWARD_TMA=1 (it is the default on sm_90): Q/dO tiles of the dK/dV kernel and K/V
+tiles of the dQ kernel come from [B * H * n, d] descriptors, so tiles past a head's end read
+the next head's rows and must be masked."""
+import pytest
+import torch
+
+from flexfa import mods
+from flexfa.blockmask import create_block_mask
+from flexfa.errors import InputError
+from flexfa.runtime import backward as backward_runtime
+from backward_utils import check_backward
+from forward_utils import make_qkv
+
+
+@pytest.fixture
+def spy_specs(monkeypatch):
+    """Force the TMA path and record the BackwardSpec of every backward pass."""
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
+    specs = []
+    original = backward_runtime.backward_spec
+
+    def recording(*args, **kwargs):
+        specs.append(original(*args, **kwargs))
+        return specs[-1]
+    monkeypatch.setattr(backward_runtime, "backward_spec", recording)
+    return specs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tma_backward_ragged_gqa_bias_and_block_mask(spy_specs, dtype):
+    # L, S not multiples of the 64-row tiles nor of the 128-token blocks; E = 48 (descriptor
+    # blocks 64 wide: zero fill); GQA 2; a learnable bias; causal block mask with full blocks
+    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 48, 32
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=21)
+    bias = (0.2 * torch.randn(Hq, generator=torch.Generator().manual_seed(3))).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx) / 64.0
+
+    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
+    check_backward(q, k, v, score_mod, mods.causal, block_mask, enable_gqa=True,
+                   buffers=(bias,), with_lse=True, kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+    assert spy_specs and all(s.use_tma for s in spy_specs)
+
+
+def test_tma_backward_without_block_mask(spy_specs):
+    q, k, v = make_qkv(1, 2, 2, 72, 100, 16, dtype=torch.bfloat16, seed=22)
+    check_backward(q, k, v, mods.softcap(5.0), kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    assert all(s.use_tma for s in spy_specs)
+
+
+def test_tma_falls_back_to_pointer_loads_for_strided_inputs(spy_specs):
+    # [B, L, H, E] memory viewed as [B, H, L, E]: no [B * H * L, E] matrix, so no descriptors
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+               for t in make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.bfloat16, seed=23))
+    check_backward(q, k, v, None, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    assert spy_specs and not any(s.use_tma for s in spy_specs)
+
+
+def test_bad_backward_tma_setting_is_named(monkeypatch):
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "yes")
+    q = torch.zeros(1, 1, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="FLEXFA_BACKWARD_TMA must be auto, 0 or 1, got 'yes'"):
+        backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
+
+
+def test_tma_is_the_sm90_default_and_off_elsewhere(monkeypatch):
+    monkeypatch.delenv("FLEXFA_BACKWARD_TMA", raising=False)
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
+    assert not backward_runtime.use_backward_tma("cuda:80", q, q, q, q)
+    assert not backward_runtime.use_backward_tma("cuda:90", *[q.float()] * 4)
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "0")
+    assert not backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
