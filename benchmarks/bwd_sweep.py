@@ -121,8 +121,9 @@ def main() -> None:
         print(f"[{time.perf_counter() - start:.0f}s] {variant} S={S} D={D} done", flush=True)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bwd_sweep.json"), "w") as f:
-            json.dump({"commit": os.environ.get("FLEXFA_COMMIT"), "gpu": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "rows": ROWS}, f, indent=1)
+            json.dump({"commit": os.environ.get("FLEXFA_COMMIT"),
+                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": ROWS}, f, indent=1)
     print("\nvariant   S     D   config                       tma  ms      TF/s  vs flex  "
           "max grad relerr")
     for r in ROWS:

@@ -35,21 +35,26 @@ from .hopper import HOPPER_MAX_HEAD_DIM, HOPPER_TARGETS, _flat_rows, _geometry
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
 
-# sm_90 tiles measured on the H200 (benchmarks/hopper_sweep.py, docs/performance.md), fwd+bwd
-# of causal bf16 attention. E=128, S=8192: (32, 64, 64, 32, 4, 2) 5.63 ms; (64, 128, 128, 64,
-# 8, 2) 5.68; (64, 64, 64, 64, 4, 3) 7.13; (32, 128, 128, 32, 4, 3) 10.35; 8 warps on the
-# 32 x 64 tiles 11.66 (2.1x slower). E=64, S=2048: (32, 128, 128, 32, 4, 3) 1.00 ms; (64, 128,
-# 128, 64, 8, 3) 1.18; (64, 64, 64, 64, 4, 3) 1.21.
-HOPPER_BACKWARD_TILES = {"cuda:90": {64: (32, 128, 128, 32, 4, 3), 128: (32, 64, 64, 32, 4, 2)}}
+# sm_90 tiles measured on the H200, fwd+bwd of bf16 attention, flat block loops, TMA loads
+# (benchmarks/bwd_sweep.py, run of 2026-11-29 in benchmarks/results/bwd_sweep/; times in ms,
+# FlexAttention in the same run): (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages)
+#   E=128 causal S=8192: (64, 64, 64, 64, 4, 2) 4.68 (FlexAttention 4.94); (64, 128, 128, 64,
+#     8, 2) 5.11; (32, 64, 64, 32, 4, 2) 5.36; (64, 64, 64, 64, 4, 3) 6.49; (32, 128, 128, 32,
+#     4, 2) 10.09. Full S=2048 and softcap S=8192 rank the same way.
+#   E=64 causal S=16384: (64, 64, 64, 64, 4, 3) 6.00, (32, 64, 64, 32, 4, 3) 6.25,
+#     (32, 128, 128, 32, 4, 3) 6.75 (FlexAttention 6.25); document S=2048: 1.37, 1.08, 1.14
+#     (FlexAttention 0.86). (32, 64, 64, 32, 4, 3) is the better compromise of the two.
+HOPPER_BACKWARD_TILES = {"cuda:90": {64: (32, 64, 64, 32, 4, 3), 128: (64, 64, 64, 64, 4, 2)}}
 
 
 def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
     """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages).
 
-    sm_90 uses the tiles measured on the H200 (``HOPPER_BACKWARD_TILES``). Elsewhere the same
-    4-warp shape (8 warps on these tiles measured 2.1x slower on the H200); ``python -m flexfa
-    compile-check --only bwd`` prints registers and spills. The dK/dV program holds K, V and
-    two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one.
+    sm_90 uses the tiles measured on the H200 (``HOPPER_BACKWARD_TILES``). Elsewhere a 4-warp
+    shape (8 warps on it measured 2.1x slower on the H200, before the flat loops);
+    ``python -m flexfa compile-check --only bwd`` prints registers and spills. The dK/dV
+    program holds K, V and two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO
+    and one.
     """
     if target == INTERPRET:
         return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
@@ -264,13 +269,14 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
                [out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), Hq, L],
                spec.delta_constexprs(delta_block), {"num_warps": 4}),
         Launch(getattr(module, f"{name}_dkdv"), (triton.cdiv(S, spec.block_n1), B * Hkv),
-               [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
-                *grad_out.stride(), *dk.stride(), *dv.stride(),
+               [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, *q.stride(),
+                *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                 *_table_args(call.block_mask, "q", device), Hq, L, S, scale, *mod_args],
                spec.dkdv_constexprs(one), options),
         Launch(getattr(module, f"{name}_dq"), (triton.cdiv(L, spec.block_m2), B * Hq),
-               [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
-                *grad_out.stride(), *dq.stride(), *_table_args(call.block_mask, "kv", device),
+               [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(),
+                *v.stride(), *grad_out.stride(), *dq.stride(),
+                *_table_args(call.block_mask, "kv", device),
                 Hq, L, S, scale, *mod_args, *grad_args],
                spec.dq_constexprs(one, bool(grads)), options),
     ]
