@@ -1,0 +1,57 @@
+"""Where a fwd+bwd step's time goes: per-kernel CUDA time (torch.profiler) against the wall
+time per step, for flexfa and FlexAttention on a few variants.
+
+    PYTHONPATH=. python benchmarks/bwd_profile.py [S] [D] [variants]
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flexfa
+from flexfa.bench import _variants
+
+
+def main() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    S = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+    D = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else ["causal", "sliding", "alibi"]
+    B, H = max(1, 16384 // S), 16
+    compiled = torch.compile(flex_attention, dynamic=False)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    for name in names:
+        score_mod, mask_mod = _variants(S, H, "cuda")[name]
+        fbm = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda")
+        tbm = create_block_mask(mask_mod, B, None, S, S, device="cuda")
+        impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
+                 "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)}
+        for label, fn in impls.items():
+            for _ in range(5):
+                fn().backward(do)
+            torch.cuda.synchronize()
+            steps = 20
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    fn().backward(do)
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - start) / steps * 1e3
+            kernels = {}
+            for e in prof.key_averages():
+                if e.device_time_total > 0 and e.count >= steps:
+                    kernels[e.key[:60]] = e.device_time_total / steps / 1e3
+            gpu = sum(kernels.values())
+            print(f"{name:8} {label:7} wall {wall:.3f} ms/step, kernels {gpu:.3f} ms/step")
+            for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]:
+                print(f"    {ms:.3f}  {key}")
+
+
+if __name__ == "__main__":
+    main()
