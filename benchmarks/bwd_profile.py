@@ -43,10 +43,11 @@ def main() -> None:
                     fn().backward(do)
                 torch.cuda.synchronize()
                 wall = (time.perf_counter() - start) / steps * 1e3
-            kernels = {}
-            for e in prof.key_averages():
-                if e.device_time_total > 0 and e.count >= steps:
-                    kernels[e.key[:60]] = e.device_time_total / steps / 1e3
+            kernels: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    key = e.name[:60]
+                    kernels[key] = kernels.get(key, 0.0) + e.device_time / steps / 1e3
             gpu = sum(kernels.values())
             print(f"{name:8} {label:7} wall {wall:.3f} ms/step, kernels {gpu:.3f} ms/step")
             for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]:
