@@ -84,6 +84,7 @@ def run_case(variant: str, S: int, D: int, compiled_flex, quick: bool) -> None:
             for tma in ("1", "0") if i == 0 else ("1",):  # pointer loads: the A/B baseline
                 os.environ["FLEXFA_BACKWARD_TMA"] = tma
                 backward_runtime.default_backward_tiles = lambda *a, c=config: c
+                backward_runtime._PLANS.clear()  # plans hold the tiles of their spec
                 try:
                     t0 = time.perf_counter()
                     got = grads(fa_fn, q, k, v, do)

@@ -89,6 +89,7 @@ def sweep_backward(S: int, D: int, configs) -> None:
     try:
         for config in configs:
             backward_runtime.default_backward_tiles = lambda *a, c=config: c
+            backward_runtime._PLANS.clear()  # plans hold the tiles of their spec
             try:
                 time_variants(S, D, "auto", ["causal"], bwd=True)
                 ROWS[-1]["bwd_config"] = config

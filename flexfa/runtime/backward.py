@@ -204,12 +204,13 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
              for s in grad_slots}
     if q.numel() and k.numel():
-        spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, grad_out=grad_out)
-        module, name = get_backward_module(spec, joint, call.score, call.mask)
+        spec, module, name, tables, compiled = _plan(q, k, v, out, grad_out, grad_lse, call,
+                                                     joint)
         launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
-                                     call, joint, grads, dq, dk, dv)
-        for launch in launches if need_dkdv else launches[::2]:  # delta, (dK/dV), dQ
-            launch.run()
+                                     call, joint, grads, dq, dk, dv, tables)
+        for i, launch in enumerate(launches):  # delta, dK/dV, dQ
+            if i != 1 or need_dkdv:
+                compiled[i] = launch.run(compiled[i])
     else:  # nothing to attend: all gradients are zero
         for t in (dq, dk, dv):
             t.zero_()
@@ -223,6 +224,42 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     return dq, dk, dv, buffer_grads
 
 
+_PLANS: dict[tuple, tuple] = register_memo({})
+_MAX_PLANS = 256
+
+
+def _plan(q, k, v, out, grad_out, grad_lse, call: AttentionCall, joint) -> tuple:
+    """(spec, module, kernel name, (q-side table args, kv-side table args), compiled) of this
+    call's signature, memoized: a cached call skips the spec, the module lookup and the
+    tables' strides, and launches the three compiled kernels directly (``compiled``: one
+    ``Launch.run`` state per kernel). Host time between the forward and the backward kernels
+    leaves the GPU idle where the kernels are short (S = 2048 on the H200)."""
+    buffers = [t for mod in (call.score, call.mask) if mod is not None for t in mod.buffers]
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
+           grad_out.shape, grad_out.stride(), grad_out.dtype, q.dtype, q.device,
+           None if grad_lse is None else (grad_lse.dtype, grad_lse.stride(),
+                                          grad_lse.data_ptr() % 16 == 0),
+           tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out)),
+           call.score.key if call.score else None,
+           call.score.grad_buffers if call.score else None,
+           call.mask.key if call.mask else None, id(call.block_mask), call.options,
+           call.gqa_group,
+           tuple((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
+           os.environ.get("FLEXFA_BACKWARD_TMA"))
+    plan = _PLANS.get(key)
+    if plan is not None and plan[5] is call.block_mask:
+        return plan[:5]
+    spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, grad_out=grad_out)
+    module, name = get_backward_module(spec, joint, call.score, call.mask)
+    tables = (_table_args(call.block_mask, "q", q.device),
+              _table_args(call.block_mask, "kv", q.device))
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    compiled = [None, None, None]
+    _PLANS[key] = (spec, module, name, tables, compiled, call.block_mask)
+    return spec, module, name, tables, compiled
+
+
 @dataclasses.dataclass
 class Launch:
     """One kernel launch: also what the compile-only check compiles."""
@@ -233,18 +270,36 @@ class Launch:
     constexprs: dict
     options: dict
 
-    def run(self) -> None:
-        device = next(a.device for a in self.args if isinstance(a, torch.Tensor))
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
-        else:
+    def run(self, direct=None):
+        """Launch; returns the state for a direct launch next time (CUDA only): (compiled
+        kernel, constexpr values in parameter order). ``direct``, from an earlier call of
+        the same signature (shapes, strides, alignment, dtypes: every specialization fixed),
+        skips Triton's argument binding, as the Hopper forward's plans do."""
+        device = self.args[0].device
+        if device.type != "cuda":
             self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+            return None
+        if direct is not None and device.index == torch.cuda.current_device():
+            compiled, tail = direct
+            hooks, grid = triton.knobs.runtime, (*self.grid, 1)
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
+            args = [*self.args, *tail]
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata(grid, stream, *args),
+                         hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+            return direct
+        with torch.cuda.device(device):
+            compiled = self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+        names = [p.name for p in self.kernel.params[len(self.args):]]
+        if sorted(names) != sorted(self.constexprs):
+            return None
+        return compiled, tuple(self.constexprs[n] for n in names)
 
 
 def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,
-                      dq, dk, dv) -> list[Launch]:
-    """The three launches of a backward pass, in order: delta, dK/dV, dQ."""
+                      dq, dk, dv, tables=None) -> list[Launch]:
+    """The three launches of a backward pass, in order: delta, dK/dV, dQ; ``tables``: the
+    q-side and kv-side block-mask table arguments, when the caller has them already."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     device, options = q.device, spec.launch_options()
@@ -256,6 +311,9 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
     mod_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in mod_args]
     grad_args = [x for g in grads.values() for x in (g, *g.stride())]
     one, scale = dscore_is_one(joint), float(call.scale)
+    if tables is None:
+        tables = (_table_args(call.block_mask, "q", device),
+                  _table_args(call.block_mask, "kv", device))
     if spec.use_tma:
         e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
         q_desc = TensorDescriptor(q, *_geometry(q, spec.block_m1, e_pad))
@@ -271,12 +329,12 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
         Launch(getattr(module, f"{name}_dkdv"), (triton.cdiv(S, spec.block_n1), B * Hkv),
                [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, *q.stride(),
                 *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-                *_table_args(call.block_mask, "q", device), Hq, L, S, scale, *mod_args],
+                *tables[0], Hq, L, S, scale, *mod_args],
                spec.dkdv_constexprs(one), options),
         Launch(getattr(module, f"{name}_dq"), (triton.cdiv(L, spec.block_m2), B * Hq),
                [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(),
                 *v.stride(), *grad_out.stride(), *dq.stride(),
-                *_table_args(call.block_mask, "kv", device),
+                *tables[1],
                 Hq, L, S, scale, *mod_args, *grad_args],
                spec.dq_constexprs(one, bool(grads)), options),
     ]

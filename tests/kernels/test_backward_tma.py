@@ -73,3 +73,26 @@ def test_tma_is_the_sm90_default_and_off_elsewhere(monkeypatch):
     assert not backward_runtime.use_backward_tma("cuda:90", *[q.float()] * 4)
     monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "0")
     assert not backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
+
+
+def test_backward_plans_are_reused_per_signature_and_mask(monkeypatch):
+    """The second backward of the same signature and block mask skips backward_spec (the
+    plan memo); another mask object or another FLEXFA_BACKWARD_TMA makes a new plan."""
+    calls = []
+    original = backward_runtime.backward_spec
+    monkeypatch.setattr(backward_runtime, "backward_spec",
+                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, seed=24)
+
+    def mask():
+        return create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    first = mask()
+    grads = [check_backward(q, k, v, None, mods.causal, first) for _ in range(2)]
+    assert len(calls) == 1
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    check_backward(q, k, v, None, mods.causal, mask())
+    assert len(calls) == 2
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "0")
+    check_backward(q, k, v, None, mods.causal, first)
+    assert len(calls) == 3
