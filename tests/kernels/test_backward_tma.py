@@ -5,6 +5,7 @@ the next head's rows and must be masked."""
 import pytest
 import torch
 
+import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
 from flexfa.errors import InputError
@@ -96,3 +97,18 @@ def test_backward_plans_are_reused_per_signature_and_mask(monkeypatch):
     monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "0")
     check_backward(q, k, v, None, mods.causal, first)
     assert len(calls) == 3
+
+
+def test_tma_rows_of_other_heads_cannot_leak_inf(spy_specs):
+    """With descriptors, the tiles past L and S read the next head's rows; an inf there (in
+    the second head's q, k or upstream gradient) must not turn this head's gradients NaN."""
+    L = S = 40
+    q, k, v = make_qkv(1, 2, 2, L, S, 16, dtype=torch.bfloat16, seed=25)
+    grad_out = torch.randn(1, 2, L, 16).to(torch.bfloat16)
+    q[0, 1, 0, 0] = k[0, 1, 0, 0] = grad_out[0, 1, 0, 0] = float("inf")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flexfa.flex_attention(q, k, v, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    out.backward(grad_out)
+    assert spy_specs and all(s.use_tma for s in spy_specs)
+    for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(g[0, 0]).all(), f"{name} of head 0 has non-finite values"
