@@ -137,6 +137,36 @@ def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) ->
                              f"{device}; move the captured tensor to {device}")
 
 
+# signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
+# Python-side cost of a cached call, benchmarks/python_dispatch.py). The values keep the mask
+# and its tables alive, so their ids in the keys cannot be reused by other objects.
+_VALIDATED: dict[tuple, tuple] = {}
+_MAX_VALIDATED = 256
+_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "mask_mod")
+
+
+def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
+    """Everything the tensor, shape and block-mask checks read, for plain tensors (None: a
+    tensor subclass or an unhashable mask field, checked every time). The mask enters by the
+    identity of the object and of each table, and by its block size and lengths."""
+    if not type(query) is type(key) is type(value) is torch.Tensor:
+        return None
+    mask = None
+    if block_mask is not None:
+        fields = tuple(getattr(block_mask, n, None) for n in _MASK_FIELDS)
+        mask = (block_mask, fields, getattr(block_mask, "BLOCK_SIZE", None),
+                getattr(block_mask, "seq_lengths", None))
+    key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+            query.device, key.device, value.device, enable_gqa,
+            None if mask is None else (id(mask[0]), tuple(map(id, mask[1])), *mask[2:]))
+    try:
+        hash(key_)
+    except TypeError:
+        return None
+    return key_, mask
+
+
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                    enable_gqa=False, return_lse=False, kernel_options=None):
     """Attention with a score_mod and a block mask, as one fused kernel generated for them.
@@ -149,14 +179,23 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     kernels; CPU inputs run the same kernels under the Triton interpreter.
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
-    _check_tensors(query, key, value)
+    signature = _validation_key(query, key, value, block_mask, enable_gqa)
+    checked = signature is not None and signature[0] in _VALIDATED
+    if not checked:
+        _check_tensors(query, key, value)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
     return_lse = _check_flag("return_lse", return_lse)
-    _check_shapes(query, key, value, enable_gqa)
+    if not checked:
+        _check_shapes(query, key, value, enable_gqa)
     scale = _check_scale(scale, query.shape[3])
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
-    _check_block_mask(block_mask, query, key)
+    if not checked:
+        _check_block_mask(block_mask, query, key)
+        if signature is not None:
+            if len(_VALIDATED) >= _MAX_VALIDATED:
+                _VALIDATED.clear()
+            _VALIDATED[signature[0]] = signature[1]
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)

@@ -63,3 +63,26 @@ def test_empty_captured_tensor_is_rejected():
     q, k, v = qkv(L=20, S=24)
     with pytest.raises(flexfa.InputError, match=r"shape \(0, 8\), which has no elements"):
         flexfa.flex_attention(q, k, v, score_mod=reads_nothing)
+
+
+def test_checks_are_skipped_only_for_an_unchanged_signature(monkeypatch):
+    """A repeated call with the same tensors' metadata and the same, unmodified mask skips the
+    tensor, shape and block-mask checks; replacing a table of that mask (or passing other
+    lengths) is checked again."""
+    from flexfa import api
+
+    q, k, v = qkv(L=64, S=64)
+    mask = BlockMask.from_kv_blocks(*_tables(4, 4), BLOCK_SIZE=16, seq_lengths=(64, 64))
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    calls = []
+    original = api._check_block_mask
+    monkeypatch.setattr(api, "_check_block_mask", lambda *a: calls.append(a) or original(*a))
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert calls == []
+    mask.kv_num_blocks, mask.kv_indices = _tables(2, 2)  # now too small for 64 x 64
+    with pytest.raises(flexfa.InputError, match="need 4 x 4"):
+        flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert len(calls) == 1
+    q2, k2, v2 = qkv(L=80, S=64)
+    with pytest.raises(flexfa.InputError):
+        flexfa.flex_attention(q2, k2, v2, block_mask=mask)
