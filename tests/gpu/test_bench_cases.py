@@ -65,13 +65,9 @@ def test_matches_sdpa_at_benchmark_shapes(variant, S, D):
     out, grads, do = _run(q, k, v, score_mod, mask_mod)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=variant == "causal")
-    assert _relerr(out, ref) < 1e-2
-    if not backward:
-        return
-    do = torch.randn_like(out)
-    out.backward(do)
     ref.backward(do)
-    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), (qs.grad, ks.grad, vs.grad)):
+    assert _relerr(out, ref) < 1e-2
+    for name, got, want in zip("qkv", grads, (qs.grad, ks.grad, vs.grad)):
         assert _relerr(got, want) < 2e-2, f"d{name}: {_relerr(got, want):.2e}"
 
 
@@ -92,6 +88,8 @@ def test_matches_sdpa_with_dense_mask(variant):
     ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias)
     ref.backward(do.float())
     assert _relerr(out, ref) < 1e-2
+    for name, got, want in zip("qkv", grads, (qs.grad, ks.grad, vs.grad)):
+        assert _relerr(got, want) < 2e-2, f"d{name}: {_relerr(got, want):.2e}"
 
 
 def softcap_against_torch_flex(device: str, S: int, D: int, backward: bool = True) -> None:
