@@ -25,25 +25,12 @@ def _per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _with_template(name: str, fn):
-    import os
-
-    old = os.environ.get("FLEXFA_FORWARD_TEMPLATE")
-    os.environ["FLEXFA_FORWARD_TEMPLATE"] = name
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ["FLEXFA_FORWARD_TEMPLATE"]
-        else:
-            os.environ["FLEXFA_FORWARD_TEMPLATE"] = old
-
-
 def main(calls: int = 2000) -> dict:
     import torch
     import torch.nn.functional as F
 
     import flexfa
+    from flexfa.fp8.bench import _with_env
 
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
@@ -57,8 +44,9 @@ def main(calls: int = 2000) -> dict:
             lambda: flexfa.flex_attention(q, k, v, block_mask=mask), calls),
         "sdpa_us": _per_call_us(lambda: F.scaled_dot_product_attention(q, k, v), calls),
         # the pointer-load template: no host tensor descriptors to encode per launch
-        "flexfa_dense_pointer_template_us": _with_template(
-            "ampere", lambda: _per_call_us(lambda: flexfa.flex_attention(q, k, v), calls)),
+        "flexfa_dense_pointer_template_us": _with_env(
+            "FLEXFA_FORWARD_TEMPLATE", "ampere",
+            lambda: _per_call_us(lambda: flexfa.flex_attention(q, k, v), calls)),
         "empty_like_us": _per_call_us(lambda: torch.empty_like(q), calls),
     }
     print(json.dumps(results), flush=True)

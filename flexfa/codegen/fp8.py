@@ -12,7 +12,7 @@ import hashlib
 from ..frontend.trace import TracedMod
 from . import compile_check
 from .forward import GeneratedKernel, mod_hooks, tables_and_mods_signature
-from .spec import INTERPRET, kernel_name, next_power_of_two, spec_key
+from .spec import INTERPRET, forward_constexprs, kernel_name, next_power_of_two, spec_key
 from .template import fill, load_template, template_hash
 from .versions import versions_key
 
@@ -71,13 +71,9 @@ class FP8KernelSpec:
 
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         return dict(
-            BLOCK_M=self.block_m, BLOCK_N=self.block_n, E=self.head_dim, E_PAD=self.head_dim_pad,
-            EV=self.head_dim_v, EV_PAD=self.head_dim_v_pad, HAS_SCORE_MOD=has_score_mod,
-            HAS_BLOCK_MASK=self.has_block_mask, HAS_FULL_BLOCKS=self.has_full_blocks,
-            SPARSE_Q=self.sparse_q, SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l,
-            EVEN_S=self.even_s, RETURN_LSE=self.return_lse, GQA_GROUP=self.gqa_group,
-            SCALE_Q=self.scale_q, SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT,
-            EMULATE_FP8_CAST=self.interpret, USE_TMA=self.use_tma, EXP_F16=self.exp_f16)
+            forward_constexprs(self, has_score_mod), SCALE_Q=self.scale_q,
+            SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT, EMULATE_FP8_CAST=self.interpret,
+            USE_TMA=self.use_tma, EXP_F16=self.exp_f16)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}

@@ -73,16 +73,22 @@ class KernelSpec:
 
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         """The template's constexpr arguments."""
-        return dict(
-            BLOCK_M=self.block_m, BLOCK_N=self.block_n, E=self.head_dim, E_PAD=self.head_dim_pad,
-            EV=self.head_dim_v, EV_PAD=self.head_dim_v_pad, HAS_SCORE_MOD=has_score_mod,
-            HAS_BLOCK_MASK=self.has_block_mask, HAS_FULL_BLOCKS=self.has_full_blocks,
-            SPARSE_Q=self.sparse_q, SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l,
-            EVEN_S=self.even_s, RETURN_LSE=self.return_lse, GQA_GROUP=self.gqa_group,
-            INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+        return dict(forward_constexprs(self, has_score_mod),
+                    INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def forward_constexprs(spec, has_score_mod: bool) -> dict[str, object]:
+    """The constexpr arguments every forward template takes (the bf16 ones and the FP8 one),
+    from a spec with the fields of ``KernelSpec``'s tile, mask and length part."""
+    return dict(
+        BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, E=spec.head_dim, E_PAD=spec.head_dim_pad,
+        EV=spec.head_dim_v, EV_PAD=spec.head_dim_v_pad, HAS_SCORE_MOD=has_score_mod,
+        HAS_BLOCK_MASK=spec.has_block_mask, HAS_FULL_BLOCKS=spec.has_full_blocks,
+        SPARSE_Q=spec.sparse_q, SPARSE_KV=spec.sparse_kv, EVEN_L=spec.even_l,
+        EVEN_S=spec.even_s, RETURN_LSE=spec.return_lse, GQA_GROUP=spec.gqa_group)
 
 
 def kernel_name(spec: KernelSpec, key: str) -> str:

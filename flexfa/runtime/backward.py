@@ -30,7 +30,8 @@ from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
 from .debug import debug
 from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
-from .hopper import HOPPER_MAX_HEAD_DIM, HOPPER_TARGETS, _flat_rows, _geometry
+from .hopper import HOPPER_TARGETS, _geometry, descriptor_layout_ok
+from .launch import direct_state, launch_direct
 
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
@@ -93,10 +94,7 @@ def use_backward_tma(target: str, *tensors) -> bool:
         raise InputError(f"FLEXFA_BACKWARD_TMA must be auto, 0 or 1, got {setting!r}")
     if setting == "0" or (setting == "auto" and target not in HOPPER_TARGETS):
         return False
-    return (tensors[0].dtype in (torch.float16, torch.bfloat16)
-            and 8 <= min(t.shape[3] for t in tensors)
-            and max(t.shape[3] for t in tensors) <= HOPPER_MAX_HEAD_DIM
-            and all(t.shape[2] > 0 and _flat_rows(t) for t in tensors))
+    return descriptor_layout_ok(*tensors)
 
 
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
@@ -271,29 +269,20 @@ class Launch:
     options: dict
 
     def run(self, direct=None):
-        """Launch; returns the state for a direct launch next time (CUDA only): (compiled
-        kernel, constexpr values in parameter order). ``direct``, from an earlier call of
-        the same signature (shapes, strides, alignment, dtypes: every specialization fixed),
-        skips Triton's argument binding, as the Hopper forward's plans do."""
+        """Launch; returns the state for a direct launch next time (CUDA only, see
+        ``flexfa.runtime.launch``). ``direct``, from an earlier call of the same signature
+        (shapes, strides, alignment, dtypes: every specialization fixed), skips Triton's
+        argument binding, as the Hopper forward's plans do."""
         device = self.args[0].device
         if device.type != "cuda":
             self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
             return None
         if direct is not None and device.index == torch.cuda.current_device():
-            compiled, tail = direct
-            hooks, grid = triton.knobs.runtime, (*self.grid, 1)
-            stream = torch._C._cuda_getCurrentRawStream(device.index)
-            args = [*self.args, *tail]
-            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
-                         compiled.launch_metadata(grid, stream, *args),
-                         hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+            launch_direct(direct, self.grid, device.index, self.args)
             return direct
         with torch.cuda.device(device):
             compiled = self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
-        names = [p.name for p in self.kernel.params[len(self.args):]]
-        if sorted(names) != sorted(self.constexprs):
-            return None
-        return compiled, tuple(self.constexprs[n] for n in names)
+        return direct_state(self.kernel, compiled, self.args, self.constexprs)
 
 
 def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,

@@ -24,6 +24,7 @@ from .cache import register_memo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, buffer_launch_args,
                       generated_kernel, target_of)
+from .launch import direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
 # wider heads keep the Ampere template: at E = 256 this one compiles (196 KB of shared memory)
@@ -41,6 +42,15 @@ def _flat_rows(t: torch.Tensor) -> bool:
             and (B == 1 or t.stride(0) == H * n * row))
 
 
+def descriptor_layout_ok(*tensors) -> bool:
+    """fp16/bf16 ``[B, H, n, d]`` tensors (one dtype) that the Hopper templates can read
+    through tensor descriptors: 8 <= d <= HOPPER_MAX_HEAD_DIM, n > 0, and each a
+    ``[B * H * n, d]`` matrix with 16-byte aligned rows."""
+    return tensors[0].dtype in (torch.float16, torch.bfloat16) and all(
+        8 <= t.shape[3] <= HOPPER_MAX_HEAD_DIM and t.shape[2] > 0 and _flat_rows(t)
+        for t in tensors)
+
+
 _LAYOUTS: dict[tuple, bool] = {}
 
 
@@ -56,10 +66,7 @@ def use_hopper(q, k, v) -> bool:
             _LAYOUTS.clear()
         usable = _LAYOUTS[key] = (
             (forced == "hopper" or target_of(q.device) in HOPPER_TARGETS)
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] >= 8
-            and v.shape[3] >= 8 and max(q.shape[3], v.shape[3]) <= HOPPER_MAX_HEAD_DIM
-            and q.shape[2] > 0 and k.shape[2] > 0
-            and all(_flat_rows(t) for t in (q, k, v)))
+            and descriptor_layout_ok(q, k, v))
     # the base pointers are not part of the key: 16-byte alignment is checked every call
     return usable and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
 
@@ -132,8 +139,7 @@ class _Plan:
     block_mask: object  # kept so the id in the plan's key cannot be reused
     descriptors: tuple = ()  # (shape, strides, block) of the q, k, v descriptors
     out_strides: tuple = ()
-    compiled: object = None  # Triton's CompiledKernel after the first launch (CUDA)
-    tail: tuple = ()  # constexpr values in parameter order, for direct launches
+    direct: object = None  # after the first launch (CUDA): launch.direct_state's state
 
 
 def _args(plan: _Plan, q, k, v, out, lse, call: AttentionCall, trusted: bool) -> list:
@@ -165,28 +171,19 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
 
 
 def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
-    if plan.compiled is not None and q.device.index == torch.cuda.current_device():
-        # cached: the compiled kernel's launcher directly, as Triton's JITFunction.run does
-        # after its argument binding, which the plan's key makes unnecessary (it fixes every
-        # specialization: shapes, strides, alignment, dtypes); another current device takes
-        # the path below, which switches to q's device
-        compiled, hooks = plan.compiled, triton.knobs.runtime
-        stream = torch._C._cuda_getCurrentRawStream(q.device.index)
-        args = _args(plan, q, k, v, out, lse, call, True)
-        args.extend(plan.tail)
-        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(plan.grid, stream, *args),
-                     hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+    if plan.direct is not None and q.device.index == torch.cuda.current_device():
+        # cached: the compiled kernel's launcher directly (the plan's key fixes every
+        # specialization); another current device takes the path below, which switches to
+        # q's device
+        launch_direct(plan.direct, plan.grid, q.device.index,
+                      _args(plan, q, k, v, out, lse, call, True))
         return
     args = _args(plan, q, k, v, out, lse, call, False)
     options = plan.spec.launch_options()
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):
             compiled = plan.kernel[plan.grid[:2]](*args, **plan.constexprs, **options)
-        names = [p.name for p in plan.kernel.params[len(args):]]
-        if sorted(names) == sorted(plan.constexprs):
-            plan.tail = tuple(plan.constexprs[n] for n in names)
-            plan.compiled = compiled
+        plan.direct = direct_state(plan.kernel, compiled, args, plan.constexprs)
     else:
         plan.kernel[plan.grid[:2]](*args, **plan.constexprs, **options)
 
