@@ -3,7 +3,8 @@
 # under its own time limit so one slow step cannot starve the rest. Logs go to $OUT.
 # Usage (repository root, on the H200): FLEXFA_COMMIT=<sha> bash benchmarks/gpu_checks.sh [a|b|c|all]
 # (a: forward and backward kernel tests; b: benchmark cases, Hopper, FP8; c: memory, block masks;
-# each part fits one 10-minute device call)
+# v: backward tests, benchmark cases, Hopper, FP8 tests and the dispatch timing, for a re-check
+# after backward or launch changes; each part fits one 10-minute device call)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -26,6 +27,14 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
   step hopper 60 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_hopper_gpu.py
   step fp8 60 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
   step fp8_bench 60 python -m flexfa.fp8.bench --seqs 16384 --dims 128 --variants full,causal --out "$OUT"
+fi
+if [ "$PART" = v ]; then
+  step backward 300 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_backward_gpu.py
+  step bench_cases 150 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_bench_cases.py
+  step hopper 40 python -m pytest -m gpu -q -rxX -p no:cacheprovider tests/gpu/test_hopper_gpu.py
+  step fp8 40 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
+  step dispatch 40 python benchmarks/dispatch_overhead.py
+  tail -n 3 "$OUT/dispatch.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
