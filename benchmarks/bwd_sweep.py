@@ -1,4 +1,4 @@
-"""One GPU call: the backward's tile configurations, with and without TMA loads, against
+"""One GPU call: the backward's tile configurations, two kernels or fused dQ, against
 torch FlexAttention (compiled) on a few fwd+bwd cases, every configuration checked against
 FlexAttention's gradients first.
 
@@ -20,15 +20,23 @@ import flexfa
 from flexfa.bench import _relerr, _variants
 from flexfa.runtime import backward as backward_runtime
 
-# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), mode: "2k" the dK/dV and dQ
+# kernels, "fused" dQ added by the dK/dV kernel (FLEXFA_BACKWARD_FUSED=1; BLOCK_M2/N2 unused),
+# "2k-ptr" the two kernels with pointer loads (FLEXFA_BACKWARD_TMA=0)
 CONFIGS = {
-    128: [(32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3),
-          (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 2)],
-    64: [(32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3),
-         (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 2)],
+    128: [((64, 64, 64, 64, 4, 2), "2k"), ((64, 64, 64, 64, 8, 2), "fused"),
+          ((32, 128, 128, 32, 8, 2), "fused"), ((64, 128, 128, 64, 8, 2), "fused"),
+          ((32, 64, 64, 32, 4, 2), "fused")],
+    64: [((32, 64, 64, 32, 4, 3), "2k"), ((64, 64, 64, 64, 4, 3), "2k"),
+         ((64, 128, 128, 64, 8, 2), "fused"), ((64, 128, 128, 64, 8, 3), "fused"),
+         ((64, 64, 64, 64, 4, 3), "fused"), ((32, 64, 64, 32, 4, 3), "fused")],
 }
-CASES = [("causal", 8192, 128), ("document", 2048, 64), ("softcap", 8192, 128),
-         ("causal", 16384, 64), ("full", 2048, 128)]
+MODES = {"2k": {"FLEXFA_BACKWARD_FUSED": "0", "FLEXFA_BACKWARD_TMA": "1"},
+         "fused": {"FLEXFA_BACKWARD_FUSED": "1", "FLEXFA_BACKWARD_TMA": "1"},
+         "2k-ptr": {"FLEXFA_BACKWARD_FUSED": "0", "FLEXFA_BACKWARD_TMA": "0"}}
+CASES = [("full", 16384, 128), ("causal", 16384, 128), ("full", 8192, 64),
+         ("causal", 16384, 64), ("alibi", 8192, 64), ("document", 2048, 64),
+         ("softcap", 8192, 128)]
 ROWS: list[dict] = []
 
 
@@ -77,35 +85,35 @@ def run_case(variant: str, S: int, D: int, compiled_flex, quick: bool) -> None:
     emit(kind="flex", variant=variant, S=S, D=D, ms=flex_ms, tflops=flops / flex_ms / 1e9)
     fwd_ms = do_bench(lambda: fa_fn(q, k, v), warmup=10, rep=40, return_mode="median")
     emit(kind="flexfa_fwd", variant=variant, S=S, D=D, ms=fwd_ms)
-    configs = CONFIGS[D][:2] if quick else CONFIGS[D]
+    configs = CONFIGS[D][:3] if quick else CONFIGS[D]
     original = backward_runtime.default_backward_tiles
     try:
-        for i, config in enumerate(configs):
-            for tma in ("1", "0") if i == 0 else ("1",):  # pointer loads: the A/B baseline
-                os.environ["FLEXFA_BACKWARD_TMA"] = tma
-                backward_runtime.default_backward_tiles = lambda *a, c=config: c
-                backward_runtime._PLANS.clear()  # plans hold the tiles of their spec
-                try:
-                    t0 = time.perf_counter()
-                    got = grads(fa_fn, q, k, v, do)
-                    first = time.perf_counter() - t0
-                    errors = {n: _relerr(a, b) for n, a, b in zip(("dq", "dk", "dv"), got, want)}
-                    ms = fwd_bwd(fa_fn, q, k, v, do)
-                    emit(kind="flexfa", variant=variant, S=S, D=D, config=config, tma=tma,
-                         ms=ms, tflops=flops / ms / 1e9, vs_flex=flex_ms / ms,
-                         bwd_vs_flex_bwd=None, first_s=first, **errors)
-                except Exception as exc:  # a config that does not fit: record and go on
-                    emit(kind="fail", variant=variant, S=S, D=D, config=config, tma=tma,
-                         error=repr(exc)[:300])
+        for config, mode in configs:
+            os.environ.update(MODES[mode])
+            backward_runtime.default_backward_tiles = lambda *a, c=config: c
+            backward_runtime._PLANS.clear()  # plans hold the tiles of their spec
+            try:
+                t0 = time.perf_counter()
+                got = grads(fa_fn, q, k, v, do)
+                first = time.perf_counter() - t0
+                errors = {n: _relerr(a, b) for n, a, b in zip(("dq", "dk", "dv"), got, want)}
+                ms = fwd_bwd(fa_fn, q, k, v, do)
+                emit(kind="flexfa", variant=variant, S=S, D=D, config=config, mode=mode,
+                     ms=ms, tflops=flops / ms / 1e9, vs_flex=flex_ms / ms, first_s=first,
+                     **errors)
+            except Exception as exc:  # a config that does not fit: record and go on
+                emit(kind="fail", variant=variant, S=S, D=D, config=config, mode=mode,
+                     error=repr(exc)[:300])
     finally:
         backward_runtime.default_backward_tiles = original
-        os.environ.pop("FLEXFA_BACKWARD_TMA", None)
+        for name in MODES["2k"]:
+            os.environ.pop(name, None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--quick", action="store_true", help="two configs per head dim")
+    parser.add_argument("--quick", action="store_true", help="three configs per head dim")
     parser.add_argument("--cases", default="", help="variant:S:D,... (default: CASES)")
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
@@ -125,7 +133,7 @@ def main() -> None:
             json.dump({"commit": os.environ.get("FLEXFA_COMMIT"),
                        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "rows": ROWS}, f, indent=1)
-    print("\nvariant   S     D   config                       tma  ms      TF/s  vs flex  "
+    print("\nvariant   S     D   config                       mode   ms      TF/s  vs flex  "
           "max grad relerr")
     for r in ROWS:
         if r["kind"] == "flex":
@@ -133,10 +141,10 @@ def main() -> None:
                   f"{r['ms']:7.3f} {r['tflops']:5.0f}")
         elif r["kind"] == "flexfa":
             err = max(r["dq"], r["dk"], r["dv"])
-            print(f"{r['variant']:9} {r['S']:5} {r['D']:3} {str(r['config']):28} {r['tma']:4} "
+            print(f"{r['variant']:9} {r['S']:5} {r['D']:3} {str(r['config']):28} {r['mode']:6} "
                   f"{r['ms']:7.3f} {r['tflops']:5.0f} {r['vs_flex']:6.2f}x  {err:.1e}")
         elif r["kind"] == "fail":
-            print(f"{r['variant']:9} {r['S']:5} {r['D']:3} {str(r['config']):28} {r['tma']:4} "
+            print(f"{r['variant']:9} {r['S']:5} {r['D']:3} {str(r['config']):28} {r['mode']:6} "
                   f"FAILED {r['error'][:60]}")
 
 

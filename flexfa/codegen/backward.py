@@ -58,6 +58,8 @@ class BackwardSpec:
     input_precision: str
     target: str
     use_tma: bool = False  # Q/dO and K/V tiles through tensor descriptors (sm_90)
+    # dQ produced by the dK/dV kernel (float32 atomics, then a convert kernel): no dQ kernel
+    fused_dq: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -79,7 +81,9 @@ class BackwardSpec:
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
-                    EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, **self._common())
+                    EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, FUSED_DQ=self.fused_dq,
+                    DQ_REDUCE_TMA=self.fused_dq and self.use_tma and not self.interpret,
+                    **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,
@@ -89,7 +93,12 @@ class BackwardSpec:
 
     def delta_constexprs(self, block_m: int) -> dict:
         return dict(BLOCK_M=block_m, EV=self.head_dim_v,
-                    EV_PAD=next_power_of_two(self.head_dim_v), HAS_DLSE=self.has_dlse)
+                    EV_PAD=next_power_of_two(self.head_dim_v), HAS_DLSE=self.has_dlse,
+                    ZERO_DQ=self.fused_dq, E=self.head_dim,
+                    E_PAD=next_power_of_two(self.head_dim))
+
+    def convert_constexprs(self, block_m: int) -> dict:
+        return dict(BLOCK_M=block_m, E=self.head_dim, E_PAD=next_power_of_two(self.head_dim))
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -236,7 +245,8 @@ def launch_signature(kernel, args, constexprs) -> dict[str, str]:
 
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
-                 head_dim_v=None, gqa_group: int = 1, deterministic: bool = False):
+                 head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
+                 fused: bool = False):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv")
     kernel of these mods at the default GPU tiles; example launch arguments are tiny CPU
     tensors of the right dtypes (only their types reach the signature)."""
@@ -263,7 +273,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}")
         # lengths that are not tile multiples: the bounds-checked code paths
         spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
-                                   even_s2=False)
+                                   even_s2=False, fused_dq=fused)
         joint = joint_graph(call.score)
         generated = backward_kernel(spec, joint, call.score, call.mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
@@ -273,7 +283,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
                  for s in (joint.grad_slots if joint else ())}
         launches = backward_launches(spec, module, generated.name, q, k, v, out, lse, out, lse,
                                      call, joint, grads, q, k, v)
-        launch = launches[{"delta": 0, "dkdv": 1, "dq": 2}[which]]
+        launch = launches[{"delta": 0, "dkdv": 1, "dq": 2, "convert": 2}[which]]
         return CompileJob(launch.kernel, launch_signature(launch.kernel, launch.args,
                                                           launch.constexprs),
                           launch.constexprs, launch.options, generated.name)
@@ -308,6 +318,11 @@ def _register_compile_checks() -> None:
     for label, kwargs in variants.items():
         for which in ("dkdv", "dq"):
             check.register(f"bwd_{which}_{label}", backward_job(which, **kwargs))
+    # the fused dK/dV + dQ kernel (TMA reduce-add of dQ on sm_90) and its conversion
+    for label, kwargs in {"d128_bf16_causal": dict(head_dim=128, dtype="bf16", mask_mod=causal),
+                          "d64_bf16_dense": dict(head_dim=64, dtype="bf16")}.items():
+        check.register(f"bwd_fused_dkdv_{label}", backward_job("dkdv", fused=True, **kwargs))
+    check.register("bwd_fused_convert_d128_bf16", backward_job("convert", 128, "bf16", fused=True))
 
 
 _register_compile_checks()

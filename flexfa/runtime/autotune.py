@@ -87,17 +87,18 @@ def _read_all() -> dict:
         return {}
 
 
-def lookup(key: str) -> tuple[int, int, int, int] | None:
-    """A stored winner: this process's memo, then the disk file."""
+def lookup(key: str, length: int = 4) -> tuple[int, ...] | None:
+    """A stored winner of ``length`` ints: this process's memo, then the disk file."""
     config = _MEMO.get(key)
     if config is None:
         stored = _read_all().get(key)
-        if isinstance(stored, list) and len(stored) == 4 and all(isinstance(x, int) for x in stored):
+        if (isinstance(stored, list) and len(stored) == length
+                and all(isinstance(x, int) for x in stored)):
             config = _MEMO[key] = tuple(stored)
     return config
 
 
-def store(key: str, config: tuple[int, int, int, int], timings: dict) -> None:
+def store(key: str, config: tuple[int, ...], timings: dict) -> None:
     _MEMO[key] = config
     path = _path()
     with file_lock(path.with_suffix(".lock")):
@@ -107,23 +108,29 @@ def store(key: str, config: tuple[int, int, int, int], timings: dict) -> None:
         write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
-def tune(key: str, configs, time_config: Callable[[tuple], float]) -> tuple[int, int, int, int]:
+def forward_label(config) -> str:
+    return "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
+
+
+def tune(key: str, configs, time_config: Callable[[tuple], float],
+         label: Callable[[tuple], str] = forward_label) -> tuple[int, ...]:
     """Time every config (``time_config(config) -> ms``; an exception drops the config),
-    keep the fastest and store it; a progress line per config on stderr."""
+    keep the fastest and store it; a progress line per config on stderr (``label`` names a
+    config there and in the stored timings)."""
     with _LOCK:
-        known = lookup(key)
+        known = lookup(key, len(configs[0]))
         if known is not None:
             return known
         timings = {}
         for i, config in enumerate(configs):
-            label = "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
-            print(f"\rflexfa: tuning {key}: {i + 1}/{len(configs)} ({label})", end="",
+            label_ = label(config)
+            print(f"\rflexfa: tuning {key}: {i + 1}/{len(configs)} ({label_})", end="",
                   file=sys.stderr, flush=True)
             try:
-                timings[label] = time_config(config)
+                timings[label_] = time_config(config)
             except Exception as exc:  # too many registers / shared memory: skip the config
-                timings[label] = f"failed: {type(exc).__name__}"
-        good = {label: ms for label, ms in timings.items() if isinstance(ms, float)}
+                timings[label_] = f"failed: {type(exc).__name__}"
+        good = {name: ms for name, ms in timings.items() if isinstance(ms, float)}
         assert good, f"no config of {key} ran: {timings}"
         best_label = min(good, key=good.get)
         best = configs[list(timings).index(best_label)]

@@ -27,6 +27,7 @@ from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
 from ..frontend.trace import TracedMod
+from . import autotune
 from .cache import get_module, register_memo
 from .debug import debug
 from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
@@ -97,15 +98,35 @@ def use_backward_tma(target: str, *tensors) -> bool:
     return descriptor_layout_ok(*tensors)
 
 
+def fused_modes(call: AttentionCall, fusable: bool) -> tuple[bool, ...]:
+    """Whether dQ may come from the dK/dV kernel (True) or from the dQ kernel (False), the
+    default first. ``fusable``: no captured tensor needs a gradient and dK, dV are wanted;
+    never with ``deterministic=True`` (the float32 additions into dQ come in any order).
+    ``FLEXFA_BACKWARD_FUSED=0`` / ``=1`` allows only the two kernels / only the fused one (the
+    interpreter too: how CI tests it); ``auto`` (the default) lets the backward's autotuning
+    choose, the two kernels when not tuning."""
+    setting = os.environ.get("FLEXFA_BACKWARD_FUSED", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise InputError(f"FLEXFA_BACKWARD_FUSED must be auto, 0 or 1, got {setting!r}")
+    if not fusable or call.options.deterministic or setting == "0":
+        return (False,)
+    return (True,) if setting == "1" else (False, True)
+
+
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
-                  target: str | None = None, grad_out=None) -> BackwardSpec:
+                  target: str | None = None, grad_out=None, fusable: bool = False,
+                  config: tuple | None = None) -> BackwardSpec:
     """The backward variant for these inputs; ``target`` defaults to the inputs' device,
-    ``grad_out`` (for the TMA decision) to a tensor laid out like q."""
+    ``grad_out`` (for the TMA decision) to a tensor laid out like q; ``fusable``: see
+    ``fused_modes``; ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages,
+    fused) from the autotuning, else the default tiles and mode."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     target = target or target_of(q.device)
-    m1, n1, m2, n2, warps, stages = default_backward_tiles(
-        next_power_of_two(max(E, Ev)), q.dtype, target)
+    if config is None:
+        config = (*default_backward_tiles(next_power_of_two(max(E, Ev)), q.dtype, target),
+                  fused_modes(call, fusable)[0])
+    m1, n1, m2, n2, warps, stages, fused = config
     mask, options = call.block_mask, call.options
     if options.block_m:  # the caller's tiles bound the backward's as well
         m1, m2 = min(m1, options.block_m), min(m2, options.block_m)
@@ -128,7 +149,8 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
         even_l2=L % m2 == 0, even_s2=S % walk_kv == 0, gqa_group=call.gqa_group,
         deterministic=options.deterministic, has_dlse=has_dlse,
         input_precision=options.fp32_precision, target=target,
-        use_tma=use_backward_tma(target, q, k, v, q if grad_out is None else grad_out))
+        use_tma=use_backward_tma(target, q, k, v, q if grad_out is None else grad_out),
+        fused_dq=bool(fused))
 
 
 _JOINTS: dict[tuple, JointGraph] = register_memo({})
@@ -202,11 +224,11 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
              for s in grad_slots}
     if q.numel() and k.numel():
-        spec, module, name, tables, compiled = _plan(q, k, v, out, grad_out, grad_lse, call,
-                                                     joint)
+        spec, module, name, tables, compiled = _plan(q, k, v, out, lse, grad_out, grad_lse,
+                                                     call, joint, need_dkdv and not grad_slots)
         launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
                                      call, joint, grads, dq, dk, dv, tables)
-        for i, launch in enumerate(launches):  # delta, dK/dV, dQ
+        for i, launch in enumerate(launches):  # delta, dK/dV, dQ (or the fused dQ's convert)
             if i != 1 or need_dkdv:
                 compiled[i] = launch.run(compiled[i])
     else:  # nothing to attend: all gradients are zero
@@ -222,11 +244,74 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     return dq, dk, dv, buffer_grads
 
 
+# sm_90 candidates of the backward's autotuning, (tiles as in HOPPER_BACKWARD_TILES, fused):
+# the two kernels at the swept tiles first (the default when not tuning), then the fused
+# dK/dV + dQ kernel at tiles that compile without spills for sm_90 (``ptxas -v``: E=128
+# 64x64 8 warps 243 registers, 32x128 8 warps 234; E=64 64x128 8 warps 220, 64x64 4 warps
+# 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320)
+HOPPER_BACKWARD_CANDIDATES = {
+    64: (((32, 64, 64, 32, 4, 3), False), ((64, 64, 64, 64, 4, 3), False),
+         ((64, 128, 128, 64, 8, 2), True), ((64, 64, 64, 64, 4, 3), True)),
+    128: (((64, 64, 64, 64, 4, 2), False), ((64, 64, 64, 64, 8, 2), True),
+          ((32, 128, 128, 32, 8, 2), True)),
+}
+
+
+def _backward_label(config) -> str:
+    m1, n1, m2, n2, warps, stages, fused = config
+    tiles = f"{m1}x{n1}" if fused else f"{m1}x{n1}/{m2}x{n2}"
+    return f"{'fused' if fused else '2k'} {tiles} w{warps} s{stages}"
+
+
+def choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
+                           fusable: bool, target: str) -> tuple | None:
+    """The backward's (tiles..., fused) tuned per (target, head dims, dtype, mask density
+    class, short/long kv length) on sm_90, stored like the forward's (``autotune``); None
+    (the default tiles and mode) when not tuning: other GPUs, tiles pinned through
+    kernel_options, FLEXFA_AUTOTUNE=0, little work, or captured tensors needing gradients
+    (their atomics would add up over the timed runs)."""
+    e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
+    options = call.options
+    modes = fused_modes(call, fusable)
+    work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    if (target not in HOPPER_BACKWARD_TILES or q.dtype == torch.float32 or e_pad > 128
+            or any((options.block_m, options.block_n, options.num_warps, options.num_stages))
+            or not autotune.enabled() or work < autotune.MIN_TUNED_WORK
+            or (joint is not None and joint.grad_slots)):
+        return None
+    candidates = [(*tiles, int(fused)) for tiles, fused in
+                  HOPPER_BACKWARD_CANDIDATES[64 if e_pad <= 64 else 128] if fused in modes]
+    if len(candidates) < 2:
+        return None
+    template = "bwd" if modes == (False, True) else ("bwd-fused" if modes[0] else "bwd-2k")
+    key = autotune.tune_key(template, target, e_pad, next_power_of_two(v.shape[3]),
+                            DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
+                            k.shape[2])
+    config = autotune.lookup(key, 7)
+    if config is not None and config in candidates:
+        return config
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # timed with a dense upstream gradient, as most calls get it (``out.sum()`` gives a
+    # broadcast one, which would time the pointer loads instead of the descriptors)
+    grad_out = grad_out.contiguous()
+
+    def time_config(config) -> float:
+        spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, target=target,
+                             grad_out=grad_out, fusable=fusable, config=config)
+        module, name = get_backward_module(spec, joint, call.score, call.mask)
+        launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
+                                     call, joint, {}, dq, dk, dv)
+        return triton.testing.do_bench(lambda: [launch.run() for launch in launches],
+                                       warmup=5, rep=25, return_mode="median")
+    return autotune.tune(key, candidates, time_config, _backward_label)
+
+
 _PLANS: dict[tuple, tuple] = register_memo({})
 _MAX_PLANS = 256
 
 
-def _plan(q, k, v, out, grad_out, grad_lse, call: AttentionCall, joint) -> tuple:
+def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
+          fusable: bool) -> tuple:
     """(spec, module, kernel name, (q-side table args, kv-side table args), compiled) of this
     call's signature, memoized: a cached call skips the spec, the module lookup and the
     tables' strides, and launches the three compiled kernels directly (``compiled``: one
@@ -243,11 +328,16 @@ def _plan(q, k, v, out, grad_out, grad_lse, call: AttentionCall, joint) -> tuple
            call.mask.key if call.mask else None, id(call.block_mask), call.options,
            call.gqa_group,
            tuple((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
-           os.environ.get("FLEXFA_BACKWARD_TMA"))
+           os.environ.get("FLEXFA_BACKWARD_TMA"), os.environ.get("FLEXFA_BACKWARD_FUSED"),
+           fusable)
     plan = _PLANS.get(key)
     if plan is not None and plan[5] is call.block_mask:
         return plan[:5]
-    spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, grad_out=grad_out)
+    target = target_of(q.device)
+    config = choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call, joint, fusable,
+                                    target)
+    spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, target=target,
+                         grad_out=grad_out, fusable=fusable, config=config)
     module, name = get_backward_module(spec, joint, call.score, call.mask)
     tables = (_table_args(call.block_mask, "q", q.device),
               _table_args(call.block_mask, "kv", q.device))
@@ -287,8 +377,10 @@ class Launch:
 
 def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,
                       dq, dk, dv, tables=None) -> list[Launch]:
-    """The three launches of a backward pass, in order: delta, dK/dV, dQ; ``tables``: the
-    q-side and kv-side block-mask table arguments, when the caller has them already."""
+    """The three launches of a backward pass, in order: delta, dK/dV, dQ (with
+    ``spec.fused_dq``: delta, which also zeroes the float32 dQ accumulator, dK/dV + dQ, and
+    the accumulator's conversion to dq); ``tables``: the q-side and kv-side block-mask table
+    arguments, when the caller has them already."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     device, options = q.device, spec.launch_options()
@@ -311,15 +403,29 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
         v_desc = TensorDescriptor(v, *_geometry(v, spec.block_n2, ev_pad))
     else:  # unused pointers in the kernels' descriptor slots
         q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
-    return [
+    # the fused kernel's float32 dQ accumulator, zeroed by the delta kernel; else unused
+    dq_acc = torch.empty(B, Hq, L, E, dtype=torch.float32, device=device) \
+        if spec.fused_dq else delta
+    dq_desc = TensorDescriptor(dq_acc, *_geometry(dq_acc, spec.block_m1, next_power_of_two(E))) \
+        if spec.fused_dq and spec.use_tma and not spec.interpret else dq_acc
+    launches = [
         Launch(module.flexfa_bwd_delta, (triton.cdiv(L, delta_block), B * Hq),
-               [out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), Hq, L],
+               [out, grad_out, dlse, delta, dq_acc, *out.stride(), *grad_out.stride(), Hq, L],
                spec.delta_constexprs(delta_block), {"num_warps": 4}),
         Launch(getattr(module, f"{name}_dkdv"), (triton.cdiv(S, spec.block_n1), B * Hkv),
-               [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, *q.stride(),
+               [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, dq_acc, dq_desc,
+                *q.stride(),
                 *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                 *tables[0], Hq, L, S, scale, *mod_args],
                spec.dkdv_constexprs(one), options),
+    ]
+    if spec.fused_dq:
+        launches.append(Launch(
+            module.flexfa_bwd_dq_convert, (triton.cdiv(L, delta_block), B * Hq),
+            [dq_acc, dq, *dq.stride(), Hq, L, scale], spec.convert_constexprs(delta_block),
+            {"num_warps": 4}))
+        return launches
+    return launches + [
         Launch(getattr(module, f"{name}_dq"), (triton.cdiv(L, spec.block_m2), B * Hq),
                [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(),
                 *v.stride(), *grad_out.stride(), *dq.stride(),

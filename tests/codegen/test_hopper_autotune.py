@@ -131,3 +131,76 @@ def test_backward_tiles_on_sm90_are_the_measured_ones():
         128, torch.float32, "cuda:80")
     assert default_backward_tiles(256, torch.bfloat16, "cuda:90") == default_backward_tiles(
         256, torch.bfloat16, "cuda:80")
+
+
+def _backward_inputs(E=64):
+    q = torch.randn(1, 2, 128, E, dtype=torch.bfloat16)
+    return q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, 128), q.clone()
+
+
+def test_backward_tuning_picks_the_fastest_mode_and_tiles_and_stores_them(tune_dir,
+                                                                         monkeypatch):
+    """sm_90 backward tuning (timed launches faked: no GPU here): the fastest of the two
+    kernels' and the fused kernel's candidates wins, is stored with its mode, and is reused."""
+    from flexfa.runtime import backward
+
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED", raising=False)
+    candidates = [(*tiles, int(fused)) for tiles, fused in
+                  backward.HOPPER_BACKWARD_CANDIDATES[64]]
+    fastest = candidates[2]
+    assert fastest[6] == 1  # a fused candidate
+    timed = []
+
+    def fake_bench(fn, **kwargs):
+        spec = timed[-1] if timed else None
+        return 1.0 if spec == fastest else 2.0
+    original_spec = backward.backward_spec
+
+    def recording_spec(*args, config=None, **kwargs):
+        timed.append(config)
+        return original_spec(*args, config=config, **kwargs)
+    monkeypatch.setattr(backward, "backward_spec", recording_spec)
+    monkeypatch.setattr(backward.triton.testing, "do_bench", fake_bench)
+    q, k, v, out, lse, do = _backward_inputs()
+    got = backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True,
+                                          "cuda:90")
+    assert got == fastest and timed == candidates
+    stored = json.loads((tune_dir / "autotune.json").read_text())
+    key = "bwd|cuda:90|e64|ev64|bf16|dense|short"
+    assert stored[key] == list(fastest)
+    assert set(stored["_timings_ms"][key]) == {backward._backward_label(c) for c in candidates}
+    assert "fused 64x128 w8 s2" in stored["_timings_ms"][key]
+    timed.clear()
+    assert backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True,
+                                           "cuda:90") == fastest
+    assert timed == []  # reused, not timed again
+    # only the two kernels allowed: another key, only their candidates
+    monkeypatch.setenv("FLEXFA_BACKWARD_FUSED", "0")
+    backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True, "cuda:90")
+    assert timed and all(c[6] == 0 for c in timed)
+    assert "bwd-2k|cuda:90|e64|ev64|bf16|dense|short" in json.loads(
+        (tune_dir / "autotune.json").read_text())
+
+
+def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
+    from flexfa.runtime import backward
+
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.setattr(autotune, "tune", lambda *a, **kw: pytest.fail("tuned"))
+    q, k, v, out, lse, do = _backward_inputs(128)
+
+    def choose(call=_call(), joint=None, target="cuda:90", tensors=(q, k, v)):
+        return backward.choose_backward_config(*tensors, out, lse, do, None, call, joint, True,
+                                               target)
+    assert choose(target="cuda:80") is None and choose(target="interpret") is None
+    assert choose(_call(KernelOptions(block_m=32))) is None  # pinned tiles
+    assert choose(tensors=[t.float() for t in (q, k, v)]) is None  # fp32
+
+    class Joint:  # a captured tensor that needs a gradient
+        grad_slots = (0,)
+    assert choose(joint=Joint()) is None
+    # deterministic: the two kernels only, one candidate at E=128: nothing to tune
+    assert choose(_call(KernelOptions(deterministic=True))) is None
+    monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
+    assert choose() is None

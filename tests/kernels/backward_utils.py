@@ -68,3 +68,17 @@ def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
 def _floor(dtype):
     from reference import FLOORS
     return FLOORS[dtype]
+
+
+def record_backward_specs(monkeypatch) -> list:
+    """Record the BackwardSpec of every backward pass from now on (the list is returned)."""
+    from flexfa.runtime import backward as backward_runtime
+
+    specs = []
+    original = backward_runtime.backward_spec
+
+    def recording(*args, **kwargs):
+        specs.append(original(*args, **kwargs))
+        return specs[-1]
+    monkeypatch.setattr(backward_runtime, "backward_spec", recording)
+    return specs

@@ -10,7 +10,7 @@ from flexfa import mods
 from flexfa.blockmask import create_block_mask
 from flexfa.errors import InputError
 from flexfa.runtime import backward as backward_runtime
-from backward_utils import check_backward
+from backward_utils import check_backward, record_backward_specs
 from forward_utils import make_qkv
 
 
@@ -18,14 +18,7 @@ from forward_utils import make_qkv
 def spy_specs(monkeypatch):
     """Force the TMA path and record the BackwardSpec of every backward pass."""
     monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
-    specs = []
-    original = backward_runtime.backward_spec
-
-    def recording(*args, **kwargs):
-        specs.append(original(*args, **kwargs))
-        return specs[-1]
-    monkeypatch.setattr(backward_runtime, "backward_spec", recording)
-    return specs
+    return record_backward_specs(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
