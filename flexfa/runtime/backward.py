@@ -102,15 +102,17 @@ def fused_modes(call: AttentionCall, fusable: bool) -> tuple[bool, ...]:
     """Whether dQ may come from the dK/dV kernel (True) or from the dQ kernel (False), the
     default first. ``fusable``: no captured tensor needs a gradient and dK, dV are wanted;
     never with ``deterministic=True`` (the float32 additions into dQ come in any order).
-    ``FLEXFA_BACKWARD_FUSED=0`` / ``=1`` allows only the two kernels / only the fused one (the
-    interpreter too: how CI tests it); ``auto`` (the default) lets the backward's autotuning
-    choose, the two kernels when not tuning."""
+    ``FLEXFA_BACKWARD_FUSED=1`` selects the fused kernel where it may be used (the interpreter
+    too: how CI tests it); ``auto`` (the default) and ``0`` keep the two kernels: on the H200
+    the fused kernel lost to them in every tuning class (E = 128: 1.4x-2.1x slower, E = 64:
+    1%-21% slower; benchmarks/results/tuning/), its dK/dV programs running the dQ GEMM and the
+    reduce-adds in line with the rest, where FA3 overlaps them in other warps."""
     setting = os.environ.get("FLEXFA_BACKWARD_FUSED", "auto")
     if setting not in ("auto", "0", "1"):
         raise InputError(f"FLEXFA_BACKWARD_FUSED must be auto, 0 or 1, got {setting!r}")
-    if not fusable or call.options.deterministic or setting == "0":
+    if not fusable or call.options.deterministic or setting != "1":
         return (False,)
-    return (True,) if setting == "1" else (False, True)
+    return (True,)
 
 
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
@@ -245,10 +247,13 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
 
 
 # sm_90 candidates of the backward's autotuning, (tiles as in HOPPER_BACKWARD_TILES, fused):
-# the two kernels at the swept tiles first (the default when not tuning), then the fused
+# the two kernels at the swept tiles (the first is the default when not tuning; at E = 128
+# one candidate: nothing to tune), then, tuned only with FLEXFA_BACKWARD_FUSED=1, the fused
 # dK/dV + dQ kernel at tiles that compile without spills for sm_90 (``ptxas -v``: E=128
 # 64x64 8 warps 243 registers, 32x128 8 warps 234; E=64 64x128 8 warps 220, 64x64 4 warps
-# 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320)
+# 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320). Measured on the H200
+# (benchmarks/tune_classes.py, benchmarks/results/tuning/): at E = 64 the 64 x 64 tiles won
+# every class but dense short (1.051 vs 1.063 ms), by 6-7% in the long dense and masked ones.
 HOPPER_BACKWARD_CANDIDATES = {
     64: (((32, 64, 64, 32, 4, 3), False), ((64, 64, 64, 64, 4, 3), False),
          ((64, 128, 128, 64, 8, 2), True), ((64, 64, 64, 64, 4, 3), True)),
@@ -283,7 +288,7 @@ def choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call: Attentio
                   HOPPER_BACKWARD_CANDIDATES[64 if e_pad <= 64 else 128] if fused in modes]
     if len(candidates) < 2:
         return None
-    template = "bwd" if modes == (False, True) else ("bwd-fused" if modes[0] else "bwd-2k")
+    template = "bwd-fused" if modes[0] else "bwd"
     key = autotune.tune_key(template, target, e_pad, next_power_of_two(v.shape[3]),
                             DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                             k.shape[2])

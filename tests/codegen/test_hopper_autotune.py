@@ -140,16 +140,16 @@ def _backward_inputs(E=64):
 
 def test_backward_tuning_picks_the_fastest_mode_and_tiles_and_stores_them(tune_dir,
                                                                          monkeypatch):
-    """sm_90 backward tuning (timed launches faked: no GPU here): the fastest of the two
-    kernels' and the fused kernel's candidates wins, is stored with its mode, and is reused."""
+    """sm_90 backward tuning (timed launches faked: no GPU here): the fastest candidate wins,
+    is stored with its mode (fused or not), and is reused; fused and two-kernel winners are
+    stored under different keys."""
     from flexfa.runtime import backward
 
     monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
-    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED", raising=False)
+    monkeypatch.setenv("FLEXFA_BACKWARD_FUSED", "1")
     candidates = [(*tiles, int(fused)) for tiles, fused in
-                  backward.HOPPER_BACKWARD_CANDIDATES[64]]
-    fastest = candidates[2]
-    assert fastest[6] == 1  # a fused candidate
+                  backward.HOPPER_BACKWARD_CANDIDATES[64] if fused]
+    fastest = candidates[0]
     timed = []
 
     def fake_bench(fn, **kwargs):
@@ -167,7 +167,7 @@ def test_backward_tuning_picks_the_fastest_mode_and_tiles_and_stores_them(tune_d
                                           "cuda:90")
     assert got == fastest and timed == candidates
     stored = json.loads((tune_dir / "autotune.json").read_text())
-    key = "bwd|cuda:90|e64|ev64|bf16|dense|short"
+    key = "bwd-fused|cuda:90|e64|ev64|bf16|dense|short"
     assert stored[key] == list(fastest)
     assert set(stored["_timings_ms"][key]) == {backward._backward_label(c) for c in candidates}
     assert "fused 64x128 w8 s2" in stored["_timings_ms"][key]
@@ -175,11 +175,11 @@ def test_backward_tuning_picks_the_fastest_mode_and_tiles_and_stores_them(tune_d
     assert backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True,
                                            "cuda:90") == fastest
     assert timed == []  # reused, not timed again
-    # only the two kernels allowed: another key, only their candidates
-    monkeypatch.setenv("FLEXFA_BACKWARD_FUSED", "0")
+    # the default: the two kernels only, under another key
+    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED")
     backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True, "cuda:90")
     assert timed and all(c[6] == 0 for c in timed)
-    assert "bwd-2k|cuda:90|e64|ev64|bf16|dense|short" in json.loads(
+    assert "bwd|cuda:90|e64|ev64|bf16|dense|short" in json.loads(
         (tune_dir / "autotune.json").read_text())
 
 
@@ -188,11 +188,16 @@ def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
 
     monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
     monkeypatch.setattr(autotune, "tune", lambda *a, **kw: pytest.fail("tuned"))
-    q, k, v, out, lse, do = _backward_inputs(128)
+    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED", raising=False)
+    q, k, v, out, lse, do = _backward_inputs(64)  # two candidates: would tune
 
     def choose(call=_call(), joint=None, target="cuda:90", tensors=(q, k, v)):
         return backward.choose_backward_config(*tensors, out, lse, do, None, call, joint, True,
                                                target)
+    assert len([c for c in backward.HOPPER_BACKWARD_CANDIDATES[64] if not c[1]]) == 2
+    wide = _backward_inputs(128)  # one two-kernel candidate at E = 128: nothing to tune
+    assert backward.choose_backward_config(*wide[:5], wide[5], None, _call(), None, True,
+                                           "cuda:90") is None
     assert choose(target="cuda:80") is None and choose(target="interpret") is None
     assert choose(_call(KernelOptions(block_m=32))) is None  # pinned tiles
     assert choose(tensors=[t.float() for t in (q, k, v)]) is None  # fp32
@@ -200,7 +205,8 @@ def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
     class Joint:  # a captured tensor that needs a gradient
         grad_slots = (0,)
     assert choose(joint=Joint()) is None
-    # deterministic: the two kernels only, one candidate at E=128: nothing to tune
-    assert choose(_call(KernelOptions(deterministic=True))) is None
     monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
     assert choose() is None
+    monkeypatch.delenv("FLEXFA_AUTOTUNE")
+    with pytest.raises(pytest.fail.Exception, match="tuned"):
+        choose()  # the same call tunes when nothing forbids it

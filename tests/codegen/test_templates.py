@@ -1,0 +1,31 @@
+"""Every kernel template uses only Triton builtins and flexfa's helpers, never the @jit
+functions of triton.language's standard library: those are decorated once, interpreted or
+compiled, when triton.language is imported (helpers.tmpl), so in a process that imported
+Triton under TRITON_INTERPRET=1 (this test suite) a compiled kernel calling one fails (a
+tl.zeros in the fused backward's delta kernel did, on the H200)."""
+import re
+from pathlib import Path
+
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "flexfa" / "codegen" / "templates"
+
+
+def _standard_jit_functions() -> set[str]:
+    return {name for name in dir(tl)
+            if isinstance(getattr(tl, name), (JITFunction, InterpretedFunction))}
+
+
+def test_templates_call_no_standard_library_jit_function():
+    banned = _standard_jit_functions()
+    assert {"zeros", "sum", "max", "cdiv", "sigmoid"} <= banned
+    found = []
+    for path in sorted(TEMPLATES.glob("*.tmpl")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for name in re.findall(r"\btl\.(\w+)\s*\(", code):
+                if name in banned:
+                    found.append(f"{path.name}:{number}: tl.{name}")
+    assert not found, "standard-library @jit functions in templates: " + ", ".join(found)
