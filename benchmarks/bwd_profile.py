@@ -1,7 +1,9 @@
 """Where a fwd+bwd step's time goes: per-kernel CUDA time (torch.profiler) against the wall
 time per step, for flexfa and FlexAttention on a few variants.
 
-    PYTHONPATH=. python benchmarks/bwd_profile.py [S] [D] [variants]
+    PYTHONPATH=. python benchmarks/bwd_profile.py [S] [D] [variants] [impls]
+
+(impls: "flexfa,flex" by default; "flexfa" alone skips FlexAttention's compile)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ def main() -> None:
     S = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
     D = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else ["causal", "sliding", "alibi"]
+    wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else ["flexfa", "flex"]
     B, H = max(1, 16384 // S), 16
     compiled = torch.compile(flex_attention, dynamic=False)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -33,6 +36,8 @@ def main() -> None:
         impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
                  "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)}
         for label, fn in impls.items():
+            if label not in wanted:
+                continue
             for _ in range(5):
                 fn().backward(do)
             torch.cuda.synchronize()
