@@ -1,12 +1,13 @@
 """Merge the H200 benchmark runs into ``benchmarks/results/h200.json`` and ``h200.png``.
 
-Run 6 (commit b745988, 2026-11-29) covered the whole grid in one process; run 7 (commit
-fabec0b, same day) re-ran S = 2048, E = 64, fwd+bwd after the backward's host-path change
-(plans with direct launches), which is where that change showed. Per case this takes the row
-of the latest run that measured it. Every row keeps the commit, date and run it came from;
-runs 1-5 (earlier code) stay in ``raw/`` for the record. ``python
-benchmarks/merge_results.py`` prints the tables of docs/performance.md, and the geomeans of
-run 6 alone.
+Run 8 (commit a9318ff, 2026-11-29) covered the whole grid in one process, with the forward's
+and the backward's tiles read from the tuning run before it (benchmarks/results/tuning/);
+it reached its 480 s limit before the last case, prefix at S = 2048, E = 64 (both passes),
+which run 8b (commit ad56a9c: the same kernels and runtime, only docs and a benchmark script
+changed) measured alone. Per case this takes the row of the latest run that measured it.
+Every row keeps the commit, date and run it came from; runs 1-7 (earlier code) stay in
+``raw/`` for the record. ``python benchmarks/merge_results.py`` prints the tables of
+docs/performance.md, and the geomeans of run 8 alone.
 """
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ from flexfa.bench import plot, summarize  # noqa: E402
 HERE = os.path.join(os.path.dirname(__file__), "results")
 # (file, which rows to take, why others are left out)
 SOURCES = [
-    ("run6_full_grid_b745988.json",
-     lambda r: not (r["S"] == 2048 and r["D"] == 64 and r["pass_"] == "fwd+bwd"),
-     "run 6's S=2048 E=64 fwd+bwd rows predate the backward plans (superseded by run 7)"),
-    ("run7_d64_s2048_bwd_fabec0b.json", lambda r: True, ""),
+    ("run8_full_grid_a9318ff.json", lambda r: True,
+     "run 8 stopped at its time limit before prefix S=2048 E=64 (fwd, fwd+bwd): from run 8b"),
+    ("run8b_prefix_s2048_e64_ad56a9c.json", lambda r: True, ""),
 ]
 NOT_RUN: list[str] = []
 
@@ -36,7 +36,7 @@ def merged() -> dict:
             run = json.load(f)
         metas[name] = run["meta"]
         rows += [dict(r, run=name) for r in run["rows"] if keep(r)]
-    return {"meta": {**metas["run6_full_grid_b745988.json"], "runs": metas}, "rows": rows,
+    return {"meta": {**metas[SOURCES[0][0]], "runs": metas}, "rows": rows,
             "summary": summarize(rows), "left_out": notes}
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     below = {p: sum(v < 1.0 for v in s) for p, s in speedups.items()}
     with open(os.path.join(HERE, "raw", SOURCES[0][0])) as f:
         single = summarize(json.load(f)["rows"])
-    print("run 6 alone (one process, whole grid):",
+    print("run 8 alone (one process, 41 of 42 cases):",
           {p: round(single[p]["geomean_speedup"], 3) for p in ("fwd", "fwd+bwd")})
     print("\ncases below 1.0x:", below, "| geomeans:",
           {p: round(math.exp(sum(map(math.log, s)) / len(s)), 3) for p, s in speedups.items()})
