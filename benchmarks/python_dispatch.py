@@ -4,7 +4,8 @@ The Hopper forward's cached path (a plan, tensor descriptors, the compiled launc
 with CPU tensors and the launch itself stubbed out: what is timed is flexfa's Python work per
 call (checks, mod lookup, plan lookup, output allocation, descriptors, argument list), the
 part issue 6 asks to keep well under 50 us. The GPU adds Triton's launcher and the CUDA launch
-(``benchmarks/dispatch_overhead.py`` times the whole call there).
+(``benchmarks/dispatch_overhead.py`` times the whole call there). ``causal_fwd_bwd`` is a
+training step, forward and backward (five launches stubbed), as the benchmark times it.
 
     PYTHONPATH=. python benchmarks/python_dispatch.py [calls]
 """
@@ -31,6 +32,13 @@ class _StubCompiled:
         return None
 
 
+def _direct_run(launch, direct=None):
+    from flexfa.runtime.launch import launch_direct
+
+    launch_direct(direct, launch.grid, None, launch.args)
+    return direct
+
+
 def _per_call_us(fn, calls: int) -> float:
     for _ in range(50):
         fn()
@@ -45,8 +53,9 @@ def _per_call_us(fn, calls: int) -> float:
 
 def main(calls: int = 2000) -> dict:
     os.environ["FLEXFA_FORWARD_TEMPLATE"] = "hopper"
+    os.environ["FLEXFA_BACKWARD_TMA"] = "1"  # the backward's sm_90 path: tensor descriptors
     import flexfa
-    from flexfa.runtime import hopper
+    from flexfa.runtime import backward, hopper
 
     q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(3))
 
@@ -54,16 +63,26 @@ def main(calls: int = 2000) -> dict:
         return q_idx >= kv_idx
 
     mask = flexfa.create_block_mask(causal, 1, None, 128, 128, device="cpu")
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn_like(q)
+
+    def train_step():  # forward + backward: five launches
+        flexfa.flex_attention(qg, kg, vg, block_mask=mask).backward(grad_out)
+        qg.grad = kg.grad = vg.grad = None
     cases = {"dense": lambda: flexfa.flex_attention(q, k, v),
-             "causal": lambda: flexfa.flex_attention(q, k, v, block_mask=mask)}
+             "causal": lambda: flexfa.flex_attention(q, k, v, block_mask=mask),
+             "causal_fwd_bwd": train_step}
     results = {}
     for name, fn in cases.items():
-        fn()  # the plan (the kernel runs once, interpreted)
+        fn()  # the plans (the kernels run once, interpreted)
         for plan in hopper._PLANS.values():
             plan.direct = (_StubCompiled(), ())
+        for plan in backward._PLANS.values():  # the backward's delta, dK/dV and dQ
+            plan[4][:] = [(_StubCompiled(), ())] * 3
         with mock.patch.object(torch.cuda, "current_device", lambda: None), \
                 mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda index: 0,
-                                  create=True):
+                                  create=True), \
+                mock.patch.object(backward.Launch, "run", _direct_run):  # CUDA's branch
             results[f"python_{name}_us"] = _per_call_us(fn, calls)
     print(json.dumps(results), flush=True)
     return results

@@ -32,7 +32,7 @@ from .cache import get_module, register_memo
 from .debug import debug
 from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
 from .hopper import HOPPER_TARGETS, _geometry, descriptor_layout_ok
-from .launch import direct_state, launch_direct
+from .launch import TrustedDescriptor, cdiv, direct_state, launch_direct
 
 _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
@@ -226,10 +226,12 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
              for s in grad_slots}
     if q.numel() and k.numel():
-        spec, module, name, tables, compiled = _plan(q, k, v, out, lse, grad_out, grad_lse,
-                                                     call, joint, need_dkdv and not grad_slots)
+        spec, module, name, tables, compiled, statics = _plan(
+            q, k, v, out, lse, grad_out, grad_lse, call, joint, need_dkdv and not grad_slots)
+        # a plan's first launch checks its descriptors; its key fixes what they checked
         launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
-                                     call, joint, grads, dq, dk, dv, tables)
+                                     call, joint, grads, dq, dk, dv, tables, statics,
+                                     trusted=compiled[0] is not None)
         for i, launch in enumerate(launches):  # delta, dK/dV, dQ (or the fused dQ's convert)
             if i != 1 or need_dkdv:
                 compiled[i] = launch.run(compiled[i])
@@ -317,11 +319,12 @@ _MAX_PLANS = 256
 
 def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
           fusable: bool) -> tuple:
-    """(spec, module, kernel name, (q-side table args, kv-side table args), compiled) of this
-    call's signature, memoized: a cached call skips the spec, the module lookup and the
-    tables' strides, and launches the three compiled kernels directly (``compiled``: one
-    ``Launch.run`` state per kernel). Host time between the forward and the backward kernels
-    leaves the GPU idle where the kernels are short (S = 2048 on the H200)."""
+    """(spec, module, kernel name, (q-side table args, kv-side table args), compiled,
+    statics) of this call's signature, memoized: a cached call skips the spec, the module
+    lookup, the tables' strides and the launches' constants (``launch_statics``), and launches
+    the three compiled kernels directly (``compiled``: one ``Launch.run`` state per kernel).
+    Host time between the forward and the backward kernels leaves the GPU idle where the
+    kernels are short (S = 2048 on the H200)."""
     buffers = [t for mod in (call.score, call.mask) if mod is not None for t in mod.buffers]
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride(),
            grad_out.shape, grad_out.stride(), grad_out.dtype, q.dtype, q.device,
@@ -336,8 +339,8 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
            os.environ.get("FLEXFA_BACKWARD_TMA"), os.environ.get("FLEXFA_BACKWARD_FUSED"),
            fusable)
     plan = _PLANS.get(key)
-    if plan is not None and plan[5] is call.block_mask:
-        return plan[:5]
+    if plan is not None and plan[6] is call.block_mask:
+        return plan[:6]
     target = target_of(q.device)
     config = choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call, joint, fusable,
                                     target)
@@ -349,8 +352,9 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     compiled = [None, None, None]
-    _PLANS[key] = (spec, module, name, tables, compiled, call.block_mask)
-    return spec, module, name, tables, compiled
+    statics = launch_statics(spec, q, k, v, grad_out, joint)
+    _PLANS[key] = (spec, module, name, tables, compiled, statics, call.block_mask)
+    return spec, module, name, tables, compiled, statics
 
 
 @dataclasses.dataclass
@@ -380,61 +384,101 @@ class Launch:
         return direct_state(self.kernel, compiled, self.args, self.constexprs)
 
 
-def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,
-                      dq, dk, dv, tables=None) -> list[Launch]:
-    """The three launches of a backward pass, in order: delta, dK/dV, dQ (with
-    ``spec.fused_dq``: delta, which also zeroes the float32 dQ accumulator, dK/dV + dQ, and
-    the accumulator's conversion to dq); ``tables``: the q-side and kv-side block-mask table
-    arguments, when the caller has them already."""
+@dataclasses.dataclass(frozen=True)
+class LaunchStatics:
+    """What the launches of a backward pass take from its signature alone: the three grids,
+    constexprs and launch options (delta, dK/dV, dQ or the fused dQ's convert) and the
+    descriptors' (shape, strides, block) for q, dO, k, v and the dQ accumulator (None
+    without TMA)."""
+
+    grids: tuple
+    constexprs: tuple
+    options: tuple
+    geometry: dict | None
+
+
+def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatics:
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    device, options = q.device, spec.launch_options()
+    delta_block = 16 if spec.interpret else 64
+    one, small = dscore_is_one(joint), {"num_warps": 4}
+    has_grads = bool(joint is not None and joint.grad_slots)
+    if spec.fused_dq:
+        third = ((cdiv(L, delta_block), B * Hq), spec.convert_constexprs(delta_block), small)
+    else:
+        third = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
+                 spec.launch_options())
+    geometry = None
+    if spec.use_tma:
+        e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
+        dq_acc_shape = [B * Hq * L, E], [E, 1], [spec.block_m1, e_pad]
+        geometry = {"q": _geometry(q, spec.block_m1, e_pad),
+                    "do": _geometry(grad_out, spec.block_m1, ev_pad),
+                    "k": _geometry(k, spec.block_n2, e_pad),
+                    "v": _geometry(v, spec.block_n2, ev_pad),
+                    "dq_acc": dq_acc_shape}
+    return LaunchStatics(
+        grids=((cdiv(L, delta_block), B * Hq), (cdiv(S, spec.block_n1), B * Hkv), third[0]),
+        constexprs=(spec.delta_constexprs(delta_block), spec.dkdv_constexprs(one), third[1]),
+        options=(small, spec.launch_options(), third[2]), geometry=geometry)
+
+
+def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,
+                      dq, dk, dv, tables=None, statics: LaunchStatics | None = None,
+                      trusted: bool = False) -> list[Launch]:
+    """The three launches of a backward pass, in order: delta, dK/dV, dQ (with
+    ``spec.fused_dq``: delta, which also zeroes the float32 dQ accumulator, dK/dV + dQ, and
+    the accumulator's conversion to dq); ``tables`` (the q-side and kv-side block-mask table
+    arguments) and ``statics`` when the caller has them already; ``trusted``: the tensor
+    descriptors' checks passed for this signature before."""
+    B, Hq, L, E = q.shape
+    S = k.shape[2]
+    device = q.device
+    if statics is None:
+        statics = launch_statics(spec, q, k, v, grad_out, joint)
     lse = lse.contiguous()
     delta = torch.empty(B, Hq, L, dtype=torch.float32, device=device)
     dlse = grad_lse.float().contiguous() if grad_lse is not None else delta
-    delta_block = 16 if spec.interpret else 64
     mod_args = buffer_launch_args(call.score) + buffer_launch_args(call.mask)
     mod_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in mod_args]
     grad_args = [x for g in grads.values() for x in (g, *g.stride())]
-    one, scale = dscore_is_one(joint), float(call.scale)
+    scale = float(call.scale)
     if tables is None:
         tables = (_table_args(call.block_mask, "q", device),
                   _table_args(call.block_mask, "kv", device))
-    if spec.use_tma:
-        e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
-        q_desc = TensorDescriptor(q, *_geometry(q, spec.block_m1, e_pad))
-        do_desc = TensorDescriptor(grad_out, *_geometry(grad_out, spec.block_m1, ev_pad))
-        k_desc = TensorDescriptor(k, *_geometry(k, spec.block_n2, e_pad))
-        v_desc = TensorDescriptor(v, *_geometry(v, spec.block_n2, ev_pad))
-    else:  # unused pointers in the kernels' descriptor slots
-        q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
     # the fused kernel's float32 dQ accumulator, zeroed by the delta kernel; else unused
     dq_acc = torch.empty(B, Hq, L, E, dtype=torch.float32, device=device) \
         if spec.fused_dq else delta
-    dq_desc = TensorDescriptor(dq_acc, *_geometry(dq_acc, spec.block_m1, next_power_of_two(E))) \
-        if spec.fused_dq and spec.use_tma and not spec.interpret else dq_acc
+    dq_desc = dq_acc
+    if statics.geometry is not None:
+        kind, geometry = TrustedDescriptor if trusted else TensorDescriptor, statics.geometry
+        q_desc, do_desc = kind(q, *geometry["q"]), kind(grad_out, *geometry["do"])
+        k_desc, v_desc = kind(k, *geometry["k"]), kind(v, *geometry["v"])
+        if spec.fused_dq and not spec.interpret:
+            dq_desc = kind(dq_acc, *geometry["dq_acc"])
+    else:  # unused pointers in the kernels' descriptor slots
+        q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
+    grids, constexprs, options = statics.grids, statics.constexprs, statics.options
     launches = [
-        Launch(module.flexfa_bwd_delta, (triton.cdiv(L, delta_block), B * Hq),
+        Launch(module.flexfa_bwd_delta, grids[0],
                [out, grad_out, dlse, delta, dq_acc, *out.stride(), *grad_out.stride(), Hq, L],
-               spec.delta_constexprs(delta_block), {"num_warps": 4}),
-        Launch(getattr(module, f"{name}_dkdv"), (triton.cdiv(S, spec.block_n1), B * Hkv),
+               constexprs[0], options[0]),
+        Launch(getattr(module, f"{name}_dkdv"), grids[1],
                [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, dq_acc, dq_desc,
                 *q.stride(),
                 *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                 *tables[0], Hq, L, S, scale, *mod_args],
-               spec.dkdv_constexprs(one), options),
+               constexprs[1], options[1]),
     ]
     if spec.fused_dq:
-        launches.append(Launch(
-            module.flexfa_bwd_dq_convert, (triton.cdiv(L, delta_block), B * Hq),
-            [dq_acc, dq, *dq.stride(), Hq, L, scale], spec.convert_constexprs(delta_block),
-            {"num_warps": 4}))
+        launches.append(Launch(module.flexfa_bwd_dq_convert, grids[2],
+                               [dq_acc, dq, *dq.stride(), Hq, L, scale], constexprs[2], options[2]))
         return launches
     return launches + [
-        Launch(getattr(module, f"{name}_dq"), (triton.cdiv(L, spec.block_m2), B * Hq),
+        Launch(getattr(module, f"{name}_dq"), grids[2],
                [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(),
                 *v.stride(), *grad_out.stride(), *dq.stride(),
                 *tables[1],
                 Hq, L, S, scale, *mod_args, *grad_args],
-               spec.dq_constexprs(one, bool(grads)), options),
+               constexprs[2], options[2]),
     ]

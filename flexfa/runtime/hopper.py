@@ -24,7 +24,7 @@ from .cache import register_memo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, buffer_launch_args,
                       generated_kernel, target_of)
-from .launch import direct_state, launch_direct
+from .launch import TrustedDescriptor, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
 # wider heads keep the Ampere template: at E = 256 this one compiles (196 KB of shared memory)
@@ -117,14 +117,6 @@ def get_hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod
     return generated_kernel(_KERNELS, hopper_kernel, spec, score, mask)
 
 
-class _TrustedDescriptor(TensorDescriptor):
-    """A TensorDescriptor whose checks ran once, when its plan was made (use_hopper checks
-    each call's base alignment): per call only the base tensor changes."""
-
-    def __post_init__(self):
-        pass
-
-
 @dataclasses.dataclass
 class _Plan:
     """Everything about a launch that depends only on the call's signature (shapes, strides,
@@ -143,7 +135,7 @@ class _Plan:
 
 
 def _args(plan: _Plan, q, k, v, out, lse, call: AttentionCall, trusted: bool) -> list:
-    kind = _TrustedDescriptor if trusted else TensorDescriptor
+    kind = TrustedDescriptor if trusted else TensorDescriptor  # use_hopper checks alignment
     (q_shape, q_strides, q_block), (k_shape, k_strides, k_block), (v_shape, v_strides, v_block) = (
         plan.descriptors)
     return [kind(q, q_shape, q_strides, q_block), kind(k, k_shape, k_strides, k_block),

@@ -105,3 +105,47 @@ def test_tma_rows_of_other_heads_cannot_leak_inf(spy_specs):
     assert spy_specs and all(s.use_tma for s in spy_specs)
     for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert torch.isfinite(g[0, 0]).all(), f"{name} of head 0 has non-finite values"
+
+
+def test_a_cached_plans_launches_equal_freshly_built_ones(monkeypatch):
+    """A cached plan launches with its stored constants (grids, constexprs, options, descriptor
+    geometry) and descriptors whose checks are skipped: the same launches as built from
+    scratch with checked descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flexfa.runtime.forward import AttentionCall
+    from flexfa.runtime.launch import TrustedDescriptor
+    from flexfa.runtime.options import KernelOptions
+    from flexfa.runtime.pipeline import prepare_mask
+
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
+    q, k, v = make_qkv(1, 4, 2, 200, 136, 48, 32, dtype=torch.bfloat16, seed=26)
+    block_mask = create_block_mask(mods.causal, None, None, 200, 136, device="cpu")
+    call = AttentionCall(None, prepare_mask(block_mask), block_mask, 0.25, KernelOptions(), 2)
+    spec = backward_runtime.backward_spec(q, k, v, call, has_dlse=False)
+    module, name = backward_runtime.get_backward_module(spec, None, None, call.mask)
+    out, lse, grad_out = torch.zeros(1, 4, 200, 32, dtype=q.dtype), torch.zeros(1, 4, 200), \
+        torch.randn(1, 4, 200, 32).to(q.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = (spec, module, name, q, k, v, out, lse, grad_out, None, call, None, {}, dq, dk, dv)
+    fresh = backward_runtime.backward_launches(*common)
+    statics = backward_runtime.launch_statics(spec, q, k, v, grad_out, None)
+    cached = backward_runtime.backward_launches(*common, statics=statics, trusted=True)
+    assert spec.use_tma and len(fresh) == len(cached) == 3
+    descriptors = 0
+    for a, b in zip(fresh, cached):
+        assert (a.kernel, a.grid, a.constexprs, a.options) == (b.kernel, b.grid, b.constexprs,
+                                                              b.options)
+        assert len(a.args) == len(b.args)
+        for x, y in zip(a.args, b.args):
+            if isinstance(x, TensorDescriptor):
+                descriptors += 1
+                assert type(x) is TensorDescriptor and type(y) is TrustedDescriptor
+                assert x.base is y.base
+                assert (x.shape, x.strides, x.block_shape) == (y.shape, y.strides, y.block_shape)
+            elif isinstance(x, torch.Tensor):
+                # the kernels' own scratch (delta) is allocated per call
+                assert x is y or (x.shape == y.shape and x.dtype == y.dtype)
+            else:
+                assert x == y
+    assert descriptors == 4  # q, dO in dK/dV; k, v in dQ
