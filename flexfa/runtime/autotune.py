@@ -114,12 +114,14 @@ def forward_label(config) -> str:
 
 def tune(key: str, configs, time_config: Callable[[tuple], float],
          label: Callable[[tuple], str] = forward_label) -> tuple[int, ...]:
-    """Time every config (``time_config(config) -> ms``; an exception drops the config),
-    keep the fastest and store it; a progress line per config on stderr (``label`` names a
-    config there and in the stored timings)."""
+    """The stored winner of ``key`` if it is one of ``configs``; else time every config
+    (``time_config(config) -> ms``; an exception drops the config), keep the fastest and store
+    it; a progress line per config on stderr (``label`` names a config there and in the stored
+    timings). A winner stored for another candidate list is tuned again, not returned."""
+    configs = [tuple(c) for c in configs]
     with _LOCK:
         known = lookup(key, len(configs[0]))
-        if known is not None:
+        if known is not None and known in configs:
             return known
         timings = {}
         for i, config in enumerate(configs):

@@ -46,7 +46,23 @@ _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 #   E=64 causal S=16384: (64, 64, 64, 64, 4, 3) 6.00, (32, 64, 64, 32, 4, 3) 6.25,
 #     (32, 128, 128, 32, 4, 3) 6.75 (FlexAttention 6.25); document S=2048: 1.37, 1.08, 1.14
 #     (FlexAttention 0.86). (32, 64, 64, 32, 4, 3) is the better compromise of the two.
-HOPPER_BACKWARD_TILES = {"cuda:90": {64: (32, 64, 64, 32, 4, 3), 128: (64, 64, 64, 64, 4, 2)}}
+#
+# sm_90 candidates of the backward's autotuning, (tiles, fused):
+# the two kernels at the swept tiles (the first is the default when not tuning; at E = 128
+# one candidate: nothing to tune), then, tuned only with FLEXFA_BACKWARD_FUSED=1, the fused
+# dK/dV + dQ kernel at tiles that compile without spills for sm_90 (``ptxas -v``: E=128
+# 64x64 8 warps 243 registers, 32x128 8 warps 234; E=64 64x128 8 warps 220, 64x64 4 warps
+# 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320). Measured on the H200
+# (benchmarks/tune_classes.py, benchmarks/results/tuning/): at E = 64 the 64 x 64 tiles won
+# every class but dense short (1.051 vs 1.063 ms), by 6-7% in the long dense and masked ones.
+HOPPER_BACKWARD_CANDIDATES = {
+    64: (((32, 64, 64, 32, 4, 3), False), ((64, 64, 64, 64, 4, 3), False),
+         ((64, 128, 128, 64, 8, 2), True), ((64, 64, 64, 64, 4, 3), True)),
+    128: (((64, 64, 64, 64, 4, 2), False), ((64, 64, 64, 64, 8, 2), True),
+          ((32, 128, 128, 32, 8, 2), True)),
+}
+# the default tiles when not tuning: each head dim's first candidate
+HOPPER_BACKWARD_TILES = {"cuda:90": {e: c[0][0] for e, c in HOPPER_BACKWARD_CANDIDATES.items()}}
 
 
 def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
@@ -248,22 +264,6 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     return dq, dk, dv, buffer_grads
 
 
-# sm_90 candidates of the backward's autotuning, (tiles as in HOPPER_BACKWARD_TILES, fused):
-# the two kernels at the swept tiles (the first is the default when not tuning; at E = 128
-# one candidate: nothing to tune), then, tuned only with FLEXFA_BACKWARD_FUSED=1, the fused
-# dK/dV + dQ kernel at tiles that compile without spills for sm_90 (``ptxas -v``: E=128
-# 64x64 8 warps 243 registers, 32x128 8 warps 234; E=64 64x128 8 warps 220, 64x64 4 warps
-# 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320). Measured on the H200
-# (benchmarks/tune_classes.py, benchmarks/results/tuning/): at E = 64 the 64 x 64 tiles won
-# every class but dense short (1.051 vs 1.063 ms), by 6-7% in the long dense and masked ones.
-HOPPER_BACKWARD_CANDIDATES = {
-    64: (((32, 64, 64, 32, 4, 3), False), ((64, 64, 64, 64, 4, 3), False),
-         ((64, 128, 128, 64, 8, 2), True), ((64, 64, 64, 64, 4, 3), True)),
-    128: (((64, 64, 64, 64, 4, 2), False), ((64, 64, 64, 64, 8, 2), True),
-          ((32, 128, 128, 32, 8, 2), True)),
-}
-
-
 def _backward_label(config) -> str:
     m1, n1, m2, n2, warps, stages, fused = config
     tiles = f"{m1}x{n1}" if fused else f"{m1}x{n1}/{m2}x{n2}"
@@ -294,20 +294,17 @@ def choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call: Attentio
     key = autotune.tune_key(template, target, e_pad, next_power_of_two(v.shape[3]),
                             DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                             k.shape[2])
-    config = autotune.lookup(key, 7)
-    if config is not None and config in candidates:
-        return config
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    # timed with a dense upstream gradient, as most calls get it (``out.sum()`` gives a
-    # broadcast one, which would time the pointer loads instead of the descriptors)
-    grad_out = grad_out.contiguous()
 
-    def time_config(config) -> float:
+    def time_config(config) -> float:  # only called when no stored winner fits
+        # timed with a dense upstream gradient, as most calls get it (``out.sum()`` gives a
+        # broadcast one, which would time the pointer loads instead of the descriptors)
+        dense = grad_out.contiguous()
         spec = backward_spec(q, k, v, call, has_dlse=grad_lse is not None, target=target,
-                             grad_out=grad_out, fusable=fusable, config=config)
+                             grad_out=dense, fusable=fusable, config=config)
         module, name = get_backward_module(spec, joint, call.score, call.mask)
-        launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
-                                     call, joint, {}, dq, dk, dv)
+        launches = backward_launches(spec, module, name, q, k, v, out, lse, dense, grad_lse,
+                                     call, joint, {}, torch.empty_like(q), torch.empty_like(k),
+                                     torch.empty_like(v))
         return triton.testing.do_bench(lambda: [launch.run() for launch in launches],
                                        warmup=5, rep=25, return_mode="median")
     return autotune.tune(key, candidates, time_config, _backward_label)

@@ -201,9 +201,6 @@ def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, o
         return pinned.apply(candidates[0])
     key = autotune.tune_key(HOPPER_TEMPLATE, target, e_pad, ev_pad, DTYPE_NAMES[q.dtype],
                             autotune.density_class(mask), k.shape[2])
-    config = autotune.lookup(key)
-    if config is not None and config in candidates:
-        return config
 
     def time_config(config) -> float:
         plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, config))

@@ -63,6 +63,17 @@ def test_failing_configs_are_skipped_and_all_failing_is_an_error(tune_dir):
         autotune.tune("k4", CONFIGS, lambda c: 1 / 0)
 
 
+def test_a_winner_stored_for_other_candidates_is_tuned_again(tune_dir):
+    autotune.tune("k6", CONFIGS[:2], lambda c: {CONFIGS[1]: 1.0}.get(c, 2.0))
+    assert autotune.lookup("k6") == CONFIGS[1]
+    # the candidate list changed (a new version, other mask blocks): CONFIGS[1] is not in it
+    timed = []
+    best = autotune.tune("k6", (CONFIGS[0], CONFIGS[2]),
+                         lambda c: timed.append(c) or {CONFIGS[2]: 1.0}.get(c, 2.0))
+    assert best == CONFIGS[2] and timed == [CONFIGS[0], CONFIGS[2]]
+    assert autotune.lookup("k6") == CONFIGS[2]
+
+
 def test_corrupt_file_is_ignored(tune_dir):
     (tune_dir / "autotune.json").write_text("{not json")
     assert autotune.lookup("anything") is None
