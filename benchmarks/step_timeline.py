@@ -2,10 +2,10 @@
 
 Where a step is host-bound, what counts is when each kernel is launched on the host against
 when the GPU could have run it. Steps run back to back as ``do_bench`` runs them (gradients set
-to None, a 256 MB cache clear, the step); torch.profiler records the host's launch calls and
-the GPU's kernels of the last step. Printed per kernel: host time of its launch call and GPU
-start / end, all in microseconds from the step's first host event; then, for flexfa, the
-host time spent in its forward and backward functions (perf_counter, same steps).
+to None, a 256 MB cache clear, the step); torch.profiler records the GPU's kernels only (no
+host events, which would slow the host), and the idle gaps between them show where the GPU
+waited for the host. Then, for flexfa, the host time spent in its autograd forward and
+backward functions (perf_counter, the GPU kept busy).
 
     PYTHONPATH=. python benchmarks/step_timeline.py [S] [D] [variants]
 """
@@ -20,38 +20,32 @@ from torch.profiler import ProfilerActivity, profile
 import flexfa
 from flexfa.bench import _variants
 
-_LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaLaunchKernelExC")
-
-
 def _timeline(step, label: str) -> None:
     cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     for _ in range(5):
         cache.zero_()
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # GPU activity only: recording host ops would slow the host this measures
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
             cache.zero_()
-            with torch.profiler.record_function("STEP"):
-                step()
+            step()
         torch.cuda.synchronize()
-    events = list(prof.events())
-    steps = sorted((e for e in events if e.name == "STEP" and e.device_type.name == "CPU"),
-                   key=lambda e: e.time_range.start)
-    last = steps[-1]
-    t0, t1 = last.time_range.start, last.time_range.end
-    launches = sorted((e for e in events if e.name in _LAUNCHES and t0 <= e.time_range.start <= t1),
-                      key=lambda e: e.time_range.start)
-    kernels = sorted((e for e in events if e.device_type.name == "CUDA"
-                      and e.time_range.start >= t0 and "zero" not in e.name.lower()
-                      and "fill" not in e.name.lower()), key=lambda e: e.time_range.start)
-    print(f"-- {label}: host step {t1 - t0:.0f} us, {len(launches)} launches", flush=True)
-    for e in launches:
-        print(f"   host launch {e.name:20} at {e.time_range.start - t0:7.0f} "
-              f"({e.time_range.end - e.time_range.start:5.0f} us)")
-    for e in kernels[:12]:
-        print(f"   gpu {e.name[:44]:44} {e.time_range.start - t0:7.0f} .. "
-              f"{e.time_range.end - t0:7.0f}")
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    fills = [i for i, e in enumerate(kernels) if "fill" in e.name.lower()
+             and e.time_range.end - e.time_range.start > 20]  # the 256 MB cache clears
+    last = kernels[fills[-2]:]
+    t0 = last[0].time_range.end
+    print(f"-- {label}: GPU timeline of the last two steps (us from the cache clear's end)",
+          flush=True)
+    end = t0
+    for e in last:
+        start = e.time_range.start
+        print(f"   {e.name[:46]:46} {start - t0:7.0f} .. {e.time_range.end - t0:7.0f}"
+              f"  idle before {max(0.0, start - end):5.0f}")
+        end = max(end, e.time_range.end)
 
 
 def main() -> None:
@@ -68,14 +62,15 @@ def main() -> None:
                for _ in range(3))
     do = torch.randn_like(q)
     compiled = torch.compile(torch_flex, dynamic=False)
-    spans = {"forward": [], "backward": []}
-    original = {name: getattr(fa_autograd.FlexAttentionFunction, name) for name in spans}
+    stamps: list[float] = []
+    original = {name: getattr(fa_autograd.FlexAttentionFunction, name)
+                for name in ("forward", "backward")}
 
-    def timed(name):
+    def stamped(name):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            stamps.append(time.perf_counter())
             result = original[name](*args, **kwargs)
-            spans[name].append(time.perf_counter() - start)
+            stamps.append(time.perf_counter())
             return result
         return staticmethod(wrapper)
     for name in ("causal", "document", "full", "alibi"):
@@ -91,25 +86,28 @@ def main() -> None:
                 q.grad = k.grad = v.grad = None
                 fn().backward(do)
             _timeline(step, f"{name} {label}")
-        for key in spans:
-            spans[key].clear()
-        # the same steps with flexfa's autograd functions timed on the host
-        fa_autograd.FlexAttentionFunction.forward = timed("forward")
-        fa_autograd.FlexAttentionFunction.backward = timed("backward")
-        torch.cuda._sleep(200_000_000)
-        start = time.perf_counter()
+        # the same steps with flexfa's autograd functions' entry and exit stamped
+        for key in original:
+            setattr(fa_autograd.FlexAttentionFunction, key, stamped(key))
+        torch.cuda._sleep(200_000_000)  # the GPU stays busy: only the host is timed
+        phases = []
         for _ in range(30):
+            stamps.clear()
+            start = time.perf_counter()
             q.grad = k.grad = v.grad = None
             flexfa.flex_attention(q, k, v, score_mod, fbm).backward(do)
-        total = (time.perf_counter() - start) / 30 * 1e6
+            stamps.append(time.perf_counter())
+            marks = [start, *stamps]
+            phases.append([(b - a) * 1e6 for a, b in zip(marks, marks[1:])])
         torch.cuda.synchronize()
-        for key in spans:
+        for key in original:
             setattr(fa_autograd.FlexAttentionFunction, key, staticmethod(original[key]))
-        fwd = sorted(spans["forward"])[len(spans["forward"]) // 2] * 1e6
-        bwd = sorted(spans["backward"])[len(spans["backward"]) // 2] * 1e6
-        print(f"-- {name} flexfa host per step {total:.0f} us: Function.forward {fwd:.0f}, "
-              f"Function.backward {bwd:.0f}, the rest (torch, autograd engine) "
-              f"{total - fwd - bwd:.0f}", flush=True)
+        median = [sorted(column)[len(column) // 2] for column in zip(*phases)]
+        labels = ("to Function.forward", "Function.forward", "to Function.backward",
+                  "Function.backward", "after it")
+        print(f"-- {name} flexfa host per step (medians, us): "
+              + ", ".join(f"{label} {value:.0f}" for label, value in zip(labels, median))
+              + f"; total {sum(median):.0f}", flush=True)
 
 
 if __name__ == "__main__":
