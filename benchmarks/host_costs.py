@@ -88,7 +88,7 @@ def main() -> None:
         run_us = _us(lambda: compiled.run(*grid3, stream, compiled.function,
                                           compiled.packed_metadata, None, None, None, *full))
         inner = compiled.run.launch
-        cells = [c.cell_contents for c in (inner.__closure__ or ())]
+        cells = [c.cell_contents for c in (getattr(inner, "__closure__", None) or ())]
         c_launch = next((c for c in cells if type(c).__name__ == "builtin_function_or_method"),
                         None)
         line = (f"{name[:40]:40} args {len(args):3}  launch_direct {direct_us:6.1f}  "
