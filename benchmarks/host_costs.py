@@ -79,12 +79,13 @@ def main() -> None:
     hopper.launch_direct = backward.launch_direct = original
     torch.cuda.synchronize()
     for state, grid, device, args in recorded:
-        compiled, tail = state
+        compiled, tail = state.compiled, state.tail
         name = compiled.name
         grid3 = (*grid, 1) if len(grid) == 2 else grid
         stream = torch._C._cuda_getCurrentRawStream(device)
         full = [*args, *tail]
         direct_us = _us(lambda: original(state, grid, device, args))
+        fast = state.c_launch is not None
         run_us = _us(lambda: compiled.run(*grid3, stream, compiled.function,
                                           compiled.packed_metadata, None, None, None, *full))
         inner = compiled.run.launch
@@ -92,7 +93,7 @@ def main() -> None:
         c_launch = next((c for c in cells if type(c).__name__ == "builtin_function_or_method"),
                         None)
         line = (f"{name[:40]:40} args {len(args):3}  launch_direct {direct_us:6.1f}  "
-                f"CompiledKernel.run {run_us:6.1f}")
+                f"CompiledKernel.run {run_us:6.1f}  (direct C launch: {fast})")
         if c_launch is not None:  # tensor-descriptor kernels: Triton wraps the C launch
             expanded = []
             captured = {}

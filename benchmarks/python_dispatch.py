@@ -56,6 +56,7 @@ def main(calls: int = 2000) -> dict:
     os.environ["FLEXFA_BACKWARD_TMA"] = "1"  # the backward's sm_90 path: tensor descriptors
     import flexfa
     from flexfa.runtime import backward, hopper
+    from flexfa.runtime.launch import DirectState
 
     q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(3))
 
@@ -76,9 +77,9 @@ def main(calls: int = 2000) -> dict:
     for name, fn in cases.items():
         fn()  # the plans (the kernels run once, interpreted)
         for plan in hopper._PLANS.values():
-            plan.direct = (_StubCompiled(), ())
+            plan.direct = DirectState(_StubCompiled(), ())
         for plan in backward._PLANS.values():  # the backward's delta, dK/dV and dQ
-            plan[4][:] = [(_StubCompiled(), ())] * 3
+            plan[4][:] = [DirectState(_StubCompiled(), ())] * 3
         with mock.patch.object(torch.cuda, "current_device", lambda: None), \
                 mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda index: 0,
                                   create=True), \

@@ -4,32 +4,117 @@ Triton's ``JITFunction.run`` binds and specializes every argument on each call; 
 whose cache key fixes every specialization (shapes, strides, alignment, dtypes) can keep the
 ``CompiledKernel`` of its first launch and call its launcher directly, as ``JITFunction.run``
 does after its binding. The Hopper forward's plans and the backward's plans use this.
+
+Where Triton's CUDA launcher has the layout this module was written against (Triton 3.6: a C
+``launch`` function, on sm_90 wrapped by a Python function that encodes each tensor
+descriptor into a TMA descriptor on every call), ``launch_direct`` calls the C function itself
+and keeps each encoded TMA descriptor per base address: the plan's key fixes the descriptor's
+shape, strides and block, so the same address gives the same 128-byte descriptor, which the
+launch copies by value; without launch hooks (a profiler's) it passes no launch metadata.
+Anything else (another layout, hooks, scratch memory) takes Triton's own launcher.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+_MAX_DESCRIPTORS = 16  # encoded TMA descriptors kept per descriptor argument of a plan
 
-def direct_state(kernel, compiled, args: list, constexprs: dict):
-    """(compiled kernel, constexpr values in parameter order) for ``launch_direct``, from the
-    first JIT launch ``kernel[grid](*args, **constexprs, ...)`` that returned ``compiled``;
-    None when the parameters after ``args`` are not exactly the constexprs."""
+
+@dataclasses.dataclass
+class DirectState:
+    """A cached plan's compiled kernel: ``tail`` (constexpr values in parameter order) and,
+    where the fast path applies, the C launch function (``c_launch``) with the positions of
+    the tensor-descriptor arguments, their Triton metadata and encoded-descriptor caches."""
+
+    compiled: object
+    tail: tuple
+    c_launch: object = None
+    descriptors: tuple = ()  # (argument position, metadata, {key: encoded descriptor})
+    prefix: tuple = ()  # (cooperative grid, PDL, global scratch, profile scratch, metadata)
+
+
+def direct_state(kernel, compiled, args: list, constexprs: dict) -> DirectState | None:
+    """The state for ``launch_direct`` from the first JIT launch ``kernel[grid](*args,
+    **constexprs, ...)`` that returned ``compiled``; None when the parameters after ``args``
+    are not exactly the constexprs."""
     names = [p.name for p in kernel.params[len(args):]]
     if sorted(names) != sorted(constexprs):
         return None
-    return compiled, tuple(constexprs[n] for n in names)
+    state = DirectState(compiled, tuple(constexprs[n] for n in names))
+    _attach_c_launch(state, len(args))
+    return state
 
 
-def launch_direct(state, grid: tuple, device_index: int, args: list) -> None:
+def _attach_c_launch(state: DirectState, n_args: int) -> None:
+    """Fill ``c_launch`` and ``descriptors`` when the launcher is Triton 3.6's CudaLauncher
+    without scratch memory; leave them empty (Triton's launcher) otherwise."""
+    launcher = getattr(state.compiled, "_run", None)
+    launch = getattr(launcher, "launch", None)
+    if launch is None or getattr(launcher, "global_scratch_size", 1) or \
+            getattr(launcher, "profile_scratch_size", 1):
+        return
+    code = getattr(launch, "__code__", None)
+    descriptors = ()
+    if code is not None:  # Python: the tensor-descriptor wrapper around the C function
+        if code.co_freevars != ("launcher", "tensordesc_indices", "tensordesc_meta"):
+            return
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        indices, metas = sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+        if any(m is None for m in metas) or indices[-1:] >= [n_args]:
+            return  # descriptors lowered to pointers, or a descriptor among the constexprs
+        descriptors = tuple((i, meta, {}) for i, meta in zip(indices, metas))
+        launch = cells["launcher"]
+        if getattr(launch, "__code__", None) is not None:
+            return
+    state.c_launch = launch
+    state.descriptors = descriptors
+    state.prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                    state.compiled.packed_metadata, None, None, None)
+
+
+def _encoded(desc: TensorDescriptor, meta: dict, cache: dict) -> list:
+    """[TMA descriptor, *shape, *strides] of ``desc``, as Triton's launcher expands it."""
+    from triton.backends.nvidia import driver
+
+    key = (desc.base.data_ptr(), *desc.shape, *desc.strides)
+    expanded = cache.get(key)
+    if expanded is None:
+        if len(cache) >= _MAX_DESCRIPTORS:
+            cache.clear()
+        expanded = cache[key] = driver.make_tensordesc_arg(desc, meta)
+    return expanded
+
+
+def _unset(hook) -> bool:
+    """No launch hook: None, or (Triton 3.6) an empty HookChain, which Triton's launcher
+    would still build launch metadata for and call twice per launch."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list) -> None:
     """Launch ``state``'s compiled kernel on ``grid`` (2 or 3 dims) on the current stream of
     CUDA device ``device_index`` (the current device) with ``args`` (the non-constexpr ones)."""
-    compiled, tail = state
+    compiled = state.compiled
     grid = (*grid, 1) if len(grid) == 2 else grid
     hooks = triton.knobs.runtime
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    args = [*args, *tail]
+    if state.c_launch is not None and _unset(hooks.launch_enter_hook) \
+            and _unset(hooks.launch_exit_hook):
+        final = [*grid, stream, compiled.function, *state.prefix]
+        start = 0
+        for position, meta, cache in state.descriptors:
+            final += args[start:position]
+            final += _encoded(args[position], meta, cache)
+            start = position + 1
+        final += args[start:]
+        final += state.tail
+        state.c_launch(*final)
+        return
+    args = [*args, *state.tail]
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata(grid, stream, *args),
                  hooks.launch_enter_hook, hooks.launch_exit_hook, *args)

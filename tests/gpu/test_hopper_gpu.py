@@ -51,6 +51,42 @@ def test_hopper_template_is_used_and_planned_launch_matches_first_launch():
     assert float((hop.float() - ampere.float()).norm() / ampere.float().norm()) < 5e-3
 
 
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_direct_c_launch_encodes_descriptors_per_address():
+    """Cached plans call Triton's C launch function with TMA descriptors kept per base
+    address (flexfa.runtime.launch): new tensors, reused addresses and repeated tensors all
+    give what a fresh plan (Triton's own launcher) gives, forward and backward."""
+    from flexfa.runtime import backward
+
+    def step(q, k, v, do):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask)
+        out.backward(do)
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    def fresh(*tensors):  # no plans: Triton's JIT launch path
+        hopper._PLANS.clear()
+        backward._PLANS.clear()
+        return step(*tensors)
+    mask = flexfa.create_block_mask(causal, 2, None, 512, 512, device="cuda")
+    inputs = [[torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(4)] for _ in range(2)]
+    expected = [fresh(*tensors) for tensors in inputs]
+    step(*inputs[0])  # makes the plans; from here on the direct launches
+    (plan,) = hopper._PLANS.values()
+    assert plan.direct.c_launch is not None and len(plan.direct.descriptors) == 3
+    (bplan,) = backward._PLANS.values()
+    assert all(state.c_launch is not None for state in bplan[4])
+    for i in (0, 1, 0, 1):
+        for got, want in zip(step(*inputs[i]), expected[i]):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # the same addresses with new contents: the kept descriptors still read the new data
+    for t, new in zip(inputs[0], inputs[1]):
+        t.copy_(new)
+    for got, want in zip(step(*inputs[0]), expected[1]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_fast_tanh_is_accurate():
     q, k, v = (torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.float16) * 3 for _ in range(3))
     out = flexfa.flex_attention(q, k, v, score_mod=softcap)

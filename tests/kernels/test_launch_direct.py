@@ -1,0 +1,142 @@
+"""``flexfa.runtime.launch``: the direct C launch of a cached plan against Triton's launcher.
+
+Triton 3.6's CUDA launcher is rebuilt here around a recording C function (its own
+``wrap_handle_tensordesc`` and ``CudaLauncher.__call__``, with the TMA encoding stubbed: no
+GPU), so the test checks that the direct path hands the C function exactly the arguments
+Triton's path does, encodes a descriptor once per base address, and falls back to Triton's
+launcher wherever its assumptions do not hold.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+from triton.backends.nvidia import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flexfa.runtime import launch
+
+SIGNATURE = {"q": "tensordesc<bf16[64, 64]>", "out": "*bf16", "k": "tensordesc<bf16[64, 64]>",
+             "n": "i32", "scale": "fp32", "BLOCK": "constexpr", "MODE": "constexpr"}
+PARAMS = list(SIGNATURE)
+METAS = [dict(swizzle=3, elem_size=2, elem_type=9, block_size=[64, 64], fp4_padded=False),
+         dict(swizzle=3, elem_size=2, elem_type=9, block_size=[64, 64], fp4_padded=False)]
+
+
+class _Recorder:
+    """Stands in for the compiled C launch function (a builtin: no ``__code__``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _fake_compiled(recorder, metas=METAS, scratch=0):
+    launcher = types.SimpleNamespace(
+        launch=driver.wrap_handle_tensordesc(recorder, SIGNATURE, metas),
+        global_scratch_size=scratch, global_scratch_align=1, profile_scratch_size=0,
+        profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True, num_ctas=1)
+    compiled = types.SimpleNamespace(_run=launcher, function=0xF00, packed_metadata=(4, 1, 0))
+    compiled.run = lambda *a: driver.CudaLauncher.__call__(launcher, *a)
+    compiled.launch_metadata = lambda grid, stream, *args: None
+    return compiled
+
+
+@pytest.fixture
+def encoded(monkeypatch):
+    """make_tensordesc_arg without a GPU: a recognisable stand-in for the TMA descriptor."""
+    calls = []
+
+    def fake(desc, meta):
+        calls.append(desc.base.data_ptr())
+        return [("tma", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+    monkeypatch.setattr(driver, "make_tensordesc_arg", fake)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    return calls
+
+
+def _args(q, k, out):
+    return [TensorDescriptor(q, [q.shape[0], 64], [64, 1], [64, 64]), out,
+            TensorDescriptor(k, [k.shape[0], 64], [64, 1], [64, 64]), 5, 0.5]
+
+
+def _state(compiled):
+    kernel = types.SimpleNamespace(params=[types.SimpleNamespace(name=n) for n in PARAMS])
+    return launch.direct_state(kernel, compiled, _args(*[torch.zeros(128, 64)] * 3),
+                               {"MODE": 2, "BLOCK": 64})
+
+
+def _triton_args(q, k, out):
+    """What Triton's own launcher passes to the C function for the same launch."""
+    recorder = _Recorder()
+    compiled = _fake_compiled(recorder)
+    compiled.run(3, 2, 1, 77, compiled.function, compiled.packed_metadata, None, None, None,
+                 *_args(q, k, out), 64, 2)
+    return recorder.calls[0]
+
+
+def test_direct_launch_passes_what_tritons_launcher_passes(encoded):
+    q, k, out = torch.randn(128, 64), torch.randn(256, 64), torch.randn(128, 64)
+    recorder = _Recorder()
+    state = _state(_fake_compiled(recorder))
+    assert state.c_launch is recorder and [d[0] for d in state.descriptors] == [0, 2]
+    launch.launch_direct(state, (3, 2), 0, _args(q, k, out))
+    assert recorder.calls == [_triton_args(q, k, out)]
+    assert recorder.calls[0][:7] == (3, 2, 1, 77, 0xF00, False, True)
+
+
+def test_a_descriptor_is_encoded_once_per_base_address(encoded):
+    q, k, out = torch.randn(128, 64), torch.randn(256, 64), torch.randn(128, 64)
+    recorder = _Recorder()
+    state = _state(_fake_compiled(recorder))
+    encoded.clear()
+    for _ in range(3):
+        launch.launch_direct(state, (3, 2), 0, _args(q, k, out))
+    assert encoded == [q.data_ptr(), k.data_ptr()]
+    other = torch.randn(128, 64)  # a new base: encoded again, and passed
+    launch.launch_direct(state, (3, 2), 0, _args(other, k, out))
+    assert encoded[-1] == other.data_ptr()
+    assert recorder.calls[-1] == _triton_args(other, k, out)
+
+
+def test_the_descriptor_cache_is_bounded(encoded):
+    recorder = _Recorder()
+    state = _state(_fake_compiled(recorder))
+    k, out = torch.randn(128, 64), torch.randn(128, 64)
+    keep = [torch.randn(128, 64) for _ in range(launch._MAX_DESCRIPTORS + 3)]
+    for q in keep:
+        launch.launch_direct(state, (3, 2), 0, _args(q, k, out))
+    assert all(len(cache) <= launch._MAX_DESCRIPTORS for _, _, cache in state.descriptors)
+    assert recorder.calls[-1] == _triton_args(keep[-1], k, out)
+
+
+def test_hooks_scratch_and_other_layouts_take_tritons_launcher(encoded, monkeypatch):
+    q, k, out = torch.randn(128, 64), torch.randn(256, 64), torch.randn(128, 64)
+    # a launch hook (a profiler): Triton's launcher, which calls it
+    recorder = _Recorder()
+    state = _state(_fake_compiled(recorder))
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: seen.append(a))
+    launch.launch_direct(state, (3, 2), 0, _args(q, k, out))
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    assert len(recorder.calls) == 1 and recorder.calls[0][11] is not None  # the hook passed on
+    # global scratch memory, descriptors lowered to pointers, an unknown wrapper: no C launch
+    assert _state(_fake_compiled(_Recorder(), scratch=256)).c_launch is None
+    assert _state(_fake_compiled(_Recorder(), metas=None)).c_launch is None
+    odd = _fake_compiled(_Recorder())
+    odd._run.launch = lambda *args: None
+    assert _state(odd).c_launch is None
+    state = _state(odd)  # still launches, through Triton's launcher
+    calls = []
+    odd.run = lambda *a: calls.append(a)
+    launch.launch_direct(state, (3, 2), 0, _args(q, k, out))
+    assert len(calls) == 1 and calls[0][-2:] == (64, 2)
+
+
+def test_constexprs_other_than_the_tail_give_no_state():
+    kernel = types.SimpleNamespace(params=[types.SimpleNamespace(name=n) for n in PARAMS])
+    assert launch.direct_state(kernel, None, [1] * 5, {"BLOCK": 64}) is None
