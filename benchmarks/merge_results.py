@@ -1,13 +1,11 @@
-"""Merge the H200 benchmark runs into ``benchmarks/results/h200.json`` and ``h200.png``.
+"""Write ``benchmarks/results/h200.json`` and ``h200.png`` from the H200 benchmark runs.
 
-Run 8 (commit a9318ff, 2026-11-29) covered the whole grid in one process, with the forward's
-and the backward's tiles read from the tuning run before it (benchmarks/results/tuning/);
-it reached its 480 s limit before the last case, prefix at S = 2048, E = 64 (both passes),
-which run 8b (commit ad56a9c: the same kernels and runtime, only docs and a benchmark script
-changed) measured alone. Per case this takes the row of the latest run that measured it.
-Every row keeps the commit, date and run it came from; runs 1-7 (earlier code) stay in
-``raw/`` for the record. ``python benchmarks/merge_results.py`` prints the tables of
-docs/performance.md, and the geomeans of run 8 alone.
+Run 9 (commit 678ba5a, 2026-11-29) covered the whole grid, both passes, in one process
+(``python -m flexfa bench --dims 64,128 --seqs 2048,8192,16384 --rep 40``, tiles read from the
+tuning run in benchmarks/results/tuning/), so it alone makes the results; the earlier runs
+(1-8, older code; run 8 needed run 8b for its last case) stay in ``raw/`` for the record.
+Every row keeps the run it came from. ``python benchmarks/merge_results.py`` prints the tables
+of docs/performance.md.
 """
 from __future__ import annotations
 
@@ -22,9 +20,7 @@ from flexfa.bench import plot, summarize  # noqa: E402
 HERE = os.path.join(os.path.dirname(__file__), "results")
 # (file, which rows to take, why others are left out)
 SOURCES = [
-    ("run8_full_grid_a9318ff.json", lambda r: True,
-     "run 8 stopped at its time limit before prefix S=2048 E=64 (fwd, fwd+bwd): from run 8b"),
-    ("run8b_prefix_s2048_e64_ad56a9c.json", lambda r: True, ""),
+    ("run9_full_grid_678ba5a.json", lambda r: True, ""),
 ]
 NOT_RUN: list[str] = []
 
@@ -78,10 +74,6 @@ def main() -> None:
                   (x["variant"], x["S"], x["D"], x["pass_"]) == (r["variant"], r["S"], r["D"], r["pass_"])]
             speedups.setdefault(r["pass_"], []).append(fl[0]["ms"] / r["ms"])
     below = {p: sum(v < 1.0 for v in s) for p, s in speedups.items()}
-    with open(os.path.join(HERE, "raw", SOURCES[0][0])) as f:
-        single = summarize(json.load(f)["rows"])
-    print("run 8 alone (one process, 41 of 42 cases):",
-          {p: round(single[p]["geomean_speedup"], 3) for p in ("fwd", "fwd+bwd")})
     print("\ncases below 1.0x:", below, "| geomeans:",
           {p: round(math.exp(sum(map(math.log, s)) / len(s)), 3) for p, s in speedups.items()})
 
