@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import torch
 
@@ -144,6 +145,7 @@ _VALIDATED: dict[tuple, tuple] = {}
 _MAX_VALIDATED = 256
 _MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "mask_mod")
+_mask_fields = operator.attrgetter(*_MASK_FIELDS)
 
 
 def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
@@ -154,7 +156,10 @@ def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
         return None
     mask = None
     if block_mask is not None:
-        fields = tuple(getattr(block_mask, n, None) for n in _MASK_FIELDS)
+        try:
+            fields = _mask_fields(block_mask)
+        except AttributeError:  # a duck-typed mask without some of the tables
+            fields = tuple(getattr(block_mask, n, None) for n in _MASK_FIELDS)
         mask = (block_mask, fields, getattr(block_mask, "BLOCK_SIZE", None),
                 getattr(block_mask, "seq_lengths", None))
     key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,

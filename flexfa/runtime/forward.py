@@ -165,6 +165,13 @@ def _launch_for(q, k, v, call: AttentionCall, return_lse: bool) -> _Launch:
 
 
 @functools.cache
+def _hopper():
+    """flexfa.runtime.hopper, imported on first use (it imports this module)."""
+    from . import hopper
+    return hopper
+
+
+@functools.cache
 def _dummy_table(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -196,6 +203,10 @@ def buffer_launch_args(traced: TracedMod | None) -> list:
 
 def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
     """(out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 natural log, or None)."""
+    hopper = _hopper()  # sm_90: the Hopper template
+    planned = hopper.run_planned(q, k, v, call, return_lse)  # a cached signature
+    if planned is not None:
+        return planned
     B, Hq, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
     out = torch.empty(B, Hq, L, Ev, dtype=q.dtype, device=q.device)
@@ -204,9 +215,8 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse
-    from .hopper import run_hopper_forward, use_hopper  # sm_90: the Hopper template
-    if use_hopper(q, k, v):
-        return run_hopper_forward(q, k, v, call, return_lse, out, lse)
+    if hopper.use_hopper(q, k, v):
+        return hopper.run_hopper_forward(q, k, v, call, return_lse, out, lse)
     launch = _launch_for(q, k, v, call, return_lse)
     grid = (triton.cdiv(L, launch.block_m), B * Hq)
     args = [q, k, v, out, lse if lse is not None else out,

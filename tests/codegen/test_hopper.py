@@ -19,12 +19,15 @@ from kernels.forward_utils import check_forward, make_qkv
 def hopper_template(monkeypatch):
     monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
     launched = []
-    original = hopper.run_hopper_forward
+    for name in ("run_hopper_forward", "run_planned"):  # a new signature, a cached one
+        original = getattr(hopper, name)
 
-    def spy(*args, **kwargs):
-        launched.append(True)
-        return original(*args, **kwargs)
-    monkeypatch.setattr(hopper, "run_hopper_forward", spy)
+        def spy(*args, original=original, **kwargs):
+            result = original(*args, **kwargs)
+            if result is not None:
+                launched.append(True)
+            return result
+        monkeypatch.setattr(hopper, name, spy)
     return launched
 
 
@@ -118,6 +121,38 @@ def test_plan_is_reused_and_new_mask_gets_a_new_plan(hopper_template):
     other = flexfa.create_block_mask(sliding_40, 1, None, 64, 64, device="cpu")
     flexfa.flex_attention(q, k, v, block_mask=other)
     assert len(hopper._PLANS) == 2
+
+
+def test_cached_plan_is_skipped_when_the_template_or_alignment_changes(hopper_template,
+                                                                       monkeypatch):
+    """run_planned (the cached path) launches a plan only for the template setting it was
+    made under and for 16-byte aligned base pointers; otherwise the call takes the template
+    use_hopper picks, with the same result."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16)
+    hopper._PLANS.clear()
+    first = flexfa.flex_attention(q, k, v, score_mod=softcap)
+    assert flexfa.flex_attention(q, k, v, score_mod=softcap) is not None
+    assert len(hopper_template) == 2  # the plan's first launch, then the cached path
+    for setting in ("ampere", "auto"):  # on the CPU "auto" is the Ampere-class template
+        monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", setting)
+        ampere = flexfa.flex_attention(q, k, v, score_mod=softcap)
+        assert len(hopper_template) == 2
+        torch.testing.assert_close(ampere, first, atol=2e-3, rtol=2e-3)
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # 2-byte offset
+    shifted.copy_(q)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    assert hopper.run_planned(shifted, k, v, _call(softcap), False) is None
+    torch.testing.assert_close(flexfa.flex_attention(shifted, k, v, score_mod=softcap), first,
+                               atol=2e-3, rtol=2e-3)
+    assert len(hopper_template) == 2
+
+
+def _call(score_mod):
+    from flexfa.runtime.forward import AttentionCall
+    from flexfa.runtime.options import DEFAULT_OPTIONS
+    from flexfa.runtime.pipeline import prepare_score_mod
+    return AttentionCall(prepare_score_mod(score_mod), None, None, 32 ** -0.5, DEFAULT_OPTIONS, 1)
 
 
 @pytest.mark.parametrize("make, expected", [
