@@ -34,7 +34,9 @@ if [ "$PART" = v ]; then
   step hopper 40 python -m pytest -m gpu -q -rxX -p no:cacheprovider tests/gpu/test_hopper_gpu.py
   step fp8 40 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
   step dispatch 40 python benchmarks/dispatch_overhead.py
+  step host_costs 60 python benchmarks/host_costs.py
   tail -n 3 "$OUT/dispatch.log"
+  tail -n 8 "$OUT/host_costs.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

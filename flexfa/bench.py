@@ -51,6 +51,25 @@ def _variants(S: int, H: int, device):
             "document": (None, document_causal), "prefix": (None, prefix_lm)}
 
 
+def source_digest() -> str:
+    """sha256 over flexfa's own files (package-relative path and bytes of every .py and
+    .tmpl), which names the code that ran even where the commit cannot be trusted (a copy of
+    the tree whose git metadata is stale reports the wrong commit)."""
+    import hashlib
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".tmpl")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    digest.update(f.read() + b"\0")
+    return digest.hexdigest()
+
+
 def _versions() -> dict:
     import torch
     import triton
@@ -67,7 +86,8 @@ def _versions() -> dict:
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__,
             "flexfa": flexfa.__version__, "python": platform.python_version(),
-            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            "commit": commit, "source_digest": source_digest(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 
 def _ceilings():

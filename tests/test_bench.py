@@ -1,6 +1,8 @@
 """The benchmark's arithmetic (speedups, geometric means, table) on synthetic rows; the timed
 part needs a GPU and runs on the H200 (``python -m flexfa bench``)."""
 import math
+import os
+import shutil
 
 from flexfa import bench
 
@@ -30,3 +32,17 @@ def test_rows_with_errors_are_left_out_of_the_summary(capsys):
     assert result["summary"] == {}
     bench.print_table(result)
     assert "alibi" in capsys.readouterr().out
+
+
+def test_source_digest_names_the_package_files(tmp_path, monkeypatch):
+    digest = bench.source_digest()
+    assert len(digest) == 64 and digest == bench.source_digest()
+    # a copy of the package with one template byte changed has another digest
+    copy = tmp_path / "flexfa"
+    shutil.copytree(os.path.dirname(bench.__file__), copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(bench, "__file__", str(copy / "bench.py"))
+    assert bench.source_digest() == digest
+    template = next((copy / "codegen" / "templates").glob("*.tmpl"))
+    template.write_text(template.read_text() + "\n")
+    assert bench.source_digest() != digest
