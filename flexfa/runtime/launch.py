@@ -55,7 +55,7 @@ def _attach_c_launch(state: DirectState, n_args: int) -> None:
     launcher = getattr(state.compiled, "_run", None)
     launch = getattr(launcher, "launch", None)
     if launch is None or getattr(launcher, "global_scratch_size", 1) or \
-            getattr(launcher, "profile_scratch_size", 1):
+            getattr(launcher, "profile_scratch_size", 1) or not _known_c_arguments():
         return
     code = getattr(launch, "__code__", None)
     descriptors = ()
@@ -74,6 +74,15 @@ def _attach_c_launch(state: DirectState, n_args: int) -> None:
     state.descriptors = descriptors
     state.prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                     state.compiled.packed_metadata, None, None, None)
+
+
+def _known_c_arguments() -> bool:
+    """The C launch function takes the leading arguments ``prefix`` is built for: grid (3),
+    stream, function, cooperative grid, PDL, two scratch buffers, kernel metadata, launch
+    metadata and two hooks (Triton 3.6's ``_BASE_ARGS_FORMAT``)."""
+    from triton.backends.nvidia import driver
+
+    return getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
 
 
 def _encoded(desc: TensorDescriptor, meta: dict, cache: dict) -> list:

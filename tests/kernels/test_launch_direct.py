@@ -127,6 +127,9 @@ def test_hooks_scratch_and_other_layouts_take_tritons_launcher(encoded, monkeypa
     # global scratch memory, descriptors lowered to pointers, an unknown wrapper: no C launch
     assert _state(_fake_compiled(_Recorder(), scratch=256)).c_launch is None
     assert _state(_fake_compiled(_Recorder(), metas=None)).c_launch is None
+    with monkeypatch.context() as patch:  # a Triton whose C launch takes other arguments
+        patch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOOO")
+        assert _state(_fake_compiled(_Recorder())).c_launch is None
     odd = _fake_compiled(_Recorder())
     odd._run.launch = lambda *args: None
     assert _state(odd).c_launch is None
