@@ -10,27 +10,15 @@ expanded. Microseconds, medians.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 import flexfa
 from flexfa.runtime import backward, hopper, launch
+from host_common import host_us
 
 
 def _us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        torch.cuda._sleep(100_000_000)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
+    return host_us(fn, calls, sleep_cycles=100_000_000)
 
 
 class _Tiny(torch.autograd.Function):

@@ -14,32 +14,13 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
-import flexfa
-from flexfa.bench import _variants
-
-
-def _host_us(fn, steps: int) -> float:
-    """Host microseconds per call of ``fn`` while the GPU is kept busy (median of 5 rounds)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time: the queue never drains
-        start = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        rounds.append((time.perf_counter() - start) / steps * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
+from host_common import host_us, variant_pair
 
 
 def main() -> None:
-    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     S = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
@@ -52,18 +33,14 @@ def main() -> None:
     do = torch.randn_like(q)
     compiled = torch.compile(torch_flex, dynamic=False)
     for name in names:
-        score_mod, mask_mod = _variants(S, H, "cuda")[name]
-        fbm = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
-        tbm = torch_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
-        impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
-                 "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)}
+        impls = variant_pair(name, q, k, v, compiled)[0]
         for label, fn in impls.items():
             def step(fn=fn):
                 fn().backward(do)
                 q.grad = k.grad = v.grad = None
             with torch.no_grad():
-                fwd = _host_us(fn, steps)
-            both = _host_us(step, steps)
+                fwd = host_us(fn, steps)
+            both = host_us(step, steps)
             print(f"{name:9} {label:7} host us per call: fwd {fwd:7.1f}  fwd+bwd {both:7.1f}",
                   flush=True)
             if label != "flexfa":

@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flexfa
-from flexfa.bench import _variants
+from host_common import variant_pair
 
 def _timeline(step, label: str) -> None:
     cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
@@ -49,7 +49,6 @@ def _timeline(step, label: str) -> None:
 
 
 def main() -> None:
-    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     from flexfa import autograd as fa_autograd
@@ -73,14 +72,8 @@ def main() -> None:
             stamps.append(time.perf_counter())
             return result
         return staticmethod(wrapper)
-    for name in ("causal", "document", "full", "alibi"):
-        if name not in names:
-            continue
-        score_mod, mask_mod = _variants(S, H, "cuda")[name]
-        fbm = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
-        tbm = torch_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
-        impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
-                 "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)}
+    for name in names:
+        impls, score_mod, fbm = variant_pair(name, q, k, v, compiled)
         for label, fn in impls.items():
             def step(fn=fn):
                 q.grad = k.grad = v.grad = None
