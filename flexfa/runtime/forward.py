@@ -201,6 +201,14 @@ def buffer_launch_args(traced: TracedMod | None) -> list:
     return args
 
 
+def allocate_outputs(q, v, return_lse: bool) -> tuple:
+    """Empty (out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 or None)."""
+    B, Hq, L, _ = q.shape
+    out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse
+
+
 def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
     """(out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 natural log, or None)."""
     hopper = _hopper()  # sm_90: the Hopper template
@@ -208,9 +216,8 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
     if planned is not None:
         return planned
     B, Hq, L, _ = q.shape
-    S, Ev = k.shape[2], v.shape[3]
-    out = torch.empty(B, Hq, L, Ev, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
+    S = k.shape[2]
+    out, lse = allocate_outputs(q, v, return_lse)
     if out.numel() == 0:
         if lse is not None:
             lse.fill_(float("-inf"))

@@ -22,8 +22,8 @@ from ..frontend.trace import TracedMod
 from . import autotune
 from .cache import register_memo
 from .debug import log
-from .forward import (AttentionCall, _largest_tile, _table_args, buffer_launch_args,
-                      generated_kernel, target_of)
+from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
+                      buffer_launch_args, generated_kernel, target_of)
 from .launch import TrustedDescriptor, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
@@ -237,36 +237,22 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
     plan = _PLANS.get(_plan_key(q, k, v, call, return_lse, template))
     if plan is None or plan.block_mask is not call.block_mask:
         return None
-    B, Hq, L, _ = q.shape
-    out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = allocate_outputs(q, v, return_lse)
     _launch_plan(plan, q, k, v, out, lse, call)
     return out, lse
 
 
-def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out=None, lse=None):
-    """(out, lse) as ``flexfa.runtime.forward.run_forward``, through the Hopper template;
-    ``out`` (contiguous) and ``lse`` may come preallocated."""
-    B, Hq, L, _ = q.shape
-    if out is None:
-        out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
-    if lse is None and return_lse:
-        lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
-    key = _plan_key(q, k, v, call, return_lse, _template_setting())
-    plan = _PLANS.get(key)
-    if plan is not None and plan.block_mask is call.block_mask:
-        _launch_plan(plan, q, k, v, out, lse, call)
-        return out, lse
+def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse):
+    """(out, lse) as ``flexfa.runtime.forward.run_forward``, through the Hopper template, into
+    the non-empty ``out`` and ``lse`` from ``allocate_outputs``, for a signature without a
+    cached plan (``run_planned`` launches those): picks the tiles, makes the plan, launches it
+    and caches it."""
     target = target_of(q.device)
     config = choose_config(q, k, v, call, return_lse, target, out, lse)
     plan = _first_launch(q, k, v, call, return_lse, target, config, out, lse)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = plan
+    _PLANS[_plan_key(q, k, v, call, return_lse, _template_setting())] = plan
     return out, lse
 
 
