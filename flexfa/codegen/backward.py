@@ -156,9 +156,10 @@ def _joint_key(joint: JointGraph | None) -> str:
 
 
 def _score_code(joint: JointGraph | None, args, with_loads: bool, fast_math: bool = False) -> str:
-    """Statements setting score_mod_out, dscore and (dQ kernel) dload{i}, load{i}_idx{d}."""
+    """Statements setting score_mod_out, log2_scale (score_mod_out * log2_scale is the score
+    in log2 units), dscore and (dQ kernel) dload{i}, load{i}_idx{d} from the raw ``qk``."""
     if joint is None:
-        return "score_mod_out = score"
+        return "score_mod_out = qk\nlog2_scale = sm_scale * 1.4426950408889634"
     roots: list[Node] = [joint.forward, joint.dscore]
     names = ["score_mod_out", "dscore"]
     if with_loads:
@@ -171,11 +172,12 @@ def _score_code(joint: JointGraph | None, args, with_loads: bool, fast_math: boo
     # fast_math (GPU targets): hardware tanh/sigmoid/exp as in the forward; the derivative
     # of tanh reads the forward's tanh value (one tanh.approx per element)
     rendered = render(roots, Leaves(), args, prefix="s", fast_math=fast_math)
-    lines = list(rendered.lines)
+    lines = ["score = qk * sm_scale", *rendered.lines]
     for root, name, value in zip(roots, names, rendered.values):
         if name == "score_mod_out" and needs_tile_broadcast(root):
             value = f"({value}) + tl.full(score.shape, 0.0, tl.float32)"
         lines.append(f"{name} = {value}")
+    lines.append("log2_scale = 1.4426950408889634")
     return "\n".join(lines)
 
 

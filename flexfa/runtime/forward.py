@@ -31,6 +31,13 @@ class AttentionCall:
     options: KernelOptions
     gqa_group: int  # query heads per kv head
 
+    @property
+    def scores_first(self) -> bool:
+        """HAS_SCORE_MOD of the forward kernels: score = q.k * scale is formed before the
+        softmax. Without a score_mod the kernels fold the scale into the softmax's FMA and take
+        the row max of the raw q.k, which needs scale > 0."""
+        return self.score is not None or self.scale <= 0
+
 
 @functools.cache
 def _cuda_target(index: int) -> str:
@@ -152,14 +159,14 @@ def _launch_for(q, k, v, call: AttentionCall, return_lse: bool) -> _Launch:
     mask = call.block_mask
     signature = (q.device, q.dtype, q.shape[2], q.shape[3], k.shape[2], v.shape[3], return_lse,
                  call.gqa_group, call.options, call.score.key if call.score else None,
-                 call.mask.key if call.mask else None,
+                 call.mask.key if call.mask else None, call.scores_first,
                  None if mask is None else (tuple(mask.BLOCK_SIZE),
                                             getattr(mask, "full_kv_num_blocks", None) is None))
     launch = _LAUNCHES.get(signature)
     if launch is None:
         spec = forward_spec(q, k, v, call, return_lse)
         kernel = get_forward_kernel(spec, call.score, call.mask)
-        kwargs = {**spec.constexprs(call.score is not None), **spec.launch_options()}
+        kwargs = {**spec.constexprs(call.scores_first), **spec.launch_options()}
         launch = _LAUNCHES[signature] = _Launch(spec, kernel, kwargs, spec.block_m)
     return launch
 

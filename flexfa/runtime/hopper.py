@@ -158,7 +158,7 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
                    _geometry(v, spec.block_n, spec.head_dim_v_pad))
     out_strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1)  # a fresh contiguous out
     return _Plan(spec, kernel, (triton.cdiv(L, spec.block_m), B * Hq, 1), fixed,
-                 spec.constexprs(call.score is not None), call.block_mask, descriptors,
+                 spec.constexprs(call.scores_first), call.block_mask, descriptors,
                  out_strides)
 
 
@@ -219,7 +219,7 @@ def _plan_key(q, k, v, call: AttentionCall, return_lse: bool, template: str) -> 
             return_lse, call.score.key if call.score else None,
             call.mask.key if call.mask else None, id(call.block_mask), call.options,
             call.gqa_group, tuple((t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
-            template)
+            template, call.scores_first)
 
 
 def _template_setting() -> str:

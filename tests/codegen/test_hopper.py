@@ -86,6 +86,19 @@ def test_lazy_rescale_matches_reference(hopper_template, monkeypatch):
     check_forward(q, k, v, softcap, causal, block_mask)
 
 
+@pytest.mark.parametrize("template", ["ampere", "hopper"])
+@pytest.mark.parametrize("scale", [0.0, -0.4])
+def test_scale_at_or_below_zero_without_score_mod(template, scale, monkeypatch):
+    # without a score_mod the kernels take the row max of the raw q.k and fold the scale into
+    # exp2's FMA; that needs scale > 0, so a scale <= 0 must take the scores-first path (a
+    # masked -inf times 0 would be NaN, and a negative scale would turn the max into a min)
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.float16, seed=9)
+    mask = flexfa.create_block_mask(causal, 1, None, 100, 100, device="cpu")
+    check_forward(q, k, v, None, causal, mask, scale=scale)
+    check_forward(q, k, v, None, None, None, scale=scale)
+
+
 def test_hopper_equals_ampere_template(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 100, 232, 64, dtype=torch.bfloat16, seed=3)
     block_mask = flexfa.create_block_mask(causal, 1, None, 100, 232, device="cpu")

@@ -102,6 +102,15 @@ def test_strided_inputs():
                    create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=32))
 
 
+@pytest.mark.parametrize("scale", [-0.6, 0.0, 0.2])
+def test_scale_of_any_sign_without_score_mod(scale):
+    # without a score_mod the kernels fold scale * log2(e) into exp2's FMA on the raw q.k
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=8)
+    check_backward(q, k, v, None, mods.causal,
+                   create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=32),
+                   scale=scale, kernel_options=TILES)
+
+
 def test_block_tables_without_full_blocks_and_wide_mask_blocks():
     """Only partial tables (mask code on every tile), blocks larger than the kernel tiles."""
     q, k, v = make_qkv(B, H, H, L, S, E, seed=5)
