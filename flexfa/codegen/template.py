@@ -17,7 +17,7 @@ _BLOCK_HOOK = re.compile(r"^([ \t]*)\{\{([A-Z_][A-Z0-9_]*)\}\}[ \t]*$", re.MULTI
 @functools.cache
 def load_template(name: str) -> str:
     """The text of ``flexfa/codegen/templates/<name>``."""
-    return resources.files("flexfa.codegen").joinpath("templates", name).read_text()
+    return resources.files(__package__).joinpath("templates", name).read_text()
 
 
 def template_hash(*names: str) -> str:

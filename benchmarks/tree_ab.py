@@ -1,0 +1,100 @@
+"""A/B of two flexfa source trees in one process on the benchmark's inputs (H200 runs).
+
+``python benchmarks/tree_ab.py --old PATH [--cases 128:16384:causal,...] [--rounds 3]``
+imports this checkout's ``flexfa`` and the tree at ``PATH`` (a directory holding a
+``flexfa`` package, e.g. a ``git worktree`` of an older commit) as ``flexfa_old``, checks
+that both give the same outputs and gradients (relative L2 error), then times forward and
+forward + backward of each case with ``triton.testing.do_bench`` (median), alternating
+old / new for ``--rounds`` rounds, and prints per case the median over rounds and the ratio
+old / new (> 1: this checkout is faster). Generated kernels of the two trees have different
+names (their template hashes differ), so they share one kernel cache and one tuning file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import flexfa
+from flexfa.bench import _relerr, _time, _variants
+
+
+def load_tree(path: str, name: str = "flexfa_old"):
+    """The ``flexfa`` package under ``path`` imported as ``name`` (its imports are relative)."""
+    init = Path(path) / "flexfa" / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"--old {path}: no flexfa/__init__.py there")
+    spec = importlib.util.spec_from_file_location(name, init,
+                                                  submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_cases(text: str) -> list[tuple[int, int, str]]:
+    cases = []
+    for item in text.split(","):
+        dim, seq, variant = item.split(":")
+        cases.append((int(dim), int(seq), variant))
+    return cases
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True)
+    parser.add_argument("--cases", default="128:16384:causal,128:16384:full,128:16384:softcap,"
+                        "64:2048:causal,64:8192:sliding,64:2048:full")
+    parser.add_argument("--passes", default="fwd,fwd+bwd")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep", type=int, default=40)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=16384)
+    args = parser.parse_args(argv)
+    old = load_tree(args.old)
+    trees = {"old": old, "new": flexfa}
+    rows = []
+    for dim, seq, variant in parse_cases(args.cases):
+        B, H = max(1, args.tokens // seq), args.heads
+        score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
+        q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        fns = {}
+        for label, lib in trees.items():
+            mask = lib.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+            fns[label] = (lambda lib=lib, mask=mask:
+                          lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask))()
+        for bwd in [p == "fwd+bwd" for p in args.passes.split(",")]:
+            do = torch.randn_like(q)
+            results = {}
+            for label, fn in fns.items():
+                out = fn(q, k, v)
+                grads = torch.autograd.grad(out, (q, k, v), do) if bwd else ()
+                results[label] = [out.detach(), *grads]
+            errors = [_relerr(a, b) for a, b in zip(results["new"], results["old"])]
+            times = {"old": [], "new": []}
+            for _ in range(args.rounds):
+                for label, fn in fns.items():
+                    times[label].append(_time(fn, q, k, v, bwd, args.rep))
+            row = {"dim": dim, "seq": seq, "variant": variant, "pass": "fwd+bwd" if bwd else "fwd",
+                   "old_ms": statistics.median(times["old"]),
+                   "new_ms": statistics.median(times["new"]), "times": times,
+                   "max_relerr": max(errors)}
+            row["speedup"] = row["old_ms"] / row["new_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'pass':>8} {'old ms':>8} {'new ms':>8} "
+          f"{'old/new':>8} {'relerr':>8}")
+    for r in rows:
+        print(f"{r['dim']:>4} {r['seq']:>6} {r['variant']:>8} {r['pass']:>8} {r['old_ms']:8.3f} "
+              f"{r['new_ms']:8.3f} {r['speedup']:8.3f} {r['max_relerr']:8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
