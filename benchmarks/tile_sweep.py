@@ -1,0 +1,125 @@
+"""Forward tile sweep on the H200 with occupancy: which configs give two programs per SM.
+
+``python benchmarks/tile_sweep.py [--cases 128:16384:causal,...] [--configs E=bm,bn,w,s[,maxnreg];...]``
+
+For each case (head dim, sequence length, benchmark variant; B * S = 16384 tokens, 16 heads,
+bf16) and each forward config pinned through ``kernel_options`` (plus an optional register cap,
+``maxnreg``, passed to Triton as a compile option), prints the median forward time
+(``triton.testing.do_bench``), the compiled kernel's registers, spills and shared
+memory, and how many programs fit on one SM by registers and by shared memory. The first config
+of a head dim is the reference: every other output is compared with it (relative L2 error).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+import flexfa
+from flexfa.bench import _variants
+from flexfa.codegen.spec import KernelSpec
+from flexfa.runtime import hopper
+
+DEFAULT_CONFIGS = {
+    128: [(128, 128, 8, 2, None), (128, 128, 8, 3, None), (128, 64, 8, 2, None),
+          (128, 64, 8, 2, 128), (128, 64, 8, 2, 168), (128, 128, 8, 2, 168)],
+    64: [(128, 128, 4, 3, None), (128, 128, 4, 2, None), (128, 128, 8, 3, None),
+         (128, 128, 8, 2, 128), (128, 128, 8, 3, 128), (128, 64, 8, 2, None)],
+}
+_MAXNREG: list = [None]
+_launch_options = KernelSpec.launch_options
+
+
+def _capped_launch_options(self) -> dict:
+    options = _launch_options(self)
+    if _MAXNREG[0]:
+        options["maxnreg"] = _MAXNREG[0]
+    return options
+
+
+def parse_configs(text: str) -> dict:
+    configs = {}
+    for part in text.split(";"):
+        dim, values = part.split("=")
+        fields = [int(x) if x not in ("", "-") else None for x in values.split(",")]
+        configs.setdefault(int(dim), []).append(tuple(fields + [None] * (5 - len(fields))))
+    return configs
+
+
+def occupancy(compiled, warps: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(0)
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = props.regs_per_multiprocessor // (regs_per_warp * warps)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem_sm // (compiled.metadata.shared + 1024)
+    return by_regs, by_smem
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="128:16384:causal,128:16384:full,64:2048:causal,"
+                        "64:16384:full")
+    parser.add_argument("--configs", default=None)
+    parser.add_argument("--rep", type=int, default=50)
+    args = parser.parse_args(argv)
+    configs = parse_configs(args.configs) if args.configs else DEFAULT_CONFIGS
+    KernelSpec.launch_options = _capped_launch_options
+    rows = []
+    for case in args.cases.split(","):
+        dim, seq, variant = case.split(":")
+        dim, seq = int(dim), int(seq)
+        B, H = max(1, 16384 // seq), 16
+        score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
+        q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        mask = flexfa.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+        reference = None
+        for bm, bn, warps, stages, maxnreg in configs[dim]:
+            _MAXNREG[0] = maxnreg
+            hopper._PLANS.clear()
+            options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            row = {"dim": dim, "seq": seq, "variant": variant, "config": [bm, bn, warps, stages],
+                   "maxnreg": maxnreg}
+            try:
+                def fn():
+                    return flexfa.flex_attention(q, k, v, score_mod, mask, kernel_options=options)
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a config that does not compile or fit: reported
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            if reference is None:
+                reference = out
+            row["relerr"] = float((out.double() - reference.double()).norm()
+                                  / reference.double().norm())
+            row["ms"] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
+            plan = next(iter(hopper._PLANS.values()))
+            compiled = plan.direct.compiled if plan.direct is not None else None
+            if compiled is not None:
+                row.update(regs=compiled.n_regs, spills=compiled.n_spills,
+                           smem=compiled.metadata.shared)
+                row["per_sm_regs"], row["per_sm_smem"] = occupancy(compiled, warps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    _MAXNREG[0] = None
+    print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'config':>16} {'maxnreg':>7} {'ms':>7} "
+          f"{'regs':>5} {'spill':>5} {'smem':>7} {'CTA/SM r,s':>10} {'relerr':>8}")
+    for r in rows:
+        cfg = ",".join(map(str, r["config"]))
+        if "error" in r:
+            print(f"{r['dim']:>4} {r['seq']:>6} {r['variant']:>8} {cfg:>16} {r['maxnreg'] or '-':>7} "
+                  f"{r['error']}")
+            continue
+        print(f"{r['dim']:>4} {r['seq']:>6} {r['variant']:>8} {cfg:>16} {r['maxnreg'] or '-':>7} "
+              f"{r['ms']:7.3f} {r.get('regs', '-'):>5} {r.get('spills', '-'):>5} "
+              f"{r.get('smem', '-'):>7} {str(r.get('per_sm_regs', '-')) + ',' + str(r.get('per_sm_smem', '-')):>10} "
+              f"{r['relerr']:8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
