@@ -12,7 +12,8 @@ import hashlib
 from ..frontend.trace import TracedMod
 from . import compile_check
 from .forward import GeneratedKernel, mod_hooks, tables_and_mods_signature
-from .spec import INTERPRET, forward_constexprs, kernel_name, next_power_of_two, spec_key
+from .spec import (INTERPRET, forward_constexprs, kernel_name, launch_options, next_power_of_two,
+                   spec_key)
 from .template import fill, load_template, template_hash
 from .versions import versions_key
 
@@ -48,6 +49,7 @@ class FP8KernelSpec:
     exp_f16: bool = False  # P's exp2 in float16, two per instruction (ex2.approx.f16x2)
     template: str = "fwd_fp8"
     dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
+    max_registers: int = 0  # Triton's maxnreg, from kernel_options (0: none)
 
     def __post_init__(self):
         assert self.out_dtype in ("bf16", "fp16"), self.out_dtype
@@ -76,7 +78,7 @@ class FP8KernelSpec:
             USE_TMA=self.use_tma, EXP_F16=self.exp_f16)
 
     def launch_options(self) -> dict[str, int]:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return launch_options(self)
 
 
 def fp8_forward_key(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:

@@ -68,7 +68,7 @@ def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod 
 
 def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
-               return_lse: bool = True):
+               return_lse: bool = True, max_registers: int = 0):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
     def build(arch: int):
         from .compile_check import kernel_job, traced_mods
@@ -79,7 +79,8 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
-                          target=f"cuda:{arch}", template=HOPPER_TEMPLATE)
+                          target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
+                          max_registers=max_registers)
         return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
     return build
 
@@ -99,6 +100,10 @@ def _register_compile_checks() -> None:
     check.register("fwd_hopper_d128_bf16_causal", hopper_job(128, "bf16", mask_mod=causal),
                    archs=(90,))
     check.register("fwd_hopper_d64_bf16_dense", hopper_job(64, "bf16", return_lse=False),
+                   archs=(90,))
+    # the tuned defaults with a register cap (two programs per SM)
+    check.register("fwd_hopper_d128_bf16_causal_128x64_r128",
+                   hopper_job(128, "bf16", mask_mod=causal, block_n=64, max_registers=128),
                    archs=(90,))
     check.register("fwd_hopper_d128_fp16_softcap_causal",
                    hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal), archs=(90,))

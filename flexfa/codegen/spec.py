@@ -46,6 +46,9 @@ class KernelSpec:
     input_precision: str  # "ieee" | "tf32"
     target: str
     template: str = "fwd"
+    # Triton's maxnreg (0: none): a cap of 128 lets two 8-warp programs share an SM (H200:
+    # 65536 registers), so one program's softmax overlaps the other's GEMMs
+    max_registers: int = 0
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
@@ -77,7 +80,16 @@ class KernelSpec:
                     INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
 
     def launch_options(self) -> dict[str, int]:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return launch_options(self)
+
+
+def launch_options(spec) -> dict[str, int]:
+    """Triton compile options of a forward spec: warps, stages and, on a GPU, the register cap
+    (``max_registers``; the interpreter has no registers to cap)."""
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    if spec.max_registers and not spec.interpret:
+        options["maxnreg"] = spec.max_registers
+    return options
 
 
 def forward_constexprs(spec, has_score_mod: bool) -> dict[str, object]:

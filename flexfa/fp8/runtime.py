@@ -109,7 +109,8 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
     return FP8KernelSpec(
         out_dtype=DTYPE_NAMES[x.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m,
         block_n=block_n, num_warps=options.num_warps or warps,
-        num_stages=options.num_stages or stages, has_block_mask=mask is not None,
+        num_stages=options.num_stages or stages, max_registers=options.max_registers or 0,
+        has_block_mask=mask is not None,
         has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,

@@ -19,15 +19,20 @@ from collections.abc import Callable
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry is the default when not tuning.
-# Pruned by hand on the H200: 128-row tiles fill two wgmma warpgroups, BLOCK_N = 128 keeps a
-# block-mask block one loop iteration, 64 halves the registers for wide heads.
-HOPPER_CONFIGS: dict[int, tuple[tuple[int, int, int, int], ...]] = {
-    16: ((128, 128, 4, 3), (128, 64, 4, 3)),
-    32: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)),
-    64: ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)),
-    128: ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)),
-    256: ((128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg); the first entry is the default when not
+# tuning. Pruned by hand on the H200: 128-row tiles fill two wgmma warpgroups, BLOCK_N = 128
+# keeps a block-mask block one loop iteration, 64 halves the registers for wide heads. A cap of
+# 128 registers (maxnreg, 0: none) with 2 stages fits two 8-warp programs on an SM, whose
+# softmax and GEMMs then overlap: benchmarks/tile_sweep.py on the H200, causal S = 16384,
+# E = 128: 2.21 ms at 128 x 64 capped against 2.36 ms for the uncapped 128 x 128 (E = 64
+# causal S = 2048: 0.215 against 0.231 ms), docs/performance.md.
+HOPPER_CONFIGS: dict[int, tuple[tuple[int, int, int, int, int], ...]] = {
+    16: ((128, 128, 4, 3, 0), (128, 64, 4, 3, 0)),
+    32: ((128, 128, 4, 3, 0), (128, 128, 8, 3, 0), (128, 64, 4, 3, 0)),
+    64: ((128, 128, 8, 2, 128), (128, 128, 4, 3, 0), (128, 128, 8, 3, 0), (128, 64, 4, 3, 0),
+         (128, 128, 4, 2, 0)),
+    128: ((128, 64, 8, 2, 128), (128, 128, 8, 2, 0), (128, 128, 8, 3, 0), (128, 64, 8, 3, 0)),
+    256: ((128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)),
 }
 
 # below this many score elements (B * H * L * S) a launch is mostly overhead and timing it
@@ -109,7 +114,8 @@ def store(key: str, config: tuple[int, ...], timings: dict) -> None:
 
 
 def forward_label(config) -> str:
-    return "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
+    label = "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
+    return label + (f" r{config[4]}" if len(config) > 4 and config[4] else "")
 
 
 def tune(key: str, configs, time_config: Callable[[tuple], float],
@@ -154,10 +160,18 @@ class Pinned:
     block_n: int | None
     num_warps: int | None
     num_stages: int | None
+    max_registers: int | None = None
 
     @property
     def any(self) -> bool:
         return any(v is not None for v in dataclasses.astuple(self))
 
-    def apply(self, config: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    def apply(self, config: tuple[int, ...]) -> tuple[int, ...]:
+        """``config`` with the pinned fields replaced (as long as ``config``: the backward's
+        configs have no register cap)."""
         return tuple(p if p is not None else c for p, c in zip(dataclasses.astuple(self), config))
+
+    @classmethod
+    def of(cls, options) -> "Pinned":
+        return cls(options.block_m, options.block_n, options.num_warps, options.num_stages,
+                   options.max_registers)

@@ -116,7 +116,8 @@ def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
         has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
-        input_precision=call.options.fp32_precision, target=target)
+        input_precision=call.options.fp32_precision, target=target,
+        max_registers=call.options.max_registers or 0)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})

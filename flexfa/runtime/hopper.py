@@ -30,7 +30,7 @@ HOPPER_TARGETS = ("cuda:90",)
 # wider heads keep the Ampere template: at E = 256 this one compiles (196 KB of shared memory)
 # but spills about 600 bytes and was never measured on the H200
 HOPPER_MAX_HEAD_DIM = 128
-_INTERPRET_CONFIG = (64, 64, 4, 1)
+_INTERPRET_CONFIG = (64, 64, 4, 1, 0)
 
 
 def _flat_rows(t: torch.Tensor) -> bool:
@@ -76,20 +76,20 @@ def _fits(config, sparse_q: int | None, sparse_kv: int | None) -> bool:
     return sparse_q is None or (sparse_q % block_m == 0 and sparse_kv % block_n == 0)
 
 
-def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, int, int, int]]:
+def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, ...]]:
     configs = autotune.HOPPER_CONFIGS[max(16, min(256, head_dim_pad))]
     fitted = [c for c in configs if _fits(c, sparse_q, sparse_kv)]
     if fitted:
         return fitted
     # a block mask with small blocks: shrink the default's tiles to divide them
-    block_m, block_n, warps, stages = configs[0]
+    block_m, block_n, warps, stages, _ = configs[0]
     return [(min(block_m, _largest_tile(sparse_q)), min(block_n, _largest_tile(sparse_kv)),
-             4, stages)]
+             4, stages, 0)]
 
 
 def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config) -> KernelSpec:
     L, E, S, Ev = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
-    block_m, block_n, warps, stages = config
+    block_m, block_n, warps, stages, max_registers = config
     mask = call.block_mask
     if mask is not None:
         sparse_q, sparse_kv = (int(b) for b in mask.BLOCK_SIZE)
@@ -106,7 +106,8 @@ def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config) -
         # a block, and a sub-tile past S would read the next head's rows unmasked
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
-        input_precision=call.options.fp32_precision, target=target, template=HOPPER_TEMPLATE)
+        input_precision=call.options.fp32_precision, target=target, template=HOPPER_TEMPLATE,
+        max_registers=max_registers)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -183,16 +184,15 @@ def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
 def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, out, lse):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): pinned, stored, tuned now, or the default."""
     options = call.options
-    pinned = autotune.Pinned(options.block_m, options.block_n, options.num_warps,
-                             options.num_stages)
+    pinned = autotune.Pinned.of(options)
     mask = call.block_mask
     sparse = tuple(int(b) for b in mask.BLOCK_SIZE) if mask is not None else (None, None)
     if target == "interpret":  # fixed tiles: the interpreter's cost is per tile
-        block_m, block_n, warps, stages = _INTERPRET_CONFIG
+        block_m, block_n, warps, stages, cap = _INTERPRET_CONFIG
         if mask is not None:
             block_m, block_n = (min(block_m, _largest_tile(sparse[0])),
                                 min(block_n, _largest_tile(sparse[1])))
-        return pinned.apply((block_m, block_n, warps, stages))
+        return pinned.apply((block_m, block_n, warps, stages, cap))
     e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
     candidates = _candidates(max(e_pad, ev_pad), *sparse)
     work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
@@ -259,13 +259,13 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse)
 def _smaller_configs(config, pinned: autotune.Pinned):
     """``config``, then one pipeline stage less at a time, then half the key tile: what to try
     when the GPU cannot hold the one before. Fields the caller pinned stay as they are."""
-    block_m, block_n, warps, stages = config
+    block_m, block_n, warps, stages, cap = config
     yield config
     if pinned.num_stages is None:
         for fewer in range(stages - 1, 0, -1):
-            yield block_m, block_n, warps, fewer
+            yield block_m, block_n, warps, fewer, cap
     if pinned.block_n is None and block_n > 32:
-        yield block_m, block_n // 2, warps, 1 if pinned.num_stages is None else stages
+        yield block_m, block_n // 2, warps, 1 if pinned.num_stages is None else stages, cap
 
 
 def _first_launch(q, k, v, call: AttentionCall, return_lse: bool, target: str, config,
@@ -275,8 +275,7 @@ def _first_launch(q, k, v, call: AttentionCall, return_lse: bool, target: str, c
     (H200, E = 64, 3 stages: 245,816 bytes of 232,448): such a config falls back to smaller
     ones instead of failing the call."""
     options = call.options
-    pinned = autotune.Pinned(options.block_m, options.block_n, options.num_warps,
-                             options.num_stages)
+    pinned = autotune.Pinned.of(options)
     error = None
     for tried in _smaller_configs(config, pinned):
         plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, tried))

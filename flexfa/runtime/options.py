@@ -12,6 +12,8 @@ ALLOWED = {
     "BLOCK_N": ("block_n", "key columns per tile: a power of two, 16..256"),
     "num_warps": ("num_warps", "warps per program: 1, 2, 4, 8 or 16"),
     "num_stages": ("num_stages", "software-pipelining stages: 1..8"),
+    "maxnreg": ("max_registers", "register cap per thread of the forward kernel (Triton's "
+                "maxnreg): 0 for none, or a multiple of 8 from 64 to 248"),
     "fp32_precision": ("fp32_precision", "tl.dot precision of fp32 inputs: 'ieee' or 'tf32'"),
     "deterministic": ("deterministic", "bit-identical gradients across runs (fixed-point "
                       "atomics for captured-tensor gradients)"),
@@ -26,6 +28,7 @@ class KernelOptions:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    max_registers: int | None = None  # 0: no cap
     fp32_precision: str = "ieee"
     deterministic: bool = False
 
@@ -48,6 +51,7 @@ _CHECKS = {
     "BLOCK_N": lambda key, v: _int_option(key, v, (16, 32, 64, 128, 256)),
     "num_warps": lambda key, v: _int_option(key, v, (1, 2, 4, 8, 16)),
     "num_stages": lambda key, v: _int_option(key, v, range(1, 9)),
+    "maxnreg": lambda key, v: _int_option(key, v, (0, *range(64, 249, 8))),
 }
 
 

@@ -240,6 +240,26 @@ def test_sm90_hopper_kernel_has_wgmma_tma_and_fast_tanh():
         assert result.spill_bytes == 0
 
 
+def test_sm90_register_cap_reaches_ptxas():
+    from flexfa.codegen.compile_check import compile_job
+    from flexfa.codegen.hopper import hopper_job
+
+    capped = compile_job("capped", 90, hopper_job(128, "bf16", mask_mod=causal, block_n=64,
+                                                  max_registers=128))
+    assert capped.ok, capped.error
+    assert ".maxnreg 128" in capped.ptx and capped.wgmma
+    if capped.registers is not None:
+        assert capped.registers <= 128
+
+
+def test_pinned_register_cap_runs_under_the_interpreter(hopper_template):
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.bfloat16, seed=2)
+    mask = flexfa.create_block_mask(causal, 1, None, 100, 100, device="cpu")
+    check_forward(q, k, v, softcap, causal, mask, kernel_options={"maxnreg": 128})
+    (plan,) = [p for p in hopper._PLANS.values() if p.spec.max_registers]
+    assert plan.spec.max_registers == 128 and hopper_template
+
+
 def _out_of_shared_memory_above(monkeypatch, max_stages: int, max_block_n: int = 1024):
     """Make launches with more stages (or wider key tiles) than given fail as a GPU whose
     shared memory is too small does (Triton's OutOfResources at the first launch)."""
@@ -254,7 +274,7 @@ def _out_of_shared_memory_above(monkeypatch, max_stages: int, max_block_n: int =
             raise OutOfResources(245816, 232448, "shared memory")
         return original(plan, *args)
     monkeypatch.setattr(hopper, "_launch_plan", launch)
-    monkeypatch.setattr(hopper, "choose_config", lambda *a: (64, 64, 4, 3))
+    monkeypatch.setattr(hopper, "choose_config", lambda *a: (64, 64, 4, 3, 0))
     return tried
 
 

@@ -109,11 +109,13 @@ def _call(options=KernelOptions()):
 def test_interpreter_and_pinned_options_never_tune(monkeypatch):
     monkeypatch.setattr(autotune, "tune", lambda *a: pytest.fail("tuned"))
     q = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert hopper.choose_config(q, q, q, _call(), False, "interpret", None, None) == (64, 64, 4, 1)
+    assert hopper.choose_config(q, q, q, _call(), False, "interpret", None, None) == (
+        64, 64, 4, 1, 0)
     big = torch.empty(16, 16, 2048, 128, dtype=torch.bfloat16)  # never touched: no launch
-    pinned = _call(KernelOptions(block_m=64, num_stages=4))
+    pinned = _call(KernelOptions(block_m=64, num_stages=4, max_registers=0))
+    default = autotune.HOPPER_CONFIGS[128][0]
     assert hopper.choose_config(big, big, big, pinned, False, "cuda:90", None, None) == (
-        64, 128, 8, 4)
+        64, default[1], default[2], 4, 0)
     monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
     assert hopper.choose_config(big, big, big, _call(), False, "cuda:90", None, None) == (
         autotune.HOPPER_CONFIGS[128][0])
@@ -128,7 +130,29 @@ def test_small_problems_use_the_default_without_timing(monkeypatch):
 
 def test_candidates_fit_small_mask_blocks():
     assert all(c[0] <= 64 and c[1] <= 64 for c in hopper._candidates(128, 64, 64))
-    assert hopper._candidates(128, 32, 16) == [(32, 16, 4, 2)]
+    assert hopper._candidates(128, 32, 16) == [(32, 16, 4, 2, 0)]
+
+
+def test_register_cap_is_a_tuned_field_a_pin_and_a_launch_option():
+    from flexfa.codegen.spec import KernelSpec
+    from flexfa.runtime.options import parse_kernel_options
+
+    assert all(len(c) == 5 for configs in autotune.HOPPER_CONFIGS.values() for c in configs)
+    assert autotune.forward_label((128, 64, 8, 2, 128)) == "128x64 w8 s2 r128"
+    assert autotune.forward_label((128, 64, 8, 2, 0)) == "128x64 w8 s2"
+    assert parse_kernel_options({"maxnreg": 168}).max_registers == 168
+    for bad in (100, 256, 32):
+        with pytest.raises(flexfa.InputError, match="maxnreg"):
+            parse_kernel_options({"maxnreg": bad})
+    fields = dict(dtype="bf16", head_dim=64, head_dim_v=64, block_m=128, block_n=128,
+                  num_warps=8, num_stages=2, has_block_mask=False, has_full_blocks=False,
+                  sparse_q=128, sparse_kv=128, even_l=True, even_s=True, return_lse=False,
+                  gqa_group=1, input_precision="ieee", max_registers=128)
+    assert KernelSpec(**fields, target="cuda:90").launch_options()["maxnreg"] == 128
+    # the interpreter has no registers to cap; no cap, no option
+    assert "maxnreg" not in KernelSpec(**fields, target="interpret").launch_options()
+    assert "maxnreg" not in KernelSpec(**{**fields, "max_registers": 0},
+                                       target="cuda:90").launch_options()
 
 
 def test_backward_tiles_on_sm90_are_the_measured_ones():
