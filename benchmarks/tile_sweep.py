@@ -8,6 +8,8 @@ bf16) and each forward config pinned through ``kernel_options`` (plus an optiona
 (``triton.testing.do_bench``), the compiled kernel's registers, spills and shared
 memory, and how many programs fit on one SM by registers and by shared memory. The first config
 of a head dim is the reference: every other output is compared with it (relative L2 error).
+``--fp8`` times the FP8 forward (``flex_attention_fp8`` on pre-quantized inputs) per config
+instead, next to the tuned bf16 forward.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ DEFAULT_CONFIGS = {
     64: [(128, 128, 4, 3, None), (128, 128, 4, 2, None), (128, 128, 8, 3, None),
          (128, 128, 8, 2, 128), (128, 128, 8, 3, 128), (128, 64, 8, 2, None)],
 }
+FP8_CONFIGS = {128: [(128, 128, 8, 3, None), (128, 128, 8, 2, None), (64, 128, 4, 2, None),
+                     (64, 128, 4, 3, None), (64, 64, 4, 3, None)]}
 _MAXNREG: list = [None]
 _launch_options = KernelSpec.launch_options
 
@@ -63,7 +67,12 @@ def main(argv=None) -> int:
                         "64:16384:full")
     parser.add_argument("--configs", default=None)
     parser.add_argument("--rep", type=int, default=50)
+    parser.add_argument("--fp8", action="store_true",
+                        help="time the FP8 forward (pre-quantized inputs) at each config, next "
+                        "to the tuned bf16 forward (no occupancy columns)")
     args = parser.parse_args(argv)
+    if args.fp8:
+        return fp8_sweep(args, parse_configs(args.configs) if args.configs else FP8_CONFIGS)
     configs = parse_configs(args.configs) if args.configs else DEFAULT_CONFIGS
     KernelSpec.launch_options = _capped_launch_options
     rows = []
@@ -118,6 +127,53 @@ def main(argv=None) -> int:
               f"{r['ms']:7.3f} {r.get('regs', '-'):>5} {r.get('spills', '-'):>5} "
               f"{r.get('smem', '-'):>7} {str(r.get('per_sm_regs', '-')) + ',' + str(r.get('per_sm_smem', '-')):>10} "
               f"{r['relerr']:8.1e}")
+    return 0
+
+
+def fp8_sweep(args, configs) -> int:
+    """The FP8 kernel at each config (kernel_options, maxnreg included) against flexfa's bf16
+    forward at its tuned tiles, on the same inputs; prints ms and bf16 / fp8."""
+    from flexfa.fp8 import flex_attention_fp8, quantize
+
+    print(f"{'E':>4} {'S':>6} {'variant':>8} {'config':>16} {'maxnreg':>7} {'fp8 ms':>7} "
+          f"{'bf16 ms':>7} {'bf16/fp8':>8} {'relerr':>8}")
+    for case in args.cases.split(","):
+        dim, seq, variant = case.split(":")
+        dim, seq = int(dim), int(seq)
+        B, H = max(1, 16384 // seq), 16
+        score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
+        q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        mask = flexfa.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+        reference = flexfa.flex_attention(q, k, v, score_mod, mask)
+        bf16_ms = do_bench(lambda: flexfa.flex_attention(q, k, v, score_mod, mask), warmup=25,
+                           rep=args.rep, return_mode="median")
+        x = quantize(q, k, v)
+        for bm, bn, warps, stages, maxnreg in configs[dim]:
+            options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            if maxnreg:
+                options["maxnreg"] = maxnreg
+            row = {"dim": dim, "seq": seq, "variant": variant, "config": [bm, bn, warps, stages],
+                   "maxnreg": maxnreg, "bf16_ms": bf16_ms}
+            try:
+                def fn():
+                    return flex_attention_fp8(x, score_mod=score_mod, block_mask=mask,
+                                              kernel_options=options)
+                out = fn()
+                torch.cuda.synchronize()
+                row["ms"] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
+                row["relerr"] = float((out.double() - reference.double()).norm()
+                                      / reference.double().norm())
+            except Exception as exc:  # reported, the sweep goes on
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            print(json.dumps(row), flush=True)
+            cfg = ",".join(map(str, row["config"]))
+            if "error" in row:
+                print(f"{dim:>4} {seq:>6} {variant:>8} {cfg:>16} {maxnreg or '-':>7} {row['error']}")
+            else:
+                print(f"{dim:>4} {seq:>6} {variant:>8} {cfg:>16} {maxnreg or '-':>7} "
+                      f"{row['ms']:7.3f} {bf16_ms:7.3f} {bf16_ms / row['ms']:8.3f} "
+                      f"{row['relerr']:8.1e}", flush=True)
     return 0
 
 
