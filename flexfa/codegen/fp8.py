@@ -145,7 +145,7 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
 
         score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
         mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
-        block_m, block_n, warps, stages = default_fp8_tiles(
+        block_m, block_n, warps, stages, cap = default_fp8_tiles(
             next_power_of_two(head_dim, FP8_MIN_DIM), f"cuda:{arch}", use_tma)
         spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
                              head_dim_v=head_dim_v or head_dim, block_m=block_m,
@@ -153,7 +153,8 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
                              has_block_mask=mask is not None, has_full_blocks=mask is not None,
                              sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
                              even_l=False, even_s=False, return_lse=True, gqa_group=1,
-                             target=f"cuda:{arch}", use_tma=use_tma, exp_f16=exp_f16)
+                             target=f"cuda:{arch}", use_tma=use_tma, exp_f16=exp_f16,
+                             max_registers=cap)
         generated = fp8_forward_kernel(spec, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = fp8_forward_signature(spec, score, mask)

@@ -239,3 +239,30 @@ def test_bad_exp16_setting_is_named(monkeypatch):
     monkeypatch.setenv("FLEXFA_FP8_EXP16", "on")
     with pytest.raises(InputError, match="FLEXFA_FP8_EXP16 must be auto, 0 or 1, got 'on'"):
         runtime.exp_f16_requested("cuda:90")
+
+
+def test_sm90_default_tiles_fit_three_programs_per_sm_and_pins_override_the_cap(monkeypatch):
+    """E = 128 with tensor descriptors on sm_90: 64 x 128 tiles, 4 warps, 2 stages, 168
+    registers (three programs per SM); tiles pinned through kernel_options drop the default
+    cap, a pinned maxnreg wins. Specs only: nothing is launched."""
+    from flexfa.fp8 import runtime
+    from flexfa.runtime.forward import AttentionCall
+    from flexfa.runtime.options import parse_kernel_options
+
+    assert runtime.default_fp8_tiles(128, "cuda:90", use_tma=True) == (64, 128, 4, 2, 168)
+    assert runtime.default_fp8_tiles(128, "cuda:90", use_tma=False)[4] == 0
+    assert runtime.default_fp8_tiles(64, "cuda:90", use_tma=True)[4] == 0
+    monkeypatch.setattr(runtime, "target_of", lambda device: "cuda:90")
+    monkeypatch.setattr(runtime, "tma_requested", lambda target: True)
+    x = quantize(*_qkv(E=128, L=256, S=256))
+
+    def spec(options):
+        call = AttentionCall(None, None, None, 1.0, parse_kernel_options(options), 1)
+        return runtime.fp8_spec(x, call, False)
+    default = spec(None)
+    assert (default.block_m, default.block_n, default.num_warps, default.num_stages,
+            default.max_registers) == (64, 128, 4, 2, 168)
+    assert default.launch_options() == {"num_warps": 4, "num_stages": 2, "maxnreg": 168}
+    assert spec({"num_warps": 8}).max_registers == 0
+    assert spec({"BLOCK_M": 128, "maxnreg": 200}).max_registers == 200
+    assert spec({"maxnreg": 0}).max_registers == 0
