@@ -168,8 +168,14 @@ class Pinned:
 
     def apply(self, config: tuple[int, ...]) -> tuple[int, ...]:
         """``config`` with the pinned fields replaced (as long as ``config``: the backward's
-        configs have no register cap)."""
-        return tuple(p if p is not None else c for p, c in zip(dataclasses.astuple(self), config))
+        configs have no register cap). A register cap belongs to its tiles: pinned tiles, warps
+        or stages drop the config's cap unless the cap is pinned too."""
+        pinned = dataclasses.astuple(self)
+        result = [p if p is not None else c for p, c in zip(pinned, config)]
+        tiles_pinned = any(p is not None for p in pinned[:4])
+        if len(result) > 4 and self.max_registers is None and tiles_pinned:
+            result[4] = 0
+        return tuple(result)
 
     @classmethod
     def of(cls, options) -> "Pinned":

@@ -182,7 +182,8 @@ def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
 
 
 def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, out, lse):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): pinned, stored, tuned now, or the default."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): pinned, stored, tuned now, or the
+    default."""
     options = call.options
     pinned = autotune.Pinned.of(options)
     mask = call.block_mask

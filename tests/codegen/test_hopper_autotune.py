@@ -116,6 +116,15 @@ def test_interpreter_and_pinned_options_never_tune(monkeypatch):
     default = autotune.HOPPER_CONFIGS[128][0]
     assert hopper.choose_config(big, big, big, pinned, False, "cuda:90", None, None) == (
         64, default[1], default[2], 4, 0)
+    # pinned tiles drop the default's register cap (it was chosen for the default's tiles)
+    wide = _call(KernelOptions(block_n=128))
+    assert hopper.choose_config(big, big, big, wide, False, "cuda:90", None, None)[1:] == (
+        128, default[2], default[3], 0)
+    capped = _call(KernelOptions(block_n=128, max_registers=168))
+    assert hopper.choose_config(big, big, big, capped, False, "cuda:90", None, None)[4] == 168
+    only_cap = _call(KernelOptions(max_registers=0))
+    assert hopper.choose_config(big, big, big, only_cap, False, "cuda:90", None, None) == (
+        *default[:4], 0)
     monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
     assert hopper.choose_config(big, big, big, _call(), False, "cuda:90", None, None) == (
         autotune.HOPPER_CONFIGS[128][0])
