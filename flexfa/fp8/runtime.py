@@ -20,8 +20,8 @@ def default_fp8_tiles(head_dim_pad: int, target: str, use_tma: bool = False
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg); 64 x 64 under the interpreter.
 
     E = 128 with tensor descriptors (USE_TMA, the sm_90 default): 64 x 128 tiles, 4 warps,
-    2 stages, capped at 168 registers, which fits three programs on an SM (72 KB of shared
-    memory each), so one program's softmax overlaps the others' e4m3 GEMMs. On the H200
+    2 stages, capped at 168 registers, which fits three programs on an SM (about 72 KB of
+    shared memory each), so one program's softmax overlaps the others' e4m3 GEMMs. On the H200
     (``benchmarks/tile_sweep.py --fp8``, S = 16384, B = 1, H = 16): causal 1.52 ms and full
     2.83 ms against 2.10 / 3.79 ms for the previous 128 x 128, 8 warps, 3 stages (one
     program per SM); 20-32 bytes spilled (296 with ALiBi + document). Other choices from sm_90
