@@ -3,8 +3,8 @@
 ``python benchmarks/tile_sweep.py [--cases 128:16384:causal,...] [--configs E=bm,bn,w,s[,maxnreg];...]``
 
 For each case (head dim, sequence length, benchmark variant; B * S = 16384 tokens, 16 heads,
-bf16) and each forward config pinned through ``kernel_options`` (plus an optional register cap,
-``maxnreg``, passed to Triton as a compile option), prints the median forward time
+bf16) and each forward config pinned through ``kernel_options`` (tiles, warps, stages and the
+register cap ``maxnreg``, 0 or "-" for none), prints the median forward time
 (``triton.testing.do_bench``), the compiled kernel's registers, spills and shared
 memory, and how many programs fit on one SM by registers and by shared memory. The first config
 of a head dim is the reference: every other output is compared with it (relative L2 error).
@@ -20,8 +20,7 @@ import torch
 from triton.testing import do_bench
 
 import flexfa
-from flexfa.bench import _variants
-from flexfa.codegen.spec import KernelSpec
+from flexfa.bench import _relerr, _variants
 from flexfa.runtime import hopper
 
 DEFAULT_CONFIGS = {
@@ -32,15 +31,25 @@ DEFAULT_CONFIGS = {
 }
 FP8_CONFIGS = {128: [(128, 128, 8, 3, None), (128, 128, 8, 2, None), (64, 128, 4, 2, None),
                      (64, 128, 4, 3, None), (64, 64, 4, 3, None)]}
-_MAXNREG: list = [None]
-_launch_options = KernelSpec.launch_options
 
 
-def _capped_launch_options(self) -> dict:
-    options = _launch_options(self)
-    if _MAXNREG[0]:
-        options["maxnreg"] = _MAXNREG[0]
-    return options
+def case_inputs(case: str) -> tuple:
+    """(dim, seq, variant, q, k, v, score_mod, flexfa block mask) of ``dim:seq:variant``:
+    bf16, 16 heads, B * seq = 16384 tokens, the benchmark's mods."""
+    dim, seq, variant = case.split(":")
+    dim, seq = int(dim), int(seq)
+    B, H = max(1, 16384 // seq), 16
+    score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
+    q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = flexfa.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+    return dim, seq, variant, q, k, v, score_mod, mask
+
+
+def pinned(config) -> dict:
+    """kernel_options pinning (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg or None)."""
+    bm, bn, warps, stages, maxnreg = config
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+            "maxnreg": maxnreg or 0}
 
 
 def parse_configs(text: str) -> dict:
@@ -74,22 +83,15 @@ def main(argv=None) -> int:
     if args.fp8:
         return fp8_sweep(args, parse_configs(args.configs) if args.configs else FP8_CONFIGS)
     configs = parse_configs(args.configs) if args.configs else DEFAULT_CONFIGS
-    KernelSpec.launch_options = _capped_launch_options
     rows = []
     for case in args.cases.split(","):
-        dim, seq, variant = case.split(":")
-        dim, seq = int(dim), int(seq)
-        B, H = max(1, 16384 // seq), 16
-        score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
-        q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        mask = flexfa.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+        dim, seq, variant, q, k, v, score_mod, mask = case_inputs(case)
         reference = None
-        for bm, bn, warps, stages, maxnreg in configs[dim]:
-            _MAXNREG[0] = maxnreg
-            hopper._PLANS.clear()
-            options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            row = {"dim": dim, "seq": seq, "variant": variant, "config": [bm, bn, warps, stages],
+        for config in configs[dim]:
+            hopper._PLANS.clear()  # the plan read below is this config's
+            options = pinned(config)
+            warps, maxnreg = config[2], config[4]
+            row = {"dim": dim, "seq": seq, "variant": variant, "config": list(config[:4]),
                    "maxnreg": maxnreg}
             try:
                 def fn():
@@ -103,8 +105,7 @@ def main(argv=None) -> int:
                 continue
             if reference is None:
                 reference = out
-            row["relerr"] = float((out.double() - reference.double()).norm()
-                                  / reference.double().norm())
+            row["relerr"] = _relerr(out, reference)
             row["ms"] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
             plan = next(iter(hopper._PLANS.values()))
             compiled = plan.direct.compiled if plan.direct is not None else None
@@ -114,7 +115,6 @@ def main(argv=None) -> int:
                 row["per_sm_regs"], row["per_sm_smem"] = occupancy(compiled, warps)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    _MAXNREG[0] = None
     print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'config':>16} {'maxnreg':>7} {'ms':>7} "
           f"{'regs':>5} {'spill':>5} {'smem':>7} {'CTA/SM r,s':>10} {'relerr':>8}")
     for r in rows:
@@ -138,22 +138,14 @@ def fp8_sweep(args, configs) -> int:
     print(f"{'E':>4} {'S':>6} {'variant':>8} {'config':>16} {'maxnreg':>7} {'fp8 ms':>7} "
           f"{'bf16 ms':>7} {'bf16/fp8':>8} {'relerr':>8}")
     for case in args.cases.split(","):
-        dim, seq, variant = case.split(":")
-        dim, seq = int(dim), int(seq)
-        B, H = max(1, 16384 // seq), 16
-        score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
-        q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        mask = flexfa.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+        dim, seq, variant, q, k, v, score_mod, mask = case_inputs(case)
         reference = flexfa.flex_attention(q, k, v, score_mod, mask)
         bf16_ms = do_bench(lambda: flexfa.flex_attention(q, k, v, score_mod, mask), warmup=25,
                            rep=args.rep, return_mode="median")
         x = quantize(q, k, v)
-        for bm, bn, warps, stages, maxnreg in configs[dim]:
-            options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            if maxnreg:
-                options["maxnreg"] = maxnreg
-            row = {"dim": dim, "seq": seq, "variant": variant, "config": [bm, bn, warps, stages],
+        for config in configs[dim]:
+            options, maxnreg = pinned(config), config[4]
+            row = {"dim": dim, "seq": seq, "variant": variant, "config": list(config[:4]),
                    "maxnreg": maxnreg, "bf16_ms": bf16_ms}
             try:
                 def fn():
@@ -162,8 +154,7 @@ def fp8_sweep(args, configs) -> int:
                 out = fn()
                 torch.cuda.synchronize()
                 row["ms"] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
-                row["relerr"] = float((out.double() - reference.double()).norm()
-                                      / reference.double().norm())
+                row["relerr"] = _relerr(out, reference)
             except Exception as exc:  # reported, the sweep goes on
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             print(json.dumps(row), flush=True)
