@@ -10,6 +10,7 @@ from ..codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, quanti
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
+from ..runtime.autotune import Pinned
 from ..runtime.cache import get_module, register_memo
 from ..runtime.forward import AttentionCall, _table_args, buffer_launch_args, target_of
 from .quantize import FP8Inputs
@@ -108,10 +109,8 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         sparse_q, sparse_kv = (int(b) for b in mask.BLOCK_SIZE)
         q_blocks["block_mask q"], kv_blocks["block_mask kv"] = sparse_q, sparse_kv
     options = call.options
-    if options.block_m or options.block_n or options.num_warps or options.num_stages:
-        cap = 0  # the default cap belongs to the default tiles
-    if options.max_registers is not None:
-        cap = options.max_registers
+    # the forward's rule: pinned tiles, warps or stages drop the default cap, a pinned cap wins
+    cap = Pinned.of(options).apply((block_m, block_n, warps, stages, cap))[4]
     block_m = _fit("BLOCK_M", block_m, options.block_m, q_blocks, 16)
     block_n = _fit("BLOCK_N", block_n, options.block_n, kv_blocks, 16)
     if mask is None:
