@@ -248,10 +248,11 @@ def launch_signature(kernel, args, constexprs) -> dict[str, str]:
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 fused: bool = False):
+                 fused: bool = False, ragged: bool = True):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv")
     kernel of these mods at the default GPU tiles; example launch arguments are tiny CPU
-    tensors of the right dtypes (only their types reach the signature)."""
+    tensors of the right dtypes (only their types reach the signature). ``ragged``: lengths
+    that are not tile multiples (the bounds-checked code); False: the benchmark's lengths."""
     def build(arch: int):
         import torch
 
@@ -273,9 +274,10 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic), gqa_group)
         spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}")
-        # lengths that are not tile multiples: the bounds-checked code paths
-        spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
-                                   even_s2=False, fused_dq=fused)
+        if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
+            spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
+                                       even_s2=False)
+        spec = dataclasses.replace(spec, fused_dq=fused)
         joint = joint_graph(call.score)
         generated = backward_kernel(spec, joint, call.score, call.mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)

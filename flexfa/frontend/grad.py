@@ -75,6 +75,14 @@ def _div(a: Node | None, b: Node) -> Node | None:
         return None
     if _is_const(b, _ONE):
         return a
+    if b.op is Op.CONST and b.arg != 0 and a.op is Op.MUL:
+        # (x * c1) / c2 -> x * (c1 / c2): the chain rule through ``c * f(score / c)`` (softcap)
+        # gives (f' * c) / c, two multiplies per score that fold to none
+        x, c = a.src
+        if x.op is Op.CONST:
+            x, c = c, x
+        if c.op is Op.CONST:
+            return _mul(x, _f(c.arg / b.arg))
     return ir.binary(Op.DIV, a, b)
 
 

@@ -146,6 +146,23 @@ def test_tanh_derivative_reuses_the_forward_node():
     assert [n.op for n in joint.dscore.toposort()].count(Op.TANH) == 1
 
 
+def test_softcap_derivative_folds_the_cap_constants():
+    # d/ds 30 tanh(s / 30) = (1 - t^2) * 30 / 30: the two constants fold, leaving 1 - t*t
+    def derivative_ops(traced):
+        joint = _check_against_autograd(traced)
+        forward = {id(n) for n in traced.root.toposort()}
+        return [n for n in joint.dscore.toposort() if id(n) not in forward]
+
+    nodes = derivative_ops(trace(lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)))
+    assert sorted(n.op.name for n in nodes if n.op is not Op.CONST) == ["MUL", "SUB"]  # 1 - t*t
+    # a scale that does not cancel stays one multiply by c1 / c2
+    nodes = derivative_ops(trace(lambda score, b, h, q_idx, kv_idx: 8.0 * torch.tanh(score / 2.0)))
+    assert Op.DIV not in [n.op for n in nodes]
+    assert any(n.op is Op.CONST and n.arg == 4.0 for n in nodes)
+    # an integer-valued factor divided by a constant (true division, as torch's)
+    _check_against_autograd(trace(lambda score, b, h, q_idx, kv_idx: (score / 2) * (kv_idx * 3)))
+
+
 def test_identity_and_constant_mods():
     joint = derive(trace(lambda score, b, h, q_idx, kv_idx: score))
     assert joint.dscore.op is Op.CONST and joint.dscore.arg == 1.0 and joint.dloads == ()
