@@ -15,6 +15,7 @@ import torch
 from .errors import InputError, InputTypeError
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
+from .runtime.cache import register_memo
 from .runtime.forward import AttentionCall, run_forward
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_mask, prepare_score_mod
@@ -139,10 +140,14 @@ def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) ->
 
 
 # signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
-# Python-side cost of a cached call, benchmarks/python_dispatch.py). The values keep the mask
-# and its tables alive, so their ids in the keys cannot be reused by other objects.
-_VALIDATED: dict[tuple, tuple] = {}
+# Python-side cost of a cached call, benchmarks/python_dispatch.py). Each value keeps the mask
+# and its tables alive, so their ids in the keys cannot be reused by other objects, and holds
+# the signature's AttentionCalls by (prepared score_mod, prepared mask_mod, scale, options):
+# a repeated call reuses its call object, which holds its forward plans (AttentionCall.plans).
+# Cleared with the kernel memos (flexfa.runtime.cache.clear_memo), whose plans it holds.
+_VALIDATED: dict[tuple, tuple] = register_memo({})
 _MAX_VALIDATED = 256
+_MAX_CALLS = 16  # calls kept per signature
 _MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "mask_mod")
 _mask_fields = operator.attrgetter(*_MASK_FIELDS)
@@ -165,11 +170,40 @@ def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
     key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
             query.device, key.device, value.device, enable_gqa,
             None if mask is None else (id(mask[0]), tuple(map(id, mask[1])), *mask[2:]))
+    return key_, mask
+
+
+def _validated(signature: tuple | None) -> tuple | None:
+    """The ``_VALIDATED`` entry (mask, {call key: AttentionCall}) of a signature, or None
+    (never checked, or unhashable: a mask field that cannot be hashed)."""
+    if signature is None:
+        return None
     try:
-        hash(key_)
+        return _VALIDATED.get(signature[0])
     except TypeError:
         return None
-    return key_, mask
+
+
+def _call(entry, score, mask, block_mask, scale: float, options, query, gqa_group: int):
+    """The AttentionCall for these prepared mods, scale and options: for a validated signature
+    the one an earlier call made (with its forward plans), else a new one, kept for the next
+    call of the signature (not for scale 0, whose sign the key cannot tell). The captured
+    tensors are checked when a call object is made: a reused one holds the same prepared mods,
+    whose fingerprints fix the captured tensors (identity, shape, dtype)."""
+    calls = entry[1] if entry is not None and scale != 0 else None
+    key = (id(score), id(mask), scale, options)
+    if calls is not None:
+        call = calls.get(key)
+        if call is not None:
+            return call
+    _check_buffers(score, "score_mod", query.device)
+    _check_buffers(mask, "mask_mod", query.device)
+    call = AttentionCall(score, mask, block_mask, scale, options, gqa_group)
+    if calls is not None:
+        if len(calls) >= _MAX_CALLS:
+            calls.clear()
+        calls[key] = call
+    return call
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
@@ -185,30 +219,29 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
-    checked = signature is not None and signature[0] in _VALIDATED
-    if not checked:
+    entry = _validated(signature)
+    if entry is None:
         _check_tensors(query, key, value)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
     return_lse = _check_flag("return_lse", return_lse)
-    if not checked:
+    if entry is None:
         _check_shapes(query, key, value, enable_gqa)
     scale = _check_scale(scale, query.shape[3])
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
-    if not checked:
+    if entry is None:
         _check_block_mask(block_mask, query, key)
         if signature is not None:
             if len(_VALIDATED) >= _MAX_VALIDATED:
                 _VALIDATED.clear()
-            _VALIDATED[signature[0]] = signature[1]
+            entry = _VALIDATED[signature[0]] = (signature[1], {})
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)
-    _check_buffers(score, "score_mod", query.device)
-    _check_buffers(mask, "mask_mod", query.device)
     if mask is not None and torch.is_grad_enabled():
         check_mask_mod_grad(mask)  # a mask has no gradient: error on grad-requiring captures
-    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
+    call = _call(entry, score, mask, block_mask, scale, options, query,
+                 query.shape[1] // key.shape[1])
     buffers = score.buffers if score is not None else ()
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value, *buffers))

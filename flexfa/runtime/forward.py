@@ -30,6 +30,10 @@ class AttentionCall:
     scale: float
     options: KernelOptions
     gqa_group: int  # query heads per kv head
+    # the Hopper forward's plans of this call by (shapes, strides, dtype, device, lse, template
+    # setting, captured-tensor layout): everything else in a plan's key is fixed by the call,
+    # so a call reused by flexfa.api for a repeated signature finds its plan with a short key
+    plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def scores_first(self) -> bool:

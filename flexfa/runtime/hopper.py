@@ -227,20 +227,44 @@ def _template_setting() -> str:
     return os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto")
 
 
+def _call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, template: str) -> tuple:
+    """The part of ``_plan_key`` that a call object does not fix (``AttentionCall.plans``)."""
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+           return_lse, template)
+    for mod in (call.score, call.mask):
+        if mod is not None and mod.buffers:
+            key += tuple((t.stride(), t.data_ptr() % 16 == 0) for t in mod.buffers)
+    return key
+
+
+_MAX_CALL_PLANS = 16
+
+
 def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
     """(out, lse) through the cached plan of this call's signature, or None when there is
     none (or the base pointers lost the 16-byte alignment the descriptors need): the cached
     path of ``run_forward``, which skips ``use_hopper``'s own lookup, since a plan exists only
-    for a signature (shapes, strides, dtype, device, template setting) it accepted."""
+    for a signature (shapes, strides, dtype, device, template setting) it accepted. The call's
+    own plans first (a call that flexfa.api reuses), then the plans of every call."""
     template = _template_setting()
     if template == "ampere" or q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
         return None
-    plan = _PLANS.get(_plan_key(q, k, v, call, return_lse, template))
-    if plan is None or plan.block_mask is not call.block_mask:
-        return None
+    short_key = _call_plan_key(q, k, v, call, return_lse, template)
+    plan = call.plans.get(short_key)
+    if plan is None:
+        plan = _PLANS.get(_plan_key(q, k, v, call, return_lse, template))
+        if plan is None or plan.block_mask is not call.block_mask:
+            return None
+        _remember(call, short_key, plan)
     out, lse = allocate_outputs(q, v, return_lse)
     _launch_plan(plan, q, k, v, out, lse, call)
     return out, lse
+
+
+def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
+    if len(call.plans) >= _MAX_CALL_PLANS:
+        call.plans.clear()
+    call.plans[short_key] = plan
 
 
 def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse):
@@ -253,7 +277,9 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse)
     plan = _first_launch(q, k, v, call, return_lse, target, config, out, lse)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[_plan_key(q, k, v, call, return_lse, _template_setting())] = plan
+    template = _template_setting()
+    _PLANS[_plan_key(q, k, v, call, return_lse, template)] = plan
+    _remember(call, _call_plan_key(q, k, v, call, return_lse, template), plan)
     return out, lse
 
 

@@ -86,10 +86,12 @@ def _known_c_arguments() -> bool:
 
 
 def _encoded(desc: TensorDescriptor, meta: dict, cache: dict) -> list:
-    """[TMA descriptor, *shape, *strides] of ``desc``, as Triton's launcher expands it."""
+    """[TMA descriptor, *shape, *strides] of ``desc``, as Triton's launcher expands it; cached
+    by base address alone: a state belongs to one plan, whose key fixes the descriptor's
+    shape, strides and block."""
     from triton.backends.nvidia import driver
 
-    key = (desc.base.data_ptr(), *desc.shape, *desc.strides)
+    key = desc.base.data_ptr()
     expanded = cache.get(key)
     if expanded is None:
         if len(cache) >= _MAX_DESCRIPTORS:

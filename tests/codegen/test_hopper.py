@@ -161,6 +161,44 @@ def test_cached_plan_is_skipped_when_the_template_or_alignment_changes(hopper_te
     assert len(hopper_template) == 2
 
 
+def test_a_repeated_call_reuses_its_call_object_and_plan(hopper_template):
+    """flexfa.api keeps one AttentionCall per validated signature, prepared mods, scale and
+    options; the call holds its forward plans, so a repeated call finds its plan by the short
+    key. A new scale, new kernel_options or a changed closure value make a new call; the
+    results stay those of a fresh call."""
+    from flexfa import api
+    from flexfa.runtime import cache
+
+    cache.clear_memo()
+    assert api._VALIDATED == {}  # registered with the kernel memos
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16, seed=4)
+    mask = flexfa.create_block_mask(causal, 1, None, 64, 64, device="cpu")
+    cap = 20.0
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    first = flexfa.flex_attention(q, k, v, capped, mask)
+    (entry,) = api._VALIDATED.values()
+    (call,) = entry[1].values()
+    assert len(call.plans) == 1 and len(hopper._PLANS) == 1
+    hopper._PLANS.clear()  # the call's own plan is found without the global table
+    again = flexfa.flex_attention(q, k, v, capped, mask)
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert list(entry[1].values()) == [call] and len(hopper_template) == 2
+    flexfa.flex_attention(q, k, v, capped, mask, scale=0.3)
+    flexfa.flex_attention(q, k, v, capped, mask, kernel_options={"num_stages": 1})
+    assert len(entry[1]) == 3
+    cap = 5.0  # a new closure value: a new prepared mod, a new call, the new value used
+    fresh = flexfa.flex_attention(q, k, v, capped, mask)
+    assert len(entry[1]) == 4
+    check_forward(q, k, v, capped, causal, mask)
+    assert (fresh - first).abs().max() > 1e-3
+    # scale 0 (either sign) is never kept: the key could not tell -0.0 from 0.0
+    flexfa.flex_attention(q, k, v, capped, mask, scale=-0.0)
+    assert len(entry[1]) == 4
+
+
 def _call(score_mod):
     from flexfa.runtime.forward import AttentionCall
     from flexfa.runtime.options import DEFAULT_OPTIONS
