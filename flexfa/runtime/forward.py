@@ -33,6 +33,7 @@ class AttentionCall:
     # the Hopper forward's plans of this call by (shapes, strides, dtype, device, lse, template
     # setting, captured-tensor layout): everything else in a plan's key is fixed by the call,
     # so a call reused by flexfa.api for a repeated signature finds its plan with a short key
+    # (copies of the plan table's entries, valid until that table is cleared: runtime.hopper)
     plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property

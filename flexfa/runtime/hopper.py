@@ -210,7 +210,19 @@ def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, o
     return autotune.tune(key, candidates, time_config)
 
 
-_PLANS: dict[tuple, _Plan] = register_memo({})
+class _PlanTable(dict):
+    """The plans of every call. ``generation`` counts its clears: the copies a call keeps
+    (``AttentionCall.plans``) are used only while the table they came from is this module's
+    and has not been cleared since (a full table, ``clear_memo``, a benchmark's reset)."""
+
+    generation = 0
+
+    def clear(self) -> None:
+        self.generation += 1
+        super().clear()
+
+
+_PLANS: dict[tuple, _Plan] = register_memo(_PlanTable())
 _MAX_PLANS = 256
 
 
@@ -250,8 +262,10 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
     if template == "ampere" or q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
         return None
     short_key = _call_plan_key(q, k, v, call, return_lse, template)
-    plan = call.plans.get(short_key)
-    if plan is None:
+    kept = call.plans.get(short_key)
+    if kept is not None and kept[0] is _PLANS and kept[1] == getattr(_PLANS, "generation", 0):
+        plan = kept[2]
+    else:
         plan = _PLANS.get(_plan_key(q, k, v, call, return_lse, template))
         if plan is None or plan.block_mask is not call.block_mask:
             return None
@@ -262,9 +276,10 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
 
 
 def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
+    """Keep ``plan`` in the call, stamped with the table and generation it is valid for."""
     if len(call.plans) >= _MAX_CALL_PLANS:
         call.plans.clear()
-    call.plans[short_key] = plan
+    call.plans[short_key] = (_PLANS, getattr(_PLANS, "generation", 0), plan)
 
 
 def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse):

@@ -182,10 +182,16 @@ def test_a_repeated_call_reuses_its_call_object_and_plan(hopper_template):
     (entry,) = api._VALIDATED.values()
     (call,) = entry[1].values()
     assert len(call.plans) == 1 and len(hopper._PLANS) == 1
-    hopper._PLANS.clear()  # the call's own plan is found without the global table
+    (kept,) = call.plans.values()
     again = flexfa.flex_attention(q, k, v, capped, mask)
     torch.testing.assert_close(again, first, atol=0, rtol=0)
     assert list(entry[1].values()) == [call] and len(hopper_template) == 2
+    assert list(call.plans.values()) == [kept]
+    # clearing the plan table (a benchmark's reset, a full table) makes the kept copy stale:
+    # the next call makes a new plan instead of launching the old one
+    hopper._PLANS.clear()
+    flexfa.flex_attention(q, k, v, capped, mask)
+    assert len(hopper._PLANS) == 1 and list(call.plans.values())[0][2] is not kept[2]
     flexfa.flex_attention(q, k, v, capped, mask, scale=0.3)
     flexfa.flex_attention(q, k, v, capped, mask, kernel_options={"num_stages": 1})
     assert len(entry[1]) == 3
