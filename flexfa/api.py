@@ -173,17 +173,6 @@ def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
     return key_, mask
 
 
-def _validated(signature: tuple | None) -> tuple | None:
-    """The ``_VALIDATED`` entry (mask, {call key: AttentionCall}) of a signature, or None
-    (never checked, or unhashable: a mask field that cannot be hashed)."""
-    if signature is None:
-        return None
-    try:
-        return _VALIDATED.get(signature[0])
-    except TypeError:
-        return None
-
-
 def _call(entry, score, mask, block_mask, scale: float, options, query, gqa_group: int):
     """The AttentionCall for these prepared mods, scale and options: for a validated signature
     the one an earlier call made (with its forward plans), else a new one, kept for the next
@@ -219,7 +208,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
-    entry = _validated(signature)
+    entry = None  # the _VALIDATED entry (mask, {call key: AttentionCall}) of a checked signature
+    if signature is not None:
+        try:
+            entry = _VALIDATED.get(signature[0])
+        except TypeError:  # a mask field that cannot be hashed: checked every time
+            signature = None
     if entry is None:
         _check_tensors(query, key, value)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)

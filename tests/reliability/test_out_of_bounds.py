@@ -86,3 +86,23 @@ def test_checks_are_skipped_only_for_an_unchanged_signature(monkeypatch):
     q2, k2, v2 = qkv(L=80, S=64)
     with pytest.raises(flexfa.InputError):
         flexfa.flex_attention(q2, k2, v2, block_mask=mask)
+
+
+def test_a_mask_with_an_unhashable_field_is_checked_every_time(monkeypatch):
+    """A duck-typed mask whose fields cannot be hashed (here seq_lengths as a list) cannot key
+    the memo of checked signatures: it works, and its checks run on every call."""
+    from flexfa import api
+
+    q, k, v = qkv(L=64, S=64)
+    mask = BlockMask.from_kv_blocks(*_tables(4, 4), BLOCK_SIZE=16, seq_lengths=(64, 64))
+    duck = types.SimpleNamespace(**{name: getattr(mask, name) for name in (
+        "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+        "q_indices", "full_q_num_blocks", "full_q_indices", "mask_mod", "BLOCK_SIZE")},
+        seq_lengths=[64, 64])
+    expected = flexfa.flex_attention(q, k, v, block_mask=mask)
+    calls = []
+    original = api._check_block_mask
+    monkeypatch.setattr(api, "_check_block_mask", lambda *a: calls.append(a) or original(*a))
+    for _ in range(2):
+        torch.testing.assert_close(flexfa.flex_attention(q, k, v, block_mask=duck), expected)
+    assert len(calls) == 2
