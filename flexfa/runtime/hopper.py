@@ -158,7 +158,9 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
                    _geometry(k, spec.block_n, spec.head_dim_pad),
                    _geometry(v, spec.block_n, spec.head_dim_v_pad))
     out_strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1)  # a fresh contiguous out
-    return _Plan(spec, kernel, (triton.cdiv(L, spec.block_m), B * Hq, 1), fixed,
+    tiles = triton.cdiv(L, spec.block_m)  # the template's grid order: heads fast under a mask
+    grid = (B * Hq, tiles, 1) if spec.has_block_mask else (tiles, B * Hq, 1)
+    return _Plan(spec, kernel, grid, fixed,
                  spec.constexprs(call.scores_first), call.block_mask, descriptors,
                  out_strides)
 
