@@ -159,7 +159,8 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
         return out, lse
     spec = fp8_spec(x, call, return_lse)
     kernel = get_fp8_kernel(spec, call.score, call.mask)
-    grid = (triton.cdiv(L, spec.block_m), B * Hq)
+    tiles = triton.cdiv(L, spec.block_m)  # the template's order: heads fast under a mask
+    grid = (B * Hq, tiles) if spec.has_block_mask else (tiles, B * Hq)
     assert x.k_scale.stride() == x.v_scale.stride(), "K and V scales must share strides"
     args = [x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, out, lse if lse is not None else out,
             *x.q.stride(), *x.k.stride(), *x.v.stride(), *out.stride(),
