@@ -22,6 +22,9 @@ from .runtime.pipeline import prepare_mask, prepare_score_mod
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# CUDA's limit on a grid's y and z dimensions: the kernels put the (batch, head) pairs there
+# (the backward's and the dense forward's grids; a masked forward puts them on the x axis)
+MAX_CUDA_PROGRAM_ROWS = 65535
 MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 _NAMES = ("query", "key", "value")
 
@@ -69,6 +72,11 @@ def _check_shapes(query, key, value, enable_gqa: bool) -> None:
     if Hq != Hkv and not enable_gqa:
         raise InputError(f"query has {Hq} heads but key has {Hkv}; pass enable_gqa=True for "
                          "grouped-query attention, or give key/value as many heads as query")
+    if query.is_cuda and B * Hq > MAX_CUDA_PROGRAM_ROWS:
+        raise InputError(f"query has batch {B} x {Hq} heads = {B * Hq} (batch, head) pairs; "
+                         f"the CUDA kernels run them on a grid axis of at most "
+                         f"{MAX_CUDA_PROGRAM_ROWS}: split the batch into calls of at most "
+                         f"{MAX_CUDA_PROGRAM_ROWS // Hq} rows")
 
 
 def _check_scale(scale, head_dim: int) -> float:

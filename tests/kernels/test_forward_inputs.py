@@ -90,3 +90,21 @@ def test_block_mask_on_another_device_is_rejected():
     block_mask.kv_num_blocks = block_mask.kv_num_blocks.to("meta")
     with pytest.raises(InputError, match="block_mask is on meta"):
         call(block_mask=block_mask)
+
+
+def test_too_many_batch_head_pairs_for_a_cuda_grid_are_rejected():
+    """(batch, head) pairs go on a CUDA grid axis of at most 65535 programs: more fail early,
+    naming the numbers, instead of as a launch error inside Triton; the interpreter (CPU) has
+    no such limit."""
+    import types
+
+    from flexfa import api
+
+    def fake(B, H, is_cuda):
+        return types.SimpleNamespace(shape=(B, H, 16, 16), is_cuda=is_cuda)
+
+    B, H = 4097, 16  # 65552 pairs
+    with pytest.raises(flexfa.InputError, match=r"4097 x 16 heads = 65552 .* 4095 rows"):
+        api._check_shapes(fake(B, H, True), fake(B, H, True), fake(B, H, True), False)
+    api._check_shapes(fake(4095, H, True), fake(4095, H, True), fake(4095, H, True), False)
+    api._check_shapes(fake(B, H, False), fake(B, H, False), fake(B, H, False), False)
