@@ -55,8 +55,13 @@ _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 # 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320). Measured on the H200
 # (benchmarks/tune_classes.py, benchmarks/results/tuning/): at E = 64 the 64 x 64 tiles won
 # every class but dense short (1.051 vs 1.063 ms), by 6-7% in the long dense and masked ones.
+# Each kernel alone (benchmarks/bwd_kernel_sweep.py, benchmarks/results/bwd_kernels/): at E =
+# 64, 2 stages beat 3 by 2-5% in both kernels for causal S = 16384, sliding and document
+# (dK/dV 2.449 vs 2.500 ms, dQ 1.470 vs 1.520, causal), 3 stay better for dK/dV of full
+# S = 2048 (0.642 vs 0.723): both are candidates.
 HOPPER_BACKWARD_CANDIDATES = {
     64: (((32, 64, 64, 32, 4, 3), False), ((64, 64, 64, 64, 4, 3), False),
+         ((64, 64, 64, 64, 4, 2), False),
          ((64, 128, 128, 64, 8, 2), True), ((64, 64, 64, 64, 4, 3), True)),
     128: (((64, 64, 64, 64, 4, 2), False), ((64, 64, 64, 64, 8, 2), True),
           ((32, 128, 128, 32, 8, 2), True)),

@@ -233,12 +233,12 @@ def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
     monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
     monkeypatch.setattr(autotune, "tune", lambda *a, **kw: pytest.fail("tuned"))
     monkeypatch.delenv("FLEXFA_BACKWARD_FUSED", raising=False)
-    q, k, v, out, lse, do = _backward_inputs(64)  # two candidates: would tune
+    q, k, v, out, lse, do = _backward_inputs(64)  # three candidates: would tune
 
     def choose(call=_call(), joint=None, target="cuda:90", tensors=(q, k, v)):
         return backward.choose_backward_config(*tensors, out, lse, do, None, call, joint, True,
                                                target)
-    assert len([c for c in backward.HOPPER_BACKWARD_CANDIDATES[64] if not c[1]]) == 2
+    assert len([c for c in backward.HOPPER_BACKWARD_CANDIDATES[64] if not c[1]]) == 3
     wide = _backward_inputs(128)  # one two-kernel candidate at E = 128: nothing to tune
     assert backward.choose_backward_config(*wide[:5], wide[5], None, _call(), None, True,
                                            "cuda:90") is None
