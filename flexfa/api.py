@@ -76,7 +76,7 @@ def _check_shapes(query, key, value, enable_gqa: bool) -> None:
         raise InputError(f"query has batch {B} x {Hq} heads = {B * Hq} (batch, head) pairs; "
                          f"the CUDA kernels run them on a grid axis of at most "
                          f"{MAX_CUDA_PROGRAM_ROWS}: split the batch into calls of at most "
-                         f"{MAX_CUDA_PROGRAM_ROWS // Hq} rows")
+                         f"{MAX_CUDA_PROGRAM_ROWS // Hq} batch entries")
 
 
 def _check_scale(scale, head_dim: int) -> float:

@@ -104,7 +104,7 @@ def test_too_many_batch_head_pairs_for_a_cuda_grid_are_rejected():
         return types.SimpleNamespace(shape=(B, H, 16, 16), is_cuda=is_cuda)
 
     B, H = 4097, 16  # 65552 pairs
-    with pytest.raises(flexfa.InputError, match=r"4097 x 16 heads = 65552 .* 4095 rows"):
+    with pytest.raises(flexfa.InputError, match=r"4097 x 16 heads = 65552 .* 4095 batch entries"):
         api._check_shapes(fake(B, H, True), fake(B, H, True), fake(B, H, True), False)
     api._check_shapes(fake(4095, H, True), fake(4095, H, True), fake(4095, H, True), False)
     api._check_shapes(fake(B, H, False), fake(B, H, False), fake(B, H, False), False)
