@@ -108,7 +108,8 @@ def main() -> None:
                 try:
                     row = sweep_kernel(which, item, args, reference)
                 except Exception as exc:  # a config that does not compile: reported, skipped
-                    row = dict(kernel=which, config=item, error=f"{type(exc).__name__}: {exc}"[:300])
+                    row = dict(kernel=which, config=item,
+                               error=f"{type(exc).__name__}: {exc}"[:300])
                 row["case"] = case
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -129,8 +130,8 @@ def main() -> None:
                       f"(default) {ok[0]['config']} {ok[0]['ms']:.3f} ms")
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "bwd_kernel_sweep.json"), "w") as f:
-        json.dump({"rows": rows, "torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"}, f, indent=1)
+        gpu = torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"
+        json.dump({"rows": rows, "torch": torch.__version__, "gpu": gpu}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ def test_softcap_derivative_folds_the_cap_constants():
         forward = {id(n) for n in traced.root.toposort()}
         return [n for n in joint.dscore.toposort() if id(n) not in forward]
 
-    nodes = derivative_ops(trace(lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)))
+    nodes = derivative_ops(trace(
+        lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)))
     assert sorted(n.op.name for n in nodes if n.op is not Op.CONST) == ["MUL", "SUB"]  # 1 - t*t
     # a scale that does not cancel stays one multiply by c1 / c2
     nodes = derivative_ops(trace(lambda score, b, h, q_idx, kv_idx: 8.0 * torch.tanh(score / 2.0)))
