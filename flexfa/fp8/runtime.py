@@ -12,7 +12,8 @@ from ..errors import InputError
 from ..frontend.trace import TracedMod
 from ..runtime.autotune import Pinned
 from ..runtime.cache import get_module, register_memo
-from ..runtime.forward import AttentionCall, _table_args, buffer_launch_args, target_of
+from ..runtime.forward import (AttentionCall, _table_args, buffer_launch_args, forward_grid,
+                               target_of)
 from .quantize import FP8Inputs
 
 
@@ -159,8 +160,7 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
         return out, lse
     spec = fp8_spec(x, call, return_lse)
     kernel = get_fp8_kernel(spec, call.score, call.mask)
-    tiles = triton.cdiv(L, spec.block_m)  # the template's order: heads fast under a mask
-    grid = (B * Hq, tiles) if spec.has_block_mask else (tiles, B * Hq)
+    grid = forward_grid(B * Hq, triton.cdiv(L, spec.block_m), spec.has_block_mask)
     assert x.k_scale.stride() == x.v_scale.stride(), "K and V scales must share strides"
     args = [x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, out, lse if lse is not None else out,
             *x.q.stride(), *x.k.stride(), *x.v.stride(), *out.stride(),

@@ -214,6 +214,13 @@ def buffer_launch_args(traced: TracedMod | None) -> list:
     return args
 
 
+def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[int, int]:
+    """The grid of the Hopper and FP8 forward templates: under a block mask (B * HQ, q tiles),
+    heads on the fast axis, so the longest q tiles of every head start first; dense (q tiles,
+    B * HQ), where the programs of one head running together share its K and V in L2."""
+    return (batch_heads, q_tiles) if has_block_mask else (q_tiles, batch_heads)
+
+
 def allocate_outputs(q, v, return_lse: bool) -> tuple:
     """Empty (out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 or None)."""
     B, Hq, L, _ = q.shape

@@ -23,7 +23,7 @@ from . import autotune
 from .cache import register_memo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
-                      buffer_launch_args, generated_kernel, target_of)
+                      buffer_launch_args, forward_grid, generated_kernel, target_of)
 from .launch import TrustedDescriptor, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
@@ -158,8 +158,7 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
                    _geometry(k, spec.block_n, spec.head_dim_pad),
                    _geometry(v, spec.block_n, spec.head_dim_v_pad))
     out_strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1)  # a fresh contiguous out
-    tiles = triton.cdiv(L, spec.block_m)  # the template's grid order: heads fast under a mask
-    grid = (B * Hq, tiles, 1) if spec.has_block_mask else (tiles, B * Hq, 1)
+    grid = (*forward_grid(B * Hq, triton.cdiv(L, spec.block_m), spec.has_block_mask), 1)
     return _Plan(spec, kernel, grid, fixed,
                  spec.constexprs(call.scores_first), call.block_mask, descriptors,
                  out_strides)
@@ -228,27 +227,33 @@ _PLANS: dict[tuple, _Plan] = register_memo(_PlanTable())
 _MAX_PLANS = 256
 
 
-def _plan_key(q, k, v, call: AttentionCall, return_lse: bool, template: str) -> tuple:
-    buffers = [t for mod in (call.score, call.mask) if mod is not None for t in mod.buffers]
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-            return_lse, call.score.key if call.score else None,
-            call.mask.key if call.mask else None, id(call.block_mask), call.options,
-            call.gqa_group, tuple((t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
-            template, call.scores_first)
-
-
 def _template_setting() -> str:
     return os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto")
 
 
 def _call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, template: str) -> tuple:
-    """The part of ``_plan_key`` that a call object does not fix (``AttentionCall.plans``)."""
+    """The part of a plan's key that a call object does not fix (``AttentionCall.plans``):
+    shapes, strides, dtype, device, lse, template setting, captured-tensor layout."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
            return_lse, template)
     for mod in (call.score, call.mask):
         if mod is not None and mod.buffers:
             key += tuple((t.stride(), t.data_ptr() % 16 == 0) for t in mod.buffers)
     return key
+
+
+def _plan_key(short_key: tuple, call: AttentionCall) -> tuple:
+    """The key of ``_PLANS``: ``_call_plan_key`` and what the call fixes (mods, block mask,
+    options, GQA group, score-first mode)."""
+    return short_key + (call.score.key if call.score else None,
+                        call.mask.key if call.mask else None, id(call.block_mask), call.options,
+                        call.gqa_group, call.scores_first)
+
+
+def _stamp() -> tuple:
+    """The plan table and its generation: what a plan kept in a call is valid for (the table
+    may be a plain dict where a test replaced it)."""
+    return _PLANS, getattr(_PLANS, "generation", 0)
 
 
 _MAX_CALL_PLANS = 16
@@ -265,10 +270,11 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
         return None
     short_key = _call_plan_key(q, k, v, call, return_lse, template)
     kept = call.plans.get(short_key)
-    if kept is not None and kept[0] is _PLANS and kept[1] == getattr(_PLANS, "generation", 0):
+    table, generation = _stamp()
+    if kept is not None and kept[0] is table and kept[1] == generation:
         plan = kept[2]
     else:
-        plan = _PLANS.get(_plan_key(q, k, v, call, return_lse, template))
+        plan = _PLANS.get(_plan_key(short_key, call))
         if plan is None or plan.block_mask is not call.block_mask:
             return None
         _remember(call, short_key, plan)
@@ -281,7 +287,7 @@ def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
     """Keep ``plan`` in the call, stamped with the table and generation it is valid for."""
     if len(call.plans) >= _MAX_CALL_PLANS:
         call.plans.clear()
-    call.plans[short_key] = (_PLANS, getattr(_PLANS, "generation", 0), plan)
+    call.plans[short_key] = (*_stamp(), plan)
 
 
 def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse):
@@ -294,9 +300,9 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse)
     plan = _first_launch(q, k, v, call, return_lse, target, config, out, lse)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    template = _template_setting()
-    _PLANS[_plan_key(q, k, v, call, return_lse, template)] = plan
-    _remember(call, _call_plan_key(q, k, v, call, return_lse, template), plan)
+    short_key = _call_plan_key(q, k, v, call, return_lse, _template_setting())
+    _PLANS[_plan_key(short_key, call)] = plan
+    _remember(call, short_key, plan)
     return out, lse
 
 
