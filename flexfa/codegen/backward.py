@@ -60,7 +60,6 @@ class BackwardSpec:
     use_tma: bool = False  # Q/dO and K/V tiles through tensor descriptors (sm_90)
     # dQ produced by the dK/dV kernel (float32 atomics, then a convert kernel): no dQ kernel
     fused_dq: bool = False
-    dq_num_warps: int = 0  # the dQ kernel's warps (0: num_warps)
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -102,12 +101,7 @@ class BackwardSpec:
         return dict(BLOCK_M=block_m, E=self.head_dim, E_PAD=next_power_of_two(self.head_dim))
 
     def launch_options(self) -> dict:
-        """dK/dV's launch options (the fused kernel's too)."""
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
-
-    def dq_launch_options(self) -> dict:
-        return {"num_warps": self.dq_num_warps or self.num_warps,
-                "num_stages": self.num_stages}
 
 
 def backward_key(spec: BackwardSpec, joint: JointGraph | None, score: TracedMod | None,
@@ -254,12 +248,11 @@ def launch_signature(kernel, args, constexprs) -> dict[str, str]:
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 fused: bool = False, ragged: bool = True, tiles: tuple | None = None):
+                 fused: bool = False, ragged: bool = True):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv")
-    kernel of these mods at the default GPU tiles (or ``tiles``, a tuning candidate's);
-    example launch arguments are tiny CPU tensors of the right dtypes (only their types reach
-    the signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
-    False: the benchmark's lengths."""
+    kernel of these mods at the default GPU tiles; example launch arguments are tiny CPU
+    tensors of the right dtypes (only their types reach the signature). ``ragged``: lengths
+    that are not tile multiples (the bounds-checked code); False: the benchmark's lengths."""
     def build(arch: int):
         import torch
 
@@ -280,8 +273,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic), gqa_group)
-        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}",
-                             config=None if tiles is None else (*tiles, fused))
+        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}")
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)
@@ -335,15 +327,6 @@ def _register_compile_checks() -> None:
                           "d64_bf16_dense": dict(head_dim=64, dtype="bf16")}.items():
         check.register(f"bwd_fused_dkdv_{label}", backward_job("dkdv", fused=True, **kwargs))
     check.register("bwd_fused_convert_d128_bf16", backward_job("convert", 128, "bf16", fused=True))
-
-    def wide_dq(arch: int):
-        """The E = 128 tuning candidate whose dQ kernel owns 128 x 128 tiles with 8 warps
-        (looked up when built: the runtime module imports this one)."""
-        from ..runtime.backward import HOPPER_BACKWARD_CANDIDATES
-        wide = next(t for t, fused in HOPPER_BACKWARD_CANDIDATES[128]
-                    if not fused and t[2] == 128)
-        return backward_job("dq", 128, "bf16", mask_mod=causal, ragged=False, tiles=wide)(arch)
-    check.register("bwd_dq_d128_bf16_causal_wide", wide_dq)
 
 
 _register_compile_checks()

@@ -47,37 +47,31 @@ _FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 #     (32, 128, 128, 32, 4, 3) 6.75 (FlexAttention 6.25); document S=2048: 1.37, 1.08, 1.14
 #     (FlexAttention 0.86). (32, 64, 64, 32, 4, 3) is the better compromise of the two.
 #
-# sm_90 candidates of the backward's autotuning, (tiles, fused), tiles = (BLOCK_M1, BLOCK_N1,
-# BLOCK_M2, BLOCK_N2, warps, stages, dQ warps): the dQ kernel may run with other warps than
-# dK/dV (unused by the fused kernel, which has no dQ kernel). The two kernels at the swept
-# tiles come first (the first is the default when not tuning), then, tuned only with
-# FLEXFA_BACKWARD_FUSED=1, the fused dK/dV + dQ kernel at tiles that compile without spills
-# for sm_90 (``ptxas -v``: E=128 64x64 8 warps 243 registers, 32x128 8 warps 234; E=64 64x128
-# 8 warps 220, 64x64 4 warps 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320).
-# Measured on the H200 (benchmarks/tune_classes.py, benchmarks/results/tuning/): at E = 64 the
-# 64 x 64 tiles won every class but dense short (1.051 vs 1.063 ms), by 6-7% in the long dense
-# and masked ones. Each kernel alone (benchmarks/bwd_kernel_sweep.py,
-# benchmarks/results/bwd_kernels/): at E = 64, 2 stages beat 3 by 2-5% in both kernels for
-# causal S = 16384, sliding and document (dK/dV 2.449 vs 2.500 ms, dQ 1.470 vs 1.520, causal),
-# 3 stay better for dK/dV of full S = 2048 (0.642 vs 0.723): both are candidates. At E = 128
-# dK/dV is fastest at 64 x 64 with 4 warps everywhere, the dQ kernel at 128 x 128 with 8 warps
-# in the long dense and causal-like cases (causal S = 16384 2.70 vs 2.82 ms, full 5.33 vs
-# 5.42, prefix S = 8192 1.44 vs 1.48) and at 64 x 64 with 4 in the short, sparse and
-# score_mod ones (document S = 2048 0.257 vs 0.291, alibi S = 8192 1.460 vs 1.543): both are
-# candidates, and the backward tunes score_mods apart (``backward_tune_key``).
+# sm_90 candidates of the backward's autotuning, (tiles, fused):
+# the two kernels at the swept tiles (the first is the default when not tuning; at E = 128
+# one candidate: nothing to tune), then, tuned only with FLEXFA_BACKWARD_FUSED=1, the fused
+# dK/dV + dQ kernel at tiles that compile without spills for sm_90 (``ptxas -v``: E=128
+# 64x64 8 warps 243 registers, 32x128 8 warps 234; E=64 64x128 8 warps 220, 64x64 4 warps
+# 245; 64x64 4 warps at E=128 spills 512 bytes, 64x128 8 warps 320). Measured on the H200
+# (benchmarks/tune_classes.py, benchmarks/results/tuning/): at E = 64 the 64 x 64 tiles won
+# every class but dense short (1.051 vs 1.063 ms), by 6-7% in the long dense and masked ones.
+# Each kernel alone (benchmarks/bwd_kernel_sweep.py, benchmarks/results/bwd_kernels/): at E =
+# 64, 2 stages beat 3 by 2-5% in both kernels for causal S = 16384, sliding and document
+# (dK/dV 2.449 vs 2.500 ms, dQ 1.470 vs 1.520, causal), 3 stay better for dK/dV of full
+# S = 2048 (0.642 vs 0.723): both are candidates.
 HOPPER_BACKWARD_CANDIDATES = {
-    64: (((32, 64, 64, 32, 4, 3, 4), False), ((64, 64, 64, 64, 4, 3, 4), False),
-         ((64, 64, 64, 64, 4, 2, 4), False),
-         ((64, 128, 128, 64, 8, 2, 8), True), ((64, 64, 64, 64, 4, 3, 4), True)),
-    128: (((64, 64, 64, 64, 4, 2, 4), False), ((64, 64, 128, 128, 4, 2, 8), False),
-          ((64, 64, 64, 64, 8, 2, 8), True), ((32, 128, 128, 32, 8, 2, 8), True)),
+    64: (((32, 64, 64, 32, 4, 3), False), ((64, 64, 64, 64, 4, 3), False),
+         ((64, 64, 64, 64, 4, 2), False),
+         ((64, 128, 128, 64, 8, 2), True), ((64, 64, 64, 64, 4, 3), True)),
+    128: (((64, 64, 64, 64, 4, 2), False), ((64, 64, 64, 64, 8, 2), True),
+          ((32, 128, 128, 32, 8, 2), True)),
 }
 # the default tiles when not tuning: each head dim's first candidate
 HOPPER_BACKWARD_TILES = {"cuda:90": {e: c[0][0] for e, c in HOPPER_BACKWARD_CANDIDATES.items()}}
 
 
 def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
-    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages, dQ num_warps).
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages).
 
     sm_90 uses the tiles measured on the H200 (``HOPPER_BACKWARD_TILES``). Elsewhere a 4-warp
     shape (8 warps on it measured 2.1x slower on the H200, before the flat loops);
@@ -86,7 +80,7 @@ def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
     and one.
     """
     if target == INTERPRET:
-        return 64, 64, 64, 64, 4, 1, 4  # the interpreter's cost is per tile, not per element
+        return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
     if target in HOPPER_BACKWARD_TILES and dtype != torch.float32 and head_dim_pad <= 128:
         return HOPPER_BACKWARD_TILES[target][64 if head_dim_pad <= 64 else 128]
     if head_dim_pad <= 128:
@@ -96,7 +90,7 @@ def default_backward_tiles(head_dim_pad: int, dtype: torch.dtype, target: str):
     if dtype == torch.float32:  # twice the bytes per element: halve the owned tiles
         tiles = (tiles[0], max(16, tiles[1] // 2), max(16, tiles[2] // 2), tiles[3],
                  tiles[4], 1)
-    return (*tiles, tiles[4])
+    return tiles
 
 
 def _fit(tile: int, block: int | None, what: str, call: AttentionCall) -> int:
@@ -148,16 +142,14 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
     """The backward variant for these inputs; ``target`` defaults to the inputs' device,
     ``grad_out`` (for the TMA decision) to a tensor laid out like q; ``fusable``: see
     ``fused_modes``; ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages,
-    [dQ warps,] fused) from the autotuning, else the default tiles and mode (without dQ
-    warps, the dQ kernel runs with ``warps``)."""
+    fused) from the autotuning, else the default tiles and mode."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     target = target or target_of(q.device)
     if config is None:
         config = (*default_backward_tiles(next_power_of_two(max(E, Ev)), q.dtype, target),
                   fused_modes(call, fusable)[0])
-    (m1, n1, m2, n2, warps, stages), dq_warps, fused = config[:6], config[6:-1], config[-1]
-    dq_warps = dq_warps[0] if dq_warps else warps
+    m1, n1, m2, n2, warps, stages, fused = config
     mask, options = call.block_mask, call.options
     if options.block_m:  # the caller's tiles bound the backward's as well
         m1, m2 = min(m1, options.block_m), min(m2, options.block_m)
@@ -174,7 +166,7 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
     return BackwardSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m1=m1, block_n1=n1,
         block_m2=m2, block_n2=n2, num_warps=options.num_warps or warps,
-        dq_num_warps=options.num_warps or dq_warps, num_stages=options.num_stages or stages, has_block_mask=mask is not None,
+        num_stages=options.num_stages or stages, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and bool(_tables(mask, "full_q")),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % walk_q == 0, even_s1=S % n1 == 0,
         even_l2=L % m2 == 0, even_s2=S % walk_kv == 0, gqa_group=call.gqa_group,
@@ -278,27 +270,15 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
 
 
 def _backward_label(config) -> str:
-    m1, n1, m2, n2, warps, stages, dq_warps, fused = config
+    m1, n1, m2, n2, warps, stages, fused = config
     tiles = f"{m1}x{n1}" if fused else f"{m1}x{n1}/{m2}x{n2}"
-    warps = f"{warps}" if fused or dq_warps == warps else f"{warps}/{dq_warps}"
     return f"{'fused' if fused else '2k'} {tiles} w{warps} s{stages}"
-
-
-def backward_tune_key(template: str, target: str, q, v, kv_len: int,
-                      call: AttentionCall) -> str:
-    """The forward's tuning classes plus whether there is a score_mod ("|scored"): its
-    arithmetic takes registers, and at E = 128 the dQ kernel's 8-warp 128 x 128 tiles that win
-    causal lose ALiBi (benchmarks/results/bwd_kernels/)."""
-    key = autotune.tune_key(template, target, next_power_of_two(max(q.shape[3], v.shape[3])),
-                            next_power_of_two(v.shape[3]), DTYPE_NAMES[q.dtype],
-                            autotune.density_class(call.block_mask), kv_len)
-    return key + "|scored" if call.score is not None else key
 
 
 def choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
                            fusable: bool, target: str) -> tuple | None:
     """The backward's (tiles..., fused) tuned per (target, head dims, dtype, mask density
-    class, short/long kv length, score_mod or not: ``backward_tune_key``) on sm_90, stored like the forward's (``autotune``); None
+    class, short/long kv length) on sm_90, stored like the forward's (``autotune``); None
     (the default tiles and mode) when not tuning: other GPUs, tiles pinned through
     kernel_options, FLEXFA_AUTOTUNE=0, little work, or captured tensors needing gradients
     (their atomics would add up over the timed runs)."""
@@ -315,8 +295,10 @@ def choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call: Attentio
                   HOPPER_BACKWARD_CANDIDATES[64 if e_pad <= 64 else 128] if fused in modes]
     if len(candidates) < 2:
         return None
-    key = backward_tune_key("bwd-fused" if modes[0] else "bwd", target, q, v, k.shape[2],
-                            call)
+    template = "bwd-fused" if modes[0] else "bwd"
+    key = autotune.tune_key(template, target, e_pad, next_power_of_two(v.shape[3]),
+                            DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
+                            k.shape[2])
 
     def time_config(config) -> float:  # only called when no stored winner fits
         # timed with a dense upstream gradient, as most calls get it (``out.sum()`` gives a
@@ -427,7 +409,7 @@ def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatic
         third = ((cdiv(L, delta_block), B * Hq), spec.convert_constexprs(delta_block), small)
     else:
         third = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
-                 spec.dq_launch_options())
+                 spec.launch_options())
     geometry = None
     if spec.use_tma:
         e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])

@@ -13,7 +13,6 @@ import flexfa
 from flexfa.runtime import autotune, hopper
 from flexfa.runtime.forward import AttentionCall
 from flexfa.runtime.options import KernelOptions
-from flexfa.runtime.pipeline import prepare_score_mod
 
 CONFIGS = ((128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3))
 
@@ -223,7 +222,7 @@ def test_backward_tuning_picks_the_fastest_mode_and_tiles_and_stores_them(tune_d
     # the default: the two kernels only, under another key
     monkeypatch.delenv("FLEXFA_BACKWARD_FUSED")
     backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True, "cuda:90")
-    assert timed and all(c[-1] == 0 for c in timed)
+    assert timed and all(c[6] == 0 for c in timed)
     assert "bwd|cuda:90|e64|ev64|bf16|dense|short" in json.loads(
         (tune_dir / "autotune.json").read_text())
 
@@ -240,6 +239,9 @@ def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
         return backward.choose_backward_config(*tensors, out, lse, do, None, call, joint, True,
                                                target)
     assert len([c for c in backward.HOPPER_BACKWARD_CANDIDATES[64] if not c[1]]) == 3
+    wide = _backward_inputs(128)  # one two-kernel candidate at E = 128: nothing to tune
+    assert backward.choose_backward_config(*wide[:5], wide[5], None, _call(), None, True,
+                                           "cuda:90") is None
     assert choose(target="cuda:80") is None and choose(target="interpret") is None
     assert choose(_call(KernelOptions(block_m=32))) is None  # pinned tiles
     assert choose(tensors=[t.float() for t in (q, k, v)]) is None  # fp32
@@ -252,52 +254,3 @@ def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
     monkeypatch.delenv("FLEXFA_AUTOTUNE")
     with pytest.raises(pytest.fail.Exception, match="tuned"):
         choose()  # the same call tunes when nothing forbids it
-
-
-def test_backward_tunes_the_dq_kernels_warps_apart_and_score_mods_apart(tune_dir, monkeypatch):
-    """At E = 128 the two-kernel candidates differ in the dQ kernel's tiles and warps: the
-    winner's dQ warps reach the dQ launch only (dK/dV keeps its 4), a call with a score_mod
-    is tuned under its own key, and the label names both warp counts."""
-    from flexfa.runtime import backward
-
-    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
-    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED", raising=False)
-    two_kernels = [(*t, 0) for t, fused in backward.HOPPER_BACKWARD_CANDIDATES[128]
-                   if not fused]
-    wide_dq = next(c for c in two_kernels if c[6] != c[4])
-    assert wide_dq[:7] == (64, 64, 128, 128, 4, 2, 8)
-    assert backward._backward_label(wide_dq) == "2k 64x64/128x128 w4/8 s2"
-    assert backward._backward_label(two_kernels[0]) == "2k 64x64/64x64 w4 s2"
-    monkeypatch.setattr(backward.triton.testing, "do_bench", lambda fn, **kw: 1.0)
-    timed = []
-    original_spec = backward.backward_spec
-
-    def recording_spec(*args, config=None, **kwargs):
-        timed.append(config)
-        return original_spec(*args, config=config, **kwargs)
-    monkeypatch.setattr(backward, "backward_spec", recording_spec)
-    q, k, v, out, lse, do = _backward_inputs(128)
-    plain = backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True,
-                                            "cuda:90")
-    assert plain in two_kernels and timed == two_kernels
-    scored_call = AttentionCall(prepare_score_mod(lambda s, b, h, i, j: s * 2.0),
-                                None, None, 0.125, KernelOptions(), 1)
-    timed.clear()
-    backward.choose_backward_config(q, k, v, out, lse, do, None, scored_call, None, True,
-                                    "cuda:90")
-    assert timed == two_kernels  # not the plain call's stored winner
-    stored = json.loads((tune_dir / "autotune.json").read_text())
-    assert {"bwd|cuda:90|e128|ev128|bf16|dense|short",
-            "bwd|cuda:90|e128|ev128|bf16|dense|short|scored"} <= set(stored)
-    spec = original_spec(q, k, v, _call(), has_dlse=False, target="cuda:90", config=wide_dq)
-    assert (spec.num_warps, spec.dq_num_warps, spec.block_m2, spec.block_n2) == (4, 8, 128, 128)
-    statics = backward.launch_statics(spec, q, k, v, do, None)
-    assert statics.options[1]["num_warps"] == 4 and statics.options[2]["num_warps"] == 8
-    # a config without dQ warps (the sweeps' six tiles) runs the dQ kernel with ``warps``
-    legacy = original_spec(q, k, v, _call(), has_dlse=False, target="cuda:90",
-                           config=(64, 64, 64, 64, 8, 2, 0))
-    assert legacy.dq_launch_options()["num_warps"] == 8
-    # pinned warps bind both kernels
-    pinned = original_spec(q, k, v, _call(KernelOptions(num_warps=2)), has_dlse=False,
-                           target="cuda:90", config=wide_dq)
-    assert pinned.launch_options()["num_warps"] == pinned.dq_launch_options()["num_warps"] == 2

@@ -64,16 +64,3 @@ def test_softcap_dkdv_fits_its_registers_on_sm90():
     assert result.ok, result.error
     assert result.wgmma and "cp.async.bulk.tensor" in result.ptx  # TMA loads of Q and dO
     assert result.spill_bytes is not None and result.spill_bytes <= 16, result.spill_bytes
-
-
-def test_wide_dq_candidate_compiles_for_sm90_with_eight_warps():
-    """The E = 128 tuning candidate with 128 x 128 dQ tiles: wgmma, TMA loads of K and V, 8
-    warps (dK/dV keeps 4), and no spills at the benchmark's lengths (247 registers, 0 bytes
-    spilled in benchmarks/results/bwd_kernels/)."""
-    name = "bwd_dq_d128_bf16_causal_wide"
-    job = REGISTRY[name]
-    assert job(90).options["num_warps"] == 8
-    result = compile_job(name, 90, job)
-    assert result.ok, result.error
-    assert result.wgmma and "cp.async.bulk.tensor" in result.ptx
-    assert result.spill_bytes is not None and result.spill_bytes <= 16, result.spill_bytes

@@ -149,18 +149,3 @@ def test_a_cached_plans_launches_equal_freshly_built_ones(monkeypatch):
             else:
                 assert x == y
     assert descriptors == 4  # q, dO in dK/dV; k, v in dQ
-
-
-def test_dq_kernel_at_its_wide_tuning_candidate(spy_specs, monkeypatch):
-    """The E = 128 tuning candidate whose dQ kernel owns 128 x 128 tiles (8 warps on sm_90)
-    while dK/dV keeps 64 x 64: forced here, under the interpreter with the sm_90 descriptor
-    path, the gradients match the float64 reference for a causal mask with a score_mod."""
-    wide = next(t for t, fused in backward_runtime.HOPPER_BACKWARD_CANDIDATES[128]
-                if not fused and t[2] == 128)
-    monkeypatch.setattr(backward_runtime, "choose_backward_config",
-                        lambda *a, **kw: (*wide[:5], 1, wide[6], 0))
-    q, k, v = make_qkv(1, 2, 2, 256, 256, 32, dtype=torch.bfloat16, seed=25)
-    block_mask = create_block_mask(mods.causal, None, None, 256, 256, device="cpu")
-    check_backward(q, k, v, mods.alibi(2), mods.causal, block_mask)
-    assert spy_specs and all((s.block_m1, s.block_n1, s.block_m2, s.block_n2, s.num_warps,
-                              s.dq_num_warps) == (64, 64, 128, 128, 4, 8) for s in spy_specs)
