@@ -47,6 +47,8 @@ class FP8KernelSpec:
     target: str
     use_tma: bool = False  # Q/K/V^T tiles through tensor descriptors (runtime checks layouts)
     exp_f16: bool = False  # P's exp2 in float16, two per instruction (ex2.approx.f16x2)
+    # q.k's descales and scale joined to exp2's FMA (needs them > 0 and no score_mod)
+    fold_qk_scale: bool = False
     template: str = "fwd_fp8"
     dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
     max_registers: int = 0  # Triton's maxnreg, from kernel_options (0: none)
@@ -75,7 +77,7 @@ class FP8KernelSpec:
         return dict(
             forward_constexprs(self, has_score_mod), SCALE_Q=self.scale_q,
             SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT, EMULATE_FP8_CAST=self.interpret,
-            USE_TMA=self.use_tma, EXP_F16=self.exp_f16)
+            USE_TMA=self.use_tma, EXP_F16=self.exp_f16, FOLD_QK_SCALE=self.fold_qk_scale)
 
     def launch_options(self) -> dict[str, int]:
         return launch_options(self)
@@ -136,7 +138,8 @@ def quantize_signature(dtype: str, constexprs: dict) -> dict[str, str]:
 
 def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False,
             exp_f16=False):
-    """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles."""
+    """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles, with
+    the scale fold of ``quantize``'s inputs where it applies (no score_mod)."""
     def build(arch: int) -> compile_check.CompileJob:
         from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
         from ..fp8.runtime import default_fp8_tiles
@@ -154,7 +157,7 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
                              sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
                              even_l=False, even_s=False, return_lse=True, gqa_group=1,
                              target=f"cuda:{arch}", use_tma=use_tma, exp_f16=exp_f16,
-                             max_registers=cap)
+                             max_registers=cap, fold_qk_scale=score is None)
         generated = fp8_forward_kernel(spec, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = fp8_forward_signature(spec, score, mask)

@@ -126,7 +126,8 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse,
         gqa_group=call.gqa_group, target=target, use_tma=use_tma,
-        exp_f16=exp_f16_requested(target))
+        exp_f16=exp_f16_requested(target),
+        fold_qk_scale=call.score is None and call.scale > 0 and x.positive_scales)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})

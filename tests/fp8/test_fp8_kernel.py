@@ -266,3 +266,46 @@ def test_sm90_default_tiles_fit_three_programs_per_sm_and_pins_override_the_cap(
     assert spec({"num_warps": 8}).max_registers == 0
     assert spec({"BLOCK_M": 128, "maxnreg": 200}).max_registers == 200
     assert spec({"maxnreg": 0}).max_registers == 0
+
+
+def test_scale_fold_needs_positive_descales_a_positive_scale_and_no_score_mod():
+    """quantize's descales are > 0 (positive_scales): without a score_mod and with scale > 0
+    the kernel scales q.k inside exp2's FMA; a score_mod, a scale <= 0 or inputs built by
+    hand (positive_scales False) keep the separate multiply."""
+    import dataclasses
+
+    from flexfa.fp8 import runtime
+    from flexfa.runtime.forward import AttentionCall
+    from flexfa.runtime.options import KernelOptions
+    from flexfa.runtime.pipeline import prepare_score_mod
+
+    x = quantize(*_qkv())
+    assert x.positive_scales and quantize(*_qkv(), rotate=False).positive_scales
+    assert bool((x.q_scale > 0).all() and (x.k_scale > 0).all())
+
+    def fold(x, score=None, scale=0.125):
+        call = AttentionCall(score, None, None, scale, KernelOptions(), 1)
+        return runtime.fp8_spec(x, call, False).fold_qk_scale
+    assert fold(x)
+    assert not fold(x, prepare_score_mod(lambda s, b, h, i, j: s * 2.0))
+    assert not fold(x, scale=-0.125) and not fold(x, scale=0.0)
+    assert not fold(dataclasses.replace(x, positive_scales=False))
+
+
+@pytest.mark.parametrize("mask_mod", [None, mods.causal])
+def test_descales_of_any_sign_without_the_fold(mask_mod):
+    """Inputs built by hand may carry negative descales (the same dequantized K as values and
+    descales both negated): with positive_scales False the result equals quantize's own,
+    which runs the fold; the scale fold (max(x) * c = max(x * c)) needs c > 0."""
+    import dataclasses
+
+    q, k, v = _qkv(L=128, S=128)
+    x = quantize(q, k, v)
+    flipped = dataclasses.replace(x, k=(-x.k.float()).to(x.k.dtype), k_scale=-x.k_scale,
+                                  positive_scales=False)
+    block_mask = flexfa.create_block_mask(mask_mod, None, None, 128, 128, device="cpu") \
+        if mask_mod else None
+    want, want_lse = flex_attention_fp8(x, block_mask=block_mask, return_lse=True)
+    got, got_lse = flex_attention_fp8(flipped, block_mask=block_mask, return_lse=True)
+    assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0)
+    assert torch.allclose(got_lse, want_lse, atol=1e-5)
