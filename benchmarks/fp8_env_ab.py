@@ -1,11 +1,13 @@
 """FP8 kernel variants selected by an environment variable, timed in one process (H200 runs).
 
-``python benchmarks/fp8_env_ab.py --env FLEXFA_FP8_FOLD --values 0,qk,qkv`` quantizes the
+``python benchmarks/fp8_env_ab.py --env FLEXFA_FP8_EXP16 --values 0,1`` quantizes the
 benchmark's inputs once (``flexfa.fp8.quantize``, rotated, 128-row blocks), then for each
 case times ``flex_attention_fp8`` on them under each value of the variable, alternating the
 values for ``--rounds`` rounds (``triton.testing.do_bench`` medians), next to flexfa's bf16
 forward; prints per case and value the median over rounds, TFLOP/s, the ratio to bf16 and
-the largest difference from the first value's output.
+the largest difference from the first value's output. (The descale-fold A/B in
+benchmarks/results/fp8_f0b9546/ ran it with a temporary switch, FLEXFA_FP8_FOLD, that the
+working tree had then; the fold that won is now chosen by the runtime, not by a variable.)
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Write ``benchmarks/results/h200.json`` and ``h200.png`` from the H200 benchmark runs.
 
-Run 11 (commit 07b56bc, 2026-11-29) covered the whole grid, both passes, in one process
-(``python -m flexfa bench --dims 64,128 --seqs 2048,8192,16384 --rep 40``; kernels compiled
-on that machine just before by ``benchmarks/tune_classes.py``, every tile from the committed
-tuning file), so it alone makes the results; the earlier runs (1-10, older code; run 8
-needed run 8b for its last case) stay in ``raw/`` for the record. Every row keeps the run it came from.
+Run 12 (commit f0b9546, 2026-11-29, seventh session) covered the whole grid, both passes, in
+one process (``python -m flexfa bench --dims 64,128 --seqs 2048,8192,16384 --rep 40`` on a
+fresh machine, every tile from the committed tuning file, kernels compiled inside the run), so
+it alone makes the results; the earlier runs (1-11, older code; run 8 needed run 8b for its
+last case) stay in ``raw/`` for the record. Every row keeps the run it came from.
 ``python benchmarks/merge_results.py`` prints the tables of docs/performance.md.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flexfa.bench import plot, summarize  # noqa: E402
 HERE = os.path.join(os.path.dirname(__file__), "results")
 # (file, which rows to take, why others are left out)
 SOURCES = [
-    ("run11_full_grid_07b56bc.json", lambda r: True, ""),
+    ("run12_full_grid_f0b9546.json", lambda r: True, ""),
 ]
 NOT_RUN: list[str] = []
 
