@@ -33,7 +33,59 @@ def merged() -> dict:
         metas[name] = run["meta"]
         rows += [dict(r, run=name) for r in run["rows"] if keep(r)]
     return {"meta": {**metas[SOURCES[0][0]], "runs": metas}, "rows": rows,
-            "summary": summarize(rows), "left_out": notes}
+            "summary": summarize(rows), "targets": targets(rows), "left_out": notes}
+
+
+# why the targets that a run can miss are hard (docs/performance.md has the measurements)
+WHY_MISSED = {
+    "causal E=128 S=16384 fwd+bwd TFLOP/s": (
+        "the backward runs 7 GEMMs per tile pair in two Triton kernels (dK/dV, dQ) at about 84% "
+        "of the matmul peak; FA3 and cuDNN run 5 with dQ accumulated across programs, hidden by "
+        "producer/consumer warpgroups. flexfa's fused 5-GEMM kernel (FLEXFA_BACKWARD_FUSED=1) "
+        "loses in plain Triton 3.6, which cannot overlap its dQ GEMM and reduce-adds with the "
+        "rest; separate dQ tiles and a side stream for dQ were measured and lost (docs/"
+        "performance.md)"),
+    "causal E=128 S=16384 forward TFLOP/s": (
+        "each program runs q.k GEMM, softmax and P @ V in sequence (Triton 3.6 waits for a wgmma "
+        "right after issuing it: benchmarks/wgmma_wait_probe.py); the overlap comes only from "
+        "two programs per SM"),
+}
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue 6's targets evaluated on ``rows``: measured value, threshold, met, and why where
+    missed."""
+    def find(impl, variant, S, D, pass_):
+        return next((r for r in rows if (r["impl"], r["variant"], r["S"], r["D"], r["pass_"])
+                     == (impl, variant, S, D, pass_) and "ms" in r), None)
+
+    speedups: dict = {}
+    for r in rows:
+        other = find("flex", r["variant"], r["S"], r["D"], r["pass_"])
+        if r["impl"] == "flexfa" and "ms" in r and other:
+            speedups.setdefault(r["pass_"], {})[(r["variant"], r["S"], r["D"])] = \
+                other["ms"] / r["ms"]
+    result = []
+
+    def add(name, value, threshold):
+        entry = {"target": name, "measured": round(value, 3), "threshold": threshold,
+                 "met": value >= threshold}
+        if not entry["met"]:
+            entry["short_by"] = f"{100 * (1 - value / threshold):.1f}%"
+            entry["why"] = WHY_MISSED.get(name, "see docs/performance.md")
+        result.append(entry)
+    for pass_, cases in sorted(speedups.items()):
+        add(f"{pass_} geomean speedup over FlexAttention",
+            math.exp(sum(map(math.log, cases.values())) / len(cases)), 1.15)
+        add(f"{pass_} worst speedup over FlexAttention", min(cases.values()), 1.0)
+        softcap = [v for (variant, *_), v in cases.items() if variant == "softcap"]
+        if softcap:
+            add(f"{pass_} softcap+causal worst speedup", min(softcap), 1.8)
+    for pass_, label, threshold in (("fwd", "forward", 510), ("fwd+bwd", "fwd+bwd", 450)):
+        r = find("flexfa", "causal", 16384, 128, pass_)
+        if r:
+            add(f"causal E=128 S=16384 {label} TFLOP/s", r["tflops"], threshold)
+    return result
 
 
 def table(result: dict, pass_: str) -> str:
@@ -76,6 +128,10 @@ def main() -> None:
     below = {p: sum(v < 1.0 for v in s) for p, s in speedups.items()}
     print("\ncases below 1.0x:", below, "| geomeans:",
           {p: round(math.exp(sum(map(math.log, s)) / len(s)), 3) for p, s in speedups.items()})
+    print("\ntargets:")
+    for t in result["targets"]:
+        status = "met" if t["met"] else f"MISSED by {t['short_by']}"
+        print(f"  {t['target']}: {t['measured']} (>= {t['threshold']}): {status}")
 
 
 if __name__ == "__main__":

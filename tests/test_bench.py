@@ -46,3 +46,29 @@ def test_source_digest_names_the_package_files(tmp_path, monkeypatch):
     template = next((copy / "codegen" / "templates").glob("*.tmpl"))
     template.write_text(template.read_text() + "\n")
     assert bench.source_digest() != digest
+
+
+def test_merged_results_list_each_target_with_its_margin_and_why_it_was_missed():
+    """benchmarks/merge_results.py writes issue 6's targets into h200.json: measured value,
+    threshold, met, and for a miss the shortfall and the reason."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_results.py"
+    spec = importlib.util.spec_from_file_location("merge_results", path)
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+
+    def row(impl, variant, pass_, ms, tflops=None, S=16384, D=128):
+        return dict(impl=impl, variant=variant, S=S, D=D, pass_=pass_, ms=ms, tflops=tflops)
+    rows = [row("flexfa", "causal", "fwd", 2.0, 548.0), row("flex", "causal", "fwd", 2.8),
+            row("flexfa", "causal", "fwd+bwd", 9.0, 430.0), row("flex", "causal", "fwd+bwd", 8.8),
+            row("flexfa", "softcap", "fwd", 2.4), row("flex", "softcap", "fwd", 5.8)]
+    got = {t["target"]: t for t in merge.targets(rows)}
+    assert got["causal E=128 S=16384 forward TFLOP/s"]["met"]
+    missed = got["causal E=128 S=16384 fwd+bwd TFLOP/s"]
+    assert not missed["met"] and missed["short_by"] == "4.4%" and "7 GEMMs" in missed["why"]
+    worst = got["fwd+bwd worst speedup over FlexAttention"]
+    assert not worst["met"] and worst["measured"] == round(8.8 / 9.0, 3)
+    assert got["fwd softcap+causal worst speedup"]["met"]
+    assert "fwd+bwd softcap+causal worst speedup" not in got  # no softcap fwd+bwd rows
