@@ -163,38 +163,19 @@ def compile_sm90(BM=128, BN=64, E=128, STAGES=2, num_warps=8):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def loop_events(ptx: str) -> list[str]:
-    """The main loop's wgmma issues, waits (with their outstanding counts) and exponentials,
-    in PTX order, runs collapsed: the loop is the last block that branches back to itself."""
-    import re
-    label = re.findall(r"@%p\d+ bra \t(\$L__BB0_\d+);", ptx)[-1]
-    body = ptx[ptx.index(label + ":"):]
-    body = body[:body.index(f"bra \t{label};")]
-    events = []
-    for line in body.splitlines():
-        words = line.split()
-        if not words:
-            continue
-        name = ("wgmma" if words[0].startswith("wgmma.mma_async") else
-                f"wait{words[-1].rstrip(';')}" if words[0].startswith("wgmma.wait_group") else
-                "ex2" if words[0].startswith("ex2.approx") else None)
-        if name and (not events or events[-1] != name):
-            events.append(name)
-    return events
-
-
 def main_cpu():
     """Compile for sm_90; print registers, spills, shared memory and the loop's order."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from flexfa.codegen.compile_check import ptxas_usage
+    from wgmma_wait_probe import ptx_loop_events
     for BM, BN, stages, warps in ((128, 128, 3, 8), (64, 64, 2, 4)):
         compiled = compile_sm90(BM, BN, 128, stages, warps)
         registers, spills = ptxas_usage(compiled.asm["ptx"], 90)
         print(f"{BM}x{BN} {stages} stages {warps} warps: {registers} registers, {spills} bytes "
               f"spilled, {compiled.metadata.shared} B shared; loop: "
-              + " -> ".join(loop_events(compiled.asm["ptx"])))
+              + " -> ".join(ptx_loop_events(compiled.asm["ptx"])))
 
 
 def main_gpu():

@@ -14,6 +14,8 @@ can).
 """
 from __future__ import annotations
 
+import re
+
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -52,25 +54,34 @@ def _attention_loop(Q, K, V, O, N, BM: tl.constexpr, BN: tl.constexpr, E: tl.con
     tl.store(O + offs_m[:, None] * E + offs_e[None, :], acc / s[:, None])
 
 
+def ptx_loop_events(ptx: str) -> list[str]:
+    """The main loop's wgmma issues, waits (with their outstanding counts: ``wait0``) and
+    exponentials, in PTX order, runs collapsed; the loop is the block of the last conditional
+    branch, which in these kernels branches back to the loop's label."""
+    label = re.findall(r"@%p\d+ bra \t(\$L__BB0_\d+);", ptx)[-1]
+    body = ptx[ptx.index(label + ":"):]
+    body = body[:body.index(f"bra \t{label};")]
+    events = []
+    for line in body.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        name = ("wgmma" if words[0].startswith("wgmma.mma_async") else
+                f"wait{words[-1].rstrip(';')}" if words[0].startswith("wgmma.wait_group") else
+                "ex2" if words[0].startswith("ex2.approx") else None)
+        if name and (not events or events[-1] != name):
+            events.append(name)
+    return events
+
+
 def loop_events(rotated: bool) -> list[str]:
-    """The loop body's wgmma issues, waits and exponentials, in PTX order, runs collapsed."""
+    """``ptx_loop_events`` of the plain or the rotated loop compiled for sm_90."""
     signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*fp32", "N": "i32",
                  "BM": "constexpr", "BN": "constexpr", "E": "constexpr", "ROTATED": "constexpr"}
     source = ASTSource(_attention_loop, signature=signature,
                        constexprs={"BM": 128, "BN": 64, "E": 128, "ROTATED": int(rotated)})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 8, "num_stages": 2}).asm["ptx"]
-    body = ptx[ptx.index("$L__BB0_2:"):]  # the loop: from its label to its back branch
-    body = body[:body.index("bra \t$L__BB0_2;")]
-    events = []
-    for line in body.splitlines():
-        word = line.strip().split(" ")[0].split("\t")[0]
-        name = ("wgmma" if word.startswith("wgmma.mma_async") else
-                "wait" if word.startswith("wgmma.wait_group") else
-                "ex2" if word.startswith("ex2.approx") else None)
-        if name and (not events or events[-1] != name):
-            events.append(name)
-    return events
+    return ptx_loop_events(triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                          options={"num_warps": 8, "num_stages": 2}).asm["ptx"])
 
 
 def main() -> None:
