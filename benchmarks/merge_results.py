@@ -10,12 +10,11 @@ last case) stay in ``raw/`` for the record. Every row keeps the run it came from
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexfa.bench import plot, summarize  # noqa: E402
+from flexfa.bench import case_speedups, plot, summarize  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(__file__), "results")
 # (file, which rows to take, why others are left out)
@@ -32,8 +31,9 @@ def merged() -> dict:
             run = json.load(f)
         metas[name] = run["meta"]
         rows += [dict(r, run=name) for r in run["rows"] if keep(r)]
+    summary = summarize(rows)
     return {"meta": {**metas[SOURCES[0][0]], "runs": metas}, "rows": rows,
-            "summary": summarize(rows), "targets": targets(rows), "left_out": notes}
+            "summary": summary, "targets": targets(rows, summary), "left_out": notes}
 
 
 # why the targets that a run can miss are hard (docs/performance.md has the measurements)
@@ -52,19 +52,9 @@ WHY_MISSED = {
 }
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """Issue 6's targets evaluated on ``rows``: measured value, threshold, met, and why where
-    missed."""
-    def find(impl, variant, S, D, pass_):
-        return next((r for r in rows if (r["impl"], r["variant"], r["S"], r["D"], r["pass_"])
-                     == (impl, variant, S, D, pass_) and "ms" in r), None)
-
-    speedups: dict = {}
-    for r in rows:
-        other = find("flex", r["variant"], r["S"], r["D"], r["pass_"])
-        if r["impl"] == "flexfa" and "ms" in r and other:
-            speedups.setdefault(r["pass_"], {})[(r["variant"], r["S"], r["D"])] = \
-                other["ms"] / r["ms"]
+def targets(rows: list[dict], summary: dict) -> list[dict]:
+    """Issue 6's targets evaluated on ``rows`` (``summary``: ``summarize(rows)``): measured
+    value, threshold, met, and why where missed."""
     result = []
 
     def add(name, value, threshold):
@@ -74,15 +64,16 @@ def targets(rows: list[dict]) -> list[dict]:
             entry["short_by"] = f"{100 * (1 - value / threshold):.1f}%"
             entry["why"] = WHY_MISSED.get(name, "see docs/performance.md")
         result.append(entry)
-    for pass_, cases in sorted(speedups.items()):
-        add(f"{pass_} geomean speedup over FlexAttention",
-            math.exp(sum(map(math.log, cases.values())) / len(cases)), 1.15)
-        add(f"{pass_} worst speedup over FlexAttention", min(cases.values()), 1.0)
-        softcap = [v for (variant, *_), v in cases.items() if variant == "softcap"]
+    for pass_, cases in sorted(case_speedups(rows).items()):
+        add(f"{pass_} geomean speedup over FlexAttention", summary[pass_]["geomean_speedup"],
+            1.15)
+        add(f"{pass_} worst speedup over FlexAttention", summary[pass_]["worst"]["speedup"], 1.0)
+        softcap = [c["speedup"] for c in cases if c["variant"] == "softcap"]
         if softcap:
             add(f"{pass_} softcap+causal worst speedup", min(softcap), 1.8)
     for pass_, label, threshold in (("fwd", "forward", 510), ("fwd+bwd", "fwd+bwd", 450)):
-        r = find("flexfa", "causal", 16384, 128, pass_)
+        r = next((r for r in rows if (r["impl"], r["variant"], r["S"], r["D"], r["pass_"])
+                  == ("flexfa", "causal", 16384, 128, pass_) and "ms" in r), None)
         if r:
             add(f"causal E=128 S=16384 {label} TFLOP/s", r["tflops"], threshold)
     return result
@@ -119,15 +110,11 @@ def main() -> None:
         print(f"\ngeomean {s['geomean_speedup']:.3f}x over {s['cases']} cases; worst "
               f"{s['worst']['speedup']:.2f}x ({s['worst']['variant']} S={s['worst']['S']} "
               f"E={s['worst']['D']})")
-    speedups = {}
-    for r in result["rows"]:
-        if r["impl"] == "flexfa" and "ms" in r:
-            fl = [x for x in result["rows"] if x["impl"] == "flex" and "ms" in x and
-                  (x["variant"], x["S"], x["D"], x["pass_"]) == (r["variant"], r["S"], r["D"], r["pass_"])]
-            speedups.setdefault(r["pass_"], []).append(fl[0]["ms"] / r["ms"])
+    speedups = {p: [c["speedup"] for c in cases]
+                for p, cases in case_speedups(result["rows"]).items()}
     below = {p: sum(v < 1.0 for v in s) for p, s in speedups.items()}
     print("\ncases below 1.0x:", below, "| geomeans:",
-          {p: round(math.exp(sum(map(math.log, s)) / len(s)), 3) for p, s in speedups.items()})
+          {p: round(result["summary"][p]["geomean_speedup"], 3) for p in speedups})
     print("\ntargets:")
     for t in result["targets"]:
         status = "met" if t["met"] else f"MISSED by {t['short_by']}"

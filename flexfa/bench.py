@@ -234,8 +234,9 @@ def _save_partial(args, meta, rows) -> None:
                   indent=1)
 
 
-def summarize(rows) -> dict:
-    """Speedup of flexfa over FlexAttention per case, and the geometric means per pass."""
+def case_speedups(rows) -> dict:
+    """{pass: [dict(variant, S, D, speedup)]}: FlexAttention's time over flexfa's for every
+    case that has both."""
     by_case = {}
     for r in rows:
         if "ms" in r:
@@ -245,8 +246,13 @@ def summarize(rows) -> dict:
         if "flexfa" in times and "flex" in times:
             speedups.setdefault(pass_, []).append(
                 dict(variant=variant, S=S, D=D, speedup=times["flex"] / times["flexfa"]))
+    return speedups
+
+
+def summarize(rows) -> dict:
+    """Speedup of flexfa over FlexAttention per case, and the geometric means per pass."""
     summary = {}
-    for pass_, items in speedups.items():
+    for pass_, items in case_speedups(rows).items():
         geo = math.exp(sum(math.log(i["speedup"]) for i in items) / len(items))
         worst = min(items, key=lambda i: i["speedup"])
         summary[pass_] = dict(geomean_speedup=geo, worst=worst, cases=len(items))

@@ -64,7 +64,7 @@ def test_merged_results_list_each_target_with_its_margin_and_why_it_was_missed()
     rows = [row("flexfa", "causal", "fwd", 2.0, 548.0), row("flex", "causal", "fwd", 2.8),
             row("flexfa", "causal", "fwd+bwd", 9.0, 430.0), row("flex", "causal", "fwd+bwd", 8.8),
             row("flexfa", "softcap", "fwd", 2.4), row("flex", "softcap", "fwd", 5.8)]
-    got = {t["target"]: t for t in merge.targets(rows)}
+    got = {t["target"]: t for t in merge.targets(rows, bench.summarize(rows))}
     assert got["causal E=128 S=16384 forward TFLOP/s"]["met"]
     missed = got["causal E=128 S=16384 fwd+bwd TFLOP/s"]
     assert not missed["met"] and missed["short_by"] == "4.4%" and "7 GEMMs" in missed["why"]
