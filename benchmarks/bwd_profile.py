@@ -31,21 +31,26 @@ def main() -> None:
     do = torch.randn_like(q)
     for name in names:
         score_mod, mask_mod = _variants(S, H, "cuda")[name]
-        fbm = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda")
-        tbm = create_block_mask(mask_mod, B, None, S, S, device="cuda")
+        fbm = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda") \
+            if mask_mod else None
+        tbm = create_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
         impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
                  "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)}
         for label, fn in impls.items():
             if label not in wanted:
                 continue
-            for _ in range(5):
+
+            def step():  # fresh gradients each step, as the benchmark's do_bench(grad_to_none)
+                q.grad = k.grad = v.grad = None
                 fn().backward(do)
+            for _ in range(5):
+                step()
             torch.cuda.synchronize()
             steps = 20
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
                 for _ in range(steps):
-                    fn().backward(do)
+                    step()
                 torch.cuda.synchronize()
                 wall = (time.perf_counter() - start) / steps * 1e3
             kernels: dict[str, float] = {}

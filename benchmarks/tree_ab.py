@@ -8,12 +8,17 @@ forward + backward of each case with ``triton.testing.do_bench`` (median), alter
 old / new for ``--rounds`` rounds, and prints per case the median over rounds and the ratio
 old / new (> 1: this checkout is faster). Generated kernels of the two trees have different
 names (their template hashes differ), so they share one kernel cache and one tuning file.
+``--old-env NAME=VALUE,...`` / ``--new-env ...`` set environment variables while that side
+runs and is timed (variables read per call, e.g. ``FLEXFA_BACKWARD_TMA``); with ``--old .``
+the same tree under two settings.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -45,6 +50,29 @@ def parse_cases(text: str) -> list[tuple[int, int, str]]:
     return cases
 
 
+def parse_env(text: str) -> dict[str, str]:
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"environment settings must be NAME=VALUE,..., got {text!r}")
+    return dict(pairs)
+
+
+@contextlib.contextmanager
+def env_set(env: dict[str, str]):
+    """``env`` set in os.environ for the block, restored after (the forward and the backward
+    it times both read it: the backward's plans are keyed by the variables they read)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True)
@@ -55,7 +83,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=40)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--old-env", default="")
+    parser.add_argument("--new-env", default="")
     args = parser.parse_args(argv)
+    envs = {"old": parse_env(args.old_env), "new": parse_env(args.new_env)}
     old = load_tree(args.old)
     trees = {"old": old, "new": flexfa}
     rows = []
@@ -73,14 +104,16 @@ def main(argv=None) -> int:
             do = torch.randn_like(q)
             results = {}
             for label, fn in fns.items():
-                out = fn(q, k, v)
-                grads = torch.autograd.grad(out, (q, k, v), do) if bwd else ()
+                with env_set(envs[label]):
+                    out = fn(q, k, v)
+                    grads = torch.autograd.grad(out, (q, k, v), do) if bwd else ()
                 results[label] = [out.detach(), *grads]
             errors = [_relerr(a, b) for a, b in zip(results["new"], results["old"])]
             times = {"old": [], "new": []}
             for _ in range(args.rounds):
                 for label, fn in fns.items():
-                    times[label].append(_time(fn, q, k, v, bwd, args.rep))
+                    with env_set(envs[label]):
+                        times[label].append(_time(fn, q, k, v, bwd, args.rep))
             row = {"dim": dim, "seq": seq, "variant": variant, "pass": "fwd+bwd" if bwd else "fwd",
                    "old_ms": statistics.median(times["old"]),
                    "new_ms": statistics.median(times["new"]), "times": times,
