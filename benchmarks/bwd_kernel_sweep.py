@@ -7,9 +7,9 @@ The dK/dV kernel owns OWN keys and walks q tiles of WALK rows; the dQ kernel own
 walks kv tiles of WALK keys (MAXNREG 0: no register cap). For each case the backward's inputs
 (q, k, v, out, lse, dO and the prepared call) are captured from one ``flexfa`` fwd+bwd, whose
 gradients are the reference: every configuration is checked against them (relative L2 error of
-its kernel's outputs) before its kernel alone is timed (``do_bench`` median, the delta kernel
-run once before). Prints one JSON line per configuration (with registers, spills and shared
-memory of the compiled kernel) and, per case, the fastest configuration of each kernel next
+its kernel's outputs) before its kernel alone is timed (``do_bench`` median; the default dQ
+kernel, which stores delta, run once before). Prints one JSON line per configuration (with
+registers, spills and shared memory of the compiled kernel) and, per case, the fastest configuration of each kernel next
 to the default's; writes ``bwd_kernel_sweep.json`` to ``--out``.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def sweep_kernel(which: str, item: str, args, reference) -> dict:
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     launches = bwd.backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
                                      call, joint, {}, dq, dk, dv)
-    position = 1 if which == "dkdv" else 2
+    position = 1 if which == "dkdv" else 0  # launch order: dQ (storing delta), dK/dV
     options = {"num_warps": warps, "num_stages": stages}
     if maxnreg:
         options["maxnreg"] = maxnreg

@@ -1,8 +1,9 @@
 """Filling the backward templates: a score_mod's joint graph and a mask_mod -> Triton source.
 
-The generated module holds three kernels (helpers.tmpl and bwd_common.tmpl first):
-``flexfa_bwd_delta`` (delta = rowsum(dO * O) - dlse), ``<name>_dkdv`` (bwd_dkdv.tmpl) and
-``<name>_dq`` (bwd_dq.tmpl, which also accumulates captured-tensor gradients). Rendering is a
+The generated module holds the kernels (helpers.tmpl and bwd_common.tmpl first):
+``<name>_dq`` (bwd_dq.tmpl, run first: it also stores delta = rowsum(dO * O) - dlse and
+accumulates captured-tensor gradients), ``<name>_dkdv`` (bwd_dkdv.tmpl), and for the opt-in
+fused kernel ``flexfa_bwd_delta`` and ``flexfa_bwd_dq_convert``. Rendering is a
 pure function of the score_mod's IR with its grad slots, the mask_mod's IR and the
 ``BackwardSpec``; the spec's fields reach the kernels as constexpr launch arguments.
 """
@@ -89,7 +90,7 @@ class BackwardSpec:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,
                     EVEN_S=self.even_s2, DSCORE_IS_ONE=dscore_one,
                     HAS_BUFFER_GRADS=has_buffer_grads, DETERMINISTIC=self.deterministic,
-                    **self._common())
+                    HAS_DLSE=self.has_dlse, **self._common())
 
     def delta_constexprs(self, block_m: int) -> dict:
         return dict(BLOCK_M=block_m, EV=self.head_dim_v,
@@ -287,7 +288,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
                  for s in (joint.grad_slots if joint else ())}
         launches = backward_launches(spec, module, generated.name, q, k, v, out, lse, out, lse,
                                      call, joint, grads, q, k, v)
-        launch = launches[{"delta": 0, "dkdv": 1, "dq": 2, "convert": 2}[which]]
+        launch = launches[{"delta": 0, "dkdv": 1, "dq": 0, "convert": 2}[which]]
         return CompileJob(launch.kernel, launch_signature(launch.kernel, launch.args,
                                                           launch.constexprs),
                           launch.constexprs, launch.options, generated.name)

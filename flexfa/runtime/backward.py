@@ -253,7 +253,7 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
         launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
                                      call, joint, grads, dq, dk, dv, tables, statics,
                                      trusted=compiled[0] is not None)
-        for i, launch in enumerate(launches):  # delta, dK/dV, dQ (or the fused dQ's convert)
+        for i, launch in enumerate(launches):  # dQ, dK/dV (fused: delta, dK/dV + dQ, convert)
             if i != 1 or need_dkdv:
                 compiled[i] = launch.run(compiled[i])
     else:  # nothing to attend: all gradients are zero
@@ -388,10 +388,10 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchStatics:
-    """What the launches of a backward pass take from its signature alone: the three grids,
-    constexprs and launch options (delta, dK/dV, dQ or the fused dQ's convert) and the
-    descriptors' (shape, strides, block) for q, dO, k, v and the dQ accumulator (None
-    without TMA)."""
+    """What the launches of a backward pass take from its signature alone: their grids,
+    constexprs and launch options, in launch order (dQ, dK/dV; fused: delta, dK/dV + dQ,
+    dQ's conversion) and the descriptors' (shape, strides, block) for q, dO, k, v and the dQ
+    accumulator (None without TMA)."""
 
     grids: tuple
     constexprs: tuple
@@ -405,11 +405,15 @@ def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatic
     delta_block = 16 if spec.interpret else 64
     one, small = dscore_is_one(joint), {"num_warps": 4}
     has_grads = bool(joint is not None and joint.grad_slots)
-    if spec.fused_dq:
-        third = ((cdiv(L, delta_block), B * Hq), spec.convert_constexprs(delta_block), small)
-    else:
-        third = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
+    if spec.fused_dq:  # delta (zeroing the dQ accumulator), dK/dV + dQ, dQ's conversion
+        first = ((cdiv(L, delta_block), B * Hq), spec.delta_constexprs(delta_block), small)
+        last = ((cdiv(L, delta_block), B * Hq), spec.convert_constexprs(delta_block), small)
+    else:  # dQ (storing delta), dK/dV
+        first = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
                  spec.launch_options())
+        last = None
+    dkdv = ((cdiv(S, spec.block_n1), B * Hkv), spec.dkdv_constexprs(one), spec.launch_options())
+    launches = (first, dkdv, last) if last else (first, dkdv)
     geometry = None
     if spec.use_tma:
         e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
@@ -419,16 +423,16 @@ def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatic
                     "k": _geometry(k, spec.block_n2, e_pad),
                     "v": _geometry(v, spec.block_n2, ev_pad),
                     "dq_acc": dq_acc_shape}
-    return LaunchStatics(
-        grids=((cdiv(L, delta_block), B * Hq), (cdiv(S, spec.block_n1), B * Hkv), third[0]),
-        constexprs=(spec.delta_constexprs(delta_block), spec.dkdv_constexprs(one), third[1]),
-        options=(small, spec.launch_options(), third[2]), geometry=geometry)
+    return LaunchStatics(grids=tuple(x[0] for x in launches),
+                         constexprs=tuple(x[1] for x in launches),
+                         options=tuple(x[2] for x in launches), geometry=geometry)
 
 
 def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse, call, joint, grads,
                       dq, dk, dv, tables=None, statics: LaunchStatics | None = None,
                       trusted: bool = False) -> list[Launch]:
-    """The three launches of a backward pass, in order: delta, dK/dV, dQ (with
+    """The launches of a backward pass, in order, the dK/dV kernel always second: dQ, which
+    also stores delta = rowsum(dO * O) (- dlse) for the next, and dK/dV (with
     ``spec.fused_dq``: delta, which also zeroes the float32 dQ accumulator, dK/dV + dQ, and
     the accumulator's conversion to dq); ``tables`` (the q-side and kv-side block-mask table
     arguments) and ``statics`` when the caller has them already; ``trusted``: the tensor
@@ -461,26 +465,26 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
     else:  # unused pointers in the kernels' descriptor slots
         q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
     grids, constexprs, options = statics.grids, statics.constexprs, statics.options
-    launches = [
-        Launch(module.flexfa_bwd_delta, grids[0],
-               [out, grad_out, dlse, delta, dq_acc, *out.stride(), *grad_out.stride(), Hq, L],
-               constexprs[0], options[0]),
-        Launch(getattr(module, f"{name}_dkdv"), grids[1],
-               [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, dq_acc, dq_desc,
-                *q.stride(),
-                *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-                *tables[0], Hq, L, S, scale, *mod_args],
-               constexprs[1], options[1]),
-    ]
+    dkdv = Launch(getattr(module, f"{name}_dkdv"), grids[1],
+                  [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, dq_acc, dq_desc,
+                   *q.stride(),
+                   *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+                   *tables[0], Hq, L, S, scale, *mod_args],
+                  constexprs[1], options[1])
     if spec.fused_dq:
-        launches.append(Launch(module.flexfa_bwd_dq_convert, grids[2],
-                               [dq_acc, dq, *dq.stride(), Hq, L, scale], constexprs[2], options[2]))
-        return launches
-    return launches + [
-        Launch(getattr(module, f"{name}_dq"), grids[2],
-               [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, *q.stride(), *k.stride(),
-                *v.stride(), *grad_out.stride(), *dq.stride(),
+        return [Launch(module.flexfa_bwd_delta, grids[0],
+                       [out, grad_out, dlse, delta, dq_acc, *out.stride(), *grad_out.stride(),
+                        Hq, L],
+                       constexprs[0], options[0]),
+                dkdv,
+                Launch(module.flexfa_bwd_dq_convert, grids[2],
+                       [dq_acc, dq, *dq.stride(), Hq, L, scale], constexprs[2], options[2])]
+    return [
+        Launch(getattr(module, f"{name}_dq"), grids[0],
+               [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, out, dlse, *q.stride(),
+                *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *out.stride(),
                 *tables[1],
                 Hq, L, S, scale, *mod_args, *grad_args],
-               constexprs[2], options[2]),
+               constexprs[0], options[0]),
+        dkdv,
     ]

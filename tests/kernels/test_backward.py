@@ -138,6 +138,30 @@ def test_gradient_through_lse_only():
     assert torch.count_nonzero(v.grad) == 0
 
 
+def test_query_gradient_alone_with_lse():
+    """Key and value need no gradient: the dK/dV kernel is skipped and the dQ kernel, which
+    computes delta = rowsum(dO * O) - dlse itself, runs alone (ragged length, causal, an
+    upstream gradient on lse too)."""
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=8)
+    q.requires_grad_(True)
+    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                                     kernel_options=TILES)
+    generator = torch.Generator().manual_seed(9)
+    grad_out, grad_lse = torch.randn(out.shape, generator=generator), \
+        torch.randn(lse.shape, generator=generator)
+    torch.autograd.backward((out, lse), (grad_out, grad_lse))
+    q64 = q.detach().double().requires_grad_(True)
+    scores = (q64 @ k.double().transpose(-1, -2)) / E ** 0.5
+    keep = torch.arange(L)[:, None] >= torch.arange(S)[None, :]
+    scores = scores.masked_fill(~keep, float("-inf"))
+    out64 = torch.softmax(scores, -1) @ v.double()
+    torch.autograd.backward((out64, torch.logsumexp(scores, -1)),
+                            (grad_out.double(), grad_lse.double()))
+    assert k.grad is None and v.grad is None
+    torch.testing.assert_close(q.grad.double(), q64.grad, atol=1e-5, rtol=1e-4)
+
+
 GRADCHECK_MODS = {
     # name: (score_mod(score, b, h, q_idx, kv_idx, param), parameter shape, mask_mod)
     "gated_tanh_bias_table": (lambda s, b, h, q, kv, p: torch.tanh(s) * torch.sigmoid(p[0, 0, h])

@@ -131,7 +131,7 @@ def test_a_cached_plans_launches_equal_freshly_built_ones(monkeypatch):
     fresh = backward_runtime.backward_launches(*common)
     statics = backward_runtime.launch_statics(spec, q, k, v, grad_out, None)
     cached = backward_runtime.backward_launches(*common, statics=statics, trusted=True)
-    assert spec.use_tma and len(fresh) == len(cached) == 3
+    assert spec.use_tma and len(fresh) == len(cached) == 2  # dQ (storing delta), dK/dV
     descriptors = 0
     for a, b in zip(fresh, cached):
         assert (a.kernel, a.grid, a.constexprs, a.options) == (b.kernel, b.grid, b.constexprs,
