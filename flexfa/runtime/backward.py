@@ -353,8 +353,8 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
               _table_args(call.block_mask, "kv", q.device))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    compiled = [None, None, None]
     statics = launch_statics(spec, q, k, v, grad_out, joint)
+    compiled = [None] * len(statics.grids)  # one direct-launch state per launch
     _PLANS[key] = (spec, module, name, tables, compiled, statics, call.block_mask)
     return spec, module, name, tables, compiled, statics
 
