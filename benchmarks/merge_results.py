@@ -1,9 +1,9 @@
 """Write ``benchmarks/results/h200.json`` and ``h200.png`` from the H200 benchmark runs.
 
-Run 12 (commit f0b9546, 2026-11-29, seventh session) covered the whole grid, both passes, in
+Run 13 (commit 0ebaf55, 2026-11-29, eighth session) covered the whole grid, both passes, in
 one process (``python -m flexfa bench --dims 64,128 --seqs 2048,8192,16384 --rep 40`` on a
 fresh machine, every tile from the committed tuning file, kernels compiled inside the run), so
-it alone makes the results; the earlier runs (1-11, older code; run 8 needed run 8b for its
+it alone makes the results; the earlier runs (1-12, older code; run 8 needed run 8b for its
 last case) stay in ``raw/`` for the record. Every row keeps the run it came from.
 ``python benchmarks/merge_results.py`` prints the tables of docs/performance.md.
 """
@@ -19,7 +19,7 @@ from flexfa.bench import case_speedups, plot, summarize  # noqa: E402
 HERE = os.path.join(os.path.dirname(__file__), "results")
 # (file, which rows to take, why others are left out)
 SOURCES = [
-    ("run12_full_grid_f0b9546.json", lambda r: True, ""),
+    ("run13_full_grid_0ebaf55.json", lambda r: True, ""),
 ]
 NOT_RUN: list[str] = []
 
@@ -43,8 +43,8 @@ WHY_MISSED = {
         "of the matmul peak; FA3 and cuDNN run 5 with dQ accumulated across programs, hidden by "
         "producer/consumer warpgroups. flexfa's fused 5-GEMM kernel (FLEXFA_BACKWARD_FUSED=1) "
         "loses in plain Triton 3.6, which cannot overlap its dQ GEMM and reduce-adds with the "
-        "rest; separate dQ tiles and a side stream for dQ were measured and lost (docs/"
-        "performance.md)"),
+        "rest; separate dQ tiles, a side stream for dQ, register operands for the 64 x 64 GEMMs "
+        "and heads-fast backward grids were measured and lost (docs/performance.md)"),
     "causal E=128 S=16384 forward TFLOP/s": (
         "each program runs q.k GEMM, softmax and P @ V in sequence (Triton 3.6 waits for a wgmma "
         "right after issuing it: benchmarks/wgmma_wait_probe.py); the overlap comes only from "
