@@ -250,10 +250,16 @@ def launch_signature(kernel, args, constexprs) -> dict[str, str]:
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
                  fused: bool = False, ragged: bool = True):
-    """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv")
-    kernel of these mods at the default GPU tiles; example launch arguments are tiny CPU
-    tensors of the right dtypes (only their types reach the signature). ``ragged``: lengths
-    that are not tile multiples (the bounds-checked code); False: the benchmark's lengths."""
+    """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
+    ``fused``: "delta", "dkdv" or "convert") kernel of these mods at the default GPU tiles;
+    example launch arguments are tiny CPU tensors of the right dtypes (only their types reach
+    the signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
+    False: the benchmark's lengths."""
+    # launch order: dQ, dK/dV; fused: delta, dK/dV + dQ, dQ's conversion
+    order = ("delta", "dkdv", "convert") if fused else ("dq", "dkdv")
+    if which not in order:
+        raise ValueError(f"which must be one of {order} (fused={fused}), got {which!r}")
+
     def build(arch: int):
         import torch
 
@@ -288,7 +294,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
                  for s in (joint.grad_slots if joint else ())}
         launches = backward_launches(spec, module, generated.name, q, k, v, out, lse, out, lse,
                                      call, joint, grads, q, k, v)
-        launch = launches[{"delta": 0, "dkdv": 1, "dq": 0, "convert": 2}[which]]
+        launch = launches[order.index(which)]
         return CompileJob(launch.kernel, launch_signature(launch.kernel, launch.args,
                                                           launch.constexprs),
                           launch.constexprs, launch.options, generated.name)
