@@ -20,6 +20,18 @@ from .runtime.forward import AttentionCall, run_forward
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_mask, prepare_score_mod
 
+try:  # torch >= 2.9: flex_attention's return_aux request and result types
+    from torch.nn.attention.flex_attention import AuxOutput
+except ImportError:  # pragma: no cover - older torch
+    from typing import NamedTuple
+
+    class AuxOutput(NamedTuple):
+        """The auxiliary outputs of ``flex_attention(..., return_aux=...)``: None where not
+        requested (torch's ``AuxOutput`` where torch has one)."""
+
+        lse: torch.Tensor | None = None
+        max_scores: torch.Tensor | None = None
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # CUDA's limit on a grid's y and z dimensions: the kernels put the (batch, head) pairs there
@@ -96,6 +108,27 @@ def _check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def _check_aux(return_aux, return_lse: bool) -> bool:
+    """Whether ``return_aux`` (torch's ``AuxRequest(lse=..., max_scores=...)`` or None) asks
+    for lse; max_scores is not computed by flexfa's kernels."""
+    if return_aux is None:
+        return False
+    if return_lse:
+        raise InputError("return_lse and return_aux cannot both be given: use "
+                         "return_aux=AuxRequest(lse=True) alone")
+    fields = {}
+    for field in ("lse", "max_scores"):
+        if not hasattr(return_aux, field):
+            raise InputTypeError(f"return_aux must be an AuxRequest(lse=..., max_scores=...) or "
+                                 f"None, got {type(return_aux).__name__} {return_aux!r:.80}")
+        fields[field] = _check_flag(f"return_aux.{field}", getattr(return_aux, field))
+    if fields["max_scores"]:
+        raise NotImplementedError(
+            "return_aux=AuxRequest(max_scores=True): flexfa's kernels do not return the row "
+            "maxima of the scores; request lse only (AuxRequest(lse=True))")
+    return fields["lse"]
 
 
 def _check_block_mask(block_mask, query, key) -> None:
@@ -204,13 +237,15 @@ def _call(entry, score, mask, block_mask, scale: float, options, query, gqa_grou
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False, kernel_options=None):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
     """Attention with a score_mod and a block mask, as one fused kernel generated for them.
 
     query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value ``[B, Hkv, S, Ev]`` (fp16, bf16 or
     fp32, one device) -> out ``[B, Hq, L, Ev]`` in query's dtype; with ``return_lse`` also
     lse ``[B, Hq, L]`` float32 (natural log; -inf for a row that attends to nothing, whose
-    output is 0). ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale``
+    output is 0). ``return_aux=AuxRequest(lse=True)`` (torch's newer form) returns
+    ``(out, AuxOutput(lse=lse, max_scores=None))``; ``max_scores=True`` is not supported
+    (NotImplementedError). ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale``
     defaults to ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs run compiled
     kernels; CPU inputs run the same kernels under the Triton interpreter.
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
@@ -226,6 +261,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         _check_tensors(query, key, value)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
     return_lse = _check_flag("return_lse", return_lse)
+    aux_lse = _check_aux(return_aux, return_lse)
     if entry is None:
         _check_shapes(query, key, value, enable_gqa)
     scale = _check_scale(scale, query.shape[3])
@@ -251,5 +287,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         from .autograd import FlexAttentionFunction
         out, lse = FlexAttentionFunction.apply(query, key, value, call, *buffers)
     else:
-        out, lse = run_forward(query, key, value, call, return_lse)
+        out, lse = run_forward(query, key, value, call, return_lse or aux_lse)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=None)
     return (out, lse) if return_lse else out

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
@@ -40,15 +40,28 @@ def _as_callable(traced: TracedMod):
     return mask_mod
 
 
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128) -> BlockMask:
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128,
+                      _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
+                      dq_kv_order=True) -> BlockMask:
     """The BlockMask of ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend).
 
     ``B`` / ``H`` ``None`` mean the mask is the same for every batch / head (size-1 tables).
     ``BLOCK_SIZE`` is an int or a ``(q, kv)`` pair of powers of two from 16 to 256. The
     result equals torch's ``create_block_mask`` table for table. ``mask_mod`` may also be a
-    ``TracedMod`` of kind mask_mod.
+    ``TracedMod`` of kind mask_mod. ``separate_full_blocks=False`` lists every non-empty block
+    as partial (no full tables: the mask code runs on every visited block), as torch's.
+    Torch's other flags are accepted for drop-in use and change nothing here: ``_compile``
+    (flexfa never materializes the mask, so there is nothing to compile) and
+    ``compute_dq_write_order`` / ``dq_kv_order`` (metadata for torch's deterministic dQ;
+    flexfa's dQ has one writer per tile).
     """
     func = "create_block_mask"
+    for name, flag in (("_compile", _compile), ("separate_full_blocks", separate_full_blocks),
+                       ("compute_dq_write_order", compute_dq_write_order),
+                       ("dq_kv_order", dq_kv_order)):
+        if not isinstance(flag, bool):
+            raise InputTypeError(f"{func}: {name} must be a bool, got {type(flag).__name__} "
+                                 f"{flag!r}")
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)
@@ -64,7 +77,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
             f"{func}: evaluating mask_mod {traced.name!r} for Q_LEN={Q_LEN}, KV_LEN={KV_LEN} "
             f"(B={B}, H={H}) failed with {type(exc).__name__}: {exc}; captured tensors must "
             "cover every b, h, q_idx and kv_idx in range") from exc
-    tables = _ordered_tables(classes, B, H)
+    tables = _ordered_tables(classes, B, H, separate_full_blocks)
     elapsed = time.perf_counter() - started
     log.log(logging.INFO if elapsed > SLOW_BUILD_S else logging.DEBUG,
             "block mask %s: %d x %d tiles, %d undecided by intervals, %d of them evaluated "
@@ -75,17 +88,26 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
                      traced_mask=traced)
 
 
-def _ordered_tables(classes: torch.Tensor, B: int, H: int) -> list[torch.Tensor]:
-    """The eight BlockMask tables (kv, full kv, q, full q), expanded to [B, H, ...]."""
-    partial, full = classes == PARTIAL, classes == FULL
-    tables = [*dense_to_ordered(partial), *dense_to_ordered(full),
+def _ordered_tables(classes: torch.Tensor, B: int, H: int,
+                    separate_full: bool = True) -> list:
+    """The eight BlockMask tables (kv, full kv, q, full q), expanded to [B, H, ...];
+    ``separate_full=False``: full blocks listed as partial, the full tables None."""
+    if separate_full:
+        partial, full = classes == PARTIAL, classes == FULL
+    else:
+        partial, full = (classes == PARTIAL) | (classes == FULL), None
+    tables = [*dense_to_ordered(partial), *_ordered_or_none(full),
               *dense_to_ordered(partial.transpose(-2, -1)),
-              *dense_to_ordered(full.transpose(-2, -1))]
+              *_ordered_or_none(None if full is None else full.transpose(-2, -1))]
     if classes.shape[:2] == (B, H):
         return tables
     # computed once for a mask that ignores b / h, then copied out (torch's tables are
     # contiguous [B, H, ...])
-    return [t.expand(B, H, *t.shape[2:]).contiguous() for t in tables]
+    return [None if t is None else t.expand(B, H, *t.shape[2:]).contiguous() for t in tables]
+
+
+def _ordered_or_none(dense):
+    return (None, None) if dense is None else dense_to_ordered(dense)
 
 
 def tile_classes(traced: TracedMod, grid: TileGrid) -> tuple[torch.Tensor, tuple[int, int]]:

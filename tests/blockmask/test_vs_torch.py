@@ -12,11 +12,15 @@ TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
-def assert_same_as_torch(mask_mod, B, H, L, S, block):
-    ours = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
-    theirs = torch_create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+def assert_same_as_torch(mask_mod, B, H, L, S, block, **flags):
+    ours = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block, **flags)
+    theirs = torch_create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block,
+                                     **flags)
     for name in TABLES:
         mine, ref = getattr(ours, name), getattr(theirs, name)
+        if ref is None:  # separate_full_blocks=False: no full tables
+            assert mine is None, name
+            continue
         assert mine.dtype == torch.int32 and mine.is_contiguous(), name
         assert torch.equal(mine, ref), f"{name} differs:\nflexfa {mine}\ntorch {ref}"
     assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE and ours.seq_lengths == theirs.seq_lengths
@@ -66,3 +70,25 @@ def test_realistic_tiles(name):
     """128 x 128 tiles over 2000 tokens: the probes and the full evaluation at real tile sizes."""
     B, H, L, S = 1, 2, 2000, 1900
     assert_same_as_torch(ZOO[name](B, H, L, S), B, H, L, S, 128)
+
+
+@pytest.mark.parametrize("name", ["causal", "document_causal", "natten_2d", "global_sliding"])
+def test_without_separate_full_blocks(name):
+    """separate_full_blocks=False: every non-empty block in the partial tables, no full tables,
+    as torch builds it; torch's other flags are accepted and change nothing."""
+    B, H, L, S = 2, 2, 300, 260
+    mask_mod = ZOO[name](B, H, L, S)
+    ours = assert_same_as_torch(mask_mod, B, H, L, S, 32, separate_full_blocks=False)
+    assert ours.full_kv_num_blocks is None and ours.full_q_indices is None
+    default = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=32)
+    assert torch.equal(ours.to_dense(), default.to_dense())
+    flagged = create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=32,
+                                _compile=True, compute_dq_write_order=True, dq_kv_order=False)
+    for table in TABLES:
+        assert torch.equal(getattr(flagged, table), getattr(default, table)), table
+
+
+def test_torch_flags_must_be_bools():
+    with pytest.raises(TypeError, match="separate_full_blocks must be a bool, got str"):
+        create_block_mask(flexfa.mods.causal, None, None, 64, 64, device="cpu",
+                          separate_full_blocks="no")

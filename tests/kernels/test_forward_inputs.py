@@ -7,6 +7,8 @@ from flexfa import mods
 from flexfa.blockmask import create_block_mask
 from flexfa.errors import InputError, InputTypeError, TraceError
 
+AuxRequest = pytest.importorskip("torch.nn.attention.flex_attention").AuxRequest
+
 q = torch.randn(1, 4, 20, 16)
 k = torch.randn(1, 2, 30, 16)
 v = torch.randn(1, 2, 30, 8)
@@ -44,6 +46,12 @@ BAD = [
     (dict(kernel_options={"fp32_precision": "bf16"}), InputError, "'ieee' or 'tf32'"),
     (dict(kernel_options=[("BLOCK_M", 16)]), InputTypeError, "kernel_options must be a dict"),
     (dict(block_mask="causal"), InputTypeError, "block_mask must be a BlockMask"),
+    (dict(return_aux=True), InputTypeError, "return_aux must be an AuxRequest"),
+    (dict(return_aux=AuxRequest(lse=1)), InputTypeError, "return_aux.lse must be a bool"),
+    (dict(return_aux=AuxRequest(lse=True), return_lse=True), InputError,
+     "return_lse and return_aux cannot both be given"),
+    (dict(return_aux=AuxRequest(max_scores=True)), NotImplementedError,
+     r"AuxRequest\(max_scores=True\).*request lse only"),
 ]
 
 
@@ -108,3 +116,20 @@ def test_too_many_batch_head_pairs_for_a_cuda_grid_are_rejected():
         api._check_shapes(fake(B, H, True), fake(B, H, True), fake(B, H, True), False)
     api._check_shapes(fake(4095, H, True), fake(4095, H, True), fake(4095, H, True), False)
     api._check_shapes(fake(B, H, False), fake(B, H, False), fake(B, H, False), False)
+
+
+def test_return_aux_gives_lse_as_return_lse_does():
+    """torch's newer form: return_aux=AuxRequest(lse=True) -> (out, AuxOutput(lse, None)), the
+    same lse as return_lse=True and differentiable; AuxRequest() -> no lse."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    qg = q.clone().requires_grad_(True)
+    out, aux = call(query=qg, return_aux=AuxRequest(lse=True))
+    ref_out, ref_lse = call(query=qg, return_lse=True)
+    assert isinstance(aux, AuxOutput) and aux.max_scores is None
+    assert torch.equal(out, ref_out) and torch.equal(aux.lse, ref_lse)
+    (grad,) = torch.autograd.grad(aux.lse.sum(), qg)
+    (ref_grad,) = torch.autograd.grad(ref_lse.sum(), qg)
+    assert torch.equal(grad, ref_grad) and grad.abs().sum() > 0
+    out, aux = call(return_aux=AuxRequest())
+    assert aux == AuxOutput(lse=None, max_scores=None) and torch.equal(out, ref_out.detach())
