@@ -97,7 +97,8 @@ def main(argv=None) -> int:
                                requires_grad=True) for _ in range(3))
         fns = {}
         for label, lib in trees.items():
-            mask = lib.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
+            mask = (lib.create_block_mask(mask_mod, B, None, seq, seq, device="cuda")
+                    if mask_mod else None)
             fns[label] = (lambda lib=lib, mask=mask:
                           lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask))()
         for bwd in [p == "fwd+bwd" for p in args.passes.split(",")]:

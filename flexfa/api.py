@@ -245,9 +245,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     lse ``[B, Hq, L]`` float32 (natural log; -inf for a row that attends to nothing, whose
     output is 0). ``return_aux=AuxRequest(lse=True)`` (torch's newer form) returns
     ``(out, AuxOutput(lse=lse, max_scores=None))``; ``max_scores=True`` is not supported
-    (NotImplementedError). ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale``
-    defaults to ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs run compiled
-    kernels; CPU inputs run the same kernels under the Triton interpreter.
+    (NotImplementedError). ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``;
+    ``scale`` defaults to ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs
+    run compiled kernels; CPU inputs run the same kernels under the Triton interpreter.
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
