@@ -12,7 +12,7 @@ import operator
 
 import torch
 
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, check_bool
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
 from .runtime.cache import register_memo
@@ -104,12 +104,6 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
 def _check_aux(return_aux, return_lse: bool) -> bool:
     """Whether ``return_aux`` (torch's ``AuxRequest(lse=..., max_scores=...)`` or None) asks
     for lse; max_scores is not computed by flexfa's kernels."""
@@ -123,7 +117,7 @@ def _check_aux(return_aux, return_lse: bool) -> bool:
         if not hasattr(return_aux, field):
             raise InputTypeError(f"return_aux must be an AuxRequest(lse=..., max_scores=...) or "
                                  f"None, got {type(return_aux).__name__} {return_aux!r:.80}")
-        fields[field] = _check_flag(f"return_aux.{field}", getattr(return_aux, field))
+        fields[field] = check_bool(f"return_aux.{field}", getattr(return_aux, field))
     if fields["max_scores"]:
         raise NotImplementedError(
             "return_aux=AuxRequest(max_scores=True): flexfa's kernels do not return the row "
@@ -259,8 +253,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             signature = None
     if entry is None:
         _check_tensors(query, key, value)
-    enable_gqa = _check_flag("enable_gqa", enable_gqa)
-    return_lse = _check_flag("return_lse", return_lse)
+    enable_gqa = check_bool("enable_gqa", enable_gqa)
+    return_lse = check_bool("return_lse", return_lse)
     aux_lse = _check_aux(return_aux, return_lse)
     if entry is None:
         _check_shapes(query, key, value, enable_gqa)

@@ -23,3 +23,11 @@ class InputError(FlexFAError, ValueError):
 
 class InputTypeError(FlexFAError, TypeError):
     """Arguments of the wrong type to a public function."""
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool, else an InputTypeError naming ``name`` and the value (no
+    truthiness: 1, "no" or None are refused)."""
+    if not isinstance(value, bool):
+        raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value

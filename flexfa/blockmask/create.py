@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, check_bool
 from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
@@ -59,9 +59,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
     for name, flag in (("_compile", _compile), ("separate_full_blocks", separate_full_blocks),
                        ("compute_dq_write_order", compute_dq_write_order),
                        ("dq_kv_order", dq_kv_order)):
-        if not isinstance(flag, bool):
-            raise InputTypeError(f"{func}: {name} must be a bool, got {type(flag).__name__} "
-                                 f"{flag!r}")
+        check_bool(f"{func}: {name}", flag)
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)

@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from ..api import _check_block_mask, _check_buffers, _check_flag, _check_scale
-from ..errors import InputError, InputTypeError
+from ..api import _check_block_mask, _check_buffers, _check_scale
+from ..errors import InputError, InputTypeError, check_bool
 from ..runtime.forward import AttentionCall
 from ..runtime.options import parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
@@ -51,8 +51,8 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     required or the GPU has no FP8 tensor cores (compute capability < 8.9).
     """
     x = _inputs(query, key, value, rotate, block_size, seed)
-    enable_gqa = _check_flag("enable_gqa", enable_gqa)
-    return_lse = _check_flag("return_lse", return_lse)
+    enable_gqa = check_bool("enable_gqa", enable_gqa)
+    return_lse = check_bool("return_lse", return_lse)
     check_fp8_inputs(x, enable_gqa)
     check_fp8_device(x.q.device)
     scale = _check_scale(scale, x.head_dim)

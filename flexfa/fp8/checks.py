@@ -6,7 +6,7 @@ import numbers
 import torch
 
 from ..api import _check_shapes
-from ..errors import FlexFAError, InputError, InputTypeError
+from ..errors import FlexFAError, InputError, InputTypeError, check_bool
 from .quantize import FP8_DTYPE, FP8Inputs
 
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,8 +54,8 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
             raise InputError(f"{name} is on {tensor.device} but query is on {q.device}")
     _check_shapes(q, k, v, enable_gqa=True)
     for name, flag in (("rotate", rotate), ("per_tensor", per_tensor), ("fused", fused)):
-        if not isinstance(flag, bool) and not (name == "fused" and flag is None):
-            raise InputTypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+        if not (name == "fused" and flag is None):
+            check_bool(name, flag)
     if per_tensor and fused:
         raise InputError("per_tensor=True quantizes with torch operations; pass fused=None or "
                          "False with it")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, check_bool
 
 # key -> (KernelOptions field, one-line meaning)
 ALLOWED = {
@@ -62,10 +62,7 @@ def _precision(key, value) -> str:
 
 
 def _flag(key, value) -> bool:
-    if not isinstance(value, bool):
-        raise InputTypeError(f"kernel_options[{key!r}] must be a bool, got "
-                             f"{type(value).__name__} {value!r}")
-    return value
+    return check_bool(f"kernel_options[{key!r}]", value)
 
 
 _CHECKS.update(fp32_precision=_precision, deterministic=_flag)
