@@ -23,6 +23,17 @@ from triton.compiler import ASTSource
 
 
 @triton.jit
+def _softmax_step(qk, v, m, s, acc):
+    """One kv tile's online-softmax update of (m, s, acc) from its scores and V tile."""
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    s = s * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+    return m_new, s, acc
+
+
+@triton.jit
 def _attention_loop(Q, K, V, O, N, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr,
                     ROTATED: tl.constexpr):
     offs_m, offs_n, offs_e = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, E)
@@ -34,23 +45,14 @@ def _attention_loop(Q, K, V, O, N, BM: tl.constexpr, BN: tl.constexpr, E: tl.con
         qk = tl.dot(q, tl.load(K + offs_n[None, :] * E + offs_e[:, None]))
         for j in range(1, N):
             qk_next = tl.dot(q, tl.load(K + (j * BN + offs_n[None, :]) * E + offs_e[:, None]))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            s = s * alpha + tl.sum(p, 1)
             v = tl.load(V + ((j - 1) * BN + offs_n[:, None]) * E + offs_e[None, :])
-            acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
-            m, qk = m_new, qk_next
+            m, s, acc = _softmax_step(qk, v, m, s, acc)
+            qk = qk_next
     else:
         for j in range(0, N):
             qk = tl.dot(q, tl.load(K + (j * BN + offs_n[None, :]) * E + offs_e[:, None]))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            s = s * alpha + tl.sum(p, 1)
             v = tl.load(V + (j * BN + offs_n[:, None]) * E + offs_e[None, :])
-            acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
-            m = m_new
+            m, s, acc = _softmax_step(qk, v, m, s, acc)
     tl.store(O + offs_m[:, None] * E + offs_e[None, :], acc / s[:, None])
 
 
