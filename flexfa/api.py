@@ -104,11 +104,11 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def _check_aux(return_aux, return_lse: bool) -> bool:
+def _check_aux(return_aux, return_lse: bool) -> tuple[bool, bool]:
     """Whether ``return_aux`` (torch's ``AuxRequest(lse=..., max_scores=...)`` or None) asks
-    for lse; max_scores is not computed by flexfa's kernels."""
+    for (lse, max_scores)."""
     if return_aux is None:
-        return False
+        return False, False
     if return_lse:
         raise InputError("return_lse and return_aux cannot both be given: use "
                          "return_aux=AuxRequest(lse=True) alone")
@@ -118,11 +118,7 @@ def _check_aux(return_aux, return_lse: bool) -> bool:
             raise InputTypeError(f"return_aux must be an AuxRequest(lse=..., max_scores=...) or "
                                  f"None, got {type(return_aux).__name__} {return_aux!r:.80}")
         fields[field] = check_bool(f"return_aux.{field}", getattr(return_aux, field))
-    if fields["max_scores"]:
-        raise NotImplementedError(
-            "return_aux=AuxRequest(max_scores=True): flexfa's kernels do not return the row "
-            "maxima of the scores; request lse only (AuxRequest(lse=True))")
-    return fields["lse"]
+    return fields["lse"], fields["max_scores"]
 
 
 def _check_block_mask(block_mask, query, key) -> None:
@@ -237,9 +233,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value ``[B, Hkv, S, Ev]`` (fp16, bf16 or
     fp32, one device) -> out ``[B, Hq, L, Ev]`` in query's dtype; with ``return_lse`` also
     lse ``[B, Hq, L]`` float32 (natural log; -inf for a row that attends to nothing, whose
-    output is 0). ``return_aux=AuxRequest(lse=True)`` (torch's newer form) returns
-    ``(out, AuxOutput(lse=lse, max_scores=None))``; ``max_scores=True`` is not supported
-    (NotImplementedError). ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``;
+    output is 0). ``return_aux=AuxRequest(lse=..., max_scores=...)`` (torch's newer form)
+    returns ``(out, AuxOutput(lse, max_scores))``, each None unless requested; max_scores
+    ``[B, Hq, L]`` float32 is each row's largest score_mod(q.k * scale) over the keys its mask
+    keeps (-inf for a row with nothing to attend), without a gradient. ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``;
     ``scale`` defaults to ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs
     run compiled kernels; CPU inputs run the same kernels under the Triton interpreter.
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
@@ -255,7 +252,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         _check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
     return_lse = check_bool("return_lse", return_lse)
-    aux_lse = _check_aux(return_aux, return_lse)
+    aux_lse, aux_max = _check_aux(return_aux, return_lse)
     if entry is None:
         _check_shapes(query, key, value, enable_gqa)
     scale = _check_scale(scale, query.shape[3])
@@ -279,9 +276,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         t.requires_grad for t in (query, key, value, *buffers))
     if needs_grad:
         from .autograd import FlexAttentionFunction
-        out, lse = FlexAttentionFunction.apply(query, key, value, call, *buffers)
+        out, lse, maxs = FlexAttentionFunction.apply(query, key, value, call, aux_max, *buffers)
     else:
-        out, lse = run_forward(query, key, value, call, return_lse or aux_lse)
+        out, lse, maxs = run_forward(query, key, value, call, return_lse or aux_lse, aux_max)
     if return_aux is not None:
-        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=None)
+        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=maxs)
     return (out, lse) if return_lse else out

@@ -17,21 +17,26 @@ from .runtime.forward import AttentionCall, run_forward
 
 
 class FlexAttentionFunction(torch.autograd.Function):
-    """apply(query, key, value, call: AttentionCall, *score_mod_buffers) -> (out, lse)."""
+    """apply(query, key, value, call: AttentionCall, return_max: bool, *score_mod_buffers) ->
+    (out, lse, row max or None); the row max (``AuxRequest(max_scores=True)``) has no
+    gradient, as in torch."""
 
     @staticmethod
-    def forward(ctx, query, key, value, call: AttentionCall, *buffers):
+    def forward(ctx, query, key, value, call: AttentionCall, return_max: bool, *buffers):
         joint_graph(call.score)  # derive now: a mod without a derivative fails early
-        out, lse = run_forward(query, key, value, call, return_lse=True)
+        out, lse, maxs = run_forward(query, key, value, call, return_lse=True,
+                                     return_max=return_max)
         ctx.call = call
         ctx.save_for_backward(query, key, value, out, lse, *buffers)
+        if maxs is not None:
+            ctx.mark_non_differentiable(maxs)
         # unused outputs get None instead of zeros: no lse gradient means no dlse term
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, lse, maxs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse, grad_max):
         query, key, value, out, lse = ctx.saved_tensors[:5]
         call = ctx.call
         if grad_out is None:
@@ -42,4 +47,4 @@ class FlexAttentionFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             dq = None
         buffers = call.score.buffers if call.score is not None else ()
-        return (dq, dk, dv, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))
+        return (dq, dk, dv, None, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))

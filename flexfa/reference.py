@@ -16,12 +16,15 @@ from .frontend import dense_mask, evaluate, index_grids, trace
 
 
 def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
-                        enable_gqa=False, return_lse=False, dtype=torch.float64):
+                        enable_gqa=False, return_lse=False, return_max=False,
+                        dtype=torch.float64):
     """``softmax(score_mod(q k^T * scale) masked by mask_mod) @ v``, computed in ``dtype``.
 
     Shapes as ``flex_attention``: query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value
     ``[B, Hkv, S, Ev]``. A row with nothing to attend gives out = 0 and lse = -inf (and zero
-    gradients). Returns out (and lse, natural log) in ``dtype``.
+    gradients). Returns out, then lse (natural log) if ``return_lse``, then each row's max
+    score (-inf for an empty row; torch's ``AuxRequest(max_scores=True)``) if ``return_max``,
+    in ``dtype``.
     """
     B, Hq, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -47,9 +50,12 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     lse = torch.logsumexp(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1,
                           keepdim=True)
     out = torch.exp(scores - lse) @ v
-    if not return_lse:
-        return out
-    return out, torch.where(has_any, lse, torch.full_like(lse, -math.inf)).squeeze(-1)
+    results = [out]
+    if return_lse:
+        results.append(torch.where(has_any, lse, torch.full_like(lse, -math.inf)).squeeze(-1))
+    if return_max:
+        results.append(scores.amax(dim=-1))
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:

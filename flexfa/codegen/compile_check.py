@@ -143,7 +143,8 @@ def _global_tokens_mask():
 
 
 def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_dim_v=None,
-                return_lse: bool = True) -> Callable[[int], CompileJob]:
+                return_lse: bool = True, return_max: bool = False
+                ) -> Callable[[int], CompileJob]:
     """A builder compiling the forward kernel for these mods at default GPU tiles."""
     def build(arch: int) -> CompileJob:
         from ..runtime.forward import default_tiles
@@ -158,7 +159,7 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128 if mask else block_m, sparse_kv=128 if mask else block_n,
                           even_l=False, even_s=False, return_lse=return_lse, gqa_group=1,
-                          input_precision="ieee", target=f"cuda:{arch}")
+                          input_precision="ieee", target=f"cuda:{arch}", return_max=return_max)
         return kernel_job(spec, score, mask, forward_kernel, forward_signature)
     return build
 
@@ -185,7 +186,8 @@ def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:
 
 register("fwd_d64_bf16_dense", forward_job(64, "bf16", return_lse=False))
 register("fwd_d128_bf16_causal", forward_job(128, "bf16", mask_mod=_causal))
-register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=_softcap))
+# with the rows' max scores too (AuxRequest(max_scores=True))
+register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=_softcap, return_max=True))
 register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slopes_mod(),
                                                      mask_mod=_document_mask()))
 register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=_causal, head_dim_v=48))

@@ -109,7 +109,8 @@ def forward_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod
                       ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the forward kernel, for ``triton.compile(ASTSource(...))``."""
     element = f"*{spec.dtype}"
-    signature = {"Q": element, "K": element, "V": element, "OUT": element, "LSE": "*fp32"}
+    signature = {"Q": element, "K": element, "V": element, "OUT": element, "LSE": "*fp32",
+                 "MAXS": "*fp32"}
     for tensor, dims in (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd"), ("o", "bhmd")):
         signature.update({f"stride_{tensor}{d}": "i32" for d in dims})
     constexprs = spec.constexprs(score is not None)

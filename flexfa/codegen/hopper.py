@@ -40,7 +40,8 @@ def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | N
         load_template("fwd_hopper.tmpl"),
         KERNEL_NAME=name,
         HELPERS=load_template("helpers.tmpl").rstrip("\n"),
-        RESCALE_THRESHOLD=str(RESCALE_THRESHOLD),
+        # the running max is the row max only when every tile rescales
+        RESCALE_THRESHOLD="0" if spec.return_max else str(RESCALE_THRESHOLD),
         BUFFER_PARAMS=names,
         BUFFER_ARGS=names,
         SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret),
@@ -68,7 +69,7 @@ def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod 
 
 def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
-               return_lse: bool = True, max_registers: int = 0):
+               return_lse: bool = True, max_registers: int = 0, return_max: bool = False):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
     def build(arch: int):
         from .compile_check import kernel_job, traced_mods
@@ -80,7 +81,7 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                           sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
                           target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
-                          max_registers=max_registers)
+                          max_registers=max_registers, return_max=return_max)
         return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
     return build
 
@@ -105,8 +106,10 @@ def _register_compile_checks() -> None:
     check.register("fwd_hopper_d128_bf16_causal_128x64_r128",
                    hopper_job(128, "bf16", mask_mod=causal, block_n=64, max_registers=128),
                    archs=(90,))
+    # with the rows' max scores too (AuxRequest(max_scores=True))
     check.register("fwd_hopper_d128_fp16_softcap_causal",
-                   hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal), archs=(90,))
+                   hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal, return_max=True),
+                   archs=(90,))
 
 
 _register_compile_checks()

@@ -49,6 +49,8 @@ class KernelSpec:
     # Triton's maxnreg (0: none): a cap of 128 lets two 8-warp programs share an SM (H200:
     # 65536 registers), so one program's softmax overlaps the other's GEMMs
     max_registers: int = 0
+    # also write each row's max score (natural units) to MAXS: AuxRequest(max_scores=True)
+    return_max: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
@@ -76,7 +78,7 @@ class KernelSpec:
 
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         """The template's constexpr arguments."""
-        return dict(forward_constexprs(self, has_score_mod),
+        return dict(forward_constexprs(self, has_score_mod), RETURN_MAX=self.return_max,
                     INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
 
     def launch_options(self) -> dict[str, int]:

@@ -107,7 +107,8 @@ def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: str):
             sparse_q, sparse_kv)
 
 
-def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
+def forward_spec(q, k, v, call: AttentionCall, return_lse: bool,
+                 return_max: bool = False) -> KernelSpec:
     """The KernelSpec of the forward kernel for these (validated) inputs."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
@@ -122,7 +123,7 @@ def forward_spec(q, k, v, call: AttentionCall, return_lse: bool) -> KernelSpec:
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target,
-        max_registers=call.options.max_registers or 0)
+        max_registers=call.options.max_registers or 0, return_max=return_max)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -160,17 +161,18 @@ class _Launch:
 _LAUNCHES: dict[tuple, _Launch] = register_memo({})
 
 
-def _launch_for(q, k, v, call: AttentionCall, return_lse: bool) -> _Launch:
+def _launch_for(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool) -> _Launch:
     """The memoized launch for this call signature (a dict lookup once it exists)."""
     mask = call.block_mask
     signature = (q.device, q.dtype, q.shape[2], q.shape[3], k.shape[2], v.shape[3], return_lse,
+                 return_max,
                  call.gqa_group, call.options, call.score.key if call.score else None,
                  call.mask.key if call.mask else None, call.scores_first,
                  None if mask is None else (tuple(mask.BLOCK_SIZE),
                                             getattr(mask, "full_kv_num_blocks", None) is None))
     launch = _LAUNCHES.get(signature)
     if launch is None:
-        spec = forward_spec(q, k, v, call, return_lse)
+        spec = forward_spec(q, k, v, call, return_lse, return_max)
         kernel = get_forward_kernel(spec, call.score, call.mask)
         kwargs = {**spec.constexprs(call.scores_first), **spec.launch_options()}
         launch = _LAUNCHES[signature] = _Launch(spec, kernel, kwargs, spec.block_m)
@@ -221,32 +223,37 @@ def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[
     return (batch_heads, q_tiles) if has_block_mask else (q_tiles, batch_heads)
 
 
-def allocate_outputs(q, v, return_lse: bool) -> tuple:
-    """Empty (out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 or None)."""
+def allocate_outputs(q, v, return_lse: bool, return_max: bool) -> tuple:
+    """Empty (out [B, Hq, L, Ev] in q's dtype, lse and row max [B, Hq, L] float32 or None)."""
     B, Hq, L, _ = q.shape
     out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if return_lse else None
-    return out, lse
+    lse, maxs = (torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if wanted else None
+                 for wanted in (return_lse, return_max))
+    return out, lse, maxs
 
 
-def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
-    """(out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 natural log, or None)."""
+def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool = False):
+    """(out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 natural log or None, the
+    rows' max scores [B, Hq, L] float32 or None): ``return_max`` is torch's
+    ``AuxRequest(max_scores=True)``, max over keys of score_mod(q.k * scale) where the mask
+    keeps the key, -inf for a row with nothing to attend."""
     hopper = _hopper()  # sm_90: the Hopper template
-    planned = hopper.run_planned(q, k, v, call, return_lse)  # a cached signature
+    planned = hopper.run_planned(q, k, v, call, return_lse, return_max)  # a cached signature
     if planned is not None:
         return planned
     B, Hq, L, _ = q.shape
     S = k.shape[2]
-    out, lse = allocate_outputs(q, v, return_lse)
+    out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
     if out.numel() == 0:
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
+        for stat in (lse, maxs):
+            if stat is not None:
+                stat.fill_(float("-inf"))
+        return out, lse, maxs
     if hopper.use_hopper(q, k, v):
-        return hopper.run_hopper_forward(q, k, v, call, return_lse, out, lse)
-    launch = _launch_for(q, k, v, call, return_lse)
+        return hopper.run_hopper_forward(q, k, v, call, return_lse, return_max, out, lse, maxs)
+    launch = _launch_for(q, k, v, call, return_lse, return_max)
     grid = (triton.cdiv(L, launch.block_m), B * Hq)
-    args = [q, k, v, out, lse if lse is not None else out,
+    args = [q, k, v, out, lse if lse is not None else out, maxs if maxs is not None else out,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
@@ -255,4 +262,4 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool):
             launch.kernel[grid](*args, **launch.kwargs)
     else:
         launch.kernel[grid](*args, **launch.kwargs)
-    return out, lse
+    return out, lse, maxs

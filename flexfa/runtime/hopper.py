@@ -87,7 +87,8 @@ def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, ...]]
              4, stages, 0)]
 
 
-def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config) -> KernelSpec:
+def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config,
+          return_max: bool = False) -> KernelSpec:
     L, E, S, Ev = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     block_m, block_n, warps, stages, max_registers = config
     mask = call.block_mask
@@ -107,7 +108,7 @@ def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config) -
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target, template=HOPPER_TEMPLATE,
-        max_registers=max_registers)
+        max_registers=max_registers, return_max=return_max)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -135,12 +136,13 @@ class _Plan:
     direct: object = None  # after the first launch (CUDA): launch.direct_state's state
 
 
-def _args(plan: _Plan, q, k, v, out, lse, call: AttentionCall, trusted: bool) -> list:
+def _args(plan: _Plan, q, k, v, out, lse, maxs, call: AttentionCall, trusted: bool) -> list:
     kind = TrustedDescriptor if trusted else TensorDescriptor  # use_hopper checks alignment
     (q_shape, q_strides, q_block), (k_shape, k_strides, k_block), (v_shape, v_strides, v_block) = (
         plan.descriptors)
     return [kind(q, q_shape, q_strides, q_block), kind(k, k_shape, k_strides, k_block),
             kind(v, v_shape, v_strides, v_block), out, lse if lse is not None else out,
+            maxs if maxs is not None else out,
             *plan.out_strides, *plan.fixed, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
 
@@ -164,15 +166,15 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
                  out_strides)
 
 
-def _launch_plan(plan: _Plan, q, k, v, out, lse, call: AttentionCall) -> None:
+def _launch_plan(plan: _Plan, q, k, v, out, lse, maxs, call: AttentionCall) -> None:
     if plan.direct is not None and q.device.index == torch.cuda.current_device():
         # cached: the compiled kernel's launcher directly (the plan's key fixes every
         # specialization); another current device takes the path below, which switches to
         # q's device
         launch_direct(plan.direct, plan.grid, q.device.index,
-                      _args(plan, q, k, v, out, lse, call, True))
+                      _args(plan, q, k, v, out, lse, maxs, call, True))
         return
-    args = _args(plan, q, k, v, out, lse, call, False)
+    args = _args(plan, q, k, v, out, lse, maxs, call, False)
     options = plan.spec.launch_options()
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):
@@ -206,7 +208,7 @@ def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, o
 
     def time_config(config) -> float:
         plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, config))
-        return triton.testing.do_bench(lambda: _launch_plan(plan, q, k, v, out, lse, call),
+        return triton.testing.do_bench(lambda: _launch_plan(plan, q, k, v, out, lse, None, call),
                                        warmup=5, rep=25, return_mode="median")
     return autotune.tune(key, candidates, time_config)
 
@@ -231,11 +233,13 @@ def _template_setting() -> str:
     return os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto")
 
 
-def _call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, template: str) -> tuple:
+def _call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool,
+                   template: str) -> tuple:
     """The part of a plan's key that a call object does not fix (``AttentionCall.plans``):
-    shapes, strides, dtype, device, lse, template setting, captured-tensor layout."""
+    shapes, strides, dtype, device, lse and row max, template setting, captured-tensor
+    layout."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-           return_lse, template)
+           return_lse, return_max, template)
     for mod in (call.score, call.mask):
         if mod is not None and mod.buffers:
             key += tuple((t.stride(), t.data_ptr() % 16 == 0) for t in mod.buffers)
@@ -259,8 +263,8 @@ def _stamp() -> tuple:
 _MAX_CALL_PLANS = 16
 
 
-def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
-    """(out, lse) through the cached plan of this call's signature, or None when there is
+def run_planned(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool = False):
+    """(out, lse, row max) through the cached plan of this call's signature, or None when there is
     none (or the base pointers lost the 16-byte alignment the descriptors need): the cached
     path of ``run_forward``, which skips ``use_hopper``'s own lookup, since a plan exists only
     for a signature (shapes, strides, dtype, device, template setting) it accepted. The call's
@@ -268,7 +272,7 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
     template = _template_setting()
     if template == "ampere" or q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
         return None
-    short_key = _call_plan_key(q, k, v, call, return_lse, template)
+    short_key = _call_plan_key(q, k, v, call, return_lse, return_max, template)
     kept = call.plans.get(short_key)
     table, generation = _stamp()
     if kept is not None and kept[0] is table and kept[1] == generation:
@@ -278,9 +282,9 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool):
         if plan is None or plan.block_mask is not call.block_mask:
             return None
         _remember(call, short_key, plan)
-    out, lse = allocate_outputs(q, v, return_lse)
-    _launch_plan(plan, q, k, v, out, lse, call)
-    return out, lse
+    out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
+    _launch_plan(plan, q, k, v, out, lse, maxs, call)
+    return out, lse, maxs
 
 
 def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
@@ -290,20 +294,21 @@ def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
     call.plans[short_key] = (*_stamp(), plan)
 
 
-def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, out, lse):
-    """(out, lse) as ``flexfa.runtime.forward.run_forward``, through the Hopper template, into
-    the non-empty ``out`` and ``lse`` from ``allocate_outputs``, for a signature without a
+def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool, out,
+                       lse, maxs):
+    """(out, lse, row max) as ``flexfa.runtime.forward.run_forward``, through the Hopper template, into
+    the non-empty ``out``, ``lse`` and ``maxs`` from ``allocate_outputs``, for a signature without a
     cached plan (``run_planned`` launches those): picks the tiles, makes the plan, launches it
     and caches it."""
     target = target_of(q.device)
     config = choose_config(q, k, v, call, return_lse, target, out, lse)
-    plan = _first_launch(q, k, v, call, return_lse, target, config, out, lse)
+    plan = _first_launch(q, k, v, call, return_lse, return_max, target, config, out, lse, maxs)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    short_key = _call_plan_key(q, k, v, call, return_lse, _template_setting())
+    short_key = _call_plan_key(q, k, v, call, return_lse, return_max, _template_setting())
     _PLANS[_plan_key(short_key, call)] = plan
     _remember(call, short_key, plan)
-    return out, lse
+    return out, lse, maxs
 
 
 def _smaller_configs(config, pinned: autotune.Pinned):
@@ -318,8 +323,8 @@ def _smaller_configs(config, pinned: autotune.Pinned):
         yield block_m, block_n // 2, warps, 1 if pinned.num_stages is None else stages, cap
 
 
-def _first_launch(q, k, v, call: AttentionCall, return_lse: bool, target: str, config,
-                  out, lse) -> _Plan:
+def _first_launch(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool, target: str,
+                  config, out, lse, maxs) -> _Plan:
     """Make the plan and launch it once. Captured-tensor reads are pipelined through shared
     memory too, so a score_mod with a bias table can need more than the default tiles leave
     (H200, E = 64, 3 stages: 245,816 bytes of 232,448): such a config falls back to smaller
@@ -328,9 +333,10 @@ def _first_launch(q, k, v, call: AttentionCall, return_lse: bool, target: str, c
     pinned = autotune.Pinned.of(options)
     error = None
     for tried in _smaller_configs(config, pinned):
-        plan = _make_plan(q, k, v, call, _spec(q, k, v, call, return_lse, target, tried))
+        plan = _make_plan(q, k, v, call,
+                          _spec(q, k, v, call, return_lse, target, tried, return_max))
         try:
-            _launch_plan(plan, q, k, v, out, lse, call)
+            _launch_plan(plan, q, k, v, out, lse, maxs, call)
         except OutOfResources as exc:
             error = exc
             continue

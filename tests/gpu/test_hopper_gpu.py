@@ -132,3 +132,31 @@ torch.cuda.synchronize()
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
     assert "tuning" not in second.stderr
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_max_scores_match_flexattention_on_gpu():
+    """AuxRequest(max_scores=True) on the GPU: the Hopper template's row maxima (planned
+    launch included) against torch FlexAttention's and the float32 scores, lse unchanged."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    AuxRequest = getattr(torch_flex, "AuxRequest", None)
+    if AuxRequest is None:
+        pytest.skip("this torch has no AuxRequest")
+    B, H, L, E = 2, 4, 1000, 128
+    q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = flexfa.create_block_mask(causal, B, None, L, L, device="cuda")
+    request = AuxRequest(lse=True, max_scores=True)
+    for _ in range(2):  # the first launch, then the cached plan
+        out, aux = flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask,
+                                         return_aux=request)
+    scores = softcap(q.float() @ k.float().transpose(-1, -2) / E ** 0.5, None, None, None, None)
+    keep = torch.ones(L, L, device="cuda", dtype=torch.bool).tril()
+    want = scores.masked_fill(~keep, float("-inf")).amax(-1)
+    torch.testing.assert_close(aux.max_scores, want, rtol=1e-4, atol=1e-4)
+    _, plain = flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask, return_lse=True)
+    torch.testing.assert_close(aux.lse, plain, rtol=0, atol=0)
+    theirs_mask = torch_flex.create_block_mask(causal, B, None, L, L, device="cuda")
+    compiled = torch.compile(torch_flex.flex_attention)
+    _, theirs = compiled(q, k, v, score_mod=softcap, block_mask=theirs_mask, return_aux=request)
+    torch.testing.assert_close(aux.max_scores, theirs.max_scores, rtol=1e-3, atol=1e-3)

@@ -50,8 +50,8 @@ BAD = [
     (dict(return_aux=AuxRequest(lse=1)), InputTypeError, "return_aux.lse must be a bool"),
     (dict(return_aux=AuxRequest(lse=True), return_lse=True), InputError,
      "return_lse and return_aux cannot both be given"),
-    (dict(return_aux=AuxRequest(max_scores=True)), NotImplementedError,
-     r"AuxRequest\(max_scores=True\).*request lse only"),
+    (dict(return_aux=AuxRequest(max_scores="yes")), InputTypeError,
+     "return_aux.max_scores must be a bool"),
 ]
 
 
