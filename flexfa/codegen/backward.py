@@ -61,9 +61,13 @@ class BackwardSpec:
     use_tma: bool = False  # Q/dO and K/V tiles through tensor descriptors (sm_90)
     # dQ produced by the dK/dV kernel (float32 atomics, then a convert kernel): no dQ kernel
     fused_dq: bool = False
+    # dQ from dS: the dK/dV kernel stores dS in a workspace, the dQ kernel runs last and does
+    # one GEMM per tile (dS @ K) instead of three; delta comes from the delta kernel
+    ds_dq: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
+        assert not (self.fused_dq and self.ds_dq), "fused_dq and ds_dq exclude each other"
         for block, tile in ((self.sparse_q, self.block_m1), (self.sparse_kv, self.block_n1),
                             (self.sparse_q, self.block_m2), (self.sparse_kv, self.block_n2)):
             assert block % tile == 0, f"block-mask block {block} is not a multiple of tile {tile}"
@@ -84,13 +88,21 @@ class BackwardSpec:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, FUSED_DQ=self.fused_dq,
                     DQ_REDUCE_TMA=self.fused_dq and self.use_tma and not self.interpret,
-                    **self._common())
+                    STORE_DS=self.ds_dq, DS_TMA=self.ds_dq and self.use_tma, **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,
                     EVEN_S=self.even_s2, DSCORE_IS_ONE=dscore_one,
                     HAS_BUFFER_GRADS=has_buffer_grads, DETERMINISTIC=self.deterministic,
-                    HAS_DLSE=self.has_dlse, **self._common())
+                    HAS_DLSE=self.has_dlse, LOAD_DS=self.ds_dq,
+                    DS_TMA=self.ds_dq and self.use_tma, **self._common())
+
+    def ds_shape(self, L: int, S: int) -> tuple[int, int]:
+        """(rows per head, columns) of the dS workspace (``ds_dq``): S and L padded to the
+        largest tile or block either kernel walks, so no tile crosses a head or the end."""
+        rows = max(self.sparse_kv, self.block_n1, self.block_n2)
+        cols = max(self.sparse_q, self.block_m1, self.block_m2)
+        return -(-S // rows) * rows, -(-L // cols) * cols
 
     def delta_constexprs(self, block_m: int) -> dict:
         return dict(BLOCK_M=block_m, EV=self.head_dim_v,
@@ -249,16 +261,22 @@ def launch_signature(kernel, args, constexprs) -> dict[str, str]:
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 fused: bool = False, ragged: bool = True):
+                 fused: bool = False, ragged: bool = True, ds: bool = False):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
-    ``fused``: "delta", "dkdv" or "convert") kernel of these mods at the default GPU tiles;
+    ``fused``: "delta", "dkdv" or "convert"; with ``ds`` (dQ from the stored dS): "delta",
+    "dkdv" or "dq") kernel of these mods at the default GPU tiles;
     example launch arguments are tiny CPU tensors of the right dtypes (only their types reach
     the signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
     False: the benchmark's lengths."""
-    # launch order: dQ, dK/dV; fused: delta, dK/dV + dQ, dQ's conversion
-    order = ("delta", "dkdv", "convert") if fused else ("dq", "dkdv")
+    # launch order: dQ, dK/dV; fused: delta, dK/dV + dQ, dQ's conversion; ds: delta, dK/dV
+    # (storing dS), dQ from dS
+    if fused and ds:
+        raise ValueError("fused and ds exclude each other")
+    order = ("delta", "dkdv", "convert") if fused else ("delta", "dkdv", "dq") if ds else (
+        "dq", "dkdv")
     if which not in order:
-        raise ValueError(f"which must be one of {order} (fused={fused}), got {which!r}")
+        raise ValueError(f"which must be one of {order} (fused={fused}, ds={ds}), got "
+                         f"{which!r}")
 
     def build(arch: int):
         import torch
@@ -284,7 +302,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)
-        spec = dataclasses.replace(spec, fused_dq=fused)
+        spec = dataclasses.replace(spec, fused_dq=fused, ds_dq=ds)
         joint = joint_graph(call.score)
         generated = backward_kernel(spec, joint, call.score, call.mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
@@ -334,6 +352,10 @@ def _register_compile_checks() -> None:
                           "d64_bf16_dense": dict(head_dim=64, dtype="bf16")}.items():
         check.register(f"bwd_fused_dkdv_{label}", backward_job("dkdv", fused=True, **kwargs))
     check.register("bwd_fused_convert_d128_bf16", backward_job("convert", 128, "bf16", fused=True))
+    # dQ from the stored dS (the sm_90 default at head dim 128): dK/dV storing dS, dQ from it
+    for which in ("dkdv", "dq"):
+        check.register(f"bwd_ds_{which}_d128_bf16_causal",
+                       backward_job(which, 128, "bf16", mask_mod=causal, ds=True))
 
 
 _register_compile_checks()

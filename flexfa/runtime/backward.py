@@ -2,7 +2,11 @@
 
 ``run_backward(q, k, v, out, lse, grad_out, grad_lse, call)`` returns ``(dq, dk, dv,
 {slot: grad})`` for the score_mod's captured tensors that require grad. P is recomputed from
-the saved lse tile by tile; nothing of size L x S is allocated.
+the saved lse tile by tile and never stored. On sm_90 at head dim 128 (``use_ds_dq``) the
+dK/dV kernel stores dS (q's dtype, one element per query and key of each head) in a
+workspace that the dQ kernel reads instead of recomputing P and dP: B * H * L * S elements
+allocated for the duration of the backward, within ``ds_budget``; otherwise nothing of size
+L x S is allocated.
 
 Captured-tensor gradients are accumulated in float32 with atomics, or, with
 ``kernel_options={"deterministic": True}``, in int64 fixed point with 32 fraction bits:
@@ -136,6 +140,37 @@ def fused_modes(call: AttentionCall, fusable: bool) -> tuple[bool, ...]:
     return (True,)
 
 
+def ds_budget(device: torch.device) -> int:
+    """The most bytes the dS workspace may take: ``FLEXFA_BACKWARD_DS_MAX_BYTES`` if set, else
+    a quarter of the GPU's memory, and on a GPU never more than half of what is free now."""
+    setting = os.environ.get("FLEXFA_BACKWARD_DS_MAX_BYTES")
+    if device.type != "cuda":
+        return int(setting) if setting else 1 << 62
+    free, total = torch.cuda.mem_get_info(device)
+    return min(int(setting) if setting else total // 4, free // 2)
+
+
+def use_ds_dq(fusable: bool, target: str, use_tma: bool, head_dim_pad: int,
+              workspace_bytes: int, device: torch.device) -> bool:
+    """Whether the dK/dV kernel stores dS for a dQ kernel that then needs one GEMM per tile
+    instead of three (``BackwardSpec.ds_dq``). Only where ``fusable`` (no captured tensor needs
+    a gradient, dK and dV are wanted) and the workspace (``BackwardSpec.ds_shape``, one
+    element per (query, key) of every head, padded) fits ``ds_budget``.
+    ``FLEXFA_BACKWARD_DS``: ``auto`` (the default) on sm_90 with tensor descriptors at padded
+    head dim 128, where the H200 measured it faster (causal E = 128 S = 16384 fwd+bwd 8.886 ->
+    8.251 ms; at E = 64 it lost, 0.91x: the kernel reading dS is memory-bound there; see
+    benchmarks/results/bwd_kernels/ds_workspace/); ``1`` wherever allowed (the interpreter
+    too: how CI tests it); ``0`` never."""
+    setting = os.environ.get("FLEXFA_BACKWARD_DS", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise InputError(f"FLEXFA_BACKWARD_DS must be auto, 0 or 1, got {setting!r}")
+    if not fusable or setting == "0":
+        return False
+    if setting == "auto" and not (target in HOPPER_TARGETS and use_tma and head_dim_pad == 128):
+        return False
+    return workspace_bytes <= ds_budget(device)
+
+
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
                   target: str | None = None, grad_out=None, fusable: bool = False,
                   config: tuple | None = None) -> BackwardSpec:
@@ -163,7 +198,7 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
         walk_q, walk_kv = m1, n2
     else:  # the kernels walk whole blocks: a ragged last block needs the bounds checks
         walk_q, walk_kv = sparse_q, sparse_kv
-    return BackwardSpec(
+    spec = BackwardSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m1=m1, block_n1=n1,
         block_m2=m2, block_n2=n2, num_warps=options.num_warps or warps,
         num_stages=options.num_stages or stages, has_block_mask=mask is not None,
@@ -174,6 +209,13 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
         input_precision=options.fp32_precision, target=target,
         use_tma=use_backward_tma(target, q, k, v, q if grad_out is None else grad_out),
         fused_dq=bool(fused))
+    if not fused:
+        rows, cols = spec.ds_shape(L, S)
+        workspace = q.shape[0] * q.shape[1] * rows * cols * q.element_size()
+        if use_ds_dq(fusable, target, spec.use_tma, next_power_of_two(max(E, Ev)), workspace,
+                     q.device):
+            spec = dataclasses.replace(spec, ds_dq=True)
+    return spec
 
 
 _JOINTS: dict[tuple, JointGraph] = register_memo({})
@@ -253,7 +295,8 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
         launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
                                      call, joint, grads, dq, dk, dv, tables, statics,
                                      trusted=compiled[0] is not None)
-        for i, launch in enumerate(launches):  # dQ, dK/dV (fused: delta, dK/dV + dQ, convert)
+        # dQ, dK/dV (fused: delta, dK/dV + dQ, convert; ds: delta, dK/dV storing dS, dQ)
+        for i, launch in enumerate(launches):
             if i != 1 or need_dkdv:
                 compiled[i] = launch.run(compiled[i])
     else:  # nothing to attend: all gradients are zero
@@ -339,6 +382,7 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
            call.gqa_group,
            tuple((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
            os.environ.get("FLEXFA_BACKWARD_TMA"), os.environ.get("FLEXFA_BACKWARD_FUSED"),
+           os.environ.get("FLEXFA_BACKWARD_DS"), os.environ.get("FLEXFA_BACKWARD_DS_MAX_BYTES"),
            fusable)
     plan = _PLANS.get(key)
     if plan is not None and plan[6] is call.block_mask:
@@ -390,8 +434,9 @@ class Launch:
 class LaunchStatics:
     """What the launches of a backward pass take from its signature alone: their grids,
     constexprs and launch options, in launch order (dQ, dK/dV; fused: delta, dK/dV + dQ,
-    dQ's conversion) and the descriptors' (shape, strides, block) for q, dO, k, v and the dQ
-    accumulator (None without TMA)."""
+    dQ's conversion; ds_dq: delta, dK/dV storing dS, dQ from dS) and the descriptors' (shape,
+    strides, block) for q, dO, k, v, the dQ accumulator and the dS workspace (None without
+    TMA)."""
 
     grids: tuple
     constexprs: tuple
@@ -405,24 +450,33 @@ def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatic
     delta_block = 16 if spec.interpret else 64
     one, small = dscore_is_one(joint), {"num_warps": 4}
     has_grads = bool(joint is not None and joint.grad_slots)
+    dq = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
+          spec.launch_options())
     if spec.fused_dq:  # delta (zeroing the dQ accumulator), dK/dV + dQ, dQ's conversion
         first = ((cdiv(L, delta_block), B * Hq), spec.delta_constexprs(delta_block), small)
         last = ((cdiv(L, delta_block), B * Hq), spec.convert_constexprs(delta_block), small)
+    elif spec.ds_dq:  # delta, dK/dV (storing dS), dQ from dS
+        first = ((cdiv(L, delta_block), B * Hq), spec.delta_constexprs(delta_block), small)
+        last = dq
     else:  # dQ (storing delta), dK/dV
-        first = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
-                 spec.launch_options())
-        last = None
+        first, last = dq, None
     dkdv = ((cdiv(S, spec.block_n1), B * Hkv), spec.dkdv_constexprs(one), spec.launch_options())
     launches = (first, dkdv, last) if last else (first, dkdv)
     geometry = None
     if spec.use_tma:
         e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
         dq_acc_shape = [B * Hq * L, E], [E, 1], [spec.block_m1, e_pad]
+        ds_rows, ds_cols = spec.ds_shape(L, S)
         geometry = {"q": _geometry(q, spec.block_m1, e_pad),
                     "do": _geometry(grad_out, spec.block_m1, ev_pad),
                     "k": _geometry(k, spec.block_n2, e_pad),
                     "v": _geometry(v, spec.block_n2, ev_pad),
-                    "dq_acc": dq_acc_shape}
+                    "dq_acc": dq_acc_shape,
+                    # the dS workspace as stored by dK/dV and as loaded by dQ (ds_dq)
+                    "ds_store": ([B * Hq * ds_rows, ds_cols], [ds_cols, 1],
+                                 [spec.block_n1, spec.block_m1]),
+                    "ds_load": ([B * Hq * ds_rows, ds_cols], [ds_cols, 1],
+                                [spec.block_n2, spec.block_m2])}
     return LaunchStatics(grids=tuple(x[0] for x in launches),
                          constexprs=tuple(x[1] for x in launches),
                          options=tuple(x[2] for x in launches), geometry=geometry)
@@ -434,7 +488,8 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
     """The launches of a backward pass, in order, the dK/dV kernel always second: dQ, which
     also stores delta = rowsum(dO * O) (- dlse) for the next, and dK/dV (with
     ``spec.fused_dq``: delta, which also zeroes the float32 dQ accumulator, dK/dV + dQ, and
-    the accumulator's conversion to dq); ``tables`` (the q-side and kv-side block-mask table
+    the accumulator's conversion to dq; with ``spec.ds_dq``: delta, dK/dV storing dS in a
+    workspace, and dQ = dS @ K from it); ``tables`` (the q-side and kv-side block-mask table
     arguments) and ``statics`` when the caller has them already; ``trusted``: the tensor
     descriptors' checks passed for this signature before."""
     B, Hq, L, E = q.shape
@@ -456,35 +511,44 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
     dq_acc = torch.empty(B, Hq, L, E, dtype=torch.float32, device=device) \
         if spec.fused_dq else delta
     dq_desc = dq_acc
+    # the dS workspace (ds_dq; queries and keys padded: spec.ds_shape), else unused
+    ds_rows, ds_cols = spec.ds_shape(L, S) if spec.ds_dq else (0, 0)
+    ds = torch.empty(B * Hq * ds_rows * ds_cols, dtype=q.dtype, device=device) \
+        if spec.ds_dq else delta
+    ds_store = ds_load = ds
     if statics.geometry is not None:
         kind, geometry = TrustedDescriptor if trusted else TensorDescriptor, statics.geometry
         q_desc, do_desc = kind(q, *geometry["q"]), kind(grad_out, *geometry["do"])
         k_desc, v_desc = kind(k, *geometry["k"]), kind(v, *geometry["v"])
         if spec.fused_dq and not spec.interpret:
             dq_desc = kind(dq_acc, *geometry["dq_acc"])
+        if spec.ds_dq:
+            ds_store = kind(ds, *geometry["ds_store"])
+            ds_load = kind(ds, *geometry["ds_load"])
     else:  # unused pointers in the kernels' descriptor slots
         q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
     grids, constexprs, options = statics.grids, statics.constexprs, statics.options
     dkdv = Launch(getattr(module, f"{name}_dkdv"), grids[1],
                   [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, dq_acc, dq_desc,
-                   *q.stride(),
+                   ds, ds_store, ds_rows, ds_cols, *q.stride(),
                    *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                    *tables[0], Hq, L, S, scale, *mod_args],
                   constexprs[1], options[1])
-    if spec.fused_dq:
-        return [Launch(module.flexfa_bwd_delta, grids[0],
-                       [out, grad_out, dlse, delta, dq_acc, *out.stride(), *grad_out.stride(),
-                        Hq, L],
-                       constexprs[0], options[0]),
-                dkdv,
+    dq_index = 2 if spec.ds_dq else 0
+    dq_launch = Launch(getattr(module, f"{name}_dq"), grids[dq_index],
+                       [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, out, dlse, ds, ds_load,
+                        ds_rows, ds_cols, *q.stride(), *k.stride(), *v.stride(),
+                        *grad_out.stride(), *dq.stride(), *out.stride(), *tables[1],
+                        Hq, L, S, scale, *mod_args, *grad_args],
+                       constexprs[dq_index], options[dq_index])
+    if spec.fused_dq or spec.ds_dq:
+        delta_launch = Launch(module.flexfa_bwd_delta, grids[0],
+                              [out, grad_out, dlse, delta, dq_acc, *out.stride(),
+                               *grad_out.stride(), Hq, L],
+                              constexprs[0], options[0])
+        if spec.ds_dq:
+            return [delta_launch, dkdv, dq_launch]
+        return [delta_launch, dkdv,
                 Launch(module.flexfa_bwd_dq_convert, grids[2],
                        [dq_acc, dq, *dq.stride(), Hq, L, scale], constexprs[2], options[2])]
-    return [
-        Launch(getattr(module, f"{name}_dq"), grids[0],
-               [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, out, dlse, *q.stride(),
-                *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *out.stride(),
-                *tables[1],
-                Hq, L, S, scale, *mod_args, *grad_args],
-               constexprs[0], options[0]),
-        dkdv,
-    ]
+    return [dq_launch, dkdv]
