@@ -130,3 +130,23 @@ def test_ds_kernels_compile_for_sm90_with_tma(which):
     assert result.wgmma and "cp.async.bulk.tensor" in result.ptx
     if which == "dkdv":  # the store of dS: a bulk copy from shared to global memory
         assert "cp.async.bulk.tensor.2d.global.shared" in result.ptx
+
+
+def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(monkeypatch):
+    """The workspace fit the budget when the signature was planned but cannot be allocated
+    now: the call runs the dQ kernel that recomputes P and dP, with correct gradients."""
+    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
+    specs = record_backward_specs(monkeypatch)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.float32, seed=46)
+    workspace = 1 * 2 * 64 * 64  # B * Hq * keys * queries, padded to the 64-wide tiles
+    real_empty = torch.empty
+    failed = []
+
+    def empty(*shape, **kwargs):
+        if shape == (workspace,):
+            failed.append(shape)
+            raise torch.cuda.OutOfMemoryError("no room for the dS workspace (test)")
+        return real_empty(*shape, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    check_backward(q, k, v, mods.softcap(4.0), kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+    assert failed and [s.ds_dq for s in specs] == [True, False]
