@@ -2,8 +2,9 @@
 
 The generated module holds the kernels (helpers.tmpl and bwd_common.tmpl first):
 ``<name>_dq`` (bwd_dq.tmpl, run first: it also stores delta = rowsum(dO * O) - dlse and
-accumulates captured-tensor gradients), ``<name>_dkdv`` (bwd_dkdv.tmpl), and for the opt-in
-fused kernel ``flexfa_bwd_delta`` and ``flexfa_bwd_dq_convert``. Rendering is a
+accumulates captured-tensor gradients; with ``ds_dq`` it runs last and reads the dS that
+``<name>_dkdv`` stored), ``<name>_dkdv`` (bwd_dkdv.tmpl), ``flexfa_bwd_delta`` (first, for
+``ds_dq`` and the opt-in fused kernel) and ``flexfa_bwd_dq_convert`` (fused). Rendering is a
 pure function of the score_mod's IR with its grad slots, the mask_mod's IR and the
 ``BackwardSpec``; the spec's fields reach the kernels as constexpr launch arguments.
 """
