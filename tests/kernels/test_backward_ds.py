@@ -150,3 +150,32 @@ def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(m
     monkeypatch.setattr(torch, "empty", empty)
     check_backward(q, k, v, mods.softcap(4.0), kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
     assert failed and [s.ds_dq for s in specs] == [True, False]
+
+
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_unwritten_workspace_entries_never_reach_the_gradients(monkeypatch, tma):
+    """On a GPU the workspace holds whatever the allocator's memory held: here it starts as
+    NaN. Keys past S (the last block's padding, never written by dK/dV) are masked when read;
+    queries past L only reach dq rows that are not stored; tiles the mask skips are never read."""
+    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", tma)
+    specs = record_backward_specs(monkeypatch)
+    # S = 40: the dK/dV programs (32 keys each) write key rows 0..63, the dQ kernel walks the
+    # whole 128-key block, so rows 64..127 are read unwritten
+    B, H, L, S, E = 1, 2, 90, 40, 16
+    q, k, v = make_qkv(B, H, H, L, S, E, dtype=torch.bfloat16, seed=47)
+    workspace = B * H * 128 * 128  # keys and queries padded to the 128-token blocks
+    real_empty = torch.empty
+    poisoned = []
+
+    def empty(*shape, **kwargs):
+        if shape == (workspace,):
+            poisoned.append(shape)
+            return torch.full(shape, float("nan"), **kwargs)
+        return real_empty(*shape, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
+    dq, dk, dv = check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
+                                kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    assert poisoned and specs and all(s.ds_dq for s in specs)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
