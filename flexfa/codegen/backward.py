@@ -98,13 +98,6 @@ class BackwardSpec:
                     HAS_DLSE=self.has_dlse, LOAD_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, **self._common())
 
-    def ds_shape(self, L: int, S: int) -> tuple[int, int]:
-        """(rows per head, columns) of the dS workspace (``ds_dq``): S and L padded to the
-        largest tile or block either kernel walks, so no tile crosses a head or the end."""
-        rows = max(self.sparse_kv, self.block_n1, self.block_n2)
-        cols = max(self.sparse_q, self.block_m1, self.block_m2)
-        return -(-S // rows) * rows, -(-L // cols) * cols
-
     def delta_constexprs(self, block_m: int) -> dict:
         return dict(BLOCK_M=block_m, EV=self.head_dim_v,
                     EV_PAD=next_power_of_two(self.head_dim_v), HAS_DLSE=self.has_dlse,

@@ -150,12 +150,67 @@ def ds_budget(device: torch.device) -> int:
     return min(int(setting) if setting else total // 4, free // 2)
 
 
+def ds_bands(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int,
+             device: torch.device) -> tuple[torch.Tensor, int]:
+    """(band, slots) of the dS workspace's block slots (``BackwardSpec.ds_dq``).
+
+    ``band[b, h, j] = (base_j, minq_j)``, int32 ``[Bm, Hm, NKV, 2]`` over the block mask's
+    batch and head dims: kv block j meets q blocks ``minq_j`` to ``maxq_j`` (the first and last
+    of its partial and full q tables), and (kv block j, q block i) is slot ``base_j + i -
+    minq_j`` of its head, ``base_j`` counting the bands before it. ``slots`` is the largest
+    count of any head, so the workspace holds ``B * HQ * slots`` tiles of ``sparse_kv x
+    sparse_q``: for causal masks about half of L x S, for document or sliding-window masks
+    their band. Without a block mask every (kv block, q block) has a slot."""
+    nq, nkv = -(-L // sparse_q), -(-S // sparse_kv)
+    if block_mask is None:
+        j = torch.arange(nkv, dtype=torch.int32, device=device)
+        band = torch.stack([j * nq, torch.zeros_like(j)], -1).reshape(1, 1, nkv, 2)
+        return band, nq * nkv
+    low = high = None
+    for name in ("q", "full_q"):
+        found = _tables(block_mask, name)
+        if not found:
+            continue
+        num_blocks, indices = found
+        valid = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+        indices = indices.long()
+        lo = torch.where(valid, indices, nq).amin(-1) if indices.shape[-1] else None
+        hi = torch.where(valid, indices, -1).amax(-1) if indices.shape[-1] else None
+        if lo is not None:
+            low = lo if low is None else torch.minimum(low, lo)
+            high = hi if high is None else torch.maximum(high, hi)
+    if low is None:  # no block meets any other: one empty band per kv block
+        shape = tuple(block_mask.kv_num_blocks.shape[:2]) + (nkv,)
+        return torch.zeros(*shape, 2, dtype=torch.int32, device=device), 1
+    width = (high - low + 1).clamp(min=0)
+    base = width.cumsum(-1) - width
+    band = torch.stack([base, torch.where(width > 0, low, 0)], -1).to(torch.int32)
+    return band.to(device).contiguous(), max(1, int(width.sum(-1).max()))
+
+
+_DS_BANDS: dict[tuple, tuple] = register_memo({})
+_MAX_DS_BANDS = 64
+
+
+def _ds_bands_of(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int, device) -> tuple:
+    """``ds_bands``, memoized per block mask object and geometry (the entry keeps the mask, so
+    its id cannot be reused while the entry lives)."""
+    key = (id(block_mask), L, S, sparse_q, sparse_kv, device)
+    entry = _DS_BANDS.get(key)
+    if entry is None or entry[0] is not block_mask:
+        if len(_DS_BANDS) >= _MAX_DS_BANDS:
+            _DS_BANDS.clear()
+        entry = _DS_BANDS[key] = (block_mask,
+                                  *ds_bands(block_mask, L, S, sparse_q, sparse_kv, device))
+    return entry[1:]
+
+
 def use_ds_dq(fusable: bool, target: str, use_tma: bool, head_dim_pad: int,
-              workspace_bytes: int, device: torch.device) -> bool:
+              workspace_bytes, device: torch.device) -> bool:
     """Whether the dK/dV kernel stores dS for a dQ kernel that then needs one GEMM per tile
     instead of three (``BackwardSpec.ds_dq``). Only where ``fusable`` (no captured tensor needs
-    a gradient, dK and dV are wanted) and the workspace (``BackwardSpec.ds_shape``, one
-    element per (query, key) of every head, padded) fits ``ds_budget``.
+    a gradient, dK and dV are wanted) and the workspace (``workspace_bytes()``: the block
+    slots of ``ds_bands``, computed only when the rest allows it) fits ``ds_budget``.
     ``FLEXFA_BACKWARD_DS``: ``auto`` (the default) on sm_90 with tensor descriptors at padded
     head dim 128, where the H200 measured it faster (causal E = 128 S = 16384 fwd+bwd 8.886 ->
     8.251 ms; at E = 64 it lost, 0.91x: the kernel reading dS is memory-bound there; see
@@ -168,7 +223,7 @@ def use_ds_dq(fusable: bool, target: str, use_tma: bool, head_dim_pad: int,
         return False
     if setting == "auto" and not (target in HOPPER_TARGETS and use_tma and head_dim_pad == 128):
         return False
-    return workspace_bytes <= ds_budget(device)
+    return workspace_bytes() <= ds_budget(device)
 
 
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
@@ -210,8 +265,10 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
         use_tma=use_backward_tma(target, q, k, v, q if grad_out is None else grad_out),
         fused_dq=bool(fused))
     if not fused:
-        rows, cols = spec.ds_shape(L, S)
-        workspace = q.shape[0] * q.shape[1] * rows * cols * q.element_size()
+        def workspace() -> int:
+            _, slots = _ds_bands_of(mask, L, S, spec.sparse_q, spec.sparse_kv, q.device)
+            tile = spec.sparse_q * spec.sparse_kv * q.element_size()
+            return q.shape[0] * q.shape[1] * slots * tile
         if use_ds_dq(fusable, target, spec.use_tma, next_power_of_two(max(E, Ev)), workspace,
                      q.device):
             spec = dataclasses.replace(spec, ds_dq=True)
@@ -447,8 +504,7 @@ class LaunchStatics:
     """What the launches of a backward pass take from its signature alone: their grids,
     constexprs and launch options, in launch order (dQ, dK/dV; fused: delta, dK/dV + dQ,
     dQ's conversion; ds_dq: delta, dK/dV storing dS, dQ from dS) and the descriptors' (shape,
-    strides, block) for q, dO, k, v, the dQ accumulator and the dS workspace (None without
-    TMA)."""
+    strides, block) for q, dO, k, v and the dQ accumulator (None without TMA)."""
 
     grids: tuple
     constexprs: tuple
@@ -478,17 +534,11 @@ def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatic
     if spec.use_tma:
         e_pad, ev_pad = next_power_of_two(E), next_power_of_two(v.shape[3])
         dq_acc_shape = [B * Hq * L, E], [E, 1], [spec.block_m1, e_pad]
-        ds_rows, ds_cols = spec.ds_shape(L, S)
         geometry = {"q": _geometry(q, spec.block_m1, e_pad),
                     "do": _geometry(grad_out, spec.block_m1, ev_pad),
                     "k": _geometry(k, spec.block_n2, e_pad),
                     "v": _geometry(v, spec.block_n2, ev_pad),
-                    "dq_acc": dq_acc_shape,
-                    # the dS workspace as stored by dK/dV and as loaded by dQ (ds_dq)
-                    "ds_store": ([B * Hq * ds_rows, ds_cols], [ds_cols, 1],
-                                 [spec.block_n1, spec.block_m1]),
-                    "ds_load": ([B * Hq * ds_rows, ds_cols], [ds_cols, 1],
-                                [spec.block_n2, spec.block_m2])}
+                    "dq_acc": dq_acc_shape}
     return LaunchStatics(grids=tuple(x[0] for x in launches),
                          constexprs=tuple(x[1] for x in launches),
                          options=tuple(x[2] for x in launches), geometry=geometry)
@@ -523,10 +573,15 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
     dq_acc = torch.empty(B, Hq, L, E, dtype=torch.float32, device=device) \
         if spec.fused_dq else delta
     dq_desc = dq_acc
-    # the dS workspace (ds_dq; queries and keys padded: spec.ds_shape), else unused
-    ds_rows, ds_cols = spec.ds_shape(L, S) if spec.ds_dq else (0, 0)
-    ds = torch.empty(B * Hq * ds_rows * ds_cols, dtype=q.dtype, device=device) \
-        if spec.ds_dq else delta
+    # the dS workspace of block slots (ds_dq: ds_bands), else unused
+    if spec.ds_dq:
+        band, slots = _ds_bands_of(call.block_mask, L, S, spec.sparse_q, spec.sparse_kv, device)
+        ds_rows = B * Hq * slots * spec.sparse_kv
+        ds = torch.empty(ds_rows * spec.sparse_q, dtype=q.dtype, device=device)
+        band_args = [band, *_broadcast_strides(band)[:3], slots]
+    else:
+        ds_rows, ds = 1, delta
+        band_args = [_dummy(device), 0, 0, 0, 0]
     ds_store = ds_load = ds
     if statics.geometry is not None:
         kind, geometry = TrustedDescriptor if trusted else TensorDescriptor, statics.geometry
@@ -534,22 +589,23 @@ def backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
         k_desc, v_desc = kind(k, *geometry["k"]), kind(v, *geometry["v"])
         if spec.fused_dq and not spec.interpret:
             dq_desc = kind(dq_acc, *geometry["dq_acc"])
-        if spec.ds_dq:
-            ds_store = kind(ds, *geometry["ds_store"])
-            ds_load = kind(ds, *geometry["ds_load"])
+        if spec.ds_dq:  # the workspace's rows as dK/dV stores and dQ loads its tiles
+            view = ([ds_rows, spec.sparse_q], [spec.sparse_q, 1])
+            ds_store = kind(ds, *view, [spec.block_n1, spec.block_m1])
+            ds_load = kind(ds, *view, [spec.block_n2, spec.block_m2])
     else:  # unused pointers in the kernels' descriptor slots
         q_desc, do_desc, k_desc, v_desc = q, grad_out, k, v
     grids, constexprs, options = statics.grids, statics.constexprs, statics.options
     dkdv = Launch(getattr(module, f"{name}_dkdv"), grids[1],
                   [q, k, v, grad_out, q_desc, do_desc, dk, dv, lse, delta, dq_acc, dq_desc,
-                   ds, ds_store, ds_rows, ds_cols, *q.stride(),
+                   ds, ds_store, *band_args, *q.stride(),
                    *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                    *tables[0], Hq, L, S, scale, *mod_args],
                   constexprs[1], options[1])
     dq_index = 2 if spec.ds_dq else 0
     dq_launch = Launch(getattr(module, f"{name}_dq"), grids[dq_index],
                        [q, k, v, grad_out, k_desc, v_desc, dq, lse, delta, out, dlse, ds, ds_load,
-                        ds_rows, ds_cols, *q.stride(), *k.stride(), *v.stride(),
+                        *band_args, *q.stride(), *k.stride(), *v.stride(),
                         *grad_out.stride(), *dq.stride(), *out.stride(), *tables[1],
                         Hq, L, S, scale, *mod_args, *grad_args],
                        constexprs[dq_index], options[dq_index])

@@ -85,37 +85,57 @@ def test_ds_is_not_used_where_it_cannot_be(spy_specs):
 
 
 def test_use_ds_dq_rule_and_budget(monkeypatch):
-    use = backward_runtime.use_ds_dq
     cpu = torch.device("cpu")
+    asked = []
+
+    def size(n):
+        def workspace():  # the workspace size is asked for only when the rest allows it
+            asked.append(n)
+            return n
+        return workspace
+
+    def use(fusable, target, tma, e_pad, n):
+        return backward_runtime.use_ds_dq(fusable, target, tma, e_pad, size(n), cpu)
+
     monkeypatch.delenv("FLEXFA_BACKWARD_DS", raising=False)
     monkeypatch.delenv("FLEXFA_BACKWARD_DS_MAX_BYTES", raising=False)
-    assert use(True, "cuda:90", True, 128, 1 << 30, cpu)  # auto: sm_90, descriptors, E 128
-    assert not use(True, "cuda:90", True, 64, 1 << 20, cpu)  # E = 64 measured slower
-    assert not use(True, "cuda:90", False, 128, 1 << 20, cpu)  # no descriptors
-    assert not use(True, "cuda:80", True, 128, 1 << 20, cpu)
-    assert not use(True, "interpret", True, 128, 1 << 20, cpu)
-    assert not use(False, "cuda:90", True, 128, 1 << 20, cpu)  # captured grads / no dK, dV
+    assert use(True, "cuda:90", True, 128, 1 << 30)  # auto: sm_90, descriptors, E 128
+    assert not use(True, "cuda:90", True, 64, 1 << 20)  # E = 64 measured slower
+    assert not use(True, "cuda:90", False, 128, 1 << 20)  # no descriptors
+    assert not use(True, "cuda:80", True, 128, 1 << 20)
+    assert not use(True, "interpret", True, 128, 1 << 20)
+    assert not use(False, "cuda:90", True, 128, 1 << 20)  # captured grads / no dK, dV
+    assert asked == [1 << 30]
     monkeypatch.setenv("FLEXFA_BACKWARD_DS_MAX_BYTES", str(1 << 20))
-    assert use(True, "cuda:90", True, 128, 1 << 20, cpu)
-    assert not use(True, "cuda:90", True, 128, (1 << 20) + 1, cpu)  # over the budget
+    assert use(True, "cuda:90", True, 128, 1 << 20)
+    assert not use(True, "cuda:90", True, 128, (1 << 20) + 1)  # over the budget
     monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
-    assert use(True, "interpret", False, 64, 1 << 20, cpu)
-    assert not use(False, "interpret", False, 64, 1 << 20, cpu)
+    assert use(True, "interpret", False, 64, 1 << 20)
+    assert not use(False, "interpret", False, 64, 1 << 20)
     monkeypatch.setenv("FLEXFA_BACKWARD_DS", "0")
-    assert not use(True, "cuda:90", True, 128, 1 << 20, cpu)
+    assert not use(True, "cuda:90", True, 128, 1 << 20)
     monkeypatch.setenv("FLEXFA_BACKWARD_DS", "yes")
     with pytest.raises(InputError, match="FLEXFA_BACKWARD_DS must be auto, 0 or 1, got 'yes'"):
-        use(True, "cuda:90", True, 128, 1 << 20, cpu)
+        use(True, "cuda:90", True, 128, 1 << 20)
 
 
-def test_workspace_shape_covers_every_walked_tile():
-    spec = backward_runtime.BackwardSpec(
-        dtype="bf16", head_dim=64, head_dim_v=64, block_m1=32, block_n1=64, block_m2=64,
-        block_n2=32, num_warps=4, num_stages=2, has_block_mask=True, has_full_blocks=True,
-        sparse_q=128, sparse_kv=128, even_l1=False, even_s1=False, even_l2=False,
-        even_s2=False, gqa_group=1, deterministic=False, has_dlse=False,
-        input_precision="ieee", target="cuda:90", ds_dq=True)
-    assert spec.ds_shape(200, 136) == (256, 256)  # keys (rows) and queries padded to 128
+def test_workspace_bands_follow_the_mask():
+    """ds_bands: one slot per (kv block, q block) in each kv block's band of q blocks; causal
+    keeps about half of the dense grid, a document mask its diagonal blocks."""
+    L = S = 512  # 4 x 4 blocks of 128
+    causal = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
+    band, slots = backward_runtime.ds_bands(causal, L, S, 128, 128, torch.device("cpu"))
+    # kv block j meets q blocks j..3: widths 4, 3, 2, 1
+    assert band[0, 0].tolist() == [[0, 0], [4, 1], [7, 2], [9, 3]] and slots == 10
+    doc = torch.tensor([0] * 256 + [1] * 256)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    docs = create_block_mask(same_document, None, None, L, S, device="cpu", BLOCK_SIZE=128)
+    band, slots = backward_runtime.ds_bands(docs, L, S, 128, 128, torch.device("cpu"))
+    assert band[0, 0, :, 1].tolist() == [0, 0, 2, 2] and slots == 8
+    dense, slots = backward_runtime.ds_bands(None, 300, 200, 128, 64, torch.device("cpu"))
+    assert slots == 3 * 4 and dense[0, 0].tolist() == [[0, 0], [3, 0], [6, 0], [9, 0]]
 
 
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
@@ -138,7 +158,7 @@ def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(m
     monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
     specs = record_backward_specs(monkeypatch)
     q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.float32, seed=46)
-    workspace = 1 * 2 * 64 * 64  # B * Hq * keys * queries, padded to the 64-wide tiles
+    workspace = 1 * 2 * 1 * 64 * 64  # B * Hq * slots * tile: one 64 x 64 block (no mask)
     real_empty = torch.empty
     failed = []
 
@@ -164,7 +184,7 @@ def test_unwritten_workspace_entries_never_reach_the_gradients(monkeypatch, tma)
     # whole 128-key block, so rows 64..127 are read unwritten
     B, H, L, S, E = 1, 2, 90, 40, 16
     q, k, v = make_qkv(B, H, H, L, S, E, dtype=torch.bfloat16, seed=47)
-    workspace = B * H * 128 * 128  # keys and queries padded to the 128-token blocks
+    workspace = B * H * 1 * 128 * 128  # one 128 x 128 block slot per head (L, S < 128)
     real_empty = torch.empty
     poisoned = []
 
@@ -178,4 +198,30 @@ def test_unwritten_workspace_entries_never_reach_the_gradients(monkeypatch, tma)
     dq, dk, dv = check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
                                 kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
     assert poisoned and specs and all(s.ds_dq for s in specs)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_blocks_inside_a_band_that_the_mask_skips_are_never_read(monkeypatch):
+    """A mask with holes (every other 64-token block pair): each kv block's band spans q
+    blocks it does not meet; their slots stay unwritten (NaN here) and unread."""
+    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
+    specs = record_backward_specs(monkeypatch)
+    L = S = 256
+    q, k, v = make_qkv(1, 2, 2, L, S, 16, dtype=torch.float32, seed=48)
+
+    def checkerboard(b, h, q_idx, kv_idx):
+        return (q_idx // 64 + kv_idx // 64) % 2 == 0
+    block_mask = create_block_mask(checkerboard, None, None, L, S, device="cpu", BLOCK_SIZE=64)
+    band, slots = backward_runtime.ds_bands(block_mask, L, S, 64, 64, torch.device("cpu"))
+    assert slots == 4 * 3  # kv blocks 0, 1, 2, 3 span q blocks 0-2, 1-3, 0-2, 1-3
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):
+        if shape == (1 * 2 * slots * 64 * 64,):
+            return torch.full(shape, float("nan"), **kwargs)
+        return real_empty(*shape, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    dq, dk, dv = check_backward(q, k, v, None, checkerboard, block_mask,
+                                kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    assert specs and all(s.ds_dq for s in specs)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
