@@ -3,10 +3,10 @@
 ``run_backward(q, k, v, out, lse, grad_out, grad_lse, call)`` returns ``(dq, dk, dv,
 {slot: grad})`` for the score_mod's captured tensors that require grad. P is recomputed from
 the saved lse tile by tile and never stored. On sm_90 at head dim 128 (``use_ds_dq``) the
-dK/dV kernel stores dS (q's dtype, one element per query and key of each head) in a
-workspace that the dQ kernel reads instead of recomputing P and dP: B * H * L * S elements
-allocated for the duration of the backward, within ``ds_budget``; otherwise nothing of size
-L x S is allocated.
+dK/dV kernel stores dS (q's dtype) in a workspace of block slots (``ds_bands``: the band of
+q blocks each kv block meets, per head) that the dQ kernel reads instead of recomputing P and
+dP, allocated for the duration of the backward within ``ds_budget``; otherwise nothing of
+size L x S is allocated.
 
 Captured-tensor gradients are accumulated in float32 with atomics, or, with
 ``kernel_options={"deterministic": True}``, in int64 fixed point with 32 fraction bits:
@@ -140,14 +140,20 @@ def fused_modes(call: AttentionCall, fusable: bool) -> tuple[bool, ...]:
     return (True,)
 
 
+DS_DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB: the benchmark's E = 128 S = 16384 cases, not S = 65536
+
+
 def ds_budget(device: torch.device) -> int:
     """The most bytes the dS workspace may take: ``FLEXFA_BACKWARD_DS_MAX_BYTES`` if set, else
-    a quarter of the GPU's memory, and on a GPU never more than half of what is free now."""
+    ``DS_DEFAULT_MAX_BYTES`` (at most a quarter of the GPU's memory), and on a GPU never more
+    than half of what is free now. A transient workspace of gigabytes is a trade of memory for
+    speed that a long-context run may not want: the default keeps S = 65536 (causal, 8 heads:
+    34 GB) on the kernels that allocate nothing L x S."""
     setting = os.environ.get("FLEXFA_BACKWARD_DS_MAX_BYTES")
     if device.type != "cuda":
-        return int(setting) if setting else 1 << 62
+        return int(setting) if setting else DS_DEFAULT_MAX_BYTES
     free, total = torch.cuda.mem_get_info(device)
-    return min(int(setting) if setting else total // 4, free // 2)
+    return min(int(setting) if setting else min(DS_DEFAULT_MAX_BYTES, total // 4), free // 2)
 
 
 def ds_bands(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int,

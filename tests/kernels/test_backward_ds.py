@@ -225,3 +225,22 @@ def test_blocks_inside_a_band_that_the_mask_skips_are_never_read(monkeypatch):
                                 kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
     assert specs and all(s.ds_dq for s in specs)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_default_budget_keeps_long_contexts_lean(monkeypatch):
+    """The default budget (8 GiB) admits the benchmark's E = 128 S = 16384 workspaces (causal
+    4.3 GB, dense 8 GiB) and keeps causal S = 65536 with 8 heads (tests/gpu/test_memory_gpu.py,
+    34 GB) on the kernels that allocate nothing L x S."""
+    monkeypatch.delenv("FLEXFA_BACKWARD_DS_MAX_BYTES", raising=False)
+    cpu = torch.device("cpu")
+    budget = backward_runtime.ds_budget(cpu)
+    assert budget == 8 << 30
+
+    def workspace(heads, length, block_mask):
+        _, slots = backward_runtime.ds_bands(block_mask, length, length, 128, 128, cpu)
+        return heads * slots * 128 * 128 * 2
+
+    mask = create_block_mask(mods.causal, None, None, 16384, 16384, device="cpu")
+    assert workspace(16, 16384, mask) <= budget and workspace(16, 16384, None) <= budget
+    mask = create_block_mask(mods.causal, None, None, 65536, 65536, device="cpu")
+    assert workspace(8, 65536, mask) > 4 * budget
