@@ -352,24 +352,20 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
              for s in grad_slots}
     if q.numel() and k.numel():
-        fusable = need_dkdv and not grad_slots
-        spec, module, name, tables, compiled, statics = _plan(
-            q, k, v, out, lse, grad_out, grad_lse, call, joint, fusable)
-        # a plan's first launch checks its descriptors; its key fixes what they checked
-        try:
-            launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out,
-                                         grad_lse, call, joint, grads, dq, dk, dv, tables,
-                                         statics, trusted=compiled[0] is not None)
-        except torch.cuda.OutOfMemoryError:
-            if not spec.ds_dq:
-                raise
-            # no room for the dS workspace now (it fit when the signature was planned): this
-            # call takes the plan without it (fusable=False), which allocates nothing L x S
+        # when there is no room for the dS workspace now (it fit when the signature was
+        # planned), the call takes the plan without it (fusable=False: nothing L x S)
+        for fusable in (need_dkdv and not grad_slots, False):
             spec, module, name, tables, compiled, statics = _plan(
-                q, k, v, out, lse, grad_out, grad_lse, call, joint, False)
-            launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out,
-                                         grad_lse, call, joint, grads, dq, dk, dv, tables,
-                                         statics, trusted=compiled[0] is not None)
+                q, k, v, out, lse, grad_out, grad_lse, call, joint, fusable)
+            try:
+                # a plan's first launch checks its descriptors; its key fixes what they checked
+                launches = backward_launches(spec, module, name, q, k, v, out, lse, grad_out,
+                                             grad_lse, call, joint, grads, dq, dk, dv, tables,
+                                             statics, trusted=compiled[0] is not None)
+                break
+            except torch.cuda.OutOfMemoryError:
+                if not spec.ds_dq:
+                    raise
         # dQ, dK/dV (fused: delta, dK/dV + dQ, convert; ds: delta, dK/dV storing dS, dQ)
         for i, launch in enumerate(launches):
             if i != 1 or need_dkdv:

@@ -232,6 +232,12 @@ def allocate_outputs(q, v, return_lse: bool, return_max: bool) -> tuple:
     return out, lse, maxs
 
 
+def stat_args(out, lse, maxs) -> list:
+    """The LSE and MAXS kernel arguments: each statistic, or ``out`` as an unused pointer where
+    it was not requested (RETURN_LSE / RETURN_MAX off)."""
+    return [lse if lse is not None else out, maxs if maxs is not None else out]
+
+
 def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool = False):
     """(out [B, Hq, L, Ev] in q's dtype, lse [B, Hq, L] float32 natural log or None, the
     rows' max scores [B, Hq, L] float32 or None): ``return_max`` is torch's
@@ -253,7 +259,7 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
         return hopper.run_hopper_forward(q, k, v, call, return_lse, return_max, out, lse, maxs)
     launch = _launch_for(q, k, v, call, return_lse, return_max)
     grid = (triton.cdiv(L, launch.block_m), B * Hq)
-    args = [q, k, v, out, lse if lse is not None else out, maxs if maxs is not None else out,
+    args = [q, k, v, out, *stat_args(out, lse, maxs),
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]

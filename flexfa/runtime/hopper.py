@@ -23,7 +23,7 @@ from . import autotune
 from .cache import register_memo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
-                      buffer_launch_args, forward_grid, generated_kernel, target_of)
+                      buffer_launch_args, forward_grid, generated_kernel, stat_args, target_of)
 from .launch import TrustedDescriptor, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
@@ -141,8 +141,7 @@ def _args(plan: _Plan, q, k, v, out, lse, maxs, call: AttentionCall, trusted: bo
     (q_shape, q_strides, q_block), (k_shape, k_strides, k_block), (v_shape, v_strides, v_block) = (
         plan.descriptors)
     return [kind(q, q_shape, q_strides, q_block), kind(k, k_shape, k_strides, k_block),
-            kind(v, v_shape, v_strides, v_block), out, lse if lse is not None else out,
-            maxs if maxs is not None else out,
+            kind(v, v_shape, v_strides, v_block), out, *stat_args(out, lse, maxs),
             *plan.out_strides, *plan.fixed, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
 
