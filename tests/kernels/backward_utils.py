@@ -82,3 +82,25 @@ def record_backward_specs(monkeypatch) -> list:
         return specs[-1]
     monkeypatch.setattr(backward_runtime, "backward_spec", recording)
     return specs
+
+
+def check_ragged_gqa_alibi_causal(dtype, *, seed: int, block_size: int, tile: int):
+    """The backward of a hard case against the reference: L, S not multiples of the tiles nor
+    of the blocks; E = 48 (padded to 64), Ev = 32; GQA 2 (each kv program serves two query
+    heads); a causal block mask with full and partial blocks; an ALiBi score_mod reading a
+    captured tensor that needs no gradient; a gradient through lse."""
+    from flexfa import mods
+    from flexfa.blockmask import create_block_mask
+    from forward_utils import make_qkv
+
+    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 48, 32
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=seed)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs() / 16.0
+
+    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu",
+                                   BLOCK_SIZE=block_size)
+    check_backward(q, k, v, alibi, mods.causal, block_mask, enable_gqa=True, with_lse=True,
+                   kernel_options={"BLOCK_M": tile, "BLOCK_N": tile})

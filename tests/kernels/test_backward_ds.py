@@ -9,7 +9,7 @@ from flexfa import mods
 from flexfa.blockmask import create_block_mask
 from flexfa.errors import InputError
 from flexfa.runtime import backward as backward_runtime
-from backward_utils import check_backward, record_backward_specs
+from backward_utils import check_backward, check_ragged_gqa_alibi_causal, record_backward_specs
 from forward_utils import make_qkv
 
 
@@ -20,22 +20,31 @@ def spy_specs(monkeypatch):
     return record_backward_specs(monkeypatch)
 
 
+def replace_workspace(monkeypatch, numel: int, make) -> list:
+    """torch.empty of the dS workspace (1-D, ``numel`` elements) returns ``make(shape,
+    **kwargs)`` instead (a NaN-filled tensor, or raising); returns the list of such calls."""
+    real_empty = torch.empty
+    calls = []
+
+    def empty(*shape, **kwargs):
+        if shape == (numel,):
+            calls.append(shape)
+            return make(shape, **kwargs)
+        return real_empty(*shape, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    return calls
+
+
+def nan_filled(shape, **kwargs):
+    return torch.full(shape, float("nan"), **kwargs)
+
+
 @pytest.mark.parametrize("tma", ["0", "1"])
 def test_ds_backward_ragged_gqa_alibi_causal(spy_specs, monkeypatch, tma):
-    # L, S not multiples of the tiles nor of the blocks (workspace rows past S never written,
-    # columns past L garbage for rows that are not stored); GQA 2; full and partial blocks; a
-    # captured tensor without gradient; lse gradient (delta from the delta kernel)
+    # workspace rows past S never written, columns past L garbage for rows that are not
+    # stored; the lse gradient enters through the delta kernel
     monkeypatch.setenv("FLEXFA_BACKWARD_TMA", tma)
-    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 48, 32
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, seed=41)
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx).abs() / 16.0
-
-    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=64)
-    check_backward(q, k, v, alibi, mods.causal, block_mask, enable_gqa=True, with_lse=True,
-                   kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    check_ragged_gqa_alibi_causal(torch.bfloat16, seed=41, block_size=64, tile=32)
     assert spy_specs and all(s.ds_dq and s.use_tma == (tma == "1") for s in spy_specs)
 
 
@@ -159,15 +168,10 @@ def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(m
     specs = record_backward_specs(monkeypatch)
     q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.float32, seed=46)
     workspace = 1 * 2 * 1 * 64 * 64  # B * Hq * slots * tile: one 64 x 64 block (no mask)
-    real_empty = torch.empty
-    failed = []
 
-    def empty(*shape, **kwargs):
-        if shape == (workspace,):
-            failed.append(shape)
-            raise torch.cuda.OutOfMemoryError("no room for the dS workspace (test)")
-        return real_empty(*shape, **kwargs)
-    monkeypatch.setattr(torch, "empty", empty)
+    def no_room(shape, **kwargs):
+        raise torch.cuda.OutOfMemoryError("no room for the dS workspace (test)")
+    failed = replace_workspace(monkeypatch, workspace, no_room)
     check_backward(q, k, v, mods.softcap(4.0), kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
     assert failed and [s.ds_dq for s in specs] == [True, False]
 
@@ -185,15 +189,7 @@ def test_unwritten_workspace_entries_never_reach_the_gradients(monkeypatch, tma)
     B, H, L, S, E = 1, 2, 90, 40, 16
     q, k, v = make_qkv(B, H, H, L, S, E, dtype=torch.bfloat16, seed=47)
     workspace = B * H * 1 * 128 * 128  # one 128 x 128 block slot per head (L, S < 128)
-    real_empty = torch.empty
-    poisoned = []
-
-    def empty(*shape, **kwargs):
-        if shape == (workspace,):
-            poisoned.append(shape)
-            return torch.full(shape, float("nan"), **kwargs)
-        return real_empty(*shape, **kwargs)
-    monkeypatch.setattr(torch, "empty", empty)
+    poisoned = replace_workspace(monkeypatch, workspace, nan_filled)
     block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
     dq, dk, dv = check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
                                 kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
@@ -214,16 +210,10 @@ def test_blocks_inside_a_band_that_the_mask_skips_are_never_read(monkeypatch):
     block_mask = create_block_mask(checkerboard, None, None, L, S, device="cpu", BLOCK_SIZE=64)
     band, slots = backward_runtime.ds_bands(block_mask, L, S, 64, 64, torch.device("cpu"))
     assert slots == 4 * 3  # kv blocks 0, 1, 2, 3 span q blocks 0-2, 1-3, 0-2, 1-3
-    real_empty = torch.empty
-
-    def empty(*shape, **kwargs):
-        if shape == (1 * 2 * slots * 64 * 64,):
-            return torch.full(shape, float("nan"), **kwargs)
-        return real_empty(*shape, **kwargs)
-    monkeypatch.setattr(torch, "empty", empty)
+    poisoned = replace_workspace(monkeypatch, 1 * 2 * slots * 64 * 64, nan_filled)
     dq, dk, dv = check_backward(q, k, v, None, checkerboard, block_mask,
                                 kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
-    assert specs and all(s.ds_dq for s in specs)
+    assert poisoned and specs and all(s.ds_dq for s in specs)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 

@@ -13,7 +13,7 @@ from flexfa.errors import InputError
 from flexfa.runtime import backward as backward_runtime
 from flexfa.runtime.forward import AttentionCall
 from flexfa.runtime.options import KernelOptions
-from backward_utils import check_backward, record_backward_specs
+from backward_utils import check_backward, check_ragged_gqa_alibi_causal, record_backward_specs
 from forward_utils import make_qkv
 
 
@@ -27,20 +27,9 @@ def spy_specs(monkeypatch):
 @pytest.mark.parametrize("tma", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_backward_ragged_gqa_alibi_block_mask(spy_specs, monkeypatch, dtype, tma):
-    # L, S not multiples of the tiles nor of the 128-token blocks; E = 48 (padded to 64);
-    # GQA 2: each kv program adds into the dQ rows of both its query heads; causal mask with
-    # full blocks; a score_mod with a captured tensor that needs no gradient; lse gradient
+    # GQA 2: each kv program adds into the dQ rows of both its query heads
     monkeypatch.setenv("FLEXFA_BACKWARD_TMA", tma)
-    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 48, 32
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=31)
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx).abs() / 16.0
-
-    block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
-    check_backward(q, k, v, alibi, mods.causal, block_mask, enable_gqa=True, with_lse=True,
-                   kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+    check_ragged_gqa_alibi_causal(dtype, seed=31, block_size=128, tile=64)
     assert spy_specs and all(s.fused_dq and s.use_tma == (tma == "1") for s in spy_specs)
 
 
