@@ -10,7 +10,9 @@ old / new (> 1: this checkout is faster). Generated kernels of the two trees hav
 names (their template hashes differ), so they share one kernel cache and one tuning file.
 ``--old-env NAME=VALUE,...`` / ``--new-env ...`` set environment variables while that side
 runs and is timed (variables read per call, e.g. ``FLEXFA_BACKWARD_TMA``); with ``--old .``
-the same tree under two settings.
+the same tree under two settings. ``--old`` may be given several times (with as many
+``--old-env``, matched in order, or none): each tree is timed against this checkout in the
+same rounds, which shares the new side's compile and timing between them.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def env_set(env: dict[str, str]):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", required=True)
+    parser.add_argument("--old", required=True, action="append")
     parser.add_argument("--cases", default="128:16384:causal,128:16384:full,128:16384:softcap,"
                         "64:2048:causal,64:8192:sliding,64:2048:full")
     parser.add_argument("--passes", default="fwd,fwd+bwd")
@@ -83,12 +85,19 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=40)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--old-env", default="")
+    parser.add_argument("--old-env", action="append", default=[])
     parser.add_argument("--new-env", default="")
     args = parser.parse_args(argv)
-    envs = {"old": parse_env(args.old_env), "new": parse_env(args.new_env)}
-    old = load_tree(args.old)
-    trees = {"old": old, "new": flexfa}
+    if args.old_env and len(args.old_env) != len(args.old):
+        raise SystemExit(f"{len(args.old)} --old trees but {len(args.old_env)} --old-env")
+    olds = [f"old{i}" if len(args.old) > 1 else "old" for i in range(len(args.old))]
+    envs = {"new": parse_env(args.new_env)}
+    trees = {}
+    for i, (label, path) in enumerate(zip(olds, args.old)):
+        envs[label] = parse_env(args.old_env[i] if args.old_env else "")
+        trees[label] = load_tree(path, f"flexfa_{label}")
+        print(f"{label}: {path} {envs[label]}", flush=True)
+    trees["new"] = flexfa
     rows = []
     for dim, seq, variant in parse_cases(args.cases):
         B, H = max(1, args.tokens // seq), args.heads
@@ -109,24 +118,27 @@ def main(argv=None) -> int:
                     out = fn(q, k, v)
                     grads = torch.autograd.grad(out, (q, k, v), do) if bwd else ()
                 results[label] = [out.detach(), *grads]
-            errors = [_relerr(a, b) for a, b in zip(results["new"], results["old"])]
-            times = {"old": [], "new": []}
+            times = {label: [] for label in fns}
             for _ in range(args.rounds):
                 for label, fn in fns.items():
                     with env_set(envs[label]):
                         times[label].append(_time(fn, q, k, v, bwd, args.rep))
-            row = {"dim": dim, "seq": seq, "variant": variant, "pass": "fwd+bwd" if bwd else "fwd",
-                   "old_ms": statistics.median(times["old"]),
-                   "new_ms": statistics.median(times["new"]), "times": times,
-                   "max_relerr": max(errors)}
-            row["speedup"] = row["old_ms"] / row["new_ms"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'pass':>8} {'old ms':>8} {'new ms':>8} "
-          f"{'old/new':>8} {'relerr':>8}")
+            for label in olds:
+                errors = [_relerr(a, b) for a, b in zip(results["new"], results[label])]
+                row = {"dim": dim, "seq": seq, "variant": variant, "old": label,
+                       "pass": "fwd+bwd" if bwd else "fwd",
+                       "old_ms": statistics.median(times[label]),
+                       "new_ms": statistics.median(times["new"]),
+                       "times": {label: times[label], "new": times["new"]},
+                       "max_relerr": max(errors)}
+                row["speedup"] = row["old_ms"] / row["new_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'old':>5} {'pass':>8} {'old ms':>8} "
+          f"{'new ms':>8} {'old/new':>8} {'relerr':>8}")
     for r in rows:
-        print(f"{r['dim']:>4} {r['seq']:>6} {r['variant']:>8} {r['pass']:>8} {r['old_ms']:8.3f} "
-              f"{r['new_ms']:8.3f} {r['speedup']:8.3f} {r['max_relerr']:8.1e}")
+        print(f"{r['dim']:>4} {r['seq']:>6} {r['variant']:>8} {r['old']:>5} {r['pass']:>8} "
+              f"{r['old_ms']:8.3f} {r['new_ms']:8.3f} {r['speedup']:8.3f} {r['max_relerr']:8.1e}")
     return 0
 
 

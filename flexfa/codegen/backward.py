@@ -65,6 +65,9 @@ class BackwardSpec:
     # dQ from dS: the dK/dV kernel stores dS in a workspace, the dQ kernel runs last and does
     # one GEMM per tile (dS @ K) instead of three; delta comes from the delta kernel
     ds_dq: bool = False
+    # the dQ kernel's own launch options (0: num_warps / num_stages)
+    dq_warps: int = 0
+    dq_stages: int = 0
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -109,6 +112,10 @@ class BackwardSpec:
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def dq_launch_options(self) -> dict:
+        return {"num_warps": self.dq_warps or self.num_warps,
+                "num_stages": self.dq_stages or self.num_stages}
 
 
 def backward_key(spec: BackwardSpec, joint: JointGraph | None, score: TracedMod | None,
@@ -292,11 +299,11 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic), gqa_group)
-        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}")
+        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}", ds=ds)
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)
-        spec = dataclasses.replace(spec, fused_dq=fused, ds_dq=ds)
+        spec = dataclasses.replace(spec, fused_dq=fused)
         joint = joint_graph(call.score)
         generated = backward_kernel(spec, joint, call.score, call.mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)

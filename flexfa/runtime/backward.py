@@ -70,6 +70,13 @@ HOPPER_BACKWARD_CANDIDATES = {
     128: (((64, 64, 64, 64, 4, 2), False), ((64, 64, 64, 64, 8, 2), True),
           ((32, 128, 128, 32, 8, 2), True)),
 }
+# the tiles of the dS-workspace mode (BackwardSpec.ds_dq) on sm_90 by padded head dim:
+# ((BLOCK_M1, BLOCK_N1, warps, stages) of dK/dV storing dS, (BLOCK_M2, BLOCK_N2, warps,
+# stages) of dQ from dS). The dQ kernel does one GEMM per tile and streams dS: 128-row
+# programs (K read half as often) with 8 warps and 3 stages measured fwd+bwd 3.0-3.4% faster
+# than the tuned 64 x 64, 4-warp, 2-stage tiles (causal E=128 S=16384 8.288 -> 8.043 ms,
+# full S=8192 8.607 -> 8.325; H200, benchmarks/results/bwd_kernels/dq_tiles/)
+HOPPER_DS_TILES = {128: ((64, 64, 4, 2), (128, 64, 8, 3))}
 # the default tiles when not tuning: each head dim's first candidate
 HOPPER_BACKWARD_TILES = {"cuda:90": {e: c[0][0] for e, c in HOPPER_BACKWARD_CANDIDATES.items()}}
 
@@ -232,25 +239,69 @@ def use_ds_dq(fusable: bool, target: str, use_tma: bool, head_dim_pad: int,
     return workspace_bytes() <= ds_budget(device)
 
 
+def ds_tiles(target: str, head_dim_pad: int, dtype: torch.dtype) -> tuple | None:
+    """The dS-workspace mode's own tiles (``HOPPER_DS_TILES``), or None: the mode keeps the
+    two-kernel tiles (tuned or default)."""
+    if target not in HOPPER_TARGETS or dtype == torch.float32:
+        return None
+    return HOPPER_DS_TILES.get(head_dim_pad)
+
+
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
                   target: str | None = None, grad_out=None, fusable: bool = False,
-                  config: tuple | None = None) -> BackwardSpec:
+                  config: tuple | None = None, ds: bool | None = None) -> BackwardSpec:
     """The backward variant for these inputs; ``target`` defaults to the inputs' device,
     ``grad_out`` (for the TMA decision) to a tensor laid out like q; ``fusable``: see
     ``fused_modes``; ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages,
-    fused) from the autotuning, else the default tiles and mode."""
-    L, E = q.shape[2], q.shape[3]
-    S, Ev = k.shape[2], v.shape[3]
+    fused) from the autotuning, else the default tiles and mode. Where the dS workspace is
+    used (``use_ds_dq``; ``ds=True``: always, for the compile checks), both kernels take the
+    tiles of ``HOPPER_DS_TILES`` instead."""
+    E, Ev = q.shape[3], v.shape[3]
     target = target or target_of(q.device)
+    e_pad = next_power_of_two(max(E, Ev))
     if config is None:
-        config = (*default_backward_tiles(next_power_of_two(max(E, Ev)), q.dtype, target),
-                  fused_modes(call, fusable)[0])
+        config = (*default_backward_tiles(e_pad, q.dtype, target), fused_modes(call, fusable)[0])
     m1, n1, m2, n2, warps, stages, fused = config
+    use_tma = use_backward_tma(target, q, k, v, q if grad_out is None else grad_out)
+    spec = _tiled_spec(q, k, v, call, has_dlse, target, use_tma, (m1, n1, warps, stages),
+                       (m2, n2, warps, stages), fused_dq=bool(fused))
+    if fused and not ds:
+        return spec
+    tiles = ds_tiles(target, e_pad, q.dtype)
+    if tiles is not None:
+        ds_spec = _tiled_spec(q, k, v, call, has_dlse, target, use_tma, *tiles, ds_dq=True)
+    else:
+        ds_spec = dataclasses.replace(spec, fused_dq=False, ds_dq=True)
+    if ds:
+        return ds_spec
+
+    def workspace() -> int:
+        _, slots = _ds_bands_of(call.block_mask, q.shape[2], k.shape[2], ds_spec.sparse_q,
+                                ds_spec.sparse_kv, q.device)
+        tile = ds_spec.sparse_q * ds_spec.sparse_kv * q.element_size()
+        return q.shape[0] * q.shape[1] * slots * tile
+    if use_ds_dq(fusable, target, use_tma, e_pad, workspace, q.device):
+        return ds_spec
+    return spec
+
+
+def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: str, use_tma: bool,
+                dkdv: tuple, dq: tuple, **mode) -> BackwardSpec:
+    """The BackwardSpec of these inputs at the dK/dV kernel's (BLOCK_M1, BLOCK_N1, warps,
+    stages) and the dQ kernel's (BLOCK_M2, BLOCK_N2, warps, stages), bounded by the caller's
+    kernel_options (tiles; warps and stages pinned for both) and fitted to the mask's blocks;
+    ``mode``: fused_dq or ds_dq."""
+    L, S = q.shape[2], k.shape[2]
+    (m1, n1, warps, stages), (m2, n2, dq_warps, dq_stages) = dkdv, dq
     mask, options = call.block_mask, call.options
     if options.block_m:  # the caller's tiles bound the backward's as well
         m1, m2 = min(m1, options.block_m), min(m2, options.block_m)
     if options.block_n:
         n1, n2 = min(n1, options.block_n), min(n2, options.block_n)
+    if options.num_warps:
+        warps = dq_warps = options.num_warps
+    if options.num_stages:
+        stages = dq_stages = options.num_stages
     sparse_q, sparse_kv = (int(b) for b in mask.BLOCK_SIZE) if mask is not None else (None, None)
     m1, m2 = _fit(m1, sparse_q, "query", call), _fit(m2, sparse_q, "query", call)
     n1, n2 = _fit(n1, sparse_kv, "key", call), _fit(n2, sparse_kv, "key", call)
@@ -259,26 +310,17 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
         walk_q, walk_kv = m1, n2
     else:  # the kernels walk whole blocks: a ragged last block needs the bounds checks
         walk_q, walk_kv = sparse_q, sparse_kv
-    spec = BackwardSpec(
-        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m1=m1, block_n1=n1,
-        block_m2=m2, block_n2=n2, num_warps=options.num_warps or warps,
-        num_stages=options.num_stages or stages, has_block_mask=mask is not None,
+    return BackwardSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=q.shape[3], head_dim_v=v.shape[3],
+        block_m1=m1, block_n1=n1, block_m2=m2, block_n2=n2, num_warps=warps,
+        num_stages=stages, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and bool(_tables(mask, "full_q")),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % walk_q == 0, even_s1=S % n1 == 0,
         even_l2=L % m2 == 0, even_s2=S % walk_kv == 0, gqa_group=call.gqa_group,
         deterministic=options.deterministic, has_dlse=has_dlse,
-        input_precision=options.fp32_precision, target=target,
-        use_tma=use_backward_tma(target, q, k, v, q if grad_out is None else grad_out),
-        fused_dq=bool(fused))
-    if not fused:
-        def workspace() -> int:
-            _, slots = _ds_bands_of(mask, L, S, spec.sparse_q, spec.sparse_kv, q.device)
-            tile = spec.sparse_q * spec.sparse_kv * q.element_size()
-            return q.shape[0] * q.shape[1] * slots * tile
-        if use_ds_dq(fusable, target, spec.use_tma, next_power_of_two(max(E, Ev)), workspace,
-                     q.device):
-            spec = dataclasses.replace(spec, ds_dq=True)
-    return spec
+        input_precision=options.fp32_precision, target=target, use_tma=use_tma,
+        dq_warps=0 if dq_warps == warps else dq_warps,
+        dq_stages=0 if dq_stages == stages else dq_stages, **mode)
 
 
 _JOINTS: dict[tuple, JointGraph] = register_memo({})
@@ -521,7 +563,7 @@ def launch_statics(spec: BackwardSpec, q, k, v, grad_out, joint) -> LaunchStatic
     one, small = dscore_is_one(joint), {"num_warps": 4}
     has_grads = bool(joint is not None and joint.grad_slots)
     dq = ((cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
-          spec.launch_options())
+          spec.dq_launch_options())
     if spec.fused_dq:  # delta (zeroing the dQ accumulator), dK/dV + dQ, dQ's conversion
         first = ((cdiv(L, delta_block), B * Hq), spec.delta_constexprs(delta_block), small)
         last = ((cdiv(L, delta_block), B * Hq), spec.convert_constexprs(delta_block), small)

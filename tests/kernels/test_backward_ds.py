@@ -80,6 +80,53 @@ def test_ds_matches_the_two_kernels(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_ds_mode_takes_its_own_sm90_tiles():
+    """On sm_90 at padded head dim 128 the dS mode's kernels take HOPPER_DS_TILES (the dQ
+    kernel 128 x 64, 8 warps, 3 stages), bounded by the caller's tiles and the mask's blocks;
+    elsewhere they keep the two-kernel tiles."""
+    from flexfa.runtime.forward import AttentionCall
+    from flexfa.runtime.options import KernelOptions
+    from flexfa.runtime.pipeline import prepare_mask
+
+    (m1, n1, w1, s1), (m2, n2, w2, s2) = backward_runtime.HOPPER_DS_TILES[128]
+    assert (m2, n2, w2, s2) == (128, 64, 8, 3)
+
+    def spec_for(dim, dtype=torch.bfloat16, block=128, options=KernelOptions()):
+        q, k, v = (torch.zeros(1, 2, 512, dim, dtype=dtype) for _ in range(3))
+        mask = create_block_mask(mods.causal, None, None, 512, 512, device="cpu",
+                                 BLOCK_SIZE=block)
+        call = AttentionCall(None, prepare_mask(mask), mask, 0.1, options, 1)
+        return backward_runtime.backward_spec(q, k, v, call, has_dlse=False, target="cuda:90",
+                                              ds=True)
+    spec = spec_for(128)
+    assert spec.ds_dq and (spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2) == (
+        m1, n1, m2, n2)
+    assert spec.launch_options() == {"num_warps": w1, "num_stages": s1}
+    assert spec.dq_launch_options() == {"num_warps": w2, "num_stages": s2}
+    assert spec_for(128, block=64).block_m2 == 64  # fitted to the mask's blocks
+    pinned = spec_for(128, options=KernelOptions(block_m=32, num_warps=4))
+    assert pinned.block_m2 == 32 and pinned.dq_launch_options()["num_warps"] == 4
+    for other in (spec_for(64), spec_for(128, dtype=torch.float32)):  # the two-kernel tiles
+        assert other.ds_dq and other.dq_launch_options() == other.launch_options()
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_ds_backward_at_the_sm90_ds_tiles(spy_specs, monkeypatch, masked):
+    """The interpreter runs the dS mode at the sm_90 tiles (128-row dQ programs over 64-key
+    tiles, dK/dV at 64 x 64): ragged lengths, TMA loads and stores, with and without a mask."""
+    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
+    monkeypatch.setattr(backward_runtime, "ds_tiles",
+                        lambda target, e_pad, dtype: backward_runtime.HOPPER_DS_TILES[128])
+    q, k, v = make_qkv(1, 2, 2, 200, 190, 16, dtype=torch.bfloat16, seed=46)
+    if masked:
+        block_mask = create_block_mask(mods.causal, None, None, 200, 190, device="cpu")
+        check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask)
+    else:
+        check_backward(q, k, v, mods.alibi(2))
+    assert spy_specs and all(s.ds_dq and s.block_m2 == 128 and s.block_n2 == 64
+                             for s in spy_specs)
+
+
 def test_ds_is_not_used_where_it_cannot_be(spy_specs):
     """A captured tensor that needs a gradient (the dQ kernel computes it from P): the two
     kernels, correct gradients."""
@@ -159,6 +206,8 @@ def test_ds_kernels_compile_for_sm90_with_tma(which):
     assert result.wgmma and "cp.async.bulk.tensor" in result.ptx
     if which == "dkdv":  # the store of dS: a bulk copy from shared to global memory
         assert "cp.async.bulk.tensor.2d.global.shared" in result.ptx
+    else:  # at the dS mode's tiles: 128-row programs on 8 warps, nothing spilled
+        assert result.spill_bytes in (None, 0), result.spill_bytes
 
 
 def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(monkeypatch):
