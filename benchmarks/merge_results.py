@@ -1,9 +1,9 @@
 """Write ``benchmarks/results/h200.json`` and ``h200.png`` from the H200 benchmark runs.
 
-Run 14 (commit b88cf27, 2026-11-30, ninth session) covered the whole grid, both passes, in
+Run 15 (commit b9806b8, 2026-11-30, tenth session) covered the whole grid, both passes, in
 one process (``python -m flexfa bench --dims 64,128 --seqs 2048,8192,16384 --rep 40`` on a
 fresh machine, every tile from the committed tuning file, kernels compiled inside the run), so
-it alone makes the results; the earlier runs (1-13, older code; run 8 needed run 8b for its
+it alone makes the results; the earlier runs (1-14, older code; run 8 needed run 8b for its
 last case) stay in ``raw/`` for the record. Every row keeps the run it came from.
 ``python benchmarks/merge_results.py`` prints the tables of docs/performance.md.
 """
@@ -19,7 +19,7 @@ from flexfa.bench import case_speedups, plot, summarize  # noqa: E402
 HERE = os.path.join(os.path.dirname(__file__), "results")
 # (file, which rows to take, why others are left out)
 SOURCES = [
-    ("run14_full_grid_b88cf27.json", lambda r: True, ""),
+    ("run15_full_grid_b9806b8.json", lambda r: True, ""),
 ]
 NOT_RUN: list[str] = []
 
@@ -42,12 +42,6 @@ WHY_MISSED = {
         "the backward runs 5 GEMMs per tile pair (dK/dV storing dS, dQ = dS @ K from it) in two "
         "Triton kernels that cannot overlap their softmax work with the GEMMs inside a program; "
         "FA3 and cuDNN hide it in producer/consumer warpgroups (docs/performance.md)"),
-    "fwd+bwd worst speedup over FlexAttention": (
-        "run 14's sliding S=2048 E=64 step measured 0.884 ms (0.95x), against 0.700 ms in run 13; "
-        "an A/B of this tree and the previous one in one process afterwards measured 0.691 ms for "
-        "both (benchmarks/results/bwd_kernels/ds_workspace/tree_ab_e64_short.log): a host-bound "
-        "S=2048 step measured slow in this run, not a change of its kernels (E = 64 does not use "
-        "the dS workspace)"),
     "causal E=128 S=16384 forward TFLOP/s": (
         "each program runs q.k GEMM, softmax and P @ V in sequence (Triton 3.6 waits for a wgmma "
         "right after issuing it: benchmarks/wgmma_wait_probe.py); the overlap comes only from "
