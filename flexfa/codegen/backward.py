@@ -299,7 +299,8 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic), gqa_group)
-        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}", ds=ds)
+        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}",
+                             force_ds=ds)
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)

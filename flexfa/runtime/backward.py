@@ -249,12 +249,12 @@ def ds_tiles(target: str, head_dim_pad: int, dtype: torch.dtype) -> tuple | None
 
 def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
                   target: str | None = None, grad_out=None, fusable: bool = False,
-                  config: tuple | None = None, ds: bool | None = None) -> BackwardSpec:
+                  config: tuple | None = None, force_ds: bool = False) -> BackwardSpec:
     """The backward variant for these inputs; ``target`` defaults to the inputs' device,
     ``grad_out`` (for the TMA decision) to a tensor laid out like q; ``fusable``: see
     ``fused_modes``; ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages,
     fused) from the autotuning, else the default tiles and mode. Where the dS workspace is
-    used (``use_ds_dq``; ``ds=True``: always, for the compile checks), both kernels take the
+    used (``use_ds_dq``; ``force_ds``: always, for the compile checks), both kernels take the
     tiles of ``HOPPER_DS_TILES`` instead."""
     E, Ev = q.shape[3], v.shape[3]
     target = target or target_of(q.device)
@@ -265,14 +265,14 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool,
     use_tma = use_backward_tma(target, q, k, v, q if grad_out is None else grad_out)
     spec = _tiled_spec(q, k, v, call, has_dlse, target, use_tma, (m1, n1, warps, stages),
                        (m2, n2, warps, stages), fused_dq=bool(fused))
-    if fused and not ds:
+    if fused and not force_ds:
         return spec
     tiles = ds_tiles(target, e_pad, q.dtype)
     if tiles is not None:
         ds_spec = _tiled_spec(q, k, v, call, has_dlse, target, use_tma, *tiles, ds_dq=True)
     else:
         ds_spec = dataclasses.replace(spec, fused_dq=False, ds_dq=True)
-    if ds:
+    if force_ds:
         return ds_spec
 
     def workspace() -> int:

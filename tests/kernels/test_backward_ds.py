@@ -97,7 +97,7 @@ def test_ds_mode_takes_its_own_sm90_tiles():
                                  BLOCK_SIZE=block)
         call = AttentionCall(None, prepare_mask(mask), mask, 0.1, options, 1)
         return backward_runtime.backward_spec(q, k, v, call, has_dlse=False, target="cuda:90",
-                                              ds=True)
+                                              force_ds=True)
     spec = spec_for(128)
     assert spec.ds_dq and (spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2) == (
         m1, n1, m2, n2)
