@@ -226,9 +226,12 @@ def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[
 def allocate_outputs(q, v, return_lse: bool, return_max: bool) -> tuple:
     """Empty (out [B, Hq, L, Ev] in q's dtype, lse and row max [B, Hq, L] float32 or None)."""
     B, Hq, L, _ = q.shape
-    out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=q.device)
-    lse, maxs = (torch.empty(B, Hq, L, dtype=torch.float32, device=q.device) if wanted else None
-                 for wanted in (return_lse, return_max))
+    device = q.device
+    out = torch.empty(B, Hq, L, v.shape[3], dtype=q.dtype, device=device)
+    if not (return_lse or return_max):  # the common case, on every cached call
+        return out, None, None
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device=device) if return_lse else None
+    maxs = torch.empty(B, Hq, L, dtype=torch.float32, device=device) if return_max else None
     return out, lse, maxs
 
 
