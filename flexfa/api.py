@@ -241,6 +241,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     run compiled kernels; CPU inputs run the same kernels under the Triton interpreter.
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
+    if torch.compiler.is_compiling():  # traced by torch.compile: a graph break, run eagerly
+        return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                     return_lse, kernel_options, return_aux=return_aux)
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
     entry = None  # the _VALIDATED entry (mask, {call key: AttentionCall}) of a checked signature
     if signature is not None:
@@ -282,3 +285,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if return_aux is not None:
         return out, AuxOutput(lse=lse if aux_lse else None, max_scores=maxs)
     return (out, lse) if return_lse else out
+
+
+# flex_attention outside torch.compile's graphs (flexfa.runtime.eager): what a traced call runs
+_flex_attention_eager = torch.compiler.disable(flex_attention)

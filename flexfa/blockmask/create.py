@@ -14,6 +14,7 @@ import torch
 from ..errors import InputError, check_bool
 from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
+from ..runtime.eager import outside_compile
 from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
 from .block_mask import BlockMask
 from .checks import batch_size, block_size_pair, positive_int, resolve_device
@@ -40,6 +41,7 @@ def _as_callable(traced: TracedMod):
     return mask_mod
 
 
+@outside_compile
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128,
                       _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
                       dq_kv_order=True) -> BlockMask:

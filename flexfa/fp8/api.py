@@ -7,6 +7,7 @@ import torch
 
 from ..api import _check_block_mask, _check_buffers, _check_scale
 from ..errors import InputError, InputTypeError, check_bool
+from ..runtime.eager import outside_compile
 from ..runtime.forward import AttentionCall
 from ..runtime.options import parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
@@ -37,6 +38,7 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
     return quantize(query, key, value, block_size=block_size, rotate=rotate, seed=seed)
 
 
+@outside_compile
 def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=None, scale=None,
                        rotate=True, block_size=128, enable_gqa=False, return_lse=False,
                        kernel_options=None, seed=0):
