@@ -17,6 +17,7 @@ from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
+from .launch import direct_state, launch_direct
 from .options import KernelOptions
 
 
@@ -150,15 +151,33 @@ def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMo
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
-    """Everything per call signature: the spec, the kernel and its keyword arguments."""
+    """Everything per call signature: the spec, the kernel and its keyword arguments, and the
+    compiled kernels of its CUDA launches for direct launches (``run_forward``)."""
 
     spec: KernelSpec
     kernel: object
     kwargs: dict  # constexprs and launch options
     block_m: int
+    constexprs: dict = dataclasses.field(default_factory=dict)
+    # call_plan_key, q/k/v 16-byte alignment, id of the block mask -> (block mask, DirectState)
+    direct: dict = dataclasses.field(default_factory=dict)
 
 
 _LAUNCHES: dict[tuple, _Launch] = register_memo({})
+_MAX_DIRECT = 64  # direct launches kept per Ampere launch signature
+
+
+def call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool,
+                   template: str) -> tuple:
+    """The part of a plan's key that a call object does not fix (``AttentionCall.plans``; the
+    Ampere template's direct launches): shapes, strides, dtype, device, lse and row max,
+    template setting, captured-tensor layout."""
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+           return_lse, return_max, template)
+    for mod in (call.score, call.mask):
+        if mod is not None and mod.buffers:
+            key += tuple((t.stride(), t.data_ptr() % 16 == 0) for t in mod.buffers)
+    return key
 
 
 def _launch_for(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool) -> _Launch:
@@ -174,8 +193,9 @@ def _launch_for(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
     if launch is None:
         spec = forward_spec(q, k, v, call, return_lse, return_max)
         kernel = get_forward_kernel(spec, call.score, call.mask)
-        kwargs = {**spec.constexprs(call.scores_first), **spec.launch_options()}
-        launch = _LAUNCHES[signature] = _Launch(spec, kernel, kwargs, spec.block_m)
+        constexprs = spec.constexprs(call.scores_first)
+        launch = _LAUNCHES[signature] = _Launch(
+            spec, kernel, {**constexprs, **spec.launch_options()}, spec.block_m, constexprs)
     return launch
 
 
@@ -266,9 +286,37 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):
-            launch.kernel[grid](*args, **launch.kwargs)
+    if q.device.type == "cuda":
+        _launch_cuda(launch, grid, args, direct_key(q, k, v, call, return_lse, return_max),
+                     call.block_mask, q.device)
     else:
         launch.kernel[grid](*args, **launch.kwargs)
     return out, lse, maxs
+
+
+def direct_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool) -> tuple:
+    """What fixes every specialization Triton makes for an Ampere-template launch besides the
+    launch signature (``_launch_for``): shapes, strides, 16-byte alignment of q, k, v and of
+    the captured tensors, and the block mask (its tables, by identity); out, lse and the row
+    maxima are fresh allocations, contiguous and aligned."""
+    return (call_plan_key(q, k, v, call, return_lse, return_max, "ampere"),
+            q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
+            id(call.block_mask))
+
+
+def _launch_cuda(launch: _Launch, grid: tuple, args: list, key: tuple, block_mask,
+                 device: torch.device) -> None:
+    """Launch on a CUDA device: the compiled kernel of an earlier launch with the same ``key``
+    (``direct_key``) directly, without Triton's per-call binding of the arguments (as the
+    Hopper template's plans do), else through Triton, keeping its compiled kernel."""
+    kept = launch.direct.get(key)
+    if kept is not None and kept[0] is block_mask and device.index == torch.cuda.current_device():
+        launch_direct(kept[1], grid, device.index, args)
+        return
+    with torch.cuda.device(device):
+        compiled = launch.kernel[grid](*args, **launch.kwargs)
+    state = direct_state(launch.kernel, compiled, args, launch.constexprs)
+    if state is not None:
+        if len(launch.direct) >= _MAX_DIRECT:
+            launch.direct.clear()
+        launch.direct[key] = (block_mask, state)

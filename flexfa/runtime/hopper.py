@@ -23,7 +23,8 @@ from . import autotune
 from .cache import register_memo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
-                      buffer_launch_args, forward_grid, generated_kernel, stat_args, target_of)
+                      buffer_launch_args, call_plan_key, forward_grid, generated_kernel,
+                      stat_args, target_of)
 from .launch import TrustedDescriptor, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
@@ -232,21 +233,8 @@ def _template_setting() -> str:
     return os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto")
 
 
-def _call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool,
-                   template: str) -> tuple:
-    """The part of a plan's key that a call object does not fix (``AttentionCall.plans``):
-    shapes, strides, dtype, device, lse and row max, template setting, captured-tensor
-    layout."""
-    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-           return_lse, return_max, template)
-    for mod in (call.score, call.mask):
-        if mod is not None and mod.buffers:
-            key += tuple((t.stride(), t.data_ptr() % 16 == 0) for t in mod.buffers)
-    return key
-
-
 def _plan_key(short_key: tuple, call: AttentionCall) -> tuple:
-    """The key of ``_PLANS``: ``_call_plan_key`` and what the call fixes (mods, block mask,
+    """The key of ``_PLANS``: ``call_plan_key`` and what the call fixes (mods, block mask,
     options, GQA group, score-first mode)."""
     return short_key + (call.score.key if call.score else None,
                         call.mask.key if call.mask else None, id(call.block_mask), call.options,
@@ -271,7 +259,7 @@ def run_planned(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
     template = _template_setting()
     if template == "ampere" or q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
         return None
-    short_key = _call_plan_key(q, k, v, call, return_lse, return_max, template)
+    short_key = call_plan_key(q, k, v, call, return_lse, return_max, template)
     kept = call.plans.get(short_key)
     table, generation = _stamp()
     if kept is not None and kept[0] is table and kept[1] == generation:
@@ -304,7 +292,7 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, return_ma
     plan = _first_launch(q, k, v, call, return_lse, return_max, target, config, out, lse, maxs)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    short_key = _call_plan_key(q, k, v, call, return_lse, return_max, _template_setting())
+    short_key = call_plan_key(q, k, v, call, return_lse, return_max, _template_setting())
     _PLANS[_plan_key(short_key, call)] = plan
     _remember(call, short_key, plan)
     return out, lse, maxs

@@ -3,7 +3,8 @@
 Triton's ``JITFunction.run`` binds and specializes every argument on each call; a caller
 whose cache key fixes every specialization (shapes, strides, alignment, dtypes) can keep the
 ``CompiledKernel`` of its first launch and call its launcher directly, as ``JITFunction.run``
-does after its binding. The Hopper forward's plans and the backward's plans use this.
+does after its binding. The Hopper forward's plans, the Ampere forward's direct launches
+(``flexfa.runtime.forward._launch_cuda``) and the backward's plans use this.
 
 Where Triton's CUDA launcher has the layout this module was written against (Triton 3.6: a C
 ``launch`` function, on sm_90 wrapped by a Python function that encodes each tensor

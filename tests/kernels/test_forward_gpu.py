@@ -63,3 +63,28 @@ def test_cached_dispatch_is_cheap():
     per_call = (time.perf_counter() - start) / 100
     torch.cuda.synchronize()
     assert per_call < 500e-6, f"{per_call * 1e6:.0f} us per cached call"
+
+
+def test_ampere_template_direct_launches_follow_the_specializations(monkeypatch):
+    """The Ampere template's cached CUDA launches go straight to the compiled kernel where an
+    earlier launch fixed its specializations, and through Triton where the strides, the 16-byte
+    alignment of q, k, v or the block mask differ: every call stays right."""
+    from flexfa.runtime import forward
+
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "ampere")
+    direct = []
+    real = forward.launch_direct
+    monkeypatch.setattr(forward, "launch_direct", lambda *a: (direct.append(1), real(*a)))
+    L, E = 300, 64
+    q, k, v = make_qkv(1, 4, 4, L, L, E, dtype=torch.bfloat16, device="cuda", seed=7)
+    buffer = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_unaligned = buffer[1:].view_as(q)  # 2 bytes past a 16-byte boundary
+    q_unaligned.copy_(q)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, H, E] memory
+    per_batch = create_block_mask(mods.causal, 1, None, L, L, device="cuda")
+    shared = create_block_mask(mods.causal, None, None, L, L, device="cuda")  # broadcast tables
+    for query in (q, q_unaligned, q_strided):
+        for mask in (per_batch, shared):
+            for _ in range(2):
+                check_forward(query, k, v, mods.softcap(20.0), mods.causal, mask)
+    assert len(direct) == 6  # the second call of each of the six signatures
