@@ -143,9 +143,10 @@ def _global_tokens_mask():
 
 
 def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_dim_v=None,
-                return_lse: bool = True, return_max: bool = False
+                return_lse: bool = True, return_max: bool = False, split_keys: int = 0
                 ) -> Callable[[int], CompileJob]:
-    """A builder compiling the forward kernel for these mods at default GPU tiles."""
+    """A builder compiling the forward kernel for these mods at default GPU tiles
+    (``split_keys``: split-KV decoding's variant)."""
     def build(arch: int) -> CompileJob:
         from ..runtime.forward import default_tiles
         from .forward import forward_kernel, forward_signature
@@ -159,7 +160,8 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128 if mask else block_m, sparse_kv=128 if mask else block_n,
                           even_l=False, even_s=False, return_lse=return_lse, gqa_group=1,
-                          input_precision="ieee", target=f"cuda:{arch}", return_max=return_max)
+                          input_precision="ieee", target=f"cuda:{arch}", return_max=return_max,
+                          split_keys=split_keys)
         return kernel_job(spec, score, mask, forward_kernel, forward_signature)
     return build
 
@@ -192,6 +194,8 @@ register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slope
                                                      mask_mod=_document_mask()))
 register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=_causal, head_dim_v=48))
 register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
+register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=_causal,
+                                                   return_max=True, split_keys=4096))
 register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tokens_mask()))
 
 

@@ -51,6 +51,8 @@ class KernelSpec:
     max_registers: int = 0
     # also write each row's max score (natural units) to MAXS: AuxRequest(max_scores=True)
     return_max: bool = False
+    # split-KV decoding (Ampere template only): keys per split, 0 = no split
+    split_keys: int = 0
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
@@ -78,8 +80,11 @@ class KernelSpec:
 
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         """The template's constexpr arguments."""
-        return dict(forward_constexprs(self, has_score_mod), RETURN_MAX=self.return_max,
-                    INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+        constexprs = dict(forward_constexprs(self, has_score_mod), RETURN_MAX=self.return_max,
+                          INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+        if self.template == "fwd":  # the Ampere template's split-KV decoding
+            constexprs["SPLIT_KEYS"] = self.split_keys
+        return constexprs
 
     def launch_options(self) -> dict[str, int]:
         return launch_options(self)

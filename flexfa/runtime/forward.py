@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -17,7 +18,7 @@ from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
-from .launch import direct_state, launch_direct
+from .launch import cdiv, direct_state, launch_direct
 from .options import KernelOptions
 
 
@@ -109,8 +110,9 @@ def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: str):
 
 
 def forward_spec(q, k, v, call: AttentionCall, return_lse: bool,
-                 return_max: bool = False) -> KernelSpec:
-    """The KernelSpec of the forward kernel for these (validated) inputs."""
+                 return_max: bool = False, split_keys: int = 0) -> KernelSpec:
+    """The KernelSpec of the forward kernel for these (validated) inputs; ``split_keys`` > 0:
+    split-KV decoding (``split_keys``), which always writes lse."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     target = target_of(q.device)
@@ -124,7 +126,8 @@ def forward_spec(q, k, v, call: AttentionCall, return_lse: bool,
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target,
-        max_registers=call.options.max_registers or 0, return_max=return_max)
+        max_registers=call.options.max_registers or 0, return_max=return_max,
+        split_keys=split_keys)
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -180,18 +183,20 @@ def call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bo
     return key
 
 
-def _launch_for(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool) -> _Launch:
-    """The memoized launch for this call signature (a dict lookup once it exists)."""
+def _launch_for(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool,
+                split: int = 0) -> _Launch:
+    """The memoized launch for this call signature (a dict lookup once it exists); ``split``:
+    the keys per split of split-KV decoding (0: none)."""
     mask = call.block_mask
     signature = (q.device, q.dtype, q.shape[2], q.shape[3], k.shape[2], v.shape[3], return_lse,
-                 return_max,
+                 return_max, split,
                  call.gqa_group, call.options, call.score.key if call.score else None,
                  call.mask.key if call.mask else None, call.scores_first,
                  None if mask is None else (tuple(mask.BLOCK_SIZE),
                                             getattr(mask, "full_kv_num_blocks", None) is None))
     launch = _LAUNCHES.get(signature)
     if launch is None:
-        spec = forward_spec(q, k, v, call, return_lse, return_max)
+        spec = forward_spec(q, k, v, call, return_lse or split > 0, return_max, split)
         kernel = get_forward_kernel(spec, call.score, call.mask)
         constexprs = spec.constexprs(call.scores_first)
         launch = _LAUNCHES[signature] = _Launch(
@@ -278,12 +283,25 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
             if stat is not None:
                 stat.fill_(float("-inf"))
         return out, lse, maxs
-    if hopper.use_hopper(q, k, v):
+    use_hopper = hopper.use_hopper(q, k, v)
+    launch = None if use_hopper else _launch_for(q, k, v, call, return_lse, return_max)
+    split = 0
+    if launch is not None or _few_programs(B * Hq, L, q.device):
+        spec = launch.spec if launch is not None else forward_spec(q, k, v, call, return_lse,
+                                                                   return_max)
+        split = split_keys(spec, B * Hq, L, S, q.device)
+    if use_hopper and not split:
         return hopper.run_hopper_forward(q, k, v, call, return_lse, return_max, out, lse, maxs)
-    launch = _launch_for(q, k, v, call, return_lse, return_max)
-    grid = (triton.cdiv(L, launch.block_m), B * Hq)
+    if split:  # split-KV decoding: float32 slices per split, combined below
+        launch = _launch_for(q, k, v, call, return_lse, return_max, split)
+        splits = cdiv(S, split)
+        results = out, lse, maxs
+        out = torch.empty(splits, *out.shape, dtype=torch.float32, device=q.device)
+        lse, maxs = (torch.empty(splits, B, Hq, L, dtype=torch.float32, device=q.device)
+                     if wanted else None for wanted in (True, return_max))
+    grid = (triton.cdiv(L, launch.block_m), B * Hq, cdiv(S, split) if split else 1)
     args = [q, k, v, out, *stat_args(out, lse, maxs),
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:],
             *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),
             *buffer_launch_args(call.score), *buffer_launch_args(call.mask)]
     if q.device.type == "cuda":
@@ -291,7 +309,71 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
                      call.block_mask, q.device)
     else:
         launch.kernel[grid](*args, **launch.kwargs)
+    if split:
+        combine_splits(out, lse, maxs, *results)
+        return results
     return out, lse, maxs
+
+
+def split_keys(spec: KernelSpec, batch_heads: int, L: int, S: int, device: torch.device) -> int:
+    """Keys per split for split-KV decoding of a call whose (Ampere-template) ``spec`` runs
+    ``cdiv(L, BLOCK_M) * batch_heads`` programs, or 0 for none. ``FLEXFA_SPLIT_KV``: ``0``
+    (the default: not yet measured on a GPU) never; ``auto`` splits on a GPU where those
+    programs would not fill half of its SMs, into about two programs per SM; ``n`` into about
+    n splits (any device: how the interpreter tests it). A split is a power of two times the
+    mask's key block (the key tile without a mask), at least 512 keys, and there are at least
+    two."""
+    setting = os.environ.get("FLEXFA_SPLIT_KV", "0")
+    if setting == "0":
+        return 0
+    if setting == "auto":
+        if device.type != "cuda":
+            return 0
+        programs, sms = cdiv(L, spec.block_m) * batch_heads, _sm_count(device)
+        if 2 * programs > sms:
+            return 0
+        wanted = cdiv(2 * sms, programs)
+    elif setting.isdigit():
+        wanted = int(setting)
+    else:
+        raise InputError(f"FLEXFA_SPLIT_KV must be auto or a number of splits, got {setting!r}")
+    if wanted < 2:
+        return 0
+    unit = spec.sparse_kv
+    keys = unit * next_power_of_two(cdiv(cdiv(S, wanted), unit), minimum=1)
+    while keys < 512:
+        keys *= 2
+    return keys if keys < S else 0
+
+
+def _few_programs(batch_heads: int, L: int, device: torch.device) -> bool:
+    """Whether ``split_keys`` may split a call of ``batch_heads`` heads and L queries (a
+    bound that needs no spec: tiles have at most 128 rows), so that the Hopper template's
+    calls skip building the Ampere template's launch otherwise."""
+    setting = os.environ.get("FLEXFA_SPLIT_KV", "0")
+    if setting != "auto":
+        return setting != "0"
+    return device.type == "cuda" and 2 * cdiv(L, 128) * batch_heads <= _sm_count(device)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def combine_splits(parts, part_lse, part_max, out, lse, maxs) -> None:
+    """Write split-KV decoding's result into ``out`` (and ``lse``, ``maxs`` where wanted) from
+    the splits' normalized outputs ``parts`` [n, B, H, L, Ev], their lse and row maxima
+    [n, B, H, L]: out = sum over splits of exp(lse_s - lse) * out_s, lse = logsumexp(lse_s).
+    A split without keys for a row has lse -inf and weight 0; a row without any keys gets
+    out 0 and lse -inf, as the kernel gives it."""
+    total = torch.logsumexp(part_lse, dim=0)
+    weights = torch.exp(part_lse - torch.where(total == float("-inf"), 0.0, total))
+    out.copy_((weights.unsqueeze(-1) * parts).sum(0))
+    if lse is not None:
+        lse.copy_(total)
+    if maxs is not None:
+        torch.amax(part_max, dim=0, out=maxs)
 
 
 def direct_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool) -> tuple:

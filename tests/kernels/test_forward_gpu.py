@@ -88,3 +88,23 @@ def test_ampere_template_direct_launches_follow_the_specializations(monkeypatch)
             for _ in range(2):
                 check_forward(query, k, v, mods.softcap(20.0), mods.causal, mask)
     assert len(direct) == 6  # the second call of each of the six signatures
+
+
+def test_split_kv_decoding_on_gpu(monkeypatch):
+    """One query per head over a 32768-key cache (32 programs): split-KV decoding
+    (FLEXFA_SPLIT_KV=auto) against the float64 reference, with a window mask and GQA."""
+    from flexfa.runtime import forward
+
+    combined = []
+    real = forward.combine_splits
+    monkeypatch.setattr(forward, "combine_splits",
+                        lambda parts, *rest: (combined.append(parts.shape[0]), real(parts, *rest)))
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "auto")
+    q, k, v = make_qkv(1, 32, 8, 1, 32768, 128, dtype=torch.bfloat16, device="cuda", seed=8)
+    check_forward(q, k, v, enable_gqa=True)
+
+    def window(b, h, q_idx, kv_idx):
+        return kv_idx >= 32768 - 5000
+    mask = create_block_mask(window, None, None, 1, 32768, device="cuda")
+    check_forward(q, k, v, mods.softcap(30.0), window, mask, enable_gqa=True)
+    assert len(combined) == 2 and min(combined) >= 2

@@ -1,0 +1,106 @@
+"""Split-KV decoding (``flexfa.runtime.forward.split_keys``; FLEXFA_SPLIT_KV=n forces about n
+splits, also under the interpreter): the Ampere template walks one range of keys per split
+into float32 slices, combined by their lse. Out, lse, row maxima and gradients against the
+float64 reference; empty rows and splits without keys; the rule that picks the splits."""
+import pytest
+import torch
+from torch.nn.attention.flex_attention import AuxRequest
+
+import flexfa
+from flexfa import mods
+from flexfa.blockmask import create_block_mask
+from flexfa.codegen.spec import KernelSpec
+from flexfa.errors import InputError
+from flexfa.reference import attention_reference
+from flexfa.runtime import forward
+from backward_utils import check_backward
+from forward_utils import check_forward, make_qkv
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """Force splitting and record the float32 slices each call combined."""
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "4")
+    combined = []
+    real = forward.combine_splits
+
+    def spy(parts, *rest):
+        combined.append(parts.shape[0])
+        return real(parts, *rest)
+    monkeypatch.setattr(forward, "combine_splits", spy)
+    return combined
+
+
+def tail_window(b, h, q_idx, kv_idx):
+    """Decoding with a sliding window: query i (of 3, at the end of the cache) keeps the last
+    600 keys before it; the first query keeps nothing at all."""
+    pos = q_idx + 1497
+    return (kv_idx <= pos) & (kv_idx > pos - 600) & (q_idx > 0)
+
+
+@pytest.mark.parametrize("template", ["ampere", "hopper"])
+def test_split_decoding_matches_the_reference(splits, monkeypatch, template):
+    """A few queries over 1500 keys, GQA, softcap and a window mask (splits that see none of
+    a row's keys, a row with no keys at all), ragged S; the Hopper setting also splits (split
+    decoding always runs the Ampere template)."""
+    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+    q, k, v = make_qkv(1, 4, 2, 3, 1500, 32, dtype=torch.bfloat16, seed=50)
+    mask = create_block_mask(tail_window, None, None, 3, 1500, device="cpu")
+    out, lse = check_forward(q, k, v, mods.softcap(8.0), tail_window, mask, enable_gqa=True)
+    assert splits == [3]
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    assert bool((lse[:, :, 0] == float("-inf")).all())
+    check_forward(q, k, v, mods.alibi(4), enable_gqa=True)  # dense, the ALiBi slopes by head
+    assert splits == [3, 3]
+
+
+def test_split_decoding_row_maxima_and_gradients(splits):
+    q, k, v = make_qkv(2, 2, 2, 5, 900, 16, dtype=torch.float32, seed=51)
+
+    def late(b, h, q_idx, kv_idx):  # causal with the queries at the end of the cache
+        return kv_idx <= q_idx + 895
+    mask = create_block_mask(late, None, None, 5, 900, device="cpu", BLOCK_SIZE=64)
+    out, aux = flexfa.flex_attention(q, k, v, mods.softcap(5.0), mask,
+                                     return_aux=AuxRequest(lse=True, max_scores=True))
+    ref_out, ref_max = attention_reference(q, k, v, mods.softcap(5.0), late, return_max=True)
+    torch.testing.assert_close(out, ref_out.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux.max_scores, ref_max.float(), rtol=1e-5, atol=1e-5)
+    assert splits and all(n >= 2 for n in splits)
+    # training through it: the backward takes the combined out and lse
+    check_backward(q, k, v, mods.softcap(5.0), late, mask, with_lse=True)
+
+
+def test_split_keys_rule(monkeypatch):
+    spec = KernelSpec(dtype="bf16", head_dim=128, head_dim_v=128, block_m=64, block_n=64,
+                      num_warps=4, num_stages=2, has_block_mask=True, has_full_blocks=True,
+                      sparse_q=128, sparse_kv=128, even_l=False, even_s=True, return_lse=True,
+                      gqa_group=4, input_precision="ieee", target="cuda:90")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(forward, "_sm_count", lambda device: 132)
+    monkeypatch.delenv("FLEXFA_SPLIT_KV", raising=False)
+    assert forward.split_keys(spec, 32, 1, 32768, cuda) == 0  # off unless asked for
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "auto")
+    # 32 programs on 132 SMs: about 9 splits of a power of two times 128 keys
+    assert forward.split_keys(spec, 32, 1, 32768, cuda) == 4096
+    assert forward.split_keys(spec, 66, 1, 32768, cuda) == 8192  # 2 * 66 <= 132: 4 splits
+    assert forward.split_keys(spec, 67, 1, 32768, cuda) == 0  # fills half the SMs
+    assert forward.split_keys(spec, 32, 1, 512, cuda) == 0  # splits hold >= 512 keys: one
+    assert forward.split_keys(spec, 32, 1, 32768, cpu) == 0  # auto: GPUs only
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "2")
+    assert forward.split_keys(spec, 1000, 64, 4096, cpu) == 2048
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "0")
+    assert forward.split_keys(spec, 1, 1, 32768, cuda) == 0
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "many")
+    with pytest.raises(InputError, match="FLEXFA_SPLIT_KV must be auto or a number"):
+        forward.split_keys(spec, 32, 1, 32768, cuda)
+
+
+def test_combine_splits_handles_empty_splits_and_rows():
+    parts = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]]).reshape(3, 1, 1, 2, 1)
+    part_lse = torch.tensor([[0.0, float("-inf")], [0.0, float("-inf")],
+                             [float("-inf"), float("-inf")]]).reshape(3, 1, 1, 2)
+    out, lse = torch.empty(1, 1, 2, 1), torch.empty(1, 1, 2)
+    forward.combine_splits(parts, part_lse, None, out, lse, None)
+    assert out.flatten().tolist() == [2.0, 0.0]  # the mean of 1 and 3; the empty row 0
+    torch.testing.assert_close(lse.flatten()[0], torch.log(torch.tensor(2.0)))
+    assert lse.flatten()[1] == float("-inf")
