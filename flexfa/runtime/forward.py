@@ -168,6 +168,7 @@ class _Launch:
 
 _LAUNCHES: dict[tuple, _Launch] = register_memo({})
 _MAX_DIRECT = 64  # direct launches kept per Ampere launch signature
+MIN_SPLIT_KEYS = 512  # split-KV decoding: the fewest keys a split walks
 
 
 def call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool,
@@ -321,8 +322,8 @@ def split_keys(spec: KernelSpec, batch_heads: int, L: int, S: int, device: torch
     (the default: not yet measured on a GPU) never; ``auto`` splits on a GPU where those
     programs would not fill half of its SMs, into about two programs per SM; ``n`` into about
     n splits (any device: how the interpreter tests it). A split is a power of two times the
-    mask's key block (the key tile without a mask), at least 512 keys, and there are at least
-    two."""
+    mask's key block (the key tile without a mask), at least ``MIN_SPLIT_KEYS`` keys, and
+    there are at least two."""
     setting = os.environ.get("FLEXFA_SPLIT_KV", "0")
     if setting == "0":
         return 0
@@ -341,7 +342,7 @@ def split_keys(spec: KernelSpec, batch_heads: int, L: int, S: int, device: torch
         return 0
     unit = spec.sparse_kv
     keys = unit * next_power_of_two(cdiv(cdiv(S, wanted), unit), minimum=1)
-    while keys < 512:
+    while keys < MIN_SPLIT_KEYS:
         keys *= 2
     return keys if keys < S else 0
 

@@ -4,6 +4,8 @@ into float32 slices, combined by their lse. Out, lse, row maxima and gradients a
 float64 reference; empty rows and splits without keys; the rule that picks the splits."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import AuxRequest
 
 import flexfa
@@ -14,7 +16,8 @@ from flexfa.errors import InputError
 from flexfa.reference import attention_reference
 from flexfa.runtime import forward
 from backward_utils import check_backward
-from forward_utils import check_forward, make_qkv
+from forward_utils import check_forward, dense_block_mask, make_qkv
+from strategies import mask_mods, score_mods
 
 
 @pytest.fixture
@@ -104,3 +107,34 @@ def test_combine_splits_handles_empty_splits_and_rows():
     assert out.flatten().tolist() == [2.0, 0.0]  # the mean of 1 and 3; the empty row 0
     torch.testing.assert_close(lse.flatten()[0], torch.log(torch.tensor(2.0)))
     assert lse.flatten()[1] == float("-inf")
+
+
+@st.composite
+def split_problems(draw):
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    Hq = Hkv * draw(st.sampled_from((1, 2)))
+    L, S = draw(st.integers(1, 40)), draw(st.integers(2, 200))
+    E = draw(st.sampled_from((16, 32)))
+    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16)))
+    return B, Hq, Hkv, L, S, E, dtype
+
+
+@settings(max_examples=10)
+@given(problem=split_problems(), data=st.data())
+def test_random_mods_through_split_decoding(problem, data):
+    """Random score_mods, mask_mods (block masks with and without full tables), ragged S, GQA
+    and 2-6 splits of 16-64 keys (MIN_SPLIT_KEYS lowered) against the float64 reference."""
+    B, Hq, Hkv, L, S, E, dtype = problem
+    score_mod = data.draw(st.none() | score_mods(B, Hq, L, S, max_depth=2), label="score_mod")
+    mask_mod = data.draw(st.none() | mask_mods(B, Hq, L, S, max_depth=2), label="mask_mod")
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = dense_block_mask(mask_mod, B, Hq, L, S, 16, 16,
+                                      full=data.draw(st.booleans(), label="full tables"))
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, dtype=dtype,
+                       seed=data.draw(st.integers(0, 2**16), label="seed"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forward, "MIN_SPLIT_KEYS", 16)
+        patch.setenv("FLEXFA_SPLIT_KV", str(data.draw(st.integers(2, 6), label="splits")))
+        check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                      kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})
