@@ -237,8 +237,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     returns ``(out, AuxOutput(lse, max_scores))``, each None unless requested; max_scores
     ``[B, Hq, L]`` float32 is each row's largest score_mod(q.k * scale) over the keys its mask
     keeps (-inf for a row with nothing to attend), without a gradient.
-    ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale`` defaults to ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs
-    run compiled kernels; CPU inputs run the same kernels under the Triton interpreter.
+    ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale`` defaults to
+    ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs run compiled kernels;
+    CPU inputs run the same kernels under the Triton interpreter. Inside ``torch.compile`` a
+    call is a graph break that runs eagerly (``flexfa.runtime.eager``).
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
     if torch.compiler.is_compiling():  # traced by torch.compile: a graph break, run eagerly

@@ -12,6 +12,7 @@ from ..errors import InputError
 from ..frontend.trace import TracedMod
 from ..runtime.autotune import Pinned
 from ..runtime.cache import get_module, register_memo
+from ..runtime.launch import cdiv
 from ..runtime.forward import (AttentionCall, _table_args, buffer_launch_args, forward_grid,
                                target_of)
 from .quantize import FP8Inputs
@@ -161,7 +162,7 @@ def run_fp8_forward(x: FP8Inputs, call: AttentionCall, return_lse: bool):
         return out, lse
     spec = fp8_spec(x, call, return_lse)
     kernel = get_fp8_kernel(spec, call.score, call.mask)
-    grid = forward_grid(B * Hq, triton.cdiv(L, spec.block_m), spec.has_block_mask)
+    grid = forward_grid(B * Hq, cdiv(L, spec.block_m), spec.has_block_mask)
     assert x.k_scale.stride() == x.v_scale.stride(), "K and V scales must share strides"
     args = [x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, out, lse if lse is not None else out,
             *x.q.stride(), *x.k.stride(), *x.v.stride(), *out.stride(),
@@ -188,7 +189,7 @@ def quantize_rows(x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
     B, H, N, E = x.shape
     rotate = signed_h is not None
     e_pad = signed_h.shape[0] if rotate else next_power_of_two(E, 16)
-    scale = torch.empty(B, H, triton.cdiv(N, block), dtype=torch.float32, device=x.device)
+    scale = torch.empty(B, H, cdiv(N, block), dtype=torch.float32, device=x.device)
     if scale.numel() == 0:
         return scale
     if not rotate:

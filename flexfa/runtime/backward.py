@@ -174,7 +174,7 @@ def ds_bands(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int,
     count of any head, so the workspace holds ``B * HQ * slots`` tiles of ``sparse_kv x
     sparse_q``: for causal masks about half of L x S, for document or sliding-window masks
     their band. Without a block mask every (kv block, q block) has a slot."""
-    nq, nkv = -(-L // sparse_q), -(-S // sparse_kv)
+    nq, nkv = cdiv(L, sparse_q), cdiv(S, sparse_kv)
     if block_mask is None:
         j = torch.arange(nkv, dtype=torch.int32, device=device)
         band = torch.stack([j * nq, torch.zeros_like(j)], -1).reshape(1, 1, nkv, 2)

@@ -11,7 +11,6 @@ import functools
 import os
 
 import torch
-import triton
 
 from ..codegen.forward import forward_kernel
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
@@ -293,14 +292,14 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
         split = split_keys(spec, B * Hq, L, S, q.device)
     if use_hopper and not split:
         return hopper.run_hopper_forward(q, k, v, call, return_lse, return_max, out, lse, maxs)
+    splits = cdiv(S, split) if split else 1
     if split:  # split-KV decoding: float32 slices per split, combined below
         launch = _launch_for(q, k, v, call, return_lse, return_max, split)
-        splits = cdiv(S, split)
         results = out, lse, maxs
         out = torch.empty(splits, *out.shape, dtype=torch.float32, device=q.device)
-        lse, maxs = (torch.empty(splits, B, Hq, L, dtype=torch.float32, device=q.device)
-                     if wanted else None for wanted in (True, return_max))
-    grid = (triton.cdiv(L, launch.block_m), B * Hq, cdiv(S, split) if split else 1)
+        lse = torch.empty(splits, B, Hq, L, dtype=torch.float32, device=q.device)
+        maxs = torch.empty_like(lse) if return_max else None
+    grid = (cdiv(L, launch.block_m), B * Hq, splits)
     args = [q, k, v, out, *stat_args(out, lse, maxs),
             *q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:],
             *_table_args(call.block_mask, q.device), Hq, L, S, float(call.scale),

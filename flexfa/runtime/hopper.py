@@ -2,8 +2,9 @@
 
 ``use_hopper(q, k, v)`` is true on sm_90 for fp16/bf16 inputs with head dims 8..128 whose
 [B, H, len, dim] layout flattens to 16-byte aligned rows (what tensor descriptors need);
-everything else keeps the Ampere-class template. ``FLEXFA_FORWARD_TEMPLATE`` = ``hopper`` / ``ampere`` forces a choice
-(``hopper`` also under the interpreter, which is how CI tests this template).
+everything else keeps the Ampere-class template, as do calls split for decoding
+(``flexfa.runtime.forward.split_keys``). ``FLEXFA_FORWARD_TEMPLATE`` = ``hopper`` / ``ampere``
+forces a choice (``hopper`` also under the interpreter, which is how CI tests this template).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
                       buffer_launch_args, call_plan_key, forward_grid, generated_kernel,
                       stat_args, target_of)
-from .launch import TrustedDescriptor, direct_state, launch_direct
+from .launch import TrustedDescriptor, cdiv, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
 # wider heads keep the Ampere template: at E = 256 this one compiles (196 KB of shared memory)
@@ -160,7 +161,7 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
                    _geometry(k, spec.block_n, spec.head_dim_pad),
                    _geometry(v, spec.block_n, spec.head_dim_v_pad))
     out_strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1)  # a fresh contiguous out
-    grid = (*forward_grid(B * Hq, triton.cdiv(L, spec.block_m), spec.has_block_mask), 1)
+    grid = (*forward_grid(B * Hq, cdiv(L, spec.block_m), spec.has_block_mask), 1)
     return _Plan(spec, kernel, grid, fixed,
                  spec.constexprs(call.scores_first), call.block_mask, descriptors,
                  out_strides)
@@ -283,10 +284,10 @@ def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
 
 def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool, out,
                        lse, maxs):
-    """(out, lse, row max) as ``flexfa.runtime.forward.run_forward``, through the Hopper template, into
-    the non-empty ``out``, ``lse`` and ``maxs`` from ``allocate_outputs``, for a signature without a
-    cached plan (``run_planned`` launches those): picks the tiles, makes the plan, launches it
-    and caches it."""
+    """(out, lse, row max) as ``flexfa.runtime.forward.run_forward``, through the Hopper
+    template, into the non-empty ``out``, ``lse`` and ``maxs`` from ``allocate_outputs``, for a
+    signature without a cached plan (``run_planned`` launches those): picks the tiles, makes
+    the plan, launches it and caches it."""
     target = target_of(q.device)
     config = choose_config(q, k, v, call, return_lse, target, out, lse)
     plan = _first_launch(q, k, v, call, return_lse, return_max, target, config, out, lse, maxs)
