@@ -30,15 +30,16 @@ def test_cache_path_size_and_clear(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLEXFA_CACHE_DIR", str(cache))
     assert cli.cache_dir() == cache
     (cache / "a" / "b").mkdir(parents=True)
-    (cache / "a" / "b" / "k.py").write_text("12345")
-    (cache / "top.json").write_text("{}")
+    (cache / "a" / "b" / "k.py").write_text("12345")  # not flexfa's: clear leaves it
+    (cache / "flexfa_fwd_x.py").write_text("# flexfa-kernel key=k\n")
+    (cache / "flexfa_fwd_x.lock").write_text("")
     keep = tmp_path / "outside.txt"
     keep.write_text("not in the cache")
     assert cli.main(["path"]) == 0 and capsys.readouterr().out.strip() == str(cache)
-    assert cli.main(["size"]) == 0 and "2 files, 7 bytes" in capsys.readouterr().out
+    assert cli.main(["size"]) == 0 and "3 files, 27 bytes" in capsys.readouterr().out
     assert cli.main(["clear"]) == 0
     assert "removed 2 files" in capsys.readouterr().out
-    assert cache.is_dir() and not any(cache.iterdir()), "clear empties the directory"
+    assert sorted(p.name for p in cache.iterdir()) == ["a"], "clear deletes flexfa's files"
     assert keep.exists(), "clear touches nothing outside the cache directory"
 
 

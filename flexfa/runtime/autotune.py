@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 from .cache import file_lock, write_atomic
@@ -106,11 +107,15 @@ def lookup(key: str, length: int = 4) -> tuple[int, ...] | None:
 def store(key: str, config: tuple[int, ...], timings: dict) -> None:
     _MEMO[key] = config
     path = _path()
-    with file_lock(path.with_suffix(".lock")):
-        data = _read_all()
-        data[key] = list(config)
-        data.setdefault("_timings_ms", {})[key] = timings
-        write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    try:
+        with file_lock(path.with_suffix(".lock")):
+            data = _read_all()
+            data[key] = list(config)
+            data.setdefault("_timings_ms", {})[key] = timings
+            write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    except TimeoutError as exc:  # another process holds the store: keep the winner in memory
+        warnings.warn(f"flexfa: {exc}; the tuned config of {key} is not stored",
+                      RuntimeWarning, stacklevel=3)
 
 
 def forward_label(config) -> str:

@@ -1,16 +1,19 @@
 """The kernel cache: in-process memo -> generated source on disk -> imported module.
 
 Disk layout: ``$FLEXFA_CACHE_DIR/<kernel name>.py`` (default ``~/.cache/flexfa``); the name
-carries 12 hex digits of the cache key, and the first line of the file carries the full key
-and a sha256 of the rest, so a truncated or garbage file is detected and regenerated with a
-warning. Writers take an fcntl lock on ``<name>.lock``, look again after getting it, and
-write a temp file then ``os.replace`` it: readers never see a torn file. Triton's own cache
-then keeps the compiled binaries.
+carries 12 hex digits of the cache key, and the first line of the file carries the full key,
+a sha256 of the rest and the build tag (``versions.build_tag``), so a truncated or garbage
+file is detected and regenerated with a warning, and another build's files can be pruned.
+Writers take an fcntl lock on ``<name>.lock`` (waiting at most ``lock_timeout()``; past it
+the kernel is generated privately, with a warning), look again after getting it, and write
+a temp file then ``os.replace`` it: readers never see a torn file. Triton's own cache then
+keeps the compiled binaries. ``cache_files`` bounds the directory's size.
 
-The directory is ``cache_location.usable_cache_dir()``: the configured one, created 0o700, when it
-is owned by this user, not writable by others and writable; else a private temporary one,
-with a warning. A file not owned by this user, or writable by others, is never imported (it
-is regenerated with a warning); so is one whose header does not match its content.
+Directories (``cache_location``): the configured one when trusted and writable; a trusted
+read-only one is read, and the kernels it lacks are written to a private temporary one;
+anything else is replaced by the private one, with a warning. A file not owned by this user
+(or root), or writable by others, is never imported (it is regenerated with a warning); so
+is one whose header does not match its content.
 
 ``get_module(name, key, interpret, generate)`` is the one entry point; ``STATS`` counts what
 happened (tests use it to see that a second call or a second process skips code generation).
@@ -22,19 +25,23 @@ import dataclasses
 import hashlib
 import logging
 import os
-import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .cache_location import fall_back, is_fallback, untrusted, usable_cache_dir
+from ..codegen.versions import build_tag
+from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
+from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, untrusted,
+                             usable_cache_dir)
 from .debug import debug
 from .loader import load_module
 
 log = logging.getLogger("flexfa")
 
-_HEADER = "# flexfa-kernel key={key} sha256={digest}\n"
+_HEADER = HEADER_PREFIX + "key={key} sha256={digest} build={build}\n"
+TOUCH_AFTER_S = 3600.0  # a load refreshes a file's mtime (its last use, for pruning) hourly
 
 
 @dataclasses.dataclass
@@ -67,7 +74,7 @@ def kernel_path(name: str, directory: Path | None = None) -> Path:
 
 def _with_header(key: str, source: str) -> str:
     digest = hashlib.sha256(source.encode()).hexdigest()
-    return _HEADER.format(key=key, digest=digest) + source
+    return _HEADER.format(key=key, digest=digest, build=build_tag()) + source
 
 
 def read_source(path: Path, key: str) -> tuple[str | None, str | None]:
@@ -86,34 +93,37 @@ def read_source(path: Path, key: str) -> tuple[str | None, str | None]:
     expected = _with_header(key, source).partition("\n")[0]
     if header == expected:
         return source, None
-    if not header.startswith("# flexfa-kernel "):
+    if not header.startswith(HEADER_PREFIX):
         return None, "no flexfa header"
     if f"key={key} " not in header + " ":
         return None, "written for another cache key"
+    if f" build={build_tag()}" not in header:
+        return None, "written by another build"
     return None, "checksum mismatch (truncated or modified)"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file in the same directory, then rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+class LockTimeout(TimeoutError):
+    """Another process held a cache lock longer than ``lock_timeout()``."""
 
 
 @contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive fcntl lock on ``path`` (created if missing) across processes."""
+def file_lock(path: Path, timeout: float | None = None):
+    """An exclusive fcntl lock on ``path`` (created if missing) across processes; raises
+    ``LockTimeout`` after ``timeout`` seconds (default ``lock_timeout()``) of waiting."""
     import fcntl
+    timeout = lock_timeout() if timeout is None else timeout
     with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        deadline, pause = time.monotonic() + timeout, 0.001
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(f"the lock {path} was held by another process for "
+                                      f"{timeout:g} s") from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
         try:
             yield
         finally:
@@ -121,16 +131,38 @@ def file_lock(path: Path):
 
 
 def ensure_source(name: str, key: str, generate: Callable[[], str]) -> Path:
-    """The path of a valid source file for ``key``, generating it if needed; a directory
-    that fails a write (full, made read-only meanwhile) is replaced by the private one."""
-    directory = usable_cache_dir()
-    try:
-        return _ensure_source_in(directory, name, key, generate)
-    except OSError as exc:
-        if is_fallback(directory):
-            raise
-        fallback = fall_back(directory, f"failed a write ({exc})")
-        return _ensure_source_in(fallback, name, key, generate)
+    """The path of a valid source file for ``key``, generating it if needed. A trusted
+    read-only directory is only read; a directory that cannot be used, or fails a write
+    (full, made read-only meanwhile), and a lock held too long by another process send the
+    kernel to the private directory, with a warning."""
+    configured = inspect_cache_dir()
+    if configured.problem is None:
+        try:
+            claim(configured.path)
+            return _ensure_source_in(configured.path, name, key, generate)
+        except LockTimeout as exc:
+            fallback = fallback_dir()
+            warnings.warn(f"flexfa: {exc}; generating kernel {name} privately in {fallback} "
+                          "(FLEXFA_CACHE_LOCK_TIMEOUT sets the wait)", RuntimeWarning,
+                          stacklevel=3)
+        except OSError as exc:
+            fallback = fall_back(configured.path, f"failed a write ({exc})")
+    else:
+        if configured.readable:
+            path = kernel_path(name, configured.path)
+            if read_source(path, key)[0] is not None:
+                STATS.disk_hits += 1
+                return path
+        fallback = fall_back(configured.path, configured.problem, f" for kernel {name}")
+    return _ensure_source_in(fallback, name, key, generate)
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` as used (its mtime orders pruning), at most once per ``TOUCH_AFTER_S``
+    so that Python's bytecode of it stays valid most of the time."""
+    with contextlib.suppress(OSError):
+        if time.time() - path.stat().st_mtime > TOUCH_AFTER_S:
+            os.utime(path)
 
 
 def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[], str]) -> Path:
@@ -138,6 +170,7 @@ def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[
     source, problem = read_source(path, key)
     if source is not None:
         STATS.disk_hits += 1
+        _touch(path)
         return path
     if problem is not None:
         warnings.warn(f"flexfa: cached kernel {path} is invalid ({problem}); regenerating it",
@@ -151,7 +184,9 @@ def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[
         STATS.codegen += 1
         if problem is not None or problem_now is not None:
             STATS.regenerated += 1
-        write_atomic(path, _with_header(key, source))
+        text = _with_header(key, source)
+        write_atomic(path, text)
+    note_written(directory, len(text))
     log.debug("flexfa: generated %s", path)
     return path
 
@@ -167,10 +202,14 @@ def get_module(name: str, key: str, interpret: bool, generate: Callable[[], str]
     with _LOCK:
         module = _MEMO.get(memo_key)
         if module is None:
+            module_name = f"flexfa_kernels.{name}_{'interp' if interpret else 'jit'}"
             path = ensure_source(name, key, generate)
+            try:
+                module = load_module(path, interpret, module_name=module_name)
+            except FileNotFoundError:  # pruned by another process since it was checked
+                path = ensure_source(name, key, generate)
+                module = load_module(path, interpret, module_name=module_name)
             debug(f"kernel {name}", f"source: {path}")
-            mode = "interp" if interpret else "jit"
-            module = load_module(path, interpret, module_name=f"flexfa_kernels.{name}_{mode}")
             _MEMO[memo_key] = module
         else:
             STATS.memo_hits += 1

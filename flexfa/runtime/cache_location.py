@@ -1,17 +1,21 @@
-"""Where generated kernel sources are written: the configured cache directory if it can be
-trusted and written, else a private temporary directory (with a warning).
+"""Where generated kernel sources live: the settings of the disk cache, and whether the
+configured directory can be trusted, read and written.
 
 The configured directory (``$FLEXFA_CACHE_DIR``, else ``~/.cache/flexfa``) is created
-user-private (mode 0o700). It is used only if it is a directory owned by this user, not
-writable by group or others (nobody else can plant a file flexfa would import), and writable
-by this user according to its permission bits (checked even for root, who could otherwise
-write through a read-only mode) and in fact (a probe file, which also catches read-only
-mounts). Otherwise the process uses one directory from ``tempfile.mkdtemp`` (0o700), and
-``warnings.warn`` says why; the temporary directory is removed when the process exits.
+user-private (mode 0o700). It is trusted when it is a directory owned by this user or by root
+and not writable by group or others: nobody else can plant a file flexfa would import (root
+can do anything anyway). A trusted directory is written when it is writable by this user
+according to its permission bits (checked even for root, who could otherwise write through a
+read-only mode) and in fact (a probe file, which also catches read-only mounts). A trusted
+read-only directory is still read: its valid kernels are imported, and the kernels it lacks
+are written to a private fallback. An untrusted or missing-and-uncreatable directory is not
+used at all. The fallback is one directory from ``tempfile.mkdtemp`` (0o700) per process,
+removed when the process exits; ``warnings.warn`` says why it is used.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import shutil
@@ -21,45 +25,94 @@ import threading
 import warnings
 from pathlib import Path
 
-from .cli import cache_dir
+from ..errors import InputError
 
 log = logging.getLogger("flexfa")
+
+DEFAULT_MAX_BYTES = 256 * 2 ** 20  # about 10,000 kernel sources of 20-40 kB
+DEFAULT_LOCK_TIMEOUT_S = 30.0  # generating a source takes well under a second
 
 _FALLBACK: list[Path] = []  # this process's private temporary cache, created on first need
 _LOCK = threading.Lock()
 
 
+def cache_dir() -> Path:
+    """flexfa's disk cache: ``$FLEXFA_CACHE_DIR``, else ``~/.cache/flexfa``."""
+    configured = os.environ.get("FLEXFA_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "flexfa"
+
+
+def _positive_setting(name: str, default: float, kind: type) -> float:
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise InputError(f"{name}={text!r} is not a positive {kind.__name__} "
+                         f"(default {default!r})")
+    return value
+
+
+def max_bytes() -> int:
+    """The disk cache's size bound: ``$FLEXFA_CACHE_MAX_BYTES``, else 256 MiB."""
+    return _positive_setting("FLEXFA_CACHE_MAX_BYTES", DEFAULT_MAX_BYTES, int)
+
+
+def lock_timeout() -> float:
+    """Seconds to wait for another process's lock on a kernel: ``$FLEXFA_CACHE_LOCK_TIMEOUT``."""
+    return _positive_setting("FLEXFA_CACHE_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S, float)
+
+
 def untrusted(info: os.stat_result) -> str | None:
     """Why a file or directory with this ``stat`` may hold code flexfa did not write, or None."""
-    if info.st_uid != os.geteuid():
-        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}) or root"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"is writable by group or others (mode {oct(stat.S_IMODE(info.st_mode))})"
     return None
 
 
-def directory_problem(directory: Path) -> str | None:
-    """None if ``directory`` (created 0o700 when missing) is a trusted, writable cache
-    directory; else a phrase saying why not."""
+@dataclasses.dataclass(frozen=True)
+class CacheDir:
+    """The configured directory and what may be done with it."""
+
+    path: Path
+    problem: str | None  # why new kernels cannot be written there; None when they can
+    readable: bool  # trusted: its valid kernels may be imported (read-only ones too)
+
+
+def inspect_cache_dir(directory: Path | None = None) -> CacheDir:
+    """Create ``directory`` (default: the configured one) 0o700 if missing, then check it."""
+    directory = directory or cache_dir()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = directory.stat()
     except OSError as exc:
-        return f"cannot be created ({exc.strerror or exc})"
+        return CacheDir(directory, f"cannot be created ({exc.strerror or exc})", False)
     if not stat.S_ISDIR(info.st_mode):
-        return "is not a directory"
+        return CacheDir(directory, "is not a directory", False)
     problem = untrusted(info)
     if problem is not None:
-        return problem
-    if not info.st_mode & stat.S_IWUSR:  # owned by this user (checked above); root too
-        return f"is read-only (mode {oct(stat.S_IMODE(info.st_mode))})"
+        return CacheDir(directory, problem, False)
+    if info.st_uid != os.geteuid() or not info.st_mode & stat.S_IWUSR:  # root too
+        return CacheDir(directory, f"is read-only (mode {oct(stat.S_IMODE(info.st_mode))}, "
+                                   f"owner uid {info.st_uid})", True)
     try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe.")
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".flexfa-probe.")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        return f"is not writable ({exc.strerror or exc})"
-    return None
+        return CacheDir(directory, f"is not writable ({exc.strerror or exc})", True)
+    return CacheDir(directory, None, True)
+
+
+def directory_problem(directory: Path) -> str | None:
+    """None if ``directory`` (created 0o700 when missing) is a trusted, writable cache
+    directory; else a phrase saying why not."""
+    return inspect_cache_dir(directory).problem
 
 
 def fallback_dir() -> Path:
@@ -81,19 +134,21 @@ def is_fallback(directory: Path) -> bool:
     return bool(_FALLBACK) and directory == _FALLBACK[0]
 
 
-def fall_back(directory: Path, problem: str) -> Path:
-    """Warn that ``directory`` cannot be used and return the private temporary one."""
+def fall_back(directory: Path, problem: str, what: str = "") -> Path:
+    """Warn that ``directory`` cannot be used (for ``what``, default: anything) and return
+    the private temporary one."""
     fallback = fallback_dir()
     warnings.warn(f"flexfa: cache directory {directory} {problem}; using the private temporary "
-                  f"directory {fallback} for this process (set FLEXFA_CACHE_DIR to a writable "
-                  "directory of your own to keep kernels across runs)", RuntimeWarning,
+                  f"directory {fallback}{what} for this process (set FLEXFA_CACHE_DIR to a "
+                  "writable directory of your own to keep kernels across runs)", RuntimeWarning,
                   stacklevel=4)
     log.debug("flexfa: cache directory %s %s; falling back to %s", directory, problem, fallback)
     return fallback
 
 
 def usable_cache_dir() -> Path:
-    """The configured cache directory if usable, else the private temporary one."""
-    directory = cache_dir()
-    problem = directory_problem(directory)
-    return directory if problem is None else fall_back(directory, problem)
+    """The configured cache directory if it can be written, else the private temporary one."""
+    configured = inspect_cache_dir()
+    if configured.problem is None:
+        return configured.path
+    return fall_back(configured.path, configured.problem)

@@ -1,23 +1,16 @@
-"""``python -m flexfa cache <path|size|clear>``: look at or empty flexfa's disk cache."""
+"""``python -m flexfa cache <path|size|clear|prune>``: look at, empty or trim flexfa's disk
+cache. Only files flexfa wrote are ever deleted (``cache_files``)."""
 from __future__ import annotations
 
+import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
-USAGE = """usage: python -m flexfa cache <command>
+from .cache_location import cache_dir, max_bytes
 
-commands:
-  path    print the cache directory
-  size    print the cache directory, its file count and size
-  clear   delete everything in the cache directory (generated kernel sources)"""
-
-
-def cache_dir() -> Path:
-    """flexfa's disk cache: ``$FLEXFA_CACHE_DIR``, else ``~/.cache/flexfa``."""
-    configured = os.environ.get("FLEXFA_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "flexfa"
+__all__ = ["cache_dir", "cache_size", "main"]
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
 
 
 def cache_size(directory: Path) -> tuple[int, int]:
@@ -33,42 +26,80 @@ def cache_size(directory: Path) -> tuple[int, int]:
     return files, size
 
 
-def clear(directory: Path) -> tuple[int, int]:
-    """Delete the contents of ``directory`` (kept itself); returns what was removed."""
-    resolved = directory.resolve()
-    if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
-        raise ValueError(f"refusing to clear {resolved}: FLEXFA_CACHE_DIR points at a root or "
-                         "home directory, not a cache")
-    removed = cache_size(resolved)
-    if resolved.is_dir():
-        for entry in resolved.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    return removed
+def _byte_count(text: str) -> int:
+    """``text`` as bytes: an integer with an optional K, M or G (powers of 1024)."""
+    unit = text[-1:].upper() if text[-1:].upper() in _UNITS else ""
+    try:
+        value = int(text[:len(text) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--max-bytes {text!r} is not a byte count such as "
+                                         "268435456, 256M or 1G")
+    return value
+
+
+def _days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--older-than {text!r} is not a number of days >= 0")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flexfa cache",
+        description="flexfa's disk cache of generated kernel sources ($FLEXFA_CACHE_DIR, "
+                    "default ~/.cache/flexfa). Only files flexfa wrote are deleted.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="<command>")
+    commands.add_parser("path", help="print the cache directory")
+    commands.add_parser("size", help="print the directory's file count and size, and flexfa's "
+                                     "share of it")
+    commands.add_parser("clear", help="delete every file flexfa wrote there (refused for a "
+                                      "directory that does not look like a flexfa cache)")
+    prune = commands.add_parser(
+        "prune", help="delete other builds' kernels, then the least recently used ones "
+                      "beyond the size bound")
+    prune.add_argument("--max-bytes", type=_byte_count, default=None,
+                       help="size bound (default: $FLEXFA_CACHE_MAX_BYTES or 256M)")
+    prune.add_argument("--older-than", type=_days, default=None, metavar="DAYS",
+                       help="also delete kernels unused for this many days")
+    return parser
+
+
+def _run(args: argparse.Namespace, directory: Path) -> int:
+    from . import cache_files
+
+    if args.command == "path":
+        print(directory)
+    elif args.command == "size":
+        files, size = cache_size(directory)
+        kernels = [f for f in cache_files.flexfa_files(directory) if f.kind == "source"]
+        print(f"{directory}: {files} files, {size} bytes; {len(kernels)} flexfa kernels, "
+              f"{sum(f.size for f in kernels)} bytes (bound {max_bytes()} bytes)")
+    elif args.command == "clear":
+        files, size, others = cache_files.clear(directory)
+        left = f"; left {others} other entries alone" if others else ""
+        print(f"cleared {directory}: removed {files} files, {size} bytes{left}")
+    else:
+        older = None if args.older_than is None else args.older_than * 86400
+        result = cache_files.prune(directory, args.max_bytes, older)
+        print(f"pruned {directory}: removed {result.removed_files} files, "
+              f"{result.removed_bytes} bytes; kept {result.kept_kernels} kernels, "
+              f"{result.kept_bytes} bytes")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(argv or [])
-    if not argv or argv[0] in ("-h", "--help", "help") or len(argv) > 1:
-        print(USAGE, file=sys.stdout if argv and argv[0] in ("-h", "--help", "help") else sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help", "help") else 2
-    directory = cache_dir()
-    command = argv[0]
-    if command == "path":
-        print(directory)
-    elif command == "size":
-        files, size = cache_size(directory)
-        print(f"{directory}: {files} files, {size} bytes")
-    elif command == "clear":
-        try:
-            files, size = clear(directory)
-        except ValueError as exc:
-            print(f"flexfa cache clear: {exc}", file=sys.stderr)
-            return 1
-        print(f"cleared {directory}: removed {files} files, {size} bytes")
-    else:
-        print(f"unknown cache command {command!r}\n\n{USAGE}", file=sys.stderr)
-        return 2
-    return 0
+    try:
+        args = _parser().parse_args(list(argv or []))
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        return _run(args, cache_dir())
+    except (ValueError, OSError) as exc:
+        print(f"flexfa cache {args.command}: {exc}", file=sys.stderr)
+        return 1

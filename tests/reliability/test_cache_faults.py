@@ -4,6 +4,9 @@ import builtins
 import errno
 import os
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -55,7 +58,7 @@ def test_cache_dir_is_created_user_private(fresh_cache):
     assert mode == 0o700, f"cache directory created with mode {oct(mode)}"
     path = _only_kernel(fresh_cache)
     assert not stat.S_IMODE(path.stat().st_mode) & 0o022, "kernel file writable by others"
-    assert not list(fresh_cache.glob(".*.tmp")) and not list(fresh_cache.glob(".probe.*"))
+    assert not list(fresh_cache.glob(".*.tmp")) and not list(fresh_cache.glob(".flexfa-probe.*"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "binary", "edited",
@@ -117,6 +120,79 @@ def test_read_only_cache_dir_falls_back(fresh_cache):
         assert not any(fresh_cache.iterdir()), "flexfa wrote into a read-only directory"
     finally:
         fresh_cache.chmod(0o700)
+
+
+@pytest.mark.parametrize("owner", ["this user", "root"])
+def test_read_only_cache_dir_is_reused(fresh_cache, owner, recwarn):
+    """Valid kernels in a trusted read-only directory (a read-only mount, an image's cache
+    owned by root) are imported; nothing is generated or written."""
+    _attend()
+    files = sorted(p.name for p in fresh_cache.iterdir())
+    if owner == "root" and os.geteuid() != 0:
+        pytest.skip("needs root to give the files to root")
+    os.chown(fresh_cache, 0, 0) if owner == "root" else None
+    fresh_cache.chmod(0o500)
+    try:
+        cache.clear_memo()
+        STATS.reset()
+        _attend()
+        assert STATS.codegen == 0 and STATS.disk_hits == 1
+        assert not [w for w in recwarn if "flexfa" in str(w.message)]
+        assert sorted(p.name for p in fresh_cache.iterdir()) == files
+    finally:
+        fresh_cache.chmod(0o700)
+
+
+def test_read_only_cache_dir_never_imports_a_foreign_file(fresh_cache):
+    _attend()
+    path = _only_kernel(fresh_cache)
+    key = path.read_text().partition("\n")[0].split("key=")[1].split()[0]
+    path.write_text(cache._with_header(key, "import builtins\nbuiltins.flexfa_foreign_ran = 1\n"))
+    path.chmod(0o644)
+    os.chown(path, NOBODY, NOBODY) if os.geteuid() == 0 else path.chmod(0o666)
+    fresh_cache.chmod(0o500)
+    STATS.reset()
+    try:
+        message = _fallback_run(fresh_cache)
+        assert "read-only" in message and STATS.codegen == 1
+        assert not getattr(builtins, "flexfa_foreign_ran", False), "foreign code was executed"
+    finally:
+        fresh_cache.chmod(0o700)
+
+
+HOLDER = """import fcntl, sys, time
+handle = open(sys.argv[1], "a+")
+fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lock_held_forever_by_another_process_times_out(fresh_cache, monkeypatch):
+    """Another process holding a kernel's lock (stopped, hung) costs the wait of
+    FLEXFA_CACHE_LOCK_TIMEOUT and a warning naming the lock, then the kernel is generated
+    privately and the call is correct."""
+    _attend()
+    kernel = _only_kernel(fresh_cache)
+    kernel.unlink()  # the lock file stays, as after a crash of its writer
+    lock = kernel.with_suffix(".lock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        monkeypatch.setenv("FLEXFA_CACHE_LOCK_TIMEOUT", "0.5")
+        cache.clear_memo()
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="held by another process") as record:
+            _attend()
+        assert time.monotonic() - start < 30
+    finally:
+        holder.kill()
+        holder.wait()
+    message = str(record[0].message)
+    assert str(lock) in message and "FLEXFA_CACHE_LOCK_TIMEOUT" in message
+    assert _only_kernel(cache_location.fallback_dir()).name == kernel.name
+    assert not kernel.exists()
 
 
 def test_missing_cache_dir_is_created(fresh_cache, monkeypatch, recwarn):
