@@ -1,10 +1,12 @@
 """Shared pytest setup: the interpreter for CPU kernels, hypothesis profiles, the gpu marker."""
+import inspect
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any kernel is decorated
 
 import pytest
 import torch
+import triton.language as tl
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -22,3 +24,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# what the Triton interpreter patches while a kernel runs; a test that leaves it patched (a
+# compile calling interpreted @jit functions such as tl.zeros does) would break every later
+# compile in the process, so the check below restores it and fails that test. Values are
+# compared as found on the object or its classes: Triton's own restore copies inherited ones
+_TRITON_LANGUAGE = (tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base)
+_ABSENT = object()
+_TRITON_STATE = [{name: inspect.getattr_static(obj, name) for name in dir(obj)}
+                 for obj in _TRITON_LANGUAGE]
+
+
+@pytest.fixture(autouse=True)
+def triton_language_left_intact():
+    yield
+    changed = []
+    for obj, saved in zip(_TRITON_LANGUAGE, _TRITON_STATE):
+        for name, value in list(vars(obj).items()):
+            if name != "__annotations__" and saved.get(name, _ABSENT) is not value:
+                changed.append(f"{getattr(obj, '__name__', obj)}.{name}")
+                setattr(obj, name, saved[name]) if name in saved else delattr(obj, name)
+    if changed:
+        pytest.fail(f"the test left triton.language patched (restored now): {changed[:5]}")
