@@ -33,12 +33,14 @@ from .cache_location import max_bytes
 MARKER = ".flexfa-cache"
 HEADER_PREFIX = "# flexfa-kernel "
 ORPHAN_AGE_S = 3600.0  # a lock, bytecode or temp file without a kernel is left this long
+RECENT_S = 60.0  # the size bound spares kernels this new: they may be about to be imported
 _AUTOTUNE = frozenset({"autotune.json", "autotune.lock"})
-# (pattern of a file name, kind); kernel sources are checked for the header as well
-_PATTERNS = ((re.compile(r"flexfa_\w+\.py"), "source"), (re.compile(r"flexfa_\w+\.lock"), "lock"),
+_SOURCE = re.compile(r"flexfa_\w+\.py")  # and the header, checked by reading the first line
+_BYTECODE = re.compile(r"(flexfa_\w+)\.[\w-]+\.pyc")  # in __pycache__
+# (pattern of a file name, kind) for the directory itself
+_PATTERNS = ((_SOURCE, "source"), (re.compile(r"flexfa_\w+\.lock"), "lock"),
              (re.compile(r"\.(flexfa_\w+|autotune|\.flexfa-cache)\.\w+\.tmp|\.flexfa-probe\.\w+"),
               "temp"))
-_BYTECODE = re.compile(r"(flexfa_\w+)\.[\w-]+\.pyc")
 _STATE_LOCK = threading.Lock()
 _CLAIMED: set[Path] = set()  # directories this process has checked the marker of
 _SIZES: dict[Path, int] = {}  # estimated bytes of kernels per directory, after a first write
@@ -97,7 +99,10 @@ def _entry(entry: os.DirEntry, kind: str, stem: str = "") -> CacheFile | None:
     return CacheFile(Path(entry.path), kind, stem, info.st_size, info.st_mtime, build)
 
 
-def _regular_files(directory: Path):
+def _regular_files(directory: Path | None):
+    """The plain files (no links) in ``directory``; none for a missing one or None."""
+    if directory is None:
+        return
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         with os.scandir(directory) as entries:
             yield from (e for e in entries if e.is_file(follow_symlinks=False))
@@ -111,12 +116,17 @@ def flexfa_files(directory: Path) -> list[CacheFile]:
             (kind for pattern, kind in _PATTERNS if pattern.fullmatch(entry.name)), None)
         stem = entry.name.rsplit(".", 1)[0] if kind in ("source", "lock") else ""
         found.append(_entry(entry, kind, stem) if kind else None)
-    bytecode = directory / "__pycache__"
-    if not bytecode.is_symlink():
-        for entry in _regular_files(bytecode):
-            match = _BYTECODE.fullmatch(entry.name)
-            found.append(_entry(entry, "bytecode", match.group(1)) if match else None)
+    for entry in _regular_files(_bytecode_dir(directory)):
+        match = _BYTECODE.fullmatch(entry.name)
+        found.append(_entry(entry, "bytecode", match.group(1)) if match else None)
     return [f for f in found if f is not None]
+
+
+def _bytecode_dir(directory: Path) -> Path | None:
+    """``directory``'s ``__pycache__``, or None for a link (never followed: its target is
+    not flexfa's)."""
+    bytecode = directory / "__pycache__"
+    return None if bytecode.is_symlink() else bytecode
 
 
 def _delete(files) -> tuple[int, int]:
@@ -143,8 +153,8 @@ def clear(directory: Path) -> tuple[int, int, int]:
         raise ValueError(f"refusing to clear {resolved}: FLEXFA_CACHE_DIR points at a root or "
                          "home directory, not a cache")
     files = flexfa_files(resolved)
-    others = [p for p in (resolved.iterdir() if resolved.is_dir() else ())
-              if p.name not in {MARKER, "__pycache__"} | {f.path.name for f in files}]
+    ours = {MARKER, "__pycache__"} | {f.path.name for f in files}
+    others = [p for p in (resolved.iterdir() if resolved.is_dir() else ()) if p.name not in ours]
     if others and not (resolved / MARKER).is_file() and not any(f.kind == "source" for f in files):
         raise ValueError(f"refusing to clear {resolved}: it has no {MARKER} marker and no flexfa "
                          f"kernel, so it does not look like a flexfa cache ({len(others)} other "
@@ -152,7 +162,8 @@ def clear(directory: Path) -> tuple[int, int, int]:
     removed = _delete(files)
     _drop_empty_bytecode_dir(resolved)
     with _STATE_LOCK:
-        _SIZES.pop(resolved, None), _SIZES.pop(directory, None)
+        _SIZES.pop(resolved, None)
+        _SIZES.pop(directory, None)
     return (*removed, len(others))
 
 
@@ -168,20 +179,23 @@ def prune(directory: Path, limit: int | None = None, older_than_s: float | None 
           now: float | None = None) -> PruneResult:
     """Delete from ``directory`` the kernels of other builds, those unused for
     ``older_than_s`` seconds, then the least recently used ones beyond ``limit`` bytes
-    (default ``max_bytes()``), with their lock and bytecode files; lock, bytecode and temp
-    files left without a kernel for an hour go too. The autotuning store stays."""
+    (default ``max_bytes()``; kernels written in the last minute are spared), with their lock
+    and bytecode files; lock, bytecode and temp files left without a kernel for an hour go
+    too. The autotuning store stays."""
     limit = max_bytes() if limit is None else limit
     now = time.time() if now is None else now
     files = flexfa_files(directory)
     kernels = {f.stem: f for f in files if f.kind == "source"}
-    groups = {stem: [f for f in files if f.stem == stem] for stem in kernels}
+    groups = {stem: [] for stem in kernels}  # a kernel's source, lock and bytecode
+    for file in files:
+        groups.get(file.stem, []).append(file)
     doomed = [stem for stem, source in kernels.items() if source.build != build_tag()
               or (older_than_s is not None and source.mtime < now - older_than_s)]
     kept = sorted((s for s in kernels if s not in doomed), key=lambda s: kernels[s].mtime)
     sizes = {stem: sum(f.size for f in group) for stem, group in groups.items()}
     total = sum(sizes[stem] for stem in kept)
-    while kept and total > limit:  # least recently used first
-        stem = kept.pop(0)
+    while kept and total > limit and kernels[kept[0]].mtime < now - RECENT_S:
+        stem = kept.pop(0)  # the least recently used
         doomed.append(stem)
         total -= sizes[stem]
     orphans = [f for f in files if f.kind in ("lock", "bytecode", "temp")
@@ -213,15 +227,24 @@ def claim(directory: Path) -> None:
     write_atomic(marker, text)
 
 
+def _kernel_bytes(directory: Path) -> int:
+    """Bytes of the kernel sources and their bytecode in ``directory``, by name only (a stat
+    per file, no reads): the estimate ``note_written`` starts from."""
+    total = 0
+    for folder, pattern in ((directory, _SOURCE), (_bytecode_dir(directory), _BYTECODE)):
+        for entry in _regular_files(folder):
+            if pattern.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
 def note_written(directory: Path, size: int) -> None:
-    """Count ``size`` new bytes in ``directory``; prune it past the size bound."""
+    """Count ``size`` new bytes in ``directory`` (whose first count is a scan that includes
+    them); prune it past the size bound."""
     with _STATE_LOCK:
         known = _SIZES.get(directory)
-    if known is None:
-        known = sum(f.size for f in flexfa_files(directory)
-                    if f.kind in ("source", "lock", "bytecode"))
-    else:
-        known += size
+    known = _kernel_bytes(directory) if known is None else known + size
     with _STATE_LOCK:
         _SIZES[directory] = known
     limit = max_bytes()

@@ -74,6 +74,21 @@ def test_clear_deletes_exactly_the_files_flexfa_wrote(flexfa_files, foreign, mar
         assert link.is_symlink()
 
 
+def test_clear_and_prune_never_enter_a_linked_bytecode_folder(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    pyc = _write(outside, "flexfa_fwd_d16_fp32_aaaaaaaaaaaa.cpython-311.pyc", mtime=1e9)
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    (directory / "__pycache__").symlink_to(outside, target_is_directory=True)
+    kernel = directory / "flexfa_fwd_d16_fp32_bbbbbbbbbbbb.py"
+    kernel.write_text(kernel_text())
+    os.utime(kernel, (1e9, 1e9))
+    assert cache_files.prune(directory, limit=0).removed_files == 1  # the kernel, not the pyc
+    assert cache_files.clear(directory)[:2] == (0, 0)
+    assert pyc.exists() and (directory / "__pycache__").is_symlink()
+
+
 def test_clear_command(tmp_path, monkeypatch, capsys):
     """Refuses a directory that is not a flexfa cache (exit 1, nothing deleted); once flexfa
     used it (the marker), deletes flexfa's files and says what it left alone."""
@@ -182,3 +197,14 @@ def test_writes_keep_the_directory_within_its_bound(fresh_cache, monkeypatch):
     kept = sorted(p.stem for p in fresh_cache.glob("flexfa_test_bound_*.py"))
     assert kept == names[-len(kept):] and 3 <= len(kept) < len(names)
     assert STATS.codegen == len(names)
+
+
+def test_the_bound_spares_a_kernel_just_written(fresh_cache, monkeypatch):
+    """Even a bound smaller than one kernel leaves the new file for its import (and for
+    other processes importing it): only kernels older than a minute are pruned for size."""
+    monkeypatch.setenv("FLEXFA_CACHE_MAX_BYTES", "10")
+    assert _generate("flexfa_test_tiny_bound_a").VALUE == "flexfa_test_tiny_bound_a"
+    assert _generate("flexfa_test_tiny_bound_b").VALUE == "flexfa_test_tiny_bound_b"
+    assert len(list(fresh_cache.glob("flexfa_test_tiny_bound_*.py"))) == 2
+    os.utime(fresh_cache / "flexfa_test_tiny_bound_a.py", (1e9, 1e9))
+    assert cache_files.prune(fresh_cache).kept_kernels == 1
