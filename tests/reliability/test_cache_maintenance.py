@@ -208,3 +208,18 @@ def test_the_bound_spares_a_kernel_just_written(fresh_cache, monkeypatch):
     assert len(list(fresh_cache.glob("flexfa_test_tiny_bound_*.py"))) == 2
     os.utime(fresh_cache / "flexfa_test_tiny_bound_a.py", (1e9, 1e9))
     assert cache_files.prune(fresh_cache).kept_kernels == 1
+
+
+def test_a_kernel_pruned_before_its_import_is_generated_again(fresh_cache, monkeypatch):
+    """Another process may prune a file between this one's check and its import."""
+    real_load, pruned = cache.load_module, []
+
+    def pruned_before_the_first_import(path, *args, **kwargs):
+        if not pruned:
+            pruned.append(path)
+            path.unlink()
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "load_module", pruned_before_the_first_import)
+    assert _generate("flexfa_test_pruned").VALUE == "flexfa_test_pruned"
+    assert pruned and STATS.codegen == 2
