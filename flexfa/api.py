@@ -12,6 +12,7 @@ import operator
 
 import torch
 
+from .blockmask.validate import check_tables
 from .errors import InputError, InputTypeError, check_bool
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
@@ -269,6 +270,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             if len(_VALIDATED) >= _MAX_VALIDATED:
                 _VALIDATED.clear()
             entry = _VALIDATED[signature[0]] = (signature[1], {})
+    check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)

@@ -6,14 +6,28 @@ prepared mods, the block mask, the scale and the kernel options. The backward ru
 generated backward kernels (``flexfa.runtime.backward``): P is recomputed tile by tile from
 lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
 require grad, and through lse when the caller used it (``return_lse=True``).
+
+The backward is not differentiable. A backward run with ``create_graph=True`` returns
+gradients that raise when they are differentiated in turn (a gradient penalty, a
+Hessian-vector product): torch's ``once_differentiable`` raises only when the incoming
+gradient requires grad, which ``out.sum()``'s does not, and else returns gradients that
+silently have no second derivative.
 """
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .blockmask.validate import check_tables
 from .runtime.backward import joint_graph, run_backward
 from .runtime.forward import AttentionCall, run_forward
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "flexfa.flex_attention does not support double backward: a gradient computed with "
+    "create_graph=True was differentiated again (a gradient penalty, a Hessian-vector product "
+    "or another higher-order gradient), and flex_attention's backward kernels have no "
+    "derivative. First-order gradients work: call loss.backward() or "
+    "torch.autograd.grad(loss, inputs) without create_graph=True, or detach the gradients "
+    "before building a loss on them")
 
 
 class FlexAttentionFunction(torch.autograd.Function):
@@ -35,16 +49,39 @@ class FlexAttentionFunction(torch.autograd.Function):
         return out, lse, maxs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_max):
-        query, key, value, out, lse = ctx.saved_tensors[:5]
-        call = ctx.call
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv, buffer_grads = run_backward(
-            query, key, value, out, lse, grad_out, grad_lse, call,
-            need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        if not ctx.needs_input_grad[0]:
-            dq = None
-        buffers = call.score.buffers if call.score is not None else ()
-        return (dq, dk, dv, None, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))
+        create_graph = torch.is_grad_enabled()  # the engine runs backward in create_graph's mode
+        with torch.no_grad():
+            grads = _gradients(ctx, grad_out, grad_lse)
+        if not create_graph:
+            return grads
+        # gradients that raise DOUBLE_BACKWARD_MESSAGE when differentiated (as torch's
+        # once_differentiable does when the incoming gradients require grad); the inputs join
+        # the raising node too, so that differentiating with respect to them reaches it
+        inputs = [t for t in ctx.saved_tensors[:3] + ctx.saved_tensors[5:] if t.requires_grad]
+        raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE,
+                                                    len(grads) + len(inputs))
+        fakes = (None if g is None else g.detach().requires_grad_() for g in grads)
+        return raising(*fakes, *inputs)[:len(grads)]
+
+
+def _gradients(ctx, grad_out, grad_lse) -> tuple:
+    """The backward's results: (dq, dk, dv, None, None, *captured-tensor gradients)."""
+    query, key, value, out, lse = ctx.saved_tensors[:5]
+    call = ctx.call
+    check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, buffer_grads = run_backward(
+        query, key, value, out, lse, grad_out, grad_lse, call,
+        need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+    if not ctx.needs_input_grad[0]:
+        dq = None
+    if buffer_grads:
+        # a row whose forward saw a +inf or NaN score (lse +inf or NaN) adds 0 in the kernels'
+        # scatter-adds; torch's gradient of every captured tensor it read is NaN (no sync here)
+        poisoned = (torch.isnan(lse) | torch.isposinf(lse)).any()
+        buffer_grads = {slot: torch.where(poisoned, float("nan"), grad)
+                        for slot, grad in buffer_grads.items()}
+    buffers = call.score.buffers if call.score is not None else ()
+    return (dq, dk, dv, None, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))

@@ -21,6 +21,7 @@ from ..frontend.trace import MASK_MOD, TracedMod, trace
 from . import draw
 from .checks import block_size_pair
 from .tables import ordered_to_dense, transpose_ordered
+from .validate import check_contents, checked_now, mark_checked
 
 _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -70,14 +71,25 @@ class BlockMask:
                 raise InputError(f"{func}: full_kv_indices has tile shape "
                                  f"{tuple(full_kv_indices.shape[2:])} but kv_indices has "
                                  f"{tuple(kv_indices.shape[2:])}")
+        rows, cols = kv_indices.shape[-2:]
+        if seq_lengths is None:
+            seq_lengths = (rows * block[0], cols * block[1])
+        # the rows and tiles both the tables and the lengths have (a table too small for the
+        # lengths is an error when the mask is used, where the lengths are the call's)
+        covered = (min(int(seq_lengths[0]), rows * block[0]),
+                   min(int(seq_lengths[1]), cols * block[1]))
+        check_contents({"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
+                        "full_kv_num_blocks": full_kv_num_blocks,
+                        "full_kv_indices": full_kv_indices}, (*block, *covered), f"{func}: ")
         q_num_blocks, q_indices = transpose_ordered(kv_num_blocks, kv_indices)
         full_q = (None, None) if full_kv_num_blocks is None else \
             transpose_ordered(full_kv_num_blocks, full_kv_indices)
-        if seq_lengths is None:
-            seq_lengths = (kv_indices.shape[-2] * block[0], kv_indices.shape[-1] * block[1])
-        return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+        mask = cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                    q_num_blocks, q_indices, *full_q, BLOCK_SIZE=block, mask_mod=mask_mod,
                    traced_mask=traced_mask)
+        if covered == mask.seq_lengths:
+            mark_checked(mask)  # the q tables are the checked kv tables transposed
+        return mask
 
     # ---- the mask function ----------------------------------------------------------------
 
@@ -141,8 +153,11 @@ class BlockMask:
         """A copy whose tables live on ``device`` (the mask_mod and its trace are shared)."""
         tables = [None if t is None else t.to(device) for t in (getattr(self, n) for n in _TABLES)]
         traced = self._traced[1] if self._traced is not None else None
-        return BlockMask(self.seq_lengths, *tables, BLOCK_SIZE=self.BLOCK_SIZE,
-                         mask_mod=self.mask_mod, traced_mask=traced)
+        moved = BlockMask(self.seq_lengths, *tables, BLOCK_SIZE=self.BLOCK_SIZE,
+                          mask_mod=self.mask_mod, traced_mask=traced)
+        if checked_now(self):
+            mark_checked(moved)  # copies of checked, unchanged tables
+        return moved
 
     # ---- checks for flex_attention --------------------------------------------------------
 
@@ -201,21 +216,7 @@ def _table_pair(func: str, name: str, num_blocks, indices):
         raise InputError(f"{func}: {name}_num_blocks has shape {tuple(num_blocks.shape)} but "
                          f"{name}_indices has {tuple(indices.shape)}; expected "
                          f"{tuple(indices.shape[:-1])}")
-    _check_table_values(func, name, num_blocks, indices)
     while indices.dim() < 4:
         indices, num_blocks = indices.unsqueeze(0), num_blocks.unsqueeze(0)
     return (num_blocks.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous())
-
-
-def _check_table_values(func: str, name: str, num_blocks, indices) -> None:
-    """Counts in 0..KV_TILES and tile indices in 0..KV_TILES-1: kernels trust the tables."""
-    kv_tiles = indices.shape[-1]
-    low, high = (int(num_blocks.min()), int(num_blocks.max())) if num_blocks.numel() else (0, 0)
-    if low < 0 or high > kv_tiles:
-        raise InputError(f"{func}: {name}_num_blocks must be in 0..{kv_tiles} (the tiles per "
-                         f"row of {name}_indices), got values from {low} to {high}")
-    low, high = (int(indices.min()), int(indices.max())) if indices.numel() else (0, 0)
-    if low < 0 or high >= kv_tiles:
-        raise InputError(f"{func}: {name}_indices must be tile indices in 0..{kv_tiles - 1}, "
-                         f"got values from {low} to {high}")
 

@@ -20,6 +20,7 @@ from .block_mask import BlockMask
 from .checks import batch_size, block_size_pair, positive_int, resolve_device
 from .exact import settle_undecided
 from .tables import dense_to_ordered
+from .validate import mark_checked
 
 log = logging.getLogger("flexfa.blockmask")
 SLOW_BUILD_S = 2.0  # builds slower than this report at INFO level
@@ -84,8 +85,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
             "element by element, %.2f s", traced.name, grid.q_tiles, grid.kv_tiles, undecided,
             in_full, elapsed)
     user_mod = _as_callable(traced) if isinstance(mask_mod, TracedMod) else mask_mod
-    return BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block, mask_mod=user_mod,
+    mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block, mask_mod=user_mod,
                      traced_mask=traced)
+    mark_checked(mask)  # correct by construction: its first call needs no table check
+    return mask
 
 
 def _ordered_tables(classes: torch.Tensor, B: int, H: int,

@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from ..api import _check_block_mask, _check_buffers, _check_scale
+from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
 from ..runtime.eager import outside_compile
 from ..runtime.forward import AttentionCall
@@ -61,6 +62,7 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     _check_block_mask(block_mask, x.q, x.k)
+    check_tables(block_mask, x.q.shape[2], x.k.shape[2])
     score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
     _check_buffers(score, "score_mod", x.q.device)
     _check_buffers(mask, "mask_mod", x.q.device)

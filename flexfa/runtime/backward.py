@@ -26,6 +26,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..blockmask.tables import transpose_ordered
+from ..blockmask.validate import table_generations
 from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
@@ -206,9 +207,12 @@ _MAX_DS_BANDS = 64
 
 
 def _ds_bands_of(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int, device) -> tuple:
-    """``ds_bands``, memoized per block mask object and geometry (the entry keeps the mask, so
-    its id cannot be reused while the entry lives)."""
-    key = (id(block_mask), L, S, sparse_q, sparse_kv, device)
+    """``ds_bands``, memoized per block mask object, state of its tables and geometry (the
+    entry keeps the mask, so its id cannot be reused while the entry lives)."""
+    contents = table_generations(block_mask)[1] if block_mask is not None else 0
+    if contents is None:  # tables whose edits cannot be seen: computed every time
+        return ds_bands(block_mask, L, S, sparse_q, sparse_kv, device)
+    key = (id(block_mask), contents, L, S, sparse_q, sparse_kv, device)
     entry = _DS_BANDS.get(key)
     if entry is None or entry[0] is not block_mask:
         if len(_DS_BANDS) >= _MAX_DS_BANDS:
@@ -491,8 +495,8 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
            tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out)),
            call.score.key if call.score else None,
            call.score.grad_buffers if call.score else None,
-           call.mask.key if call.mask else None, id(call.block_mask), call.options,
-           call.gqa_group,
+           call.mask.key if call.mask else None, id(call.block_mask),
+           table_generations(call.block_mask)[0], call.options, call.gqa_group,
            tuple((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
            os.environ.get("FLEXFA_BACKWARD_TMA"), os.environ.get("FLEXFA_BACKWARD_FUSED"),
            os.environ.get("FLEXFA_BACKWARD_DS"), os.environ.get("FLEXFA_BACKWARD_DS_MAX_BYTES"),

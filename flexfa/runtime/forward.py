@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..blockmask.validate import table_generations
 from ..codegen.forward import forward_kernel
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
 from ..errors import InputError
@@ -383,7 +384,7 @@ def direct_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool)
     maxima are fresh allocations, contiguous and aligned."""
     return (call_plan_key(q, k, v, call, return_lse, return_max, "ampere"),
             q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-            id(call.block_mask))
+            id(call.block_mask), table_generations(call.block_mask)[0])
 
 
 def _launch_cuda(launch: _Launch, grid: tuple, args: list, key: tuple, block_mask,

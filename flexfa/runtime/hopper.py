@@ -16,6 +16,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..blockmask.validate import table_generations
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
 from ..codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ..errors import InputError
@@ -238,7 +239,8 @@ def _plan_key(short_key: tuple, call: AttentionCall) -> tuple:
     """The key of ``_PLANS``: ``call_plan_key`` and what the call fixes (mods, block mask,
     options, GQA group, score-first mode)."""
     return short_key + (call.score.key if call.score else None,
-                        call.mask.key if call.mask else None, id(call.block_mask), call.options,
+                        call.mask.key if call.mask else None, id(call.block_mask),
+                        table_generations(call.block_mask)[0], call.options,
                         call.gqa_group, call.scores_first)
 
 

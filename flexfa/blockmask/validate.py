@@ -1,0 +1,227 @@
+"""Block-mask table contents, checked before a kernel reads them.
+
+The kernels take the tiles they visit from the tables without bounds checks: an entry edited
+in place to an out-of-range value would read outside K, V or Q (a segmentation fault under the
+interpreter, an illegal address or garbage on a GPU), and a tile listed twice would count twice.
+``check_tables(block_mask, L, S)`` raises InputError, naming the table, the entry and its value,
+unless, in the rows the kernels read (the q tiles of L in the kv tables, the kv tiles of S in
+the q tables):
+
+- each row's count (``*_num_blocks``) is in 0..(the row's width of ``*_indices``);
+- the first count entries of a row are tile indices of the other length (kv tiles of S in the
+  kv tables, q tiles of L in the q tables), none twice; entries past the count are never read
+  (torch pads them);
+- no tile is both partial and full;
+- the q tables list the kv tables' (q tile, kv tile) pairs, transposed: the forward walks the
+  kv tables, the backward the q tables.
+
+The outcome is kept on the mask object with each table's identity and version counter,
+which every in-place edit bumps (views share it): a later call with unchanged tables
+costs a few attribute reads and no device sync, and an edited or replaced table is checked
+again. Edits through ``.data`` or ``.numpy()`` do not bump the version and are not seen; tables
+that are inference tensors (no version counter) are checked on every call.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+
+import torch
+
+from ..errors import InputError
+
+PAIRS = ("kv", "full_kv", "q", "full_q")
+TABLES = tuple(f"{pair}_{part}" for pair in PAIRS for part in ("num_blocks", "indices"))
+_STATE = "_flexfa_tables"  # the attribute of the mask that keeps the outcome
+_GENERATION = itertools.count(1)
+_table_getter = operator.attrgetter(*TABLES)
+
+
+class TableState:
+    """The tables a mask had when they were last checked: their ids (kept valid by weakref
+    callbacks: a table that dies marks the state stale, so its id cannot be taken by a new
+    table), versions and geometry (BLOCK_SIZE, L, S). ``layout`` changes when a table is
+    replaced and ``contents`` whenever a table may have changed: memos of what the runtime
+    derives from the tables key on them (``table_generations``)."""
+
+    __slots__ = ("ids", "versions", "geometry", "layout", "contents", "live", "refs",
+                 "__weakref__")
+
+    def __init__(self, tables, versions, geometry, layout: int):
+        self.ids, self.versions, self.geometry = tuple(map(id, tables)), versions, geometry
+        self.layout = layout
+        self.contents = next(_GENERATION) if versions is not None else None
+        self.live = True
+        stale = _stale_callback(weakref.ref(self))
+        self.refs = [weakref.ref(t, stale) for t in tables if t is not None]
+
+    def matches(self, tables, geometry) -> bool:
+        """Same table objects, none edited since (version counters), same geometry."""
+        return (self.live and self.versions is not None and geometry == self.geometry
+                and self.ids == tuple(map(id, tables)) and self.versions == _versions(tables))
+
+
+def _stale_callback(state_ref):
+    def stale(_):
+        state = state_ref()
+        if state is not None:
+            state.live = False
+    return stale
+
+
+def _tables(block_mask) -> tuple:
+    try:
+        return _table_getter(block_mask)
+    except AttributeError:  # a duck-typed mask without the full or q tables
+        return tuple(getattr(block_mask, name, None) for name in TABLES)
+
+
+def _versions(tables) -> list | None:
+    """The present tables' version counters; None when a table is an inference tensor,
+    which has none."""
+    try:
+        return [t._version for t in tables if t is not None]
+    except RuntimeError:
+        return None
+
+
+def check_tables(block_mask, L: int, S: int) -> None:
+    """Raise InputError unless ``block_mask``'s tables are safe and consistent for lengths
+    (L, S) (the module docstring lists the rules). Cheap when they were checked before and
+    have not changed since; None (no mask) passes."""
+    if block_mask is None:
+        return
+    tables = _tables(block_mask)
+    state = getattr(block_mask, _STATE, None)
+    geometry = (block_mask.BLOCK_SIZE, L, S)
+    if state is not None and state.matches(tables, geometry):
+        return
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    check_contents(dict(zip(TABLES, tables)), (block_q, block_kv, int(L), int(S)))
+    _remember(block_mask, tables, geometry, state)
+
+
+def checked_now(block_mask) -> bool:
+    """Whether the mask's tables were checked for its own lengths and are unchanged since."""
+    state = getattr(block_mask, _STATE, None)
+    return state is not None and state.matches(
+        _tables(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths))
+
+
+def mark_checked(block_mask) -> None:
+    """Record ``block_mask``'s tables (built by flexfa, correct by construction) as checked
+    for its own lengths, so that its first call needs no check (no device sync)."""
+    _remember(block_mask, _tables(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths),
+              None)
+
+
+def _remember(block_mask, tables, geometry, state) -> None:
+    same = state is not None and state.live and state.ids == tuple(map(id, tables))
+    layout = state.layout if same else next(_GENERATION)
+    try:
+        setattr(block_mask, _STATE, TableState(tables, _versions(tables), geometry, layout))
+    except AttributeError:  # a frozen or slotted mask object: checked on every call
+        pass
+
+
+def table_generations(block_mask) -> tuple:
+    """(layout, contents) of the mask's tables as last checked: ``layout`` changes when a
+    table is replaced (memos holding the tables themselves key on it), ``contents`` whenever a
+    table may have changed (memos of what the runtime computes from their values key on it;
+    None: unknown, do not memoize). (None, None) for no mask or an unchecked one."""
+    state = getattr(block_mask, _STATE, None)
+    if state is None:
+        return None, None
+    return state.layout, state.contents
+
+
+# ---- the checks -----------------------------------------------------------------------------
+
+def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") -> None:
+    """Raise InputError unless ``tables`` (name -> tensor or None; absent pairs are skipped)
+    obey the module's rules for ``geometry`` (block_q, block_kv, L, S). One device sync when
+    they do; ``where`` prefixes the table names in messages."""
+    block_q, block_kv, L, S = geometry
+    q_tiles, kv_tiles = -(-L // block_q), -(-S // block_kv)
+    grids, faults = {}, []
+    for pair, rows, tiles, what in (("kv", q_tiles, kv_tiles, f"the kv tiles of S={S}"),
+                                    ("full_kv", q_tiles, kv_tiles, f"the kv tiles of S={S}"),
+                                    ("q", kv_tiles, q_tiles, f"the q tiles of L={L}"),
+                                    ("full_q", kv_tiles, q_tiles, f"the q tiles of L={L}")):
+        num_blocks, indices = tables.get(f"{pair}_num_blocks"), tables.get(f"{pair}_indices")
+        if num_blocks is None or indices is None:
+            continue
+        _check_layout(where, pair, num_blocks, indices, tables["kv_num_blocks"], rows)
+        grids[pair] = _listed_tiles(where, pair, num_blocks, indices, rows, tiles, what, faults)
+    for kv, q in (("kv", "q"), ("full_kv", "full_q")):
+        if kv in grids and q in grids:
+            differ = grids[kv] != grids[q].transpose(-2, -1)
+            faults.append((differ, lambda at, kv=kv, q=q: _untransposed(where, kv, q, grids, at)))
+    if "kv" in grids and "full_kv" in grids:
+        faults.append((grids["kv"] & grids["full_kv"], lambda at: (
+            f"{where}kv_indices and {where}full_kv_indices both list kv tile {at[3]} of q tile "
+            f"{at[2]} (batch {at[0]}, head {at[1]}); a tile is either partial or full")))
+    if not faults:
+        return
+    found = torch.stack([bad.any() for bad, _ in faults]).tolist()  # the one sync
+    for (bad, message), hit in zip(faults, found):
+        if hit:
+            raise InputError(message(tuple(bad.nonzero()[0].tolist())))
+
+
+def _check_layout(where: str, pair: str, num_blocks, indices, kv_num_blocks, rows: int) -> None:
+    """Shapes and dtypes of one table pair: what the kernels' pointer arithmetic assumes."""
+    for name, table, dims in ((f"{pair}_num_blocks", num_blocks, 3),
+                              (f"{pair}_indices", indices, 4)):
+        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype is torch.bool:
+            raise InputError(f"{where}{name} must hold integers, got {table.dtype}")
+        if table.dim() != dims or table.device != kv_num_blocks.device:
+            raise InputError(f"{where}{name} has shape {tuple(table.shape)} on {table.device}; "
+                             f"expected {dims} dims on {kv_num_blocks.device}, as kv_num_blocks")
+    if num_blocks.shape != indices.shape[:-1] or num_blocks.shape[:2] != kv_num_blocks.shape[:2]:
+        raise InputError(f"{where}{pair}_num_blocks has shape {tuple(num_blocks.shape)} and "
+                         f"{pair}_indices {tuple(indices.shape)}; expected [B, H, ROWS] and "
+                         f"[B, H, ROWS, COLS] with the (B, H) of kv_num_blocks "
+                         f"{tuple(kv_num_blocks.shape[:2])}")
+    if num_blocks.shape[-1] < rows:
+        raise InputError(f"{where}{pair}_num_blocks has {num_blocks.shape[-1]} rows but the "
+                         f"lengths need {rows}")
+
+
+def _listed_tiles(where: str, pair: str, num_blocks, indices, rows: int, tiles: int, what: str,
+                  faults: list) -> torch.Tensor:
+    """The bool grid ``[B, H, rows, tiles]`` of the tiles that the first ``rows`` rows of a
+    table pair list; appends to ``faults`` (bad entries, message of the first) a count outside
+    0..width, a listed index outside 0..tiles-1 and a tile listed twice in a row."""
+    num_blocks, indices = num_blocks[..., :rows], indices[..., :rows, :].long()
+    width = indices.shape[-1]
+    listed = torch.arange(width, device=indices.device) < num_blocks.unsqueeze(-1)
+    bad_index = listed & ((indices < 0) | (indices >= tiles))
+    # listed, in-range entries add 1 to their tile; the rest go to a spare column
+    target = torch.where(listed & ~bad_index, indices, tiles)
+    counts = torch.zeros(*indices.shape[:-1], tiles + 1, dtype=torch.int32,
+                         device=indices.device)
+    counts.scatter_add_(-1, target, torch.ones_like(target, dtype=torch.int32))
+    counts = counts[..., :tiles]
+    faults += [
+        ((num_blocks < 0) | (num_blocks > width), lambda at: (
+            f"{where}{pair}_num_blocks{list(at)} is {int(num_blocks[at])}; counts must be in "
+            f"0..{width} (the columns of {pair}_indices)")),
+        (bad_index, lambda at: (
+            f"{where}{pair}_indices{list(at)} is {int(indices[at])}; the first "
+            f"{pair}_num_blocks entries of a row must be tile indices in 0..{tiles - 1} "
+            f"({what}; entries past the count are not read)")),
+        (counts > 1, lambda at: (
+            f"{where}{pair}_indices{list(at[:3])} lists tile {at[3]} {int(counts[at])} times; "
+            "a row lists each tile at most once"))]
+    return counts > 0
+
+
+def _untransposed(where: str, kv: str, q: str, grids: dict, at: tuple) -> str:
+    b, h, i, j = at
+    listed, missing = (kv, q) if bool(grids[kv][at]) else (q, kv)
+    return (f"{where}{listed}_indices lists (q tile {i}, kv tile {j}) of batch {b}, head {h} but "
+            f"{where}{missing}_indices does not: the q tables must be the kv tables transposed "
+            "(the forward walks the kv tables, the backward the q tables); after editing kv "
+            "tables, rebuild the mask with BlockMask.from_kv_blocks, which derives the q tables")

@@ -1,0 +1,192 @@
+"""Scores of +inf, -inf and NaN follow torch's flex_attention: a row with a +inf score has out
+NaN and lse +inf, a row with a NaN score out and lse NaN, a row whose scores are all -inf out
+0 and lse -inf; gradients are NaN where torch's are. The oracle is torch itself, run eagerly
+on the CPU: its flex_attention for out and lse, and for the gradients the dense backward it
+would run (torch's CPU flex_attention has no backward). The one documented difference: a row
+with both a +inf and a NaN score gets lse +inf where torch's is NaN (out NaN in both)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch._higher_order_ops.flex_attention import math_attention, sdpa_dense_backward
+from torch.nn.attention.flex_attention import (AuxRequest, _create_empty_block_mask,
+                                               flex_attention as torch_flex_attention)
+
+import flexfa
+from .inputs import qkv
+
+L, S, SCALE = 24, 40, 0.25
+INF = math.inf
+# entries of the [L, S] tensor added to the scores: +inf, -inf or NaN at a few places
+ENTRIES = st.lists(st.tuples(st.integers(0, L - 1), st.integers(0, S - 1),
+                             st.sampled_from([INF, -INF, math.nan])), max_size=16)
+
+
+def _extra(data):
+    """[L, S] float32 added to the scores: 0 but for a few non-finite entries and up to
+    three rows of -inf (fully masked)."""
+    extra = torch.zeros(L, S)
+    for row, col, value in data.draw(ENTRIES):
+        extra[row, col] = value
+    extra[data.draw(st.lists(st.integers(0, L - 1), max_size=3))] = -INF
+    return extra
+
+
+def _mods(extra):
+    """(flexfa's score_mod, torch's score_mod taking extra as a buffer, its joint graph)."""
+    def add_extra(score, b, h, q_idx, kv_idx):
+        return score + extra[q_idx, kv_idx]
+
+    def torch_add(score, b, h, q_idx, kv_idx, extra):
+        return score + extra[q_idx, kv_idx]
+
+    def torch_joint(score, b, h, q_idx, kv_idx, grad, extra):  # d(score + c) / d score = 1
+        return [grad, extra, extra, extra, extra, extra]
+
+    return add_extra, torch_add, torch_joint
+
+
+def _mixed_rows(extra) -> torch.Tensor:
+    """Rows with both a +inf and a NaN score: lse +inf here, NaN in torch."""
+    return torch.isposinf(extra).any(-1) & torch.isnan(extra).any(-1)
+
+
+def _torch(q, k, v, extra, scale=SCALE):
+    """torch's (out, lse, row max) and gradients of out.sum() (dq, dk, dv), in float32."""
+    _, torch_add, torch_joint = _mods(extra)
+    q, k, v = (t.float() for t in (q, k, v))
+    empty = _create_empty_block_mask(q, k).as_tuple()
+    out, lse2, max2 = math_attention(q, k, v, torch_add, empty, scale, {}, (extra,))
+    grads = sdpa_dense_backward(q, k, v, out, lse2, torch.ones_like(out), None, torch_add,
+                                torch_joint, empty, scale, {}, (extra,), ())[:3]
+    return out, lse2 * math.log(2), max2 * math.log(2), grads
+
+
+def _assert_same(name, ours, theirs, atol, skip_rows=None):
+    """Same NaN and infinity pattern (rows ``skip_rows`` may be +inf or NaN where torch's are
+    NaN), finite values close."""
+    ours, theirs = ours.detach().double(), theirs.detach().double()
+    if skip_rows is not None and skip_rows.any():  # ours [..., L], the rows on the last dim
+        assert (torch.isnan(ours[..., skip_rows]) | torch.isposinf(ours[..., skip_rows])).all()
+        ours, theirs = ours[..., ~skip_rows], theirs[..., ~skip_rows]
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)), f"{name}: NaN pattern differs"
+    infinite = torch.isinf(theirs)
+    assert torch.equal(torch.isinf(ours), infinite), f"{name}: infinities differ"
+    assert torch.equal(ours[infinite], theirs[infinite]), f"{name}: sign of infinity differs"
+    finite = torch.isfinite(theirs)
+    torch.testing.assert_close(ours[finite], theirs[finite], atol=atol, rtol=atol, msg=name)
+
+
+@pytest.mark.parametrize("template, dtype, atol", [("ampere", torch.float32, 1e-5),
+                                                   ("hopper", torch.bfloat16, 2e-2)])
+@given(data=st.data())
+def test_out_lse_and_row_max_follow_torch(template, dtype, atol, data):
+    extra = _extra(data)
+    add_extra, torch_add, _ = _mods(extra)
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, L=L, S=S, dtype=dtype)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+        out, aux = flexfa.flex_attention(q, k, v, score_mod=add_extra, scale=SCALE,
+                                         return_aux=AuxRequest(lse=True, max_scores=True))
+    torch_out, torch_lse = torch_flex_attention(q, k, v, score_mod=add_extra, scale=SCALE,
+                                                return_lse=True)
+    _, _, torch_max, _ = _torch(q, k, v, extra)
+    mixed = _mixed_rows(extra)
+    _assert_same("out", out.float(), torch_out.float(), atol)
+    _assert_same("lse", aux.lse, torch_lse, atol, skip_rows=mixed)
+    _assert_same("max_scores", aux.max_scores, torch_max, atol, skip_rows=mixed)
+    empty = torch.isneginf(extra).all(-1)  # fully masked rows: out 0, lse -inf
+    assert (out[..., empty, :] == 0).all() and torch.isneginf(aux.lse[..., empty]).all()
+
+
+@given(data=st.data())
+def test_gradients_follow_torch(data):
+    extra = _extra(data)
+    add_extra, _, _ = _mods(extra)
+    q, k, v = (t.requires_grad_() for t in qkv(B=1, Hq=1, Hkv=1, L=L, S=S))
+    out, lse = flexfa.flex_attention(q, k, v, score_mod=add_extra, scale=SCALE, return_lse=True)
+    out.sum().backward()
+    torch_out, torch_lse, _, torch_grads = _torch(q.detach(), k.detach(), v.detach(), extra)
+    _assert_same("out", out, torch_out, 1e-5)
+    _assert_same("lse", lse, torch_lse, 1e-5, skip_rows=_mixed_rows(extra))
+    for name, ours, theirs in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), torch_grads):
+        _assert_same(name, ours, theirs, 1e-4)
+
+
+def test_gradient_of_a_captured_tensor_read_by_a_nan_row_is_nan():
+    """The row with a +inf score reads every entry of the bias: torch's bias gradient is NaN
+    everywhere, where the kernels' scatter-adds would add 0 for that row."""
+    bias = torch.zeros(S).requires_grad_()
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx == 3) & (kv_idx == 7), INF, score + bias[kv_idx])
+
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, L=L, S=S)
+    out = flexfa.flex_attention(q, k, v, score_mod=biased)
+    out.sum().backward()
+    assert torch.isnan(out[0, 0, 3]).all() and torch.isfinite(out[0, 0, :3]).all()
+    assert torch.isnan(bias.grad).all()
+
+
+def test_split_kv_decoding_combines_non_finite_rows(monkeypatch):
+    """Split-KV decoding: each split's lse carries the row's +inf / NaN / -inf into the
+    combination."""
+    monkeypatch.setenv("FLEXFA_SPLIT_KV", "2")
+    rows, keys = 5, 1024
+    extra = torch.zeros(rows, keys)
+    extra[0, 900] = INF  # in the second split only
+    extra[1, 10] = math.nan  # in the first split only
+    extra[2] = -INF  # nothing to attend
+    extra[3, :512] = -INF  # the first split has nothing for this row
+    add_extra, _, _ = _mods(extra)
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, L=rows, S=keys)
+    out, aux = flexfa.flex_attention(q, k, v, score_mod=add_extra,
+                                     return_aux=AuxRequest(lse=True, max_scores=True))
+    torch_out, torch_lse = torch_flex_attention(q, k, v, score_mod=add_extra, return_lse=True)
+    _assert_same("out", out, torch_out, 1e-5)
+    _assert_same("lse", aux.lse, torch_lse, 1e-5)
+    assert aux.max_scores[0, 0, :3].tolist()[0] == INF and math.isnan(aux.max_scores[0, 0, 1])
+
+
+def test_fp8_path_follows_torch():
+    from flexfa.fp8 import flex_attention_fp8
+
+    extra = torch.zeros(64, 64)
+    extra[0, 7], extra[2, 5], extra[1] = INF, math.nan, -INF
+    add_extra, _, _ = _mods(extra)
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, L=64, S=64, E=32, dtype=torch.bfloat16)
+    out, lse = flex_attention_fp8(q, k, v, score_mod=add_extra, return_lse=True)
+    torch_out, torch_lse = torch_flex_attention(q, k, v, score_mod=add_extra, return_lse=True)
+    assert torch.equal(torch.isnan(out), torch.isnan(torch_out))
+    assert torch.isposinf(lse[0, 0, 0]) and torch.isnan(lse[0, 0, 2])
+    assert torch.isneginf(lse[0, 0, 1]) and (out[0, 0, 1] == 0).all()
+    assert torch.isfinite(lse[0, 0, 3:]).all()
+
+
+@pytest.mark.parametrize("scale", [1e37, -1e37])
+def test_a_huge_scale_matches_torch_while_scores_stay_finite(scale):
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, L=L, S=S)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    assert scores.abs().max() < flexfa.api.MAX_SCALE  # the premise: finite in log2 units too
+    out, lse = flexfa.flex_attention(q, k, v, scale=scale, return_lse=True)
+    torch_out, torch_lse = torch_flex_attention(q, k, v, scale=scale, return_lse=True)
+    torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch_lse, atol=0, rtol=1e-5)
+
+
+def test_scores_past_the_log2_range_give_nan_and_plus_inf():
+    """The kernels keep scores in log2 units: a score beyond float32's max / log2(e) (about
+    2.36e38) is +inf to them. Such a row gets out NaN and lse +inf (torch, which works in
+    natural units, may still return a finite out), never -inf; the other rows match torch."""
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, L=L, S=S)
+    scale = 1e37
+    k[0, 0, 5] = q[0, 0, 2] * 4  # row 2's score with key 5: |q_2|^2 * 4e37 > 2.4e38
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    over = scores.max(-1).values[0, 0] > flexfa.api.MAX_SCALE
+    assert over[2] and not over.all()
+    out, lse = flexfa.flex_attention(q, k, v, scale=scale, return_lse=True)
+    torch_out, torch_lse = torch_flex_attention(q, k, v, scale=scale, return_lse=True)
+    assert torch.isnan(out[0, 0, over]).all() and torch.isposinf(lse[0, 0, over]).all()
+    torch.testing.assert_close(out[0, 0, ~over], torch_out[0, 0, ~over], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[0, 0, ~over], torch_lse[0, 0, ~over], atol=0, rtol=1e-5)
