@@ -22,7 +22,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..frontend.ir import DType, Node, Op
+from ..frontend.evaluate import narrow
+from ..frontend.ir import INT_RANGES, DType, Node, Op
 
 INT_CAP = 2.0 ** 50
 FLOAT_CAP = 1e38  # below float32's max, so a bounded float32 value did not overflow
@@ -132,6 +133,20 @@ def _mod(node, a, b):
     if not is_int:  # float % of an infinite dividend is NaN
         lo, hi = _unknown_where(~(torch.isfinite(a.lo) & torch.isfinite(a.hi)), lo, hi)
     return lo, hi
+
+
+def _fmod(node, a, b):
+    """C modulo: the dividend's sign, magnitude below the divisor's and at most the
+    dividend's; unknown where the divisor may be 0 (or, for floats, the dividend infinite)."""
+    largest = torch.maximum(b.lo.abs(), b.hi.abs())
+    if node.dtype is DType.INT:
+        largest = largest - 1.0
+    lo = torch.maximum(torch.minimum(a.lo, torch.zeros_like(a.lo)), -largest)
+    hi = torch.minimum(torch.maximum(a.hi, torch.zeros_like(a.hi)), largest)
+    unknown_where = _spans_zero(b)
+    if node.dtype is not DType.INT:
+        unknown_where = unknown_where | ~(torch.isfinite(a.lo) & torch.isfinite(a.hi))
+    return _unknown_where(unknown_where, lo, hi)
 
 
 def _pow(node, a, b):
@@ -253,6 +268,19 @@ def _cast(node, a):
     return a.lo, a.hi
 
 
+def _narrow(node, a):
+    """Rounding to float16/bfloat16 is monotone (NaN stays NaN, overflow goes to inf). An int
+    type keeps a range that fits it; anything else may wrap anywhere in the type."""
+    if node.dtype is DType.FLOAT:
+        return narrow(a.lo, node.arg), narrow(a.hi, node.arg)
+    lo, hi = a.lo, a.hi
+    if node.src[0].dtype is DType.FLOAT:  # truncation toward zero is monotone
+        lo, hi = torch.trunc(lo), torch.trunc(hi)
+    type_lo, type_hi = INT_RANGES[node.arg]
+    fits = (lo >= type_lo) & (hi <= type_hi)  # False for NaN
+    return torch.where(fits, lo, float(type_lo)), torch.where(fits, hi, float(type_hi))
+
+
 # ---- unary ---------------------------------------------------------------------------------
 
 def _increasing(fn, domain_lo: float | None = None):
@@ -295,10 +323,13 @@ RULES: dict[Op, Callable] = {
     Op.AND: _bitwise(torch.minimum, torch.minimum),
     Op.OR: _bitwise(torch.maximum, lambda x, y: _bit_ceiling(torch.maximum(x, y))),
     Op.XOR: _bitwise(None, lambda x, y: _bit_ceiling(torch.maximum(x, y))),
-    Op.NOT: _not, Op.WHERE: _where, Op.CAST: _cast,
+    Op.NOT: _not, Op.WHERE: _where, Op.CAST: _cast, Op.NARROW: _narrow,
+    Op.DETACH: lambda node, a: (a.lo, a.hi),
     Op.NEG: _neg, Op.ABS: _abs, Op.SIGN: _increasing(torch.sign),
     Op.FLOOR: _increasing(torch.floor), Op.CEIL: _increasing(torch.ceil),
     Op.EXP: _increasing(torch.exp), Op.EXP2: _increasing(torch.exp2),
+    Op.EXPM1: _increasing(torch.expm1), Op.LOG1P: _increasing(torch.log1p, -1.0),
+    Op.FMOD: _fmod,
     Op.TANH: _increasing(torch.tanh), Op.SIGMOID: _increasing(torch.sigmoid),
     Op.ERF: _increasing(torch.erf),
     Op.LOG: _increasing(torch.log, 0.0), Op.LOG2: _increasing(torch.log2, 0.0),

@@ -92,6 +92,7 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.FLOORDIV, INT): "flexfa_floordiv({0}, {1})",
     (Op.FLOORDIV, FLOAT): "flexfa_ffloordiv({0}, {1})",
     (Op.MOD, None): "flexfa_mod({0}, {1})",
+    (Op.FMOD, None): "({0} % {1})",  # Triton's % is C's fmod / srem: the dividend's sign
     (Op.POW, INT): "flexfa_ipow({0}, {1})",
     (Op.POW, FLOAT): "flexfa_pow({0}, {1})",
     (Op.MAX, FLOAT): "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
@@ -111,6 +112,7 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.NOT, INT): "(~{0})",
     (Op.WHERE, None): "tl.where({0}, {1}, {2})",
     (Op.NEG, None): "(-{0})",
+    (Op.DETACH, None): "{0}",  # a value is a value: only the derivative graph differs
     (Op.ABS, BOOL): "{0}",
     (Op.ABS, None): "tl.abs({0})",
     (Op.SIGN, BOOL): "{0}",
@@ -120,6 +122,8 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.CEIL, FLOAT): "tl.ceil({0})",
     (Op.EXP, FLOAT): "tl.exp({0})",
     (Op.EXP2, FLOAT): "tl.exp2({0})",
+    (Op.EXPM1, FLOAT): "flexfa_expm1({0})",
+    (Op.LOG1P, FLOAT): "flexfa_log1p({0})",
     (Op.LOG, FLOAT): "tl.log({0})",
     (Op.LOG2, FLOAT): "tl.log2({0})",
     (Op.SQRT, FLOAT): "tl.sqrt_rn({0})",
@@ -150,6 +154,23 @@ _CASTS: dict[tuple[DType, DType], str] = {
     (FLOAT, BOOL): "({0} != 0)",
 }
 
+# (source dtype, NARROW's storage dtype) -> format string: the value as torch stores it in
+# that dtype, read back as float32 / int32. Float -> int goes through int32 like torch on a CPU
+# (flexfa_f2i32: NaN and out-of-range values give -2**31); bf16 rounds in flexfa_round_bf16
+# because the interpreter's float32 -> bfloat16 conversion truncates
+_NARROWS: dict[tuple[DType, str], str] = {
+    (FLOAT, "float16"): "{0}.to(tl.float16).to(tl.float32)",
+    (FLOAT, "bfloat16"): "flexfa_round_bf16({0})",
+    (INT, "int8"): "{0}.to(tl.int8).to(tl.int32)",
+    (INT, "uint8"): "{0}.to(tl.uint8).to(tl.int32)",
+    (INT, "int16"): "{0}.to(tl.int16).to(tl.int32)",
+    (INT, "int32"): "{0}.to(tl.int32)",
+    (FLOAT, "int8"): "flexfa_f2i32({0}).to(tl.int8).to(tl.int32)",
+    (FLOAT, "uint8"): "flexfa_f2i32({0}).to(tl.uint8).to(tl.int32)",
+    (FLOAT, "int16"): "flexfa_f2i32({0}).to(tl.int16).to(tl.int32)",
+    (FLOAT, "int32"): "flexfa_f2i32({0})",
+}
+
 # how a loaded element becomes a kernel value of the LOAD node's dtype
 _LOAD_CONVERT = {FLOAT: "{0}.to(tl.float32)", INT: "{0}.to(tl.int32)", BOOL: "({0} != 0)"}
 
@@ -176,6 +197,8 @@ def literal(value) -> str:
 def _rule(node: Node, fast_math: bool = False) -> str:
     if fast_math and (node.op, node.dtype) in _FAST_RULES:
         return _FAST_RULES[(node.op, node.dtype)]
+    if node.op is Op.NARROW:
+        return _NARROWS[(node.src[0].dtype, node.arg)]
     if node.op is Op.CAST:
         key = (node.src[0].dtype, node.dtype)
         if key not in _CASTS:

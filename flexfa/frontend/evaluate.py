@@ -22,7 +22,7 @@ _TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int64}
 _BINARY = {
     Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div,
     Op.FLOORDIV: torch.floor_divide,  # Python's //, also for floats (1.0 // 0.1 == 9.0)
-    Op.MOD: torch.remainder, Op.POW: torch.pow,
+    Op.MOD: torch.remainder, Op.FMOD: torch.fmod, Op.POW: torch.pow,
     Op.MAX: torch.maximum, Op.MIN: torch.minimum,
     Op.LT: torch.lt, Op.LE: torch.le, Op.EQ: torch.eq, Op.NE: torch.ne,
 }
@@ -34,11 +34,14 @@ _LOGIC = {
 }
 _UNARY = {
     Op.NEG: torch.neg, Op.ABS: torch.abs, Op.SIGN: torch.sign, Op.FLOOR: torch.floor,
-    Op.CEIL: torch.ceil, Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.LOG: torch.log,
-    Op.LOG2: torch.log2, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt, Op.TANH: torch.tanh,
-    Op.SIGMOID: torch.sigmoid, Op.SIN: torch.sin, Op.COS: torch.cos, Op.TAN: torch.tan,
-    Op.ERF: torch.erf,
+    Op.CEIL: torch.ceil, Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.EXPM1: torch.expm1,
+    Op.LOG: torch.log, Op.LOG2: torch.log2, Op.LOG1P: torch.log1p, Op.SQRT: torch.sqrt,
+    Op.RSQRT: torch.rsqrt, Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid, Op.SIN: torch.sin,
+    Op.COS: torch.cos, Op.TAN: torch.tan, Op.ERF: torch.erf, Op.DETACH: torch.Tensor.detach,
 }
+_NARROW_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+                 "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
+_INT32_MIN = -2 ** 31
 
 
 def evaluate_node(root: Node, *, score=None, b=None, h=None, q_idx=None, kv_idx=None,
@@ -77,13 +80,29 @@ def _eval_one(node: Node, srcs, leaves, buffers, float_dtype, device):
         else:
             value = buf.reshape(())
         return value.to(target)
-    return apply_op(op, node.dtype, srcs, float_dtype)
+    return apply_op(op, node.dtype, srcs, float_dtype, node.arg)
 
 
-def apply_op(op: Op, dtype: DType, srcs, float_dtype=torch.float32) -> torch.Tensor:
-    """One non-leaf IR op on torch tensors; ``dtype`` is the node's. Shared with constant
-    folding (simplify.py), so folded constants equal what evaluation would compute."""
+def narrow(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``x`` stored in the torch dtype ``name`` and read back (floats in x's dtype, ints as
+    int64). A float stored in an int type converts as torch does on x86 CPUs: truncated
+    toward zero to int32, where NaN and values outside int32 become -2**31, then wrapped
+    into the type (C leaves out-of-range conversions undefined; torch on CUDA saturates)."""
+    storage = _NARROW_TORCH[name]
+    if storage.is_floating_point:
+        return x.to(storage).to(x.dtype)
+    if x.dtype.is_floating_point:
+        in_range = (x >= _INT32_MIN) & (x < -_INT32_MIN)  # False for NaN
+        x = torch.where(in_range, torch.trunc(x), _INT32_MIN).to(torch.int64)
+    return x.to(storage).to(torch.int64)
+
+
+def apply_op(op: Op, dtype: DType, srcs, float_dtype=torch.float32, arg=None) -> torch.Tensor:
+    """One non-leaf IR op on torch tensors; ``dtype`` and ``arg`` are the node's. Shared with
+    constant folding (simplify.py), so folded constants equal what evaluation would compute."""
     target = _target_dtype(dtype, float_dtype)
+    if op is Op.NARROW:
+        return narrow(srcs[0], arg)
     if op is Op.CAST:
         (x,) = srcs
         if dtype is DType.INT and x.dtype.is_floating_point:

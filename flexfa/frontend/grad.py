@@ -11,8 +11,9 @@ the results are plain partial derivatives of the mod's output:
 Derivative nodes are built with the same hash-consing constructors as the forward, so
 ``1 - tanh(x)**2`` reuses the forward ``tanh(x)`` node: common subexpressions between the
 forward and the joint graph are shared for free. Ties and kinks follow torch's autograd
-(``torch.maximum`` splits the gradient in half on ties; ``abs``/``sign`` give 0 at 0; ``pow``
-follows torch's special cases at a zero exponent and a zero base).
+(``torch.maximum`` splits the gradient in half on ties, ``clamp`` gives the input all of it,
+``relu``/``hardtanh`` none: see ``_extremum``; ``abs``/``sign`` give 0 at 0; ``pow`` follows
+torch's special cases at a zero exponent and a zero base).
 
 Mask mods have no gradient; ``check_mask_mod_grad`` is the early error for a mask_mod that
 reads a captured tensor requiring grad.
@@ -130,11 +131,21 @@ def _pow(node, g):
 
 
 def _extremum(is_max: bool):
-    """MAX or MIN; like torch.maximum/minimum, ties split the gradient in half."""
+    """MAX or MIN (a = the input, b = the bound), by the node's ties convention:
+    TIES_SPLIT (torch.maximum/minimum): a tie splits the gradient in half;
+    TIES_CLAMP (torch.clamp): a gets it where it is on the kept side or ties, b where a is
+    strictly beyond it; NaN gives neither any;
+    TIES_NONE (relu, hardtanh): a gets it where it is strictly on the kept side or NaN."""
     def rule(node, g):
         a, b = node.src
         a_wins = ir.binary(Op.LT, b, a) if is_max else ir.binary(Op.LT, a, b)
         b_wins = ir.binary(Op.LT, a, b) if is_max else ir.binary(Op.LT, b, a)
+        if node.arg == ir.TIES_CLAMP:
+            a_kept = ir.binary(Op.LE, b, a) if is_max else ir.binary(Op.LE, a, b)
+            return _where(a_kept, g, None), _where(b_wins, g, None)
+        if node.arg == ir.TIES_NONE:
+            a_lost = ir.binary(Op.LE, a, b) if is_max else ir.binary(Op.LE, b, a)
+            return _where(a_lost, None, g), _where(b_wins, g, None)
         tie, half = ir.binary(Op.EQ, a, b), _mul(g, _f(0.5))
         return (_where(tie, half, _where(a_wins, g, None)),
                 _where(tie, half, _where(b_wins, g, None)))
@@ -144,6 +155,14 @@ def _extremum(is_max: bool):
 def _mod(node, g):
     a, b = node.src  # a - b * floor(a / b)
     return g, _neg(_mul(g, ir.unary(Op.FLOOR, ir.binary(Op.DIV, a, b))))
+
+
+def _fmod(node, g):
+    a, b = node.src  # a - b * trunc(a / b), as torch differentiates it
+    quotient = ir.binary(Op.DIV, a, b)
+    trunc = ir.where(ir.binary(Op.LT, quotient, _f(0.0)), ir.unary(Op.CEIL, quotient),
+                     ir.unary(Op.FLOOR, quotient))
+    return g, _neg(_mul(g, trunc))
 
 
 _LN2 = math.log(2.0)
@@ -157,16 +176,23 @@ _RULES = {
     Op.MAX: _extremum(is_max=True),
     Op.MIN: _extremum(is_max=False),
     Op.MOD: _mod,
+    Op.FMOD: _fmod,
     Op.FLOORDIV: _no_grad,
     Op.WHERE: lambda n, g: (None, _where(n.src[0], g, None), _where(n.src[0], None, g)),
     Op.CAST: _no_grad,  # FLOAT -> INT/BOOL: no gradient, like torch's integer results
+    # float16/bfloat16 rounding passes the gradient on unchanged, as torch's .half() does
+    # (torch then rounds the gradient itself to float16; the kernels keep it in float32)
+    Op.NARROW: lambda n, g: (g,),
     Op.NEG: lambda n, g: (_neg(g),),
     Op.ABS: lambda n, g: (_mul(g, ir.unary(Op.SIGN, n.src[0])),),
     Op.SIGN: _no_grad,
+    Op.DETACH: _no_grad,
     Op.FLOOR: _no_grad,
     Op.CEIL: _no_grad,
     Op.EXP: lambda n, g: (_mul(g, n),),
     Op.EXP2: lambda n, g: (_mul(g, _mul(n, _f(_LN2))),),
+    Op.EXPM1: lambda n, g: (_mul(g, ir.binary(Op.ADD, n, _f(1.0))),),
+    Op.LOG1P: lambda n, g: (_div(g, ir.binary(Op.ADD, n.src[0], _f(1.0))),),
     Op.LOG: lambda n, g: (_div(g, n.src[0]),),
     Op.LOG2: lambda n, g: (_div(g, _mul(n.src[0], _f(_LN2))),),
     Op.SQRT: lambda n, g: (_div(g, _mul(_f(2.0), n)),),

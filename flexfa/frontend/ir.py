@@ -7,7 +7,9 @@ cache key across processes.
 
 dtypes: ``INT`` is index math (int32 in kernels, int64 in eager evaluation), ``FLOAT`` is
 score math (float32 in kernels; the eager reference may evaluate it in float64), ``BOOL`` is
-mask logic.
+mask logic. ``NARROW`` models torch's narrower storage types (float16, bfloat16, int8, uint8,
+int16, int32): the value is rounded or wrapped as torch stores it, then computed on as FLOAT
+or INT.
 """
 from __future__ import annotations
 
@@ -43,7 +45,9 @@ class Op(enum.Enum):
     DIV = enum.auto()  # true division, always FLOAT
     FLOORDIV = enum.auto()  # Python semantics: rounds toward -inf
     MOD = enum.auto()  # Python semantics: sign of the divisor
+    FMOD = enum.auto()  # C semantics (torch.fmod): sign of the dividend
     POW = enum.auto()
+    # arg: how the gradient treats ties (see TIES_SPLIT and friends); the value ignores it
     MAX = enum.auto()
     MIN = enum.auto()
     # comparisons -> BOOL (a > b is written LT(b, a))
@@ -58,6 +62,11 @@ class Op(enum.Enum):
     NOT = enum.auto()
     WHERE = enum.auto()  # src: (cond BOOL, a, b)
     CAST = enum.auto()  # dtype is the target; src: (x,)
+    # x stored as the torch dtype named by arg (a key of NARROW_TYPES) and read back: FLOAT
+    # rounds to nearest even (overflow to inf); INT wraps (two's complement); a FLOAT source
+    # of an INT narrow converts like torch on the CPU (see evaluate.narrow)
+    NARROW = enum.auto()
+    DETACH = enum.auto()  # x's value without its gradient, like torch's .detach()
     # unary
     NEG = enum.auto()
     ABS = enum.auto()
@@ -66,7 +75,9 @@ class Op(enum.Enum):
     CEIL = enum.auto()
     EXP = enum.auto()
     EXP2 = enum.auto()
+    EXPM1 = enum.auto()
     LOG = enum.auto()
+    LOG1P = enum.auto()
     LOG2 = enum.auto()
     SQRT = enum.auto()
     RSQRT = enum.auto()
@@ -81,17 +92,29 @@ class Op(enum.Enum):
 LEAVES = frozenset({Op.CONST, Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX})
 INDEX_LEAVES = (Op.B, Op.H, Op.Q_IDX, Op.KV_IDX)
 BINARY = frozenset(
-    {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN,
+    {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.MAX, Op.MIN,
      Op.AND, Op.OR, Op.XOR}
 )
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.EQ, Op.NE})
 # float -> float unary math; applying one to an INT/BOOL operand promotes it to FLOAT first
 FLOAT_UNARY = frozenset(
-    {Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SQRT, Op.RSQRT, Op.TANH, Op.SIGMOID, Op.SIN,
-     Op.COS, Op.TAN, Op.ERF}
+    {Op.EXP, Op.EXP2, Op.EXPM1, Op.LOG, Op.LOG2, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH,
+     Op.SIGMOID, Op.SIN, Op.COS, Op.TAN, Op.ERF}
 )
 # unary ops that keep their operand's dtype
-SAME_TYPE_UNARY = frozenset({Op.NEG, Op.ABS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.NOT})
+SAME_TYPE_UNARY = frozenset({Op.NEG, Op.ABS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.NOT, Op.DETACH})
+
+# NARROW's arg -> the node's dtype; the int types' (min, max) in INT_RANGES
+NARROW_TYPES = {"float16": DType.FLOAT, "bfloat16": DType.FLOAT, "int8": DType.INT,
+                "uint8": DType.INT, "int16": DType.INT, "int32": DType.INT}
+INT_RANGES = {"int8": (-2 ** 7, 2 ** 7 - 1), "uint8": (0, 2 ** 8 - 1),
+              "int16": (-2 ** 15, 2 ** 15 - 1), "int32": (-2 ** 31, 2 ** 31 - 1)}
+
+# MAX/MIN arg: who gets the gradient where the operands tie (the value is the same)
+TIES_SPLIT = None  # half each, like torch.maximum/minimum
+TIES_CLAMP = "clamp"  # the input (first operand) gets all of it, like torch.clamp
+TIES_NONE = "threshold"  # nobody gets it, like relu and hardtanh; a NaN input passes it on
+TIES = (TIES_SPLIT, TIES_CLAMP, TIES_NONE)
 
 
 class Node:
@@ -237,14 +260,34 @@ def binary(op: Op, a: Node, b: Node) -> Node:
     return Node.make(op, common, (cast(a, common), cast(b, common)))
 
 
+def extremum(op: Op, x: Node, bound: Node, ties=TIES_SPLIT) -> Node:
+    """MAX or MIN of ``x`` and ``bound`` whose gradient treats ties as ``ties`` says (only
+    float results carry it: ints have no gradient)."""
+    assert op in (Op.MAX, Op.MIN) and ties in TIES, (op, ties)
+    node = binary(op, x, bound)
+    if ties is TIES_SPLIT or node.dtype is not DType.FLOAT:
+        return node
+    return Node.make(op, node.dtype, node.src, ties)
+
+
+def narrow(x: Node, name: str) -> Node:
+    """``x`` as torch stores it in the dtype ``name`` (a key of NARROW_TYPES)."""
+    target = NARROW_TYPES[name]
+    if x.dtype is DType.BOOL:  # 0 and 1 survive every storage type
+        return cast(x, target)
+    if target is DType.FLOAT:
+        x = cast(x, DType.FLOAT)
+    return Node.make(Op.NARROW, target, (x,), name)
+
+
 def unary(op: Op, x: Node) -> Node:
     if op in FLOAT_UNARY:
         return Node.make(op, DType.FLOAT, (cast(x, DType.FLOAT),))
     assert op in SAME_TYPE_UNARY, op
     if op is Op.NEG and x.dtype is DType.BOOL:
         raise TypeError("negation of a bool value is not supported; use ~ instead")
-    if op in (Op.FLOOR, Op.CEIL) and x.dtype is not DType.FLOAT:
-        return x
+    if op in (Op.FLOOR, Op.CEIL, Op.DETACH) and x.dtype is not DType.FLOAT:
+        return x  # whole already / never has a gradient
     return Node.make(op, x.dtype, (x,))
 
 
@@ -284,6 +327,8 @@ def format_ir(root: Node, buffer_names: list[str] | None = None) -> str:
         if node.op is Op.LOAD:
             buf = buffer_names[node.arg] if buffer_names else f"buf{node.arg}"
             rhs = f"{buf}[{args}]"
+        elif node.arg is not None:  # NARROW's dtype, MAX/MIN's ties
+            rhs = f"{node.op.name.lower()}[{node.arg}]({args})"
         else:
             rhs = f"{node.op.name.lower()}({args})"
         lines.append(f"{name}: {node.dtype.value} = {rhs}")

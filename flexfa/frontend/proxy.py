@@ -4,11 +4,17 @@ Every Python operator on a ``Proxy`` funnels into ``ir.binary``, ``ir.unary``, `
 ``ir.cast``; torch functions reach the handlers registered in ``TORCH_FUNCTIONS`` (filled by
 torch_functions.py) through ``__torch_function__``; captured tensors indexed with traced values
 become ``LOAD`` nodes whose ``arg`` is a buffer slot, so the IR never depends on their values.
+
+Storage types: a traced value computes as FLOAT (float32) or INT (int64). A cast to a narrower
+torch dtype (``.half()``, ``.to(torch.int8)``) rounds or wraps it (``ir.narrow``) and the proxy
+remembers that dtype in ``storage``; every later op whose torch result dtype stays narrow
+(a float16 value times a Python float, int8 + int8) rounds or wraps again, as torch does.
 """
 from __future__ import annotations
 
 import functools
 import numbers
+import sys
 
 import torch
 
@@ -23,13 +29,38 @@ _SETITEM_MESSAGE = ("assignment into the captured tensor of shape {shape} is not
                     "mod: mods must be pure; compute a new value instead (e.g. torch.where)")
 
 
+# the frame of torch.autograd.Function.apply, which calls a custom Function's forward
+_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
+
+
 class _Tracer:
-    """State of one trace: the mod's name and the captured tensors seen so far."""
+    """State of one trace: the mod's name and the captured tensors seen so far.
+
+    Created by the function that calls the mod; that frame bounds the stack walk of
+    ``check_frames``, and the custom autograd Functions already running when the trace began
+    (flexfa called inside a user's Function) are counted so that they never count as the
+    mod's."""
 
     def __init__(self, name: str):
         self.name = name
         self.buffers: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}
+        self._entry = sys._getframe(1)
+        self._outer_applies = len(_apply_frames(self._entry, None)[0])
+
+    def check_frames(self) -> None:
+        """Raise when the mod computes inside a custom autograd Function's forward: its
+        backward would be ignored, because gradients are derived from the traced forward."""
+        applies, reached_entry = _apply_frames(sys._getframe(2), self._entry)
+        if len(applies) > (0 if reached_entry else self._outer_applies):
+            cls = applies[0].f_locals.get("cls")
+            name = getattr(cls, "__qualname__", "a torch.autograd.Function")
+            raise self.error(
+                f"the custom autograd Function {name} was called on traced values "
+                f"({name}.apply); custom autograd Functions cannot be traced: flexfa derives "
+                "the gradient from the traced forward and would never run its backward. Write "
+                "the computation in the mod with supported ops, or apply the Function outside "
+                "the mod", UnsupportedOpError)
 
     def slot(self, tensor: torch.Tensor) -> int:
         slot = self._slots.get(id(tensor))
@@ -40,6 +71,19 @@ class _Tracer:
 
     def error(self, message: str, cls=TraceError) -> TraceError:
         return cls(f"in mod {self.name!r}: {message}")
+
+
+def _apply_frames(frame, stop) -> tuple[list, bool]:
+    """The autograd Function.apply frames from ``frame`` up to ``stop`` (excluded), and
+    whether ``stop`` was reached."""
+    found = []
+    while frame is not None:
+        if frame is stop:
+            return found, True
+        if frame.f_code is _APPLY_CODE:
+            found.append(frame)
+        frame = frame.f_back
+    return found, False
 
 
 _FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,13 +101,18 @@ def _buffer_dtype(tracer: _Tracer, tensor: torch.Tensor) -> DType:
 
 
 class Proxy:
-    """A traced scalar value. Python control flow on it is an error: use torch.where."""
+    """A traced scalar value. Python control flow on it is an error: use torch.where.
+    ``storage``: the narrow torch dtype the value is held in (a key of ``_NARROW_NAMES``), or
+    None for flexfa's float32 / int64 / bool."""
 
-    __slots__ = ("node", "tracer")
+    __slots__ = ("node", "tracer", "storage")
 
-    def __init__(self, node: Node, tracer: _Tracer):
+    def __init__(self, node: Node, tracer: _Tracer, storage: torch.dtype | None = None):
+        assert storage is None or storage in _NARROW_NAMES, storage
+        tracer.check_frames()
         self.node = node
         self.tracer = tracer
+        self.storage = storage
 
     def __repr__(self):
         return f"Proxy({self.node.op.name}, {self.node.dtype.value})"
@@ -96,31 +145,24 @@ class Proxy:
     def __iter__(self):
         self._no_concrete("iterating over a traced value")
 
-    # -- casts
-    def float(self):
-        return _wrap(ir.cast(self.node, DType.FLOAT), self.tracer)
-
-    double = half = bfloat16 = float
-
-    def int(self):
-        # from float this truncates toward zero, like torch
-        return _wrap(ir.cast(self.node, DType.INT), self.tracer)
-
-    long = int
-
-    def bool(self):
-        return _wrap(ir.binary(Op.NE, self.node, ir.const(0)), self.tracer)
-
-    def to(self, *args, **kwargs):
-        dtype = kwargs.get("dtype")
-        for a in args:
+    # -- casts (.float(), .half(), .int(), ... are set below): each rounds or wraps as torch
+    # stores the value (see convert)
+    def to(self, *args, dtype=None, **kwargs):
+        for a in args:  # .to(dtype), .to(device, dtype), .to(other): the last dtype given
             if isinstance(a, torch.dtype):
                 dtype = a
+            elif isinstance(a, (Proxy, torch.Tensor)):
+                dtype = a.dtype
         if dtype is None:
             return self  # .to(device) and friends change nothing for a scalar
-        return _wrap(ir.cast(self.node, _ir_dtype(self.tracer, dtype)), self.tracer)
+        return convert(self.tracer, self.node, dtype)
 
-    def type(self, dtype):
+    def type(self, dtype=None, **kwargs):
+        if dtype is None:
+            raise self.tracer.error(".type() without a dtype returns a type name string; a mod "
+                                    "computes numbers: use .dtype, or .type(torch.float16)")
+        if isinstance(dtype, str):
+            dtype = _TYPE_NAMES.get(dtype.replace("torch.cuda.", "torch."), dtype)
         return self.to(dtype)
 
     # -- what code written for real index tensors asks of them (torch's noop_mask and
@@ -134,15 +176,14 @@ class Proxy:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _TORCH_DTYPE[self.node.dtype]
+        return self.storage or _TORCH_DTYPE[self.node.dtype]
 
     def new_full(self, size, fill_value, *, dtype=None, **kwargs):
         if tuple(size) != ():
             raise self.tracer.error(
                 f"new_full/new_ones/new_zeros with size {tuple(size)}: a mod computes one "
                 "scalar per (b, h, q_idx, kv_idx); use size ()")
-        target = self.node.dtype if dtype is None else _ir_dtype(self.tracer, dtype)
-        return _wrap(ir.cast(_lift(fill_value, self.tracer), target), self.tracer)
+        return convert(self.tracer, _lift(fill_value, self.tracer), dtype or self.dtype)
 
     def new_ones(self, *size, dtype=None, **kwargs):
         size = kwargs.pop("size", size[0] if len(size) == 1 else size)
@@ -163,7 +204,7 @@ class Proxy:
         method = getattr(torch.Tensor, name, None)
         handler = TORCH_FUNCTIONS.get(method)
         if handler is not None:
-            return functools.partial(handler, self)
+            return lambda *args, **kwargs: _call(handler, method, (self, *args), kwargs)
         if method is None:
             raise self.tracer.error(f"traced values have no attribute {name!r}")
         raise _unsupported(self.tracer, method)
@@ -173,23 +214,77 @@ class Proxy:
         return _dispatch(func, args, kwargs)
 
 
-_TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int32, DType.FLOAT: torch.float32}
+# the torch dtype of a traced value without a narrow storage type: what the eager evaluator
+# computes in (the kernels compute INT in int32 where it provably fits)
+_TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int64, DType.FLOAT: torch.float32}
+# casts that change nothing but the dtype: flexfa's FLOAT is float32 (float64 too: kernels
+# compute in float32) and its INT int64
+_WIDE = {torch.bool: DType.BOOL, torch.int64: DType.INT, torch.float32: DType.FLOAT,
+         torch.float64: DType.FLOAT}
+_NARROW_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
+                 torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
+_TYPE_NAMES = {f"torch.{name}Tensor": dtype for name, dtype in (
+    ("Float", torch.float32), ("Double", torch.float64), ("Half", torch.float16),
+    ("BFloat16", torch.bfloat16), ("Long", torch.int64), ("Int", torch.int32),
+    ("Short", torch.int16), ("Char", torch.int8), ("Byte", torch.uint8), ("Bool", torch.bool))}
 
 
-def _ir_dtype(tracer: _Tracer, dtype: torch.dtype) -> DType:
+def convert(tracer: _Tracer, node: Node, dtype) -> Proxy:
+    """``node`` cast to the torch dtype ``dtype`` as torch does it: float16/bfloat16 round to
+    nearest even, int8/uint8/int16/int32 wrap (a float is truncated first, see
+    ``evaluate.narrow``), bool is ``!= 0``; float32/float64/int64 only change the IR dtype."""
     if not isinstance(dtype, torch.dtype):
         raise tracer.error(f"expected a torch.dtype, got {type(dtype).__name__} {dtype!r:.40}")
     if dtype is torch.bool:
+        return Proxy(ir.binary(Op.NE, node, ir.const(0)), tracer)
+    if dtype in _WIDE:
+        return Proxy(ir.cast(node, _WIDE[dtype]), tracer)
+    if dtype in _NARROW_NAMES:
+        return Proxy(ir.narrow(node, _NARROW_NAMES[dtype]), tracer, dtype)
+    raise tracer.error(
+        f"cast to {dtype} is not supported in mods; supported: "
+        + ", ".join(str(d).replace("torch.", "") for d in (*_WIDE, *_NARROW_NAMES)),
+        UnsupportedOpError)
+
+
+def result(tracer: _Tracer, node: Node, operands, rebuild=None) -> Proxy:
+    """The proxy of an op's result ``node`` computed from ``operands`` (proxies, numbers,
+    captured tensors), rounded or wrapped where torch's result dtype is narrow.
+
+    torch's promotion treats traced values and captured elements as 0-d tensors, which Python
+    numbers never widen (a float16 value * 0.1 stays float16, int8 + 300 wraps in int8) and
+    which widen each other only within the result's kind (float16 + float32 is float32). A
+    tensor operand of a lower kind is converted to the result's dtype before the op (float16
+    + an int 65535 is inf): ``rebuild(nodes)`` makes the op again from such converted nodes."""
+    storage = _storage(operands, node.dtype)
+    if storage is None:
+        return Proxy(node, tracer)
+    name = _NARROW_NAMES[storage]
+    if rebuild is not None and node.dtype is DType.FLOAT:
+        nodes = [_lift(v, tracer) for v in operands]
+        lower = [isinstance(v, (Proxy, torch.Tensor)) and n.dtype is DType.INT
+                 for v, n in zip(operands, nodes)]
+        if any(lower):
+            node = rebuild([ir.narrow(n, name) if low else n for n, low in zip(nodes, lower)])
+    return Proxy(ir.narrow(node, name), tracer, storage)
+
+
+def _storage(operands, dtype: DType) -> torch.dtype | None:
+    """torch's result dtype for ``operands`` when it is narrower than flexfa's own."""
+    if dtype is DType.BOOL:
+        return None
+    kinds = [v.dtype for v in operands if isinstance(v, (Proxy, torch.Tensor))
+             and _kind(v.dtype) is dtype]
+    storage = functools.reduce(torch.promote_types, kinds) if kinds else None
+    return storage if storage in _NARROW_NAMES else None
+
+
+def _kind(dtype: torch.dtype) -> DType | None:
+    if dtype is torch.bool:
         return DType.BOOL
-    if dtype in _FLOAT_TORCH:
-        return DType.FLOAT
-    if not dtype.is_floating_point and not dtype.is_complex:
-        return DType.INT
-    raise tracer.error(f"cast to {dtype} is not supported")
-
-
-def _wrap(node: Node, tracer: _Tracer) -> Proxy:
-    return Proxy(node, tracer)
+    if dtype.is_complex:
+        return None
+    return DType.FLOAT if dtype.is_floating_point else DType.INT
 
 
 def _lift(value, tracer: _Tracer) -> Node:
@@ -212,9 +307,7 @@ def _lift(value, tracer: _Tracer) -> Node:
             return _finish_load(tracer, value, tuple(ir.const(0) for _ in range(value_dims)))
         return _finish_load(tracer, value, ())
     if isinstance(value, _BufferView):
-        raise tracer.error(
-            f"captured tensor of shape {tuple(value.tensor.shape)} indexed with "
-            f"{len(value.indices)} indices was used as a value; index every dimension")
+        raise value.row_error("a partially indexed captured tensor was used as a value")
     raise tracer.error(f"cannot use a value of type {type(value).__name__} ({value!r:.60}) in a mod",
                        UnsupportedOpError)
 
@@ -254,15 +347,29 @@ class _BufferView:
     def __setitem__(self, index, value):
         raise self.tracer.error(_SETITEM_MESSAGE.format(shape=tuple(self.tensor.shape)))
 
+    def row_error(self, what: str) -> TraceError:
+        """The error for using this row (not one element) as a value, in ``what``."""
+        shape = tuple(self.tensor.shape)
+        return self.tracer.error(
+            f"{what}: the captured tensor of shape {shape} indexed in {len(self.indices)} of "
+            f"its {len(shape)} dimensions is a row of values, but a mod computes one scalar per "
+            "(b, h, q_idx, kv_idx); index every dimension (e.g. t[q_idx, 0]), and to reduce "
+            "over a dimension combine its elements in Python: sum(t[q_idx, d] * t[kv_idx, d] "
+            "for d in range(t.shape[1]))", UnsupportedOpError)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise self.row_error(f".{name}() on a partially indexed captured tensor")
+
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
         if func is torch.Tensor.__getitem__:
             return _dispatch(func, args, kwargs)
-        view = next(a for a in args if isinstance(a, _BufferView))
-        raise view.tracer.error(
-            f"torch function {_func_name(func)} applied to a partially indexed captured "
-            f"tensor of shape {tuple(view.tensor.shape)}; index every dimension first",
-            UnsupportedOpError)
+        operands = [*args, *(kwargs or {}).values()]
+        view = next(a for v in operands for a in (v if isinstance(v, (tuple, list)) else (v,))
+                    if isinstance(a, _BufferView))
+        raise view.row_error(f"{_func_name(func)} applied to a partially indexed captured tensor")
 
 
 def _index_buffer(tracer: _Tracer, tensor: torch.Tensor, done: tuple[Node, ...], index):
@@ -308,7 +415,8 @@ def _binary(op: Op, swap: bool = False):
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
             raise tracer.error(f"operator {op.name.lower()} needs bool or int operands, got float",
                                UnsupportedOpError)
-        return Proxy(ir.binary(op, x, y), tracer)
+        return result(tracer, ir.binary(op, x, y), (a, b),
+                      lambda nodes: ir.binary(op, *nodes))
     return apply
 
 
@@ -320,7 +428,7 @@ def _unary(op: Op):
             raise tracer.error("unary minus on a bool value; use ~ for logical not")
         if op is Op.NOT and x.dtype is DType.FLOAT:
             raise tracer.error("~ needs a bool or int operand, got float", UnsupportedOpError)
-        return Proxy(ir.unary(op, x), tracer)
+        return result(tracer, ir.unary(op, x), (a,))
     return apply
 
 
@@ -345,6 +453,35 @@ for _name, _fn in _DUNDERS.items():
     setattr(Proxy, _name, _fn)
 Proxy.__hash__ = object.__hash__  # __eq__ is traced, identity hashing stays
 
+# the tensor methods that cast to a fixed dtype
+CAST_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                "bfloat16": torch.bfloat16, "long": torch.int64, "int": torch.int32,
+                "short": torch.int16, "char": torch.int8, "byte": torch.uint8,
+                "bool": torch.bool}
+
+
+def _cast_to(dtype: torch.dtype):
+    def cast(self):
+        return convert(self.tracer, self.node, dtype)
+    return cast
+
+
+for _name, _dtype in CAST_METHODS.items():
+    setattr(Proxy, _name, _cast_to(_dtype))
+
+
+def _row_operator(name: str):
+    def refuse(view, *other):
+        raise view.row_error(f"operator {name.strip('_')} on a partially indexed captured tensor")
+    return refuse
+
+
+# arithmetic on a row (means[q_idx] - means[kv_idx]) is refused by name, not by Python's
+# "unsupported operand type(s)"
+for _name in _DUNDERS:
+    setattr(_BufferView, _name, _row_operator(_name))
+_BufferView.__hash__ = object.__hash__
+
 
 
 # ---- torch functions ----------------------------------------------------------------------
@@ -353,7 +490,21 @@ def _dispatch(func, args, kwargs):
     handler = TORCH_FUNCTIONS.get(func)
     if handler is None:
         raise _unsupported(_find_tracer(*args, *(kwargs or {}).values()), func)
-    return handler(*args, **(kwargs or {}))
+    return _call(handler, func, args, kwargs or {})
+
+
+def _call(handler, func, args, kwargs):
+    """``handler(*args, **kwargs)``; arguments it does not take (``alpha=``, ``out=``) are a
+    TraceError naming ``func`` instead of the handler's own TypeError."""
+    try:
+        return handler(*args, **kwargs)
+    except TypeError as exc:
+        if isinstance(exc, TraceError) or exc.__traceback__.tb_next is not None:
+            raise  # raised inside the handler, not by binding its arguments
+        detail = str(exc).split("() ", 1)[-1]
+        raise _find_tracer(*args, *kwargs.values()).error(
+            f"{_func_name(func)} was called with arguments flexfa does not support ({detail}); "
+            "see docs/mods.md for the supported forms", UnsupportedOpError) from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -392,9 +543,36 @@ def supported_functions() -> list[str]:
                   if not (n.startswith("torch.Tensor.") and "torch." + n[13:] in names))
 
 
+# torch functions that reduce over dimensions (by their last name): a mod has none
+REDUCTIONS = frozenset({
+    "sum", "nansum", "mean", "nanmean", "prod", "any", "all", "amax", "amin", "aminmax",
+    "argmax", "argmin", "max", "min", "logsumexp", "softmax", "log_softmax", "softmin", "norm",
+    "normalize", "std", "var", "std_mean", "var_mean", "median", "nanmedian", "mode",
+    "quantile", "nanquantile", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
+    "count_nonzero", "topk", "sort", "argsort", "kthvalue", "dot", "vdot", "matmul", "mm",
+    "bmm", "einsum", "trace", "dist", "cdist", "cosine_similarity", "layer_norm",
+    "group_norm", "rms_norm"})
+
+
+def reduction_error(tracer: _Tracer, name: str) -> TraceError:
+    """The error for a reduction called on traced values (``name`` as the user wrote it)."""
+    bare = name.split()[0].rsplit(".", 1)[-1]
+    hint = ""
+    if bare in ("max", "min", "amax", "amin"):
+        pair = "maximum" if "max" in bare else "minimum"
+        hint = f": use torch.{pair}(a, b) for the {pair} of two values"
+    return tracer.error(
+        f"{name} is a reduction; a mod computes one scalar per (b, h, q_idx, kv_idx), so there "
+        f"is no dimension to reduce{hint}. To reduce over a dimension of a captured tensor, "
+        "index each element and combine them in Python, e.g. sum(t[q_idx, d] * t[kv_idx, d] "
+        "for d in range(t.shape[1]))", UnsupportedOpError)
+
+
 def _unsupported(tracer: _Tracer, func) -> TraceError:
     name = _func_name(func)
     bare = name.rsplit(".", 1)[-1]
+    if bare in REDUCTIONS:
+        return reduction_error(tracer, name)
     if (bare.endswith("_") and not bare.startswith("_")) or bare.startswith("__i"):
         return tracer.error(
             f"in-place {name} is not allowed in a mod: mods must be pure, so neither a "

@@ -64,7 +64,7 @@ def fold(node: Node) -> Node | None:
         return None
     try:
         srcs = [torch.tensor(s.arg, dtype=_TORCH[s.dtype]) for s in node.src]
-        value = apply_op(node.op, node.dtype, srcs, float_dtype=torch.float64).item()
+        value = apply_op(node.op, node.dtype, srcs, torch.float64, node.arg).item()
     except (RuntimeError, ValueError, OverflowError, ZeroDivisionError):
         return None  # e.g. integer division by zero: left for the user's run to meet
     return _c(value, node.dtype)
@@ -264,6 +264,24 @@ def cast_of_cast(node: Node) -> Node | None:
     return None
 
 
+def narrow_rules(node: Node) -> Node | None:
+    """A value that already fits the storage type needs no narrowing: a narrow of the same
+    type or of a smaller int type (int8 inside int16), a bool."""
+    (x,) = node.src
+    if x.op is Op.NARROW and (x.arg == node.arg or _int_fits(x.arg, node.arg)):
+        return x
+    if x.op is Op.CAST and x.src[0].dtype is _B:
+        return x
+    return None
+
+
+def _int_fits(inner: str, outer: str) -> bool:
+    if inner not in ir.INT_RANGES or outer not in ir.INT_RANGES:
+        return False
+    (lo, hi), (outer_lo, outer_hi) = ir.INT_RANGES[inner], ir.INT_RANGES[outer]
+    return outer_lo <= lo and hi <= outer_hi
+
+
 # ---- the table -----------------------------------------------------------------------------
 
 _COMMUTATIVE = (Op.ADD, Op.MUL, Op.MAX, Op.MIN, Op.AND, Op.OR, Op.XOR, Op.EQ, Op.NE)
@@ -281,10 +299,11 @@ for _op in (Op.AND, Op.OR):
     RULES[_op].append(complement)
 for _op in (Op.NOT, Op.NEG):
     RULES[_op].append(involution)
-for _op in (Op.ABS, Op.FLOOR, Op.CEIL, Op.SIGN):
+for _op in (Op.ABS, Op.FLOOR, Op.CEIL, Op.SIGN, Op.DETACH):
     RULES[_op].append(idempotent)
 for _op in (Op.FLOOR, Op.CEIL):
     RULES[_op].append(rounding_of_int)
 RULES[Op.NOT].append(not_comparison)
 RULES[Op.WHERE].append(where_rules)
 RULES[Op.CAST].append(cast_of_cast)
+RULES[Op.NARROW].append(narrow_rules)

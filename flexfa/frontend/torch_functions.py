@@ -1,16 +1,20 @@
 """The torch functions and tensor methods a mod may call, as handlers over proxies.
 
-Importing this module registers every handler in ``proxy.TORCH_FUNCTIONS``; the error for
-anything else lists ``supported_functions()``.
+Importing this module registers every handler in ``proxy.TORCH_FUNCTIONS`` (the activations
+and rounding functions built from IR ops come from activations.py); the error for anything
+else lists ``supported_functions()``, or says that a reduction has nothing to reduce.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from . import ir
+from . import activations, ir
 from .ir import DType, Op
-from .proxy import (_DUNDERS, _SETITEM_MESSAGE, TORCH_FUNCTIONS, Proxy, _binary, _find_tracer,
-                    _index_buffer, _ir_dtype, _lift, _unary)
+from .proxy import (_DUNDERS, _SETITEM_MESSAGE, CAST_METHODS, TORCH_FUNCTIONS, Proxy, _binary,
+                    _find_tracer, _index_buffer, _lift, _unary, convert, reduction_error,
+                    result)
 
 
 def _where(cond, a, b):
@@ -18,28 +22,90 @@ def _where(cond, a, b):
     c = _lift(cond, tracer)
     if c.dtype is not DType.BOOL:
         raise tracer.error(f"torch.where needs a bool condition, got {c.dtype.value}")
-    return Proxy(ir.where(c, _lift(a, tracer), _lift(b, tracer)), tracer)
+    return result(tracer, ir.where(c, _lift(a, tracer), _lift(b, tracer)), (a, b),
+                  lambda nodes: ir.where(c, *nodes))
 
 
 def _clamp(x, min=None, max=None):
-    out = x
-    if min is not None:
-        out = _binary(Op.MAX)(out, min)
-    if max is not None:
-        out = _binary(Op.MIN)(out, max)
-    return out
+    """torch.clamp: the value of min(max(x, min), max); the gradient goes to x where
+    min <= x <= max (bounds included) and to a tensor bound where x is beyond it."""
+    tracer = _find_tracer(x, min, max)
+    if min is None and max is None:
+        raise tracer.error("torch.clamp needs min or max (both are None), as in torch")
+    sides = [op for op, bound in ((Op.MAX, min), (Op.MIN, max)) if bound is not None]
+    operands = [x] + [bound for bound in (min, max) if bound is not None]
+
+    def build(nodes):
+        value, *bounds = nodes
+        node = value
+        for op, bound in zip(sides, bounds):
+            node = ir.extremum(op, node, bound, ir.TIES_CLAMP)
+        if len(bounds) == 2 and any(b.op is not Op.CONST for b in bounds):
+            # torch gives neither bound a gradient where they are equal and x is below them
+            low, high = bounds
+            stuck = ir.binary(Op.AND, ir.binary(Op.LT, value, low), ir.binary(Op.EQ, low, high))
+            node = ir.where(stuck, ir.unary(Op.DETACH, node), node)
+        return node
+    return result(tracer, build([_lift(v, tracer) for v in operands]), operands, build)
 
 
-def _relu(x, inplace=False):
-    return _binary(Op.MAX)(x, 0.0 if _lift(x, _find_tracer(x)).dtype is DType.FLOAT else 0)
+def _max_or_min(op: Op, name: str):
+    """torch.max / torch.min: elementwise with a second value, a reduction otherwise (no
+    second argument, or an int, which torch reads as a dimension)."""
+    def apply(input, other=None, *args, **kwargs):
+        if other is None and not args and not kwargs:
+            how = "one argument"
+        elif args or kwargs or isinstance(other, numbers.Integral):
+            how = "a dimension"
+        else:
+            return _binary(op)(input, other)
+        raise reduction_error(_find_tracer(input, other), f"torch.{name} with {how}")
+    return apply
 
 
-def _full_like(x, fill_value, **kwargs):
-    tracer = _find_tracer(x)
-    node = ir.const(fill_value)
-    dtype = kwargs.get("dtype")
-    target = _ir_dtype(tracer, dtype) if dtype is not None else _lift(x, tracer).dtype
-    return Proxy(ir.cast(node, target), tracer)
+def _full_like(x, fill_value, *, dtype=None, **kwargs):
+    tracer = _find_tracer(x, fill_value)
+    return convert(tracer, _lift(fill_value, tracer), dtype or x.dtype)
+
+
+def _add(sign: int):
+    """torch.add / torch.sub with ``alpha``: input + alpha * other (input - alpha * other)."""
+    def apply(input, other, *, alpha=1):
+        op = Op.ADD if sign > 0 else Op.SUB
+        if alpha == 1:
+            return _binary(op)(input, other)
+        if isinstance(other, numbers.Number):
+            return _binary(op)(input, other * alpha)
+        return _binary(op)(input, _binary(Op.MUL)(other, alpha))
+    return apply
+
+
+def _div(input, other, *, rounding_mode=None):
+    """torch.div: true division, or with rounding_mode "floor" (``//``) or "trunc"."""
+    if rounding_mode is None:
+        return _binary(Op.DIV)(input, other)
+    if rounding_mode == "floor":
+        return _binary(Op.FLOORDIV)(input, other)
+    if rounding_mode != "trunc":
+        raise _find_tracer(input, other).error(
+            f"torch.div rounding_mode must be None, 'floor' or 'trunc', got {rounding_mode!r}")
+    tracer = _find_tracer(input, other)
+    a, b = _lift(input, tracer), _lift(other, tracer)
+    if ir.promote(a.dtype, b.dtype) is DType.FLOAT:
+        node = activations.truncate(ir.binary(Op.DIV, a, b))
+    else:  # floor, plus one where the exact quotient was negative and not whole
+        floor = ir.binary(Op.FLOORDIV, a, b)
+        inexact = ir.binary(Op.NE, ir.binary(Op.MOD, a, b), ir.const(0))
+        negative = ir.binary(Op.NE, ir.binary(Op.LT, a, ir.const(0)),
+                             ir.binary(Op.LT, b, ir.const(0)))
+        node = ir.where(ir.binary(Op.AND, inexact, negative),
+                        ir.binary(Op.ADD, floor, ir.const(1)), floor)
+    return result(tracer, node, (input, other))
+
+
+def _detach(x):
+    """The value without its gradient (straight-through tricks: x + (f(x) - x).detach())."""
+    return Proxy(ir.unary(Op.DETACH, x.node), x.tracer, x.storage)
 
 
 def _getitem(tensor, index):
@@ -54,33 +120,34 @@ def _setitem(tensor, index, value):
     raise tracer.error(_SETITEM_MESSAGE.format(shape=tuple(tensor.shape)))
 
 
-def _cast_method(dtype):
+def _cast_method(name):
     def apply(x, *args, **kwargs):
-        return Proxy.to(x, dtype) if isinstance(x, Proxy) else x
+        return getattr(Proxy, name)(x, *args, **kwargs)
     return apply
 
 
 def _table() -> dict:
-    F = torch.nn.functional
     unary = {
-        Op.EXP: ["exp"], Op.EXP2: ["exp2", "special.exp2"], Op.LOG: ["log"],
-        Op.LOG2: ["log2"], Op.SQRT: ["sqrt"], Op.RSQRT: ["rsqrt"], Op.TANH: ["tanh"],
-        Op.SIGMOID: ["sigmoid", "special.expit"], Op.SIN: ["sin"], Op.COS: ["cos"],
-        Op.TAN: ["tan"], Op.ERF: ["erf", "special.erf"], Op.FLOOR: ["floor"], Op.CEIL: ["ceil"],
-        Op.ABS: ["abs", "absolute"], Op.SIGN: ["sign"], Op.NEG: ["neg", "negative"],
-        Op.NOT: ["logical_not", "bitwise_not"],
+        Op.EXP: ["exp"], Op.EXP2: ["exp2", "special.exp2"], Op.EXPM1: ["expm1", "special.expm1"],
+        Op.LOG: ["log"], Op.LOG2: ["log2"], Op.LOG1P: ["log1p", "special.log1p"],
+        Op.SQRT: ["sqrt"], Op.RSQRT: ["rsqrt"], Op.TANH: ["tanh", "nn.functional.tanh"],
+        Op.SIGMOID: ["sigmoid", "special.expit", "nn.functional.sigmoid"], Op.SIN: ["sin"],
+        Op.COS: ["cos"], Op.TAN: ["tan"], Op.ERF: ["erf", "special.erf"], Op.FLOOR: ["floor"],
+        Op.CEIL: ["ceil"], Op.ABS: ["abs", "absolute"], Op.SIGN: ["sign"],
+        Op.NEG: ["neg", "negative"], Op.NOT: ["logical_not", "bitwise_not"],
     }
     binary = {
-        Op.ADD: ["add"], Op.SUB: ["sub", "subtract"], Op.MUL: ["mul", "multiply"],
-        Op.DIV: ["div", "divide", "true_divide"], Op.FLOORDIV: ["floor_divide"],
-        Op.MOD: ["remainder"], Op.POW: ["pow"], Op.MAX: ["maximum", "max"],
-        Op.MIN: ["minimum", "min"], Op.LT: ["lt", "less"], Op.LE: ["le", "less_equal"],
+        Op.MUL: ["mul", "multiply"], Op.DIV: ["true_divide"], Op.FLOORDIV: ["floor_divide"],
+        Op.MOD: ["remainder"], Op.FMOD: ["fmod"], Op.POW: ["pow"], Op.MAX: ["maximum"],
+        Op.MIN: ["minimum"], Op.LT: ["lt", "less"], Op.LE: ["le", "less_equal"],
         Op.EQ: ["eq"], Op.NE: ["ne", "not_equal"], Op.AND: ["logical_and", "bitwise_and"],
         Op.OR: ["logical_or", "bitwise_or"], Op.XOR: ["logical_xor", "bitwise_xor"],
     }
     table = {}
 
     def add(name, handler):
+        """Register torch.<name> (a dotted name reaches into torch.special / nn.functional)
+        and, for a plain name, the tensor method of that name."""
         obj = torch
         for part in name.split("."):
             obj = getattr(obj, part, None)
@@ -98,25 +165,26 @@ def _table() -> dict:
             add(name, _binary(op))
     for name, op in (("gt", Op.LT), ("greater", Op.LT), ("ge", Op.LE), ("greater_equal", Op.LE)):
         add(name, _binary(op, swap=True))
+    for name in ("add", "sub", "subtract"):
+        add(name, _add(-1 if name.startswith("sub") else 1))
+    for name in ("div", "divide"):
+        add(name, _div)
+    add("max", _max_or_min(Op.MAX, "max"))
+    add("min", _max_or_min(Op.MIN, "min"))
     add("where", _where)
     add("clamp", _clamp)
     add("clip", _clamp)
+    add("clamp_min", lambda x, min: _clamp(x, min=min))
+    add("clamp_max", lambda x, max: _clamp(x, max=max))
     add("zeros_like", lambda x, **kw: _full_like(x, 0, **kw))
     add("ones_like", lambda x, **kw: _full_like(x, 1, **kw))
     add("full_like", _full_like)
-    add("relu", _relu)
-    add("clamp_min", lambda x, min: _clamp(x, min=min))
-    add("clamp_max", lambda x, max: _clamp(x, max=max))
     add("square", lambda x: _binary(Op.MUL)(x, x))
-    for name, dtype in (("float", torch.float32), ("double", torch.float64), ("int", torch.int32),
-                        ("long", torch.int64), ("bool", torch.bool)):
-        table[getattr(torch.Tensor, name)] = _cast_method(dtype)
-    for name in ("tanh", "sigmoid"):
-        table[getattr(F, name)] = _unary(Op.TANH if name == "tanh" else Op.SIGMOID)
-    table[F.relu] = _relu
-    table[F.relu6] = lambda x, inplace=False: _clamp(x, 0.0, 6.0)
-    table[F.hardtanh] = lambda x, min_val=-1.0, max_val=1.0, inplace=False: _clamp(
-        x, min_val, max_val)
+    add("detach", _detach)
+    for name, handler in activations.HANDLERS.items():
+        add(name, handler)
+    for name in (*CAST_METHODS, "to", "type"):
+        table[getattr(torch.Tensor, name)] = _cast_method(name)
     table[torch.Tensor.__getitem__] = _getitem
     table[torch.Tensor.__setitem__] = _setitem
     for dunder, handler in _DUNDERS.items():
@@ -124,6 +192,7 @@ def _table() -> dict:
         if method is not None:
             table[method] = handler
     return table
+
 
 
 TORCH_FUNCTIONS.update(_table())

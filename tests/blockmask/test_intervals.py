@@ -11,14 +11,15 @@ from flexfa.frontend import ir
 from flexfa.frontend.evaluate import evaluate_node
 from flexfa.frontend.ir import DType, Op
 
-INT_BINARY = [Op.ADD, Op.SUB, Op.MUL, Op.FLOORDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN, Op.LT,
-              Op.LE, Op.EQ, Op.NE, Op.AND, Op.OR, Op.XOR]
-FLOAT_BINARY = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN,
-                Op.LT, Op.LE, Op.EQ, Op.NE]
+INT_BINARY = [Op.ADD, Op.SUB, Op.MUL, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.MAX, Op.MIN,
+              Op.LT, Op.LE, Op.EQ, Op.NE, Op.AND, Op.OR, Op.XOR]
+FLOAT_BINARY = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.MAX,
+                Op.MIN, Op.LT, Op.LE, Op.EQ, Op.NE]
 BOOL_BINARY = [Op.AND, Op.OR, Op.XOR, Op.EQ, Op.NE, Op.LT, Op.LE, Op.MAX, Op.MIN]
 INT_UNARY = [Op.NEG, Op.ABS, Op.SIGN, Op.NOT]
-FLOAT_UNARY = [Op.NEG, Op.ABS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2,
-               Op.SQRT, Op.RSQRT, Op.TANH, Op.SIGMOID, Op.SIN, Op.COS, Op.TAN, Op.ERF]
+FLOAT_UNARY = [Op.NEG, Op.ABS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.EXP, Op.EXP2, Op.EXPM1, Op.LOG,
+               Op.LOG2, Op.LOG1P, Op.SQRT, Op.RSQRT, Op.TANH, Op.SIGMOID, Op.SIN, Op.COS, Op.TAN,
+               Op.ERF, Op.DETACH]
 _TORCH = {DType.INT: torch.int64, DType.FLOAT: torch.float32, DType.BOOL: torch.bool}
 
 
@@ -78,7 +79,7 @@ def test_int_binary(op, data):
         b = data.draw(interval_samples(DType.INT, low=0, high=5))
     else:
         a = data.draw(interval_samples(DType.INT))
-        b = data.draw(interval_samples(DType.INT, nonzero=op in (Op.FLOORDIV, Op.MOD)))
+        b = data.draw(interval_samples(DType.INT, nonzero=op in (Op.FLOORDIV, Op.MOD, Op.FMOD)))
     check_binary(op, DType.INT, a, b)
 
 
@@ -113,6 +114,21 @@ def test_cast(case, data):
     node = ir.cast(_leaf(0, source, Op.Q_IDX), target)
     values = evaluate_node(node, q_idx=torch.arange(len(xs)), buffers=(xs,))
     assert_inside(apply_rule(node, [ia]), values, target)
+
+
+@given(st.sampled_from([(s, t) for s in (DType.INT, DType.FLOAT) for t in ir.NARROW_TYPES
+                        if s is DType.FLOAT or ir.NARROW_TYPES[t] is DType.INT]),
+       st.sampled_from([1.0, 300.0, 7e4, 3e9]), st.data())
+def test_narrow(case, scale, data):
+    """float16/bfloat16 rounding (overflow to inf included) and int wrapping (from ints and
+    from floats, out-of-range conversions included) stay inside the rule's result."""
+    source, name = case
+    ia, xs = data.draw(interval_samples(source))
+    xs = xs * (scale if source is DType.FLOAT else int(scale))
+    ia = _interval(xs.min().item(), xs.max().item())  # the scaled samples, ends included
+    node = ir.narrow(_leaf(0, source, Op.Q_IDX), name)
+    values = evaluate_node(node, q_idx=torch.arange(len(xs)), buffers=(xs,))
+    assert_inside(apply_rule(node, [ia]), values, node.dtype)
 
 
 @given(st.sampled_from(list(DType)), st.data())
@@ -150,5 +166,5 @@ def test_decisions_are_tight_on_simple_cases():
 
 def test_every_op_with_a_rule_is_covered():
     covered = set(INT_BINARY + FLOAT_BINARY + BOOL_BINARY + INT_UNARY + FLOAT_UNARY
-                  + [Op.CAST, Op.WHERE])
+                  + [Op.CAST, Op.WHERE, Op.NARROW])
     assert set(RULES) <= covered

@@ -70,8 +70,8 @@ def uses_softmax(score, b, h, q_idx, kv_idx):
     return torch.softmax(score, dim=0)
 
 
-def uses_gelu(score, b, h, q_idx, kv_idx):
-    return torch.nn.functional.gelu(score)
+def uses_atan(score, b, h, q_idx, kv_idx):
+    return torch.atan(score)
 
 
 def uses_softmax_method(score, b, h, q_idx, kv_idx):
@@ -165,12 +165,12 @@ CASES = [  # (mod, exception type, regex the message must match)
     (mask_returns_float, TraceError, r"'mask_returns_float': a mask_mod must return bool .*"
                                      r"got float"),
     (returns_none, TraceError, r"'returns_none': the mod returned None"),
-    (uses_softmax, UnsupportedOpError, r"'uses_softmax': torch function torch\.softmax is not "
-                                       r"supported in mods; supported: .*torch\.exp, .*"
-                                       r"torch\.where"),
-    (uses_gelu, UnsupportedOpError, r"torch function torch\.nn\.functional\.gelu is not "
-                                    r"supported in mods; supported: .*torch\.nn\.functional\.relu"),
-    (uses_softmax_method, UnsupportedOpError, r"torch\.Tensor\.softmax is not supported"),
+    (uses_softmax, UnsupportedOpError, r"'uses_softmax': torch\.softmax is a reduction; a mod "
+                                       r"computes one scalar per \(b, h, q_idx, kv_idx\)"),
+    (uses_atan, UnsupportedOpError, r"'uses_atan': torch function torch\.atan is not supported "
+                                    r"in mods; supported: .*torch\.exp, .*"
+                                    r"torch\.nn\.functional\.relu, .*torch\.where"),
+    (uses_softmax_method, UnsupportedOpError, r"torch\.Tensor\.softmax is a reduction"),
     (unknown_attribute, TraceError, r"'unknown_attribute': traced values have no attribute "
                                     r"'no_such_thing'"),
     (add_inplace_constant, TraceError, r"'add_inplace_constant': the mod modified the captured "
@@ -191,8 +191,9 @@ CASES = [  # (mod, exception type, regex the message must match)
     (slice_index, UnsupportedOpError, r"'slice_index': indexing a captured tensor with "
                                       r"slice\(None, None, None\) is not supported"),
     (too_many_indices, TraceError, r"shape \(16,\) indexed with 2 indices"),
-    (partial_index, TraceError, r"'partial_index': captured tensor of shape \(4, 16\) indexed "
-                                r"with 1 indices was used as a value; index every dimension"),
+    (partial_index, TraceError, r"'partial_index': a partially indexed captured tensor was used "
+                                r"as a value: the captured tensor of shape \(4, 16\) indexed in "
+                                r"1 of its 2 dimensions is a row of values"),
     (whole_tensor, TraceError, r"'whole_tensor': a captured tensor of shape \(16,\) was used as "
                                r"a value; index it"),
     (complex_buffer, TraceError, r"'complex_buffer': captured tensor of dtype torch\.complex64 "

@@ -1,0 +1,169 @@
+"""Torch semantics of casts and of the activation functions inside kernels: the rendered
+expressions under the interpreter equal the eager evaluation (bit for bit for casts), a
+forward and backward with such score_mods match the reference computed by torch running the
+mod itself, and the kernels compile for sm_80 and sm_90 (no GPU needed)."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.codegen.compile_check import compile_job, forward_job
+from flexfa.frontend import evaluate, trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+from render_probe import probe_source, run_probe  # noqa: E402
+
+F = torch.nn.functional
+M = N = 16
+# score tile: float16 / bfloat16 rounding ties and overflow, int conversion edges, NaN, inf
+EDGES = [0.0, -0.0, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8,
+         65504.0, 65519.99, 65520.0, -65520.0, 2.0 ** -25, 3 * 2.0 ** -26, 3e38, -3.4e38,
+         127.9, 128.0, -129.0, 255.5, 300.7, -300.7, 40000.0, 2147483520.0, 2147483648.0,
+         -2147483904.0, 3e9, math.nan, math.inf, -math.inf, 1e-20, -1e-12, 0.5, -2.5]
+_generator = torch.Generator().manual_seed(0)
+SCORE = torch.cat([torch.tensor(EDGES), torch.randn(M * N - len(EDGES), generator=_generator)
+                   * torch.logspace(-3, 5, M * N - len(EDGES))]).view(M, N)
+Q_IDX = torch.arange(M) * 9001 - 70000  # int8/uint8/int16 wrap on both sides
+KV_IDX = torch.arange(N) * 37 - 300
+
+CAST_MODS = {
+    "half": lambda s, q, kv: s.half(),
+    "bfloat16": lambda s, q, kv: s.to(torch.bfloat16),
+    "half arithmetic": lambda s, q, kv: (s.half() * 0.1 + 1) / 3,
+    "bf16 + int": lambda s, q, kv: s.bfloat16() + kv,
+    "float to int8": lambda s, q, kv: s.char(),
+    "float to uint8": lambda s, q, kv: s.to(torch.uint8),
+    "float to int16": lambda s, q, kv: s.short(),
+    "float to int32": lambda s, q, kv: s.int(),
+    "int8 wrap": lambda s, q, kv: q.to(torch.int8) * kv.to(torch.int8) + 100,
+    "uint8 wrap": lambda s, q, kv: q.byte() - kv.byte(),
+    "int16 wrap": lambda s, q, kv: q.short() * 3 + kv,
+    "int32 wrap": lambda s, q, kv: q.int() * 40503 * kv.int(),
+}
+FUNCTION_MODS = {
+    "expm1/log1p": lambda s, q, kv: torch.expm1(s * 1e-3) + torch.log1p(s.abs() * 1e-4),
+    "fmod": lambda s, q, kv: torch.fmod(s, 1.3) + torch.fmod(q, kv + 1000) * 1.0,
+    "activations": lambda s, q, kv: (F.silu(s) + F.gelu(s) + F.gelu(s, approximate="tanh")
+                                     + F.softplus(s) + F.mish(s) + F.elu(s) + F.selu(s)),
+    "kinks": lambda s, q, kv: (F.hardswish(s) + F.hardsigmoid(s) + F.relu6(s)
+                               + F.leaky_relu(s) + torch.clamp(s, -1, 1) + torch.relu(s)),
+    "rounding": lambda s, q, kv: torch.round(s) + torch.trunc(s) + torch.frac(s)
+    + torch.round(s, decimals=1),
+    "logaddexp/logsigmoid": lambda s, q, kv: torch.logaddexp(s, q * 1e-4) + F.logsigmoid(s),
+    "detach": lambda s, q, kv: s + (s.round() - s).detach(),
+}
+
+
+def _traced(fn):
+    return trace(lambda score, b, h, q_idx, kv_idx: fn(score, q_idx, kv_idx))
+
+
+def _probe_and_eager(fn, tmp_path, score=SCORE):
+    traced = _traced(fn)
+    got = run_probe(traced.root, tmp_path, score=score, b=0, h=1, q_idx=Q_IDX, kv_idx=KV_IDX)
+    want = evaluate(traced, score=score, b=torch.tensor(0), h=torch.tensor(1),
+                    q_idx=Q_IDX.view(M, 1), kv_idx=KV_IDX.view(1, N))
+    return got, want.expand(M, N)
+
+
+@pytest.mark.parametrize("name", sorted(CAST_MODS))
+def test_casts_in_kernels_equal_torch_bit_for_bit(name, tmp_path):
+    got, want = _probe_and_eager(CAST_MODS[name], tmp_path)
+    # and the eager evaluation is torch's own result on these values
+    torch_value = CAST_MODS[name](SCORE, Q_IDX.view(M, 1), KV_IDX.view(1, N)).to(torch.float32)
+    for reference, what in ((want, "eager evaluation"), (torch_value, "torch")):
+        same = (got == reference) | (got.isnan() & reference.isnan())
+        assert same.all(), (f"{name}: kernel differs from the {what} at "
+                            f"{SCORE[~same][:4].tolist()}: {got[~same][:4].tolist()} vs "
+                            f"{reference[~same][:4].tolist()}")
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTION_MODS))
+def test_functions_in_kernels_match_eager(name, tmp_path):
+    score = SCORE.clamp(-60, 60).nan_to_num(0.5)  # transcendental: compare finite inputs
+    got, want = _probe_and_eager(FUNCTION_MODS[name], tmp_path, score)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+def test_bfloat16_rounds_to_nearest_even_not_toward_zero(tmp_path):
+    """Regression: the interpreter's own float32 -> bfloat16 conversion truncates."""
+    score = torch.full((M, N), 1 + 3 * 2.0 ** -8)  # halfway: even neighbour is 1 + 2**-6
+    got, _ = _probe_and_eager(lambda s, q, kv: s.bfloat16(), tmp_path, score)
+    assert (got == 1 + 2.0 ** -6).all()
+
+
+# ---- through flex_attention ------------------------------------------------------------------
+
+B, H, L, S, E = 1, 2, 60, 100, 16
+
+
+def _torch_attention(q, k, v, score_mod):
+    """float64 attention with the score_mod run by torch itself on [B, H, L, S] grids."""
+    q, k, v = (t.double() for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    grids = [torch.arange(n).view(*[-1 if i == d else 1 for i in range(4)])
+             for d, n in enumerate(scores.shape)]
+    return torch.softmax(score_mod(scores, *grids), -1) @ v
+
+
+def _index_bias(q_idx, kv_idx):
+    return (q_idx * 37 + kv_idx * 11) * 1.25  # whole numbers: exact in float32 and float64
+
+
+SEMANTIC_MODS = {
+    # each adds what rounding/wrapping changes (0 if the cast were a no-op): errors of up to
+    # a float16 ulp of 4500 (2), a bfloat16 ulp of 4500 (16, * 0.1) and int8 wraps (~256)
+    "half": lambda score, b, h, q_idx, kv_idx: score + (
+        _index_bias(q_idx, kv_idx).half().float() - _index_bias(q_idx, kv_idx)),
+    "bfloat16": lambda score, b, h, q_idx, kv_idx: score + 0.1 * (
+        _index_bias(q_idx, kv_idx).to(torch.bfloat16).float() - _index_bias(q_idx, kv_idx)),
+    "int8": lambda score, b, h, q_idx, kv_idx: score + 0.01 * (
+        (q_idx * 7 + kv_idx).to(torch.int8) - (q_idx * 7 + kv_idx)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEMANTIC_MODS))
+def test_flex_attention_with_casts_matches_torch(name):
+    score_mod = SEMANTIC_MODS[name]
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, n, E, generator=generator, requires_grad=True)
+               for n in (L, S, S))
+    out = flexfa.flex_attention(q, k, v, score_mod=score_mod)
+    want = _torch_attention(q, k, v, score_mod)
+    noop = _torch_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score)
+    assert (want - noop).abs().max() > 0.05, "the casts must matter for this test to mean much"
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    grad_out = torch.randn(out.shape, generator=generator)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected = torch.autograd.grad(want, (q, k, v), grad_out.double())
+    for g, w in zip(got, expected):
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-3, atol=1e-3)
+
+
+# ---- compile for the GPU architectures ---------------------------------------------------------
+
+def _everything(score, b, h, q_idx, kv_idx):
+    cast = (score.half() + score.bfloat16() + q_idx.to(torch.int8) * kv_idx.byte()
+            + (score * 100).char() + score.short() + score.int() + q_idx.int() * 7)
+    functions = (torch.expm1(score) + torch.log1p(score.abs()) + torch.fmod(score, 1.3)
+                 + torch.fmod(q_idx, 7) + F.silu(score) + F.softplus(score) + F.hardswish(score)
+                 + torch.clamp(score, -1, 1) + (score.round() - score).detach())
+    return cast + functions
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_casts_and_functions_compile(arch):
+    result = compile_job("fwd_d64_fp16_casts", arch, forward_job(64, "fp16", score_mod=_everything))
+    assert result.ok, result.error
+    assert "cvt.rn.f16.f32" in result.ptx  # the float16 rounding survived the compiler
+    assert "cvt.s32.s8" in result.ptx or "cvt.s8" in result.ptx  # int8 sign extension
+
+
+def test_rendered_source_calls_the_helpers():
+    source = probe_source(_traced(lambda s, q, kv: s.bfloat16() + s.char() + torch.log1p(s)
+                                  + torch.expm1(s)).root, ())
+    for helper in ("flexfa_round_bf16(", "flexfa_f2i32(", "flexfa_log1p(", "flexfa_expm1("):
+        assert helper in source
