@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .ir import DType, Node, Op
+from .ir import TIES_NONE, TIES_SPLIT, DType, Node, Op
 
 if TYPE_CHECKING:  # trace imports simplify, which folds constants with apply_op below
     from .trace import TracedMod
@@ -83,6 +83,45 @@ def _eval_one(node: Node, srcs, leaves, buffers, float_dtype, device):
     return apply_op(op, node.dtype, srcs, float_dtype, node.arg)
 
 
+class _PassGradient(torch.autograd.Function):
+    """``value`` in the forward, the gradient of ``x`` unchanged in the backward: float16 /
+    bfloat16 rounding differentiates as the identity (torch's .half() would also round the
+    gradient to float16; the kernels keep it in float32)."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _TiedExtremum(torch.autograd.Function):
+    """MAX/MIN whose ties convention is not torch.maximum's half split: torch's value, and
+    the gradient masks of ``grad._extremum`` (clamp's, relu's), so that torch.autograd on the
+    eager reference and the derived joint graph agree."""
+
+    @staticmethod
+    def forward(ctx, a, b, is_max, ties):
+        ctx.save_for_backward(a, b)
+        ctx.is_max, ctx.ties = is_max, ties
+        return torch.maximum(a, b) if is_max else torch.minimum(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        upper, lower = (a, b) if ctx.is_max else (b, a)  # the result is the larger of these
+        if ctx.ties == TIES_NONE:
+            a_gets = ~(upper <= lower)  # strictly on the kept side, or NaN
+        else:
+            a_gets = lower <= upper  # kept side or tie
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+        grad_a = torch.where(a_gets, grad, zero).sum_to_size(a.shape)
+        grad_b = torch.where(upper < lower, grad, zero).sum_to_size(b.shape)
+        return grad_a, grad_b, None, None
+
+
 def narrow(x: torch.Tensor, name: str) -> torch.Tensor:
     """``x`` stored in the torch dtype ``name`` and read back (floats in x's dtype, ints as
     int64). A float stored in an int type converts as torch does on x86 CPUs: truncated
@@ -90,7 +129,8 @@ def narrow(x: torch.Tensor, name: str) -> torch.Tensor:
     into the type (C leaves out-of-range conversions undefined; torch on CUDA saturates)."""
     storage = _NARROW_TORCH[name]
     if storage.is_floating_point:
-        return x.to(storage).to(x.dtype)
+        rounded = x.detach().to(storage).to(x.dtype)
+        return _PassGradient.apply(x, rounded) if x.requires_grad else rounded
     if x.dtype.is_floating_point:
         in_range = (x >= _INT32_MIN) & (x < -_INT32_MIN)  # False for NaN
         x = torch.where(in_range, torch.trunc(x), _INT32_MIN).to(torch.int64)
@@ -103,6 +143,8 @@ def apply_op(op: Op, dtype: DType, srcs, float_dtype=torch.float32, arg=None) ->
     target = _target_dtype(dtype, float_dtype)
     if op is Op.NARROW:
         return narrow(srcs[0], arg)
+    if op in (Op.MAX, Op.MIN) and arg is not TIES_SPLIT and dtype is DType.FLOAT:
+        return _TiedExtremum.apply(*srcs, op is Op.MAX, arg)
     if op is Op.CAST:
         (x,) = srcs
         if dtype is DType.INT and x.dtype.is_floating_point:

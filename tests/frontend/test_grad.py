@@ -110,6 +110,23 @@ def test_max_min_ties_split_the_gradient_like_torch():
         _check_against_autograd(traced, scores=ties)
 
 
+def test_clamp_relu_and_narrow_ties_agree_with_the_eager_reference():
+    """torch.autograd on the eager evaluation (the kernels' reference) follows the same tie
+    conventions as the derived graph: clamp gives the input the gradient at its bounds and a
+    tensor bound none, relu/hardtanh none; float16 rounding passes the gradient unchanged."""
+    bias = torch.zeros(H, requires_grad=True, dtype=F64)
+    ties = torch.zeros(B, H, L, S, dtype=F64)
+    ties[..., ::2] = 1.0
+    ties[..., 1] = -1.0
+    mods = [lambda s, t: torch.clamp(s, t + 1.0), lambda s, t: torch.clamp(s, max=t + 1.0),
+            lambda s, t: torch.clamp(s, t - 1.0, t + 1.0), lambda s, t: torch.relu(s - 1.0) * t,
+            lambda s, t: torch.nn.functional.hardtanh(s) + t,
+            lambda s, t: (s * 3.1 + t).half() * 1.5]
+    for fn in mods:
+        traced = trace(lambda score, b, h, q_idx, kv_idx: fn(score, bias[h]))
+        _check_against_autograd(traced, scores=ties)
+
+
 @pytest.mark.parametrize("exponent", [0.0, 1.0, 2.0, 0.5, -1.5, 3.0])
 def test_pow_constant_exponents_including_zero_base(exponent):
     scores = torch.randn(B, H, L, S, dtype=F64)
