@@ -14,6 +14,7 @@ import torch
 
 from .blockmask.validate import check_tables
 from .errors import InputError, InputTypeError, check_bool
+from .scores import check_score_range
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
 from .runtime.cache import register_memo
@@ -271,6 +272,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                 _VALIDATED.clear()
             entry = _VALIDATED[signature[0]] = (signature[1], {})
     check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
+    check_score_range(query, key, scale)  # only for an enormous scale
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)

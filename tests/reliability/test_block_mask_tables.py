@@ -28,10 +28,13 @@ def _window(b, h, q_idx, kv_idx):
     return (q_idx - kv_idx < 20) & (kv_idx - q_idx < 20)
 
 
-def _masks(kind, mask_mod=_band, H=2):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _masks(kind, mask_mod=_band, H=2, device="cpu"):
     if kind == "torch":
-        return torch_create_block_mask(mask_mod, 1, H, L, S, device="cpu", BLOCK_SIZE=16)
-    return flexfa.create_block_mask(mask_mod, 1, H, L, S, device="cpu", BLOCK_SIZE=16)
+        return torch_create_block_mask(mask_mod, 1, H, L, S, device=device, BLOCK_SIZE=16)
+    return flexfa.create_block_mask(mask_mod, 1, H, L, S, device=device, BLOCK_SIZE=16)
 
 
 _FLEXFA = _masks("flexfa")
@@ -45,8 +48,8 @@ def _fresh(kind):
                      BLOCK_SIZE=_FLEXFA.BLOCK_SIZE, mask_mod=_FLEXFA.mask_mod)
 
 
-def _call(mask, **kwargs):
-    q, k, v = qkv(Hq=2, Hkv=2, L=L, S=S, **kwargs)
+def _call(mask, device="cpu", **kwargs):
+    q, k, v = (t.to(device) for t in qkv(Hq=2, Hkv=2, L=L, S=S, **kwargs))
     return flexfa.flex_attention(q, k, v, block_mask=mask)
 
 
@@ -107,17 +110,19 @@ def test_a_tile_both_partial_and_full_is_rejected(kind):
         _call(mask)
 
 
-def test_an_edit_after_a_successful_call_is_caught_on_the_next_call():
-    mask = _masks("flexfa")
-    reference = _call(mask)
-    torch.testing.assert_close(_call(mask), reference)  # unchanged: fine
+@pytest.mark.parametrize("kind", ["flexfa", "torch"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_edit_after_a_successful_call_is_caught_on_the_next_call(kind, device):
+    mask = _masks(kind, device=device)
+    reference = _call(mask, device)
+    torch.testing.assert_close(_call(mask, device), reference)  # unchanged: fine
     assert mask.kv_num_blocks[0, 1, 3] > 0
     listed = int(mask.kv_indices[0, 1, 3, 0])
     mask.kv_indices[0, 1, 3, 0] = 99
     with pytest.raises(flexfa.InputError, match=r"kv_indices\[0, 1, 3, 0\] is 99"):
-        _call(mask)
+        _call(mask, device)
     mask.kv_indices[0, 1, 3, 0] = listed  # repaired in place: accepted again
-    torch.testing.assert_close(_call(mask), reference)
+    torch.testing.assert_close(_call(mask, device), reference)
 
 
 def test_an_edit_between_forward_and_backward_is_caught_in_the_backward():
@@ -165,18 +170,21 @@ def _tile_mask(keep):
     return mask, lambda b, h, q_idx, kv_idx: keep(q_idx // 16, kv_idx // 16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("template", ["ampere", "hopper"])
-def test_a_replaced_table_is_used_by_the_next_call(monkeypatch, template):
+def test_a_replaced_table_is_used_by_the_next_call(monkeypatch, template, device):
     """Replacing the tables of a mask (not in place) after a call: the cached launch plan of
     the first call (keyed by the mask object and its mods) must not keep the old tables."""
     monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
     mask, _ = _tile_mask(lambda i, j: i >= j)
     near, near_mod = _tile_mask(lambda i, j: (i - j).abs() <= 1)
+    mask, near = mask.to(device), near.to(device)
     q, k, v = qkv(Hq=1, Hkv=1, L=L, S=S, dtype=torch.bfloat16)
-    flexfa.flex_attention(q, k, v, block_mask=mask)
+    for _ in range(2):  # the second call takes the cached (direct) launch
+        flexfa.flex_attention(*(t.to(device) for t in (q, k, v)), block_mask=mask)
     for name in TABLES:
         setattr(mask, name, getattr(near, name))
-    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    out = flexfa.flex_attention(*(t.to(device) for t in (q, k, v)), block_mask=mask).cpu()
     exact = attention_reference(q, k, v, mask_mod=near_mod)
     eager = attention_reference(q, k, v, mask_mod=near_mod, dtype=torch.bfloat16)
     assert_close_to_reference(out, exact, eager)
