@@ -56,6 +56,9 @@ def relu(x: Node) -> Node:
 
 def hardtanh(x: Node, min_val: float = -1.0, max_val: float = 1.0) -> Node:
     """Gradient 1 strictly inside (min_val, max_val) and for NaN, 0 at and beyond the bounds."""
+    if min_val > max_val:
+        raise ValueError(f"hardtanh: min_val ({min_val}) cannot be greater than max_val "
+                         f"({max_val}), as in torch")
     low = ir.extremum(Op.MAX, x, _f(min_val), ir.TIES_NONE)
     return ir.extremum(Op.MIN, low, _f(max_val), ir.TIES_NONE)
 

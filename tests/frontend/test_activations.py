@@ -166,6 +166,8 @@ def test_new_functions_are_listed_as_supported():
 @pytest.mark.parametrize("call,message", [
     (lambda s: F.gelu(s, approximate="fast"), r"approximate must be 'none' or 'tanh'"),
     (lambda s: F.celu(s, 0.0), r"celu: alpha cannot be 0"),
+    (lambda s: F.hardtanh(s, 2.0, 1.0), r"hardtanh: min_val \(2.0\) cannot be greater than "
+                                        r"max_val \(1.0\)"),
     (lambda s: F.relu(s, inplace=True), r"relu\(\.\.\., inplace=True\) modifies its input"),
     (lambda s: F.softplus(s, s), r"softplus: parameter 0 must be a Python number"),
     (lambda s: torch.div(s, 2.0, rounding_mode="up"), r"rounding_mode must be None, 'floor'"),

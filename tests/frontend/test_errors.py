@@ -146,6 +146,52 @@ def where_float_condition(score, b, h, q_idx, kv_idx):
     return torch.where(score, score, 0.0)
 
 
+def max_one_argument(score, b, h, q_idx, kv_idx):
+    return torch.max(score)
+
+
+def max_method(score, b, h, q_idx, kv_idx):
+    return score.max()
+
+
+def max_over_dim(score, b, h, q_idx, kv_idx):
+    return torch.max(score, 0)  # torch reads an int as a dimension, not a value
+
+
+def sum_of_score(score, b, h, q_idx, kv_idx):
+    return torch.sum(score)
+
+
+def amin_of_score(score, b, h, q_idx, kv_idx):
+    return score.amin()
+
+
+def row_difference_sum(score, b, h, q_idx, kv_idx):
+    return score + (table[q_idx % 4] - table[kv_idx % 4]).sum(-1)
+
+
+def row_method(score, b, h, q_idx, kv_idx):
+    return score + table[h].mean()
+
+
+def row_torch_sum(score, b, h, q_idx, kv_idx):
+    return score + torch.sum(table[h])
+
+
+class _Doubler(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # differs from the forward's derivative: tracing would silently ignore it
+
+
+def custom_autograd_function(score, b, h, q_idx, kv_idx):
+    return _Doubler.apply(score)
+
+
 COMPLEX = torch.zeros(4, dtype=torch.complex64)
 
 CASES = [  # (mod, exception type, regex the message must match)
@@ -202,6 +248,21 @@ CASES = [  # (mod, exception type, regex the message must match)
                                            r"operands, got float"),
     (where_float_condition, TraceError, r"'where_float_condition': torch\.where needs a bool "
                                         r"condition, got float"),
+    (max_one_argument, UnsupportedOpError, r"'max_one_argument': torch\.max with one argument "
+                                           r"is a reduction; a mod computes one scalar per "
+                                           r"\(b, h, q_idx, kv_idx\).*torch\.maximum\(a, b\)"),
+    (max_method, UnsupportedOpError, r"torch\.max with one argument is a reduction"),
+    (max_over_dim, UnsupportedOpError, r"torch\.max with a dimension is a reduction"),
+    (sum_of_score, UnsupportedOpError, r"'sum_of_score': torch\.sum is a reduction"),
+    (amin_of_score, UnsupportedOpError, r"torch\.Tensor\.amin is a reduction.*torch\.minimum"),
+    (row_difference_sum, UnsupportedOpError, r"'row_difference_sum': operator sub on a partially "
+                                             r"indexed captured tensor: .* shape \(4, 16\) "
+                                             r"indexed in 1 of its 2 dimensions is a row"),
+    (row_method, UnsupportedOpError, r"\.mean\(\) on a partially indexed captured tensor"),
+    (row_torch_sum, UnsupportedOpError, r"torch\.sum applied to a partially indexed captured"),
+    (custom_autograd_function, UnsupportedOpError, r"'custom_autograd_function': the custom "
+                                                   r"autograd Function _Doubler was called on "
+                                                   r"traced values"),
 ]
 
 
@@ -246,3 +307,22 @@ def test_error_inside_a_mod_is_wrapped_with_its_name():
     with pytest.raises(TraceError, match=r"in mod 'broken': tracing raised KeyError") as info:
         trace(broken)
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_flexfa_inside_a_custom_autograd_function_still_traces():
+    """The check looks only at frames below the trace: a mod traced while a user's Function
+    runs (flex_attention inside its forward) is fine."""
+    traced = []
+
+    class Outer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            traced.append(trace(lambda score, b, h, q_idx, kv_idx: score * 2))
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    Outer.apply(torch.ones(1))
+    assert traced[0].root.op.name == "MUL"
