@@ -12,6 +12,7 @@ import torch
 import flexfa
 from flexfa.codegen.compile_check import compile_job, forward_job
 from flexfa.frontend import evaluate, trace
+from flexfa.runtime.loader import load_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from render_probe import probe_source, run_probe  # noqa: E402
@@ -167,3 +168,57 @@ def test_rendered_source_calls_the_helpers():
                                   + torch.expm1(s)).root, ())
     for helper in ("flexfa_round_bf16(", "flexfa_f2i32(", "flexfa_log1p(", "flexfa_expm1("):
         assert helper in source
+
+
+# ---- on a GPU: compiled conversions (a GPU's own float -> int saturates, bf16 rounds in
+# hardware), the fast-math kernels of flex_attention ----------------------------------------
+
+def _gpu_probe(root, tmp_path, score):
+    source = probe_source(root, ())
+    path = tmp_path / "probe_gpu.py"
+    path.write_text(source)
+    module = load_module(path, interpret=False, module_name=f"mod_semantics_{abs(hash(source))}")
+    out = torch.empty(M, N, device="cuda", dtype={"float": torch.float32, "int": torch.int64,
+                                                   "bool": torch.int32}[root.dtype.value])
+    module.probe[(1,)](score.float().cuda(), Q_IDX.int().cuda(), KV_IDX.int().cuda(), out, 0, 1,
+                       M=M, N=N)
+    return out.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CAST_MODS))
+def test_casts_compiled_for_the_gpu_equal_torch_on_the_cpu(name, tmp_path):
+    got = _gpu_probe(_traced(CAST_MODS[name]).root, tmp_path, SCORE)
+    want = CAST_MODS[name](SCORE, Q_IDX.view(M, 1), KV_IDX.view(1, N)).to(torch.float32)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert same.all(), (f"{name}: at {SCORE[~same][:4].tolist()} the GPU gives "
+                        f"{got[~same][:4].tolist()}, torch {want[~same][:4].tolist()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FUNCTION_MODS))
+def test_functions_compiled_for_the_gpu_match_eager(name, tmp_path):
+    score = SCORE.clamp(-60, 60).nan_to_num(0.5)
+    traced = _traced(FUNCTION_MODS[name])
+    got = _gpu_probe(traced.root, tmp_path, score)
+    want = evaluate(traced, score=score, b=torch.tensor(0), h=torch.tensor(1),
+                    q_idx=Q_IDX.view(M, 1), kv_idx=KV_IDX.view(1, N)).expand(M, N)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SEMANTIC_MODS))
+def test_flex_attention_with_casts_on_the_gpu(name):
+    score_mod = SEMANTIC_MODS[name]
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(2, 4, n, 64, generator=generator).half() for n in (200, 300, 300)]
+    exact = [t.float().requires_grad_(True) for t in inputs]
+    want = _torch_attention(*exact, score_mod)
+    grad_out = torch.randn(want.shape, generator=generator)
+    want_grads = torch.autograd.grad(want, exact, grad_out.double())
+    gpu = [t.cuda().requires_grad_(True) for t in inputs]
+    out = flexfa.flex_attention(*gpu, score_mod=score_mod)
+    torch.testing.assert_close(out.double().cpu(), want.detach(), rtol=0, atol=1e-2)
+    got_grads = torch.autograd.grad(out, gpu, grad_out.half().cuda())
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got.double().cpu(), expected.double(), rtol=0, atol=3e-2)
