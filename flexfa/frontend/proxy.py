@@ -21,9 +21,11 @@ import torch
 from ..errors import TraceError, UnsupportedOpError
 from . import ir
 from .ir import DType, Node, Op
+from .names import TORCH_FUNCTIONS, func_name, reduction_error, supported_functions, unsupported
 
-# torch function or method -> handler taking the same arguments; see torch_functions.py
-TORCH_FUNCTIONS: dict = {}
+__all__ = ["Proxy", "TORCH_FUNCTIONS", "convert", "reduction_error", "result",
+           "supported_functions"]
+
 
 _SETITEM_MESSAGE = ("assignment into the captured tensor of shape {shape} is not allowed in a "
                     "mod: mods must be pure; compute a new value instead (e.g. torch.where)")
@@ -207,7 +209,7 @@ class Proxy:
             return lambda *args, **kwargs: _call(handler, method, (self, *args), kwargs)
         if method is None:
             raise self.tracer.error(f"traced values have no attribute {name!r}")
-        raise _unsupported(self.tracer, method)
+        raise unsupported(self.tracer, method)
 
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
@@ -369,7 +371,7 @@ class _BufferView:
         operands = [*args, *(kwargs or {}).values()]
         view = next(a for v in operands for a in (v if isinstance(v, (tuple, list)) else (v,))
                     if isinstance(a, _BufferView))
-        raise view.row_error(f"{_func_name(func)} applied to a partially indexed captured tensor")
+        raise view.row_error(f"{func_name(func)} applied to a partially indexed captured tensor")
 
 
 def _index_buffer(tracer: _Tracer, tensor: torch.Tensor, done: tuple[Node, ...], index):
@@ -489,7 +491,7 @@ _BufferView.__hash__ = object.__hash__
 def _dispatch(func, args, kwargs):
     handler = TORCH_FUNCTIONS.get(func)
     if handler is None:
-        raise _unsupported(_find_tracer(*args, *(kwargs or {}).values()), func)
+        raise unsupported(_find_tracer(*args, *(kwargs or {}).values()), func)
     return _call(handler, func, args, kwargs or {})
 
 
@@ -503,82 +505,5 @@ def _call(handler, func, args, kwargs):
             raise  # raised inside the handler, not by binding its arguments
         detail = str(exc).split("() ", 1)[-1]
         raise _find_tracer(*args, *kwargs.values()).error(
-            f"{_func_name(func)} was called with arguments flexfa does not support ({detail}); "
+            f"{func_name(func)} was called with arguments flexfa does not support ({detail}); "
             "see docs/mods.md for the supported forms", UnsupportedOpError) from None
-
-
-@functools.lru_cache(maxsize=None)
-def _public_names() -> dict[int, str]:
-    """id(function) -> the public name users write (torch.exp, torch.Tensor.exp, F.relu)."""
-    names: dict[int, str] = {}
-    spaces = (("torch.nn.functional", torch.nn.functional), ("torch.special", torch.special),
-              ("torch.Tensor", torch.Tensor), ("torch", torch))
-    for prefix, space in spaces:  # later spaces win: torch.erf over torch.special.erf
-        for attr in dir(space):
-            if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
-                continue
-            obj = getattr(space, attr, None)
-            if callable(obj):
-                names[id(obj)] = f"{prefix}.{attr}"
-    return names
-
-
-def _func_name(func) -> str:
-    public = _public_names().get(id(func))
-    if public is not None:
-        return public
-    module = getattr(func, "__module__", None) or ""
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    if module.startswith("torch") or name.startswith(("_VariableFunctionsClass.", "TensorBase.")):
-        return "torch." + name.split(".")[-1]  # torch._C internals print as torch.<name>
-    return f"{module}.{name}" if module else name
-
-
-def supported_functions() -> list[str]:
-    """Public names of the torch functions and tensor methods a mod may call."""
-    names = {_func_name(f) for f in TORCH_FUNCTIONS}
-    names = {n for n in names if "__" not in n}
-    # torch.Tensor.exp is listed as torch.exp; methods with no function form stay
-    return sorted(n for n in names
-                  if not (n.startswith("torch.Tensor.") and "torch." + n[13:] in names))
-
-
-# torch functions that reduce over dimensions (by their last name): a mod has none
-REDUCTIONS = frozenset({
-    "sum", "nansum", "mean", "nanmean", "prod", "any", "all", "amax", "amin", "aminmax",
-    "argmax", "argmin", "max", "min", "logsumexp", "softmax", "log_softmax", "softmin", "norm",
-    "normalize", "std", "var", "std_mean", "var_mean", "median", "nanmedian", "mode",
-    "quantile", "nanquantile", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
-    "count_nonzero", "topk", "sort", "argsort", "kthvalue", "dot", "vdot", "matmul", "mm",
-    "bmm", "einsum", "trace", "dist", "cdist", "cosine_similarity", "layer_norm",
-    "group_norm", "rms_norm"})
-
-
-def reduction_error(tracer: _Tracer, name: str) -> TraceError:
-    """The error for a reduction called on traced values (``name`` as the user wrote it)."""
-    bare = name.split()[0].rsplit(".", 1)[-1]
-    hint = ""
-    if bare in ("max", "min", "amax", "amin"):
-        pair = "maximum" if "max" in bare else "minimum"
-        hint = f": use torch.{pair}(a, b) for the {pair} of two values"
-    return tracer.error(
-        f"{name} is a reduction; a mod computes one scalar per (b, h, q_idx, kv_idx), so there "
-        f"is no dimension to reduce{hint}. To reduce over a dimension of a captured tensor, "
-        "index each element and combine them in Python, e.g. sum(t[q_idx, d] * t[kv_idx, d] "
-        "for d in range(t.shape[1]))", UnsupportedOpError)
-
-
-def _unsupported(tracer: _Tracer, func) -> TraceError:
-    name = _func_name(func)
-    bare = name.rsplit(".", 1)[-1]
-    if bare in REDUCTIONS:
-        return reduction_error(tracer, name)
-    if (bare.endswith("_") and not bare.startswith("_")) or bare.startswith("__i"):
-        return tracer.error(
-            f"in-place {name} is not allowed in a mod: mods must be pure, so neither a "
-            "captured tensor nor a traced value may be modified; compute a new value instead "
-            "(x = x + 1)")
-    return tracer.error(
-        f"torch function {name} is not supported in mods; supported: "
-        + ", ".join(supported_functions()) + "; operators + - * / // % ** < <= == != >= > "
-        "& | ^ ~ and abs()", UnsupportedOpError)

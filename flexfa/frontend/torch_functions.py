@@ -1,6 +1,6 @@
 """The torch functions and tensor methods a mod may call, as handlers over proxies.
 
-Importing this module registers every handler in ``proxy.TORCH_FUNCTIONS`` (the activations
+Importing this module registers every handler in ``names.TORCH_FUNCTIONS`` (the activations
 and rounding functions built from IR ops come from activations.py); the error for anything
 else lists ``supported_functions()``, or says that a reduction has nothing to reduce.
 """
