@@ -19,6 +19,7 @@ from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
 from .runtime.cache import register_memo
 from .runtime.forward import AttentionCall, run_forward
+from .runtime.indices import check_captured_indices
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_mask, prepare_score_mod
 
@@ -280,6 +281,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         check_mask_mod_grad(mask)  # a mask has no gradient: error on grad-requiring captures
     call = _call(entry, score, mask, block_mask, scale, options, query,
                  query.shape[1] // key.shape[1])
+    check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
     buffers = score.buffers if score is not None else ()
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value, *buffers))

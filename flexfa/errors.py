@@ -17,6 +17,11 @@ class UnsupportedOpError(TraceError, NotImplementedError):
     """A mod called a torch function or operator flexfa cannot trace or render."""
 
 
+class CodegenError(FlexFAError, RuntimeError):
+    """A generated kernel source that Python could not compile or import (a flexfa bug or
+    limit): the message names the mods and the generated file."""
+
+
 class InputError(FlexFAError, ValueError):
     """Bad arguments to a public function (shapes, lengths, block sizes, options)."""
 

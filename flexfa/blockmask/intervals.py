@@ -156,6 +156,10 @@ def _pow(node, a, b):
     monotone = (a.lo >= 0) & _is_exact(b) & (b.lo >= 0)
     lo = torch.where(both_exact, value, torch.where(monotone, torch.pow(a.lo, b.lo), -INF))
     hi = torch.where(both_exact, value, torch.where(monotone, torch.pow(a.hi, b.lo), INF))
+    # a base >= 1 to a power >= 0 grows with both (2 ** (kv_idx % 8))
+    growing = ~both_exact & (a.lo >= 1) & (b.lo >= 0)
+    lo = torch.where(growing, torch.pow(a.lo, b.lo), lo)
+    hi = torch.where(growing, torch.pow(a.hi, b.hi), hi)
     return lo, hi
 
 

@@ -16,8 +16,8 @@ import hashlib
 from ..frontend.grad import JointGraph
 from ..frontend.ir import Node, Op
 from ..frontend.trace import TracedMod
-from .forward import GeneratedKernel, mod_buffer_args
-from .render import Leaves, buffer_args, leaf_ops, needs_tile_broadcast, render
+from .forward import GeneratedKernel, describe_mods, mod_buffer_args
+from .render import Leaves, buffer_args, leaf_ops, needs_tile_broadcast, render_mod
 from .spec import TORCH_DTYPES, INTERPRET, next_power_of_two
 from .template import fill, load_template, template_hash
 from .versions import versions_key
@@ -68,6 +68,9 @@ class BackwardSpec:
     # the dQ kernel's own launch options (0: num_warps / num_stages)
     dq_warps: int = 0
     dq_stages: int = 0
+    # keys of the INT nodes of the joint graph and the mask_mod computed in int64
+    # (codegen.ranges.int64_nodes at this call's lengths)
+    wide_ints: tuple[str, ...] = ()
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -139,15 +142,16 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
     mod_params = "".join(", " + p for a in score_args + mask_args for p in a.params)
     grad_params = "".join(f", {a.ptr}" + "".join(f", {s}" for s in a.strides)
                           for a in grad_args.values())
-    mask_code = _mask_code(mask, mask_args)
+    mask_code = _mask_code(mask, mask_args, spec.wide_ints)
+    fast_math = not spec.interpret
     dq = fill(load_template("bwd_dq.tmpl"), KERNEL_NAME=name,
               BUFFER_PARAMS=mod_params + grad_params, BUFFER_ARGS=mod_params + grad_params,
-              SCORE_JOINT=_score_code(joint, score_args, with_loads=True,
-                                      fast_math=not spec.interpret), MASK_MOD=mask_code,
+              SCORE_JOINT=_score_code(joint, score, score_args, True, fast_math,
+                                      spec.wide_ints), MASK_MOD=mask_code,
               BUFFER_GRADS=_buffer_grad_code(joint, score_args, grad_args))
     dkdv = fill(load_template("bwd_dkdv.tmpl"), KERNEL_NAME=name, BUFFER_PARAMS=mod_params,
-                BUFFER_ARGS=mod_params, SCORE_JOINT=_score_code(joint, score_args, False,
-                                        fast_math=not spec.interpret),
+                BUFFER_ARGS=mod_params, SCORE_JOINT=_score_code(joint, score, score_args, False,
+                                                                fast_math, spec.wide_ints),
                 MASK_MOD=mask_code)
     text = "\n\n".join([
         f"# flexfa generated backward kernels: {name}\n"
@@ -155,7 +159,7 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
         "import triton\nimport triton.language as tl",
         load_template("helpers.tmpl").rstrip("\n"), load_template("bwd_common.tmpl").rstrip("\n"),
         dq.rstrip("\n"), dkdv])
-    return GeneratedKernel(key, name, text)
+    return GeneratedKernel(key, name, text, describe_mods(score, mask))
 
 
 def dscore_is_one(joint: JointGraph | None) -> bool:
@@ -169,23 +173,31 @@ def _joint_key(joint: JointGraph | None) -> str:
     return ",".join(parts)
 
 
-def _score_code(joint: JointGraph | None, args, with_loads: bool, fast_math: bool = False) -> str:
+def joint_roots(joint: JointGraph, with_loads: bool = True) -> list[Node]:
+    """The graphs the backward renders from a joint graph: the score_mod, dscore and (dQ
+    kernel, ``with_loads``) each captured-tensor gradient and its load's indices."""
+    roots: list[Node] = [joint.forward, joint.dscore]
+    if with_loads:
+        for load, dload in joint.dloads:
+            roots += [dload, *load.src]
+    return roots
+
+
+def _score_code(joint: JointGraph | None, score: TracedMod | None, args, with_loads: bool,
+                fast_math: bool = False, wide: tuple[str, ...] = ()) -> str:
     """Statements setting score_mod_out, log2_scale (score_mod_out * log2_scale is the score
     in log2 units), dscore and (dQ kernel) dload{i}, load{i}_idx{d} from the raw ``qk``."""
     if joint is None:
         return "score_mod_out = qk\nlog2_scale = sm_scale * 1.4426950408889634"
-    roots: list[Node] = [joint.forward, joint.dscore]
+    roots = joint_roots(joint, with_loads)
     names = ["score_mod_out", "dscore"]
     if with_loads:
-        for i, (load, dload) in enumerate(joint.dloads):
-            roots.append(dload)
-            names.append(f"dload{i}")
-            for d, index in enumerate(load.src):
-                roots.append(index)
-                names.append(f"load{i}_idx{d}")
+        for i, (load, _) in enumerate(joint.dloads):
+            names += [f"dload{i}", *(f"load{i}_idx{d}" for d in range(len(load.src)))]
     # fast_math (GPU targets): hardware tanh/sigmoid/exp as in the forward; the derivative
     # of tanh reads the forward's tanh value (one tanh.approx per element)
-    rendered = render(roots, Leaves(), args, prefix="s", fast_math=fast_math)
+    rendered = render_mod(score, roots, Leaves(), args, prefix="s", fast_math=fast_math,
+                          wide=wide)
     lines = ["score = qk * sm_scale", *rendered.lines]
     for root, name, value in zip(roots, names, rendered.values):
         if name == "score_mod_out" and needs_tile_broadcast(root):
@@ -195,10 +207,10 @@ def _score_code(joint: JointGraph | None, args, with_loads: bool, fast_math: boo
     return "\n".join(lines)
 
 
-def _mask_code(mask: TracedMod | None, args) -> str:
+def _mask_code(mask: TracedMod | None, args, wide: tuple[str, ...] = ()) -> str:
     if mask is None:  # never compiled: APPLY_MASK is False without a block mask
         return "mask_mod_out = q_idx >= 0"
-    rendered = render([mask.root], Leaves(score=None), args, prefix="m")
+    rendered = render_mod(mask, [mask.root], Leaves(score=None), args, prefix="m", wide=wide)
     return "\n".join([*rendered.lines, f"mask_mod_out = {rendered.values[0]}"])
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..frontend.trace import TracedMod
-from .render import BufferArgs, Leaves, buffer_args, needs_tile_broadcast, render
+from .render import BufferArgs, Leaves, buffer_args, needs_tile_broadcast, render_mod
 from .spec import KernelSpec, kernel_name, spec_key
 from .template import fill, load_template, template_hash
 from .versions import versions_key
@@ -24,6 +24,13 @@ class GeneratedKernel:
     key: str  # sha256 of everything that decides the source
     name: str  # the kernel function's name, also the file name
     source: str
+    mods: str = ""  # the mods it was rendered from, for error messages ("score_mod 'alibi'")
+
+
+def describe_mods(score: TracedMod | None, mask: TracedMod | None) -> str:
+    """``score_mod 'alibi', mask_mod 'causal'``: the mods a kernel renders, for messages."""
+    return ", ".join(f"{mod.kind} {mod.name!r}" for mod in (score, mask) if mod is not None) \
+        or "no mods"
 
 
 def mod_buffer_args(score: TracedMod | None, mask: TracedMod | None
@@ -37,24 +44,28 @@ def mod_buffer_args(score: TracedMod | None, mask: TracedMod | None
     return score_args, mask_args
 
 
-def score_mod_code(score: TracedMod | None, args: list[BufferArgs], fast_math: bool = False) -> str:
+def score_mod_code(score: TracedMod | None, args: list[BufferArgs], fast_math: bool = False,
+                   wide: tuple[str, ...] = ()) -> str:
     """Statements setting ``score_mod_out`` (a full fp32 tile) from ``score`` and indices;
-    ``fast_math`` for GPU targets (hardware tanh/sigmoid/exp)."""
+    ``fast_math`` for GPU targets (hardware tanh/sigmoid/exp); ``wide``: the spec's
+    ``wide_ints``."""
     if score is None:
         return "score_mod_out = score"
-    rendered = render([score.root], FORWARD_LEAVES, args, prefix="s", fast_math=fast_math)
+    rendered = render_mod(score, [score.root], FORWARD_LEAVES, args, prefix="s",
+                          fast_math=fast_math, wide=wide)
     value = rendered.values[0]
     if needs_tile_broadcast(score.root):
         value = f"tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32) + ({value})"
     return "\n".join([*rendered.lines, f"score_mod_out = {value}"])
 
 
-def mask_mod_code(mask: TracedMod | None, args: list[BufferArgs]) -> str:
+def mask_mod_code(mask: TracedMod | None, args: list[BufferArgs], wide: tuple[str, ...] = ()
+                  ) -> str:
     """Statements setting ``mask_mod_out`` (bool, True = keep) from the indices."""
     if mask is None:
         return "mask_mod_out = True"
-    rendered = render([mask.root], dataclasses.replace(FORWARD_LEAVES, score=None), args,
-                      prefix="m")
+    rendered = render_mod(mask, [mask.root], dataclasses.replace(FORWARD_LEAVES, score=None),
+                          args, prefix="m", wide=wide)
     value = rendered.values[0]
     if needs_tile_broadcast(mask.root):
         value = f"tl.full([BLOCK_M, BLOCK_N], 1, tl.int1) & ({value})"
@@ -66,18 +77,19 @@ def forward_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | Non
                     versions_key(), template_hash(*FORWARD_TEMPLATES))
 
 
-def mod_hooks(score: TracedMod | None, mask: TracedMod | None, fast_math: bool
-              ) -> dict[str, str]:
+def mod_hooks(score: TracedMod | None, mask: TracedMod | None, fast_math: bool,
+              wide: tuple[str, ...] = ()) -> dict[str, str]:
     """The hooks every forward-style template shares: helpers, captured-buffer parameters
-    and arguments, and the rendered score_mod / mask_mod."""
+    and arguments, and the rendered score_mod / mask_mod (``wide``: the spec's
+    ``wide_ints``)."""
     score_args, mask_args = mod_buffer_args(score, mask)
     names = [p for args in (*score_args, *mask_args) for p in args.params]
     return dict(
         HELPERS=load_template("helpers.tmpl").rstrip("\n"),
         BUFFER_PARAMS="".join(f", {p}" for p in names),
         BUFFER_ARGS="".join(f", {p}" for p in names),
-        SCORE_MOD=score_mod_code(score, score_args, fast_math=fast_math),
-        MASK_MOD=mask_mod_code(mask, mask_args),
+        SCORE_MOD=score_mod_code(score, score_args, fast_math=fast_math, wide=wide),
+        MASK_MOD=mask_mod_code(mask, mask_args, wide=wide),
     )
 
 
@@ -87,8 +99,8 @@ def forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | 
     key = forward_key(spec, score, mask)
     name = kernel_name(spec, key)
     source = fill(load_template("fwd.tmpl"), KERNEL_NAME=name,
-                  **mod_hooks(score, mask, fast_math=not spec.interpret))
-    return GeneratedKernel(key, name, source)
+                  **mod_hooks(score, mask, fast_math=not spec.interpret, wide=spec.wide_ints))
+    return GeneratedKernel(key, name, source, describe_mods(score, mask))
 
 
 _TRITON_TYPES = {"bool": "i1", "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32",

@@ -11,7 +11,7 @@ import hashlib
 
 from ..frontend.trace import TracedMod
 from . import compile_check
-from .forward import GeneratedKernel, mod_hooks, tables_and_mods_signature
+from .forward import GeneratedKernel, describe_mods, mod_hooks, tables_and_mods_signature
 from .spec import (INTERPRET, forward_constexprs, kernel_name, launch_options, next_power_of_two,
                    spec_key)
 from .template import fill, load_template, template_hash
@@ -52,6 +52,7 @@ class FP8KernelSpec:
     template: str = "fwd_fp8"
     dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
     max_registers: int = 0  # Triton's maxnreg, from kernel_options (0: none)
+    wide_ints: tuple[str, ...] = ()  # as KernelSpec.wide_ints
 
     def __post_init__(self):
         assert self.out_dtype in ("bf16", "fp16"), self.out_dtype
@@ -95,8 +96,8 @@ def fp8_forward_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: Trace
     name = kernel_name(spec, key)
     source = fill(load_template("fwd_fp8.tmpl"), KERNEL_NAME=name,
                   FP8_HELPERS=load_template("fp8_helpers.tmpl").rstrip("\n"),
-                  **mod_hooks(score, mask, fast_math=not spec.interpret))
-    return GeneratedKernel(key, name, source)
+                  **mod_hooks(score, mask, fast_math=not spec.interpret, wide=spec.wide_ints))
+    return GeneratedKernel(key, name, source, describe_mods(score, mask))
 
 
 def fp8_forward_signature(spec: FP8KernelSpec, score: TracedMod | None, mask: TracedMod | None

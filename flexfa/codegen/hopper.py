@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 
 from ..frontend.trace import TracedMod
-from .forward import GeneratedKernel, forward_signature, mask_mod_code, mod_buffer_args, score_mod_code
+from .forward import (GeneratedKernel, describe_mods, forward_signature, mask_mod_code,
+                      mod_buffer_args, score_mod_code)
 from .spec import KernelSpec, kernel_name, spec_key
 from .template import fill, load_template, template_hash
 from .versions import versions_key
@@ -44,10 +45,11 @@ def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | N
         RESCALE_THRESHOLD="0" if spec.return_max else str(RESCALE_THRESHOLD),
         BUFFER_PARAMS=names,
         BUFFER_ARGS=names,
-        SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret),
-        MASK_MOD=mask_mod_code(mask, mask_args),
+        SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret,
+                                 wide=spec.wide_ints),
+        MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints),
     )
-    return GeneratedKernel(key, name, source)
+    return GeneratedKernel(key, name, source, describe_mods(score, mask))
 
 
 def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None

@@ -6,8 +6,14 @@ and its gradients together); a value used once is inlined, a value used more tha
 name. Every op maps to a format string in a rule table; an op without a rule is an
 ``UnsupportedOpError`` naming it.
 
-Kernel types: INT is int32, FLOAT is float32, BOOL is int1. INT math in int32 can overflow
-where Python's would not (e.g. ``q_idx * S`` beyond 2**31); only huge sizes reach that.
+Kernel types: INT is int32, FLOAT is float32, BOOL is int1. The INT nodes named in ``wide``
+(node keys, from ``flexfa.codegen.ranges.int64_nodes``: their values may leave int32 over the
+call's indices) are computed in int64 as the eager evaluator computes every INT: their int32
+operands are widened with ``.to(tl.int64)``, and Triton's promotion carries int64 to every
+value computed from them. Integer constants beyond int32 are int64 scalar tensors.
+An inlined expression nests at most ``MAX_INLINE_DEPTH`` ops deep: a deeper value gets a
+name, so a long chain (200 ``+ bias[i]`` terms) stays within Python's limit of 200 nested
+parentheses.
 Where Triton differs from Python/torch, helpers from ``templates/helpers.tmpl`` restore the
 Python meaning: floor division and modulo (floor, divisor's sign), integer and float powers,
 ``sign`` (0 for NaN), ``tanh``/``tan`` (no interpreter-safe builtin), and captured-tensor
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -93,7 +99,7 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.FLOORDIV, FLOAT): "flexfa_ffloordiv({0}, {1})",
     (Op.MOD, None): "flexfa_mod({0}, {1})",
     (Op.FMOD, None): "({0} % {1})",  # Triton's % is C's fmod / srem: the dividend's sign
-    (Op.POW, INT): "flexfa_ipow({0}, {1})",
+    (Op.POW, INT): "flexfa_ipow({0}, {1}, 31)",
     (Op.POW, FLOAT): "flexfa_pow({0}, {1})",
     (Op.MAX, FLOAT): "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
     (Op.MAX, INT): "tl.maximum({0}, {1})",
@@ -174,7 +180,20 @@ _NARROWS: dict[tuple[DType, str], str] = {
 # how a loaded element becomes a kernel value of the LOAD node's dtype
 _LOAD_CONVERT = {FLOAT: "{0}.to(tl.float32)", INT: "{0}.to(tl.int32)", BOOL: "({0} != 0)"}
 
+# rules of INT nodes computed in int64 (``wide``) where the int32 rule differs
+_WIDE_RULES: dict[tuple[Op, DType | None], str] = {
+    (Op.POW, INT): "flexfa_ipow({0}, {1}, 63)",
+}
+_WIDE_CASTS: dict[tuple[DType, DType], str] = {
+    (FLOAT, INT): "{0}.to(tl.int64)",
+    (BOOL, INT): "{0}.to(tl.int64)",
+}
+_WIDE_LOAD = "{0}.to(tl.int64)"
+
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# deepest inlined expression (in ops); each op adds at most 3 parentheses
+MAX_INLINE_DEPTH = 16
 
 # small constant integer exponents render as products (exact, and what the backward expects)
 _MAX_UNROLLED_POWER = 4
@@ -194,30 +213,41 @@ def literal(value) -> str:
     return f"({value!r})" if value < 0 or str(value).startswith("-") else repr(value)
 
 
-def _rule(node: Node, fast_math: bool = False) -> str:
+def _rule(node: Node, fast_math: bool = False, wide: bool = False) -> str:
     if fast_math and (node.op, node.dtype) in _FAST_RULES:
         return _FAST_RULES[(node.op, node.dtype)]
     if node.op is Op.NARROW:
         return _NARROWS[(node.src[0].dtype, node.arg)]
     if node.op is Op.CAST:
         key = (node.src[0].dtype, node.dtype)
+        if wide and key in _WIDE_CASTS:
+            return _WIDE_CASTS[key]
         if key not in _CASTS:
             raise UnsupportedOpError(f"cannot render a cast from {key[0].value} to {key[1].value}")
         return _CASTS[key]
-    rule = _RULES.get((node.op, node.dtype)) or _RULES.get((node.op, None))
+    rule = wide and _WIDE_RULES.get((node.op, node.dtype))
+    rule = rule or _RULES.get((node.op, node.dtype)) or _RULES.get((node.op, None))
     if rule is None:
         raise UnsupportedOpError(
             f"cannot render IR op {node.op.name} on {node.dtype.value} values to Triton")
     return rule
 
 
-def _int32_literal(value: int) -> str:
-    """An INT constant as a kernel literal: it must fit the kernel's int32."""
-    if not INT32_MIN <= value <= INT32_MAX:
+def _int_literal(value: int) -> str:
+    """An INT constant as kernel source: a literal within int32, else an int64 scalar tensor
+    (Triton refuses a Python scalar outside int32 next to an int32 tensor instead of
+    promoting it). It must fit int64, as in the eager evaluator."""
+    if not INT64_MIN <= value <= INT64_MAX:
         raise UnsupportedOpError(
-            f"integer constant {value} does not fit in int32, the type of index math in "
-            f"kernels ({INT32_MIN}..{INT32_MAX}); use a float constant or smaller numbers")
+            f"integer constant {value} does not fit in int64 ({INT64_MIN}..{INT64_MAX}), "
+            "the widest integer type of kernels and of torch; use a float constant")
+    if not INT32_MIN <= value <= INT32_MAX:
+        return f"tl.full([], {value}, tl.int64)"
     return literal(value)
+
+
+def _is_int64_literal(node: Node) -> bool:
+    return node.dtype is INT and node.op is Op.CONST and not INT32_MIN <= node.arg <= INT32_MAX
 
 
 def _check_divisor(node: Node) -> None:
@@ -228,19 +258,16 @@ def _check_divisor(node: Node) -> None:
         raise UnsupportedOpError(f"integer division by zero: the mod computes x {symbol} 0")
 
 
-def _fold(node: Node) -> str:
-    """A node whose sources are all constants becomes a literal (evaluated like the kernel)."""
-    value = evaluate_node(node, float_dtype=torch.float32, device="cpu")
-    python = value.item()
-    if node.dtype is FLOAT:
-        return literal(float(python))
-    if node.dtype is INT:
-        return _int32_literal(int(python))
-    return literal(bool(python))
+def _folded(node: Node):
+    """The value of a node whose sources are all constants (evaluated like the kernel)."""
+    python = evaluate_node(node, float_dtype=torch.float32, device="cpu").item()
+    return {FLOAT: float, INT: int, BOOL: bool}[node.dtype](python)
 
 
-def _folds(node: Node) -> bool:
-    return node.op is not Op.LOAD and bool(node.src) and all(s.op is Op.CONST for s in node.src)
+def _folds(node: Node, constant: Collection[int]) -> bool:
+    """Whether a node is computed from constants alone (``constant``: ids of such nodes)."""
+    return node.op is not Op.LOAD and bool(node.src) and all(
+        s.op is Op.CONST or id(s) in constant for s in node.src)
 
 
 def _power(node: Node, base: str) -> str | None:
@@ -255,11 +282,14 @@ def _power(node: Node, base: str) -> str | None:
 
 class _Renderer:
     def __init__(self, leaves: Leaves, buffers: Sequence[BufferArgs], prefix: str,
-                 fast_math: bool = False):
+                 fast_math: bool = False, wide: Collection[str] = ()):
         self.leaves, self.buffers, self.prefix = leaves, buffers, prefix
         self.fast_math = fast_math
+        self.wide = frozenset(wide)
         self.lines: list[str] = []
         self.exprs: dict[int, str] = {}
+        self.int64: set[int] = set()  # ids of nodes whose kernel value is int64
+        self.constant: set[int] = set()  # ids of folded nodes (computed from constants)
 
     def name(self) -> str:
         return f"{self.prefix}{len(self.lines)}"
@@ -267,22 +297,44 @@ class _Renderer:
     def expr(self, node: Node, operands: list[str]) -> str:
         op = node.op
         if op is Op.CONST:
-            return _int32_literal(node.arg) if node.dtype is INT else literal(node.arg)
+            if _is_int64_literal(node):
+                self.int64.add(id(node))
+            return _int_literal(node.arg) if node.dtype is INT else literal(node.arg)
         if op in (Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
             return self.leaves.name(op)
-        if op is Op.LOAD:
-            return self.load(node, operands)
         if op in (Op.FLOORDIV, Op.MOD):
             _check_divisor(node)
-        if _folds(node):
-            return _fold(node)
+        if _folds(node, self.constant):
+            self.constant.add(id(node))
+            value = _folded(node)
+            if node.dtype is not INT:
+                return literal(value)
+            if not INT32_MIN <= value <= INT32_MAX:
+                self.int64.add(id(node))
+            return _int_literal(value)
+        wide = node.dtype is INT and node.key in self.wide
+        if wide or (node.dtype is INT and op not in (Op.CAST, Op.LOAD, Op.NARROW)
+                    and any(id(s) in self.int64 for s in node.src)):
+            self.int64.add(id(node))  # Triton promotes an op with an int64 operand to int64
+        if op is Op.LOAD:
+            return self.load(node, operands, wide)
+        if wide:
+            operands = [self.widen(s, text) for s, text in zip(node.src, operands)]
         if op is Op.POW:
             unrolled = _power(node, operands[0])
             if unrolled is not None:
                 return unrolled
-        return _rule(node, self.fast_math).format(*operands)
+        return _rule(node, self.fast_math, id(node) in self.int64).format(*operands)
 
-    def load(self, node: Node, indices: list[str]) -> str:
+    def widen(self, source: Node, text: str) -> str:
+        """An operand of an int64 node: int32 values are cast (int64 ones and constants,
+        which Triton types by value, stay as they are)."""
+        if (source.dtype is not INT or id(source) in self.int64 or source.op is Op.CONST
+                or id(source) in self.constant):
+            return text
+        return f"{text}.to(tl.int64)"
+
+    def load(self, node: Node, indices: list[str], wide: bool = False) -> str:
         slot = node.arg
         if slot >= len(self.buffers):
             raise UnsupportedOpError(f"the graph reads captured buffer {slot} but only "
@@ -293,7 +345,7 @@ class _Renderer:
         offset = " + ".join(f"flexfa_index({i}, {size}) * {stride}"
                             for i, size, stride in zip(indices, args.sizes, args.strides))
         pointer = f"{args.ptr} + {offset}" if offset else args.ptr
-        return _LOAD_CONVERT[node.dtype].format(f"tl.load({pointer})")
+        return (_WIDE_LOAD if wide else _LOAD_CONVERT[node.dtype]).format(f"tl.load({pointer})")
 
 
 def _use_counts(roots: Sequence[Node]) -> dict[int, int]:
@@ -321,24 +373,40 @@ def _order(roots: Sequence[Node]) -> list[Node]:
 
 def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
            buffers: Sequence[BufferArgs] = (), prefix: str = "t",
-           fast_math: bool = False) -> Rendered:
+           fast_math: bool = False, wide: Collection[str] = ()) -> Rendered:
     """Render ``roots`` into SSA lines named ``{prefix}0, {prefix}1, ...`` plus one expression
-    per root. Leaves and constants stay inline; every other node used more than once, and
-    every root that is not a leaf or constant, gets a name. ``fast_math`` (kernels compiled
-    for a GPU) renders tanh, sigmoid and exp to the hardware approximations of helpers.tmpl;
-    a derivative that reads ``tanh(x)`` (1 - tanh(x)**2) reuses the forward value's name."""
-    renderer = _Renderer(leaves, buffers, prefix, fast_math)
+    per root. Leaves and constants stay inline; every other node used more than once, every
+    root that is not a leaf or constant, and every value nested deeper than
+    ``MAX_INLINE_DEPTH`` gets a name. ``fast_math`` (kernels compiled for a GPU) renders
+    tanh, sigmoid and exp to the hardware approximations of helpers.tmpl; a derivative that
+    reads ``tanh(x)`` (1 - tanh(x)**2) reuses the forward value's name. ``wide``: keys of
+    the INT nodes computed in int64 (see the module docstring)."""
+    renderer = _Renderer(leaves, buffers, prefix, fast_math, wide)
     counts = _use_counts(roots)
     root_ids = {id(r) for r in roots}
+    depth: dict[int, int] = {}  # ops nested in a node's inlined text (0: a name or a leaf)
     for node in _order(roots):
         text = renderer.expr(node, [renderer.exprs[id(s)] for s in node.src])
-        simple = node.op in (Op.CONST, Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX) or _folds(node)
-        if not simple and (counts.get(id(node), 0) > 1 or id(node) in root_ids):
+        simple = (node.op in (Op.CONST, Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX)
+                  or id(node) in renderer.constant)
+        depth[id(node)] = 0 if simple else 1 + max((depth[id(s)] for s in node.src), default=0)
+        if not simple and (counts.get(id(node), 0) > 1 or id(node) in root_ids
+                           or depth[id(node)] >= MAX_INLINE_DEPTH):
             name = renderer.name()
             renderer.lines.append(f"{name} = {text}")
-            text = name
+            text, depth[id(node)] = name, 0
         renderer.exprs[id(node)] = text
     return Rendered(tuple(renderer.lines), tuple(renderer.exprs[id(r)] for r in roots))
+
+
+def render_mod(mod, roots: Sequence[Node], leaves: Leaves = Leaves(),
+               buffers: Sequence[BufferArgs] = (), **options) -> Rendered:
+    """``render(roots, leaves, buffers, **options)`` for graphs of the TracedMod ``mod``: an
+    error names the mod (its kind and name), as tracing errors do."""
+    try:
+        return render(roots, leaves, buffers, **options)
+    except UnsupportedOpError as exc:
+        raise UnsupportedOpError(f"in {mod.kind} {mod.name!r}: {exc}") from exc
 
 
 def leaf_ops(root: Node) -> frozenset[Op]:

@@ -53,6 +53,9 @@ class KernelSpec:
     return_max: bool = False
     # split-KV decoding (Ampere template only): keys per split, 0 = no split
     split_keys: int = 0
+    # keys of the mods' INT nodes computed in int64 (codegen.ranges.int64_nodes): their values
+    # may leave int32 at this call's lengths; empty in the common case
+    wide_ints: tuple[str, ...] = ()
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

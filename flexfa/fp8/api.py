@@ -10,6 +10,7 @@ from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
 from ..runtime.eager import outside_compile
 from ..runtime.forward import AttentionCall
+from ..runtime.indices import check_captured_indices
 from ..runtime.options import parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from .checks import check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad
@@ -66,6 +67,7 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
     _check_buffers(score, "score_mod", x.q.device)
     _check_buffers(mask, "mask_mod", x.q.device)
+    check_captured_indices(score, mask, x.q.shape, x.k.shape[2], x.q.device)
     check_no_grad((), score.buffers if score is not None else ())
     call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),
                          x.q.shape[1] // x.k.shape[1])

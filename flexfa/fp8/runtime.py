@@ -11,10 +11,10 @@ from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from ..runtime.autotune import Pinned
-from ..runtime.cache import get_module, register_memo
+from ..runtime.cache import register_memo
 from ..runtime.launch import cdiv
-from ..runtime.forward import (AttentionCall, _table_args, buffer_launch_args, forward_grid,
-                               target_of)
+from ..runtime.forward import (AttentionCall, _table_args, buffer_launch_args,
+                               call_int64_nodes, forward_grid, load_generated, target_of)
 from .quantize import FP8Inputs
 
 
@@ -128,7 +128,8 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         return_lse=return_lse,
         gqa_group=call.gqa_group, target=target, use_tma=use_tma,
         exp_f16=exp_f16_requested(target),
-        fold_qk_scale=call.score is None and call.scale > 0 and x.positive_scales)
+        fold_qk_scale=call.score is None and call.scale > 0 and x.positive_scales,
+        wide_ints=call_int64_nodes(x.q, x.k, call))
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -139,7 +140,7 @@ def _memoized(memo_key: tuple, interpret: bool, generate):
     kernel = _KERNELS.get(memo_key)
     if kernel is None:
         generated = generate()
-        module = get_module(generated.name, generated.key, interpret, lambda: generated.source)
+        module = load_generated(generated, interpret)
         kernel = _KERNELS[memo_key] = getattr(module, generated.name)
     return kernel
 

@@ -27,15 +27,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..blockmask.tables import transpose_ordered
 from ..blockmask.validate import table_generations
-from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one
+from ..codegen.backward import BackwardSpec, backward_kernel, dscore_is_one, joint_roots
+from ..codegen.ranges import Domain, int64_nodes, mods_int64_nodes
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
 from ..frontend.trace import TracedMod
 from . import autotune
-from .cache import get_module, register_memo
+from .cache import register_memo
 from .debug import debug
-from .forward import AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args, target_of
+from .forward import (AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args,
+                      load_generated, target_of)
 from .hopper import HOPPER_TARGETS, _geometry, descriptor_layout_ok
 from .launch import TrustedDescriptor, cdiv, direct_state, launch_direct
 
@@ -324,7 +326,21 @@ def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: str, use_t
         deterministic=options.deterministic, has_dlse=has_dlse,
         input_precision=options.fp32_precision, target=target, use_tma=use_tma,
         dq_warps=0 if dq_warps == warps else dq_warps,
-        dq_stages=0 if dq_stages == stages else dq_stages, **mode)
+        dq_stages=0 if dq_stages == stages else dq_stages,
+        wide_ints=backward_int64_nodes(q, k, call), **mode)
+
+
+def backward_int64_nodes(q, k, call: AttentionCall) -> tuple[str, ...]:
+    """The ``wide_ints`` of a backward spec: the INT nodes of the score_mod's joint graph
+    (with the captured-tensor gradients' indices) and of the mask_mod that need int64 over
+    this call's indices (b < B, h < Hq, q_idx < L, kv_idx < S)."""
+    domain = Domain(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    keys = set(mods_int64_nodes((call.mask,), domain))
+    joint = joint_graph(call.score)
+    if joint is not None:
+        dtypes = tuple(dtype for _, dtype in call.score.buffer_specs)
+        keys.update(int64_nodes(joint_roots(joint), dtypes, domain))
+    return tuple(sorted(keys))
 
 
 _JOINTS: dict[tuple, JointGraph] = register_memo({})
@@ -349,8 +365,7 @@ def get_backward_module(spec: BackwardSpec, joint, score, mask):
     module = _KERNELS.get(memo_key)
     if module is None:
         generated = backward_kernel(spec, joint, score, mask)
-        module = get_module(generated.name, generated.key, spec.interpret,
-                            lambda: generated.source)
+        module = load_generated(generated, spec.interpret)
         _KERNELS[memo_key] = module = (module, generated.name)
     return module  # (module, name)
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import traceback
 
 import torch
 
 from ..blockmask.validate import table_generations
-from ..codegen.forward import forward_kernel
+from ..codegen.forward import GeneratedKernel, forward_kernel
+from ..codegen.ranges import Domain, mods_int64_nodes
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
-from ..errors import InputError
+from ..errors import CodegenError, FlexFAError, InputError
 from ..frontend.trace import TracedMod
 from .cache import get_module, register_memo
 from .launch import cdiv, direct_state, launch_direct
@@ -127,7 +129,14 @@ def forward_spec(q, k, v, call: AttentionCall, return_lse: bool,
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target,
         max_registers=call.options.max_registers or 0, return_max=return_max,
-        split_keys=split_keys)
+        split_keys=split_keys, wide_ints=call_int64_nodes(q, k, call))
+
+
+def call_int64_nodes(q, k, call: AttentionCall) -> tuple[str, ...]:
+    """The ``wide_ints`` of a forward spec: the mods' INT nodes that need int64 over this
+    call's indices (b < B, h < Hq, q_idx < L, kv_idx < S)."""
+    return mods_int64_nodes((call.score, call.mask),
+                            Domain(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
 
 
 _KERNELS: dict[tuple, object] = register_memo({})
@@ -141,10 +150,35 @@ def generated_kernel(memo: dict, generate, spec: KernelSpec, score: TracedMod | 
     kernel = memo.get(memo_key)
     if kernel is None:
         generated = generate(spec, score, mask)
-        module = get_module(generated.name, generated.key, spec.interpret,
-                            lambda: generated.source)
+        module = load_generated(generated, spec.interpret)
         kernel = memo[memo_key] = getattr(module, generated.name)
     return kernel
+
+
+def load_generated(generated: GeneratedKernel, interpret: bool):
+    """The imported module of ``generated``, through the kernel cache. A source that Python
+    cannot compile or run (an error raised from the generated file) is a CodegenError naming
+    the mods and the file, not a bare SyntaxError from a file the user never wrote."""
+    try:
+        return get_module(generated.name, generated.key, interpret, lambda: generated.source)
+    except (OSError, FlexFAError):
+        raise
+    except Exception as exc:
+        path = _generated_file(exc, generated.name)
+        if path is None:
+            raise
+        raise CodegenError(
+            f"the kernel generated for {generated.mods} does not compile: "
+            f"{type(exc).__name__}: {exc} (generated file: {path}); please report this "
+            "with the mods") from exc
+
+
+def _generated_file(exc: BaseException, name: str) -> str | None:
+    """The generated file ``<name>.py`` an exception was raised from (a SyntaxError names
+    it; otherwise a frame of its traceback runs it), or None."""
+    filename = getattr(exc, "filename", None) if isinstance(exc, SyntaxError) else None
+    files = [filename] + [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+    return next((f for f in files if f and os.path.basename(f) == f"{name}.py"), None)
 
 
 def get_forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
@@ -189,7 +223,8 @@ def _launch_for(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
     """The memoized launch for this call signature (a dict lookup once it exists); ``split``:
     the keys per split of split-KV decoding (0: none)."""
     mask = call.block_mask
-    signature = (q.device, q.dtype, q.shape[2], q.shape[3], k.shape[2], v.shape[3], return_lse,
+    # B and Hq: the index domain decides which integer math needs int64 (spec.wide_ints)
+    signature = (q.device, q.dtype, *q.shape, k.shape[2], v.shape[3], return_lse,
                  return_max, split,
                  call.gqa_group, call.options, call.score.key if call.score else None,
                  call.mask.key if call.mask else None, call.scores_first,

@@ -25,8 +25,8 @@ from . import autotune
 from .cache import register_memo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
-                      buffer_launch_args, call_plan_key, forward_grid, generated_kernel,
-                      stat_args, target_of)
+                      buffer_launch_args, call_int64_nodes, call_plan_key, forward_grid,
+                      generated_kernel, stat_args, target_of)
 from .launch import TrustedDescriptor, cdiv, direct_state, launch_direct
 
 HOPPER_TARGETS = ("cuda:90",)
@@ -111,7 +111,8 @@ def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config,
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target, template=HOPPER_TEMPLATE,
-        max_registers=max_registers, return_max=return_max)
+        max_registers=max_registers, return_max=return_max,
+        wide_ints=call_int64_nodes(q, k, call))
 
 
 _KERNELS: dict[tuple, object] = register_memo({})

@@ -28,12 +28,14 @@ def probe(SCORE, Q, KV, OUT, off_b, off_h{params}, M: tl.constexpr, N: tl.conste
     value = {value}
     tl.store(OUT + rows[:, None] * N + cols[None, :], {stored})
 '''
-_OUT_DTYPE = {DType.FLOAT: torch.float32, DType.INT: torch.int32, DType.BOOL: torch.int32}
+# INT results are stored as int64 (tl.store converts an int32 value), so int64 kernels show
+# their full values
+_OUT_DTYPE = {DType.FLOAT: torch.float32, DType.INT: torch.int64, DType.BOOL: torch.int32}
 
 
-def probe_source(root: Node, buffers: tuple[torch.Tensor, ...]) -> str:
+def probe_source(root: Node, buffers: tuple[torch.Tensor, ...], wide=()) -> str:
     args = [buffer_args(i, t.dim()) for i, t in enumerate(buffers)]
-    rendered = render([root], Leaves(), args)
+    rendered = render([root], Leaves(), args, wide=wide)
     params = "".join(", " + p for a in args for p in a.params)
     value = rendered.values[0]
     if needs_tile_broadcast(root):
@@ -51,9 +53,10 @@ def _tl_type(dtype: DType) -> str:
 
 
 def run_probe(root: Node, tmp_path, *, score, b: int, h: int, q_idx, kv_idx,
-              buffers: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-    """The rendered value of ``root`` on the [len(q_idx), len(kv_idx)] grid (interpreter)."""
-    source = probe_source(root, buffers)
+              buffers: tuple[torch.Tensor, ...] = (), wide=()) -> torch.Tensor:
+    """The rendered value of ``root`` on the [len(q_idx), len(kv_idx)] grid (interpreter);
+    ``wide``: keys of the INT nodes rendered in int64 (``render``'s argument)."""
+    source = probe_source(root, buffers, wide)
     path = tmp_path / f"probe_{hashlib.sha256(source.encode()).hexdigest()[:12]}.py"
     path.write_text(source)
     module = load_module(path, interpret=True)

@@ -1,0 +1,153 @@
+"""Value ranges of a mod's integer math over one call's indices, and where it needs 64 bits.
+
+The eager evaluator (``flexfa.frontend.evaluate``) and torch compute INT values in int64; a
+kernel computes them in int32, which wraps at 2**31 (``q_idx * 3000017 * kv_idx``, hashes,
+``2 ** (kv_idx - q_idx)``, int64 captured values). ``value_ranges`` bounds every node over the
+call's domain ``b < B, h < H, q_idx < L, kv_idx < S`` with the interval rules of
+``flexfa.blockmask.intervals``; ``int64_nodes`` names the INT nodes whose range does not fit
+in int32, which the renderer computes in int64. A captured tensor's values are bounded by its
+dtype only (int64 tensors: unknown, so 64 bits), never by reading them: the decision must not
+change while the kernel that made it is reused.
+
+Lengths change the decision, so it is part of every kernel spec (``wide_ints``). It is taken
+on the domain rounded up to powers of two: intervals only grow with the domain, so the answer
+holds for every length of the bucket, and nearby lengths share one kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..blockmask.intervals import Interval, apply_rule, exact, unknown
+from ..frontend.ir import DType, Node, Op
+
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+_MAX_MEMO = 1024  # analyses kept (each a dict over one graph's nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """The index values a call evaluates its mods on: ``b < batch``, ``h < heads`` (query
+    heads), ``q_idx < q_len``, ``kv_idx < kv_len``."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.batch, self.heads, self.q_len, self.kv_len
+
+    def rounded(self) -> "Domain":
+        """Each size rounded up to a power of two (a superset of this domain)."""
+        return Domain(*(1 << max(n - 1, 0).bit_length() for n in self.sizes))
+
+    @property
+    def empty(self) -> bool:
+        return min(self.sizes) <= 0
+
+    def leaf(self, op: Op) -> Interval:
+        size = {Op.B: self.batch, Op.H: self.heads, Op.Q_IDX: self.q_len,
+                Op.KV_IDX: self.kv_len}[op]
+        return Interval(_scalar(0.0), _scalar(float(max(size, 1) - 1)))
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def _loaded(node: Node, dtype: torch.dtype) -> Interval:
+    """What a captured tensor of ``dtype`` can hold: its dtype's range (int64: unknown)."""
+    if node.dtype is DType.BOOL or dtype is torch.bool:
+        return Interval(_scalar(0.0), _scalar(1.0))
+    small_int = not dtype.is_floating_point and (dtype.is_signed and dtype.itemsize < 8
+                                                 or dtype is torch.uint8)
+    if node.dtype is DType.INT and small_int:
+        info = torch.iinfo(dtype)
+        return Interval(_scalar(float(info.min)), _scalar(float(info.max)))
+    return unknown(node.dtype, "cpu")
+
+
+_MEMO: dict[tuple, dict[Node, tuple[float, float]]] = {}
+
+
+def value_ranges(roots: Sequence[Node], buffer_dtypes: Sequence[torch.dtype], domain: Domain
+                 ) -> dict[Node, tuple[float, float]]:
+    """(lo, hi) of every node under ``roots`` over ``domain`` (floats; +-inf: unbounded; BOOL
+    values as 0/1). ``buffer_dtypes[slot]`` is the dtype of the captured tensor LOAD nodes
+    of that slot read. Memoized by the graph's structure, the dtypes and the domain."""
+    memo_key = (tuple(root.key for root in roots), tuple(buffer_dtypes), domain)
+    ranges = _MEMO.get(memo_key)
+    if ranges is not None:
+        return ranges
+    intervals: dict[Node, Interval] = {}
+    for root in roots:
+        for node in root.toposort():
+            if node not in intervals:
+                intervals[node] = _interval(node, intervals, buffer_dtypes, domain)
+    ranges = {node: (float(i.lo), float(i.hi)) for node, i in intervals.items()}
+    if len(_MEMO) >= _MAX_MEMO:
+        _MEMO.clear()
+    _MEMO[memo_key] = ranges
+    return ranges
+
+
+def _interval(node: Node, known: dict, buffer_dtypes, domain: Domain) -> Interval:
+    if node.op is Op.CONST:
+        return exact(_scalar(float(node.arg)))
+    if node.op is Op.SCORE:
+        return unknown(DType.FLOAT, "cpu")
+    if node.op in (Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
+        return domain.leaf(node.op)
+    if node.op is Op.LOAD:
+        return _loaded(node, buffer_dtypes[node.arg])
+    return apply_rule(node, [known[s] for s in node.src])
+
+
+def fits_int32(lo: float, hi: float) -> bool:
+    return INT32_MIN <= lo and hi <= INT32_MAX
+
+
+_WIDE: dict[tuple, tuple[str, ...]] = {}
+
+
+def int64_nodes(roots: Sequence[Node], buffer_dtypes: Sequence[torch.dtype], domain: Domain
+                ) -> tuple[str, ...]:
+    """Sorted keys of the INT nodes under ``roots`` whose values may leave int32 anywhere in
+    ``domain`` rounded up to powers of two (empty in the common case). Memoized."""
+    domain = domain.rounded()
+    memo_key = (tuple(root.key for root in roots), tuple(buffer_dtypes), domain)
+    keys = _WIDE.get(memo_key)
+    if keys is None:
+        ranges = value_ranges(roots, buffer_dtypes, domain)
+        keys = tuple(sorted(node.key for node, (lo, hi) in ranges.items()
+                            if node.dtype is DType.INT and not fits_int32(lo, hi)))
+        if len(_WIDE) >= _MAX_MEMO:
+            _WIDE.clear()
+        _WIDE[memo_key] = keys
+    return keys
+
+
+_MODS_WIDE: dict[tuple, tuple[str, ...]] = {}
+
+
+def mods_int64_nodes(mods, domain: Domain) -> tuple[str, ...]:
+    """``int64_nodes`` of several TracedMods (None entries skipped), merged: each mod's LOAD
+    slots index its own captured tensors. Memoized by the mods' keys and the sizes (a dict
+    lookup: the FP8 forward asks on every call)."""
+    memo_key = (*(mod.key if mod is not None else None for mod in mods), *domain.sizes)
+    keys = _MODS_WIDE.get(memo_key)
+    if keys is None:
+        merged: set[str] = set()
+        for mod in mods:
+            if mod is not None:
+                dtypes = tuple(dtype for _, dtype in mod.buffer_specs)
+                merged.update(int64_nodes([mod.root], dtypes, domain))
+        keys = tuple(sorted(merged))
+        if len(_MODS_WIDE) >= _MAX_MEMO:
+            _MODS_WIDE.clear()
+        _MODS_WIDE[memo_key] = keys
+    return keys

@@ -1,0 +1,190 @@
+"""Captured-tensor reads in range: the check before a launch.
+
+torch, and flexfa's eager evaluator (``create_block_mask``, the reference), raise IndexError
+for ``bias[kv_idx]`` with a bias shorter than S; the kernels instead wrap a negative index once
+and clamp it into the tensor (so that padded rows and columns past L and S read in bounds),
+which would turn the same mod into a silently different one. So before a launch every read
+``tensor[i0, i1, ...]`` of a mod is checked over the call's indices (b < B, h < Hq, q_idx < L,
+kv_idx < S): each index must lie in -n..n-1 for a dimension of size n, as in torch.
+
+1. The interval rules (``codegen.ranges.value_ranges``) prove most reads in range at once.
+2. Where they cannot (``bias[(q_idx * q_idx) % 37 - 5]``), the index expression is evaluated
+   exactly over the indices it reads (q_idx alone: L values; q_idx and kv_idx: L x S, in
+   chunks), on the call's device.
+3. An index computed from captured tensor values (``bias[doc[q_idx]]``) is evaluated on those
+   values; again whenever one of those tensors changed since (its version counter, which
+   every in-place torch op bumps; a write torch does not see, such as a custom kernel's, is
+   not noticed).
+
+Steps 1 and 2 are memoized by the mods' structure and the lengths, so a repeated call costs
+one dict lookup.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from ..codegen.ranges import Domain, value_ranges
+from ..codegen.render import leaf_ops
+from ..errors import InputError
+from ..frontend.evaluate import evaluate_node
+from ..frontend.ir import Node, Op
+from ..frontend.trace import TracedMod
+
+_CHUNK = 1 << 22  # index values evaluated at once
+_MAX_MEMO = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One dimension of one captured-tensor read: ``tensor[..., index, ...]``."""
+
+    load: Node
+    dim: int
+    index: Node
+    size: int
+
+    @property
+    def reads_values(self) -> bool:
+        """The index is computed from captured tensor values."""
+        return any(n.op is Op.LOAD for n in self.index.toposort())
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutOfRange:
+    read: _Read
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+
+
+def _reads(mod: TracedMod) -> list[_Read]:
+    """Every dimension of every read, inner reads (those an index reads) first."""
+    return [_Read(node, dim, index, mod.buffer_specs[node.arg][0][dim])
+            for node in mod.root.toposort() if node.op is Op.LOAD
+            for dim, index in enumerate(node.src)]
+
+
+def _in_range(read: _Read, lo: float, hi: float) -> bool:
+    return -read.size <= lo and hi <= read.size - 1
+
+
+def _exact_range(index: Node, buffers, domain: Domain, device) -> tuple[int, int]:
+    """(min, max) of ``index`` over the domain's values of the leaves it reads."""
+    sizes = {Op.B: domain.batch, Op.H: domain.heads, Op.Q_IDX: domain.q_len,
+             Op.KV_IDX: domain.kv_len}
+    used = [op for op in sizes if op in leaf_ops(index)]
+    longest = max(used, key=sizes.__getitem__, default=None)
+    others = 1
+    for op in used:
+        others *= sizes[op] if op is not longest else 1
+    step = max(1, _CHUNK // others)
+    total = sizes[longest] if longest is not None else 1
+    lows, highs = [], []
+    for start in range(0, total, step):
+        grids = {}
+        for axis, op in enumerate(sizes):
+            if op in used:
+                values = (torch.arange(start, min(start + step, total), device=device)
+                          if op is longest else torch.arange(sizes[op], device=device))
+                shape = [1, 1, 1, 1]
+                shape[axis] = -1
+                grids[op] = values.view(shape)
+        values = evaluate_node(index, b=grids.get(Op.B), h=grids.get(Op.H),
+                               q_idx=grids.get(Op.Q_IDX), kv_idx=grids.get(Op.KV_IDX),
+                               buffers=buffers, device=device)
+        low, high = torch.aminmax(values.reshape(-1))
+        lows.append(low)
+        highs.append(high)
+    return int(torch.stack(lows).min()), int(torch.stack(highs).max())
+
+
+def _static(mod: TracedMod, domain: Domain, device) -> tuple[_OutOfRange | None, tuple]:
+    """(the first read out of range or None, the reads whose index reads tensor values)."""
+    dtypes = tuple(dtype for _, dtype in mod.buffer_specs)
+    coarse = value_ranges([mod.root], dtypes, domain.rounded())
+    ranges = None
+    from_values = []
+    for read in _reads(mod):
+        if _in_range(read, *coarse[read.index]):
+            continue
+        if ranges is None:
+            ranges = value_ranges([mod.root], dtypes, domain)
+        if _in_range(read, *ranges[read.index]):
+            continue
+        if read.reads_values:
+            from_values.append(read)
+            continue
+        lo, hi = _exact_range(read.index, (), domain, device)
+        if not _in_range(read, lo, hi):
+            return _OutOfRange(read, mod.buffer_specs[read.load.arg][0], lo, hi), ()
+    return None, tuple(from_values)
+
+
+_STATIC: dict[tuple, tuple] = {}
+# mod -> {(domain, read): versions of the tensors its index read when it was last checked}
+_CHECKED_VALUES: "weakref.WeakKeyDictionary[TracedMod, dict]" = weakref.WeakKeyDictionary()
+
+
+def check_captured_indices(score: TracedMod | None, mask: TracedMod | None,
+                           q_shape: tuple[int, ...], kv_len: int, device) -> None:
+    """Raise an InputError naming the mod, the tensor's shape, the dimension and the index
+    range when a read of a captured tensor leaves it for some b < B, h < Hq, q_idx < L,
+    kv_idx < kv_len, where ``q_shape`` is the query's [B, Hq, L, E] (see the module
+    docstring)."""
+    if score is not None and score.buffers:
+        _check_mod(score, q_shape, kv_len, device)
+    if mask is not None and mask.buffers:
+        _check_mod(mask, q_shape, kv_len, device)
+
+
+def _check_mod(mod: TracedMod, q_shape, kv_len: int, device) -> None:
+    memo_key = (mod.key, q_shape, kv_len)
+    result = _STATIC.get(memo_key)
+    if result is None:
+        domain = Domain(q_shape[0], q_shape[1], q_shape[2], kv_len)
+        result = (None, ()) if domain.empty else _static(mod, domain, device)
+        if len(_STATIC) >= _MAX_MEMO:
+            _STATIC.clear()
+        _STATIC[memo_key] = result
+    bad, from_values = result
+    if bad is not None or from_values:
+        domain = Domain(q_shape[0], q_shape[1], q_shape[2], kv_len)
+        if bad is not None:
+            raise _error(mod, bad, domain)
+        _check_values(mod, from_values, domain)
+
+
+def _check_values(mod: TracedMod, reads: tuple[_Read, ...], domain: Domain) -> None:
+    checked = _CHECKED_VALUES.setdefault(mod, {})
+    for read in reads:
+        slots = sorted({n.arg for n in read.index.toposort() if n.op is Op.LOAD})
+        versions = _versions([mod.buffers[slot] for slot in slots])
+        if versions is not None and checked.get((domain, read)) == versions:
+            continue
+        device = mod.buffers[slots[0]].device
+        lo, hi = _exact_range(read.index, mod.buffers, domain, device)
+        if not _in_range(read, lo, hi):
+            shape = tuple(mod.buffers[read.load.arg].shape)
+            raise _error(mod, _OutOfRange(read, shape, lo, hi), domain)
+        checked[(domain, read)] = versions
+
+
+def _versions(tensors) -> tuple[int, ...] | None:
+    """The tensors' version counters (None for inference tensors, which have none)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
+
+
+def _error(mod: TracedMod, bad: _OutOfRange, domain: Domain) -> InputError:
+    size = bad.read.size
+    return InputError(
+        f"the {mod.kind} {mod.name!r} reads a captured tensor of shape {bad.shape} at indices "
+        f"{bad.lo}..{bad.hi} in dimension {bad.read.dim} (size {size}), for b < "
+        f"{domain.batch}, h < {domain.heads}, q_idx < {domain.q_len}, kv_idx < "
+        f"{domain.kv_len}; indices must lie in {-size}..{size - 1} (torch raises IndexError "
+        "for this read)")
