@@ -17,6 +17,8 @@ import torch
 from ..errors import TraceError
 from . import ir
 from . import torch_functions  # noqa: F401  (registers the torch-function handlers)
+from ..memo import OwnedMemo
+from .guards import Guard, guard
 from .ir import DType, Node, Op
 from .proxy import Proxy, _BufferView, _lift, _Tracer, supported_functions
 from .simplify import simplify
@@ -71,8 +73,8 @@ def mod_kind(fn) -> str:
     """score_mod (5 positional args) or mask_mod (4), from the signature."""
     if not callable(fn):
         raise TraceError(f"a mod must be callable, got {type(fn).__name__} {fn!r:.60}")
-    try:
-        sig = inspect.signature(fn)
+    try:  # a module's signature is its forward's (__call__ takes *args)
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
     except (TypeError, ValueError) as exc:
         raise TraceError(f"cannot read the signature of mod {_name(fn)!r}: {exc}") from None
     params = list(sig.parameters.values())
@@ -96,7 +98,8 @@ def _name(fn) -> str:
 
 
 def _captured_tensors(fn, depth=0):
-    """Tensors reachable from the mod's closure and referenced globals (for in-place checks)."""
+    """Tensors reachable from the mod's closure and referenced globals (for in-place checks
+    of a mod whose state ``guards.guard`` cannot walk)."""
     found = []
     for value in _referenced_values(fn):
         if isinstance(value, torch.Tensor):
@@ -107,7 +110,9 @@ def _captured_tensors(fn, depth=0):
 
 
 def _referenced_values(fn):
-    fn = inspect.unwrap(fn) if isinstance(fn, types.FunctionType) else fn
+    if isinstance(fn, types.MethodType):
+        yield fn.__self__
+        fn = fn.__func__
     if isinstance(fn, functools.partial):
         yield fn.func
         yield from fn.args
@@ -126,67 +131,99 @@ def _referenced_values(fn):
         if name in globals_:
             yield globals_[name]
     yield from fn.__defaults__ or ()
+    yield from (fn.__kwdefaults__ or {}).values()
 
 
 def trace(fn, kind: str | None = None) -> TracedMod:
     """Trace ``fn`` into a ``TracedMod``. ``kind`` defaults to what the arity says.
 
-    Traces are cached by function identity plus a fingerprint of what the function can see
-    (closure cells, referenced globals), so calling this per step costs microseconds."""
+    Traces are memoized per mod under a guard (``guards.guard``: every Python value the mod
+    can reach, compared on each call), so calling this per step costs microseconds and a mod
+    whose state changed (``self.window = 24``) is traced again."""
+    return trace_entry(fn, kind).traced
+
+
+@dataclasses.dataclass(eq=False)
+class TraceEntry:
+    """A trace and what it was made under: the mod's guard and the versions of the captured
+    tensors whose values Python read while tracing (``float(t)``, ``if t.sum() > 0``), and
+    room for what later steps derive from it (``derived``, e.g. the simplified mod)."""
+
+    traced: TracedMod
+    guard: Guard | None
+    reads: tuple = ()  # (weakref to tensor, its _version when read)
+    raw_root: Node | None = None  # the IR as traced, before simplification (debug dumps)
+    derived: dict = dataclasses.field(default_factory=dict)
+
+    def reads_unchanged(self) -> bool:
+        for ref, version in self.reads:
+            tensor = ref()
+            if tensor is None or tensor._version != version:
+                return False
+        return True
+
+
+# mod -> {(kind, method's function): TraceEntry}, weakly keyed on the mod (a bound method's
+# instance): dropping the mod drops its traces and the captured tensors they hold
+TRACE_MEMO = OwnedMemo(owners=1024, per_owner=8, name="traces")
+
+
+def _owner_and_key(fn, kind: str) -> tuple:
+    if isinstance(fn, types.MethodType):
+        return fn.__self__, (kind, fn.__func__)
+    return fn, (kind, None)
+
+
+def trace_entry(fn, kind: str | None = None) -> TraceEntry:
+    """The memoized ``TraceEntry`` of ``fn`` whose guard still holds, or a new trace (kept
+    when it may be reused: ``_reusable``)."""
     if kind not in (None, SCORE_MOD, MASK_MOD):
         raise TraceError(f"kind must be {SCORE_MOD!r}, {MASK_MOD!r} or None, got {kind!r}")
-    fingerprint = _fingerprint(fn)
-    cached = memo_get(_CACHE, fn, fingerprint)
-    if cached is not None and kind in (None, cached.kind):
-        return cached
-    expected = mod_kind(fn)
-    kind = kind or expected
+    expected = None
+    if kind is None:
+        expected = kind = mod_kind(fn)
+    owner, key = _owner_and_key(fn, kind)
+    entry = TRACE_MEMO.get(owner, key)
+    names = frozenset() if entry is None or entry.guard is None else entry.guard.names
+    current = guard(fn, names)
+    if (entry is not None and current is not None and current == entry.guard
+            and entry.reads_unchanged()):
+        return entry
+    if expected is None:
+        expected = mod_kind(fn)
     if kind != expected:
         raise TraceError(f"expected a {kind} but {_name(fn)!r} has the arity of a {expected}")
-    traced = _trace_uncached(fn, kind)
-    memo_put(_CACHE, fn, fingerprint, traced)
-    return traced
+    traced, reads, raw = _trace_uncached(fn, kind, current)
+    entry = TraceEntry(traced, current, reads, raw)
+    if _reusable(current, traced):
+        TRACE_MEMO.put(owner, key, entry)
+    return entry
 
 
-def trace_is_reusable(fn, traced: TracedMod) -> bool:
-    """True when every buffer is a tensor the mod captured. A buffer computed while tracing
-    (``torch.tanh(t0)`` of a captured 0-d tensor runs eagerly) holds this call's values and,
-    for a parameter, this call's autograd graph: such a trace must not be reused."""
-    captured = {id(t) for t in _captured_tensors(fn)}
+def _reusable(current: Guard | None, traced: TracedMod) -> bool:
+    """A trace may be reused when its mod is guarded and every buffer is a tensor the mod
+    captured. A buffer computed while tracing (``torch.tanh(t0)`` of a captured 0-d tensor
+    runs eagerly) holds this call's values and, for a parameter, this call's autograd graph."""
+    if current is None:
+        return False
+    captured = {id(t) for t in current.tensors}
     return all(id(t) in captured for t in traced.buffers)
 
 
-def memo_get(memo, fn, fingerprint) -> TracedMod | None:
-    """What ``memo`` (a WeakKeyDictionary keyed by mod) holds for ``fn`` under this
-    ``fingerprint`` (from ``_fingerprint``), or None."""
-    if fingerprint is None:
-        return None
-    try:
-        hit = memo.get(fn)
-    except TypeError:  # not weak-referenceable: never memoized
-        return None
-    return hit[1] if hit is not None and hit[0] == fingerprint else None
-
-
-def memo_put(memo, fn, fingerprint, traced: TracedMod) -> None:
-    """Memoize ``traced`` for ``fn`` when it may be reused (see ``trace_is_reusable``)."""
-    if fingerprint is not None and trace_is_reusable(fn, traced):
-        try:
-            memo[fn] = (fingerprint, traced)
-        except TypeError:  # not weak-referenceable
-            pass
-
-
-def _trace_uncached(fn, kind: str) -> TracedMod:
+def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple[TracedMod, tuple, Node]:
+    """(the trace of ``fn``, the (weakref, version) of each captured tensor whose values
+    Python read while tracing, the IR before simplification)."""
     name = _name(fn)
     tracer = _Tracer(name)
     leaves = {"score": ir.score(), "b": ir.index(Op.B), "h": ir.index(Op.H),
               "q_idx": ir.index(Op.Q_IDX), "kv_idx": ir.index(Op.KV_IDX)}
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
-    watched = _captured_tensors(fn)
+    watched = list(current.tensors) if current is not None else _captured_tensors(fn)
     versions = [t._version for t in watched]
+    reads = _ValueReads({id(t) for t in watched})
     try:
-        result = fn(*args)
+        with reads:
+            result = fn(*args)
     except (TraceError, RecursionError):
         raise
     except Exception as exc:
@@ -196,9 +233,45 @@ def _trace_uncached(fn, kind: str) -> TracedMod:
             raise tracer.error(
                 f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
-    root = simplify(_result_node(tracer, result, kind))
-    root, buffers = _drop_unused_buffers(root, tuple(tracer.buffers))
-    return TracedMod(kind, root, buffers, name)
+    raw = _result_node(tracer, result, kind)
+    root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))
+    read = tuple((weakref.ref(t), t._version) for t in watched if id(t) in reads.read)
+    return TracedMod(kind, root, buffers, name), read, raw
+
+
+# tensor methods and properties that read metadata, not values
+_METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "stride",
+                       "numel", "nelement", "requires_grad", "is_cuda", "is_cpu", "layout",
+                       "__len__", "is_floating_point", "is_complex", "is_contiguous",
+                       "element_size", "storage_offset", "grad_fn", "is_leaf", "names",
+                       "is_sparse", "is_quantized", "is_meta", "__repr__", "__format__"})
+
+
+def _function_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property's accessor: name it by the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class _ValueReads(torch.overrides.TorchFunctionMode):
+    """Records which watched tensors a torch function touched eagerly while a mod was traced
+    (no traced value among its arguments, not a metadata query): their values decided the
+    trace, so the memo also guards their versions."""
+
+    def __init__(self, watched: set[int]):
+        super().__init__()
+        self.watched = watched
+        self.read: set[int] = set()
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.watched and _function_name(func) not in _METADATA:
+            operands = [*args, *kwargs.values()]
+            flat = [x for v in operands for x in (v if isinstance(v, (tuple, list)) else (v,))]
+            if not any(isinstance(x, (Proxy, _BufferView)) for x in flat):
+                self.read.update(id(x) for x in flat if id(x) in self.watched)
+        return func(*args, **kwargs)
 
 
 def _drop_unused_buffers(root: Node, buffers: tuple) -> tuple[Node, tuple]:
@@ -225,44 +298,3 @@ def _result_node(tracer: _Tracer, result, kind: str) -> Node:
             raise tracer.error(f"a mask_mod must return bool (True = keep), got {node.dtype.value}")
         return node
     return ir.cast(node, DType.FLOAT)
-
-
-# Cache by function identity plus a fingerprint of everything the function can see that
-# would change its trace: closure cells and referenced globals (scalars by value, tensors by
-# identity and shape, nested functions recursively). Anything unfingerprintable disables the
-# cache for that function, so a stale trace is never returned.
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _fingerprint(fn, depth=0):
-    if depth > 4:
-        return None
-    parts = []
-    code = getattr(fn, "__code__", None)
-    if code is None and not isinstance(fn, functools.partial):
-        return None
-    parts.append(id(code))
-    for value in _referenced_values(fn):
-        fp = _value_fingerprint(value, depth)
-        if fp is None:
-            return None
-        parts.append(fp)
-    return tuple(parts)
-
-
-def _value_fingerprint(value, depth):
-    if value is None or isinstance(value, (bool, int, float, str, complex)):
-        return (type(value), value if not (isinstance(value, float) and math.isnan(value)) else "nan")
-    if isinstance(value, torch.Tensor):
-        return ("t", id(value), tuple(value.shape), value.dtype, value.requires_grad)
-    if isinstance(value, (types.ModuleType, type, torch.dtype, types.BuiltinFunctionType)):
-        return ("id", id(value))
-    if isinstance(value, (types.FunctionType, functools.partial)):
-        inner = _fingerprint(value, depth + 1)
-        return None if inner is None else ("fn", id(value), inner)
-    if isinstance(value, tuple):
-        items = [_value_fingerprint(v, depth) for v in value]
-        return None if any(i is None for i in items) else ("tuple",) + tuple(items)
-    if callable(value) and getattr(value, "__module__", "").startswith(("torch", "math", "flexfa")):
-        return ("id", id(value))
-    return None

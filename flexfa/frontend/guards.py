@@ -1,0 +1,349 @@
+"""Guards of the trace memo: the Python state a mod's trace may depend on, as a fingerprint.
+
+A mod is ordinary Python. Besides its arguments its trace may depend on closure cells,
+globals, defaults and keyword-only defaults, attributes of ``self`` and of anything else it
+reaches (instances, classes, modules), the items of tuples, lists and dicts, and the code of
+the functions and methods it calls, which reach more. ``guard(fn)`` walks all of that and
+returns a ``Guard`` whose ``fingerprint`` is equal on a later call only if none of it changed:
+scalars and strings by value, tensors (identity, shape, dtype, device, requires_grad), code,
+classes, modules and library functions by identity, containers and objects by content.
+
+Attributes are read only under the names that the code reached by the walk uses
+(``co_names`` and string constants, nested code included), so a large ``nn.Module`` costs
+only what the mod touches. Reaching new code (``self.helper()``) adds names, so the walk
+repeats until the names are stable; ``Guard.names`` seeds the next call's walk.
+
+What the walk cannot see through makes the mod unguarded (``guard`` returns None) and it is
+traced again on every call, never reused stale: objects of C types it does not know,
+dynamic lookups (``getattr``, ``vars``, ``eval``, ``globals``... anywhere in the reached code),
+custom ``__getattr__``/``__getattribute__``, and more than ``MAX_STEPS`` values.
+Identities are held by weak reference where possible, so a guard never keeps a mod's
+objects alive.
+"""
+from __future__ import annotations
+
+import builtins
+import enum
+import functools
+import numbers
+import types
+import weakref
+
+import torch
+
+MAX_STEPS = 4096  # values visited per walk
+MAX_ITEMS = 1024  # items of one container
+# library code: its functions, classes and modules count by identity and are not walked
+LIBRARIES = ("torch", "math", "cmath", "numpy", "triton", "builtins", "functools", "operator",
+             "numbers", "typing", "collections", "enum", "abc", "itertools", "sympy")
+# names whose use means attributes may be read by computed names: not guardable
+DYNAMIC_NAMES = frozenset({"getattr", "hasattr", "vars", "eval", "exec", "globals", "locals",
+                           "__dict__", "__getattribute__", "attrgetter", "compile"})
+_MISSING = object()
+_ABSENT = ("absent",)
+
+
+class Unguardable(Exception):
+    """The walk met state it cannot fingerprint."""
+
+
+class Ref:
+    """Identity of an object, by weak reference where it can be: equal only to a Ref of the
+    same, still living object."""
+
+    __slots__ = ("_ref", "_obj", "_id")
+
+    def __init__(self, obj):
+        self._id = id(obj)
+        try:
+            self._ref, self._obj = weakref.ref(obj), None
+        except TypeError:  # builtins, code objects of some kinds: held, they own no user data
+            self._ref, self._obj = None, obj
+
+    def get(self):
+        return self._obj if self._ref is None else self._ref()
+
+    def __eq__(self, other):
+        if not isinstance(other, Ref) or other._id != self._id:
+            return False
+        obj = self.get()
+        return obj is not None and obj is other.get()
+
+    def __hash__(self):
+        return self._id
+
+    def __repr__(self):
+        return f"Ref({type(self.get()).__name__} at {self._id:#x})"
+
+
+class Guard:
+    """The fingerprint of one walk and the attribute names it used."""
+
+    __slots__ = ("fingerprint", "names", "tensors")
+
+    def __init__(self, fingerprint: tuple, names: frozenset, tensors: tuple):
+        self.fingerprint = fingerprint
+        self.names = names
+        self.tensors = tensors  # every tensor reached (trace's in-place and reuse checks)
+
+    def __eq__(self, other):
+        return isinstance(other, Guard) and self.fingerprint == other.fingerprint
+
+
+_LIBRARY_TYPES: dict[type, bool] = {}
+_BUILTIN_NAMES = vars(builtins)
+_LIBRARY_MODULES = frozenset({"torch", "math", "numpy", "triton", "torch.nn.functional",
+                              "torch.special", "operator", "functools"})
+
+
+def _is_library_name(module: str) -> bool:
+    return module.partition(".")[0] in LIBRARIES
+
+
+def _is_library_type(cls: type) -> bool:
+    known = _LIBRARY_TYPES.get(cls)
+    if known is None:
+        if len(_LIBRARY_TYPES) > 4096:
+            _LIBRARY_TYPES.clear()
+        known = _LIBRARY_TYPES[cls] = _is_library_name(getattr(cls, "__module__", "") or "")
+    return known
+
+
+_CODE_NAMES: dict[int, tuple] = {}
+
+
+def code_names(code: types.CodeType) -> frozenset:
+    """Names and string constants of ``code`` and of the code nested in it."""
+    known = _CODE_NAMES.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, str) and const.isidentifier():
+            names.add(const)
+        elif isinstance(const, types.CodeType):
+            names |= code_names(const)
+    if len(_CODE_NAMES) > 4096:
+        _CODE_NAMES.clear()
+    _CODE_NAMES[id(code)] = (code, frozenset(names))
+    return _CODE_NAMES[id(code)][1]
+
+
+# compared by value
+_VALUE_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
+                          torch.device, torch.layout, torch.memory_format})
+
+
+class _Walk:
+    def __init__(self, names: frozenset):
+        self.names = set(names)
+        self.ordered = sorted(self.names)
+        self.parts: list = []
+        self.seen: dict[int, int] = {}
+        self.keep: list = []  # objects whose ids are in ``seen``: alive for the walk
+        self.tensors: list = []
+        self.grew = False
+
+    def add_code(self, code: types.CodeType) -> None:
+        names = code_names(code)
+        if not names.isdisjoint(DYNAMIC_NAMES):
+            raise Unguardable(f"code {code.co_name!r} looks attributes up dynamically")
+        if not names <= self.names:
+            self.names |= names
+            self.grew = True
+        self.parts.append(code)
+
+    def value(self, value) -> None:
+        cls = type(value)
+        if cls in _VALUE_TYPES:
+            self.parts.append(value if cls is not float or value == value else "nan")
+            self.parts.append(cls)
+            return
+        if len(self.parts) > MAX_STEPS:
+            raise Unguardable("too much state")
+        seen = self.seen.get(id(value))
+        if seen is not None:
+            self.parts.append(("seen", seen))
+            return
+        self.seen[id(value)] = len(self.seen)
+        self.keep.append(value)
+        handler = _HANDLERS.get(cls)
+        if handler is None:
+            handler = _handler(cls)
+        handler(self, value)
+
+    def tensor(self, value: torch.Tensor) -> None:
+        self.tensors.append(value)
+        self.parts += (Ref(value), value.shape, value.dtype, value.device, value.requires_grad)
+
+    def number(self, value) -> None:
+        self.parts += (type(value), value)
+
+    def method(self, value: types.MethodType) -> None:
+        self.parts.append("method")
+        self.value(value.__func__)
+        self.value(value.__self__)
+
+    def partial(self, value: functools.partial) -> None:
+        self.parts.append("partial")
+        self.value(value.func)
+        self.value(value.args)
+        self.value(value.keywords)
+
+    def module(self, value: types.ModuleType) -> None:
+        if _is_library_name(value.__name__):
+            self.parts.append(value)  # modules live as long as the process: held, compared
+            return
+        self.parts.append(Ref(value))
+        self.attributes(value, vars(value))
+
+    def builtin(self, value) -> None:
+        owner = getattr(value, "__self__", None)
+        if owner is not None and not isinstance(owner, (types.ModuleType, type)):
+            raise Unguardable(f"a method bound to a {type(owner).__name__}")
+        self.parts.append(value)  # library code: held, compared by identity
+
+    def wrapped(self, value) -> None:  # staticmethod, classmethod
+        self.parts.append(type(value))
+        self.value(value.__func__)
+
+    def property_(self, value: property) -> None:
+        self.parts.append("property")
+        self.value(value.fget)
+        self.value(value.fset)
+
+    def function(self, fn: types.FunctionType) -> None:
+        if _is_library_name(fn.__module__ or ""):
+            self.parts.append(Ref(fn))
+            return
+        self.add_code(fn.__code__)
+        if fn.__closure__:
+            self.value(tuple(_cell(c) for c in fn.__closure__))
+        if fn.__defaults__:
+            self.value(fn.__defaults__)
+        if fn.__kwdefaults__:
+            self.value(fn.__kwdefaults__)
+        globals_, parts = fn.__globals__, self.parts
+        for name in code_names(fn.__code__):
+            found = globals_.get(name, _MISSING)
+            if found is _MISSING:
+                found = _BUILTIN_NAMES.get(name, _MISSING)
+                if found is _MISSING:
+                    continue
+            parts.append(name)
+            if type(found) is types.ModuleType and found.__name__ in _LIBRARY_MODULES:
+                parts.append(found)  # the common ``torch``: held, compared by identity
+            else:
+                self.value(found)
+        if fn.__dict__:
+            self.attributes(fn, fn.__dict__)
+
+    def items(self, value) -> None:
+        if len(value) > MAX_ITEMS:
+            raise Unguardable(f"a {type(value).__name__} of {len(value)} items")
+        self.parts += (type(value), len(value))
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value, key=repr)
+        for item in value:
+            self.value(item)
+
+    def mapping(self, value: dict) -> None:
+        if len(value) > MAX_ITEMS:
+            raise Unguardable(f"a dict of {len(value)} items")
+        self.parts += (type(value), len(value))
+        for key, item in value.items():
+            self.value(key)
+            self.value(item)
+
+    def attributes(self, owner, namespace: dict) -> None:
+        """The entries of ``namespace`` under the walk's names (absent ones as absent)."""
+        for name in self.ordered:
+            found = namespace.get(name, _MISSING)
+            if found is _MISSING:
+                continue
+            self.parts.append(name)
+            self.value(found)
+
+    def klass(self, cls: type) -> None:
+        self.parts.append(Ref(cls))
+        if _is_library_type(cls):
+            return
+        for name in self.ordered:
+            for base in cls.__mro__:
+                if name in base.__dict__:
+                    self.parts += (name, Ref(base))
+                    self.value(base.__dict__[name])
+                    break
+
+    def instance(self, obj) -> None:
+        cls = type(obj)
+        is_module = isinstance(obj, torch.nn.Module)
+        if _is_library_type(cls) and not is_module:
+            raise Unguardable(f"an object of type {cls.__module__}.{cls.__qualname__}")
+        for hook in ("__getattr__", "__getattribute__"):
+            defined = getattr(cls, hook, None)
+            if defined is not None and defined is not getattr(object, hook, None) \
+                    and not (is_module and defined is getattr(torch.nn.Module, hook, None)):
+                raise Unguardable(f"{cls.__qualname__} defines {hook}")
+        self.klass(cls)
+        namespace = getattr(obj, "__dict__", None)
+        if namespace is None:
+            slots = [n for base in cls.__mro__ for n in getattr(base, "__slots__", ())]
+            if not slots:
+                raise Unguardable(f"an object of type {cls.__qualname__} without attributes")
+            namespace = {n: getattr(obj, n, _ABSENT) for n in slots if n in self.names}
+        self.attributes(obj, namespace)
+        if is_module:  # parameters, buffers and submodules live in their own dicts
+            for table in ("_parameters", "_buffers", "_modules"):
+                self.attributes(obj, namespace.get(table) or {})
+
+
+_BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+             types.MethodDescriptorType, types.MethodWrapperType,
+             types.ClassMethodDescriptorType)
+# (base type, handler) in the order they are tried; _handler caches the answer per type
+_DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.number), (numbers.Number, _Walk.number),
+             (types.FunctionType, _Walk.function), (types.MethodType, _Walk.method),
+             (functools.partial, _Walk.partial), ((tuple, list, set, frozenset), _Walk.items),
+             (dict, _Walk.mapping), (types.ModuleType, _Walk.module), (type, _Walk.klass),
+             (_BUILTINS, _Walk.builtin), ((staticmethod, classmethod), _Walk.wrapped),
+             (property, _Walk.property_))
+_HANDLERS: dict[type, object] = {}
+
+
+def _handler(cls: type):
+    """The walk's handler for values of type ``cls`` (instances of anything else: objects)."""
+    handler = next((h for base, h in _DISPATCH if issubclass(cls, base)), _Walk.instance)
+    if len(_HANDLERS) > 4096:
+        _HANDLERS.clear()
+    _HANDLERS[cls] = handler
+    return handler
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _ABSENT
+
+
+_MODULE_CALL = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
+
+
+def guard(fn, names: frozenset = frozenset()) -> Guard | None:
+    """The guard of ``fn`` (a function, bound method, partial or callable object), or None
+    when some of its state cannot be fingerprinted. ``names``: a previous guard's names."""
+    if isinstance(fn, torch.nn.Module):  # its __call__ runs the hooks and forward
+        names = names | _MODULE_CALL
+    elif not isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
+        names = names | {"__call__"}
+    for _ in range(8):
+        walk = _Walk(names)
+        try:
+            walk.value(fn)
+        except (Unguardable, RecursionError):
+            return None
+        if not walk.grew:
+            return Guard(tuple(walk.parts), frozenset(walk.names), tuple(walk.tensors))
+        names = frozenset(walk.names)
+    return None

@@ -1,0 +1,166 @@
+"""Bounded in-process memos, and memos that forget an entry when a user's object dies.
+
+Every cache in flexfa is one of these (or a dict cleared with them): ``BoundedMemo`` is an LRU
+with a size bound; ``OwnedMemo`` keeps entries per owner object (a mod, a block mask) by
+weak reference, so dropping the owner drops its entries and whatever they hold (captured
+tensors, block-mask tables). ``clear_all`` empties every memo (tests, benchmarks).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+_ALL: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class BoundedMemo:
+    """A dict-like LRU memo of at most ``size`` entries (the least recently used go first)."""
+
+    def __init__(self, size: int, name: str = "", register: bool = True):
+        assert size > 0, size
+        self.size, self.name = size, name
+        self._data: OrderedDict = OrderedDict()
+        self._lock = threading.RLock()
+        if register:  # cleared by clear_all
+            _ALL.add(self)
+
+    def get(self, key, default=None):
+        try:
+            value = self._data[key]
+        except KeyError:
+            return default
+        try:
+            self._data.move_to_end(key)
+        except KeyError:  # removed by another thread meanwhile
+            pass
+        return value
+
+    def __getitem__(self, key):
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+
+    def __contains__(self, key) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def pop(self, key, default=None):
+        with self._lock:
+            return self._data.pop(key, default)
+
+    def values(self):
+        return list(self._data.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def __repr__(self) -> str:
+        return f"BoundedMemo({self.name!r}, {len(self)}/{self.size})"
+
+
+_MISSING = object()
+
+
+class OwnedMemo:
+    """Entries kept per owner object, which is held only weakly: when the owner is collected,
+    its entries go with it. At most ``owners`` owners (least recently used dropped first) and
+    ``per_owner`` entries each. Owners that cannot be weakly referenced are not memoized
+    (``get`` misses, ``put`` does nothing)."""
+
+    def __init__(self, owners: int, per_owner: int, name: str = ""):
+        self.name = name
+        self.per_owner = per_owner
+        self._owners = BoundedMemo(owners, name, register=False)  # id -> (weakref, memo)
+        _ALL.add(self)
+
+    def get(self, owner, key, default=None):
+        slot = self._owners.get(id(owner))
+        if slot is None or slot[0]() is not owner:
+            return default
+        return slot[1].get(key, default)
+
+    def put(self, owner, key, value) -> None:
+        owner_id = id(owner)
+        slot = self._owners.get(owner_id)
+        if slot is None or slot[0]() is not owner:
+            try:
+                ref = weakref.ref(owner, self._forget(owner_id))
+            except TypeError:  # not weakly referenceable: never memoized
+                return
+            slot = (ref, BoundedMemo(self.per_owner, self.name, register=False))
+            self._owners[owner_id] = slot
+        slot[1][key] = value
+
+    def _forget(self, owner_id: int):
+        owners = weakref.ref(self._owners)
+
+        def callback(ref) -> None:
+            table = owners()
+            if table is None:
+                return
+            slot = table.get(owner_id)
+            if slot is not None and slot[0] is ref:
+                table.pop(owner_id)
+        return callback
+
+    def __len__(self) -> int:
+        """Entries over all owners."""
+        return sum(len(slot[1]) for slot in self._owners.values())
+
+    def values(self) -> list:
+        return [v for slot in self._owners.values() for v in slot[1].values()]
+
+    def owner_count(self) -> int:
+        return len(self._owners)
+
+    def clear(self) -> None:
+        self._owners.clear()
+
+
+def clear_all() -> None:
+    """Empty every BoundedMemo and OwnedMemo of this process."""
+    for memo in list(_ALL):
+        memo.clear()
+
+
+class MaskedMemo:
+    """Entries that may depend on a block mask: those of a mask live under it in an
+    ``OwnedMemo`` (dropped with the mask, and its tables with them), the others (mask None)
+    in a ``BoundedMemo``."""
+
+    def __init__(self, size: int, per_mask: int, name: str = ""):
+        self.dense = BoundedMemo(size, name)
+        self.masked = OwnedMemo(owners=size, per_owner=per_mask, name=name)
+
+    def get(self, block_mask, key, default=None):
+        if block_mask is None:
+            return self.dense.get(key, default)
+        return self.masked.get(block_mask, key, default)
+
+    def put(self, block_mask, key, value) -> None:
+        if block_mask is None:
+            self.dense[key] = value
+        else:
+            self.masked.put(block_mask, key, value)
+
+    def __len__(self) -> int:
+        return len(self.dense) + len(self.masked)
+
+    def values(self) -> list:
+        return self.dense.values() + self.masked.values()
+
+    def clear(self) -> None:
+        self.dense.clear()
+        self.masked.clear()

@@ -1,0 +1,268 @@
+"""The trace memo never returns a stale trace: every Python value a mod can read is guarded.
+
+Each test traces a mod, changes one piece of state the mod reads, and traces again: the
+second trace must equal a fresh trace of the mod under the new state (before the guards, each
+of these returned the first trace).
+"""
+import dataclasses
+import functools
+import gc
+import types
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from flexfa.frontend import evaluate, index_grids
+from flexfa.frontend.guards import guard
+from flexfa.frontend.trace import TRACE_MEMO, trace, trace_entry
+
+GRID = index_grids(1, 1, 8, 8)
+
+
+def _values(traced) -> torch.Tensor:
+    b, h, q, k = GRID
+    if traced.kind == "mask_mod":
+        return evaluate(traced, b=b, h=h, q_idx=q, kv_idx=k)
+    return evaluate(traced, score=torch.ones(1, 1, 8, 8, dtype=torch.float64), b=b, h=h,
+                    q_idx=q, kv_idx=k)
+
+
+def _assert_follows(fn, change):
+    """Trace ``fn``, apply ``change()``, trace again: the result must be the new behaviour."""
+    first = _values(trace(fn))
+    change()
+    second = _values(trace(fn))
+    TRACE_MEMO.clear()
+    fresh = _values(trace(fn))
+    assert torch.equal(second, fresh)
+    assert not torch.equal(first, second), "the change should change the mod's values"
+
+
+class Window:
+    window = 2
+
+    def __init__(self):
+        self.offset = 0
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx < self.window) & (q_idx >= kv_idx + self.offset)
+
+    def helper(self):
+        return self.offset
+
+    def via_helper(self, b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 2 + self.helper()
+
+    @property
+    def doubled(self):
+        return 2 * self.offset
+
+    def via_property(self, b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 2 + self.doubled
+
+
+def test_instance_attribute_of_a_stored_bound_method():
+    m = Window()
+    mask = m.mask  # one bound-method object, called again
+    _assert_follows(mask, lambda: setattr(m, "window", 5))
+
+
+def test_instance_attribute_of_fresh_bound_methods():
+    m = Window()
+    first = _values(trace(m.mask))
+    m.offset = 1
+    assert not torch.equal(first, _values(trace(m.mask)))
+
+
+def test_class_attribute():
+    m = Window()
+    mask = m.mask
+    old = Window.window
+    try:
+        _assert_follows(mask, lambda: setattr(Window, "window", 6))
+    finally:
+        Window.window = old
+
+
+def test_state_read_through_a_helper_method_and_a_property():
+    m = Window()
+    _assert_follows(m.via_helper, lambda: setattr(m, "offset", 3))
+    m = Window()
+    _assert_follows(m.via_property, lambda: setattr(m, "offset", 2))
+
+
+def test_module_attribute():
+    config = types.ModuleType("config")
+    config.WINDOW = 2
+
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < config.WINDOW
+    _assert_follows(mask, lambda: setattr(config, "WINDOW", 6))
+
+
+LIMIT = 2
+
+
+def test_global_read_by_a_nested_function():
+    def mask(b, h, q_idx, kv_idx):
+        limit = (lambda: LIMIT)()
+        return q_idx - kv_idx < limit
+
+    def change():
+        global LIMIT
+        LIMIT = 5
+    try:
+        _assert_follows(mask, change)
+    finally:
+        globals()["LIMIT"] = 2
+
+
+def test_functools_wraps_wrapper_and_list_contents():
+    factor = [2.0]
+
+    def base(score, b, h, q_idx, kv_idx):
+        return score + q_idx
+
+    @functools.wraps(base)
+    def wrapped(score, b, h, q_idx, kv_idx):
+        return base(score, b, h, q_idx, kv_idx) * factor[0]
+    _assert_follows(wrapped, lambda: factor.__setitem__(0, 5.0))
+
+
+def test_keyword_only_and_positional_defaults():
+    def kw(score, b, h, q_idx, kv_idx, *, scale=2.0):
+        return score * scale + q_idx
+    _assert_follows(kw, lambda: kw.__kwdefaults__.__setitem__("scale", 3.0))
+
+    def positional(score, b, h, q_idx, kv_idx, scale=2.0):
+        return score * scale + q_idx
+    _assert_follows(positional, lambda: setattr(positional, "__defaults__", (7.0,)))
+
+
+def test_dict_config_and_dataclass_and_partial():
+    config = {"window": 2}
+
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < config["window"]
+    _assert_follows(mask, lambda: config.__setitem__("window", 4))
+
+    @dataclasses.dataclass
+    class Cfg:
+        window: int = 2
+    cfg = Cfg()
+
+    def by_dataclass(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < cfg.window
+    _assert_follows(by_dataclass, lambda: setattr(cfg, "window", 5))
+
+    def windowed(b, h, q_idx, kv_idx, window):
+        return q_idx - kv_idx < window[0]
+    window = [2]
+    _assert_follows(functools.partial(windowed, window=window),
+                    lambda: window.__setitem__(0, 6))
+
+
+def test_nn_module_attribute_and_callable_object():
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.limit = 2
+
+        def forward(self, b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < self.limit
+
+    gate = Gate()
+    _assert_follows(gate, lambda: setattr(gate, "limit", 5))
+
+
+def test_function_attribute():
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < mask.limit
+    mask.limit = 2
+    _assert_follows(mask, lambda: setattr(mask, "limit", 6))
+
+
+def test_captured_tensor_values_read_while_tracing():
+    """Python read the tensor's values (an ``if`` on it): an in-place change must retrace."""
+    flag = torch.tensor([1.0])
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * 2 if flag.sum() > 0 else score - 1
+    _assert_follows(mod, lambda: flag.mul_(-1))
+
+
+def test_captured_tensor_read_in_kernel_needs_no_retrace():
+    """A tensor the kernel reads (``bias[q_idx]``) keeps the trace: its new values are read
+    at launch. A replaced tensor object retraces."""
+    bias = torch.arange(8.0)
+    holder = {"bias": bias}
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + holder["bias"][q_idx]
+    entry = trace_entry(mod)
+    bias.add_(1)
+    assert trace_entry(mod) is entry
+    holder["bias"] = torch.arange(8.0)
+    assert trace_entry(mod) is not entry
+
+
+def test_dynamic_attribute_lookup_is_never_memoized():
+    m = Window()
+
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < getattr(m, "win" + "dow")
+    assert guard(mask) is None
+    _assert_follows(mask, lambda: setattr(m, "window", 6))
+
+
+@given(st.lists(st.integers(-4, 8), min_size=2, max_size=6))
+def test_any_sequence_of_window_values(windows):
+    m = Window()
+    mask = m.mask
+    for window in windows:
+        m.window = window
+        b, h, q, k = GRID
+        expected = (q - k < window) & (q >= k)
+        assert torch.equal(_values(trace(mask)), expected)
+
+
+def test_dropping_a_mod_drops_its_trace_and_captured_tensors():
+    bias = torch.randn(8)
+    ref = weakref.ref(bias)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx]
+    trace(mod)
+    count = len(TRACE_MEMO)
+    del mod, bias
+    gc.collect()
+    assert ref() is None
+    assert len(TRACE_MEMO) < count
+
+
+def test_fresh_lambdas_do_not_grow_the_memo():
+    TRACE_MEMO.clear()
+    for i in range(200):
+        trace(lambda score, b, h, q_idx, kv_idx: score + i)
+    gc.collect()
+    assert len(TRACE_MEMO) <= 1
+
+
+def test_memo_is_bounded_when_mods_stay_alive():
+    mods = [lambda score, b, h, q_idx, kv_idx, i=i: score + i for i in range(1100)]
+    for mod in mods:
+        trace(mod)
+    assert TRACE_MEMO.owner_count() <= 1024
+
+
+@pytest.mark.parametrize("value", [float("nan"), -0.0, 0.0])
+def test_special_float_state(value):
+    cell = [value]
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + cell[0]
+    first = trace(mod)
+    cell[0] = 1.5
+    assert trace(mod) is not first
