@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import weakref
 
 import torch
 
@@ -17,7 +18,7 @@ from .errors import InputError, InputTypeError, check_bool
 from .scores import check_score_range
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
-from .runtime.cache import register_memo
+from .memo import BoundedMemo
 from .runtime.forward import AttentionCall, run_forward
 from .runtime.indices import check_captured_indices
 from .runtime.options import parse_kernel_options
@@ -174,59 +175,48 @@ def _check_buffers(traced: TracedMod | None, what: str, device: torch.device) ->
 
 
 # signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
-# Python-side cost of a cached call, benchmarks/python_dispatch.py). Each value keeps the mask
-# and its tables alive, so their ids in the keys cannot be reused by other objects, and holds
-# the signature's AttentionCalls by (prepared score_mod, prepared mask_mod, scale, options):
-# a repeated call reuses its call object, which holds its forward plans (AttentionCall.plans).
-# Cleared with the kernel memos (flexfa.runtime.cache.clear_memo), whose plans it holds.
-_VALIDATED: dict[tuple, tuple] = register_memo({})
-_MAX_VALIDATED = 256
-_MAX_CALLS = 16  # calls kept per signature
+# Python-side cost of a cached call, benchmarks/python_dispatch.py). An entry holds the block
+# mask and its tables only by weak reference (ids in the key, identity checked on a hit), so
+# it neither keeps a dropped mask alive nor matches a new object that reuses an id.
+_VALIDATED = BoundedMemo(256, "validated signatures")
 _MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "mask_mod")
 _mask_fields = operator.attrgetter(*_MASK_FIELDS)
 
 
 def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
-    """Everything the tensor, shape and block-mask checks read, for plain tensors (None: a
-    tensor subclass or an unhashable mask field, checked every time). The mask enters by the
-    identity of the object and of each table, and by its block size and lengths."""
+    """(key, objects) of everything the tensor, shape and block-mask checks read, for plain
+    tensors (None: a tensor subclass, checked every time). The mask enters by the identity of
+    the object and of each table (``objects``), and by its block size and lengths."""
     if not type(query) is type(key) is type(value) is torch.Tensor:
         return None
-    mask = None
-    if block_mask is not None:
+    if block_mask is None:
+        objects, mask_key = (), None
+    else:
         try:
             fields = _mask_fields(block_mask)
         except AttributeError:  # a duck-typed mask without some of the tables
             fields = tuple(getattr(block_mask, n, None) for n in _MASK_FIELDS)
-        mask = (block_mask, fields, getattr(block_mask, "BLOCK_SIZE", None),
-                getattr(block_mask, "seq_lengths", None))
+        objects = (block_mask, *fields)
+        mask_key = (tuple(map(id, objects)), getattr(block_mask, "BLOCK_SIZE", None),
+                    getattr(block_mask, "seq_lengths", None))
     key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-            query.device, key.device, value.device, enable_gqa,
-            None if mask is None else (id(mask[0]), tuple(map(id, mask[1])), *mask[2:]))
-    return key_, mask
+            query.device, key.device, value.device, enable_gqa, mask_key)
+    return key_, objects
 
 
-def _call(entry, score, mask, block_mask, scale: float, options, query, gqa_group: int):
-    """The AttentionCall for these prepared mods, scale and options: for a validated signature
-    the one an earlier call made (with its forward plans), else a new one, kept for the next
-    call of the signature (not for scale 0, whose sign the key cannot tell). The captured
-    tensors are checked when a call object is made: a reused one holds the same prepared mods,
-    whose fingerprints fix the captured tensors (identity, shape, dtype)."""
-    calls = entry[1] if entry is not None and scale != 0 else None
-    key = (id(score), id(mask), scale, options)
-    if calls is not None:
-        call = calls.get(key)
-        if call is not None:
-            return call
-    _check_buffers(score, "score_mod", query.device)
-    _check_buffers(mask, "mask_mod", query.device)
-    call = AttentionCall(score, mask, block_mask, scale, options, gqa_group)
-    if calls is not None:
-        if len(calls) >= _MAX_CALLS:
-            calls.clear()
-        calls[key] = call
-    return call
+def _weak(objects: tuple) -> tuple | None:
+    """Weak references to ``objects`` (None entries kept as None), or None if one of them
+    cannot be weakly referenced (such a signature is checked every time)."""
+    try:
+        return tuple(None if o is None else weakref.ref(o) for o in objects)
+    except TypeError:
+        return None
+
+
+def _still_same(refs: tuple, objects: tuple) -> bool:
+    return all((r is None and o is None) or (r is not None and r() is o)
+               for r, o in zip(refs, objects))
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
@@ -250,28 +240,28 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                      return_lse, kernel_options, return_aux=return_aux)
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
-    entry = None  # the _VALIDATED entry (mask, {call key: AttentionCall}) of a checked signature
+    checked = False  # the tensor, shape and block-mask checks passed for this signature before
     if signature is not None:
         try:
-            entry = _VALIDATED.get(signature[0])
+            refs = _VALIDATED.get(signature[0])
         except TypeError:  # a mask field that cannot be hashed: checked every time
-            signature = None
-    if entry is None:
+            signature = refs = None
+        checked = refs is not None and _still_same(refs, signature[1])
+    if not checked:
         _check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
     return_lse = check_bool("return_lse", return_lse)
     aux_lse, aux_max = _check_aux(return_aux, return_lse)
-    if entry is None:
+    if not checked:
         _check_shapes(query, key, value, enable_gqa)
     scale = _check_scale(scale, query.shape[3])
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
-    if entry is None:
+    if not checked:
         _check_block_mask(block_mask, query, key)
-        if signature is not None:
-            if len(_VALIDATED) >= _MAX_VALIDATED:
-                _VALIDATED.clear()
-            entry = _VALIDATED[signature[0]] = (signature[1], {})
+        refs = _weak(signature[1]) if signature is not None else None
+        if refs is not None:
+            _VALIDATED[signature[0]] = refs
     check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
     check_score_range(query, key, scale)  # only for an enormous scale
     options = parse_kernel_options(kernel_options)
@@ -279,9 +269,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     mask = prepare_mask(block_mask)
     if mask is not None and torch.is_grad_enabled():
         check_mask_mod_grad(mask)  # a mask has no gradient: error on grad-requiring captures
-    call = _call(entry, score, mask, block_mask, scale, options, query,
-                 query.shape[1] // key.shape[1])
+    _check_buffers(score, "score_mod", query.device)
+    _check_buffers(mask, "mask_mod", query.device)
     check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
+    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
     buffers = score.buffers if score is not None else ()
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value, *buffers))

@@ -168,10 +168,8 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
 
 def traced_mods(score_mod, mask_mod):
     """(score, mask) TracedMods as the runtime prepares them (None where a mod is None)."""
-    from ..runtime.pipeline import prepare
-
-    return (prepare(trace(score_mod, SCORE_MOD)) if score_mod else None,
-            prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None)
+    return (trace(score_mod, SCORE_MOD) if score_mod else None,
+            trace(mask_mod, MASK_MOD) if mask_mod else None)
 
 
 def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:

@@ -145,10 +145,9 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
         from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
         from ..fp8.runtime import default_fp8_tiles
         from ..runtime.cache import get_module
-        from ..runtime.pipeline import prepare
 
-        score = prepare(trace(score_mod, SCORE_MOD)) if score_mod else None
-        mask = prepare(trace(mask_mod, MASK_MOD)) if mask_mod else None
+        score = trace(score_mod, SCORE_MOD) if score_mod else None
+        mask = trace(mask_mod, MASK_MOD) if mask_mod else None
         block_m, block_n, warps, stages, cap = default_fp8_tiles(
             next_power_of_two(head_dim, FP8_MIN_DIM), f"cuda:{arch}", use_tma)
         spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,

@@ -302,7 +302,7 @@ class _Renderer:
             return _int_literal(node.arg) if node.dtype is INT else literal(node.arg)
         if op in (Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
             return self.leaves.name(op)
-        if op in (Op.FLOORDIV, Op.MOD):
+        if op in (Op.FLOORDIV, Op.MOD, Op.FMOD):
             _check_divisor(node)
         if _folds(node, self.constant):
             self.constant.add(id(node))

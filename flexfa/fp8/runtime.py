@@ -11,7 +11,7 @@ from ..codegen.spec import DTYPE_NAMES, INTERPRET, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from ..runtime.autotune import Pinned
-from ..runtime.cache import register_memo
+from ..memo import BoundedMemo
 from ..runtime.launch import cdiv
 from ..runtime.forward import (AttentionCall, _table_args, buffer_launch_args,
                                call_int64_nodes, forward_grid, load_generated, target_of)
@@ -132,7 +132,7 @@ def fp8_spec(x: FP8Inputs, call: AttentionCall, return_lse: bool) -> FP8KernelSp
         wide_ints=call_int64_nodes(x.q, x.k, call))
 
 
-_KERNELS: dict[tuple, object] = register_memo({})
+_KERNELS = BoundedMemo(256, "fp8 kernels")
 
 
 def _memoized(memo_key: tuple, interpret: bool, generate):

@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..frontend.grad import JointGraph, derive
 from ..frontend.trace import TracedMod
 from . import autotune
-from .cache import register_memo
+from ..memo import BoundedMemo, MaskedMemo
 from .debug import debug
 from .forward import (AttentionCall, _broadcast_strides, _largest_tile, buffer_launch_args,
                       load_generated, target_of)
@@ -204,24 +204,21 @@ def ds_bands(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int,
     return band.to(device).contiguous(), max(1, int(width.sum(-1).max()))
 
 
-_DS_BANDS: dict[tuple, tuple] = register_memo({})
-_MAX_DS_BANDS = 64
+_DS_BANDS = MaskedMemo(64, per_mask=4, name="dS bands")
 
 
 def _ds_bands_of(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int, device) -> tuple:
-    """``ds_bands``, memoized per block mask object, state of its tables and geometry (the
-    entry keeps the mask, so its id cannot be reused while the entry lives)."""
+    """``ds_bands``, memoized per block mask (under it: dropped with it), state of its tables
+    (``table_generations``: an in-place edit changes the bands) and geometry."""
     contents = table_generations(block_mask)[1] if block_mask is not None else 0
     if contents is None:  # tables whose edits cannot be seen: computed every time
         return ds_bands(block_mask, L, S, sparse_q, sparse_kv, device)
-    key = (id(block_mask), contents, L, S, sparse_q, sparse_kv, device)
-    entry = _DS_BANDS.get(key)
-    if entry is None or entry[0] is not block_mask:
-        if len(_DS_BANDS) >= _MAX_DS_BANDS:
-            _DS_BANDS.clear()
-        entry = _DS_BANDS[key] = (block_mask,
-                                  *ds_bands(block_mask, L, S, sparse_q, sparse_kv, device))
-    return entry[1:]
+    key = (contents, L, S, sparse_q, sparse_kv, device)
+    entry = _DS_BANDS.get(block_mask, key)
+    if entry is None:
+        entry = ds_bands(block_mask, L, S, sparse_q, sparse_kv, device)
+        _DS_BANDS.put(block_mask, key, entry)
+    return entry
 
 
 def use_ds_dq(fusable: bool, target: str, use_tma: bool, head_dim_pad: int,
@@ -343,8 +340,8 @@ def backward_int64_nodes(q, k, call: AttentionCall) -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
-_JOINTS: dict[tuple, JointGraph] = register_memo({})
-_KERNELS: dict[tuple, object] = register_memo({})
+_JOINTS = BoundedMemo(1024, "joint graphs")
+_KERNELS = BoundedMemo(1024, "backward kernels")
 
 
 def joint_graph(score: TracedMod | None) -> JointGraph | None:
@@ -490,8 +487,8 @@ def choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call: Attentio
     return autotune.tune(key, candidates, time_config, _backward_label)
 
 
-_PLANS: dict[tuple, tuple] = register_memo({})
-_MAX_PLANS = 256
+# a block mask's plans live under it (their tables are the mask's) and go with it
+_PLANS = MaskedMemo(256, per_mask=16, name="backward plans")
 
 
 def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
@@ -510,15 +507,16 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
            tuple(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out)),
            call.score.key if call.score else None,
            call.score.grad_buffers if call.score else None,
-           call.mask.key if call.mask else None, id(call.block_mask),
-           table_generations(call.block_mask)[0], call.options, call.gqa_group,
+           call.mask.key if call.mask else None, call.options,
+           table_generations(call.block_mask)[0],  # plans hold the tables
+           call.gqa_group,
            tuple((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in buffers),
            os.environ.get("FLEXFA_BACKWARD_TMA"), os.environ.get("FLEXFA_BACKWARD_FUSED"),
            os.environ.get("FLEXFA_BACKWARD_DS"), os.environ.get("FLEXFA_BACKWARD_DS_MAX_BYTES"),
            fusable)
-    plan = _PLANS.get(key)
-    if plan is not None and plan[6] is call.block_mask:
-        return plan[:6]
+    plan = _PLANS.get(call.block_mask, key)
+    if plan is not None:
+        return plan
     target = target_of(q.device)
     config = choose_backward_config(q, k, v, out, lse, grad_out, grad_lse, call, joint, fusable,
                                     target)
@@ -527,12 +525,11 @@ def _plan(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall, joint,
     module, name = get_backward_module(spec, joint, call.score, call.mask)
     tables = (_table_args(call.block_mask, "q", q.device),
               _table_args(call.block_mask, "kv", q.device))
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
     statics = launch_statics(spec, q, k, v, grad_out, joint)
     compiled = [None] * len(statics.grids)  # one direct-launch state per launch
-    _PLANS[key] = (spec, module, name, tables, compiled, statics, call.block_mask)
-    return spec, module, name, tables, compiled, statics
+    plan = (spec, module, name, tables, compiled, statics)
+    _PLANS.put(call.block_mask, key, plan)
+    return plan
 
 
 @dataclasses.dataclass

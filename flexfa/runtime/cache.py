@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..codegen.versions import build_tag
+from ..memo import clear_all
 from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
 from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, untrusted,
                              usable_cache_dir)
@@ -217,8 +218,10 @@ def get_module(name: str, key: str, interpret: bool, generate: Callable[[], str]
 
 
 def clear_memo() -> None:
-    """Forget the modules loaded in this process (the disk cache stays)."""
+    """Forget the modules loaded in this process and every memo built on them (the disk
+    cache stays)."""
     with _LOCK:
         _MEMO.clear()
         for memo in _DERIVED_MEMOS:
             memo.clear()
+        clear_all()

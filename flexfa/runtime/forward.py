@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import traceback
+import weakref
 
 import torch
 
@@ -19,7 +20,8 @@ from ..codegen.ranges import Domain, mods_int64_nodes
 from ..codegen.spec import DTYPE_NAMES, INTERPRET, KernelSpec, next_power_of_two
 from ..errors import CodegenError, FlexFAError, InputError
 from ..frontend.trace import TracedMod
-from .cache import get_module, register_memo
+from ..memo import BoundedMemo
+from .cache import get_module
 from .launch import cdiv, direct_state, launch_direct
 from .options import KernelOptions
 
@@ -34,11 +36,6 @@ class AttentionCall:
     scale: float
     options: KernelOptions
     gqa_group: int  # query heads per kv head
-    # the Hopper forward's plans of this call by (shapes, strides, dtype, device, lse, template
-    # setting, captured-tensor layout): everything else in a plan's key is fixed by the call,
-    # so a call reused by flexfa.api for a repeated signature finds its plan with a short key
-    # (copies of the plan table's entries, valid until that table is cleared: runtime.hopper)
-    plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def scores_first(self) -> bool:
@@ -139,7 +136,7 @@ def call_int64_nodes(q, k, call: AttentionCall) -> tuple[str, ...]:
                             Domain(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
 
 
-_KERNELS: dict[tuple, object] = register_memo({})
+_KERNELS = BoundedMemo(1024, "forward kernels")
 
 
 def generated_kernel(memo: dict, generate, spec: KernelSpec, score: TracedMod | None,
@@ -196,20 +193,21 @@ class _Launch:
     kwargs: dict  # constexprs and launch options
     block_m: int
     constexprs: dict = dataclasses.field(default_factory=dict)
-    # call_plan_key, q/k/v 16-byte alignment, id of the block mask -> (block mask, DirectState)
+    # call_plan_key, q/k/v 16-byte alignment, id of the block mask -> (weak reference to the
+    # block mask or None, DirectState)
     direct: dict = dataclasses.field(default_factory=dict)
 
 
-_LAUNCHES: dict[tuple, _Launch] = register_memo({})
+_LAUNCHES = BoundedMemo(1024, "forward launches")
 _MAX_DIRECT = 64  # direct launches kept per Ampere launch signature
 MIN_SPLIT_KEYS = 512  # split-KV decoding: the fewest keys a split walks
 
 
 def call_plan_key(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool,
                    template: str) -> tuple:
-    """The part of a plan's key that a call object does not fix (``AttentionCall.plans``; the
-    Ampere template's direct launches): shapes, strides, dtype, device, lse and row max,
-    template setting, captured-tensor layout."""
+    """The part of a plan's key that the call's mods, mask and options do not fix (the Hopper
+    plans, the Ampere template's direct launches): shapes, strides, dtype, device, lse and row
+    max, template setting, captured-tensor layout."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
            return_lse, return_max, template)
     for mod in (call.score, call.mask):
@@ -428,13 +426,18 @@ def _launch_cuda(launch: _Launch, grid: tuple, args: list, key: tuple, block_mas
     (``direct_key``) directly, without Triton's per-call binding of the arguments (as the
     Hopper template's plans do), else through Triton, keeping its compiled kernel."""
     kept = launch.direct.get(key)
-    if kept is not None and kept[0] is block_mask and device.index == torch.cuda.current_device():
+    if kept is not None and (kept[0] is None if block_mask is None else kept[0]() is block_mask) \
+            and device.index == torch.cuda.current_device():
         launch_direct(kept[1], grid, device.index, args)
         return
     with torch.cuda.device(device):
         compiled = launch.kernel[grid](*args, **launch.kwargs)
     state = direct_state(launch.kernel, compiled, args, launch.constexprs)
+    try:  # the entry must not keep the mask (and its tables) alive
+        mask_ref = None if block_mask is None else weakref.ref(block_mask)
+    except TypeError:  # a mask object without weak references: not kept
+        return
     if state is not None:
         if len(launch.direct) >= _MAX_DIRECT:
             launch.direct.clear()
-        launch.direct[key] = (block_mask, state)
+        launch.direct[key] = (mask_ref, state)

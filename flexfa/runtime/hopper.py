@@ -22,7 +22,7 @@ from ..codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ..errors import InputError
 from ..frontend.trace import TracedMod
 from . import autotune
-from .cache import register_memo
+from ..memo import BoundedMemo, MaskedMemo
 from .debug import log
 from .forward import (AttentionCall, _largest_tile, _table_args, allocate_outputs,
                       buffer_launch_args, call_int64_nodes, call_plan_key, forward_grid,
@@ -115,7 +115,7 @@ def _spec(q, k, v, call: AttentionCall, return_lse: bool, target: str, config,
         wide_ints=call_int64_nodes(q, k, call))
 
 
-_KERNELS: dict[tuple, object] = register_memo({})
+_KERNELS = BoundedMemo(1024, "hopper kernels")
 
 
 def get_hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None):
@@ -134,7 +134,6 @@ class _Plan:
     grid: tuple[int, int, int]
     fixed: list  # out strides, block-mask tables, HQ, L, S
     constexprs: dict
-    block_mask: object  # kept so the id in the plan's key cannot be reused
     descriptors: tuple = ()  # (shape, strides, block) of the q, k, v descriptors
     out_strides: tuple = ()
     direct: object = None  # after the first launch (CUDA): launch.direct_state's state
@@ -164,8 +163,7 @@ def _make_plan(q, k, v, call: AttentionCall, spec: KernelSpec) -> _Plan:
                    _geometry(v, spec.block_n, spec.head_dim_v_pad))
     out_strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1)  # a fresh contiguous out
     grid = (*forward_grid(B * Hq, cdiv(L, spec.block_m), spec.has_block_mask), 1)
-    return _Plan(spec, kernel, grid, fixed,
-                 spec.constexprs(call.scores_first), call.block_mask, descriptors,
+    return _Plan(spec, kernel, grid, fixed, spec.constexprs(call.scores_first), descriptors,
                  out_strides)
 
 
@@ -216,20 +214,8 @@ def choose_config(q, k, v, call: AttentionCall, return_lse: bool, target: str, o
     return autotune.tune(key, candidates, time_config)
 
 
-class _PlanTable(dict):
-    """The plans of every call. ``generation`` counts its clears: the copies a call keeps
-    (``AttentionCall.plans``) are used only while the table they came from is this module's
-    and has not been cleared since (a full table, ``clear_memo``, a benchmark's reset)."""
-
-    generation = 0
-
-    def clear(self) -> None:
-        self.generation += 1
-        super().clear()
-
-
-_PLANS: dict[tuple, _Plan] = register_memo(_PlanTable())
-_MAX_PLANS = 256
+# the plans of every call; a block mask's plans live under it and go with it
+_PLANS = MaskedMemo(256, per_mask=16, name="hopper plans")
 
 
 def _template_setting() -> str:
@@ -237,52 +223,29 @@ def _template_setting() -> str:
 
 
 def _plan_key(short_key: tuple, call: AttentionCall) -> tuple:
-    """The key of ``_PLANS``: ``call_plan_key`` and what the call fixes (mods, block mask,
-    options, GQA group, score-first mode)."""
+    """The key of ``_PLANS`` under the call's block mask: ``call_plan_key`` and what the call
+    fixes (mods, options, GQA group, score-first mode)."""
     return short_key + (call.score.key if call.score else None,
-                        call.mask.key if call.mask else None, id(call.block_mask),
-                        table_generations(call.block_mask)[0], call.options,
-                        call.gqa_group, call.scores_first)
-
-
-def _stamp() -> tuple:
-    """The plan table and its generation: what a plan kept in a call is valid for (the table
-    may be a plain dict where a test replaced it)."""
-    return _PLANS, getattr(_PLANS, "generation", 0)
-
-
-_MAX_CALL_PLANS = 16
+                        call.mask.key if call.mask else None, call.options,
+                        call.gqa_group, call.scores_first,
+                        table_generations(call.block_mask)[0])  # plans hold the tables
 
 
 def run_planned(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool = False):
     """(out, lse, row max) through the cached plan of this call's signature, or None when there is
     none (or the base pointers lost the 16-byte alignment the descriptors need): the cached
     path of ``run_forward``, which skips ``use_hopper``'s own lookup, since a plan exists only
-    for a signature (shapes, strides, dtype, device, template setting) it accepted. The call's
-    own plans first (a call that flexfa.api reuses), then the plans of every call."""
+    for a signature (shapes, strides, dtype, device, template setting) it accepted."""
     template = _template_setting()
     if template == "ampere" or q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
         return None
     short_key = call_plan_key(q, k, v, call, return_lse, return_max, template)
-    kept = call.plans.get(short_key)
-    table, generation = _stamp()
-    if kept is not None and kept[0] is table and kept[1] == generation:
-        plan = kept[2]
-    else:
-        plan = _PLANS.get(_plan_key(short_key, call))
-        if plan is None or plan.block_mask is not call.block_mask:
-            return None
-        _remember(call, short_key, plan)
+    plan = _PLANS.get(call.block_mask, _plan_key(short_key, call))
+    if plan is None:
+        return None
     out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
     _launch_plan(plan, q, k, v, out, lse, maxs, call)
     return out, lse, maxs
-
-
-def _remember(call: AttentionCall, short_key: tuple, plan: _Plan) -> None:
-    """Keep ``plan`` in the call, stamped with the table and generation it is valid for."""
-    if len(call.plans) >= _MAX_CALL_PLANS:
-        call.plans.clear()
-    call.plans[short_key] = (*_stamp(), plan)
 
 
 def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool, out,
@@ -294,11 +257,8 @@ def run_hopper_forward(q, k, v, call: AttentionCall, return_lse: bool, return_ma
     target = target_of(q.device)
     config = choose_config(q, k, v, call, return_lse, target, out, lse)
     plan = _first_launch(q, k, v, call, return_lse, return_max, target, config, out, lse, maxs)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
     short_key = call_plan_key(q, k, v, call, return_lse, return_max, _template_setting())
-    _PLANS[_plan_key(short_key, call)] = plan
-    _remember(call, short_key, plan)
+    _PLANS.put(call.block_mask, _plan_key(short_key, call), plan)
     return out, lse, maxs
 
 

@@ -9,8 +9,8 @@ import flexfa
 from flexfa.codegen.render import render
 from flexfa.frontend.grad import derive
 from flexfa.frontend.trace import SCORE_MOD, trace
+from flexfa.memo import BoundedMemo, MaskedMemo
 from flexfa.runtime import hopper
-from flexfa.runtime.pipeline import prepare
 
 from kernels.forward_utils import check_forward, make_qkv
 
@@ -78,8 +78,8 @@ def test_ragged_last_mask_block_with_sub_tiles(hopper_template):
 def test_lazy_rescale_matches_reference(hopper_template, monkeypatch):
     from flexfa.codegen import hopper as codegen_hopper
     monkeypatch.setattr(codegen_hopper, "RESCALE_THRESHOLD", 8)
-    monkeypatch.setattr(hopper, "_KERNELS", {})
-    monkeypatch.setattr(hopper, "_PLANS", {})
+    monkeypatch.setattr(hopper, "_KERNELS", BoundedMemo(16))
+    monkeypatch.setattr(hopper, "_PLANS", MaskedMemo(16, per_mask=4))
     q, k, v = make_qkv(1, 2, 2, 232, 232, 32, dtype=torch.float16, seed=5)
     q = q * 3  # spread the scores so that row maxima move between tiles
     block_mask = flexfa.create_block_mask(causal, 1, None, 232, 232, device="cpu")
@@ -161,16 +161,13 @@ def test_cached_plan_is_skipped_when_the_template_or_alignment_changes(hopper_te
     assert len(hopper_template) == 2
 
 
-def test_a_repeated_call_reuses_its_call_object_and_plan(hopper_template):
-    """flexfa.api keeps one AttentionCall per validated signature, prepared mods, scale and
-    options; the call holds its forward plans, so a repeated call finds its plan by the short
-    key. A new scale, new kernel_options or a changed closure value make a new call; the
-    results stay those of a fresh call."""
-    from flexfa import api
+def test_a_repeated_call_reuses_its_plan_and_sees_new_state(hopper_template):
+    """A repeated call finds its plan under the block mask; a new scale or new
+    kernel_options make new plans; a changed closure value is traced again (the trace's
+    guard) and its new value is used; a cleared plan table makes a new plan."""
     from flexfa.runtime import cache
 
     cache.clear_memo()
-    assert api._VALIDATED == {}  # registered with the kernel memos
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16, seed=4)
     mask = flexfa.create_block_mask(causal, 1, None, 64, 64, device="cpu")
     cap = 20.0
@@ -179,30 +176,21 @@ def test_a_repeated_call_reuses_its_call_object_and_plan(hopper_template):
         return cap * torch.tanh(score / cap)
 
     first = flexfa.flex_attention(q, k, v, capped, mask)
-    (entry,) = api._VALIDATED.values()
-    (call,) = entry[1].values()
-    assert len(call.plans) == 1 and len(hopper._PLANS) == 1
-    (kept,) = call.plans.values()
+    (plan,) = hopper._PLANS.values()
     again = flexfa.flex_attention(q, k, v, capped, mask)
     torch.testing.assert_close(again, first, atol=0, rtol=0)
-    assert list(entry[1].values()) == [call] and len(hopper_template) == 2
-    assert list(call.plans.values()) == [kept]
-    # clearing the plan table (a benchmark's reset, a full table) makes the kept copy stale:
-    # the next call makes a new plan instead of launching the old one
+    assert hopper._PLANS.values() == [plan] and len(hopper_template) == 2
     hopper._PLANS.clear()
     flexfa.flex_attention(q, k, v, capped, mask)
-    assert len(hopper._PLANS) == 1 and list(call.plans.values())[0][2] is not kept[2]
-    flexfa.flex_attention(q, k, v, capped, mask, scale=0.3)
+    assert len(hopper._PLANS) == 1 and hopper._PLANS.values()[0] is not plan
+    flexfa.flex_attention(q, k, v, capped, mask, scale=0.3)  # same plan: scale is an argument
     flexfa.flex_attention(q, k, v, capped, mask, kernel_options={"num_stages": 1})
-    assert len(entry[1]) == 3
-    cap = 5.0  # a new closure value: a new prepared mod, a new call, the new value used
+    assert len(hopper._PLANS) == 2
+    cap = 5.0  # a new closure value: a new trace, a new kernel, the new value used
     fresh = flexfa.flex_attention(q, k, v, capped, mask)
-    assert len(entry[1]) == 4
+    assert len(hopper._PLANS) == 3
     check_forward(q, k, v, capped, causal, mask)
     assert (fresh - first).abs().max() > 1e-3
-    # scale 0 (either sign) is never kept: the key could not tell -0.0 from 0.0
-    flexfa.flex_attention(q, k, v, capped, mask, scale=-0.0)
-    assert len(entry[1]) == 4
 
 
 def _call(score_mod):
@@ -238,7 +226,7 @@ def test_use_hopper_is_off_for_cpu_by_default_and_when_forced_off(monkeypatch):
 # ---- fast transcendentals --------------------------------------------------------------------
 
 def test_fast_math_renders_hardware_helpers_only_when_asked():
-    traced = prepare(trace(gate, SCORE_MOD))
+    traced = trace(gate, SCORE_MOD)
     exact = render([traced.root], fast_math=False)
     fast = render([traced.root], fast_math=True)
     exact_text, fast_text = "\n".join((*exact.lines, *exact.values)), "\n".join((*fast.lines, *fast.values))
@@ -247,7 +235,7 @@ def test_fast_math_renders_hardware_helpers_only_when_asked():
 
 
 def test_tanh_derivative_reuses_the_forward_value():
-    joint = derive(prepare(trace(softcap, SCORE_MOD)))
+    joint = derive(trace(softcap, SCORE_MOD))
     rendered = render([joint.forward, joint.dscore], fast_math=True)
     text = "\n".join((*rendered.lines, *rendered.values))
     assert text.count("flexfa_fast_tanh(") == 1, text
@@ -257,7 +245,7 @@ def test_generated_gpu_kernel_uses_fast_tanh_and_interpreted_one_is_exact():
     from flexfa.codegen.hopper import hopper_kernel
     from flexfa.codegen.spec import KernelSpec
 
-    score = prepare(trace(softcap, SCORE_MOD))
+    score = trace(softcap, SCORE_MOD)
     fields = dict(dtype="bf16", head_dim=64, head_dim_v=64, block_m=128, block_n=128,
                   num_warps=8, num_stages=2, has_block_mask=False, has_full_blocks=False,
                   sparse_q=128, sparse_kv=128, even_l=True, even_s=True, return_lse=False,

@@ -153,7 +153,9 @@ def test_ampere_direct_launch_keys_and_reuse(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     current = [0]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
-    device, mask, other_mask = torch.device("cuda", 0), object(), object()
+    class Mask:  # a block mask stand-in (weakly referenceable, as BlockMasks are)
+        pass
+    device, mask, other_mask = torch.device("cuda", 0), Mask(), Mask()
     forward._launch_cuda(launch, (5, 8), [1, 2], "key", mask, device)
     forward._launch_cuda(launch, (5, 8), [3, 4], "key", mask, device)
     assert jit == [(5, 8)] and direct == [(("compiled", (64,)), (5, 8), 0)]
