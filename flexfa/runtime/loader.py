@@ -9,18 +9,36 @@ Interpreted launches are serialized by ``INTERPRETER_LOCK``: Triton's interprete
 current program id in one process-wide builder and patches ``triton.language`` while a kernel
 runs, so two threads launching at once would read each other's program ids (wrong results or
 crashes). Compiled launches are not affected.
+
+The interpreter computes with numpy. numpy 2.4 made an error of the array-to-scalar conversion
+Triton 3.6's interpreter does for every program id (deprecated since numpy 1.25: one
+DeprecationWarning per program, filtered around interpreted launches), so there interpreted
+kernels need numpy < 2.4; flexfa is tested with numpy < 2.3 (the ``interpret`` and ``test``
+extras). numpy is not a dependency of flexfa itself, so its version is checked where an
+interpreted module is first loaded.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
+import re
 import sys
 import threading
+import warnings
 from pathlib import Path
+
+from ..errors import FlexFAError
 
 _ENV_LOCK = threading.Lock()
 INTERPRETER_LOCK = threading.RLock()
+NUMPY_TESTED_BELOW = (2, 3)  # the interpret/test extras pin numpy<2.3
+NUMPY_BREAKS_FROM = (2, 4)  # int() of a 1-element array is an error from here on
+_SCALAR_CONVERSION = "Conversion of an array with ndim > 0 to a scalar is deprecated"
+
+
+class InterpreterNumpyError(FlexFAError, RuntimeError):
+    """The installed numpy cannot run Triton's CPU interpreter."""
 
 
 @contextlib.contextmanager
@@ -45,6 +63,8 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None, f"cannot import {path}"
     module = importlib.util.module_from_spec(spec)
+    if interpret:
+        check_interpreter_numpy()
     with triton_mode(interpret):
         spec.loader.exec_module(module)
     if interpret:
@@ -67,6 +87,44 @@ def _serialize_launches(module) -> None:
 
 def _locked(run):
     def locked_run(*args, **kwargs):
-        with INTERPRETER_LOCK:
+        # catch_warnings changes process-wide state: safe here because launches hold the lock
+        with INTERPRETER_LOCK, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SCALAR_CONVERSION,
+                                    category=DeprecationWarning)
             return run(*args, **kwargs)
     return locked_run
+
+
+def _release(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def check_interpreter_numpy(numpy_version: str | None = None,
+                            triton_version: str | None = None) -> None:
+    """Raise InterpreterNumpyError where numpy breaks Triton's interpreter (numpy missing, or
+    numpy >= 2.4 with a Triton whose interpreter converts arrays to scalars: 3.6 and older; 3.8
+    has the fix), warn where flexfa's tests have not run it (numpy >= 2.3). Defaults: the
+    installed versions."""
+    import triton
+
+    fix = 'pip install "numpy<2.3" (in a flexfa checkout: pip install -e ".[interpret]")'
+    if numpy_version is None:
+        try:
+            import numpy
+        except ImportError:
+            raise InterpreterNumpyError(f"numpy is not installed, and Triton's CPU interpreter "
+                                        f"(used for CPU tensors) needs it: {fix}") from None
+        numpy_version = numpy.__version__
+    triton_version = triton_version or triton.__version__
+    numpy_release = _release(numpy_version)
+    if numpy_release >= NUMPY_BREAKS_FROM and _release(triton_version) <= (3, 6):
+        raise InterpreterNumpyError(
+            f"numpy {numpy_version} is installed, but the CPU interpreter of Triton "
+            f"{triton_version} (used for CPU tensors) fails with numpy >= "
+            f"{'.'.join(map(str, NUMPY_BREAKS_FROM))}: {fix}")
+    if numpy_release >= NUMPY_TESTED_BELOW:
+        warnings.warn(f"numpy {numpy_version}: flexfa runs CPU tensors through Triton's "
+                      f"interpreter and is tested with numpy < "
+                      f"{'.'.join(map(str, NUMPY_TESTED_BELOW))}; if a kernel fails, {fix}",
+                      RuntimeWarning, stacklevel=3)
