@@ -16,7 +16,8 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m flexfa <command> [args]", "", "commands:"]
+    lines = ["usage: python -m flexfa <command> [args]", "       python -m flexfa --version", "",
+             "commands:"]
     lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+        print(f"flexfa {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

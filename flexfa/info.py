@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 
 
 def _version(module_name: str) -> str:
@@ -17,8 +18,8 @@ def _version(module_name: str) -> str:
 def _gpu_lines() -> list[str]:
     import torch
     if not torch.cuda.is_available():
-        return ["gpu:        none (kernels run on the CPU through the Triton interpreter, "
-                "TRITON_INTERPRET=1; slow, for small sizes)"]
+        return ["gpu:        none (CPU tensors run through Triton's interpreter: slow, for "
+                "small sizes)"]
     lines = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
@@ -26,6 +27,31 @@ def _gpu_lines() -> list[str]:
                      f"{props.total_memory / 2**30:.0f} GiB")
     lines.append(f"cuda:       {torch.version.cuda}")
     return lines
+
+
+def _interpreter_line() -> str:
+    """flexfa interprets kernels for CPU tensors whatever ``TRITON_INTERPRET`` says (it sets the
+    variable itself while loading each kernel), so the line says both."""
+    value = os.environ.get("TRITON_INTERPRET")
+    here = "unset" if value is None else f"TRITON_INTERPRET={value}"
+    return (f"interpret:  kernels for CPU tensors (flexfa sets TRITON_INTERPRET per kernel; "
+            f"this environment: {here})")
+
+
+def _numpy_line() -> str:
+    """numpy's version and whether Triton's interpreter can use it."""
+    from .runtime.loader import check_interpreter_numpy
+
+    version = _version("numpy")
+    if version.startswith("not available"):
+        return f"numpy:      {version}; CPU tensors need it: pip install \"numpy<2.3\""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            check_interpreter_numpy()
+        except Exception as exc:
+            return f"numpy:      {version} ({exc})"
+    return f"numpy:      {version}" + (f" ({caught[0].message})" if caught else "")
 
 
 def _size_text(size: int) -> str:
@@ -50,10 +76,10 @@ def report() -> str:
         f"python:     {platform.python_version()} ({sys.executable})",
         f"torch:      {_version('torch')}",
         f"triton:     {_version('triton')}",
-        f"numpy:      {_version('numpy')}",
+        _numpy_line(),
         f"platform:   {platform.platform()}",
         *_gpu_lines(),
-        f"interpret:  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '') or '(unset)'}",
+        _interpreter_line(),
         f"cache:      {where}",
     ]
     settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("FLEXFA_"))

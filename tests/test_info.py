@@ -60,3 +60,41 @@ def test_info_runs_through_python_m_flexfa(tmp_path):
                           text=True, env=env, cwd=str(REPO), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "triton:" in done.stdout and str(tmp_path / "cache") in done.stdout
+
+
+def test_info_says_one_true_thing_about_the_interpreter(monkeypatch):
+    """flexfa interprets kernels for CPU tensors whatever TRITON_INTERPRET says; the report
+    names the variable's value once, never two different values."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    text = info.report()
+    assert "TRITON_INTERPRET=1" not in text and "this environment: unset" in text
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    text = info.report()
+    assert text.count("TRITON_INTERPRET=1") == 1 and "unset" not in text
+    assert "kernels for CPU tensors" in text
+
+
+def test_info_flags_a_numpy_the_interpreter_cannot_use(monkeypatch):
+    import numpy
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    line = next(line for line in info.report().splitlines() if line.startswith("numpy:"))
+    assert "2.4.1" in line and "fails with numpy >= 2.4" in line
+    monkeypatch.setattr(numpy, "__version__", "2.2.6")
+    line = next(line for line in info.report().splitlines() if line.startswith("numpy:"))
+    assert line.split() == ["numpy:", "2.2.6"]
+
+
+def test_version_flag(capsys):
+    import flexfa
+    from flexfa import __main__ as entry
+
+    for flag in ("--version", "-V"):
+        assert entry.main([flag]) == 0
+        assert capsys.readouterr().out == f"flexfa {flexfa.__version__}\n"
+    assert "--version" in entry.usage()
+    done = subprocess.run([sys.executable, "-m", "flexfa", "--version"], capture_output=True,
+                          text=True, cwd=str(REPO), timeout=120)
+    assert done.returncode == 0 and done.stdout == f"flexfa {flexfa.__version__}\n", done.stderr

@@ -46,3 +46,9 @@ def test_license_is_an_spdx_expression_with_its_file():
 
 def test_no_wheels_or_archives_committed_at_the_root():
     assert not [p.name for p in REPO.glob("*.whl")] + [p.name for p in REPO.glob("*.tar.gz")]
+
+
+def test_the_version_flexfa_reports_is_the_packages():
+    import flexfa
+
+    assert PROJECT["project"]["version"] == flexfa.__version__
