@@ -117,6 +117,12 @@ def test_the_docs_have_the_pages_the_index_promises():
         assert f"({page})" in index, f"docs/index.md does not link {page}"
 
 
+def test_the_index_lists_each_page_once():
+    index = (REPO / "docs" / "index.md").read_text()
+    pages = [target for target, _ in LINK.findall(index) if target.endswith(".md")]
+    assert len(pages) == len(set(pages)), f"docs/index.md lists a page twice: {sorted(pages)}"
+
+
 def test_every_flexfa_variable_is_documented():
     documented = (REPO / "docs" / "environment.md").read_text()
     names = {name for path in (REPO / "flexfa").rglob("*.py")
