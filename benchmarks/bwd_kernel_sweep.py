@@ -19,6 +19,28 @@ import dataclasses
 import json
 import os
 
+DEFAULT_CASES = "128:16384:causal,128:16384:softcap"
+DEFAULT_DKDV = ("64:64:4:2:0,64:32:4:2:0,64:32:4:3:0,128:32:8:2:0,128:32:8:3:0,64:64:8:2:0,"
+                "128:64:8:2:0")
+DEFAULT_DQ = ("64:64:4:2:0,64:32:4:2:0,128:64:8:2:0,128:32:8:2:0,128:64:8:3:0,64:64:4:3:0,"
+              "64:128:4:2:0,128:128:8:2:0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="E:S:variant,... (%(default)s)")
+    parser.add_argument("--dkdv", default=DEFAULT_DKDV,
+                        help="dK/dV configs, OWN:WALK:WARPS:STAGES:MAXNREG,...")
+    parser.add_argument("--dq", default=DEFAULT_DQ, help="dQ configs, the same form")
+    parser.add_argument("--out", default=".", help="where bwd_kernel_sweep.json goes")
+    parser.add_argument("--device", default="cuda", help="cpu: interpreter smoke test")
+    parser.add_argument("--heads", type=int, default=16)
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors before the imports below
+    build_parser().parse_args()
+
 import torch
 from triton.testing import do_bench
 
@@ -26,12 +48,6 @@ import flexfa
 from flexfa import autograd as flexfa_autograd
 from flexfa.bench import _relerr, _variants
 from flexfa.runtime import backward as bwd
-
-DEFAULT_CASES = "128:16384:causal,128:16384:softcap"
-DEFAULT_DKDV = ("64:64:4:2:0,64:32:4:2:0,64:32:4:3:0,128:32:8:2:0,128:32:8:3:0,64:64:8:2:0,"
-                "128:64:8:2:0")
-DEFAULT_DQ = ("64:64:4:2:0,64:32:4:2:0,128:64:8:2:0,128:32:8:2:0,128:64:8:3:0,64:64:4:3:0,"
-              "64:128:4:2:0,128:128:8:2:0")
 
 
 def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16):
@@ -91,14 +107,7 @@ def sweep_kernel(which: str, item: str, args, reference) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default=DEFAULT_CASES)
-    parser.add_argument("--dkdv", default=DEFAULT_DKDV)
-    parser.add_argument("--dq", default=DEFAULT_DQ)
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--device", default="cuda", help="cpu: interpreter smoke test")
-    parser.add_argument("--heads", type=int, default=16)
-    opts = parser.parse_args()
+    opts = build_parser().parse_args()
     rows = []
     for case in opts.cases.split(","):
         dim, seq, variant = case.split(":")

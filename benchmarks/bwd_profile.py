@@ -7,8 +7,23 @@ time per step, for flexfa and FlexAttention on a few variants.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("seq_len", nargs="?", type=int, default=2048, help="S (default 2048)")
+    parser.add_argument("head_dim", nargs="?", type=int, default=64, help="E (default 64)")
+    parser.add_argument("variants", nargs="?", default="causal,sliding,alibi",
+                        help="benchmark variants, comma-separated (%(default)s)")
+    parser.add_argument("impls", nargs="?", default="flexfa,flex",
+                        help="flexfa and/or flex (torch FlexAttention, compiled) (%(default)s)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors before the imports below
+    build_parser().parse_args()
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,10 +35,9 @@ from flexfa.bench import _variants
 def main() -> None:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    S = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
-    D = int(sys.argv[2]) if len(sys.argv) > 2 else 64
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 else ["causal", "sliding", "alibi"]
-    wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else ["flexfa", "flex"]
+    args = build_parser().parse_args()
+    S, D, names, wanted = (args.seq_len, args.head_dim, args.variants.split(","),
+                           args.impls.split(","))
     B, H = max(1, 16384 // S), 16
     compiled = torch.compile(flex_attention, dynamic=False)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)

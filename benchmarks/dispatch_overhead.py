@@ -7,8 +7,8 @@ Prints one JSON line per measurement.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 
@@ -30,7 +30,6 @@ def main(calls: int = 2000) -> dict:
     import torch.nn.functional as F
 
     import flexfa
-    from flexfa.fp8.bench import _with_env
 
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
@@ -44,9 +43,8 @@ def main(calls: int = 2000) -> dict:
             lambda: flexfa.flex_attention(q, k, v, block_mask=mask), calls),
         "sdpa_us": _per_call_us(lambda: F.scaled_dot_product_attention(q, k, v), calls),
         # the pointer-load template: no host tensor descriptors to encode per launch
-        "flexfa_dense_pointer_template_us": _with_env(
-            "FLEXFA_FORWARD_TEMPLATE", "ampere",
-            lambda: _per_call_us(lambda: flexfa.flex_attention(q, k, v), calls)),
+        "flexfa_dense_pointer_template_us": _per_call_us(
+            lambda: flexfa.flex_attention(q, k, v, kernel_options={"BACKEND": "AMPERE"}), calls),
         "empty_like_us": _per_call_us(lambda: torch.empty_like(q), calls),
     }
     print(json.dumps(results), flush=True)
@@ -54,4 +52,7 @@ def main(calls: int = 2000) -> dict:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2000)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("calls", nargs="?", type=int, default=2000,
+                        help="calls per measurement (default 2000)")
+    main(parser.parse_args().calls)

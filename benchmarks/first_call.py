@@ -6,8 +6,8 @@ rest of the first call, minus one cached call's time, is flexfa's. Prints one JS
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 import time
 
@@ -74,4 +74,6 @@ def main(out_path: str | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", help="also write the JSON line to this file")
+    main(parser.parse_args().out)

@@ -5,10 +5,13 @@
 # (a: forward and backward kernel tests; b: benchmark cases, Hopper, FP8; c: memory, block masks;
 # v: backward tests, benchmark cases, Hopper, FP8 tests and the dispatch timing, for a re-check
 # after backward or launch changes; each part fits one 10-minute device call)
+# Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
+case "${1:-}" in -h|--help) sed -n '2,8p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
 mkdir -p "$OUT"
+python benchmarks/manifest.py "$OUT" --command "bash benchmarks/gpu_checks.sh $*" > /dev/null
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -34,9 +37,9 @@ if [ "$PART" = v ]; then
   step hopper 40 python -m pytest -m gpu -q -rxX -p no:cacheprovider tests/gpu/test_hopper_gpu.py
   step fp8 40 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
   step dispatch 40 python benchmarks/dispatch_overhead.py
-  step host_costs 60 python benchmarks/host_costs.py
+  step host_step 60 python benchmarks/host_step.py 2048 64 causal --show profile --steps 20
   tail -n 3 "$OUT/dispatch.log"
-  tail -n 8 "$OUT/host_costs.log"
+  grep "host us per call" "$OUT/host_step.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

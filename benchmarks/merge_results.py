@@ -9,9 +9,13 @@ last case) stay in ``raw/`` for the record. Every row keeps the run it came from
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+
+if __name__ == "__main__":  # --help before the imports below
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexfa.bench import case_speedups, plot, summarize  # noqa: E402

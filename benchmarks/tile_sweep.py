@@ -16,6 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="128:16384:causal,128:16384:full,64:2048:causal,"
+                        "64:16384:full", help="E:S:variant,... (%(default)s)")
+    parser.add_argument("--configs", default=None, help="E=bm,bn,w,s[,maxnreg];...")
+    parser.add_argument("--rep", type=int, default=50)
+    parser.add_argument("--fp8", action="store_true",
+                        help="time the FP8 forward (pre-quantized inputs) at each config, next "
+                        "to the tuned bf16 forward (no occupancy columns)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors before the imports below
+    build_parser().parse_args()
+
 import torch
 from triton.testing import do_bench
 
@@ -71,15 +87,7 @@ def occupancy(compiled, warps: int) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="128:16384:causal,128:16384:full,64:2048:causal,"
-                        "64:16384:full")
-    parser.add_argument("--configs", default=None)
-    parser.add_argument("--rep", type=int, default=50)
-    parser.add_argument("--fp8", action="store_true",
-                        help="time the FP8 forward (pre-quantized inputs) at each config, next "
-                        "to the tuned bf16 forward (no occupancy columns)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.fp8:
         return fp8_sweep(args, parse_configs(args.configs) if args.configs else FP8_CONFIGS)
     configs = parse_configs(args.configs) if args.configs else DEFAULT_CONFIGS

@@ -15,7 +15,17 @@ import statistics
 import sys
 import time
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=50, help="runs per median (default 50)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors before the imports below
+    build_parser().parse_args()
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 from flexfa import and_masks, mods  # noqa: E402
@@ -93,9 +103,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=50, help="runs per median (default 50)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     rows = measure(args.repeat)
     print(f"python {platform.python_version()}, torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}")

@@ -25,6 +25,27 @@ import statistics
 import sys
 from pathlib import Path
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, action="append",
+                        help="a directory holding the old flexfa package (repeatable)")
+    parser.add_argument("--cases", default="128:16384:causal,128:16384:full,128:16384:softcap,"
+                        "64:2048:causal,64:8192:sliding,64:2048:full")
+    parser.add_argument("--passes", default="fwd,fwd+bwd")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep", type=int, default=40)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--old-env", action="append", default=[],
+                        help="NAME=VALUE,... set while the old side runs (one per --old)")
+    parser.add_argument("--new-env", default="", help="NAME=VALUE,... for this checkout's side")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors before the imports below
+    build_parser().parse_args()
+
 import torch
 
 import flexfa
@@ -76,18 +97,7 @@ def env_set(env: dict[str, str]):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", required=True, action="append")
-    parser.add_argument("--cases", default="128:16384:causal,128:16384:full,128:16384:softcap,"
-                        "64:2048:causal,64:8192:sliding,64:2048:full")
-    parser.add_argument("--passes", default="fwd,fwd+bwd")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rep", type=int, default=40)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--old-env", action="append", default=[])
-    parser.add_argument("--new-env", default="")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.old_env and len(args.old_env) != len(args.old):
         raise SystemExit(f"{len(args.old)} --old trees but {len(args.old_env)} --old-env")
     olds = [f"old{i}" if len(args.old) > 1 else "old" for i in range(len(args.old))]

@@ -17,6 +17,21 @@ import os
 import shutil
 import time
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."),
+                        help="where autotune.json is copied ($OUT, else .)")
+    parser.add_argument("--dims", default="128,64", help="head dims (%(default)s)")
+    parser.add_argument("--seqs", default="16384,2048", help="sequence lengths (%(default)s)")
+    parser.add_argument("--variants", default="full,causal,document,sliding",
+                        help="benchmark variants (%(default)s)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and argument errors before the imports below
+    build_parser().parse_args()
+
 import torch
 
 import flexfa
@@ -26,12 +41,7 @@ from flexfa.runtime.cache_location import usable_cache_dir
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--dims", default="128,64")
-    parser.add_argument("--seqs", default="16384,2048")
-    parser.add_argument("--variants", default="full,causal,document,sliding")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     start = time.perf_counter()
     for D in map(int, args.dims.split(",")):
         for S in map(int, args.seqs.split(",")):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments"
 
 
 def _run_probe(script: str, tmp_path) -> subprocess.CompletedProcess:
@@ -17,7 +17,7 @@ def _run_probe(script: str, tmp_path) -> subprocess.CompletedProcess:
     patch triton.language for the interpreter for good, and every later compile fails."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "",
            "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    return subprocess.run([sys.executable, str(BENCHMARKS / script)], capture_output=True,
+    return subprocess.run([sys.executable, str(EXPERIMENTS / script)], capture_output=True,
                           text=True, env=env, timeout=300)
 
 

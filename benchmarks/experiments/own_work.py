@@ -3,7 +3,7 @@ simplify, forward codegen, cache write + import of the compiled-mode module, the
 backward's derivative, codegen and import. Triton's compile is not included (it happens at
 the first launch). Prints one JSON line of milliseconds.
 
-    python benchmarks/own_work.py
+    python benchmarks/experiments/own_work.py
 """
 from __future__ import annotations
 

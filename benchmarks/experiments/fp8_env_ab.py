@@ -1,6 +1,6 @@
 """FP8 kernel variants selected by an environment variable, timed in one process (H200 runs).
 
-``python benchmarks/fp8_env_ab.py --env FLEXFA_FP8_EXP16 --values 0,1`` quantizes the
+``python benchmarks/experiments/fp8_env_ab.py --env FLEXFA_FP8_EXP16 --values 0,1`` quantizes the
 benchmark's inputs once (``flexfa.fp8.quantize``, rotated, 128-row blocks), then for each
 case times ``flex_attention_fp8`` on them under each value of the variable, alternating the
 values for ``--rounds`` rounds (``triton.testing.do_bench`` medians), next to flexfa's bf16

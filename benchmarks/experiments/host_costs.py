@@ -6,15 +6,19 @@ launch: the whole ``launch_direct`` call, Triton's launcher (``CompiledKernel.ru
 encodes the tensor descriptors) and its C launch function alone with the arguments already
 expanded. Microseconds, medians.
 
-    PYTHONPATH=. python benchmarks/host_costs.py
+    PYTHONPATH=. python benchmarks/experiments/host_costs.py
 """
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
 import flexfa
 from flexfa.runtime import backward, hopper, launch
-from host_common import host_us
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from host_step import host_us  # noqa: E402
 
 
 def _us(fn, calls: int = 200) -> float:

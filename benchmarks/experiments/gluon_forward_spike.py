@@ -2,14 +2,14 @@
 
 Dense bf16 attention only (no score_mod, no mask; L a multiple of the tiles), written in
 Gluon (``triton.experimental.gluon``) because plain Triton 3.6 waits for every wgmma right
-after issuing it (``benchmarks/wgmma_wait_probe.py``). Each iteration issues the q.k GEMM of
+after issuing it (``benchmarks/experiments/wgmma_wait_probe.py``). Each iteration issues the q.k GEMM of
 kv tile j and the P @ V GEMM of tile j - 1 asynchronously, waits for the first only
 (``warpgroup_mma_wait(num_outstanding=1)``), computes tile j's softmax while P @ V runs, then
 waits for it; K and V tiles arrive by TMA into rings of STAGES buffers, each refilled as soon
 as its GEMM is done. Not used by flexfa: it measures whether this structure beats the Triton
 template before anything is built on it.
 
-    python benchmarks/gluon_forward_spike.py   # GPU: correctness vs SDPA and timings against
+    python benchmarks/experiments/gluon_forward_spike.py   # GPU: correctness vs SDPA and timings against
                                                 # flexfa's forward; CPU: compile for sm_90
 
 On the H200 (benchmarks/results/gluon_spike/): correct (relative error vs SDPA as flexfa's),

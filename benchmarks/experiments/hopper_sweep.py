@@ -1,7 +1,7 @@
 """One GPU call's worth of Hopper work: correctness of the Hopper forward on every benchmark
 variant, autotuning the forward per density class, a backward tile sweep, dispatch cost.
 
-    PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc python benchmarks/hopper_sweep.py [--out DIR]
+    PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc python benchmarks/experiments/hopper_sweep.py [--out DIR]
 
 Prints JSON lines as it goes and a short table at the end; copies the tuner's
 ``autotune.json`` and a ``sweep.json`` of every number into ``--out``.

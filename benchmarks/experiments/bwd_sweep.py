@@ -2,7 +2,7 @@
 torch FlexAttention (compiled) on a few fwd+bwd cases, every configuration checked against
 FlexAttention's gradients first.
 
-    PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc python benchmarks/bwd_sweep.py [--out DIR] [--quick]
+    PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc python benchmarks/experiments/bwd_sweep.py [--out DIR] [--quick]
 
 Prints JSON lines as it goes and a table at the end; writes ``bwd_sweep.json`` to ``--out``.
 """

@@ -7,7 +7,7 @@ part issue 6 asks to keep well under 50 us. The GPU adds Triton's launcher and t
 (``benchmarks/dispatch_overhead.py`` times the whole call there). ``causal_fwd_bwd`` is a
 training step, forward and backward (five launches stubbed), as the benchmark times it.
 
-    PYTHONPATH=. python benchmarks/python_dispatch.py [calls]
+    PYTHONPATH=. python benchmarks/experiments/python_dispatch.py [calls]
 """
 from __future__ import annotations
 

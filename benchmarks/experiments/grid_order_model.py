@@ -7,7 +7,7 @@ start near the end; with the heads on the fast axis, the order is longest first 
 heads (list scheduling in longest-processing-time order). Prints each order's makespan over
 the ideal (total work / slots) for a few benchmark shapes.
 
-    python benchmarks/grid_order_model.py
+    python benchmarks/experiments/grid_order_model.py
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ follows the next tile's GEMM immediately, before any exponential: the overlap ca
 expressed this way (Gluon's ``warpgroup_mma(..., is_async=True)`` and ``warpgroup_mma_wait``
 can).
 
-    python benchmarks/wgmma_wait_probe.py
+    python benchmarks/experiments/wgmma_wait_probe.py
 """
 from __future__ import annotations
 

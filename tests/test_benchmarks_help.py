@@ -1,0 +1,86 @@
+"""benchmarks/ are tools: each script answers --help quickly without a GPU, states its purpose
+and is listed in benchmarks/README.md; each results folder has a manifest."""
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+TOOLS = sorted(BENCHMARKS.glob("*.py")) + sorted(BENCHMARKS.glob("*.sh"))
+EXPERIMENTS = sorted((BENCHMARKS / "experiments").glob("*.py"))
+README = (BENCHMARKS / "README.md").read_text()
+FIELDS = ("commit", "gpu", "versions", "command", "date")
+
+
+@pytest.mark.parametrize("script", TOOLS, ids=lambda p: p.name)
+def test_every_tool_answers_help_without_a_gpu(script, tmp_path):
+    runner = ["bash"] if script.suffix == ".sh" else [sys.executable]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path)}
+    done = subprocess.run([*runner, str(script), "--help"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout.lower(), done.stdout
+    assert not list(tmp_path.iterdir()), "--help wrote results"
+
+
+@pytest.mark.parametrize("script", [p for p in TOOLS + EXPERIMENTS if p.suffix == ".py"],
+                         ids=lambda p: p.name)
+def test_every_script_states_its_purpose(script):
+    docstring = ast.get_docstring(ast.parse(script.read_text()))
+    assert docstring and len(docstring.split()) >= 8, f"{script.name}: no purpose stated"
+
+
+def test_the_readme_lists_every_script():
+    listed = set(re.findall(r"`((?:experiments/)?[\w.]+\.(?:py|sh))`", README))
+    present = {p.name for p in TOOLS} | {f"experiments/{p.name}" for p in EXPERIMENTS}
+    assert present - listed == set(), "scripts missing from benchmarks/README.md"
+    assert listed - present == set(), "benchmarks/README.md lists scripts that do not exist"
+
+
+def test_the_readme_links_resolve():
+    for target in re.findall(r"\]\(([^)#\s]+)", README):
+        assert (BENCHMARKS / target).exists(), target
+
+
+def _check_run(run: dict, where: str) -> None:
+    for field in FIELDS:
+        assert field in run, f"{where}: no {field!r}"
+        assert run[field] not in ("", None, [], {}), f"{where}: empty {field!r}"
+
+
+def test_every_results_folder_has_a_manifest():
+    folders = {path.parent for path in (BENCHMARKS / "results").rglob("*")
+               if path.is_file() and path.parent != BENCHMARKS / "results"}
+    assert folders
+    for folder in sorted(folders):
+        where = folder.relative_to(BENCHMARKS)
+        path = folder / "manifest.json"
+        assert path.exists(), f"{where} has no manifest.json"
+        manifest = json.loads(path.read_text())
+        runs = manifest.get("runs", [manifest])
+        assert runs, f"{where}: no runs"
+        for index, run in enumerate(runs):
+            _check_run(run, f"{where} run {index}")
+
+
+def test_manifest_records_a_new_run(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "FLEXFA_COMMIT": "abc1234"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "manifest.py"), str(out),
+                           "--command", "python -m flexfa bench --dims 64"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    _check_run(manifest, "new run")
+    assert manifest["commit"] == "abc1234"
+    assert manifest["gpu"] == "none"
+    assert manifest["command"] == "python -m flexfa bench --dims 64"
+    import torch
+    assert manifest["versions"]["torch"] == torch.__version__
+    assert re.match(r"\d{4}-\d\d-\d\dT", manifest["date"])
