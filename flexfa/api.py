@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import check_tables
 from .errors import InputError, InputTypeError, check_bool
 from .scores import check_score_range
@@ -68,9 +69,11 @@ def _check_tensors(query, key, value) -> None:
 
 def _check_shapes(query, key, value, enable_gqa: bool) -> None:
     B, Hq, L, E = query.shape
-    for name, tensor in zip(_NAMES[1:], (key, value)):
-        if tensor.shape[0] != B:
-            raise InputError(f"{name} has batch size {tensor.shape[0]} but query has {B}")
+    if key.shape[0] not in (1, B):
+        raise InputError(f"key has batch size {key.shape[0]} but query has {B}; key and value "
+                         "need the query's batch size, or 1 to be shared by every batch entry")
+    if value.shape[0] != key.shape[0]:
+        raise InputError(f"value has batch size {value.shape[0]} but key has {key.shape[0]}")
     if key.shape[1] != value.shape[1]:
         raise InputError(f"value has {value.shape[1]} heads but key has {key.shape[1]}")
     if key.shape[2] != value.shape[2]:
@@ -93,6 +96,16 @@ def _check_shapes(query, key, value, enable_gqa: bool) -> None:
                          f"the CUDA kernels run them on a grid axis of at most "
                          f"{MAX_CUDA_PROGRAM_ROWS}: split the batch into calls of at most "
                          f"{MAX_CUDA_PROGRAM_ROWS // Hq} batch entries")
+
+
+def _broadcast_batch(query, key, value) -> tuple:
+    """key and value of batch 1 shared by a larger query batch (as torch broadcasts them):
+    expanded without a copy (batch stride 0), before the autograd Function, so that autograd
+    sums the batch entries' gradients into the shared key and value."""
+    B = query.shape[0]
+    if key.shape[0] == B:
+        return key, value
+    return key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
 
 
 def _check_scale(scale, head_dim: int) -> float:
@@ -263,10 +276,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if refs is not None:
             _VALIDATED[signature[0]] = refs
     check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
+    key, value = _broadcast_batch(query, key, value)
     check_score_range(query, key, scale)  # only for an enormous scale
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)
+    runnable = runnable_block_mask(block_mask, mask)
+    if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
+        block_mask, mask = runnable, runnable.traced_mask
     if mask is not None and torch.is_grad_enabled():
         check_mask_mod_grad(mask)  # a mask has no gradient: error on grad-requiring captures
     _check_buffers(score, "score_mod", query.device)

@@ -1,30 +1,46 @@
 """``BlockMask``: which tiles of the attention matrix to skip, compute, or compute with masking.
 
-Same tables and meaning as ``torch.nn.attention.flex_attention.BlockMask`` (all int32,
-contiguous, on one device; B and H of size 1 broadcast over every batch / head):
+Same tables and meaning as ``torch.nn.attention.flex_attention.BlockMask``, of which it is a
+subclass (so ``isinstance`` checks for torch's class pass and torch's ``flex_attention``
+accepts it through the inherited ``as_tuple``). All tables int32, contiguous, on one device;
+B and H of size 1 broadcast over every batch / head:
 
 - ``kv_num_blocks [B,H,Q_TILES]``, ``kv_indices [B,H,Q_TILES,KV_TILES]``: per q tile, the kv
   tiles that need mask_mod (partial), listed first in ascending order, the rest after them.
 - ``full_kv_num_blocks``, ``full_kv_indices``: the same for full tiles (no mask code runs).
 - ``q_num_blocks [B,H,KV_TILES]``, ``q_indices [B,H,KV_TILES,Q_TILES]`` and ``full_q_*``: the
-  transposed tables, per kv tile, for the backward pass.
+  transposed tables, per kv tile, for the backward pass (None after
+  ``from_kv_blocks(compute_q_blocks=False)``: the backward then transposes the kv tables).
 - ``BLOCK_SIZE`` ``(q, kv)``, ``seq_lengths`` ``(Q_LEN, KV_LEN)``, ``mask_mod`` the user's
   function, and ``traced_mask`` its traced IR (a ``TracedMod``) for the kernel generator.
+- ``dq_write_order``, ``dq_write_order_full``, ``dq_kv_order``, ``dq_kv_order_spt``: torch's
+  metadata for its deterministic block-sparse dQ, carried for torch (flexfa's dQ has one
+  writer per tile and does not read them).
+
+The constructor is flexfa's own (torch's is not called): it normalizes the block size and
+raises flexfa's errors. Copies (``copy.deepcopy``, pickle) drop flexfa's per-object caches
+(the table check, derived masks) and share the mask_mod's trace.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
 from ..errors import InputError, InputTypeError
 from ..frontend.combinators import noop_mask
+from ..frontend.evaluate import evaluate
 from ..frontend.trace import MASK_MOD, TracedMod, trace
-from . import draw
-from .checks import block_size_pair
+from . import derive, draw
+from .checks import block_size_pair, positive_int
 from .tables import ordered_to_dense, transpose_ordered
 from .validate import check_contents, checked_now, mark_checked
 
 _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+_DQ_TENSORS = ("dq_write_order", "dq_write_order_full", "dq_kv_order")
+_PRIVATE = "_flexfa_"  # prefix of the per-object caches other modules keep on a mask
 
 
 def sliced_mask_mod(b, h, q_idx, kv_idx):
@@ -34,36 +50,64 @@ def sliced_mask_mod(b, h, q_idx, kv_idx):
                      "written for the sliced positions (e.g. from the original mask)")
 
 
-class BlockMask:
+class TracedMaskMod:
+    """The mask_mod of a BlockMask built from an already traced mask (a ``TracedMod``):
+    callable with index tensors like any mask_mod (it evaluates the trace), picklable, and
+    recognized by ``BlockMask.traced_mask``, which uses the trace instead of tracing it."""
+
+    def __init__(self, traced: TracedMod):
+        self.traced = traced
+        self.__name__ = traced.name
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return evaluate(self.traced, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
+
+
+class BlockMask(TorchBlockMask):
     """Tile tables of a mask; build with ``create_block_mask`` or ``BlockMask.from_kv_blocks``."""
 
     def __init__(self, seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks,
                  full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                 BLOCK_SIZE=(128, 128), mask_mod=None, traced_mask: TracedMod | None = None):
+                 BLOCK_SIZE=(128, 128), mask_mod=None, *, traced_mask: TracedMod | None = None,
+                 dq_write_order=None, dq_write_order_full=None, dq_kv_order=None,
+                 dq_kv_order_spt=None):
+        _check_pairs("BlockMask", kv_num_blocks, kv_indices, full_kv_num_blocks,
+                     full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+        if dq_write_order_full is not None and dq_write_order is None:
+            raise InputError("BlockMask: dq_write_order_full needs dq_write_order")
         self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
         self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
         self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
         self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
         self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
-        self.BLOCK_SIZE = tuple(BLOCK_SIZE)
+        self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
+        self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
+        self.BLOCK_SIZE = block_size_pair("BlockMask", BLOCK_SIZE)
         self.mask_mod = noop_mask if mask_mod is None else mask_mod
         self._traced = (self.mask_mod, traced_mask) if traced_mask is not None else None
 
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None,
                        full_kv_indices=None, BLOCK_SIZE=128, mask_mod=None, seq_lengths=None,
-                       traced_mask: TracedMod | None = None) -> "BlockMask":
-        """A BlockMask from forward tables; the transposed q tables are computed here.
+                       compute_q_blocks=True, *, dq_write_order=None, dq_write_order_full=None,
+                       dq_kv_order=None, traced_mask: TracedMod | None = None) -> "BlockMask":
+        """A BlockMask from forward tables; the transposed q tables are computed here unless
+        ``compute_q_blocks=False`` (as torch's; the backward then transposes them per call).
 
         Tables may have 2 to 4 dims (``[Q_TILES]`` / ``[Q_TILES, KV_TILES]`` with leading B, H);
-        missing leading dims become size-1 (broadcast) dims.
+        missing leading dims become size-1 (broadcast) dims. Entries past a row's count are
+        never read: any padding (torch's -1) is accepted. ``dq_kv_order`` is a bool (torch's
+        built-in scheduler order) or a tensor (an explicit one), as torch's.
         """
         func = "BlockMask.from_kv_blocks"
         block = block_size_pair(func, BLOCK_SIZE)
-        kv_num_blocks, kv_indices = _table_pair(func, "kv", kv_num_blocks, kv_indices)
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise InputError(f"{func}: full_kv_num_blocks and full_kv_indices must be given "
                              "together or both omitted")
+        if dq_kv_order is not None and not isinstance(dq_kv_order, (bool, torch.Tensor)):
+            raise InputTypeError(f"{func}: dq_kv_order must be a bool, a tensor or None, got "
+                                 f"{type(dq_kv_order).__name__}")
+        kv_num_blocks, kv_indices = _table_pair(func, "kv", kv_num_blocks, kv_indices)
         if full_kv_num_blocks is not None:
             full_kv_num_blocks, full_kv_indices = _table_pair(func, "full_kv", full_kv_num_blocks,
                                                               full_kv_indices)
@@ -81,12 +125,16 @@ class BlockMask:
         check_contents({"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
                         "full_kv_num_blocks": full_kv_num_blocks,
                         "full_kv_indices": full_kv_indices}, (*block, *covered), f"{func}: ")
-        q_num_blocks, q_indices = transpose_ordered(kv_num_blocks, kv_indices)
-        full_q = (None, None) if full_kv_num_blocks is None else \
-            transpose_ordered(full_kv_num_blocks, full_kv_indices)
+        q_tables = (None,) * 4
+        if compute_q_blocks:
+            q_tables = (*transpose_ordered(kv_num_blocks, kv_indices),
+                        *((None, None) if full_kv_num_blocks is None else
+                          transpose_ordered(full_kv_num_blocks, full_kv_indices)))
         mask = cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                   q_num_blocks, q_indices, *full_q, BLOCK_SIZE=block, mask_mod=mask_mod,
-                   traced_mask=traced_mask)
+                   *q_tables, BLOCK_SIZE=block, mask_mod=mask_mod, traced_mask=traced_mask,
+                   dq_write_order=dq_write_order, dq_write_order_full=dq_write_order_full,
+                   dq_kv_order=dq_kv_order if isinstance(dq_kv_order, torch.Tensor) else None,
+                   dq_kv_order_spt=dq_kv_order if isinstance(dq_kv_order, bool) else None)
         if covered == mask.seq_lengths:
             mark_checked(mask)  # the q tables are the checked kv tables transposed
         return mask
@@ -97,8 +145,14 @@ class BlockMask:
     def traced_mask(self) -> TracedMod:
         """The traced IR of ``mask_mod`` (traced again only if ``mask_mod`` was replaced)."""
         if self._traced is None or self._traced[0] is not self.mask_mod:
-            self._traced = (self.mask_mod, trace(self.mask_mod, MASK_MOD))
+            mod = self.mask_mod
+            self._traced = (mod, mod.traced if isinstance(mod, TracedMaskMod)
+                            else trace(mod, MASK_MOD))
         return self._traced[1]
+
+    def _kept_trace(self) -> TracedMod | None:
+        """The trace of the current mask_mod if it was traced already (for derived masks)."""
+        return self._traced[1] if self._traced and self._traced[0] is self.mask_mod else None
 
     # ---- shape and contents ---------------------------------------------------------------
 
@@ -136,6 +190,7 @@ class BlockMask:
 
     def __getitem__(self, index) -> "BlockMask":
         """Slice batches, heads and q tiles like a tensor; dims are kept (an int -> size 1)."""
+        _no_dq_kv_order_tensor(self, "Slicing")
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > 3:
             raise InputError(f"BlockMask[...] takes at most 3 indices (batch, head, q tile), "
@@ -145,19 +200,70 @@ class BlockMask:
         index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
         full = (None, None) if self.full_kv_num_blocks is None else \
             (self.full_kv_num_blocks[index], self.full_kv_indices[index])
-        return BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
-                                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=sliced_mask_mod,
-                                        seq_lengths=self.seq_lengths)
+        sliced = BlockMask.from_kv_blocks(
+            self.kv_num_blocks[index], self.kv_indices[index], *full, BLOCK_SIZE=self.BLOCK_SIZE,
+            mask_mod=sliced_mask_mod, seq_lengths=self.seq_lengths,
+            compute_q_blocks=self.q_indices is not None)
+        return derive.with_dq_metadata(sliced, self)
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """This mask cropped to (or extended over) lengths ``(new_q_len, new_kv_len)``, as
+        torch's ``_adjust`` (which torch's length-mismatch error suggests): the tiles past
+        the new lengths are dropped, the upper left corner is kept, the mask_mod is the same;
+        right only for masks whose corner is the mask of the new lengths (causal is)."""
+        _no_dq_kv_order_tensor(self, "Adjusting")
+        func = "BlockMask._adjust"
+        lengths = (positive_int(func, "new_q_len", new_q_len),
+                   positive_int(func, "new_kv_len", new_kv_len))
+        rows, cols = (-(-n // b) for n, b in zip(lengths, self.BLOCK_SIZE))
+        full = (None, None) if self.full_kv_num_blocks is None else \
+            derive.crop_pair(self.full_kv_num_blocks, self.full_kv_indices, rows, cols)
+        adjusted = type(self).from_kv_blocks(
+            *derive.crop_pair(self.kv_num_blocks, self.kv_indices, rows, cols), *full,
+            BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod, seq_lengths=lengths,
+            compute_q_blocks=self.q_indices is not None, traced_mask=self._kept_trace())
+        return derive.with_dq_metadata(adjusted, self)
 
     def to(self, device) -> "BlockMask":
         """A copy whose tables live on ``device`` (the mask_mod and its trace are shared)."""
         tables = [None if t is None else t.to(device) for t in (getattr(self, n) for n in _TABLES)]
-        traced = self._traced[1] if self._traced is not None else None
+        dq = {n: None if getattr(self, n) is None else getattr(self, n).to(device)
+              for n in _DQ_TENSORS}
         moved = BlockMask(self.seq_lengths, *tables, BLOCK_SIZE=self.BLOCK_SIZE,
-                          mask_mod=self.mask_mod, traced_mask=traced)
+                          mask_mod=self.mask_mod, traced_mask=self._kept_trace(), **dq,
+                          dq_kv_order_spt=self.dq_kv_order_spt)
         if checked_now(self):
             mark_checked(moved)  # copies of checked, unchanged tables
         return moved
+
+    # ---- copies ---------------------------------------------------------------------------
+
+    def __copy__(self) -> "BlockMask":
+        return self._copied_into(object.__new__(type(self)), self.__getstate__())
+
+    def __deepcopy__(self, memo) -> "BlockMask":
+        """Tables and mask_mod copied as ``copy.deepcopy`` copies them (a plain function is
+        kept); the trace is shared while the mask_mod is the same object (its captured tensors
+        are the mod's own, not copies)."""
+        new = memo[id(self)] = object.__new__(type(self))
+        return self._copied_into(new, copy.deepcopy(self.__getstate__(), memo))
+
+    def _copied_into(self, new: "BlockMask", state: dict) -> "BlockMask":
+        """``new`` with the copied attributes ``state``; flexfa's caches are not copied."""
+        new.__dict__.update(state)
+        new._traced = self._traced if self._traced and new.mask_mod is self._traced[0] else None
+        if checked_now(self):
+            mark_checked(new)  # the same or copied tables, checked and unchanged
+        return new
+
+    def __getstate__(self) -> dict:
+        """The attributes without flexfa's per-object caches (the table check holds weak
+        references; derived masks are rebuilt on use) and without the trace: an unpickled
+        mask traces its mask_mod on first use, so the trace reads the unpickled mod's own
+        captured tensors."""
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith(_PRIVATE)}
+        state["_traced"] = None
+        return state
 
     # ---- checks for flex_attention --------------------------------------------------------
 
@@ -169,12 +275,17 @@ class BlockMask:
         mask_B, mask_H = self.kv_num_blocks.shape[:2]
         if (mask_B not in (1, B) or mask_H not in (1, H)
                 or self.seq_lengths != (Q_LEN, KV_LEN)):
+            longer = (mask_B in (1, B) and mask_H in (1, H) and self.seq_lengths[0] >= Q_LEN
+                      and self.seq_lengths[1] >= KV_LEN)
+            crop = (f", or crop this one with block_mask._adjust({Q_LEN}, {KV_LEN}) (right "
+                    "where its upper left corner is the mask of those lengths, as for causal)"
+                    if longer else "")
             raise InputError(
                 f"block_mask was built for (B={mask_B}, H={mask_H}, Q_LEN={self.seq_lengths[0]}, "
                 f"KV_LEN={self.seq_lengths[1]}) but flex_attention got (B={B}, H={H}, "
                 f"Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); the mask's B and H must equal the call's or "
                 "be 1, and its lengths must match: build it with create_block_mask(mask_mod, "
-                f"{B}, {H}, {Q_LEN}, {KV_LEN}, ...)")
+                f"{B}, {H}, {Q_LEN}, {KV_LEN}, ...){crop}")
 
     # ---- pictures -------------------------------------------------------------------------
 
@@ -189,6 +300,8 @@ class BlockMask:
     def __repr__(self) -> str:
         return f"{self.describe()}\n{self.to_string()}"
 
+    __str__ = __repr__  # torch's class defines its own __str__
+
     def to_png(self, path, limit: int = 4) -> None:
         """Save a picture of the tiles (white empty, orange partial, dark full)."""
         draw.to_png(self, path, limit)
@@ -201,6 +314,34 @@ def _keep_dim(index, size: int):
         index %= size
         return slice(index, index + 1)
     return index
+
+
+def _no_dq_kv_order_tensor(mask: BlockMask, what: str) -> None:
+    if mask.dq_kv_order is not None:  # as torch's
+        raise NotImplementedError(
+            f"{what} a BlockMask with a tensor dq_kv_order is not supported (as in torch); "
+            "build a new BlockMask with matching precomputed dq_write_order metadata")
+
+
+def _check_pairs(func: str, *tables) -> None:
+    """The constructor's tables: kv tables required, each pair given whole or not at all."""
+    for pair, num_blocks, indices in zip(("kv", "full_kv", "q", "full_q"), tables[::2],
+                                         tables[1::2]):
+        for name, value in ((f"{pair}_num_blocks", num_blocks), (f"{pair}_indices", indices)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise InputTypeError(f"{func}: {name} must be a tensor or None, got "
+                                     f"{type(value).__name__}")
+        if pair == "kv" and (num_blocks is None or indices is None):
+            raise InputError(f"{func}: kv_num_blocks and kv_indices are required, got "
+                             f"kv_num_blocks={_given(num_blocks)}, kv_indices={_given(indices)}")
+        if (num_blocks is None) != (indices is None):
+            raise InputError(f"{func}: {pair}_num_blocks and {pair}_indices must be given "
+                             f"together or both be None, got {pair}_num_blocks="
+                             f"{_given(num_blocks)}, {pair}_indices={_given(indices)}")
+
+
+def _given(table) -> str:
+    return "None" if table is None else f"a tensor of shape {tuple(table.shape)}"
 
 
 def _table_pair(func: str, name: str, num_blocks, indices):

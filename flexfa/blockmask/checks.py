@@ -7,23 +7,22 @@ import torch
 
 from ..errors import InputError, InputTypeError
 
-MIN_BLOCK, MAX_BLOCK = 16, 256
-
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def block_size_pair(func: str, value) -> tuple[int, int]:
-    """``BLOCK_SIZE`` as ``(q, kv)``: an int or a pair of powers of two in 16..256."""
+    """``BLOCK_SIZE`` as ``(q, kv)``: a positive int or a pair of them, as torch accepts
+    (e.g. ``(1, 64)`` for decoding). The kernels' tiles are powers of two from 16 up: a mask
+    whose blocks they cannot tile runs through an equivalent mask of coarser blocks
+    (``flexfa.blockmask.coarsen``)."""
     pair = (value, value) if _is_int(value) else value
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_int(v) for v in pair):
         raise InputTypeError(f"{func}: BLOCK_SIZE must be an int or a (q, kv) pair of ints, "
                              f"got {type(value).__name__} {value!r}")
-    for size in pair:
-        if not (MIN_BLOCK <= size <= MAX_BLOCK and size & (size - 1) == 0):
-            raise InputError(f"{func}: BLOCK_SIZE must be a power of two from {MIN_BLOCK} to "
-                             f"{MAX_BLOCK}, got BLOCK_SIZE={value!r}")
+    if min(pair) <= 0:
+        raise InputError(f"{func}: BLOCK_SIZE must be positive, got BLOCK_SIZE={value!r}")
     return int(pair[0]), int(pair[1])
 
 
@@ -40,9 +39,18 @@ def batch_size(func: str, name: str, value) -> int:
     return 1 if value is None else positive_int(func, name, value)
 
 
+def default_device() -> torch.device:
+    """torch's default for ``create_block_mask(device=None)``: the current accelerator, else
+    the CPU. flexfa runs on CUDA or the CPU, so another accelerator (MPS, XPU) gives the CPU,
+    and so does a CUDA build of torch on a machine without a GPU (torch would fail there)."""
+    current = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    cuda = current is not None and current.type == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
 def resolve_device(func: str, device) -> torch.device:
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return default_device()
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:

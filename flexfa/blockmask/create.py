@@ -16,8 +16,9 @@ from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from ..runtime.eager import outside_compile
 from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
-from .block_mask import BlockMask
+from .block_mask import BlockMask, TracedMaskMod
 from .checks import batch_size, block_size_pair, positive_int, resolve_device
+from .derive import dq_write_order
 from .exact import settle_undecided
 from .tables import dense_to_ordered
 from .validate import mark_checked
@@ -34,29 +35,23 @@ def _trace_mask(func: str, mask_mod) -> TracedMod:
     return trace(mask_mod, MASK_MOD)  # TraceError on wrong arity or a non-bool result
 
 
-def _as_callable(traced: TracedMod):
-    """A torch-callable mask_mod for a BlockMask built from an already traced mask."""
-    def mask_mod(b, h, q_idx, kv_idx):
-        return evaluate(traced, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
-    mask_mod.__name__ = traced.name
-    return mask_mod
-
-
 @outside_compile
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128,
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
                       _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
                       dq_kv_order=True) -> BlockMask:
     """The BlockMask of ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend).
 
     ``B`` / ``H`` ``None`` mean the mask is the same for every batch / head (size-1 tables).
-    ``BLOCK_SIZE`` is an int or a ``(q, kv)`` pair of powers of two from 16 to 256. The
-    result equals torch's ``create_block_mask`` table for table. ``mask_mod`` may also be a
-    ``TracedMod`` of kind mask_mod. ``separate_full_blocks=False`` lists every non-empty block
-    as partial (no full tables: the mask code runs on every visited block), as torch's.
-    Torch's other flags are accepted for drop-in use and change nothing here: ``_compile``
-    (flexfa never materializes the mask, so there is nothing to compile) and
-    ``compute_dq_write_order`` / ``dq_kv_order`` (metadata for torch's deterministic dQ;
-    flexfa's dQ has one writer per tile).
+    ``device=None`` is torch's default: the current accelerator (CUDA) if there is one, else
+    the CPU. ``BLOCK_SIZE`` is a positive int or a ``(q, kv)`` pair, as torch's (blocks that
+    are not multiples of 16 run through an equivalent mask of coarser blocks,
+    ``flexfa.blockmask.coarsen``). The result equals torch's ``create_block_mask`` table for
+    table. ``mask_mod`` may also be a ``TracedMod`` of kind mask_mod.
+    ``separate_full_blocks=False`` lists every non-empty block as partial (no full tables: the
+    mask code runs on every visited block), as torch's. ``compute_dq_write_order`` /
+    ``dq_kv_order`` add torch's metadata for its deterministic dQ (``dq_write_order``...), for
+    masks handed to torch; flexfa's dQ has one writer per tile and does not read it.
+    ``_compile`` changes nothing (flexfa never materializes the mask: nothing to compile).
     """
     func = "create_block_mask"
     for name, flag in (("_compile", _compile), ("separate_full_blocks", separate_full_blocks),
@@ -84,9 +79,12 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
             "block mask %s: %d x %d tiles, %d undecided by intervals, %d of them evaluated "
             "element by element, %.2f s", traced.name, grid.q_tiles, grid.kv_tiles, undecided,
             in_full, elapsed)
-    user_mod = _as_callable(traced) if isinstance(mask_mod, TracedMod) else mask_mod
+    user_mod = TracedMaskMod(traced) if isinstance(mask_mod, TracedMod) else mask_mod
     mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block, mask_mod=user_mod,
                      traced_mask=traced)
+    if compute_dq_write_order:
+        mask.dq_write_order, mask.dq_write_order_full = dq_write_order(mask, dq_kv_order)
+        mask.dq_kv_order_spt = dq_kv_order
     mark_checked(mask)  # correct by construction: its first call needs no table check
     return mask
 

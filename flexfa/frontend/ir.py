@@ -167,6 +167,22 @@ class Node:
     def __repr__(self) -> str:
         return f"Node({self.op.name}, {self.dtype.value}, arg={self.arg!r}, key={self.key[:8]})"
 
+    # a node is immutable and unique per structure: copies are the node itself, and a pickle
+    # holds the structure, rebuilt through Node.make (one flat list, so a deep graph does not
+    # recurse in pickle)
+    def __copy__(self) -> "Node":
+        return self
+
+    def __deepcopy__(self, memo) -> "Node":
+        return self
+
+    def __reduce__(self):
+        order = self.toposort()
+        position = {id(node): i for i, node in enumerate(order)}
+        structure = tuple((n.op, n.dtype, tuple(position[id(s)] for s in n.src), n.arg)
+                          for n in order)
+        return _rebuild, (structure,)
+
     def toposort(self) -> list["Node"]:
         """All nodes reachable from this one, sources before users."""
         order: list[Node] = []
@@ -185,6 +201,15 @@ class Node:
                 if id(s) not in seen:
                     stack.append((s, False))
         return order
+
+
+def _rebuild(structure: tuple) -> Node:
+    """The last node of a pickled structure (``Node.__reduce__``): (op, dtype, source
+    positions, arg) per node, sources first."""
+    nodes: list[Node] = []
+    for op, dtype, src, arg in structure:
+        nodes.append(Node.make(op, dtype, tuple(nodes[i] for i in src), arg))
+    return nodes[-1]
 
 
 def _arg_key(arg):

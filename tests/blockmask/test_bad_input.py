@@ -14,9 +14,9 @@ def build(**changes):
     return create_block_mask(**args)
 
 
-@pytest.mark.parametrize("block", [0, 8, 24, 100, 512, (32, 48), (128, 1024), -16])
-def test_block_size_out_of_range(block):
-    with pytest.raises(InputError, match="power of two from 16 to 256") as info:
+@pytest.mark.parametrize("block", [0, -16, (32, 0), (-1, 64)])
+def test_block_size_not_positive(block):
+    with pytest.raises(InputError, match="BLOCK_SIZE must be positive") as info:
         build(BLOCK_SIZE=block)
     assert repr(block) in str(info.value)
 

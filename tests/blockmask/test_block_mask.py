@@ -110,7 +110,7 @@ def test_from_kv_blocks_checks_tables():
     with pytest.raises(TypeError, match="must hold integers"):
         BlockMask.from_kv_blocks(num.float(), idx)
     with pytest.raises(InputError, match="BLOCK_SIZE"):
-        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=100)
+        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=0)
 
 
 def test_traced_mask_is_kept_and_follows_mask_mod():

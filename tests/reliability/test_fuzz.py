@@ -138,8 +138,8 @@ def test_flex_attention_front_door(case):
 
 
 BAD_SIZES = {0: "positive", -3: "positive", 2.0: "int", "4": "int"}
-BAD_BLOCKS = {24: "power of two", 8: "power of two", 512: "power of two", (16,): "pair",
-              "16": "int", 0: "power of two"}
+BAD_BLOCKS = {-16: "positive", (32, 0): "positive", (16,): "pair", "16": "int",
+              0: "positive"}
 BAD_DEVICES = {"meta": "not supported", "cuda": "cuda", "nope": "not a torch device",
                7: "device"}
 

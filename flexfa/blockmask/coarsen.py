@@ -1,0 +1,120 @@
+"""Block masks whose block sizes the kernels cannot tile run as an equivalent coarser mask.
+
+The kernels walk a block mask in tiles of 16 to 128 rows (powers of two) that divide its
+blocks, so blocks that are not a multiple of 16 (torch accepts any size: ``(1, 64)`` for
+decoding, 24, 100) have no tile. Such a mask runs through a mask of blocks ``lcm(size, 16)``
+(a size that is a multiple of 16 stays), the same attention element by element:
+
+- a coarse block is full where every original block in it (within the lengths) is full,
+  skipped where every one is empty, partial otherwise;
+- the partial ones evaluate ``class == FULL | (class == PARTIAL & mask_mod)``, ``class`` the
+  original block of the element, read from a captured ``[B, H, Q_TILES, KV_TILES]`` tensor:
+  a full original block skips the mask_mod and an empty one is skipped, as torch does.
+
+The coarse mask is kept on the original (``_flexfa_coarse``) for its tables' contents and
+mask_mod, so repeated calls reuse it (and its kernels, plans and checks); it holds nothing
+that refers back to the original.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..frontend import ir
+from ..frontend.ir import DType, Op
+from ..frontend.simplify import simplify
+from ..frontend.trace import MASK_MOD, TracedMod
+from .block_mask import BlockMask, TracedMaskMod
+from .tables import dense_to_ordered, ordered_to_dense
+from .validate import mark_checked, table_generations
+
+TILE = 16  # the smallest kernel tile; every block size the kernels run is a multiple of it
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_MEMO = "_flexfa_coarse"
+
+
+def runnable_block_mask(block_mask, traced: TracedMod | None):
+    """``block_mask`` itself if the kernels can tile its blocks, else the equivalent mask of
+    coarser blocks (see the module docstring). ``traced``: the mask's prepared mask_mod.
+    Call after the tables were checked for the call's lengths (``check_tables``)."""
+    if block_mask is None:
+        return None
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    if block_q % TILE == 0 and block_kv % TILE == 0:
+        return block_mask
+    contents = table_generations(block_mask)[1]  # None: tables may change unseen
+    memo = getattr(block_mask, _MEMO, None)
+    if memo is not None and contents is not None and memo[0] == contents and memo[1] is traced:
+        return memo[2]
+    coarse = coarsened(block_mask, traced)
+    if contents is not None:
+        try:
+            setattr(block_mask, _MEMO, (contents, traced, coarse))
+        except AttributeError:  # a frozen or slotted mask object: built on every call
+            pass
+    return coarse
+
+
+def coarsened(block_mask, traced: TracedMod) -> BlockMask:
+    """The mask of blocks ``lcm(BLOCK_SIZE, 16)`` equal to ``block_mask`` (whose mask_mod is
+    ``traced``) element by element, over its lengths."""
+    L, S = (int(n) for n in block_mask.seq_lengths)
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    coarse_q, coarse_kv = math.lcm(block_q, TILE), math.lcm(block_kv, TILE)
+    classes = block_classes(block_mask, -(-L // block_q), -(-S // block_kv))
+    full, partial = _coarse_grids(classes, coarse_q // block_q, coarse_kv // block_kv,
+                                  -(-L // coarse_q), -(-S // coarse_kv))
+    tables = [*dense_to_ordered(partial), *dense_to_ordered(full),
+              *dense_to_ordered(partial.transpose(-2, -1)),
+              *dense_to_ordered(full.transpose(-2, -1))]
+    mod = _classed_mask_mod(traced, classes, block_q, block_kv)
+    mask = BlockMask((L, S), *tables, BLOCK_SIZE=(coarse_q, coarse_kv),
+                     mask_mod=TracedMaskMod(mod), traced_mask=mod)
+    mark_checked(mask)  # built from checked tables
+    return mask
+
+
+def block_classes(block_mask, rows: int, cols: int) -> torch.Tensor:
+    """int32 ``[B, H, rows, cols]``: EMPTY, PARTIAL or FULL per block of the first rows x
+    cols blocks (the tables cover them: checked before)."""
+    width = block_mask.kv_indices.shape[-1]
+    classes = ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, width)
+    if getattr(block_mask, "full_kv_num_blocks", None) is not None:
+        full = ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, width)
+        classes = torch.maximum(classes, FULL * full)
+    return classes[..., :rows, :cols].contiguous()
+
+
+def _coarse_grids(classes: torch.Tensor, per_q: int, per_kv: int, rows: int,
+                  cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, partial) bool ``[B, H, rows, cols]`` of the coarse blocks, each ``per_q`` x
+    ``per_kv`` original blocks; blocks past the lengths (padding) count as neither."""
+    B, H, fine_rows, fine_cols = classes.shape
+    padded = torch.full((B, H, rows * per_q, cols * per_kv), -1, dtype=classes.dtype,
+                        device=classes.device)
+    padded[..., :fine_rows, :fine_cols] = classes
+    grouped = padded.view(B, H, rows, per_q, cols, per_kv)
+    full = ((grouped == FULL) | (grouped < 0)).all(5).all(3)
+    empty = ((grouped == EMPTY) | (grouped < 0)).all(5).all(3)
+    return full, ~full & ~empty
+
+
+def _classed_mask_mod(traced: TracedMod, classes: torch.Tensor, block_q: int,
+                      block_kv: int) -> TracedMod:
+    """``traced`` with the original blocks' classes: ``class == FULL | (class == PARTIAL &
+    traced)``, ``class = classes[b, h, q_idx // block_q, kv_idx // block_kv]`` (b / h 0 on
+    a broadcast dim), read as a new captured tensor after the mask_mod's own."""
+    def index(op: Op, size: int) -> ir.Node:
+        return ir.index(op) if size > 1 else ir.const(0)
+
+    def block(op: Op, size: int) -> ir.Node:
+        return ir.binary(Op.FLOORDIV, ir.index(op), ir.const(size))
+
+    slot = len(traced.buffers)
+    klass = ir.load(slot, (index(Op.B, classes.shape[0]), index(Op.H, classes.shape[1]),
+                           block(Op.Q_IDX, block_q), block(Op.KV_IDX, block_kv)), DType.INT)
+    partial = ir.binary(Op.AND, ir.binary(Op.EQ, klass, ir.const(PARTIAL)), traced.root)
+    root = ir.binary(Op.OR, ir.binary(Op.EQ, klass, ir.const(FULL)), partial)
+    name = f"{traced.name}_in_blocks_{block_q}x{block_kv}"
+    return TracedMod(MASK_MOD, simplify(root), (*traced.buffers, classes), name)
