@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from .blockmask.block_mask import SLICED, sliced_mask_mod
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import check_tables
 from .errors import InputError, InputTypeError, check_bool
@@ -144,6 +145,8 @@ def _check_block_mask(block_mask, query, key) -> None:
     if not all(hasattr(block_mask, a) for a in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE")):
         raise InputTypeError(f"block_mask must be a BlockMask (from create_block_mask) or None, "
                              f"got {type(block_mask).__name__}")
+    if getattr(block_mask, "mask_mod", None) is sliced_mask_mod:  # flexfa's or torch's
+        raise InputError(SLICED)
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     if hasattr(block_mask, "_check_compatible"):

@@ -107,6 +107,34 @@ def test_other_batch_mismatches_are_errors(Bq, Bk, Bv, match):
         flexfa.flex_attention(q, k, v)
 
 
+def test_torchs_paged_attention_workflow():
+    """torch's PagedAttention helper: one batch-1 key/value cache for every sequence, a mask
+    converted to physical pages (-1 past each row's count where pages are not reserved), the
+    query batch of the sequences: flexfa gives torch's result."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    B, H, E, page, pages, L = 3, 2, 16, 16, 12, 64
+    lengths = [40, 23, 64]
+    paged = PagedAttention(pages, page, B, device="cpu")
+    k_cache, v_cache = torch.zeros(2, 1, H, pages * page, E).unbind()
+    generator = torch.Generator().manual_seed(4)
+    for b, length in enumerate(lengths):
+        paged.reserve(torch.tensor([b]), torch.tensor(length))
+        k, v = torch.randn(2, 1, H, length, E, generator=generator).unbind()
+        paged.assign(torch.tensor([b]), torch.arange(length)[None], k, v, k_cache, v_cache)
+    kv_lengths = torch.tensor(lengths)
+
+    def causal_in_sequence(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (kv_idx < kv_lengths[b])
+    logical = flexfa.create_block_mask(causal_in_sequence, B, 1, L, L, device="cpu",
+                                       BLOCK_SIZE=page)
+    physical = paged.convert_logical_block_mask(logical, kv_len=kv_lengths)
+    assert bool((physical.kv_indices == -1).any())
+    q = torch.randn(B, H, L, E, generator=generator)
+    torch.testing.assert_close(flexfa.flex_attention(q, k_cache, v_cache, block_mask=physical),
+                               torch_flex_attention(q, k_cache, v_cache, block_mask=physical),
+                               atol=1e-5, rtol=1e-5)
+
+
 # ---- output layout ------------------------------------------------------------------------
 
 def permuted(shape, order, seed=0):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
 from ..errors import InputError, InputTypeError
@@ -43,11 +44,18 @@ _DQ_TENSORS = ("dq_write_order", "dq_write_order_full", "dq_kv_order")
 _PRIVATE = "_flexfa_"  # prefix of the per-object caches other modules keep on a mask
 
 
-def sliced_mask_mod(b, h, q_idx, kv_idx):
-    """Stands in for the mask_mod of a sliced BlockMask, whose b / h / q tiles are renumbered."""
-    raise InputError("this BlockMask was sliced with [], which renumbers its batches, heads or "
-                     "q tiles, so its mask_mod was reset; assign block_mask.mask_mod a mask_mod "
-                     "written for the sliced positions (e.g. from the original mask)")
+SLICED = ("block_mask was sliced with [], which renumbers its batches, heads or q tiles, so "
+          "its mask_mod was reset; assign block_mask.mask_mod a mask_mod written for the sliced "
+          "positions (e.g. from the original mask) before passing it to flex_attention")
+
+
+def _sliced_mask_mod(b, h, q_idx, kv_idx):
+    raise InputError(SLICED)
+
+
+# the mask_mod of a sliced BlockMask: torch's placeholder, so that torch's flex_attention
+# recognizes flexfa's sliced masks and flexfa torch's (flexfa's own where torch has none)
+sliced_mask_mod = getattr(torch_flex, "_sliced_mask_mod_error", _sliced_mask_mod)
 
 
 class TracedMaskMod:
@@ -270,8 +278,7 @@ class BlockMask(TorchBlockMask):
     def _check_compatible(self, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:
         """Raise InputError unless this mask can serve a call with these sizes (B/H may be 1)."""
         if self.mask_mod is sliced_mask_mod:
-            raise InputError("block_mask was sliced, which resets its mask_mod; assign "
-                             "block_mask.mask_mod before passing it to flex_attention")
+            raise InputError(SLICED)
         mask_B, mask_H = self.kv_num_blocks.shape[:2]
         if (mask_B not in (1, B) or mask_H not in (1, H)
                 or self.seq_lengths != (Q_LEN, KV_LEN)):

@@ -66,6 +66,19 @@ def test_torchs_flex_attention_runs_a_flexfa_mask():
                                atol=1e-5, rtol=1e-5)
 
 
+def test_sliced_masks_are_recognized_by_both_libraries():
+    """A slice resets the mask_mod to torch's placeholder: torch's flex_attention refuses a
+    sliced flexfa mask with its own error, flexfa a sliced mask of either with an InputError."""
+    q = torch.randn(1, 1, 32, 16)
+    sliced = ours(mods.causal, 2, 1, 32, 32)[0]
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="sliced BlockMask"):
+        warnings.simplefilter("ignore")
+        torch_flex.flex_attention(q, q, q, block_mask=sliced)
+    for mask in (sliced, torch_mask(mods.causal, 2, 1, 32, 32)[0]):
+        with pytest.raises(flexfa.InputError, match="block_mask was sliced with"):
+            flexfa.flex_attention(q, q, q, block_mask=mask)
+
+
 def test_str_is_flexfas_drawing():
     mask = ours(mods.causal, 1, 1, 64, 64)
     assert str(mask) == repr(mask) and "BLOCK_SIZE=(16, 16)" in str(mask)
