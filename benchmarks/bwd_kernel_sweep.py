@@ -15,7 +15,6 @@ to the default's; writes ``bwd_kernel_sweep.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -46,8 +45,11 @@ from triton.testing import do_bench
 
 import flexfa
 from flexfa import autograd as flexfa_autograd
-from flexfa.bench import _relerr, _variants
-from flexfa.runtime import backward as bwd
+from flexfa.bench import _relerr
+from flexfa.bench_cases import bench_variants
+from flexfa.runtime.families import backward as bwd
+from flexfa.runtime.launch import Step
+from flexfa.runtime.target import target_of
 
 
 def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16):
@@ -58,7 +60,7 @@ def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16)
     q, k, v = (torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen)
                .requires_grad_() for _ in range(3))
     do = torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen)
-    score_mod, mask_mod = _variants(S, H, device)[variant]
+    score_mod, mask_mod = bench_variants(S, H, device)[variant]
     block_mask = flexfa.create_block_mask(mask_mod, B, None, S, S, device=device) \
         if mask_mod else None
     seen = {}
@@ -80,28 +82,30 @@ def sweep_kernel(which: str, item: str, args, reference) -> dict:
     own, walk, warps, stages, maxnreg = (int(x) for x in item.split(":"))
     tiles = (walk, own, own, walk) if which == "dkdv" else (own, walk, own, walk)
     spec = bwd.backward_spec(q, k, v, call, has_dlse=grad_lse is not None,
-                             grad_out=grad_out, config=(*tiles, warps, stages, False))
-    joint = bwd.joint_graph(call.score)
-    module, name = bwd.get_backward_module(spec, joint, call.score, call.mask)
+                             target=target_of(q.device), grad_out=grad_out,
+                             config=(*tiles, warps, stages))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    launches = bwd.backward_launches(spec, module, name, q, k, v, out, lse, grad_out, grad_lse,
-                                     call, joint, {}, dq, dk, dv)
+    x = bwd.Inputs(q, k, v, out, lse, grad_out, grad_lse, dq, dk, dv, {})
+    plan = bwd.BACKWARD.make_plan(spec, call, x, bwd.joint_graph(call.score))
+    step_args = bwd.step_args(plan, call, x)
     position = 1 if which == "dkdv" else 0  # launch order: dQ (storing delta), dK/dV
     options = {"num_warps": warps, "num_stages": stages}
     if maxnreg:
         options["maxnreg"] = maxnreg
-    launch = dataclasses.replace(launches[position], options=options)
-    launches[0].run()
-    state = launch.run()
+    first = plan.steps[position]
+    step = Step(first.kernel, first.grid, first.constexprs, options)
+    plan.steps[0].launch(step_args[0], q.device)  # delta for the dK/dV kernel
+    step.launch(step_args[position], q.device)
     if q.is_cuda:
         torch.cuda.synchronize()
     errors = ({"dk": _relerr(dk, reference[1]), "dv": _relerr(dv, reference[2])}
               if which == "dkdv" else {"dq": _relerr(dq, reference[0])})
-    if state is None:  # the interpreter: correctness only
+    if step.direct is None:  # the interpreter: correctness only
         return dict(kernel=which, config=item, ms=0.0, errors=errors, registers=0, spills=0,
                     shared=0)
-    ms = do_bench(lambda: launch.run(state), warmup=10, rep=100, return_mode="median")
-    compiled = state.compiled
+    ms = do_bench(lambda: step.launch(step_args[position], q.device), warmup=10, rep=100,
+                  return_mode="median")
+    compiled = step.direct.compiled
     return dict(kernel=which, config=item, ms=ms, errors=errors, registers=compiled.n_regs,
                 spills=compiled.n_spills, shared=compiled.metadata.shared)
 

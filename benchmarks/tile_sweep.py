@@ -36,8 +36,9 @@ import torch
 from triton.testing import do_bench
 
 import flexfa
-from flexfa.bench import _relerr, _variants
-from flexfa.runtime import hopper
+from flexfa.bench import _relerr
+from flexfa.bench_cases import bench_variants
+from flexfa.runtime import plans
 
 DEFAULT_CONFIGS = {
     128: [(128, 128, 8, 2, None), (128, 128, 8, 3, None), (128, 64, 8, 2, None),
@@ -55,7 +56,7 @@ def case_inputs(case: str) -> tuple:
     dim, seq, variant = case.split(":")
     dim, seq = int(dim), int(seq)
     B, H = max(1, 16384 // seq), 16
-    score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
+    score_mod, mask_mod = bench_variants(seq, H, "cuda")[variant]
     q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     mask = flexfa.create_block_mask(mask_mod, B, None, seq, seq, device="cuda") if mask_mod else None
     return dim, seq, variant, q, k, v, score_mod, mask
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         dim, seq, variant, q, k, v, score_mod, mask = case_inputs(case)
         reference = None
         for config in configs[dim]:
-            hopper._PLANS.clear()  # the plan read below is this config's
+            plans.PLANS.clear()  # the plan read below is this config's
             options = pinned(config)
             warps, maxnreg = config[2], config[4]
             row = {"dim": dim, "seq": seq, "variant": variant, "config": list(config[:4]),
@@ -115,8 +116,9 @@ def main(argv=None) -> int:
                 reference = out
             row["relerr"] = _relerr(out, reference)
             row["ms"] = do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
-            plan = next(iter(hopper._PLANS.values()))
-            compiled = plan.direct.compiled if plan.direct is not None else None
+            plan = plans.PLANS.values()[0]
+            direct = plan.steps[0].direct
+            compiled = direct.compiled if direct is not None else None
             if compiled is not None:
                 row.update(regs=compiled.n_regs, spills=compiled.n_spills,
                            smem=compiled.metadata.shared)

@@ -8,9 +8,12 @@ forward + backward of each case with ``triton.testing.do_bench`` (median), alter
 old / new for ``--rounds`` rounds, and prints per case the median over rounds and the ratio
 old / new (> 1: this checkout is faster). Generated kernels of the two trees have different
 names (their template hashes differ), so they share one kernel cache and one tuning file.
-``--old-env NAME=VALUE,...`` / ``--new-env ...`` set environment variables while that side
-runs and is timed (variables read per call, e.g. ``FLEXFA_BACKWARD_TMA``); with ``--old .``
-the same tree under two settings. ``--old`` may be given several times (with as many
+``--old-options JSON`` / ``--new-options JSON`` pass ``kernel_options`` to that side's calls
+(this checkout chooses kernels only through them); ``--old-env NAME=VALUE,...`` /
+``--new-env ...`` set environment variables while that side runs and is timed (older trees
+read some choices from the environment); with ``--old .`` the same tree under two settings.
+``--grid`` times the whole benchmark grid (``python -m flexfa bench``'s dims, lengths and
+variants); ``--json PATH`` writes the rows. ``--old`` may be given several times (with as many
 ``--old-env``, matched in order, or none): each tree is timed against this checkout in the
 same rounds, which shares the new side's compile and timing between them.
 """
@@ -40,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--old-env", action="append", default=[],
                         help="NAME=VALUE,... set while the old side runs (one per --old)")
     parser.add_argument("--new-env", default="", help="NAME=VALUE,... for this checkout's side")
+    parser.add_argument("--old-options", action="append", default=[],
+                        help="kernel_options JSON for the old side (one per --old)")
+    parser.add_argument("--new-options", default="null",
+                        help="kernel_options JSON for this checkout's side")
+    parser.add_argument("--grid", action="store_true",
+                        help="the benchmark's grid: E 64,128 x S 2048,8192,16384 x its variants")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
     return parser
 
 
@@ -49,7 +59,8 @@ if __name__ == "__main__":  # --help and argument errors before the imports belo
 import torch
 
 import flexfa
-from flexfa.bench import _relerr, _time, _variants
+from flexfa.bench import _relerr, _time
+from flexfa.bench_cases import VARIANTS, bench_variants
 
 
 def load_tree(path: str, name: str = "flexfa_old"):
@@ -100,26 +111,33 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.old_env and len(args.old_env) != len(args.old):
         raise SystemExit(f"{len(args.old)} --old trees but {len(args.old_env)} --old-env")
+    if args.old_options and len(args.old_options) != len(args.old):
+        raise SystemExit(f"{len(args.old)} --old trees but {len(args.old_options)} --old-options")
     olds = [f"old{i}" if len(args.old) > 1 else "old" for i in range(len(args.old))]
     envs = {"new": parse_env(args.new_env)}
+    options = {"new": json.loads(args.new_options)}
     trees = {}
     for i, (label, path) in enumerate(zip(olds, args.old)):
         envs[label] = parse_env(args.old_env[i] if args.old_env else "")
+        options[label] = json.loads(args.old_options[i]) if args.old_options else None
         trees[label] = load_tree(path, f"flexfa_{label}")
         print(f"{label}: {path} {envs[label]}", flush=True)
     trees["new"] = flexfa
     rows = []
-    for dim, seq, variant in parse_cases(args.cases):
+    cases = ([(d, s, v) for d in (64, 128) for s in (2048, 8192, 16384) for v in VARIANTS]
+             if args.grid else parse_cases(args.cases))
+    for dim, seq, variant in cases:
         B, H = max(1, args.tokens // seq), args.heads
-        score_mod, mask_mod = _variants(seq, H, "cuda")[variant]
+        score_mod, mask_mod = bench_variants(seq, H, "cuda")[variant]
         q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         fns = {}
         for label, lib in trees.items():
             mask = (lib.create_block_mask(mask_mod, B, None, seq, seq, device="cuda")
                     if mask_mod else None)
-            fns[label] = (lambda lib=lib, mask=mask:
-                          lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask))()
+            fns[label] = (lambda lib=lib, mask=mask, opts=options[label]:
+                          lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask,
+                                                             kernel_options=opts))()
         for bwd in [p == "fwd+bwd" for p in args.passes.split(",")]:
             do = torch.randn_like(q)
             results = {}
@@ -144,6 +162,9 @@ def main(argv=None) -> int:
                 row["speedup"] = row["old_ms"] / row["new_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'old':>5} {'pass':>8} {'old ms':>8} "
           f"{'new ms':>8} {'old/new':>8} {'relerr':>8}")
     for r in rows:

@@ -35,7 +35,7 @@ if __name__ == "__main__":  # --help and argument errors before the imports belo
 import torch
 
 import flexfa
-from flexfa.bench import _variants
+from flexfa.bench_cases import bench_variants
 from flexfa.runtime import autotune
 from flexfa.runtime.cache_location import usable_cache_dir
 
@@ -49,7 +49,7 @@ def main() -> None:
             q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
             do = torch.randn_like(q)
-            variants = _variants(S, H, "cuda")
+            variants = bench_variants(S, H, "cuda")
             for name in args.variants.split(","):
                 score_mod, mask_mod = variants[name]
                 mask = flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda") \

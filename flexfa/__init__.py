@@ -1,5 +1,5 @@
 """flexfa: attention variants written as Python functions, compiled to fused FlashAttention kernels."""
-__version__ = "0.1.0"
+from .version import __version__
 
 from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
 from .frontend import and_masks, noop_mask, or_masks, trace

@@ -8,87 +8,14 @@ Writes ``results.json`` (with GPU name, versions, date and commit) and ``results
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
-VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document", "prefix")
-
-
-def _variants(S: int, H: int, device):
-    import torch
-
-    lengths = torch.randint(256, 2048, (S // 256 + 2,), generator=torch.Generator().manual_seed(0))
-    doc_id = torch.searchsorted(lengths.cumsum(0), torch.arange(S), right=True).to(device)
-    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device, dtype=torch.float32) / H)
-    prefix = S // 4
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    def sliding_window_1024(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
-
-    def prefix_lm(b, h, q_idx, kv_idx):
-        return (kv_idx < prefix) | (q_idx >= kv_idx)
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    def softcap_30(score, b, h, q_idx, kv_idx):
-        return 30.0 * torch.tanh(score / 30.0)
-
-    return {"full": (None, None), "causal": (None, causal), "sliding": (None, sliding_window_1024),
-            "alibi": (alibi, causal), "softcap": (softcap_30, causal),
-            "document": (None, document_causal), "prefix": (None, prefix_lm)}
-
-
-def source_digest() -> str:
-    """sha256 over flexfa's own files (package-relative path and bytes of every .py and
-    .tmpl), which names the code that ran even where the commit cannot be trusted (a copy of
-    the tree whose git metadata is stale reports the wrong commit)."""
-    import hashlib
-
-    root = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256()
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        for name in sorted(files):
-            if name.endswith((".py", ".tmpl")):
-                path = os.path.join(folder, name)
-                digest.update(os.path.relpath(path, root).encode() + b"\0")
-                with open(path, "rb") as f:
-                    digest.update(f.read() + b"\0")
-    return digest.hexdigest()
-
-
-def _versions() -> dict:
-    import torch
-    import triton
-
-    import flexfa
-
-    commit = os.environ.get("FLEXFA_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__), check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__,
-            "flexfa": flexfa.__version__, "python": platform.python_version(),
-            "commit": commit, "source_digest": source_digest(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-
+from . import config
+from .bench_cases import VARIANTS, bench_variants, versions
 
 def _ceilings():
     import torch
@@ -154,12 +81,9 @@ def run(args) -> dict:
     torch._dynamo.config.recompile_limit = 10 ** 4
     torch._dynamo.config.accumulated_recompile_limit = 10 ** 5
     compiled_flex = torch.compile(torch_flex, dynamic=False)
-    meta = _versions()
+    meta = versions()
     meta.update(_ceilings())
-    from .codegen.hopper import RESCALE_THRESHOLD
-    meta.update(forward_template=os.environ.get("FLEXFA_FORWARD_TEMPLATE", "auto"),
-                rescale_threshold=RESCALE_THRESHOLD,
-                autotune=os.environ.get("FLEXFA_AUTOTUNE", "1"))
+    meta.update(settings=config.settings(), autotune=config.autotune_enabled())
     print(json.dumps(meta), flush=True)
     rows = []
     passes = [p == "fwd+bwd" for p in args.passes.split(",")]
@@ -168,7 +92,7 @@ def run(args) -> dict:
             B, H = max(1, args.tokens // S), args.heads
             q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
-            variants = _variants(S, H, "cuda")
+            variants = bench_variants(S, H, "cuda")
             for name in args.variants.split(","):
                 score_mod, mask_mod = variants[name]
                 tbm = torch_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
@@ -323,7 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=config.environment("OUT", "."))
     parser.add_argument("--fp8", action="store_true",
                         help="also time the FP8 forward (flexfa.fp8.bench) on the same grid")
     args = parser.parse_args(argv)

@@ -6,6 +6,8 @@ import platform
 import sys
 import warnings
 
+from . import config
+
 
 def _version(module_name: str) -> str:
     try:
@@ -32,7 +34,7 @@ def _gpu_lines() -> list[str]:
 def _interpreter_line() -> str:
     """flexfa interprets kernels for CPU tensors whatever ``TRITON_INTERPRET`` says (it sets the
     variable itself while loading each kernel), so the line says both."""
-    value = os.environ.get("TRITON_INTERPRET")
+    value = config.triton_interpret()
     here = "unset" if value is None else f"TRITON_INTERPRET={value}"
     return (f"interpret:  kernels for CPU tensors (flexfa sets TRITON_INTERPRET per kernel; "
             f"this environment: {here})")
@@ -82,7 +84,7 @@ def report() -> str:
         _interpreter_line(),
         f"cache:      {where}",
     ]
-    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("FLEXFA_"))
+    settings = config.settings().items()
     lines += [f"env:        {k}={v}" for k, v in settings] or ["env:        no FLEXFA_* variables set"]
     return "\n".join(lines)
 

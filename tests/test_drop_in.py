@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 
 import flexfa
 from flexfa import mods
-from flexfa.layout import output_like
+from flexfa.runtime.layout import output_like
 from reference import assert_close_to_reference, reference_pair
 
 
@@ -105,6 +105,22 @@ def test_other_batch_mismatches_are_errors(Bq, Bk, Bv, match):
     k, v = torch.randn(Bk, 2, 16, 16), torch.randn(Bv, 2, 16, 16)
     with pytest.raises(flexfa.InputError, match=match):
         flexfa.flex_attention(q, k, v)
+
+
+def test_shared_kv_is_read_in_place_not_through_tensor_descriptors():
+    """The shared key/value reach the kernels expanded (batch stride 0, no copy): the Hopper
+    family's layout check refuses them (its descriptors read [B * H * len, dim] rows), so
+    forcing that family is a clear error and the default family gives torch's result."""
+    from flexfa.runtime.families.hopper import descriptor_layout_ok
+    q, k, v = (t.half() for t in inputs(3, 2, 1, 2, 64, 64))
+    shared_k, shared_v = expand_batch(3, k, v)
+    assert shared_k.stride(0) == 0 and descriptor_layout_ok(q, q, q)
+    assert not descriptor_layout_ok(q, shared_k, shared_v)
+    with pytest.raises(flexfa.InputError, match="BACKEND='HOPPER' cannot run this call"):
+        flexfa.flex_attention(q, k, v, kernel_options={"BACKEND": "HOPPER"})
+    expected = torch_flex_attention(q.float(), *expand_batch(3, k.float(), v.float()))
+    torch.testing.assert_close(flexfa.flex_attention(q, k, v).float(), expected,
+                               atol=2e-3, rtol=2e-3)
 
 
 def test_torchs_paged_attention_workflow():
@@ -210,8 +226,6 @@ def test_permuted_inputs_give_torchs_numbers(order):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="the runtime allocates out contiguous until it calls "
-                                       "flexfa.layout.output_like (lead engineer's rewrite)")
 @pytest.mark.parametrize("order", ORDERS[3:] + [(0, 2, 1, 3)])  # torch's out is not contiguous
 def test_output_has_the_querys_memory_order(order):
     """flex_attention's output has torch's strides (the query's dimension order)."""

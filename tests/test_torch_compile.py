@@ -1,4 +1,4 @@
-"""flexfa inside torch.compile'd code (flexfa.runtime.eager): each entry point is a graph
+"""flexfa inside torch.compile'd code (flexfa.eager): each entry point is a graph
 break that runs eagerly, so a compiled model gets flexfa's results and gradients, including
 those of captured tensors; fullgraph=True is rejected by Dynamo. The compiled regions use the
 aot_eager backend (Dynamo + AOTAutograd, no C++ compiler needed)."""

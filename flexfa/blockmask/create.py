@@ -14,7 +14,7 @@ import torch
 from ..errors import InputError, check_bool
 from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
-from ..runtime.eager import outside_compile
+from ..eager import outside_compile
 from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
 from .block_mask import BlockMask, TracedMaskMod
 from .checks import batch_size, block_size_pair, positive_int, resolve_device

@@ -39,7 +39,7 @@ def versions_key() -> str:
     import torch
     import triton
 
-    from .. import __version__
+    from ..version import __version__
     return (f"flexfa={__version__}|sources={sources_hash()}|triton={triton.__version__}"
             f"|torch={torch.__version__}")
 

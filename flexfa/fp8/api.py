@@ -5,17 +5,16 @@ import dataclasses
 
 import torch
 
-from ..api import _check_block_mask, _check_buffers, _check_scale
+from ..inputs import check_block_mask, check_buffers, check_scale
 from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
-from ..runtime.eager import outside_compile
-from ..runtime.forward import AttentionCall
+from ..eager import outside_compile
+from ..runtime.forward import AttentionCall, run_fp8_forward
 from ..runtime.indices import check_captured_indices
 from ..runtime.options import parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from .checks import check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad
 from .quantize import FP8Inputs, quantize
-from .runtime import run_fp8_forward
 
 
 def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
@@ -59,14 +58,14 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     return_lse = check_bool("return_lse", return_lse)
     check_fp8_inputs(x, enable_gqa)
     check_fp8_device(x.q.device)
-    scale = _check_scale(scale, x.head_dim)
+    scale = check_scale(scale, x.head_dim)
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
-    _check_block_mask(block_mask, x.q, x.k)
+    check_block_mask(block_mask, x.q, x.k)
     check_tables(block_mask, x.q.shape[2], x.k.shape[2])
     score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
-    _check_buffers(score, "score_mod", x.q.device)
-    _check_buffers(mask, "mask_mod", x.q.device)
+    check_buffers(score, "score_mod", x.q.device)
+    check_buffers(mask, "mask_mod", x.q.device)
     check_captured_indices(score, mask, x.q.shape, x.k.shape[2], x.q.device)
     check_no_grad((), score.buffers if score is not None else ())
     call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),

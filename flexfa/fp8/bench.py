@@ -1,10 +1,10 @@
 """``python -m flexfa.fp8.bench``: the FP8 forward beside flexfa's bf16 forward, in one process.
 
 Per case (variant, S, D): flexfa bf16 forward, the FP8 kernel on pre-quantized inputs
-("fp8", what FlashAttention-3 reports, with pointer loads, ``FLEXFA_FP8_TMA=0``; "fp8-tma":
-the same with tiles loaded through tensor descriptors, ``FLEXFA_FP8_TMA=1``; "fp8-tma-exp16":
-that with P's exp2 in float16, ``FLEXFA_FP8_EXP16=1``), and quantize +
-kernel ("fp8+quant", what ``flex_attention_fp8`` on bf16 inputs costs, default load path). Times are medians of ``triton.testing.do_bench``;
+("fp8", what FlashAttention-3 reports, with pointer loads, kernel_options ``USE_TMA=False``;
+"fp8-tma": the same with tiles loaded through tensor descriptors, ``USE_TMA=True``), and
+quantize + kernel ("fp8+quant", what ``flex_attention_fp8`` on bf16 inputs costs, default load
+path). Times are medians of ``triton.testing.do_bench``;
 FLOPs are 4*B*H*L*S*D times the mask's block density. Each row also has the relative L2 error
 of the FP8 output against the bf16 one. ``run_fp8(args)`` returns the rows for the main
 benchmark (``flexfa/bench.py``) to merge; this module also writes ``fp8_results.json``.
@@ -16,20 +16,9 @@ import json
 import os
 import sys
 
+from .. import config
+
 FP8_VARIANTS = ("full", "causal", "alibi", "softcap", "document")
-
-
-def _with_env(name: str, value: str, fn):
-    """``fn()`` with the environment variable ``name`` set to ``value`` for the call."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, options=None):
@@ -43,24 +32,21 @@ def _case_rows(name, S, D, B, H, q, k, v, score_mod, block_mask, density, rep, o
 
     x = quantize(q, k, v)
 
-    def fp8():
+    def fp8(use_tma: bool):
         return flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask,
-                                  kernel_options=options)
+                                  kernel_options={**(options or {}), "USE_TMA": use_tma})
 
     impls = {
         "flexfa-bf16": lambda: flexfa.flex_attention(q, k, v, score_mod=score_mod,
                                                      block_mask=block_mask),
         # the FP8 kernel with pointer loads
-        "flexfa-fp8": lambda: _with_env("FLEXFA_FP8_TMA", "0", fp8),
+        "flexfa-fp8": lambda: fp8(False),
         # what flex_attention_fp8 on bf16 tensors costs, with the default load path
         "flexfa-fp8+quant": lambda: flex_attention_fp8(q, k, v, score_mod=score_mod,
                                                        block_mask=block_mask,
                                                        kernel_options=options),
         # the FP8 kernel with tensor-descriptor (TMA) loads
-        "flexfa-fp8-tma": lambda: _with_env("FLEXFA_FP8_TMA", "1", fp8),
-        # the same with P's exp2 in float16, two per instruction
-        "flexfa-fp8-tma-exp16": lambda: _with_env(
-            "FLEXFA_FP8_TMA", "1", lambda: _with_env("FLEXFA_FP8_EXP16", "1", fp8)),
+        "flexfa-fp8-tma": lambda: fp8(True),
     }
     outs, rows = {}, []
     for label, fn in impls.items():
@@ -93,7 +79,7 @@ def run_fp8(args) -> list[dict]:
     import torch
 
     import flexfa
-    from flexfa.bench import _variants
+    from flexfa.bench_cases import bench_variants
 
     torch.manual_seed(0)
     options = json.loads(getattr(args, "kernel_options", "") or "null")
@@ -104,7 +90,7 @@ def run_fp8(args) -> list[dict]:
                 B, H = max(1, args.tokens // S), args.heads
                 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
-                variants = _variants(S, H, "cuda")
+                variants = bench_variants(S, H, "cuda")
                 for name in args.variants.split(","):
                     score_mod, mask_mod = variants[name]
                     block_mask = (flexfa.create_block_mask(mask_mod, B, None, S, S, device="cuda")
@@ -141,17 +127,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
     parser.add_argument("--kernel-options", default="",
                         help='FP8 kernel_options as JSON, e.g. \'{"BLOCK_N": 128, "num_stages": 2}\'')
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=config.environment("OUT", "."))
     args = parser.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         print("the FP8 benchmark needs a CUDA GPU (compute capability >= 8.9)", file=sys.stderr)
         return 2
-    from flexfa.bench import _versions
+    from flexfa.bench_cases import versions
     rows = run_fp8(args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fp8_results.json"), "w") as f:
-        json.dump({"meta": _versions(), "rows": rows}, f, indent=1)
+        json.dump({"meta": versions(), "rows": rows}, f, indent=1)
     print_table(rows)
     return 0
 

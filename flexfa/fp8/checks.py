@@ -5,9 +5,9 @@ import numbers
 
 import torch
 
-from ..api import _check_shapes
+from ..inputs import check_shapes
 from ..errors import FlexFAError, InputError, InputTypeError, check_bool
-from .quantize import FP8_DTYPE, FP8Inputs
+from .inputs import FP8_DTYPE, FP8Inputs
 
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have e4m3 tensor cores
@@ -52,7 +52,7 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
                              f"{tuple(tensor.shape)}")
         if tensor.device != q.device:
             raise InputError(f"{name} is on {tensor.device} but query is on {q.device}")
-    _check_shapes(q, k, v, enable_gqa=True)
+    check_shapes(q, k, v, enable_gqa=True)
     for name, flag in (("rotate", rotate), ("per_tensor", per_tensor), ("fused", fused)):
         if not (name == "fused" and flag is None):
             check_bool(name, flag)
@@ -75,7 +75,7 @@ def check_mixed(query, key, value) -> bool:
     return bool(fp8)
 
 
-def _check_scale(name: str, scale, want: tuple[int, ...], device) -> None:
+def check_scale(name: str, scale, want: tuple[int, ...], device) -> None:
     if not isinstance(scale, torch.Tensor):
         raise InputTypeError(f"{name} must be a float32 tensor, got {type(scale).__name__}")
     if tuple(scale.shape) != want:
@@ -102,15 +102,15 @@ def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
                 "torch.float8_e4m3fn only (e5m2 and other FP8 formats are not supported)")
         if tensor.device != x.q.device:
             raise InputError(f"FP8Inputs.{name[0]} is on {tensor.device} but q is on {x.q.device}")
-    _check_shapes(x.q, x.k, x.v, enable_gqa)
+    check_shapes(x.q, x.k, x.v, enable_gqa)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise InputTypeError(f"FP8Inputs.dtype (the output dtype) must be bfloat16 or float16, "
                              f"got {x.dtype}")
     B, Hq, L, _ = x.q.shape
     Hkv, S = x.k.shape[1], x.k.shape[2]
-    _check_scale("q_scale", x.q_scale, (B, Hq, -(-L // block_q)), x.q.device)
+    check_scale("q_scale", x.q_scale, (B, Hq, -(-L // block_q)), x.q.device)
     for name in ("k_scale", "v_scale"):
-        _check_scale(name, getattr(x, name), (B, Hkv, -(-S // block_kv)), x.q.device)
+        check_scale(name, getattr(x, name), (B, Hkv, -(-S // block_kv)), x.q.device)
 
 
 def check_fp8_device(device: torch.device) -> None:

@@ -8,52 +8,13 @@ V is stored with the sequence dim contiguous (a transposed layout seen through a
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .hadamard import padded_dim, random_signs, signed_hadamard
 from .hadamard import rotate as hadamard_rotate
-from .hadamard import unrotate as hadamard_unrotate
+from .inputs import E4M3_MAX, FP8_DTYPE, FP8Inputs, expand_scales
 
-FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8Inputs:
-    """Q, K, V in float8_e4m3fn with their float32 descales, as ``quantize`` returns them."""
-
-    q: torch.Tensor  # [B, Hq, L, Ep] (Ep: head dim, padded to a power of two when rotated)
-    k: torch.Tensor  # [B, Hkv, S, Ep]
-    v: torch.Tensor  # [B, Hkv, S, Ev], stride 1 along S
-    q_scale: torch.Tensor  # [B, Hq, ceil(L / block_q)] float32
-    k_scale: torch.Tensor  # [B, Hkv, ceil(S / block_kv)] float32
-    v_scale: torch.Tensor  # [B, Hkv, ceil(S / block_kv)] float32
-    block_q: int
-    block_kv: int
-    head_dim: int  # E before padding: the default softmax scale is 1/sqrt(head_dim)
-    dtype: torch.dtype  # dtype of the original inputs, and of the attention output
-    signs: torch.Tensor | None = None  # the rotation's +-1 signs (None: not rotated)
-    # every descale is > 0, as ``quantize`` writes them (amax / 448, or 1 for an all-zero
-    # block): without a score_mod the kernel then scales q.k inside exp2's FMA (2-3% faster
-    # on the H200). False (the default for inputs built by hand) keeps a separate multiply,
-    # exact for descales of any sign. Replacing the scales of quantize's output by others
-    # that are not all > 0 needs ``positive_scales=False`` too.
-    positive_scales: bool = False
-
-    def dequantize(self, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """float32 (q, k, v): descaled, and with ``unrotate`` back in the original basis with
-        the padding removed; without it, q and k stay rotated and padded, the basis the kernel
-        computes q.k in (quantization error leaks into padded channels, so only there is
-        q.k exactly the kernel's)."""
-        q = _descale(self.q, self.q_scale, self.block_q)
-        k = _descale(self.k, self.k_scale, self.block_kv)
-        v = _descale(self.v, self.v_scale, self.block_kv)
-        if self.signs is not None and unrotate:
-            q, k = (hadamard_unrotate(x, self.signs, self.head_dim) for x in (q, k))
-        return q, k, v
-
+__all__ = ["E4M3_MAX", "FP8_DTYPE", "FP8Inputs", "output_dtype", "quantize"]
 
 def output_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """The attention output's dtype: the inputs' for bf16/fp16, else bf16."""
@@ -73,18 +34,9 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
 
 
-def _expand(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:
-    """Per-block scales ``[B, H, nb]`` -> per-row ``[B, H, rows, 1]``."""
-    return scale.repeat_interleave(block, dim=-1)[..., :rows, None]
-
-
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    scaled = x.float() / _expand(scale, block, x.shape[2])
+    scaled = x.float() / expand_scales(scale, block, x.shape[2])
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
-
-
-def _descale(x8: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    return x8.float() * _expand(scale, block, x8.shape[2])
 
 
 def _seq_contiguous_storage(v: torch.Tensor) -> torch.Tensor:
@@ -132,7 +84,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size=128,
 
 
 def _quantize_fused(q, k, v, block_q, block_kv, signs, seed) -> FP8Inputs:
-    from .runtime import quantize_rows
+    from ..runtime.families.fp8 import quantize_rows
     width = q.shape[-1] if signs is None else signs.shape[0]
     rotation = None if signs is None else signed_hadamard(width, seed, q.device)
     q8, k8 = (torch.empty(*x.shape[:3], width, dtype=FP8_DTYPE, device=x.device) for x in (q, k))

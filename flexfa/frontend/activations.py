@@ -18,7 +18,7 @@ import numbers
 
 from . import ir
 from .ir import DType, Node, Op
-from .proxy import Proxy, _find_tracer, _lift, result
+from .proxy import Proxy, find_tracer, lift, result
 
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -216,7 +216,7 @@ def _handler(build, name: str):
     """A handler for ``name(input, *params, inplace=False)``: ``build`` on the input's node;
     the result is typed as torch types it (a float16 input is rounded once, at the end)."""
     def apply(input, *params, inplace=False, **options):
-        tracer = _find_tracer(input)
+        tracer = find_tracer(input)
         if inplace:
             raise tracer.error(f"{name}(..., inplace=True) modifies its input; mods must be "
                                "pure: use inplace=False")
@@ -226,7 +226,7 @@ def _handler(build, name: str):
                                    f"documented string), got {type(value).__name__} "
                                    f"{value!r:.40}")
         try:
-            node = build(_lift(input, tracer), *params, **options)
+            node = build(lift(input, tracer), *params, **options)
         except ValueError as exc:
             raise tracer.error(str(exc)) from None
         return result(tracer, node, (input,))
@@ -235,8 +235,8 @@ def _handler(build, name: str):
 
 def _binary_handler(build):
     def apply(input, other):
-        tracer = _find_tracer(input, other)
-        return result(tracer, build(_lift(input, tracer), _lift(other, tracer)), (input, other))
+        tracer = find_tracer(input, other)
+        return result(tracer, build(lift(input, tracer), lift(other, tracer)), (input, other))
     return apply
 
 

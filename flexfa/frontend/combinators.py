@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputTypeError
-from .trace import MASK_MOD, _name, mod_kind
+from .trace import MASK_MOD, mod_kind, mod_name
 
 
 def noop_mask(b, h, q_idx, kv_idx):
@@ -36,7 +36,7 @@ def _combine(combinator: str, mask_mods: tuple, start: bool, combine):
         kind = mod_kind(mod)
         if kind != MASK_MOD:
             raise InputTypeError(
-                f"{combinator}: argument {position} ({_name(mod)}) is a {kind}; only mask_mods "
+                f"{combinator}: argument {position} ({mod_name(mod)}) is a {kind}; only mask_mods "
                 "(b, h, q_idx, kv_idx) -> bool can be combined")
 
     def combined(b, h, q_idx, kv_idx):
@@ -45,7 +45,7 @@ def _combine(combinator: str, mask_mods: tuple, start: bool, combine):
             result = combine(result, mod(b, h, q_idx, kv_idx))
         return result
 
-    name = f"{combinator}({', '.join(_name(m) for m in mask_mods)})"
+    name = f"{combinator}({', '.join(mod_name(m) for m in mask_mods)})"
     combined.__name__ = combined.__qualname__ = name
     combined.__doc__ = f"The mask_mod {name}."
     return combined

@@ -27,7 +27,7 @@ __all__ = ["Proxy", "TORCH_FUNCTIONS", "convert", "reduction_error", "result",
            "supported_functions"]
 
 
-_SETITEM_MESSAGE = ("assignment into the captured tensor of shape {shape} is not allowed in a "
+SETITEM_MESSAGE = ("assignment into the captured tensor of shape {shape} is not allowed in a "
                     "mod: mods must be pure; compute a new value instead (e.g. torch.where)")
 
 
@@ -35,7 +35,7 @@ _SETITEM_MESSAGE = ("assignment into the captured tensor of shape {shape} is not
 _APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
 
 
-class _Tracer:
+class Tracer:
     """State of one trace: the mod's name and the captured tensors seen so far.
 
     Created by the function that calls the mod; that frame bounds the stack walk of
@@ -91,7 +91,7 @@ def _apply_frames(frame, stop) -> tuple[list, bool]:
 _FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _buffer_dtype(tracer: _Tracer, tensor: torch.Tensor) -> DType:
+def _buffer_dtype(tracer: Tracer, tensor: torch.Tensor) -> DType:
     if tensor.dtype is torch.bool:
         return DType.BOOL
     if tensor.dtype in _FLOAT_TORCH:
@@ -109,7 +109,7 @@ class Proxy:
 
     __slots__ = ("node", "tracer", "storage")
 
-    def __init__(self, node: Node, tracer: _Tracer, storage: torch.dtype | None = None):
+    def __init__(self, node: Node, tracer: Tracer, storage: torch.dtype | None = None):
         assert storage is None or storage in _NARROW_NAMES, storage
         tracer.check_frames()
         self.node = node
@@ -185,7 +185,7 @@ class Proxy:
             raise self.tracer.error(
                 f"new_full/new_ones/new_zeros with size {tuple(size)}: a mod computes one "
                 "scalar per (b, h, q_idx, kv_idx); use size ()")
-        return convert(self.tracer, _lift(fill_value, self.tracer), dtype or self.dtype)
+        return convert(self.tracer, lift(fill_value, self.tracer), dtype or self.dtype)
 
     def new_ones(self, *size, dtype=None, **kwargs):
         size = kwargs.pop("size", size[0] if len(size) == 1 else size)
@@ -231,7 +231,7 @@ _TYPE_NAMES = {f"torch.{name}Tensor": dtype for name, dtype in (
     ("Short", torch.int16), ("Char", torch.int8), ("Byte", torch.uint8), ("Bool", torch.bool))}
 
 
-def convert(tracer: _Tracer, node: Node, dtype) -> Proxy:
+def convert(tracer: Tracer, node: Node, dtype) -> Proxy:
     """``node`` cast to the torch dtype ``dtype`` as torch does it: float16/bfloat16 round to
     nearest even, int8/uint8/int16/int32 wrap (a float is truncated first, see
     ``evaluate.narrow``), bool is ``!= 0``; float32/float64/int64 only change the IR dtype."""
@@ -249,7 +249,7 @@ def convert(tracer: _Tracer, node: Node, dtype) -> Proxy:
         UnsupportedOpError)
 
 
-def result(tracer: _Tracer, node: Node, operands, rebuild=None) -> Proxy:
+def result(tracer: Tracer, node: Node, operands, rebuild=None) -> Proxy:
     """The proxy of an op's result ``node`` computed from ``operands`` (proxies, numbers,
     captured tensors), rounded or wrapped where torch's result dtype is narrow.
 
@@ -263,7 +263,7 @@ def result(tracer: _Tracer, node: Node, operands, rebuild=None) -> Proxy:
         return Proxy(node, tracer)
     name = _NARROW_NAMES[storage]
     if rebuild is not None and node.dtype is DType.FLOAT:
-        nodes = [_lift(v, tracer) for v in operands]
+        nodes = [lift(v, tracer) for v in operands]
         lower = [isinstance(v, (Proxy, torch.Tensor)) and n.dtype is DType.INT
                  for v, n in zip(operands, nodes)]
         if any(lower):
@@ -289,7 +289,7 @@ def _kind(dtype: torch.dtype) -> DType | None:
     return DType.FLOAT if dtype.is_floating_point else DType.INT
 
 
-def _lift(value, tracer: _Tracer) -> Node:
+def lift(value, tracer: Tracer) -> Node:
     """Turn an operand (proxy, Python number, 0-d captured tensor) into a node."""
     if isinstance(value, Proxy):
         return value.node
@@ -308,31 +308,31 @@ def _lift(value, tracer: _Tracer) -> Node:
             value_dims = value.dim()
             return _finish_load(tracer, value, tuple(ir.const(0) for _ in range(value_dims)))
         return _finish_load(tracer, value, ())
-    if isinstance(value, _BufferView):
+    if isinstance(value, BufferView):
         raise value.row_error("a partially indexed captured tensor was used as a value")
     raise tracer.error(f"cannot use a value of type {type(value).__name__} ({value!r:.60}) in a mod",
                        UnsupportedOpError)
 
 
-def _finish_load(tracer: _Tracer, tensor: torch.Tensor, indices: tuple[Node, ...]) -> Node:
+def _finish_load(tracer: Tracer, tensor: torch.Tensor, indices: tuple[Node, ...]) -> Node:
     dtype = _buffer_dtype(tracer, tensor)
     return ir.load(tracer.slot(tensor), indices, dtype)
 
 
-def _find_tracer(*values) -> _Tracer:
+def find_tracer(*values) -> Tracer:
     for v in values:
-        if isinstance(v, (Proxy, _BufferView)):
+        if isinstance(v, (Proxy, BufferView)):
             return v.tracer
         if isinstance(v, (tuple, list)):
             for w in v:
-                if isinstance(w, (Proxy, _BufferView)):
+                if isinstance(w, (Proxy, BufferView)):
                     return w.tracer
     raise AssertionError("no proxy among the operands")
 
 
 # ---- captured-tensor indexing --------------------------------------------------------------
 
-class _BufferView:
+class BufferView:
     """A captured tensor indexed along its first dimensions (``table[b]`` before ``[h]``)."""
 
     __slots__ = ("tensor", "indices", "tracer")
@@ -341,13 +341,13 @@ class _BufferView:
         self.tensor, self.indices, self.tracer = tensor, indices, tracer
 
     def __getitem__(self, index):
-        return _index_buffer(self.tracer, self.tensor, self.indices, index)
+        return index_buffer(self.tracer, self.tensor, self.indices, index)
 
     def __bool__(self):
         raise self.tracer.error("a partially indexed captured tensor has no truth value")
 
     def __setitem__(self, index, value):
-        raise self.tracer.error(_SETITEM_MESSAGE.format(shape=tuple(self.tensor.shape)))
+        raise self.tracer.error(SETITEM_MESSAGE.format(shape=tuple(self.tensor.shape)))
 
     def row_error(self, what: str) -> TraceError:
         """The error for using this row (not one element) as a value, in ``what``."""
@@ -370,11 +370,11 @@ class _BufferView:
             return _dispatch(func, args, kwargs)
         operands = [*args, *(kwargs or {}).values()]
         view = next(a for v in operands for a in (v if isinstance(v, (tuple, list)) else (v,))
-                    if isinstance(a, _BufferView))
+                    if isinstance(a, BufferView))
         raise view.row_error(f"{func_name(func)} applied to a partially indexed captured tensor")
 
 
-def _index_buffer(tracer: _Tracer, tensor: torch.Tensor, done: tuple[Node, ...], index):
+def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], index):
     items = index if isinstance(index, tuple) else (index,)
     nodes = list(done)
     for item in items:
@@ -384,7 +384,7 @@ def _index_buffer(tracer: _Tracer, tensor: torch.Tensor, done: tuple[Node, ...],
                 "dimension with an integer expression (e.g. bias[h, q_idx - kv_idx])",
                 UnsupportedOpError)
         if isinstance(item, torch.Tensor) and item.numel() == 1 and not item.dtype.is_floating_point:
-            item = _lift(item, tracer)  # a captured 0-d int tensor used as an index
+            item = lift(item, tracer)  # a captured 0-d int tensor used as an index
             item = Proxy(item, tracer)
         if isinstance(item, Proxy):
             if item.node.dtype is DType.FLOAT:
@@ -402,16 +402,16 @@ def _index_buffer(tracer: _Tracer, tensor: torch.Tensor, done: tuple[Node, ...],
         raise tracer.error(
             f"captured tensor of shape {tuple(tensor.shape)} indexed with {len(nodes)} indices")
     if len(nodes) < tensor.dim():
-        return _BufferView(tensor, tuple(nodes), tracer)
+        return BufferView(tensor, tuple(nodes), tracer)
     return Proxy(_finish_load(tracer, tensor, tuple(nodes)), tracer)
 
 
 # ---- operators ----------------------------------------------------------------------------
 
-def _binary(op: Op, swap: bool = False):
+def binary_op(op: Op, swap: bool = False):
     def apply(a, b):
-        tracer = _find_tracer(a, b)
-        x, y = _lift(a, tracer), _lift(b, tracer)
+        tracer = find_tracer(a, b)
+        x, y = lift(a, tracer), lift(b, tracer)
         if swap:
             x, y = y, x
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
@@ -422,10 +422,10 @@ def _binary(op: Op, swap: bool = False):
     return apply
 
 
-def _unary(op: Op):
+def unary_op(op: Op):
     def apply(a):
-        tracer = _find_tracer(a)
-        x = _lift(a, tracer)
+        tracer = find_tracer(a)
+        x = lift(a, tracer)
         if op is Op.NEG and x.dtype is DType.BOOL:
             raise tracer.error("unary minus on a bool value; use ~ for logical not")
         if op is Op.NOT and x.dtype is DType.FLOAT:
@@ -434,24 +434,24 @@ def _unary(op: Op):
     return apply
 
 
-_DUNDERS = {
-    "__add__": _binary(Op.ADD), "__radd__": _binary(Op.ADD, swap=True),
-    "__sub__": _binary(Op.SUB), "__rsub__": _binary(Op.SUB, swap=True),
-    "__mul__": _binary(Op.MUL), "__rmul__": _binary(Op.MUL, swap=True),
-    "__truediv__": _binary(Op.DIV), "__rtruediv__": _binary(Op.DIV, swap=True),
-    "__floordiv__": _binary(Op.FLOORDIV), "__rfloordiv__": _binary(Op.FLOORDIV, swap=True),
-    "__mod__": _binary(Op.MOD), "__rmod__": _binary(Op.MOD, swap=True),
-    "__pow__": _binary(Op.POW), "__rpow__": _binary(Op.POW, swap=True),
-    "__lt__": _binary(Op.LT), "__le__": _binary(Op.LE),
-    "__gt__": _binary(Op.LT, swap=True), "__ge__": _binary(Op.LE, swap=True),
-    "__eq__": _binary(Op.EQ), "__ne__": _binary(Op.NE),
-    "__and__": _binary(Op.AND), "__rand__": _binary(Op.AND, swap=True),
-    "__or__": _binary(Op.OR), "__ror__": _binary(Op.OR, swap=True),
-    "__xor__": _binary(Op.XOR), "__rxor__": _binary(Op.XOR, swap=True),
-    "__neg__": _unary(Op.NEG), "__abs__": _unary(Op.ABS), "__invert__": _unary(Op.NOT),
+DUNDERS = {
+    "__add__": binary_op(Op.ADD), "__radd__": binary_op(Op.ADD, swap=True),
+    "__sub__": binary_op(Op.SUB), "__rsub__": binary_op(Op.SUB, swap=True),
+    "__mul__": binary_op(Op.MUL), "__rmul__": binary_op(Op.MUL, swap=True),
+    "__truediv__": binary_op(Op.DIV), "__rtruediv__": binary_op(Op.DIV, swap=True),
+    "__floordiv__": binary_op(Op.FLOORDIV), "__rfloordiv__": binary_op(Op.FLOORDIV, swap=True),
+    "__mod__": binary_op(Op.MOD), "__rmod__": binary_op(Op.MOD, swap=True),
+    "__pow__": binary_op(Op.POW), "__rpow__": binary_op(Op.POW, swap=True),
+    "__lt__": binary_op(Op.LT), "__le__": binary_op(Op.LE),
+    "__gt__": binary_op(Op.LT, swap=True), "__ge__": binary_op(Op.LE, swap=True),
+    "__eq__": binary_op(Op.EQ), "__ne__": binary_op(Op.NE),
+    "__and__": binary_op(Op.AND), "__rand__": binary_op(Op.AND, swap=True),
+    "__or__": binary_op(Op.OR), "__ror__": binary_op(Op.OR, swap=True),
+    "__xor__": binary_op(Op.XOR), "__rxor__": binary_op(Op.XOR, swap=True),
+    "__neg__": unary_op(Op.NEG), "__abs__": unary_op(Op.ABS), "__invert__": unary_op(Op.NOT),
     "__pos__": lambda a: a,
 }
-for _name, _fn in _DUNDERS.items():
+for _name, _fn in DUNDERS.items():
     setattr(Proxy, _name, _fn)
 Proxy.__hash__ = object.__hash__  # __eq__ is traced, identity hashing stays
 
@@ -480,9 +480,9 @@ def _row_operator(name: str):
 
 # arithmetic on a row (means[q_idx] - means[kv_idx]) is refused by name, not by Python's
 # "unsupported operand type(s)"
-for _name in _DUNDERS:
-    setattr(_BufferView, _name, _row_operator(_name))
-_BufferView.__hash__ = object.__hash__
+for _name in DUNDERS:
+    setattr(BufferView, _name, _row_operator(_name))
+BufferView.__hash__ = object.__hash__
 
 
 
@@ -491,7 +491,7 @@ _BufferView.__hash__ = object.__hash__
 def _dispatch(func, args, kwargs):
     handler = TORCH_FUNCTIONS.get(func)
     if handler is None:
-        raise unsupported(_find_tracer(*args, *(kwargs or {}).values()), func)
+        raise unsupported(find_tracer(*args, *(kwargs or {}).values()), func)
     return _call(handler, func, args, kwargs or {})
 
 
@@ -504,6 +504,6 @@ def _call(handler, func, args, kwargs):
         if isinstance(exc, TraceError) or exc.__traceback__.tb_next is not None:
             raise  # raised inside the handler, not by binding its arguments
         detail = str(exc).split("() ", 1)[-1]
-        raise _find_tracer(*args, *kwargs.values()).error(
+        raise find_tracer(*args, *kwargs.values()).error(
             f"{func_name(func)} was called with arguments flexfa does not support ({detail}); "
             "see docs/mods.md for the supported forms", UnsupportedOpError) from None

@@ -12,24 +12,23 @@ import torch
 
 from . import activations, ir
 from .ir import DType, Op
-from .proxy import (_DUNDERS, _SETITEM_MESSAGE, CAST_METHODS, TORCH_FUNCTIONS, Proxy, _binary,
-                    _find_tracer, _index_buffer, _lift, _unary, convert, reduction_error,
-                    result)
+from .proxy import (CAST_METHODS, DUNDERS, SETITEM_MESSAGE, TORCH_FUNCTIONS, Proxy, binary_op,
+                    convert, find_tracer, index_buffer, lift, reduction_error, result, unary_op)
 
 
 def _where(cond, a, b):
-    tracer = _find_tracer(cond, a, b)
-    c = _lift(cond, tracer)
+    tracer = find_tracer(cond, a, b)
+    c = lift(cond, tracer)
     if c.dtype is not DType.BOOL:
         raise tracer.error(f"torch.where needs a bool condition, got {c.dtype.value}")
-    return result(tracer, ir.where(c, _lift(a, tracer), _lift(b, tracer)), (a, b),
+    return result(tracer, ir.where(c, lift(a, tracer), lift(b, tracer)), (a, b),
                   lambda nodes: ir.where(c, *nodes))
 
 
 def _clamp(x, min=None, max=None):
     """torch.clamp: the value of min(max(x, min), max); the gradient goes to x where
     min <= x <= max (bounds included) and to a tensor bound where x is beyond it."""
-    tracer = _find_tracer(x, min, max)
+    tracer = find_tracer(x, min, max)
     if min is None and max is None:
         raise tracer.error("torch.clamp needs min or max (both are None), as in torch")
     sides = [op for op, bound in ((Op.MAX, min), (Op.MIN, max)) if bound is not None]
@@ -46,7 +45,7 @@ def _clamp(x, min=None, max=None):
             stuck = ir.binary(Op.AND, ir.binary(Op.LT, value, low), ir.binary(Op.EQ, low, high))
             node = ir.where(stuck, ir.unary(Op.DETACH, node), node)
         return node
-    return result(tracer, build([_lift(v, tracer) for v in operands]), operands, build)
+    return result(tracer, build([lift(v, tracer) for v in operands]), operands, build)
 
 
 def _max_or_min(op: Op, name: str):
@@ -58,14 +57,14 @@ def _max_or_min(op: Op, name: str):
         elif args or kwargs or isinstance(other, numbers.Integral):
             how = "a dimension"
         else:
-            return _binary(op)(input, other)
-        raise reduction_error(_find_tracer(input, other), f"torch.{name} with {how}")
+            return binary_op(op)(input, other)
+        raise reduction_error(find_tracer(input, other), f"torch.{name} with {how}")
     return apply
 
 
 def _full_like(x, fill_value, *, dtype=None, **kwargs):
-    tracer = _find_tracer(x, fill_value)
-    return convert(tracer, _lift(fill_value, tracer), dtype or x.dtype)
+    tracer = find_tracer(x, fill_value)
+    return convert(tracer, lift(fill_value, tracer), dtype or x.dtype)
 
 
 def _add(sign: int):
@@ -73,24 +72,24 @@ def _add(sign: int):
     def apply(input, other, *, alpha=1):
         op = Op.ADD if sign > 0 else Op.SUB
         if alpha == 1:
-            return _binary(op)(input, other)
+            return binary_op(op)(input, other)
         if isinstance(other, numbers.Number):
-            return _binary(op)(input, other * alpha)
-        return _binary(op)(input, _binary(Op.MUL)(other, alpha))
+            return binary_op(op)(input, other * alpha)
+        return binary_op(op)(input, binary_op(Op.MUL)(other, alpha))
     return apply
 
 
 def _div(input, other, *, rounding_mode=None):
     """torch.div: true division, or with rounding_mode "floor" (``//``) or "trunc"."""
     if rounding_mode is None:
-        return _binary(Op.DIV)(input, other)
+        return binary_op(Op.DIV)(input, other)
     if rounding_mode == "floor":
-        return _binary(Op.FLOORDIV)(input, other)
+        return binary_op(Op.FLOORDIV)(input, other)
     if rounding_mode != "trunc":
-        raise _find_tracer(input, other).error(
+        raise find_tracer(input, other).error(
             f"torch.div rounding_mode must be None, 'floor' or 'trunc', got {rounding_mode!r}")
-    tracer = _find_tracer(input, other)
-    a, b = _lift(input, tracer), _lift(other, tracer)
+    tracer = find_tracer(input, other)
+    a, b = lift(input, tracer), lift(other, tracer)
     if ir.promote(a.dtype, b.dtype) is DType.FLOAT:
         node = activations.truncate(ir.binary(Op.DIV, a, b))
     else:  # floor, plus one where the exact quotient was negative and not whole
@@ -109,15 +108,15 @@ def _detach(x):
 
 
 def _getitem(tensor, index):
-    tracer = _find_tracer(index)
+    tracer = find_tracer(index)
     if not isinstance(tensor, torch.Tensor):
         raise tracer.error(f"cannot index a {type(tensor).__name__} with a traced value")
-    return _index_buffer(tracer, tensor, (), index)
+    return index_buffer(tracer, tensor, (), index)
 
 
 def _setitem(tensor, index, value):
-    tracer = _find_tracer(index, value)
-    raise tracer.error(_SETITEM_MESSAGE.format(shape=tuple(tensor.shape)))
+    tracer = find_tracer(index, value)
+    raise tracer.error(SETITEM_MESSAGE.format(shape=tuple(tensor.shape)))
 
 
 def _cast_method(name):
@@ -159,12 +158,12 @@ def _table() -> dict:
 
     for op, names in unary.items():
         for name in names:
-            add(name, _unary(op))
+            add(name, unary_op(op))
     for op, names in binary.items():
         for name in names:
-            add(name, _binary(op))
+            add(name, binary_op(op))
     for name, op in (("gt", Op.LT), ("greater", Op.LT), ("ge", Op.LE), ("greater_equal", Op.LE)):
-        add(name, _binary(op, swap=True))
+        add(name, binary_op(op, swap=True))
     for name in ("add", "sub", "subtract"):
         add(name, _add(-1 if name.startswith("sub") else 1))
     for name in ("div", "divide"):
@@ -179,7 +178,7 @@ def _table() -> dict:
     add("zeros_like", lambda x, **kw: _full_like(x, 0, **kw))
     add("ones_like", lambda x, **kw: _full_like(x, 1, **kw))
     add("full_like", _full_like)
-    add("square", lambda x: _binary(Op.MUL)(x, x))
+    add("square", lambda x: binary_op(Op.MUL)(x, x))
     add("detach", _detach)
     for name, handler in activations.HANDLERS.items():
         add(name, handler)
@@ -187,7 +186,7 @@ def _table() -> dict:
         table[getattr(torch.Tensor, name)] = _cast_method(name)
     table[torch.Tensor.__getitem__] = _getitem
     table[torch.Tensor.__setitem__] = _setitem
-    for dunder, handler in _DUNDERS.items():
+    for dunder, handler in DUNDERS.items():
         method = getattr(torch.Tensor, dunder, None)
         if method is not None:
             table[method] = handler

@@ -20,7 +20,7 @@ from . import torch_functions  # noqa: F401  (registers the torch-function handl
 from ..memo import OwnedMemo
 from .guards import Guard, guard
 from .ir import DType, Node, Op
-from .proxy import Proxy, _BufferView, _lift, _Tracer, supported_functions
+from .proxy import BufferView, Proxy, Tracer, lift, supported_functions
 from .simplify import simplify
 
 __all__ = ["MASK_MOD", "SCORE_MOD", "TracedMod", "mod_kind", "trace", "supported_functions",
@@ -76,10 +76,10 @@ def mod_kind(fn) -> str:
     try:  # a module's signature is its forward's (__call__ takes *args)
         sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
     except (TypeError, ValueError) as exc:
-        raise TraceError(f"cannot read the signature of mod {_name(fn)!r}: {exc}") from None
+        raise TraceError(f"cannot read the signature of mod {mod_name(fn)!r}: {exc}") from None
     params = list(sig.parameters.values())
     if any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise TraceError(f"mod {_name(fn)!r} takes *args; write score_mod(score, b, h, q_idx, "
+        raise TraceError(f"mod {mod_name(fn)!r} takes *args; write score_mod(score, b, h, q_idx, "
                          "kv_idx) or mask_mod(b, h, q_idx, kv_idx) with named parameters")
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                   and p.default is p.empty]
@@ -89,11 +89,11 @@ def mod_kind(fn) -> str:
     if count == 4:
         return MASK_MOD
     raise TraceError(
-        f"mod {_name(fn)!r} takes {count} required positional arguments; a score_mod takes 5 "
+        f"mod {mod_name(fn)!r} takes {count} required positional arguments; a score_mod takes 5 "
         "(score, b, h, q_idx, kv_idx) and a mask_mod takes 4 (b, h, q_idx, kv_idx)")
 
 
-def _name(fn) -> str:
+def mod_name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
@@ -192,7 +192,7 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
     if expected is None:
         expected = mod_kind(fn)
     if kind != expected:
-        raise TraceError(f"expected a {kind} but {_name(fn)!r} has the arity of a {expected}")
+        raise TraceError(f"expected a {kind} but {mod_name(fn)!r} has the arity of a {expected}")
     traced, reads, raw = _trace_uncached(fn, kind, current)
     entry = TraceEntry(traced, current, reads, raw)
     if _reusable(current, traced):
@@ -213,8 +213,8 @@ def _reusable(current: Guard | None, traced: TracedMod) -> bool:
 def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple[TracedMod, tuple, Node]:
     """(the trace of ``fn``, the (weakref, version) of each captured tensor whose values
     Python read while tracing, the IR before simplification)."""
-    name = _name(fn)
-    tracer = _Tracer(name)
+    name = mod_name(fn)
+    tracer = Tracer(name)
     leaves = {"score": ir.score(), "b": ir.index(Op.B), "h": ir.index(Op.H),
               "q_idx": ir.index(Op.Q_IDX), "kv_idx": ir.index(Op.KV_IDX)}
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
@@ -269,7 +269,7 @@ class _ValueReads(torch.overrides.TorchFunctionMode):
         if self.watched and _function_name(func) not in _METADATA:
             operands = [*args, *kwargs.values()]
             flat = [x for v in operands for x in (v if isinstance(v, (tuple, list)) else (v,))]
-            if not any(isinstance(x, (Proxy, _BufferView)) for x in flat):
+            if not any(isinstance(x, (Proxy, BufferView)) for x in flat):
                 self.read.update(id(x) for x in flat if id(x) in self.watched)
         return func(*args, **kwargs)
 
@@ -285,12 +285,12 @@ def _drop_unused_buffers(root: Node, buffers: tuple) -> tuple[Node, tuple]:
     return root, tuple(buffers[i] for i in used)
 
 
-def _result_node(tracer: _Tracer, result, kind: str) -> Node:
+def _result_node(tracer: Tracer, result, kind: str) -> Node:
     if result is None:
         raise tracer.error("the mod returned None; a score_mod returns the new score, a "
                            "mask_mod returns a bool")
-    if isinstance(result, (Proxy, bool, numbers.Real, torch.Tensor, _BufferView)):
-        node = _lift(result, tracer)
+    if isinstance(result, (Proxy, bool, numbers.Real, torch.Tensor, BufferView)):
+        node = lift(result, tracer)
     else:
         raise tracer.error(f"the mod returned a {type(result).__name__}; expected a traced value")
     if kind == MASK_MOD:

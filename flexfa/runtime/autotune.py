@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 
+from .. import config
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
@@ -48,7 +48,7 @@ _MEMO: dict[str, tuple[int, int, int, int]] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("FLEXFA_AUTOTUNE", "1") != "0"
+    return config.autotune_enabled()
 
 
 def density_class(block_mask) -> str:
@@ -135,12 +135,12 @@ def tune(key: str, configs, time_config: Callable[[tuple], float],
         if known is not None and known in configs:
             return known
         timings = {}
-        for i, config in enumerate(configs):
-            label_ = label(config)
+        for i, candidate in enumerate(configs):
+            label_ = label(candidate)
             print(f"\rflexfa: tuning {key}: {i + 1}/{len(configs)} ({label_})", end="",
                   file=sys.stderr, flush=True)
             try:
-                timings[label_] = time_config(config)
+                timings[label_] = time_config(candidate)
             except Exception as exc:  # too many registers / shared memory: skip the config
                 timings[label_] = f"failed: {type(exc).__name__}"
         good = {name: ms for name, ms in timings.items() if isinstance(ms, float)}

@@ -25,45 +25,27 @@ import threading
 import warnings
 from pathlib import Path
 
-from ..errors import InputError
+from .. import config
 
 log = logging.getLogger("flexfa")
-
-DEFAULT_MAX_BYTES = 256 * 2 ** 20  # about 10,000 kernel sources of 20-40 kB
-DEFAULT_LOCK_TIMEOUT_S = 30.0  # generating a source takes well under a second
 
 _FALLBACK: list[Path] = []  # this process's private temporary cache, created on first need
 _LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
-    """flexfa's disk cache: ``$FLEXFA_CACHE_DIR``, else ``~/.cache/flexfa``."""
-    configured = os.environ.get("FLEXFA_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "flexfa"
-
-
-def _positive_setting(name: str, default: float, kind: type) -> float:
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not value > 0:
-        raise InputError(f"{name}={text!r} is not a positive {kind.__name__} "
-                         f"(default {default!r})")
-    return value
+    """flexfa's disk cache (``flexfa.config``: ``$FLEXFA_CACHE_DIR``, else ~/.cache/flexfa)."""
+    return config.cache_dir()
 
 
 def max_bytes() -> int:
-    """The disk cache's size bound: ``$FLEXFA_CACHE_MAX_BYTES``, else 256 MiB."""
-    return _positive_setting("FLEXFA_CACHE_MAX_BYTES", DEFAULT_MAX_BYTES, int)
+    """The disk cache's size bound (``flexfa.config``: ``$FLEXFA_CACHE_MAX_BYTES``)."""
+    return config.cache_max_bytes()
 
 
 def lock_timeout() -> float:
-    """Seconds to wait for another process's lock on a kernel: ``$FLEXFA_CACHE_LOCK_TIMEOUT``."""
-    return _positive_setting("FLEXFA_CACHE_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S, float)
+    """Seconds to wait for another process's lock on a kernel (``flexfa.config``)."""
+    return config.cache_lock_timeout()
 
 
 def untrusted(info: os.stat_result) -> str | None:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from .. import config
 
 log = logging.getLogger("flexfa")
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("FLEXFA_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+    return config.debug_enabled()
 
 
 def debug(step: str, text: str) -> None:

@@ -1,4 +1,5 @@
-"""Direct launches of compiled Triton kernels, for calls whose signature is already cached.
+"""Launching kernels: ``Step`` is the one launch path of every family; a cached plan's steps
+launch their compiled kernels directly.
 
 Triton's ``JITFunction.run`` binds and specializes every argument on each call; a caller
 whose cache key fixes every specialization (shapes, strides, alignment, dtypes) can keep the
@@ -143,3 +144,37 @@ class TrustedDescriptor(TensorDescriptor):
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of ints (``triton.cdiv`` is a JIT function: slow to call on the host)."""
     return -(-a // b)
+
+
+class Step:
+    """One kernel launch of a plan: the kernel, its grid, constexprs and launch options.
+
+    ``launch(args, device)``: on the CPU through the interpreter; on a GPU, the first launch
+    through Triton (which compiles and checks), then the compiled kernel directly
+    (``launch_direct``): the plan's key fixes every specialization Triton makes."""
+
+    __slots__ = ("kernel", "grid", "constexprs", "options", "direct", "launched")
+
+    def __init__(self, kernel, grid: tuple, constexprs: dict, options: dict):
+        self.kernel, self.grid = kernel, grid
+        self.constexprs, self.options = constexprs, options
+        self.direct: DirectState | None = None
+        self.launched = False  # a first launch ran: descriptors may skip their checks
+
+    def launch(self, args: list, device) -> None:
+        if device.type != "cuda":
+            self.kernel[self.grid](*args, **self.constexprs, **self.options)
+            self.launched = True
+            return
+        if self.direct is not None and device.index == torch.cuda.current_device():
+            launch_direct(self.direct, self.grid, device.index, args)
+            return
+        with torch.cuda.device(device):
+            compiled = self.kernel[self.grid](*args, **self.constexprs, **self.options)
+        self.direct = direct_state(self.kernel, compiled, args, self.constexprs)
+        self.launched = True
+
+    def __repr__(self) -> str:
+        name = getattr(self.kernel, "__name__", None) or getattr(
+            getattr(self.kernel, "fn", None), "__name__", "kernel")
+        return f"Step({name}, grid={self.grid})"

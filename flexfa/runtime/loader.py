@@ -19,18 +19,16 @@ interpreted module is first loaded.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import re
 import sys
 import threading
 import warnings
 from pathlib import Path
 
+from .. import config
 from ..errors import FlexFAError
 
-_ENV_LOCK = threading.Lock()
 INTERPRETER_LOCK = threading.RLock()
 NUMPY_TESTED_BELOW = (2, 3)  # the interpret/test extras pin numpy<2.3
 NUMPY_BREAKS_FROM = (2, 4)  # int() of a 1-element array is an error from here on
@@ -41,19 +39,8 @@ class InterpreterNumpyError(FlexFAError, RuntimeError):
     """The installed numpy cannot run Triton's CPU interpreter."""
 
 
-@contextlib.contextmanager
-def triton_mode(interpret: bool):
-    """Set ``TRITON_INTERPRET`` for the block (Triton reads it when a kernel is decorated)."""
-    with _ENV_LOCK:
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-        try:
-            yield
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
+# Triton reads TRITON_INTERPRET when a kernel is decorated: set for the import only
+triton_mode = config.interpret_mode
 
 
 def load_module(path: str | Path, interpret: bool, module_name: str | None = None):

@@ -1,85 +1,269 @@
-"""``kernel_options``: the validated knobs a caller may set for the generated kernels."""
+"""``kernel_options``: every per-call choice of which kernel runs and how it is tiled.
+
+Keys follow torch's ``FlexKernelOptions`` where torch has one; a key may carry a ``fwd_`` or
+``bwd_`` prefix to apply to one pass only (the prefixed value wins over the bare one).
+Unknown keys and wrong types are an ``InputError`` naming the key. Keys torch documents that
+change nothing in flexfa are accepted and logged once (``HINTS``). The parsed
+``KernelOptions`` is frozen and hashable: it is part of every plan's key, so two calls that
+differ in an option never share a kernel or a plan. ``docs/kernel-options.md`` is the
+reference.
+"""
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import numbers
 
+from .. import config
 from ..errors import InputError, InputTypeError, check_bool
+from ..memo import BoundedMemo
 
-# key -> (KernelOptions field, one-line meaning)
-ALLOWED = {
-    "BLOCK_M": ("block_m", "query rows per tile: a power of two, 16..256"),
-    "BLOCK_N": ("block_n", "key columns per tile: a power of two, 16..256"),
-    "num_warps": ("num_warps", "warps per program: 1, 2, 4, 8 or 16"),
-    "num_stages": ("num_stages", "software-pipelining stages: 1..8"),
-    "maxnreg": ("max_registers", "register cap per thread of the forward kernel (Triton's "
-                "maxnreg): 0 for none, or a multiple of 8 from 64 to 248"),
-    "fp32_precision": ("fp32_precision", "tl.dot precision of fp32 inputs: 'ieee' or 'tf32'"),
-    "deterministic": ("deterministic", "bit-identical gradients across runs (fixed-point "
-                      "atomics for captured-tensor gradients)"),
-}
+log = logging.getLogger("flexfa")
+
+TILES = (16, 32, 64, 128, 256)
+BACKENDS = ("AUTO", "TRITON", "AMPERE", "HOPPER", "TRITON_DECODE", "FLASH")
+# torch's backends that flexfa does not have: accepted, run flexfa's choice, logged once
+FOREIGN_BACKENDS = {"TRITON_DECODE": "flexfa has no separate decode kernel yet",
+                    "FLASH": "flexfa runs its own kernels, not FlashAttention's CuTe ones"}
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptions:
-    """None means: pick a default for the inputs and the target."""
+class PassOptions:
+    """The options of one pass (forward or backward); None: flexfa's choice."""
 
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     max_registers: int | None = None  # 0: no cap
-    fp32_precision: str = "ieee"
+    use_tma: bool | None = None
+    # the backward's two tilings (torch's names): dK/dV walks BLOCK_M1 rows in a program of
+    # BLOCK_N1 keys, dQ walks BLOCK_N2 keys in a program of BLOCK_M2 rows
+    block_m1: int | None = None
+    block_n1: int | None = None
+    block_m2: int | None = None
+    block_n2: int | None = None
+
+    @property
+    def pins_tiles(self) -> bool:
+        return any(v is not None for v in (self.block_m, self.block_n, self.num_warps,
+                                           self.num_stages, self.block_m1, self.block_n1,
+                                           self.block_m2, self.block_n2))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    backend: str = "AUTO"  # a family name (AMPERE, HOPPER) forces that family
     deterministic: bool = False
+    fp32_precision: str = "ieee"
+    split_kv: int | str = 0  # forward: 0 never, n about n splits, "AUTO" by occupancy
+    ds_workspace: bool | None = None  # backward dS workspace: None = where measured faster
+    ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
+    fwd: PassOptions = PassOptions()
+    bwd: PassOptions = PassOptions()
+
+    # the forward's fields, as the forward families read them
+    block_m = property(lambda self: self.fwd.block_m)
+    block_n = property(lambda self: self.fwd.block_n)
+    num_warps = property(lambda self: self.fwd.num_warps)
+    num_stages = property(lambda self: self.fwd.num_stages)
+    max_registers = property(lambda self: self.fwd.max_registers)
 
 
-DEFAULT_OPTIONS = KernelOptions()
+def _int_in(choices, meaning: str):
+    def check(key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InputTypeError(f"kernel_options[{key!r}] must be an int, got "
+                                 f"{type(value).__name__} {value!r}")
+        if int(value) not in choices:
+            raise InputError(f"kernel_options[{key!r}] = {value} is not allowed; {meaning}")
+        return int(value)
+    return check
 
 
-def _int_option(key: str, value, choices) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputTypeError(f"kernel_options[{key!r}] must be an int, got "
+def _flag(key: str, value) -> bool:
+    return check_bool(f"kernel_options[{key!r}]", value)
+
+
+def _auto_flag(key: str, value) -> bool | None:
+    """True, False, or "AUTO" / None for flexfa's choice."""
+    if value is None or (isinstance(value, str) and value.upper() == "AUTO"):
+        return None
+    if not isinstance(value, bool):
+        raise InputTypeError(f"kernel_options[{key!r}] must be True, False or 'AUTO', got "
                              f"{type(value).__name__} {value!r}")
-    if int(value) not in choices:
-        raise InputError(f"kernel_options[{key!r}] = {value} is not allowed; "
-                         f"{ALLOWED[key][1]}")
-    return int(value)
+    return value
 
 
-_CHECKS = {
-    "BLOCK_M": lambda key, v: _int_option(key, v, (16, 32, 64, 128, 256)),
-    "BLOCK_N": lambda key, v: _int_option(key, v, (16, 32, 64, 128, 256)),
-    "num_warps": lambda key, v: _int_option(key, v, (1, 2, 4, 8, 16)),
-    "num_stages": lambda key, v: _int_option(key, v, range(1, 9)),
-    "maxnreg": lambda key, v: _int_option(key, v, (0, *range(64, 249, 8))),
-}
+def _choice(choices):
+    def check(key: str, value) -> str:
+        text = value.upper() if isinstance(value, str) else value
+        if text not in choices:
+            raise InputError(f"kernel_options[{key!r}] must be one of {list(choices)}, got "
+                             f"{value!r}")
+        return text
+    return check
 
 
-def _precision(key, value) -> str:
+def _split_kv(key: str, value) -> int | str:
+    if isinstance(value, str) and value.upper() == "AUTO":
+        return "AUTO"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputTypeError(f"kernel_options[{key!r}] must be an int or 'AUTO', got "
+                             f"{type(value).__name__} {value!r}")
+    return _int_in(range(0, 1025), "0 (never), a number of splits up to 1024, or 'AUTO'")(
+        key, value)
+
+
+def _positive_int(key: str, value) -> int:
+    return _int_in(range(1, 2 ** 62), "a positive number of bytes")(key, value)
+
+
+def _precision(key: str, value) -> str:
     if value not in ("ieee", "tf32"):
         raise InputError(f"kernel_options[{key!r}] must be 'ieee' or 'tf32', got {value!r}")
     return value
 
 
-def _flag(key, value) -> bool:
-    return check_bool(f"kernel_options[{key!r}]", value)
+_TILE = _int_in(TILES, "a power of two, 16..256")
+# key -> (field, passes it may apply to ("fwd", "bwd", or () for the whole call), check, meaning)
+SCHEMA = {
+    "BLOCK_M": ("block_m", ("fwd", "bwd"), _TILE, "forward query tile; bounds the backward's"),
+    "BLOCK_N": ("block_n", ("fwd", "bwd"), _TILE, "forward key tile; bounds the backward's"),
+    "BLOCK_M1": ("block_m1", ("bwd",), _TILE, "backward dK/dV kernel: query rows per step"),
+    "BLOCK_N1": ("block_n1", ("bwd",), _TILE, "backward dK/dV kernel: keys per program"),
+    "BLOCK_M2": ("block_m2", ("bwd",), _TILE, "backward dQ kernel: query rows per program"),
+    "BLOCK_N2": ("block_n2", ("bwd",), _TILE, "backward dQ kernel: keys per step"),
+    "num_warps": ("num_warps", ("fwd", "bwd"), _int_in((1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
+                  "warps per program"),
+    "num_stages": ("num_stages", ("fwd", "bwd"), _int_in(range(1, 9), "1..8"),
+                   "software-pipelining stages"),
+    "maxnreg": ("max_registers", ("fwd",),
+                _int_in((0, *range(64, 249, 8)), "0 for none, or a multiple of 8, 64..248"),
+                "register cap per thread of the forward kernel"),
+    "USE_TMA": ("use_tma", ("fwd", "bwd"), _auto_flag,
+                "tiles through tensor descriptors (TMA, sm_90): True, False or 'AUTO'"),
+    "BACKEND": ("backend", (), _choice(BACKENDS),
+                "AUTO/TRITON (flexfa's choice), AMPERE or HOPPER (force that kernel family)"),
+    "deterministic": ("deterministic", (), _flag,
+                      "bit-identical gradients, captured-tensor gradients included"),
+    "fp32_precision": ("fp32_precision", (), _precision, "fp32 dots: 'ieee' or 'tf32'"),
+    "SPLIT_KV": ("split_kv", (), _split_kv,
+                 "split-KV decoding: 0 (never, default), n splits, or 'AUTO'"),
+    "DS_WORKSPACE": ("ds_workspace", (), _auto_flag,
+                     "backward dQ from a stored dS (memory L x S): True, False or 'AUTO'"),
+    "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
+}
+# torch's documented keys that change nothing here, with the reason logged once
+HINTS = {
+    "PRESCALE_QK": "flexfa folds the scale into the softmax already",
+    "ROWS_GUARANTEED_SAFE": "flexfa's empty-row handling costs nothing to skip",
+    "BLOCKS_ARE_CONTIGUOUS": "flexfa walks the block tables as they are",
+    "WRITE_DQ": "flexfa's captured-tensor gradients are always accumulated in the dQ kernel",
+    "FORCE_USE_FLEX_ATTENTION": "flexfa has no separate decode kernel yet",
+    "kpack": "a ROCm option", "matrix_instr_nonkdim": "a ROCm option",
+    "waves_per_eu": "a ROCm option",
+}
+_LOGGED: set[str] = set()
 
 
-_CHECKS.update(fp32_precision=_precision, deterministic=_flag)
+def _log_once(key: str, why: str) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("flexfa: kernel_options[%r] changes nothing here: %s", key, why)
+
+
+def _split_prefix(key: str) -> tuple[str | None, str]:
+    for prefix in ("fwd", "bwd"):
+        if key.startswith(prefix + "_") and len(key) > 4:
+            return prefix, key[4:]
+    return None, key
+
+
+def _unknown(key) -> InputError:
+    names = [*SCHEMA, *HINTS]
+    names += [f"{p}_{n}" for p in ("fwd", "bwd") for n in names]
+    by_lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1)
+    close = [by_lower[c] for c in close]
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    allowed = "; ".join(f"{k}: {v[3]}" for k, v in SCHEMA.items())
+    return InputError(f"kernel_options has an unknown key {key!r}{hint}; the keys are {allowed}; "
+                      f"torch's {sorted(HINTS)} are accepted and change nothing; BLOCK_*, "
+                      "num_warps, num_stages, maxnreg and USE_TMA take a fwd_ or bwd_ prefix")
+
+
+_PARSED = BoundedMemo(256, "parsed kernel_options")
 
 
 def parse_kernel_options(options) -> KernelOptions:
-    """Validate a ``kernel_options`` dict (None = defaults) into ``KernelOptions``."""
-    if options is None:
-        return DEFAULT_OPTIONS
+    """Validate a ``kernel_options`` dict (None = defaults) into ``KernelOptions``; a dict
+    seen before (same items, same FLEXFA_BACKEND) costs one lookup."""
     if isinstance(options, KernelOptions):
         return options
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
         raise InputTypeError(f"kernel_options must be a dict or None, got "
                              f"{type(options).__name__} {options!r:.60}")
-    unknown = sorted(str(k) for k in options if k not in ALLOWED)
-    if unknown:
-        allowed = "; ".join(f"{k}: {meaning}" for k, (_, meaning) in ALLOWED.items())
-        raise InputError(f"kernel_options has unknown keys {unknown}; allowed keys are {allowed}")
-    values = {ALLOWED[k][0]: _CHECKS[k](k, v) for k, v in options.items()}
-    return KernelOptions(**values)
+    try:
+        # with the values' types: True == 1 and 32 == 32.0 hash alike, and only one is valid
+        memo_key = (config.default_backend(),
+                    frozenset((k, type(v), v) for k, v in options.items()))
+    except TypeError:  # an unhashable value: validated below, not memoized
+        memo_key = None
+    parsed = _PARSED.get(memo_key) if memo_key is not None else None
+    if parsed is None:
+        parsed = _parse(options)
+        if memo_key is not None:
+            _PARSED[memo_key] = parsed
+    return parsed
+
+
+def _parse(options: dict) -> KernelOptions:
+    call: dict = {}
+    passes: dict = {"fwd": {}, "bwd": {}}
+    prefixed: set = set()
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise _unknown(key)
+        prefix, base = _split_prefix(key)
+        if base in HINTS:
+            _log_once(key, HINTS[base])
+            continue
+        if base not in SCHEMA:
+            raise _unknown(key)
+        field, scope, check, _ = SCHEMA[base]
+        if prefix is not None and prefix not in scope:
+            where = "the whole call" if not scope else f"the {scope[0]} pass only"
+            raise InputError(f"kernel_options[{key!r}]: {base} applies to {where}; write "
+                             f"{(scope[0] + '_' + base) if scope else base!r}")
+        checked = check(key, value)
+        if not scope:
+            call[field] = checked
+            continue
+        for name in ((prefix,) if prefix else scope):
+            if prefix or (name, field) not in prefixed:  # a prefixed key wins
+                passes[name][field] = checked
+            if prefix:
+                prefixed.add((name, field))
+    if "backend" in call and call["backend"] in FOREIGN_BACKENDS:
+        _log_once(f"BACKEND={call['backend']}", FOREIGN_BACKENDS[call["backend"]])
+        call["backend"] = "AUTO"
+    if "backend" not in call:
+        call["backend"] = _default_backend()
+    if call["backend"] == "TRITON":
+        call["backend"] = "AUTO"  # every flexfa kernel is a Triton kernel
+    return KernelOptions(fwd=PassOptions(**passes["fwd"]), bwd=PassOptions(**passes["bwd"]),
+                         **call)
+
+
+def _default_backend() -> str:
+    backend = config.default_backend()
+    if backend not in BACKENDS:
+        raise InputError(f"FLEXFA_BACKEND={backend!r} must be one of {list(BACKENDS)}")
+    return "AUTO" if backend in FOREIGN_BACKENDS or backend == "TRITON" else backend
+
+
+DEFAULT_OPTIONS = KernelOptions()

@@ -9,26 +9,33 @@ import flexfa
 from flexfa.codegen.render import render
 from flexfa.frontend.grad import derive
 from flexfa.frontend.trace import SCORE_MOD, trace
-from flexfa.memo import BoundedMemo, MaskedMemo
-from flexfa.runtime import hopper
+from flexfa.runtime import plans, registry
+from flexfa.runtime.families import hopper
+from flexfa.runtime.families.hopper import HOPPER
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.target import INTERPRETER, Target
 
 from kernels.forward_utils import check_forward, make_qkv
+
+FORCED = {"BACKEND": "HOPPER"}  # under the interpreter the family runs only when forced
 
 
 @pytest.fixture
 def hopper_template(monkeypatch):
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
+    """The Hopper family's launches: "first" for a new signature, "run" for a cached one."""
     launched = []
-    for name in ("run_hopper_forward", "run_planned"):  # a new signature, a cached one
-        original = getattr(hopper, name)
+    for name in ("first_call", "run"):
+        original = getattr(HOPPER, name)
 
-        def spy(*args, original=original, **kwargs):
-            result = original(*args, **kwargs)
-            if result is not None:
-                launched.append(True)
-            return result
-        monkeypatch.setattr(hopper, name, spy)
+        def spy(*args, original=original, name=name, **kwargs):
+            launched.append("first" if name == "first_call" else "run")
+            return original(*args, **kwargs)
+        monkeypatch.setattr(HOPPER, name, spy)
     return launched
+
+
+def hopper_plans():
+    return [p for p in plans.PLANS.values() if p.family is HOPPER]
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -61,7 +68,8 @@ def test_hopper_matches_reference(name, hopper_template):
     q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=len(name))
     block_mask = (flexfa.create_block_mask(mask_mod, B, None, L, S, device="cpu")
                   if mask_mod else None)
-    check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv)
+    check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                  kernel_options=FORCED)
     assert hopper_template, "the Hopper template did not run"
 
 
@@ -72,41 +80,30 @@ def test_ragged_last_mask_block_with_sub_tiles(hopper_template):
         return kv_idx >= 0
     q, k, v = make_qkv(2, 2, 2, 192, 192, 32, dtype=torch.float16)
     mask = flexfa.create_block_mask(everything, 2, None, 192, 192, device="cpu")
-    check_forward(q, k, v, None, everything, mask)
-
-
-def test_lazy_rescale_matches_reference(hopper_template, monkeypatch):
-    from flexfa.codegen import hopper as codegen_hopper
-    monkeypatch.setattr(codegen_hopper, "RESCALE_THRESHOLD", 8)
-    monkeypatch.setattr(hopper, "_KERNELS", BoundedMemo(16))
-    monkeypatch.setattr(hopper, "_PLANS", MaskedMemo(16, per_mask=4))
-    q, k, v = make_qkv(1, 2, 2, 232, 232, 32, dtype=torch.float16, seed=5)
-    q = q * 3  # spread the scores so that row maxima move between tiles
-    block_mask = flexfa.create_block_mask(causal, 1, None, 232, 232, device="cpu")
-    check_forward(q, k, v, softcap, causal, block_mask)
+    check_forward(q, k, v, None, everything, mask, kernel_options=FORCED)
 
 
 @pytest.mark.parametrize("template", ["ampere", "hopper"])
 @pytest.mark.parametrize("scale", [0.0, -0.4])
-def test_scale_at_or_below_zero_without_score_mod(template, scale, monkeypatch):
+def test_scale_at_or_below_zero_without_score_mod(template, scale):
     # without a score_mod the kernels take the row max of the raw q.k and fold the scale into
     # exp2's FMA; that needs scale > 0, so a scale <= 0 must take the scores-first path (a
     # masked -inf times 0 would be NaN, and a negative scale would turn the max into a min)
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+    options = {"BACKEND": template.upper()}
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.float16, seed=9)
     mask = flexfa.create_block_mask(causal, 1, None, 100, 100, device="cpu")
-    check_forward(q, k, v, None, causal, mask, scale=scale)
-    check_forward(q, k, v, None, None, None, scale=scale)
+    check_forward(q, k, v, None, causal, mask, scale=scale, kernel_options=options)
+    check_forward(q, k, v, None, None, None, scale=scale, kernel_options=options)
 
 
-def test_hopper_equals_ampere_template(monkeypatch):
+def test_hopper_equals_ampere_template():
     q, k, v = make_qkv(1, 2, 2, 100, 232, 64, dtype=torch.bfloat16, seed=3)
     block_mask = flexfa.create_block_mask(causal, 1, None, 100, 232, device="cpu")
     results = {}
     for template in ("ampere", "hopper"):
-        monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
         results[template] = flexfa.flex_attention(q, k, v, score_mod=softcap,
-                                                  block_mask=block_mask, return_lse=True)
+                                                  block_mask=block_mask, return_lse=True,
+                                                  kernel_options={"BACKEND": template.upper()})
     for a, b in zip(results["ampere"], results["hopper"]):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
 
@@ -116,7 +113,8 @@ def test_empty_rows_give_zero_and_minus_inf(hopper_template):
         return (kv_idx <= q_idx) & (q_idx >= 50)
     q, k, v = make_qkv(1, 1, 1, 100, 100, 32, dtype=torch.float16)
     mask = flexfa.create_block_mask(nothing_before_50, 1, 1, 100, 100, device="cpu")
-    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, return_lse=True)
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, return_lse=True,
+                                     kernel_options=FORCED)
     assert hopper_template
     assert torch.all(out[0, 0, :50] == 0) and torch.all(lse[0, 0, :50] == float("-inf"))
     assert torch.isfinite(out).all() and torch.isfinite(lse[0, 0, 50:]).all()
@@ -124,46 +122,44 @@ def test_empty_rows_give_zero_and_minus_inf(hopper_template):
 
 def test_plan_is_reused_and_new_mask_gets_a_new_plan(hopper_template):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16)
-    hopper._PLANS.clear()
+    plans.PLANS.clear()
     mask = flexfa.create_block_mask(causal, 1, None, 64, 64, device="cpu")
-    first = flexfa.flex_attention(q, k, v, block_mask=mask)
-    assert len(hopper._PLANS) == 1
-    again = flexfa.flex_attention(q, k, v, block_mask=mask)
-    assert len(hopper._PLANS) == 1
+    first = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=FORCED)
+    assert len(hopper_plans()) == 1
+    again = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=FORCED)
+    assert len(hopper_plans()) == 1 and hopper_template == ["first", "run"]
     torch.testing.assert_close(first, again, atol=0, rtol=0)
     other = flexfa.create_block_mask(sliding_40, 1, None, 64, 64, device="cpu")
-    flexfa.flex_attention(q, k, v, block_mask=other)
-    assert len(hopper._PLANS) == 2
+    flexfa.flex_attention(q, k, v, block_mask=other, kernel_options=FORCED)
+    assert len(hopper_plans()) == 2 and hopper_template == ["first", "run", "first"]
 
 
-def test_cached_plan_is_skipped_when_the_template_or_alignment_changes(hopper_template,
-                                                                       monkeypatch):
-    """run_planned (the cached path) launches a plan only for the template setting it was
-    made under and for 16-byte aligned base pointers; otherwise the call takes the template
-    use_hopper picks, with the same result."""
+def test_unaligned_inputs_or_another_backend_take_the_ampere_family(hopper_template):
+    """A plan exists only for the layout (16-byte alignment included) and options it was made
+    for: other options or an unaligned base pointer plan again, on the family that applies,
+    with the same result."""
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16)
-    hopper._PLANS.clear()
-    first = flexfa.flex_attention(q, k, v, score_mod=softcap)
-    assert flexfa.flex_attention(q, k, v, score_mod=softcap) is not None
-    assert len(hopper_template) == 2  # the plan's first launch, then the cached path
-    for setting in ("ampere", "auto"):  # on the CPU "auto" is the Ampere-class template
-        monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", setting)
-        ampere = flexfa.flex_attention(q, k, v, score_mod=softcap)
-        assert len(hopper_template) == 2
+    plans.PLANS.clear()
+    first = flexfa.flex_attention(q, k, v, score_mod=softcap, kernel_options=FORCED)
+    assert flexfa.flex_attention(q, k, v, score_mod=softcap, kernel_options=FORCED) is not None
+    assert hopper_template == ["first", "run"]
+    for options in ({"BACKEND": "AMPERE"}, None):  # on the CPU "AUTO" is the Ampere family
+        ampere = flexfa.flex_attention(q, k, v, score_mod=softcap, kernel_options=options)
+        assert hopper_template == ["first", "run"]
         torch.testing.assert_close(ampere, first, atol=2e-3, rtol=2e-3)
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # 2-byte offset
     shifted.copy_(q)
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
-    assert hopper.run_planned(shifted, k, v, _call(softcap), False) is None
+    with pytest.raises(flexfa.InputError, match="16-byte aligned rows"):
+        flexfa.flex_attention(shifted, k, v, score_mod=softcap, kernel_options=FORCED)
     torch.testing.assert_close(flexfa.flex_attention(shifted, k, v, score_mod=softcap), first,
                                atol=2e-3, rtol=2e-3)
-    assert len(hopper_template) == 2
+    assert hopper_template == ["first", "run"]
 
 
 def test_a_repeated_call_reuses_its_plan_and_sees_new_state(hopper_template):
-    """A repeated call finds its plan under the block mask; a new scale or new
-    kernel_options make new plans; a changed closure value is traced again (the trace's
+    """A repeated call finds its plan under the block mask; a new scale keeps it (an argument),
+    new kernel_options make a new one; a changed closure value is traced again (the trace's
     guard) and its new value is used; a cleared plan table makes a new plan."""
     from flexfa.runtime import cache
 
@@ -175,29 +171,28 @@ def test_a_repeated_call_reuses_its_plan_and_sees_new_state(hopper_template):
     def capped(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
 
-    first = flexfa.flex_attention(q, k, v, capped, mask)
-    (plan,) = hopper._PLANS.values()
-    again = flexfa.flex_attention(q, k, v, capped, mask)
+    first = flexfa.flex_attention(q, k, v, capped, mask, kernel_options=FORCED)
+    (plan,) = hopper_plans()
+    again = flexfa.flex_attention(q, k, v, capped, mask, kernel_options=FORCED)
     torch.testing.assert_close(again, first, atol=0, rtol=0)
-    assert hopper._PLANS.values() == [plan] and len(hopper_template) == 2
-    hopper._PLANS.clear()
-    flexfa.flex_attention(q, k, v, capped, mask)
-    assert len(hopper._PLANS) == 1 and hopper._PLANS.values()[0] is not plan
-    flexfa.flex_attention(q, k, v, capped, mask, scale=0.3)  # same plan: scale is an argument
-    flexfa.flex_attention(q, k, v, capped, mask, kernel_options={"num_stages": 1})
-    assert len(hopper._PLANS) == 2
+    assert hopper_plans() == [plan] and hopper_template == ["first", "run"]
+    plans.PLANS.clear()
+    flexfa.flex_attention(q, k, v, capped, mask, kernel_options=FORCED)
+    assert len(hopper_plans()) == 1 and hopper_plans()[0] is not plan
+    flexfa.flex_attention(q, k, v, capped, mask, scale=0.3, kernel_options=FORCED)
+    assert len(hopper_plans()) == 1
+    flexfa.flex_attention(q, k, v, capped, mask, kernel_options={**FORCED, "num_stages": 1})
+    assert len(hopper_plans()) == 2
     cap = 5.0  # a new closure value: a new trace, a new kernel, the new value used
-    fresh = flexfa.flex_attention(q, k, v, capped, mask)
-    assert len(hopper._PLANS) == 3
-    check_forward(q, k, v, capped, causal, mask)
+    fresh = flexfa.flex_attention(q, k, v, capped, mask, kernel_options=FORCED)
+    assert len(hopper_plans()) == 3
+    check_forward(q, k, v, capped, causal, mask, kernel_options=FORCED)
     assert (fresh - first).abs().max() > 1e-3
 
 
-def _call(score_mod):
-    from flexfa.runtime.forward import AttentionCall
-    from flexfa.runtime.options import DEFAULT_OPTIONS
-    from flexfa.runtime.pipeline import prepare_score_mod
-    return AttentionCall(prepare_score_mod(score_mod), None, None, 32 ** -0.5, DEFAULT_OPTIONS, 1)
+def _call(options=None):
+    from flexfa.runtime.call import AttentionCall
+    return AttentionCall(None, None, None, 32 ** -0.5, parse_kernel_options(options), 1)
 
 
 @pytest.mark.parametrize("make, expected", [
@@ -209,18 +204,27 @@ def _call(score_mod):
     (lambda: torch.randn(1, 2, 64, 256, dtype=torch.bfloat16), False),  # wide heads: Ampere
     (lambda: torch.randn(1, 2, 64, 128, dtype=torch.bfloat16), True),
 ])
-def test_use_hopper_needs_flat_aligned_rows(make, expected, monkeypatch):
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
+def test_hopper_needs_flat_aligned_rows(make, expected):
     t = make()
-    assert hopper.use_hopper(t, t, t) is expected
+    assert hopper.descriptor_layout_ok(t, t, t) is expected
+    assert (HOPPER.why_not(Target("cuda", 9, 0), _call(), t, t, t) is None) is expected
 
 
-def test_use_hopper_is_off_for_cpu_by_default_and_when_forced_off(monkeypatch):
+def test_hopper_is_chosen_on_sm90_only_and_when_forced():
     t = torch.randn(1, 2, 64, 32, dtype=torch.float16)
-    monkeypatch.delenv("FLEXFA_FORWARD_TEMPLATE", raising=False)
-    assert not hopper.use_hopper(t, t, t)
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "ampere")
-    assert not hopper.use_hopper(t, t, t)
+    sm90, sm80, sm100 = Target("cuda", 9, 0), Target("cuda", 8, 0), Target("cuda", 10, 0)
+    assert registry.choose("forward", sm90, _call(), t, t, t) is HOPPER
+    for target in (sm80, sm100, INTERPRETER):
+        assert registry.choose("forward", target, _call(), t, t, t).name == "ampere"
+    assert registry.choose("forward", INTERPRETER, _call(FORCED), t, t, t) is HOPPER
+    assert registry.choose("forward", INTERPRETER, _call({"USE_TMA": True}), t, t, t) is HOPPER
+    assert registry.choose("forward", sm90, _call({"USE_TMA": False}), t, t, t).name == "ampere"
+    assert registry.choose("forward", sm90, _call({"BACKEND": "AMPERE"}), t, t, t).name == \
+        "ampere"
+    with pytest.raises(flexfa.InputError, match="BACKEND='HOPPER'.*sm_90"):
+        registry.choose("forward", sm80, _call(FORCED), t, t, t)
+    with pytest.raises(flexfa.InputError, match="split-KV"):
+        registry.choose("forward", INTERPRETER, _call({**FORCED, "SPLIT_KV": 2}), t, t, t)
 
 
 # ---- fast transcendentals --------------------------------------------------------------------
@@ -287,8 +291,8 @@ def test_sm90_register_cap_reaches_ptxas():
 def test_pinned_register_cap_runs_under_the_interpreter(hopper_template):
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.bfloat16, seed=2)
     mask = flexfa.create_block_mask(causal, 1, None, 100, 100, device="cpu")
-    check_forward(q, k, v, softcap, causal, mask, kernel_options={"maxnreg": 128})
-    (plan,) = [p for p in hopper._PLANS.values() if p.spec.max_registers]
+    check_forward(q, k, v, softcap, causal, mask, kernel_options={**FORCED, "maxnreg": 128})
+    (plan,) = [p for p in hopper_plans() if p.spec.max_registers]
     assert plan.spec.max_registers == 128 and hopper_template
 
 
@@ -298,47 +302,48 @@ def _out_of_shared_memory_above(monkeypatch, max_stages: int, max_block_n: int =
     from triton.runtime.errors import OutOfResources
 
     tried = []
-    original = hopper._launch_plan
+    original = HOPPER.launch
 
     def launch(plan, *args):
         tried.append((plan.spec.block_n, plan.spec.num_stages))
         if plan.spec.num_stages > max_stages or plan.spec.block_n > max_block_n:
             raise OutOfResources(245816, 232448, "shared memory")
         return original(plan, *args)
-    monkeypatch.setattr(hopper, "_launch_plan", launch)
-    monkeypatch.setattr(hopper, "choose_config", lambda *a: (64, 64, 4, 3, 0))
+    monkeypatch.setattr(HOPPER, "launch", launch)
+    monkeypatch.setattr(HOPPER, "choose_config", lambda *a: (64, 64, 4, 3, 0))
     return tried
 
 
 def test_tiles_that_do_not_fit_fall_back_to_fewer_stages(hopper_template, monkeypatch):
     # on the H200 a bias-table score_mod at E = 64 needs 245,816 bytes with 3 stages
     tried = _out_of_shared_memory_above(monkeypatch, max_stages=2)
-    hopper._PLANS.clear()
+    plans.PLANS.clear()
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.bfloat16)
     bias = torch.randn(199)
 
     def relative_bias(score, b, h, q_idx, kv_idx):
         return score + bias[q_idx - kv_idx + 99]
-    check_forward(q, k, v, relative_bias)
+    check_forward(q, k, v, relative_bias, kernel_options=FORCED)
     assert tried[:2] == [(64, 3), (64, 2)]
-    (plan,) = hopper._PLANS.values()
+    (plan,) = hopper_plans()
     assert plan.spec.num_stages == 2
     tried.clear()
-    check_forward(q, k, v, relative_bias)  # the plan that fits is kept: no retry
+    check_forward(q, k, v, relative_bias, kernel_options=FORCED)  # the plan that fits is kept
     assert tried == [(64, 2)]
 
 
 def test_key_tiles_halve_when_no_stage_count_fits(hopper_template, monkeypatch):
     tried = _out_of_shared_memory_above(monkeypatch, max_stages=1, max_block_n=32)
-    hopper._PLANS.clear()
+    plans.PLANS.clear()
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=torch.float16)
-    check_forward(q, k, v, softcap)
+    check_forward(q, k, v, softcap, kernel_options=FORCED)
     assert tried[-1] == (32, 1) and (64, 1) in tried
 
 
 def test_pinned_tiles_that_do_not_fit_are_a_clear_error(hopper_template, monkeypatch):
     _out_of_shared_memory_above(monkeypatch, max_stages=0)
-    hopper._PLANS.clear()
+    plans.PLANS.clear()
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float16)
     with pytest.raises(flexfa.InputError, match="does not fit this GPU.*kernel_options"):
-        flexfa.flex_attention(q, k, v, kernel_options={"num_stages": 3, "BLOCK_N": 64})
+        flexfa.flex_attention(q, k, v, kernel_options={**FORCED, "num_stages": 3,
+                                                       "BLOCK_N": 64})

@@ -10,9 +10,14 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.runtime import autotune, hopper
-from flexfa.runtime.forward import AttentionCall
-from flexfa.runtime.options import KernelOptions
+from flexfa.runtime import autotune
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families import backward, hopper
+from flexfa.runtime.families.hopper import HOPPER
+from flexfa.runtime.options import KernelOptions, PassOptions
+from flexfa.runtime.target import INTERPRETER, Target
+
+SM80, SM90 = Target("cuda", 8, 0), Target("cuda", 9, 0)
 
 CONFIGS = ((128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3))
 
@@ -106,35 +111,34 @@ def _call(options=KernelOptions()):
     return AttentionCall(None, None, None, 0.125, options, 1)
 
 
+def _fwd(**fields) -> KernelOptions:
+    return KernelOptions(fwd=PassOptions(**fields))
+
+
+def _choose(q, call, target):
+    return HOPPER.choose_config(q, q, q, call, target, False, None, None)
+
+
 def test_interpreter_and_pinned_options_never_tune(monkeypatch):
     monkeypatch.setattr(autotune, "tune", lambda *a: pytest.fail("tuned"))
     q = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert hopper.choose_config(q, q, q, _call(), False, "interpret", None, None) == (
-        64, 64, 4, 1, 0)
+    assert _choose(q, _call(), INTERPRETER) == (64, 64, 4, 1, 0)
     big = torch.empty(16, 16, 2048, 128, dtype=torch.bfloat16)  # never touched: no launch
-    pinned = _call(KernelOptions(block_m=64, num_stages=4, max_registers=0))
     default = autotune.HOPPER_CONFIGS[128][0]
-    assert hopper.choose_config(big, big, big, pinned, False, "cuda:90", None, None) == (
-        64, default[1], default[2], 4, 0)
+    pinned = _call(_fwd(block_m=64, num_stages=4, max_registers=0))
+    assert _choose(big, pinned, SM90) == (64, default[1], default[2], 4, 0)
     # pinned tiles drop the default's register cap (it was chosen for the default's tiles)
-    wide = _call(KernelOptions(block_n=128))
-    assert hopper.choose_config(big, big, big, wide, False, "cuda:90", None, None)[1:] == (
-        128, default[2], default[3], 0)
-    capped = _call(KernelOptions(block_n=128, max_registers=168))
-    assert hopper.choose_config(big, big, big, capped, False, "cuda:90", None, None)[4] == 168
-    only_cap = _call(KernelOptions(max_registers=0))
-    assert hopper.choose_config(big, big, big, only_cap, False, "cuda:90", None, None) == (
-        *default[:4], 0)
+    assert _choose(big, _call(_fwd(block_n=128)), SM90)[1:] == (128, default[2], default[3], 0)
+    assert _choose(big, _call(_fwd(block_n=128, max_registers=168)), SM90)[4] == 168
+    assert _choose(big, _call(_fwd(max_registers=0)), SM90) == (*default[:4], 0)
     monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
-    assert hopper.choose_config(big, big, big, _call(), False, "cuda:90", None, None) == (
-        autotune.HOPPER_CONFIGS[128][0])
+    assert _choose(big, _call(), SM90) == autotune.HOPPER_CONFIGS[128][0]
 
 
 def test_small_problems_use_the_default_without_timing(monkeypatch):
     monkeypatch.setattr(autotune, "tune", lambda *a: pytest.fail("tuned"))
     q = torch.empty(1, 2, 256, 64, dtype=torch.float16)
-    assert hopper.choose_config(q, q, q, _call(), False, "cuda:90", None, None) == (
-        autotune.HOPPER_CONFIGS[64][0])
+    assert _choose(q, _call(), SM90) == autotune.HOPPER_CONFIGS[64][0]
 
 
 def test_candidates_fit_small_mask_blocks():
@@ -165,86 +169,63 @@ def test_register_cap_is_a_tuned_field_a_pin_and_a_launch_option():
 
 
 def test_backward_tiles_on_sm90_are_the_measured_ones():
-    from flexfa.runtime.backward import HOPPER_BACKWARD_TILES, default_backward_tiles
-    table = HOPPER_BACKWARD_TILES["cuda:90"]
-    assert default_backward_tiles(128, torch.bfloat16, "cuda:90") == table[128]
-    assert default_backward_tiles(64, torch.float16, "cuda:90") == table[64]
-    assert default_backward_tiles(32, torch.bfloat16, "cuda:90") == table[64]
+    table = backward.HOPPER_BACKWARD_CANDIDATES
+    assert backward.default_tiles(128, torch.bfloat16, SM90) == table[128][0]
+    assert backward.default_tiles(64, torch.float16, SM90) == table[64][0]
+    assert backward.default_tiles(32, torch.bfloat16, SM90) == table[64][0]
     # fp32 and wide heads keep the generic choice
-    assert default_backward_tiles(128, torch.float32, "cuda:90") == default_backward_tiles(
-        128, torch.float32, "cuda:80")
-    assert default_backward_tiles(256, torch.bfloat16, "cuda:90") == default_backward_tiles(
-        256, torch.bfloat16, "cuda:80")
+    assert backward.default_tiles(128, torch.float32, SM90) == backward.default_tiles(
+        128, torch.float32, SM80)
+    assert backward.default_tiles(256, torch.bfloat16, SM90) == backward.default_tiles(
+        256, torch.bfloat16, SM80)
 
 
-def _backward_inputs(E=64):
-    q = torch.randn(1, 2, 128, E, dtype=torch.bfloat16)
-    return q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, 128), q.clone()
+def _backward_inputs(E=64, dtype=torch.bfloat16):
+    q = torch.randn(1, 2, 128, E, dtype=dtype)
+    return backward.Inputs(q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, 128), q.clone(),
+                           None, q.clone(), q.clone(), q.clone(), {})
 
 
-def test_backward_tuning_picks_the_fastest_mode_and_tiles_and_stores_them(tune_dir,
-                                                                         monkeypatch):
+def test_backward_tuning_picks_the_fastest_tiles_and_stores_them(tune_dir, monkeypatch):
     """sm_90 backward tuning (timed launches faked: no GPU here): the fastest candidate wins,
-    is stored with its mode (fused or not), and is reused; fused and two-kernel winners are
-    stored under different keys."""
-    from flexfa.runtime import backward
-
+    is stored, and is reused."""
     monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
-    monkeypatch.setenv("FLEXFA_BACKWARD_FUSED", "1")
-    candidates = [(*tiles, int(fused)) for tiles, fused in
-                  backward.HOPPER_BACKWARD_CANDIDATES[64] if fused]
-    fastest = candidates[0]
+    candidates = list(backward.HOPPER_BACKWARD_CANDIDATES[64])
+    fastest = candidates[1]
     timed = []
 
-    def fake_bench(fn, **kwargs):
-        spec = timed[-1] if timed else None
-        return 1.0 if spec == fastest else 2.0
-    original_spec = backward.backward_spec
-
-    def recording_spec(*args, config=None, **kwargs):
-        timed.append(config)
-        return original_spec(*args, config=config, **kwargs)
-    monkeypatch.setattr(backward, "backward_spec", recording_spec)
-    monkeypatch.setattr(backward.triton.testing, "do_bench", fake_bench)
-    q, k, v, out, lse, do = _backward_inputs()
-    got = backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True,
-                                          "cuda:90")
+    def fake_plan(self, spec, call, x, joint):
+        timed.append((spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2,
+                      spec.num_warps, spec.num_stages))
+        return timed[-1]
+    monkeypatch.setattr(backward.Backward, "make_plan", fake_plan)
+    monkeypatch.setattr(backward.triton.testing, "do_bench",
+                        lambda fn, **kw: 1.0 if timed[-1] == fastest else 2.0)
+    x = _backward_inputs()
+    got = backward.BACKWARD.choose_config(_call(), x, None, True, SM90)
     assert got == fastest and timed == candidates
     stored = json.loads((tune_dir / "autotune.json").read_text())
-    key = "bwd-fused|cuda:90|e64|ev64|bf16|dense|short"
+    key = "bwd|cuda:90|e64|ev64|bf16|dense|short"
     assert stored[key] == list(fastest)
-    assert set(stored["_timings_ms"][key]) == {backward._backward_label(c) for c in candidates}
-    assert "fused 64x128 w8 s2" in stored["_timings_ms"][key]
+    assert set(stored["_timings_ms"][key]) == {backward._label(c) for c in candidates}
     timed.clear()
-    assert backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True,
-                                           "cuda:90") == fastest
+    assert backward.BACKWARD.choose_config(_call(), x, None, True, SM90) == fastest
     assert timed == []  # reused, not timed again
-    # the default: the two kernels only, under another key
-    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED")
-    backward.choose_backward_config(q, k, v, out, lse, do, None, _call(), None, True, "cuda:90")
-    assert timed and all(c[6] == 0 for c in timed)
-    assert "bwd|cuda:90|e64|ev64|bf16|dense|short" in json.loads(
-        (tune_dir / "autotune.json").read_text())
 
 
 def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
-    from flexfa.runtime import backward
-
     monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
     monkeypatch.setattr(autotune, "tune", lambda *a, **kw: pytest.fail("tuned"))
-    monkeypatch.delenv("FLEXFA_BACKWARD_FUSED", raising=False)
-    q, k, v, out, lse, do = _backward_inputs(64)  # three candidates: would tune
 
-    def choose(call=_call(), joint=None, target="cuda:90", tensors=(q, k, v)):
-        return backward.choose_backward_config(*tensors, out, lse, do, None, call, joint, True,
-                                               target)
-    assert len([c for c in backward.HOPPER_BACKWARD_CANDIDATES[64] if not c[1]]) == 3
-    wide = _backward_inputs(128)  # one two-kernel candidate at E = 128: nothing to tune
-    assert backward.choose_backward_config(*wide[:5], wide[5], None, _call(), None, True,
-                                           "cuda:90") is None
-    assert choose(target="cuda:80") is None and choose(target="interpret") is None
-    assert choose(_call(KernelOptions(block_m=32))) is None  # pinned tiles
-    assert choose(tensors=[t.float() for t in (q, k, v)]) is None  # fp32
+    def choose(call=_call(), joint=None, target=SM90, x=_backward_inputs(64)):
+        return backward.BACKWARD.choose_config(call, x, joint, True, target)
+    assert len(backward.HOPPER_BACKWARD_CANDIDATES[64]) == 3
+    # one candidate at E = 128: nothing to tune
+    assert choose(x=_backward_inputs(128)) is None
+    assert choose(target=SM80) is None and choose(target=INTERPRETER) is None
+    assert choose(_call(KernelOptions(bwd=PassOptions(block_m=32)))) is None  # pinned tiles
+    assert choose(_call(KernelOptions(bwd=PassOptions(block_n1=32)))) is None
+    assert choose(x=_backward_inputs(64, torch.float32)) is None  # fp32
 
     class Joint:  # a captured tensor that needs a gradient
         grad_slots = (0,)

@@ -13,7 +13,7 @@ def test_case_rows(monkeypatch):
         rows = bench._case_rows("full", 64, 32, 1, 1, q, k, v, None, None, 1.0, rep=1,
                                 options={"BLOCK_M": 32})
     assert [r["impl"] for r in rows] == ["flexfa-bf16", "flexfa-fp8", "flexfa-fp8+quant",
-                                         "flexfa-fp8-tma", "flexfa-fp8-tma-exp16"]
+                                         "flexfa-fp8-tma"]
     for row in rows:
         assert row["ms"] == 2.0 and row["speedup_vs_bf16"] == 1.0
         assert row["tflops"] == 4 * 64 * 64 * 32 / 2.0 / 1e9

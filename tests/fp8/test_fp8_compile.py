@@ -24,11 +24,3 @@ def test_fp8_variants_are_registered():
     names = [n for n in compile_check.REGISTRY if n.startswith("fwd_fp8")]
     assert "fwd_fp8_d128_causal" in names and len(names) >= 4
 
-
-def test_sm90_exp_f16_uses_packed_half_exp2():
-    result = compile_check.compile_job(
-        "fp8_d128_causal_exp16", 90,
-        fp8_job(128, mask_mod=causal, use_tma=True, exp_f16=True))
-    assert result.ok, result.error
-    assert "ex2.approx.f16x2" in result.ptx
-    assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", result.ptx)

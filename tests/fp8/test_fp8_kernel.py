@@ -131,13 +131,21 @@ def test_ragged_last_mask_block_with_even_tiles():
     check_fp8(q, k, v, None, mods.causal, block_size=64, kernel_options={"BLOCK_N": 32})
 
 
+def _call(options=None, score=None, scale=1.0):
+    from flexfa.runtime.call import AttentionCall
+    from flexfa.runtime.options import parse_kernel_options
+
+    return AttentionCall(score, None, None, scale, parse_kernel_options(options), 1)
+
+
 @pytest.mark.parametrize("name", ["dense", "alibi_causal"])
-def test_tensor_descriptor_loads_match_pointer_loads(monkeypatch, name):
-    """FLEXFA_FP8_TMA=1: the same kernel with Q, K, V^T tiles through tensor descriptors
-    (zero fill past L, S and E instead of masked loads) gives bit-identical results."""
-    from flexfa.fp8 import runtime
-    from flexfa.runtime.forward import AttentionCall
-    from flexfa.runtime.options import DEFAULT_OPTIONS
+def test_tensor_descriptor_loads_match_pointer_loads(name):
+    """kernel_options USE_TMA=True: the same kernel with Q, K, V^T tiles through tensor
+    descriptors (zero fill past L, S and E instead of masked loads) gives bit-identical
+    results."""
+    from flexfa.runtime import plans
+    from flexfa.runtime.families import fp8 as fp8_family
+    from flexfa.runtime.target import INTERPRETER
 
     score_mod, mask_mod = VARIANTS[name]
     q, k, v = _qkv(E=48, seed=9)  # rotated: padded to 64 columns
@@ -145,13 +153,17 @@ def test_tensor_descriptor_loads_match_pointer_loads(monkeypatch, name):
     block_mask = (flexfa.create_block_mask(mask_mod, B, None, L, S, device="cpu", BLOCK_SIZE=64)
                   if mask_mod else None)
     plain = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-    monkeypatch.setenv("FLEXFA_FP8_TMA", "1")
-    call = AttentionCall(None, None, None, 1.0, DEFAULT_OPTIONS, 1)
-    assert runtime.fp8_spec(x, call, False).use_tma
-    tma = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    assert not fp8_family.fp8_spec(x, _call(), INTERPRETER, False).use_tma
+    assert fp8_family.fp8_spec(x, _call({"USE_TMA": True}), INTERPRETER, False).use_tma
+    tma = flex_attention_fp8(x, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                             kernel_options={"USE_TMA": True})
+    ran = {p.spec.use_tma for p in plans.PLANS.values() if p.family is fp8_family.FP8
+           and p.spec.head_dim == 64 and p.spec.has_block_mask == (mask_mod is not None)}
+    assert ran >= {False, True}  # both plans exist: the options are part of the plan key
     assert torch.equal(plain[0], tma[0]) and torch.equal(plain[1], tma[1])
     unaligned = quantize(q[..., :40], k[..., :40], v, rotate=False)  # rows of 40 bytes
-    assert not runtime.fp8_spec(unaligned, call, False).use_tma
+    assert not fp8_family.fp8_spec(unaligned, _call({"USE_TMA": True}), INTERPRETER,
+                                   False).use_tma
 
 
 def test_sub_tiles_past_s_read_descales_inside_the_table():
@@ -200,65 +212,37 @@ def test_random_shapes(L, S, E, group, block_q, block_kv, rotate, causal):
     assert not torch.isnan(out).any()
 
 
-@pytest.mark.parametrize("env, target, expected", [
+@pytest.mark.parametrize("option, target, expected", [
     (None, "interpret", False), (None, "cuda:90", True), (None, "cuda:89", False),
-    ("auto", "cuda:90", True), ("0", "cuda:90", False), ("1", "interpret", True),
-    ("1", "cuda:89", True)])
-def test_tma_loads_are_the_default_on_sm90_only(env, target, expected, monkeypatch):
-    from flexfa.fp8.runtime import tma_requested
+    (None, "cuda:100", False), ("AUTO", "cuda:90", True), (False, "cuda:90", False),
+    (True, "interpret", True), (True, "cuda:89", True)])
+@pytest.mark.parametrize("key", ["USE_TMA", "fwd_USE_TMA"])
+def test_tma_loads_are_the_default_on_sm90_only(option, target, expected, key):
+    from flexfa.runtime.families import fp8 as fp8_family
+    from flexfa.runtime.target import parse_target
 
-    if env is None:
-        monkeypatch.delenv("FLEXFA_FP8_TMA", raising=False)
-    else:
-        monkeypatch.setenv("FLEXFA_FP8_TMA", env)
-    assert tma_requested(target) is expected
-
-
-@pytest.mark.parametrize("name", ["dense", "alibi_causal", "softcap"])
-def test_float16_exp2_of_p_stays_within_fp8_tolerances(monkeypatch, name):
-    """FLEXFA_FP8_EXP16=1: P's exp2 in float16 (ex2.approx.f16x2 on GPUs; exact float16
-    rounding here) before its e4m3 cast: the output keeps the float32 exp2's bounds; lse sums
-    the float16 P, whose argument (up to 8 + P_SHIFT in size) rounds by up to 2**-8, so lse may
-    move by ~3e-3 from the dequantized reference instead of 1e-4."""
-    from flexfa.fp8 import runtime
-    from flexfa.runtime.forward import AttentionCall
-    from flexfa.runtime.options import DEFAULT_OPTIONS
-
-    monkeypatch.setenv("FLEXFA_FP8_EXP16", "1")
-    q, k, v = _qkv(seed=10)
-    call = AttentionCall(None, None, None, 1.0, DEFAULT_OPTIONS, 1)
-    assert runtime.fp8_spec(quantize(q, k, v), call, False).exp_f16
-    score_mod, mask_mod = VARIANTS[name]
-    check_fp8(q, k, v, score_mod, mask_mod, lse_dq_error=3e-3)
+    x = quantize(*_qkv(L=64, S=64))
+    assert fp8_family.tma_layout_ok(x)
+    options = None if option is None else {key: option}
+    assert fp8_family.use_tma(_call(options), parse_target(target), x) is expected
 
 
-def test_bad_exp16_setting_is_named(monkeypatch):
-    from flexfa.errors import InputError
-    from flexfa.fp8 import runtime
-
-    monkeypatch.setenv("FLEXFA_FP8_EXP16", "on")
-    with pytest.raises(InputError, match="FLEXFA_FP8_EXP16 must be auto, 0 or 1, got 'on'"):
-        runtime.exp_f16_requested("cuda:90")
-
-
-def test_sm90_default_tiles_fit_three_programs_per_sm_and_pins_override_the_cap(monkeypatch):
+def test_sm90_default_tiles_fit_three_programs_per_sm_and_pins_override_the_cap():
     """E = 128 with tensor descriptors on sm_90: 64 x 128 tiles, 4 warps, 2 stages, 168
     registers (three programs per SM); tiles pinned through kernel_options drop the default
     cap, a pinned maxnreg wins. Specs only: nothing is launched."""
-    from flexfa.fp8 import runtime
-    from flexfa.runtime.forward import AttentionCall
-    from flexfa.runtime.options import parse_kernel_options
+    from flexfa.runtime.families import fp8 as fp8_family
+    from flexfa.runtime.target import Target
 
-    assert runtime.default_fp8_tiles(128, "cuda:90", use_tma=True) == (64, 128, 4, 2, 168)
-    assert runtime.default_fp8_tiles(128, "cuda:90", use_tma=False)[4] == 0
-    assert runtime.default_fp8_tiles(64, "cuda:90", use_tma=True)[4] == 0
-    monkeypatch.setattr(runtime, "target_of", lambda device: "cuda:90")
-    monkeypatch.setattr(runtime, "tma_requested", lambda target: True)
+    sm90 = Target("cuda", 9, 0)
+    assert fp8_family.default_tiles(128, sm90, use_tma=True) == (64, 128, 4, 2, 168)
+    assert fp8_family.default_tiles(128, sm90, use_tma=False)[4] == 0
+    assert fp8_family.default_tiles(64, sm90, use_tma=True)[4] == 0
     x = quantize(*_qkv(E=128, L=256, S=256))
+    assert fp8_family.tma_layout_ok(x)
 
     def spec(options):
-        call = AttentionCall(None, None, None, 1.0, parse_kernel_options(options), 1)
-        return runtime.fp8_spec(x, call, False)
+        return fp8_family.fp8_spec(x, _call(options), sm90, False)
     default = spec(None)
     assert (default.block_m, default.block_n, default.num_warps, default.num_stages,
             default.max_registers) == (64, 128, 4, 2, 168)
@@ -266,6 +250,7 @@ def test_sm90_default_tiles_fit_three_programs_per_sm_and_pins_override_the_cap(
     assert spec({"num_warps": 8}).max_registers == 0
     assert spec({"BLOCK_M": 128, "maxnreg": 200}).max_registers == 200
     assert spec({"maxnreg": 0}).max_registers == 0
+    assert spec({"USE_TMA": False}).max_registers == 0  # pointer loads: no cap
 
 
 def test_scale_fold_needs_positive_descales_a_positive_scale_and_no_score_mod():
@@ -274,18 +259,17 @@ def test_scale_fold_needs_positive_descales_a_positive_scale_and_no_score_mod():
     hand (positive_scales False) keep the separate multiply."""
     import dataclasses
 
-    from flexfa.fp8 import runtime
-    from flexfa.runtime.forward import AttentionCall
-    from flexfa.runtime.options import KernelOptions
+    from flexfa.runtime.families import fp8 as fp8_family
     from flexfa.runtime.pipeline import prepare_score_mod
+    from flexfa.runtime.target import INTERPRETER
 
     x = quantize(*_qkv())
     assert x.positive_scales and quantize(*_qkv(), rotate=False).positive_scales
     assert bool((x.q_scale > 0).all() and (x.k_scale > 0).all())
 
     def fold(x, score=None, scale=0.125):
-        call = AttentionCall(score, None, None, scale, KernelOptions(), 1)
-        return runtime.fp8_spec(x, call, False).fold_qk_scale
+        return fp8_family.fp8_spec(x, _call(score=score, scale=scale), INTERPRETER,
+                                   False).fold_qk_scale
     assert fold(x)
     assert not fold(x, prepare_score_mod(lambda s, b, h, i, j: s * 2.0))
     assert not fold(x, scale=-0.125) and not fold(x, scale=0.0)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import flexfa
-from flexfa.bench import VARIANTS, _variants
+from flexfa.bench_cases import VARIANTS, bench_variants
 from reference import assert_close_to_reference, reference_pair
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def _relerr(a, b) -> float:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_float64_reference_small(variant, D):
     L = 1000  # not a tile multiple
-    score_mod, mask_mod = _variants(L, 4, "cuda")[variant]
+    score_mod, mask_mod = bench_variants(L, 4, "cuda")[variant]
     q, k, v = _qkv(1, 4, L, D, seed=D)
     out, grads, do = _run(q, k, v, score_mod, mask_mod)
     (out64, _), (out_bf16, _) = reference_pair(q.detach(), k.detach(), v.detach(), score_mod,
@@ -61,7 +61,7 @@ def _dense_mask(mask_mod, S):
 def test_matches_sdpa_at_benchmark_shapes(variant, S, D):
     B = 16384 // S
     q, k, v = _qkv(B, 16, S, D, seed=S + D)
-    score_mod, mask_mod = _variants(S, 16, "cuda")[variant]
+    score_mod, mask_mod = bench_variants(S, 16, "cuda")[variant]
     out, grads, do = _run(q, k, v, score_mod, mask_mod)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=variant == "causal")
@@ -75,7 +75,7 @@ def test_matches_sdpa_at_benchmark_shapes(variant, S, D):
 def test_matches_sdpa_with_dense_mask(variant):
     S, D, H = 2048, 128, 16
     q, k, v = _qkv(1, H, S, D, seed=7)
-    score_mod, mask_mod = _variants(S, H, "cuda")[variant]
+    score_mod, mask_mod = bench_variants(S, H, "cuda")[variant]
     out, grads, do = _run(q, k, v, score_mod, mask_mod)
     keep = _dense_mask(mask_mod, S)
     bias = torch.zeros(1, H, S, S, device="cuda")
@@ -105,7 +105,7 @@ def softcap_against_torch_flex(device: str, S: int, D: int, backward: bool = Tru
     generator = torch.Generator(device=device).manual_seed(11)
     q, k, v = (torch.randn(2, 4, S, D, device=device, dtype=torch.bfloat16, generator=generator)
                .requires_grad_(backward) for _ in range(3))
-    score_mod, mask_mod = _variants(S, 4, device)["softcap"]
+    score_mod, mask_mod = bench_variants(S, 4, device)["softcap"]
     mask = flexfa.create_block_mask(mask_mod, 2, None, S, S, device=device)
     out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
     qs, ks, vs = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.runtime import hopper
+from flexfa.runtime import plans
+from flexfa.runtime.families.hopper import HOPPER
 
 pytestmark = pytest.mark.gpu
 
@@ -30,24 +31,27 @@ def softcap(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 
 
+def _plans(family_name: str) -> list:
+    return [p for p in plans.PLANS.values() if p.family.name == family_name]
+
+
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_hopper_template_is_used_and_planned_launch_matches_first_launch():
     q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    assert hopper.use_hopper(q, k, v)
-    hopper._PLANS.clear()
+    plans.PLANS.clear()
     mask = flexfa.create_block_mask(causal, 2, None, 1000, 1000, device="cuda")
     first = flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask)
-    (plan,) = hopper._PLANS.values()
-    assert plan.direct is not None  # the next call launches the compiled kernel directly
+    (plan,) = plans.PLANS.values()
+    assert plan.family is HOPPER  # the default on sm_90
+    # the next call launches the compiled kernel directly
+    assert plan.steps[0].direct is not None
     out = torch.full_like(first, float("nan"))
     out.copy_(flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask))
     torch.testing.assert_close(out, first, atol=0, rtol=0)
     other = torch.randn_like(q)  # new data through the same plan
-    os.environ["FLEXFA_FORWARD_TEMPLATE"] = "ampere"
-    try:
-        ampere = flexfa.flex_attention(other, k, v, score_mod=softcap, block_mask=mask)
-    finally:
-        del os.environ["FLEXFA_FORWARD_TEMPLATE"]
+    ampere = flexfa.flex_attention(other, k, v, score_mod=softcap, block_mask=mask,
+                                   kernel_options={"BACKEND": "AMPERE"})
+    assert len(_plans("ampere")) == 1
     hop = flexfa.flex_attention(other, k, v, score_mod=softcap, block_mask=mask)
     assert float((hop.float() - ampere.float()).norm() / ampere.float().norm()) < 5e-3
 
@@ -57,8 +61,6 @@ def test_direct_c_launch_encodes_descriptors_per_address():
     """Cached plans call Triton's C launch function with TMA descriptors kept per base
     address (flexfa.runtime.launch): new tensors, reused addresses and repeated tensors all
     give what a fresh plan (Triton's own launcher) gives, forward and backward."""
-    from flexfa.runtime import backward
-
     def step(q, k, v, do):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         out = flexfa.flex_attention(q, k, v, score_mod=softcap, block_mask=mask)
@@ -66,18 +68,18 @@ def test_direct_c_launch_encodes_descriptors_per_address():
         return [out.detach(), q.grad, k.grad, v.grad]
 
     def fresh(*tensors):  # no plans: Triton's JIT launch path
-        hopper._PLANS.clear()
-        backward._PLANS.clear()
+        plans.PLANS.clear()
         return step(*tensors)
     mask = flexfa.create_block_mask(causal, 2, None, 512, 512, device="cuda")
     inputs = [[torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
                for _ in range(4)] for _ in range(2)]
     expected = [fresh(*tensors) for tensors in inputs]
     step(*inputs[0])  # makes the plans; from here on the direct launches
-    (plan,) = hopper._PLANS.values()
-    assert plan.direct.c_launch is not None and len(plan.direct.descriptors) == 3
-    (bplan,) = backward._PLANS.values()
-    assert all(state.c_launch is not None for state in bplan[4])
+    (plan,) = _plans("hopper")
+    direct = plan.steps[0].direct
+    assert direct.c_launch is not None and len(direct.descriptors) == 3
+    (bplan,) = _plans("triton_bwd")
+    assert all(step.direct.c_launch is not None for step in bplan.steps)
     for i in (0, 1, 0, 1):
         for got, want in zip(step(*inputs[i]), expected[i]):
             torch.testing.assert_close(got, want, atol=0, rtol=0)

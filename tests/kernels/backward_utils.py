@@ -72,23 +72,25 @@ def _floor(dtype):
 
 def record_backward_specs(monkeypatch) -> list:
     """Record the BackwardSpec of every backward pass from now on (the list is returned)."""
-    from flexfa.runtime import backward as backward_runtime
+    from flexfa.runtime.families import backward as backward_family
 
     specs = []
-    original = backward_runtime.backward_spec
+    original = backward_family.backward_spec
 
     def recording(*args, **kwargs):
         specs.append(original(*args, **kwargs))
         return specs[-1]
-    monkeypatch.setattr(backward_runtime, "backward_spec", recording)
+    monkeypatch.setattr(backward_family, "backward_spec", recording)
     return specs
 
 
-def check_ragged_gqa_alibi_causal(dtype, *, seed: int, block_size: int, tile: int):
+def check_ragged_gqa_alibi_causal(dtype, *, seed: int, block_size: int, tile: int,
+                                  kernel_options=None):
     """The backward of a hard case against the reference: L, S not multiples of the tiles nor
     of the blocks; E = 48 (padded to 64), Ev = 32; GQA 2 (each kv program serves two query
     heads); a causal block mask with full and partial blocks; an ALiBi score_mod reading a
-    captured tensor that needs no gradient; a gradient through lse."""
+    captured tensor that needs no gradient; a gradient through lse. ``kernel_options`` add to
+    the tiles."""
     from flexfa import mods
     from flexfa.blockmask import create_block_mask
     from forward_utils import make_qkv
@@ -103,4 +105,4 @@ def check_ragged_gqa_alibi_causal(dtype, *, seed: int, block_size: int, tile: in
     block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu",
                                    BLOCK_SIZE=block_size)
     check_backward(q, k, v, alibi, mods.causal, block_mask, enable_gqa=True, with_lse=True,
-                   kernel_options={"BLOCK_M": tile, "BLOCK_N": tile})
+                   kernel_options={"BLOCK_M": tile, "BLOCK_N": tile, **(kernel_options or {})})

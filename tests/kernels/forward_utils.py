@@ -12,6 +12,8 @@ from flexfa.frontend import dense_mask, trace
 from reference import assert_close_to_reference, reference_pair
 
 SMALL_TILES = {"BLOCK_M": 32, "BLOCK_N": 32}
+# the kernel_options that force each forward family (an InputError where it cannot run)
+TEMPLATES = {"ampere": {"BACKEND": "AMPERE"}, "hopper": {"BACKEND": "HOPPER"}}
 
 
 def make_qkv(B, Hq, Hkv, L, S, E, Ev=None, dtype=torch.float32, seed=0, device="cpu"):

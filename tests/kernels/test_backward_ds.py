@@ -1,22 +1,29 @@
-"""The backward with dQ from a stored dS (``BackwardSpec.ds_dq``; FLEXFA_BACKWARD_DS=1 forces
-it under the interpreter): delta kernel, dK/dV storing each tile's dS in a workspace, dQ =
-dS @ K from it. On sm_90 at head dim 128 it is the default (``use_ds_dq``); the stores and
-loads go through tensor descriptors there (FLEXFA_BACKWARD_TMA=1 here) or pointers."""
+"""The backward with dQ from a stored dS (``BackwardSpec.ds_dq``; kernel_options
+``DS_WORKSPACE=True`` forces it under the interpreter): delta kernel, dK/dV storing each tile's
+dS in a workspace, dQ = dS @ K from it. On sm_90 at head dim 128 it is the default
+(``flexfa.runtime.ds_workspace.allowed``); the stores and loads go through tensor descriptors
+there (``bwd_USE_TMA=True`` here) or pointers."""
 import pytest
 import torch
 
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from flexfa.errors import InputError
-from flexfa.runtime import backward as backward_runtime
+from flexfa.errors import InputError, InputTypeError
+from flexfa.runtime import ds_workspace
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families import backward as backward_family
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, check_ragged_gqa_alibi_causal, record_backward_specs
 from forward_utils import make_qkv
+
+DS = {"DS_WORKSPACE": True}
+SM80, SM90 = Target("cuda", 8, 0), Target("cuda", 9, 0)
 
 
 @pytest.fixture
 def spy_specs(monkeypatch):
-    """Force the dS path and record the BackwardSpec of every backward pass."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
+    """Record the BackwardSpec of every backward pass."""
     return record_backward_specs(monkeypatch)
 
 
@@ -39,27 +46,29 @@ def nan_filled(shape, **kwargs):
     return torch.full(shape, float("nan"), **kwargs)
 
 
-@pytest.mark.parametrize("tma", ["0", "1"])
-def test_ds_backward_ragged_gqa_alibi_causal(spy_specs, monkeypatch, tma):
+@pytest.mark.parametrize("tma", [False, True])
+def test_ds_backward_ragged_gqa_alibi_causal(spy_specs, tma):
     # workspace rows past S never written, columns past L garbage for rows that are not
     # stored; the lse gradient enters through the delta kernel
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", tma)
-    check_ragged_gqa_alibi_causal(torch.bfloat16, seed=41, block_size=64, tile=32)
-    assert spy_specs and all(s.ds_dq and s.use_tma == (tma == "1") for s in spy_specs)
+    check_ragged_gqa_alibi_causal(torch.bfloat16, seed=41, block_size=64, tile=32,
+                                  kernel_options={**DS, "bwd_USE_TMA": tma})
+    assert spy_specs and all(s.ds_dq and s.use_tma == tma for s in spy_specs)
 
 
 def test_ds_backward_softcap_dense_and_empty_rows(spy_specs):
     # no block mask (dense walks, a ragged last kv tile); then a mask leaving rows empty,
     # whose dq must be exactly 0
     q, k, v = make_qkv(1, 2, 2, 72, 100, 16, dtype=torch.float16, seed=42)
-    check_backward(q, k, v, mods.softcap(5.0), kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    check_backward(q, k, v, mods.softcap(5.0),
+                   kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **DS})
     q, k, v = make_qkv(1, 2, 2, 64, 48, 16, dtype=torch.float32, seed=43)
 
     def late_start(b, h, q_idx, kv_idx):
         return (q_idx >= 20) & (kv_idx <= q_idx)
     block_mask = create_block_mask(late_start, None, None, 64, 48, device="cpu", BLOCK_SIZE=16)
     dq, _, _ = check_backward(q, k, v, None, late_start, block_mask,
-                              kernel_options={"BLOCK_M": 16, "BLOCK_N": 16, "deterministic": True})
+                              kernel_options={"BLOCK_M": 16, "BLOCK_N": 16,
+                                              "deterministic": True, **DS})
     assert spy_specs and all(s.ds_dq for s in spy_specs)  # deterministic: no atomics here
     assert torch.equal(dq[:, :, :20], torch.zeros_like(dq[:, :, :20]))
 
@@ -71,58 +80,81 @@ def test_ds_matches_the_two_kernels(monkeypatch):
     block_mask = create_block_mask(mods.causal, None, None, 96, 80, device="cpu", BLOCK_SIZE=32)
     specs = record_backward_specs(monkeypatch)
     results = []
-    for setting in ("0", "1"):
-        monkeypatch.setenv("FLEXFA_BACKWARD_DS", setting)
+    for setting in (False, True):
+        options = {"BLOCK_M": 32, "BLOCK_N": 32, "DS_WORKSPACE": setting}
         results.append(check_backward(q, k, v, mods.softcap(8.0), mods.causal, block_mask,
-                                      kernel_options={"BLOCK_M": 32, "BLOCK_N": 32}))
+                                      kernel_options=options))
     assert [s.ds_dq for s in specs] == [False, True]
     for name, a, b in zip(("dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _spec(dim, dtype=torch.bfloat16, block=128, options=None, target=SM90, **mode):
+    """The BackwardSpec of a causal [1, 2, 512, dim] call; ``mode``: fusable, force_ds."""
+    from flexfa.runtime.pipeline import prepare_mask
+
+    q, k, v = (torch.zeros(1, 2, 512, dim, dtype=dtype) for _ in range(3))
+    mask = create_block_mask(mods.causal, None, None, 512, 512, device="cpu", BLOCK_SIZE=block)
+    call = AttentionCall(None, prepare_mask(mask), mask, 0.1, parse_kernel_options(options), 1)
+    return backward_family.backward_spec(q, k, v, call, has_dlse=False, target=target, **mode)
 
 
 def test_ds_mode_takes_its_own_sm90_tiles():
     """On sm_90 at padded head dim 128 the dS mode's kernels take HOPPER_DS_TILES (the dQ
     kernel 128 x 64, 8 warps, 3 stages), bounded by the caller's tiles and the mask's blocks;
     elsewhere they keep the two-kernel tiles."""
-    from flexfa.runtime.forward import AttentionCall
-    from flexfa.runtime.options import KernelOptions
-    from flexfa.runtime.pipeline import prepare_mask
-
-    (m1, n1, w1, s1), (m2, n2, w2, s2) = backward_runtime.HOPPER_DS_TILES[128]
+    (m1, n1, w1, s1), (m2, n2, w2, s2) = ds_workspace.HOPPER_DS_TILES[128]
     assert (m2, n2, w2, s2) == (128, 64, 8, 3)
 
-    def spec_for(dim, dtype=torch.bfloat16, block=128, options=KernelOptions()):
-        q, k, v = (torch.zeros(1, 2, 512, dim, dtype=dtype) for _ in range(3))
-        mask = create_block_mask(mods.causal, None, None, 512, 512, device="cpu",
-                                 BLOCK_SIZE=block)
-        call = AttentionCall(None, prepare_mask(mask), mask, 0.1, options, 1)
-        return backward_runtime.backward_spec(q, k, v, call, has_dlse=False, target="cuda:90",
-                                              force_ds=True)
+    def spec_for(dim, **kwargs):
+        return _spec(dim, force_ds=True, **kwargs)
     spec = spec_for(128)
     assert spec.ds_dq and (spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2) == (
         m1, n1, m2, n2)
     assert spec.launch_options() == {"num_warps": w1, "num_stages": s1}
     assert spec.dq_launch_options() == {"num_warps": w2, "num_stages": s2}
     assert spec_for(128, block=64).block_m2 == 64  # fitted to the mask's blocks
-    pinned = spec_for(128, options=KernelOptions(block_m=32, num_warps=4))
+    pinned = spec_for(128, options={"BLOCK_M": 32, "num_warps": 4})
     assert pinned.block_m2 == 32 and pinned.dq_launch_options()["num_warps"] == 4
-    for other in (spec_for(64), spec_for(128, dtype=torch.float32)):  # the two-kernel tiles
+    pinned = spec_for(128, options={"bwd_BLOCK_M2": 64, "bwd_num_warps": 4})  # torch's keys
+    assert pinned.block_m2 == 64 and pinned.dq_launch_options()["num_warps"] == 4
+    assert spec_for(128, options={"fwd_BLOCK_M": 32}).block_m2 == m2  # the forward's only
+    for other in (spec_for(64), spec_for(128, dtype=torch.float32),  # the two-kernel tiles
+                  spec_for(128, target=SM80), spec_for(128, target=Target("cuda", 10, 0))):
         assert other.ds_dq and other.dq_launch_options() == other.launch_options()
+
+
+def test_backward_spec_takes_the_workspace_where_allowed():
+    """backward_spec asks ds_workspace: by default on sm_90 with descriptors at head dim 128
+    when no captured tensor needs a gradient and the workspace (causal 512 x 512 in 128-blocks:
+    10 block slots per head) fits the budget; DS_WORKSPACE=True anywhere it fits."""
+    workspace = 2 * 10 * 128 * 128 * 2  # heads x slots x tile x bf16 bytes
+    assert _spec(128, fusable=True).ds_dq
+    assert not _spec(128, fusable=False).ds_dq  # captured grads, or no dK/dV wanted
+    assert not _spec(128, fusable=True, options={"DS_WORKSPACE": False}).ds_dq
+    assert not _spec(128, fusable=True, options={"bwd_USE_TMA": False}).ds_dq
+    assert not _spec(64, fusable=True).ds_dq and not _spec(128, fusable=True, target=SM80).ds_dq
+    assert _spec(128, fusable=True, options={"DS_MAX_BYTES": workspace}).ds_dq
+    assert not _spec(128, fusable=True, options={"DS_MAX_BYTES": workspace - 1}).ds_dq
+    for target in (SM80, INTERPRETER):
+        assert _spec(64, fusable=True, target=target, options=DS).ds_dq
+        assert not _spec(64, fusable=False, target=target, options=DS).ds_dq
 
 
 @pytest.mark.parametrize("masked", [True, False])
 def test_ds_backward_at_the_sm90_ds_tiles(spy_specs, monkeypatch, masked):
     """The interpreter runs the dS mode at the sm_90 tiles (128-row dQ programs over 64-key
     tiles, dK/dV at 64 x 64): ragged lengths, TMA loads and stores, with and without a mask."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
-    monkeypatch.setattr(backward_runtime, "ds_tiles",
-                        lambda target, e_pad, dtype: backward_runtime.HOPPER_DS_TILES[128])
+    monkeypatch.setattr(ds_workspace, "tiles",
+                        lambda target, e_pad, dtype: ds_workspace.HOPPER_DS_TILES[128])
+    options = {**DS, "bwd_USE_TMA": True}
     q, k, v = make_qkv(1, 2, 2, 200, 190, 16, dtype=torch.bfloat16, seed=46)
     if masked:
         block_mask = create_block_mask(mods.causal, None, None, 200, 190, device="cpu")
-        check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask)
+        check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
+                       kernel_options=options)
     else:
-        check_backward(q, k, v, mods.alibi(2))
+        check_backward(q, k, v, mods.alibi(2), kernel_options=options)
     assert spy_specs and all(s.ds_dq and s.block_m2 == 128 and s.block_n2 == 64
                              for s in spy_specs)
 
@@ -136,11 +168,11 @@ def test_ds_is_not_used_where_it_cannot_be(spy_specs):
     def learnable(score, b, h, q_idx, kv_idx):
         return score + bias[h]
     check_backward(q, k, v, learnable, buffers=(bias,),
-                   kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+                   kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **DS})
     assert spy_specs and not any(s.ds_dq for s in spy_specs)
 
 
-def test_use_ds_dq_rule_and_budget(monkeypatch):
+def test_ds_workspace_rule_and_budget():
     cpu = torch.device("cpu")
     asked = []
 
@@ -150,37 +182,41 @@ def test_use_ds_dq_rule_and_budget(monkeypatch):
             return n
         return workspace
 
-    def use(fusable, target, tma, e_pad, n):
-        return backward_runtime.use_ds_dq(fusable, target, tma, e_pad, size(n), cpu)
+    def use(fusable, target, tma, e_pad, n, options=None):
+        call = AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
+        return ds_workspace.allowed(call, fusable, target, tma, e_pad, size(n), cpu)
 
-    monkeypatch.delenv("FLEXFA_BACKWARD_DS", raising=False)
-    monkeypatch.delenv("FLEXFA_BACKWARD_DS_MAX_BYTES", raising=False)
-    assert use(True, "cuda:90", True, 128, 1 << 30)  # auto: sm_90, descriptors, E 128
-    assert not use(True, "cuda:90", True, 64, 1 << 20)  # E = 64 measured slower
-    assert not use(True, "cuda:90", False, 128, 1 << 20)  # no descriptors
-    assert not use(True, "cuda:80", True, 128, 1 << 20)
-    assert not use(True, "interpret", True, 128, 1 << 20)
-    assert not use(False, "cuda:90", True, 128, 1 << 20)  # captured grads / no dK, dV
-    assert asked == [1 << 30]
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS_MAX_BYTES", str(1 << 20))
-    assert use(True, "cuda:90", True, 128, 1 << 20)
-    assert not use(True, "cuda:90", True, 128, (1 << 20) + 1)  # over the budget
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
-    assert use(True, "interpret", False, 64, 1 << 20)
-    assert not use(False, "interpret", False, 64, 1 << 20)
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "0")
-    assert not use(True, "cuda:90", True, 128, 1 << 20)
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "yes")
-    with pytest.raises(InputError, match="FLEXFA_BACKWARD_DS must be auto, 0 or 1, got 'yes'"):
-        use(True, "cuda:90", True, 128, 1 << 20)
+    assert use(True, SM90, True, 128, 1 << 30)  # auto: sm_90, descriptors, E 128
+    assert not use(True, SM90, True, 64, 1 << 20)  # E = 64 measured slower
+    assert not use(True, SM90, False, 128, 1 << 20)  # no descriptors
+    assert not use(True, SM80, True, 128, 1 << 20)
+    assert not use(True, Target("cuda", 10, 0), True, 128, 1 << 20)  # not measured there
+    assert not use(True, INTERPRETER, True, 128, 1 << 20)
+    assert not use(False, SM90, True, 128, 1 << 20)  # captured grads / no dK, dV
+    assert use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": "AUTO"})
+    assert asked == [1 << 30, 1 << 20]
+    small = {"DS_MAX_BYTES": 1 << 20}
+    assert use(True, SM90, True, 128, 1 << 20, small)
+    assert not use(True, SM90, True, 128, (1 << 20) + 1, small)  # over the budget
+    assert use(True, INTERPRETER, False, 64, 1 << 20, DS)
+    assert not use(True, INTERPRETER, False, 64, (1 << 20) + 1, {**DS, **small})
+    assert not use(False, INTERPRETER, False, 64, 1 << 20, DS)
+    assert not use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": False})
+    with pytest.raises(InputTypeError,
+                       match=r"kernel_options\['DS_WORKSPACE'\] must be a bool, got str 'yes'"):
+        use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": "yes"})
+    for bad in (0, -5):
+        with pytest.raises(InputError, match=rf"kernel_options\['DS_MAX_BYTES'\] = {bad} is not "
+                                             "allowed; a positive number of bytes"):
+            use(True, SM90, True, 128, 1 << 20, {"DS_MAX_BYTES": bad})
 
 
 def test_workspace_bands_follow_the_mask():
-    """ds_bands: one slot per (kv block, q block) in each kv block's band of q blocks; causal
+    """bands: one slot per (kv block, q block) in each kv block's band of q blocks; causal
     keeps about half of the dense grid, a document mask its diagonal blocks."""
     L = S = 512  # 4 x 4 blocks of 128
     causal = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
-    band, slots = backward_runtime.ds_bands(causal, L, S, 128, 128, torch.device("cpu"))
+    band, slots = ds_workspace.bands(causal, L, S, 128, 128, torch.device("cpu"))
     # kv block j meets q blocks j..3: widths 4, 3, 2, 1
     assert band[0, 0].tolist() == [[0, 0], [4, 1], [7, 2], [9, 3]] and slots == 10
     doc = torch.tensor([0] * 256 + [1] * 256)
@@ -188,9 +224,9 @@ def test_workspace_bands_follow_the_mask():
     def same_document(b, h, q_idx, kv_idx):
         return doc[q_idx] == doc[kv_idx]
     docs = create_block_mask(same_document, None, None, L, S, device="cpu", BLOCK_SIZE=128)
-    band, slots = backward_runtime.ds_bands(docs, L, S, 128, 128, torch.device("cpu"))
+    band, slots = ds_workspace.bands(docs, L, S, 128, 128, torch.device("cpu"))
     assert band[0, 0, :, 1].tolist() == [0, 0, 2, 2] and slots == 8
-    dense, slots = backward_runtime.ds_bands(None, 300, 200, 128, 64, torch.device("cpu"))
+    dense, slots = ds_workspace.bands(None, 300, 200, 128, 64, torch.device("cpu"))
     assert slots == 3 * 4 and dense[0, 0].tolist() == [[0, 0], [3, 0], [6, 0], [9, 0]]
 
 
@@ -213,7 +249,6 @@ def test_ds_kernels_compile_for_sm90_with_tma(which):
 def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(monkeypatch):
     """The workspace fit the budget when the signature was planned but cannot be allocated
     now: the call runs the dQ kernel that recomputes P and dP, with correct gradients."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
     specs = record_backward_specs(monkeypatch)
     q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.float32, seed=46)
     workspace = 1 * 2 * 1 * 64 * 64  # B * Hq * slots * tile: one 64 x 64 block (no mask)
@@ -221,17 +256,16 @@ def test_out_of_memory_for_the_workspace_falls_back_to_the_recomputing_kernels(m
     def no_room(shape, **kwargs):
         raise torch.cuda.OutOfMemoryError("no room for the dS workspace (test)")
     failed = replace_workspace(monkeypatch, workspace, no_room)
-    check_backward(q, k, v, mods.softcap(4.0), kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+    check_backward(q, k, v, mods.softcap(4.0),
+                   kernel_options={"BLOCK_M": 64, "BLOCK_N": 64, **DS})
     assert failed and [s.ds_dq for s in specs] == [True, False]
 
 
-@pytest.mark.parametrize("tma", ["0", "1"])
+@pytest.mark.parametrize("tma", [False, True])
 def test_unwritten_workspace_entries_never_reach_the_gradients(monkeypatch, tma):
     """On a GPU the workspace holds whatever the allocator's memory held: here it starts as
     NaN. Keys past S (the last block's padding, never written by dK/dV) are masked when read;
     queries past L only reach dq rows that are not stored; tiles the mask skips are never read."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", tma)
     specs = record_backward_specs(monkeypatch)
     # S = 40: the dK/dV programs (32 keys each) write key rows 0..63, the dQ kernel walks the
     # whole 128-key block, so rows 64..127 are read unwritten
@@ -241,15 +275,15 @@ def test_unwritten_workspace_entries_never_reach_the_gradients(monkeypatch, tma)
     poisoned = replace_workspace(monkeypatch, workspace, nan_filled)
     block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
     dq, dk, dv = check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
-                                kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
-    assert poisoned and specs and all(s.ds_dq for s in specs)
+                                kernel_options={"BLOCK_M": 32, "BLOCK_N": 32,
+                                                "bwd_USE_TMA": tma, **DS})
+    assert poisoned and specs and all(s.ds_dq and s.use_tma == tma for s in specs)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
 def test_blocks_inside_a_band_that_the_mask_skips_are_never_read(monkeypatch):
     """A mask with holes (every other 64-token block pair): each kv block's band spans q
     blocks it does not meet; their slots stay unwritten (NaN here) and unread."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", "1")
     specs = record_backward_specs(monkeypatch)
     L = S = 256
     q, k, v = make_qkv(1, 2, 2, L, S, 16, dtype=torch.float32, seed=48)
@@ -257,26 +291,29 @@ def test_blocks_inside_a_band_that_the_mask_skips_are_never_read(monkeypatch):
     def checkerboard(b, h, q_idx, kv_idx):
         return (q_idx // 64 + kv_idx // 64) % 2 == 0
     block_mask = create_block_mask(checkerboard, None, None, L, S, device="cpu", BLOCK_SIZE=64)
-    band, slots = backward_runtime.ds_bands(block_mask, L, S, 64, 64, torch.device("cpu"))
+    band, slots = ds_workspace.bands(block_mask, L, S, 64, 64, torch.device("cpu"))
     assert slots == 4 * 3  # kv blocks 0, 1, 2, 3 span q blocks 0-2, 1-3, 0-2, 1-3
     poisoned = replace_workspace(monkeypatch, 1 * 2 * slots * 64 * 64, nan_filled)
     dq, dk, dv = check_backward(q, k, v, None, checkerboard, block_mask,
-                                kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+                                kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **DS})
     assert poisoned and specs and all(s.ds_dq for s in specs)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
-def test_default_budget_keeps_long_contexts_lean(monkeypatch):
+def test_default_budget_keeps_long_contexts_lean():
     """The default budget (8 GiB) admits the benchmark's E = 128 S = 16384 workspaces (causal
     4.3 GB, dense 8 GiB) and keeps causal S = 65536 with 8 heads (tests/gpu/test_memory_gpu.py,
     34 GB) on the kernels that allocate nothing L x S."""
-    monkeypatch.delenv("FLEXFA_BACKWARD_DS_MAX_BYTES", raising=False)
     cpu = torch.device("cpu")
-    budget = backward_runtime.ds_budget(cpu)
-    assert budget == 8 << 30
+
+    def call(options=None):
+        return AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
+    budget = ds_workspace.budget(call(), cpu)
+    assert budget == ds_workspace.DEFAULT_MAX_BYTES == 8 << 30
+    assert ds_workspace.budget(call({"DS_MAX_BYTES": 12345}), cpu) == 12345
 
     def workspace(heads, length, block_mask):
-        _, slots = backward_runtime.ds_bands(block_mask, length, length, 128, 128, cpu)
+        _, slots = ds_workspace.bands(block_mask, length, length, 128, 128, cpu)
         return heads * slots * 128 * 128 * 2
 
     mask = create_block_mask(mods.causal, None, None, 16384, 16384, device="cpu")

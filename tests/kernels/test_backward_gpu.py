@@ -7,7 +7,7 @@ import torch
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from backward_utils import check_backward, flexfa_grads, record_backward_specs
+from backward_utils import check_backward, flexfa_grads
 from forward_utils import make_qkv
 
 pytestmark = pytest.mark.gpu
@@ -141,54 +141,22 @@ def test_training_step_reduces_loss():
     assert losses[-1] < losses[0]
 
 
-def test_direct_launches_of_a_cached_backward_match_the_first_call(monkeypatch):
+def test_direct_launches_of_a_cached_backward_match_the_first_call():
     """The first backward of a signature goes through Triton's JIT launch; later ones through
     the plan's compiled launchers (no argument binding). dq, dk, dv have one writer each, so
     the two must be bitwise equal; a ragged length and a causal mask cover the bounds-checked
     kernels with TMA loads."""
-    from flexfa.runtime import backward as backward_runtime
+    from flexfa.runtime import plans
 
-    monkeypatch.setenv("FLEXFA_BACKWARD_FUSED", "0")  # fused dQ: additions in any order
     q, k, v = make_qkv(2, 4, 4, 1000, 1000, 128, dtype=torch.bfloat16, seed=31, device="cuda")
     block_mask = create_block_mask(mods.causal, None, None, 1000, 1000, device="cuda")
     grad_out = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    backward_runtime._PLANS.clear()
+    plans.PLANS.clear()
     first = flexfa_grads(q, k, v, None, block_mask, grad_out=grad_out)
-    plans = list(backward_runtime._PLANS.values())
-    assert len(plans) == 1 and all(c is not None for c in plans[0][4]), "no direct launch state"
+    backward = [p for p in plans.PLANS.values() if p.family.name == "triton_bwd"]
+    assert len(backward) == 1, backward
+    assert all(step.direct is not None for step in backward[0].steps), "no direct launch state"
     second = flexfa_grads(q, k, v, None, block_mask, grad_out=grad_out)
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between the JIT and the direct launch"
 
-
-FUSED_CASES = {
-    # E, Hq, Hkv, L, S, score_mod, mask (name), with lse
-    "causal_gqa_ragged_e128": (128, 8, 2, 1000, 1000, None, "causal", True),
-    "softcap_dense_e64": (64, 4, 4, 1024, 777, "softcap", None, False),
-    "document_e80": (80, 4, 4, 1000, 1000, None, "document", False),
-    "alibi_causal_e128_long": (128, 4, 4, 4096, 4096, "alibi", "causal", False),
-}
-
-
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_fused_backward_on_gpu(case, monkeypatch):
-    """The fused dK/dV + dQ kernel with TMA reduce-adds of dQ (sm_90) or atomics: gradients
-    against the float64 reference, ragged lengths (rows past L add zeros into the next
-    head's dQ rows), GQA, E = 80 (padded columns), a long causal case (many programs adding
-    into the same dQ rows)."""
-    from flexfa.runtime import backward as backward_runtime
-
-    monkeypatch.setenv("FLEXFA_BACKWARD_FUSED", "1")
-    specs = record_backward_specs(monkeypatch)
-    backward_runtime._PLANS.clear()
-    E, Hq, Hkv, L, S, score, mask, with_lse = FUSED_CASES[case]
-    score_mod = {"softcap": mods.softcap(20.0), "alibi": mods.alibi(Hq, device="cuda"),
-                 None: None}[score]
-    q, k, v = make_qkv(1, Hq, Hkv, L, S, E, dtype=torch.bfloat16, seed=41, device="cuda")
-    mask_mod = {"causal": mods.causal, "document": mods.document([300, 500, 200], device="cuda"),
-                None: None}[mask]
-    block_mask = create_block_mask(mask_mod, None, None, L, S, device="cuda") \
-        if mask_mod else None
-    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
-                   with_lse=with_lse)
-    assert specs and all(s.fused_dq for s in specs)

@@ -1,23 +1,27 @@
 """The backward's tensor-descriptor (TMA) path, forced under the interpreter with
-FLEXFA_BACKWARD_TMA=1 (it is the default on sm_90): Q/dO tiles of the dK/dV kernel and K/V
-tiles of the dQ kernel come from [B * H * n, d] descriptors, so tiles past a head's end read
-the next head's rows and must be masked."""
+kernel_options ``bwd_USE_TMA=True`` (it is the default on sm_90): Q/dO tiles of the dK/dV
+kernel and K/V tiles of the dQ kernel come from [B * H * n, d] descriptors, so tiles past a
+head's end read the next head's rows and must be masked."""
 import pytest
 import torch
 
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from flexfa.errors import InputError
-from flexfa.runtime import backward as backward_runtime
+from flexfa.errors import InputTypeError
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families import backward as backward_family
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, record_backward_specs
 from forward_utils import make_qkv
+
+TMA = {"bwd_USE_TMA": True}
 
 
 @pytest.fixture
 def spy_specs(monkeypatch):
-    """Force the TMA path and record the BackwardSpec of every backward pass."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
+    """Record the BackwardSpec of every backward pass."""
     return record_backward_specs(monkeypatch)
 
 
@@ -34,47 +38,62 @@ def test_tma_backward_ragged_gqa_bias_and_block_mask(spy_specs, dtype):
 
     block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
     check_backward(q, k, v, score_mod, mods.causal, block_mask, enable_gqa=True,
-                   buffers=(bias,), with_lse=True, kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+                   buffers=(bias,), with_lse=True,
+                   kernel_options={"BLOCK_M": 64, "BLOCK_N": 64, **TMA})
     assert spy_specs and all(s.use_tma for s in spy_specs)
 
 
 def test_tma_backward_without_block_mask(spy_specs):
     q, k, v = make_qkv(1, 2, 2, 72, 100, 16, dtype=torch.bfloat16, seed=22)
-    check_backward(q, k, v, mods.softcap(5.0), kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
-    assert all(s.use_tma for s in spy_specs)
+    check_backward(q, k, v, mods.softcap(5.0),
+                   kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **TMA})
+    assert spy_specs and all(s.use_tma for s in spy_specs)
 
 
 def test_tma_falls_back_to_pointer_loads_for_strided_inputs(spy_specs):
     # [B, L, H, E] memory viewed as [B, H, L, E]: no [B * H * L, E] matrix, so no descriptors
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
                for t in make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.bfloat16, seed=23))
-    check_backward(q, k, v, None, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    check_backward(q, k, v, None, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **TMA})
     assert spy_specs and not any(s.use_tma for s in spy_specs)
 
 
-def test_bad_backward_tma_setting_is_named(monkeypatch):
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "yes")
+def test_bad_backward_tma_setting_is_named():
     q = torch.zeros(1, 1, 16, 16, dtype=torch.bfloat16)
-    with pytest.raises(InputError, match="FLEXFA_BACKWARD_TMA must be auto, 0 or 1, got 'yes'"):
-        backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
+    with pytest.raises(InputTypeError,
+                       match=r"kernel_options\['bwd_USE_TMA'\] must be a bool, got str 'yes'"):
+        flexfa.flex_attention(q, q, q, kernel_options={"bwd_USE_TMA": "yes"})
 
 
-def test_tma_is_the_sm90_default_and_off_elsewhere(monkeypatch):
-    monkeypatch.delenv("FLEXFA_BACKWARD_TMA", raising=False)
+def _call(options=None) -> AttentionCall:
+    return AttentionCall(None, None, None, 0.125, parse_kernel_options(options), 1)
+
+
+def test_tma_is_the_sm90_default_and_off_elsewhere():
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
-    assert backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
-    assert not backward_runtime.use_backward_tma("cuda:80", q, q, q, q)
-    assert not backward_runtime.use_backward_tma("cuda:90", *[q.float()] * 4)
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "0")
-    assert not backward_runtime.use_backward_tma("cuda:90", q, q, q, q)
+    sm90, sm80, sm100 = Target("cuda", 9, 0), Target("cuda", 8, 0), Target("cuda", 10, 0)
+    use_tma = backward_family.use_tma
+    assert use_tma(_call(), sm90, q, q, q, q)
+    assert not use_tma(_call(), sm80, q, q, q, q)
+    assert not use_tma(_call(), sm100, q, q, q, q)  # not an sm_90 GPU
+    assert not use_tma(_call(), INTERPRETER, q, q, q, q)
+    assert not use_tma(_call(), sm90, *[q.float()] * 4)
+    for off in ({"bwd_USE_TMA": False}, {"USE_TMA": False}):
+        assert not use_tma(_call(off), sm90, q, q, q, q)
+    for on in ({"bwd_USE_TMA": True}, {"USE_TMA": True}):
+        assert use_tma(_call(on), sm80, q, q, q, q) and use_tma(_call(on), INTERPRETER, q, q, q, q)
+        assert not use_tma(_call(on), sm90, *[q.float()] * 4)  # the layout still decides
+    # the forward's option does not reach the backward
+    assert not use_tma(_call({"fwd_USE_TMA": True}), INTERPRETER, q, q, q, q)
+    assert use_tma(_call({"fwd_USE_TMA": False}), sm90, q, q, q, q)
 
 
 def test_backward_plans_are_reused_per_signature_and_mask(monkeypatch):
     """The second backward of the same signature and block mask skips backward_spec (the
-    plan memo); another mask object or another FLEXFA_BACKWARD_TMA makes a new plan."""
+    plan cache); another mask object or another bwd_USE_TMA makes a new plan."""
     calls = []
-    original = backward_runtime.backward_spec
-    monkeypatch.setattr(backward_runtime, "backward_spec",
+    original = backward_family.backward_spec
+    monkeypatch.setattr(backward_family, "backward_spec",
                         lambda *a, **kw: calls.append(1) or original(*a, **kw))
     q, k, v = make_qkv(1, 2, 2, 64, 64, 16, seed=24)
 
@@ -87,8 +106,7 @@ def test_backward_plans_are_reused_per_signature_and_mask(monkeypatch):
         assert torch.equal(a, b)
     check_backward(q, k, v, None, mods.causal, mask())
     assert len(calls) == 2
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "0")
-    check_backward(q, k, v, None, mods.causal, first)
+    check_backward(q, k, v, None, mods.causal, first, kernel_options={"bwd_USE_TMA": False})
     assert len(calls) == 3
 
 
@@ -100,53 +118,54 @@ def test_tma_rows_of_other_heads_cannot_leak_inf(spy_specs):
     grad_out = torch.randn(1, 2, L, 16).to(torch.bfloat16)
     q[0, 1, 0, 0] = k[0, 1, 0, 0] = grad_out[0, 1, 0, 0] = float("inf")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = flexfa.flex_attention(q, k, v, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+    out = flexfa.flex_attention(q, k, v, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **TMA})
     out.backward(grad_out)
     assert spy_specs and all(s.use_tma for s in spy_specs)
     for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert torch.isfinite(g[0, 0]).all(), f"{name} of head 0 has non-finite values"
 
 
-def test_a_cached_plans_launches_equal_freshly_built_ones(monkeypatch):
-    """A cached plan launches with its stored constants (grids, constexprs, options, descriptor
-    geometry) and descriptors whose checks are skipped: the same launches as built from
-    scratch with checked descriptors."""
+def test_a_cached_plans_launches_equal_freshly_built_ones():
+    """A cached plan launches with its stored steps (kernels, grids, constexprs, options) and
+    descriptor geometry, and descriptors whose checks are skipped once its first launch ran:
+    the same launches as a plan built from scratch with checked descriptors."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flexfa.runtime.forward import AttentionCall
     from flexfa.runtime.launch import TrustedDescriptor
-    from flexfa.runtime.options import KernelOptions
     from flexfa.runtime.pipeline import prepare_mask
 
-    monkeypatch.setenv("FLEXFA_BACKWARD_TMA", "1")
     q, k, v = make_qkv(1, 4, 2, 200, 136, 48, 32, dtype=torch.bfloat16, seed=26)
     block_mask = create_block_mask(mods.causal, None, None, 200, 136, device="cpu")
-    call = AttentionCall(None, prepare_mask(block_mask), block_mask, 0.25, KernelOptions(), 2)
-    spec = backward_runtime.backward_spec(q, k, v, call, has_dlse=False)
-    module, name = backward_runtime.get_backward_module(spec, None, None, call.mask)
+    call = AttentionCall(None, prepare_mask(block_mask), block_mask, 0.25,
+                         parse_kernel_options(TMA), 2)
+    spec = backward_family.backward_spec(q, k, v, call, has_dlse=False, target=INTERPRETER)
     out, lse, grad_out = torch.zeros(1, 4, 200, 32, dtype=q.dtype), torch.zeros(1, 4, 200), \
         torch.randn(1, 4, 200, 32).to(q.dtype)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = (spec, module, name, q, k, v, out, lse, grad_out, None, call, None, {}, dq, dk, dv)
-    fresh = backward_runtime.backward_launches(*common)
-    statics = backward_runtime.launch_statics(spec, q, k, v, grad_out, None)
-    cached = backward_runtime.backward_launches(*common, statics=statics, trusted=True)
-    # dQ (storing delta), dK/dV; the plan keeps one direct-launch state per launch
-    assert spec.use_tma and len(fresh) == len(cached) == len(statics.grids) == 2
-    descriptors = 0
-    for a, b in zip(fresh, cached):
+    x = backward_family.Inputs(q, k, v, out, lse, grad_out, None, torch.empty_like(q),
+                               torch.empty_like(k), torch.empty_like(v), {})
+    plan = backward_family.BACKWARD.make_plan(spec, call, x, None)
+    fresh = backward_family.step_args(plan, call, x)
+    plan.steps[0].launched = True  # what the first launch leaves
+    cached = backward_family.step_args(plan, call, x)
+    rebuilt = backward_family.BACKWARD.make_plan(spec, call, x, None)
+    # dQ (storing delta), dK/dV
+    assert spec.use_tma and len(fresh) == len(cached) == len(plan.steps) == 2
+    for a, b in zip(plan.steps, rebuilt.steps):
         assert (a.kernel, a.grid, a.constexprs, a.options) == (b.kernel, b.grid, b.constexprs,
                                                               b.options)
-        assert len(a.args) == len(b.args)
-        for x, y in zip(a.args, b.args):
-            if isinstance(x, TensorDescriptor):
+    descriptors = 0
+    for fresh_args, cached_args in zip(fresh, cached):
+        assert len(fresh_args) == len(cached_args)
+        for x_, y in zip(fresh_args, cached_args):
+            if isinstance(x_, TensorDescriptor):
                 descriptors += 1
-                assert type(x) is TensorDescriptor and type(y) is TrustedDescriptor
-                assert x.base is y.base
-                assert (x.shape, x.strides, x.block_shape) == (y.shape, y.strides, y.block_shape)
-            elif isinstance(x, torch.Tensor):
+                assert type(x_) is TensorDescriptor and type(y) is TrustedDescriptor
+                assert x_.base is y.base
+                assert (x_.shape, x_.strides, x_.block_shape) == (y.shape, y.strides,
+                                                                  y.block_shape)
+            elif isinstance(x_, torch.Tensor):
                 # the kernels' own scratch (delta) is allocated per call
-                assert x is y or (x.shape == y.shape and x.dtype == y.dtype)
+                assert x_ is y or (x_.shape == y.shape and x_.dtype == y.dtype)
             else:
-                assert x == y
+                assert x_ == y
     assert descriptors == 4  # q, dO in dK/dV; k, v in dQ

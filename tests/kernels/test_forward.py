@@ -175,12 +175,12 @@ def test_requires_grad_goes_through_autograd_function():
 
 
 def test_tf32_option_is_its_own_kernel():
-    from flexfa.runtime import forward
+    from flexfa.runtime import plans
     q, k, v = make_qkv(1, 1, 1, 30, 30, 16)
     ieee = flexfa.flex_attention(q, k, v)
     tf32 = flexfa.flex_attention(q, k, v, kernel_options={"fp32_precision": "tf32"})
     torch.testing.assert_close(tf32, ieee, atol=2e-3, rtol=2e-3)  # the interpreter has no tf32
-    precisions = {launch.spec.input_precision for launch in forward._LAUNCHES.values()}
+    precisions = {plan.spec.input_precision for plan in plans.PLANS.values()}
     assert {"ieee", "tf32"} <= precisions
 
 

@@ -131,12 +131,14 @@ def test_debug_logs_ir_and_source_path(fresh_cache, monkeypatch, caplog):
     assert "source:" in text and str(fresh_cache) in text
 
 
-def test_ampere_direct_launch_keys_and_reuse(monkeypatch):
-    """flexfa.runtime.forward's CUDA launch of the Ampere template, without a GPU: the first
-    launch of a key goes through Triton and keeps its compiled kernel, a repeated key launches
-    it directly, another key, another block mask object or another current device goes
-    through Triton again; direct_key tells apart what Triton specializes on."""
-    from flexfa.runtime import forward
+def test_direct_launch_keys_and_reuse(monkeypatch):
+    """A plan step's CUDA launch, without a GPU: its first launch goes through Triton and
+    keeps the compiled kernel, the next launches it directly; another step (another plan) or
+    another current device goes through Triton again. The plan key tells apart what Triton
+    specializes on, and a plan lives under its block mask object."""
+    from flexfa.runtime import launch, plans
+    from flexfa.runtime.call import AttentionCall
+    from flexfa.runtime.forward import forward_plan_key
     from flexfa.runtime.options import KernelOptions
     from flexfa.runtime.pipeline import prepare_mask
 
@@ -145,35 +147,40 @@ def test_ampere_direct_launch_keys_and_reuse(monkeypatch):
     class Kernel:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: (jit.append(grid), "compiled")[1]
-    launch = forward._Launch(None, Kernel(), {"BLOCK": 64, "num_warps": 4}, 64, {"BLOCK": 64})
-    monkeypatch.setattr(forward, "direct_state", lambda kernel, compiled, args, constexprs: (
+    monkeypatch.setattr(launch, "direct_state", lambda kernel, compiled, args, constexprs: (
         compiled, tuple(constexprs.values())))
-    monkeypatch.setattr(forward, "launch_direct",
+    monkeypatch.setattr(launch, "launch_direct",
                         lambda state, grid, index, args: direct.append((state, grid, index)))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     current = [0]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
-    class Mask:  # a block mask stand-in (weakly referenceable, as BlockMasks are)
-        pass
-    device, mask, other_mask = torch.device("cuda", 0), Mask(), Mask()
-    forward._launch_cuda(launch, (5, 8), [1, 2], "key", mask, device)
-    forward._launch_cuda(launch, (5, 8), [3, 4], "key", mask, device)
+    device = torch.device("cuda", 0)
+    step, other_step = (launch.Step(Kernel(), (5, 8), {"BLOCK": 64}, {"num_warps": 4})
+                        for _ in range(2))
+    step.launch([1, 2], device)
+    step.launch([3, 4], device)
     assert jit == [(5, 8)] and direct == [(("compiled", (64,)), (5, 8), 0)]
-    forward._launch_cuda(launch, (5, 8), [3, 4], "other key", mask, device)
-    forward._launch_cuda(launch, (5, 8), [3, 4], "key", other_mask, device)  # another mask
+    assert step.launched
+    other_step.launch([3, 4], device)
     current[0] = 1
-    forward._launch_cuda(launch, (5, 8), [3, 4], "key", other_mask, device)
-    assert len(jit) == 4 and len(direct) == 1
+    step.launch([3, 4], device)
+    assert len(jit) == 3 and len(direct) == 1
 
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.bfloat16)
-    block_mask = flexfa.create_block_mask(lambda b, h, i, j: i >= j, 1, None, 64, 64,
-                                          device="cpu")
-    call = forward.AttentionCall(None, prepare_mask(block_mask), block_mask, 0.1,
-                                 KernelOptions(), 1)
-    key = forward.direct_key(q, k, v, call, False, False)
-    assert forward.direct_key(q.clone(), k, v, call, False, False) == key  # new data, same key
+    block_mask, other_mask = (
+        flexfa.create_block_mask(lambda b, h, i, j: i >= j, 1, None, 64, 64, device="cpu")
+        for _ in range(2))
+    call = AttentionCall(None, prepare_mask(block_mask), block_mask, 0.1, KernelOptions(), 1)
+    key = forward_plan_key(q, k, v, call, False, False)
+    assert forward_plan_key(q.clone(), k, v, call, False, False) == key  # new data, same key
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q)
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     for other in (unaligned, strided):
-        assert forward.direct_key(other, k, v, call, False, False) != key
-    assert forward.direct_key(q, k, v, call, True, False) != key  # lse wanted
+        assert forward_plan_key(other, k, v, call, False, False) != key
+    assert forward_plan_key(q, k, v, call, True, False) != key  # lse wanted
+    plan = plans.Plan(None, None, (step,))
+    plans.keep(call, key, plan)
+    assert plans.find(call, key) is plan
+    other_call = AttentionCall(None, prepare_mask(other_mask), other_mask, 0.1,
+                               KernelOptions(), 1)
+    assert plans.find(other_call, key) is None  # another mask object

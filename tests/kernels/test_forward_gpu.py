@@ -69,12 +69,11 @@ def test_ampere_template_direct_launches_follow_the_specializations(monkeypatch)
     """The Ampere template's cached CUDA launches go straight to the compiled kernel where an
     earlier launch fixed its specializations, and through Triton where the strides, the 16-byte
     alignment of q, k, v or the block mask differ: every call stays right."""
-    from flexfa.runtime import forward
+    from flexfa.runtime import launch
 
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "ampere")
     direct = []
-    real = forward.launch_direct
-    monkeypatch.setattr(forward, "launch_direct", lambda *a: (direct.append(1), real(*a)))
+    real = launch.launch_direct
+    monkeypatch.setattr(launch, "launch_direct", lambda *a: (direct.append(1), real(*a)))
     L, E = 300, 64
     q, k, v = make_qkv(1, 4, 4, L, L, E, dtype=torch.bfloat16, device="cuda", seed=7)
     buffer = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
@@ -86,25 +85,28 @@ def test_ampere_template_direct_launches_follow_the_specializations(monkeypatch)
     for query in (q, q_unaligned, q_strided):
         for mask in (per_batch, shared):
             for _ in range(2):
-                check_forward(query, k, v, mods.softcap(20.0), mods.causal, mask)
+                check_forward(query, k, v, mods.softcap(20.0), mods.causal, mask,
+                              kernel_options={"BACKEND": "AMPERE"})
     assert len(direct) == 6  # the second call of each of the six signatures
 
 
 def test_split_kv_decoding_on_gpu(monkeypatch):
     """One query per head over a 32768-key cache (32 programs): split-KV decoding
-    (FLEXFA_SPLIT_KV=auto) against the float64 reference, with a window mask and GQA."""
-    from flexfa.runtime import forward
+    (kernel_options SPLIT_KV="AUTO") against the float64 reference, with a window mask and
+    GQA."""
+    from flexfa.runtime.families import ampere
 
     combined = []
-    real = forward.combine_splits
-    monkeypatch.setattr(forward, "combine_splits",
+    real = ampere.combine_splits
+    monkeypatch.setattr(ampere, "combine_splits",
                         lambda parts, *rest: (combined.append(parts.shape[0]), real(parts, *rest)))
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "auto")
+    auto = {"SPLIT_KV": "AUTO"}
     q, k, v = make_qkv(1, 32, 8, 1, 32768, 128, dtype=torch.bfloat16, device="cuda", seed=8)
-    check_forward(q, k, v, enable_gqa=True)
+    check_forward(q, k, v, enable_gqa=True, kernel_options=auto)
 
     def window(b, h, q_idx, kv_idx):
         return kv_idx >= 32768 - 5000
     mask = create_block_mask(window, None, None, 1, 32768, device="cuda")
-    check_forward(q, k, v, mods.softcap(30.0), window, mask, enable_gqa=True)
+    check_forward(q, k, v, mods.softcap(30.0), window, mask, enable_gqa=True,
+                  kernel_options=auto)
     assert len(combined) == 2 and min(combined) >= 2

@@ -12,7 +12,7 @@ from flexfa.codegen.forward import GeneratedKernel
 from flexfa.codegen.render import MAX_INLINE_DEPTH, buffer_args, render
 from flexfa.errors import CodegenError
 from flexfa.frontend import trace
-from flexfa.runtime.forward import load_generated
+from flexfa.runtime.kernels import load_generated
 from kernels.backward_utils import check_backward
 from kernels.forward_utils import make_qkv
 from reference import assert_close_to_reference, reference_pair

@@ -9,15 +9,13 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest
 
 import flexfa
-from flexfa.codegen import hopper as hopper_codegen
-from flexfa.codegen.spec import KernelSpec
+from flexfa.errors import InputError
 from flexfa.reference import attention_reference
-from kernels.forward_utils import make_qkv
+from kernels.forward_utils import TEMPLATES, make_qkv
 
 
-@pytest.fixture(params=["ampere", "hopper"])
-def template(request, monkeypatch):
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", request.param)
+@pytest.fixture(params=sorted(TEMPLATES))
+def template(request):
     return request.param
 
 
@@ -48,12 +46,18 @@ def test_max_scores_match_the_reference(template, name):
     q, k, v = make_qkv(1, Hq, Hkv, L, S, 32, dtype=dtype, seed=3)
     block_mask = (flexfa.create_block_mask(mask_mod, 1, Hq, L, S, device="cpu", BLOCK_SIZE=32)
                   if mask_mod else None)
-    # the first launch, then the cached one (the Hopper template's planned launch)
-    (out, aux), (_, again) = [
-        flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=Hq != Hkv,
-                              return_aux=AuxRequest(lse=True, max_scores=True))
-        for _ in range(2)]
+    options = TEMPLATES[template]
+
+    def call(**aux):
+        return flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                     scale=scale, enable_gqa=Hq != Hkv, kernel_options=options,
+                                     return_aux=AuxRequest(**aux))
+    if template == "hopper" and dtype == torch.float32:  # the Ampere family's case
+        with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call.*fp16/bf16"):
+            call(lse=True, max_scores=True)
+        return
+    # the first launch, then the cached one (the plan's launch)
+    (out, aux), (_, again) = [call(lse=True, max_scores=True) for _ in range(2)]
     assert torch.equal(aux.max_scores, again.max_scores)
     _, lse64, max64 = attention_reference(q, k, v, score_mod, mask_mod, scale=scale,
                                           enable_gqa=Hq != Hkv, return_lse=True,
@@ -68,19 +72,19 @@ def test_max_scores_match_the_reference(template, name):
     assert (maxs.double()[~empty] <= lse64[~empty] + 1e-5).all()  # max <= logsumexp
     assert (lse64[~empty] - maxs.double()[~empty] <= math.log(S) + 1e-5).all()
     # the same output and lse as a call without max_scores
-    out_only, aux_lse = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                              scale=scale, enable_gqa=Hq != Hkv,
-                                              return_aux=AuxRequest(lse=True))
+    out_only, aux_lse = call(lse=True)
     assert aux_lse.max_scores is None
     assert torch.equal(out, out_only) and torch.equal(aux.lse, aux_lse.lse)
 
 
 def test_max_scores_without_lse_and_without_gradient(template):
     """max_scores alone; under autograd it has no gradient, and out's gradients are those of
-    a call without it."""
-    q, k, v = make_qkv(1, 2, 2, 32, 48, 16, dtype=torch.float32, seed=5)
+    a call without it (float32 for the Ampere family, bfloat16 for the Hopper one)."""
+    dtype = torch.bfloat16 if template == "hopper" else torch.float32
+    options = TEMPLATES[template]
+    q, k, v = make_qkv(1, 2, 2, 32, 48, 16, dtype=dtype, seed=5)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, aux = flexfa.flex_attention(*leaves, score_mod=softcap,
+    out, aux = flexfa.flex_attention(*leaves, score_mod=softcap, kernel_options=options,
                                      return_aux=AuxRequest(max_scores=True))
     assert aux.lse is None and not aux.max_scores.requires_grad
     max64 = attention_reference(q, k, v, softcap, return_max=True)[1]
@@ -88,24 +92,8 @@ def test_max_scores_without_lse_and_without_gradient(template):
     grads = torch.autograd.grad(out.square().sum(), leaves)
     plain = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_grads = torch.autograd.grad(
-        flexfa.flex_attention(*plain, score_mod=softcap).square().sum(), plain)
+        flexfa.flex_attention(*plain, score_mod=softcap, kernel_options=options).square().sum(),
+        plain)
     for got, want in zip(grads, ref_grads):
         assert torch.equal(got, want)
 
-
-def _spec(return_max: bool) -> KernelSpec:
-    return KernelSpec(dtype="bf16", head_dim=64, head_dim_v=64, block_m=64, block_n=64,
-                      num_warps=4, num_stages=2, has_block_mask=False, has_full_blocks=False,
-                      sparse_q=64, sparse_kv=64, even_l=True, even_s=True, return_lse=True,
-                      gqa_group=1, input_precision="ieee", target="cuda:90",
-                      template=hopper_codegen.HOPPER_TEMPLATE, return_max=return_max)
-
-
-def test_lazy_rescale_is_off_when_max_scores_are_returned(monkeypatch):
-    """With FLEXFA_RESCALE_THRESHOLD > 0 the Hopper kernel keeps a stale running max; a kernel
-    that returns the row max renders the threshold as 0 (every tile rescales)."""
-    monkeypatch.setattr(hopper_codegen, "RESCALE_THRESHOLD", 8)
-    lazy = hopper_codegen.hopper_kernel(_spec(False), None, None).source
-    exact = hopper_codegen.hopper_kernel(_spec(True), None, None).source
-    assert "RESCALE: tl.constexpr = 8" in lazy
-    assert "RESCALE: tl.constexpr = 0" in exact

@@ -1,7 +1,8 @@
-"""Split-KV decoding (``flexfa.runtime.forward.split_keys``; FLEXFA_SPLIT_KV=n forces about n
-splits, also under the interpreter): the Ampere template walks one range of keys per split
-into float32 slices, combined by their lse. Out, lse, row maxima and gradients against the
-float64 reference; empty rows and splits without keys; the rule that picks the splits."""
+"""Split-KV decoding (``flexfa.runtime.families.ampere.split_keys``; kernel_options
+``SPLIT_KV=n`` forces about n splits, also under the interpreter): the Ampere family walks one
+range of keys per split into float32 slices, combined by their lse. Out, lse, row maxima and
+gradients against the float64 reference; empty rows and splits without keys; the rule that
+picks the splits; split calls never take the Hopper family."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,26 +12,33 @@ from torch.nn.attention.flex_attention import AuxRequest
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from flexfa.codegen.spec import KernelSpec
-from flexfa.errors import InputError
+from flexfa.errors import InputError, InputTypeError
 from flexfa.reference import attention_reference
-from flexfa.runtime import forward
+from flexfa.runtime import registry
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families import ampere
+from flexfa.runtime.families.ampere import AMPERE
+from flexfa.runtime.families.hopper import HOPPER
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward
 from forward_utils import check_forward, dense_block_mask, make_qkv
 from strategies import mask_mods, score_mods
 
 
+SPLIT4 = {"SPLIT_KV": 4}  # about four splits
+
+
 @pytest.fixture
 def splits(monkeypatch):
-    """Force splitting and record the float32 slices each call combined."""
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "4")
+    """Record the float32 slices each call combined."""
     combined = []
-    real = forward.combine_splits
+    real = ampere.combine_splits
 
     def spy(parts, *rest):
         combined.append(parts.shape[0])
         return real(parts, *rest)
-    monkeypatch.setattr(forward, "combine_splits", spy)
+    monkeypatch.setattr(ampere, "combine_splits", spy)
     return combined
 
 
@@ -41,20 +49,43 @@ def tail_window(b, h, q_idx, kv_idx):
     return (kv_idx <= pos) & (kv_idx > pos - 600) & (q_idx > 0)
 
 
-@pytest.mark.parametrize("template", ["ampere", "hopper"])
-def test_split_decoding_matches_the_reference(splits, monkeypatch, template):
+def test_split_decoding_matches_the_reference(splits):
     """A few queries over 1500 keys, GQA, softcap and a window mask (splits that see none of
-    a row's keys, a row with no keys at all), ragged S; the Hopper setting also splits (split
-    decoding always runs the Ampere template)."""
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+    a row's keys, a row with no keys at all), ragged S."""
     q, k, v = make_qkv(1, 4, 2, 3, 1500, 32, dtype=torch.bfloat16, seed=50)
     mask = create_block_mask(tail_window, None, None, 3, 1500, device="cpu")
-    out, lse = check_forward(q, k, v, mods.softcap(8.0), tail_window, mask, enable_gqa=True)
+    out, lse = check_forward(q, k, v, mods.softcap(8.0), tail_window, mask, enable_gqa=True,
+                             kernel_options=SPLIT4)
     assert splits == [3]
     assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
     assert bool((lse[:, :, 0] == float("-inf")).all())
-    check_forward(q, k, v, mods.alibi(4), enable_gqa=True)  # dense, the ALiBi slopes by head
+    check_forward(q, k, v, mods.alibi(4), enable_gqa=True,  # dense, the ALiBi slopes by head
+                  kernel_options=SPLIT4)
     assert splits == [3, 3]
+
+
+def test_split_decoding_takes_the_ampere_family(monkeypatch):
+    """On sm_90 a bf16 call takes the Hopper family, unless it splits (only the Ampere family
+    splits; with SPLIT_KV="AUTO" where its programs would not fill half of the SMs); forcing
+    the Hopper family onto a split call is an error naming the reason."""
+    monkeypatch.setattr(ampere, "sm_count", lambda device: 132)
+    q, k, v = make_qkv(1, 4, 4, 3, 1500, 32, dtype=torch.bfloat16, seed=50)
+    sm90 = Target("cuda", 9, 0)
+
+    def call(options):
+        return AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
+    assert registry.choose("forward", sm90, call({}), q, k, v) is HOPPER
+    assert registry.choose("forward", sm90, call(SPLIT4), q, k, v) is AMPERE
+    auto = call({"SPLIT_KV": "AUTO"})
+    assert registry.choose("forward", sm90, auto, q, k, v) is AMPERE  # 4 programs
+    long_q = torch.zeros(1, 4, 2176, 32, dtype=torch.bfloat16)  # 2 x 4 x 17 > 132 SMs
+    assert registry.choose("forward", sm90, auto, long_q, k, v) is HOPPER
+    shorter_q = torch.zeros(1, 4, 2048, 32, dtype=torch.bfloat16)  # 2 x 4 x 16 <= 132
+    assert registry.choose("forward", sm90, auto, shorter_q, k, v) is AMPERE
+    with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call: split-KV"):
+        registry.choose("forward", sm90, call({**SPLIT4, "BACKEND": "HOPPER"}), q, k, v)
+    with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call: split-KV"):
+        flexfa.flex_attention(q, k, v, kernel_options={**SPLIT4, "BACKEND": "HOPPER"})
 
 
 def test_split_decoding_row_maxima_and_gradients(splits):
@@ -63,39 +94,42 @@ def test_split_decoding_row_maxima_and_gradients(splits):
     def late(b, h, q_idx, kv_idx):  # causal with the queries at the end of the cache
         return kv_idx <= q_idx + 895
     mask = create_block_mask(late, None, None, 5, 900, device="cpu", BLOCK_SIZE=64)
-    out, aux = flexfa.flex_attention(q, k, v, mods.softcap(5.0), mask,
+    out, aux = flexfa.flex_attention(q, k, v, mods.softcap(5.0), mask, kernel_options=SPLIT4,
                                      return_aux=AuxRequest(lse=True, max_scores=True))
     ref_out, ref_max = attention_reference(q, k, v, mods.softcap(5.0), late, return_max=True)
     torch.testing.assert_close(out, ref_out.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(aux.max_scores, ref_max.float(), rtol=1e-5, atol=1e-5)
     assert splits and all(n >= 2 for n in splits)
     # training through it: the backward takes the combined out and lse
-    check_backward(q, k, v, mods.softcap(5.0), late, mask, with_lse=True)
+    check_backward(q, k, v, mods.softcap(5.0), late, mask, with_lse=True,
+                   kernel_options=SPLIT4)
 
 
 def test_split_keys_rule(monkeypatch):
-    spec = KernelSpec(dtype="bf16", head_dim=128, head_dim_v=128, block_m=64, block_n=64,
-                      num_warps=4, num_stages=2, has_block_mask=True, has_full_blocks=True,
-                      sparse_q=128, sparse_kv=128, even_l=False, even_s=True, return_lse=True,
-                      gqa_group=4, input_precision="ieee", target="cuda:90")
+    """Keys per split for a [*, 32 heads, 1 query, S] call with 64-row tiles and 128-key mask
+    blocks."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    monkeypatch.setattr(forward, "_sm_count", lambda device: 132)
-    monkeypatch.delenv("FLEXFA_SPLIT_KV", raising=False)
-    assert forward.split_keys(spec, 32, 1, 32768, cuda) == 0  # off unless asked for
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "auto")
+    sm90 = Target("cuda", 9, 0)
+    monkeypatch.setattr(ampere, "sm_count", lambda device: 132)
+
+    def keys(setting, batch_heads, L, S, target=sm90, device=cuda):
+        options = parse_kernel_options({} if setting is None else {"SPLIT_KV": setting})
+        call = AttentionCall(None, None, None, 0.1, options, 4)
+        return ampere.split_keys(call, target, batch_heads, L, S, 64, 128, device)
+    assert keys(None, 32, 1, 32768) == 0  # off unless asked for
     # 32 programs on 132 SMs: about 9 splits of a power of two times 128 keys
-    assert forward.split_keys(spec, 32, 1, 32768, cuda) == 4096
-    assert forward.split_keys(spec, 66, 1, 32768, cuda) == 8192  # 2 * 66 <= 132: 4 splits
-    assert forward.split_keys(spec, 67, 1, 32768, cuda) == 0  # fills half the SMs
-    assert forward.split_keys(spec, 32, 1, 512, cuda) == 0  # splits hold >= 512 keys: one
-    assert forward.split_keys(spec, 32, 1, 32768, cpu) == 0  # auto: GPUs only
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "2")
-    assert forward.split_keys(spec, 1000, 64, 4096, cpu) == 2048
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "0")
-    assert forward.split_keys(spec, 1, 1, 32768, cuda) == 0
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "many")
-    with pytest.raises(InputError, match="FLEXFA_SPLIT_KV must be auto or a number"):
-        forward.split_keys(spec, 32, 1, 32768, cuda)
+    assert keys("AUTO", 32, 1, 32768) == 4096
+    assert keys("auto", 66, 1, 32768) == 8192  # 2 * 66 <= 132: 4 splits
+    assert keys("AUTO", 67, 1, 32768) == 0  # fills half the SMs
+    assert keys("AUTO", 32, 1, 512) == 0  # splits hold >= 512 keys: one
+    assert keys("AUTO", 32, 1, 32768, INTERPRETER, cpu) == 0  # auto: GPUs only
+    assert keys(2, 1000, 64, 4096, INTERPRETER, cpu) == 2048
+    assert keys(0, 1, 1, 32768) == 0
+    with pytest.raises(InputTypeError, match=r"kernel_options\['SPLIT_KV'\] must be an int, got "
+                                             r"str 'many'"):
+        keys("many", 32, 1, 32768)
+    with pytest.raises(InputError, match=r"kernel_options\['SPLIT_KV'\] = -1 is not allowed"):
+        keys(-1, 32, 1, 32768)
 
 
 def test_combine_splits_handles_empty_splits_and_rows():
@@ -103,7 +137,7 @@ def test_combine_splits_handles_empty_splits_and_rows():
     part_lse = torch.tensor([[0.0, float("-inf")], [0.0, float("-inf")],
                              [float("-inf"), float("-inf")]]).reshape(3, 1, 1, 2)
     out, lse = torch.empty(1, 1, 2, 1), torch.empty(1, 1, 2)
-    forward.combine_splits(parts, part_lse, None, out, lse, None)
+    ampere.combine_splits(parts, part_lse, None, out, lse, None)
     assert out.flatten().tolist() == [2.0, 0.0]  # the mean of 1 and 3; the empty row 0
     torch.testing.assert_close(lse.flatten()[0], torch.log(torch.tensor(2.0)))
     assert lse.flatten()[1] == float("-inf")
@@ -133,8 +167,8 @@ def test_random_mods_through_split_decoding(problem, data):
                                       full=data.draw(st.booleans(), label="full tables"))
     q, k, v = make_qkv(B, Hq, Hkv, L, S, E, dtype=dtype,
                        seed=data.draw(st.integers(0, 2**16), label="seed"))
+    splits = data.draw(st.integers(2, 6), label="splits")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(forward, "MIN_SPLIT_KEYS", 16)
-        patch.setenv("FLEXFA_SPLIT_KV", str(data.draw(st.integers(2, 6), label="splits")))
+        patch.setattr(ampere, "MIN_SPLIT_KEYS", 16)
         check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
-                      kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})
+                      kernel_options={"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KV": splits})

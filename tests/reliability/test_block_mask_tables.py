@@ -134,20 +134,20 @@ def test_an_edit_between_forward_and_backward_is_caught_in_the_backward():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("ds", ["0", "1"])
-def test_a_valid_in_place_edit_is_used_by_the_next_call(monkeypatch, ds):
+@pytest.mark.parametrize("ds", [False, True])
+def test_a_valid_in_place_edit_is_used_by_the_next_call(ds):
     """The band mask's tables overwritten in place with a window mask's: the next forward and
     backward (also with the dS workspace, whose block slots come from the q tables) follow
     the new tables."""
-    monkeypatch.setenv("FLEXFA_BACKWARD_DS", ds)
+    options = {"DS_WORKSPACE": ds}
     mask, window = _masks("flexfa", H=1), _masks("flexfa", _window, H=1)
     q, k, v = (t.requires_grad_() for t in qkv(Hq=1, Hkv=1, L=L, S=S))
-    flexfa.flex_attention(q, k, v, block_mask=mask).sum().backward()
+    flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options).sum().backward()
     for name in TABLES:
         getattr(mask, name).copy_(getattr(window, name))
     mask.mask_mod = _window
     q.grad = k.grad = v.grad = None
-    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options)
     out.sum().backward()
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out = attention_reference(*ref, mask_mod=_window)
@@ -171,20 +171,22 @@ def _tile_mask(keep):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("template", ["ampere", "hopper"])
-def test_a_replaced_table_is_used_by_the_next_call(monkeypatch, template, device):
+@pytest.mark.parametrize("template", ["AMPERE", "HOPPER"])
+def test_a_replaced_table_is_used_by_the_next_call(template, device):
     """Replacing the tables of a mask (not in place) after a call: the cached launch plan of
     the first call (keyed by the mask object and its mods) must not keep the old tables."""
-    monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
+    options = {"BACKEND": template}
     mask, _ = _tile_mask(lambda i, j: i >= j)
     near, near_mod = _tile_mask(lambda i, j: (i - j).abs() <= 1)
     mask, near = mask.to(device), near.to(device)
     q, k, v = qkv(Hq=1, Hkv=1, L=L, S=S, dtype=torch.bfloat16)
     for _ in range(2):  # the second call takes the cached (direct) launch
-        flexfa.flex_attention(*(t.to(device) for t in (q, k, v)), block_mask=mask)
+        flexfa.flex_attention(*(t.to(device) for t in (q, k, v)), block_mask=mask,
+                              kernel_options=options)
     for name in TABLES:
         setattr(mask, name, getattr(near, name))
-    out = flexfa.flex_attention(*(t.to(device) for t in (q, k, v)), block_mask=mask).cpu()
+    out = flexfa.flex_attention(*(t.to(device) for t in (q, k, v)), block_mask=mask,
+                                kernel_options=options).cpu()
     exact = attention_reference(q, k, v, mask_mod=near_mod)
     eager = attention_reference(q, k, v, mask_mod=near_mod, dtype=torch.bfloat16)
     assert_close_to_reference(out, exact, eager)

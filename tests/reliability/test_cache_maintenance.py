@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
+from flexfa import config
 from flexfa.errors import InputError
 from flexfa.runtime import cache, cache_files, cache_location, cli
 from flexfa.runtime.cache import STATS
@@ -160,7 +161,7 @@ def test_prune_command_removes_other_builds_and_unused_kernels(tmp_path, monkeyp
 
 
 def test_prune_bound_comes_from_the_environment(tmp_path, monkeypatch):
-    assert cache_location.max_bytes() == cache_location.DEFAULT_MAX_BYTES > 0
+    assert cache_location.max_bytes() == config.DEFAULT_CACHE_MAX_BYTES > 0
     _kernels(tmp_path, 4)
     monkeypatch.setenv("FLEXFA_CACHE_MAX_BYTES", "2500")
     assert cache_files.prune(tmp_path).kept_kernels == 2

@@ -16,17 +16,17 @@ from flexfa.memo import BoundedMemo, MaskedMemo, OwnedMemo
 L = 64
 
 
-def _inputs(grad: bool):
+def _inputs(grad: bool, dtype=torch.float32):
     torch.manual_seed(0)
-    return [torch.randn(1, 2, L, 16, requires_grad=grad) for _ in range(3)]
+    return [torch.randn(1, 2, L, 16, dtype=dtype, requires_grad=grad) for _ in range(3)]
 
 
-def _one_call(grad: bool, hopper: bool, monkeypatch):
-    """One call with a score_mod and a block mask that capture tensors; returns weak
-    references to every user object and tensor involved."""
-    if hopper:
-        monkeypatch.setenv("FLEXFA_FORWARD_TEMPLATE", "hopper")
-    q, k, v = _inputs(grad)
+def _one_call(grad: bool, hopper: bool):
+    """One call with a score_mod and a block mask that capture tensors (bfloat16 through the
+    Hopper family, float32 through the Ampere one); returns weak references to every user
+    object and tensor involved."""
+    options = {"BACKEND": "HOPPER" if hopper else "AMPERE"}
+    q, k, v = _inputs(grad, torch.bfloat16 if hopper else torch.float32)
     bias = torch.randn(2, L, L, requires_grad=grad)
     doc = torch.arange(L) // 20
 
@@ -38,7 +38,8 @@ def _one_call(grad: bool, hopper: bool, monkeypatch):
     block_mask = flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu",
                                           BLOCK_SIZE=32)
     for _ in range(2):  # the second call runs through every memo's cached path
-        out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    kernel_options=options)
         if grad:
             out.sum().backward()
     return [weakref.ref(x) for x in (bias, doc, block_mask, block_mask.kv_indices, score_mod,
@@ -47,8 +48,8 @@ def _one_call(grad: bool, hopper: bool, monkeypatch):
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("hopper", [False, True], ids=["ampere", "hopper"])
-def test_dropping_mods_and_masks_releases_their_tensors(grad, hopper, monkeypatch):
-    refs = _one_call(grad, hopper, monkeypatch)
+def test_dropping_mods_and_masks_releases_their_tensors(grad, hopper):
+    refs = _one_call(grad, hopper)
     gc.collect()
     alive = [r() for r in refs]
     assert all(x is None for x in alive), [type(x).__name__ for x in alive if x is not None]

@@ -90,17 +90,15 @@ def _assert_same(name, ours, theirs, atol, skip_rows=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("template, dtype, atol", [("ampere", torch.float32, 1e-4),
-                                                   ("hopper", torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("template, dtype, atol", [("AMPERE", torch.float32, 1e-4),
+                                                   ("HOPPER", torch.bfloat16, 2e-2)])
 @given(data=st.data())
 def test_out_lse_and_row_max_follow_torch(device, template, dtype, atol, data):
     extra = _extra(data)
     (q, k, v), cpu = _inputs(device, L=L, S=S, dtype=dtype)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FLEXFA_FORWARD_TEMPLATE", template)
-        out, aux = flexfa.flex_attention(q, k, v, score_mod=_mods(extra.to(device))[0],
-                                         scale=SCALE,
-                                         return_aux=AuxRequest(lse=True, max_scores=True))
+    out, aux = flexfa.flex_attention(q, k, v, score_mod=_mods(extra.to(device))[0], scale=SCALE,
+                                     kernel_options={"BACKEND": template},
+                                     return_aux=AuxRequest(lse=True, max_scores=True))
     cpu = [t.float() for t in cpu]  # torch's CPU bf16 GEMM can spread a NaN to other rows
     torch_out, torch_lse = torch_flex_attention(*cpu, score_mod=_mods(extra)[0], scale=SCALE,
                                                 return_lse=True)
@@ -149,7 +147,12 @@ def test_gradient_of_a_captured_tensor_read_by_a_nan_row_is_nan(device):
 def test_split_kv_decoding_combines_non_finite_rows(monkeypatch, device):
     """Split-KV decoding: each split's lse carries the row's +inf / NaN / -inf into the
     combination."""
-    monkeypatch.setenv("FLEXFA_SPLIT_KV", "2")
+    from flexfa.runtime.families import ampere
+
+    combined = []
+    real = ampere.combine_splits
+    monkeypatch.setattr(ampere, "combine_splits",
+                        lambda parts, *rest: (combined.append(parts.shape[0]), real(parts, *rest)))
     rows, keys = 5, 1024
     extra = torch.zeros(rows, keys)
     extra[0, 900] = INF  # in the second split only
@@ -158,7 +161,9 @@ def test_split_kv_decoding_combines_non_finite_rows(monkeypatch, device):
     extra[3, :512] = -INF  # the first split has nothing for this row
     (q, k, v), cpu = _inputs(device, L=rows, S=keys)
     out, aux = flexfa.flex_attention(q, k, v, score_mod=_mods(extra.to(device))[0],
+                                     kernel_options={"SPLIT_KV": 2},
                                      return_aux=AuxRequest(lse=True, max_scores=True))
+    assert combined == [2]
     torch_out, torch_lse = torch_flex_attention(*cpu, score_mod=_mods(extra)[0],
                                                 return_lse=True)
     _assert_same("out", out, torch_out, 1e-4)

@@ -75,8 +75,8 @@ def test_checks_are_skipped_only_for_an_unchanged_signature(monkeypatch):
     mask = BlockMask.from_kv_blocks(*_tables(4, 4), BLOCK_SIZE=16, seq_lengths=(64, 64))
     flexfa.flex_attention(q, k, v, block_mask=mask)
     calls = []
-    original = api._check_block_mask
-    monkeypatch.setattr(api, "_check_block_mask", lambda *a: calls.append(a) or original(*a))
+    original = api.check_block_mask
+    monkeypatch.setattr(api, "check_block_mask", lambda *a: calls.append(a) or original(*a))
     flexfa.flex_attention(q, k, v, block_mask=mask)
     assert calls == []
     mask.kv_num_blocks, mask.kv_indices = _tables(2, 2)  # now too small for 64 x 64
@@ -101,8 +101,8 @@ def test_a_mask_with_an_unhashable_field_is_checked_every_time(monkeypatch):
         seq_lengths=[64, 64])
     expected = flexfa.flex_attention(q, k, v, block_mask=mask)
     calls = []
-    original = api._check_block_mask
-    monkeypatch.setattr(api, "_check_block_mask", lambda *a: calls.append(a) or original(*a))
+    original = api.check_block_mask
+    monkeypatch.setattr(api, "check_block_mask", lambda *a: calls.append(a) or original(*a))
     for _ in range(2):
         torch.testing.assert_close(flexfa.flex_attention(q, k, v, block_mask=duck), expected)
     assert len(calls) == 2

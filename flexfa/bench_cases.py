@@ -1,0 +1,81 @@
+"""What the benchmarks share: the variants they time and the run's versions and commit."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+from . import config
+
+VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document", "prefix")
+
+
+def bench_variants(S: int, H: int, device):
+    import torch
+
+    lengths = torch.randint(256, 2048, (S // 256 + 2,), generator=torch.Generator().manual_seed(0))
+    doc_id = torch.searchsorted(lengths.cumsum(0), torch.arange(S), right=True).to(device)
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device, dtype=torch.float32) / H)
+    prefix = S // 4
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding_window_1024(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def softcap_30(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    return {"full": (None, None), "causal": (None, causal), "sliding": (None, sliding_window_1024),
+            "alibi": (alibi, causal), "softcap": (softcap_30, causal),
+            "document": (None, document_causal), "prefix": (None, prefix_lm)}
+
+
+def source_digest() -> str:
+    """sha256 over flexfa's own files (package-relative path and bytes of every .py and
+    .tmpl), which names the code that ran even where the commit cannot be trusted (a copy of
+    the tree whose git metadata is stale reports the wrong commit)."""
+    import hashlib
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".tmpl")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    digest.update(f.read() + b"\0")
+    return digest.hexdigest()
+
+
+def versions() -> dict:
+    import torch
+    import triton
+
+    import flexfa
+
+    commit = config.environment("FLEXFA_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__), check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__,
+            "flexfa": flexfa.__version__, "python": platform.python_version(),
+            "commit": commit, "source_digest": source_digest(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}

@@ -1,0 +1,55 @@
+"""``FP8Inputs``: Q, K, V in float8_e4m3fn with their per-block descales."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .hadamard import unrotate as hadamard_unrotate
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Inputs:
+    """Q, K, V in float8_e4m3fn with their float32 descales, as ``quantize`` returns them."""
+
+    q: torch.Tensor  # [B, Hq, L, Ep] (Ep: head dim, padded to a power of two when rotated)
+    k: torch.Tensor  # [B, Hkv, S, Ep]
+    v: torch.Tensor  # [B, Hkv, S, Ev], stride 1 along S
+    q_scale: torch.Tensor  # [B, Hq, ceil(L / block_q)] float32
+    k_scale: torch.Tensor  # [B, Hkv, ceil(S / block_kv)] float32
+    v_scale: torch.Tensor  # [B, Hkv, ceil(S / block_kv)] float32
+    block_q: int
+    block_kv: int
+    head_dim: int  # E before padding: the default softmax scale is 1/sqrt(head_dim)
+    dtype: torch.dtype  # dtype of the original inputs, and of the attention output
+    signs: torch.Tensor | None = None  # the rotation's +-1 signs (None: not rotated)
+    # every descale is > 0, as ``quantize`` writes them (amax / 448, or 1 for an all-zero
+    # block): without a score_mod the kernel then scales q.k inside exp2's FMA (2-3% faster
+    # on the H200). False (the default for inputs built by hand) keeps a separate multiply,
+    # exact for descales of any sign. Replacing the scales of quantize's output by others
+    # that are not all > 0 needs ``positive_scales=False`` too.
+    positive_scales: bool = False
+
+    def dequantize(self, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 (q, k, v): descaled, and with ``unrotate`` back in the original basis with
+        the padding removed; without it, q and k stay rotated and padded, the basis the kernel
+        computes q.k in (quantization error leaks into padded channels, so only there is
+        q.k exactly the kernel's)."""
+        q = descale(self.q, self.q_scale, self.block_q)
+        k = descale(self.k, self.k_scale, self.block_kv)
+        v = descale(self.v, self.v_scale, self.block_kv)
+        if self.signs is not None and unrotate:
+            q, k = (hadamard_unrotate(x, self.signs, self.head_dim) for x in (q, k))
+        return q, k, v
+
+
+def expand_scales(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:
+    """Per-block scales ``[B, H, nb]`` -> per-row ``[B, H, rows, 1]``."""
+    return scale.repeat_interleave(block, dim=-1)[..., :rows, None]
+
+
+def descale(x8: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    return x8.float() * expand_scales(scale, block, x8.shape[2])

@@ -1,0 +1,166 @@
+"""Input checks of the public entry points: each names the argument and the values.
+
+``flex_attention`` and ``flex_attention_fp8`` run them before any kernel; a repeated call
+skips the ones whose inputs it has seen (``flexfa.api``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .blockmask.block_mask import SLICED, sliced_mask_mod
+from .errors import InputError, InputTypeError, check_bool
+from .frontend.trace import TracedMod
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# CUDA's limit on a grid's y and z dimensions: the kernels put the (batch, head) pairs there
+# (the backward's and the dense forward's grids; a masked forward puts them on the x axis)
+MAX_CUDA_PROGRAM_ROWS = 65535
+MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+_NAMES = ("query", "key", "value")
+
+
+def check_tensors(query, key, value) -> None:
+    for name, tensor in zip(_NAMES, (query, key, value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise InputError(f"{name} must be 4-D [B, H, seq_len, head_dim], got shape "
+                             f"{tuple(tensor.shape)} ({tensor.dim()}-D)")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(f"{name} has dtype {tensor.dtype}; flex_attention supports "
+                                 "float16, bfloat16 and float32")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise InputError(f"{name} is on device {tensor.device}; flexfa runs on CUDA "
+                             "(compiled kernels) or CPU (Triton interpreter)")
+    for name, tensor in zip(_NAMES[1:], (key, value)):
+        if tensor.dtype != query.dtype:
+            raise InputError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
+                             "query, key and value must share one dtype")
+        if tensor.device != query.device:
+            raise InputError(f"{name} is on {tensor.device} but query is on {query.device}")
+
+
+def check_shapes(query, key, value, enable_gqa: bool) -> None:
+    B, Hq, L, E = query.shape
+    if key.shape[0] not in (1, B):
+        raise InputError(f"key has batch size {key.shape[0]} but query has {B}; key and value "
+                         "need the query's batch size, or 1 to be shared by every batch entry")
+    if value.shape[0] != key.shape[0]:
+        raise InputError(f"value has batch size {value.shape[0]} but key has {key.shape[0]}")
+    if key.shape[1] != value.shape[1]:
+        raise InputError(f"value has {value.shape[1]} heads but key has {key.shape[1]}")
+    if key.shape[2] != value.shape[2]:
+        raise InputError(f"value has sequence length {value.shape[2]} but key has {key.shape[2]}")
+    if key.shape[3] != E:
+        raise InputError(f"key has head_dim {key.shape[3]} but query has {E}; q.k needs equal "
+                         "head dims")
+    for name, dim in (("query/key", E), ("value", value.shape[3])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise InputError(f"{name} head_dim is {dim}; flexfa supports 1..{MAX_HEAD_DIM}")
+    Hkv = key.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise InputError(f"query has {Hq} heads but key has {Hkv}; query heads must be a "
+                         "multiple of key heads (grouped-query attention)")
+    if Hq != Hkv and not enable_gqa:
+        raise InputError(f"query has {Hq} heads but key has {Hkv}; pass enable_gqa=True for "
+                         "grouped-query attention, or give key/value as many heads as query")
+    if query.is_cuda and B * Hq > MAX_CUDA_PROGRAM_ROWS:
+        raise InputError(f"query has batch {B} x {Hq} heads = {B * Hq} (batch, head) pairs; "
+                         f"the CUDA kernels run them on a grid axis of at most "
+                         f"{MAX_CUDA_PROGRAM_ROWS}: split the batch into calls of at most "
+                         f"{MAX_CUDA_PROGRAM_ROWS // Hq} batch entries")
+
+
+def broadcast_batch(query, key, value) -> tuple:
+    """key and value of batch 1 shared by a larger query batch (as torch broadcasts them):
+    expanded without a copy (batch stride 0), before the autograd Function, so that autograd
+    sums the batch entries' gradients into the shared key and value."""
+    B = query.shape[0]
+    if key.shape[0] == B:
+        return key, value
+    return key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InputTypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale):
+        raise InputError(f"scale must be finite, got {scale}")
+    if abs(scale) > MAX_SCALE:  # the kernels hold scale * log2(e) in float32
+        raise InputError(f"scale is {scale}; it must be at most {MAX_SCALE:.3e} in magnitude "
+                         "(kernels keep scale * log2(e) in float32)")
+    return float(scale)
+
+
+def check_aux(return_aux, return_lse: bool) -> tuple[bool, bool]:
+    """Whether ``return_aux`` (torch's ``AuxRequest(lse=..., max_scores=...)`` or None) asks
+    for (lse, max_scores)."""
+    if return_aux is None:
+        return False, False
+    if return_lse:
+        raise InputError("return_lse and return_aux cannot both be given: use "
+                         "return_aux=AuxRequest(lse=True) alone")
+    fields = {}
+    for field in ("lse", "max_scores"):
+        if not hasattr(return_aux, field):
+            raise InputTypeError(f"return_aux must be an AuxRequest(lse=..., max_scores=...) or "
+                                 f"None, got {type(return_aux).__name__} {return_aux!r:.80}")
+        fields[field] = check_bool(f"return_aux.{field}", getattr(return_aux, field))
+    return fields["lse"], fields["max_scores"]
+
+
+def check_block_mask(block_mask, query, key) -> None:
+    if block_mask is None:
+        return
+    if not all(hasattr(block_mask, a) for a in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE")):
+        raise InputTypeError(f"block_mask must be a BlockMask (from create_block_mask) or None, "
+                             f"got {type(block_mask).__name__}")
+    if getattr(block_mask, "mask_mod", None) is sliced_mask_mod:  # flexfa's or torch's
+        raise InputError(SLICED)
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    if hasattr(block_mask, "_check_compatible"):
+        block_mask._check_compatible(B, Hq, L, S)
+    mask_B, mask_H = block_mask.kv_num_blocks.shape[:2]
+    seq_lengths = tuple(getattr(block_mask, "seq_lengths", (L, S)))
+    if mask_B not in (1, B) or mask_H not in (1, Hq) or seq_lengths != (L, S):
+        raise InputError(f"block_mask was built for (B={mask_B}, H={mask_H}, lengths="
+                         f"{seq_lengths}) but the inputs have (B={B}, H={Hq}, lengths={(L, S)})")
+    check_table_shapes(block_mask, L, S)
+    if block_mask.kv_num_blocks.device != query.device:
+        raise InputError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
+                         f"{query.device}; move it with block_mask.to(device)")
+
+
+def check_table_shapes(block_mask, L: int, S: int) -> None:
+    """The tables must have a row for every q tile and a column for every kv tile of (L, S):
+    the kernels index them without bounds checks."""
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    q_tiles, kv_tiles = -(-L // block_q), -(-S // block_kv)
+    needs = {"kv_indices": (q_tiles, kv_tiles), "full_kv_indices": (q_tiles, kv_tiles),
+             "q_indices": (kv_tiles, q_tiles), "full_q_indices": (kv_tiles, q_tiles)}
+    for name, (rows, cols) in needs.items():
+        table = getattr(block_mask, name, None)
+        if table is not None and (table.shape[-2] < rows or table.shape[-1] < cols):
+            raise InputError(
+                f"block_mask.{name} has {table.shape[-2]} x {table.shape[-1]} tiles but lengths "
+                f"(L={L}, S={S}) with BLOCK_SIZE {(block_q, block_kv)} need {rows} x {cols}")
+
+
+def check_buffers(traced: TracedMod | None, what: str, device: torch.device) -> None:
+    if traced is None:
+        return
+    for slot, tensor in enumerate(traced.buffers):
+        if tensor.numel() == 0:  # a kernel would read out of bounds: there is no element
+            raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
+                             f"{tuple(tensor.shape)}, which has no elements")
+        if tensor.device != device:
+            raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
+                             f"{tuple(tensor.shape)} on {tensor.device} but query is on "
+                             f"{device}; move the captured tensor to {device}")

@@ -1,0 +1,204 @@
+"""The Ampere-class forward family: ``fwd.tmpl`` (pointer loads, tl.dot, num_stages
+pipelining). Runs on every target: the interpreter, sm_80 and newer GPUs, fp32 inputs, any
+layout and head dim; also split-KV decoding (``SPLIT_KV``).
+
+Tiles: the defaults below (chosen so that ``ptxas`` reports no spills on sm_80), fitted to the
+block mask's blocks and bounded by the caller's kernel_options.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...codegen.forward import forward_kernel
+from ...codegen.ranges import Domain, mods_int64_nodes
+from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
+from ...errors import InputError
+from .. import plans
+from ..call import AttentionCall
+from ..kernels import generated_kernel
+from ..launch import Step, cdiv
+from ..outputs import allocate_outputs, out_strides, stat_args
+from ..registry import KernelFamily, register
+from ..tables import buffer_args, largest_tile, mask_blocks, table_args
+from ..target import Target
+
+MIN_SPLIT_KEYS = 512  # split-KV decoding: the fewest keys a split walks
+
+
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if target.interpret:
+        return 64, 64, 4, 1  # big tiles: the interpreter's cost is per tile, not per element
+    if head_dim_pad <= 64:
+        tiles = (128, 32, 4, 3)
+    elif head_dim_pad <= 128:
+        tiles = (128, 64, 8, 3)
+    else:
+        tiles = (64, 32, 8, 2)
+    if dtype == torch.float32:  # twice the bytes per element: halve the kv tile
+        tiles = (tiles[0], max(16, tiles[1] // 2), tiles[2], 2)
+    return tiles
+
+
+def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: Target) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages, SPARSE_Q, SPARSE_KV) from kernel_options or the
+    defaults, fitted to the block mask's block sizes."""
+    block_m, block_n, warps, stages = default_tiles(head_dim_pad, dtype, target)
+    options = call.options.fwd
+    sparse_q, sparse_kv = mask_blocks(call.block_mask)
+    if sparse_q is not None:
+        block_m = min(block_m, largest_tile(sparse_q))
+        block_n = min(block_n, largest_tile(sparse_kv))
+    block_m = options.block_m or block_m
+    block_n = options.block_n or block_n
+    if sparse_q is not None:
+        for key, tile, block in (("BLOCK_M", block_m, sparse_q), ("BLOCK_N", block_n, sparse_kv)):
+            if tile < 16 or block % tile:
+                raise InputError(
+                    f"block_mask has BLOCK_SIZE {call.block_mask.BLOCK_SIZE}; kernel tile {key}="
+                    f"{tile} must divide {block} and be >= 16 (build the mask with a "
+                    "BLOCK_SIZE that is a multiple of 16, or pass a smaller kernel_options "
+                    f"{key!r})")
+    else:
+        sparse_q, sparse_kv = block_m, block_n
+    return (block_m, block_n, options.num_warps or warps, options.num_stages or stages,
+            sparse_q, sparse_kv)
+
+
+def int64_nodes(q, k, call: AttentionCall) -> tuple[str, ...]:
+    """The ``wide_ints`` of a forward spec: the mods' INT nodes that need int64 over this
+    call's indices (b < B, h < Hq, q_idx < L, kv_idx < S)."""
+    return mods_int64_nodes((call.score, call.mask),
+                            Domain(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+
+
+def forward_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
+                 return_max: bool = False, split_keys: int = 0) -> KernelSpec:
+    """The KernelSpec of the Ampere-class forward for these inputs; ``split_keys`` > 0:
+    split-KV decoding, which always writes lse."""
+    L, E = q.shape[2], q.shape[3]
+    S, Ev = k.shape[2], v.shape[3]
+    block_m, block_n, warps, stages, sparse_q, sparse_kv = choose_tiles(
+        call, next_power_of_two(E), q.dtype, target)
+    mask = call.block_mask
+    return KernelSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m, block_n=block_n,
+        num_warps=warps, num_stages=stages, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % block_n == 0,
+        return_lse=return_lse or split_keys > 0, gqa_group=call.gqa_group,
+        input_precision=call.options.fp32_precision, target=target.name,
+        max_registers=call.options.fwd.max_registers or 0, return_max=return_max,
+        split_keys=split_keys, wide_ints=int64_nodes(q, k, call))
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_keys(call: AttentionCall, target: Target, batch_heads: int, L: int, S: int,
+               block_m: int, unit: int, device: torch.device) -> int:
+    """Keys per split for split-KV decoding (0: none). ``kernel_options["SPLIT_KV"]``: 0 (the
+    default: not yet measured on a GPU) never; ``"AUTO"`` splits on a GPU where the
+    ``cdiv(L, block_m) * batch_heads`` programs would not fill half of its SMs, into about two
+    programs per SM; ``n`` into about n splits (any target: how the interpreter tests it). A
+    split is a power of two times ``unit`` (the mask's key block, the key tile without a
+    mask), at least MIN_SPLIT_KEYS keys, and there are at least two."""
+    setting = call.options.split_kv
+    if setting == 0:
+        return 0
+    if setting == "AUTO":
+        if target.interpret:
+            return 0
+        programs, sms = cdiv(L, block_m) * batch_heads, sm_count(device)
+        if 2 * programs > sms:
+            return 0
+        wanted = cdiv(2 * sms, programs)
+    else:
+        wanted = setting
+    if wanted < 2:
+        return 0
+    keys = unit * next_power_of_two(cdiv(cdiv(S, wanted), unit), minimum=1)
+    while keys < MIN_SPLIT_KEYS:
+        keys *= 2
+    return keys if keys < S else 0
+
+
+def wants_split(call: AttentionCall, target: Target, q, k) -> bool:
+    """Whether split-KV decoding may apply (a bound needing no spec: tiles have at most 128
+    rows), so that other families leave such calls to this one."""
+    setting = call.options.split_kv
+    if setting == 0:
+        return False
+    if setting == "AUTO":
+        return not target.interpret and (
+            2 * cdiv(q.shape[2], 128) * q.shape[0] * q.shape[1] <= sm_count(q.device))
+    return True
+
+
+class AmpereForward(KernelFamily):
+    name = "ampere"
+    direction = "forward"
+    priority = 0
+
+    def why_not(self, target: Target, call, q, k, v) -> str | None:
+        if call.options.fwd.use_tma:
+            return "kernel_options USE_TMA=True asks for the tensor-descriptor (Hopper) family"
+        return None
+
+    def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
+        B, Hq, L, _ = q.shape
+        S = k.shape[2]
+        spec = forward_spec(q, k, v, call, target, return_lse, return_max)
+        split = split_keys(call, target, B * Hq, L, S, spec.block_m, spec.sparse_kv, q.device)
+        if split:
+            spec = forward_spec(q, k, v, call, target, return_lse, return_max, split)
+        kernel = generated_kernel(forward_kernel, spec, call.score, call.mask)
+        splits = cdiv(S, split) if split else 1
+        step = Step(kernel, (cdiv(L, spec.block_m), B * Hq, splits),
+                    spec.constexprs(call.scores_first), spec.launch_options())
+        # split-KV writes contiguous float32 slices, combined into the output afterwards
+        strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1) if split \
+            else out_strides(q, v)
+        fixed = [*q.stride(), *k.stride(), *v.stride(), *strides,
+                 *table_args(call.block_mask, "kv", q.device), Hq, L, S]
+        plan = plans.Plan(self, spec, (step,), {"args": fixed, "splits": splits if split else 0})
+        plans.keep(call, key, plan)
+        return self.run(plan, call, q, k, v, return_lse, return_max)
+
+    def run(self, plan, call, q, k, v, return_lse, return_max):
+        out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
+        splits = plan.fixed["splits"]
+        if splits:  # split-KV decoding: float32 slices per split, combined below
+            results = out, lse, maxs
+            out = torch.empty(splits, *out.shape, dtype=torch.float32, device=q.device)
+            lse = torch.empty(splits, *out.shape[1:4], dtype=torch.float32, device=q.device)
+            maxs = torch.empty_like(lse) if return_max else None
+        args = [q, k, v, out, *stat_args(out, lse, maxs), *plan.fixed["args"],
+                float(call.scale), *buffer_args(call.score), *buffer_args(call.mask)]
+        plan.steps[0].launch(args, q.device)
+        if splits:
+            combine_splits(out, lse, maxs, *results)
+            return results
+        return out, lse, maxs
+
+
+def combine_splits(parts, part_lse, part_max, out, lse, maxs) -> None:
+    """Write split-KV decoding's result into ``out`` (and ``lse``, ``maxs`` where wanted) from
+    the splits' normalized outputs ``parts`` [n, B, H, L, Ev], their lse and row maxima
+    [n, B, H, L]: out = sum over splits of exp(lse_s - lse) * out_s, lse = logsumexp(lse_s).
+    A split without keys for a row has lse -inf and weight 0; a row without any keys gets
+    out 0 and lse -inf, as the kernel gives it."""
+    total = torch.logsumexp(part_lse, dim=0)
+    weights = torch.exp(part_lse - torch.where(total == float("-inf"), 0.0, total))
+    out.copy_((weights.unsqueeze(-1) * parts).sum(0))
+    if lse is not None:
+        lse.copy_(total)
+    if maxs is not None:
+        torch.amax(part_max, dim=0, out=maxs)
+
+
+AMPERE = register(AmpereForward())

@@ -1,0 +1,353 @@
+"""The backward family: the dQ and dK/dV kernels of ``bwd_dq.tmpl`` / ``bwd_dkdv.tmpl``.
+
+Two launches (dQ, which also stores delta = rowsum(dO * O) - dlse and accumulates the
+captured-tensor gradients; then dK/dV), or with the dS workspace (``ds_workspace``) three
+(delta; dK/dV storing dS; dQ = dS @ K). P is recomputed from the saved lse tile by tile.
+Q/dO and K/V tiles go through tensor descriptors (TMA) on sm_90 where the layout allows
+(kernel_options ``USE_TMA``). Tiles: measured defaults on sm_90 (docs/performance.md), tuned
+per class at head dim 64, bounded by the caller's kernel_options.
+
+Captured-tensor gradients are accumulated in float32 with atomics, or, with
+``deterministic=True``, in int64 fixed point with 32 fraction bits (integer addition is
+associative: bit-identical runs; resolution 2**-32 per tile contribution, range +-2**31).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ...codegen.backward import BackwardSpec, backward_kernel, dscore_is_one, joint_roots
+from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
+from ...codegen.spec import DTYPE_NAMES, next_power_of_two
+from ...errors import InputError
+from ...frontend.grad import JointGraph, derive
+from ...frontend.trace import TracedMod
+from ...memo import BoundedMemo
+from .. import autotune, ds_workspace, plans
+from ..call import AttentionCall
+from ..debug import debug
+from ..kernels import generated_module
+from ..launch import Step, TrustedDescriptor, cdiv
+from ..registry import KernelFamily, register
+from ..tables import broadcast_strides, buffer_args, dummy_table, largest_tile, mask_blocks
+from ..tables import has_full_blocks, table_args
+from ..target import Target
+from .hopper import descriptor_layout_ok, geometry
+
+FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
+
+# sm_90 tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages) by padded head dim,
+# measured on the H200 (docs/performance.md); the first is the default, the others are
+# tuned at head dim 64 (at 128 one candidate: nothing to tune)
+HOPPER_BACKWARD_CANDIDATES = {
+    64: ((32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
+    128: ((64, 64, 64, 64, 4, 2),),
+}
+
+
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target) -> tuple:
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages). The dK/dV program
+    holds K, V and two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one;
+    elsewhere than sm_90 a 4-warp shape (``python -m flexfa compile-check --only bwd`` prints
+    registers and spills)."""
+    if target.interpret:
+        return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
+    if target.is_sm90 and dtype != torch.float32 and head_dim_pad <= 128:
+        return HOPPER_BACKWARD_CANDIDATES[64 if head_dim_pad <= 64 else 128][0]
+    if head_dim_pad <= 128:
+        tiles = (32, 64, 64, 32, 4, 2)
+    else:  # not measured: 8 warps keep the E=256 accumulators out of local memory
+        tiles = (16, 32, 32, 16, 8, 1)
+    if dtype == torch.float32:  # twice the bytes per element: halve the owned tiles
+        tiles = (tiles[0], max(16, tiles[1] // 2), max(16, tiles[2] // 2), tiles[3],
+                 tiles[4], 1)
+    return tiles
+
+
+def _fit(tile: int, block: int | None, what: str, call: AttentionCall) -> int:
+    if block is None:
+        return tile
+    tile = min(tile, largest_tile(block))
+    if tile < 16:
+        raise InputError(
+            f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; the backward's "
+            f"{what} tile must divide it and be >= 16: build the mask with a BLOCK_SIZE that is "
+            "a multiple of 16")
+    return tile
+
+
+def use_tma(call: AttentionCall, target: Target, *tensors) -> bool:
+    """Q, dO (dK/dV kernel) and K, V (dQ kernel) tiles through tensor descriptors: by default
+    on sm_90 where every tensor is a [B * H * n, d] matrix with 16-byte aligned rows;
+    ``USE_TMA=True`` wherever the layout allows (the interpreter too: how CI tests it)."""
+    setting = call.options.bwd.use_tma
+    if setting is False or (setting is None and not target.is_sm90):
+        return False
+    return descriptor_layout_ok(*tensors)
+
+
+_JOINTS = BoundedMemo(1024, "joint graphs")
+
+
+def joint_graph(score: TracedMod | None) -> JointGraph | None:
+    """The score_mod's joint graph for the captured tensors that require grad now."""
+    if score is None:
+        return None
+    memo_key = (score.key, score.grad_buffers)
+    joint = _JOINTS.get(memo_key)
+    if joint is None:
+        joint = _JOINTS[memo_key] = derive(score)
+        debug(f"joint graph of score_mod {score.name}", joint.format())
+    return joint
+
+
+def int64_nodes_of(q, k, call: AttentionCall) -> tuple[str, ...]:
+    """The ``wide_ints`` of a backward spec: the INT nodes of the score_mod's joint graph
+    (and the mask_mod) that need int64 over this call's indices."""
+    domain = Domain(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    joint = joint_graph(call.score)
+    wide = set(mods_int64_nodes((call.mask,), domain))
+    if joint is not None:
+        dtypes = tuple(dtype for _, dtype in call.score.buffer_specs)
+        wide.update(int64_nodes(joint_roots(joint), dtypes, domain))
+    return tuple(sorted(wide))
+
+
+def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target,
+                  grad_out=None, fusable: bool = False, config: tuple | None = None,
+                  force_ds: bool = False) -> BackwardSpec:
+    """The backward variant for these inputs; ``grad_out`` (for the TMA decision) defaults
+    to a tensor laid out like q; ``fusable``: no captured tensor needs a gradient and dK, dV
+    are wanted (the dS workspace may be used); ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2,
+    BLOCK_N2, warps, stages) from the autotuning, else the defaults. Where the dS workspace
+    is used (``force_ds``: always, for the compile checks) both kernels take its tiles."""
+    e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
+    m1, n1, m2, n2, warps, stages = config or default_tiles(e_pad, q.dtype, target)
+    tma = use_tma(call, target, q, k, v, q if grad_out is None else grad_out)
+    spec = _tiled_spec(q, k, v, call, has_dlse, target, tma, (m1, n1, warps, stages),
+                       (m2, n2, warps, stages))
+    tiles = ds_workspace.tiles(target, e_pad, q.dtype)
+    if tiles is not None:
+        ds_spec = _tiled_spec(q, k, v, call, has_dlse, target, tma, *tiles, ds_dq=True)
+    else:
+        ds_spec = dataclasses.replace(spec, ds_dq=True)
+    if force_ds:
+        return ds_spec
+
+    def workspace() -> int:
+        _, slots = ds_workspace.bands_of(call.block_mask, q.shape[2], k.shape[2],
+                                         ds_spec.sparse_q, ds_spec.sparse_kv, q.device)
+        tile = ds_spec.sparse_q * ds_spec.sparse_kv * q.element_size()
+        return q.shape[0] * q.shape[1] * slots * tile
+    if ds_workspace.allowed(call, fusable, target, tma, e_pad, workspace, q.device):
+        return ds_spec
+    return spec
+
+
+def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target, tma: bool,
+                dkdv: tuple, dq: tuple, **mode) -> BackwardSpec:
+    """The BackwardSpec at the dK/dV kernel's (BLOCK_M1, BLOCK_N1, warps, stages) and the dQ
+    kernel's (BLOCK_M2, BLOCK_N2, warps, stages), bounded by the caller's kernel_options (the
+    forward's tiles bound both kernels', torch's BLOCK_M1..N2 set them; warps and stages are
+    pinned for both) and fitted to the mask's blocks; ``mode``: ds_dq."""
+    L, S = q.shape[2], k.shape[2]
+    (m1, n1, warps, stages), (m2, n2, dq_warps, dq_stages) = dkdv, dq
+    mask, options = call.block_mask, call.options.bwd
+    if options.block_m:
+        m1, m2 = min(m1, options.block_m), min(m2, options.block_m)
+    if options.block_n:
+        n1, n2 = min(n1, options.block_n), min(n2, options.block_n)
+    m1, n1 = options.block_m1 or m1, options.block_n1 or n1
+    m2, n2 = options.block_m2 or m2, options.block_n2 or n2
+    if options.num_warps:
+        warps = dq_warps = options.num_warps
+    if options.num_stages:
+        stages = dq_stages = options.num_stages
+    sparse_q, sparse_kv = mask_blocks(mask)
+    m1, m2 = _fit(m1, sparse_q, "query", call), _fit(m2, sparse_q, "query", call)
+    n1, n2 = _fit(n1, sparse_kv, "key", call), _fit(n2, sparse_kv, "key", call)
+    if mask is None:
+        sparse_q, sparse_kv = max(m1, m2), max(n1, n2)
+        walk_q, walk_kv = m1, n2
+    else:  # the kernels walk whole blocks: a ragged last block needs the bounds checks
+        walk_q, walk_kv = sparse_q, sparse_kv
+    return BackwardSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=q.shape[3], head_dim_v=v.shape[3],
+        block_m1=m1, block_n1=n1, block_m2=m2, block_n2=n2, num_warps=warps,
+        num_stages=stages, has_block_mask=mask is not None,
+        has_full_blocks=has_full_blocks(mask, "q"),
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l1=L % walk_q == 0, even_s1=S % n1 == 0,
+        even_l2=L % m2 == 0, even_s2=S % walk_kv == 0, gqa_group=call.gqa_group,
+        deterministic=call.options.deterministic, has_dlse=has_dlse,
+        input_precision=call.options.fp32_precision, target=target.name, use_tma=tma,
+        dq_warps=0 if dq_warps == warps else dq_warps,
+        dq_stages=0 if dq_stages == stages else dq_stages,
+        wide_ints=int64_nodes_of(q, k, call), **mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The tensors of one backward pass; ``grads``: the float32 (or int64 fixed-point)
+    accumulators of the captured tensors' gradients by slot."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    grad_out: torch.Tensor
+    grad_lse: torch.Tensor | None
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    grads: dict
+
+
+def make_steps(spec: BackwardSpec, module, name: str, x: Inputs, joint) -> tuple[Step, ...]:
+    """The launches in order, the dK/dV kernel always second: (dQ, dK/dV) or, with the dS
+    workspace, (delta, dK/dV storing dS, dQ from dS)."""
+    B, Hq, L, _ = x.q.shape
+    Hkv, S = x.k.shape[1], x.k.shape[2]
+    one = dscore_is_one(joint)
+    has_grads = bool(joint is not None and joint.grad_slots)
+    dq = Step(getattr(module, f"{name}_dq"), (cdiv(L, spec.block_m2), B * Hq),
+              spec.dq_constexprs(one, has_grads), spec.dq_launch_options())
+    dkdv = Step(getattr(module, f"{name}_dkdv"), (cdiv(S, spec.block_n1), B * Hkv),
+                spec.dkdv_constexprs(one), spec.launch_options())
+    if not spec.ds_dq:
+        return dq, dkdv
+    delta_block = 16 if spec.interpret else 64
+    delta = Step(module.flexfa_bwd_delta, (cdiv(L, delta_block), B * Hq),
+                 spec.delta_constexprs(delta_block), {"num_warps": 4})
+    return delta, dkdv, dq
+
+
+def descriptor_geometry(spec: BackwardSpec, x: Inputs) -> dict | None:
+    """The descriptors' (shape, strides, block) for q, dO, k and v (None without TMA)."""
+    if not spec.use_tma:
+        return None
+    e_pad, ev_pad = next_power_of_two(x.q.shape[3]), next_power_of_two(x.v.shape[3])
+    return {"q": geometry(x.q, spec.block_m1, e_pad),
+            "do": geometry(x.grad_out, spec.block_m1, ev_pad),
+            "k": geometry(x.k, spec.block_n2, e_pad), "v": geometry(x.v, spec.block_n2, ev_pad)}
+
+
+def step_args(plan, call: AttentionCall, x: Inputs) -> list[list]:
+    """Each step's arguments, in the order of ``make_steps``."""
+    spec, fixed = plan.spec, plan.fixed
+    B, Hq, L, _ = x.q.shape
+    S = x.k.shape[2]
+    device = x.q.device
+    lse = x.lse.contiguous()
+    delta = torch.empty(B, Hq, L, dtype=torch.float32, device=device)
+    dlse = x.grad_lse.float().contiguous() if x.grad_lse is not None else delta
+    mod_args = [a.detach() if isinstance(a, torch.Tensor) else a
+                for a in buffer_args(call.score) + buffer_args(call.mask)]
+    grad_args = [a for g in x.grads.values() for a in (g, *g.stride())]
+    scale = float(call.scale)
+    q_tables, kv_tables = fixed["tables"]
+    if spec.ds_dq:  # the workspace of block slots
+        band, slots = ds_workspace.bands_of(call.block_mask, L, S, spec.sparse_q,
+                                            spec.sparse_kv, device)
+        ds_rows = B * Hq * slots * spec.sparse_kv
+        ds = torch.empty(ds_rows * spec.sparse_q, dtype=x.q.dtype, device=device)
+        band_args = [band, *broadcast_strides(band)[:3], slots]
+    else:
+        ds_rows, ds = 1, delta
+        band_args = [dummy_table(device), 0, 0, 0, 0]
+    ds_store = ds_load = ds
+    geometry_ = fixed["geometry"]
+    if geometry_ is not None:
+        # a plan's first launch checks the descriptors; its key fixes what they read
+        kind = TrustedDescriptor if plan.steps[0].launched else TensorDescriptor
+        q_desc, do_desc = kind(x.q, *geometry_["q"]), kind(x.grad_out, *geometry_["do"])
+        k_desc, v_desc = kind(x.k, *geometry_["k"]), kind(x.v, *geometry_["v"])
+        if spec.ds_dq:  # the workspace's rows as dK/dV stores and dQ loads its tiles
+            view = ([ds_rows, spec.sparse_q], [spec.sparse_q, 1])
+            ds_store = kind(ds, *view, [spec.block_n1, spec.block_m1])
+            ds_load = kind(ds, *view, [spec.block_n2, spec.block_m2])
+    else:  # unused pointers in the kernels' descriptor slots
+        q_desc, do_desc, k_desc, v_desc = x.q, x.grad_out, x.k, x.v
+    # dq_acc and dq_desc: parameters of the removed fused kernel, unused (delta stands in)
+    dkdv = [x.q, x.k, x.v, x.grad_out, q_desc, do_desc, x.dk, x.dv, lse, delta, delta, delta,
+            ds, ds_store, *band_args, *x.q.stride(), *x.k.stride(), *x.v.stride(),
+            *x.grad_out.stride(), *x.dk.stride(), *x.dv.stride(), *q_tables, Hq, L, S, scale,
+            *mod_args]
+    dq = [x.q, x.k, x.v, x.grad_out, k_desc, v_desc, x.dq, lse, delta, x.out, dlse, ds, ds_load,
+          *band_args, *x.q.stride(), *x.k.stride(), *x.v.stride(), *x.grad_out.stride(),
+          *x.dq.stride(), *x.out.stride(), *kv_tables, Hq, L, S, scale, *mod_args, *grad_args]
+    if not spec.ds_dq:
+        return [dq, dkdv]
+    delta_args = [x.out, x.grad_out, dlse, delta, delta, *x.out.stride(), *x.grad_out.stride(),
+                  Hq, L]
+    return [delta_args, dkdv, dq]
+
+
+class Backward(KernelFamily):
+    name = "triton_bwd"
+    direction = "backward"
+
+    def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
+        joint = joint_graph(call.score)
+        config = self.choose_config(call, x, joint, fusable, target)
+        spec = backward_spec(x.q, x.k, x.v, call, has_dlse=x.grad_lse is not None,
+                             target=target, grad_out=x.grad_out, fusable=fusable, config=config)
+        plan = self.make_plan(spec, call, x, joint)
+        plans.keep(call, key, plan)
+        return self.run(plan, call, x, fusable, need_dkdv)
+
+    def make_plan(self, spec, call, x: Inputs, joint) -> plans.Plan:
+        module, name = generated_module(backward_kernel, spec, joint, call.score, call.mask)
+        tables = (table_args(call.block_mask, "q", x.q.device),
+                  table_args(call.block_mask, "kv", x.q.device))
+        return plans.Plan(self, spec, make_steps(spec, module, name, x, joint),
+                          {"tables": tables, "geometry": descriptor_geometry(spec, x)})
+
+    def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
+        args = step_args(plan, call, x)
+        for i, (step, step_args_) in enumerate(zip(plan.steps, args)):
+            if i != 1 or need_dkdv:  # the dK/dV kernel is always the second
+                step.launch(step_args_, x.q.device)
+
+    def choose_config(self, call, x: Inputs, joint, fusable: bool, target: Target):
+        """The tiles tuned per (target, head dims, dtype, mask density class, short/long kv
+        length) on sm_90, stored like the forward's (``autotune``); None (the defaults) when
+        not tuning: other GPUs, tiles pinned through kernel_options, FLEXFA_AUTOTUNE=0,
+        little work, or captured tensors needing gradients (their atomics would add up over
+        the timed runs)."""
+        q, k, v = x.q, x.k, x.v
+        e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
+        work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        candidates = HOPPER_BACKWARD_CANDIDATES.get(64 if e_pad <= 64 else 128, ())
+        if (not target.is_sm90 or q.dtype == torch.float32 or e_pad > 128
+                or call.options.bwd.pins_tiles or not autotune.enabled()
+                or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
+                or (joint is not None and joint.grad_slots)):
+            return None
+        key = autotune.tune_key("bwd", target.name, e_pad, next_power_of_two(v.shape[3]),
+                                DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
+                                k.shape[2])
+
+        def time_config(config) -> float:  # only called when no stored winner fits
+            # a dense upstream gradient, as most calls get it (``out.sum()`` gives a broadcast
+            # one, which would time the pointer loads instead of the descriptors)
+            timed = dataclasses.replace(x, grad_out=x.grad_out.contiguous(), grads={},
+                                        dq=torch.empty_like(q), dk=torch.empty_like(k),
+                                        dv=torch.empty_like(v))
+            spec = backward_spec(q, k, v, call, has_dlse=x.grad_lse is not None, target=target,
+                                 grad_out=timed.grad_out, fusable=fusable, config=config)
+            plan = self.make_plan(spec, call, timed, joint)
+            return triton.testing.do_bench(lambda: self.run(plan, call, timed, fusable, True),
+                                           warmup=5, rep=25, return_mode="median")
+        return autotune.tune(key, candidates, time_config, _label)
+
+
+def _label(config) -> str:
+    m1, n1, m2, n2, warps, stages = config
+    return f"{m1}x{n1}/{m2}x{n2} w{warps} s{stages}"
+
+
+BACKWARD = register(Backward())

@@ -1,0 +1,210 @@
+"""The Hopper forward family: ``fwd_hopper.tmpl`` (Q/K/V tiles through tensor descriptors,
+wgmma-sized tiles, one flat pipelined loop per block table, longest q tiles first).
+
+Applies on sm_90 to fp16/bf16 inputs with head dims 8..128 whose [B, H, len, dim] layout
+flattens to 16-byte aligned rows (what tensor descriptors need), unless kernel_options say
+``USE_TMA=False`` or split-KV decoding applies (the Ampere family splits). Under the
+interpreter it runs when forced (``BACKEND="HOPPER"`` or ``USE_TMA=True``): how CI tests it.
+Tiles are tuned per class on the GPU (``flexfa.runtime.autotune``); a config that does not fit
+the GPU's shared memory falls back to smaller ones at the first launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ...codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
+from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
+from ...errors import InputError
+from .. import autotune, plans
+from ..call import AttentionCall
+from ..debug import log
+from ..kernels import generated_kernel
+from ..launch import Step, TrustedDescriptor, cdiv
+from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
+from ..registry import KernelFamily, register
+from ..tables import buffer_args, largest_tile, mask_blocks, table_args
+from ..target import Target
+from .ampere import int64_nodes, wants_split
+
+# wider heads keep the Ampere family: at E = 256 this template compiles (196 KB of shared
+# memory) but spills about 600 bytes and was never measured on the H200
+MAX_HEAD_DIM = 128
+INTERPRET_CONFIG = (64, 64, 4, 1, 0)
+
+
+def _flat_rows(t: torch.Tensor) -> bool:
+    """[B, H, n, d] is a [B * H * n, d] matrix with 16-byte aligned rows."""
+    B, H, n, _ = t.shape
+    row = t.stride(2)
+    return (t.stride(3) == 1 and (row * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0 and (H == 1 or t.stride(1) == n * row)
+            and (B == 1 or t.stride(0) == H * n * row))
+
+
+def descriptor_layout_ok(*tensors) -> bool:
+    """fp16/bf16 ``[B, H, n, d]`` tensors (one dtype) that the Hopper templates can read
+    through tensor descriptors: 8 <= d <= MAX_HEAD_DIM, n > 0, and each a ``[B * H * n, d]``
+    matrix with 16-byte aligned rows."""
+    return tensors[0].dtype in (torch.float16, torch.bfloat16) and all(
+        8 <= t.shape[3] <= MAX_HEAD_DIM and t.shape[2] > 0 and _flat_rows(t) for t in tensors)
+
+
+def geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
+    """(shape, strides, block) of the tensor descriptor over the [B * H * n, d] view of t."""
+    B, H, n, d = t.shape
+    return [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad]
+
+
+def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, ...]]:
+    configs = autotune.HOPPER_CONFIGS[max(16, min(256, head_dim_pad))]
+    fitted = [c for c in configs
+              if sparse_q is None or (sparse_q % c[0] == 0 and sparse_kv % c[1] == 0)]
+    if fitted:
+        return fitted
+    # a block mask with small blocks: shrink the default's tiles to divide them
+    block_m, block_n, warps, stages, _ = configs[0]
+    return [(min(block_m, largest_tile(sparse_q)), min(block_n, largest_tile(sparse_kv)),
+             4, stages, 0)]
+
+
+def hopper_spec(q, k, v, call: AttentionCall, target: Target, config, return_lse: bool,
+                return_max: bool = False) -> KernelSpec:
+    L, E, S, Ev = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+    block_m, block_n, warps, stages, max_registers = config
+    mask = call.block_mask
+    if mask is not None:
+        sparse_q, sparse_kv = mask_blocks(mask)
+        if sparse_q % block_m or sparse_kv % block_n or block_m < 16 or block_n < 16:
+            raise InputError(f"block_mask has BLOCK_SIZE {tuple(mask.BLOCK_SIZE)}; kernel tiles "
+                             f"BLOCK_M={block_m}, BLOCK_N={block_n} must divide it and be >= 16")
+    else:
+        sparse_q, sparse_kv = block_m, block_n
+    return KernelSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m, block_n=block_n,
+        num_warps=warps, num_stages=stages, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        # EVEN_S also needs whole block-mask blocks: the flat loop visits every sub-tile of
+        # a block, and a sub-tile past S would read the next head's rows unmasked
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % sparse_kv == 0,
+        return_lse=return_lse, gqa_group=call.gqa_group,
+        input_precision=call.options.fp32_precision, target=target.name,
+        template=HOPPER_TEMPLATE, max_registers=max_registers, return_max=return_max,
+        wide_ints=int64_nodes(q, k, call))
+
+
+class HopperForward(KernelFamily):
+    name = "hopper"
+    direction = "forward"
+    priority = 10
+
+    def why_not(self, target: Target, call, q, k, v) -> str | None:
+        options = call.options
+        if options.fwd.use_tma is False:
+            return "kernel_options USE_TMA=False"
+        forced = options.backend == "HOPPER" or options.fwd.use_tma
+        if not (target.is_sm90 or (target.interpret and forced)):
+            return f"it runs on sm_90 (and under the interpreter when forced), not {target}"
+        if not descriptor_layout_ok(q, k, v):
+            return ("it needs fp16/bf16 q, k, v with head dims 8..128, each a [B * H * len, dim] "
+                    "matrix with 16-byte aligned rows")
+        if wants_split(call, target, q, k):
+            return "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
+        return None
+
+    def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
+        out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
+        config = self.choose_config(q, k, v, call, target, return_lse, out, lse)
+        pinned = autotune.Pinned.of(call.options.fwd)
+        error = None
+        # captured-tensor reads are pipelined through shared memory too, so a score_mod with a
+        # bias table can need more than the default tiles leave: smaller configs, not a failure
+        for tried in _smaller_configs(config, pinned):
+            plan = self.make_plan(q, k, v, call, target, tried, return_lse, return_max)
+            try:
+                self.launch(plan, call, q, k, v, out, lse, maxs)
+            except OutOfResources as exc:
+                error = exc
+                continue
+            if tried != config:
+                log.info("forward tiles %s do not fit this GPU (%s); using %s", config, error,
+                         tried)
+            plans.keep(call, key, plan)
+            return out, lse, maxs
+        raise InputError(
+            f"the forward kernel does not fit this GPU with tiles {config} or smaller ones: "
+            f"{error}; pass smaller BLOCK_M/BLOCK_N/num_stages in kernel_options") from error
+
+    def run(self, plan, call, q, k, v, return_lse, return_max):
+        out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
+        self.launch(plan, call, q, k, v, out, lse, maxs)
+        return out, lse, maxs
+
+    def make_plan(self, q, k, v, call, target, config, return_lse, return_max) -> plans.Plan:
+        spec = hopper_spec(q, k, v, call, target, config, return_lse, return_max)
+        B, Hq, L, _ = q.shape
+        kernel = generated_kernel(hopper_kernel, spec, call.score, call.mask)
+        step = Step(kernel, forward_grid(B * Hq, cdiv(L, spec.block_m), spec.has_block_mask),
+                    spec.constexprs(call.scores_first), spec.launch_options())
+        fixed = [*out_strides(q, v), *table_args(call.block_mask, "kv", q.device), Hq, L,
+                 k.shape[2]]
+        descriptors = (geometry(q, spec.block_m, spec.head_dim_pad),
+                       geometry(k, spec.block_n, spec.head_dim_pad),
+                       geometry(v, spec.block_n, spec.head_dim_v_pad))
+        return plans.Plan(self, spec, (step,), {"args": fixed, "descriptors": descriptors})
+
+    @staticmethod
+    def launch(plan, call, q, k, v, out, lse, maxs) -> None:
+        step = plan.steps[0]
+        # the descriptors' checks ran at the plan's first launch; its key fixes what they read
+        kind = TrustedDescriptor if step.launched else TensorDescriptor
+        (qs, qt, qb), (ks, kt, kb), (vs, vt, vb) = plan.fixed["descriptors"]
+        args = [kind(q, qs, qt, qb), kind(k, ks, kt, kb), kind(v, vs, vt, vb), out,
+                *stat_args(out, lse, maxs), *plan.fixed["args"], float(call.scale),
+                *buffer_args(call.score), *buffer_args(call.mask)]
+        step.launch(args, q.device)
+
+    def choose_config(self, q, k, v, call, target, return_lse, out, lse) -> tuple:
+        """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): pinned, stored, tuned now, or
+        the default."""
+        pinned = autotune.Pinned.of(call.options.fwd)
+        sparse = mask_blocks(call.block_mask)
+        if target.interpret:  # fixed tiles: the interpreter's cost is per tile
+            block_m, block_n, warps, stages, cap = INTERPRET_CONFIG
+            if sparse[0] is not None:
+                block_m = min(block_m, largest_tile(sparse[0]))
+                block_n = min(block_n, largest_tile(sparse[1]))
+            return pinned.apply((block_m, block_n, warps, stages, cap))
+        e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
+        candidates = _candidates(max(e_pad, ev_pad), *sparse)
+        work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        if (pinned.any or not autotune.enabled() or len(candidates) == 1
+                or work < autotune.MIN_TUNED_WORK):
+            return pinned.apply(candidates[0])
+        key = autotune.tune_key(HOPPER_TEMPLATE, target.name, e_pad, ev_pad,
+                                DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
+                                k.shape[2])
+
+        def time_config(config) -> float:
+            plan = self.make_plan(q, k, v, call, target, config, return_lse, False)
+            return triton.testing.do_bench(
+                lambda: self.launch(plan, call, q, k, v, out, lse, None),
+                warmup=5, rep=25, return_mode="median")
+        return autotune.tune(key, candidates, time_config)
+
+
+def _smaller_configs(config, pinned: autotune.Pinned):
+    """``config``, then one pipeline stage less at a time, then half the key tile: what to try
+    when the GPU cannot hold the one before. Fields the caller pinned stay as they are."""
+    block_m, block_n, warps, stages, cap = config
+    yield config
+    if pinned.num_stages is None:
+        for fewer in range(stages - 1, 0, -1):
+            yield block_m, block_n, warps, fewer, cap
+    if pinned.block_n is None and block_n > 32:
+        yield block_m, block_n // 2, warps, 1 if pinned.num_stages is None else stages, cap
+
+
+HOPPER = register(HopperForward())
