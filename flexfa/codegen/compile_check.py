@@ -148,13 +148,14 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
     """A builder compiling the forward kernel for these mods at default GPU tiles
     (``split_keys``: split-KV decoding's variant)."""
     def build(arch: int) -> CompileJob:
-        from ..runtime.forward import default_tiles
+        from ..runtime.families.ampere import default_tiles
+        from ..runtime.target import parse_target
         from .forward import forward_kernel, forward_signature
         from .spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 
         score, mask = traced_mods(score_mod, mask_mod)
-        block_m, block_n, warps, stages = default_tiles(next_power_of_two(head_dim),
-                                                        TORCH_DTYPES[dtype], f"cuda:{arch}")
+        block_m, block_n, warps, stages = default_tiles(
+            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"))
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
                           block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,

@@ -1,22 +1,31 @@
-"""Generating the forward kernel: fill ``fwd.tmpl`` with the rendered score_mod and mask_mod.
+"""Generating the forward kernels: their modules, and ``fwd.tmpl``'s.
 
 ``forward_kernel(spec, score, mask)`` returns the kernel's cache key, name and source; it is a
 pure function of the mods' IR (their ``TracedMod.key``: structure and buffer shapes/dtypes,
-never buffer values) and the ``KernelSpec``.
+never buffer values) and the ``KernelSpec``. ``forward_module`` builds the module of every
+forward template (fwd.tmpl, fwd_hopper.tmpl, fwd_fp8.tmpl): the spec's flags once at the top,
+the helpers, the kernel library (common.tmpl) and the forward library (fwd_common.tmpl)
+filled with the rendered mask_mod and score_mod, then the template itself.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from ..frontend.trace import TracedMod
+from .params import (INPUT, KernelParams, Param, as_tuple, captured, def_kernel, forward_params,
+                     table_names, unpack)
 from .render import BufferArgs, Leaves, buffer_args, needs_tile_broadcast, render_mod
 from .spec import KernelSpec, kernel_name, spec_key
-from .template import fill, load_template, template_hash
+from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
 
-FORWARD_TEMPLATES = ("fwd.tmpl", "helpers.tmpl")
-# names the hooks see inside the tile function of fwd.tmpl
+FORWARD_TEMPLATES = ("fwd.tmpl", "helpers.tmpl", "common.tmpl", "fwd_common.tmpl")
+# names the mods' code sees inside flexfa_score_mod and flexfa_mask_mod (fwd_common.tmpl,
+# common.tmpl)
 FORWARD_LEAVES = Leaves(score="score", b="off_b", h="off_h", q_idx="q_idx", kv_idx="kv_idx")
+# constexpr parameters of the forward kernels that are not module flags: the runtime launches
+# one module with either value
+LAUNCH_FLAGS = ("HAS_SCORE_MOD",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +34,27 @@ class GeneratedKernel:
     name: str  # the kernel function's name, also the file name
     source: str
     mods: str = ""  # the mods it was rendered from, for error messages ("score_mod 'alibi'")
+    # each kernel function of the module and its parameters (flexfa/codegen/params.py)
+    kernels: tuple[tuple[str, KernelParams], ...] = ()
+
+    def kernel_params(self, function: str | None = None) -> KernelParams:
+        """The parameters of the module's kernel ``function`` (default: the one named
+        ``name``)."""
+        found = dict(self.kernels)
+        function = function or self.name
+        assert function in found, (
+            f"module {self.name} has no kernel {function!r}; its kernels: {sorted(found)}")
+        return found[function]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The kernel's positional parameters, in order: what a launcher passes first."""
+        return self.kernel_params().names
+
+    @property
+    def constexpr_names(self) -> tuple[str, ...]:
+        """The kernel's constexpr parameters: what a launcher passes as keywords."""
+        return self.kernel_params().constexpr_names
 
 
 def describe_mods(score: TracedMod | None, mask: TracedMod | None) -> str:
@@ -42,6 +72,13 @@ def mod_buffer_args(score: TracedMod | None, mask: TracedMod | None
     mask_args = [buffer_args(i, len(shape), "mbuf")
                  for i, (shape, _) in enumerate(mask.buffer_specs)] if mask else []
     return score_args, mask_args
+
+
+def buffer_params(score: TracedMod | None, mask: TracedMod | None) -> tuple[Param, ...]:
+    """The kernel parameters of the mods' captured tensors (score_mod's, then mask_mod's)."""
+    score_args, mask_args = mod_buffer_args(score, mask)
+    return (captured(score_args, (dtype for _, dtype in score.buffer_specs) if score else ())
+            + captured(mask_args, (dtype for _, dtype in mask.buffer_specs) if mask else ()))
 
 
 def score_mod_code(score: TracedMod | None, args: list[BufferArgs], fast_math: bool = False,
@@ -77,70 +114,49 @@ def forward_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | Non
                     versions_key(), template_hash(*FORWARD_TEMPLATES))
 
 
-def mod_hooks(score: TracedMod | None, mask: TracedMod | None, fast_math: bool,
-              wide: tuple[str, ...] = ()) -> dict[str, str]:
-    """The hooks every forward-style template shares: helpers, captured-buffer parameters
-    and arguments, and the rendered score_mod / mask_mod (``wide``: the spec's
-    ``wide_ints``)."""
+def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: str,
+                   template: str, params: KernelParams, flags: dict[str, object],
+                   helpers: tuple[str, ...] = ("helpers.tmpl",), **hooks: str
+                   ) -> GeneratedKernel:
+    """The module of a forward kernel (fwd.tmpl, fwd_hopper.tmpl, fwd_fp8.tmpl): ``helpers``,
+    the kernel library (common.tmpl) and the forward library (fwd_common.tmpl) filled with
+    the mods, then ``template`` filled with ``hooks`` and the hooks every forward template
+    has. ``flags``: the module flags, the kernel's constexprs but the launch flags."""
+    name = kernel_name(spec, key)
     score_args, mask_args = mod_buffer_args(score, mask)
-    names = [p for args in (*score_args, *mask_args) for p in args.params]
-    return dict(
-        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
-        BUFFER_PARAMS="".join(f", {p}" for p in names),
-        BUFFER_ARGS="".join(f", {p}" for p in names),
-        SCORE_MOD=score_mod_code(score, score_args, fast_math=fast_math, wide=wide),
-        MASK_MOD=mask_mod_code(mask, mask_args, wide=wide),
-    )
+    score_names = [p for args in score_args for p in args.params]
+    mask_names = [p for args in mask_args for p in args.params]
+    common = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
+                  MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints))
+    library = fill(load_template("fwd_common.tmpl"), SCORE_BUFFERS=unpack(score_names, "sbufs"),
+                   SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret,
+                                            wide=spec.wide_ints))
+    checked = {n: flags[n] for n in params.constexpr_names if n not in LAUNCH_FLAGS}
+    kernel = fill(load_template(template), KERNEL_NAME=name,
+                  DEF_KERNEL=def_kernel(name, params, checked),
+                  TABLES=as_tuple(table_names("KV", "m", "n")), SBUFS=as_tuple(score_names),
+                  MBUFS=as_tuple(mask_names), **hooks)
+    source = module_source(f"flexfa generated forward kernel: {name}", flags, (name,),
+                           *(load_template(h) for h in helpers), common, library, kernel)
+    return GeneratedKernel(key, name, source, describe_mods(score, mask), ((name, params),))
+
+
+def module_flags(constexprs: dict[str, object]) -> dict[str, object]:
+    """A forward module's flags: its kernel's constexprs but the launch flags."""
+    return {name: value for name, value in constexprs.items() if name not in LAUNCH_FLAGS}
 
 
 def forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                    ) -> GeneratedKernel:
     """Key, name and source of the forward kernel for these mods and this spec."""
-    key = forward_key(spec, score, mask)
-    name = kernel_name(spec, key)
-    source = fill(load_template("fwd.tmpl"), KERNEL_NAME=name,
-                  **mod_hooks(score, mask, fast_math=not spec.interpret, wide=spec.wide_ints))
-    return GeneratedKernel(key, name, source, describe_mods(score, mask))
-
-
-_TRITON_TYPES = {"bool": "i1", "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32",
-                 "int64": "i64", "float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
-                 "float64": "fp64"}
-
-
-def buffer_signature(traced: TracedMod | None, args: list[BufferArgs]) -> dict[str, str]:
-    """Triton signature entries of a mod's captured tensors (for compile-only checks)."""
-    signature = {}
-    for arg, (_, dtype) in zip(args, traced.buffer_specs if traced else ()):
-        signature[arg.ptr] = "*" + _TRITON_TYPES[str(dtype).replace("torch.", "")]
-        signature.update({name: "i32" for name in (*arg.strides, *arg.sizes)})
-    return signature
+    return forward_module(spec, score, mask, forward_key(spec, score, mask), "fwd.tmpl",
+                          forward_params(False, buffer_params(score, mask)),
+                          module_flags(spec.constexprs(True)))
 
 
 def forward_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                       ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the forward kernel, for ``triton.compile(ASTSource(...))``."""
-    element = f"*{spec.dtype}"
-    signature = {"Q": element, "K": element, "V": element, "OUT": element, "LSE": "*fp32",
-                 "MAXS": "*fp32"}
-    for tensor, dims in (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd"), ("o", "bhmd")):
-        signature.update({f"stride_{tensor}{d}": "i32" for d in dims})
     constexprs = spec.constexprs(score is not None)
-    signature.update(tables_and_mods_signature(score, mask, constexprs))
-    return signature, constexprs
-
-
-def tables_and_mods_signature(score: TracedMod | None, mask: TracedMod | None,
-                              constexprs: dict[str, object]) -> dict[str, str]:
-    """The signature entries forward-style kernels share after their tensors and strides:
-    block-mask tables and strides, HQ/L/S/sm_scale, captured buffers, then constexprs."""
-    signature = {name: "*i32" for name in ("KV_NUM_BLOCKS", "KV_INDICES", "FULL_KV_NUM_BLOCKS",
-                                           "FULL_KV_INDICES")}
-    for table, dims in (("nb", "bhm"), ("ix", "bhmn"), ("fnb", "bhm"), ("fix", "bhmn")):
-        signature.update({f"stride_{table}_{d}": "i32" for d in dims})
-    signature.update(HQ="i32", L="i32", S="i32", sm_scale="fp32")
-    score_args, mask_args = mod_buffer_args(score, mask)
-    signature.update(buffer_signature(score, score_args))
-    signature.update(buffer_signature(mask, mask_args))
-    signature.update({name: "constexpr" for name in constexprs})
-    return signature
+    params = forward_params(False, buffer_params(score, mask))
+    return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

@@ -1,70 +1,43 @@
 """The Hopper (sm_90) forward template: filling ``fwd_hopper.tmpl`` and its compile checks.
 
-Same hooks and the same ``KernelSpec`` as the Ampere-class ``fwd.tmpl`` (with
-``template="fwd_hopper"``), so the score_mod and mask_mod code is rendered once by
-``flexfa.codegen.forward``; what differs is how tiles reach shared memory (host tensor
-descriptors, TMA), the flat pipelined block loop and the reversed q-tile order.
+Same hooks, libraries and ``KernelSpec`` as the Ampere-class ``fwd.tmpl`` (with
+``template="fwd_hopper"``; the module is built by ``flexfa.codegen.forward.forward_module``);
+what differs is how tiles reach shared memory (host tensor descriptors, TMA), the flat
+pipelined block loop and the reversed q-tile order.
 """
 from __future__ import annotations
 
-import os
-
 from ..frontend.trace import TracedMod
-from .forward import (GeneratedKernel, describe_mods, forward_signature, mask_mod_code,
-                      mod_buffer_args, score_mod_code)
-from .spec import KernelSpec, kernel_name, spec_key
-from .template import fill, load_template, template_hash
+from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
+from .params import INPUT, forward_params
+from .spec import KernelSpec, spec_key
+from .template import template_hash
 from .versions import versions_key
 
 HOPPER_TEMPLATE = "fwd_hopper"
-HOPPER_TEMPLATES = ("fwd_hopper.tmpl", "helpers.tmpl")
-# RESCALE_THRESHOLD of fwd_hopper.tmpl: 0 rescales on every tile, 8 only when a row max grew
-# by more than 2**8 (measured on the H200: see docs/performance.md)
-RESCALE_THRESHOLD = int(os.environ.get("FLEXFA_RESCALE_THRESHOLD", "0"))
+HOPPER_TEMPLATES = ("fwd_hopper.tmpl", "helpers.tmpl", "common.tmpl", "fwd_common.tmpl")
 
 
 def hopper_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
     return spec_key(spec, score.key if score else "-", mask.key if mask else "-",
-                    versions_key(), template_hash(*HOPPER_TEMPLATES),
-                    f"rescale={RESCALE_THRESHOLD}")
+                    versions_key(), template_hash(*HOPPER_TEMPLATES))
 
 
 def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                   ) -> GeneratedKernel:
     """Key, name (``flexfa_fwd_hopper_d128_bf16_<hash>``) and source of the Hopper forward."""
     assert spec.template == HOPPER_TEMPLATE, f"spec is for template {spec.template!r}"
-    key = hopper_key(spec, score, mask)
-    name = kernel_name(spec, key)
-    score_args, mask_args = mod_buffer_args(score, mask)
-    names = "".join(f", {p}" for args in (*score_args, *mask_args) for p in args.params)
-    source = fill(
-        load_template("fwd_hopper.tmpl"),
-        KERNEL_NAME=name,
-        HELPERS=load_template("helpers.tmpl").rstrip("\n"),
-        # the running max is the row max only when every tile rescales
-        RESCALE_THRESHOLD="0" if spec.return_max else str(RESCALE_THRESHOLD),
-        BUFFER_PARAMS=names,
-        BUFFER_ARGS=names,
-        SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret,
-                                 wide=spec.wide_ints),
-        MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints),
-    )
-    return GeneratedKernel(key, name, source, describe_mods(score, mask))
+    return forward_module(spec, score, mask, hopper_key(spec, score, mask), "fwd_hopper.tmpl",
+                          forward_params(True, buffer_params(score, mask)),
+                          module_flags(spec.constexprs(True)))
 
 
 def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                      ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the Hopper forward, for ``triton.compile(ASTSource(...))``."""
-    ampere, constexprs = forward_signature(spec, score, mask)
-    signature = {
-        "Q_DESC": f"tensordesc<{spec.dtype}[{spec.block_m}, {spec.head_dim_pad}]>",
-        "K_DESC": f"tensordesc<{spec.dtype}[{spec.block_n}, {spec.head_dim_pad}]>",
-        "V_DESC": f"tensordesc<{spec.dtype}[{spec.block_n}, {spec.head_dim_v_pad}]>",
-    }
-    dropped = {"Q", "K", "V", *(f"stride_{t}{d}" for t, dims in
-                                (("q", "bhmd"), ("k", "bhnd"), ("v", "bhnd")) for d in dims)}
-    signature.update({k: v for k, v in ampere.items() if k not in dropped})
-    return signature, constexprs
+    constexprs = spec.constexprs(score is not None)
+    params = forward_params(True, buffer_params(score, mask))
+    return params.signature(constexprs, {INPUT: spec.dtype}), constexprs
 
 
 # ---- compile-only checks (python -m flexfa compile-check) ----------------------------------

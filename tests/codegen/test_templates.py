@@ -29,3 +29,18 @@ def test_templates_call_no_standard_library_jit_function():
                 if name in banned:
                     found.append(f"{path.name}:{number}: tl.{name}")
     assert not found, "standard-library @jit functions in templates: " + ", ".join(found)
+
+
+def test_every_template_of_a_module_is_in_its_key():
+    """A generated module's cache key hashes every template the module is built from (an
+    edited library template must not reuse kernels built from the old one)."""
+    from test_params import _generated
+
+    from flexfa.codegen import forward, fp8, hopper
+
+    keyed = {"fwd": forward.FORWARD_TEMPLATES, "fwd_hopper": hopper.HOPPER_TEMPLATES,
+             "fwd_fp8": fp8.FP8_TEMPLATES, "quantize": fp8.QUANTIZE_TEMPLATES}
+    for module, generated in _generated().items():
+        used = re.findall(r"^# Template: flexfa/codegen/templates/(\w+\.tmpl)",
+                          generated.source, re.M)
+        assert "helpers.tmpl" in used and set(used) <= set(keyed[module]), (module, used)
