@@ -1,12 +1,13 @@
 """Filling the backward templates: a score_mod's joint graph and a mask_mod -> Triton source.
 
-The generated module holds the kernels (helpers.tmpl and bwd_common.tmpl first):
+The generated module holds the kernels (helpers.tmpl, common.tmpl and bwd_common.tmpl first):
 ``<name>_dq`` (bwd_dq.tmpl, run first: it also stores delta = rowsum(dO * O) - dlse and
 accumulates captured-tensor gradients; with ``ds_dq`` it runs last and reads the dS that
-``<name>_dkdv`` stored), ``<name>_dkdv`` (bwd_dkdv.tmpl), ``flexfa_bwd_delta`` (first, for
-``ds_dq`` and the opt-in fused kernel) and ``flexfa_bwd_dq_convert`` (fused). Rendering is a
+``<name>_dkdv`` stored), ``<name>_dkdv`` (bwd_dkdv.tmpl) and ``flexfa_bwd_delta`` (first,
+for ``ds_dq``). Rendering is a
 pure function of the score_mod's IR with its grad slots, the mask_mod's IR and the
-``BackwardSpec``; the spec's fields reach the kernels as constexpr launch arguments.
+``BackwardSpec``; the spec's fields are the module's flags (``backward_flags``) and reach the
+kernels as constexpr launch arguments too.
 """
 from __future__ import annotations
 
@@ -16,13 +17,21 @@ import hashlib
 from ..frontend.grad import JointGraph
 from ..frontend.ir import Node, Op
 from ..frontend.trace import TracedMod
-from .forward import GeneratedKernel, describe_mods, mod_buffer_args
+from .forward import GeneratedKernel, buffer_params, describe_mods, mod_buffer_args
+from .params import (KernelParams, Param, as_tuple, def_kernel, delta_params, dkdv_params,
+                     dq_params, gradients, table_names, unpack)
 from .render import Leaves, buffer_args, leaf_ops, needs_tile_broadcast, render_mod
 from .spec import TORCH_DTYPES, INTERPRET, next_power_of_two
-from .template import fill, load_template, template_hash
+from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
 
-BACKWARD_TEMPLATES = ("helpers.tmpl", "bwd_common.tmpl", "bwd_dq.tmpl", "bwd_dkdv.tmpl")
+BACKWARD_TEMPLATES = ("helpers.tmpl", "common.tmpl", "bwd_common.tmpl", "bwd_dq.tmpl",
+                      "bwd_dkdv.tmpl")
+# the module flags of each kernel's tile constexprs (bwd_common.tmpl); None: a launch flag
+_DQ_TILE = {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2", "EVEN_L": "EVEN_L2", "EVEN_S": "EVEN_S2"}
+_DKDV_TILE = {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1", "EVEN_L": "EVEN_L1",
+              "EVEN_S": "EVEN_S1"}
+_ROW_KERNEL = {"BLOCK_M": None}  # the delta kernel's rows per program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +69,7 @@ class BackwardSpec:
     input_precision: str
     target: str
     use_tma: bool = False  # Q/dO and K/V tiles through tensor descriptors (sm_90)
-    # dQ produced by the dK/dV kernel (float32 atomics, then a convert kernel): no dQ kernel
+    # removed (docs/performance.md, tried and rejected): must be False
     fused_dq: bool = False
     # dQ from dS: the dK/dV kernel stores dS in a workspace, the dQ kernel runs last and does
     # one GEMM per tile (dS @ K) instead of three; delta comes from the delta kernel
@@ -74,7 +83,7 @@ class BackwardSpec:
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
-        assert not (self.fused_dq and self.ds_dq), "fused_dq and ds_dq exclude each other"
+        assert not self.fused_dq, "the fused dK/dV + dQ kernel (fused_dq) was removed"
         for block, tile in ((self.sparse_q, self.block_m1), (self.sparse_kv, self.block_n1),
                             (self.sparse_q, self.block_m2), (self.sparse_kv, self.block_n2)):
             assert block % tile == 0, f"block-mask block {block} is not a multiple of tile {tile}"
@@ -93,9 +102,8 @@ class BackwardSpec:
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
-                    EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, FUSED_DQ=self.fused_dq,
-                    DQ_REDUCE_TMA=self.fused_dq and self.use_tma and not self.interpret,
-                    STORE_DS=self.ds_dq, DS_TMA=self.ds_dq and self.use_tma, **self._common())
+                    EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
+                    DS_TMA=self.ds_dq and self.use_tma, **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,
@@ -106,12 +114,7 @@ class BackwardSpec:
 
     def delta_constexprs(self, block_m: int) -> dict:
         return dict(BLOCK_M=block_m, EV=self.head_dim_v,
-                    EV_PAD=next_power_of_two(self.head_dim_v), HAS_DLSE=self.has_dlse,
-                    ZERO_DQ=self.fused_dq, E=self.head_dim,
-                    E_PAD=next_power_of_two(self.head_dim))
-
-    def convert_constexprs(self, block_m: int) -> dict:
-        return dict(BLOCK_M=block_m, E=self.head_dim, E_PAD=next_power_of_two(self.head_dim))
+                    EV_PAD=next_power_of_two(self.head_dim_v), HAS_DLSE=self.has_dlse)
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -133,33 +136,85 @@ def backward_key(spec: BackwardSpec, joint: JointGraph | None, score: TracedMod 
 def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedMod | None,
                     mask: TracedMod | None) -> GeneratedKernel:
     """Key, name (``flexfa_bwd_d64_bf16_<hash>``) and source of the backward module; its
-    kernels are ``flexfa_bwd_delta``, ``<name>_dkdv`` and ``<name>_dq``."""
+    kernels are ``flexfa_bwd_delta``, ``<name>_dq`` and ``<name>_dkdv``."""
     key = backward_key(spec, joint, score, mask)
     name = f"flexfa_bwd_d{spec.head_dim}_{spec.dtype}_{key[:12]}"
     score_args, mask_args = mod_buffer_args(score, mask)
     grad_slots = joint.grad_slots if joint is not None else ()
     grad_args = {s: buffer_args(s, len(score.buffer_specs[s][0]), "gbuf") for s in grad_slots}
-    mod_params = "".join(", " + p for a in score_args + mask_args for p in a.params)
-    grad_params = "".join(f", {a.ptr}" + "".join(f", {s}" for s in a.strides)
-                          for a in grad_args.values())
-    mask_code = _mask_code(mask, mask_args, spec.wide_ints)
+    score_names = [p for args in score_args for p in args.params]
+    mask_names = [p for args in mask_args for p in args.params]
+    grads = gradients(grad_args.values(), "i64" if spec.deterministic else "fp32")
+    grad_names = [p.name for p in grads]
+    kernels = _kernel_params(spec, buffer_params(score, mask), grads, name)
+    checks = _kernel_flags(spec, joint, name)
+    shared = dict(SBUFS=as_tuple(score_names), MBUFS=as_tuple(mask_names),
+                  SCORE_BUFFERS=unpack(score_names, "sbufs"))
     fast_math = not spec.interpret
     dq = fill(load_template("bwd_dq.tmpl"), KERNEL_NAME=name,
-              BUFFER_PARAMS=mod_params + grad_params, BUFFER_ARGS=mod_params + grad_params,
-              SCORE_JOINT=_score_code(joint, score, score_args, True, fast_math,
-                                      spec.wide_ints), MASK_MOD=mask_code,
-              BUFFER_GRADS=_buffer_grad_code(joint, score_args, grad_args))
-    dkdv = fill(load_template("bwd_dkdv.tmpl"), KERNEL_NAME=name, BUFFER_PARAMS=mod_params,
-                BUFFER_ARGS=mod_params, SCORE_JOINT=_score_code(joint, score, score_args, False,
-                                                                fast_math, spec.wide_ints),
-                MASK_MOD=mask_code)
-    text = "\n\n".join([
-        f"# flexfa generated backward kernels: {name}\n"
-        f"# score_mod: {score.name if score else None}; mask_mod: {mask.name if mask else None}\n"
-        "import triton\nimport triton.language as tl",
-        load_template("helpers.tmpl").rstrip("\n"), load_template("bwd_common.tmpl").rstrip("\n"),
-        dq.rstrip("\n"), dkdv])
-    return GeneratedKernel(key, name, text, describe_mods(score, mask))
+              DEF_KERNEL=def_kernel(f"{name}_dq", kernels[f"{name}_dq"], checks[f"{name}_dq"]),
+              TABLES=as_tuple(table_names("KV", "m", "n")), GBUFS=as_tuple(grad_names),
+              GRAD_BUFFERS=unpack(grad_names, "gbufs"),
+              SCORE_JOINT=_score_code(joint, score, score_args, True, fast_math, spec.wide_ints),
+              BUFFER_GRADS=_buffer_grad_code(joint, score_args, grad_args), **shared)
+    dkdv = fill(load_template("bwd_dkdv.tmpl"), KERNEL_NAME=name,
+                DEF_KERNEL=def_kernel(f"{name}_dkdv", kernels[f"{name}_dkdv"],
+                                      checks[f"{name}_dkdv"]),
+                TABLES=as_tuple(table_names("Q", "n", "m")),
+                SCORE_JOINT=_score_code(joint, score, score_args, False, fast_math,
+                                        spec.wide_ints), **shared)
+    common = fill(load_template("bwd_common.tmpl"),
+                  DEF_DELTA=def_kernel("flexfa_bwd_delta", kernels["flexfa_bwd_delta"],
+                                       checks["flexfa_bwd_delta"]))
+    library = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
+                   MASK_MOD=_mask_code(mask, mask_args, spec.wide_ints))
+    title = (f"flexfa generated backward kernels: {name}\n# score_mod: "
+             f"{score.name if score else None}; mask_mod: {mask.name if mask else None}")
+    source = module_source(title, backward_flags(spec, joint), tuple(kernels),
+                           load_template("helpers.tmpl"), library, common, dq, dkdv)
+    return GeneratedKernel(key, name, source, describe_mods(score, mask),
+                           tuple(kernels.items()))
+
+
+def _kernel_params(spec: BackwardSpec, buffers: tuple[Param, ...], grads: tuple[Param, ...],
+                   name: str) -> dict[str, KernelParams]:
+    """Each kernel of the backward module and its parameters."""
+    ds_tma = spec.ds_dq and spec.use_tma
+    return {f"{name}_dq": dq_params(spec.use_tma, ds_tma, buffers + grads),
+            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers),
+            "flexfa_bwd_delta": delta_params()}
+
+
+def _kernel_constexprs(spec: BackwardSpec, joint: JointGraph | None):
+    """(kernel suffix, its constexprs, their module flags) of each kernel; the rows of the
+    delta kernel are a launch choice (``block_m``: any value here)."""
+    one, grads = dscore_is_one(joint), bool(joint is not None and joint.grad_slots)
+    return (("_dq", spec.dq_constexprs(one, grads), _DQ_TILE),
+            ("_dkdv", spec.dkdv_constexprs(one), _DKDV_TILE),
+            ("flexfa_bwd_delta", spec.delta_constexprs(0), _ROW_KERNEL))
+
+
+def backward_flags(spec: BackwardSpec, joint: JointGraph | None) -> dict[str, object]:
+    """The module flags of a backward module: every kernel's constexprs, the tiles of the dQ
+    and dK/dV kernels under their own names (BLOCK_M2, BLOCK_M1, ...), without the delta
+    kernel's rows."""
+    flags: dict[str, object] = {}
+    for _, constexprs, renames in _kernel_constexprs(spec, joint):
+        for name, value in constexprs.items():
+            flag = renames.get(name, name)
+            if flag is not None:
+                assert flags.get(flag, value) == value, (
+                    f"backward kernels disagree on {flag}: {flags[flag]!r} and {value!r}")
+                flags[flag] = value
+    return flags
+
+
+def _kernel_flags(spec: BackwardSpec, joint: JointGraph | None, name: str
+                  ) -> dict[str, dict[str, object]]:
+    """The constexpr values each kernel's compile-time check expects: all but launch flags."""
+    return {(name + kernel if kernel.startswith("_") else kernel):
+            {n: v for n, v in constexprs.items() if renames.get(n, n) is not None}
+            for kernel, constexprs, renames in _kernel_constexprs(spec, joint)}
 
 
 def dscore_is_one(joint: JointGraph | None) -> bool:
@@ -242,7 +297,7 @@ def _buffer_grad_code(joint: JointGraph | None, args, grad_args) -> str:
         offset = " + ".join(f"flexfa_index(load{i}_idx{d}, {size}) * {stride}"
                             for d, (size, stride) in enumerate(zip(size_names, grad.strides)))
         pointer = f"{grad.ptr} + {offset}" if offset else grad.ptr
-        lines.append(f"flexfa_grad_add({pointer}, {value}, DETERMINISTIC)")
+        lines.append(f"flexfa_grad_add({pointer}, {value})")
     return "\n".join(lines)
 
 
@@ -252,56 +307,48 @@ _SIGNATURE_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32",
                     "int32": "*i32", "int64": "*i64", "bool": "*i1", "uint8": "*u8", "int8": "*i8"}
 
 
-def launch_signature(kernel, args, constexprs) -> dict[str, str]:
-    """Triton signature of a launch: pointer types from the tensors, tensordesc<...> from
-    tensor descriptors, i32/fp32 for scalars."""
-    values = iter(args)
+def launch_signature(params: KernelParams, args) -> dict[str, str]:
+    """Triton signature of a launch of the kernel with ``params``: pointer types from the
+    tensors, tensordesc<...> from tensor descriptors, i32/fp32 for scalars."""
+    assert len(args) == len(params.names), (
+        f"{len(args)} launch arguments for the {len(params.names)} parameters {params.names}")
     signature = {}
-    for param in kernel.params:
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            continue
-        value = next(values)
+    for name, value in zip(params.names, args):
         if hasattr(value, "block_shape"):  # a tensor descriptor
             element = _SIGNATURE_TYPES[str(value.base.dtype).replace("torch.", "")][1:]
-            signature[param.name] = f"tensordesc<{element}{list(value.block_shape)}>"
+            signature[name] = f"tensordesc<{element}{list(value.block_shape)}>"
         elif hasattr(value, "dtype"):
-            signature[param.name] = _SIGNATURE_TYPES[str(value.dtype).replace("torch.", "")]
+            signature[name] = _SIGNATURE_TYPES[str(value.dtype).replace("torch.", "")]
         else:
-            signature[param.name] = "fp32" if isinstance(value, float) else "i32"
-    return signature
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    return signature | {name: "constexpr" for name in params.constexpr_names}
 
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 fused: bool = False, ragged: bool = True, ds: bool = False):
+                 ragged: bool = True, ds: bool = False):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
-    ``fused``: "delta", "dkdv" or "convert"; with ``ds`` (dQ from the stored dS): "delta",
-    "dkdv" or "dq") kernel of these mods at the default GPU tiles;
-    example launch arguments are tiny CPU tensors of the right dtypes (only their types reach
-    the signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
+    ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
+    default GPU tiles, launched as the runtime's backward family launches it; example launch
+    arguments are tiny CPU tensors of the right dtypes (only their types reach the
+    signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
     False: the benchmark's lengths."""
-    # launch order: dQ, dK/dV; fused: delta, dK/dV + dQ, dQ's conversion; ds: delta, dK/dV
-    # (storing dS), dQ from dS
-    if fused and ds:
-        raise ValueError("fused and ds exclude each other")
-    order = ("delta", "dkdv", "convert") if fused else ("delta", "dkdv", "dq") if ds else (
-        "dq", "dkdv")
+    # launch order: dQ, dK/dV; ds: delta, dK/dV (storing dS), dQ from dS
+    order = ("delta", "dkdv", "dq") if ds else ("dq", "dkdv")
     if which not in order:
-        raise ValueError(f"which must be one of {order} (fused={fused}, ds={ds}), got "
-                         f"{which!r}")
+        raise ValueError(f"which must be one of {order} (ds={ds}), got {which!r}")
 
     def build(arch: int):
         import torch
 
         from ..blockmask import create_block_mask
-        from ..runtime.backward import backward_launches, backward_spec, joint_graph
-        from ..runtime.cache import get_module
-        from ..runtime.forward import AttentionCall
+        from ..runtime.call import AttentionCall
+        from ..runtime.families.backward import (BACKWARD, Inputs, backward_spec, joint_graph,
+                                                 step_args)
         from ..runtime.options import KernelOptions
         from ..runtime.pipeline import prepare_mask, prepare_score_mod
+        from ..runtime.target import parse_target
         from .compile_check import CompileJob
-        from .spec import TORCH_DTYPES
 
         torch_dtype, hkv, length = TORCH_DTYPES[dtype], 2, 256
         q = torch.zeros(1, hkv * gqa_group, length, head_dim, dtype=torch_dtype)
@@ -311,25 +358,24 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic), gqa_group)
-        spec = backward_spec(q, k, v, call, has_dlse=True, target=f"cuda:{arch}",
+        spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
                              force_ds=ds)
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)
-        spec = dataclasses.replace(spec, fused_dq=fused)
         joint = joint_graph(call.score)
-        generated = backward_kernel(spec, joint, call.score, call.mask)
-        module = get_module(generated.name, generated.key, False, lambda: generated.source)
         out, lse = torch.zeros_like(q[..., :v.shape[3]]), torch.zeros(q.shape[:3])
         grads = {s: torch.zeros(call.score.buffers[s].shape,
                                 dtype=torch.int64 if deterministic else torch.float32)
                  for s in (joint.grad_slots if joint else ())}
-        launches = backward_launches(spec, module, generated.name, q, k, v, out, lse, out, lse,
-                                     call, joint, grads, q, k, v)
-        launch = launches[order.index(which)]
-        return CompileJob(launch.kernel, launch_signature(launch.kernel, launch.args,
-                                                          launch.constexprs),
-                          launch.constexprs, launch.options, generated.name)
+        inputs = Inputs(q, k, v, out, lse, out, lse, q, k, v, grads)
+        plan = BACKWARD.make_plan(spec, call, inputs, joint)
+        step = plan.steps[order.index(which)]
+        args = step_args(plan, call, inputs)[order.index(which)]
+        generated = backward_kernel(spec, joint, call.score, call.mask)
+        params = generated.kernel_params(step.kernel.fn.__name__)
+        return CompileJob(step.kernel, launch_signature(params, args), step.constexprs,
+                          step.options, generated.name)
     return build
 
 
@@ -361,11 +407,6 @@ def _register_compile_checks() -> None:
     for label, kwargs in variants.items():
         for which in ("dkdv", "dq"):
             check.register(f"bwd_{which}_{label}", backward_job(which, **kwargs))
-    # the fused dK/dV + dQ kernel (TMA reduce-add of dQ on sm_90) and its conversion
-    for label, kwargs in {"d128_bf16_causal": dict(head_dim=128, dtype="bf16", mask_mod=causal),
-                          "d64_bf16_dense": dict(head_dim=64, dtype="bf16")}.items():
-        check.register(f"bwd_fused_dkdv_{label}", backward_job("dkdv", fused=True, **kwargs))
-    check.register("bwd_fused_convert_d128_bf16", backward_job("convert", 128, "bf16", fused=True))
     # dQ from the stored dS (the sm_90 default at head dim 128): dK/dV storing dS, dQ from it
     for which in ("dkdv", "dq"):
         check.register(f"bwd_ds_{which}_d128_bf16_causal",

@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flexfa.codegen.backward import BackwardSpec, backward_flags, backward_kernel
 from flexfa.codegen.forward import LAUNCH_FLAGS, forward_kernel, forward_signature
 from flexfa.codegen.fp8 import (FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                                quantize_kernel)
@@ -31,6 +32,12 @@ FP8_SPEC = FP8KernelSpec(out_dtype="bf16", head_dim=64, head_dim_v=64, block_m=3
                          num_warps=4, num_stages=1, has_block_mask=False, has_full_blocks=False,
                          sparse_q=32, sparse_kv=32, scale_q=64, scale_kv=64, even_l=False,
                          even_s=False, return_lse=True, gqa_group=1, target="interpret")
+BWD_SPEC = BackwardSpec(dtype="fp16", head_dim=64, head_dim_v=64, block_m1=16, block_n1=32,
+                        block_m2=32, block_n2=16, num_warps=4, num_stages=1,
+                        has_block_mask=True, has_full_blocks=False, sparse_q=64, sparse_kv=64,
+                        even_l1=True, even_s1=False, even_l2=False, even_s2=True, gqa_group=1,
+                        deterministic=True, has_dlse=True, input_precision="ieee",
+                        target="interpret")
 
 
 def _mods():
@@ -51,7 +58,8 @@ def _generated() -> dict:
     return {"fwd": forward_kernel(SPEC, score, mask),
             "fwd_hopper": hopper_kernel(dataclasses.replace(SPEC, template=HOPPER_TEMPLATE),
                                         score, mask),
-            "fwd_fp8": fp8_forward_kernel(FP8_SPEC, score, None), "quantize": quantize_kernel()}
+            "fwd_fp8": fp8_forward_kernel(FP8_SPEC, score, None), "quantize": quantize_kernel(),
+            "bwd": backward_kernel(BWD_SPEC, None, None, mask)}
 
 
 def test_every_kernel_def_is_its_description():
@@ -74,6 +82,15 @@ def test_generated_kernel_names_its_arguments():
         "HQ", "L", "S", "sm_scale", "sbuf0_ptr", "sbuf0_stride0", "sbuf0_stride1",
         "sbuf0_size0", "sbuf0_size1", "mbuf0_ptr", "mbuf0_stride0", "mbuf0_size0")
     assert set(generated.constexpr_names) == set(SPEC.constexprs(True))
+    backward = backward_kernel(BWD_SPEC, None, None, mask)
+    assert {f for f, _ in backward.kernels} == {
+        f"{backward.name}_dq", f"{backward.name}_dkdv", "flexfa_bwd_delta"}
+    assert set(backward.kernel_params(f"{backward.name}_dq").constexpr_names) == set(
+        BWD_SPEC.dq_constexprs(True, False))
+    assert set(backward.kernel_params(f"{backward.name}_dkdv").constexpr_names) == set(
+        BWD_SPEC.dkdv_constexprs(True))
+    with pytest.raises(AssertionError, match="has no kernel"):
+        backward.params  # several kernels: name one
 
 
 def test_signatures_come_from_the_description():
@@ -115,7 +132,7 @@ def _documented(templates: list[str], flag: str) -> list[str]:
     return [t for t in templates if pattern.search(_header(t))]
 
 
-@pytest.mark.parametrize("module", ["fwd", "fwd_hopper", "fwd_fp8"])
+@pytest.mark.parametrize("module", ["fwd", "fwd_hopper", "fwd_fp8", "bwd"])
 def test_every_module_flag_is_documented_once_at_the_top_of_a_template(module):
     generated = _generated()[module]
     flags = re.findall(r"^(\w+) = tl\.constexpr\(", generated.source, re.M)
@@ -137,6 +154,15 @@ def test_helpers_read_module_flags_instead_of_taking_them():
             flags = [a.arg for a in node.args.args if a.annotation is not None]
             if name not in kernels:
                 assert len(flags) <= 6, (name, flags)
+
+
+def test_backward_flags_name_each_kernels_tiles():
+    flags = backward_flags(BWD_SPEC, None)
+    assert (flags["BLOCK_M1"], flags["BLOCK_N1"], flags["BLOCK_M2"], flags["BLOCK_N2"]) == (
+        16, 32, 32, 16)
+    assert (flags["EVEN_L1"], flags["EVEN_S1"], flags["EVEN_L2"], flags["EVEN_S2"]) == (
+        True, False, False, True)
+    assert "BLOCK_M" not in flags and flags["DETERMINISTIC"] is True
 
 
 def _launch_forward(module, name, constexprs):

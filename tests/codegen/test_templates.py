@@ -36,10 +36,11 @@ def test_every_template_of_a_module_is_in_its_key():
     edited library template must not reuse kernels built from the old one)."""
     from test_params import _generated
 
-    from flexfa.codegen import forward, fp8, hopper
+    from flexfa.codegen import backward, forward, fp8, hopper
 
     keyed = {"fwd": forward.FORWARD_TEMPLATES, "fwd_hopper": hopper.HOPPER_TEMPLATES,
-             "fwd_fp8": fp8.FP8_TEMPLATES, "quantize": fp8.QUANTIZE_TEMPLATES}
+             "fwd_fp8": fp8.FP8_TEMPLATES, "quantize": fp8.QUANTIZE_TEMPLATES,
+             "bwd": backward.BACKWARD_TEMPLATES}
     for module, generated in _generated().items():
         used = re.findall(r"^# Template: flexfa/codegen/templates/(\w+\.tmpl)",
                           generated.source, re.M)
