@@ -4,7 +4,7 @@ import math
 import os
 import shutil
 
-from flexfa import bench
+from flexfa import bench, bench_cases
 
 
 def _row(impl, variant, ms, pass_="fwd", S=2048, D=64):
@@ -35,17 +35,17 @@ def test_rows_with_errors_are_left_out_of_the_summary(capsys):
 
 
 def test_source_digest_names_the_package_files(tmp_path, monkeypatch):
-    digest = bench.source_digest()
-    assert len(digest) == 64 and digest == bench.source_digest()
+    digest = bench_cases.source_digest()
+    assert len(digest) == 64 and digest == bench_cases.source_digest()
     # a copy of the package with one template byte changed has another digest
     copy = tmp_path / "flexfa"
-    shutil.copytree(os.path.dirname(bench.__file__), copy,
+    shutil.copytree(os.path.dirname(bench_cases.__file__), copy,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(bench, "__file__", str(copy / "bench.py"))
-    assert bench.source_digest() == digest
+    monkeypatch.setattr(bench_cases, "__file__", str(copy / "bench_cases.py"))
+    assert bench_cases.source_digest() == digest
     template = next((copy / "codegen" / "templates").glob("*.tmpl"))
     template.write_text(template.read_text() + "\n")
-    assert bench.source_digest() != digest
+    assert bench_cases.source_digest() != digest
 
 
 def test_merged_results_list_each_target_with_its_margin_and_why_it_was_missed():

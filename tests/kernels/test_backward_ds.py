@@ -203,7 +203,7 @@ def test_ds_workspace_rule_and_budget():
     assert not use(False, INTERPRETER, False, 64, 1 << 20, DS)
     assert not use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": False})
     with pytest.raises(InputTypeError,
-                       match=r"kernel_options\['DS_WORKSPACE'\] must be a bool, got str 'yes'"):
+                       match=r"kernel_options\['DS_WORKSPACE'\] must be True, False or 'AUTO', got str 'yes'"):
         use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": "yes"})
     for bad in (0, -5):
         with pytest.raises(InputError, match=rf"kernel_options\['DS_MAX_BYTES'\] = {bad} is not "
@@ -234,7 +234,7 @@ def test_workspace_bands_follow_the_mask():
 def test_ds_kernels_compile_for_sm90_with_tma(which):
     """The dS store (dK/dV) and load (dQ) go through tensor descriptors on sm_90: TMA bulk
     copies and wgmma in both kernels."""
-    from flexfa.codegen import compile_check
+    from flexfa import compile_check
 
     name = f"bwd_ds_{which}_d128_bf16_causal"
     result = compile_check.compile_job(name, 90, compile_check.REGISTRY[name])

@@ -61,7 +61,7 @@ def test_tma_falls_back_to_pointer_loads_for_strided_inputs(spy_specs):
 def test_bad_backward_tma_setting_is_named():
     q = torch.zeros(1, 1, 16, 16, dtype=torch.bfloat16)
     with pytest.raises(InputTypeError,
-                       match=r"kernel_options\['bwd_USE_TMA'\] must be a bool, got str 'yes'"):
+                       match=r"kernel_options\['bwd_USE_TMA'\] must be True, False or 'AUTO', got str 'yes'"):
         flexfa.flex_attention(q, q, q, kernel_options={"bwd_USE_TMA": "yes"})
 
 

@@ -125,7 +125,7 @@ def test_split_keys_rule(monkeypatch):
     assert keys("AUTO", 32, 1, 32768, INTERPRETER, cpu) == 0  # auto: GPUs only
     assert keys(2, 1000, 64, 4096, INTERPRETER, cpu) == 2048
     assert keys(0, 1, 1, 32768) == 0
-    with pytest.raises(InputTypeError, match=r"kernel_options\['SPLIT_KV'\] must be an int, got "
+    with pytest.raises(InputTypeError, match=r"kernel_options\['SPLIT_KV'\] must be an int or 'AUTO', got "
                                              r"str 'many'"):
         keys("many", 32, 1, 32768)
     with pytest.raises(InputError, match=r"kernel_options\['SPLIT_KV'\] = -1 is not allowed"):
