@@ -162,9 +162,9 @@ def main(argv=None) -> int:
                 row["speedup"] = row["old_ms"] / row["new_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
     print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'old':>5} {'pass':>8} {'old ms':>8} "
           f"{'new ms':>8} {'old/new':>8} {'relerr':>8}")
     for r in rows:

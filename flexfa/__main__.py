@@ -9,7 +9,7 @@ COMMANDS = {
     "demo": ("flexfa.demo", "run the variant demo (GPU if present, else CPU interpreter)"),
     "info": ("flexfa.info", "print versions, GPU, cache location and size"),
     "cache": ("flexfa.runtime.cli", "the kernel cache: `cache path|size|clear|prune`"),
-    "compile-check": ("flexfa.codegen.compile_check",
+    "compile-check": ("flexfa.compile_check",
                       "compile every template for GPU architectures without a GPU"),
     "bench": ("flexfa.bench", "benchmark flexfa against torch FlexAttention and SDPA (GPU)"),
 }

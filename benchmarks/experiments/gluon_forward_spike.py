@@ -168,7 +168,7 @@ def main_cpu():
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from flexfa.codegen.compile_check import ptxas_usage
+    from flexfa.compile_check import ptxas_usage
     from wgmma_wait_probe import ptx_loop_events
     for BM, BN, stages, warps in ((128, 128, 3, 8), (64, 64, 2, 4)):
         compiled = compile_sm90(BM, BN, 128, stages, warps)

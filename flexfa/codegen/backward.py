@@ -69,8 +69,6 @@ class BackwardSpec:
     input_precision: str
     target: str
     use_tma: bool = False  # Q/dO and K/V tiles through tensor descriptors (sm_90)
-    # removed (docs/performance.md, tried and rejected): must be False
-    fused_dq: bool = False
     # dQ from dS: the dK/dV kernel stores dS in a workspace, the dQ kernel runs last and does
     # one GEMM per tile (dS @ K) instead of three; delta comes from the delta kernel
     ds_dq: bool = False
@@ -83,7 +81,6 @@ class BackwardSpec:
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
-        assert not self.fused_dq, "the fused dK/dV + dQ kernel (fused_dq) was removed"
         for block, tile in ((self.sparse_q, self.block_m1), (self.sparse_kv, self.block_n1),
                             (self.sparse_q, self.block_m2), (self.sparse_kv, self.block_n2)):
             assert block % tile == 0, f"block-mask block {block} is not a multiple of tile {tile}"
@@ -322,95 +319,3 @@ def launch_signature(params: KernelParams, args) -> dict[str, str]:
         else:
             signature[name] = "fp32" if isinstance(value, float) else "i32"
     return signature | {name: "constexpr" for name in params.constexpr_names}
-
-
-def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
-                 head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 ragged: bool = True, ds: bool = False):
-    """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
-    ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
-    default GPU tiles, launched as the runtime's backward family launches it; example launch
-    arguments are tiny CPU tensors of the right dtypes (only their types reach the
-    signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
-    False: the benchmark's lengths."""
-    # launch order: dQ, dK/dV; ds: delta, dK/dV (storing dS), dQ from dS
-    order = ("delta", "dkdv", "dq") if ds else ("dq", "dkdv")
-    if which not in order:
-        raise ValueError(f"which must be one of {order} (ds={ds}), got {which!r}")
-
-    def build(arch: int):
-        import torch
-
-        from ..blockmask import create_block_mask
-        from ..runtime.call import AttentionCall
-        from ..runtime.families.backward import (BACKWARD, Inputs, backward_spec, joint_graph,
-                                                 step_args)
-        from ..runtime.options import KernelOptions
-        from ..runtime.pipeline import prepare_mask, prepare_score_mod
-        from ..runtime.target import parse_target
-        from .compile_check import CompileJob
-
-        torch_dtype, hkv, length = TORCH_DTYPES[dtype], 2, 256
-        q = torch.zeros(1, hkv * gqa_group, length, head_dim, dtype=torch_dtype)
-        k = torch.zeros(1, hkv, length, head_dim, dtype=torch_dtype)
-        v = torch.zeros(1, hkv, length, head_dim_v or head_dim, dtype=torch_dtype)
-        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu") \
-            if mask_mod is not None else None
-        call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                             0.125, KernelOptions(deterministic=deterministic), gqa_group)
-        spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
-                             force_ds=ds)
-        if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
-            spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
-                                       even_s2=False)
-        joint = joint_graph(call.score)
-        out, lse = torch.zeros_like(q[..., :v.shape[3]]), torch.zeros(q.shape[:3])
-        grads = {s: torch.zeros(call.score.buffers[s].shape,
-                                dtype=torch.int64 if deterministic else torch.float32)
-                 for s in (joint.grad_slots if joint else ())}
-        inputs = Inputs(q, k, v, out, lse, out, lse, q, k, v, grads)
-        plan = BACKWARD.make_plan(spec, call, inputs, joint)
-        step = plan.steps[order.index(which)]
-        args = step_args(plan, call, inputs)[order.index(which)]
-        generated = backward_kernel(spec, joint, call.score, call.mask)
-        params = generated.kernel_params(step.kernel.fn.__name__)
-        return CompileJob(step.kernel, launch_signature(params, args), step.constexprs,
-                          step.options, generated.name)
-    return build
-
-
-def _register_compile_checks() -> None:
-    import torch
-
-    from . import compile_check as check
-
-    bias = torch.zeros(4, 256, 256, requires_grad=True)
-
-    def learnable_bias(score, b, h, q_idx, kv_idx):
-        return score + bias[h, q_idx, kv_idx]
-
-    def softcap(score, b, h, q_idx, kv_idx):
-        return 30.0 * torch.tanh(score / 30.0)
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    variants = {
-        "d64_bf16_dense": dict(head_dim=64, dtype="bf16"),
-        "d128_bf16_softcap_causal": dict(head_dim=128, dtype="bf16", score_mod=softcap,
-                                         mask_mod=causal),
-        "d64_fp16_bias_deterministic": dict(head_dim=64, dtype="fp16", score_mod=learnable_bias,
-                                            deterministic=True),
-        "d80_bf16_ev48_gqa_causal": dict(head_dim=80, dtype="bf16", mask_mod=causal,
-                                         head_dim_v=48, gqa_group=2),
-    }
-    for label, kwargs in variants.items():
-        for which in ("dkdv", "dq"):
-            check.register(f"bwd_{which}_{label}", backward_job(which, **kwargs))
-    # dQ from the stored dS (the sm_90 default at head dim 128): dK/dV storing dS, dQ from it
-    for which in ("dkdv", "dq"):
-        check.register(f"bwd_ds_{which}_d128_bf16_causal",
-                       backward_job(which, 128, "bf16", mask_mod=causal, ds=True))
-
-
-_register_compile_checks()

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 
 from ..frontend.trace import TracedMod
-from . import compile_check
 from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
 from .params import INPUT, OUTPUT, def_kernel, fp8_params, quantize_params
 from .spec import INTERPRET, forward_constexprs, launch_options, next_power_of_two, spec_key
@@ -48,7 +47,6 @@ class FP8KernelSpec:
     gqa_group: int
     target: str
     use_tma: bool = False  # Q/K/V^T tiles through tensor descriptors (runtime checks layouts)
-    exp_f16: bool = False  # removed (docs/performance.md, tried and rejected): must be False
     # q.k's descales and scale joined to exp2's FMA (needs them > 0 and no score_mod)
     fold_qk_scale: bool = False
     template: str = "fwd_fp8"
@@ -58,7 +56,6 @@ class FP8KernelSpec:
 
     def __post_init__(self):
         assert self.out_dtype in ("bf16", "fp16"), self.out_dtype
-        assert not self.exp_f16, "P's float16 exp2 (exp_f16) was removed"
         for tile, block, what in ((self.block_m, self.sparse_q, "block-mask q"),
                                   (self.block_n, self.sparse_kv, "block-mask kv"),
                                   (self.block_m, self.scale_q, "Q scale"),
@@ -124,67 +121,3 @@ def quantize_kernel() -> GeneratedKernel:
 
 def quantize_signature(dtype: str, constexprs: dict) -> dict[str, str]:
     return quantize_params().signature(constexprs, {INPUT: dtype})
-
-
-# ---- compile-check variants -----------------------------------------------------------------
-
-def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False):
-    """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles, with
-    the scale fold of ``quantize``'s inputs where it applies (no score_mod)."""
-    def build(arch: int) -> compile_check.CompileJob:
-        from ..runtime.families.fp8 import default_tiles
-        from ..runtime.target import parse_target
-
-        score, mask = compile_check.traced_mods(score_mod, mask_mod)
-        block_m, block_n, warps, stages, cap = default_tiles(
-            next_power_of_two(head_dim, FP8_MIN_DIM), parse_target(f"cuda:{arch}"), use_tma)
-        spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
-                             head_dim_v=head_dim_v or head_dim, block_m=block_m,
-                             block_n=block_n, num_warps=warps, num_stages=stages,
-                             has_block_mask=mask is not None, has_full_blocks=mask is not None,
-                             sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
-                             even_l=False, even_s=False, return_lse=True, gqa_group=1,
-                             target=f"cuda:{arch}", use_tma=use_tma, max_registers=cap,
-                             fold_qk_scale=score is None)
-        return compile_check.kernel_job(spec, score, mask, fp8_forward_kernel,
-                                        fp8_forward_signature)
-    return build
-
-
-FP8_ARCHS = (89, 90)  # e4m3 tensor cores: Ada (mma.sync) and Hopper (wgmma)
-compile_check.register("fwd_fp8_d128_dense", fp8_job(128), archs=FP8_ARCHS)
-compile_check.register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=compile_check._causal),
-                       archs=FP8_ARCHS)
-compile_check.register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=compile_check._softcap),
-                       archs=FP8_ARCHS)
-compile_check.register("fwd_fp8_d128_alibi_document",
-                       fp8_job(128, score_mod=compile_check._slopes_mod(),
-                               mask_mod=compile_check._document_mask()), archs=FP8_ARCHS)
-compile_check.register("fwd_fp8_d128_causal_tma",
-                       fp8_job(128, mask_mod=compile_check._causal, use_tma=True), archs=(90,))
-
-
-def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
-    """A compile-check builder: the quantization kernel for one head dim and input dtype."""
-    def build(arch: int) -> compile_check.CompileJob:
-        from ..runtime.cache import get_module
-
-        generated = quantize_kernel()
-        module = get_module(generated.name, generated.key, False, lambda: generated.source)
-        e_pad = next_power_of_two(head_dim, FP8_MIN_DIM if rotate else 16)
-        constexprs = dict(E=head_dim, E_PAD=e_pad, E_OUT=e_pad if rotate else head_dim,
-                          BLOCK=block, ROWS=min(block, 64 if e_pad >= 256 else 128),
-                          ROTATE=rotate, DOT_IN_FP32=dtype == "fp32", EMULATE_FP8_CAST=False)
-        return compile_check.CompileJob(getattr(module, generated.name),
-                                        quantize_signature(dtype, constexprs), constexprs,
-                                        {"num_warps": 8 if e_pad >= 128 else 4, "num_stages": 1},
-                                        generated.name)
-    return build
-
-
-compile_check.register("fp8_quantize_d128_bf16_rotate", quantize_job(128, "bf16", True),
-                       archs=FP8_ARCHS)
-compile_check.register("fp8_quantize_d256_fp16_rotate", quantize_job(256, "fp16", True),
-                       archs=FP8_ARCHS)
-compile_check.register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
-                       archs=FP8_ARCHS)

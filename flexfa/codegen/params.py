@@ -274,14 +274,13 @@ def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelPara
 
 def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelParams:
     """bwd_dkdv.tmpl's kernel (``tma``: Q, dO through descriptors; ``ds_tma``: the dS
-    workspace too); ``buffers``: the mods' captured tensors. DQ_ACC and DQ_DESC are the
-    unused slots of the removed fused dK/dV + dQ kernel."""
+    workspace too); ``buffers``: the mods' captured tensors."""
     ds = _ds_workspace(ds_tma)
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "DO")
         + (_pointer_or_descriptor("Q_DESC", tma, INPUT, "BLOCK_M", "E_PAD"),
            _pointer_or_descriptor("DO_DESC", tma, INPUT, "BLOCK_M", "EV_PAD"))
-        + tensors(INPUT, "DK", "DV") + tensors("fp32", "LSE", "DELTA", "DQ_ACC", "DQ_DESC")
+        + tensors(INPUT, "DK", "DV") + tensors("fp32", "LSE", "DELTA")
         + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),
         strides("dk", "bhnd"), strides("dv", "bhnd"), *block_mask_tables("Q", "n", "m"),
@@ -293,9 +292,8 @@ def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelPa
 
 
 def delta_params() -> KernelParams:
-    """bwd_common.tmpl's ``flexfa_bwd_delta`` (DQ_ACC: the unused slot of the removed fused
-    kernel's accumulator)."""
+    """bwd_common.tmpl's ``flexfa_bwd_delta``."""
     return KernelParams((
-        tensors(INPUT, "OUT", "DOUT") + tensors("fp32", "DLSE", "DELTA", "DQ_ACC"),
+        tensors(INPUT, "OUT", "DOUT") + tensors("fp32", "DLSE", "DELTA"),
         strides("o", "bhmd"), strides("g", "bhmd"), ints("HQ", "L"),
         constexprs("BLOCK_M", "EV", "EV_PAD", "HAS_DLSE")))

@@ -13,21 +13,33 @@ from .cache import get_module
 _MODULES = BoundedMemo(2048, "generated modules")
 
 
-def generated_module(generate, spec, *mods):
-    """(module, kernel name) of ``generate(spec, *mods)`` (a GeneratedKernel), through the
-    cache; memoized by the spec and the mods' keys."""
+class Loaded:
+    """A generated module, imported, with its kernels' described parameters."""
+
+    __slots__ = ("module", "name", "params")
+
+    def __init__(self, module, generated: GeneratedKernel):
+        self.module, self.name = module, generated.name
+        self.params = dict(generated.kernels)  # kernel function -> KernelParams
+
+    def kernel(self, function: str | None = None):
+        """The launchable kernel ``function`` (default: the one named like the module)."""
+        return getattr(self.module, function or self.name)
+
+    def names(self, function: str | None = None) -> tuple[str, ...]:
+        """The kernel's positional parameter names, in order (flexfa/codegen/params.py)."""
+        return self.params[function or self.name].names
+
+
+def generated_module(generate, spec, *mods) -> Loaded:
+    """``generate(spec, *mods)`` (a GeneratedKernel) imported through the cache; memoized by
+    the spec and the mods' keys."""
     memo_key = (generate, spec, *(_mod_key(m) for m in mods))
     found = _MODULES.get(memo_key)
     if found is None:
         generated = generate(spec, *mods)
-        found = _MODULES[memo_key] = (load_generated(generated, spec.interpret), generated.name)
+        found = _MODULES[memo_key] = Loaded(load_generated(generated, spec.interpret), generated)
     return found
-
-
-def generated_kernel(generate, spec, *mods):
-    """The launchable kernel named like its module (a JITFunction or InterpretedFunction)."""
-    module, name = generated_module(generate, spec, *mods)
-    return getattr(module, name)
 
 
 def _mod_key(mod):

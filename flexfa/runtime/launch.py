@@ -153,13 +153,18 @@ class Step:
     through Triton (which compiles and checks), then the compiled kernel directly
     (``launch_direct``): the plan's key fixes every specialization Triton makes."""
 
-    __slots__ = ("kernel", "grid", "constexprs", "options", "direct", "launched")
+    __slots__ = ("kernel", "grid", "constexprs", "options", "binder", "direct", "launched")
 
-    def __init__(self, kernel, grid: tuple, constexprs: dict, options: dict):
+    def __init__(self, kernel, grid: tuple, constexprs: dict, options: dict, binder=None):
         self.kernel, self.grid = kernel, grid
         self.constexprs, self.options = constexprs, options
+        self.binder = binder  # the kernel's arguments by name (flexfa.runtime.binding)
         self.direct: DirectState | None = None
         self.launched = False  # a first launch ran: descriptors may skip their checks
+
+    def launch_with(self, values: dict, device) -> None:
+        """Launch with the arguments ``values`` names (the rest fixed by the plan)."""
+        self.launch(self.binder.bind(values), device)
 
     def launch(self, args: list, device) -> None:
         if device.type != "cuda":

@@ -2,8 +2,8 @@
 without a GPU; the compile-check command's registry and table."""
 import pytest
 
-from flexfa.codegen import compile_check
-from flexfa.codegen.compile_check import CompileResult, compile_job, format_table
+from flexfa import compile_check
+from flexfa.compile_check import CompileResult, compile_job, format_table
 
 
 @pytest.fixture(autouse=True)

@@ -263,8 +263,8 @@ def test_generated_gpu_kernel_uses_fast_tanh_and_interpreted_one_is_exact():
 # ---- compile-only checks for sm_90 -----------------------------------------------------------
 
 def test_sm90_hopper_kernel_has_wgmma_tma_and_fast_tanh():
-    from flexfa.codegen.compile_check import compile_job
-    from flexfa.codegen.hopper import hopper_job
+    from flexfa.compile_check import compile_job
+    from flexfa.compile_check.jobs import hopper_job
 
     result = compile_job("hopper_softcap_causal", 90,
                          hopper_job(128, "bf16", score_mod=softcap, mask_mod=causal))
@@ -277,8 +277,8 @@ def test_sm90_hopper_kernel_has_wgmma_tma_and_fast_tanh():
 
 
 def test_sm90_register_cap_reaches_ptxas():
-    from flexfa.codegen.compile_check import compile_job
-    from flexfa.codegen.hopper import hopper_job
+    from flexfa.compile_check import compile_job
+    from flexfa.compile_check.jobs import hopper_job
 
     capped = compile_job("capped", 90, hopper_job(128, "bf16", mask_mod=causal, block_n=64,
                                                   max_registers=128))

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from flexfa.codegen.backward import backward_job
-from flexfa.codegen.compile_check import compile_job, kernel_job, traced_mods
+from flexfa.compile_check.jobs import backward_job
+from flexfa.compile_check import compile_job, kernel_job, traced_mods
 from flexfa.codegen.forward import forward_kernel, forward_signature
 from flexfa.codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from flexfa.codegen.ranges import Domain, mods_int64_nodes

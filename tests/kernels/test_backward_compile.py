@@ -4,7 +4,8 @@ lists every backward variant."""
 import pytest
 
 from flexfa.codegen import backward as backward_codegen
-from flexfa.codegen.compile_check import REGISTRY, compile_job
+from flexfa.compile_check import REGISTRY, compile_job
+from flexfa.compile_check import jobs as compile_jobs
 
 # a learnable bias (the dQ kernel's fixed-point atomics) and a causal mask with GQA
 CI_VARIANTS = ["bwd_dq_d64_fp16_bias_deterministic", "bwd_dkdv_d80_bf16_ev48_gqa_causal"]
@@ -43,7 +44,7 @@ def test_softcap_dkdv_fits_its_registers_on_sm90():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    job = backward_codegen.backward_job("dkdv", 128, "bf16", score_mod=softcap,
+    job = compile_jobs.backward_job("dkdv", 128, "bf16", score_mod=softcap,
                                         mask_mod=causal, ragged=False)
     result = compile_job("softcap_dkdv_even", 90, job)
     assert result.ok, result.error

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.codegen.compile_check import compile_job, forward_job
+from flexfa.compile_check import compile_job
+from flexfa.compile_check.jobs import forward_job
 from flexfa.frontend import evaluate, trace
 from flexfa.runtime.loader import load_module
 

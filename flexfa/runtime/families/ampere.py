@@ -15,13 +15,13 @@ from ...codegen.forward import forward_kernel
 from ...codegen.ranges import Domain, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...errors import InputError
-from .. import plans
+from .. import binding, plans
 from ..call import AttentionCall
-from ..kernels import generated_kernel
+from ..kernels import generated_module
 from ..launch import Step, cdiv
 from ..outputs import allocate_outputs, out_strides, stat_args
 from ..registry import KernelFamily, register
-from ..tables import buffer_args, largest_tile, mask_blocks, table_args
+from ..tables import largest_tile, mask_blocks
 from ..target import Target
 
 MIN_SPLIT_KEYS = 512  # split-KV decoding: the fewest keys a split walks
@@ -156,16 +156,21 @@ class AmpereForward(KernelFamily):
         split = split_keys(call, target, B * Hq, L, S, spec.block_m, spec.sparse_kv, q.device)
         if split:
             spec = forward_spec(q, k, v, call, target, return_lse, return_max, split)
-        kernel = generated_kernel(forward_kernel, spec, call.score, call.mask)
+        loaded = generated_module(forward_kernel, spec, call.score, call.mask)
         splits = cdiv(S, split) if split else 1
-        step = Step(kernel, (cdiv(L, spec.block_m), B * Hq, splits),
-                    spec.constexprs(call.scores_first), spec.launch_options())
         # split-KV writes contiguous float32 slices, combined into the output afterwards
-        strides = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1) if split \
+        out_strides_ = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1) if split \
             else out_strides(q, v)
-        fixed = [*q.stride(), *k.stride(), *v.stride(), *strides,
-                 *table_args(call.block_mask, "kv", q.device), Hq, L, S]
-        plan = plans.Plan(self, spec, (step,), {"args": fixed, "splits": splits if split else 0})
+        fixed = {**binding.strides("q", "bhmd", q.stride()),
+                 **binding.strides("k", "bhnd", k.stride()),
+                 **binding.strides("v", "bhnd", v.stride()),
+                 **binding.strides("o", "bhmd", out_strides_),
+                 **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
+                 "HQ": Hq, "L": L, "S": S, **binding.buffer_layout(call.score, call.mask)}
+        step = Step(loaded.kernel(), (cdiv(L, spec.block_m), B * Hq, splits),
+                    spec.constexprs(call.scores_first), spec.launch_options(),
+                    binding.Binder(loaded.names(), fixed))
+        plan = plans.Plan(self, spec, (step,), {"splits": splits if split else 0})
         plans.keep(call, key, plan)
         return self.run(plan, call, q, k, v, return_lse, return_max)
 
@@ -177,9 +182,11 @@ class AmpereForward(KernelFamily):
             out = torch.empty(splits, *out.shape, dtype=torch.float32, device=q.device)
             lse = torch.empty(splits, *out.shape[1:4], dtype=torch.float32, device=q.device)
             maxs = torch.empty_like(lse) if return_max else None
-        args = [q, k, v, out, *stat_args(out, lse, maxs), *plan.fixed["args"],
-                float(call.scale), *buffer_args(call.score), *buffer_args(call.mask)]
-        plan.steps[0].launch(args, q.device)
+        stat_lse, stat_max = stat_args(out, lse, maxs)
+        plan.steps[0].launch_with(
+            {"Q": q, "K": k, "V": v, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
+             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask)},
+            q.device)
         if splits:
             combine_splits(out, lse, maxs, *results)
             return results

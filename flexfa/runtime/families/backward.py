@@ -26,14 +26,13 @@ from ...errors import InputError
 from ...frontend.grad import JointGraph, derive
 from ...frontend.trace import TracedMod
 from ...memo import BoundedMemo
-from .. import autotune, ds_workspace, plans
+from .. import autotune, binding, ds_workspace, plans
 from ..call import AttentionCall
 from ..debug import debug
 from ..kernels import generated_module
 from ..launch import Step, TrustedDescriptor, cdiv
 from ..registry import KernelFamily, register
-from ..tables import broadcast_strides, buffer_args, dummy_table, largest_tile, mask_blocks
-from ..tables import has_full_blocks, table_args
+from ..tables import broadcast_strides, dummy_table, has_full_blocks, largest_tile, mask_blocks
 from ..target import Target
 from .hopper import descriptor_layout_ok, geometry
 
@@ -206,22 +205,41 @@ class Inputs:
     grads: dict
 
 
-def make_steps(spec: BackwardSpec, module, name: str, x: Inputs, joint) -> tuple[Step, ...]:
+def make_steps(spec: BackwardSpec, loaded, x: Inputs, call: AttentionCall,
+               joint) -> tuple[Step, ...]:
     """The launches in order, the dK/dV kernel always second: (dQ, dK/dV) or, with the dS
-    workspace, (delta, dK/dV storing dS, dQ from dS)."""
+    workspace, (delta, dK/dV storing dS, dQ from dS); each binds its arguments by name, the
+    layout (strides, tables, lengths) fixed here."""
     B, Hq, L, _ = x.q.shape
     Hkv, S = x.k.shape[1], x.k.shape[2]
     one = dscore_is_one(joint)
     has_grads = bool(joint is not None and joint.grad_slots)
-    dq = Step(getattr(module, f"{name}_dq"), (cdiv(L, spec.block_m2), B * Hq),
-              spec.dq_constexprs(one, has_grads), spec.dq_launch_options())
-    dkdv = Step(getattr(module, f"{name}_dkdv"), (cdiv(S, spec.block_n1), B * Hkv),
-                spec.dkdv_constexprs(one), spec.launch_options())
+    layout = {**binding.strides("q", "bhmd", x.q.stride()),
+              **binding.strides("k", "bhnd", x.k.stride()),
+              **binding.strides("v", "bhnd", x.v.stride()),
+              **binding.strides("g", "bhmd", x.grad_out.stride()),
+              **binding.strides("o", "bhmd", x.out.stride()),
+              "HQ": Hq, "L": L, "S": S, **binding.buffer_layout(call.score, call.mask)}
+    device = x.q.device
+
+    def step(kernel: str, grid, constexprs, options, fixed) -> Step:
+        function = f"{loaded.name}_{kernel}" if kernel in ("dq", "dkdv") else kernel
+        return Step(loaded.kernel(function), grid, constexprs, options,
+                    binding.Binder(loaded.names(function), {**layout, **fixed}))
+    dq = step("dq", (cdiv(L, spec.block_m2), B * Hq), spec.dq_constexprs(one, has_grads),
+              spec.dq_launch_options(),
+              {**binding.strides("dq", "bhmd", x.dq.stride()),
+               **binding.tables("KV", "m", "n", call.block_mask, "kv", device)})
+    dkdv = step("dkdv", (cdiv(S, spec.block_n1), B * Hkv), spec.dkdv_constexprs(one),
+                spec.launch_options(),
+                {**binding.strides("dk", "bhnd", x.dk.stride()),
+                 **binding.strides("dv", "bhnd", x.dv.stride()),
+                 **binding.tables("Q", "n", "m", call.block_mask, "q", device)})
     if not spec.ds_dq:
         return dq, dkdv
     delta_block = 16 if spec.interpret else 64
-    delta = Step(module.flexfa_bwd_delta, (cdiv(L, delta_block), B * Hq),
-                 spec.delta_constexprs(delta_block), {"num_warps": 4})
+    delta = step("flexfa_bwd_delta", (cdiv(L, delta_block), B * Hq),
+                 spec.delta_constexprs(delta_block), {"num_warps": 4}, {})
     return delta, dkdv, dq
 
 
@@ -235,55 +253,59 @@ def descriptor_geometry(spec: BackwardSpec, x: Inputs) -> dict | None:
             "k": geometry(x.k, spec.block_n2, e_pad), "v": geometry(x.v, spec.block_n2, ev_pad)}
 
 
-def step_args(plan, call: AttentionCall, x: Inputs) -> list[list]:
-    """Each step's arguments, in the order of ``make_steps``."""
-    spec, fixed = plan.spec, plan.fixed
+def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
+    """A backward call's values by parameter name: the tensors, the statistics, delta, the dS
+    workspace, the scale and the captured tensors (and their gradients)."""
+    spec = plan.spec
     B, Hq, L, _ = x.q.shape
     S = x.k.shape[2]
     device = x.q.device
-    lse = x.lse.contiguous()
     delta = torch.empty(B, Hq, L, dtype=torch.float32, device=device)
-    dlse = x.grad_lse.float().contiguous() if x.grad_lse is not None else delta
-    mod_args = [a.detach() if isinstance(a, torch.Tensor) else a
-                for a in buffer_args(call.score) + buffer_args(call.mask)]
-    grad_args = [a for g in x.grads.values() for a in (g, *g.stride())]
-    scale = float(call.scale)
-    q_tables, kv_tables = fixed["tables"]
+    values = {"Q": x.q, "K": x.k, "V": x.v, "DO": x.grad_out, "DOUT": x.grad_out,
+              "OUT": x.out, "DQ": x.dq, "DK": x.dk, "DV": x.dv, "LSE": x.lse.contiguous(),
+              "DELTA": delta,
+              "DLSE": x.grad_lse.float().contiguous() if x.grad_lse is not None else delta,
+              "sm_scale": float(call.scale),
+              **binding.buffer_pointers(call.score, call.mask, detach=True),
+              **binding.gradient_values(x.grads, call.score)}
     if spec.ds_dq:  # the workspace of block slots
         band, slots = ds_workspace.bands_of(call.block_mask, L, S, spec.sparse_q,
                                             spec.sparse_kv, device)
         ds_rows = B * Hq * slots * spec.sparse_kv
         ds = torch.empty(ds_rows * spec.sparse_q, dtype=x.q.dtype, device=device)
-        band_args = [band, *broadcast_strides(band)[:3], slots]
+        band_strides = broadcast_strides(band)[:3]
     else:
-        ds_rows, ds = 1, delta
-        band_args = [dummy_table(device), 0, 0, 0, 0]
-    ds_store = ds_load = ds
-    geometry_ = fixed["geometry"]
+        ds_rows, ds, band, slots = 1, delta, dummy_table(device), 0
+        band_strides = [0, 0, 0]
+    values.update({"DS": ds, "DS_BAND": band, "MAX_SLOTS": slots,
+                   **binding.strides("band_", "bhn", band_strides)})
+    geometry_ = plan.fixed["geometry"]
     if geometry_ is not None:
         # a plan's first launch checks the descriptors; its key fixes what they read
         kind = TrustedDescriptor if plan.steps[0].launched else TensorDescriptor
-        q_desc, do_desc = kind(x.q, *geometry_["q"]), kind(x.grad_out, *geometry_["do"])
-        k_desc, v_desc = kind(x.k, *geometry_["k"]), kind(x.v, *geometry_["v"])
-        if spec.ds_dq:  # the workspace's rows as dK/dV stores and dQ loads its tiles
-            view = ([ds_rows, spec.sparse_q], [spec.sparse_q, 1])
-            ds_store = kind(ds, *view, [spec.block_n1, spec.block_m1])
-            ds_load = kind(ds, *view, [spec.block_n2, spec.block_m2])
+        values.update(Q_DESC=kind(x.q, *geometry_["q"]),
+                      DO_DESC=kind(x.grad_out, *geometry_["do"]),
+                      K_DESC=kind(x.k, *geometry_["k"]), V_DESC=kind(x.v, *geometry_["v"]))
     else:  # unused pointers in the kernels' descriptor slots
-        q_desc, do_desc, k_desc, v_desc = x.q, x.grad_out, x.k, x.v
-    # dq_acc and dq_desc: parameters of the removed fused kernel, unused (delta stands in)
-    dkdv = [x.q, x.k, x.v, x.grad_out, q_desc, do_desc, x.dk, x.dv, lse, delta, delta, delta,
-            ds, ds_store, *band_args, *x.q.stride(), *x.k.stride(), *x.v.stride(),
-            *x.grad_out.stride(), *x.dk.stride(), *x.dv.stride(), *q_tables, Hq, L, S, scale,
-            *mod_args]
-    dq = [x.q, x.k, x.v, x.grad_out, k_desc, v_desc, x.dq, lse, delta, x.out, dlse, ds, ds_load,
-          *band_args, *x.q.stride(), *x.k.stride(), *x.v.stride(), *x.grad_out.stride(),
-          *x.dq.stride(), *x.out.stride(), *kv_tables, Hq, L, S, scale, *mod_args, *grad_args]
-    if not spec.ds_dq:
-        return [dq, dkdv]
-    delta_args = [x.out, x.grad_out, dlse, delta, delta, *x.out.stride(), *x.grad_out.stride(),
-                  Hq, L]
-    return [delta_args, dkdv, dq]
+        values.update(Q_DESC=x.q, DO_DESC=x.grad_out, K_DESC=x.k, V_DESC=x.v)
+    # the workspace as dK/dV stores its tiles and as dQ loads them (descriptors of two block
+    # shapes with TMA, else the pointer): DS_DESC of each kernel, set per step by ``run``
+    values["DS_STORE"] = values["DS_LOAD"] = ds
+    if spec.ds_dq and geometry_ is not None:
+        view = ([ds_rows, spec.sparse_q], [spec.sparse_q, 1])
+        values["DS_STORE"] = kind(ds, *view, [spec.block_n1, spec.block_m1])
+        values["DS_LOAD"] = kind(ds, *view, [spec.block_n2, spec.block_m2])
+    return values
+
+
+def step_args(plan, call: AttentionCall, x: Inputs) -> list[list]:
+    """Each step's bound arguments, in launch order (what ``Backward.run`` launches)."""
+    values = call_values(plan, call, x)
+    args = []
+    for i, step in enumerate(plan.steps):
+        values["DS_DESC"] = values["DS_STORE" if i == 1 else "DS_LOAD"]
+        args.append(step.binder.bind(values))
+    return args
 
 
 class Backward(KernelFamily):
@@ -300,17 +322,14 @@ class Backward(KernelFamily):
         return self.run(plan, call, x, fusable, need_dkdv)
 
     def make_plan(self, spec, call, x: Inputs, joint) -> plans.Plan:
-        module, name = generated_module(backward_kernel, spec, joint, call.score, call.mask)
-        tables = (table_args(call.block_mask, "q", x.q.device),
-                  table_args(call.block_mask, "kv", x.q.device))
-        return plans.Plan(self, spec, make_steps(spec, module, name, x, joint),
-                          {"tables": tables, "geometry": descriptor_geometry(spec, x)})
+        loaded = generated_module(backward_kernel, spec, joint, call.score, call.mask)
+        return plans.Plan(self, spec, make_steps(spec, loaded, x, call, joint),
+                          {"geometry": descriptor_geometry(spec, x)})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
-        args = step_args(plan, call, x)
-        for i, (step, step_args_) in enumerate(zip(plan.steps, args)):
+        for i, (step, args) in enumerate(zip(plan.steps, step_args(plan, call, x))):
             if i != 1 or need_dkdv:  # the dK/dV kernel is always the second
-                step.launch(step_args_, x.q.device)
+                step.launch(args, x.q.device)
 
     def choose_config(self, call, x: Inputs, joint, fusable: bool, target: Target):
         """The tiles tuned per (target, head dims, dtype, mask density class, short/long kv

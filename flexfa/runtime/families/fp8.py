@@ -14,14 +14,14 @@ import triton
 from ...codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, quantize_kernel
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
-from .. import autotune, plans
+from .. import autotune, binding, plans
 from ..call import AttentionCall
-from ..kernels import generated_kernel
+from ..kernels import generated_module
 from ..launch import Step, cdiv
 from ..layout import output_like
-from ..outputs import forward_grid
+from ..outputs import forward_grid, out_strides
 from ..registry import KernelFamily, register
-from ..tables import buffer_args, mask_blocks, table_args
+from ..tables import mask_blocks
 from ..target import Target
 from .ampere import int64_nodes
 
@@ -108,7 +108,6 @@ def fp8_spec(x, call: AttentionCall, target: Target, return_lse: bool) -> FP8Ker
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group, target=target.name, use_tma=tma,
-        exp_f16=False,
         fold_qk_scale=call.score is None and call.scale > 0 and x.positive_scales,
         wide_ints=int64_nodes(x.q, x.k, call))
 
@@ -120,31 +119,39 @@ class FP8Forward(KernelFamily):
     def first_call(self, key, target: Target, call, x, return_lse: bool):
         spec = fp8_spec(x, call, target, return_lse)
         B, Hq, L, _ = x.q.shape
-        kernel = generated_kernel(fp8_forward_kernel, spec, call.score, call.mask)
-        step = Step(kernel, forward_grid(B * Hq, cdiv(L, spec.block_m), spec.has_block_mask),
-                    spec.constexprs(call.score is not None), spec.launch_options())
-        plan = plans.Plan(self, spec, (step,),
-                          {"tables": table_args(call.block_mask, "kv", x.q.device)})
+        loaded = generated_module(fp8_forward_kernel, spec, call.score, call.mask)
+        fixed = {**binding.strides("q", "bhmd", x.q.stride()),
+                 **binding.strides("k", "bhnd", x.k.stride()),
+                 **binding.strides("v", "bhnd", x.v.stride()),
+                 **binding.strides("o", "bhmd", out_strides(x.q, x.v)),
+                 **binding.strides("qs_", "bh", x.q_scale.stride()[:2]),
+                 **binding.strides("kvs_", "bh", x.k_scale.stride()[:2]),
+                 **binding.tables("KV", "m", "n", call.block_mask, "kv", x.q.device),
+                 "HQ": Hq, "L": L, "S": x.k.shape[2],
+                 **binding.buffer_layout(call.score, call.mask)}
+        step = Step(loaded.kernel(), forward_grid(B * Hq, cdiv(L, spec.block_m),
+                                                  spec.has_block_mask),
+                    spec.constexprs(call.score is not None), spec.launch_options(),
+                    binding.Binder(loaded.names(), fixed))
+        plan = plans.Plan(self, spec, (step,))
         plans.keep(call, key, plan)
         return self.run(plan, call, x, return_lse)
 
     def run(self, plan, call, x, return_lse: bool):
         B, Hq, L, _ = x.q.shape
-        S = x.k.shape[2]
         out = output_like(x.q, x.v.shape[3], dtype=x.dtype)
         lse = torch.empty(B, Hq, L, dtype=torch.float32, device=x.q.device) if return_lse \
             else None
         assert x.k_scale.stride() == x.v_scale.stride(), "K and V scales must share strides"
-        args = [x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, out,
-                lse if lse is not None else out, *x.q.stride(), *x.k.stride(), *x.v.stride(),
-                *out.stride(), *x.q_scale.stride()[:2], *x.k_scale.stride()[:2],
-                *plan.fixed["tables"], Hq, L, S, float(call.scale),
-                *buffer_args(call.score), *buffer_args(call.mask)]
         if plan.spec.use_tma:  # device-side descriptors live in a scratch buffer from here
             device = x.q.device
             triton.set_allocator(lambda size, alignment, stream: torch.empty(
                 size, dtype=torch.int8, device=device))
-        plan.steps[0].launch(args, x.q.device)
+        plan.steps[0].launch_with(
+            {"Q": x.q, "K": x.k, "V": x.v, "Q_SCALE": x.q_scale, "K_SCALE": x.k_scale,
+             "V_SCALE": x.v_scale, "OUT": out, "LSE": lse if lse is not None else out,
+             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask)},
+            x.q.device)
         return out, lse
 
 
@@ -166,18 +173,16 @@ def quantize_rows(x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
         signed_h = scale  # a placeholder pointer
     interpret = x.device.type == "cpu"
     rows = min(block, 64 if e_pad >= 256 else 128)
-    kernel = _quantize_kernel(interpret)
-    args = [x, out, scale, signed_h, *x.stride(), *out.stride(), *scale.stride()[:2], H, N,
-            1.0 / e_pad ** 0.5]
+    loaded = _quantize_module(interpret)
+    args = binding.Binder(loaded.names(), {}).bind({
+        "X": x, "X8": out, "SCALE": scale, "SIGNED_H": signed_h,
+        **binding.strides("x", "bhnd", x.stride()), **binding.strides("o", "bhnd", out.stride()),
+        **binding.strides("s", "bh", scale.stride()[:2]), "H": H, "N": N,
+        "inv_sqrt_d": 1.0 / e_pad ** 0.5})
     launch = dict(E=E, E_PAD=e_pad, E_OUT=out.shape[-1], BLOCK=block, ROWS=rows,
                   ROTATE=rotate, DOT_IN_FP32=interpret or x.dtype == torch.float32,
                   EMULATE_FP8_CAST=interpret, num_warps=8 if e_pad >= 128 else 4)
-    grid = (scale.shape[2], B * H)
-    if interpret:
-        kernel[grid](*args, **launch)
-    else:
-        with torch.cuda.device(x.device):
-            kernel[grid](*args, **launch)
+    Step(loaded.kernel(), (scale.shape[2], B * H), {}, launch).launch(args, x.device)
     return scale
 
 
@@ -198,5 +203,5 @@ def _generate_quantize(spec: _QuantizeSpec):
     return quantize_kernel()
 
 
-def _quantize_kernel(interpret: bool):
-    return generated_kernel(_generate_quantize, _QuantizeSpec(interpret))
+def _quantize_module(interpret: bool):
+    return generated_module(_generate_quantize, _QuantizeSpec(interpret))

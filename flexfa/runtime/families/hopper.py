@@ -18,14 +18,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...errors import InputError
-from .. import autotune, plans
+from .. import autotune, binding, plans
 from ..call import AttentionCall
 from ..debug import log
-from ..kernels import generated_kernel
+from ..kernels import generated_module
 from ..launch import Step, TrustedDescriptor, cdiv
 from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
 from ..registry import KernelFamily, register
-from ..tables import buffer_args, largest_tile, mask_blocks, table_args
+from ..tables import largest_tile, mask_blocks
 from ..target import Target
 from .ampere import int64_nodes, wants_split
 
@@ -145,15 +145,19 @@ class HopperForward(KernelFamily):
     def make_plan(self, q, k, v, call, target, config, return_lse, return_max) -> plans.Plan:
         spec = hopper_spec(q, k, v, call, target, config, return_lse, return_max)
         B, Hq, L, _ = q.shape
-        kernel = generated_kernel(hopper_kernel, spec, call.score, call.mask)
-        step = Step(kernel, forward_grid(B * Hq, cdiv(L, spec.block_m), spec.has_block_mask),
-                    spec.constexprs(call.scores_first), spec.launch_options())
-        fixed = [*out_strides(q, v), *table_args(call.block_mask, "kv", q.device), Hq, L,
-                 k.shape[2]]
+        loaded = generated_module(hopper_kernel, spec, call.score, call.mask)
+        fixed = {**binding.strides("o", "bhmd", out_strides(q, v)),
+                 **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
+                 "HQ": Hq, "L": L, "S": k.shape[2],
+                 **binding.buffer_layout(call.score, call.mask)}
+        step = Step(loaded.kernel(), forward_grid(B * Hq, cdiv(L, spec.block_m),
+                                                  spec.has_block_mask),
+                    spec.constexprs(call.scores_first), spec.launch_options(),
+                    binding.Binder(loaded.names(), fixed))
         descriptors = (geometry(q, spec.block_m, spec.head_dim_pad),
                        geometry(k, spec.block_n, spec.head_dim_pad),
                        geometry(v, spec.block_n, spec.head_dim_v_pad))
-        return plans.Plan(self, spec, (step,), {"args": fixed, "descriptors": descriptors})
+        return plans.Plan(self, spec, (step,), {"descriptors": descriptors})
 
     @staticmethod
     def launch(plan, call, q, k, v, out, lse, maxs) -> None:
@@ -161,10 +165,12 @@ class HopperForward(KernelFamily):
         # the descriptors' checks ran at the plan's first launch; its key fixes what they read
         kind = TrustedDescriptor if step.launched else TensorDescriptor
         (qs, qt, qb), (ks, kt, kb), (vs, vt, vb) = plan.fixed["descriptors"]
-        args = [kind(q, qs, qt, qb), kind(k, ks, kt, kb), kind(v, vs, vt, vb), out,
-                *stat_args(out, lse, maxs), *plan.fixed["args"], float(call.scale),
-                *buffer_args(call.score), *buffer_args(call.mask)]
-        step.launch(args, q.device)
+        stat_lse, stat_max = stat_args(out, lse, maxs)
+        step.launch_with(
+            {"Q_DESC": kind(q, qs, qt, qb), "K_DESC": kind(k, ks, kt, kb),
+             "V_DESC": kind(v, vs, vt, vb), "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
+             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask)},
+            q.device)
 
     def choose_config(self, q, k, v, call, target, return_lse, out, lse) -> tuple:
         """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): pinned, stored, tuned now, or

@@ -2,8 +2,8 @@
 architectures without a GPU, and print a table.
 
 Each registered variant is a builder ``arch -> CompileJob`` (a compiled-mode kernel, its
-signature, constexprs and launch options). Other templates register theirs with
-``register(name, builder)``; this module registers the forward kernel's. The table shows, per
+signature, constexprs and launch options), registered with ``register(name, builder)``;
+``flexfa.compile_check.jobs`` registers every family's. The table shows, per
 (kernel, arch): ok, whether the PTX uses ``mma.sync`` / ``wgmma``, and the registers and
 spill bytes ``ptxas -v`` reports.
 """
@@ -18,9 +18,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import torch
-
 from ..frontend.trace import MASK_MOD, SCORE_MOD, trace
+from ..runtime.cache import get_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,65 +107,6 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
             max(map(int, spills)) if spills else None)
 
 
-# ---- the forward template's variants -------------------------------------------------------
-
-def _slopes_mod():
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx).abs()
-    return alibi
-
-
-def _softcap(score, b, h, q_idx, kv_idx):
-    return 30.0 * torch.tanh(score / 30.0)
-
-
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def _document_mask():
-    doc = torch.zeros(4096, dtype=torch.int32)
-
-    def document(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-    return document
-
-
-def _global_tokens_mask():
-    is_global = torch.zeros(4096, dtype=torch.bool)
-
-    def global_or_causal(b, h, q_idx, kv_idx):
-        return is_global[kv_idx] | (q_idx >= kv_idx)
-    return global_or_causal
-
-
-def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_dim_v=None,
-                return_lse: bool = True, return_max: bool = False, split_keys: int = 0
-                ) -> Callable[[int], CompileJob]:
-    """A builder compiling the forward kernel for these mods at default GPU tiles
-    (``split_keys``: split-KV decoding's variant)."""
-    def build(arch: int) -> CompileJob:
-        from ..runtime.families.ampere import default_tiles
-        from ..runtime.target import parse_target
-        from .forward import forward_kernel, forward_signature
-        from .spec import TORCH_DTYPES, KernelSpec, next_power_of_two
-
-        score, mask = traced_mods(score_mod, mask_mod)
-        block_m, block_n, warps, stages = default_tiles(
-            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"))
-        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
-                          block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                          has_block_mask=mask is not None, has_full_blocks=mask is not None,
-                          sparse_q=128 if mask else block_m, sparse_kv=128 if mask else block_n,
-                          even_l=False, even_s=False, return_lse=return_lse, gqa_group=1,
-                          input_precision="ieee", target=f"cuda:{arch}", return_max=return_max,
-                          split_keys=split_keys)
-        return kernel_job(spec, score, mask, forward_kernel, forward_signature)
-    return build
-
-
 def traced_mods(score_mod, mask_mod):
     """(score, mask) TracedMods as the runtime prepares them (None where a mod is None)."""
     return (trace(score_mod, SCORE_MOD) if score_mod else None,
@@ -176,36 +116,11 @@ def traced_mods(score_mod, mask_mod):
 def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:
     """The CompileJob of the compiled-mode kernel ``generate(spec, score, mask)`` renders;
     ``signature_of(spec, score, mask)`` gives its (signature, constexprs)."""
-    from ..runtime.cache import get_module
-
     generated = generate(spec, score, mask)
     module = get_module(generated.name, generated.key, False, lambda: generated.source)
     signature, constexprs = signature_of(spec, score, mask)
     return CompileJob(getattr(module, generated.name), signature, constexprs,
                       spec.launch_options(), generated.name)
-
-
-register("fwd_d64_bf16_dense", forward_job(64, "bf16", return_lse=False))
-register("fwd_d128_bf16_causal", forward_job(128, "bf16", mask_mod=_causal))
-# with the rows' max scores too (AuxRequest(max_scores=True))
-register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=_softcap, return_max=True))
-register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slopes_mod(),
-                                                     mask_mod=_document_mask()))
-register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=_causal, head_dim_v=48))
-register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
-register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=_causal,
-                                                   return_max=True, split_keys=4096))
-register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tokens_mask()))
-
-
-def _load_other_variants() -> None:
-    """Import modules of other templates so their ``register`` calls run (optional ones)."""
-    import importlib
-    for module in ("flexfa.codegen.backward", "flexfa.codegen.hopper", "flexfa.codegen.fp8"):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            continue
 
 
 def format_table(results: list[CompileResult]) -> str:
@@ -233,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="only variants whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the variants and exit")
     args = parser.parse_args(argv)
-    _load_other_variants()
     names = [n for n in REGISTRY if args.only in n]
     if args.list:
         print("\n".join(names))
@@ -249,3 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                for name in names for arch in archs]
     print(format_table(results))
     return 0 if all(r.ok or r.skipped for r in results) else 1
+
+
+from . import jobs  # noqa: E402,F401  (registers every family's variants)

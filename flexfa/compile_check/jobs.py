@@ -1,0 +1,271 @@
+"""The compile-check variants of every kernel family: each a builder ``arch -> CompileJob``
+that renders the family's kernel for a few mods at its GPU default tiles, as the runtime
+would plan it, registered under a readable name."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from ..codegen.backward import backward_kernel, launch_signature
+from ..codegen.forward import forward_kernel, forward_signature
+from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
+                           quantize_kernel, quantize_signature)
+from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
+from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
+from ..blockmask import create_block_mask
+from ..runtime.cache import get_module
+from ..runtime.call import AttentionCall
+from ..runtime.families.ampere import default_tiles as ampere_tiles
+from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
+from ..runtime.families.fp8 import default_tiles as fp8_tiles
+from ..runtime.options import KernelOptions
+from ..runtime.pipeline import prepare_mask, prepare_score_mod
+from ..runtime.target import parse_target
+from . import CompileJob, kernel_job, register, traced_mods
+
+# ---- the Ampere-class forward -----------------------------------------------------------
+
+def _slopes_mod():
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+    return alibi
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _document_mask():
+    doc = torch.zeros(4096, dtype=torch.int32)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    return document
+
+
+def _global_tokens_mask():
+    is_global = torch.zeros(4096, dtype=torch.bool)
+
+    def global_or_causal(b, h, q_idx, kv_idx):
+        return is_global[kv_idx] | (q_idx >= kv_idx)
+    return global_or_causal
+
+
+def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_dim_v=None,
+                return_lse: bool = True, return_max: bool = False, split_keys: int = 0
+                ) -> Callable[[int], CompileJob]:
+    """A builder compiling the forward kernel for these mods at default GPU tiles
+    (``split_keys``: split-KV decoding's variant)."""
+    def build(arch: int) -> CompileJob:
+        score, mask = traced_mods(score_mod, mask_mod)
+        block_m, block_n, warps, stages = ampere_tiles(
+            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"))
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
+                          block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                          has_block_mask=mask is not None, has_full_blocks=mask is not None,
+                          sparse_q=128 if mask else block_m, sparse_kv=128 if mask else block_n,
+                          even_l=False, even_s=False, return_lse=return_lse, gqa_group=1,
+                          input_precision="ieee", target=f"cuda:{arch}", return_max=return_max,
+                          split_keys=split_keys)
+        return kernel_job(spec, score, mask, forward_kernel, forward_signature)
+    return build
+
+
+register("fwd_d64_bf16_dense", forward_job(64, "bf16", return_lse=False))
+register("fwd_d128_bf16_causal", forward_job(128, "bf16", mask_mod=_causal))
+# with the rows' max scores too (AuxRequest(max_scores=True))
+register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=_softcap, return_max=True))
+register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slopes_mod(),
+                                                     mask_mod=_document_mask()))
+register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=_causal, head_dim_v=48))
+register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
+register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=_causal,
+                                                   return_max=True, split_keys=4096))
+register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tokens_mask()))
+
+
+
+# ---- compile-only checks (python -m flexfa compile-check) ----------------------------------
+
+def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
+               block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
+               return_lse: bool = True, max_registers: int = 0, return_max: bool = False):
+    """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
+    def build(arch: int):
+        score, mask = traced_mods(score_mod, mask_mod)
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=block_m,
+                          block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                          has_block_mask=mask is not None, has_full_blocks=mask is not None,
+                          sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
+                          return_lse=return_lse, gqa_group=1, input_precision="ieee",
+                          target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
+                          max_registers=max_registers, return_max=return_max)
+        return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
+    return build
+
+
+def _register_hopper() -> None:
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    # sm_90 only: the runtime never picks this template elsewhere
+    register("fwd_hopper_d128_bf16_causal", hopper_job(128, "bf16", mask_mod=causal),
+                   archs=(90,))
+    register("fwd_hopper_d64_bf16_dense", hopper_job(64, "bf16", return_lse=False),
+                   archs=(90,))
+    # the tuned defaults with a register cap (two programs per SM)
+    register("fwd_hopper_d128_bf16_causal_128x64_r128",
+                   hopper_job(128, "bf16", mask_mod=causal, block_n=64, max_registers=128),
+                   archs=(90,))
+    # with the rows' max scores too (AuxRequest(max_scores=True))
+    register("fwd_hopper_d128_fp16_softcap_causal",
+                   hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal, return_max=True),
+                   archs=(90,))
+
+
+
+# ---- compile-check variants -----------------------------------------------------------------
+
+def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False):
+    """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles, with
+    the scale fold of ``quantize``'s inputs where it applies (no score_mod)."""
+    def build(arch: int) -> CompileJob:
+        score, mask = traced_mods(score_mod, mask_mod)
+        block_m, block_n, warps, stages, cap = fp8_tiles(
+            next_power_of_two(head_dim, FP8_MIN_DIM), parse_target(f"cuda:{arch}"), use_tma)
+        spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
+                             head_dim_v=head_dim_v or head_dim, block_m=block_m,
+                             block_n=block_n, num_warps=warps, num_stages=stages,
+                             has_block_mask=mask is not None, has_full_blocks=mask is not None,
+                             sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
+                             even_l=False, even_s=False, return_lse=True, gqa_group=1,
+                             target=f"cuda:{arch}", use_tma=use_tma, max_registers=cap,
+                             fold_qk_scale=score is None)
+        return kernel_job(spec, score, mask, fp8_forward_kernel,
+                                        fp8_forward_signature)
+    return build
+
+
+FP8_ARCHS = (89, 90)  # e4m3 tensor cores: Ada (mma.sync) and Hopper (wgmma)
+register("fwd_fp8_d128_dense", fp8_job(128), archs=FP8_ARCHS)
+register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=_causal),
+                       archs=FP8_ARCHS)
+register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=_softcap),
+                       archs=FP8_ARCHS)
+register("fwd_fp8_d128_alibi_document",
+                       fp8_job(128, score_mod=_slopes_mod(),
+                               mask_mod=_document_mask()), archs=FP8_ARCHS)
+register("fwd_fp8_d128_causal_tma",
+                       fp8_job(128, mask_mod=_causal, use_tma=True), archs=(90,))
+
+
+def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
+    """A compile-check builder: the quantization kernel for one head dim and input dtype."""
+    def build(arch: int) -> CompileJob:
+        generated = quantize_kernel()
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        e_pad = next_power_of_two(head_dim, FP8_MIN_DIM if rotate else 16)
+        constexprs = dict(E=head_dim, E_PAD=e_pad, E_OUT=e_pad if rotate else head_dim,
+                          BLOCK=block, ROWS=min(block, 64 if e_pad >= 256 else 128),
+                          ROTATE=rotate, DOT_IN_FP32=dtype == "fp32", EMULATE_FP8_CAST=False)
+        return CompileJob(getattr(module, generated.name),
+                                        quantize_signature(dtype, constexprs), constexprs,
+                                        {"num_warps": 8 if e_pad >= 128 else 4, "num_stages": 1},
+                                        generated.name)
+    return build
+
+
+register("fp8_quantize_d128_bf16_rotate", quantize_job(128, "bf16", True),
+                       archs=FP8_ARCHS)
+register("fp8_quantize_d256_fp16_rotate", quantize_job(256, "fp16", True),
+                       archs=FP8_ARCHS)
+register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
+                       archs=FP8_ARCHS)
+
+def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
+                 head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
+                 ragged: bool = True, ds: bool = False):
+    """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
+    ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
+    default GPU tiles, launched as the runtime's backward family launches it; example launch
+    arguments are tiny CPU tensors of the right dtypes (only their types reach the
+    signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
+    False: the benchmark's lengths."""
+    # launch order: dQ, dK/dV; ds: delta, dK/dV (storing dS), dQ from dS
+    order = ("delta", "dkdv", "dq") if ds else ("dq", "dkdv")
+    if which not in order:
+        raise ValueError(f"which must be one of {order} (ds={ds}), got {which!r}")
+
+    def build(arch: int):
+        torch_dtype, hkv, length = TORCH_DTYPES[dtype], 2, 256
+        q = torch.zeros(1, hkv * gqa_group, length, head_dim, dtype=torch_dtype)
+        k = torch.zeros(1, hkv, length, head_dim, dtype=torch_dtype)
+        v = torch.zeros(1, hkv, length, head_dim_v or head_dim, dtype=torch_dtype)
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu") \
+            if mask_mod is not None else None
+        call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
+                             0.125, KernelOptions(deterministic=deterministic), gqa_group)
+        spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
+                             force_ds=ds)
+        if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
+            spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
+                                       even_s2=False)
+        joint = joint_graph(call.score)
+        out, lse = torch.zeros_like(q[..., :v.shape[3]]), torch.zeros(q.shape[:3])
+        grads = {s: torch.zeros(call.score.buffers[s].shape,
+                                dtype=torch.int64 if deterministic else torch.float32)
+                 for s in (joint.grad_slots if joint else ())}
+        inputs = Inputs(q, k, v, out, lse, out, lse, q, k, v, grads)
+        plan = BACKWARD.make_plan(spec, call, inputs, joint)
+        step = plan.steps[order.index(which)]
+        args = step_args(plan, call, inputs)[order.index(which)]
+        generated = backward_kernel(spec, joint, call.score, call.mask)
+        params = generated.kernel_params(step.kernel.fn.__name__)
+        return CompileJob(step.kernel, launch_signature(params, args), step.constexprs,
+                          step.options, generated.name)
+    return build
+
+
+def _register_backward() -> None:
+    bias = torch.zeros(4, 256, 256, requires_grad=True)
+
+    def learnable_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    variants = {
+        "d64_bf16_dense": dict(head_dim=64, dtype="bf16"),
+        "d128_bf16_softcap_causal": dict(head_dim=128, dtype="bf16", score_mod=softcap,
+                                         mask_mod=causal),
+        "d64_fp16_bias_deterministic": dict(head_dim=64, dtype="fp16", score_mod=learnable_bias,
+                                            deterministic=True),
+        "d80_bf16_ev48_gqa_causal": dict(head_dim=80, dtype="bf16", mask_mod=causal,
+                                         head_dim_v=48, gqa_group=2),
+    }
+    for label, kwargs in variants.items():
+        for which in ("dkdv", "dq"):
+            register(f"bwd_{which}_{label}", backward_job(which, **kwargs))
+    # dQ from the stored dS (the sm_90 default at head dim 128): dK/dV storing dS, dQ from it
+    for which in ("dkdv", "dq"):
+        register(f"bwd_ds_{which}_d128_bf16_causal",
+                       backward_job(which, 128, "bf16", mask_mod=causal, ds=True))
+
+
+_register_hopper()
+_register_backward()

@@ -1,0 +1,78 @@
+"""Kernel arguments by name: each kernel's positional parameters come from its one description
+(``flexfa.codegen.params``); a plan fixes what its key fixes, a call fills in the rest.
+
+A ``Binder`` is made per plan step from the kernel's parameter names and the values the plan
+fixes (strides, block-mask tables, lengths, the captured tensors' strides and sizes); ``bind``
+puts a call's values (q, k, v, outputs, scale, the captured tensors themselves) in place.
+No family keeps an argument order of its own.
+"""
+from __future__ import annotations
+
+from ..codegen.forward import mod_buffer_args
+from ..codegen.params import table_names
+from ..codegen.render import buffer_args as buffer_arg_names
+from .tables import table_args
+
+_UNSET = object()
+
+
+class Binder:
+    """The positional arguments of one kernel: ``names`` in order, ``fixed`` placed once."""
+
+    __slots__ = ("names", "template", "slots")
+
+    def __init__(self, names: tuple[str, ...], fixed: dict):
+        self.names = names
+        self.template = [fixed.get(name, _UNSET) for name in names]
+        self.slots = tuple((i, name) for i, name in enumerate(names) if name not in fixed)
+
+    def bind(self, values: dict) -> list:
+        """The argument list with ``values`` (every name the plan does not fix) in place."""
+        args = self.template.copy()
+        for i, name in self.slots:
+            args[i] = values[name]
+        return args
+
+    def __repr__(self) -> str:
+        return f"Binder(per call: {[name for _, name in self.slots]})"
+
+
+def strides(prefix: str, dims: str, values) -> dict:
+    """``stride_<prefix><d>`` for each dimension letter (``params.strides``)."""
+    return {f"stride_{prefix}{d}": s for d, s in zip(dims, values, strict=True)}
+
+
+def tables(table: str, row: str, col: str, block_mask, side: str, device) -> dict:
+    """A block mask's tables and strides under the names ``params.block_mask_tables`` gives
+    them (``side``: the "kv" tables or the transposed "q" tables; dummies without a mask)."""
+    return dict(zip(table_names(table, row, col), table_args(block_mask, side, device),
+                    strict=True))
+
+
+def buffer_layout(score, mask) -> dict:
+    """The captured tensors' strides and sizes (fixed by a plan's key)."""
+    fixed = {}
+    for args, traced in zip(mod_buffer_args(score, mask), (score, mask)):
+        for arg, tensor in zip(args, traced.buffers if traced is not None else ()):
+            fixed.update(zip(arg.strides, tensor.stride()))
+            fixed.update(zip(arg.sizes, tensor.shape))
+    return fixed
+
+
+def buffer_pointers(score, mask, detach: bool = False) -> dict:
+    """The captured tensors themselves (a call's values), detached for the backward."""
+    values = {}
+    for args, traced in zip(mod_buffer_args(score, mask), (score, mask)):
+        for arg, tensor in zip(args, traced.buffers if traced is not None else ()):
+            values[arg.ptr] = tensor.detach() if detach else tensor
+    return values
+
+
+def gradient_values(grads: dict, score) -> dict:
+    """The score_mod's gradient accumulators by slot: pointer and strides (``gbuf<i>_*``)."""
+    values = {}
+    for slot, grad in grads.items():
+        arg = buffer_arg_names(slot, grad.dim(), "gbuf")
+        values[arg.ptr] = grad
+        values.update(zip(arg.strides, grad.stride()))
+    return values
