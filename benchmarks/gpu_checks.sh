@@ -4,9 +4,11 @@
 # Usage (repository root, on the H200): FLEXFA_COMMIT=<sha> bash benchmarks/gpu_checks.sh [a|b|c|all]
 # (a: forward and backward kernel tests; b: benchmark cases, Hopper, FP8; c: memory, block masks;
 # v: backward tests, benchmark cases, Hopper, FP8 tests and the dispatch timing, for a re-check
-# after backward or launch changes; each part fits one 10-minute device call)
+# after backward or launch changes; r: a re-check of a runtime change: forward, Hopper, FP8 and
+# (first failures of) backward tests, then tree_ab against the old tree in .old (carry it);
+# each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,8p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,10p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -40,6 +42,16 @@ if [ "$PART" = v ]; then
   step host_step 60 python benchmarks/host_step.py 2048 64 causal --show profile --steps 20
   tail -n 3 "$OUT/dispatch.log"
   grep "host us per call" "$OUT/host_step.log"
+fi
+if [ "$PART" = r ]; then
+  step forward 110 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_forward_gpu.py
+  step hopper 40 python -m pytest -m gpu -q -rxX -p no:cacheprovider tests/gpu/test_hopper_gpu.py
+  step fp8 40 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py
+  step backward 170 python -m pytest -m gpu -q --maxfail=3 -p no:cacheprovider tests/kernels/test_backward_gpu.py
+  FLEXFA_AUTOTUNE=0 step tree_ab 200 python benchmarks/tree_ab.py --old .old --rounds 2 --rep 30 \
+    --cases "${AB_CASES:-128:16384:full,128:16384:causal,128:16384:softcap,128:16384:alibi,128:16384:document,64:8192:sliding}" \
+    --json "$OUT/tree_ab.json"
+  tail -n 30 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
