@@ -167,7 +167,7 @@ def main_cpu():
     """Compile for sm_90; print registers, spills, shared memory and the loop's order."""
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from flexfa.compile_check import ptxas_usage
     from wgmma_wait_probe import ptx_loop_events
     for BM, BN, stages, warps in ((128, 128, 3, 8), (64, 64, 2, 4)):
