@@ -42,6 +42,9 @@ def output_strides(shape, query_strides) -> list[int]:
     return strides
 
 
+_STRIDES: dict[tuple, list[int]] = {}  # (shape, query strides) -> output strides (ints only)
+
+
 def output_like(query: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None,
                 device: torch.device | None = None) -> torch.Tensor:
     """An empty attention output ``[B, Hq, L, head_dim_v]`` laid out as torch lays it out for
@@ -49,6 +52,12 @@ def output_like(query: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None 
     (default: the query's). Dense (no gaps or overlaps) and its last dimension has stride 1;
     a contiguous query gives a contiguous output."""
     shape = (*query.shape[:-1], head_dim_v)
-    return torch.empty_strided(shape, output_strides(shape, query.stride()),
+    key = (shape, query.stride())
+    strides = _STRIDES.get(key)
+    if strides is None:  # the stride sort once per layout: a cached call allocates only
+        if len(_STRIDES) >= 1024:
+            _STRIDES.clear()
+        strides = _STRIDES[key] = output_strides(shape, key[1])
+    return torch.empty_strided(shape, strides,
                                dtype=query.dtype if dtype is None else dtype,
                                device=query.device if device is None else device)

@@ -202,8 +202,13 @@ def parse_kernel_options(options) -> KernelOptions:
     seen before (same items, same FLEXFA_BACKEND) costs one lookup."""
     if isinstance(options, KernelOptions):
         return options
-    if options is None:
-        options = {}
+    if not options and (options is None or type(options) is dict):
+        options = {}  # the common call: the memo below without building its key's frozenset
+        memo_key = (config.default_backend(),)
+        parsed = _PARSED.get(memo_key)
+        if parsed is None:
+            parsed = _PARSED[memo_key] = _parse(options)
+        return parsed
     if not isinstance(options, dict):
         raise InputTypeError(f"kernel_options must be a dict or None, got "
                              f"{type(options).__name__} {options!r:.60}")
