@@ -124,21 +124,23 @@ def kv_strides(t, inputs: DecodeInputs) -> tuple[int, int, int, int]:
     return tuple(t.stride())
 
 
-def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): a memory-bound loop over key tiles."""
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
+                  rows: int = 16) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for ``rows`` packed rows: a memory-bound loop over
+    key tiles (two stages in flight; 8 warps for 64 rows or more, whose score and output tiles
+    would spill with 4; chosen from ptxas's register and spill counts, not timed yet)."""
     if target.interpret:
         return 64, 4, 1  # the interpreter's cost is per tile
-    block_n, warps, stages = (64, 4, 3) if head_dim_pad <= 128 else (32, 4, 2)
-    if dtype == torch.float32:
-        block_n = max(16, block_n // 2)
-    return block_n, warps, stages
+    block_n = 16 if dtype == torch.float32 else 32  # 64 keys spill at head dim 128
+    return block_n, 8 if rows >= 64 else 4, 2
 
 
 def choose_block_n(call: AttentionCall, inputs: DecodeInputs, head_dim_pad: int, dtype,
-                   target: Target) -> tuple[int, int, int]:
+                   target: Target, q_len: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages): the defaults or kernel_options, fitted to the mask's key
     block and the page size (a key tile never crosses either)."""
-    block_n, warps, stages = default_tiles(head_dim_pad, dtype, target)
+    block_n, warps, stages = default_tiles(head_dim_pad, dtype, target,
+                                           next_power_of_two(call.gqa_group * q_len))
     options = call.options.fwd
     limits = [(f"block_mask BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}",
                mask_blocks(call.block_mask)[1])] if call.block_mask is not None else []
@@ -189,7 +191,8 @@ def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInpu
     B, Hq, L, E = q.shape
     Ev = v.shape[-1]
     _, S = kv_geometry(k, inputs)
-    block_n, warps, stages = choose_block_n(call, inputs, next_power_of_two(E), q.dtype, target)
+    block_n, warps, stages = choose_block_n(call, inputs, next_power_of_two(E), q.dtype, target,
+                                            L)
     mask = call.block_mask
     sparse_q, sparse_kv = mask_blocks(mask)
     if mask is None:
