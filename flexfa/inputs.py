@@ -115,14 +115,19 @@ def check_aux(return_aux, return_lse: bool) -> tuple[bool, bool]:
     return fields["lse"], fields["max_scores"]
 
 
-def check_block_mask(block_mask, query, key) -> None:
-    if block_mask is None:
-        return
+def check_block_mask_type(block_mask) -> None:
+    """A BlockMask (flexfa's, torch's or one with their tables), not a sliced one."""
     if not all(hasattr(block_mask, a) for a in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE")):
         raise InputTypeError(f"block_mask must be a BlockMask (from create_block_mask) or None, "
                              f"got {type(block_mask).__name__}")
     if getattr(block_mask, "mask_mod", None) is sliced_mask_mod:  # flexfa's or torch's
         raise InputError(SLICED)
+
+
+def check_block_mask(block_mask, query, key) -> None:
+    if block_mask is None:
+        return
+    check_block_mask_type(block_mask)
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     if hasattr(block_mask, "_check_compatible"):

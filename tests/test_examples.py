@@ -55,3 +55,11 @@ def test_module_wrapper_matches_dense_attention():
 def test_example_scripts_run(name, argv, capsys):
     assert load(name).main(argv) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_decode_paged_generates_tokens():
+    decode_paged = load("decode_paged")
+    tokens, rate = decode_paged.generate(batch=2, layers=1, dim=32, heads=4, kv_heads=2,
+                                         prompt=10, steps=2, window=8)
+    assert tokens.shape == (2, 2) and rate > 0
+    assert bool(((tokens >= 0) & (tokens < 97)).all())

@@ -116,13 +116,21 @@ def forward_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | Non
 
 def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: str,
                    template: str, params: KernelParams, flags: dict[str, object],
-                   helpers: tuple[str, ...] = ("helpers.tmpl",), **hooks: str
+                   helpers: tuple[str, ...] = ("helpers.tmpl",),
+                   others: tuple[tuple[str, str, KernelParams], ...] = (), **hooks: str
                    ) -> GeneratedKernel:
-    """The module of a forward kernel (fwd.tmpl, fwd_hopper.tmpl, fwd_fp8.tmpl): ``helpers``,
-    the kernel library (common.tmpl) and the forward library (fwd_common.tmpl) filled with
-    the mods, then ``template`` filled with ``hooks`` and the hooks every forward template
-    has. ``flags``: the module flags, the kernel's constexprs but the launch flags."""
+    """The module of a forward kernel (fwd.tmpl, fwd_hopper.tmpl, fwd_fp8.tmpl,
+    fwd_decode.tmpl): ``helpers``, the kernel library (common.tmpl) and the forward library
+    (fwd_common.tmpl) filled with the mods, then ``template`` filled with ``hooks`` and the
+    hooks every forward template has. ``flags``: the module flags, the kernel's constexprs
+    but the launch flags. ``others``: further kernels of the template as (hook of their
+    `def`, name suffix, parameters): kernel ``<name>_<suffix>``."""
     name = kernel_name(spec, key)
+    kernels = [(name, params)]
+    for hook, suffix, other in others:
+        kernels.append((f"{name}_{suffix}", other))
+        hooks[hook] = def_kernel(f"{name}_{suffix}", other, {
+            n: flags[n] for n in other.constexpr_names if n not in LAUNCH_FLAGS})
     score_args, mask_args = mod_buffer_args(score, mask)
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
@@ -136,9 +144,10 @@ def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: s
                   DEF_KERNEL=def_kernel(name, params, checked),
                   TABLES=as_tuple(table_names("KV", "m", "n")), SBUFS=as_tuple(score_names),
                   MBUFS=as_tuple(mask_names), **hooks)
-    source = module_source(f"flexfa generated forward kernel: {name}", flags, (name,),
+    source = module_source(f"flexfa generated forward kernel: {name}", flags,
+                           tuple(k for k, _ in kernels),
                            *(load_template(h) for h in helpers), common, library, kernel)
-    return GeneratedKernel(key, name, source, describe_mods(score, mask), ((name, params),))
+    return GeneratedKernel(key, name, source, describe_mods(score, mask), tuple(kernels))
 
 
 def module_flags(constexprs: dict[str, object]) -> dict[str, object]:

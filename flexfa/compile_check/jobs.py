@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ..codegen.backward import backward_kernel, launch_signature
+from ..codegen.decode import decode_kernel, decode_signature
 from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
@@ -19,6 +20,7 @@ from ..runtime.cache import get_module
 from ..runtime.call import AttentionCall
 from ..runtime.families.ampere import default_tiles as ampere_tiles
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
+from ..runtime.families.decode import DecodeInputs, decode_spec
 from ..runtime.families.fp8 import default_tiles as fp8_tiles
 from ..runtime.options import KernelOptions
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
@@ -269,3 +271,51 @@ def _register_backward() -> None:
 
 _register_hopper()
 _register_backward()
+
+
+# ---- the decode family ----------------------------------------------------------------------
+
+def decode_job(head_dim: int, dtype: str, group: int, q_len: int, score_mod=None,
+               mask_mod=None, per_head_mask: bool = False, paged: bool = False,
+               splits: bool = False, combine: bool = False):
+    """A compile-check builder for the decode kernel (or, with ``combine``, its combine
+    kernel) as the runtime plans it: ``group`` query heads per kv head, ``q_len`` rows, a paged
+    cache with per-sequence lengths (positions from them) or a contiguous one."""
+    def build(arch: int) -> CompileJob:
+        torch_dtype, hkv, length, page = TORCH_DTYPES[dtype], 2, 1024, 64
+        q = torch.zeros(1, hkv * group, q_len, head_dim, dtype=torch_dtype)
+        if paged:
+            k = torch.zeros(length // page, page, hkv, head_dim, dtype=torch_dtype)
+            inputs = DecodeInputs(kv_lens=torch.zeros(1, dtype=torch.int32),
+                                  page_table=torch.zeros(1, length // page, dtype=torch.int32),
+                                  page_size=page)
+        else:
+            k = torch.zeros(1, hkv, length, head_dim, dtype=torch_dtype)
+            inputs = DecodeInputs()
+        q_positions = length if inputs.offsets else q_len
+        block_mask = create_block_mask(mask_mod, None, hkv * group if per_head_mask else None,
+                                       q_positions, length, device="cpu") \
+            if mask_mod is not None else None
+        call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
+                             0.125, KernelOptions(), group)
+        spec = decode_spec(q, k, k, call, parse_target(f"cuda:{arch}"), inputs, True, False,
+                           write_parts=splits)
+        if not combine:
+            return kernel_job(spec, call.score, call.mask, decode_kernel, decode_signature)
+        generated = decode_kernel(spec, call.score, call.mask)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        signature, constexprs = decode_signature(spec, call.score, call.mask, combine=True)
+        return CompileJob(getattr(module, f"{generated.name}_combine"), signature, constexprs,
+                          {"num_warps": 4, "num_stages": 1}, f"{generated.name}_combine")
+    return build
+
+
+register("decode_d128_bf16_g4_l1_dense_split", decode_job(128, "bf16", 4, 1, splits=True))
+register("decode_d128_bf16_g5_l3_paged_causal",
+         decode_job(128, "bf16", 5, 3, score_mod=_softcap, mask_mod=_causal, paged=True,
+                    splits=True))
+register("decode_d64_fp16_g8_l16_per_head_alibi",
+         decode_job(64, "fp16", 8, 16, score_mod=_slopes_mod(), mask_mod=_causal,
+                    per_head_mask=True))
+register("decode_combine_d128_bf16_g4_l1", decode_job(128, "bf16", 4, 1, splits=True,
+                                                      combine=True))

@@ -22,9 +22,10 @@ from ..memo import BoundedMemo
 log = logging.getLogger("flexfa")
 
 TILES = (16, 32, 64, 128, 256)
-BACKENDS = ("AUTO", "TRITON", "AMPERE", "HOPPER", "TRITON_DECODE", "FLASH")
+BACKENDS = ("AUTO", "TRITON", "AMPERE", "HOPPER", "DECODE", "TRITON_DECODE", "FLASH")
 # torch's backends that flexfa does not have: accepted, run flexfa's choice, logged once
-FOREIGN_BACKENDS = {"TRITON_DECODE": "flexfa has no separate decode kernel yet",
+FOREIGN_BACKENDS = {"TRITON_DECODE": "flexfa chooses its decode family itself (BACKEND='DECODE' "
+                                     "forces it)",
                     "FLASH": "flexfa runs its own kernels, not FlashAttention's CuTe ones"}
 
 
@@ -57,7 +58,10 @@ class KernelOptions:
     backend: str = "AUTO"  # a family name (AMPERE, HOPPER) forces that family
     deterministic: bool = False
     fp32_precision: str = "ieee"
-    split_kv: int | str = 0  # forward: 0 never, n about n splits, "AUTO" by occupancy
+    # forward: None the family's choice (the decode family splits by occupancy, the Ampere
+    # family never), 0 never, n about n splits (the decode family: exactly n), "AUTO" by
+    # occupancy
+    split_kv: int | str | None = None
     ds_workspace: bool | None = None  # backward dS workspace: None = where measured faster
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     fwd: PassOptions = PassOptions()
@@ -145,12 +149,14 @@ SCHEMA = {
     "USE_TMA": ("use_tma", ("fwd", "bwd"), _auto_flag,
                 "tiles through tensor descriptors (TMA, sm_90): True, False or 'AUTO'"),
     "BACKEND": ("backend", (), _choice(BACKENDS),
-                "AUTO/TRITON (flexfa's choice), AMPERE or HOPPER (force that kernel family)"),
+                "AUTO/TRITON (flexfa's choice), AMPERE, HOPPER or DECODE (force that kernel "
+                "family)"),
     "deterministic": ("deterministic", (), _flag,
                       "bit-identical gradients, captured-tensor gradients included"),
     "fp32_precision": ("fp32_precision", (), _precision, "fp32 dots: 'ieee' or 'tf32'"),
     "SPLIT_KV": ("split_kv", (), _split_kv,
-                 "split-KV decoding: 0 (never, default), n splits, or 'AUTO'"),
+                 "split-KV decoding: 0 (never), n splits, or 'AUTO' (default: the family's "
+                 "choice)"),
     "DS_WORKSPACE": ("ds_workspace", (), _auto_flag,
                      "backward dQ from a stored dS (memory L x S): True, False or 'AUTO'"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
@@ -161,7 +167,8 @@ HINTS = {
     "ROWS_GUARANTEED_SAFE": "flexfa's empty-row handling costs nothing to skip",
     "BLOCKS_ARE_CONTIGUOUS": "flexfa walks the block tables as they are",
     "WRITE_DQ": "flexfa's captured-tensor gradients are always accumulated in the dQ kernel",
-    "FORCE_USE_FLEX_ATTENTION": "flexfa has no separate decode kernel yet",
+    "FORCE_USE_FLEX_ATTENTION": "flexfa chooses its decode family itself (BACKEND='AMPERE' "
+                                "or 'HOPPER' avoids it)",
     "kpack": "a ROCm option", "matrix_instr_nonkdim": "a ROCm option",
     "waves_per_eu": "a ROCm option",
 }

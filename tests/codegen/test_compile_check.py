@@ -45,3 +45,15 @@ def test_register_limits_archs(monkeypatch):
     assert not compile_check.supports("hopper_only_probe", 80)
     with pytest.raises(AssertionError, match="registered twice"):
         compile_check.register("hopper_only_probe", lambda arch: None)
+
+
+@pytest.mark.parametrize("name,arch", [("decode_d128_bf16_g5_l3_paged_causal", 90),
+                                       ("decode_d128_bf16_g4_l1_dense_split", 80),
+                                       ("decode_combine_d128_bf16_g4_l1", 80)])
+def test_decode_kernels_compile(name, arch):
+    """The decode family's kernel (paged, a block mask, splits) and its combine kernel compile
+    for sm_80 and sm_90 without spilling much."""
+    result = compile_job(name, arch, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    assert ".entry flexfa_fwd_decode_d128_bf16_" in result.ptx
+    assert result.spill_bytes is None or result.spill_bytes <= 64, result.spill_bytes

@@ -24,7 +24,7 @@ def fresh_log(monkeypatch):
 
 def test_defaults():
     assert parse_kernel_options(None) == parse_kernel_options({}) == DEFAULT_OPTIONS
-    assert DEFAULT_OPTIONS.backend == "AUTO" and DEFAULT_OPTIONS.split_kv == 0
+    assert DEFAULT_OPTIONS.backend == "AUTO" and DEFAULT_OPTIONS.split_kv is None
     assert DEFAULT_OPTIONS.ds_workspace is None and DEFAULT_OPTIONS.fwd.use_tma is None
     assert not DEFAULT_OPTIONS.fwd.pins_tiles and not DEFAULT_OPTIONS.bwd.pins_tiles
     parsed = parse_kernel_options({"BLOCK_M": 32})

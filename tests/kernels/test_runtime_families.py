@@ -15,6 +15,7 @@ from flexfa.runtime import plans, registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families.ampere import AMPERE
 from flexfa.runtime.families.backward import BACKWARD
+from flexfa.runtime.families.decode import DECODE
 from flexfa.runtime.families.fp8 import FP8
 from flexfa.runtime.families.hopper import HOPPER
 from flexfa.runtime.forward import forward_plan_key
@@ -46,7 +47,7 @@ def test_targets():
 
 
 def test_registered_families():
-    assert registry.families("forward") == (HOPPER, AMPERE)  # in order of preference
+    assert registry.families("forward") == (DECODE, HOPPER, AMPERE)  # in order of preference
     assert registry.families("backward") == (BACKWARD,)
     assert registry.families("fp8") == (FP8,)
     assert (HOPPER.name, AMPERE.name, BACKWARD.name, FP8.name) == (
@@ -117,7 +118,7 @@ def test_no_family_for_the_call_names_every_reason():
     Ampere family does not use descriptors; refused, not silently ignored."""
     q, k, v = _bf16()
     with pytest.raises(InputError, match=r"no forward kernel family runs this call on cuda:80: "
-                                         r"hopper: it runs on sm_90.*; ampere: kernel_options "
+                                         r"decode: .*; hopper: it runs on sm_90.*; ampere: kernel_options "
                                          r"USE_TMA=True"):
         registry.choose("forward", SM80, _call({"USE_TMA": True}), q, k, v)
 

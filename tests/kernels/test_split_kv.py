@@ -1,6 +1,7 @@
-"""Split-KV decoding (``flexfa.runtime.families.ampere.split_keys``; kernel_options
-``SPLIT_KV=n`` forces about n splits, also under the interpreter): the Ampere family walks one
-range of keys per split into float32 slices, combined by their lse. Out, lse, row maxima and
+"""Split-KV decoding in the Ampere family (``flexfa.runtime.families.ampere.split_keys``;
+kernel_options ``SPLIT_KV=n`` forces about n splits, also under the interpreter): it walks one
+range of keys per split into float32 slices, combined by their lse. Calls of at most 16 rows
+take the decode family by default (tests/kernels/test_decode.py), so these force AMPERE. Out, lse, row maxima and
 gradients against the float64 reference; empty rows and splits without keys; the rule that
 picks the splits; split calls never take the Hopper family."""
 import pytest
@@ -26,7 +27,7 @@ from forward_utils import check_forward, dense_block_mask, make_qkv
 from strategies import mask_mods, score_mods
 
 
-SPLIT4 = {"SPLIT_KV": 4}  # about four splits
+SPLIT4 = {"SPLIT_KV": 4, "BACKEND": "AMPERE"}  # about four splits
 
 
 @pytest.fixture
@@ -69,13 +70,15 @@ def test_split_decoding_takes_the_ampere_family(monkeypatch):
     splits; with SPLIT_KV="AUTO" where its programs would not fill half of the SMs); forcing
     the Hopper family onto a split call is an error naming the reason."""
     monkeypatch.setattr(ampere, "sm_count", lambda device: 132)
-    q, k, v = make_qkv(1, 4, 4, 3, 1500, 32, dtype=torch.bfloat16, seed=50)
+    # 20 rows: more than the decode family takes
+    q, k, v = make_qkv(1, 4, 4, 20, 1500, 32, dtype=torch.bfloat16, seed=50)
     sm90 = Target("cuda", 9, 0)
+    split4 = {"SPLIT_KV": 4}
 
     def call(options):
         return AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
     assert registry.choose("forward", sm90, call({}), q, k, v) is HOPPER
-    assert registry.choose("forward", sm90, call(SPLIT4), q, k, v) is AMPERE
+    assert registry.choose("forward", sm90, call(split4), q, k, v) is AMPERE
     auto = call({"SPLIT_KV": "AUTO"})
     assert registry.choose("forward", sm90, auto, q, k, v) is AMPERE  # 4 programs
     long_q = torch.zeros(1, 4, 2176, 32, dtype=torch.bfloat16)  # 2 x 4 x 17 > 132 SMs
@@ -83,9 +86,9 @@ def test_split_decoding_takes_the_ampere_family(monkeypatch):
     shorter_q = torch.zeros(1, 4, 2048, 32, dtype=torch.bfloat16)  # 2 x 4 x 16 <= 132
     assert registry.choose("forward", sm90, auto, shorter_q, k, v) is AMPERE
     with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call: split-KV"):
-        registry.choose("forward", sm90, call({**SPLIT4, "BACKEND": "HOPPER"}), q, k, v)
+        registry.choose("forward", sm90, call({**split4, "BACKEND": "HOPPER"}), q, k, v)
     with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call: split-KV"):
-        flexfa.flex_attention(q, k, v, kernel_options={**SPLIT4, "BACKEND": "HOPPER"})
+        flexfa.flex_attention(q, k, v, kernel_options={**split4, "BACKEND": "HOPPER"})
 
 
 def test_split_decoding_row_maxima_and_gradients(splits):
@@ -171,4 +174,5 @@ def test_random_mods_through_split_decoding(problem, data):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ampere, "MIN_SPLIT_KEYS", 16)
         check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
-                      kernel_options={"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KV": splits})
+                      kernel_options={"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KV": splits,
+                                      "BACKEND": "AMPERE"})

@@ -101,14 +101,14 @@ def sm_count(device: torch.device) -> int:
 
 def split_keys(call: AttentionCall, target: Target, batch_heads: int, L: int, S: int,
                block_m: int, unit: int, device: torch.device) -> int:
-    """Keys per split for split-KV decoding (0: none). ``kernel_options["SPLIT_KV"]``: 0 (the
+    """Keys per split for split-KV decoding (0: none). ``kernel_options["SPLIT_KV"]``: 0 or None (the
     default: not yet measured on a GPU) never; ``"AUTO"`` splits on a GPU where the
     ``cdiv(L, block_m) * batch_heads`` programs would not fill half of its SMs, into about two
     programs per SM; ``n`` into about n splits (any target: how the interpreter tests it). A
     split is a power of two times ``unit`` (the mask's key block, the key tile without a
     mask), at least MIN_SPLIT_KEYS keys, and there are at least two."""
     setting = call.options.split_kv
-    if setting == 0:
+    if not setting:  # None (the default) or 0
         return 0
     if setting == "AUTO":
         if target.interpret:
@@ -131,7 +131,7 @@ def wants_split(call: AttentionCall, target: Target, q, k) -> bool:
     """Whether split-KV decoding may apply (a bound needing no spec: tiles have at most 128
     rows), so that other families leave such calls to this one."""
     setting = call.options.split_kv
-    if setting == 0:
+    if not setting:
         return False
     if setting == "AUTO":
         return not target.interpret and (

@@ -1,0 +1,182 @@
+"""``flex_decode``: attention of a few new query rows per sequence against a KV cache, with
+per-sequence lengths and query positions, on a contiguous or a paged cache (the decode
+family, ``flexfa.runtime.families.decode``).
+
+Shapes, dtypes and devices are checked on every call (no host synchronisation). The values of
+``kv_lens``, ``q_offsets`` and the page table are checked too with ``validate=True`` (the
+default: one synchronisation); a serving loop whose ``PagedKVCache`` keeps them right passes
+``validate=False``, which a CUDA-graph capture needs. Inference only: no gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from .blockmask.coarsen import runnable_block_mask
+from .blockmask.validate import check_tables
+from .errors import InputError, InputTypeError, check_bool
+from .inputs import (check_block_mask_type, check_buffers, check_scale, check_table_shapes,
+                     check_tensors)
+from .runtime.call import AttentionCall
+from .runtime.families.decode import (MAX_Q_LEN, DecodeInputs, DecodeWorkspace, kv_geometry,
+                                      run_decode)
+from .runtime.indices import check_captured_indices
+from .runtime.options import parse_kernel_options
+from .runtime.pipeline import prepare_mask, prepare_score_mod
+
+__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values"]
+
+
+def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, *,
+                kv_lens=None, q_offsets=None, page_table=None, return_lse=False,
+                kernel_options=None, workspace: DecodeWorkspace | None = None,
+                validate: bool = True):
+    """Attention of ``query`` [B, Hq, L, E] (L <= 16 new rows per sequence) against a cache.
+
+    The cache is ``key`` [B, Hkv, S, E] / ``value`` [B, Hkv, S, Ev] or, with ``page_table``
+    [B, max_pages] int32, a paged cache [num_pages, page_size, Hkv, E] / [..., Ev] (vLLM's
+    layout; ``flexfa.PagedKVCache`` keeps one), where logical key ``i`` of sequence ``b`` is
+    row ``i % page_size`` of page ``page_table[b, i // page_size]``; S is then max_pages *
+    page_size. Hq must be a multiple of Hkv (any ratio).
+
+    ``kv_lens`` [B] int32: sequence b has keys ``0 .. kv_lens[b] - 1`` (default: S).
+    ``q_offsets`` [B] int32: the position of query row 0 of sequence b, so that row i has
+    ``q_idx = q_offsets[b] + i`` in the mods (default: ``kv_lens[b] - L``, the queries being
+    the last L keys, when ``kv_lens`` is given, else 0). The mods see the logical ``kv_idx``.
+    A ``block_mask`` covers the positions: built for (L, S) without offsets, for (S, S) with
+    them (``create_block_mask(mask_mod, B, H, S, S)``, as gpt-fast builds its masks).
+
+    Returns ``out`` [B, Hq, L, Ev] (and lse [B, Hq, L] float32 with ``return_lse``); with a
+    ``workspace`` the workspace's tensors, overwritten by the next call with it.
+    ``kernel_options``: those of ``flex_attention`` (``SPLIT_KV`` fixes the split count).
+    """
+    validate = check_bool("validate", validate)
+    return_lse = check_bool("return_lse", return_lse)
+    check_tensors(query, key, value)
+    if workspace is not None and not isinstance(workspace, DecodeWorkspace):
+        raise InputTypeError(f"workspace must be a flexfa.DecodeWorkspace or None, got "
+                             f"{type(workspace).__name__}")
+    inputs = _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
+    Hkv, S = kv_geometry(key, inputs)
+    B, Hq, L, E = query.shape
+    scale = check_scale(scale, E)
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    q_positions = S if inputs.offsets else L  # the block mask's q length
+    _check_block_mask(block_mask, query, B, Hq, q_positions, S)
+    if validate:
+        check_decode_values(inputs, L, S, key.shape[0] if inputs.paged else None)
+    options = parse_kernel_options(kernel_options)
+    score = prepare_score_mod(score_mod)
+    mask = prepare_mask(block_mask)
+    runnable = runnable_block_mask(block_mask, mask)
+    if runnable is not block_mask:
+        block_mask, mask = runnable, runnable.traced_mask
+    check_buffers(score, "score_mod", query.device)
+    check_buffers(mask, "mask_mod", query.device)
+    check_captured_indices(score, mask, (B, Hq, q_positions, E), S, query.device)
+    call = AttentionCall(score, mask, block_mask, scale, options, Hq // Hkv)
+    out, lse, _ = run_decode(query, key, value, call, inputs, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _int32_rows(name: str, tensor, shape: tuple, device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor or None, got "
+                             f"{type(tensor).__name__}")
+    if tensor.dtype != torch.int32 or tuple(tensor.shape) != shape:
+        raise InputError(f"{name} must be int32 of shape {shape}, got {tensor.dtype} of shape "
+                         f"{tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise InputError(f"{name} is on {tensor.device} but query is on {device}")
+    if tensor.dim() == 1 and tensor.stride(0) != 1:
+        raise InputError(f"{name} must be contiguous, got stride {tensor.stride(0)}")
+
+
+def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace) -> DecodeInputs:
+    """The cache's layout checked against the query (no tensor values read)."""
+    B, Hq, L, E = query.shape
+    if not 1 <= L <= MAX_Q_LEN:
+        raise InputError(f"query has {L} rows per head; flex_decode runs 1..{MAX_Q_LEN} (use "
+                         "flex_attention for longer chunks)")
+    page_size = 0
+    if page_table is not None:
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
+            raise InputError(f"page_table must be a 2-D int32 tensor [B, max_pages], got "
+                             f"{getattr(page_table, 'shape', type(page_table).__name__)}")
+        _int32_rows("page_table", page_table, (B, page_table.shape[1]), query.device)
+        pages, page_size, Hkv, _ = key.shape
+        if tuple(value.shape[:3]) != (pages, page_size, Hkv):
+            raise InputError(f"value cache has shape {tuple(value.shape)} but key cache "
+                             f"{tuple(key.shape)}; both are [num_pages, page_size, Hkv, dim]")
+        if page_size % 16:
+            raise InputError(f"the paged cache has page_size {page_size}; the decode kernel "
+                             "needs a multiple of 16")
+    else:
+        if key.shape[0] != B or value.shape[0] != B:
+            raise InputError(f"key and value have batch sizes {key.shape[0]}, {value.shape[0]} "
+                             f"but query has {B}")
+        Hkv = key.shape[1]
+        if tuple(value.shape[1:3]) != tuple(key.shape[1:3]):
+            raise InputError(f"value has shape {tuple(value.shape)} but key {tuple(key.shape)}; "
+                             "they need the same heads and length")
+    if key.shape[3] != E:
+        raise InputError(f"key has head_dim {key.shape[3]} but query has {E}")
+    if Hkv == 0 or Hq % Hkv:
+        raise InputError(f"query has {Hq} heads but the cache has {Hkv}; query heads must be a "
+                         "multiple of kv heads")
+    for name, tensor in (("kv_lens", kv_lens), ("q_offsets", q_offsets)):
+        if tensor is not None:
+            _int32_rows(name, tensor, (B,), query.device)
+    return DecodeInputs(kv_lens, q_offsets, page_table, page_size, workspace)
+
+
+def _check_block_mask(block_mask, query, B: int, Hq: int, q_len: int, S: int) -> None:
+    if block_mask is None:
+        return
+    check_block_mask_type(block_mask)
+    mask_B, mask_H = block_mask.kv_num_blocks.shape[:2]
+    lengths = tuple(getattr(block_mask, "seq_lengths", (q_len, S)))
+    if mask_B not in (1, B) or mask_H not in (1, Hq) or lengths != (q_len, S):
+        raise InputError(f"block_mask was built for (B={mask_B}, H={mask_H}, lengths={lengths}) "
+                         f"but flex_decode needs (B={B} or 1, H={Hq} or 1, lengths={(q_len, S)}): "
+                         "query positions x cache length, (S, S) with kv_lens or q_offsets")
+    if block_mask.kv_num_blocks.device != query.device:
+        raise InputError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
+                         f"{query.device}")
+    check_table_shapes(block_mask, q_len, S)
+    check_tables(block_mask, q_len, S)
+
+
+def check_decode_values(inputs: DecodeInputs, L: int, S: int, num_pages: int | None) -> None:
+    """The values of ``kv_lens``, ``q_offsets`` and the page table (one host synchronisation):
+    0 <= kv_lens <= S, 0 <= q_offsets and q_offsets + L <= the sequence's length, and page
+    table entries in 0 .. num_pages - 1 for every page holding keys below kv_lens."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise InputError("flex_decode cannot check tensor values while a CUDA graph is being "
+                         "captured; pass validate=False (check them before capturing)")
+    lens = inputs.kv_lens
+    if lens is not None:
+        bad = ((lens < 0) | (lens > S)).nonzero()
+        if len(bad):
+            b = int(bad[0, 0])
+            raise InputError(f"kv_lens[{b}] = {int(lens[b])} is outside the cache's 0..{S} keys")
+    if inputs.q_offsets is not None:
+        ends = inputs.q_offsets + L
+        limit = lens if lens is not None else torch.full_like(ends, S)
+        bad = ((inputs.q_offsets < 0) | (ends > limit)).nonzero()
+        if len(bad):
+            b = int(bad[0, 0])
+            raise InputError(f"q_offsets[{b}] = {int(inputs.q_offsets[b])} puts the {L} query "
+                             f"rows at positions past the sequence's {int(limit[b])} keys "
+                             "(kv_lens, else the cache length)")
+    if inputs.paged:
+        table, size = inputs.page_table, inputs.page_size
+        used = -(-(lens if lens is not None else torch.full((table.shape[0],), S,
+                                                             device=table.device)) // size)
+        live = torch.arange(table.shape[1], device=table.device)[None, :] < used[:, None]
+        bad = (live & ((table < 0) | (table >= num_pages))).nonzero()
+        if len(bad):
+            b, i = (int(x) for x in bad[0])
+            raise InputError(f"page_table[{b}, {i}] = {int(table[b, i])} is not a page of the "
+                             f"cache (0..{num_pages - 1}); sequence {b} uses its first "
+                             f"{int(used[b])} pages")

@@ -1,0 +1,140 @@
+"""``PagedKVCache``: a paged KV cache for ``flex_decode``, in the spirit of torch's and
+attention-gym's ``PagedAttention`` (reserve, assign, erase) with vLLM's layout.
+
+The keys and values of all sequences share ``k_cache`` / ``v_cache`` [num_pages, page_size,
+Hkv, E]; ``page_table`` [max_batch_size, max_pages_per_seq] int32 maps sequence b's logical
+page i to a physical page (-1: none) and ``kv_lens`` [max_batch_size] int32 holds each
+sequence's key count. The decode kernel translates addresses through the table per key tile,
+so mods and block masks stay in logical positions: ``convert_logical_block_mask`` has nothing
+to convert. Pages are handed out on the host (a free list), so reserving never synchronises
+with the GPU; ``assign`` writes on the device and can run inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from .decode import flex_decode
+from .errors import InputError
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    def __init__(self, num_pages: int, page_size: int, max_batch_size: int, num_kv_heads: int,
+                 head_dim: int, *, head_dim_v: int | None = None,
+                 max_pages_per_seq: int | None = None, dtype=torch.bfloat16, device="cpu"):
+        if page_size < 16 or page_size % 16:
+            raise InputError(f"page_size is {page_size}; the decode kernel needs a multiple of 16")
+        for name, value in (("num_pages", num_pages), ("max_batch_size", max_batch_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if value < 1:
+                raise InputError(f"{name} must be positive, got {value}")
+        self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq or num_pages
+        self.k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
+                                   device=device)
+        self.v_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim_v or head_dim,
+                                   dtype=dtype, device=device)
+        self.page_table = torch.full((max_batch_size, self.max_pages_per_seq), -1,
+                                     dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self._pages: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self._lens = [0] * max_batch_size  # host copy of kv_lens
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+    def _row(self, batch_idx: int) -> int:
+        if not 0 <= batch_idx < len(self._pages):
+            raise InputError(f"batch_idx {batch_idx} is outside 0..{len(self._pages) - 1}")
+        return batch_idx
+
+    def reserve(self, batch_idx: int, seq_len: int) -> None:
+        """Give sequence ``batch_idx`` pages for ``seq_len`` keys (pages it has are kept)."""
+        pages = self._pages[self._row(batch_idx)]
+        needed = -(-seq_len // self.page_size)
+        if needed > self.max_pages_per_seq:
+            raise InputError(f"seq_len {seq_len} needs {needed} pages; a sequence has at most "
+                             f"{self.max_pages_per_seq} ({self.max_seq_len} keys)")
+        if needed - len(pages) > len(self._free):
+            raise InputError(f"seq_len {seq_len} needs {needed - len(pages)} more pages but "
+                             f"only {len(self._free)} of {self.num_pages} are free")
+        new = [self._free.pop() for _ in range(needed - len(pages))]
+        if new:
+            self.page_table[batch_idx, len(pages):needed] = torch.tensor(new, dtype=torch.int32)
+            pages += new
+
+    def erase(self, batch_idx: int) -> None:
+        """Free sequence ``batch_idx``'s pages and set its length to 0."""
+        pages = self._pages[self._row(batch_idx)]
+        self._free += reversed(pages)
+        pages.clear()
+        self.page_table[batch_idx] = -1
+        self.set_length(batch_idx, 0)
+
+    def set_length(self, batch_idx: int, seq_len: int) -> None:
+        """Sequence ``batch_idx`` has ``seq_len`` keys (within its reserved pages)."""
+        if not 0 <= seq_len <= len(self._pages[self._row(batch_idx)]) * self.page_size:
+            raise InputError(f"seq_len {seq_len} is past sequence {batch_idx}'s "
+                             f"{len(self._pages[batch_idx]) * self.page_size} reserved keys")
+        self._lens[batch_idx] = seq_len
+        self.kv_lens[batch_idx] = seq_len
+
+    def length(self, batch_idx: int) -> int:
+        return self._lens[self._row(batch_idx)]
+
+    def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,
+               v_val: torch.Tensor, validate: bool = True) -> None:
+        """Write ``k_val`` / ``v_val`` [B, Hkv, L, E] at logical positions ``input_pos`` [B, L]
+        of sequences ``batch_idx`` [B] (device tensors: no synchronisation with
+        ``validate=False``, as under CUDA-graph capture; the positions must be reserved).
+        Lengths are not changed: ``set_length``, or ``kv_lens`` updated on the device."""
+        B, L = input_pos.shape
+        if tuple(k_val.shape[:3]) != (B, self.k_cache.shape[2], L) or \
+                tuple(v_val.shape[:3]) != (B, self.v_cache.shape[2], L):
+            raise InputError(f"k_val {tuple(k_val.shape)} and v_val {tuple(v_val.shape)} must be "
+                             f"[B={B}, Hkv={self.k_cache.shape[2]}, L={L}, dim]")
+        pos = input_pos.long()
+        pages = self.page_table[batch_idx.long()[:, None], pos // self.page_size]
+        if validate and bool(((pages < 0) | (pos < 0)).any()):
+            raise InputError("assign writes positions outside the pages reserved for their "
+                             "sequences: reserve(batch_idx, seq_len) first")
+        rows = (pages.long() * self.page_size + pos % self.page_size).flatten()
+        self.k_cache.view(-1, *self.k_cache.shape[2:])[rows] = \
+            k_val.transpose(1, 2).reshape(B * L, *self.k_cache.shape[2:]).to(self.k_cache.dtype)
+        self.v_cache.view(-1, *self.v_cache.shape[2:])[rows] = \
+            v_val.transpose(1, 2).reshape(B * L, *self.v_cache.shape[2:]).to(self.v_cache.dtype)
+
+    def append(self, k_val: torch.Tensor, v_val: torch.Tensor) -> None:
+        """Append ``k_val`` / ``v_val`` [B, Hkv, L, E] to sequences 0..B-1 (reserving pages,
+        advancing their lengths): the host knows every position, nothing is read back."""
+        B, _, L, _ = k_val.shape
+        for b in range(B):
+            self.reserve(b, self._lens[b] + L)
+        device = self.k_cache.device
+        pos = torch.tensor([[self._lens[b] + i for i in range(L)] for b in range(B)],
+                           device=device)
+        self.assign(torch.arange(B, device=device), pos, k_val, v_val, validate=False)
+        for b in range(B):
+            self.set_length(b, self._lens[b] + L)
+
+    def convert_logical_block_mask(self, block_mask):
+        """The block mask for the paged cache: the same one (the kernel walks logical blocks
+        and reads keys through the page table); its key length must be ``max_seq_len``."""
+        if block_mask is not None and tuple(block_mask.seq_lengths)[1] != self.max_seq_len:
+            raise InputError(f"block_mask covers {tuple(block_mask.seq_lengths)[1]} keys but the "
+                             f"cache's sequences hold {self.max_seq_len}")
+        return block_mask
+
+    def attend(self, query, score_mod=None, block_mask=None, **kwargs):
+        """``flex_decode`` of ``query`` [B, Hq, L, E] against sequences 0..B-1 of the cache,
+        the queries at the end of each sequence (``q_offsets`` in kwargs to place them)."""
+        B = query.shape[0]
+        return flex_decode(query, self.k_cache, self.v_cache, score_mod, block_mask,
+                           page_table=self.page_table[:B], kv_lens=self.kv_lens[:B], **kwargs)

@@ -1,0 +1,317 @@
+"""The decode family: ``fwd_decode.tmpl`` for calls with few query rows (decoding, speculative
+verification, small chunks of a prefill) against a long key sequence.
+
+One program per (batch, kv head, split): the GQA group's query heads times the query rows are
+the rows of one tile, so K and V are read once per kv head instead of once per query head,
+and L = 1 does not pad a 128-row tile. It runs every mod and block mask the other families do
+and returns the same out, lse and row max, so the backward (``triton_bwd``) trains through it.
+
+When it applies (``why_not``): L <= MAX_Q_LEN and G * L <= MAX_PACKED_ROWS, where packing
+reads each K/V tile for all G * L rows at once; longer calls keep the Ampere and Hopper
+families. ``kernel_options["BACKEND"] = "DECODE"`` forces it. ``flexfa.flex_decode`` runs it
+with per-sequence lengths and query offsets and on paged KV caches (``DecodeInputs``).
+
+Splits (``split_count``): kernel_options ``SPLIT_KV`` = n forces n (1: none); by default and
+with ``"AUTO"`` the (batch, kv head) programs are split until there are about WAVES programs per
+SM (a notional INTERPRET_SMS under the interpreter, so tests see splits), each split keeping
+at least MIN_SPLIT_TILES key tiles. The count depends only on the call's shapes, so a CUDA graph
+captured for a shape replays with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...codegen.decode import (OFFSETS_FROM_LENS, OFFSETS_NONE, OFFSETS_TENSOR,
+                               DecodeSpec, decode_kernel)
+from ...codegen.ranges import Domain, mods_int64_nodes
+from ...codegen.spec import DTYPE_NAMES, next_power_of_two
+from ...errors import InputError
+from .. import binding, plans
+from ..call import AttentionCall
+from ..kernels import generated_module
+from ..launch import Step, cdiv
+from ..outputs import allocate_outputs, stat_args
+from ..registry import KernelFamily, register
+from ..tables import dummy_table, largest_tile, mask_blocks
+from ..target import Target, target_of
+from .ampere import sm_count
+
+MAX_Q_LEN = 16  # query rows per head: decoding, speculative verification, small chunks
+MAX_PACKED_ROWS = 128  # G * L: one tile's rows
+WAVES = 2  # programs per SM the default split count aims at
+INTERPRET_SMS = 4  # the notional SM count under the interpreter
+MIN_SPLIT_TILES = 4  # key tiles a split keeps at least
+MAX_SPLITS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """What ``flex_decode`` adds to a call: per-sequence key counts ``kv_lens`` [B] int32,
+    query offsets ``q_offsets`` [B] int32, a page table [B, max_pages] int32 over a paged
+    cache of ``page_size`` keys per page, and a ``DecodeWorkspace``."""
+
+    kv_lens: torch.Tensor | None = None
+    q_offsets: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    page_size: int = 0
+    workspace: "DecodeWorkspace | None" = None
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    @property
+    def offsets(self) -> int:
+        if self.q_offsets is not None:
+            return OFFSETS_TENSOR
+        return OFFSETS_FROM_LENS if self.kv_lens is not None else OFFSETS_NONE
+
+    def key(self) -> tuple:
+        """What of these inputs a plan specializes on."""
+        table = self.page_table
+        return (self.offsets, self.kv_lens is not None, self.page_size,
+                None if table is None else (table.shape, table.stride()))
+
+
+NO_INPUTS = DecodeInputs()
+
+
+class DecodeWorkspace:
+    """Preallocated outputs and split workspaces: a call given a workspace allocates nothing
+    once the workspace holds the buffers of its plan (after its first call), and returns the
+    workspace's ``out`` (and ``lse``), overwritten by the next call. What a CUDA graph
+    captures: the same addresses on every replay."""
+
+    def __init__(self):
+        self.plan = None
+        self.out = self.lse = self.maxs = None
+        self.parts = self.part_lse = self.part_max = None
+
+    def buffers(self, plan, q, v, return_lse: bool, return_max: bool) -> tuple:
+        if self.plan is not plan or (return_lse and self.lse is None) or (
+                return_max and self.maxs is None):
+            self.out, self.lse, self.maxs = allocate_outputs(q, v, True, return_max)
+            self.parts, self.part_lse, self.part_max = split_workspaces(plan, v)
+            self.plan = plan
+        return (self.out, self.lse if return_lse else None, self.maxs if return_max else None,
+                self.parts, self.part_lse, self.part_max)
+
+
+def split_workspaces(plan, v) -> tuple:
+    """The float32 slices of a split plan (Nones without splits)."""
+    splits, bh, rows = plan.fixed["splits"], *plan.fixed["rows"]
+    if splits == 1:
+        return None, None, None
+    parts = torch.empty(splits * bh * rows * v.shape[-1], dtype=torch.float32, device=v.device)
+    stats = torch.empty(2, splits * bh * rows, dtype=torch.float32, device=v.device)
+    return parts, stats[0], stats[1]
+
+
+def kv_geometry(k, inputs: DecodeInputs) -> tuple[int, int]:
+    """(kv heads, keys per sequence at most) of contiguous [B, Hkv, S, E] keys or a paged
+    cache [num_pages, page_size, Hkv, E] read through a [B, max_pages] page table."""
+    if inputs.paged:
+        return k.shape[2], inputs.page_table.shape[1] * inputs.page_size
+    return k.shape[1], k.shape[2]
+
+
+def kv_strides(t, inputs: DecodeInputs) -> tuple[int, int, int, int]:
+    """(batch or page, head, key, dim) strides, as fwd_decode.tmpl's stride_k* read them."""
+    if inputs.paged:
+        return t.stride(0), t.stride(2), t.stride(1), t.stride(3)
+    return tuple(t.stride())
+
+
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
+                  rows: int = 16) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for ``rows`` packed rows: a memory-bound loop over
+    key tiles (two stages in flight; 8 warps for 64 rows or more, whose score and output tiles
+    would spill with 4; chosen from ptxas's register and spill counts, not timed yet)."""
+    if target.interpret:
+        return 64, 4, 1  # the interpreter's cost is per tile
+    block_n = 16 if dtype == torch.float32 else 32  # 64 keys spill at head dim 128
+    return block_n, 8 if rows >= 64 else 4, 2
+
+
+def choose_block_n(call: AttentionCall, inputs: DecodeInputs, head_dim_pad: int, dtype,
+                   target: Target, q_len: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages): the defaults or kernel_options, fitted to the mask's key
+    block and the page size (a key tile never crosses either)."""
+    block_n, warps, stages = default_tiles(head_dim_pad, dtype, target,
+                                           next_power_of_two(call.gqa_group * q_len))
+    options = call.options.fwd
+    limits = [(f"block_mask BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}",
+               mask_blocks(call.block_mask)[1])] if call.block_mask is not None else []
+    if inputs.paged:
+        limits.append((f"page size {inputs.page_size}", inputs.page_size))
+    for _, size in limits:
+        block_n = min(block_n, largest_tile(size))
+    block_n = options.block_n or block_n
+    for what, size in limits:
+        if block_n < 16 or size % block_n:
+            raise InputError(f"{what}: the decode kernel's key tile BLOCK_N={block_n} must divide "
+                             f"{size} and be >= 16 (use a multiple of 16, or pass a smaller "
+                             "kernel_options 'BLOCK_N')")
+    return block_n, options.num_warps or warps, options.num_stages or stages
+
+
+def split_count(call: AttentionCall, target: Target, programs: int, key_tiles: int,
+                device) -> int:
+    """Splits of each (batch, kv head) program's keys (see the module docstring)."""
+    setting = call.options.split_kv
+    if isinstance(setting, int) and setting > 0:
+        return setting
+    if setting == 0:
+        return 1
+    sms = INTERPRET_SMS if target.interpret else sm_count(device)
+    wanted = cdiv(WAVES * sms, programs)
+    return max(1, min(wanted, key_tiles // MIN_SPLIT_TILES, MAX_SPLITS))
+
+
+def table_heads(call: AttentionCall) -> int:
+    """Block-mask heads per kv head: the group's own tables, or 1 where they are shared."""
+    mask = call.block_mask
+    if mask is None or mask.kv_num_blocks.shape[1] == 1:
+        return 1
+    return call.gqa_group
+
+
+def q_block_span(q_len: int, sparse_q: int, offsets: int) -> int:
+    """The q blocks of the mask that Q_LEN consecutive positions can touch: from 0 exactly,
+    from any offset one more where a run of them can cross a block's end."""
+    if offsets == OFFSETS_NONE:
+        return (q_len - 1) // sparse_q + 1
+    return 1 if q_len == 1 else cdiv(q_len - 1, sparse_q) + 1
+
+
+def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInputs,
+                return_lse: bool, return_max: bool, write_parts: bool = False) -> DecodeSpec:
+    B, Hq, L, E = q.shape
+    Ev = v.shape[-1]
+    _, S = kv_geometry(k, inputs)
+    block_n, warps, stages = choose_block_n(call, inputs, next_power_of_two(E), q.dtype, target,
+                                            L)
+    mask = call.block_mask
+    sparse_q, sparse_kv = mask_blocks(mask)
+    if mask is None:
+        sparse_q, sparse_kv = 16, block_n
+    rows = call.gqa_group * L
+    # positions the mods see: below S where offsets place the rows, else below L
+    q_positions = L if inputs.offsets == OFFSETS_NONE else S
+    return DecodeSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev,
+        block_m=next_power_of_two(rows), block_n=block_n, num_warps=warps, num_stages=stages,
+        q_len=L, gqa_group=call.gqa_group, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, table_g=table_heads(call),
+        qb_span=q_block_span(L, sparse_q, inputs.offsets) if mask is not None else 1,
+        even_s=inputs.kv_lens is None and S % sparse_kv == 0, return_lse=return_lse,
+        return_max=return_max, input_precision=call.options.fp32_precision, target=target.name,
+        offsets=inputs.offsets, has_kv_lens=inputs.kv_lens is not None, paged=inputs.paged,
+        page_size=inputs.page_size, write_parts=write_parts,
+        wide_ints=mods_int64_nodes((call.score, call.mask), Domain(B, Hq, q_positions, S)),
+        max_registers=call.options.fwd.max_registers or 0)
+
+
+class DecodeForward(KernelFamily):
+    name = "decode"
+    direction = "forward"
+    priority = 20  # before Hopper and Ampere: where it applies, it reads K and V once per group
+
+    def why_not(self, target: Target, call, q, k, v) -> str | None:
+        L = q.shape[2]
+        if L > MAX_Q_LEN:
+            return f"it runs calls of at most {MAX_Q_LEN} query rows, not {L}"
+        if call.gqa_group * L > MAX_PACKED_ROWS:
+            return (f"{call.gqa_group} query heads per kv head x {L} rows = "
+                    f"{call.gqa_group * L} packed rows; it packs at most {MAX_PACKED_ROWS}")
+        if call.options.fwd.use_tma:
+            return "kernel_options USE_TMA=True asks for the tensor-descriptor (Hopper) family"
+        if call.block_mask is not None and largest_tile(mask_blocks(call.block_mask)[1]) < 16:
+            return (f"block_mask BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)} has key blocks "
+                    "that no 16-wide tile divides")
+        return None
+
+    def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max,
+                   inputs: DecodeInputs = NO_INPUTS):
+        B, Hq, L, _ = q.shape
+        Hkv, S = kv_geometry(k, inputs)
+        spec = decode_spec(q, k, v, call, target, inputs, return_lse, return_max)
+        splits = split_count(call, target, B * Hkv, cdiv(S, spec.block_n), q.device)
+        if splits > 1:
+            spec = dataclasses.replace(spec, write_parts=True)
+        loaded = generated_module(decode_kernel, spec, call.score, call.mask)
+        table = inputs.page_table
+        fixed = {**binding.strides("q", "bhmd", q.stride()),
+                 **binding.strides("k", "bhnd", kv_strides(k, inputs)),
+                 **binding.strides("v", "bhnd", kv_strides(v, inputs)),
+                 **binding.strides("pt", "bp", table.stride() if table is not None else (0, 0)),
+                 **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
+                 "HKV": Hkv, "S": S, **binding.buffer_layout(call.score, call.mask)}
+        steps = [Step(loaded.kernel(), (B * Hkv, splits), spec.constexprs(call.scores_first),
+                      spec.launch_options(), binding.Binder(loaded.names(), fixed))]
+        if splits > 1:
+            combine = f"{loaded.name}_combine"
+            steps.append(Step(loaded.kernel(combine), (B * Hkv,), spec.combine_constexprs(),
+                              {"num_warps": 4, "num_stages": 1},
+                              binding.Binder(loaded.names(combine),
+                                             {"HKV": Hkv, "SPLITS": splits})))
+        plan = plans.Plan(self, spec, tuple(steps),
+                          {"splits": splits, "rows": (B * Hkv, call.gqa_group * L)})
+        plans.keep(call, key, plan)
+        return self.run(plan, call, q, k, v, return_lse, return_max, inputs)
+
+    def run(self, plan, call, q, k, v, return_lse, return_max, inputs: DecodeInputs = NO_INPUTS):
+        if inputs.workspace is not None:
+            out, lse, maxs, parts, part_lse, part_max = inputs.workspace.buffers(
+                plan, q, v, return_lse, return_max)
+        else:
+            out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
+            parts, part_lse, part_max = split_workspaces(plan, v)
+        stat_lse, stat_max = stat_args(out, lse, maxs)
+        dummy = dummy_table(q.device)
+        outputs = {"OUT": out, "LSE": stat_lse, "MAXS": stat_max,
+                   **binding.strides("o", "bhmd", out.stride())}
+        workspaces = {"PARTS": parts, "PART_LSE": part_lse, "PART_MAX": part_max} \
+            if parts is not None else {"PARTS": stat_lse, "PART_LSE": stat_lse,
+                                       "PART_MAX": stat_lse}
+        main = plan.steps[0]
+        main.launch_with(
+            {"Q": q, "K": k, "V": v, **outputs, **workspaces,
+             "KV_LENS": _or(inputs.kv_lens, dummy), "Q_OFFSETS": _or(inputs.q_offsets, dummy),
+             "PAGE_TABLE": _or(inputs.page_table, dummy), "sm_scale": float(call.scale),
+             **binding.buffer_pointers(call.score, call.mask)}, q.device)
+        if len(plan.steps) > 1:
+            plan.steps[1].launch_with({**outputs, **workspaces}, q.device)
+        return out, lse, maxs
+
+
+def _or(tensor, dummy):
+    return dummy if tensor is None else tensor
+
+
+def decode_plan_key(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
+                    return_max: bool) -> tuple:
+    return ("decode", return_lse, return_max, inputs.key(), *plans.layout_key(q, k, v, call))
+
+
+def run_decode(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
+               return_max: bool = False) -> tuple:
+    """(out, lse or None, row max or None) of a validated ``flex_decode`` call."""
+    key = decode_plan_key(q, k, v, call, inputs, return_lse, return_max)
+    plan = plans.find(call, key)
+    if plan is not None:
+        return DECODE.run(plan, call, q, k, v, return_lse, return_max, inputs)
+    target = target_of(q.device)
+    if call.options.backend not in ("AUTO", "DECODE"):
+        raise InputError(f"flex_decode runs the decode family; kernel_options BACKEND="
+                         f"{call.options.backend!r} names another")
+    reason = DECODE.why_not(target, call, q, k, v)
+    if reason is not None:
+        raise InputError(f"flex_decode cannot run this call: {reason}")
+    return DECODE.first_call(key, target, call, q, k, v, return_lse, return_max, inputs)
+
+
+DECODE = register(DecodeForward())
