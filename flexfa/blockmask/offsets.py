@@ -84,7 +84,9 @@ def check_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
                 "must equal the total number of packed tokens")
         if last == 0:
             raise InputError(f"{func}: {name} holds no tokens (its last entry is 0): {_shown(cu)}")
-        results.append((cu.to(device=device, dtype=torch.int32).contiguous(), last, longest))
+        # a copy: the caller may reuse its offsets tensor; a mask kept per offsets tensor
+        # must not hold it (varlen_attention's memo holds it weakly)
+        results.append((cu.to(device=device, dtype=torch.int32, copy=True), last, longest))
     (cu_q, total_q, max_q), (cu_k, total_k, max_k) = results
     return Offsets(cu_q, cu_k, total_q, total_k, max_q, max_k)
 
