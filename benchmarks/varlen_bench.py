@@ -11,7 +11,10 @@ Times are triton.testing.do_bench medians in ms. Rows:
   ``tables_only``: the table building after the checks;
 - ``fwd`` / ``fwd_bwd``: ``varlen_attention`` with the batch's offsets tensor (its mask is kept
   per offsets tensor, as in the layers of one step); ``fwd_new_offsets``: a new offsets tensor
-  on each call (checks, tables and plans each time: a step's first layer);
+  on each call (checks, tables and plans each time: a step's first layer); ``fwd_bhle`` /
+  ``fwd_bwd_bhle``: flex_attention with the same mask on contiguous ``[1, H, total, E]``
+  copies (the layout the Hopper family reads; the packed views run the Ampere family) and
+  ``copy_qkv_to_bhle`` the copies' time;
 - torch: ``tables`` (create_block_mask), ``tables_compiled`` (``_compile=True``), ``fwd`` /
   ``fwd_bwd`` (compiled flex_attention); flash: ``fwd`` / ``fwd_bwd``.
 
@@ -89,6 +92,19 @@ def flexfa_rows(q, k, v, cu, causal: bool, bench) -> dict:
         lambda: flexfa.varlen_attention(q, k, v, cu.clone(), cu.clone(), causal=causal)))
     guarded(rows, "fwd_bwd", lambda: bench(fwd_bwd(forward, (q, k, v)), grad_to_none=[q, k, v]))
     rows["out"] = inference(forward)()
+    # the same mask on contiguous [1, H, total, E] copies: the layout the Hopper family (tensor
+    # descriptors) reads, which the packed [total, H, E] views are not; and the copies' cost
+    mask = flexfa.varlen_block_mask(cu, causal=causal)
+    copies = [t.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_()
+              for t in (q, k, v)]
+    rows["copy_qkv_to_bhle"] = bench(
+        lambda: [t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v)])
+
+    def on_copies():
+        return flexfa.flex_attention(*copies, block_mask=mask)
+    guarded(rows, "fwd_bhle", lambda: bench(inference(on_copies)))
+    guarded(rows, "fwd_bwd_bhle", lambda: bench(fwd_bwd(on_copies, copies),
+                                                grad_to_none=copies))
     return rows
 
 
