@@ -4,9 +4,10 @@ from .version import __version__
 from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
 from .frontend import and_masks, noop_mask, or_masks, trace
 from .api import AuxOutput, flex_attention
-from .blockmask import BlockMask, create_block_mask, create_mask
+from .blockmask import BlockMask, create_block_mask, create_mask, varlen_block_mask
 from .decode import DecodeWorkspace, flex_decode
 from .paged import PagedKVCache
+from .varlen import varlen_attention
 from . import fp8  # flexfa.fp8.flex_attention_fp8, flexfa.fp8.quantize
 from . import mods  # ready-made mods: flexfa.mods.causal, flexfa.mods.sliding_window(1024), ...
 
@@ -29,6 +30,6 @@ except ImportError:  # pragma: no cover - older torch
 
 __all__ = ["FlexFAError", "InputError", "InputTypeError", "TraceError", "UnsupportedOpError",
            "flex_attention", "AuxRequest", "AuxOutput", "FlexKernelOptions", "BlockMask",
-           "create_block_mask", "create_mask", "trace", "flex_decode", "PagedKVCache",
-           "DecodeWorkspace", "and_masks", "noop_mask", "or_masks",
+           "create_block_mask", "create_mask", "varlen_block_mask", "varlen_attention", "trace",
+           "flex_decode", "PagedKVCache", "DecodeWorkspace", "and_masks", "noop_mask", "or_masks",
            "mods", "__version__"]

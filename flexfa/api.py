@@ -139,17 +139,22 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     check_buffers(mask, "mask_mod", query.device)
     check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
     call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
-    buffers = score.buffers if score is not None else ()
+    out, lse, maxs = attend(query, key, value, call, return_lse or aux_lse, aux_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=maxs)
+    return (out, lse) if return_lse else out
+
+
+def attend(query, key, value, call: AttentionCall, return_lse: bool, return_max: bool):
+    """(out, lse or None, row max or None) of a validated call: through the autograd Function
+    when a gradient is needed (lse is then always computed), else the forward alone."""
+    buffers = call.score.buffers if call.score is not None else ()
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value, *buffers))
     if needs_grad:
         from .autograd import FlexAttentionFunction
-        out, lse, maxs = FlexAttentionFunction.apply(query, key, value, call, aux_max, *buffers)
-    else:
-        out, lse, maxs = run_forward(query, key, value, call, return_lse or aux_lse, aux_max)
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=maxs)
-    return (out, lse) if return_lse else out
+        return FlexAttentionFunction.apply(query, key, value, call, return_max, *buffers)
+    return run_forward(query, key, value, call, return_lse, return_max)
 
 
 # flex_attention outside torch.compile's graphs (flexfa.eager): what a traced call runs

@@ -73,7 +73,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
             f"{func}: evaluating mask_mod {traced.name!r} for Q_LEN={Q_LEN}, KV_LEN={KV_LEN} "
             f"(B={B}, H={H}) failed with {type(exc).__name__}: {exc}; captured tensors must "
             "cover every b, h, q_idx and kv_idx in range") from exc
-    tables = _ordered_tables(classes, B, H, separate_full_blocks)
+    tables = ordered_tables(classes, B, H, separate_full_blocks)
     elapsed = time.perf_counter() - started
     log.log(logging.INFO if elapsed > SLOW_BUILD_S else logging.DEBUG,
             "block mask %s: %d x %d tiles, %d undecided by intervals, %d of them evaluated "
@@ -89,17 +89,19 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     return mask
 
 
-def _ordered_tables(classes: torch.Tensor, B: int, H: int,
-                    separate_full: bool = True) -> list:
+def ordered_tables(classes: torch.Tensor, B: int, H: int,
+                   separate_full: bool = True) -> list:
     """The eight BlockMask tables (kv, full kv, q, full q), expanded to [B, H, ...];
     ``separate_full=False``: full blocks listed as partial, the full tables None."""
     if separate_full:
-        partial, full = classes == PARTIAL, classes == FULL
+        grids = torch.stack([classes == PARTIAL, classes == FULL])
     else:
-        partial, full = (classes == PARTIAL) | (classes == FULL), None
-    tables = [*dense_to_ordered(partial), *_ordered_or_none(full),
-              *dense_to_ordered(partial.transpose(-2, -1)),
-              *_ordered_or_none(None if full is None else full.transpose(-2, -1))]
+        grids = ((classes == PARTIAL) | (classes == FULL)).unsqueeze(0)
+    # partial and full grids ordered together: half the kernel launches
+    kv_num, kv_idx = dense_to_ordered(grids)
+    q_num, q_idx = dense_to_ordered(grids.transpose(-2, -1))
+    tables = [kv_num[0], kv_idx[0], *_second(kv_num, kv_idx), q_num[0], q_idx[0],
+              *_second(q_num, q_idx)]
     if classes.shape[:2] == (B, H):
         return tables
     # computed once for a mask that ignores b / h, then copied out (torch's tables are
@@ -107,8 +109,9 @@ def _ordered_tables(classes: torch.Tensor, B: int, H: int,
     return [None if t is None else t.expand(B, H, *t.shape[2:]).contiguous() for t in tables]
 
 
-def _ordered_or_none(dense):
-    return (None, None) if dense is None else dense_to_ordered(dense)
+def _second(num_blocks, indices):
+    """The full tables of a stacked (partial, full) pair, or (None, None) without them."""
+    return (num_blocks[1], indices[1]) if num_blocks.shape[0] == 2 else (None, None)
 
 
 def tile_classes(traced: TracedMod, grid: TileGrid) -> tuple[torch.Tensor, tuple[int, int]]:

@@ -1,0 +1,169 @@
+"""Packed documents given by offsets (``cu_seqlens``), checked, and what the kernels read of them.
+
+``cu_seqlens_q = [0, 3, 3, 10]`` says the packed queries hold three documents of 3, 0 and 7
+tokens; ``cu_seqlens_k`` has one entry per document too (as ``flash_attn_varlen_func``'s).
+``check_offsets`` validates both with one device-to-host read (none for CPU offsets) and
+returns ``Offsets``; ``token_tensors`` gives, per packed token, the int32 tensors the mods read:
+its document, its position inside the document and, per query, the key position of its
+diagonal. They are padded to a power of two (``padded_length``) so that their shapes, which
+are part of the kernels' key, depend on neither the number of documents nor, within a power
+of two, the total: new lengths are data, never a new kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from ..errors import InputError, InputTypeError
+
+MIN_PADDED = 128  # the shortest padded per-token tensor
+PAD_DOC_Q, PAD_DOC_K = -1, -2  # documents of padded positions: they never match
+
+
+def padded_length(tokens: int) -> int:
+    """The length of the per-token tensors of ``tokens`` tokens: a power of two >= 128."""
+    return 1 << max(MIN_PADDED.bit_length() - 1, (max(tokens, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Offsets:
+    """Checked offsets of packed queries and keys: int32 on ``device``, one entry more than
+    documents; totals, longest documents and the number of documents as Python ints."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    total_q: int
+    total_k: int
+    max_q: int
+    max_k: int
+
+    @property
+    def documents(self) -> int:
+        return self.cu_q.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_q.device
+
+
+def check_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
+                  total_q: int | None = None, total_k: int | None = None) -> Offsets:
+    """``Offsets`` of ``cu_seqlens_q`` / ``cu_seqlens_k`` for tensors on ``device``, or an
+    InputError / InputTypeError naming the argument and its values: each a 1-D int32 or int64
+    tensor on the CPU or ``device`` with at least 2 entries, both with as many; starting at 0,
+    non-decreasing; the last entry the total (``total_q`` / ``total_k`` where given)."""
+    names = ("cu_seqlens_q", "cu_seqlens_k")
+    for name, cu in zip(names, (cu_seqlens_q, cu_seqlens_k)):
+        _check_layout(func, name, cu, device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise InputError(
+            f"{func}: cu_seqlens_q has {cu_seqlens_q.numel()} entries "
+            f"({cu_seqlens_q.numel() - 1} documents) but cu_seqlens_k has "
+            f"{cu_seqlens_k.numel()} ({cu_seqlens_k.numel() - 1} documents); both list the "
+            "offsets of the same documents")
+    stats = torch.cat([_stats(cu) for cu in (cu_seqlens_q, cu_seqlens_k)]).tolist()  # one sync
+    results = []
+    for name, cu, total, (low, first, last, bad, longest) in zip(
+            names, (cu_seqlens_q, cu_seqlens_k), (total_q, total_k), (stats[:5], stats[5:])):
+        if low < 0:
+            at = int((cu < 0).nonzero()[0])
+            raise InputError(f"{func}: {name}[{at}] is {int(cu[at])}; offsets must be >= 0, "
+                             f"got {_shown(cu)}")
+        if first != 0:
+            raise InputError(f"{func}: {name}[0] is {first}; offsets start at 0, got {_shown(cu)}")
+        if bad >= 0:
+            raise InputError(
+                f"{func}: {name} decreases at index {bad + 1} ({int(cu[bad])} -> "
+                f"{int(cu[bad + 1])}); offsets must be sorted (non-decreasing), got {_shown(cu)}")
+        if total is not None and last != total:
+            tensor = "query" if name.endswith("q") else "key"
+            raise InputError(
+                f"{func}: {name}[-1] is {last} but {tensor} has {total} tokens; the last offset "
+                "must equal the total number of packed tokens")
+        if last == 0:
+            raise InputError(f"{func}: {name} holds no tokens (its last entry is 0): {_shown(cu)}")
+        # a copy: the caller may reuse its offsets tensor; a mask kept per offsets tensor
+        # must not hold it (varlen_attention's memo holds it weakly)
+        results.append((cu.to(device=device, dtype=torch.int32, copy=True), last, longest))
+    (cu_q, total_q, max_q), (cu_k, total_k, max_k) = results
+    return Offsets(cu_q, cu_k, total_q, total_k, max_q, max_k)
+
+
+def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise InputTypeError(f"{func}: {name} must be a 1-D int32 or int64 tensor of offsets, "
+                             f"got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise InputTypeError(f"{func}: {name} must hold int32 or int64 offsets, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise InputError(f"{func}: {name} must be 1-D with at least 2 entries (0 and the total), "
+                         f"got shape {tuple(cu.shape)}")
+    if cu.device.type != "cpu" and cu.device != device:
+        raise InputError(f"{func}: {name} is on {cu.device} but the attention runs on {device}; "
+                         f"pass offsets on {device} or on the CPU")
+
+
+def _stats(cu: torch.Tensor) -> torch.Tensor:
+    """[min, first, last, index of the first decrease (-1: none), longest document]."""
+    lengths = cu.diff()
+    decreasing = lengths < 0
+    first_bad = torch.where(decreasing.any(), decreasing.int().argmax(), -1)
+    return torch.stack([cu.min(), cu[0], cu[-1], first_bad.to(cu.dtype), lengths.max()]).long()
+
+
+def _shown(cu: torch.Tensor, limit: int = 12) -> str:
+    values = cu.tolist()
+    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} entries)"
+
+
+def check_window(func: str, window) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise InputTypeError(f"{func}: window must be an int or None, got "
+                             f"{type(window).__name__} {window!r}")
+    if window < 1:
+        raise InputError(f"{func}: window must be >= 1 (keys per query), got {window}")
+    return int(window)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTensors:
+    """Per packed token, padded to ``padded_length``: ``doc_q`` / ``doc_k`` the document (padding
+    -1 / -2), ``pos_q`` / ``pos_k`` the position inside it (padding 0), ``diag`` the key index
+    (packed) of each query's diagonal: documents are aligned at their ends (bottom-right, as
+    flash_attn's causal), so query ``i`` of a document with ``lq`` queries and ``lk`` keys sits
+    at its key ``i + lk - lq``."""
+
+    doc_q: torch.Tensor
+    doc_k: torch.Tensor
+    pos_q: torch.Tensor
+    pos_k: torch.Tensor
+    diag: torch.Tensor
+
+
+def token_tensors(offsets: Offsets, rows: int = 0) -> tuple[TokenTensors, torch.Tensor,
+                                                           torch.Tensor]:
+    """(the ``TokenTensors`` of ``offsets``, then for query rows ``0..rows-1`` (table building)
+    their documents (-1 past the total) and diagonals)."""
+    q_len = padded_length(offsets.total_q)
+    q_docs, q_pos = _documents(offsets.cu_q, offsets.total_q, max(q_len, rows), PAD_DOC_Q)
+    k_docs, k_pos = _documents(offsets.cu_k, offsets.total_k, padded_length(offsets.total_k),
+                               PAD_DOC_K)
+    # q + (end_k - end_q) of its document: the key at the query's place, ends aligned
+    shift = (offsets.cu_k[1:] - offsets.cu_q[1:])[q_docs.clamp(min=0).long()]
+    diag = torch.arange(q_docs.numel(), device=offsets.device, dtype=torch.int32) + shift
+    tensors = TokenTensors(q_docs[:q_len], k_docs, q_pos[:q_len], k_pos, diag[:q_len])
+    return tensors, q_docs[:rows], diag[:rows]
+
+
+def _documents(cu: torch.Tensor, total: int, length: int, pad: int):
+    """(int32 document of positions 0..length-1 (``pad`` past ``total``), int32 position
+    inside it (0 past ``total``))."""
+    positions = torch.arange(length, device=cu.device, dtype=torch.int32)
+    docs = torch.searchsorted(cu[1:], positions, right=True).to(torch.int32)
+    inside = positions < total
+    starts = cu[docs.clamp(max=cu.numel() - 2).long()]
+    return (torch.where(inside, docs, pad), torch.where(inside, positions - starts, 0))

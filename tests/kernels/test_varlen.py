@@ -1,0 +1,192 @@
+"""varlen_attention under the interpreter: each document against the float64 reference and
+against flex_attention on that document alone, gradients (captured tensors too), no new
+trace or kernel for new lengths, and bad input before any launch."""
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flexfa
+from flexfa.runtime import kernels
+from reference import assert_close_to_reference, reference_pair
+
+trace_module = importlib.import_module("flexfa.frontend.trace")  # not the function
+
+H, HKV, E = 4, 2, 16
+
+
+def offsets(lengths):
+    return torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+
+def packed(q_lengths, k_lengths, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((sum(q_lengths), H, E), (sum(k_lengths), HKV, E), (sum(k_lengths), HKV, E))
+    return [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+
+
+def document_mask(lq, lk, causal, window):
+    """The mask of one document alone (bottom-right aligned)."""
+    def mod(b, h, q_idx, kv_idx):
+        distance = q_idx + (lk - lq) - kv_idx
+        keep = distance > -(10 ** 9)
+        if causal:
+            keep = keep & (distance >= 0)
+        if window is not None:
+            keep = keep & ((distance < window) if causal else (abs(distance) < window))
+        return keep
+    return mod
+
+
+def per_document(q, k, v, q_lengths, k_lengths, causal, window, score_mod=None):
+    """(out, lse) pairs of the float64 and same-dtype references, document by document, with
+    the score_mod's b set to the document's index."""
+    cu_q, cu_k = offsets(q_lengths).tolist(), offsets(k_lengths).tolist()
+    results = []
+    for doc, (lq, lk) in enumerate(zip(q_lengths, k_lengths)):
+        rows, keys = slice(cu_q[doc], cu_q[doc + 1]), slice(cu_k[doc], cu_k[doc + 1])
+        if lq == 0:
+            continue
+        views = [t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, rows), (k, keys), (v, keys))]
+        shifted = None if score_mod is None else (
+            lambda score, b, h, q_idx, kv_idx, doc=doc: score_mod(score, b + doc, h, q_idx, kv_idx))
+        if lk == 0:  # nothing to attend: out 0, lse -inf
+            empty = (torch.zeros(1, H, lq, E), torch.full((1, H, lq), float("-inf")))
+            results.append((rows, doc, empty, empty))
+            continue
+        pair = reference_pair(*views, shifted, document_mask(lq, lk, causal, window),
+                              enable_gqa=True)
+        results.append((rows, doc, *pair))
+    return results
+
+
+def check_against_reference(q_lengths, k_lengths, causal, window, score_mod=None, block=32):
+    q, k, v = packed(q_lengths, k_lengths)
+    out, lse = flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths),
+                                       causal=causal, window=window, score_mod=score_mod,
+                                       return_lse=True, BLOCK_SIZE=block)
+    assert out.shape == (sum(q_lengths), H, E) and lse.shape == (H, sum(q_lengths))
+    for rows, doc, (ref_out, ref_lse), (eager_out, eager_lse) in per_document(
+            q, k, v, q_lengths, k_lengths, causal, window, score_mod):
+        got = out[rows].transpose(0, 1).unsqueeze(0)
+        assert_close_to_reference(got, ref_out, eager_out, name=f"out of document {doc}")
+        assert_close_to_reference(lse[:, rows].unsqueeze(0), ref_lse, eager_lse,
+                                  name=f"lse of document {doc}")
+
+
+@settings(max_examples=4)
+@given(docs=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1,
+                     max_size=4).filter(lambda docs: all(sum(side) for side in zip(*docs))),
+       causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 30)))
+def test_random_documents(docs, causal, window):
+    q_lengths, k_lengths = (list(side) for side in zip(*docs))
+    check_against_reference(q_lengths, k_lengths, causal, window)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, 9)])
+def test_empty_and_short_documents_with_score_mod(causal, window):
+    """Empty documents (no queries, no keys, or more queries than keys), documents shorter
+    than a block; the score_mod reads a per-document table by b and a relative bias by the
+    in-document positions."""
+    generator = torch.Generator().manual_seed(3)
+    doc_bias = torch.randn(6, generator=generator)
+    relative = torch.randn(H, 200, generator=generator)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + doc_bias[b] + relative[h, q_idx - kv_idx + 100]
+    check_against_reference([0, 5, 70, 3, 40, 0], [4, 9, 40, 0, 40, 7], causal, window, bias)
+
+
+def test_equals_flex_attention_per_document():
+    q_lengths = k_lengths = [37, 100, 19]
+    q, k, v = packed(q_lengths, k_lengths)
+    out = flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths), causal=True)
+    start = 0
+    for length in q_lengths:
+        views = [t[start:start + length].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, length, length, "cpu")
+        alone = flexfa.flex_attention(*views, block_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(out[start:start + length], alone[0].transpose(0, 1),
+                                   atol=2e-5, rtol=1e-5)
+        start += length
+
+
+def test_gradients_equal_the_reference():
+    q_lengths, k_lengths = [5, 0, 70, 33], [9, 4, 40, 33]
+    q, k, v = (t.requires_grad_() for t in packed(q_lengths, k_lengths))
+    generator = torch.Generator().manual_seed(1)
+    relative = torch.randn(H, 200, generator=generator).requires_grad_()
+    doc_bias = torch.randn(4, generator=generator).requires_grad_()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + relative[h, q_idx - kv_idx + 100] + doc_bias[b]
+    out = flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths), causal=True,
+                                  score_mod=bias, BLOCK_SIZE=32)
+    grad_out = torch.randn(out.shape, generator=generator)
+    inputs = (q, k, v, relative, doc_bias)
+    got = torch.autograd.grad((out * grad_out).sum(), inputs)
+    expected = torch.zeros(out.shape, dtype=torch.float64)
+    for rows, _, (ref_out, _), _ in per_document(q, k, v, q_lengths, k_lengths, True, None,
+                                                 bias):
+        index = torch.arange(rows.start, rows.stop)
+        expected = expected.index_put((index,), ref_out[0].transpose(0, 1).double())
+    wanted = torch.autograd.grad((expected * grad_out.double()).sum(), inputs)
+    for name, a, b in zip(("q", "k", "v", "relative", "doc_bias"), got, wanted):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_new_lengths_need_no_new_trace_or_kernel(monkeypatch):
+    """Lengths are data: after a first call, new lengths with the same total (and a total of
+    the same tile evenness under the same power of two) trace nothing and load no kernel."""
+    loads, traces = [], []
+    load, trace_uncached = kernels.load_generated, trace_module._trace_uncached
+    monkeypatch.setattr(kernels, "load_generated", lambda *a: loads.append(1) or load(*a))
+    monkeypatch.setattr(trace_module, "_trace_uncached",
+                        lambda *a: traces.append(1) or trace_uncached(*a))
+    relative = torch.randn(H, 300)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + relative[h, q_idx - kv_idx + 150]
+    for i, lengths in enumerate(([30, 50, 20], [90, 10], [1, 2, 3, 4, 90], [60, 60])):
+        q, k, v = packed(lengths, lengths, seed=i)
+        flexfa.varlen_attention(q, k, v, offsets(lengths), offsets(lengths), causal=True,
+                                score_mod=bias)
+        if i == 0:
+            loads.clear(), traces.clear()
+    assert loads == [] and traces == []
+
+
+def test_masks_are_kept_per_offsets_tensor():
+    from flexfa.varlen import packed_block_mask
+
+    cu = offsets([30, 50])
+    first = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
+    assert packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32),
+                             torch.device("cpu")) is first
+    cu[1] = 40  # an in-place edit: a new mask
+    second = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
+    assert second is not first and second.documents.offsets.cu_q.tolist() == [0, 40, 80]
+
+
+@pytest.mark.parametrize("change,error,words", [
+    ({"q": torch.randn(1, 80, H, E)}, flexfa.InputError, "query must be 3-D"),
+    ({"cu_seqlens_q": offsets([30, 40])}, flexfa.InputError,
+     "cu_seqlens_q[-1] is 70 but query has 80 tokens"),
+    ({"cu_seqlens_k": offsets([80])}, flexfa.InputError,
+     "cu_seqlens_q has 3 entries (2 documents) but cu_seqlens_k has 2"),
+    ({"cu_seqlens_q": torch.tensor([0, 50, 30, 80]), "cu_seqlens_k": offsets([30, 20, 30])},
+     flexfa.InputError, "cu_seqlens_q decreases at index 2 (50 -> 30)"),
+    ({"cu_seqlens_k": torch.tensor([0.0, 80.0])}, flexfa.InputTypeError, "torch.float32"),
+    ({"max_seqlen_q": 40}, flexfa.InputError, "max_seqlen_q is 40 but the longest document"),
+    ({"window": -1}, flexfa.InputError, "window must be >= 1"),
+    ({"k": torch.randn(80, 3, E), "v": torch.randn(80, 3, E)}, flexfa.InputError,
+     "query has 4 heads but key has 3"),
+])
+def test_bad_input(change, error, words):
+    q, k, v = packed([30, 50], [30, 50])
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": offsets([30, 50]),
+            "cu_seqlens_k": offsets([30, 50]), **change}
+    with pytest.raises(error) as caught:
+        flexfa.varlen_attention(**args)
+    assert words in str(caught.value)
