@@ -77,11 +77,16 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
         need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
     if not ctx.needs_input_grad[0]:
         dq = None
-    if buffer_grads:
-        # a row whose forward saw a +inf or NaN score (lse +inf or NaN) adds 0 in the kernels'
-        # scatter-adds; torch's gradient of every captured tensor it read is NaN (no sync here)
-        poisoned = (torch.isnan(lse) | torch.isposinf(lse)).any()
-        buffer_grads = {slot: torch.where(poisoned, float("nan"), grad)
-                        for slot, grad in buffer_grads.items()}
+    buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
     buffers = call.score.buffers if call.score is not None else ()
     return (dq, dk, dv, None, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))
+
+
+def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:
+    """The captured tensors' gradients, NaN where torch's would be: a row whose forward saw a
+    +inf or NaN score (lse +inf or NaN) adds 0 in the kernels' scatter-adds, while torch's
+    gradient of every captured tensor it read is NaN (no device sync here)."""
+    if not buffer_grads:
+        return buffer_grads
+    poisoned = (torch.isnan(lse) | torch.isposinf(lse)).any()
+    return {slot: torch.where(poisoned, float("nan"), grad) for slot, grad in buffer_grads.items()}
