@@ -15,8 +15,8 @@ from . import compiled
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .inputs import check_aux, check_block_mask, check_scale, check_shapes, check_tensors
+from .lazy import lazy_function
 from .memo import BoundedMemo
-from .runtime.forward import run_forward
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_score_mod
 
@@ -31,6 +31,8 @@ except ImportError:  # pragma: no cover - older torch
 
         lse: torch.Tensor | None = None
         max_scores: torch.Tensor | None = None
+
+run_forward = lazy_function("flexfa.runtime.forward", "run_forward")  # loads Triton
 
 # signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
 # Python-side cost of a cached call, benchmarks/python_dispatch.py). An entry holds the block

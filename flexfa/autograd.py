@@ -18,8 +18,13 @@ from __future__ import annotations
 import torch
 
 from .blockmask.validate import check_tables
-from .runtime.backward import joint_graph, run_backward
-from .runtime.forward import AttentionCall, run_forward
+from .lazy import lazy_function
+from .runtime.call import AttentionCall
+
+# the runtime (and Triton) load on the first call
+run_forward = lazy_function("flexfa.runtime.forward", "run_forward")
+run_backward = lazy_function("flexfa.runtime.backward", "run_backward")
+joint_graph = lazy_function("flexfa.runtime.backward", "joint_graph")
 
 DOUBLE_BACKWARD_MESSAGE = (
     "flexfa.flex_attention does not support double backward: a gradient computed with "

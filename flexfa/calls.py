@@ -10,11 +10,15 @@ from .blockmask.validate import check_tables
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
 from .inputs import broadcast_batch, check_buffers
-from .runtime.forward import AttentionCall
-from .runtime.indices import check_captured_indices
+from .lazy import lazy_function
+from .runtime.call import AttentionCall
 from .runtime.options import KernelOptions
 from .runtime.pipeline import prepare_mask
 from .scores import check_score_range
+
+
+# its range analysis loads the code generator: on the first call, not at import
+check_captured_indices = lazy_function("flexfa.runtime.indices", "check_captured_indices")
 
 
 def attention_call(query, key, value, score: TracedMod | None, block_mask, scale: float,

@@ -30,7 +30,7 @@ from .errors import InputError, InputTypeError
 from .frontend.guards import code_names, is_library_name
 from .frontend.trace import MASK_MOD, SCORE_MOD, trace_entry
 from .inputs import broadcast_batch, check_aux
-from .ops import TABLES, register_mods, tables_of
+from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
 MAX_VISITS = 4096  # objects a path search visits
@@ -41,6 +41,7 @@ def describe(score_mod, mask_mod, enable_gqa: bool, kernel_options) -> tuple:
     at Dynamo's trace time on the real objects."""
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    from .ops import register_mods  # registers the operators (first call inside torch.compile)
     score = _traced(score_mod, SCORE_MOD)
     mask = _traced(mask_mod, MASK_MOD)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
@@ -184,6 +185,15 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     out, lse, maxs = torch.ops.flexfa.flex_attention(
         query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block)
     return out, lse, (maxs if aux_max else None), aux_lse
+
+
+def tables_of(tables: list, separate_full_blocks: bool) -> list:
+    """The eight BlockMask tables from ``block_mask_tables``' list (None for the full ones
+    when ``separate_full_blocks`` is False)."""
+    if separate_full_blocks:
+        return list(tables)
+    kv, kv_i, q, q_i = tables
+    return [kv, kv_i, None, None, q, q_i, None, None]
 
 
 @in_graph("create_block_mask")

@@ -20,7 +20,8 @@ import hashlib
 import torch
 from torch import Tensor
 
-from .autograd import poisoned_buffer_grads
+from .autograd import (DOUBLE_BACKWARD_MESSAGE, joint_graph, poisoned_buffer_grads, run_backward,
+                       run_forward)
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.create import create_block_mask
 from .blockmask.validate import TABLES
@@ -28,13 +29,11 @@ from .calls import attention_call
 from .errors import InputError
 from .frontend.trace import TracedMod
 from .inputs import check_block_mask, check_shapes, check_tensors
-from .memo import BoundedMemo, OwnedMemo
-from .runtime.backward import joint_graph, run_backward
-from .runtime.forward import run_forward
+from .memo import BoundedMemo
 from .runtime.layout import output_like
 from .runtime.options import KernelOptions
 
-__all__ = ["ModsEntry", "register_mods", "mods_entry", "TABLES"]
+__all__ = ["ModsEntry", "register_mods", "mods_entry"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,10 +107,11 @@ def mods_entry(key: str) -> ModsEntry:
 
 # ---- block masks rebuilt from a graph's tables ---------------------------------------------
 
-# kv_indices table -> {(mask key, BLOCK_SIZE, lengths, other tables' ids): BlockMask}: the same
-# tables give the same BlockMask object, so its table checks and plans are reused; dropped
-# with the table
-_MASKS = OwnedMemo(owners=256, per_owner=4, name="compiled block masks")
+# the BlockMasks made around a kv_indices table, kept on the table (a cycle the garbage
+# collector frees with it: a memo holding the mask would keep the table alive): the same
+# tables give the same BlockMask object, so its table checks and plans are reused
+_MASKS = "_flexfa_graph_masks"
+_MASKS_PER_TABLE = 4
 
 
 def _block_mask(entry: ModsEntry, mask_buffers, tables, block_size, lengths) -> BlockMask | None:
@@ -120,11 +120,15 @@ def _block_mask(entry: ModsEntry, mask_buffers, tables, block_size, lengths) -> 
     traced = entry.mask.with_buffers(mask_buffers)
     memo_key = (traced.key, tuple(block_size), lengths, tuple(map(id, tables)),
                 tuple(map(id, mask_buffers)))
-    mask = _MASKS.get(tables[1], memo_key)
+    kept = getattr(tables[1], _MASKS, None)
+    mask = kept.get(memo_key) if kept is not None else None
     if mask is None:
         mask = BlockMask(lengths, *tables, BLOCK_SIZE=tuple(block_size),
                          mask_mod=TracedMaskMod(traced), traced_mask=traced)
-        _MASKS.put(tables[1], memo_key, mask)
+        if kept is None or len(kept) >= _MASKS_PER_TABLE:
+            kept = {}
+            setattr(tables[1], _MASKS, kept)
+        kept[memo_key] = mask
     return mask
 
 
@@ -224,22 +228,27 @@ def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: T
     dq, dk, dv, buffer_grads = run_backward(query, key, value, out, lse, grad_out, grad_lse,
                                             call, need_dkdv=need_dkdv)
     buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
-    empty = query.new_empty(0)
-    return (dq if need_dq else empty, dk if need_dkdv else empty, dv if need_dkdv else empty,
-            [buffer_grads[s] for s in grad_slots])
+    return (dq if need_dq else query.new_empty(0), dk if need_dkdv else query.new_empty(0),
+            dv if need_dkdv else query.new_empty(0), [buffer_grads[s] for s in grad_slots])
 
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, mods, scale, score_buffers, mask_buffers,
       tables, block_size, grad_slots, need_dq, need_dkdv):
-    empty = query.new_empty(0)
-    return (torch.empty_like(query) if need_dq else empty,
-            torch.empty_like(key) if need_dkdv else empty,
-            torch.empty_like(value) if need_dkdv else empty,
+    # run_backward allocates dq, dk and dv contiguous
+    return (query.new_empty(query.shape) if need_dq else query.new_empty(0),
+            key.new_empty(key.shape) if need_dkdv else query.new_empty(0),
+            value.new_empty(value.shape) if need_dkdv else query.new_empty(0),
             [torch.empty_like(score_buffers[s]) for s in grad_slots])
 
 
+def _double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
+flex_attention_backward_op.register_autograd(_double_backward,
+                                             setup_context=lambda ctx, inputs, output: None)
 
 
 # ---- block masks --------------------------------------------------------------------------
@@ -264,12 +273,3 @@ def _(mods, B, H, Q_LEN, KV_LEN, block_size, separate_full_blocks, mask_buffers,
               (B, H, kv_tiles, q_tiles)]
     pairs = (0, 1, 0, 1, 2, 3, 2, 3) if separate_full_blocks else (0, 1, 2, 3)
     return [torch.empty(shapes[p], dtype=torch.int32, device=device) for p in pairs]
-
-
-def tables_of(tables: list, separate_full_blocks: bool) -> list:
-    """The eight BlockMask tables from ``block_mask_tables``' list (None for the full ones
-    when ``separate_full_blocks`` is False)."""
-    if separate_full_blocks:
-        return list(tables)
-    kv, kv_i, q, q_i = tables
-    return [kv, kv_i, None, None, q, q_i, None, None]
