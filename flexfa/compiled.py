@@ -36,9 +36,12 @@ from .runtime.options import parse_kernel_options
 MAX_VISITS = 4096  # objects a path search visits
 
 
-def describe(score_mod, mask_mod, enable_gqa: bool, kernel_options) -> tuple:
+def describe(score_mod, score_self, mask_mod, mask_self, enable_gqa: bool,
+             kernel_options) -> tuple:
     """(mods key, paths to the score_mod's captured tensors, paths to the mask_mod's); runs
-    at Dynamo's trace time on the real objects."""
+    at Dynamo's trace time on the real objects. A bound method comes as its function and
+    instance (``unbound``): Dynamo hands those over where it cannot hand the method."""
+    score_mod, mask_mod = _bound(score_mod, score_self), _bound(mask_mod, mask_self)
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     from .ops import register_mods  # registers the operators (first call inside torch.compile)
@@ -50,6 +53,17 @@ def describe(score_mod, mask_mod, enable_gqa: bool, kernel_options) -> tuple:
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
 describe._dynamo_marked_constant = True
+
+
+def unbound(mod):
+    """(function, instance or None) of ``mod``, as ``describe`` takes it (traced by Dynamo)."""
+    if isinstance(mod, types.MethodType):
+        return mod.__func__, mod.__self__
+    return mod, None
+
+
+def _bound(mod, instance):
+    return mod if instance is None else types.MethodType(mod, instance)
 
 
 def _traced(mod, kind):
@@ -168,7 +182,8 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     ``flexfa::flex_attention`` operator (its autograd formula runs the backward operator)."""
     aux_lse, aux_max = check_aux(return_aux, return_lse)
     mask_mod = None if block_mask is None else block_mask.mask_mod
-    mods, score_paths, mask_paths = describe(score_mod, mask_mod, enable_gqa, kernel_options)
+    mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
+                                             kernel_options)
     _guard_mod(score_mod, SCORE_MOD)
     _guard_mod(mask_mod, MASK_MOD)
     score_buffers = [follow(score_mod, p) for p in score_paths]
@@ -209,7 +224,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     device = default_device() if device is None else torch.device(device)
-    mods, _, mask_paths = describe(None, mask_mod, False, None)
+    mods, _, mask_paths = describe(None, None, *unbound(mask_mod), False, None)
     _guard_mod(mask_mod, MASK_MOD)
     mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables = torch.ops.flexfa.block_mask_tables(mods, B, H, Q_LEN, KV_LEN, list(block),

@@ -21,7 +21,7 @@ def _case():
 
     mask = flexfa.create_block_mask(mods.causal, 1, None, 100, 100, device="cpu",
                                     BLOCK_SIZE=32)
-    key, score_paths, mask_paths = describe(biased, mask.mask_mod, False, None)
+    key, score_paths, mask_paths = describe(biased, None, mask.mask_mod, None, False, None)
     assert score_paths == ((("cell", 0),),) and mask_paths == ()
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 100, 16, generator=generator) for _ in range(3))
@@ -42,7 +42,7 @@ def test_opcheck_forward_and_backward():
 
 
 def test_opcheck_block_mask_tables():
-    key, _, _ = describe(None, mods.causal, False, None)
+    key, _, _ = describe(None, None, mods.causal, None, False, None)
     for separate in (True, False):
         tables = torch.ops.flexfa.block_mask_tables(key, 1, 2, 100, 64, [32, 16], separate, [],
                                                     torch.device("cpu"))
