@@ -11,18 +11,14 @@ import weakref
 
 import torch
 
-from .blockmask.coarsen import runnable_block_mask
-from .blockmask.validate import check_tables
+from . import compiled
+from .calls import attention_call
 from .errors import InputTypeError, check_bool
-from .inputs import (broadcast_batch, check_aux, check_block_mask, check_buffers, check_scale,
-                     check_shapes, check_tensors)
-from .scores import check_score_range
-from .frontend.grad import check_mask_mod_grad
+from .inputs import check_aux, check_block_mask, check_scale, check_shapes, check_tensors
+from .lazy import lazy_function
 from .memo import BoundedMemo
-from .runtime.forward import AttentionCall, run_forward
-from .runtime.indices import check_captured_indices
 from .runtime.options import parse_kernel_options
-from .runtime.pipeline import prepare_mask, prepare_score_mod
+from .runtime.pipeline import prepare_score_mod
 
 try:  # torch >= 2.9: flex_attention's return_aux request and result types
     from torch.nn.attention.flex_attention import AuxOutput
@@ -35,6 +31,8 @@ except ImportError:  # pragma: no cover - older torch
 
         lse: torch.Tensor | None = None
         max_scores: torch.Tensor | None = None
+
+run_forward = lazy_function("flexfa.runtime.forward", "run_forward")  # loads Triton
 
 # signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
 # Python-side cost of a cached call, benchmarks/python_dispatch.py). An entry holds the block
@@ -95,12 +93,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     ``score_mod(score, b, h, q_idx, kv_idx)`` sees ``q.k * scale``; ``scale`` defaults to
     ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs run compiled kernels;
     CPU inputs run the same kernels under the Triton interpreter. Inside ``torch.compile`` a
-    call is a graph break that runs eagerly (``flexfa.eager``).
+    call is captured as the ``flexfa::flex_attention`` operator (``flexfa.compiled``).
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
     """
-    if torch.compiler.is_compiling():  # traced by torch.compile: a graph break, run eagerly
-        return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                     return_lse, kernel_options, return_aux=return_aux)
+    if torch.compiler.is_compiling():  # traced by torch.compile: the flexfa:: operators
+        out, lse, maxs, aux_lse = compiled.attention(query, key, value, score_mod, block_mask, scale,
+                                            enable_gqa, return_lse, kernel_options, return_aux)
+        return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
     checked = False  # the tensor, shape and block-mask checks passed for this signature before
     if signature is not None:
@@ -124,28 +123,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         refs = _weak(signature[1]) if signature is not None else None
         if refs is not None:
             _VALIDATED[signature[0]] = refs
-    check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
-    key, value = broadcast_batch(query, key, value)
-    check_score_range(query, key, scale)  # only for an enormous scale
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
-    mask = prepare_mask(block_mask)
-    runnable = runnable_block_mask(block_mask, mask)
-    if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
-        block_mask, mask = runnable, runnable.traced_mask
-    if mask is not None and torch.is_grad_enabled():
-        check_mask_mod_grad(mask)  # a mask has no gradient: error on grad-requiring captures
-    check_buffers(score, "score_mod", query.device)
-    check_buffers(mask, "mask_mod", query.device)
-    check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
-    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
+    call, key, value = attention_call(query, key, value, score, block_mask, scale, options,
+                                      torch.is_grad_enabled())
     out, lse, maxs = attend(query, key, value, call, return_lse or aux_lse, aux_max)
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=maxs)
-    return (out, lse) if return_lse else out
+    return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
 
 
-def attend(query, key, value, call: AttentionCall, return_lse: bool, return_max: bool):
+def attend(query, key, value, call, return_lse: bool, return_max: bool):
     """(out, lse or None, row max or None) of a validated call: through the autograd Function
     when a gradient is needed (lse is then always computed), else the forward alone."""
     buffers = call.score.buffers if call.score is not None else ()
@@ -157,5 +143,7 @@ def attend(query, key, value, call: AttentionCall, return_lse: bool, return_max:
     return run_forward(query, key, value, call, return_lse, return_max)
 
 
-# flex_attention outside torch.compile's graphs (flexfa.eager): what a traced call runs
-_flex_attention_eager = torch.compiler.disable(flex_attention)
+def _result(out, lse, maxs, return_lse: bool, return_aux, aux_lse: bool):
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if aux_lse else None, max_scores=maxs)
+    return (out, lse) if return_lse else out

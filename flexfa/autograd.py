@@ -18,8 +18,13 @@ from __future__ import annotations
 import torch
 
 from .blockmask.validate import check_tables
-from .runtime.backward import joint_graph, run_backward
-from .runtime.forward import AttentionCall, run_forward
+from .lazy import lazy_function
+from .runtime.call import AttentionCall
+
+# the runtime (and Triton) load on the first call
+run_forward = lazy_function("flexfa.runtime.forward", "run_forward")
+run_backward = lazy_function("flexfa.runtime.backward", "run_backward")
+joint_graph = lazy_function("flexfa.runtime.backward", "joint_graph")
 
 DOUBLE_BACKWARD_MESSAGE = (
     "flexfa.flex_attention does not support double backward: a gradient computed with "
@@ -77,11 +82,16 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
         need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
     if not ctx.needs_input_grad[0]:
         dq = None
-    if buffer_grads:
-        # a row whose forward saw a +inf or NaN score (lse +inf or NaN) adds 0 in the kernels'
-        # scatter-adds; torch's gradient of every captured tensor it read is NaN (no sync here)
-        poisoned = (torch.isnan(lse) | torch.isposinf(lse)).any()
-        buffer_grads = {slot: torch.where(poisoned, float("nan"), grad)
-                        for slot, grad in buffer_grads.items()}
+    buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
     buffers = call.score.buffers if call.score is not None else ()
     return (dq, dk, dv, None, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))
+
+
+def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:
+    """The captured tensors' gradients, NaN where torch's would be: a row whose forward saw a
+    +inf or NaN score (lse +inf or NaN) adds 0 in the kernels' scatter-adds, while torch's
+    gradient of every captured tensor it read is NaN (no device sync here)."""
+    if not buffer_grads:
+        return buffer_grads
+    poisoned = (torch.isnan(lse) | torch.isposinf(lse)).any()
+    return {slot: torch.where(poisoned, float("nan"), grad) for slot, grad in buffer_grads.items()}

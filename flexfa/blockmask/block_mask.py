@@ -147,6 +147,22 @@ class BlockMask(TorchBlockMask):
             mark_checked(mask)  # the q tables are the checked kv tables transposed
         return mask
 
+    @classmethod
+    def from_graph(cls, seq_lengths, tables, BLOCK_SIZE, mask_mod) -> "BlockMask":
+        """A BlockMask of tables made inside a torch.compile'd function (``flexfa.compiled``):
+        the lengths are kept as given (symbolic sizes stay symbolic), nothing is checked
+        (the tables are create_block_mask's)."""
+        mask = object.__new__(cls)
+        mask.seq_lengths = tuple(seq_lengths)
+        for name, table in zip(_TABLES, tables):
+            setattr(mask, name, table)
+        mask.dq_write_order = mask.dq_write_order_full = None
+        mask.dq_kv_order = mask.dq_kv_order_spt = None
+        mask.BLOCK_SIZE = tuple(BLOCK_SIZE)
+        mask.mask_mod = mask_mod
+        mask._traced = None
+        return mask
+
     # ---- the mask function ----------------------------------------------------------------
 
     @property

@@ -9,12 +9,15 @@ from ..inputs import check_block_mask, check_buffers, check_scale
 from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
 from ..eager import outside_compile
-from ..runtime.forward import AttentionCall, run_fp8_forward
-from ..runtime.indices import check_captured_indices
+from ..lazy import lazy_function
+from ..runtime.call import AttentionCall
+from ..calls import check_captured_indices
 from ..runtime.options import parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from .checks import check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad
 from .quantize import FP8Inputs, quantize
+
+run_fp8_forward = lazy_function("flexfa.runtime.forward", "run_fp8_forward")  # loads Triton
 
 
 def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:

@@ -96,7 +96,7 @@ _LIBRARY_MODULES = frozenset({"torch", "math", "numpy", "triton", "torch.nn.func
                               "torch.special", "operator", "functools"})
 
 
-def _is_library_name(module: str) -> bool:
+def is_library_name(module: str) -> bool:
     return module.partition(".")[0] in LIBRARIES
 
 
@@ -105,7 +105,7 @@ def _is_library_type(cls: type) -> bool:
     if known is None:
         if len(_LIBRARY_TYPES) > 4096:
             _LIBRARY_TYPES.clear()
-        known = _LIBRARY_TYPES[cls] = _is_library_name(getattr(cls, "__module__", "") or "")
+        known = _LIBRARY_TYPES[cls] = is_library_name(getattr(cls, "__module__", "") or "")
     return known
 
 
@@ -191,7 +191,7 @@ class _Walk:
         self.value(value.keywords)
 
     def module(self, value: types.ModuleType) -> None:
-        if _is_library_name(value.__name__):
+        if is_library_name(value.__name__):
             self.parts.append(value)  # modules live as long as the process: held, compared
             return
         self.parts.append(Ref(value))
@@ -213,7 +213,7 @@ class _Walk:
         self.value(value.fset)
 
     def function(self, fn: types.FunctionType) -> None:
-        if _is_library_name(fn.__module__ or ""):
+        if is_library_name(fn.__module__ or ""):
             self.parts.append(Ref(fn))
             return
         self.add_code(fn.__code__)

@@ -1,6 +1,7 @@
-"""flexfa inside a torch.compile'd model on the GPU (Inductor compiles the rest): the same
-outputs and gradients as the model run eagerly. In a subprocess: this pytest process has
-TRITON_INTERPRET=1 (conftest.py), under which Inductor's own Triton kernels cannot run."""
+"""flexfa inside torch.compile(fullgraph=True) on the GPU: Inductor with and without CUDA
+graphs (mode="reduce-overhead"), the same outputs and gradients as eager. In a subprocess:
+this pytest process has TRITON_INTERPRET=1 (conftest.py), under which Inductor's own Triton
+kernels cannot run."""
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 SCRIPT = """
+import sys
 import torch
 import flexfa
 from flexfa import mods
@@ -17,32 +19,38 @@ from flexfa import mods
 torch.manual_seed(0)
 B, H, L, E = 2, 4, 1024, 64
 proj = torch.nn.Linear(E, E, device="cuda", dtype=torch.bfloat16)
+slopes = torch.linspace(0.01, 0.1, H, device="cuda", requires_grad=True)
 mask = flexfa.create_block_mask(mods.causal, B, None, L, L, device="cuda")
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx)
 
 def block(x):
     q, k, v = proj(x), x * 0.5, x
-    out = flexfa.flex_attention(q, k, v, mods.softcap(20.0), mask)
+    out = flexfa.flex_attention(q, k, v, alibi, mask)
     return torch.nn.functional.gelu(out) + x
 
 x = torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 grad = torch.randn_like(x)
+mode = sys.argv[1] if len(sys.argv) > 1 else None
 results = []
-for fn in (block, torch.compile(block)):
-    for _ in range(2):  # the second call reuses the compiled graphs and flexfa's plans
+for fn in (block, torch.compile(block, fullgraph=True, mode=mode)):
+    for _ in range(3):  # later calls reuse the compiled graphs (replay them under CUDA graphs)
         out = fn(x)
         out.backward(grad)
-        step = (out.detach(), x.grad.clone(), proj.weight.grad.clone())
-        x.grad = proj.weight.grad = None
+        step = (out.detach().clone(), x.grad.clone(), proj.weight.grad.clone(), slopes.grad.clone())
+        x.grad = proj.weight.grad = slopes.grad = None
     results.append(step)
-for name, got, want in zip(("out", "dx", "dW"), results[1], results[0]):
+for name, got, want in zip(("out", "dx", "dW", "dslopes"), results[1], results[0]):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=name)
 print("compiled and eager agree")
 """
 
 
-def test_compiled_model_with_flexfa_attention_matches_eager():
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_fullgraph_inductor_matches_eager(mode):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600)
+    args = [sys.executable, "-c", SCRIPT] + ([mode] if mode else [])
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "compiled and eager agree" in result.stdout

@@ -1,0 +1,233 @@
+"""What ``torch.compile`` traces of ``flex_attention`` and ``create_block_mask``: the
+``flexfa::`` operators (``flexfa.ops``), with no graph break.
+
+Dynamo traces the functions here like user code. One step is opaque to it: ``describe``
+runs at trace time on the real mods (Dynamo calls it with the objects and keeps its result
+as a constant, as for ``torch._dynamo.assume_constant_result``): it traces the mods with
+flexfa's tracer, registers them (``flexfa.ops.register_mods``) and returns their key with
+the path from each mod to each of its captured tensors. Dynamo then follows those paths
+(closure cells, globals, attributes, items), so the captured tensors enter the graph as
+Dynamo sees them: guarded, lifted as graph inputs, read fresh on every run. The mods are also
+called once on one-element tensors (dead code in the graph) so that Dynamo guards on every Python
+value they read (``self.window``), as it would for torch's FlexAttention.
+
+Mods must exist outside the compiled code (module-level functions, closures made outside,
+bound methods, ``nn.Module``s): a function defined inside the compiled function has no
+Python object at trace time; ``describe`` cannot see it and Dynamo stops with an error.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import types
+
+import torch
+
+from .blockmask.block_mask import BlockMask, TracedMaskMod
+from .blockmask.checks import batch_size, block_size_pair, default_device
+from .eager import in_graph
+from .errors import InputError, InputTypeError
+from .frontend.guards import code_names, is_library_name
+from .frontend.trace import MASK_MOD, SCORE_MOD, trace_entry
+from .inputs import broadcast_batch, check_aux
+from .blockmask.validate import TABLES
+from .runtime.options import parse_kernel_options
+
+MAX_VISITS = 4096  # objects a path search visits
+
+
+def describe(score_mod, score_self, mask_mod, mask_self, enable_gqa: bool,
+             kernel_options) -> tuple:
+    """(mods key, paths to the score_mod's captured tensors, paths to the mask_mod's); runs
+    at Dynamo's trace time on the real objects. A bound method comes as its function and
+    instance (``unbound``): Dynamo hands those over where it cannot hand the method."""
+    score_mod, mask_mod = _bound(score_mod, score_self), _bound(mask_mod, mask_self)
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    from .ops import register_mods  # registers the operators (first call inside torch.compile)
+    score = _traced(score_mod, SCORE_MOD)
+    mask = _traced(mask_mod, MASK_MOD)
+    key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
+    return (key, buffer_paths(score_mod, score), buffer_paths(mask_mod, mask))
+
+
+# what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
+describe._dynamo_marked_constant = True
+
+
+def unbound(mod):
+    """(function, instance or None) of ``mod``, as ``describe`` takes it (traced by Dynamo)."""
+    if isinstance(mod, types.MethodType):
+        return mod.__func__, mod.__self__
+    return mod, None
+
+
+def _bound(mod, instance):
+    return mod if instance is None else types.MethodType(mod, instance)
+
+
+def _traced(mod, kind):
+    if mod is None:
+        return None
+    if isinstance(mod, TracedMaskMod):
+        return mod.traced
+    entry = trace_entry(mod, kind)
+    if entry.reads:
+        raise InputError(f"the {kind} {entry.traced.name!r} reads the values of captured tensors "
+                         "in Python while traced (float(t), if t.sum() > 0): under "
+                         "torch.compile its trace could not follow their changes; index them "
+                         "with the mod's arguments instead")
+    return entry.traced
+
+
+def buffer_paths(mod, traced) -> tuple:
+    """The path from ``mod`` to each of ``traced``'s captured tensors, by identity: tuples of
+    steps ``("attr", name)``, ``("item", key)``, ``("cell", i)``, ``("global", name)``."""
+    if traced is None or not traced.buffers:
+        return ()
+    wanted = {id(t): slot for slot, t in enumerate(traced.buffers)}
+    found: dict[int, tuple] = {}
+    queue = collections.deque([(mod, ())])
+    seen = {id(mod)}
+    while queue and len(found) < len(wanted) and len(seen) < MAX_VISITS:
+        obj, path = queue.popleft()
+        for step, child in _children(obj):
+            if isinstance(child, torch.Tensor):
+                slot = wanted.get(id(child))
+                if slot is not None and slot not in found:
+                    found[slot] = (*path, step)
+            elif id(child) not in seen:
+                seen.add(id(child))
+                queue.append((child, (*path, step)))
+    missing = [s for s in range(len(traced.buffers)) if s not in found]
+    if missing:
+        shapes = ", ".join(str(tuple(traced.buffers[s].shape)) for s in missing)
+        raise InputError(
+            f"the {traced.kind} {traced.name!r} reads captured tensors of shape {shapes} that "
+            "torch.compile cannot reach from it (tensors computed inside the mod, or held by "
+            "an object flexfa does not walk); compute them outside the mod and capture them "
+            "in a closure, a global, a functools.partial or a module attribute")
+    return tuple(found[s] for s in range(len(traced.buffers)))
+
+
+def _children(obj):
+    """(step, value) pairs of what a path may go through from ``obj``."""
+    if isinstance(obj, types.MethodType):
+        return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
+    if isinstance(obj, functools.partial):
+        return [(("attr", "func"), obj.func), (("attr", "args"), obj.args),
+                (("attr", "keywords"), obj.keywords)]
+    if isinstance(obj, types.FunctionType):
+        if is_library_name(obj.__module__ or ""):
+            return []
+        cells = [(("cell", i), c.cell_contents) for i, c in enumerate(obj.__closure__ or ())
+                 if _filled(c)]
+        names = [(("global", n), obj.__globals__[n]) for n in sorted(code_names(obj.__code__))
+                 if n in obj.__globals__]
+        return cells + names
+    if isinstance(obj, (tuple, list)):
+        return [(("item", i), v) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return [(("item", k), v) for k, v in obj.items() if isinstance(k, (str, int))]
+    if isinstance(obj, (type, types.ModuleType)) or is_library_name(type(obj).__module__ or ""):
+        if not isinstance(obj, torch.nn.Module):
+            return []
+    namespace = getattr(obj, "__dict__", None) or {}
+    children = [(("attr", n), v) for n, v in namespace.items() if not n.startswith("__")
+                and not isinstance(v, (dict, type(None)))]
+    if isinstance(obj, torch.nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            children += [(("attr", n), v) for n, v in namespace.get(table, {}).items()
+                         if v is not None]
+    return children
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def follow(obj, path: tuple):
+    """The object at ``path`` from ``obj`` (traced by Dynamo: each step is guarded)."""
+    for kind, arg in path:
+        if kind == "attr":
+            obj = getattr(obj, arg)
+        elif kind == "item":
+            obj = obj[arg]
+        elif kind == "cell":
+            obj = obj.__closure__[arg].cell_contents
+        else:
+            obj = obj.__globals__[arg]
+    return obj
+
+
+def _guard_mod(mod, kind: str) -> None:
+    """Call ``mod`` on one-element tensors (zero-dim integer indices would be read as Python
+    ints) so that Dynamo guards on what it reads; the result is dead code in the graph."""
+    if mod is None or isinstance(mod, TracedMaskMod):
+        return
+    index = torch.zeros(1, dtype=torch.int64)
+    if kind == SCORE_MOD:
+        mod(torch.zeros(1), index, index, index, index)
+    else:
+        mod(index, index, index, index)
+
+
+def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+              kernel_options, return_aux) -> tuple:
+    """(out, lse, max scores or None, whether return_aux asks for lse) of ``flex_attention`` as torch.compile captures it: one
+    ``flexfa::flex_attention`` operator (its autograd formula runs the backward operator)."""
+    aux_lse, aux_max = check_aux(return_aux, return_lse)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
+                                             kernel_options)
+    _guard_mod(score_mod, SCORE_MOD)
+    _guard_mod(mask_mod, MASK_MOD)
+    score_buffers = [follow(score_mod, p) for p in score_paths]
+    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    tables, block = [], []
+    if block_mask is not None:
+        lengths = tuple(block_mask.seq_lengths)
+        if lengths != (query.shape[2], key.shape[2]):
+            raise InputError(f"block_mask was built for lengths {lengths} but the inputs have "
+                             f"{(query.shape[2], key.shape[2])}")
+        tables = [getattr(block_mask, n) for n in TABLES]
+        block = list(block_mask.BLOCK_SIZE)
+    key, value = broadcast_batch(query, key, value)
+    out, lse, maxs = torch.ops.flexfa.flex_attention(
+        query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block)
+    return out, lse, (maxs if aux_max else None), aux_lse
+
+
+def tables_of(tables: list, separate_full_blocks: bool) -> list:
+    """The eight BlockMask tables from ``block_mask_tables``' list (None for the full ones
+    when ``separate_full_blocks`` is False)."""
+    if separate_full_blocks:
+        return list(tables)
+    kv, kv_i, q, q_i = tables
+    return [kv, kv_i, None, None, q, q_i, None, None]
+
+
+@in_graph("create_block_mask")
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
+                      _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
+                      dq_kv_order=True) -> BlockMask:
+    """``flexfa.create_block_mask`` as torch.compile captures it: the tables come from one
+    ``flexfa::block_mask_tables`` operator (its sizes may be symbolic under dynamic shapes)."""
+    func = "create_block_mask"
+    if compute_dq_write_order:
+        raise InputError(f"{func}: compute_dq_write_order=True is not supported inside "
+                         "torch.compile; build such a mask outside the compiled function")
+    block = block_size_pair(func, BLOCK_SIZE)
+    B, H = batch_size(func, "B", B), batch_size(func, "H", H)
+    device = default_device() if device is None else torch.device(device)
+    mods, _, mask_paths = describe(None, None, *unbound(mask_mod), False, None)
+    _guard_mod(mask_mod, MASK_MOD)
+    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    tables = torch.ops.flexfa.block_mask_tables(mods, B, H, Q_LEN, KV_LEN, list(block),
+                                                bool(separate_full_blocks), mask_buffers, device)
+    return BlockMask.from_graph((Q_LEN, KV_LEN), tables_of(tables, separate_full_blocks), block,
+                                mask_mod)

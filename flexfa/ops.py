@@ -1,0 +1,275 @@
+"""flexfa as PyTorch operators, so that ``torch.compile`` captures attention into its graphs.
+
+``torch.ops.flexfa.flex_attention`` (forward), ``torch.ops.flexfa.flex_attention_backward``
+(its registered autograd formula runs it) and ``torch.ops.flexfa.block_mask_tables`` (the
+tables of ``create_block_mask``). Each runs the same runtime as eager flexfa
+(``flexfa.calls.attention_call``, ``run_forward``, ``run_backward``, ``create_block_mask``).
+
+A mod is not a tensor: its trace (IR, names, captured tensors' shapes and dtypes, kept
+without the tensors: ``ModsEntry``) is registered under a string key, derived from the
+traces' keys and the options, that the graph passes to the operators. The captured tensors
+and the block mask's tables are operator inputs: Dynamo guards on them and every run reads
+their current contents. Nothing registered holds a tensor, so the registry keeps no user
+data alive; it is bounded, and a key that fell out of it raises an error that says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+from torch import Tensor
+
+from .autograd import (DOUBLE_BACKWARD_MESSAGE, joint_graph, poisoned_buffer_grads, run_backward,
+                       run_forward)
+from .blockmask.block_mask import BlockMask, TracedMaskMod
+from .blockmask.create import create_block_mask
+from .blockmask.validate import TABLES
+from .calls import attention_call
+from .errors import InputError
+from .frontend.trace import TracedMod
+from .inputs import check_block_mask, check_shapes, check_tensors
+from .memo import BoundedMemo
+from .runtime.layout import output_like
+from .runtime.options import KernelOptions
+
+__all__ = ["ModsEntry", "register_mods", "mods_entry"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Skeleton:
+    """A TracedMod without its captured tensors: what a graph keeps of a mod."""
+
+    kind: str
+    root: object  # the IR root (frontend.ir.Node)
+    name: str
+    buffer_specs: tuple  # ((shape, dtype), ...) when traced
+    grad_slots: tuple  # the slots that required grad when traced
+
+    @classmethod
+    def of(cls, traced: TracedMod) -> "Skeleton":
+        return cls(traced.kind, traced.root, traced.name, traced.buffer_specs,
+                   traced.grad_buffers)
+
+    def with_buffers(self, buffers, grad_slots=()) -> TracedMod:
+        """The TracedMod reading ``buffers`` (the operator's inputs); those in ``grad_slots``
+        are marked as requiring grad (the backward's kernels specialize on them)."""
+        if len(buffers) != len(self.buffer_specs):
+            raise InputError(f"the traced {self.kind} {self.name!r} reads "
+                             f"{len(self.buffer_specs)} captured tensors but the operator got "
+                             f"{len(buffers)}")
+        for slot, (tensor, (_, dtype)) in enumerate(zip(buffers, self.buffer_specs)):
+            if tensor.dtype != dtype:
+                raise InputError(f"captured tensor {slot} of the {self.kind} {self.name!r} has "
+                                 f"dtype {tensor.dtype} but was {dtype} when traced")
+        if grad_slots:
+            buffers = [t.detach().requires_grad_() if s in grad_slots else t
+                       for s, t in enumerate(buffers)]
+        return TracedMod(self.kind, self.root, tuple(buffers), self.name)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModsEntry:
+    """What a graph's operator calls share besides tensors: the mods' skeletons, the kernel
+    options and enable_gqa."""
+
+    score: Skeleton | None
+    mask: Skeleton | None
+    options: KernelOptions
+    enable_gqa: bool
+
+
+# key -> ModsEntry; not cleared by memo.clear_all: compiled graphs name their entries, and an
+# entry holds only IR and options
+_REGISTRY = BoundedMemo(4096, "compiled mods", register=False)
+
+
+def register_mods(score: TracedMod | None, mask: TracedMod | None, options: KernelOptions,
+                  enable_gqa: bool) -> str:
+    """The key under which the operators find these mods and options."""
+    parts = (score.key if score else "-", mask.key if mask else "-", repr(options),
+             str(bool(enable_gqa)), repr(score.grad_buffers if score else ()))
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    if key not in _REGISTRY:
+        _REGISTRY[key] = ModsEntry(score and Skeleton.of(score), mask and Skeleton.of(mask),
+                                   options, bool(enable_gqa))
+    return key
+
+
+def mods_entry(key: str) -> ModsEntry:
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        raise InputError(f"flexfa: the compiled graph's mods {key!r} are no longer registered "
+                         f"(more than {_REGISTRY.size} mods were compiled since); call "
+                         "torch._dynamo.reset() and compile again")
+    return entry
+
+
+# ---- block masks rebuilt from a graph's tables ---------------------------------------------
+
+# the BlockMasks made around a kv_indices table, kept on the table (a cycle the garbage
+# collector frees with it: a memo holding the mask would keep the table alive): the same
+# tables give the same BlockMask object, so its table checks and plans are reused
+_MASKS = "_flexfa_graph_masks"
+_MASKS_PER_TABLE = 4
+
+
+def _block_mask(entry: ModsEntry, mask_buffers, tables, block_size, lengths) -> BlockMask | None:
+    if not tables:
+        return None
+    traced = entry.mask.with_buffers(mask_buffers)
+    memo_key = (traced.key, tuple(block_size), lengths, tuple(map(id, tables)),
+                tuple(map(id, mask_buffers)))
+    kept = getattr(tables[1], _MASKS, None)
+    mask = kept.get(memo_key) if kept is not None else None
+    if mask is None:
+        mask = BlockMask(lengths, *tables, BLOCK_SIZE=tuple(block_size),
+                         mask_mod=TracedMaskMod(traced), traced_mask=traced)
+        if kept is None or len(kept) >= _MASKS_PER_TABLE:
+            kept = {}
+            setattr(tables[1], _MASKS, kept)
+        kept[memo_key] = mask
+    return mask
+
+
+def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tables, block_size,
+          grad_slots=(), grad_enabled=False):
+    """(AttentionCall, key, value, entry) of one operator call, checked as flex_attention
+    checks a call."""
+    entry = mods_entry(mods)
+    check_tensors(query, key, value)
+    check_shapes(query, key, value, entry.enable_gqa)
+    score = entry.score.with_buffers(score_buffers, grad_slots) if entry.score else None
+    block_mask = _block_mask(entry, mask_buffers, tables, block_size,
+                             (query.shape[2], key.shape[2]))
+    check_block_mask(block_mask, query, key)
+    scale = scale if scale is not None else query.shape[3] ** -0.5
+    call, key, value = attention_call(query, key, value, score, block_mask, scale,
+                                      entry.options, grad_enabled)
+    return call, key, value
+
+
+# ---- the forward --------------------------------------------------------------------------
+
+@torch.library.custom_op("flexfa::flex_attention", mutates_args=())
+def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, mods: str, scale: float | None,
+                      return_max: bool, score_buffers: list[Tensor], mask_buffers: list[Tensor],
+                      tables: list[Tensor | None], block_size: list[int]
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """(out in the query's dimension order, lse [B, Hq, L] float32, the rows' max scores
+    [B, Hq, L] float32 or an empty tensor when ``return_max`` is False)."""
+    call, key, value = _call(query, key, value, mods, scale, score_buffers, mask_buffers, tables,
+                             block_size)
+    out, lse, maxs = run_forward(query, key, value, call, return_lse=True, return_max=return_max)
+    return out, lse, maxs if maxs is not None else lse.new_empty(0)
+
+
+@flex_attention_op.register_fake
+def _(query, key, value, mods, scale, return_max, score_buffers, mask_buffers, tables,
+      block_size):
+    entry = mods_entry(mods)
+    check_shapes(query, key, value, entry.enable_gqa)
+    B, Hq, L, _ = query.shape
+    out = output_like(query, value.shape[3])
+    lse = query.new_empty(B, Hq, L, dtype=torch.float32)
+    return out, lse, (query.new_empty(B, Hq, L, dtype=torch.float32) if return_max
+                      else query.new_empty(0, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (query, key, value, mods, scale, _, score_buffers, mask_buffers, tables, block_size) = inputs
+    out, lse, maxs = output
+    ctx.mods, ctx.scale, ctx.block_size = mods, scale, block_size
+    ctx.counts = (len(score_buffers), len(mask_buffers), [t is not None for t in tables])
+    ctx.grad_slots = [s for s, t in enumerate(score_buffers) if t.requires_grad]
+    ctx.needs = (query.requires_grad, key.requires_grad or value.requires_grad)
+    entry = mods_entry(mods)
+    if entry.score is not None and ctx.grad_slots:  # no derivative: fails in the forward
+        joint_graph(entry.score.with_buffers(score_buffers, tuple(ctx.grad_slots)))
+    ctx.save_for_backward(query, key, value, out, lse, *score_buffers, *mask_buffers,
+                          *(t for t in tables if t is not None))
+    ctx.mark_non_differentiable(maxs)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_max):
+    saved = ctx.saved_tensors
+    query, key, value, out, lse = saved[:5]
+    n_score, n_mask, present = ctx.counts
+    score_buffers = list(saved[5:5 + n_score])
+    mask_buffers = list(saved[5 + n_score:5 + n_score + n_mask])
+    rest = iter(saved[5 + n_score + n_mask:])
+    tables = [next(rest) if p else None for p in present]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, grads = flex_attention_backward_op(
+        query, key, value, out, lse, grad_out, grad_lse, ctx.mods, ctx.scale, score_buffers,
+        mask_buffers, tables, ctx.block_size, ctx.grad_slots, *ctx.needs)
+    by_slot = dict(zip(ctx.grad_slots, grads))
+    buffer_grads = [by_slot.get(s) for s in range(n_score)]
+    return (dq if ctx.needs[0] else None, dk if ctx.needs[1] else None,
+            dv if ctx.needs[1] else None, None, None, None, buffer_grads, [None] * n_mask,
+            [None] * len(present), None)
+
+
+# ---- the backward -------------------------------------------------------------------------
+
+@torch.library.custom_op("flexfa::flex_attention_backward", mutates_args=())
+def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+                               lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None, mods: str,
+                               scale: float | None, score_buffers: list[Tensor],
+                               mask_buffers: list[Tensor], tables: list[Tensor | None],
+                               block_size: list[int], grad_slots: list[int], need_dq: bool,
+                               need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, the gradients of the captured tensors in ``grad_slots``); dq, dk and dv
+    not needed come back empty."""
+    call, key, value = _call(query, key, value, mods, scale, score_buffers, mask_buffers, tables,
+                             block_size, tuple(grad_slots))
+    dq, dk, dv, buffer_grads = run_backward(query, key, value, out, lse, grad_out, grad_lse,
+                                            call, need_dkdv=need_dkdv)
+    buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
+    return (dq if need_dq else query.new_empty(0), dk if need_dkdv else query.new_empty(0),
+            dv if need_dkdv else query.new_empty(0), [buffer_grads[s] for s in grad_slots])
+
+
+@flex_attention_backward_op.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, mods, scale, score_buffers, mask_buffers,
+      tables, block_size, grad_slots, need_dq, need_dkdv):
+    # run_backward allocates dq, dk and dv contiguous
+    return (query.new_empty(query.shape) if need_dq else query.new_empty(0),
+            key.new_empty(key.shape) if need_dkdv else query.new_empty(0),
+            value.new_empty(value.shape) if need_dkdv else query.new_empty(0),
+            [torch.empty_like(score_buffers[s]) for s in grad_slots])
+
+
+def _double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+
+flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
+flex_attention_backward_op.register_autograd(_double_backward,
+                                             setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- block masks --------------------------------------------------------------------------
+
+@torch.library.custom_op("flexfa::block_mask_tables", mutates_args=())
+def block_mask_tables_op(mods: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
+                         block_size: list[int], separate_full_blocks: bool,
+                         mask_buffers: list[Tensor], device: torch.device) -> list[Tensor]:
+    """The tables of ``create_block_mask`` (kv, full kv, q, full q; without the full ones when
+    ``separate_full_blocks`` is False) of the registered mask_mod reading ``mask_buffers``."""
+    traced = mods_entry(mods).mask.with_buffers(mask_buffers)
+    mask = create_block_mask(traced, B, H, Q_LEN, KV_LEN, device=device,
+                             BLOCK_SIZE=tuple(block_size),
+                             separate_full_blocks=separate_full_blocks)
+    return [t for t in (getattr(mask, n) for n in TABLES) if t is not None]
+
+
+@block_mask_tables_op.register_fake
+def _(mods, B, H, Q_LEN, KV_LEN, block_size, separate_full_blocks, mask_buffers, device):
+    q_tiles, kv_tiles = -(-Q_LEN // block_size[0]), -(-KV_LEN // block_size[1])
+    shapes = [(B, H, q_tiles), (B, H, q_tiles, kv_tiles), (B, H, kv_tiles),
+              (B, H, kv_tiles, q_tiles)]
+    pairs = (0, 1, 0, 1, 2, 3, 2, 3) if separate_full_blocks else (0, 1, 2, 3)
+    return [torch.empty(shapes[p], dtype=torch.int32, device=device) for p in pairs]

@@ -1,0 +1,83 @@
+"""The flexfa:: operators on their own: torch.library.opcheck (schema, fake tensors, autograd
+registration, AOT dispatch), the registry holding no tensors, and import cost."""
+import gc
+import subprocess
+import sys
+import weakref
+
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.blockmask.validate import TABLES
+from flexfa.compiled import describe
+
+
+def _case():
+    bias = torch.randn(2, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    mask = flexfa.create_block_mask(mods.causal, 1, None, 100, 100, device="cpu",
+                                    BLOCK_SIZE=32)
+    key, score_paths, mask_paths = describe(biased, None, mask.mask_mod, None, False, None)
+    assert score_paths == ((("cell", 0),),) and mask_paths == ()
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 100, 16, generator=generator) for _ in range(3))
+    return bias, key, q, k, v, [getattr(mask, n) for n in TABLES]
+
+
+def test_opcheck_forward_and_backward():
+    bias, key, q, k, v, tables = _case()
+    args = (q.requires_grad_(), k, v, key, None, True, [bias], [], tables, [32, 32])
+    torch.library.opcheck(torch.ops.flexfa.flex_attention.default, args)
+    out, lse, maxs = torch.ops.flexfa.flex_attention(q.detach(), k, v, key, None, True,
+                                                    [bias.detach()], [], tables, [32, 32])
+    assert maxs.shape == lse.shape == (1, 2, 100)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flexfa.flex_attention_backward.default,
+                          (q.detach(), k, v, out, lse, grad_out, None, key, None,
+                           [bias.detach()], [], tables, [32, 32], [0], True, True))
+
+
+def test_opcheck_block_mask_tables():
+    key, _, _ = describe(None, None, mods.causal, None, False, None)
+    for separate in (True, False):
+        tables = torch.ops.flexfa.block_mask_tables(key, 1, 2, 100, 64, [32, 16], separate, [],
+                                                    torch.device("cpu"))
+        assert len(tables) == (8 if separate else 4)
+        torch.library.opcheck(torch.ops.flexfa.block_mask_tables.default,
+                              (key, 1, 2, 100, 64, [32, 16], separate, [], torch.device("cpu")))
+
+
+def test_operator_output_in_query_stride_order():
+    _, key, q, k, v, tables = _case()
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # memory [B, L, H, E]
+    out, _, _ = torch.ops.flexfa.flex_attention(q_t, k, v, key, None, False, [torch.randn(2)],
+                                                [], tables, [32, 32])
+    assert out.stride() == q_t.stride()
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake_mode:
+        fakes = [fake_mode.from_tensor(t) for t in (q_t, k, v)]
+        fake_out, lse, maxs = torch.ops.flexfa.flex_attention(
+            *fakes, key, None, False, [fake_mode.from_tensor(torch.randn(2))],
+            [], [fake_mode.from_tensor(t) for t in tables], [32, 32])
+    assert fake_out.stride() == out.stride() and maxs.numel() == 0
+
+
+def test_registry_keeps_no_captured_tensor_alive():
+    bias, key, q, k, v, tables = _case()
+    torch.ops.flexfa.flex_attention(q, k, v, key, None, False, [bias.detach()], [], tables,
+                                    [32, 32])
+    ref = weakref.ref(bias)
+    del bias
+    gc.collect()
+    assert ref() is None
+
+
+def test_import_does_not_load_dynamo_or_triton():
+    code = "import flexfa, sys; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]
