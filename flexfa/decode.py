@@ -17,11 +17,13 @@ from .errors import InputError, InputTypeError, check_bool
 from .inputs import (check_block_mask_type, check_buffers, check_scale, check_table_shapes,
                      check_tensors)
 from .runtime.call import AttentionCall
-from .runtime.families.decode import (MAX_Q_LEN, DecodeInputs, DecodeWorkspace, kv_geometry,
-                                      run_decode)
-from .runtime.indices import check_captured_indices
+from .calls import check_captured_indices
+from .lazy import lazy_function
+from .runtime.decode_inputs import MAX_Q_LEN, DecodeInputs, DecodeWorkspace, kv_geometry
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_mask, prepare_score_mod
+
+run_decode = lazy_function("flexfa.runtime.families.decode", "run_decode")  # loads Triton
 
 __all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values"]
 

@@ -263,7 +263,16 @@ def block_mask_tables_op(mods: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
     mask = create_block_mask(traced, B, H, Q_LEN, KV_LEN, device=device,
                              BLOCK_SIZE=tuple(block_size),
                              separate_full_blocks=separate_full_blocks)
-    return [t for t in (getattr(mask, n) for n in TABLES) if t is not None]
+    tables = [t for t in (getattr(mask, n) for n in TABLES) if t is not None]
+    # create_block_mask may cut several tables from one allocation; an operator's outputs
+    # must not alias each other, so those after the first of a storage are copies
+    seen = set()
+    for i, table in enumerate(tables):
+        storage = table.untyped_storage().data_ptr()
+        if storage in seen:
+            tables[i] = table.clone()
+        seen.add(storage)
+    return tables
 
 
 @block_mask_tables_op.register_fake

@@ -26,8 +26,8 @@ from .frontend.ir import DType, Op
 from .frontend.trace import SCORE_MOD, TracedMod
 from .inputs import check_buffers, check_scale, check_shapes, check_tensors
 from .memo import BoundedMemo, OwnedMemo
-from .runtime.forward import AttentionCall
-from .runtime.indices import check_captured_indices
+from .calls import check_captured_indices
+from .runtime.call import AttentionCall
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_score_mod
 from .scores import check_score_range

@@ -20,7 +20,8 @@ from ..runtime.cache import get_module
 from ..runtime.call import AttentionCall
 from ..runtime.families.ampere import default_tiles as ampere_tiles
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
-from ..runtime.families.decode import DecodeInputs, decode_spec
+from ..runtime.decode_inputs import DecodeInputs
+from ..runtime.families.decode import decode_spec
 from ..runtime.families.fp8 import default_tiles as fp8_tiles
 from ..runtime.options import KernelOptions
 from ..runtime.pipeline import prepare_mask, prepare_score_mod

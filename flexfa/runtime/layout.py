@@ -53,11 +53,16 @@ def output_like(query: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None 
     a contiguous query gives a contiguous output."""
     shape = (*query.shape[:-1], head_dim_v)
     key = (shape, query.stride())
-    strides = _STRIDES.get(key)
+    try:
+        strides = _STRIDES.get(key)
+    except TypeError:  # symbolic sizes (fake tensors under torch.compile): not memoized
+        key = strides = None
     if strides is None:  # the stride sort once per layout: a cached call allocates only
-        if len(_STRIDES) >= 1024:
-            _STRIDES.clear()
-        strides = _STRIDES[key] = output_strides(shape, key[1])
+        strides = output_strides(shape, query.stride())
+        if key is not None:
+            if len(_STRIDES) >= 1024:
+                _STRIDES.clear()
+            _STRIDES[key] = strides
     return torch.empty_strided(shape, strides,
                                dtype=query.dtype if dtype is None else dtype,
                                device=query.device if device is None else device)
