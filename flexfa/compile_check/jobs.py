@@ -319,3 +319,35 @@ register("decode_d64_fp16_g8_l16_per_head_alibi",
                     per_head_mask=True))
 register("decode_combine_d128_bf16_g4_l1", decode_job(128, "bf16", 4, 1, splits=True,
                                                       combine=True))
+
+
+# ---- the varlen block mask's table kernels --------------------------------------------------
+
+def varlen_tables_job(which: str, block: tuple[int, int] = (128, 128), causal: bool = True,
+                      window: bool = False):
+    """A compile-check builder for ``varlen_rows`` or ``varlen_columns`` (blockmask/
+    varlen_kernels.py) as ``kernel_tables`` launches them."""
+    from ..blockmask.offsets import PAD_DOC_K, PAD_DOC_Q
+    from ..blockmask.varlen_tables import CHUNK, TOKENS, kernels
+
+    def build(arch: int) -> CompileJob:
+        kernel = getattr(kernels(interpret=False), which)
+        if which == "varlen_rows":
+            constexprs = dict(BLOCK_Q=block[0], BLOCK_KV=block[1],
+                              ROWS=next_power_of_two(block[0], 1), CHUNK=CHUNK, TOKENS=TOKENS,
+                              CAUSAL=causal, WINDOW=window, PAD_DOC_Q=PAD_DOC_Q,
+                              PAD_DOC_K=PAD_DOC_K)
+            ints = ("documents", "steps", "total_q", "total_k", "window", "q_tiles", "kv_tiles",
+                    "q_length", "k_length")
+        else:
+            constexprs, ints = dict(CHUNK=CHUNK), ("q_tiles", "kv_tiles")
+        signature = {name: "constexpr" if name in constexprs else "i32" if name in ints
+                     else "*i32" for name in kernel.arg_names}
+        return CompileJob(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1},
+                          which)
+    return build
+
+
+register("varlen_rows_causal_128", varlen_tables_job("varlen_rows"))
+register("varlen_rows_window_48x80", varlen_tables_job("varlen_rows", (48, 80), False, True))
+register("varlen_columns", varlen_tables_job("varlen_columns"))
