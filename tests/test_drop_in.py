@@ -107,20 +107,20 @@ def test_other_batch_mismatches_are_errors(Bq, Bk, Bv, match):
         flexfa.flex_attention(q, k, v)
 
 
-def test_shared_kv_is_read_in_place_not_through_tensor_descriptors():
-    """The shared key/value reach the kernels expanded (batch stride 0, no copy): the Hopper
-    family's layout check refuses them (its descriptors read [B * H * len, dim] rows), so
-    forcing that family is a clear error and the default family gives torch's result."""
-    from flexfa.runtime.families.hopper import descriptor_layout_ok
+def test_shared_kv_is_read_in_place_through_strided_descriptors():
+    """The shared key/value reach the kernels expanded (batch stride 0, no copy): they are no
+    [B * H * len, dim] matrix (the flat descriptor layout), but the Hopper family's strided
+    layout reads them in place (every batch at the same rows), as the default family does,
+    with torch's result."""
+    from flexfa.runtime.families.hopper import descriptor_layout_ok, strided_ok
     q, k, v = (t.half() for t in inputs(3, 2, 1, 2, 64, 64))
     shared_k, shared_v = expand_batch(3, k, v)
     assert shared_k.stride(0) == 0 and descriptor_layout_ok(q, q, q)
-    assert not descriptor_layout_ok(q, shared_k, shared_v)
-    with pytest.raises(flexfa.InputError, match="BACKEND='HOPPER' cannot run this call"):
-        flexfa.flex_attention(q, k, v, kernel_options={"BACKEND": "HOPPER"})
+    assert not descriptor_layout_ok(q, shared_k, shared_v) and strided_ok(q, shared_k, shared_v)
     expected = torch_flex_attention(q.float(), *expand_batch(3, k.float(), v.float()))
-    torch.testing.assert_close(flexfa.flex_attention(q, k, v).float(), expected,
-                               atol=2e-3, rtol=2e-3)
+    for options in (None, {"BACKEND": "HOPPER"}):
+        torch.testing.assert_close(flexfa.flex_attention(q, k, v, kernel_options=options).float(),
+                                   expected, atol=2e-3, rtol=2e-3)
 
 
 def test_torchs_paged_attention_workflow():

@@ -12,8 +12,10 @@ of a document keeps one contiguous range of keys, ``[lo, hi)``:
 A (q tile, kv tile) is computed where some row's range meets the kv tile (a +1/-1 per row at
 its range's first and past-last kv tile, summed along the kv tiles), and full where every row
 of the q tile keeps the whole kv tile (max of the rows' ``lo`` and min of their ``hi``); tiles
-past a sequence end are never full, as in ``create_block_mask``. That is O(rows + tiles) torch
-work on the offsets' device, and the tables equal ``create_block_mask``'s of the same mask_mod.
+past a sequence end are never full, as in ``create_block_mask``. The tables equal
+``create_block_mask``'s of the same mask_mod. For CUDA offsets two Triton kernels write them
+(``varlen_tables.py``: no host sync, nothing per document on the host); CPU offsets take
+``torch_tables``, O(rows + tiles) torch work, the kernels' reference in tests.
 
 The mask's mask_mod reads per-token tensors (``offsets.token_tensors``) whose shapes do not
 depend on the lengths, so its trace (made once per (causal, window)) and the kernels compiled
@@ -34,6 +36,7 @@ from .checks import block_size_pair, positive_int, resolve_device
 from .create import ordered_tables
 from .offsets import Offsets, TokenTensors, check_offsets, check_window, token_tensors
 from .validate import mark_checked
+from .varlen_tables import kernel_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,20 +77,31 @@ def varlen_block_mask(cu_seqlens_q, cu_seqlens_k=None, causal=False, window=None
 
 
 def document_block_mask(offsets: Offsets, causal: bool, window: int | None,
-                        block: tuple[int, int]) -> BlockMask:
-    """The BlockMask of checked ``offsets`` (``varlen_block_mask`` without the checks)."""
+                        block: tuple[int, int], kernels: bool | None = None) -> BlockMask:
+    """The BlockMask of checked ``offsets`` (``varlen_block_mask`` without the checks); its
+    tables from two Triton kernels (``varlen_tables.py``; default for CUDA offsets) or from
+    torch operations (``torch_tables``; the CPU's, and the kernels' reference in tests)."""
+    if kernels is None:
+        kernels = offsets.device.type == "cuda"
+    tokens, tables = (kernel_tables if kernels else torch_tables)(offsets, causal, window, block)
+    mod = document_mask_mod(tokens, causal, window)
+    mask = BlockMask((offsets.total_q, offsets.total_k), *tables,
+                     BLOCK_SIZE=block, mask_mod=mod, traced_mask=traced_document_mask(mod))
+    mask.documents = Documents(offsets, tokens, causal, window)
+    mark_checked(mask)  # correct by construction: its first call needs no table check
+    return mask
+
+
+def torch_tables(offsets: Offsets, causal: bool, window: int | None,
+                 block: tuple[int, int]) -> tuple[TokenTensors, list]:
+    """(per-token tensors, the eight tables ``[1, 1, ...]``) from torch operations."""
     block_q, block_kv = block
     q_tiles = -(-offsets.total_q // block_q)
     kv_tiles = -(-offsets.total_k // block_kv)
     tokens, row_docs, row_diag = token_tensors(offsets, q_tiles * block_q)
     lo, hi = _key_ranges(offsets, row_docs, row_diag, causal, window)
     classes = _tile_classes(lo, hi, q_tiles, kv_tiles, block, offsets.total_k)
-    mod = document_mask_mod(tokens, causal, window)
-    mask = BlockMask((offsets.total_q, offsets.total_k), *ordered_tables(classes, 1, 1),
-                     BLOCK_SIZE=block, mask_mod=mod, traced_mask=traced_document_mask(mod))
-    mask.documents = Documents(offsets, tokens, causal, window)
-    mark_checked(mask)  # correct by construction: its first call needs no table check
-    return mask
+    return tokens, ordered_tables(classes, 1, 1)
 
 
 def _key_ranges(offsets: Offsets, docs, diag, causal: bool, window: int | None):

@@ -28,7 +28,7 @@ def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | N
     """Key, name (``flexfa_fwd_hopper_d128_bf16_<hash>``) and source of the Hopper forward."""
     assert spec.template == HOPPER_TEMPLATE, f"spec is for template {spec.template!r}"
     return forward_module(spec, score, mask, hopper_key(spec, score, mask), "fwd_hopper.tmpl",
-                          forward_params(True, buffer_params(score, mask)),
+                          forward_params(True, buffer_params(score, mask), spec.strided_qkv),
                           module_flags(spec.constexprs(True)))
 
 
@@ -36,5 +36,5 @@ def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod 
                      ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the Hopper forward, for ``triton.compile(ASTSource(...))``."""
     constexprs = spec.constexprs(score is not None)
-    params = forward_params(True, buffer_params(score, mask))
+    params = forward_params(True, buffer_params(score, mask), spec.strided_qkv)
     return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

@@ -200,14 +200,17 @@ _FORWARD_CONSTEXPRS = constexprs(
 _SCALARS = ints("HQ", "L", "S") + (Param("sm_scale", FLOAT),)
 
 
-def forward_params(hopper: bool, buffers: tuple[Param, ...]) -> KernelParams:
+def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = False
+                   ) -> KernelParams:
     """fwd.tmpl's kernel, or with ``hopper`` fwd_hopper.tmpl's (q, k, v through host tensor
-    descriptors; no split-KV decoding); ``buffers``: the mods' ``captured`` tensors."""
+    descriptors, with ``strided`` their batch, head and row strides too; no split-KV
+    decoding); ``buffers``: the mods' ``captured`` tensors."""
     if hopper:
         inputs = (Param("Q_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "E_PAD")),
                   Param("K_DESC", DESCRIPTOR, INPUT, ("BLOCK_N", "E_PAD")),
                   Param("V_DESC", DESCRIPTOR, INPUT, ("BLOCK_N", "EV_PAD")))
-        input_strides: tuple[tuple[Param, ...], ...] = ()
+        input_strides: tuple[tuple[Param, ...], ...] = (
+            (strides("q", "bhm"), strides("k", "bhn"), strides("v", "bhn")) if strided else ())
     else:
         inputs = tensors(INPUT, "Q", "K", "V")
         input_strides = (strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"))
@@ -215,7 +218,7 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...]) -> KernelParams:
     return KernelParams((
         inputs + tensors(INPUT, "OUT") + tensors("fp32", "LSE", "MAXS"), *input_strides,
         strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), _SCALARS + buffers,
-        _FORWARD_CONSTEXPRS + own + (() if hopper else constexprs("SPLIT_KEYS"))))
+        _FORWARD_CONSTEXPRS + own + constexprs("STRIDED_QKV" if hopper else "SPLIT_KEYS")))
 
 
 def decode_params(buffers: tuple[Param, ...]) -> KernelParams:

@@ -56,6 +56,10 @@ class KernelSpec:
     # keys of the mods' INT nodes computed in int64 (codegen.ranges.int64_nodes): their values
     # may leave int32 at this call's lengths; empty in the common case
     wide_ints: tuple[str, ...] = ()
+    # Hopper template only: q, k, v read through descriptors over their strided matrices,
+    # each (batch, head) at a row and column origin (runtime/families/hopper.py), instead of
+    # [B * H * len, dim] matrices
+    strided_qkv: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
@@ -87,6 +91,8 @@ class KernelSpec:
                           INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
         if self.template == "fwd":  # the Ampere template's split-KV decoding
             constexprs["SPLIT_KEYS"] = self.split_keys
+        if self.template == "fwd_hopper":
+            constexprs["STRIDED_QKV"] = self.strided_qkv
         return constexprs
 
     def launch_options(self) -> dict[str, int]:

@@ -100,8 +100,10 @@ register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tok
 
 def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
-               return_lse: bool = True, max_registers: int = 0, return_max: bool = False):
-    """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
+               return_lse: bool = True, max_registers: int = 0, return_max: bool = False,
+               strided_qkv: bool = False):
+    """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods
+    (``strided_qkv``: q, k, v through descriptors over strided matrices)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=block_m,
@@ -110,7 +112,8 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                           sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
                           target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
-                          max_registers=max_registers, return_max=return_max)
+                          max_registers=max_registers, return_max=return_max,
+                          strided_qkv=strided_qkv)
         return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
     return build
 
@@ -131,6 +134,9 @@ def _register_hopper() -> None:
     register("fwd_hopper_d128_bf16_causal_128x64_r128",
                    hopper_job(128, "bf16", mask_mod=causal, block_n=64, max_registers=128),
                    archs=(90,))
+    # packed / [B, L, H, E] q, k, v read in place (varlen_attention's layout)
+    register("fwd_hopper_d128_bf16_causal_strided",
+             hopper_job(128, "bf16", mask_mod=causal, strided_qkv=True), archs=(90,))
     # with the rows' max scores too (AuxRequest(max_scores=True))
     register("fwd_hopper_d128_fp16_softcap_causal",
                    hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal, return_max=True),
@@ -320,3 +326,35 @@ register("decode_d64_fp16_g8_l16_per_head_alibi",
                     per_head_mask=True))
 register("decode_combine_d128_bf16_g4_l1", decode_job(128, "bf16", 4, 1, splits=True,
                                                       combine=True))
+
+
+# ---- the varlen block mask's table kernels --------------------------------------------------
+
+def varlen_tables_job(which: str, block: tuple[int, int] = (128, 128), causal: bool = True,
+                      window: bool = False):
+    """A compile-check builder for ``varlen_rows`` or ``varlen_columns`` (blockmask/
+    varlen_kernels.py) as ``kernel_tables`` launches them."""
+    from ..blockmask.offsets import PAD_DOC_K, PAD_DOC_Q
+    from ..blockmask.varlen_tables import CHUNK, TOKENS, kernels
+
+    def build(arch: int) -> CompileJob:
+        kernel = getattr(kernels(interpret=False), which)
+        if which == "varlen_rows":
+            constexprs = dict(BLOCK_Q=block[0], BLOCK_KV=block[1],
+                              ROWS=next_power_of_two(block[0], 1), CHUNK=CHUNK, TOKENS=TOKENS,
+                              CAUSAL=causal, WINDOW=window, PAD_DOC_Q=PAD_DOC_Q,
+                              PAD_DOC_K=PAD_DOC_K)
+            ints = ("documents", "steps", "total_q", "total_k", "window", "q_tiles", "kv_tiles",
+                    "q_length", "k_length")
+        else:
+            constexprs, ints = dict(CHUNK=CHUNK), ("q_tiles", "kv_tiles")
+        signature = {name: "constexpr" if name in constexprs else "i32" if name in ints
+                     else "*i32" for name in kernel.arg_names}
+        return CompileJob(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1},
+                          which)
+    return build
+
+
+register("varlen_rows_causal_128", varlen_tables_job("varlen_rows"))
+register("varlen_rows_window_48x80", varlen_tables_job("varlen_rows", (48, 80), False, True))
+register("varlen_columns", varlen_tables_job("varlen_columns"))

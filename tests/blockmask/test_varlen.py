@@ -1,12 +1,18 @@
 """varlen_block_mask: the tables equal create_block_mask's of the same documents' mask_mod
-(written here independently, from document ids), its mask_mod is that mask, new lengths keep
-the trace's key, and bad offsets fail before anything is built."""
+(written here independently, from document ids), the Triton kernels' tables equal the torch
+path's, its mask_mod is that mask, new lengths keep the trace's key, and bad offsets fail
+before anything is built."""
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 import flexfa
+from flexfa.blockmask import varlen_tables
+from flexfa.blockmask.offsets import TokenTensors, check_offsets
 from flexfa.blockmask.validate import TABLES
+from flexfa.blockmask.varlen import document_block_mask
 from flexfa.frontend import dense_mask
 
 BLOCKS = [16, 32, (16, 32), (32, 16), 64, (48, 80)]
@@ -104,6 +110,56 @@ def test_new_lengths_keep_the_trace_key():
     assert second.documents.offsets.cu_q.tolist() == [0, 3, 153, 200]
     assert flexfa.varlen_block_mask(offsets([10, 20]), window=4).traced_mask.key != \
         first.traced_mask.key
+
+
+def assert_kernels_equal_torch(q_lengths, k_lengths, causal, window, block, device="cpu"):
+    """The Triton kernels' tables and per-token tensors (interpreted on the CPU) equal the
+    torch path's entry by entry."""
+    checked = check_offsets("test", offsets(q_lengths), offsets(k_lengths), torch.device(device))
+    block = (block, block) if isinstance(block, int) else block
+    expected = document_block_mask(checked, causal, window, block, kernels=False)
+    written = document_block_mask(checked, causal, window, block, kernels=True)
+    for name in TABLES:
+        assert torch.equal(getattr(written, name), getattr(expected, name)), name
+    for field in dataclasses.fields(TokenTensors):
+        assert torch.equal(getattr(written.documents.tokens, field.name),
+                           getattr(expected.documents.tokens, field.name)), field.name
+    assert written.traced_mask.key == expected.traced_mask.key
+
+
+small_lengths = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1,
+                         max_size=5).filter(lambda docs: all(sum(side) for side in zip(*docs)))
+
+
+@given(docs=small_lengths, causal=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 30)),
+       block=st.sampled_from([16, 32, (16, 32), (48, 80)]))
+def test_table_kernels_equal_torch_tables(docs, causal, window, block):
+    q_lengths, k_lengths = (list(side) for side in zip(*docs))
+    assert_kernels_equal_torch(q_lengths, k_lengths, causal, window, block)
+
+
+@pytest.mark.parametrize("q_lengths,k_lengths,causal,window,block", [
+    ([0, 40, 0, 0, 60, 0], [10, 40, 0, 30, 60, 5], True, 17, 32),  # empty documents
+    ([3, 5, 1, 7, 2, 9], [3, 5, 1, 7, 2, 9], False, 9, 16),  # all shorter than a block
+    ([232], [100], True, None, (48, 80)),  # queries before the first key see none
+])
+def test_table_kernels_on_edge_documents(q_lengths, k_lengths, causal, window, block):
+    assert_kernels_equal_torch(q_lengths, k_lengths, causal, window, block)
+
+
+@pytest.mark.gpu
+def test_table_kernels_on_the_gpu_equal_torch_and_compile_once():
+    """CUDA offsets take the kernels: the issue's 16 documents over 32k tokens, then new
+    lengths (and new document counts) without a new compile."""
+    generator = torch.Generator().manual_seed(0)
+    kernel = varlen_tables.kernels(interpret=False).varlen_rows
+    for documents in (16, 16, 5):
+        cuts = (torch.randperm(32767, generator=generator)[:documents - 1] + 1).sort().values
+        lengths = torch.cat([cuts, torch.tensor([32768])]).diff(prepend=torch.tensor([0]))
+        assert_kernels_equal_torch(lengths.tolist(), lengths.tolist(), True, None, 128, "cuda")
+        compiled = sum(len(cache[0]) for cache in kernel.device_caches.values())
+        assert compiled == 1
 
 
 @pytest.mark.parametrize("args,kwargs,error,words", [

@@ -57,3 +57,15 @@ def test_decode_kernels_compile(name, arch):
     assert result.ok, result.error
     assert ".entry flexfa_fwd_decode_d128_bf16_" in result.ptx
     assert result.spill_bytes is None or result.spill_bytes <= 64, result.spill_bytes
+
+
+@pytest.mark.parametrize("name,arch", [("varlen_rows_causal_128", 90),
+                                       ("varlen_rows_window_48x80", 80),
+                                       ("varlen_columns", 80)])
+def test_varlen_table_kernels_compile(name, arch):
+    """The varlen BlockMask's table kernels (blockmask/varlen_kernels.py) compile, in a
+    process whose triton.language was imported for the interpreter, without spilling."""
+    result = compile_job(name, arch, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    assert f".entry {name.split('_')[0]}_{name.split('_')[1]}" in result.ptx
+    assert result.spill_bytes in (None, 0), result.spill_bytes

@@ -195,19 +195,30 @@ def _call(options=None):
     return AttentionCall(None, None, None, 32 ** -0.5, parse_kernel_options(options), 1)
 
 
-@pytest.mark.parametrize("make, expected", [
-    (lambda: torch.randn(1, 2, 64, 32, dtype=torch.float16), True),
-    (lambda: torch.randn(1, 64, 2, 32, dtype=torch.float16).transpose(1, 2), False),
-    (lambda: torch.randn(1, 2, 64, 32), False),  # fp32 stays on the Ampere template
-    (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :4], False),
-    (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32], False),  # 72-byte rows
-    (lambda: torch.randn(1, 2, 64, 256, dtype=torch.bfloat16), False),  # wide heads: Ampere
-    (lambda: torch.randn(1, 2, 64, 128, dtype=torch.bfloat16), True),
+def _bf16(*shape):
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("make, flat, strided", [
+    (lambda: torch.randn(1, 2, 64, 32, dtype=torch.float16), True, True),
+    # heads side by side ([B, L, H, E] / packed [total, H, E] views), batches in rows
+    (lambda: torch.randn(2, 64, 2, 32, dtype=torch.float16).transpose(1, 2), False, True),
+    (lambda: _bf16(100, 3, 4, 64)[:, 1].transpose(0, 1).unsqueeze(0), False, True),  # fused qkv
+    (lambda: _bf16(1, 64, 2, 48).transpose(1, 2), False, False),  # side by side, E != E_PAD
+    (lambda: _bf16(1, 2, 100, 48)[:, :, :64], False, False),  # a gap after each head's rows
+    (lambda: _bf16(1, 2, 100, 48)[:, :1, :64], True, True),
+    (lambda: _bf16(3, 2, 100, 48)[1:].transpose(0, 1), False, True),  # heads, then batches
+    (lambda: torch.randn(1, 2, 64, 32), False, False),  # fp32 stays on the Ampere template
+    (lambda: _bf16(1, 2, 64, 36)[..., :4], False, False),
+    (lambda: _bf16(1, 2, 64, 36)[..., :32], False, False),  # 72-byte rows
+    (lambda: _bf16(1, 2, 64, 256), False, False),  # wide heads: Ampere
+    (lambda: _bf16(1, 2, 64, 128), True, True),
 ])
-def test_hopper_needs_flat_aligned_rows(make, expected):
+def test_hopper_needs_aligned_rows_flat_or_strided(make, flat, strided):
     t = make()
-    assert hopper.descriptor_layout_ok(t, t, t) is expected
-    assert (HOPPER.why_not(Target("cuda", 9, 0), _call(), t, t, t) is None) is expected
+    assert hopper.descriptor_layout_ok(t, t, t) is flat
+    assert hopper.strided_ok(t, t, t) is strided
+    assert (HOPPER.why_not(Target("cuda", 9, 0), _call(), t, t, t) is None) is strided
 
 
 def test_hopper_is_chosen_on_sm90_only_and_when_forced():
@@ -225,6 +236,74 @@ def test_hopper_is_chosen_on_sm90_only_and_when_forced():
         registry.choose("forward", sm80, _call(FORCED), t, t, t)
     with pytest.raises(flexfa.InputError, match="split-KV"):
         registry.choose("forward", INTERPRETER, _call({**FORCED, "SPLIT_KV": 2}), t, t, t)
+
+
+# ---- strided q, k, v (STRIDED_QKV) ---------------------------------------------------------
+
+def _packed(total, heads, dim, generator):
+    """A [1, H, total, E] view of a packed [total, H, E] tensor (varlen_attention's)."""
+    return torch.randn(total, heads, dim, generator=generator).to(torch.bfloat16) \
+        .transpose(0, 1).unsqueeze(0)
+
+
+def _strided_layouts(name, generator):
+    if name == "packed_gqa":  # packed documents, 2 query heads per key head
+        return (_packed(150, 4, 32, generator), _packed(150, 2, 32, generator),
+                _packed(150, 2, 16, generator))
+    if name == "bshd_batches":  # [B, L, H, E] inputs, batches in rows, heads side by side
+        return [torch.randn(2, n, 2, 32, generator=generator).to(torch.float16).transpose(1, 2)
+                for n in (100, 70, 70)]
+    # a fused projection's q, k, v slices ([L, 3, H, E])
+    fused = torch.randn(100, 3, 2, 64, generator=generator).to(torch.bfloat16)
+    return [fused[:, i].transpose(0, 1).unsqueeze(0) for i in range(3)]
+
+
+@pytest.mark.parametrize("name,mask_mod,score_mod", [("packed_gqa", causal, None),
+                                                     ("bshd_batches", sliding_40, softcap),
+                                                     ("fused_qkv", None, gate)])
+def test_strided_inputs_equal_the_contiguous_call_bit_for_bit(name, mask_mod, score_mod,
+                                                              hopper_template):
+    """q, k, v that are no [B * H * len, dim] matrices run the Hopper template in place
+    (STRIDED_QKV), with exactly the results of the same call on contiguous copies and within
+    the reference's tolerance."""
+    q, k, v = _strided_layouts(name, torch.Generator().manual_seed(5))
+    assert not hopper.descriptor_layout_ok(q, k, v)
+    B, L, S = q.shape[0], q.shape[2], k.shape[2]
+    mask = flexfa.create_block_mask(mask_mod, B, None, L, S, device="cpu") if mask_mod else None
+    gqa = q.shape[1] != k.shape[1]
+    plans.PLANS.clear()
+    out, lse = check_forward(q, k, v, score_mod, mask_mod, mask, enable_gqa=gqa,
+                             kernel_options=FORCED)
+    assert [p.spec.strided_qkv for p in hopper_plans()] == [True]
+    copies = [t.contiguous() for t in (q, k, v)]
+    flat_out, flat_lse = flexfa.flex_attention(*copies, score_mod=score_mod, block_mask=mask,
+                                               enable_gqa=gqa, return_lse=True,
+                                               kernel_options=FORCED)
+    assert sorted(p.spec.strided_qkv for p in hopper_plans()) == [False, True]
+    assert torch.equal(out, flat_out) and torch.equal(lse, flat_lse)
+
+
+def test_strided_descriptors_cover_exactly_the_tensor():
+    """The descriptor over a packed [total, H, E] tensor is its [total, H * E] matrix; over
+    [B, L, H, E] inputs the [B * L, H * E] one; over a fused projection's slice its own
+    columns of the [L, 3 * H * E] rows."""
+    packed = torch.zeros(150, 4, 32, dtype=torch.bfloat16).transpose(0, 1).unsqueeze(0)
+    assert hopper.strided_geometry(packed, 64, 32) == ([150, 128], [128, 1], [64, 32])
+    bshd = torch.zeros(2, 100, 3, 64, dtype=torch.float16).transpose(1, 2)
+    assert hopper.strided_geometry(bshd, 64, 64) == ([200, 192], [192, 1], [64, 64])
+    fused = torch.zeros(100, 3, 2, 64, dtype=torch.bfloat16)[:, 1].transpose(0, 1).unsqueeze(0)
+    assert hopper.strided_geometry(fused, 64, 64) == ([100, 128], [384, 1], [64, 64])
+
+
+def test_sm90_strided_hopper_kernel_compiles_with_wgmma_and_tma():
+    from flexfa.compile_check import compile_job
+    from flexfa.compile_check.jobs import hopper_job
+
+    result = compile_job("hopper_strided", 90, hopper_job(128, "bf16", mask_mod=causal,
+                                                          strided_qkv=True))
+    assert result.ok, result.error
+    assert result.wgmma and "cp.async.bulk.tensor" in result.ptx
+    assert result.spill_bytes in (None, 0), result.spill_bytes
 
 
 # ---- fast transcendentals --------------------------------------------------------------------

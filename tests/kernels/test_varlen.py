@@ -190,3 +190,27 @@ def test_bad_input(change, error, words):
     with pytest.raises(error) as caught:
         flexfa.varlen_attention(**args)
     assert words in str(caught.value)
+
+
+def test_packed_tensors_run_the_hopper_family_in_place():
+    """Forced onto the Hopper family (how CI runs it), the packed tensors are read in place
+    through strided descriptors, with exactly the result of the same mask on contiguous
+    copies, and the Ampere family's within rounding."""
+    from flexfa.runtime import plans
+    from flexfa.runtime.families.hopper import HOPPER
+
+    q, k, v = packed([40, 0, 70, 40], [40, 5, 70, 35], dtype=torch.bfloat16, seed=3)
+    cu_q, cu_k = offsets([40, 0, 70, 40]), offsets([40, 5, 70, 35])
+    plans.PLANS.clear()
+    out, lse = flexfa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True,
+                                       kernel_options={"BACKEND": "HOPPER"})
+    assert [p.spec.strided_qkv for p in plans.PLANS.values() if p.family is HOPPER] == [True]
+    mask = flexfa.varlen_block_mask(cu_q, cu_k, causal=True)
+    copies = [t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v)]
+    flat_out, flat_lse = flexfa.flex_attention(*copies, block_mask=mask, enable_gqa=True,
+                                               return_lse=True,
+                                               kernel_options={"BACKEND": "HOPPER"})
+    assert torch.equal(out, flat_out[0].transpose(0, 1)) and torch.equal(lse, flat_lse[0])
+    ampere = flexfa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True,
+                                     kernel_options={"BACKEND": "AMPERE"})
+    torch.testing.assert_close(out, ampere[0], atol=1e-2, rtol=0)

@@ -52,10 +52,78 @@ def descriptor_layout_ok(*tensors) -> bool:
         8 <= t.shape[3] <= MAX_HEAD_DIM and t.shape[2] > 0 and _flat_rows(t) for t in tensors)
 
 
+def strided_ok(*tensors) -> bool:
+    """``descriptor_layout_ok``'s dtypes and head dims, each tensor ``strided_layout_ok``."""
+    return tensors[0].dtype in (torch.float16, torch.bfloat16) and all(
+        8 <= t.shape[3] <= MAX_HEAD_DIM and t.shape[2] > 0 and strided_layout_ok(t)
+        for t in tensors)
+
+
 def geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
     """(shape, strides, block) of the tensor descriptor over the [B * H * n, d] view of t."""
     B, H, n, d = t.shape
     return [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad]
+
+
+# ---- strided q, k, v: one [rows, columns] matrix with each (batch, head) at its origin -------
+#
+# A [B, H, n, d] tensor whose rows (stride(2)) are 16-byte aligned is a matrix of rows of
+# stride(2) elements; a batch or head step is then a whole number of rows (heads stacked, as
+# the flat layout) or a column offset inside a row (heads side by side: [B, n, H, d] and
+# packed [total, H, d] tensors, a fused qkv projection's slices), and each (b, h) starts at
+# row b * rows_b + h * rows_h, column b * cols_b + h * cols_h (the kernel takes
+# (b * stride_b + h * stride_h) // stride_n and % stride_n). The descriptor covers exactly the
+# tensor's extent, so TMA's zero fill starts past its last element. What a tile that runs past
+# a sequence's end reads must be the tensor's own elements (the next rows of another batch or
+# head) or zero fill, never a gap between them (uninitialized memory, perhaps NaN, times a
+# masked p of 0 is NaN): the row steps must tile the rows without gaps. A column block is
+# E_PAD wide: with heads side by side it would read the next head's columns past d, so there
+# d must be a power of two (E == E_PAD).
+
+
+def _steps(t: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """(size, rows, columns) of the batch and head steps of ``t`` (sizes > 1), or None where
+    one is neither whole rows nor an aligned column offset."""
+    row, steps = t.stride(2), []
+    for size, stride in zip(t.shape[:2], t.stride()[:2]):
+        rows, cols = divmod(stride, row)
+        if size == 1:
+            continue
+        if rows and cols or (cols * t.element_size()) % 16:
+            return None
+        steps.append((size, rows, cols))
+    return steps
+
+
+def strided_layout_ok(t: torch.Tensor) -> bool:
+    """``t`` (fp16/bf16 [B, H, n, d]) reads as one matrix with each (b, h) at its origin
+    (see above): aligned base and rows, head steps in whole rows without gaps or as column
+    offsets that fit a row, a power-of-two d where heads sit side by side."""
+    B, H, n, d = t.shape
+    row = t.stride(2)
+    if t.stride(3) != 1 or row <= 0 or (row * t.element_size()) % 16 or t.data_ptr() % 16:
+        return False
+    steps = _steps(t)
+    if steps is None:
+        return False
+    columns = d + sum((size - 1) * cols for size, _, cols in steps)
+    if columns > row or (columns > d and next_power_of_two(d) != d):
+        return False
+    span = n  # rows covered so far without a gap, from the smallest row step up
+    for size, rows, _ in sorted(s for s in steps if s[1]):
+        if rows > span:
+            return False
+        span += (size - 1) * rows
+    return True
+
+
+def strided_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
+    """(shape, strides, block) of the descriptor over the matrix of a ``strided_layout_ok``
+    tensor: every (b, h)'s rows and columns, nothing past the tensor's last element."""
+    steps = _steps(t)
+    rows = t.shape[2] + sum((size - 1) * r for size, r, _ in steps)
+    columns = t.shape[3] + sum((size - 1) * c for size, _, c in steps)
+    return [rows, columns], [t.stride(2), 1], [block_rows, cols_pad]
 
 
 def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, ...]]:
@@ -92,7 +160,7 @@ def hopper_spec(q, k, v, call: AttentionCall, target: Target, config, return_lse
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target.name,
         template=HOPPER_TEMPLATE, max_registers=max_registers, return_max=return_max,
-        wide_ints=int64_nodes(q, k, call))
+        wide_ints=int64_nodes(q, k, call), strided_qkv=not descriptor_layout_ok(q, k, v))
 
 
 class HopperForward(KernelFamily):
@@ -107,9 +175,10 @@ class HopperForward(KernelFamily):
         forced = options.backend == "HOPPER" or options.fwd.use_tma
         if not (target.is_sm90 or (target.interpret and forced)):
             return f"it runs on sm_90 (and under the interpreter when forced), not {target}"
-        if not descriptor_layout_ok(q, k, v):
-            return ("it needs fp16/bf16 q, k, v with head dims 8..128, each a [B * H * len, dim] "
-                    "matrix with 16-byte aligned rows")
+        if not (descriptor_layout_ok(q, k, v) or strided_ok(q, k, v)):
+            return ("it needs fp16/bf16 q, k, v with head dims 8..128 and 16-byte aligned rows, "
+                    "each a [B * H * len, dim] matrix or strided with heads in whole rows or "
+                    "side by side at power-of-two head dims")
         if wants_split(call, target, q, k):
             return "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
         return None
@@ -146,7 +215,12 @@ class HopperForward(KernelFamily):
         spec = hopper_spec(q, k, v, call, target, config, return_lse, return_max)
         B, Hq, L, _ = q.shape
         loaded = generated_module(hopper_kernel, spec, call.score, call.mask)
-        fixed = {**binding.strides("o", "bhmd", out_strides(q, v)),
+        inputs = {}
+        if spec.strided_qkv:
+            inputs = {**binding.strides("q", "bhm", q.stride()[:3]),
+                      **binding.strides("k", "bhn", k.stride()[:3]),
+                      **binding.strides("v", "bhn", v.stride()[:3])}
+        fixed = {**inputs, **binding.strides("o", "bhmd", out_strides(q, v)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
                  "HQ": Hq, "L": L, "S": k.shape[2],
                  **binding.buffer_layout(call.score, call.mask)}
@@ -154,9 +228,10 @@ class HopperForward(KernelFamily):
                                                   spec.has_block_mask),
                     spec.constexprs(call.scores_first), spec.launch_options(),
                     binding.Binder(loaded.names(), fixed))
-        descriptors = (geometry(q, spec.block_m, spec.head_dim_pad),
-                       geometry(k, spec.block_n, spec.head_dim_pad),
-                       geometry(v, spec.block_n, spec.head_dim_v_pad))
+        layout = strided_geometry if spec.strided_qkv else geometry
+        descriptors = (layout(q, spec.block_m, spec.head_dim_pad),
+                       layout(k, spec.block_n, spec.head_dim_pad),
+                       layout(v, spec.block_n, spec.head_dim_v_pad))
         return plans.Plan(self, spec, (step,), {"descriptors": descriptors})
 
     @staticmethod
