@@ -42,3 +42,31 @@ def test_gluon_forward_compiles_for_sm90(tmp_path):
         assert row["spills"] in (0, None), row  # None: no ptxas to ask
     assert rows["fwd_gluon_d128_fp16_softcap_causal"]["tanh"]
     assert not rows["fwd_gluon_d128_bf16_dense"]["tanh"]
+
+
+PLAN_SCRIPT = """
+import torch, triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+assert isinstance(tl.standard.sum, InterpretedFunction)  # as in a test session
+import flexfa
+from flexfa.runtime.families import gluon
+from flexfa.runtime.target import Target
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.options import parse_kernel_options
+q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
+call = AttentionCall(None, None, None, 0.125, parse_kernel_options({"BACKEND": "GLUON"}), 1)
+plan = gluon.GLUON.make_plan(q, q, q, call, Target("cuda", 9, 0), True, False)
+print(type(plan.steps[0].kernel).__name__, plan.steps[0].grid, plan.steps[0].options)
+"""
+
+
+def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
+    """A GPU test session decorates triton.language for the interpreter first; the family
+    still imports Gluon and loads its compiled module there (no GPU needed to plan)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+           "FLEXFA_CACHE_DIR": str(tmp_path / "flexfa")}
+    result = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[0] == "GluonJITFunction", result.stdout
+    assert "(2, 2)" in result.stdout and "'maxnreg': 168" in result.stdout, result.stdout

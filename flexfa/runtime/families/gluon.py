@@ -18,6 +18,7 @@ from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGI
                               descriptor_blocks, descriptor_layout, gluon_constexprs,
                               gluon_kernel)
 from ...codegen.spec import DTYPE_NAMES, KernelSpec
+from ...config import interpret_mode
 from ...errors import InputError
 from .. import binding, plans
 from ..call import AttentionCall
@@ -85,9 +86,20 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
 
 
 @functools.cache
+def import_gluon() -> None:
+    """Import ``triton.experimental.gluon`` once, with the interpreter's setting on: its
+    standard library wraps triton.language's ``@jit`` functions and, with the setting off,
+    asserts they were decorated compiled, which fails in a process that decorated them for
+    the interpreter (a test session with CPU kernels). The wrappers are Gluon functions
+    either way, and flexfa's Gluon kernels call none of them."""
+    with interpret_mode(True):
+        import triton.experimental.gluon.language  # noqa: F401
+
+
+@functools.cache
 def _descriptor_kinds() -> tuple[type, type]:
-    """(Gluon's TensorDescriptor, one that skips its checks): imported on first use, never
-    where the interpreter runs (Gluon's standard library cannot be imported there)."""
+    """(Gluon's TensorDescriptor, one that skips its checks), imported on first use."""
+    import_gluon()
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     class Trusted(TensorDescriptor):
@@ -140,6 +152,7 @@ class GluonForward(KernelFamily):
         return out, lse, maxs
 
     def make_plan(self, q, k, v, call, target, return_lse, return_max) -> plans.Plan:
+        import_gluon()
         spec = gluon_spec(q, k, v, call, target, return_lse, return_max)
         B, Hq, L, _ = q.shape
         loaded = generated_module(gluon_kernel, spec, call.score, call.mask)
