@@ -26,6 +26,10 @@ FORWARD_LEAVES = Leaves(score="score", b="off_b", h="off_h", q_idx="q_idx", kv_i
 # constexpr parameters of the forward kernels that are not module flags: the runtime launches
 # one module with either value
 LAUNCH_FLAGS = ("HAS_SCORE_MOD",)
+# a full score tile of one value, for a mod whose result is not a tile by itself (a constant,
+# ``bias[h]``): Triton's tensors take their layout from their use, Gluon's need one named
+# (fwd_gluon.tmpl's)
+TRITON_TILE = "tl.full([BLOCK_M, BLOCK_N], {fill}, {dtype})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,30 +86,31 @@ def buffer_params(score: TracedMod | None, mask: TracedMod | None) -> tuple[Para
 
 
 def score_mod_code(score: TracedMod | None, args: list[BufferArgs], fast_math: bool = False,
-                   wide: tuple[str, ...] = ()) -> str:
+                   wide: tuple[str, ...] = (), tile: str = TRITON_TILE) -> str:
     """Statements setting ``score_mod_out`` (a full fp32 tile) from ``score`` and indices;
     ``fast_math`` for GPU targets (hardware tanh/sigmoid/exp); ``wide``: the spec's
-    ``wide_ints``."""
+    ``wide_ints``; ``tile``: how a full tile of one value is written (TRITON_TILE)."""
     if score is None:
         return "score_mod_out = score"
     rendered = render_mod(score, [score.root], FORWARD_LEAVES, args, prefix="s",
                           fast_math=fast_math, wide=wide)
     value = rendered.values[0]
     if needs_tile_broadcast(score.root):
-        value = f"tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32) + ({value})"
+        value = f"{tile.format(fill='0.0', dtype='tl.float32')} + ({value})"
     return "\n".join([*rendered.lines, f"score_mod_out = {value}"])
 
 
-def mask_mod_code(mask: TracedMod | None, args: list[BufferArgs], wide: tuple[str, ...] = ()
-                  ) -> str:
-    """Statements setting ``mask_mod_out`` (bool, True = keep) from the indices."""
+def mask_mod_code(mask: TracedMod | None, args: list[BufferArgs], wide: tuple[str, ...] = (),
+                  tile: str = TRITON_TILE) -> str:
+    """Statements setting ``mask_mod_out`` (bool, True = keep) from the indices; ``tile`` as
+    in ``score_mod_code``."""
     if mask is None:
         return "mask_mod_out = True"
     rendered = render_mod(mask, [mask.root], dataclasses.replace(FORWARD_LEAVES, score=None),
                           args, prefix="m", wide=wide)
     value = rendered.values[0]
     if needs_tile_broadcast(mask.root):
-        value = f"tl.full([BLOCK_M, BLOCK_N], 1, tl.int1) & ({value})"
+        value = f"{tile.format(fill='1', dtype='tl.int1')} & ({value})"
     return "\n".join([*rendered.lines, f"mask_mod_out = {value}"])
 
 
@@ -117,14 +122,15 @@ def forward_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | Non
 def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: str,
                    template: str, params: KernelParams, flags: dict[str, object],
                    helpers: tuple[str, ...] = ("helpers.tmpl",),
-                   others: tuple[tuple[str, str, KernelParams], ...] = (), **hooks: str
-                   ) -> GeneratedKernel:
+                   others: tuple[tuple[str, str, KernelParams], ...] = (),
+                   tile: str = TRITON_TILE, **hooks: str) -> GeneratedKernel:
     """The module of a forward kernel (fwd.tmpl, fwd_hopper.tmpl, fwd_fp8.tmpl,
     fwd_decode.tmpl): ``helpers``, the kernel library (common.tmpl) and the forward library
     (fwd_common.tmpl) filled with the mods, then ``template`` filled with ``hooks`` and the
     hooks every forward template has. ``flags``: the module flags, the kernel's constexprs
     but the launch flags. ``others``: further kernels of the template as (hook of their
-    `def`, name suffix, parameters): kernel ``<name>_<suffix>``."""
+    `def`, name suffix, parameters): kernel ``<name>_<suffix>``. ``tile``: how the mods'
+    code writes a full tile of one value (``score_mod_code``)."""
     name = kernel_name(spec, key)
     kernels = [(name, params)]
     for hook, suffix, other in others:
@@ -135,10 +141,10 @@ def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: s
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
     common = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
-                  MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints))
+                  MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints, tile=tile))
     library = fill(load_template("fwd_common.tmpl"), SCORE_BUFFERS=unpack(score_names, "sbufs"),
                    SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret,
-                                            wide=spec.wide_ints))
+                                            wide=spec.wide_ints, tile=tile))
     checked = {n: flags[n] for n in params.constexpr_names if n not in LAUNCH_FLAGS}
     kernel = fill(load_template(template), KERNEL_NAME=name,
                   DEF_KERNEL=def_kernel(name, params, checked),

@@ -76,7 +76,10 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
     start = time.perf_counter()
     try:
         job = job_builder(arch)
-        compiled = triton.compile(ASTSource(job.kernel, job.signature, job.constexprs),
+        source = ASTSource
+        if job.kernel.is_gluon():  # imported only for Gluon kernels (never interpreted)
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        compiled = triton.compile(source(job.kernel, job.signature, job.constexprs),
                                   target=GPUTarget("cuda", arch, 32), options=job.options)
         ptx = compiled.asm["ptx"]
     except Exception as exc:  # reported in the table, not raised

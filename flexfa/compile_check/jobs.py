@@ -13,6 +13,7 @@ from ..codegen.decode import decode_kernel, decode_signature
 from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
+from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_signature
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
@@ -142,6 +143,36 @@ def _register_hopper() -> None:
                    hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal, return_max=True),
                    archs=(90,))
 
+
+
+def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
+              num_stages: int = 2, return_lse: bool = True, return_max: bool = False):
+    """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
+    fixed 128-row programs and register split."""
+    def build(arch: int):
+        score, mask = traced_mods(score_mod, mask_mod)
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=128,
+                          block_n=block_n, num_warps=4, num_stages=num_stages,
+                          has_block_mask=mask is not None, has_full_blocks=mask is not None,
+                          sparse_q=128, sparse_kv=128 if mask else block_n, even_l=False,
+                          even_s=False, return_lse=return_lse, gqa_group=1,
+                          input_precision="ieee", target=f"cuda:{arch}",
+                          template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
+                          return_max=return_max)
+        return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
+    return build
+
+
+# a compiled Gluon module imports triton.experimental.gluon: check these in a process that
+# never ran the interpreter (tests/codegen/test_gluon_compile.py)
+register("fwd_gluon_d128_bf16_dense", gluon_job(128, "bf16"), archs=(90,))
+register("fwd_gluon_d128_bf16_causal", gluon_job(128, "bf16", mask_mod=_causal), archs=(90,))
+register("fwd_gluon_d128_fp16_softcap_causal",
+         gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True),
+         archs=(90,))
+register("fwd_gluon_d64_bf16_alibi_document",
+         gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
+                   num_stages=3), archs=(90,))
 
 
 # ---- compile-check variants -----------------------------------------------------------------

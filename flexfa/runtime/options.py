@@ -22,7 +22,7 @@ from ..memo import BoundedMemo
 log = logging.getLogger("flexfa")
 
 TILES = (16, 32, 64, 128, 256)
-BACKENDS = ("AUTO", "TRITON", "AMPERE", "HOPPER", "DECODE", "TRITON_DECODE", "FLASH")
+BACKENDS = ("AUTO", "TRITON", "AMPERE", "HOPPER", "DECODE", "GLUON", "TRITON_DECODE", "FLASH")
 # torch's backends that flexfa does not have: accepted, run flexfa's choice, logged once
 FOREIGN_BACKENDS = {"TRITON_DECODE": "flexfa chooses its decode family itself (BACKEND='DECODE' "
                                      "forces it)",
@@ -149,8 +149,8 @@ SCHEMA = {
     "USE_TMA": ("use_tma", ("fwd", "bwd"), _auto_flag,
                 "tiles through tensor descriptors (TMA, sm_90): True, False or 'AUTO'"),
     "BACKEND": ("backend", (), _choice(BACKENDS),
-                "AUTO/TRITON (flexfa's choice), AMPERE, HOPPER or DECODE (force that kernel "
-                "family)"),
+                "AUTO/TRITON (flexfa's choice), AMPERE, HOPPER, DECODE or GLUON (force that "
+                "kernel family)"),
     "deterministic": ("deterministic", (), _flag,
                       "bit-identical gradients, captured-tensor gradients included"),
     "fp32_precision": ("fp32_precision", (), _precision, "fp32 dots: 'ieee' or 'tf32'"),

@@ -1,6 +1,8 @@
 """The kernel families; importing this package registers them (``flexfa.runtime.registry``).
 
 Forward, in order of preference: ``decode`` (at most 16 query rows: GQA-packed, split-KV),
-``hopper`` (sm_90, tensor descriptors), ``ampere`` (every target). Backward: ``triton_bwd``. FP8 forward: ``fp8``.
+``hopper`` (sm_90, tensor descriptors), ``ampere`` (every target); ``gluon`` (sm_90, FA3's
+warp-specialized structure) only when BACKEND="GLUON" forces it. Backward: ``triton_bwd``. FP8
+forward: ``fp8``.
 """
-from . import ampere, backward, decode, fp8, hopper  # noqa: F401  (each registers its family)
+from . import ampere, backward, decode, fp8, gluon, hopper  # noqa: F401  (each registers its family)

@@ -1,0 +1,188 @@
+"""The Gluon forward family (BACKEND="GLUON", issue 25) on the H200 in one short device call:
+a safety run, correctness against the Hopper family, then timings against the Hopper family
+and cuDNN SDPA.
+
+1. ``consan``: a tiny causal call (the block-mask walk, partial and full tiles) in a
+   subprocess compiled with Triton 3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
+   the kernel's shared-memory accesses against its mbarriers and wgmma waits, and fails with
+   a device assertion on a race), killed after ``--safety-timeout`` seconds (a barrier-phase
+   mistake hangs instead of failing). Nothing else runs unless it passes.
+2. ``check``: the same variants at B=1 H=4 S=2048 E=128 bf16, relative L2 error of the Gluon
+   output against the Hopper family's (must be < 5e-3) and lse's max difference.
+3. ``time``: triton.testing.do_bench medians (ms, TFLOP/s with causal work halved) at B=1 H=16
+   S=16384 E=128 bf16 for dense, causal and softcap 30 + causal: Gluon, Hopper, cuDNN SDPA
+   (dense and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
+   is set unless ``--tune``: tuning would spend the call's time compiling its candidates).
+
+A short table goes to stdout and everything to the JSON file after every step. Each step is
+guarded: a failure is recorded and the rest still runs (step 1's failure stops the run).
+Every GPU step runs under a time limit; run the script under one too:
+
+    timeout 170 python benchmarks/gluon_forward_bench.py out.json [--safety-timeout 75]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SAFETY = """
+import torch, triton, flexfa
+# ConSan keeps its state in global scratch memory, allocated through Triton's allocator
+triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
+q, k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
+for name, score_mod, block_mask in (("causal", None, mask),):
+    out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                kernel_options={"BACKEND": "GLUON"})
+    torch.cuda.synchronize()
+    print(name, "finite" if bool(torch.isfinite(out).all()) else "NOT FINITE", flush=True)
+"""
+VARIANTS = ("dense", "causal", "softcap_causal")
+
+
+def safety_run(limit: float) -> dict:
+    """Step 1 in a subprocess under ConSan, killed after ``limit`` seconds."""
+    env = {**os.environ, "TRITON_INSTRUMENTATION_MODE": "consan", "TRITON_INTERPRET": "0",
+           "PYTHONPATH": ROOT, "FLEXFA_CACHE_DIR": os.environ.get("FLEXFA_CACHE_DIR",
+                                                                  "/tmp/flexfa-gluon-consan")}
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-c", SAFETY], capture_output=True, text=True,
+                              env=env, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        return dict(ok=False, seconds=limit, error=f"timed out after {limit} s (a hang?)",
+                    stdout=(exc.stdout or b"")[-2000:].decode(errors="replace")
+                    if isinstance(exc.stdout, bytes) else str(exc.stdout or "")[-2000:])
+    lines = done.stdout.split("\n")
+    ok = done.returncode == 0 and "causal finite" in lines
+    return dict(ok=ok, seconds=round(time.perf_counter() - start, 1), rc=done.returncode,
+                stdout=done.stdout[-2000:], stderr=done.stderr[-4000:])
+
+
+def variant(name: str, S: int):
+    """(score_mod, block_mask, causal work) of a benchmark variant at length S."""
+    import flexfa
+    if name == "dense":
+        return None, None, False
+    mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, S, S, device="cuda")
+    return (flexfa.mods.softcap(30.0) if name == "softcap_causal" else None), mask, True
+
+
+def run(backend: str, q, k, v, score_mod, block_mask, lse: bool = False):
+    import flexfa
+    return flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                 return_lse=lse, kernel_options={"BACKEND": backend})
+
+
+def check(rows: list) -> None:
+    import torch
+    torch.manual_seed(0)
+    S = 2048
+    q, k, v = (torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for name in VARIANTS:
+        score_mod, mask, _ = variant(name, S)
+        row = dict(step="check", variant=name)
+        try:
+            out, lse = run("GLUON", q, k, v, score_mod, mask, lse=True)
+            ref, ref_lse = run("HOPPER", q, k, v, score_mod, mask, lse=True)
+            row["relerr_vs_hopper"] = float((out.float() - ref.float()).norm()
+                                            / ref.float().norm())
+            row["lse_maxdiff"] = float((lse - ref_lse).abs().max())
+            row["ok"] = row["relerr_vs_hopper"] < 5e-3 and row["lse_maxdiff"] < 1e-2
+        except Exception as exc:  # recorded, the rest still runs
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500],
+                       trace=traceback.format_exc()[-1500:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def timings(rows: list, S: int) -> None:
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    B, H, E = 1, 16, 128
+    q, k, v = (torch.randn(B, H, S, E, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for name in VARIANTS:
+        score_mod, mask, causal = variant(name, S)
+        flops = 4 * B * H * S * S * E / (2 if causal else 1)
+        impls = {"gluon": lambda: run("GLUON", q, k, v, score_mod, mask),
+                 "hopper": lambda: run("HOPPER", q, k, v, score_mod, mask)}
+        if name != "softcap_causal":
+            def cudnn(causal=causal):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal)
+            impls["cudnn"] = cudnn
+        for impl, fn in impls.items():
+            row = dict(step="time", variant=name, impl=impl, B=B, H=H, S=S, E=E)
+            try:
+                fn()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
+def table(rows: list) -> str:
+    lines = [f"{'variant':16} {'impl':8} {'ms':>8} {'TF/s':>6} {'vs hopper':>9}"]
+    hopper = {r["variant"]: r.get("ms") for r in rows
+              if r.get("step") == "time" and r["impl"] == "hopper"}
+    for r in rows:
+        if r.get("step") != "time":
+            continue
+        if "ms" not in r:
+            lines.append(f"{r['variant']:16} {r['impl']:8} {r.get('error', '')[:60]}")
+            continue
+        ratio = hopper.get(r["variant"]) / r["ms"] if hopper.get(r["variant"]) else float("nan")
+        lines.append(f"{r['variant']:16} {r['impl']:8} {r['ms']:8.3f} {r['tflops']:6.0f} "
+                     f"{ratio:9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="JSON file for the results")
+    parser.add_argument("--safety-timeout", type=float, default=75.0,
+                        help="seconds before the ConSan safety run counts as a hang")
+    parser.add_argument("--seq", type=int, default=16384, help="sequence length of the timings")
+    parser.add_argument("--tune", action="store_true",
+                        help="let the Hopper family tune its tiles (slow: compiles candidates)")
+    args = parser.parse_args(argv)
+    if not args.tune:
+        os.environ["FLEXFA_AUTOTUNE"] = "0"
+    rows: list = []
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    safety = dict(step="consan", **safety_run(args.safety_timeout))
+    rows.append(safety)
+    save()
+    print(json.dumps({k: safety[k] for k in ("step", "ok", "seconds") if k in safety}),
+          flush=True)
+    if not safety["ok"]:
+        print(safety.get("error", ""), safety.get("stderr", "")[-2000:], sep="\n")
+        return 1
+    check(rows)
+    save()
+    timings(rows, args.seq)
+    save()
+    print(table(rows))
+    return 0 if all(r.get("ok", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The Gluon forward (``fwd_gluon.tmpl``, FlashAttention-3's structure on sm_90): filling it,
+its parameters and its compile checks.
+
+The module is built like the Triton forwards' (``forward_module``: the spec's flags, the
+helpers and the kernel libraries filled with the rendered mods, then the template), so the
+mods are rendered by the same renderer into the same library functions; Gluon runs them on
+its distributed tensors. Two things differ: a mod's value that is not a tile by itself is
+broadcast in the score tile's layout (``GLUON_TILE``), and the template adds the flag
+``STAGES``. Gluon modules are compiled only (no interpreter): they import
+``triton.experimental.gluon``, whose standard library cannot be imported where
+``triton.language`` was decorated for the interpreter.
+"""
+from __future__ import annotations
+
+from ..frontend.trace import TracedMod
+from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
+from .params import INPUT, KernelParams, constexprs, forward_params
+from .spec import KernelSpec, spec_key
+from .template import template_hash
+from .versions import versions_key
+
+GLUON_TEMPLATE = "fwd_gluon"
+GLUON_TEMPLATES = ("fwd_gluon.tmpl", "helpers.tmpl", "common.tmpl", "fwd_common.tmpl")
+GLUON_TILE = "gl.full([ROWS, BLOCK_N], {fill}, {dtype}, S_LAYOUT)"
+CONSUMERS = 2  # consumer warpgroups per program (fwd_gluon.tmpl's CONSUMERS)
+CONSUMER_ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
+# registers per thread at launch: 1 consumer warpgroup (the default partition), 1 consumer
+# worker at 240 and the producer warp's warpgroup at 24 share 65536 registers: 168 * 384
+# threads, leaving 240 to the default partition
+MAX_REGISTERS = 168
+
+
+def gluon_params(score: TracedMod | None, mask: TracedMod | None) -> KernelParams:
+    """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
+    tensors) plus the ring depth ``STAGES``."""
+    base = forward_params(True, buffer_params(score, mask))
+    return KernelParams((*base.groups[:-1], base.groups[-1] + constexprs("STAGES")))
+
+
+def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
+    return dict(spec.constexprs(has_score_mod), STAGES=spec.num_stages)
+
+
+def gluon_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
+    return spec_key(spec, score.key if score else "-", mask.key if mask else "-",
+                    versions_key(), template_hash(*GLUON_TEMPLATES))
+
+
+def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
+                 ) -> GeneratedKernel:
+    """Key, name (``flexfa_fwd_gluon_d128_bf16_<hash>``) and source of the Gluon forward."""
+    assert spec.template == GLUON_TEMPLATE, f"spec is for template {spec.template!r}"
+    assert not spec.interpret, "the Gluon forward is compiled only, never interpreted"
+    assert spec.block_m == CONSUMERS * CONSUMER_ROWS, (
+        f"BLOCK_M={spec.block_m}: the Gluon forward's programs have {CONSUMERS} consumers of "
+        f"{CONSUMER_ROWS} rows")
+    return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
+                          gluon_params(score, mask), module_flags(gluon_constexprs(spec, True)),
+                          tile=GLUON_TILE)
+
+
+def descriptor_layout(block: list[int], dtype: str):
+    """The NVMMA shared layout of a descriptor block (Gluon descriptors carry it)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16,
+                                                        "fp16": gl.float16}[dtype])
+
+
+def descriptor_blocks(spec: KernelSpec) -> dict[str, list[int]]:
+    """The block shape of each descriptor argument."""
+    return {"Q_DESC": [spec.block_m // CONSUMERS, spec.head_dim_pad],
+            "K_DESC": [spec.block_n, spec.head_dim_pad],
+            "V_DESC": [spec.block_n, spec.head_dim_v_pad]}
+
+
+def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
+                    ) -> tuple[dict[str, str], dict[str, object]]:
+    """(signature, constexprs) of the Gluon forward, for ``triton.compile(GluonASTSource(
+    ...))``: a Gluon descriptor's type names its shared layout."""
+    constexprs_ = gluon_constexprs(spec, score is not None)
+    signature = gluon_params(score, mask).signature(constexprs_, {INPUT: spec.dtype})
+    for name, block in descriptor_blocks(spec).items():
+        signature[name] = _descriptor_type(block, spec.dtype)
+    return signature, constexprs_
+
+
+def _descriptor_type(block: list[int], dtype: str) -> str:
+    """Triton's type string of a Gluon descriptor with this block (from a descriptor over a
+    small CPU tensor: the type depends on the block, dtype and layout only)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from .spec import TORCH_DTYPES
+
+    base = torch.zeros(block, dtype=TORCH_DTYPES[dtype])
+    return mangle_type(TensorDescriptor(base, list(base.shape), list(base.stride()), block,
+                                        descriptor_layout(block, dtype)))

@@ -1,0 +1,174 @@
+"""The Gluon forward family: ``fwd_gluon.tmpl`` (FlashAttention-3's structure on sm_90: a TMA
+producer warp, two consumer warpgroups of 64 query rows each, async wgmma overlapping the
+softmax with the P @ V GEMM; docs/gluon.md).
+
+Opt-in: it runs only when ``kernel_options={"BACKEND": "GLUON"}`` forces it, until it is
+measured against the Hopper family per tuning class. It needs an sm_90 GPU (never the
+interpreter: Gluon kernels are compiled only), fp16/bf16 inputs with head dims 64 or 128 (q,
+k and v alike) in the layout the Hopper family reads through tensor descriptors, and a block
+mask (if any) whose query blocks are multiples of the program's 128 rows. Tiles: 128 query
+rows per program (fixed), BLOCK_N and the ring depth (num_stages) from kernel_options or the
+defaults below; the register split is fixed (``MAX_REGISTERS``).
+"""
+from __future__ import annotations
+
+import functools
+
+from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGISTERS,
+                              descriptor_blocks, descriptor_layout, gluon_constexprs,
+                              gluon_kernel)
+from ...codegen.spec import DTYPE_NAMES, KernelSpec
+from ...config import interpret_mode
+from ...errors import InputError
+from .. import binding, plans
+from ..call import AttentionCall
+from ..kernels import generated_module
+from ..launch import Step, cdiv
+from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
+from ..registry import KernelFamily, register
+from ..tables import largest_tile, mask_blocks
+from ..target import Target
+from .ampere import int64_nodes, wants_split
+from .hopper import descriptor_layout_ok, geometry
+
+BLOCK_M = CONSUMERS * CONSUMER_ROWS
+HEAD_DIMS = (64, 128)
+# (BLOCK_N, ring depth) per head dim: K and V rings plus Q fit the H200's 227 KB of shared
+# memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V)
+DEFAULT_TILES = {64: (128, 3), 128: (128, 2)}
+
+
+def _why_not_shape(call: AttentionCall, q, k, v) -> str | None:
+    E, Ev = q.shape[3], v.shape[3]
+    if E != Ev or E not in HEAD_DIMS:
+        return f"it needs head dims {' or '.join(map(str, HEAD_DIMS))} (q, k and v alike), " \
+               f"not E={E}, Ev={Ev}"
+    sparse_q, sparse_kv = mask_blocks(call.block_mask)
+    if sparse_q is not None and (sparse_q % BLOCK_M or sparse_kv % 64):
+        return (f"it needs block-mask blocks that are multiples of ({BLOCK_M}, 64), not "
+                f"{tuple(call.block_mask.BLOCK_SIZE)}")
+    options = call.options.fwd
+    if options.block_m not in (None, BLOCK_M):
+        return f"its programs have BLOCK_M={BLOCK_M} query rows, not {options.block_m}"
+    return None
+
+
+def gluon_tiles(call: AttentionCall, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_stages): kernel_options, else the default, fitted to the mask's key
+    blocks."""
+    block_n, stages = DEFAULT_TILES[head_dim]
+    sparse_kv = mask_blocks(call.block_mask)[1]
+    if sparse_kv is not None:
+        block_n = min(block_n, largest_tile(sparse_kv))
+    options = call.options.fwd
+    block_n = options.block_n or block_n
+    if sparse_kv is not None and (sparse_kv % block_n or block_n < 64):
+        raise InputError(f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; "
+                         f"kernel_options BLOCK_N={block_n} must divide it and be >= 64")
+    return block_n, options.num_stages or stages
+
+
+def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
+               return_max: bool) -> KernelSpec:
+    L, E, S = q.shape[2], q.shape[3], k.shape[2]
+    block_n, stages = gluon_tiles(call, E)
+    mask = call.block_mask
+    sparse_q, sparse_kv = mask_blocks(mask) if mask is not None else (BLOCK_M, block_n)
+    return KernelSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=v.shape[3], block_m=BLOCK_M,
+        block_n=block_n, num_warps=4, num_stages=stages, has_block_mask=mask is not None,
+        has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % BLOCK_M == 0,
+        even_s=S % sparse_kv == 0, return_lse=return_lse, gqa_group=call.gqa_group,
+        input_precision=call.options.fp32_precision, target=target.name,
+        template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
+        wide_ints=int64_nodes(q, k, call))
+
+
+@functools.cache
+def import_gluon() -> None:
+    """Import ``triton.experimental.gluon`` once, with the interpreter's setting on: its
+    standard library wraps triton.language's ``@jit`` functions and, with the setting off,
+    asserts they were decorated compiled, which fails in a process that decorated them for
+    the interpreter (a test session with CPU kernels). The wrappers are Gluon functions
+    either way, and flexfa's Gluon kernels call none of them."""
+    with interpret_mode(True):
+        import triton.experimental.gluon.language  # noqa: F401
+
+
+@functools.cache
+def _descriptor_kinds() -> tuple[type, type]:
+    """(Gluon's TensorDescriptor, one that skips its checks), imported on first use."""
+    import_gluon()
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    class Trusted(TensorDescriptor):
+        """Checked when its plan was made; the plan's key fixes what the checks read."""
+
+        def __post_init__(self):
+            pass
+
+    return TensorDescriptor, Trusted
+
+
+class GluonForward(KernelFamily):
+    name = "gluon"
+    direction = "forward"
+    priority = -10  # never chosen without BACKEND="GLUON" (why_not), last in any case
+
+    def why_not(self, target: Target, call, q, k, v) -> str | None:
+        if call.options.backend != "GLUON":
+            return ("it runs only when kernel_options BACKEND='GLUON' forces it (not yet "
+                    "measured against the other families)")
+        if target.interpret:
+            return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
+                    "cannot run")
+        if not target.is_sm90:
+            return f"it runs on sm_90, not {target}"
+        reason = _why_not_shape(call, q, k, v)
+        if reason is None and not descriptor_layout_ok(q, k, v):
+            reason = ("it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with "
+                      "16-byte aligned rows")
+        if reason is None and wants_split(call, target, q, k):
+            reason = "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
+        return reason
+
+    def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
+        plan = self.make_plan(q, k, v, call, target, return_lse, return_max)
+        plans.keep(call, key, plan)
+        return self.run(plan, call, q, k, v, return_lse, return_max)
+
+    def run(self, plan, call, q, k, v, return_lse, return_max):
+        out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
+        step = plan.steps[0]
+        # the descriptors' checks ran at the plan's first launch; its key fixes what they read
+        kind = _descriptor_kinds()[1 if step.launched else 0]
+        descriptors = {name: kind(t, shape, strides, block, layout) for t, (
+            name, (shape, strides, block, layout)) in zip((q, k, v), plan.fixed["descriptors"])}
+        stat_lse, stat_max = stat_args(out, lse, maxs)
+        step.launch_with({**descriptors, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
+                          "sm_scale": float(call.scale),
+                          **binding.buffer_pointers(call.score, call.mask)}, q.device)
+        return out, lse, maxs
+
+    def make_plan(self, q, k, v, call, target, return_lse, return_max) -> plans.Plan:
+        import_gluon()
+        spec = gluon_spec(q, k, v, call, target, return_lse, return_max)
+        B, Hq, L, _ = q.shape
+        loaded = generated_module(gluon_kernel, spec, call.score, call.mask)
+        fixed = {**binding.strides("o", "bhmd", out_strides(q, v)),
+                 **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
+                 "HQ": Hq, "L": L, "S": k.shape[2],
+                 **binding.buffer_layout(call.score, call.mask)}
+        step = Step(loaded.kernel(), forward_grid(B * Hq, cdiv(L, BLOCK_M), spec.has_block_mask),
+                    gluon_constexprs(spec, call.scores_first), spec.launch_options(),
+                    binding.Binder(loaded.names(), fixed))
+        descriptors = []
+        for t, (name, block) in zip((q, k, v), descriptor_blocks(spec).items()):
+            shape, strides, _ = geometry(t, block[0], block[1])
+            descriptors.append((name, (shape, strides, block,
+                                       descriptor_layout(block, spec.dtype))))
+        return plans.Plan(self, spec, (step,), {"descriptors": tuple(descriptors)})
+
+
+GLUON = register(GluonForward())

@@ -1,0 +1,136 @@
+"""The Gluon forward family on the CPU: when it applies (only forced, sm_90, never the
+interpreter), the specs it plans, and how the mods are rendered into fwd_gluon.tmpl (index
+vectors and broadcasts in the score tile's layout). Its sm_90 compile check is in
+test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.codegen.forward import mask_mod_code, score_mod_code
+from flexfa.codegen.gluon import GLUON_TILE, gluon_kernel
+from flexfa.frontend.trace import MASK_MOD, SCORE_MOD, trace
+from flexfa.runtime import registry
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families.gluon import GLUON, gluon_spec
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
+from flexfa.runtime.target import INTERPRETER, Target
+
+SM90, SM80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
+FORCED = {"BACKEND": "GLUON"}
+
+
+def _call(options=None, block_mask=None, score_mod=None):
+    return AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
+                         0.125, parse_kernel_options(options), 1)
+
+
+def _qkv(L=256, E=128, dtype=torch.bfloat16):
+    return tuple(torch.zeros(1, 2, L, E, dtype=dtype) for _ in range(3))
+
+
+def test_gluon_runs_only_when_forced_on_sm90():
+    q, k, v = _qkv()
+    assert registry.choose("forward", SM90, _call(), q, k, v).name == "hopper"
+    assert registry.choose("forward", SM90, _call(FORCED), q, k, v) is GLUON
+    with pytest.raises(flexfa.InputError, match="BACKEND='GLUON'.*interpreter"):
+        registry.choose("forward", INTERPRETER, _call(FORCED), q, k, v)
+    with pytest.raises(flexfa.InputError, match="sm_90, not cuda:80"):
+        registry.choose("forward", SM80, _call(FORCED), q, k, v)
+    assert "only when" in GLUON.why_not(SM90, _call({"BACKEND": "HOPPER"}), q, k, v)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: _qkv(E=96), "head dims 64 or 128"),
+    (lambda: _qkv(E=256), "head dims 64 or 128"),
+    (lambda: _qkv(dtype=torch.float32), "fp16/bf16"),
+    (lambda: tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv()), "aligned"),
+])
+def test_gluon_reasons(make, reason):
+    q, k, v = make()
+    assert reason in GLUON.why_not(SM90, _call(FORCED), q, k, v)
+
+
+def test_gluon_block_mask_blocks_and_pinned_tiles():
+    q, k, v = _qkv()
+    small = flexfa.create_block_mask(mods.causal, None, None, 256, 256, device="cpu",
+                                     BLOCK_SIZE=64)
+    assert "multiples of (128, 64)" in GLUON.why_not(SM90, _call(FORCED, small), q, k, v)
+    assert "BLOCK_M=128" in GLUON.why_not(SM90, _call({**FORCED, "BLOCK_M": 64}), q, k, v)
+    mask = flexfa.create_block_mask(mods.causal, None, None, 256, 256, device="cpu",
+                                    BLOCK_SIZE=(128, 64))
+    call = _call({**FORCED, "num_stages": 3}, mask)
+    assert GLUON.why_not(SM90, call, q, k, v) is None
+    spec = gluon_spec(q, k, v, call, SM90, True, False)
+    assert (spec.block_m, spec.block_n, spec.num_stages, spec.sparse_kv) == (128, 64, 3, 64)
+    assert spec.has_block_mask and spec.even_l and spec.max_registers == 168
+    with pytest.raises(flexfa.InputError, match="BLOCK_N=128 must divide"):
+        gluon_spec(q, k, v, _call({**FORCED, "BLOCK_N": 128}, mask), SM90, True, False)
+    dense = gluon_spec(*_qkv(L=200, E=64), _call(FORCED), SM90, False, True)
+    assert (dense.block_n, dense.num_stages, dense.even_l, dense.even_s) == (128, 3, False, False)
+
+
+def test_cpu_tensors_say_why_gluon_cannot_run():
+    q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(flexfa.InputError, match="interpreter"):
+        flexfa.flex_attention(q, k, v, kernel_options=FORCED)
+
+
+def _bias_of_head():
+    bias = torch.tensor([0.5, -1.0])
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return bias[h] + 0.0 * score
+    return head_bias
+
+
+@pytest.mark.parametrize("render, mod, kind, expected", [
+    # a value that is not a tile by itself is broadcast in the score tile's layout
+    (score_mod_code, lambda s, b, h, q, kv: s * 0.0 + 2.0, SCORE_MOD, None),
+    (score_mod_code, lambda s, b, h, q, kv: 1.0 + h, SCORE_MOD,
+     "gl.full([ROWS, BLOCK_N], 0.0, tl.float32, S_LAYOUT) + "),
+    (mask_mod_code, lambda b, h, q, kv: h == 0, MASK_MOD,
+     "gl.full([ROWS, BLOCK_N], 1, tl.int1, S_LAYOUT) & "),
+    (mask_mod_code, mods.causal, MASK_MOD, None),
+])
+def test_gluon_broadcasts_in_the_score_layout(render, mod, kind, expected):
+    code = render(trace(mod, kind), [], tile=GLUON_TILE)
+    assert "tl.full" not in code
+    if expected is None:
+        assert "gl.full" not in code
+    else:
+        assert expected in code
+
+
+def test_gluon_module_renders_mods_and_captured_tensors():
+    q, k, v = _qkv()
+    mask = flexfa.create_block_mask(mods.causal, None, None, 256, 256, device="cpu")
+    call = _call(FORCED, mask, mods.softcap(30.0))
+    spec = gluon_spec(q, k, v, call, SM90, True, False)
+    generated = gluon_kernel(spec, call.score, call.mask)
+    source = generated.source
+    assert generated.name.startswith("flexfa_fwd_gluon_d128_bf16_")
+    assert "from triton.experimental import gluon" in source
+    assert f"@gluon.jit\ndef {generated.name}(" in source
+    assert "gl.warp_specialize" in source and "m0 = (kv_idx <= q_idx)" in source
+    assert "flexfa_fast_tanh(" in source  # GPU rendering: the hardware tanh
+    assert "STAGES = tl.constexpr(2)" in source
+    assert generated.params[:3] == ("Q_DESC", "K_DESC", "V_DESC")
+    with pytest.raises(AssertionError, match="interpreted"):
+        gluon_kernel(gluon_spec(q, k, v, call, INTERPRETER, True, False), call.score, call.mask)
+
+
+def test_gluon_key_covers_stages_and_mods():
+    q, k, v = _qkv()
+    call = _call(FORCED)
+    two = gluon_spec(q, k, v, call, SM90, False, False)
+    three = gluon_spec(q, k, v, _call({**FORCED, "num_stages": 3}), SM90, False, False)
+    biased = _call(FORCED, score_mod=_bias_of_head())
+    names = {gluon_kernel(two, None, None).name, gluon_kernel(three, None, None).name,
+             gluon_kernel(two, biased.score, None).name}
+    assert len(names) == 3
+    source = gluon_kernel(two, biased.score, None).source
+    assert "tl.load(sbuf0_ptr + flexfa_index(off_h, sbuf0_size0) * sbuf0_stride0)" in source

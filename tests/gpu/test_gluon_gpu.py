@@ -1,0 +1,125 @@
+"""The Gluon forward family on an sm_90 GPU, forced with BACKEND="GLUON": against the float64
+reference and the Hopper family on the benchmark's variants (dense, causal, sliding window,
+softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors.
+
+A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
+subprocess under a time limit, and every other test needs it to pass. Run the file itself
+under a limit too:
+    timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gluon_gpu.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.runtime import plans
+
+from kernels.forward_utils import check_forward, make_qkv
+
+pytestmark = pytest.mark.gpu
+FORCED = {"BACKEND": "GLUON"}
+ROOT = Path(__file__).resolve().parents[2]
+SAFETY = """
+import torch, flexfa
+q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 256, 256, device="cuda")
+for block_mask in (None, mask):
+    out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "GLUON"})
+    torch.cuda.synchronize()
+    print("ok", bool(torch.isfinite(out).all()))
+"""
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module")
+def safe():
+    """A tiny dense and causal call in a subprocess that is killed after 120 s."""
+    if not _sm90():
+        pytest.skip("needs an sm_90 GPU")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    try:
+        result = subprocess.run([sys.executable, "-c", SAFETY], capture_output=True, text=True,
+                                env=env, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the Gluon forward hung on a tiny call (barrier phases?)")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["ok", "True", "ok", "True"], result.stdout
+
+
+def _alibi_causal(heads, device):
+    return mods.alibi(heads, device=device), mods.causal
+
+
+def _document(lengths):
+    def make(heads, device):
+        return None, mods.document(lengths, device=device)
+    return make
+
+
+def _empty_prefix(b, h, q_idx, kv_idx):
+    # rows before 130 attend to nothing: out 0, lse -inf
+    return (q_idx >= 130) & (kv_idx <= q_idx)
+
+
+CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask_mod)); bf16
+    "dense": (2, 4, 4, 1000, 1000, 128, lambda h, d: (None, None)),
+    "dense_fp16": (1, 4, 4, 1024, 1024, 128, lambda h, d: (None, None)),
+    "dense_d64": (1, 4, 4, 512, 512, 64, lambda h, d: (None, None)),
+    "causal": (2, 4, 4, 1000, 1000, 128, lambda h, d: (None, mods.causal)),
+    "sliding": (1, 4, 4, 2048, 2048, 128, lambda h, d: (None, mods.sliding_window(256))),
+    "softcap_causal": (1, 4, 4, 1024, 1024, 128, lambda h, d: (mods.softcap(30.0), mods.causal)),
+    "alibi_causal": (1, 4, 4, 768, 768, 128, _alibi_causal),
+    "document": (1, 4, 4, 1000, 1000, 64, _document([300, 200, 500])),
+    "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
+    "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
+    "empty_rows": (1, 2, 2, 384, 384, 128, lambda h, d: (None, _empty_prefix)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gluon_matches_reference_and_hopper(safe, name):
+    B, Hq, Hkv, L, S, E, make_mods = CASES[name]
+    dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
+    score_mod, mask_mod = make_mods(Hq, "cuda")
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, dtype=dtype, device="cuda")
+    block_mask = None if mask_mod is None else flexfa.create_block_mask(
+        mask_mod, None, None, L, S, device="cuda")
+    plans.PLANS.clear()
+    out, lse = check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                             kernel_options=FORCED)
+    assert [p.family.name for p in plans.PLANS.values()] == ["gluon"]
+    hopper = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                   enable_gqa=Hq != Hkv, kernel_options={"BACKEND": "HOPPER"})
+    error = (out.float() - hopper.float()).norm() / hopper.float().norm().clamp_min(1e-6)
+    assert float(error) < 5e-3, float(error)
+    if name == "empty_rows":
+        assert bool((out[:, :, :130] == 0).all()) and bool((lse[:, :, :130] == -torch.inf).all())
+    # the cached plan gives the same result
+    again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                  enable_gqa=Hq != Hkv, kernel_options=FORCED)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
+def test_gluon_row_max_and_pinned_tiles(safe):
+    q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
+    mask = flexfa.create_block_mask(mods.causal, None, None, 512, 512, device="cuda",
+                                    BLOCK_SIZE=(128, 64))
+    options = {**FORCED, "BLOCK_N": 64, "num_stages": 3}
+    out, aux = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options,
+                                     return_aux=flexfa.AuxRequest(lse=True, max_scores=True))
+    ref, ref_aux = flexfa.flex_attention(q, k, v, block_mask=mask,
+                                         kernel_options={"BACKEND": "HOPPER"},
+                                         return_aux=flexfa.AuxRequest(lse=True, max_scores=True))
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(aux.lse, ref_aux.lse, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(aux.max_scores, ref_aux.max_scores, atol=1e-3, rtol=1e-3)
