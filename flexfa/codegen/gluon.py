@@ -38,7 +38,8 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None) -> KernelParam
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
-    return dict(spec.constexprs(has_score_mod), STAGES=spec.num_stages)
+    # the Hopper parameter list's STRIDED_QKV: this kernel reads flat [B * H * len, dim] rows
+    return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, STAGES=spec.num_stages)
 
 
 def gluon_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
