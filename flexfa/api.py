@@ -14,6 +14,7 @@ import torch
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import check_tables
 from .errors import InputTypeError, check_bool
+from .features import check_sinks, prepare_dropout
 from .inputs import (broadcast_batch, check_aux, check_block_mask, check_buffers, check_scale,
                      check_shapes, check_tensors)
 from .scores import check_score_range
@@ -82,7 +83,8 @@ def _still_same(refs: tuple, objects: tuple) -> bool:
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None,
+                   sinks=None, dropout_p=0.0, dropout_seed=None):
     """Attention with a score_mod and a block mask, as one fused kernel generated for them.
 
     query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value ``[B, Hkv, S, Ev]`` (fp16, bf16 or
@@ -97,10 +99,18 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     CPU inputs run the same kernels under the Triton interpreter. Inside ``torch.compile`` a
     call is a graph break that runs eagerly (``flexfa.eager``).
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
+    ``sinks`` (flexfa's, docs/sinks.md): ``[Hq]`` per-head sink logits (float32 or the query's
+    dtype), one more term of each row's softmax denominator with no value; lse includes it,
+    a row with nothing to attend gets out 0 and lse = its sink; gradients flow into it.
+    ``dropout_p`` (flexfa's, as SDPA's; docs/dropout.md): drop each attention probability
+    with this probability and scale the kept ones by 1 / (1 - p); lse is unaffected; applied
+    whenever p > 0 (pass ``p if module.training else 0.0``). ``dropout_seed``: an int or a
+    (seed, offset) pair; None draws one from torch's generator of the query's device.
     """
     if torch.compiler.is_compiling():  # traced by torch.compile: a graph break, run eagerly
         return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                     return_lse, kernel_options, return_aux=return_aux)
+                                     return_lse, kernel_options, return_aux=return_aux,
+                                     sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed)
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
     checked = False  # the tensor, shape and block-mask checks passed for this signature before
     if signature is not None:
@@ -138,13 +148,17 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     check_buffers(score, "score_mod", query.device)
     check_buffers(mask, "mask_mod", query.device)
     check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
-    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
+    sinks = check_sinks(sinks, query)
+    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1],
+                         sinks, prepare_dropout(dropout_p, dropout_seed, query.device))
     buffers = score.buffers if score is not None else ()
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value, *buffers))
+        t.requires_grad for t in (query, key, value, *buffers)) or (
+        sinks is not None and sinks.requires_grad and torch.is_grad_enabled())
     if needs_grad:
         from .autograd import FlexAttentionFunction
-        out, lse, maxs = FlexAttentionFunction.apply(query, key, value, call, aux_max, *buffers)
+        out, lse, maxs = FlexAttentionFunction.apply(query, key, value, call, aux_max, sinks,
+                                                     *buffers)
     else:
         out, lse, maxs = run_forward(query, key, value, call, return_lse or aux_lse, aux_max)
     if return_aux is not None:

@@ -56,6 +56,11 @@ class KernelSpec:
     # keys of the mods' INT nodes computed in int64 (codegen.ranges.int64_nodes): their values
     # may leave int32 at this call's lengths; empty in the common case
     wide_ints: tuple[str, ...] = ()
+    # attention sinks (HAS_SINKS): the element type of the per-head sink logits ("fp32", or
+    # q's dtype), "" for none
+    sinks_dtype: str = ""
+    # dropout on the probabilities (DROPOUT)
+    dropout: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
@@ -84,7 +89,8 @@ class KernelSpec:
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         """The template's constexpr arguments."""
         constexprs = dict(forward_constexprs(self, has_score_mod), RETURN_MAX=self.return_max,
-                          INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+                          INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32,
+                          HAS_SINKS=bool(self.sinks_dtype), DROPOUT=self.dropout)
         if self.template == "fwd":  # the Ampere template's split-KV decoding
             constexprs["SPLIT_KEYS"] = self.split_keys
         return constexprs
