@@ -4,6 +4,7 @@ from .version import __version__
 from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
 from .frontend import and_masks, noop_mask, or_masks, trace
 from .api import AuxOutput, flex_attention
+from .features import dropout_mask
 from .blockmask import BlockMask, create_block_mask, create_mask
 from . import fp8  # flexfa.fp8.flex_attention_fp8, flexfa.fp8.quantize
 from . import mods  # ready-made mods: flexfa.mods.causal, flexfa.mods.sliding_window(1024), ...
@@ -28,4 +29,4 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = ["FlexFAError", "InputError", "InputTypeError", "TraceError", "UnsupportedOpError",
            "flex_attention", "AuxRequest", "AuxOutput", "FlexKernelOptions", "BlockMask",
            "create_block_mask", "create_mask", "trace", "and_masks", "noop_mask", "or_masks",
-           "mods", "__version__"]
+           "mods", "dropout_mask", "__version__"]

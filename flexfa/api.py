@@ -148,7 +148,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     check_buffers(score, "score_mod", query.device)
     check_buffers(mask, "mask_mod", query.device)
     check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
-    sinks = check_sinks(sinks, query)
+    sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1],
                          sinks, prepare_dropout(dropout_p, dropout_seed, query.device))
     buffers = score.buffers if score is not None else ()

@@ -20,24 +20,30 @@ from .runtime.call import Dropout
 from .runtime.dropout import OFFSET_LIMIT, SEED_LIMIT, keep_mask, seed_tensor
 
 
-def check_sinks(sinks, query) -> torch.Tensor | None:
+def check_sinks(sinks, heads: int, dtype: torch.dtype, device) -> torch.Tensor | None:
     """``sinks`` as the kernels read it (contiguous; differentiable), after checking that it
-    is a floating tensor of shape [Hq] in float32 or the query's dtype on the query's
-    device."""
+    is a tensor of shape [heads] (the query's heads) in float32 or ``dtype`` (the query's)
+    on ``device``."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
         raise InputTypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
-    heads = query.shape[1]
     if tuple(sinks.shape) != (heads,):
         raise InputError(f"sinks has shape {tuple(sinks.shape)} but query has {heads} heads; "
                          f"sinks must be [{heads}]: one logit per query head")
-    if sinks.dtype not in (torch.float32, query.dtype):
+    if sinks.dtype not in (torch.float32, dtype):
         raise InputTypeError(f"sinks has dtype {sinks.dtype}; it must be float32 or the "
-                             f"query's dtype {query.dtype}")
-    if sinks.device != query.device:
-        raise InputError(f"sinks is on {sinks.device} but query is on {query.device}")
+                             f"query's dtype {dtype}")
+    if sinks.device != device:
+        raise InputError(f"sinks is on {sinks.device} but query is on {device}")
     return sinks.contiguous()
+
+
+def check_no_dropout(dropout_p, where: str) -> None:
+    """Refuse dropout where there is none (the forward-only FP8 path)."""
+    if check_dropout_p(dropout_p) != 0.0:
+        raise InputError(f"{where} has no dropout (it is forward-only inference), got "
+                         f"dropout_p={dropout_p!r}; use flexfa.flex_attention for training")
 
 
 def check_dropout_p(dropout_p) -> float:
