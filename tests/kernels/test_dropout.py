@@ -1,5 +1,5 @@
 """Dropout on the attention probabilities (``flex_attention(..., dropout_p=, dropout_seed=)``):
-the keep mask is Philox4x32-10 of (seed, offset, b, h, q, k) (checked bit for bit against a
+the keep mask is Philox4x32-10 of (seed, offset, b, h, q, k // 4) (checked bit for bit against a
 pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
 against the float64 reference fed ``flexfa.dropout_mask``), its keep rate is 1 - p
 (statistical tests, of the mask and of the kernel itself), p = 0 runs today's kernels, p
@@ -21,8 +21,8 @@ B, HQ, HKV, L, S, E = 2, 4, 2, 72, 100, 32  # GQA 2; L, S not tile multiples
 SEED = (1234567890123, 42)
 
 
-def philox_word(seed: int, counters: tuple[int, int, int, int]) -> int:
-    """Philox4x32-10's first output word (Salmon et al. 2011), in plain Python."""
+def philox_words(seed: int, counters: tuple[int, int, int, int]) -> tuple[int, ...]:
+    """Philox4x32-10's four output words (Salmon et al. 2011), in plain Python."""
     key0, key1 = seed & 0xFFFFFFFF, seed >> 32
     c0, c1, c2, c3 = counters
     for _ in range(10):
@@ -33,7 +33,7 @@ def philox_word(seed: int, counters: tuple[int, int, int, int]) -> int:
         c3 = (prev0 * 0xD2511F53) & 0xFFFFFFFF
         key0 = (key0 + 0x9E3779B9) & 0xFFFFFFFF
         key1 = (key1 + 0xBB67AE85) & 0xFFFFFFFF
-    return c0
+    return c0, c1, c2, c3
 
 
 def test_the_mask_is_philox_of_seed_offset_and_indices():
@@ -44,8 +44,8 @@ def test_the_mask_is_philox_of_seed_offset_and_indices():
     for b in range(2):
         for h in range(3):
             for q in range(0, 20, 3):
-                for k in range(0, 40, 7):
-                    word = philox_word(seed, (k, q, b * 3 + h, offset))
+                for k in range(0, 40, 3):
+                    word = philox_words(seed, (k // 4, q, b * 3 + h, offset))[k % 4]
                     assert bool(mask[b, h, q, k]) == ((word >> 1) >= threshold), (b, h, q, k)
     assert not torch.equal(mask, flexfa.dropout_mask((seed, offset + 1), 2, 3, 20, 40, p))
     assert not torch.equal(mask, flexfa.dropout_mask(seed + 1, 2, 3, 20, 40, p))
