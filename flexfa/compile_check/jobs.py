@@ -94,8 +94,9 @@ register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tok
 # attention sinks (bf16 and float32 logits) with dropout, and with the rows' max scores
 register("fwd_d128_bf16_causal_sinks_dropout",
          forward_job(128, "bf16", mask_mod=_causal, sinks_dtype="fp32", dropout=True))
-register("fwd_d64_fp16_softcap_sinks_max",
-         forward_job(64, "fp16", score_mod=_softcap, sinks_dtype="fp16", return_max=True))
+register("fwd_d64_fp16_softcap_sinks_dropout_max",
+         forward_job(64, "fp16", score_mod=_softcap, sinks_dtype="fp16", dropout=True,
+                     return_max=True))
 
 
 
@@ -275,6 +276,7 @@ def _register_backward() -> None:
                                          head_dim_v=48, gqa_group=2),
         "d128_bf16_causal_dropout": dict(head_dim=128, dtype="bf16", mask_mod=causal,
                                          dropout=True),
+        "d64_fp16_dense_dropout": dict(head_dim=64, dtype="fp16", dropout=True),
     }
     for label, kwargs in variants.items():
         for which in ("dkdv", "dq"):

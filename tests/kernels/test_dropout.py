@@ -17,7 +17,7 @@ from kernels.backward_utils import record_backward_specs
 from kernels.forward_utils import TEMPLATES, make_qkv
 from reference import assert_close_to_reference
 
-B, HQ, HKV, L, S, E = 2, 4, 2, 72, 100, 32  # GQA 2; L, S not tile multiples
+B, HQ, HKV, L, S, E = 1, 4, 2, 56, 80, 32  # GQA 2; L, S not tile multiples
 SEED = (1234567890123, 42)
 
 
@@ -54,7 +54,7 @@ def test_the_mask_is_philox_of_seed_offset_and_indices():
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_of_the_mask(p):
-    mask = flexfa.dropout_mask(int(p * 1000), 1, 2, 128, 256, p)
+    mask = flexfa.dropout_mask(int(p * 1000), 1, 2, 64, 256, p)
     n = mask.numel()
     kept = mask.double().mean().item()
     sigma = math.sqrt(p * (1 - p) / n)
