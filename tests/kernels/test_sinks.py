@@ -2,11 +2,13 @@
 denominator, from both bf16-class templates and the FP8 one under the interpreter, against
 the float64 reference (``attention_reference(..., sinks=)``): out, lse (which includes the
 sink), rows with nothing to attend (out 0, lse = sink), gradients into q, k, v, captured
-tensors and the sinks, split-KV decoding, and bad sinks refused before any launch."""
+tensors and the sinks, split-KV decoding, random shapes with dropout (hypothesis), and bad sinks refused before any
+launch."""
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import flexfa
 from flexfa.errors import InputError, InputTypeError
@@ -228,3 +230,31 @@ def test_calls_without_sinks_keep_their_kernels():
         assert isinstance(registry.choose("forward", target, plain, q, k, v), Plain)
     finally:
         monkeypatch.undo()
+
+
+@settings(max_examples=6)
+@given(q_len=st.integers(1, 70), kv_len=st.integers(1, 70), group=st.sampled_from([1, 2]),
+       window=st.integers(0, 40), sink_values=st.lists(
+           st.one_of(st.floats(-30.0, 30.0), st.just(-math.inf)), min_size=2, max_size=2),
+       dropout=st.sampled_from([0.0, 0.5]))
+def test_random_shapes_windows_and_sinks(q_len, kv_len, group, window, sink_values, dropout):
+    """Sliding windows that leave some rows empty, sinks from -inf to large, with and without
+    dropout, GQA or not: out and lse against the float64 reference."""
+    hq = 2 * group
+    q, k, v = make_qkv(1, hq, 2, q_len, kv_len, 16, seed=q_len * 71 + kv_len)
+    sinks = torch.tensor(sink_values * group, dtype=torch.float32)
+
+    def band(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+    mask = flexfa.create_block_mask(band, None, None, q_len, kv_len, device="cpu",
+                                    BLOCK_SIZE=32)
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=group > 1,
+                                     return_lse=True, sinks=sinks, dropout_p=dropout,
+                                     dropout_seed=7)
+    keep = flexfa.dropout_mask(7, 1, hq, q_len, kv_len, dropout) if dropout else None
+    exact, eager = (attention_reference(q, k, v, None, band, enable_gqa=group > 1,
+                                        return_lse=True, sinks=sinks, dropout_mask=keep,
+                                        dropout_p=dropout, dtype=dtype)
+                    for dtype in (torch.float64, torch.float32))
+    assert_close_to_reference(out, exact[0], eager[0])
+    assert_close_to_reference(lse, exact[1], eager[1], name="lse")
