@@ -152,9 +152,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1],
                          sinks, prepare_dropout(dropout_p, dropout_seed, query.device))
     buffers = score.buffers if score is not None else ()
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value, *buffers)) or (
-        sinks is not None and sinks.requires_grad and torch.is_grad_enabled())
+    inputs = (query, key, value, *buffers) if sinks is None else (query, key, value, sinks,
+                                                                  *buffers)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if needs_grad:
         from .autograd import FlexAttentionFunction
         out, lse, maxs = FlexAttentionFunction.apply(query, key, value, call, aux_max, sinks,

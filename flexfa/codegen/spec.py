@@ -89,8 +89,9 @@ class KernelSpec:
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         """The template's constexpr arguments."""
         constexprs = dict(forward_constexprs(self, has_score_mod), RETURN_MAX=self.return_max,
-                          INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32,
-                          HAS_SINKS=bool(self.sinks_dtype), DROPOUT=self.dropout)
+                          INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+        if self.template in ("fwd", "fwd_hopper"):  # the templates with sinks and dropout
+            constexprs.update(HAS_SINKS=bool(self.sinks_dtype), DROPOUT=self.dropout)
         if self.template == "fwd":  # the Ampere template's split-KV decoding
             constexprs["SPLIT_KEYS"] = self.split_keys
         return constexprs

@@ -351,7 +351,8 @@ class Backward(KernelFamily):
                 or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
                 or (joint is not None and joint.grad_slots)):
             return None
-        key = autotune.tune_key("bwd", target.name, e_pad, next_power_of_two(v.shape[3]),
+        # dropout's Philox makes a different kernel: its own winners
+        key = autotune.tune_key("bwd_dropout" if call.dropout else "bwd", target.name, e_pad, next_power_of_two(v.shape[3]),
                                 DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                                 k.shape[2])
 

@@ -191,7 +191,9 @@ class HopperForward(KernelFamily):
         if (pinned.any or not autotune.enabled() or len(candidates) == 1
                 or work < autotune.MIN_TUNED_WORK):
             return pinned.apply(candidates[0])
-        key = autotune.tune_key(HOPPER_TEMPLATE, target.name, e_pad, ev_pad,
+        # dropout's Philox makes a different kernel: its own winners
+        key = autotune.tune_key(HOPPER_TEMPLATE + ("_dropout" if call.dropout else ""),
+                                target.name, e_pad, ev_pad,
                                 DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                                 k.shape[2])
 
