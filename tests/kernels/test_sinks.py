@@ -48,12 +48,18 @@ def reference_pair(q, k, v, sinks, mask_mod=None, score_mod=None):
 def test_forward_matches_the_reference_with_empty_rows(template):
     q, k, v = make_qkv(B, HQ, HKV, L, S, E, dtype=torch.bfloat16)
     sinks = make_sinks()
-    out, lse = flexfa.flex_attention(q, k, v, block_mask=block_mask_of(late_causal),
-                                     enable_gqa=True, return_lse=True, sinks=sinks,
+    out, aux = flexfa.flex_attention(q, k, v, block_mask=block_mask_of(late_causal),
+                                     enable_gqa=True, sinks=sinks,
+                                     return_aux=flexfa.AuxRequest(lse=True, max_scores=True),
                                      kernel_options=TEMPLATES[template])
+    lse = aux.lse
     exact, eager = reference_pair(q, k, v, sinks, late_causal)
     assert_close_to_reference(out, exact[0], eager[0])
     assert_close_to_reference(lse, exact[1], eager[1], name="lse")
+    # the row max is the scores' own (-inf for the empty rows), not the sink's
+    _, _, row_max = attention_reference(q, k, v, None, late_causal, enable_gqa=True,
+                                        return_lse=True, return_max=True)
+    assert_close_to_reference(aux.max_scores, row_max, row_max, name="max_scores")
     # rows with nothing to attend: the sink alone, whose value is 0
     assert torch.equal(out[:, :, :20], torch.zeros_like(out[:, :, :20]))
     torch.testing.assert_close(lse[:, :, :20], sinks.view(1, HQ, 1).expand(B, HQ, 20))
