@@ -4,6 +4,7 @@ from .version import __version__
 from .errors import FlexFAError, InputError, InputTypeError, TraceError, UnsupportedOpError
 from .frontend import and_masks, noop_mask, or_masks, trace
 from .api import AuxOutput, flex_attention
+from .features import dropout_mask
 from .blockmask import BlockMask, create_block_mask, create_mask, varlen_block_mask
 from .decode import DecodeWorkspace, flex_decode
 from .paged import PagedKVCache
@@ -32,4 +33,4 @@ __all__ = ["FlexFAError", "InputError", "InputTypeError", "TraceError", "Unsuppo
            "flex_attention", "AuxRequest", "AuxOutput", "FlexKernelOptions", "BlockMask",
            "create_block_mask", "create_mask", "varlen_block_mask", "varlen_attention", "trace",
            "flex_decode", "PagedKVCache", "DecodeWorkspace", "and_masks", "noop_mask", "or_masks",
-           "mods", "__version__"]
+           "mods", "dropout_mask", "__version__"]

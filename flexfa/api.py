@@ -14,6 +14,7 @@ import torch
 from . import compiled
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
+from .features import check_sinks, prepare_dropout
 from .inputs import check_aux, check_block_mask, check_scale, check_shapes, check_tensors
 from .lazy import lazy_function
 from .memo import BoundedMemo
@@ -80,7 +81,8 @@ def _still_same(refs: tuple, objects: tuple) -> bool:
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None,
+                   sinks=None, dropout_p=0.0, dropout_seed=None):
     """Attention with a score_mod and a block mask, as one fused kernel generated for them.
 
     query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value ``[B, Hkv, S, Ev]`` (fp16, bf16 or
@@ -95,10 +97,22 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     CPU inputs run the same kernels under the Triton interpreter. Inside ``torch.compile`` a
     call is captured as the ``flexfa::flex_attention`` operator (``flexfa.compiled``).
     ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
+    ``sinks`` (flexfa's, docs/sinks.md): ``[Hq]`` per-head sink logits (float32 or the query's
+    dtype), one more term of each row's softmax denominator with no value; lse includes it,
+    a row with nothing to attend gets out 0 and lse = its sink; gradients flow into it.
+    ``dropout_p`` (flexfa's, as SDPA's; docs/dropout.md): drop each attention probability
+    with this probability and scale the kept ones by 1 / (1 - p); lse is unaffected; applied
+    whenever p > 0 (pass ``p if module.training else 0.0``). ``dropout_seed``: an int or a
+    (seed, offset) pair; None draws one from torch's generator of the query's device.
     """
     if torch.compiler.is_compiling():  # traced by torch.compile: the flexfa:: operators
-        out, lse, maxs, aux_lse = compiled.attention(query, key, value, score_mod, block_mask, scale,
-                                            enable_gqa, return_lse, kernel_options, return_aux)
+        if sinks is not None or dropout_p:  # not in the operators yet: a graph break
+            return _eager_only()(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                 return_lse, kernel_options, return_aux=return_aux, sinks=sinks,
+                                 dropout_p=dropout_p, dropout_seed=dropout_seed)
+        out, lse, maxs, aux_lse = compiled.attention(query, key, value, score_mod, block_mask,
+                                                     scale, enable_gqa, return_lse,
+                                                     kernel_options, return_aux)
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
     checked = False  # the tensor, shape and block-mask checks passed for this signature before
@@ -125,8 +139,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             _VALIDATED[signature[0]] = refs
     options = parse_kernel_options(kernel_options)
     score = prepare_score_mod(score_mod)
+    sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call, key, value = attention_call(query, key, value, score, block_mask, scale, options,
-                                      torch.is_grad_enabled())
+                                      torch.is_grad_enabled(), sinks,
+                                      prepare_dropout(dropout_p, dropout_seed, query.device))
     out, lse, maxs = attend(query, key, value, call, return_lse or aux_lse, aux_max)
     return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
 
@@ -135,12 +151,24 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool):
     """(out, lse or None, row max or None) of a validated call: through the autograd Function
     when a gradient is needed (lse is then always computed), else the forward alone."""
     buffers = call.score.buffers if call.score is not None else ()
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value, *buffers))
-    if needs_grad:
+    sinks = call.sinks
+    inputs = (query, key, value, *buffers) if sinks is None else (query, key, value, sinks,
+                                                                  *buffers)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         from .autograd import FlexAttentionFunction
-        return FlexAttentionFunction.apply(query, key, value, call, return_max, *buffers)
+        return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers)
     return run_forward(query, key, value, call, return_lse, return_max)
+
+
+_EAGER_ONLY: list = []
+
+
+def _eager_only():
+    """flex_attention as a graph break (made on first use, when Dynamo is loaded): what a
+    compiled region runs for the features the operators do not carry (sinks, dropout)."""
+    if not _EAGER_ONLY:
+        _EAGER_ONLY.append(torch.compiler.disable(flex_attention))
+    return _EAGER_ONLY[0]
 
 
 def _result(out, lse, maxs, return_lse: bool, return_aux, aux_lse: bool):

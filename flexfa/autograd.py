@@ -2,10 +2,12 @@
 
 The forward runs the generated forward kernel and saves what the backward needs: q, k, v,
 out, lse (float32, natural log) and the score_mod's captured tensors; ``ctx.call`` keeps the
-prepared mods, the block mask, the scale and the kernel options. The backward runs the
+prepared mods, the block mask, the scale, the kernel options and the optional features (the
+sinks, the dropout seed: the backward draws the same keep mask). The backward runs the
 generated backward kernels (``flexfa.runtime.backward``): P is recomputed tile by tile from
 lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
-require grad, and through lse when the caller used it (``return_lse=True``).
+require grad, into the attention sinks, and through lse when the caller used it
+(``return_lse=True``).
 
 The backward is not differentiable. A backward run with ``create_graph=True`` returns
 gradients that raise when they are differentiated in turn (a gradient penalty, a
@@ -19,7 +21,7 @@ import torch
 
 from .blockmask.validate import check_tables
 from .lazy import lazy_function
-from .runtime.call import AttentionCall
+from .runtime.call import SINKS_GRAD, AttentionCall
 
 # the runtime (and Triton) load on the first call
 run_forward = lazy_function("flexfa.runtime.forward", "run_forward")
@@ -36,12 +38,14 @@ DOUBLE_BACKWARD_MESSAGE = (
 
 
 class FlexAttentionFunction(torch.autograd.Function):
-    """apply(query, key, value, call: AttentionCall, return_max: bool, *score_mod_buffers) ->
-    (out, lse, row max or None); the row max (``AuxRequest(max_scores=True)``) has no
+    """apply(query, key, value, call: AttentionCall, return_max: bool, sinks or None,
+    *score_mod_buffers) -> (out, lse, row max or None); ``sinks`` is ``call.sinks`` (an input
+    here so that it gets its gradient); the row max (``AuxRequest(max_scores=True)``) has no
     gradient, as in torch."""
 
     @staticmethod
-    def forward(ctx, query, key, value, call: AttentionCall, return_max: bool, *buffers):
+    def forward(ctx, query, key, value, call: AttentionCall, return_max: bool, sinks,
+                *buffers):
         joint_graph(call.score)  # derive now: a mod without a derivative fails early
         out, lse, maxs = run_forward(query, key, value, call, return_lse=True,
                                      return_max=return_max)
@@ -63,7 +67,8 @@ class FlexAttentionFunction(torch.autograd.Function):
         # gradients that raise DOUBLE_BACKWARD_MESSAGE when differentiated (as torch's
         # once_differentiable does when the incoming gradients require grad); the inputs join
         # the raising node too, so that differentiating with respect to them reaches it
-        inputs = [t for t in ctx.saved_tensors[:3] + ctx.saved_tensors[5:] if t.requires_grad]
+        inputs = [t for t in ctx.saved_tensors[:3] + ctx.saved_tensors[5:] + (ctx.call.sinks,)
+                  if t is not None and t.requires_grad]
         raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE,
                                                     len(grads) + len(inputs))
         fakes = (None if g is None else g.detach().requires_grad_() for g in grads)
@@ -71,7 +76,8 @@ class FlexAttentionFunction(torch.autograd.Function):
 
 
 def _gradients(ctx, grad_out, grad_lse) -> tuple:
-    """The backward's results: (dq, dk, dv, None, None, *captured-tensor gradients)."""
+    """The backward's results: (dq, dk, dv, None, None, d sinks or None, *captured-tensor
+    gradients)."""
     query, key, value, out, lse = ctx.saved_tensors[:5]
     call = ctx.call
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
@@ -84,7 +90,8 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
         dq = None
     buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
     buffers = call.score.buffers if call.score is not None else ()
-    return (dq, dk, dv, None, None, *(buffer_grads.get(slot) for slot in range(len(buffers))))
+    return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
+            *(buffer_grads.get(slot) for slot in range(len(buffers))))
 
 
 def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:

@@ -11,7 +11,7 @@ from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import TracedMod
 from .inputs import broadcast_batch, check_buffers
 from .lazy import lazy_function
-from .runtime.call import AttentionCall
+from .runtime.call import AttentionCall, Dropout
 from .runtime.options import KernelOptions
 from .runtime.pipeline import prepare_mask
 from .scores import check_score_range
@@ -22,11 +22,13 @@ check_captured_indices = lazy_function("flexfa.runtime.indices", "check_captured
 
 
 def attention_call(query, key, value, score: TracedMod | None, block_mask, scale: float,
-                   options: KernelOptions, grad_enabled: bool) -> tuple:
+                   options: KernelOptions, grad_enabled: bool, sinks=None,
+                   dropout: Dropout | None = None) -> tuple:
     """(the AttentionCall, key, value) of a call whose tensors, shapes and block mask passed
     ``flexfa.inputs``' checks: the tables' contents (again after any edit), the score range,
     the mask the kernels can tile (``runnable_block_mask``), the captured tensors' devices
-    and index ranges. key and value come back broadcast over the query's batch."""
+    and index ranges. key and value come back broadcast over the query's batch. ``sinks``
+    (checked: ``flexfa.features.check_sinks``) and ``dropout`` are the call's features."""
     check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
     key, value = broadcast_batch(query, key, value)
     check_score_range(query, key, scale)  # only for an enormous scale
@@ -39,5 +41,6 @@ def attention_call(query, key, value, score: TracedMod | None, block_mask, scale
     check_buffers(score, "score_mod", query.device)
     check_buffers(mask, "mask_mod", query.device)
     check_captured_indices(score, mask, query.shape, key.shape[2], query.device)
-    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1])
+    call = AttentionCall(score, mask, block_mask, scale, options, query.shape[1] // key.shape[1],
+                         sinks, dropout)
     return call, key, value

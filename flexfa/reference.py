@@ -17,7 +17,7 @@ from .frontend import dense_mask, evaluate, index_grids, trace
 
 def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
                         enable_gqa=False, return_lse=False, return_max=False,
-                        dtype=torch.float64):
+                        dtype=torch.float64, sinks=None, dropout_mask=None, dropout_p=0.0):
     """``softmax(score_mod(q k^T * scale) masked by mask_mod) @ v``, computed in ``dtype``.
 
     Shapes as ``flex_attention``: query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value
@@ -25,6 +25,11 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     gradients). Returns out, then lse (natural log) if ``return_lse``, then each row's max
     score (-inf for an empty row; torch's ``AuxRequest(max_scores=True)``) if ``return_max``,
     in ``dtype``.
+
+    ``sinks`` [Hq]: per-head logits that join each row's softmax as a column without a value
+    (lse includes them; an empty row gets out 0 and lse = its sink); differentiable.
+    ``dropout_mask`` (bool [B, Hq, L, S], e.g. ``flexfa.dropout_mask``) with ``dropout_p``:
+    the probabilities are multiplied by mask / (1 - p) before ``@ v``; lse is unaffected.
     """
     B, Hq, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -44,17 +49,26 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     if mask_mod is not None:
         keep = dense_mask(trace(mask_mod), B, Hq, L, S, device=query.device)
         scores = scores.masked_fill(~keep, -math.inf)
+    row_max = scores.amax(dim=-1) if return_max else None
+    if sinks is not None:  # one more column, without a value
+        sink_column = sinks.to(dtype).view(1, Hq, 1, 1).expand(B, Hq, L, 1)
+        scores = torch.cat([scores.expand(B, Hq, L, S), sink_column], dim=-1)
     # empty rows: take the logsumexp of zeros instead of -inf (a NaN-free backward), then
     # report -inf; their probabilities exp(-inf - finite) are exactly 0
     has_any = torch.isfinite(scores).any(dim=-1, keepdim=True)
     lse = torch.logsumexp(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1,
                           keepdim=True)
-    out = torch.exp(scores - lse) @ v
+    probs = torch.exp(scores - lse)
+    if sinks is not None:
+        probs = probs[..., :S]
+    if dropout_mask is not None:
+        probs = probs * dropout_mask.to(dtype) / (1.0 - dropout_p)
+    out = probs @ v
     results = [out]
     if return_lse:
         results.append(torch.where(has_any, lse, torch.full_like(lse, -math.inf)).squeeze(-1))
     if return_max:
-        results.append(scores.amax(dim=-1))
+        results.append(row_max)
     return results[0] if len(results) == 1 else tuple(results)
 
 

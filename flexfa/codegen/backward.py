@@ -19,7 +19,7 @@ from ..frontend.ir import Node, Op
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, describe_mods, mod_buffer_args
 from .params import (KernelParams, Param, as_tuple, def_kernel, delta_params, dkdv_params,
-                     dq_params, gradients, table_names, unpack)
+                     dq_params, feature_params, gradients, table_names, unpack)
 from .render import Leaves, buffer_args, leaf_ops, needs_tile_broadcast, render_mod
 from .spec import TORCH_DTYPES, INTERPRET, next_power_of_two
 from .template import fill, load_template, module_source, template_hash
@@ -78,6 +78,8 @@ class BackwardSpec:
     # keys of the INT nodes of the joint graph and the mask_mod computed in int64
     # (codegen.ranges.int64_nodes at this call's lengths)
     wide_ints: tuple[str, ...] = ()
+    # the forward dropped probabilities (DROPOUT): the kernels draw its keep mask again
+    dropout: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -95,7 +97,8 @@ class BackwardSpec:
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, GQA_GROUP=self.gqa_group,
                     INPUT_PRECISION=self.input_precision,
-                    DOT_UPCAST=self.interpret and self.dtype == "bf16", USE_TMA=self.use_tma)
+                    DOT_UPCAST=self.interpret and self.dtype == "bf16", USE_TMA=self.use_tma,
+                    DROPOUT=self.dropout)
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
@@ -177,8 +180,9 @@ def _kernel_params(spec: BackwardSpec, buffers: tuple[Param, ...], grads: tuple[
                    name: str) -> dict[str, KernelParams]:
     """Each kernel of the backward module and its parameters."""
     ds_tma = spec.ds_dq and spec.use_tma
-    return {f"{name}_dq": dq_params(spec.use_tma, ds_tma, buffers + grads),
-            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers),
+    features = feature_params("", spec.dropout)
+    return {f"{name}_dq": dq_params(spec.use_tma, ds_tma, buffers + grads, features),
+            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers, features),
             "flexfa_bwd_delta": delta_params()}
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..frontend.trace import TracedMod
-from .params import (INPUT, KernelParams, Param, as_tuple, captured, def_kernel, forward_params,
-                     table_names, unpack)
+from .params import (INPUT, KernelParams, Param, as_tuple, captured, def_kernel,
+                     feature_params, forward_params, table_names, unpack)
 from .render import BufferArgs, Leaves, buffer_args, needs_tile_broadcast, render_mod
 from .spec import KernelSpec, kernel_name, spec_key
 from .template import fill, load_template, module_source, template_hash
@@ -156,6 +156,11 @@ def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: s
     return GeneratedKernel(key, name, source, describe_mods(score, mask), tuple(kernels))
 
 
+def features(spec: KernelSpec) -> tuple[Param, ...]:
+    """The parameters of the spec's optional features (sinks, dropout)."""
+    return feature_params(spec.sinks_dtype, spec.dropout)
+
+
 def module_flags(constexprs: dict[str, object]) -> dict[str, object]:
     """A forward module's flags: its kernel's constexprs but the launch flags."""
     return {name: value for name, value in constexprs.items() if name not in LAUNCH_FLAGS}
@@ -165,7 +170,7 @@ def forward_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | 
                    ) -> GeneratedKernel:
     """Key, name and source of the forward kernel for these mods and this spec."""
     return forward_module(spec, score, mask, forward_key(spec, score, mask), "fwd.tmpl",
-                          forward_params(False, buffer_params(score, mask)),
+                          forward_params(False, buffer_params(score, mask), features=features(spec)),
                           module_flags(spec.constexprs(True)))
 
 
@@ -173,5 +178,5 @@ def forward_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod
                       ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the forward kernel, for ``triton.compile(ASTSource(...))``."""
     constexprs = spec.constexprs(score is not None)
-    params = forward_params(False, buffer_params(score, mask))
+    params = forward_params(False, buffer_params(score, mask), features=features(spec))
     return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

@@ -12,7 +12,7 @@ import hashlib
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
-from .params import INPUT, OUTPUT, def_kernel, fp8_params, quantize_params
+from .params import INPUT, OUTPUT, def_kernel, feature_params, fp8_params, quantize_params
 from .spec import INTERPRET, forward_constexprs, launch_options, next_power_of_two, spec_key
 from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
@@ -53,6 +53,7 @@ class FP8KernelSpec:
     dtype: str = "e4m3"  # the inputs' dtype, for the kernel name
     max_registers: int = 0  # Triton's maxnreg, from kernel_options (0: none)
     wide_ints: tuple[str, ...] = ()  # as KernelSpec.wide_ints
+    sinks_dtype: str = ""  # as KernelSpec.sinks_dtype (no dropout: FP8 is forward-only)
 
     def __post_init__(self):
         assert self.out_dtype in ("bf16", "fp16"), self.out_dtype
@@ -78,7 +79,8 @@ class FP8KernelSpec:
         return dict(
             forward_constexprs(self, has_score_mod), SCALE_Q=self.scale_q,
             SCALE_KV=self.scale_kv, P_SHIFT=P_SHIFT, EMULATE_FP8_CAST=self.interpret,
-            USE_TMA=self.use_tma, FOLD_QK_SCALE=self.fold_qk_scale)
+            USE_TMA=self.use_tma, FOLD_QK_SCALE=self.fold_qk_scale,
+            HAS_SINKS=bool(self.sinks_dtype))
 
     def launch_options(self) -> dict[str, int]:
         return launch_options(self)
@@ -93,7 +95,8 @@ def fp8_forward_kernel(spec: FP8KernelSpec, score: TracedMod | None, mask: Trace
                        ) -> GeneratedKernel:
     """Key, name (``flexfa_fwd_fp8_d128_e4m3_<hash>``) and source of the FP8 forward kernel."""
     return forward_module(spec, score, mask, fp8_forward_key(spec, score, mask), "fwd_fp8.tmpl",
-                          fp8_params(buffer_params(score, mask)),
+                          fp8_params(buffer_params(score, mask),
+                                     feature_params(spec.sinks_dtype, False)),
                           module_flags(spec.constexprs(True)),
                           helpers=("helpers.tmpl", "fp8_helpers.tmpl"))
 
@@ -102,7 +105,7 @@ def fp8_forward_signature(spec: FP8KernelSpec, score: TracedMod | None, mask: Tr
                           ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the FP8 kernel, for ``triton.compile(ASTSource(...))``."""
     constexprs = spec.constexprs(score is not None)
-    params = fp8_params(buffer_params(score, mask))
+    params = fp8_params(buffer_params(score, mask), feature_params(spec.sinks_dtype, False))
     return params.signature(constexprs, {OUTPUT: spec.out_dtype}), constexprs
 
 

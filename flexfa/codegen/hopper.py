@@ -8,7 +8,7 @@ pipelined block loop and the reversed q-tile order.
 from __future__ import annotations
 
 from ..frontend.trace import TracedMod
-from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
+from .forward import GeneratedKernel, buffer_params, features, forward_module, module_flags
 from .params import INPUT, forward_params
 from .spec import KernelSpec, spec_key
 from .template import template_hash
@@ -28,7 +28,8 @@ def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | N
     """Key, name (``flexfa_fwd_hopper_d128_bf16_<hash>``) and source of the Hopper forward."""
     assert spec.template == HOPPER_TEMPLATE, f"spec is for template {spec.template!r}"
     return forward_module(spec, score, mask, hopper_key(spec, score, mask), "fwd_hopper.tmpl",
-                          forward_params(True, buffer_params(score, mask), spec.strided_qkv),
+                          forward_params(True, buffer_params(score, mask), spec.strided_qkv,
+                                         features(spec)),
                           module_flags(spec.constexprs(True)))
 
 
@@ -36,5 +37,5 @@ def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod 
                      ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) of the Hopper forward, for ``triton.compile(ASTSource(...))``."""
     constexprs = spec.constexprs(score is not None)
-    params = forward_params(True, buffer_params(score, mask), spec.strided_qkv)
+    params = forward_params(True, buffer_params(score, mask), spec.strided_qkv, features(spec))
     return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

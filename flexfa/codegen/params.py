@@ -200,11 +200,12 @@ _FORWARD_CONSTEXPRS = constexprs(
 _SCALARS = ints("HQ", "L", "S") + (Param("sm_scale", FLOAT),)
 
 
-def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = False
-                   ) -> KernelParams:
+def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = False,
+                   features: tuple[Param, ...] = ()) -> KernelParams:
     """fwd.tmpl's kernel, or with ``hopper`` fwd_hopper.tmpl's (q, k, v through host tensor
     descriptors, with ``strided`` their batch, head and row strides too; no split-KV
-    decoding); ``buffers``: the mods' ``captured`` tensors."""
+    decoding); ``buffers``: the mods' ``captured`` tensors; ``features``:
+    ``feature_params``."""
     if hopper:
         inputs = (Param("Q_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "E_PAD")),
                   Param("K_DESC", DESCRIPTOR, INPUT, ("BLOCK_N", "E_PAD")),
@@ -214,10 +215,10 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
     else:
         inputs = tensors(INPUT, "Q", "K", "V")
         input_strides = (strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"))
-    own = constexprs("RETURN_MAX", "INPUT_PRECISION", "DOT_IN_FP32")
+    own = constexprs("RETURN_MAX", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS", "DROPOUT")
     return KernelParams((
         inputs + tensors(INPUT, "OUT") + tensors("fp32", "LSE", "MAXS"), *input_strides,
-        strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), _SCALARS + buffers,
+        strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), _SCALARS + buffers, features,
         _FORWARD_CONSTEXPRS + own + constexprs("STRIDED_QKV" if hopper else "SPLIT_KEYS")))
 
 
@@ -249,16 +250,17 @@ def decode_combine_params() -> KernelParams:
                    "RETURN_MAX")))
 
 
-def fp8_params(buffers: tuple[Param, ...]) -> KernelParams:
-    """fwd_fp8.tmpl's kernel: e4m3 q, k, v with float32 descales, output in OUTPUT."""
+def fp8_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:
+    """fwd_fp8.tmpl's kernel: e4m3 q, k, v with float32 descales, output in OUTPUT;
+    ``features``: ``feature_params`` (sinks only)."""
     return KernelParams((
         tensors("fp8e4nv", "Q", "K", "V") + tensors("fp32", "Q_SCALE", "K_SCALE", "V_SCALE")
         + tensors(OUTPUT, "OUT") + tensors("fp32", "LSE"),
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("o", "bhmd"),
         strides("qs_", "bh") + strides("kvs_", "bh"), *block_mask_tables("KV", "m", "n"),
-        _SCALARS + buffers,
+        _SCALARS + buffers, features,
         _FORWARD_CONSTEXPRS + constexprs("SCALE_Q", "SCALE_KV", "P_SHIFT", "EMULATE_FP8_CAST",
-                                         "USE_TMA", "FOLD_QK_SCALE")))
+                                         "USE_TMA", "FOLD_QK_SCALE", "HAS_SINKS")))
 
 
 def quantize_params() -> KernelParams:
@@ -284,9 +286,11 @@ def _ds_workspace(tma: bool) -> tuple[tuple[Param, ...], ...]:
              *tensors("i32", "DS_BAND")), strides("band_", "bhn") + ints("MAX_SLOTS"))
 
 
-def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelParams:
+def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
+              features: tuple[Param, ...] = ()) -> KernelParams:
     """bwd_dq.tmpl's kernel (``tma``: K, V through descriptors; ``ds_tma``: the dS workspace
-    too); ``buffers``: the mods' captured tensors, then the score_mod's gradients."""
+    too); ``buffers``: the mods' captured tensors, then the score_mod's gradients;
+    ``features``: ``feature_params`` (dropout only)."""
     ds = _ds_workspace(ds_tma)
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "DO")
@@ -296,16 +300,18 @@ def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelPara
         + tensors("fp32", "DLSE") + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),
         strides("dq", "bhmd"), strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"),
-        _SCALARS + buffers,
+        _SCALARS + buffers, features,
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
                    "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP",
                    "HAS_DLSE", "DSCORE_IS_ONE", "HAS_BUFFER_GRADS", "DETERMINISTIC",
-                   "INPUT_PRECISION", "DOT_UPCAST", "USE_TMA", "LOAD_DS", "DS_TMA")))
+                   "INPUT_PRECISION", "DOT_UPCAST", "USE_TMA", "LOAD_DS", "DS_TMA", "DROPOUT")))
 
 
-def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelParams:
+def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
+                features: tuple[Param, ...] = ()) -> KernelParams:
     """bwd_dkdv.tmpl's kernel (``tma``: Q, dO through descriptors; ``ds_tma``: the dS
-    workspace too); ``buffers``: the mods' captured tensors."""
+    workspace too); ``buffers``: the mods' captured tensors; ``features``:
+    ``feature_params`` (dropout only)."""
     ds = _ds_workspace(ds_tma)
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "DO")
@@ -315,11 +321,11 @@ def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...]) -> KernelPa
         + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),
         strides("dk", "bhnd"), strides("dv", "bhnd"), *block_mask_tables("Q", "n", "m"),
-        _SCALARS + buffers,
+        _SCALARS + buffers, features,
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
                    "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP",
                    "DSCORE_IS_ONE", "INPUT_PRECISION", "DOT_UPCAST", "USE_TMA", "STORE_DS",
-                   "DS_TMA")))
+                   "DS_TMA", "DROPOUT")))
 
 
 def delta_params() -> KernelParams:
@@ -328,3 +334,21 @@ def delta_params() -> KernelParams:
         tensors(INPUT, "OUT", "DOUT") + tensors("fp32", "DLSE", "DELTA"),
         strides("o", "bhmd"), strides("g", "bhmd"), ints("HQ", "L"),
         constexprs("BLOCK_M", "EV", "EV_PAD", "HAS_DLSE")))
+
+
+def feature_params(sinks_dtype: str, dropout: bool) -> tuple[Param, ...]:
+    """The parameters of a kernel's optional features, present only where the kernel has
+    them: attention sinks (``SINKS``, one logit per query head, element type
+    ``sinks_dtype``; "" for none) and dropout (``DROPOUT_SEED``: int64 [seed, offset];
+    ``dropout_threshold``: round(p * 2**31); ``dropout_scale``: 1 / (1 - p))."""
+    params = tensors(sinks_dtype, "SINKS") if sinks_dtype else ()
+    if dropout:
+        params += tensors("i64", "DROPOUT_SEED") + ints("dropout_threshold") + (
+            Param("dropout_scale", FLOAT),)
+    return params
+
+
+def dropout_mask_params() -> KernelParams:
+    """dropout_mask.tmpl's kernel: the keep mask (uint8 [B, H, L, S]) of a seed."""
+    return KernelParams((tensors("u8", "KEEP") + tensors("i64", "SEED"),
+                         ints("L", "S", "threshold"), constexprs("BLOCK_M", "BLOCK_N")))

@@ -60,6 +60,11 @@ class KernelSpec:
     # each (batch, head) at a row and column origin (runtime/families/hopper.py), instead of
     # [B * H * len, dim] matrices
     strided_qkv: bool = False
+    # attention sinks (HAS_SINKS): the element type of the per-head sink logits ("fp32", or
+    # q's dtype), "" for none
+    sinks_dtype: str = ""
+    # dropout on the probabilities (DROPOUT)
+    dropout: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"
@@ -89,6 +94,8 @@ class KernelSpec:
         """The template's constexpr arguments."""
         constexprs = dict(forward_constexprs(self, has_score_mod), RETURN_MAX=self.return_max,
                           INPUT_PRECISION=self.input_precision, DOT_IN_FP32=self.dot_in_fp32)
+        if self.template in ("fwd", "fwd_hopper"):  # the templates with sinks and dropout
+            constexprs.update(HAS_SINKS=bool(self.sinks_dtype), DROPOUT=self.dropout)
         if self.template == "fwd":  # the Ampere template's split-KV decoding
             constexprs["SPLIT_KEYS"] = self.split_keys
         if self.template == "fwd_hopper":

@@ -18,7 +18,7 @@ from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
 from ..runtime.cache import get_module
-from ..runtime.call import AttentionCall
+from ..runtime.call import AttentionCall, Dropout
 from ..runtime.families.ampere import default_tiles as ampere_tiles
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
 from ..runtime.decode_inputs import DecodeInputs
@@ -64,10 +64,11 @@ def _global_tokens_mask():
 
 
 def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_dim_v=None,
-                return_lse: bool = True, return_max: bool = False, split_keys: int = 0
-                ) -> Callable[[int], CompileJob]:
+                return_lse: bool = True, return_max: bool = False, split_keys: int = 0,
+                sinks_dtype: str = "", dropout: bool = False) -> Callable[[int], CompileJob]:
     """A builder compiling the forward kernel for these mods at default GPU tiles
-    (``split_keys``: split-KV decoding's variant)."""
+    (``split_keys``: split-KV decoding's variant; ``sinks_dtype``, ``dropout``: the optional
+    features)."""
     def build(arch: int) -> CompileJob:
         score, mask = traced_mods(score_mod, mask_mod)
         block_m, block_n, warps, stages = ampere_tiles(
@@ -78,7 +79,7 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
                           sparse_q=128 if mask else block_m, sparse_kv=128 if mask else block_n,
                           even_l=False, even_s=False, return_lse=return_lse, gqa_group=1,
                           input_precision="ieee", target=f"cuda:{arch}", return_max=return_max,
-                          split_keys=split_keys)
+                          split_keys=split_keys, sinks_dtype=sinks_dtype, dropout=dropout)
         return kernel_job(spec, score, mask, forward_kernel, forward_signature)
     return build
 
@@ -94,6 +95,12 @@ register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
 register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=_causal,
                                                    return_max=True, split_keys=4096))
 register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tokens_mask()))
+# attention sinks (bf16 and float32 logits) with dropout, and with the rows' max scores
+register("fwd_d128_bf16_causal_sinks_dropout",
+         forward_job(128, "bf16", mask_mod=_causal, sinks_dtype="fp32", dropout=True))
+register("fwd_d64_fp16_softcap_sinks_dropout_max",
+         forward_job(64, "fp16", score_mod=_softcap, sinks_dtype="fp16", dropout=True,
+                     return_max=True))
 
 
 
@@ -102,7 +109,7 @@ register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tok
 def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
                return_lse: bool = True, max_registers: int = 0, return_max: bool = False,
-               strided_qkv: bool = False):
+               strided_qkv: bool = False, sinks_dtype: str = "", dropout: bool = False):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods
     (``strided_qkv``: q, k, v through descriptors over strided matrices)."""
     def build(arch: int):
@@ -114,7 +121,7 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
                           target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
                           max_registers=max_registers, return_max=return_max,
-                          strided_qkv=strided_qkv)
+                          strided_qkv=strided_qkv, sinks_dtype=sinks_dtype, dropout=dropout)
         return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
     return build
 
@@ -142,6 +149,9 @@ def _register_hopper() -> None:
     register("fwd_hopper_d128_fp16_softcap_causal",
                    hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal, return_max=True),
                    archs=(90,))
+    register("fwd_hopper_d128_bf16_causal_sinks_dropout",
+             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+                        sinks_dtype="fp32", dropout=True), archs=(90,))
 
 
 
@@ -177,7 +187,8 @@ register("fwd_gluon_d64_bf16_alibi_document",
 
 # ---- compile-check variants -----------------------------------------------------------------
 
-def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False):
+def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_tma=False,
+            sinks_dtype: str = ""):
     """A compile-check builder: the FP8 kernel for these mods at the GPU default tiles, with
     the scale fold of ``quantize``'s inputs where it applies (no score_mod)."""
     def build(arch: int) -> CompileJob:
@@ -191,7 +202,7 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
                              sparse_q=128, sparse_kv=128, scale_q=128, scale_kv=128,
                              even_l=False, even_s=False, return_lse=True, gqa_group=1,
                              target=f"cuda:{arch}", use_tma=use_tma, max_registers=cap,
-                             fold_qk_scale=score is None)
+                             fold_qk_scale=score is None, sinks_dtype=sinks_dtype)
         return kernel_job(spec, score, mask, fp8_forward_kernel,
                                         fp8_forward_signature)
     return build
@@ -208,6 +219,8 @@ register("fwd_fp8_d128_alibi_document",
                                mask_mod=_document_mask()), archs=FP8_ARCHS)
 register("fwd_fp8_d128_causal_tma",
                        fp8_job(128, mask_mod=_causal, use_tma=True), archs=(90,))
+register("fwd_fp8_d128_causal_sinks", fp8_job(128, mask_mod=_causal, sinks_dtype="fp32"),
+         archs=FP8_ARCHS)
 
 
 def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
@@ -235,13 +248,13 @@ register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 ragged: bool = True, ds: bool = False):
+                 ragged: bool = True, ds: bool = False, dropout: bool = False):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
     ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
     default GPU tiles, launched as the runtime's backward family launches it; example launch
     arguments are tiny CPU tensors of the right dtypes (only their types reach the
     signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
-    False: the benchmark's lengths."""
+    False: the benchmark's lengths. ``dropout``: the kernels that draw the keep mask again."""
     # launch order: dQ, dK/dV; ds: delta, dK/dV (storing dS), dQ from dS
     order = ("delta", "dkdv", "dq") if ds else ("dq", "dkdv")
     if which not in order:
@@ -254,8 +267,10 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         v = torch.zeros(1, hkv, length, head_dim_v or head_dim, dtype=torch_dtype)
         block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu") \
             if mask_mod is not None else None
+        seed = Dropout(0.1, torch.zeros(2, dtype=torch.int64)) if dropout else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                             0.125, KernelOptions(deterministic=deterministic), gqa_group)
+                             0.125, KernelOptions(deterministic=deterministic), gqa_group,
+                             dropout=seed)
         spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
                              force_ds=ds)
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
@@ -297,6 +312,9 @@ def _register_backward() -> None:
                                             deterministic=True),
         "d80_bf16_ev48_gqa_causal": dict(head_dim=80, dtype="bf16", mask_mod=causal,
                                          head_dim_v=48, gqa_group=2),
+        "d128_bf16_causal_dropout": dict(head_dim=128, dtype="bf16", mask_mod=causal,
+                                         dropout=True),
+        "d64_fp16_dense_dropout": dict(head_dim=64, dtype="fp16", dropout=True),
     }
     for label, kwargs in variants.items():
         for which in ("dkdv", "dq"):
@@ -305,6 +323,8 @@ def _register_backward() -> None:
     for which in ("dkdv", "dq"):
         register(f"bwd_ds_{which}_d128_bf16_causal",
                        backward_job(which, 128, "bf16", mask_mod=causal, ds=True))
+        register(f"bwd_ds_{which}_d128_bf16_causal_dropout",
+                 backward_job(which, 128, "bf16", mask_mod=causal, ds=True, dropout=True))
 
 
 _register_hopper()

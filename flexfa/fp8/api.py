@@ -9,6 +9,7 @@ from ..inputs import check_block_mask, check_buffers, check_scale
 from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
 from ..eager import outside_compile
+from ..features import check_no_dropout, check_sinks
 from ..lazy import lazy_function
 from ..runtime.call import AttentionCall
 from ..calls import check_captured_indices
@@ -45,7 +46,7 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
 @outside_compile
 def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=None, scale=None,
                        rotate=True, block_size=128, enable_gqa=False, return_lse=False,
-                       kernel_options=None, seed=0):
+                       kernel_options=None, seed=0, *, sinks=None, dropout_p=0.0):
     """Attention with a score_mod and a block mask on e4m3 tensor cores (forward only).
 
     ``query, key, value``: bf16/fp16 tensors shaped as for ``flexfa.flex_attention``, which
@@ -55,7 +56,11 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     ``q.k * scale`` (``scale`` defaults to ``1/sqrt(E)`` of the original head dim); the output
     has the inputs' dtype, lse is float32. Raises ``FP8UnsupportedError`` when a gradient is
     required or the GPU has no FP8 tensor cores (compute capability < 8.9).
+    ``sinks``: per-head sink logits as in ``flexfa.flex_attention`` (float32 or the output
+    dtype; no gradient here). ``dropout_p`` > 0 is an InputError: no dropout in this
+    forward-only path.
     """
+    check_no_dropout(dropout_p, "flex_attention_fp8")
     x = _inputs(query, key, value, rotate, block_size, seed)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
     return_lse = check_bool("return_lse", return_lse)
@@ -70,9 +75,10 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     check_buffers(score, "score_mod", x.q.device)
     check_buffers(mask, "mask_mod", x.q.device)
     check_captured_indices(score, mask, x.q.shape, x.k.shape[2], x.q.device)
-    check_no_grad((), score.buffers if score is not None else ())
+    check_no_grad((("sinks", sinks),), score.buffers if score is not None else ())
+    sinks = check_sinks(sinks, x.q.shape[1], x.dtype, x.q.device)
     call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),
-                         x.q.shape[1] // x.k.shape[1])
+                         x.q.shape[1] // x.k.shape[1], sinks)
     x = dataclasses.replace(x, **{n: getattr(x, n).contiguous()
                                   for n in ("q_scale", "k_scale", "v_scale")})
     out, lse = run_fp8_forward(x, call, return_lse)

@@ -11,11 +11,12 @@ import torch
 
 from . import families  # noqa: F401  (registers the kernel families)
 from . import plans, registry
-from .call import AttentionCall
+from .call import SINKS_GRAD, AttentionCall
 from .families.backward import FIXED_POINT_SCALE, Inputs, joint_graph
 from .target import target_of
 
-__all__ = ["run_backward", "joint_graph"]
+__all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
+
 
 
 def _key(x: Inputs, call: AttentionCall, fusable: bool) -> tuple:
@@ -34,14 +35,19 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
 
     ``need_dkdv=False`` (key and value need no gradient) skips the dK/dV kernel; dk and dv
     are then None. The dQ kernel always runs: it also produces the captured-tensor
-    gradients."""
+    gradients. With attention sinks that require grad, the buffer gradients hold theirs under
+    ``SINKS_GRAD`` (``sinks_grad``)."""
     joint = joint_graph(call.score)
     grad_slots = joint.grad_slots if joint is not None else ()
     accum = torch.int64 if call.options.deterministic else torch.float32
     grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
              for s in grad_slots}
+    sinks_need_grad = call.sinks is not None and call.sinks.requires_grad
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device) \
+        if sinks_need_grad else None
     x = Inputs(q, k, v, out, lse, grad_out, grad_lse,
-               *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), grads)
+               *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), grads,
+               delta)
     if q.numel() and k.numel():
         # the dS workspace only where no captured tensor needs a gradient and dK/dV are
         # wanted; when there is no room for it now (there was when it was planned), the call
@@ -63,10 +69,25 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     else:  # nothing to attend: all gradients are zero
         for t in (x.dq, x.dk, x.dv):
             t.zero_()
+        if delta is not None:  # (out is 0: delta is -dlse)
+            delta.copy_(-grad_lse if grad_lse is not None else torch.zeros_like(delta))
     buffer_grads = {}
+    if sinks_need_grad:
+        buffer_grads[SINKS_GRAD] = sinks_grad(call.sinks, lse, delta)
     for slot, acc in grads.items():
         value = acc.double() / FIXED_POINT_SCALE if acc.dtype == torch.int64 else acc
         buffer_grads[slot] = value.to(call.score.buffers[slot].dtype)
     if not need_dkdv:
         return x.dq, None, None, buffer_grads
     return x.dq, x.dk, x.dv, buffer_grads
+
+
+def sinks_grad(sinks, lse, delta) -> torch.Tensor:
+    """d loss / d sink_h = -sum over batches and rows of p_sink * delta, where p_sink =
+    exp(sink_h - lse) is the sink's share of the row's softmax and delta = rowsum(dO * O)
+    - dlse (the kernels' DELTA). A sink is a score whose value vector is 0: its dS is
+    p_sink * (0 - delta), and d lse / d sink = p_sink adds the dlse term. Rows with lse -inf
+    (only with a sink of -inf) give 0."""
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
+    p_sink = torch.where(lse == float("-inf"), 0.0, p_sink)
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)

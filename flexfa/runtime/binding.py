@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..codegen.forward import mod_buffer_args
 from ..codegen.params import table_names
 from ..codegen.render import buffer_args as buffer_arg_names
+from .dropout import kernel_values as dropout_values
 from .tables import table_args
 
 _UNSET = object()
@@ -75,4 +76,15 @@ def gradient_values(grads: dict, score) -> dict:
         arg = buffer_arg_names(slot, grad.dim(), "gbuf")
         values[arg.ptr] = grad
         values.update(zip(arg.strides, grad.stride()))
+    return values
+
+
+def feature_values(call) -> dict:
+    """The arguments of a call's optional features (``params.feature_params``): the sinks
+    tensor, the dropout seed, threshold and scale; a kernel without them ignores them."""
+    values = {}
+    if call.sinks is not None:
+        values["SINKS"] = call.sinks.detach()
+    if call.dropout is not None:
+        values.update(dropout_values(call.dropout.p, call.dropout.seed))
     return values

@@ -1,6 +1,7 @@
 """Loading a generated kernel: the codegen's source through the disk cache, memoized."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 
@@ -29,6 +30,15 @@ class Loaded:
     def names(self, function: str | None = None) -> tuple[str, ...]:
         """The kernel's positional parameter names, in order (flexfa/codegen/params.py)."""
         return self.params[function or self.name].names
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeSpec:
+    """The spec of a kernel that has no spec fields (the FP8 quantization, the dropout mask):
+    one module per kernel and interpret/compile mode."""
+
+    kernel: str
+    interpret: bool
 
 
 def generated_module(generate, spec, *mods) -> Loaded:

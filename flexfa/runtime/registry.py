@@ -9,6 +9,8 @@ the call). Adding a family is one module under ``flexfa/runtime/families/`` and 
 The protocol (``KernelFamily``):
 
 - ``name`` (the BACKEND value that forces it), ``direction``, ``priority`` (higher first);
+- ``features``: the optional features of a call it implements ("sinks", "dropout"; none by
+  default), so that a call using one never reaches a family that would ignore it;
 - ``why_not(target, call, *tensors)``: None when the family can run the call, else a phrase
   saying why not (shown when BACKEND forces it);
 - ``first_call(key, target, call, *inputs)``: plan (tune, render, load), keep the plan under
@@ -35,6 +37,7 @@ class KernelFamily:
     name = ""
     direction = "forward"
     priority = 0
+    features: frozenset = frozenset()
 
     def why_not(self, target: Target, call, *tensors) -> str | None:
         return None
@@ -69,14 +72,14 @@ def choose(direction: str, target: Target, call, *tensors) -> KernelFamily:
     forced = call.options.backend
     for family in candidates:
         if family.name.upper() == forced:
-            reason = family.why_not(target, call, *tensors)
+            reason = _why_not(family, target, call, tensors)
             if reason is not None:
                 raise InputError(f"kernel_options BACKEND={forced!r} cannot run this call: "
                                  f"{reason}")
             return family
     reasons = []
     for family in candidates:
-        reason = family.why_not(target, call, *tensors)
+        reason = _why_not(family, target, call, tensors)
         if reason is None:
             if target.newer_than_known:
                 _log_newer(target, family)
@@ -84,6 +87,14 @@ def choose(direction: str, target: Target, call, *tensors) -> KernelFamily:
         reasons.append(f"{family.name}: {reason}")
     raise InputError(f"no {direction} kernel family runs this call on {target}: "
                      + "; ".join(reasons))
+
+
+def _why_not(family: KernelFamily, target: Target, call, tensors) -> str | None:
+    """The family's reason not to run the call, a feature it lacks first."""
+    missing = call.features - family.features
+    if missing:
+        return f"it has no {' and '.join(sorted(missing))}"
+    return family.why_not(target, call, *tensors)
 
 
 def _log_newer(target: Target, family: KernelFamily) -> None:

@@ -20,6 +20,17 @@ def test_forward_with_mods_compiles(arch, instruction):
     assert ".entry flexfa_fwd_d64_fp16_" in result.ptx
 
 
+@pytest.mark.parametrize("name,arch", [("fwd_d64_fp16_softcap_sinks_dropout_max", 80),
+                                       ("fwd_d64_fp16_softcap_sinks_dropout_max", 90),
+                                       ("bwd_dkdv_d64_fp16_dense_dropout", 90)])
+def test_sinks_and_dropout_compile(name, arch):
+    """HAS_SINKS and DROPOUT (Philox, the keep mask's interleave, the sink fold) compile; the
+    dK/dV kernel draws the mask on a transposed tile."""
+    result = compile_job(name, arch, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    assert not result.spill_bytes, f"{name} sm_{arch} spills {result.spill_bytes} bytes"
+
+
 def test_failures_are_reported_not_raised():
     def broken(arch):
         raise RuntimeError("no such template")

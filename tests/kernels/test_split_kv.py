@@ -36,9 +36,9 @@ def splits(monkeypatch):
     combined = []
     real = ampere.combine_splits
 
-    def spy(parts, *rest):
+    def spy(parts, *rest, **kwargs):
         combined.append(parts.shape[0])
-        return real(parts, *rest)
+        return real(parts, *rest, **kwargs)
     monkeypatch.setattr(ampere, "combine_splits", spy)
     return combined
 

@@ -77,7 +77,7 @@ def int64_nodes(q, k, call: AttentionCall) -> tuple[str, ...]:
 def forward_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
                  return_max: bool = False, split_keys: int = 0) -> KernelSpec:
     """The KernelSpec of the Ampere-class forward for these inputs; ``split_keys`` > 0:
-    split-KV decoding, which always writes lse."""
+    split-KV decoding, which always writes lse and leaves the sinks to ``combine_splits``."""
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     block_m, block_n, warps, stages, sparse_q, sparse_kv = choose_tiles(
@@ -91,7 +91,8 @@ def forward_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         return_lse=return_lse or split_keys > 0, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target.name,
         max_registers=call.options.fwd.max_registers or 0, return_max=return_max,
-        split_keys=split_keys, wide_ints=int64_nodes(q, k, call))
+        split_keys=split_keys, wide_ints=int64_nodes(q, k, call),
+        sinks_dtype="" if split_keys else call.sinks_dtype, dropout=call.dropout is not None)
 
 
 @functools.cache
@@ -143,6 +144,7 @@ class AmpereForward(KernelFamily):
     name = "ampere"
     direction = "forward"
     priority = 0
+    features = frozenset({"sinks", "dropout"})
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         if call.options.fwd.use_tma:
@@ -185,20 +187,25 @@ class AmpereForward(KernelFamily):
         stat_lse, stat_max = stat_args(out, lse, maxs)
         plan.steps[0].launch_with(
             {"Q": q, "K": k, "V": v, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
-             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask)},
-            q.device)
+             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask),
+             **binding.feature_values(call)}, q.device)
         if splits:
-            combine_splits(out, lse, maxs, *results)
+            combine_splits(out, lse, maxs, *results, sinks=call.sinks)
             return results
         return out, lse, maxs
 
 
-def combine_splits(parts, part_lse, part_max, out, lse, maxs) -> None:
+def combine_splits(parts, part_lse, part_max, out, lse, maxs, sinks=None) -> None:
     """Write split-KV decoding's result into ``out`` (and ``lse``, ``maxs`` where wanted) from
     the splits' normalized outputs ``parts`` [n, B, H, L, Ev], their lse and row maxima
     [n, B, H, L]: out = sum over splits of exp(lse_s - lse) * out_s, lse = logsumexp(lse_s).
     A split without keys for a row has lse -inf and weight 0; a row without any keys gets
-    out 0 and lse -inf, as the kernel gives it."""
+    out 0 and lse -inf, as the kernel gives it. ``sinks`` [H] join lse as one more term
+    with no output (a row without keys then gets lse = its sink)."""
+    if sinks is not None:
+        sink_lse = sinks.detach().float().view(1, 1, -1, 1).expand(1, *part_lse.shape[1:])
+        part_lse = torch.cat([part_lse, sink_lse])
+        parts = torch.cat([parts, torch.zeros_like(parts[:1])])
     total = torch.logsumexp(part_lse, dim=0)
     weights = torch.exp(part_lse - torch.where(total == float("-inf"), 0.0, total))
     out.copy_((weights.unsqueeze(-1) * parts).sum(0))

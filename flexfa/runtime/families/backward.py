@@ -184,13 +184,15 @@ def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target, tm
         input_precision=call.options.fp32_precision, target=target.name, use_tma=tma,
         dq_warps=0 if dq_warps == warps else dq_warps,
         dq_stages=0 if dq_stages == stages else dq_stages,
-        wide_ints=int64_nodes_of(q, k, call), **mode)
+        wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None, **mode)
 
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """The tensors of one backward pass; ``grads``: the float32 (or int64 fixed-point)
-    accumulators of the captured tensors' gradients by slot."""
+    accumulators of the captured tensors' gradients by slot; ``delta``: where the kernels
+    store rowsum(dO * O) - dlse [B, Hq, L] float32 for the caller (the sinks' gradient),
+    None for a buffer of their own."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -203,6 +205,7 @@ class Inputs:
     dk: torch.Tensor
     dv: torch.Tensor
     grads: dict
+    delta: torch.Tensor | None = None
 
 
 def make_steps(spec: BackwardSpec, loaded, x: Inputs, call: AttentionCall,
@@ -260,14 +263,15 @@ def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
     B, Hq, L, _ = x.q.shape
     S = x.k.shape[2]
     device = x.q.device
-    delta = torch.empty(B, Hq, L, dtype=torch.float32, device=device)
+    delta = x.delta if x.delta is not None else torch.empty(B, Hq, L, dtype=torch.float32,
+                                                            device=device)
     values = {"Q": x.q, "K": x.k, "V": x.v, "DO": x.grad_out, "DOUT": x.grad_out,
               "OUT": x.out, "DQ": x.dq, "DK": x.dk, "DV": x.dv, "LSE": x.lse.contiguous(),
               "DELTA": delta,
               "DLSE": x.grad_lse.float().contiguous() if x.grad_lse is not None else delta,
               "sm_scale": float(call.scale),
               **binding.buffer_pointers(call.score, call.mask, detach=True),
-              **binding.gradient_values(x.grads, call.score)}
+              **binding.gradient_values(x.grads, call.score), **binding.feature_values(call)}
     if spec.ds_dq:  # the workspace of block slots
         band, slots = ds_workspace.bands_of(call.block_mask, L, S, spec.sparse_q,
                                             spec.sparse_kv, device)
@@ -311,6 +315,7 @@ def step_args(plan, call: AttentionCall, x: Inputs) -> list[list]:
 class Backward(KernelFamily):
     name = "triton_bwd"
     direction = "backward"
+    features = frozenset({"sinks", "dropout"})
 
     def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
         joint = joint_graph(call.score)
@@ -346,7 +351,8 @@ class Backward(KernelFamily):
                 or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
                 or (joint is not None and joint.grad_slots)):
             return None
-        key = autotune.tune_key("bwd", target.name, e_pad, next_power_of_two(v.shape[3]),
+        # dropout's Philox makes a different kernel: its own winners
+        key = autotune.tune_key("bwd_dropout" if call.dropout else "bwd", target.name, e_pad, next_power_of_two(v.shape[3]),
                                 DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                                 k.shape[2])
 

@@ -16,7 +16,7 @@ from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
 from .. import autotune, binding, plans
 from ..call import AttentionCall
-from ..kernels import generated_module
+from ..kernels import ModeSpec, generated_module
 from ..launch import Step, cdiv
 from ..layout import output_like
 from ..outputs import forward_grid, out_strides
@@ -109,12 +109,13 @@ def fp8_spec(x, call: AttentionCall, target: Target, return_lse: bool) -> FP8Ker
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group, target=target.name, use_tma=tma,
         fold_qk_scale=call.score is None and call.scale > 0 and x.positive_scales,
-        wide_ints=int64_nodes(x.q, x.k, call))
+        wide_ints=int64_nodes(x.q, x.k, call), sinks_dtype=call.sinks_dtype)
 
 
 class FP8Forward(KernelFamily):
     name = "fp8"
     direction = "fp8"
+    features = frozenset({"sinks"})  # forward-only: no dropout
 
     def first_call(self, key, target: Target, call, x, return_lse: bool):
         spec = fp8_spec(x, call, target, return_lse)
@@ -150,8 +151,8 @@ class FP8Forward(KernelFamily):
         plan.steps[0].launch_with(
             {"Q": x.q, "K": x.k, "V": x.v, "Q_SCALE": x.q_scale, "K_SCALE": x.k_scale,
              "V_SCALE": x.v_scale, "OUT": out, "LSE": lse if lse is not None else out,
-             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask)},
-            x.q.device)
+             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask),
+             **binding.feature_values(call)}, x.q.device)
         return out, lse
 
 
@@ -186,22 +187,9 @@ def quantize_rows(x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
     return scale
 
 
-class _QuantizeSpec:
-    """The quantize kernel has no spec fields: one kernel per interpret/compile mode."""
-
-    def __init__(self, interpret: bool):
-        self.interpret = interpret
-
-    def __eq__(self, other):
-        return isinstance(other, _QuantizeSpec) and other.interpret == self.interpret
-
-    def __hash__(self):
-        return hash(("quantize", self.interpret))
-
-
-def _generate_quantize(spec: _QuantizeSpec):
+def _generate_quantize(spec: ModeSpec):
     return quantize_kernel()
 
 
 def _quantize_module(interpret: bool):
-    return generated_module(_generate_quantize, _QuantizeSpec(interpret))
+    return generated_module(_generate_quantize, ModeSpec("quantize", interpret))

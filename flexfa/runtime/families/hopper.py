@@ -160,13 +160,15 @@ def hopper_spec(q, k, v, call: AttentionCall, target: Target, config, return_lse
         return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target.name,
         template=HOPPER_TEMPLATE, max_registers=max_registers, return_max=return_max,
-        wide_ints=int64_nodes(q, k, call), strided_qkv=not descriptor_layout_ok(q, k, v))
+        wide_ints=int64_nodes(q, k, call), strided_qkv=not descriptor_layout_ok(q, k, v),
+        sinks_dtype=call.sinks_dtype, dropout=call.dropout is not None)
 
 
 class HopperForward(KernelFamily):
     name = "hopper"
     direction = "forward"
     priority = 10
+    features = frozenset({"sinks", "dropout"})
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         options = call.options
@@ -244,8 +246,8 @@ class HopperForward(KernelFamily):
         step.launch_with(
             {"Q_DESC": kind(q, qs, qt, qb), "K_DESC": kind(k, ks, kt, kb),
              "V_DESC": kind(v, vs, vt, vb), "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
-             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask)},
-            q.device)
+             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask),
+             **binding.feature_values(call)}, q.device)
 
     def choose_config(self, q, k, v, call, target, return_lse, out, lse) -> tuple:
         """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): pinned, stored, tuned now, or
@@ -264,7 +266,9 @@ class HopperForward(KernelFamily):
         if (pinned.any or not autotune.enabled() or len(candidates) == 1
                 or work < autotune.MIN_TUNED_WORK):
             return pinned.apply(candidates[0])
-        key = autotune.tune_key(HOPPER_TEMPLATE, target.name, e_pad, ev_pad,
+        # dropout's Philox makes a different kernel: its own winners
+        key = autotune.tune_key(HOPPER_TEMPLATE + ("_dropout" if call.dropout else ""),
+                                target.name, e_pad, ev_pad,
                                 DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                                 k.shape[2])
 

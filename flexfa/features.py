@@ -1,0 +1,101 @@
+"""flex_attention's optional features: attention sinks and dropout. Their input checks (run
+before any kernel, each error naming the argument and the values) and ``dropout_mask``, the
+keep mask a seed gives, for references and tests.
+
+Attention sinks (GPT-OSS): ``sinks`` [Hq] holds one learnable logit per query head that joins
+every row's softmax denominator as a term without a value:
+``out = sum_j exp(s_j - m) v_j / (exp(sink_h - m) + sum_j exp(s_j - m))``; lse includes it.
+Dropout: each attention probability is dropped with probability ``dropout_p`` and the kept
+ones are scaled by ``1 / (1 - dropout_p)`` before ``P @ V``; lse is unaffected. The keep mask
+is a pure function of (seed, offset, b, h, q, k) (``flexfa.runtime.dropout``).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .errors import InputError, InputTypeError
+from .lazy import lazy_function
+from .runtime.call import OFFSET_LIMIT, SEED_LIMIT, Dropout, seed_tensor
+
+keep_mask = lazy_function("flexfa.runtime.dropout", "keep_mask")  # loads Triton
+
+
+def check_sinks(sinks, heads: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """``sinks`` as the kernels read it (contiguous; differentiable), after checking that it
+    is a tensor of shape [heads] (the query's heads) in float32 or ``dtype`` (the query's)
+    on ``device``."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise InputTypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads,):
+        raise InputError(f"sinks has shape {tuple(sinks.shape)} but query has {heads} heads; "
+                         f"sinks must be [{heads}]: one logit per query head")
+    if sinks.dtype not in (torch.float32, dtype):
+        raise InputTypeError(f"sinks has dtype {sinks.dtype}; it must be float32 or the "
+                             f"query's dtype {dtype}")
+    if sinks.device != device:
+        raise InputError(f"sinks is on {sinks.device} but query is on {device}")
+    return sinks.contiguous()
+
+
+def check_no_dropout(dropout_p, where: str) -> None:
+    """Refuse dropout where there is none (the forward-only FP8 path)."""
+    if check_dropout_p(dropout_p) != 0.0:
+        raise InputError(f"{where} has no dropout (it is forward-only inference), got "
+                         f"dropout_p={dropout_p!r}; use flexfa.flex_attention for training")
+
+
+def check_dropout_p(dropout_p) -> float:
+    """``dropout_p`` as a float in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise InputTypeError(f"dropout_p must be a float in [0, 1), got "
+                             f"{type(dropout_p).__name__} {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # also refuses NaN
+        raise InputError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def _seed_and_offset(dropout_seed) -> tuple[int | None, int]:
+    """(seed, offset) from ``dropout_seed``: None, an int seed, or a (seed, offset) pair."""
+    if dropout_seed is None:
+        return None, 0
+    pair = dropout_seed if isinstance(dropout_seed, tuple) else (dropout_seed, 0)
+    if len(pair) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                                 for x in pair):
+        raise InputTypeError(f"dropout_seed must be None, an int or a (seed, offset) pair of "
+                             f"ints, got {dropout_seed!r}")
+    seed, offset = (int(x) for x in pair)
+    if not 0 <= seed < SEED_LIMIT:
+        raise InputError(f"dropout_seed's seed must be in [0, 2**63), got {seed}")
+    if not 0 <= offset < OFFSET_LIMIT:
+        raise InputError(f"dropout_seed's offset must be in [0, 2**32), got {offset}")
+    return seed, offset
+
+
+def prepare_dropout(dropout_p, dropout_seed, device) -> Dropout | None:
+    """The call's ``Dropout`` (None for p = 0: today's kernels), its seed tensor on
+    ``device`` (drawn from torch's generator of that device when ``dropout_seed`` is None)."""
+    p = check_dropout_p(dropout_p)
+    seed, offset = _seed_and_offset(dropout_seed)
+    if p == 0.0:
+        return None
+    return Dropout(p, seed_tensor(seed, offset, device))
+
+
+def dropout_mask(seed, B: int, H: int, L: int, S: int, p: float, device="cpu") -> torch.Tensor:
+    """bool [B, H, L, S]: True where ``flex_attention(..., dropout_p=p, dropout_seed=seed)``
+    keeps the probability of (batch, query head, query, key), drawn by the same kernel
+    helpers. ``seed``: an int or a (seed, offset) pair. Writes L x S bytes: for references
+    and tests at small sizes."""
+    p = check_dropout_p(p)
+    seed_, offset = _seed_and_offset(seed)
+    if seed_ is None:
+        raise InputError("dropout_mask needs a seed: an int or a (seed, offset) pair")
+    for name, value in (("B", B), ("H", H), ("L", L), ("S", S)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise InputError(f"{name} must be a non-negative int, got {value!r}")
+    return keep_mask(seed_tensor(seed_, offset, torch.device(device)), B, H, L, S, p)

@@ -1,0 +1,50 @@
+"""Dropout's host side: the seed tensor a call's kernels draw from, the threshold and scale
+of a probability, and the kernel that writes the keep mask of a seed (for references).
+
+An element (b, h, q, k) of a call is kept when the Philox4x32-10 word of key ``seed`` and
+counters (k, q, b * H + h, offset mod 2**32), shifted right by one, is at least
+``round(p * 2**31)`` (``flexfa_dropout_keep`` in helpers.tmpl): a pure function of the seed
+and the indices, drawn again by the backward, nothing of size L x S stored.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codegen.dropout import dropout_mask_kernel
+from .kernels import ModeSpec, generated_module
+from .launch import Step, cdiv
+
+def threshold(p: float) -> int:
+    """The 31-bit threshold of drop probability ``p`` in [0, 1): an element is dropped when
+    its random word's top 31 bits are below it."""
+    return min(round(p * 2 ** 31), 2 ** 31 - 1)
+
+
+def scale(p: float) -> float:
+    """What kept probabilities are multiplied by: 1 / (1 - p)."""
+    return 1.0 / (1.0 - p)
+
+
+def kernel_values(p: float, seed: torch.Tensor) -> dict:
+    """The dropout arguments of an attention kernel (params.feature_params)."""
+    return {"DROPOUT_SEED": seed, "dropout_threshold": threshold(p),
+            "dropout_scale": scale(p)}
+
+
+def _generate(spec: ModeSpec):
+    return dropout_mask_kernel()
+
+
+def keep_mask(seed: torch.Tensor, B: int, H: int, L: int, S: int, p: float) -> torch.Tensor:
+    """bool [B, H, L, S]: True where an attention kernel with dropout probability ``p`` and
+    this seed tensor keeps the probability of (batch, query head, query, key)."""
+    device = seed.device
+    keep = torch.empty(B, H, L, S, dtype=torch.uint8, device=device)
+    if keep.numel():
+        loaded = generated_module(_generate, ModeSpec("dropout_mask", device.type != "cuda"))
+        values = {"KEEP": keep, "SEED": seed, "L": L, "S": S, "threshold": threshold(p)}
+        args = [values[name] for name in loaded.names()]
+        block = 32 if device.type != "cuda" else 64
+        Step(loaded.kernel(), (cdiv(L, block), B * H), {"BLOCK_M": block, "BLOCK_N": block},
+             {"num_warps": 4}).launch(args, device)
+    return keep.bool()

@@ -1,0 +1,225 @@
+"""Dropout on the attention probabilities (``flex_attention(..., dropout_p=, dropout_seed=)``):
+the keep mask is Philox4x32-10 of (seed, offset, b, h, q, k // 4) (checked bit for bit against a
+pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
+against the float64 reference fed ``flexfa.dropout_mask``), its keep rate is 1 - p
+(statistical tests, of the mask and of the kernel itself), p = 0 runs today's kernels, p
+close to 1 stays finite, and bad arguments fail before any launch."""
+import math
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.errors import InputError, InputTypeError
+from flexfa.reference import attention_reference
+from flexfa.runtime import launch
+from kernels.backward_utils import record_backward_specs
+from kernels.forward_utils import TEMPLATES, make_qkv
+from reference import assert_close_to_reference
+
+B, HQ, HKV, L, S, E = 1, 4, 2, 56, 80, 32  # GQA 2; L, S not tile multiples
+SEED = (1234567890123, 42)
+
+
+def philox_words(seed: int, counters: tuple[int, int, int, int]) -> tuple[int, ...]:
+    """Philox4x32-10's four output words (Salmon et al. 2011), in plain Python."""
+    key0, key1 = seed & 0xFFFFFFFF, seed >> 32
+    c0, c1, c2, c3 = counters
+    for _ in range(10):
+        prev0, prev2 = c0, c2
+        c0 = ((prev2 * 0xCD9E8D57) >> 32) ^ c1 ^ key0
+        c2 = ((prev0 * 0xD2511F53) >> 32) ^ c3 ^ key1
+        c1 = (prev2 * 0xCD9E8D57) & 0xFFFFFFFF
+        c3 = (prev0 * 0xD2511F53) & 0xFFFFFFFF
+        key0 = (key0 + 0x9E3779B9) & 0xFFFFFFFF
+        key1 = (key1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def test_the_mask_is_philox_of_seed_offset_and_indices():
+    p, (seed, offset) = 0.3, SEED
+    mask = flexfa.dropout_mask((seed, offset), 2, 3, 20, 40, p)
+    assert mask.shape == (2, 3, 20, 40) and mask.dtype == torch.bool
+    threshold = round(p * 2 ** 31)
+    for b in range(2):
+        for h in range(3):
+            for q in range(0, 20, 3):
+                for k in range(0, 40, 3):
+                    word = philox_words(seed, (k // 4, q, b * 3 + h, offset))[k % 4]
+                    assert bool(mask[b, h, q, k]) == ((word >> 1) >= threshold), (b, h, q, k)
+    assert not torch.equal(mask, flexfa.dropout_mask((seed, offset + 1), 2, 3, 20, 40, p))
+    assert not torch.equal(mask, flexfa.dropout_mask(seed + 1, 2, 3, 20, 40, p))
+    assert torch.equal(mask, flexfa.dropout_mask((seed, offset), 2, 3, 20, 40, p))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_of_the_mask(p):
+    mask = flexfa.dropout_mask(int(p * 1000), 1, 2, 64, 256, p)
+    n = mask.numel()
+    kept = mask.double().mean().item()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(kept - (1 - p)) < 5 * sigma, f"keep rate {kept} for p={p} (sigma {sigma:.2e})"
+    # neither rows nor columns share a pattern: per-row rates spread as binomials do
+    rows = mask.double().mean(dim=-1).flatten()
+    assert rows.std().item() < 3 * math.sqrt(p * (1 - p) / 256)
+    assert not torch.equal(mask[0, 0, 0], mask[0, 0, 1]) and not torch.equal(mask[0, 0], mask[0, 1])
+
+
+def test_keep_rate_of_the_kernel():
+    """q = k = 0: P = 1/S on every key; with v = 1 each row's out is its kept fraction times
+    1 / (1 - p), so the kernel's own keep rate is measured without the mask helper."""
+    p, rows, keys = 0.25, 64, 512
+    q = torch.zeros(1, 2, rows, 16)
+    k = torch.zeros(1, 2, keys, 16)
+    v = torch.ones(1, 2, keys, 16)
+    out = flexfa.flex_attention(q, k, v, dropout_p=p, dropout_seed=99)
+    kept = (out[..., 0].double() * (1 - p)).mean().item()
+    sigma = math.sqrt(p * (1 - p) / (2 * rows * keys))
+    assert abs(kept - (1 - p)) < 5 * sigma, f"kernel keep rate {kept}"
+    mask = flexfa.dropout_mask(99, 1, 2, rows, keys, p)
+    torch.testing.assert_close(out[..., 0].double(), mask.double().mean(-1) / (1 - p),
+                               atol=1e-5, rtol=1e-5)
+
+
+def late_causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx + 20  # rows 0..19 attend to nothing
+
+
+def reference(q, k, v, p, seed, score_mod=None, mask_mod=late_causal, dtype=torch.float64,
+              **kwargs):
+    mask = flexfa.dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2], p)
+    return attention_reference(q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True,
+                               dropout_mask=mask, dropout_p=p, dtype=dtype, **kwargs)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_forward_matches_the_reference_with_the_same_mask(template):
+    q, k, v = make_qkv(B, HQ, HKV, L, S, E, dtype=torch.bfloat16)
+    mask = flexfa.create_block_mask(late_causal, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True,
+                                     dropout_p=0.4, dropout_seed=SEED,
+                                     kernel_options=TEMPLATES[template])
+    exact, eager = (reference(q, k, v, 0.4, SEED, dtype=d) for d in (torch.float64, q.dtype))
+    assert_close_to_reference(out, exact[0], eager[0])
+    assert_close_to_reference(lse, exact[1], eager[1], name="lse")  # dropout leaves lse alone
+
+
+def gradients(q, k, v, p, seed, buffers, score_mod, options, with_sinks=False):
+    """(flexfa's, float64's, same-dtype eager's) gradients of out and lse with respect to
+    q, k, v (the sinks) and ``buffers``."""
+    generator = torch.Generator().manual_seed(11)
+    grad_out = torch.randn(*q.shape[:3], v.shape[3], generator=generator)
+    grad_lse = torch.randn(*q.shape[:3], generator=generator)
+    sinks = torch.linspace(-1.0, 2.0, q.shape[1]) if with_sinks else None
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    extra = [sinks.clone().requires_grad_()] if with_sinks else []
+    mask = flexfa.create_block_mask(late_causal, None, None, q.shape[2], k.shape[2],
+                                    device="cpu", BLOCK_SIZE=32)
+    out, lse = flexfa.flex_attention(*inputs, score_mod, mask, enable_gqa=True, return_lse=True,
+                                     sinks=extra[0] if extra else None, dropout_p=p,
+                                     dropout_seed=seed, kernel_options=options)
+    got = torch.autograd.grad([out, lse], inputs + extra + list(buffers),
+                              [grad_out.to(q.dtype), grad_lse])
+    wanted = []
+    for dtype in (torch.float64, q.dtype):
+        ref_inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        ref_extra = [sinks.clone().requires_grad_()] if with_sinks else []
+        ref_out, ref_lse = reference(*ref_inputs, p, seed, score_mod, dtype=dtype,
+                                     sinks=ref_extra[0] if ref_extra else None)
+        wanted.append(torch.autograd.grad([ref_out, ref_lse], ref_inputs + ref_extra
+                                          + list(buffers),
+                                          [grad_out.to(dtype), grad_lse.to(dtype)]))
+    return got, wanted[0], wanted[1]
+
+
+@pytest.mark.parametrize("template,dtype,options", [
+    ("ampere", torch.float32, {}),
+    ("hopper", torch.bfloat16, {"USE_TMA": True}),  # descriptors in the backward too
+    ("ampere", torch.float32, {"DS_WORKSPACE": True}),  # dK/dV stores dS, dQ reads it
+])
+def test_backward_draws_the_same_mask(template, dtype, options, monkeypatch):
+    specs = record_backward_specs(monkeypatch)
+    q, k, v = make_qkv(1, HQ, HKV, L, S, E, dtype=dtype, seed=12)
+    bias = (0.1 * torch.randn(HQ, L)).requires_grad_()
+
+    def row_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx]
+    buffers = [] if options.get("DS_WORKSPACE") else [bias]  # dS workspace: no buffer grads
+    got, exact, eager = gradients(q, k, v, 0.3, SEED, buffers, row_bias if buffers else None,
+                                  {**TEMPLATES[template], **options},
+                                  with_sinks=template == "hopper")
+    names = ["dq", "dk", "dv"] + (["dsinks"] if template == "hopper" else []) + ["dbias"]
+    for name, g, want, same in zip(names, got, exact, eager):
+        floor = 1e-2 if dtype == torch.bfloat16 and name in ("dsinks", "dbias") else None
+        assert_close_to_reference(g, want, same, fudge=6.0, name=name, floor=floor)
+    assert [(spec.dropout, spec.ds_dq, spec.use_tma) for spec in specs] == [
+        (True, bool(options.get("DS_WORKSPACE")), bool(options.get("USE_TMA")))]
+
+
+def test_p_zero_runs_todays_kernels(monkeypatch):
+    from flexfa.runtime.families import ampere
+
+    specs = []
+    original = ampere.forward_spec
+    monkeypatch.setattr(ampere, "forward_spec",
+                        lambda *a, **kw: specs.append(original(*a, **kw)) or specs[-1])
+    q, k, v = make_qkv(1, 2, 2, 40, 48, 16, seed=13)
+    plain = flexfa.flex_attention(q, k, v, kernel_options={"BACKEND": "AMPERE"})
+    zero = flexfa.flex_attention(q, k, v, dropout_p=0.0, dropout_seed=5,
+                                 kernel_options={"BACKEND": "AMPERE"})
+    assert torch.equal(plain, zero)
+    assert all(not spec.dropout for spec in specs)
+
+
+def test_p_close_to_one():
+    q, k, v = make_qkv(1, 2, 2, 40, 48, 16, seed=14)
+    for p in (0.99, 1 - 1e-12):
+        out, lse = flexfa.flex_attention(q, k, v, return_lse=True, dropout_p=p, dropout_seed=7)
+        assert torch.isfinite(out).all()
+        exact = reference(q, k, v, p, 7, mask_mod=None)
+        torch.testing.assert_close(out.double(), exact[0], atol=1e-5 / (1 - p), rtol=1e-4)
+        torch.testing.assert_close(lse.double(), exact[1])
+    # 1 - 1e-12 rounds to the largest 31-bit threshold: about one element in 2**31 survives
+    assert flexfa.dropout_mask(7, 1, 2, 40, 48, 1 - 1e-12).sum() == 0
+
+
+def test_seeds_decide_the_mask():
+    q, k, v = make_qkv(1, 2, 2, 40, 48, 16, seed=15)
+    first = flexfa.flex_attention(q, k, v, dropout_p=0.5, dropout_seed=3)
+    assert torch.equal(first, flexfa.flex_attention(q, k, v, dropout_p=0.5, dropout_seed=3))
+    assert not torch.equal(first, flexfa.flex_attention(q, k, v, dropout_p=0.5, dropout_seed=4))
+    assert not torch.equal(first, flexfa.flex_attention(q, k, v, dropout_p=0.5,
+                                                        dropout_seed=(3, 1)))
+    # no seed: drawn from torch's generator, so torch.manual_seed reproduces it
+    torch.manual_seed(0)
+    drawn = flexfa.flex_attention(q, k, v, dropout_p=0.5)
+    again = flexfa.flex_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    assert torch.equal(drawn, flexfa.flex_attention(q, k, v, dropout_p=0.5))
+    assert not torch.equal(drawn, again)
+
+
+def test_bad_dropout_arguments_fail_before_any_launch(monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+    monkeypatch.setattr(launch.Step, "launch", no_launch)
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 16)
+    cases = [
+        (dict(dropout_p=1.0), InputError, r"dropout_p must be in \[0, 1\), got 1.0"),
+        (dict(dropout_p=-0.1), InputError, r"dropout_p must be in \[0, 1\), got -0.1"),
+        (dict(dropout_p=float("nan")), InputError, r"dropout_p must be in \[0, 1\), got nan"),
+        (dict(dropout_p="0.1"), InputTypeError, "dropout_p must be a float in .*got str"),
+        (dict(dropout_p=True), InputTypeError, "dropout_p must be a float in .*got bool"),
+        (dict(dropout_p=0.1, dropout_seed=-1), InputError, r"seed must be in \[0, 2\*\*63\)"),
+        (dict(dropout_p=0.1, dropout_seed=(1, 2 ** 32)), InputError,
+         r"offset must be in \[0, 2\*\*32\), got 4294967296"),
+        (dict(dropout_p=0.1, dropout_seed=1.5), InputTypeError, "dropout_seed must be None"),
+        (dict(dropout_p=0.1, dropout_seed=(1, 2, 3)), InputTypeError, "dropout_seed must be"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            flexfa.flex_attention(q, k, v, **kwargs)
+    with pytest.raises(InputError, match="flex_attention_fp8 has no dropout"):
+        flexfa.fp8.flex_attention_fp8(q.bfloat16(), k.bfloat16(), v.bfloat16(), dropout_p=0.1)
+    with pytest.raises(InputError, match="dropout_mask needs a seed"):
+        flexfa.dropout_mask(None, 1, 1, 4, 4, 0.5)
