@@ -199,8 +199,8 @@ def _qkv(dtype=torch.bfloat16, E=16, L=32):
 @pytest.mark.parametrize("inputs, options, reason", [
     (_qkv(torch.float32), {"BACKEND": "HOPPER"}, "fp16/bf16 q, k, v with head dims 8..128"),
     (_qkv(E=256), {"BACKEND": "HOPPER"}, "fp16/bf16 q, k, v with head dims 8..128"),
-    ([t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv()], {"BACKEND": "HOPPER"},
-     r"each a \[B \* H \* len, dim\] matrix"),
+    ([t.transpose(2, 3).contiguous().transpose(2, 3) for t in _qkv()], {"BACKEND": "HOPPER"},
+     r"each a \[B \* H \* len, dim\] matrix or strided"),
     (_qkv(), {"BACKEND": "HOPPER", "USE_TMA": False}, "kernel_options USE_TMA=False"),
     (_qkv(), {"BACKEND": "HOPPER", "SPLIT_KV": 2}, "split-KV decoding"),
     (_qkv(), {"BACKEND": "AMPERE", "USE_TMA": True}, "USE_TMA=True asks for the "

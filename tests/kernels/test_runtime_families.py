@@ -16,6 +16,7 @@ from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families.ampere import AMPERE
 from flexfa.runtime.families.backward import BACKWARD
 from flexfa.runtime.families.decode import DECODE
+from flexfa.runtime.families.gluon import GLUON
 from flexfa.runtime.families.fp8 import FP8
 from flexfa.runtime.families.hopper import HOPPER
 from flexfa.runtime.forward import forward_plan_key
@@ -47,7 +48,8 @@ def test_targets():
 
 
 def test_registered_families():
-    assert registry.families("forward") == (DECODE, HOPPER, AMPERE)  # in order of preference
+    # in order of preference; the Gluon family runs only when BACKEND names it
+    assert registry.families("forward") == (DECODE, HOPPER, AMPERE, GLUON)
     assert registry.families("backward") == (BACKWARD,)
     assert registry.families("fp8") == (FP8,)
     assert (HOPPER.name, AMPERE.name, BACKWARD.name, FP8.name) == (
@@ -71,8 +73,11 @@ def test_what_keeps_an_sm90_call_off_the_hopper_family():
     assert registry.choose("forward", SM90, _call({"bwd_USE_TMA": False}), q, k, v) is HOPPER
     wide = make_qkv(1, 2, 2, 64, 64, 256, dtype=torch.bfloat16)  # E > MAX_HEAD_DIM
     assert registry.choose("forward", SM90, _call(), *wide) is AMPERE
+    # [B, L, H, E] memory: heads side by side in rows, which the strided layout reads
     strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
-    assert registry.choose("forward", SM90, _call(), *strided) is AMPERE
+    assert registry.choose("forward", SM90, _call(), *strided) is HOPPER
+    columns = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in (q, k, v)]  # dim strided
+    assert registry.choose("forward", SM90, _call(), *columns) is AMPERE
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q)  # 2 bytes off
     assert registry.choose("forward", SM90, _call(), unaligned, k, v) is AMPERE
 
