@@ -22,7 +22,7 @@ from ..runtime.families.ampere import default_tiles as ampere_tiles
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
 from ..runtime.families.decode import DecodeInputs, decode_spec
 from ..runtime.families.fp8 import default_tiles as fp8_tiles
-from ..runtime.options import KernelOptions
+from ..runtime.options import KernelOptions, PassOptions
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from ..runtime.target import parse_target
 from . import CompileJob, kernel_job, register, traced_mods
@@ -69,7 +69,8 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
     def build(arch: int) -> CompileJob:
         score, mask = traced_mods(score_mod, mask_mod)
         block_m, block_n, warps, stages = ampere_tiles(
-            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"))
+            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"),
+            next_power_of_two(head_dim_v or head_dim))
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
                           block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
@@ -99,11 +100,13 @@ register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tok
 
 def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
-               return_lse: bool = True, max_registers: int = 0, return_max: bool = False):
+               return_lse: bool = True, max_registers: int = 0, return_max: bool = False,
+               head_dim_v: int | None = None):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
-        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=block_m,
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
+                          block_m=block_m,
                           block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
@@ -145,7 +148,8 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
     def build(arch: int) -> CompileJob:
         score, mask = traced_mods(score_mod, mask_mod)
         block_m, block_n, warps, stages, cap = fp8_tiles(
-            next_power_of_two(head_dim, FP8_MIN_DIM), parse_target(f"cuda:{arch}"), use_tma)
+            next_power_of_two(head_dim, FP8_MIN_DIM), parse_target(f"cuda:{arch}"), use_tma,
+            next_power_of_two(head_dim_v or head_dim, FP8_MIN_DIM))
         spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
                              head_dim_v=head_dim_v or head_dim, block_m=block_m,
                              block_n=block_n, num_warps=warps, num_stages=stages,
@@ -197,10 +201,12 @@ register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 ragged: bool = True, ds: bool = False):
+                 ragged: bool = True, ds: bool = False, config: tuple | None = None,
+                 use_tma: bool | None = None):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
     ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
-    default GPU tiles, launched as the runtime's backward family launches it; example launch
+    default GPU tiles (``config``: the backward's tuned-config tuple instead; ``use_tma``:
+    kernel_options USE_TMA), launched as the runtime's backward family launches it; example launch
     arguments are tiny CPU tensors of the right dtypes (only their types reach the
     signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
     False: the benchmark's lengths."""
@@ -217,9 +223,10 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu") \
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                             0.125, KernelOptions(deterministic=deterministic), gqa_group)
+                             0.125, KernelOptions(deterministic=deterministic,
+                                                  bwd=PassOptions(use_tma=use_tma)), gqa_group)
         spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
-                             force_ds=ds)
+                             config=config, force_ds=ds)
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)
