@@ -170,4 +170,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.ok or r.skipped for r in results) else 1
 
 
-from . import jobs  # noqa: E402,F401  (registers every family's variants)
+from . import head_dims, jobs  # noqa: E402,F401  (register every family's variants)
