@@ -75,12 +75,41 @@ def test_sm90_backward_defaults_need_descriptors():
     q, k = (torch.empty(1, 2, 256, 192, dtype=torch.bfloat16) for _ in range(2))
     v = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
     spec = backward_family.backward_spec(q, k, v, _call(), False, SM90)
-    m1, n1, m2, n2, warps, stages = backward_family.HOPPER_BACKWARD_WIDE[256, 128][0]
+    m1, n1, m2, n2, warps, stages, dq_warps, _ = backward_family.HOPPER_BACKWARD_WIDE[256, 128][0]
     assert spec.use_tma and (spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2,
                              spec.num_warps) == (m1, n1, m2, n2, warps)
+    # the dQ kernel launches with its own warps (8: wgmma at 64 rows)
+    assert spec.dq_launch_options()["num_warps"] == dq_warps == 8
     # rows of a [B, L, H, E] tensor seen as [B, H, L, E]: no descriptors, the generic tiles
     # (the 4-warp ones spill 700..2700 bytes on pointer loads)
     strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
     spec = backward_family.backward_spec(*strided, _call(), False, SM90)
     generic = backward_family.default_tiles(256, torch.bfloat16, SM90, 128, tma=False)
     assert not spec.use_tma and spec.num_warps == generic[4] == 8
+
+
+def test_sm90_backward_tunes_the_wide_candidates(tmp_path, monkeypatch):
+    """At E = Ev = 256 the sm_90 backward times its wide candidates (dQ's own warps and
+    stages included; timed launches faked: no GPU here) and keeps the fastest."""
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    autotune.clear_memo()
+    candidates = backward_family.HOPPER_BACKWARD_WIDE[256, 256]
+    timed = []
+
+    def fake_plan(self, spec, call, x, joint):
+        dq = spec.dq_launch_options()
+        timed.append((spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2,
+                      spec.num_warps, spec.num_stages, dq["num_warps"], dq["num_stages"]))
+    monkeypatch.setattr(backward_family.Backward, "make_plan", fake_plan)
+    monkeypatch.setattr(backward_family.triton.testing, "do_bench",
+                        lambda fn, **kw: 1.0 if timed[-1] == candidates[1] else 2.0)
+    q = torch.randn(1, 2, 128, 256, dtype=torch.bfloat16)
+    x = backward_family.Inputs(q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, 128),
+                               q.clone(), None, q.clone(), q.clone(), q.clone(), {})
+    try:
+        chosen = backward_family.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    finally:
+        autotune.clear_memo()
+    assert chosen == candidates[1] and timed == list(candidates)
+    assert backward_family._label(chosen) == "32x32/32x64 w4 s2 dq w4 s2"
