@@ -201,7 +201,8 @@ def _call(options=None):
     (lambda: torch.randn(1, 2, 64, 32), False),  # fp32 stays on the Ampere template
     (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :4], False),
     (lambda: torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32], False),  # 72-byte rows
-    (lambda: torch.randn(1, 2, 64, 256, dtype=torch.bfloat16), False),  # wide heads: Ampere
+    (lambda: torch.randn(1, 2, 64, 256, dtype=torch.bfloat16), True),  # wide heads too
+    (lambda: torch.randn(1, 2, 64, 272, dtype=torch.bfloat16)[..., :264], False),  # past 256
     (lambda: torch.randn(1, 2, 64, 128, dtype=torch.bfloat16), True),
 ])
 def test_hopper_needs_flat_aligned_rows(make, expected):
