@@ -3,9 +3,10 @@ architectures without a GPU, and print a table.
 
 Each registered variant is a builder ``arch -> CompileJob`` (a compiled-mode kernel, its
 signature, constexprs and launch options), registered with ``register(name, builder)``;
-``flexfa.compile_check.jobs`` registers every family's. The table shows, per
-(kernel, arch): ok, whether the PTX uses ``mma.sync`` / ``wgmma``, and the registers and
-spill bytes ``ptxas -v`` reports, and the shared memory Triton allocates per program.
+``flexfa.compile_check.jobs`` registers every family's, ``head_dims`` the wide and odd
+head dims' at their default tiles. The table shows, per (kernel, arch): ok, whether the PTX
+uses ``mma.sync`` / ``wgmma``, the registers and spill bytes ``ptxas -v`` reports, and the
+shared memory Triton allocates per program.
 """
 from __future__ import annotations
 
