@@ -13,7 +13,7 @@ def _ptxas_missing() -> str | None:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         get_ptxas(90).path
-    except Exception as exc:  # spills come from ptxas -v; Triton ships it, a trimmed install may not
+    except Exception as exc:  # spills come from ptxas -v: Triton ships it, trimmed installs not
         return f"ptxas is unavailable ({type(exc).__name__}: {exc})"
     return None
 

@@ -65,16 +65,18 @@ def hopper_candidates(head_dim_pad: int, head_dim_v_pad: int) -> tuple:
     widest = max(head_dim_pad, head_dim_v_pad)
     if widest <= 128:
         return HOPPER_BACKWARD_CANDIDATES[64 if widest <= 64 else 128]
-    return HOPPER_BACKWARD_WIDE.get((head_dim_pad, head_dim_v_pad), HOPPER_BACKWARD_WIDE[256, 256])
+    return HOPPER_BACKWARD_WIDE.get((head_dim_pad, head_dim_v_pad),
+                                    HOPPER_BACKWARD_WIDE[256, 256])
 
 
 def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
                   head_dim_v_pad: int | None = None, tma: bool = True) -> tuple:
     """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages[, dQ's num_warps,
-    dQ's num_stages]) for padded head dims E (and Ev, default E), ``tma``: Q, dO, K, V tiles through tensor descriptors (what the
-    sm_90 tiles past 128 need). The dK/dV program holds K, V and two fp32 accumulators of
-    BLOCK_N1 x head_dim, the dQ program Q, dO and one; elsewhere than sm_90 a 4-warp shape
-    (``python -m flexfa compile-check --only bwd`` prints registers and spills)."""
+    dQ's num_stages]) for padded head dims E (and Ev, default E); ``tma``: Q, dO, K, V tiles
+    through tensor descriptors (what the sm_90 tiles past 128 need). The dK/dV program holds
+    K, V and two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one;
+    elsewhere than sm_90 a 4-warp shape (``python -m flexfa compile-check --only bwd`` prints
+    registers and spills)."""
     if target.interpret:
         return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
     head_dim_v_pad = head_dim_v_pad or head_dim_pad
@@ -148,8 +150,8 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target,
     to a tensor laid out like q; ``fusable``: no captured tensor needs a gradient and dK, dV
     are wanted (the dS workspace may be used); ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2,
     BLOCK_N2, warps, stages[, dQ's warps, dQ's stages]) from the autotuning, else the
-    defaults. Where the dS workspace
-    is used (``force_ds``: always, for the compile checks) both kernels take its tiles."""
+    defaults. Where the dS workspace is used (``force_ds``: always, for the compile checks)
+    both kernels take its tiles."""
     e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
     tma = use_tma(call, target, q, k, v, q if grad_out is None else grad_out)
     m1, n1, m2, n2, warps, stages, *dq = config or default_tiles(
