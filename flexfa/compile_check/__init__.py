@@ -3,9 +3,10 @@ architectures without a GPU, and print a table.
 
 Each registered variant is a builder ``arch -> CompileJob`` (a compiled-mode kernel, its
 signature, constexprs and launch options), registered with ``register(name, builder)``;
-``flexfa.compile_check.jobs`` registers every family's. The table shows, per
-(kernel, arch): ok, whether the PTX uses ``mma.sync`` / ``wgmma``, and the registers and
-spill bytes ``ptxas -v`` reports.
+``flexfa.compile_check.jobs`` registers every family's, ``head_dims`` the wide and odd
+head dims' at their default tiles. The table shows, per (kernel, arch): ok, whether the PTX
+uses ``mma.sync`` / ``wgmma``, the registers and spill bytes ``ptxas -v`` reports, and the
+shared memory Triton allocates per program.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class CompileResult:
     wgmma: bool = False
     registers: int | None = None
     spill_bytes: int | None = None
+    shared_bytes: int | None = None  # Triton's compiled.metadata.shared (sm_90: 227 KB fit)
     seconds: float = 0.0
     error: str = ""
     skipped: bool = False  # the variant does not target this arch
@@ -82,12 +84,13 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
         compiled = triton.compile(source(job.kernel, job.signature, job.constexprs),
                                   target=GPUTarget("cuda", arch, 32), options=job.options)
         ptx = compiled.asm["ptx"]
+        shared = getattr(compiled.metadata, "shared", None)
     except Exception as exc:  # reported in the table, not raised
         return CompileResult(variant, arch, False, seconds=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
     registers, spills = ptxas_usage(ptx, arch)
     return CompileResult(variant, arch, True, "mma.sync" in ptx, "wgmma" in ptx, registers, spills,
-                         time.perf_counter() - start, ptx=ptx)
+                         shared, time.perf_counter() - start, ptx=ptx)
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
@@ -127,14 +130,17 @@ def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:
 
 
 def format_table(results: list[CompileResult]) -> str:
-    header = ["kernel", "arch", "ok", "mma.sync", "wgmma", "registers", "spills (B)", "time (s)"]
+    header = ["kernel", "arch", "ok", "mma.sync", "wgmma", "registers", "spills (B)",
+              "shared (KB)", "time (s)"]
 
     def cell(value):
         return "-" if value is None else ("yes" if value is True else "no" if value is False
                                            else str(value))
 
     rows = [[r.variant, f"sm_{r.arch}", "ok" if r.ok else ("skip" if r.skipped else "FAIL"), cell(r.mma_sync),
-             cell(r.wgmma), cell(r.registers), cell(r.spill_bytes), f"{r.seconds:.1f}"]
+             cell(r.wgmma), cell(r.registers), cell(r.spill_bytes),
+             cell(None if r.shared_bytes is None else round(r.shared_bytes / 1024, 1)),
+             f"{r.seconds:.1f}"]
             for r in results]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
@@ -168,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.ok or r.skipped for r in results) else 1
 
 
-from . import jobs  # noqa: E402,F401  (registers every family's variants)
+from . import head_dims, jobs  # noqa: E402,F401  (register every family's variants)

@@ -24,7 +24,7 @@ from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_g
 from ..runtime.decode_inputs import DecodeInputs
 from ..runtime.families.decode import decode_spec
 from ..runtime.families.fp8 import default_tiles as fp8_tiles
-from ..runtime.options import KernelOptions
+from ..runtime.options import KernelOptions, PassOptions
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from ..runtime.target import parse_target
 from . import CompileJob, kernel_job, register, traced_mods
@@ -72,7 +72,8 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
     def build(arch: int) -> CompileJob:
         score, mask = traced_mods(score_mod, mask_mod)
         block_m, block_n, warps, stages = ampere_tiles(
-            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"))
+            next_power_of_two(head_dim), TORCH_DTYPES[dtype], parse_target(f"cuda:{arch}"),
+            next_power_of_two(head_dim_v or head_dim))
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
                           block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
@@ -109,12 +110,14 @@ register("fwd_d64_fp16_softcap_sinks_dropout_max",
 def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m: int = 128,
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
                return_lse: bool = True, max_registers: int = 0, return_max: bool = False,
-               strided_qkv: bool = False, sinks_dtype: str = "", dropout: bool = False):
+               strided_qkv: bool = False, sinks_dtype: str = "", dropout: bool = False,
+               head_dim_v: int | None = None):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods
     (``strided_qkv``: q, k, v through descriptors over strided matrices)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
-        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=block_m,
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
+                          block_m=block_m,
                           block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128, sparse_kv=128, even_l=False, even_s=False,
@@ -194,7 +197,8 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
     def build(arch: int) -> CompileJob:
         score, mask = traced_mods(score_mod, mask_mod)
         block_m, block_n, warps, stages, cap = fp8_tiles(
-            next_power_of_two(head_dim, FP8_MIN_DIM), parse_target(f"cuda:{arch}"), use_tma)
+            next_power_of_two(head_dim, FP8_MIN_DIM), parse_target(f"cuda:{arch}"), use_tma,
+            next_power_of_two(head_dim_v or head_dim, FP8_MIN_DIM))
         spec = FP8KernelSpec(out_dtype="bf16", head_dim=head_dim,
                              head_dim_v=head_dim_v or head_dim, block_m=block_m,
                              block_n=block_n, num_warps=warps, num_stages=stages,
@@ -248,10 +252,12 @@ register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
 
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
-                 ragged: bool = True, ds: bool = False, dropout: bool = False):
+                 ragged: bool = True, ds: bool = False, dropout: bool = False,
+                 config: tuple | None = None, use_tma: bool | None = None):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
     ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
-    default GPU tiles, launched as the runtime's backward family launches it; example launch
+    default GPU tiles (``config``: the backward's tuned-config tuple instead; ``use_tma``:
+    kernel_options USE_TMA), launched as the runtime's backward family launches it; example launch
     arguments are tiny CPU tensors of the right dtypes (only their types reach the
     signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
     False: the benchmark's lengths. ``dropout``: the kernels that draw the keep mask again."""
@@ -269,10 +275,11 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
             if mask_mod is not None else None
         seed = Dropout(0.1, torch.zeros(2, dtype=torch.int64)) if dropout else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                             0.125, KernelOptions(deterministic=deterministic), gqa_group,
+                             0.125, KernelOptions(deterministic=deterministic,
+                                                  bwd=PassOptions(use_tma=use_tma)), gqa_group,
                              dropout=seed)
         spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
-                             force_ds=ds)
+                             config=config, force_ds=ds)
         if ragged:  # lengths that are not tile multiples: the bounds-checked code paths
             spec = dataclasses.replace(spec, even_l1=False, even_s1=False, even_l2=False,
                                        even_s2=False)

@@ -33,8 +33,27 @@ HOPPER_CONFIGS: dict[int, tuple[tuple[int, int, int, int, int], ...]] = {
     64: ((128, 128, 8, 2, 128), (128, 128, 4, 3, 0), (128, 128, 8, 3, 0), (128, 64, 4, 3, 0),
          (128, 128, 4, 2, 0)),
     128: ((128, 64, 8, 2, 128), (128, 128, 8, 2, 0), (128, 128, 8, 3, 0), (128, 64, 8, 3, 0)),
-    256: ((128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)),
+    # Ev = 256: the [BLOCK_M, 256] fp32 accumulator spills (about 630 bytes) whenever one
+    # warpgroup owns 64 of its rows (128 x n with 8 warps, 64 x n with 4); 64-row tiles over
+    # 8 warps split its columns between two warpgroups: 193 registers, no spills (sm_90
+    # compile checks, docs/performance.md "Head dims"); 3 stages take 225 of 227 KB
+    256: ((64, 64, 8, 2, 0), (64, 32, 8, 2, 0), (64, 64, 8, 3, 0)),
 }
+# E pads past Ev (DeepSeek MLA: E = 192, Ev = 128): the registers of the Ev = 128 tiles (an
+# accumulator of 128 columns, 199..218 registers, no spills) with wider Q and K in shared
+# memory (128 x 64 x 2 stages: 160 KB, 3 stages 209 KB)
+HOPPER_CONFIGS_WIDE_QK: dict[tuple[int, int], tuple[tuple[int, int, int, int, int], ...]] = {
+    (256, 128): ((128, 64, 8, 2, 0), (128, 64, 8, 3, 0), (128, 128, 8, 1, 0), (64, 64, 4, 2, 0),
+                 (128, 32, 8, 2, 0)),
+}
+
+
+def hopper_configs(head_dim_pad: int, head_dim_v_pad: int) -> tuple[tuple[int, ...], ...]:
+    """The Hopper forward's candidates for padded head dims (E, Ev), the default first: the
+    wide-QK table's where it has the pair, else the table of the larger one."""
+    wide = HOPPER_CONFIGS_WIDE_QK.get((head_dim_pad, head_dim_v_pad))
+    return wide or HOPPER_CONFIGS[max(16, min(256, max(head_dim_pad, head_dim_v_pad)))]
+
 
 # below this many score elements (B * H * L * S) a launch is mostly overhead and timing it
 # says nothing about the config: the default is used and nothing is stored

@@ -211,7 +211,8 @@ def _bf16(*shape):
     (lambda: torch.randn(1, 2, 64, 32), False, False),  # fp32 stays on the Ampere template
     (lambda: _bf16(1, 2, 64, 36)[..., :4], False, False),
     (lambda: _bf16(1, 2, 64, 36)[..., :32], False, False),  # 72-byte rows
-    (lambda: _bf16(1, 2, 64, 256), False, False),  # wide heads: Ampere
+    (lambda: _bf16(1, 2, 64, 256), True, True),  # wide heads too
+    (lambda: _bf16(1, 2, 64, 272)[..., :264], False, False),  # past 256
     (lambda: _bf16(1, 2, 64, 128), True, True),
 ])
 def test_hopper_needs_aligned_rows_flat_or_strided(make, flat, strided):

@@ -173,11 +173,18 @@ def test_backward_tiles_on_sm90_are_the_measured_ones():
     assert backward.default_tiles(128, torch.bfloat16, SM90) == table[128][0]
     assert backward.default_tiles(64, torch.float16, SM90) == table[64][0]
     assert backward.default_tiles(32, torch.bfloat16, SM90) == table[64][0]
-    # fp32 and wide heads keep the generic choice
+    # fp32, and wide heads without tensor descriptors, keep the generic choice
     assert backward.default_tiles(128, torch.float32, SM90) == backward.default_tiles(
         128, torch.float32, SM80)
-    assert backward.default_tiles(256, torch.bfloat16, SM90) == backward.default_tiles(
-        256, torch.bfloat16, SM80)
+    assert backward.default_tiles(256, torch.bfloat16, SM90, tma=False) == \
+        backward.default_tiles(256, torch.bfloat16, SM80)
+    # wide heads with descriptors: the wide table by padded (E, Ev); E = 128 < Ev = 256 and
+    # E = Ev = 256 share one entry
+    wide = backward.HOPPER_BACKWARD_WIDE
+    assert backward.default_tiles(256, torch.bfloat16, SM90, 128) == wide[256, 128][0]
+    assert backward.default_tiles(256, torch.bfloat16, SM90) == wide[256, 256][0]
+    assert backward.default_tiles(128, torch.bfloat16, SM90, 256) == wide[256, 256][0]
+    assert backward.default_tiles(64, torch.bfloat16, SM90, 128) == table[128][0]
 
 
 def _backward_inputs(E=64, dtype=torch.bfloat16):

@@ -64,7 +64,7 @@ def test_named_variant_backward_on_gpu(name, dtype, E):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("E,Ev", [(64, 64), (128, 128), (256, 256), (96, 64)])
+@pytest.mark.parametrize("E,Ev", [(64, 64), (128, 128), (256, 256), (96, 64), (192, 128), (80, 80)])
 def test_matches_sdpa_backward(causal, E, Ev):
     q, k, v = make_qkv(B, H, H, 1000, 1000, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn(B, H, 1000, Ev, device="cuda", dtype=torch.bfloat16)

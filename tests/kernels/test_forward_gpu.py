@@ -35,7 +35,7 @@ def test_named_variant_on_gpu(name, dtype, E):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("E,Ev", [(64, 64), (128, 128), (256, 256), (96, 64)])
+@pytest.mark.parametrize("E,Ev", [(64, 64), (128, 128), (256, 256), (96, 64), (192, 128), (80, 80)])
 def test_matches_sdpa(causal, E, Ev):
     q, k, v = make_qkv(B, H, H, 1000, 1000, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
     block_mask = create_block_mask(mods.causal, None, None, 1000, 1000, device="cuda") \

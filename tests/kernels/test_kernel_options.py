@@ -197,8 +197,8 @@ def _qkv(dtype=torch.bfloat16, E=16, L=32):
 
 
 @pytest.mark.parametrize("inputs, options, reason", [
-    (_qkv(torch.float32), {"BACKEND": "HOPPER"}, "fp16/bf16 q, k, v with head dims 8..128"),
-    (_qkv(E=256), {"BACKEND": "HOPPER"}, "fp16/bf16 q, k, v with head dims 8..128"),
+    (_qkv(torch.float32), {"BACKEND": "HOPPER"}, "fp16/bf16 q, k, v with head dims 8..256"),
+    (_qkv(E=4), {"BACKEND": "HOPPER"}, "fp16/bf16 q, k, v with head dims 8..256"),
     ([t.transpose(2, 3).contiguous().transpose(2, 3) for t in _qkv()], {"BACKEND": "HOPPER"},
      r"each a \[B \* H \* len, dim\] matrix or strided"),
     (_qkv(), {"BACKEND": "HOPPER", "USE_TMA": False}, "kernel_options USE_TMA=False"),

@@ -71,8 +71,10 @@ def test_what_keeps_an_sm90_call_off_the_hopper_family():
     assert registry.choose("forward", SM90, _call({"fwd_USE_TMA": False}), q, k, v) is AMPERE
     assert registry.choose("forward", SM90, _call({"BACKEND": "AMPERE"}), q, k, v) is AMPERE
     assert registry.choose("forward", SM90, _call({"bwd_USE_TMA": False}), q, k, v) is HOPPER
-    wide = make_qkv(1, 2, 2, 64, 64, 256, dtype=torch.bfloat16)  # E > MAX_HEAD_DIM
-    assert registry.choose("forward", SM90, _call(), *wide) is AMPERE
+    wide = make_qkv(1, 2, 2, 64, 64, 256, dtype=torch.bfloat16)  # E = MAX_HEAD_DIM
+    assert registry.choose("forward", SM90, _call(), *wide) is HOPPER
+    narrow = make_qkv(1, 2, 2, 64, 64, 4, dtype=torch.bfloat16)  # 8-byte rows
+    assert registry.choose("forward", SM90, _call(), *narrow) is AMPERE
     # [B, L, H, E] memory: heads side by side in rows, which the strided layout reads
     strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
     assert registry.choose("forward", SM90, _call(), *strided) is HOPPER

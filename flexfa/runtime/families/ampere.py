@@ -27,25 +27,30 @@ from ..target import Target
 MIN_SPLIT_KEYS = 512  # split-KV decoding: the fewest keys a split walks
 
 
-def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target) -> tuple:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
+                  head_dim_v_pad: int | None = None) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for padded head dims E (and Ev, default E).
+    Past 128 the [BLOCK_M, Ev] accumulator sets the tiles: 128 x 32 while Ev <= 128 (MLA's
+    E = 192, Ev = 128), 64 x 16 at Ev = 256 (larger ones spill on sm_80 and sm_90)."""
     if target.interpret:
         return 64, 64, 4, 1  # big tiles: the interpreter's cost is per tile, not per element
-    if head_dim_pad <= 64:
+    ev_pad = head_dim_v_pad or head_dim_pad
+    if max(head_dim_pad, ev_pad) > 128:
+        tiles = (128, 32, 8, 2) if ev_pad <= 128 else (64, 16, 8, 2)
+    elif head_dim_pad <= 64:
         tiles = (128, 32, 4, 3)
-    elif head_dim_pad <= 128:
-        tiles = (128, 64, 8, 3)
     else:
-        tiles = (64, 32, 8, 2)
+        tiles = (128, 64, 8, 3)
     if dtype == torch.float32:  # twice the bytes per element: halve the kv tile
         tiles = (tiles[0], max(16, tiles[1] // 2), tiles[2], 2)
     return tiles
 
 
-def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: Target) -> tuple:
+def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: Target,
+                 head_dim_v_pad: int | None = None) -> tuple:
     """(BLOCK_M, BLOCK_N, warps, stages, SPARSE_Q, SPARSE_KV) from kernel_options or the
     defaults, fitted to the block mask's block sizes."""
-    block_m, block_n, warps, stages = default_tiles(head_dim_pad, dtype, target)
+    block_m, block_n, warps, stages = default_tiles(head_dim_pad, dtype, target, head_dim_v_pad)
     options = call.options.fwd
     sparse_q, sparse_kv = mask_blocks(call.block_mask)
     if sparse_q is not None:
@@ -81,7 +86,7 @@ def forward_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
     L, E = q.shape[2], q.shape[3]
     S, Ev = k.shape[2], v.shape[3]
     block_m, block_n, warps, stages, sparse_q, sparse_kv = choose_tiles(
-        call, next_power_of_two(E), q.dtype, target)
+        call, next_power_of_two(E), q.dtype, target, next_power_of_two(Ev))
     mask = call.block_mask
     return KernelSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev, block_m=block_m, block_n=block_n,

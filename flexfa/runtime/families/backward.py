@@ -45,17 +45,45 @@ HOPPER_BACKWARD_CANDIDATES = {
     64: ((32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
     128: ((64, 64, 64, 64, 4, 2),),
 }
+# padded (E, Ev) past 128 on sm_90 with tensor descriptors, from compile checks (no spills;
+# not timed yet), with the dQ kernel's own (warps, stages) last: with 8 warps the dK/dV
+# program's two accumulators and K, V spill 600..1800 bytes at 64 owned keys, so 4 warps own
+# 32 keys (mma.sync: 64 query rows a step while Ev <= 128); dQ programs of 64 rows over 8
+# warps keep wgmma without spills (16 keys a step at Ev = 256, 32 at 128), the 4-warp
+# 32 x 64 ones use mma.sync. Without descriptors all of these spill 700..2700 bytes: the
+# generic tiles.
+HOPPER_BACKWARD_WIDE = {
+    (256, 128): ((64, 32, 64, 32, 4, 2, 8, 2), (64, 32, 32, 64, 4, 2, 4, 2),
+                 (32, 32, 32, 32, 4, 3, 4, 3)),
+    (256, 256): ((32, 32, 64, 16, 4, 2, 8, 2), (32, 32, 32, 64, 4, 2, 4, 2),
+                 (32, 32, 32, 32, 4, 3, 4, 3)),
+}
 
 
-def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target) -> tuple:
-    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages). The dK/dV program
-    holds K, V and two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one;
+def hopper_candidates(head_dim_pad: int, head_dim_v_pad: int) -> tuple:
+    """The sm_90 candidates for padded head dims (E, Ev), the default first."""
+    widest = max(head_dim_pad, head_dim_v_pad)
+    if widest <= 128:
+        return HOPPER_BACKWARD_CANDIDATES[64 if widest <= 64 else 128]
+    return HOPPER_BACKWARD_WIDE.get((head_dim_pad, head_dim_v_pad),
+                                    HOPPER_BACKWARD_WIDE[256, 256])
+
+
+def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
+                  head_dim_v_pad: int | None = None, tma: bool = True) -> tuple:
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages[, dQ's num_warps,
+    dQ's num_stages]) for padded head dims E (and Ev, default E); ``tma``: Q, dO, K, V tiles
+    through tensor descriptors (what the sm_90 tiles past 128 need). The dK/dV program holds
+    K, V and two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one;
     elsewhere than sm_90 a 4-warp shape (``python -m flexfa compile-check --only bwd`` prints
     registers and spills)."""
     if target.interpret:
         return 64, 64, 64, 64, 4, 1  # the interpreter's cost is per tile, not per element
-    if target.is_sm90 and dtype != torch.float32 and head_dim_pad <= 128:
-        return HOPPER_BACKWARD_CANDIDATES[64 if head_dim_pad <= 64 else 128][0]
+    head_dim_v_pad = head_dim_v_pad or head_dim_pad
+    widest = max(head_dim_pad, head_dim_v_pad)
+    if target.is_sm90 and dtype != torch.float32 and (tma or widest <= 128):
+        return hopper_candidates(head_dim_pad, head_dim_v_pad)[0]
+    head_dim_pad = widest
     if head_dim_pad <= 128:
         tiles = (32, 64, 64, 32, 4, 2)
     else:  # not measured: 8 warps keep the E=256 accumulators out of local memory
@@ -121,13 +149,16 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target,
     """The backward variant for these inputs; ``grad_out`` (for the TMA decision) defaults
     to a tensor laid out like q; ``fusable``: no captured tensor needs a gradient and dK, dV
     are wanted (the dS workspace may be used); ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2,
-    BLOCK_N2, warps, stages) from the autotuning, else the defaults. Where the dS workspace
-    is used (``force_ds``: always, for the compile checks) both kernels take its tiles."""
+    BLOCK_N2, warps, stages[, dQ's warps, dQ's stages]) from the autotuning, else the
+    defaults. Where the dS workspace is used (``force_ds``: always, for the compile checks)
+    both kernels take its tiles."""
     e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
-    m1, n1, m2, n2, warps, stages = config or default_tiles(e_pad, q.dtype, target)
     tma = use_tma(call, target, q, k, v, q if grad_out is None else grad_out)
+    m1, n1, m2, n2, warps, stages, *dq = config or default_tiles(
+        next_power_of_two(q.shape[3]), q.dtype, target, next_power_of_two(v.shape[3]), tma)
+    dq_warps, dq_stages = dq or (warps, stages)
     spec = _tiled_spec(q, k, v, call, has_dlse, target, tma, (m1, n1, warps, stages),
-                       (m2, n2, warps, stages))
+                       (m2, n2, dq_warps, dq_stages))
     tiles = ds_workspace.tiles(target, e_pad, q.dtype)
     if tiles is not None:
         ds_spec = _tiled_spec(q, k, v, call, has_dlse, target, tma, *tiles, ds_dq=True)
@@ -340,19 +371,21 @@ class Backward(KernelFamily):
         """The tiles tuned per (target, head dims, dtype, mask density class, short/long kv
         length) on sm_90, stored like the forward's (``autotune``); None (the defaults) when
         not tuning: other GPUs, tiles pinned through kernel_options, FLEXFA_AUTOTUNE=0,
-        little work, or captured tensors needing gradients (their atomics would add up over
-        the timed runs)."""
+        little work, head dims past 128 without tensor descriptors (one default), or captured
+        tensors needing gradients (their atomics would add up over the timed runs)."""
         q, k, v = x.q, x.k, x.v
-        e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
+        e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-        candidates = HOPPER_BACKWARD_CANDIDATES.get(64 if e_pad <= 64 else 128, ())
-        if (not target.is_sm90 or q.dtype == torch.float32 or e_pad > 128
+        candidates = hopper_candidates(e_pad, ev_pad)
+        if (not target.is_sm90 or q.dtype == torch.float32
+                or (max(e_pad, ev_pad) > 128 and not use_tma(call, target, q, k, v, x.grad_out))
                 or call.options.bwd.pins_tiles or not autotune.enabled()
                 or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
                 or (joint is not None and joint.grad_slots)):
             return None
         # dropout's Philox makes a different kernel: its own winners
-        key = autotune.tune_key("bwd_dropout" if call.dropout else "bwd", target.name, e_pad, next_power_of_two(v.shape[3]),
+        key = autotune.tune_key("bwd_dropout" if call.dropout else "bwd", target.name,
+                                max(e_pad, ev_pad), ev_pad,
                                 DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
                                 k.shape[2])
 
@@ -371,8 +404,8 @@ class Backward(KernelFamily):
 
 
 def _label(config) -> str:
-    m1, n1, m2, n2, warps, stages = config
-    return f"{m1}x{n1}/{m2}x{n2} w{warps} s{stages}"
+    m1, n1, m2, n2, warps, stages, *dq = config
+    return f"{m1}x{n1}/{m2}x{n2} w{warps} s{stages}" + (" dq w{} s{}".format(*dq) if dq else "")
 
 
 BACKWARD = register(Backward())

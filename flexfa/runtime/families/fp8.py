@@ -26,13 +26,18 @@ from ..target import Target
 from .ampere import int64_nodes
 
 
-def default_tiles(head_dim_pad: int, target: Target, use_tma: bool = False) -> tuple:
+def default_tiles(head_dim_pad: int, target: Target, use_tma: bool = False,
+                  head_dim_v_pad: int | None = None) -> tuple:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg); 64 x 64 under the interpreter.
     E = 128 with tensor descriptors: 64 x 128 tiles, 4 warps, 2 stages, capped at 168
     registers (three programs per SM, so one program's softmax overlaps the others' GEMMs);
-    the others from sm_90 compile checks without spills (docs/fp8.md)."""
+    the others from sm_90 compile checks without spills (docs/fp8.md). Ev = 256 (padded
+    ``head_dim_v_pad``, default E's): 64 rows over 8 warps (128 rows spill 1400..4400 bytes on
+    sm_89 and sm_90)."""
     if target.interpret:
         return 64, 64, 4, 1, 0
+    if (head_dim_v_pad or head_dim_pad) > 128:
+        return (64, 64, 8, 2, 0) if use_tma else (64, 32, 8, 2, 0)
     if use_tma and 64 < head_dim_pad <= 128:
         return 64, 128, 4, 2, 168
     if head_dim_pad <= 64 or (use_tma and head_dim_pad <= 128):
@@ -86,7 +91,7 @@ def fp8_spec(x, call: AttentionCall, target: Target, return_lse: bool) -> FP8Ker
     S, Ev = x.k.shape[2], x.v.shape[3]
     tma = use_tma(call, target, x)
     block_m, block_n, warps, stages, cap = default_tiles(
-        next_power_of_two(E, FP8_MIN_DIM), target, tma)
+        next_power_of_two(E, FP8_MIN_DIM), target, tma, next_power_of_two(Ev, FP8_MIN_DIM))
     q_blocks, kv_blocks = {"Q scale": x.block_q}, {"K/V scale": x.block_kv}
     mask = call.block_mask
     if mask is not None:

@@ -1,7 +1,7 @@
 """The Hopper forward family: ``fwd_hopper.tmpl`` (Q/K/V tiles through tensor descriptors,
 wgmma-sized tiles, one flat pipelined loop per block table, longest q tiles first).
 
-Applies on sm_90 to fp16/bf16 inputs with head dims 8..128 whose [B, H, len, dim] layout
+Applies on sm_90 to fp16/bf16 inputs with head dims 8..256 whose [B, H, len, dim] layout
 flattens to 16-byte aligned rows (what tensor descriptors need), unless kernel_options say
 ``USE_TMA=False`` or split-KV decoding applies (the Ampere family splits). Under the
 interpreter it runs when forced (``BACKEND="HOPPER"`` or ``USE_TMA=True``): how CI tests it.
@@ -29,9 +29,9 @@ from ..tables import largest_tile, mask_blocks
 from ..target import Target
 from .ampere import int64_nodes, wants_split
 
-# wider heads keep the Ampere family: at E = 256 this template compiles (196 KB of shared
-# memory) but spills about 600 bytes and was never measured on the H200
-MAX_HEAD_DIM = 128
+# up to 256: the wide dims' tiles (autotune.HOPPER_CONFIGS[256], HOPPER_CONFIGS_WIDE_QK)
+# compile without spills on sm_90
+MAX_HEAD_DIM = 256
 INTERPRET_CONFIG = (64, 64, 4, 1, 0)
 
 
@@ -126,8 +126,9 @@ def strided_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
     return [rows, columns], [t.stride(2), 1], [block_rows, cols_pad]
 
 
-def _candidates(head_dim_pad: int, sparse_q, sparse_kv) -> list[tuple[int, ...]]:
-    configs = autotune.HOPPER_CONFIGS[max(16, min(256, head_dim_pad))]
+def _candidates(head_dim_pad: int, sparse_q, sparse_kv,
+                head_dim_v_pad: int | None = None) -> list[tuple[int, ...]]:
+    configs = autotune.hopper_configs(head_dim_pad, head_dim_v_pad or head_dim_pad)
     fitted = [c for c in configs
               if sparse_q is None or (sparse_q % c[0] == 0 and sparse_kv % c[1] == 0)]
     if fitted:
@@ -178,9 +179,9 @@ class HopperForward(KernelFamily):
         if not (target.is_sm90 or (target.interpret and forced)):
             return f"it runs on sm_90 (and under the interpreter when forced), not {target}"
         if not (descriptor_layout_ok(q, k, v) or strided_ok(q, k, v)):
-            return ("it needs fp16/bf16 q, k, v with head dims 8..128 and 16-byte aligned rows, "
-                    "each a [B * H * len, dim] matrix or strided with heads in whole rows or "
-                    "side by side at power-of-two head dims")
+            return (f"it needs fp16/bf16 q, k, v with head dims 8..{MAX_HEAD_DIM} and 16-byte "
+                    "aligned rows, each a [B * H * len, dim] matrix or strided with heads in "
+                    "whole rows or side by side at power-of-two head dims")
         if wants_split(call, target, q, k):
             return "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
         return None
@@ -261,7 +262,7 @@ class HopperForward(KernelFamily):
                 block_n = min(block_n, largest_tile(sparse[1]))
             return pinned.apply((block_m, block_n, warps, stages, cap))
         e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
-        candidates = _candidates(max(e_pad, ev_pad), *sparse)
+        candidates = _candidates(e_pad, *sparse, ev_pad)
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         if (pinned.any or not autotune.enabled() or len(candidates) == 1
                 or work < autotune.MIN_TUNED_WORK):

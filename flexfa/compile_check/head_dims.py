@@ -1,0 +1,53 @@
+"""Compile-check variants of the large and odd head dims (E = 192 with Ev = 128 as in
+DeepSeek's MLA, E = 256, E = 96 padded to 128), every family at the tiles the runtime picks
+for them by default: ``python -m flexfa compile-check --only d192`` (or ``d256``, ``d96``)
+prints registers, spill bytes and shared memory. docs/performance.md "Head dims" has the
+table and why the tiles are what they are."""
+from __future__ import annotations
+
+import torch
+
+from ..codegen.spec import next_power_of_two
+from ..runtime.autotune import hopper_configs
+from . import register
+from .jobs import FP8_ARCHS, backward_job, forward_job, fp8_job, hopper_job
+
+# tag -> (E, Ev)
+HEAD_DIMS = {"d192_ev128": (192, 128), "d256": (256, 256), "d96": (96, 96)}
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def hopper_default_job(head_dim: int, dtype: str, head_dim_v: int | None = None, **mods):
+    """``hopper_job`` at the runtime's default config for these head dims (``hopper_configs``;
+    a causal block mask of 128 x 128 blocks keeps it)."""
+    block_m, block_n, warps, stages, cap = hopper_configs(
+        next_power_of_two(head_dim), next_power_of_two(head_dim_v or head_dim))[0]
+    return hopper_job(head_dim, dtype, block_m=block_m, block_n=block_n, num_warps=warps,
+                      num_stages=stages, max_registers=cap, head_dim_v=head_dim_v, **mods)
+
+
+def _register() -> None:
+    # a score_mod as well as the mask: the default tiles keep headroom for a mod's registers
+    mods = dict(score_mod=_softcap, mask_mod=_causal)
+    for tag, (E, Ev) in HEAD_DIMS.items():
+        register(f"fwd_hopper_{tag}_bf16_softcap_causal",
+                 hopper_default_job(E, "bf16", head_dim_v=Ev, **mods), archs=(90,))
+        register(f"fwd_{tag}_bf16_softcap_causal", forward_job(E, "bf16", head_dim_v=Ev, **mods))
+        for which in ("dkdv", "dq"):
+            register(f"bwd_{which}_{tag}_bf16_softcap_causal",
+                     backward_job(which, E, "bf16", head_dim_v=Ev, **mods))
+        if E > 128:  # the FP8 tiles past 128: with descriptors on sm_90, pointer loads on both
+            register(f"fwd_fp8_{tag}_causal_tma",
+                     fp8_job(E, mask_mod=_causal, head_dim_v=Ev, use_tma=True), archs=(90,))
+            register(f"fwd_fp8_{tag}_causal", fp8_job(E, mask_mod=_causal, head_dim_v=Ev),
+                     archs=FP8_ARCHS)
+
+
+_register()

@@ -1,0 +1,69 @@
+"""Large head dims compile without register spills at the runtime's default tiles: E = 192
+with Ev = 128 (DeepSeek's MLA) and E = 256 on sm_90 (the Hopper forward, the backward's dK/dV
+and dQ kernels through tensor descriptors), and the pointer-load kernels for sm_80. The
+variants are flexfa.compile_check.head_dims's (``python -m flexfa compile-check --only d256``).
+Each compile takes several seconds: the rest of the table runs under the ``slow`` marker."""
+import pytest
+
+from flexfa import compile_check
+from flexfa.compile_check import compile_job
+
+
+def _ptxas_missing() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        get_ptxas(90).path
+    except Exception as exc:  # spills come from ptxas -v: Triton ships it, trimmed installs not
+        return f"ptxas is unavailable ({type(exc).__name__}: {exc})"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_ptxas_missing() is not None, reason=str(_ptxas_missing()))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+
+
+def _compiled(name: str, arch: int):
+    result = compile_job(name, arch, compile_check.REGISTRY[name])
+    assert result.ok, f"{name} sm_{arch}: {result.error}"
+    assert result.spill_bytes is not None, f"{name} sm_{arch}: ptxas -v reported nothing"
+    return result
+
+
+SM90_DEFAULTS = [f"{kernel}_{tag}_bf16_softcap_causal" for tag in ("d192_ev128", "d256")
+                 for kernel in ("fwd_hopper", "bwd_dkdv", "bwd_dq")]
+
+
+@pytest.mark.parametrize("name", SM90_DEFAULTS)
+def test_sm90_defaults_do_not_spill(name):
+    result = _compiled(name, 90)
+    assert result.spill_bytes == 0, f"{name}: {result.spill_bytes} bytes of spills"
+    assert result.shared_bytes <= 227 * 1024, f"{name}: {result.shared_bytes} bytes of shared"
+    if name.startswith("fwd_hopper"):
+        assert result.wgmma and "cp.async.bulk.tensor" in result.ptx  # TMA loads, wgmma
+
+
+@pytest.mark.parametrize("name", [
+    "fwd_d256_bf16_softcap_causal",
+    pytest.param("fwd_d192_ev128_bf16_softcap_causal", marks=pytest.mark.slow),
+    pytest.param("bwd_dkdv_d256_bf16_softcap_causal", marks=pytest.mark.slow),
+    pytest.param("bwd_dq_d256_bf16_softcap_causal", marks=pytest.mark.slow),
+    pytest.param("bwd_dkdv_d192_ev128_bf16_softcap_causal", marks=pytest.mark.slow),
+    pytest.param("bwd_dq_d192_ev128_bf16_softcap_causal", marks=pytest.mark.slow),
+])
+def test_sm80_pointer_load_kernels_compile(name):
+    result = _compiled(name, 80)
+    assert result.mma_sync and not result.wgmma
+    assert result.spill_bytes <= 64, f"{name}: {result.spill_bytes} bytes of spills"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,arch", [("fwd_fp8_d256_causal_tma", 90),
+                                       ("fwd_fp8_d256_causal", 89),
+                                       ("fwd_fp8_d192_ev128_causal_tma", 90),
+                                       ("fwd_hopper_d96_bf16_softcap_causal", 90)])
+def test_other_families_at_wide_dims(name, arch):
+    assert _compiled(name, arch).spill_bytes <= 64

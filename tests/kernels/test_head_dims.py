@@ -1,0 +1,115 @@
+"""Large and odd head dims under the interpreter: E = 80 and 96 (padded to 128), E = 192 with
+Ev = 128 (DeepSeek's MLA: q/k and v padded apart, 256 and 128) and E = 256, forward (both
+forward families) and backward (pointer loads and tensor descriptors) against the float64
+reference with a score_mod and a block mask; and the tiles the runtime picks for them on sm_90
+(no GPU needed: the choice is host code)."""
+import pytest
+import torch
+
+from flexfa import mods
+from flexfa.blockmask import create_block_mask
+from flexfa.runtime import autotune
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families import backward as backward_family
+from flexfa.runtime.families.hopper import HOPPER
+from flexfa.runtime.options import KernelOptions
+from flexfa.runtime.target import Target
+from backward_utils import check_backward, record_backward_specs
+from forward_utils import TEMPLATES, check_forward, make_qkv
+
+SM90 = Target("cuda", 9, 0)
+# L and S that are not tile multiples; a window and a soft cap: masked and partial tiles
+L, S = 64, 80
+
+
+def _mask():
+    return create_block_mask(mods.sliding_window(40), None, None, L, S, device="cpu",
+                             BLOCK_SIZE=64)
+
+
+@pytest.mark.parametrize("family", ["ampere", "hopper"])
+@pytest.mark.parametrize("E,Ev", [(80, 80), (96, 96), (192, 128), (256, 256)])
+def test_forward_matches_the_reference(family, E, Ev):
+    q, k, v = make_qkv(1, 2, 2, L, S, E, Ev, dtype=torch.bfloat16, seed=E + Ev)
+    check_forward(q, k, v, mods.softcap(20.0), mods.sliding_window(40), _mask(),
+                  kernel_options=TEMPLATES[family])
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("E,Ev", [(96, 96), (192, 128), (256, 256)])
+def test_backward_matches_the_reference(spy_specs, E, Ev, tma):
+    q, k, v = make_qkv(1, 2, 2, L, S, E, Ev, dtype=torch.bfloat16, seed=E - Ev)
+    check_backward(q, k, v, mods.softcap(20.0), mods.sliding_window(40), _mask(), with_lse=True,
+                   kernel_options={"bwd_USE_TMA": tma})
+    (spec,) = spy_specs
+    assert spec.use_tma == tma and (spec.head_dim, spec.head_dim_v) == (E, Ev)
+    # q/k and v pad apart: E = 192 reads 256 columns of q and k, Ev = 128 of v
+    constexprs = spec.dkdv_constexprs(False)
+    assert (constexprs["E_PAD"], constexprs["EV_PAD"]) == (
+        256 if E > 128 else 128, 256 if Ev > 128 else 128)
+
+
+@pytest.fixture
+def spy_specs(monkeypatch):
+    return record_backward_specs(monkeypatch)
+
+
+def _call():
+    return AttentionCall(None, None, None, 0.125, KernelOptions(), 1)
+
+
+@pytest.mark.parametrize("E,Ev,default", [
+    (192, 128, autotune.HOPPER_CONFIGS_WIDE_QK[256, 128][0]),
+    (256, 256, autotune.HOPPER_CONFIGS[256][0]),
+    (96, 96, autotune.HOPPER_CONFIGS[128][0]),  # padded to 128: the tuned E = 128 tiles
+])
+def test_sm90_forward_defaults(monkeypatch, E, Ev, default):
+    monkeypatch.setenv("FLEXFA_AUTOTUNE", "0")
+    q, k = (torch.empty(2, 16, 4096, E, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(2, 16, 4096, Ev, dtype=torch.bfloat16)  # never touched: no launch
+    assert HOPPER.why_not(SM90, _call(), q, k, v) is None
+    assert HOPPER.choose_config(q, k, v, _call(), SM90, False, None, None) == default
+
+
+def test_sm90_backward_defaults_need_descriptors():
+    q, k = (torch.empty(1, 2, 256, 192, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    spec = backward_family.backward_spec(q, k, v, _call(), False, SM90)
+    m1, n1, m2, n2, warps, stages, dq_warps, _ = backward_family.HOPPER_BACKWARD_WIDE[256, 128][0]
+    assert spec.use_tma and (spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2,
+                             spec.num_warps) == (m1, n1, m2, n2, warps)
+    # the dQ kernel launches with its own warps (8: wgmma at 64 rows)
+    assert spec.dq_launch_options()["num_warps"] == dq_warps == 8
+    # rows of a [B, L, H, E] tensor seen as [B, H, L, E]: no descriptors, the generic tiles
+    # (the 4-warp ones spill 700..2700 bytes on pointer loads)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    spec = backward_family.backward_spec(*strided, _call(), False, SM90)
+    generic = backward_family.default_tiles(256, torch.bfloat16, SM90, 128, tma=False)
+    assert not spec.use_tma and spec.num_warps == generic[4] == 8
+
+
+def test_sm90_backward_tunes_the_wide_candidates(tmp_path, monkeypatch):
+    """At E = Ev = 256 the sm_90 backward times its wide candidates (dQ's own warps and
+    stages included; timed launches faked: no GPU here) and keeps the fastest."""
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    autotune.clear_memo()
+    candidates = backward_family.HOPPER_BACKWARD_WIDE[256, 256]
+    timed = []
+
+    def fake_plan(self, spec, call, x, joint):
+        dq = spec.dq_launch_options()
+        timed.append((spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2,
+                      spec.num_warps, spec.num_stages, dq["num_warps"], dq["num_stages"]))
+    monkeypatch.setattr(backward_family.Backward, "make_plan", fake_plan)
+    monkeypatch.setattr(backward_family.triton.testing, "do_bench",
+                        lambda fn, **kw: 1.0 if timed[-1] == candidates[1] else 2.0)
+    q = torch.randn(1, 2, 128, 256, dtype=torch.bfloat16)
+    x = backward_family.Inputs(q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, 128),
+                               q.clone(), None, q.clone(), q.clone(), q.clone(), {})
+    try:
+        chosen = backward_family.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    finally:
+        autotune.clear_memo()
+    assert chosen == candidates[1] and timed == list(candidates)
+    assert backward_family._label(chosen) == "32x32/32x64 w4 s2 dq w4 s2"
