@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 
-from ..inputs import check_block_mask, check_buffers, check_scale
+from ..inputs import broadcast_batch, check_block_mask, check_buffers, check_scale
+from ..blockmask.coarsen import runnable_block_mask
 from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
 from ..eager import outside_compile
@@ -40,6 +41,11 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
     check_no_grad((("query", query), ("key", key), ("value", value)), ())
     if isinstance(query, torch.Tensor):
         check_fp8_device(query.device)  # before the quantization kernel runs
+        if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and \
+                key.dim() == query.dim() == 4 and key.shape[0] == 1 < query.shape[0]:
+            # key and value of batch 1 shared by the query's batch, as flex_attention
+            # takes them: quantized per batch entry (scales are per batch entry)
+            key, value = broadcast_batch(query, key, value)
     return quantize(query, key, value, block_size=block_size, rotate=rotate, seed=seed)
 
 
@@ -72,6 +78,9 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     check_block_mask(block_mask, x.q, x.k)
     check_tables(block_mask, x.q.shape[2], x.k.shape[2])
     score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
+    runnable = runnable_block_mask(block_mask, mask)
+    if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
+        block_mask, mask = runnable, runnable.traced_mask
     check_buffers(score, "score_mod", x.q.device)
     check_buffers(mask, "mask_mod", x.q.device)
     check_captured_indices(score, mask, x.q.shape, x.k.shape[2], x.q.device)

@@ -60,13 +60,26 @@ def buffer_layout(score, mask) -> dict:
     return fixed
 
 
+_POINTER_NAMES: dict[tuple, tuple] = {}  # the mods' keys -> ((name, mod, slot), ...)
+
+
 def buffer_pointers(score, mask, detach: bool = False) -> dict:
-    """The captured tensors themselves (a call's values), detached for the backward."""
-    values = {}
-    for args, traced in zip(mod_buffer_args(score, mask), (score, mask)):
-        for arg, tensor in zip(args, traced.buffers if traced is not None else ()):
-            values[arg.ptr] = tensor.detach() if detach else tensor
-    return values
+    """The captured tensors themselves (a call's values), detached for the backward. The
+    parameter names depend only on the mods' keys (structure, the tensors' shapes and
+    dtypes): found once per pair of keys, so a cached call does not render them again."""
+    key = (score.key if score is not None else None, mask.key if mask is not None else None)
+    names = _POINTER_NAMES.get(key)
+    if names is None:
+        names = tuple((arg.ptr, which, slot)
+                      for which, args in enumerate(mod_buffer_args(score, mask))
+                      for slot, arg in enumerate(args))
+        if len(_POINTER_NAMES) >= 1024:
+            _POINTER_NAMES.clear()
+        _POINTER_NAMES[key] = names
+    mods = (score, mask)
+    if detach:
+        return {name: mods[which].buffers[slot].detach() for name, which, slot in names}
+    return {name: mods[which].buffers[slot] for name, which, slot in names}
 
 
 def gradient_values(grads: dict, score) -> dict:

@@ -1,0 +1,44 @@
+"""flex_attention_fp8 takes what flex_attention takes (issue 23): key and value of batch 1
+shared by the query's batch, and block masks whose blocks the kernels cannot tile (torch's
+decoding masks with BLOCK_SIZE (1, 64)) through an equal coarser mask."""
+import pytest
+import torch
+
+import flexfa
+from flexfa import fp8
+
+
+def _qkv(B, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, 2, 64, 64, generator=generator).to(torch.bfloat16) for _ in range(3)]
+
+
+def test_batch_one_keys_are_shared_by_the_query_batch():
+    q, _, _ = _qkv(3)
+    _, k, v = _qkv(1, seed=1)
+    shared = fp8.flex_attention_fp8(q, k, v)
+    expanded = fp8.flex_attention_fp8(q, k.expand(3, -1, -1, -1).contiguous(),
+                                      v.expand(3, -1, -1, -1).contiguous())
+    assert torch.equal(shared, expanded)
+    reference = flexfa.flex_attention(q.float(), k.float(), v.float()).to(shared.dtype)
+    torch.testing.assert_close(shared, reference, atol=0.1, rtol=0.1)
+
+
+def test_a_key_batch_that_is_neither_one_nor_the_querys_is_named():
+    q, _, _ = _qkv(3)
+    _, k, v = _qkv(2)
+    with pytest.raises(ValueError, match="key"):
+        fp8.flex_attention_fp8(q, k, v)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def test_a_mask_of_untileable_blocks_runs_as_its_coarser_equal():
+    q, k, v = _qkv(1)
+    fine = flexfa.create_block_mask(causal, 1, None, 64, 64, device="cpu", BLOCK_SIZE=(1, 64))
+    tileable = flexfa.create_block_mask(causal, 1, None, 64, 64, device="cpu")
+    out = fp8.flex_attention_fp8(q, k, v, block_mask=fine)
+    torch.testing.assert_close(out, fp8.flex_attention_fp8(q, k, v, block_mask=tileable),
+                               atol=0, rtol=0)
