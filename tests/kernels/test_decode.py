@@ -1,8 +1,9 @@
 """The decode family (``flexfa.runtime.families.decode``) and ``flexfa.flex_decode`` under the
 interpreter against the float64 reference: GQA ratios 1, 3, 4, 5, 8 (the group's heads x rows
 packed into one tile), L in {1, 3, 16}, splits 1..8, block masks per head and across q blocks
-(the union walk and the per-member walk), per-sequence lengths and query offsets, paged caches, fully masked rows, autograd through the
-family, bad inputs, and a call with a workspace that allocates and synchronises nothing."""
+(the union walk and the per-member walk), per-sequence lengths and query offsets, paged
+caches, fully masked rows, autograd through the family, bad inputs, and a call with a
+workspace that allocates and synchronises nothing."""
 import sys
 
 import pytest
