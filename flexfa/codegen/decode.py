@@ -53,6 +53,7 @@ class DecodeSpec:
     paged: bool = False
     page_size: int = 0
     write_parts: bool = False  # split-KV: the workspaces, combined by the second kernel
+    union_walk: bool = False  # walk the union of the group's block-mask members (UNION_*)
     wide_ints: tuple[str, ...] = ()
     template: str = DECODE_TEMPLATE
     max_registers: int = 0
@@ -62,6 +63,7 @@ class DecodeSpec:
         assert self.block_m >= self.gqa_group * self.q_len, (
             f"block_m {self.block_m} < {self.gqa_group} heads x {self.q_len} rows")
         assert self.sparse_kv % self.block_n == 0, (self.sparse_kv, self.block_n)
+        assert self.has_block_mask or not self.union_walk, "the union walk needs a block mask"
         assert not self.paged or self.page_size % self.block_n == 0, (
             f"page size {self.page_size} is not a multiple of the key tile {self.block_n}")
 
@@ -88,7 +90,8 @@ class DecodeSpec:
             RETURN_LSE=self.return_lse, RETURN_MAX=self.return_max, GQA_GROUP=self.gqa_group,
             Q_LEN=self.q_len, TABLE_G=self.table_g, QB_SPAN=self.qb_span, OFFSETS=self.offsets,
             HAS_KV_LENS=self.has_kv_lens, PAGED=self.paged, PAGE_SIZE=self.page_size,
-            WRITE_PARTS=self.write_parts, INPUT_PRECISION=self.input_precision,
+            WRITE_PARTS=self.write_parts, UNION_WALK=self.union_walk,
+            INPUT_PRECISION=self.input_precision,
             DOT_IN_FP32=self.interpret and self.dtype == "bf16")
 
     def combine_constexprs(self) -> dict[str, object]:

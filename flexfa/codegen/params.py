@@ -225,19 +225,22 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
 def decode_params(buffers: tuple[Param, ...]) -> KernelParams:
     """fwd_decode.tmpl's kernel: one program per (batch * kv head, split), contiguous or paged
     keys; the per-sequence key counts, query offsets and page table (dummies where unused);
-    the split workspaces; ``buffers``: the mods' ``captured`` tensors."""
+    the split workspaces; the union tables of ``flexfa.blockmask.union`` (dummies without the
+    union walk); ``buffers``: the mods' ``captured`` tensors."""
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "OUT") + tensors("fp32", "LSE", "MAXS")
         + tensors("fp32", "PARTS", "PART_LSE", "PART_MAX")
         + tensors("i32", "KV_LENS", "Q_OFFSETS", "PAGE_TABLE"),
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("o", "bhmd"),
         strides("pt", "bp"), *block_mask_tables("KV", "m", "n"),
+        tensors("i32", "UNION_NUM", "UNION_IDX") + tensors("i8", "UNION_STATUS")
+        + ints("union_sb", "UNION_NQB", "UNION_W"),
         ints("HKV", "S") + (Param("sm_scale", FLOAT),) + buffers,
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_SCORE_MOD",
                    "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_S",
                    "RETURN_LSE", "RETURN_MAX", "GQA_GROUP", "Q_LEN", "TABLE_G", "QB_SPAN",
                    "OFFSETS", "HAS_KV_LENS", "PAGED", "PAGE_SIZE", "WRITE_PARTS",
-                   "INPUT_PRECISION", "DOT_IN_FP32")))
+                   "UNION_WALK", "INPUT_PRECISION", "DOT_IN_FP32")))
 
 
 def decode_combine_params() -> KernelParams:

@@ -342,10 +342,12 @@ _register_backward()
 
 def decode_job(head_dim: int, dtype: str, group: int, q_len: int, score_mod=None,
                mask_mod=None, per_head_mask: bool = False, paged: bool = False,
-               splits: bool = False, combine: bool = False):
+               splits: bool = False, combine: bool = False, walk: str = "AUTO"):
     """A compile-check builder for the decode kernel (or, with ``combine``, its combine
     kernel) as the runtime plans it: ``group`` query heads per kv head, ``q_len`` rows, a paged
-    cache with per-sequence lengths (positions from them) or a contiguous one."""
+    cache with per-sequence lengths (positions from them) or a contiguous one; ``walk`` the
+    kernel option DECODE_WALK (a per-head mask or rows across q blocks: the union walk by
+    default)."""
     def build(arch: int) -> CompileJob:
         torch_dtype, hkv, length, page = TORCH_DTYPES[dtype], 2, 1024, 64
         q = torch.zeros(1, hkv * group, q_len, head_dim, dtype=torch_dtype)
@@ -362,7 +364,7 @@ def decode_job(head_dim: int, dtype: str, group: int, q_len: int, score_mod=None
                                        q_positions, length, device="cpu") \
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                             0.125, KernelOptions(), group)
+                             0.125, KernelOptions(decode_walk=walk), group)
         spec = decode_spec(q, k, k, call, parse_target(f"cuda:{arch}"), inputs, True, False,
                            write_parts=splits)
         if not combine:
@@ -382,6 +384,13 @@ register("decode_d128_bf16_g5_l3_paged_causal",
 register("decode_d64_fp16_g8_l16_per_head_alibi",
          decode_job(64, "fp16", 8, 16, score_mod=_slopes_mod(), mask_mod=_causal,
                     per_head_mask=True))
+# rows across two q blocks, per-head tables: the union walk, and each member in turn
+register("decode_d128_bf16_g4_l3_paged_per_head_union",
+         decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, per_head_mask=True,
+                    paged=True, splits=True))
+register("decode_d128_bf16_g4_l3_paged_per_head_members",
+         decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, per_head_mask=True,
+                    paged=True, splits=True, walk="MEMBERS"))
 register("decode_combine_d128_bf16_g4_l1", decode_job(128, "bf16", 4, 1, splits=True,
                                                       combine=True))
 

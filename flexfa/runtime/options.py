@@ -62,6 +62,10 @@ class KernelOptions:
     # family never), 0 never, n about n splits (the decode family: exactly n), "AUTO" by
     # occupancy
     split_kv: int | str | None = None
+    # the decode family's block-mask walk where a GQA group's rows span several (table head,
+    # q block) members: "AUTO"/"UNION" the union of their blocks (each K/V tile once),
+    # "MEMBERS" each member's blocks in turn (the walk before the union; kept for comparison)
+    decode_walk: str = "AUTO"
     ds_workspace: bool | None = None  # backward dS workspace: None = where measured faster
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     fwd: PassOptions = PassOptions()
@@ -157,6 +161,10 @@ SCHEMA = {
     "SPLIT_KV": ("split_kv", (), _split_kv,
                  "split-KV decoding: 0 (never), n splits, or 'AUTO' (default: the family's "
                  "choice)"),
+    "DECODE_WALK": ("decode_walk", (), _choice(("AUTO", "UNION", "MEMBERS")),
+                    "the decode family's walk of a GQA group's block masks: 'AUTO' or 'UNION' "
+                    "(each K/V tile read once), 'MEMBERS' (each head's and q block's blocks in "
+                    "turn)"),
     "DS_WORKSPACE": ("ds_workspace", (), _auto_flag,
                      "backward dQ from a stored dS (memory L x S): True, False or 'AUTO'"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),

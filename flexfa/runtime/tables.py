@@ -12,8 +12,8 @@ TABLE_ARGS = 4 + 14  # two (num_blocks, indices) pairs, then their strides (3 + 
 
 
 @functools.cache
-def dummy_table(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int32, device=device)
+def dummy_table(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype, device=device)
 
 
 def broadcast_strides(table: torch.Tensor) -> list[int]:

@@ -1,8 +1,9 @@
 """The decode family (``flexfa.runtime.families.decode``) and ``flexfa.flex_decode`` under the
 interpreter against the float64 reference: GQA ratios 1, 3, 4, 5, 8 (the group's heads x rows
-packed into one tile), L in {1, 3, 16}, splits 1..8, block masks per head and across q blocks,
-per-sequence lengths and query offsets, paged caches, fully masked rows, autograd through the
-family, bad inputs, and a call with a workspace that allocates and synchronises nothing."""
+packed into one tile), L in {1, 3, 16}, splits 1..8, block masks per head and across q blocks
+(the union walk and the per-member walk), per-sequence lengths and query offsets, paged
+caches, fully masked rows, autograd through the family, bad inputs, and a call with a
+workspace that allocates and synchronises nothing."""
 import sys
 
 import pytest
@@ -361,3 +362,81 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         expected = cache.attend(q, mods.softcap(30.0))
         torch.testing.assert_close(out, expected)
+
+
+def to_pages(k, v, page, seed):
+    """(k_cache, v_cache, page_table): contiguous [B, Hkv, S, E] keys and values in
+    ``page``-key pages of a vLLM-layout cache, in a shuffled order."""
+    B, Hkv, S, E = k.shape
+    per_seq = S // page
+    order = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(seed))
+
+    def cache(t):
+        paged = torch.empty(B * per_seq, page, Hkv, t.shape[-1], dtype=t.dtype)
+        paged[order] = t.view(B, Hkv, per_seq, page, -1).permute(0, 2, 3, 1, 4).reshape(
+            -1, page, Hkv, t.shape[-1])
+        return paged
+    return cache(k), cache(v), order.view(B, per_seq).to(torch.int32)
+
+
+def reversed_rows(num_blocks, indices):
+    """The tables with each row's listed blocks in descending order."""
+    at = torch.arange(indices.shape[-1])
+    source = torch.where(at < num_blocks[..., None], num_blocks[..., None] - 1 - at, at)
+    return indices.gather(-1, source.long())
+
+
+@pytest.fixture
+def union_walks(monkeypatch):
+    """spec.union_walk of each decode plan a call makes."""
+    made = []
+    real = plans.keep
+
+    def spy(call, key, plan):
+        made.append(plan.spec.union_walk)
+        return real(call, key, plan)
+    monkeypatch.setattr(plans, "keep", spy)
+    return made
+
+
+# (G, L, splits, paged): GQA ratios 3 and 4, L in {1, 3}, splits 1..4, paged and contiguous
+UNION_CASES = [(3, 1, 1, False), (3, 3, 2, True), (4, 1, 3, True), (4, 3, 4, False)]
+
+
+@pytest.mark.parametrize("case", UNION_CASES, ids=lambda c: "g{}_l{}_s{}_{}".format(
+    *c[:3], "paged" if c[3] else "contiguous"))
+def test_union_walk_of_per_head_windows(case, union_walks):
+    """Per-head masks (a different window per query head, so each head of a group lists other
+    blocks; with L = 3 the rows also cross q blocks) take the union walk: against the float64
+    reference, close to the per-member walk (DECODE_WALK='MEMBERS'; the order of the tiles
+    differs where full blocks sit between partial ones), bit for bit equal to it without full
+    tables and splits (each row then sees the same tiles in the same order), and the same
+    with each row's blocks listed in descending order (the union does not assume order)."""
+    G, L, splits, paged = case
+    B, Hkv, S, E = 2, 2, 192, 16
+    Hq = G * Hkv
+
+    def windows(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 12 + 21 * h)
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=G * 10 + L)
+    lens = torch.tensor([S, 101], dtype=torch.int32)
+    score = mods.softcap(6.0)
+    kwargs = dict(kv_lens=lens, return_lse=True)
+    if paged:
+        k, v, kwargs["page_table"] = to_pages(k, v, 32, seed=G)
+    ref_k, ref_v = make_qkv(B, Hq, Hkv, L, S, E, seed=G * 10 + L)[1:]
+
+    def run(mask, walk, n=splits):
+        return flexfa.flex_decode(q, k, v, score, mask, **kwargs, kernel_options={
+            "SPLIT_KV": n, "DECODE_WALK": walk})
+    mask = flexfa.create_block_mask(windows, None, Hq, S, S, device="cpu", BLOCK_SIZE=16)
+    out, lse = run(mask, "AUTO")
+    assert_matches(out, lse, *reference_rows(q, ref_k, ref_v, score, windows, lens, lens - L))
+    members = run(mask, "MEMBERS")
+    torch.testing.assert_close(members, (out, lse), atol=1e-5, rtol=1e-5)
+    partial_only = dense_block_mask(windows, 1, Hq, S, S, 16, 16, full=False)
+    union = run(partial_only, "UNION", 1)
+    assert all(torch.equal(a, b) for a, b in zip(union, run(partial_only, "MEMBERS", 1)))
+    partial_only.kv_indices = reversed_rows(partial_only.kv_num_blocks, partial_only.kv_indices)
+    torch.testing.assert_close(run(partial_only, "AUTO", 1), union, atol=1e-5, rtol=1e-5)
+    assert union_walks == [True, False, True, False, True]

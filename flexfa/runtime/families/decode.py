@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from ...blockmask.union import union_tables
 from ...codegen import decode as decode_codegen
 from ...codegen.decode import OFFSETS_NONE, DecodeSpec, decode_kernel
 from ...codegen.ranges import Domain, mods_int64_nodes
@@ -121,6 +122,29 @@ def q_block_span(q_len: int, sparse_q: int, offsets: int) -> int:
     return 1 if q_len == 1 else cdiv(q_len - 1, sparse_q) + 1
 
 
+def union_walk(call: AttentionCall, members: int) -> bool:
+    """Whether a block mask is walked as the union of the group's members' blocks (kernel
+    option DECODE_WALK): by default where there are several members, each of whose own walk
+    would read the K/V tiles they share again."""
+    if call.block_mask is None or call.options.decode_walk == "MEMBERS":
+        return False
+    return members > 1 or call.options.decode_walk == "UNION"
+
+
+def union_args(spec: DecodeSpec, call: AttentionCall, Hkv: int, S: int, device) -> dict:
+    """The union tables of the plan's mask (``flexfa.blockmask.union``) as the kernel's
+    UNION_* arguments, or dummies without the union walk."""
+    if not spec.union_walk:
+        return {"UNION_NUM": dummy_table(device), "UNION_IDX": dummy_table(device),
+                "UNION_STATUS": dummy_table(device, torch.int8), "union_sb": 0,
+                "UNION_NQB": 0, "UNION_W": 0}
+    count, blocks, status = union_tables(call.block_mask, Hkv, spec.table_g, spec.qb_span,
+                                         cdiv(S, spec.sparse_kv))
+    B, _, nqb, width = blocks.shape
+    return {"UNION_NUM": count, "UNION_IDX": blocks, "UNION_STATUS": status,
+            "union_sb": 0 if B == 1 else Hkv * nqb, "UNION_NQB": nqb, "UNION_W": width}
+
+
 def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInputs,
                 return_lse: bool, return_max: bool, write_parts: bool = False) -> DecodeSpec:
     B, Hq, L, E = q.shape
@@ -133,6 +157,8 @@ def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInpu
     if mask is None:
         sparse_q, sparse_kv = 16, block_n
     rows = call.gqa_group * L
+    table_g = table_heads(call)
+    qb_span = q_block_span(L, sparse_q, inputs.offsets) if mask is not None else 1
     # positions the mods see: below S where offsets place the rows, else below L
     q_positions = L if inputs.offsets == OFFSETS_NONE else S
     return DecodeSpec(
@@ -140,8 +166,8 @@ def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInpu
         block_m=next_power_of_two(rows), block_n=block_n, num_warps=warps, num_stages=stages,
         q_len=L, gqa_group=call.gqa_group, has_block_mask=mask is not None,
         has_full_blocks=mask is not None and getattr(mask, "full_kv_num_blocks", None) is not None,
-        sparse_q=sparse_q, sparse_kv=sparse_kv, table_g=table_heads(call),
-        qb_span=q_block_span(L, sparse_q, inputs.offsets) if mask is not None else 1,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, table_g=table_g, qb_span=qb_span,
+        union_walk=union_walk(call, table_g * qb_span),
         even_s=inputs.kv_lens is None and S % sparse_kv == 0, return_lse=return_lse,
         return_max=return_max, input_precision=call.options.fp32_precision, target=target.name,
         offsets=inputs.offsets, has_kv_lens=inputs.kv_lens is not None, paged=inputs.paged,
@@ -184,6 +210,7 @@ class DecodeForward(KernelFamily):
                  **binding.strides("v", "bhnd", kv_strides(v, inputs)),
                  **binding.strides("pt", "bp", table.stride() if table is not None else (0, 0)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
+                 **union_args(spec, call, Hkv, S, q.device),
                  "HKV": Hkv, "S": S, **binding.buffer_layout(call.score, call.mask)}
         steps = [Step(loaded.kernel(), (B * Hkv, splits), spec.constexprs(call.scores_first),
                       spec.launch_options(), binding.Binder(loaded.names(), fixed))]
