@@ -70,26 +70,36 @@ def test_aot_eager_fullgraph_equals_eager_and_reads_fresh_contents():
     _assert_same(_run(compiled, inputs, [model.slopes]), _run(model, inputs, [model.slopes]))
 
 
-@pytest.mark.xfail(reason="open: a score_mod closing over a local of the calling function: "
-                   "Dynamo gives fn.__closure__[i].cell_contents as a GetAttrVariable here (the "
-                   "same mod as a global, a module method or a factory closure works)",
-                   strict=False)
 def test_mask_built_outside_and_a_closure_over_a_learnable_tensor():
+    """Closures over locals of the calling function (cells Dynamo also sees by inlining the
+    mod), a mask built outside, then one built inside from a closure, and a rebound cell."""
     mask = flexfa.create_block_mask(mods.causal, 1, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     bias = torch.zeros(2, requires_grad=True)
     with torch.no_grad():
         bias += torch.tensor([0.1, -0.2])
+    limit = torch.tensor(40)
 
     def learnable(score, b, h, q_idx, kv_idx):
         return score + bias[h] * (q_idx - kv_idx)
 
+    def below(b, h, q_idx, kv_idx):
+        return (kv_idx < limit) & (kv_idx <= q_idx)
+
     def layer(q, k, v):
         return flexfa.flex_attention(q, k, v, learnable, mask) * 2
 
+    def layer_inside(q, k, v):
+        inner = flexfa.create_block_mask(below, 1, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+        return flexfa.flex_attention(q, k, v, learnable, inner) * 2
+
     torch._dynamo.reset()
     inputs = _inputs(64, seed=1)
-    _assert_same(_run(torch.compile(layer, backend="aot_eager", fullgraph=True), inputs, [bias]),
-                 _run(layer, inputs, [bias]))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    _assert_same(_run(compiled, inputs, [bias]), _run(layer, inputs, [bias]))
+    _assert_same(_run(torch.compile(layer_inside, backend="aot_eager", fullgraph=True), inputs,
+                      [bias]), _run(layer_inside, inputs, [bias]))
+    bias = torch.tensor([-0.3, 0.2], requires_grad=True)  # the cell now holds another tensor
+    _assert_same(_run(compiled, inputs, [bias]), _run(layer, inputs, [bias]))
 
 
 def test_explain_reports_no_graph_break():

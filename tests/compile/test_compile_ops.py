@@ -22,7 +22,7 @@ def _case():
     mask = flexfa.create_block_mask(mods.causal, 1, None, 100, 100, device="cpu",
                                     BLOCK_SIZE=32)
     key, score_paths, mask_paths = describe(biased, None, mask.mask_mod, None, False, None)
-    assert score_paths == ((("cell", 0),),) and mask_paths == ()
+    assert score_paths == ((("cell", "bias"),),) and mask_paths == ()
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 100, 16, generator=generator) for _ in range(3))
     return bias, key, q, k, v, [getattr(mask, n) for n in TABLES]
