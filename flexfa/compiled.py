@@ -7,7 +7,10 @@ as a constant, as for ``torch._dynamo.assume_constant_result``): it traces the m
 flexfa's tracer, registers them (``flexfa.ops.register_mods``) and returns their key with
 the path from each mod to each of its captured tensors. Dynamo then follows those paths
 (closure cells, globals, attributes, items), so the captured tensors enter the graph as
-Dynamo sees them: guarded, lifted as graph inputs, read fresh on every run. The mods are also
+Dynamo sees them: guarded, lifted as graph inputs, read fresh on every run. A closure cell is
+read by calling a one-line function that closes over the same cell (``CELL_READERS`` on the
+function): Dynamo reads cells only through free variables (``fn.__closure__[i]`` becomes a cell
+object Dynamo cannot take ``cell_contents`` of once it has inlined ``fn``, and the reverse). The mods are also
 called once on one-element tensors (dead code in the graph) so that Dynamo guards on every Python
 value they read (``self.window``), as it would for torch's FlexAttention.
 
@@ -34,6 +37,7 @@ from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
 MAX_VISITS = 4096  # objects a path search visits
+CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: reader}
 
 
 def describe(score_mod, score_self, mask_mod, mask_self, enable_gqa: bool,
@@ -82,7 +86,7 @@ def _traced(mod, kind):
 
 def buffer_paths(mod, traced) -> tuple:
     """The path from ``mod`` to each of ``traced``'s captured tensors, by identity: tuples of
-    steps ``("attr", name)``, ``("item", key)``, ``("cell", i)``, ``("global", name)``."""
+    steps ``("attr", name)``, ``("item", key)``, ``("cell", free variable)``, ``("global", name)``."""
     if traced is None or not traced.buffers:
         return ()
     wanted = {id(t): slot for slot, t in enumerate(traced.buffers)}
@@ -99,6 +103,8 @@ def buffer_paths(mod, traced) -> tuple:
             elif id(child) not in seen:
                 seen.add(id(child))
                 queue.append((child, (*path, step)))
+    for path in found.values():
+        _add_cell_readers(mod, path)
     missing = [s for s in range(len(traced.buffers)) if s not in found]
     if missing:
         shapes = ", ".join(str(tuple(traced.buffers[s].shape)) for s in missing)
@@ -120,8 +126,8 @@ def _children(obj):
     if isinstance(obj, types.FunctionType):
         if is_library_name(obj.__module__ or ""):
             return []
-        cells = [(("cell", i), c.cell_contents) for i, c in enumerate(obj.__closure__ or ())
-                 if _filled(c)]
+        cells = [(("cell", n), c.cell_contents)
+                 for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or ()) if _filled(c)]
         names = [(("global", n), obj.__globals__[n]) for n in sorted(code_names(obj.__code__))
                  if n in obj.__globals__]
         return cells + names
@@ -150,6 +156,41 @@ def _filled(cell) -> bool:
     return True
 
 
+def _add_cell_readers(mod, path: tuple) -> None:
+    """Give each function on ``path`` whose cell it goes through a reader of that cell (a
+    function closing over the same cell: the cell's live contents, never a copy)."""
+    obj = mod
+    for kind, arg in path:
+        if kind == "cell":
+            readers = obj.__dict__.setdefault(CELL_READERS, {})
+            if arg not in readers:
+                cell = obj.__closure__[obj.__code__.co_freevars.index(arg)]
+                readers[arg] = types.FunctionType(_reader_code(arg), globals(), f"read_{arg}",
+                                                  None, (cell,))
+        obj = _step(obj, kind, arg)
+
+
+@functools.lru_cache(maxsize=256)
+def _reader_code(name: str) -> types.CodeType:
+    """The code of ``lambda: name`` with ``name`` a free variable."""
+    namespace: dict = {}
+    exec(f"def outer():\n    {name} = None\n    return lambda: {name}\n", namespace)
+    code = namespace["outer"]().__code__
+    assert code.co_freevars == (name,), code.co_freevars
+    return code
+
+
+def _step(obj, kind: str, arg):
+    """One path step in plain Python (the search's side; ``follow`` is Dynamo's)."""
+    if kind == "attr":
+        return getattr(obj, arg)
+    if kind == "item":
+        return obj[arg]
+    if kind == "cell":
+        return obj.__closure__[obj.__code__.co_freevars.index(arg)].cell_contents
+    return obj.__globals__[arg]
+
+
 def follow(obj, path: tuple):
     """The object at ``path`` from ``obj`` (traced by Dynamo: each step is guarded)."""
     for kind, arg in path:
@@ -158,7 +199,7 @@ def follow(obj, path: tuple):
         elif kind == "item":
             obj = obj[arg]
         elif kind == "cell":
-            obj = obj.__closure__[arg].cell_contents
+            obj = getattr(obj, CELL_READERS)[arg]()
         else:
             obj = obj.__globals__[arg]
     return obj

@@ -63,3 +63,17 @@ def test_decode_paged_generates_tokens():
                                          prompt=10, steps=2, window=8)
     assert tokens.shape == (2, 2) and rate > 0
     assert bool(((tokens >= 0) & (tokens < 97)).all())
+
+
+def test_compiled_transformer_matches_eager_without_recompiling(tmp_path, capsys):
+    import json
+    from torch._dynamo.utils import counters
+    counters.clear()
+    assert load("compiled_transformer").main(["--steps", "2", "--json",
+                                              str(tmp_path / "r.json")]) == 0
+    assert "compiled - eager" in capsys.readouterr().out
+    results = json.loads((tmp_path / "r.json").read_text())
+    eager, compiled = results["flexfa eager"]["losses"], results["flexfa compiled"]["losses"]
+    assert len(eager) == 2 and all(math.isfinite(loss) for loss in eager)
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
+    assert counters["stats"]["unique_graphs"] == 1  # new documents each step, one graph
