@@ -31,9 +31,9 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
 
 def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
     from flexfa.distributed import ring, ring_attention, shard_sequence
-    from .ring_cases import inputs, mods
+    from .ring_cases import LENGTH, inputs, mods
 
-    length = 32 * world
+    length = LENGTH
     full = inputs(length)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
                                    for t in full)

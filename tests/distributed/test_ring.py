@@ -16,12 +16,12 @@ import flexfa
 from flexfa.distributed import shard_sequence, unshard
 from flexfa.errors import InputError
 from reference import assert_close_to_reference, reference_attention
-from .ring_cases import CASES, inputs, mods
+from .ring_cases import CASES, LENGTH, inputs, mods
 from .ring_workers import run_rank
 
 TIMEOUT_S = 240
 RUNS = {2: [(case, lb) for case in CASES for lb in (False, True)],
-        3: [("causal", False), ("causal", True), ("learned_bias", True)]}
+        3: [("causal", False), ("causal", True), ("document", True)]}
 
 
 def _free_port() -> int:
@@ -93,7 +93,7 @@ def _single_process(case: str, length: int, dtype_reference: bool):
                          [(w, c, lb) for w, runs in RUNS.items() for c, lb in runs])
 def test_ring_matches_single_process_and_reference(ranks_dir, world, case, load_balance):
     ring = _gathered(ranks_dir(world), case, load_balance, world)
-    length = 32 * world
+    length = LENGTH
     single = _single_process(case, length, None)
     exact = _single_process(case, length, torch.float64)
     eager = _single_process(case, length, torch.float32)
