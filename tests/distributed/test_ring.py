@@ -16,7 +16,7 @@ import flexfa
 from flexfa.distributed import shard_sequence, unshard
 from flexfa.errors import InputError
 from reference import assert_close_to_reference, reference_attention
-from .ring_cases import CASES, LENGTH, inputs, mods
+from .ring_cases import CASES, HEADS, LENGTH, inputs, mods
 from .ring_workers import run_rank
 
 TIMEOUT_S = 240
@@ -137,3 +137,28 @@ def test_shard_rejects_lengths_that_do_not_split():
         shard_sequence(torch.zeros(1, 1, 6, 2), 0, 2, load_balance=True)
     with pytest.raises(InputError, match="rank must be in 0..world-1"):
         shard_sequence(torch.zeros(1, 1, 8, 2), 2, 2, load_balance=False)
+
+
+def test_steps_reuse_one_trace_and_one_kernel():
+    """Moving the mods to another kv shard rewrites the captured positions in place: the trace
+    and the kernel of the first step serve the next (no retrace, no new kernel source)."""
+    from flexfa.distributed.sharding import positions
+    from flexfa.distributed.steps import RingMods
+    from flexfa.runtime.cache import STATS
+
+    world, length = 2, 24
+    ring_mods = RingMods(None, mods("sliding_window", 2 * length)[1],
+                         positions(1, world, length, True), length, 1, HEADS, 16)
+    first = flexfa.trace(ring_mods.mask_mod)
+    q, k, v = (torch.randn(1, HEADS, length, 16) for _ in range(3))
+    loads = []
+    for source in (1, 0):
+        runs, mask = ring_mods.at_step(positions(source, world, length, True))
+        assert runs and flexfa.trace(ring_mods.mask_mod) is first
+        before = STATS.codegen + STATS.disk_hits
+        out = flexfa.flex_attention(q, k, v, block_mask=mask)
+        loads.append(STATS.codegen + STATS.disk_hits - before)
+        dense = flexfa.create_mask(ring_mods.mask_mod, 1, 1, length, length, device="cpu")
+        exact, _ = reference_attention(q, k, v, mask_mod=lambda b, h, i, j: dense[0, 0, i, j])
+        torch.testing.assert_close(out, exact.float(), atol=2e-5, rtol=2e-5)
+    assert loads[1] == 0, f"the second step loaded {loads[1]} kernel(s)"
