@@ -92,7 +92,7 @@ class _RingAttention(torch.autograd.Function):
         ring = plan.ring
         out = query.new_zeros(*query.shape[:3], value.shape[-1], dtype=torch.float32)
         lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
-        kv = [key, value]
+        kv, plan.steps = [key, value], []
         for step in range(ring.world):
             transfer = ring.shift(kv, KV_TAG) if step < ring.world - 1 else None
             runs, mask = plan.mods.at_step(plan.kv_pos[ring.source(step)])

@@ -162,3 +162,17 @@ def test_steps_reuse_one_trace_and_one_kernel():
         exact, _ = reference_attention(q, k, v, mask_mod=lambda b, h, i, j: dense[0, 0, i, j])
         torch.testing.assert_close(out, exact.float(), atol=2e-5, rtol=2e-5)
     assert loads[1] == 0, f"the second step loaded {loads[1]} kernel(s)"
+
+
+def test_ring_attention_rejects_bad_shards_before_communicating():
+    from flexfa.distributed import ring_attention
+
+    q = torch.zeros(1, 2, 6, 16)
+    with pytest.raises(InputError, match="its length 5 is odd"):
+        ring_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5])
+    with pytest.raises(InputError, match="one length; got 6, 4, 4"):
+        ring_attention(q, q[:, :, :4], q[:, :, :4])
+    with pytest.raises(InputError, match=r"\[B, H, S_local, E\], got shape \(2, 6, 16\)"):
+        ring_attention(q[0], q, q)
+    with pytest.raises(InputError, match="torch.distributed is not initialized"):
+        ring_attention(q, q, q)
