@@ -35,11 +35,12 @@ class Ring:
         if self.world == 1:  # the ring is this rank alone: what it sends comes back
             return Transfer([], sent, sent)
         received = [torch.empty_like(t) for t in sent]
-        works = []
-        for i, (out, into) in enumerate(zip(sent, received)):
-            works.append(dist.isend(out, self.next, self.group, tag + i))
-            works.append(dist.irecv(into, self.prev, self.group, tag + i))
-        return Transfer(works, sent, received)
+        # one batch: under NCCL the sends and receives of a ring form one group call, so no
+        # rank's send waits behind its own receive
+        ops = [op for i, (out, into) in enumerate(zip(sent, received))
+               for op in (dist.P2POp(dist.isend, out, self.next, self.group, tag + i),
+                          dist.P2POp(dist.irecv, into, self.prev, self.group, tag + i))]
+        return Transfer(dist.batch_isend_irecv(ops), sent, received)
 
 
 class Transfer:
