@@ -1,0 +1,155 @@
+"""Ring attention: context-parallel flex_attention over a process group.
+
+Each rank holds one shard of the sequence (``sharding``); the K/V shards travel around the
+ring, one step per rank, while each step's attention runs (``comm``); the partial results are
+merged by their lse (``merge``). Steps whose (q shard, kv shard) pairs are all masked are
+skipped (``steps``). The backward passes K/V around the ring again with the dK/dV
+accumulators travelling alongside, recomputing each step's forward with autograd (flexfa's
+lse is differentiable), so no per-step activation is kept between forward and backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..api import flex_attention
+from ..errors import InputError, InputTypeError
+from ..frontend import trace
+from .comm import DKV_TAG, KV_TAG, Ring
+from .merge import merge_into, weight
+from .sharding import positions
+from .steps import RingMods
+
+
+def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
+                   load_balance=True, scale=None, kernel_options=None, *, block_size=128,
+                   return_lse=False):
+    """Attention over a sequence sharded across ``group`` (default: the world group).
+
+    ``query`` / ``key`` / ``value`` ``[B, H, S_local, E]`` are this rank's shards, laid out
+    by ``shard_sequence(x, rank, world, load_balance)``. ``score_mod`` and ``mask_mod`` are
+    the mods of the whole sequence: they see global positions. Returns this rank's shard of
+    the output (and of the lse with ``return_lse``), differentiable in q, k, v and tensors
+    the score_mod captures (their gradients are summed over the group). ``block_size`` is
+    the block mask's, built per ring step from ``mask_mod``.
+    """
+    _check_shards(query, key, value, load_balance)
+    ring = Ring(group)
+    device = query.device
+    batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
+    q_pos = positions(ring.rank, ring.world, length, load_balance, device)
+    mods = RingMods(score_mod, mask_mod, q_pos, key.shape[2], batch, heads, block_size)
+    kv_pos = [positions(source, ring.world, key.shape[2], load_balance, device)
+              for source in range(ring.world)]
+    learned = () if score_mod is None else tuple(
+        t for t in trace(mods.score_mod).buffers if t.requires_grad)
+    plan = _Plan(ring, mods, kv_pos, scale, kernel_options)
+    out, lse = _RingAttention.apply(plan, query, key, value, *learned)
+    return (out, lse) if return_lse else out
+
+
+def _check_shards(query, key, value, load_balance) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
+                                 f"{type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"ring_attention: {name} must be [B, H, S_local, E], got shape "
+                             f"{tuple(t.shape)}")
+    if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
+        raise InputError(f"ring_attention: query, key and value shards must have one length; "
+                         f"got {query.shape[2]}, {key.shape[2]}, {value.shape[2]}")
+    if not isinstance(load_balance, bool):
+        raise InputTypeError(f"ring_attention: load_balance must be a bool, got "
+                             f"{load_balance!r}")
+    if load_balance and query.shape[2] % 2:
+        raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
+                         f"chunks; its length {query.shape[2]} is odd")
+    if not dist.is_initialized():
+        raise InputError("ring_attention: torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+
+
+class _Plan:
+    """What the autograd function needs besides tensors; ``steps`` records, per ring step,
+    whether it ran a kernel and its block mask (kept for the backward)."""
+
+    def __init__(self, ring: Ring, mods: RingMods, kv_pos: list, scale, kernel_options):
+        self.ring, self.mods, self.kv_pos = ring, mods, kv_pos
+        self.scale, self.kernel_options = scale, kernel_options
+        self.steps: list[tuple[bool, object]] = []
+
+    def attend(self, query, key, value, mask):
+        return flex_attention(query, key, value, score_mod=self.mods.score_mod, block_mask=mask,
+                              scale=self.scale, return_lse=True,
+                              kernel_options=self.kernel_options)
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, query, key, value, *learned):
+        ring = plan.ring
+        out = query.new_zeros(*query.shape[:3], value.shape[-1], dtype=torch.float32)
+        lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
+        kv, plan.steps = [key, value], []
+        for step in range(ring.world):
+            transfer = ring.shift(kv, KV_TAG) if step < ring.world - 1 else None
+            runs, mask = plan.mods.at_step(plan.kv_pos[ring.source(step)])
+            plan.steps.append((runs, mask))
+            if runs:
+                merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
+            if transfer is not None:
+                kv = transfer.wait()
+        out = out.to(query.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(query, key, value, out, lse, *learned)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        plan, ring = ctx.plan, ctx.plan.ring
+        query, key, value, out, lse, *learned = ctx.saved_tensors
+        grad_out = grad_out.float()
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
+        # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below
+        row_dot = (grad_out * out.float()).sum(-1)
+        dq = torch.zeros_like(query, dtype=torch.float32)
+        d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
+        kv, incoming = [key, value], None
+        for step in range(ring.world):
+            transfer = ring.shift(kv, KV_TAG) if step < ring.world - 1 else None
+            runs, mask = plan.steps[step]
+            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+            if runs:
+                plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
+                grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
+                                    row_dot)
+                dq += grads[0]
+                for acc, g in zip(dkv + d_learned, grads[1:]):
+                    if g is not None:
+                        acc += g
+            if incoming is not None:  # what the earlier ranks added for the same K/V shard
+                for acc, g in zip(dkv, incoming.wait()):
+                    acc += g
+            incoming = ring.shift(dkv, DKV_TAG)
+            if transfer is not None:
+                kv = transfer.wait()
+        dk, dv = incoming.wait()  # after a full turn, this rank's own shard's accumulators
+        for g in d_learned:
+            dist.all_reduce(g, group=ring.group)
+        return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+                *(g.to(t.dtype) for g, t in zip(d_learned, learned)))
+
+
+def _step_grads(plan: _Plan, query, kv, mask, learned, lse, grad_out, grad_lse, row_dot):
+    """Gradients of one step's share of the merged output: (dq, dk, dv, *d_learned)."""
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (query, *kv))
+        out_part, lse_part = plan.attend(q, k, v, mask)
+        share = weight(lse_part.detach(), lse)
+        part_dot = (grad_out * out_part.detach().float()).sum(-1)
+        grad_part = (share.unsqueeze(-1) * grad_out).to(out_part.dtype)
+        grad_lse_part = share * (part_dot - row_dot + grad_lse)
+        return torch.autograd.grad((out_part, lse_part), (q, k, v, *learned),
+                                   (grad_part, grad_lse_part), allow_unused=True)

@@ -1,0 +1,69 @@
+"""How a sequence is split over the ranks of a context-parallel group.
+
+Plain sharding: rank r holds the r-th of W equal chunks. Load-balanced (head-tail, "zig-zag")
+sharding: the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r, so under a
+causal mask every rank has the same number of unmasked (q, kv) pairs. ``positions`` gives each
+local row's global position; the ring's mods read it, so masks and score_mods see global
+positions whatever the layout.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError, InputTypeError
+
+
+def check_layout(func: str, rank, world, length: int, load_balance) -> None:
+    """Validate (rank, world, load_balance) against a global ``length`` to be split."""
+    for name, value in (("rank", rank), ("world", world)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputTypeError(f"{func}: {name} must be an int, got {type(value).__name__}")
+    if world < 1 or not 0 <= rank < world:
+        raise InputError(f"{func}: rank must be in 0..world-1, got rank={rank}, world={world}")
+    if not isinstance(load_balance, bool):
+        raise InputTypeError(f"{func}: load_balance must be a bool, got {load_balance!r}")
+    chunks = 2 * world if load_balance else world
+    if length % chunks:
+        raise InputError(f"{func}: the sequence length {length} must be a multiple of "
+                         f"{chunks} ({'2 x ' if load_balance else ''}world={world}"
+                         f"{', load_balance=True' if load_balance else ''})")
+
+
+def chunk_ids(rank: int, world: int, load_balance: bool) -> tuple[int, ...]:
+    """The chunks rank ``rank`` holds, in local order."""
+    return (rank, 2 * world - 1 - rank) if load_balance else (rank,)
+
+
+def positions(rank: int, world: int, local_length: int, load_balance: bool,
+              device=None) -> torch.Tensor:
+    """int64 [local_length]: the global position of each local row of rank ``rank``."""
+    ids = chunk_ids(rank, world, load_balance)
+    chunk = local_length // len(ids)
+    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in ids])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world: int, load_balance: bool = True,
+                   dim: int = -2) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full sequence ``x`` along ``dim`` (default -2: the L of
+    ``[B, H, L, E]``), a contiguous copy."""
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"shard_sequence: x must be a tensor, got {type(x).__name__}")
+    check_layout("shard_sequence", rank, world, x.shape[dim], load_balance)
+    chunks = x.chunk(2 * world if load_balance else world, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(rank, world, load_balance)], dim=dim)
+
+
+def unshard(shards, load_balance: bool = True, dim: int = -2) -> torch.Tensor:
+    """The full sequence from every rank's shard (``shards[r]`` of rank r), the inverse of
+    ``shard_sequence``."""
+    shards = list(shards)
+    world = len(shards)
+    if world == 0:
+        raise InputError("unshard: shards is empty")
+    if not load_balance:
+        return torch.cat(shards, dim=dim)
+    pieces = [None] * (2 * world)
+    for rank, shard in enumerate(shards):
+        head, tail = shard.chunk(2, dim=dim)
+        pieces[rank], pieces[2 * world - 1 - rank] = head, tail
+    return torch.cat(pieces, dim=dim)

@@ -1,0 +1,54 @@
+"""The mods and inputs the ring-attention tests share between the spawned ranks and the
+single-process check: every case is built from its name and the global length alone, so each
+process makes the same tensors."""
+from __future__ import annotations
+
+import torch
+
+BATCH, HEADS, HEAD_DIM = 1, 2, 16
+WINDOW = 20
+# the global length: 24 rows per rank on 2 ranks, 16 on 3; chunks of 12 and 8 rows with load
+# balancing, none a multiple of the 16-row blocks
+LENGTH = 48
+CASES = ("full", "causal", "document", "sliding_window", "learned_bias")
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def inputs(length: int, seed: int = 0):
+    """Full-sequence (q, k, v, grad_out, grad_lse), float32 [B, H, length, E]."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (BATCH, HEADS, length, HEAD_DIM)
+    q, k, v, grad_out = (torch.randn(shape, generator=generator) for _ in range(4))
+    grad_lse = torch.randn(shape[:3], generator=generator)
+    return q, k, v, grad_out, grad_lse
+
+
+def mods(case: str, length: int):
+    """(score_mod, mask_mod, learnable tensors) of ``case`` over a sequence of ``length``."""
+    if case == "full":
+        return None, None, ()
+    if case == "causal":
+        return None, causal, ()
+    if case == "document":
+        # documents of uneven lengths that straddle the shard and chunk boundaries
+        ends = torch.tensor([7, 20, 21, 35, length])
+        document = torch.bucketize(torch.arange(length), ends, right=True)
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+        return None, same_document_causal, ()
+    if case == "sliding_window":
+        def sliding_window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+        return None, sliding_window, ()
+    if case == "learned_bias":
+        bias = (0.1 * torch.arange(HEADS * (2 * length - 1), dtype=torch.float32).sin()
+                ).reshape(HEADS, 2 * length - 1).requires_grad_()
+
+        def relative_bias(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx - kv_idx + length - 1]
+        return relative_bias, causal, (bias,)
+    raise ValueError(f"unknown case {case!r}")

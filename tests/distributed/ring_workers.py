@@ -1,0 +1,58 @@
+"""The rank side of the ring-attention tests: one process per rank (gloo, CPU, Triton
+interpreter) runs every requested case and saves its shards of the outputs and gradients."""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+
+
+def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None:
+    """Run ``runs`` = [(case, load_balance)] on rank ``rank`` of ``world``; save one file per
+    run (``<case>_<lb>_<rank>.pt``), or ``error_<rank>.txt`` with the traceback."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        try:
+            for case, load_balance in runs:
+                torch.save(_one_run(case, load_balance, rank, world),
+                           os.path.join(out_dir, f"{case}_{int(load_balance)}_{rank}.pt"))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
+    from flexfa.distributed import ring, ring_attention, shard_sequence
+    from .ring_cases import LENGTH, inputs, mods
+
+    length = LENGTH
+    full = inputs(length)
+    q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
+                                   for t in full)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    score_mod, mask_mod, learned = mods(case, length)
+    calls = []
+    original = ring.flex_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    ring.flex_attention = counting
+    try:
+        out, lse = ring_attention(q, k, v, score_mod, mask_mod, load_balance=load_balance,
+                                  block_size=16, return_lse=True)
+        forward_calls = len(calls)
+        ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    finally:
+        ring.flex_attention = original
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
+            "dv": v.grad, "dlearned": [t.grad for t in learned],
+            "forward_calls": forward_calls, "backward_calls": len(calls) - forward_calls}

@@ -1,0 +1,178 @@
+"""Ring attention (flexfa.distributed) with 2 and 3 gloo processes on the CPU, kernels under
+the Triton interpreter: outputs, lse and gradients (q, k, v, a learned bias) of the gathered
+shards equal single-process flex_attention on the whole sequence and the float64 reference,
+with and without load balancing; fully masked ring steps launch no kernel."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import flexfa
+from flexfa.distributed import shard_sequence, unshard
+from flexfa.errors import InputError
+from reference import assert_close_to_reference, reference_attention
+from .ring_cases import CASES, HEADS, LENGTH, inputs, mods
+from .ring_workers import run_rank
+
+TIMEOUT_S = 240
+RUNS = {2: [(case, lb) for case in CASES for lb in (False, True)],
+        3: [("causal", False), ("causal", True), ("document", True)]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, out_dir: str) -> None:
+    """Run every case of RUNS[world] on ``world`` ranks; fail on an error or a hang."""
+    context = mp.spawn(run_rank, args=(world, _free_port(), RUNS[world], out_dir),
+                       nprocs=world, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"ring attention on {world} ranks did not finish in {TIMEOUT_S} s")
+    except mp.ProcessRaisedException:
+        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)
+                  if f.startswith("error_")]
+        pytest.fail("\n".join(errors) or "a rank failed")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def ranks_dir(tmp_path_factory):
+    """world -> the folder of every rank's results (each world spawned once, on first use)."""
+    done = {}
+
+    def get(world: int):
+        if world not in done:
+            done[world] = str(tmp_path_factory.mktemp(f"ring{world}"))
+            _spawn(world, done[world])
+        return done[world]
+    return get
+
+
+def _gathered(out_dir: str, case: str, load_balance: bool, world: int) -> dict:
+    shards = [torch.load(os.path.join(out_dir, f"{case}_{int(load_balance)}_{rank}.pt"))
+              for rank in range(world)]
+    result = {name: unshard([s[name] for s in shards], load_balance, dim=2)
+              for name in ("out", "lse", "dq", "dk", "dv")}
+    result["dlearned"] = shards[0]["dlearned"]
+    result["ranks"] = shards
+    return result
+
+
+def _single_process(case: str, length: int, dtype_reference: bool):
+    """(out, lse, dq, dk, dv, dlearned) on the whole sequence: flexfa, or the reference in
+    float64 / float32 (``dtype_reference`` None: flexfa)."""
+    q, k, v, grad_out, grad_lse = inputs(length)
+    score_mod, mask_mod, learned = mods(case, length)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if dtype_reference is None:
+        mask = None if mask_mod is None else flexfa.create_block_mask(
+            mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=16)
+        out, lse = flexfa.flex_attention(q, k, v, score_mod, mask, return_lse=True)
+    else:
+        out, lse = reference_attention(q, k, v, score_mod, mask_mod, dtype=dtype_reference)
+    ((out * grad_out.to(out.dtype)).sum() + (lse * grad_lse.to(lse.dtype)).sum()).backward()
+    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "dlearned": [t.grad for t in learned]}
+
+
+@pytest.mark.parametrize("world,case,load_balance",
+                         [(w, c, lb) for w, runs in RUNS.items() for c, lb in runs])
+def test_ring_matches_single_process_and_reference(ranks_dir, world, case, load_balance):
+    ring = _gathered(ranks_dir(world), case, load_balance, world)
+    length = LENGTH
+    single = _single_process(case, length, None)
+    exact = _single_process(case, length, torch.float64)
+    eager = _single_process(case, length, torch.float32)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert_close_to_reference(ring[name], exact[name], eager[name], name=f"ring {name}")
+        torch.testing.assert_close(ring[name], single[name].detach(), atol=2e-5, rtol=2e-5,
+                                   msg=lambda m: f"ring vs single-process {name}: {m}")
+    for ours, ref64, ref32 in zip(ring["dlearned"], exact["dlearned"], eager["dlearned"]):
+        assert_close_to_reference(ours, ref64, ref32, name="ring learned-bias grad")
+    for shard in ring["ranks"][1:]:  # summed over the group: every rank has the same
+        for ours, first in zip(shard["dlearned"], ring["dlearned"]):
+            assert torch.equal(ours, first)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fully_masked_steps_launch_no_kernel(ranks_dir, world):
+    """Causal without load balancing: rank r's q shard precedes every kv shard of a later
+    rank, so it runs r + 1 of the W steps, in the forward and in the backward's recompute.
+    With load balancing every step has unmasked pairs (each shard holds a tail chunk)."""
+    out_dir = ranks_dir(world)
+    for rank in range(world):
+        plain = torch.load(os.path.join(out_dir, f"causal_0_{rank}.pt"))
+        assert (plain["forward_calls"], plain["backward_calls"]) == (rank + 1, rank + 1)
+        balanced = torch.load(os.path.join(out_dir, f"causal_1_{rank}.pt"))
+        assert (balanced["forward_calls"], balanced["backward_calls"]) == (world, world)
+
+
+@pytest.mark.parametrize("world,load_balance", [(2, False), (3, True), (4, True), (4, False)])
+def test_shard_unshard_round_trip(world, load_balance):
+    x = torch.arange(2 * 3 * 8 * world * 2).reshape(2, 3, 8 * world, 2)
+    shards = [shard_sequence(x, r, world, load_balance) for r in range(world)]
+    assert torch.equal(unshard(shards, load_balance), x)
+    if load_balance:  # rank 0 holds the first and the last chunk
+        chunk = x.shape[2] // (2 * world)
+        assert torch.equal(shards[0][:, :, :chunk], x[:, :, :chunk])
+        assert torch.equal(shards[0][:, :, chunk:], x[:, :, -chunk:])
+
+
+def test_shard_rejects_lengths_that_do_not_split():
+    with pytest.raises(InputError, match="multiple of 4"):
+        shard_sequence(torch.zeros(1, 1, 6, 2), 0, 2, load_balance=True)
+    with pytest.raises(InputError, match="rank must be in 0..world-1"):
+        shard_sequence(torch.zeros(1, 1, 8, 2), 2, 2, load_balance=False)
+
+
+def test_steps_reuse_one_trace_and_one_kernel():
+    """Moving the mods to another kv shard rewrites the captured positions in place: the trace
+    and the kernel of the first step serve the next (no retrace, no new kernel source)."""
+    from flexfa.distributed.sharding import positions
+    from flexfa.distributed.steps import RingMods
+    from flexfa.runtime.cache import STATS
+
+    world, length = 2, 24
+    ring_mods = RingMods(None, mods("sliding_window", 2 * length)[1],
+                         positions(1, world, length, True), length, 1, HEADS, 16)
+    first = flexfa.trace(ring_mods.mask_mod)
+    q, k, v = (torch.randn(1, HEADS, length, 16) for _ in range(3))
+    loads = []
+    for source in (1, 0):
+        runs, mask = ring_mods.at_step(positions(source, world, length, True))
+        assert runs and flexfa.trace(ring_mods.mask_mod) is first
+        before = STATS.codegen + STATS.disk_hits
+        out = flexfa.flex_attention(q, k, v, block_mask=mask)
+        loads.append(STATS.codegen + STATS.disk_hits - before)
+        dense = flexfa.create_mask(ring_mods.mask_mod, 1, 1, length, length, device="cpu")
+        exact, _ = reference_attention(q, k, v, mask_mod=lambda b, h, i, j: dense[0, 0, i, j])
+        torch.testing.assert_close(out, exact.float(), atol=2e-5, rtol=2e-5)
+    assert loads[1] == 0, f"the second step loaded {loads[1]} kernel(s)"
+
+
+def test_ring_attention_rejects_bad_shards_before_communicating():
+    from flexfa.distributed import ring_attention
+
+    q = torch.zeros(1, 2, 6, 16)
+    with pytest.raises(InputError, match="its length 5 is odd"):
+        ring_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5])
+    with pytest.raises(InputError, match="one length; got 6, 4, 4"):
+        ring_attention(q, q[:, :, :4], q[:, :, :4])
+    with pytest.raises(InputError, match=r"\[B, H, S_local, E\], got shape \(2, 6, 16\)"):
+        ring_attention(q[0], q, q)
+    with pytest.raises(InputError, match="torch.distributed is not initialized"):
+        ring_attention(q, q, q)
