@@ -153,7 +153,8 @@ def test_split_kv_decoding_combines_non_finite_rows(monkeypatch, device, backend
     combined = []
     real = ampere.combine_splits
     monkeypatch.setattr(ampere, "combine_splits",
-                        lambda parts, *rest: (combined.append(parts.shape[0]), real(parts, *rest)))
+                        lambda parts, *rest, **kw: (combined.append(parts.shape[0]),
+                                                    real(parts, *rest, **kw)))
     rows, keys = 5, 1024
     extra = torch.zeros(rows, keys)
     extra[0, 900] = INF  # in the second split only
