@@ -6,9 +6,11 @@
 # v: backward tests, benchmark cases, Hopper, FP8 tests and the dispatch timing, for a re-check
 # after backward or launch changes; r: a re-check of a runtime change: forward, Hopper, FP8 and
 # (first failures of) backward tests, then tree_ab against the old tree in .old (carry it);
+# n: the work of 2026-12-01 never run on a GPU (decode, varlen, sinks/dropout, head dims,
+# torch.compile operators, Gluon after its ConSan run), then its benchmarks;
 # each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,10p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -52,6 +54,27 @@ if [ "$PART" = r ]; then
     --cases "${AB_CASES:-128:16384:full,128:16384:causal,128:16384:softcap,128:16384:alibi,128:16384:document,64:8192:sliding}" \
     --json "$OUT/tree_ab.json"
   tail -n 30 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = n ]; then
+  P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
+  step forward 130 $P tests/kernels/test_forward_gpu.py &
+  step decode_varlen_features 130 $P tests/kernels/test_decode.py tests/blockmask/test_varlen.py \
+    tests/kernels/test_varlen.py tests/gpu/test_features_gpu.py &
+  step compile_hopper 130 $P tests/gpu/test_compile_gpu.py tests/gpu/test_hopper_gpu.py &
+  step gluon_consan 75 python -c "import sys; sys.path.insert(0, 'benchmarks')
+import gluon_forward_bench as g; r = g.safety_run(65); print('consan ok' if r['ok'] else r)"
+  wait
+  if grep -q "consan ok" "$OUT/gluon_consan.log"; then
+    step gluon 70 $P tests/gpu/test_gluon_gpu.py
+    step gluon_bench 60 python benchmarks/gluon_forward_bench.py "$OUT/gluon.json" --safety-timeout 65
+  fi
+  step decode_bench 85 python benchmarks/decode_bench.py "$OUT/decode.json" --budget 60
+  step varlen_bench 50 python benchmarks/varlen_bench.py "$OUT/varlen.json" --budget 30
+  step headdim_bench 45 python benchmarks/headdim_bench.py "$OUT/headdim.json" --budget 30 \
+    --dims 192/128,256 --seqs 8192
+  tail -n 25 "$OUT/decode_bench.log" "$OUT/varlen_bench.log"
+  # the device returns at most 8 files: one archive of them all
+  tar czf /tmp/part_n.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_n.tgz "$OUT/"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
