@@ -14,6 +14,7 @@ import torch
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import check_tables
 from .errors import InputError, InputTypeError, check_bool
+from .features import check_sinks
 from .inputs import (check_block_mask_type, check_buffers, check_scale, check_table_shapes,
                      check_tensors)
 from .runtime.call import AttentionCall
@@ -31,7 +32,7 @@ __all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values"]
 def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, *,
                 kv_lens=None, q_offsets=None, page_table=None, return_lse=False,
                 kernel_options=None, workspace: DecodeWorkspace | None = None,
-                validate: bool = True):
+                validate: bool = True, sinks=None):
     """Attention of ``query`` [B, Hq, L, E] (L <= 16 new rows per sequence) against a cache.
 
     The cache is ``key`` [B, Hkv, S, E] / ``value`` [B, Hkv, S, Ev] or, with ``page_table``
@@ -50,6 +51,7 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     Returns ``out`` [B, Hq, L, Ev] (and lse [B, Hq, L] float32 with ``return_lse``); with a
     ``workspace`` the workspace's tensors, overwritten by the next call with it.
     ``kernel_options``: those of ``flex_attention`` (``SPLIT_KV`` fixes the split count).
+    ``sinks`` [Hq]: attention sinks, as ``flex_attention``'s (docs/sinks.md); lse includes them.
     """
     validate = check_bool("validate", validate)
     return_lse = check_bool("return_lse", return_lse)
@@ -76,7 +78,8 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     check_buffers(score, "score_mod", query.device)
     check_buffers(mask, "mask_mod", query.device)
     check_captured_indices(score, mask, (B, Hq, q_positions, E), S, query.device)
-    call = AttentionCall(score, mask, block_mask, scale, options, Hq // Hkv)
+    sinks = check_sinks(sinks, Hq, query.dtype, query.device)
+    call = AttentionCall(score, mask, block_mask, scale, options, Hq // Hkv, sinks=sinks)
     out, lse, _ = run_decode(query, key, value, call, inputs, return_lse)
     return (out, lse) if return_lse else out
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module
-from .params import INPUT, decode_combine_params, decode_params
+from .params import INPUT, decode_combine_params, decode_params, feature_params
 from .spec import INTERPRET, TORCH_DTYPES, launch_options, next_power_of_two, spec_key
 from .template import template_hash
 from .versions import versions_key
@@ -57,6 +57,7 @@ class DecodeSpec:
     wide_ints: tuple[str, ...] = ()
     template: str = DECODE_TEMPLATE
     max_registers: int = 0
+    sinks_dtype: str = ""  # HAS_SINKS: the sinks' element type (as KernelSpec.sinks_dtype)
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -92,11 +93,16 @@ class DecodeSpec:
             HAS_KV_LENS=self.has_kv_lens, PAGED=self.paged, PAGE_SIZE=self.page_size,
             WRITE_PARTS=self.write_parts, UNION_WALK=self.union_walk,
             INPUT_PRECISION=self.input_precision,
-            DOT_IN_FP32=self.interpret and self.dtype == "bf16")
+            DOT_IN_FP32=self.interpret and self.dtype == "bf16", HAS_SINKS=bool(self.sinks_dtype))
 
     def combine_constexprs(self) -> dict[str, object]:
-        names = decode_combine_params().constexpr_names
+        names = decode_combine_params(self.features).constexpr_names
         return {n: v for n, v in self.constexprs(False).items() if n in names}
+
+    @property
+    def features(self):
+        """The kernels' feature parameters (``params.feature_params``: the sinks)."""
+        return feature_params(self.sinks_dtype, False)
 
     def launch_options(self) -> dict[str, int]:
         return launch_options(self)
@@ -112,8 +118,9 @@ def decode_kernel(spec: DecodeSpec, score: TracedMod | None, mask: TracedMod | N
     """Key, name (``flexfa_fwd_decode_d128_bf16_<hash>``) and source of the decode module."""
     flags = {n: v for n, v in spec.constexprs(True).items() if n != "HAS_SCORE_MOD"}
     return forward_module(spec, score, mask, decode_key(spec, score, mask), "fwd_decode.tmpl",
-                          decode_params(buffer_params(score, mask)), flags,
-                          others=(("DEF_COMBINE", "combine", decode_combine_params()),))
+                          decode_params(buffer_params(score, mask), spec.features), flags,
+                          others=(("DEF_COMBINE", "combine",
+                                   decode_combine_params(spec.features)),))
 
 
 def decode_signature(spec: DecodeSpec, score: TracedMod | None, mask: TracedMod | None,
@@ -122,7 +129,8 @@ def decode_signature(spec: DecodeSpec, score: TracedMod | None, mask: TracedMod 
     ``triton.compile(ASTSource(...))``."""
     if combine:
         constexprs = spec.combine_constexprs()
-        return decode_combine_params().signature(constexprs, {INPUT: spec.dtype}), constexprs
+        return (decode_combine_params(spec.features).signature(constexprs, {INPUT: spec.dtype}),
+                constexprs)
     constexprs = spec.constexprs(score is not None)
-    params = decode_params(buffer_params(score, mask))
+    params = decode_params(buffer_params(score, mask), spec.features)
     return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

@@ -222,11 +222,12 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
         _FORWARD_CONSTEXPRS + own + constexprs("STRIDED_QKV" if hopper else "SPLIT_KEYS")))
 
 
-def decode_params(buffers: tuple[Param, ...]) -> KernelParams:
+def decode_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:
     """fwd_decode.tmpl's kernel: one program per (batch * kv head, split), contiguous or paged
     keys; the per-sequence key counts, query offsets and page table (dummies where unused);
     the split workspaces; the union tables of ``flexfa.blockmask.union`` (dummies without the
-    union walk); ``buffers``: the mods' ``captured`` tensors."""
+    union walk); ``buffers``: the mods' ``captured`` tensors; ``features``:
+    ``feature_params`` (sinks only)."""
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "OUT") + tensors("fp32", "LSE", "MAXS")
         + tensors("fp32", "PARTS", "PART_LSE", "PART_MAX")
@@ -235,22 +236,23 @@ def decode_params(buffers: tuple[Param, ...]) -> KernelParams:
         strides("pt", "bp"), *block_mask_tables("KV", "m", "n"),
         tensors("i32", "UNION_NUM", "UNION_IDX") + tensors("i8", "UNION_STATUS")
         + ints("union_sb", "UNION_NQB", "UNION_W"),
-        ints("HKV", "S") + (Param("sm_scale", FLOAT),) + buffers,
+        ints("HKV", "S") + (Param("sm_scale", FLOAT),) + buffers, features,
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_SCORE_MOD",
                    "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_S",
                    "RETURN_LSE", "RETURN_MAX", "GQA_GROUP", "Q_LEN", "TABLE_G", "QB_SPAN",
                    "OFFSETS", "HAS_KV_LENS", "PAGED", "PAGE_SIZE", "WRITE_PARTS",
-                   "UNION_WALK", "INPUT_PRECISION", "DOT_IN_FP32")))
+                   "UNION_WALK", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS")))
 
 
-def decode_combine_params() -> KernelParams:
-    """fwd_decode.tmpl's combine kernel: the split workspaces into the outputs."""
+def decode_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
+    """fwd_decode.tmpl's combine kernel: the split workspaces into the outputs (and the
+    sinks, ``features``, added once)."""
     return KernelParams((
         tensors("fp32", "PARTS", "PART_LSE", "PART_MAX") + tensors(INPUT, "OUT")
         + tensors("fp32", "LSE", "MAXS"),
-        strides("o", "bhmd"), ints("HKV", "SPLITS"),
+        strides("o", "bhmd"), ints("HKV", "SPLITS"), features,
         constexprs("BLOCK_M", "EV", "EV_PAD", "GQA_GROUP", "Q_LEN", "RETURN_LSE",
-                   "RETURN_MAX")))
+                   "RETURN_MAX", "HAS_SINKS")))
 
 
 def fp8_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:

@@ -342,12 +342,13 @@ _register_backward()
 
 def decode_job(head_dim: int, dtype: str, group: int, q_len: int, score_mod=None,
                mask_mod=None, per_head_mask: bool = False, paged: bool = False,
-               splits: bool = False, combine: bool = False, walk: str = "AUTO"):
+               splits: bool = False, combine: bool = False, walk: str = "AUTO",
+               sinks: bool = False):
     """A compile-check builder for the decode kernel (or, with ``combine``, its combine
     kernel) as the runtime plans it: ``group`` query heads per kv head, ``q_len`` rows, a paged
     cache with per-sequence lengths (positions from them) or a contiguous one; ``walk`` the
     kernel option DECODE_WALK (a per-head mask or rows across q blocks: the union walk by
-    default)."""
+    default); ``sinks``: float32 attention sinks (HAS_SINKS)."""
     def build(arch: int) -> CompileJob:
         torch_dtype, hkv, length, page = TORCH_DTYPES[dtype], 2, 1024, 64
         q = torch.zeros(1, hkv * group, q_len, head_dim, dtype=torch_dtype)
@@ -364,7 +365,8 @@ def decode_job(head_dim: int, dtype: str, group: int, q_len: int, score_mod=None
                                        q_positions, length, device="cpu") \
             if mask_mod is not None else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                             0.125, KernelOptions(decode_walk=walk), group)
+                             0.125, KernelOptions(decode_walk=walk), group,
+                             sinks=torch.zeros(hkv * group) if sinks else None)
         spec = decode_spec(q, k, k, call, parse_target(f"cuda:{arch}"), inputs, True, False,
                            write_parts=splits)
         if not combine:
@@ -425,3 +427,9 @@ def varlen_tables_job(which: str, block: tuple[int, int] = (128, 128), causal: b
 register("varlen_rows_causal_128", varlen_tables_job("varlen_rows"))
 register("varlen_rows_window_48x80", varlen_tables_job("varlen_rows", (48, 80), False, True))
 register("varlen_columns", varlen_tables_job("varlen_columns"))
+# attention sinks: in the kernel's epilogue (no splits) and in the combine kernel (splits)
+register("decode_d128_bf16_g4_l3_paged_causal_sinks",
+         decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, paged=True,
+                    sinks=True))
+register("decode_combine_d128_bf16_g4_l1_sinks", decode_job(128, "bf16", 4, 1, splits=True,
+                                                            combine=True, sinks=True))

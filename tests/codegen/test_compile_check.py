@@ -62,11 +62,15 @@ def test_register_limits_archs(monkeypatch):
                                        ("decode_d128_bf16_g4_l1_dense_split", 80),
                                        ("decode_combine_d128_bf16_g4_l1", 80),
                                        ("decode_d128_bf16_g4_l3_paged_per_head_union", 80),
-                                       ("decode_d128_bf16_g4_l3_paged_per_head_union", 90)])
+                                       ("decode_d128_bf16_g4_l3_paged_per_head_union", 90),
+                                       ("decode_d128_bf16_g4_l3_paged_causal_sinks", 80),
+                                       ("decode_d128_bf16_g4_l3_paged_causal_sinks", 90),
+                                       ("decode_combine_d128_bf16_g4_l1_sinks", 80),
+                                       ("decode_combine_d128_bf16_g4_l1_sinks", 90)])
 def test_decode_kernels_compile(name, arch):
     """The decode family's kernel (paged, a block mask, splits; the union walk of per-head
-    tables across q blocks) and its combine kernel compile for sm_80 and sm_90 without
-    spilling much."""
+    tables across q blocks; attention sinks) and its combine kernel compile for sm_80 and
+    sm_90 without spilling much."""
     result = compile_job(name, arch, compile_check.REGISTRY[name])
     assert result.ok, result.error
     assert ".entry flexfa_fwd_decode_d128_bf16_" in result.ptx

@@ -173,13 +173,14 @@ def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInpu
         offsets=inputs.offsets, has_kv_lens=inputs.kv_lens is not None, paged=inputs.paged,
         page_size=inputs.page_size, write_parts=write_parts,
         wide_ints=mods_int64_nodes((call.score, call.mask), Domain(B, Hq, q_positions, S)),
-        max_registers=call.options.fwd.max_registers or 0)
+        max_registers=call.options.fwd.max_registers or 0, sinks_dtype=call.sinks_dtype)
 
 
 class DecodeForward(KernelFamily):
     name = "decode"
     direction = "forward"
     priority = 20  # before Hopper and Ampere: where it applies, it reads K and V once per group
+    features = frozenset({"sinks"})  # in the epilogue, or once in the combine kernel
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         L = q.shape[2]
@@ -235,7 +236,7 @@ class DecodeForward(KernelFamily):
         stat_lse, stat_max = stat_args(out, lse, maxs)
         dummy = dummy_table(q.device)
         outputs = {"OUT": out, "LSE": stat_lse, "MAXS": stat_max,
-                   **binding.strides("o", "bhmd", out.stride())}
+                   **binding.strides("o", "bhmd", out.stride()), **binding.feature_values(call)}
         workspaces = {"PARTS": parts, "PART_LSE": part_lse, "PART_MAX": part_max} \
             if parts is not None else {"PARTS": stat_lse, "PART_LSE": stat_lse,
                                        "PART_MAX": stat_lse}
