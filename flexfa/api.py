@@ -106,13 +106,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     (seed, offset) pair; None draws one from torch's generator of the query's device.
     """
     if torch.compiler.is_compiling():  # traced by torch.compile: the flexfa:: operators
-        if sinks is not None or dropout_p:  # not in the operators yet: a graph break
-            return _eager_only()(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                 return_lse, kernel_options, return_aux=return_aux, sinks=sinks,
-                                 dropout_p=dropout_p, dropout_seed=dropout_seed)
         out, lse, maxs, aux_lse = compiled.attention(query, key, value, score_mod, block_mask,
                                                      scale, enable_gqa, return_lse,
-                                                     kernel_options, return_aux)
+                                                     kernel_options, return_aux, sinks,
+                                                     dropout_p, dropout_seed)
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
     signature = _validation_key(query, key, value, block_mask, enable_gqa)
     checked = False  # the tensor, shape and block-mask checks passed for this signature before
@@ -158,17 +155,6 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool):
         from .autograd import FlexAttentionFunction
         return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers)
     return run_forward(query, key, value, call, return_lse, return_max)
-
-
-_EAGER_ONLY: list = []
-
-
-def _eager_only():
-    """flex_attention as a graph break (made on first use, when Dynamo is loaded): what a
-    compiled region runs for the features the operators do not carry (sinks, dropout)."""
-    if not _EAGER_ONLY:
-        _EAGER_ONLY.append(torch.compiler.disable(flex_attention))
-    return _EAGER_ONLY[0]
 
 
 def _result(out, lse, maxs, return_lse: bool, return_aux, aux_lse: bool):

@@ -30,6 +30,7 @@ from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import InputError, InputTypeError
+from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.trace import MASK_MOD, SCORE_MOD, trace_entry
 from .inputs import broadcast_batch, check_aux
@@ -218,10 +219,16 @@ def _guard_mod(mod, kind: str) -> None:
 
 
 def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-              kernel_options, return_aux) -> tuple:
-    """(out, lse, max scores or None, whether return_aux asks for lse) of ``flex_attention`` as torch.compile captures it: one
-    ``flexfa::flex_attention`` operator (its autograd formula runs the backward operator)."""
+              kernel_options, return_aux, sinks=None, dropout_p=0.0, dropout_seed=None) -> tuple:
+    """(out, lse, max scores or None, whether return_aux asks for lse) of ``flex_attention``
+    as torch.compile captures it: one ``flexfa::flex_attention`` operator (its autograd
+    formula runs the backward operator). The sinks are an operator input (so they get their
+    gradient); dropout's seed tensor is drawn here, in the graph, from torch's generator
+    (``prepare_dropout``), so the operator stays functional and the backward reuses it."""
     aux_lse, aux_max = check_aux(return_aux, return_lse)
+    sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
+    dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
+    dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
                                              kernel_options)
@@ -239,7 +246,8 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
         block = list(block_mask.BLOCK_SIZE)
     key, value = broadcast_batch(query, key, value)
     out, lse, maxs = torch.ops.flexfa.flex_attention(
-        query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block)
+        query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block,
+        sinks, dropout_p, seed)
     return out, lse, (maxs if aux_max else None), aux_lse
 
 

@@ -27,9 +27,11 @@ from .blockmask.create import create_block_mask
 from .blockmask.validate import TABLES
 from .calls import attention_call
 from .errors import InputError
+from .features import check_sinks
 from .frontend.trace import TracedMod
 from .inputs import check_block_mask, check_shapes, check_tensors
 from .memo import BoundedMemo
+from .runtime.call import SINKS_GRAD, Dropout
 from .runtime.layout import output_like
 from .runtime.options import KernelOptions
 
@@ -132,10 +134,24 @@ def _block_mask(entry: ModsEntry, mask_buffers, tables, block_size, lengths) -> 
     return mask
 
 
+def _dropout(dropout_p: float, dropout_seed) -> Dropout | None:
+    """The operator call's Dropout (None for p = 0); the seed is the int64 [seed, offset]
+    tensor the caller drew (``flexfa.compiled.attention``), so the operator is functional."""
+    if dropout_p == 0.0:
+        return None
+    if not 0.0 < dropout_p < 1.0:
+        raise InputError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_seed is None or dropout_seed.dtype != torch.int64 or dropout_seed.shape != (2,):
+        got = None if dropout_seed is None else (tuple(dropout_seed.shape), dropout_seed.dtype)
+        raise InputError(f"dropout_seed must be an int64 tensor [seed, offset] of shape (2,) "
+                         f"when dropout_p > 0, got {got}")
+    return Dropout(dropout_p, dropout_seed)
+
+
 def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tables, block_size,
-          grad_slots=(), grad_enabled=False):
-    """(AttentionCall, key, value, entry) of one operator call, checked as flex_attention
-    checks a call."""
+          grad_slots=(), grad_enabled=False, sinks=None, dropout=None):
+    """(AttentionCall, key, value) of one operator call, checked as flex_attention checks
+    a call; ``sinks`` checked as flex_attention checks them."""
     entry = mods_entry(mods)
     check_tensors(query, key, value)
     check_shapes(query, key, value, entry.enable_gqa)
@@ -144,8 +160,9 @@ def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tabl
                              (query.shape[2], key.shape[2]))
     check_block_mask(block_mask, query, key)
     scale = scale if scale is not None else query.shape[3] ** -0.5
+    sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call, key, value = attention_call(query, key, value, score, block_mask, scale,
-                                      entry.options, grad_enabled)
+                                      entry.options, grad_enabled, sinks, dropout)
     return call, key, value
 
 
@@ -154,19 +171,21 @@ def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tabl
 @torch.library.custom_op("flexfa::flex_attention", mutates_args=())
 def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, mods: str, scale: float | None,
                       return_max: bool, score_buffers: list[Tensor], mask_buffers: list[Tensor],
-                      tables: list[Tensor | None], block_size: list[int]
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+                      tables: list[Tensor | None], block_size: list[int],
+                      sinks: Tensor | None = None, dropout_p: float = 0.0,
+                      dropout_seed: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out in the query's dimension order, lse [B, Hq, L] float32, the rows' max scores
-    [B, Hq, L] float32 or an empty tensor when ``return_max`` is False)."""
+    [B, Hq, L] float32 or an empty tensor when ``return_max`` is False). ``sinks``: [Hq]
+    sink logits or None; ``dropout_seed``: int64 [seed, offset], read when dropout_p > 0."""
     call, key, value = _call(query, key, value, mods, scale, score_buffers, mask_buffers, tables,
-                             block_size)
+                             block_size, sinks=sinks, dropout=_dropout(dropout_p, dropout_seed))
     out, lse, maxs = run_forward(query, key, value, call, return_lse=True, return_max=return_max)
     return out, lse, maxs if maxs is not None else lse.new_empty(0)
 
 
 @flex_attention_op.register_fake
 def _(query, key, value, mods, scale, return_max, score_buffers, mask_buffers, tables,
-      block_size):
+      block_size, sinks=None, dropout_p=0.0, dropout_seed=None):
     entry = mods_entry(mods)
     check_shapes(query, key, value, entry.enable_gqa)
     B, Hq, L, _ = query.shape
@@ -177,17 +196,21 @@ def _(query, key, value, mods, scale, return_max, score_buffers, mask_buffers, t
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (query, key, value, mods, scale, _, score_buffers, mask_buffers, tables, block_size) = inputs
+    (query, key, value, mods, scale, _, score_buffers, mask_buffers, tables, block_size, sinks,
+     dropout_p, dropout_seed) = (*inputs, None, 0.0, None)[:13]
     out, lse, maxs = output
-    ctx.mods, ctx.scale, ctx.block_size = mods, scale, block_size
+    ctx.mods, ctx.scale, ctx.block_size, ctx.dropout_p = mods, scale, block_size, dropout_p
     ctx.counts = (len(score_buffers), len(mask_buffers), [t is not None for t in tables])
     ctx.grad_slots = [s for s, t in enumerate(score_buffers) if t.requires_grad]
-    ctx.needs = (query.requires_grad, key.requires_grad or value.requires_grad)
+    ctx.needs = (query.requires_grad, key.requires_grad or value.requires_grad,
+                 sinks is not None and sinks.requires_grad)
+    optional = [t for t in (sinks, dropout_seed if dropout_p else None) if t is not None]
+    ctx.counts = (*ctx.counts, sinks is not None, len(optional))
     entry = mods_entry(mods)
     if entry.score is not None and ctx.grad_slots:  # no derivative: fails in the forward
         joint_graph(entry.score.with_buffers(score_buffers, tuple(ctx.grad_slots)))
     ctx.save_for_backward(query, key, value, out, lse, *score_buffers, *mask_buffers,
-                          *(t for t in tables if t is not None))
+                          *(t for t in tables if t is not None), *optional)
     ctx.mark_non_differentiable(maxs)
     ctx.set_materialize_grads(False)
 
@@ -195,21 +218,30 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out, grad_lse, grad_max):
     saved = ctx.saved_tensors
     query, key, value, out, lse = saved[:5]
-    n_score, n_mask, present = ctx.counts
+    n_score, n_mask, present, has_sinks, n_optional = ctx.counts
     score_buffers = list(saved[5:5 + n_score])
     mask_buffers = list(saved[5 + n_score:5 + n_score + n_mask])
-    rest = iter(saved[5 + n_score + n_mask:])
+    rest = iter(saved[5 + n_score + n_mask:len(saved) - n_optional])
     tables = [next(rest) if p else None for p in present]
+    optional = iter(saved[len(saved) - n_optional:])
+    sinks = next(optional) if has_sinks else None
+    seed = next(optional, None)  # present when dropout_p > 0
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv, grads = flex_attention_backward_op(
+    need_dq, need_dkdv, need_dsinks = ctx.needs
+    dq, dk, dv, dsinks, grads = flex_attention_backward_op(
         query, key, value, out, lse, grad_out, grad_lse, ctx.mods, ctx.scale, score_buffers,
-        mask_buffers, tables, ctx.block_size, ctx.grad_slots, *ctx.needs)
+        mask_buffers, tables, ctx.block_size, ctx.grad_slots, need_dq, need_dkdv, sinks,
+        need_dsinks, ctx.dropout_p, seed)
     by_slot = dict(zip(ctx.grad_slots, grads))
     buffer_grads = [by_slot.get(s) for s in range(n_score)]
-    return (dq if ctx.needs[0] else None, dk if ctx.needs[1] else None,
-            dv if ctx.needs[1] else None, None, None, None, buffer_grads, [None] * n_mask,
-            [None] * len(present), None)
+    # an empty list argument (block_size without a block mask) is a list in the inputs'
+    # structure, a non-empty one of ints a leaf: its gradient mirrors that; a call may leave
+    # out trailing arguments at their defaults (needs_input_grad has the call's structure)
+    grads = (dq if need_dq else None, dk if need_dkdv else None, dv if need_dkdv else None,
+             None, None, None, buffer_grads, [None] * n_mask, [None] * len(present),
+             None if ctx.block_size else [], dsinks if need_dsinks else None, None, None)
+    return grads[:len(ctx.needs_input_grad)]
 
 
 # ---- the backward -------------------------------------------------------------------------
@@ -220,25 +252,39 @@ def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: T
                                scale: float | None, score_buffers: list[Tensor],
                                mask_buffers: list[Tensor], tables: list[Tensor | None],
                                block_size: list[int], grad_slots: list[int], need_dq: bool,
-                               need_dkdv: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """(dq, dk, dv, the gradients of the captured tensors in ``grad_slots``); dq, dk and dv
-    not needed come back empty."""
+                               need_dkdv: bool, sinks: Tensor | None = None,
+                               need_dsinks: bool = False, dropout_p: float = 0.0,
+                               dropout_seed: Tensor | None = None
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, d sinks, the gradients of the captured tensors in ``grad_slots``); the
+    forward's ``dropout_seed`` draws the same keep mask. dq, dk, dv and d sinks not needed
+    come back empty."""
+    if need_dsinks and sinks is None:
+        raise InputError("need_dsinks=True but sinks is None")
+    if need_dsinks:  # run_backward computes d sinks for sinks that require grad
+        sinks = sinks.detach().requires_grad_()
     call, key, value = _call(query, key, value, mods, scale, score_buffers, mask_buffers, tables,
-                             block_size, tuple(grad_slots))
+                             block_size, tuple(grad_slots), sinks=sinks,
+                             dropout=_dropout(dropout_p, dropout_seed))
     dq, dk, dv, buffer_grads = run_backward(query, key, value, out, lse, grad_out, grad_lse,
                                             call, need_dkdv=need_dkdv)
     buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
-    return (dq if need_dq else query.new_empty(0), dk if need_dkdv else query.new_empty(0),
-            dv if need_dkdv else query.new_empty(0), [buffer_grads[s] for s in grad_slots])
+    empty = query.new_empty(0)
+    return (dq if need_dq else empty.clone(), dk if need_dkdv else empty.clone(),
+            dv if need_dkdv else empty.clone(),
+            buffer_grads[SINKS_GRAD] if need_dsinks else empty.clone(),
+            [buffer_grads[s] for s in grad_slots])
 
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, mods, scale, score_buffers, mask_buffers,
-      tables, block_size, grad_slots, need_dq, need_dkdv):
+      tables, block_size, grad_slots, need_dq, need_dkdv, sinks=None, need_dsinks=False,
+      dropout_p=0.0, dropout_seed=None):
     # run_backward allocates dq, dk and dv contiguous
     return (query.new_empty(query.shape) if need_dq else query.new_empty(0),
             key.new_empty(key.shape) if need_dkdv else query.new_empty(0),
             value.new_empty(value.shape) if need_dkdv else query.new_empty(0),
+            sinks.new_empty(sinks.shape) if need_dsinks else query.new_empty(0),
             [torch.empty_like(score_buffers[s]) for s in grad_slots])
 
 

@@ -1,0 +1,79 @@
+"""Attention sinks and dropout inside torch.compile(fullgraph=True): the flexfa:: operators
+carry them (sinks an input with its gradient, dropout's seed an int64 tensor drawn in the
+graph), so outputs and gradients equal eager flexfa's with no graph break."""
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.compiled import describe
+from flexfa.errors import InputError
+# pytest puts this folder on sys.path (it has no __init__.py): the sibling's helpers
+from test_compile_fullgraph import _assert_same, _inputs, _run
+
+
+def test_sinks_fullgraph_equal_eager_with_their_gradient():
+    mask = flexfa.create_block_mask(mods.causal, 1, None, 40, 40, device="cpu", BLOCK_SIZE=32)
+    bias = torch.tensor([0.1, -0.2], requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    def layer(q, k, v, sinks, bias):
+        return flexfa.flex_attention(q, k, v, biased, mask, sinks=sinks) * 2
+
+    torch._dynamo.reset()
+    tensors = [*_inputs(40, seed=0), sinks, bias]
+    got = _run(torch.compile(layer, backend="aot_eager", fullgraph=True), tensors, [])
+    want = _run(layer, tensors, [])
+    _assert_same(got, want)  # d sinks and d bias included
+    assert want[1][3].abs().min() > 0  # d sinks is there
+    no_sinks = flexfa.flex_attention(*(t.detach() for t in tensors[:3]), biased, mask) * 2
+    assert (no_sinks - got[0]).abs().max() > 1e-3  # the sinks change the output
+
+
+def test_dropout_fullgraph_equals_eager_at_a_fixed_seed():
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, None,
+                                     dropout_p=0.3, dropout_seed=(11, 3)) + 1
+
+    torch._dynamo.reset()
+    tensors = _inputs(48, seed=1)
+    got = _run(torch.compile(layer, backend="aot_eager", fullgraph=True), tensors, [])
+    want = _run(layer, tensors, [])
+    _assert_same(got, want)
+    plain = flexfa.flex_attention(*(t.detach() for t in tensors)) + 1
+    assert (plain - got[0]).abs().max() > 1e-2  # dropout was applied
+
+
+def test_dropout_seed_drawn_in_the_graph_from_torch_generator():
+    """dropout_seed=None: the graph draws the seed from torch's generator each run, as eager
+    does, so torch.manual_seed reproduces eager's output and two runs differ."""
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, dropout_p=0.5)
+
+    torch._dynamo.reset()
+    q, k, v = (t.detach() for t in _inputs(32, seed=2))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    first = compiled(q, k, v)
+    torch.manual_seed(5)
+    torch.testing.assert_close(first, layer(q, k, v), rtol=0, atol=0)
+    assert (compiled(q, k, v) - first).abs().max() > 1e-3
+
+
+def test_opcheck_forward_with_sinks_and_bad_feature_inputs():
+    key, _, _ = describe(None, None, None, None, False, None)
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=generator) for _ in range(3))
+    args = (q.requires_grad_(), k, v, key, None, False, [], [], [], [],
+            torch.tensor([0.2, -0.4], requires_grad=True))
+    torch.library.opcheck(torch.ops.flexfa.flex_attention.default, args)
+    q = q.detach()
+    with pytest.raises(InputError, match="dropout_seed must be an int64 tensor"):
+        torch.ops.flexfa.flex_attention(q, k, v, key, None, False, [], [], [], [], None, 0.25,
+                                        torch.tensor([1.0, 0.0]))
+    with pytest.raises(InputError, match="sinks has shape"):
+        torch.ops.flexfa.flex_attention(q, k, v, key, None, False, [], [], [], [],
+                                        torch.zeros(3))
