@@ -8,8 +8,10 @@ import traceback
 
 
 def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None:
-    """Run ``runs`` = [(case, load_balance)] on rank ``rank`` of ``world``; save one file per
-    run (``<case>_<lb>_<rank>.pt``), or ``error_<rank>.txt`` with the traceback."""
+    """Run ``runs`` = [(case, load_balance, variant)] on rank ``rank`` of ``world``; save one
+    file per run (``<case>_<lb>_<variant>_<rank>.pt``), or ``error_<rank>.txt`` with the
+    traceback. ``variant``: ``"ring"`` / ``"allgather"`` (the method, group None) or
+    ``"mesh"`` (the ring over a 1-D CPU DeviceMesh)."""
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         import torch
@@ -18,9 +20,9 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
         try:
-            for case, load_balance in runs:
-                torch.save(_one_run(case, load_balance, rank, world),
-                           os.path.join(out_dir, f"{case}_{int(load_balance)}_{rank}.pt"))
+            for case, load_balance, variant in runs:
+                torch.save(_one_run(case, load_balance, variant, rank, world),
+                           os.path.join(out_dir, result_name(case, load_balance, variant, rank)))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -29,7 +31,13 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
         raise
 
 
-def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
+def result_name(case: str, load_balance: bool, variant: str, rank: int) -> str:
+    return f"{case}_{int(load_balance)}_{variant}_{rank}.pt"
+
+
+def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from flexfa.distributed import ring, ring_attention, shard_sequence
     from .ring_cases import LENGTH, inputs, mods
 
@@ -39,6 +47,8 @@ def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
                                    for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     score_mod, mask_mod, learned = mods(case, length)
+    group = init_device_mesh("cpu", (world,)) if variant == "mesh" else None
+    method = "allgather" if variant == "allgather" else "ring"
     calls = []
     original = ring.flex_attention
 
@@ -47,8 +57,9 @@ def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
         return original(*args, **kwargs)
     ring.flex_attention = counting
     try:
-        out, lse = ring_attention(q, k, v, score_mod, mask_mod, load_balance=load_balance,
-                                  block_size=16, return_lse=True)
+        out, lse = ring_attention(q, k, v, score_mod, mask_mod, group=group,
+                                  load_balance=load_balance, block_size=16, return_lse=True,
+                                  method=method)
         forward_calls = len(calls)
         ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
     finally:
