@@ -11,7 +11,7 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
     """Run ``runs`` = [(case, load_balance, variant)] on rank ``rank`` of ``world``; save one
     file per run (``<case>_<lb>_<variant>_<rank>.pt``), or ``error_<rank>.txt`` with the
     traceback. ``variant``: ``"ring"`` / ``"allgather"`` (the method, group None) or
-    ``"mesh"`` (the ring over a 1-D CPU DeviceMesh)."""
+    ``"mesh"`` (method ``"auto"`` over a 1-D CPU DeviceMesh)."""
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         import torch
@@ -48,7 +48,7 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     score_mod, mask_mod, learned = mods(case, length)
     group = init_device_mesh("cpu", (world,)) if variant == "mesh" else None
-    method = "allgather" if variant == "allgather" else "ring"
+    method = {"ring": "ring", "allgather": "allgather", "mesh": "auto"}[variant]
     calls = []
     original = ring.flex_attention
 
