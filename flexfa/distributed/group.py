@@ -5,11 +5,12 @@ mesh with ``mesh_dim`` naming the context-parallel dimension (an int or the dime
 
 The K/V exchange (``method``):
 
-| method | what moves | when it wins |
-| --- | --- | --- |
-| ``"ring"`` | W-1 point-to-point shifts of one K/V shard, each under a step's kernel | large shards: transfers hide behind compute, memory holds 2 shards |
-| ``"allgather"`` | one all-gather of every K/V shard before the first step; dK/dV reduce-scattered | small shards: per-message latency dominates, W shards fit |
-| ``"auto"`` | ``"allgather"`` if this rank's K + V shard is at most ``ALLGATHER_MAX_BYTES``, else ``"ring"`` | |
+- ``"ring"``: W-1 point-to-point shifts of one K/V shard, each under a step's kernel; wins for
+  large shards (transfers hide behind compute; a rank holds 2 shards).
+- ``"allgather"``: one all-gather of every K/V shard before the first step, dK/dV
+  reduce-scattered; wins for small shards (per-message latency dominates; W shards fit).
+- ``"auto"``: ``"allgather"`` if this rank's K + V shard is at most ``ALLGATHER_MAX_BYTES``,
+  else ``"ring"``.
 
 Every rank has the same shapes, so every rank makes the same choice.
 """

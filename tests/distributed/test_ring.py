@@ -21,10 +21,11 @@ from .ring_workers import result_name, run_rank
 
 TIMEOUT_S = 240
 # (case, load_balance, variant): the ring for every case; on two ranks also the all-gather
-# exchange, and a DeviceMesh group with method "auto" (which picks all-gather for these
-# small shards); 3 and 4 ranks for the ring alone
+# exchange, a 1-D DeviceMesh group with method "auto" (which picks all-gather for these
+# small shards) and a 2-D mesh's "cp" dimension; 3 and 4 ranks for the ring alone
 RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
-        + [("causal", True, "allgather"), ("learned_bias", False, "mesh")],
+        + [("causal", True, "allgather"), ("learned_bias", False, "mesh"),
+           ("causal", False, "mesh2d")],
         3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
         4: [("causal", True, "ring")]}
 
@@ -148,6 +149,10 @@ def test_allgather_and_mesh_match_the_ring(ranks_dir, case, load_balance, varian
         plain = ring["ranks"][rank]
         assert (shard["forward_calls"], shard["backward_calls"]) == \
             (plain["forward_calls"], plain["backward_calls"])
+        assert plain["method"] == ["ring"]
+        assert shard["method"] == ["ring" if variant == "mesh2d" else "allgather"]
+        if variant == "mesh2d":
+            assert "2-D DeviceMesh" in shard["mesh_error"] and "mesh_dim=" in shard["mesh_error"]
 
 
 @pytest.mark.parametrize("world,load_balance", [(2, False), (3, True), (4, True), (4, False)])
