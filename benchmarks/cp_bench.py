@@ -36,6 +36,10 @@ def parse(argv=None):
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--mask", choices=("causal", "full"), default="causal")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--methods", default="ring",
+                        help="ring_attention methods to time, comma-separated (ring, "
+                             "allgather, auto), e.g. ring,allgather at short lengths to place "
+                             "the auto threshold")
     parser.add_argument("--single", action="store_true", help="also time one GPU on rank 0")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's context_parallel")
     parser.add_argument("--budget", type=float, default=480.0)
@@ -131,9 +135,10 @@ def main(argv=None) -> int:
         dtype = torch.float32 if args.cpu else torch.bfloat16
         shards = [torch.randn(shape, device=DEVICE[0], dtype=dtype, requires_grad=True)
                   for _ in range(3)]
-        guarded(row, "ring", lambda: fwd_and_bwd(
-            torch, dist, lambda q, k, v: ring_attention(q, k, v, mask_mod=mask_mod), shards,
-            args.reps))
+        for method in args.methods.split(","):
+            guarded(row, method, lambda m=method: fwd_and_bwd(
+                torch, dist, lambda q, k, v: ring_attention(q, k, v, mask_mod=mask_mod,
+                                                            method=m), shards, args.reps))
         del shards
         if not args.no_torch:
             guarded(row, "torch_cp_sdpa", lambda: _torch_cp(torch, dist, F, args, length))

@@ -53,3 +53,35 @@ class Transfer:
         for work in self.works:
             work.wait()
         return self.received
+
+
+# torch renamed the tensor collectives (the old names warn); both take (output, input, group=)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_shards(ring: Ring, tensors) -> list[list[torch.Tensor]]:
+    """All-gather: ``[source rank][i]`` = the ``tensors[i]`` of every rank of the group, one
+    collective per tensor (``world == 1``: the tensors themselves)."""
+    if ring.world == 1:
+        return [list(tensors)]
+    gathered = []
+    for t in tensors:
+        # the collectives concatenate along dim 0 (B): W x B rows, rank r's are the r-th B
+        into = t.new_empty((ring.world * t.shape[0], *t.shape[1:]))
+        _all_gather(into, t.contiguous(), group=ring.group)
+        gathered.append(into.chunk(ring.world))
+    return [list(per_source) for per_source in zip(*gathered)]
+
+
+def reduce_scatter_shards(ring: Ring, per_source) -> list[torch.Tensor]:
+    """Reduce-scatter: ``per_source[s][i]`` is this rank's contribution to rank s's tensor i;
+    returns this rank's tensors summed over the group."""
+    if ring.world == 1:
+        return list(per_source[0])
+    summed = []
+    for parts in zip(*per_source):
+        into = torch.empty_like(parts[0])
+        _reduce_scatter(into, torch.cat(parts), group=ring.group)
+        summed.append(into)
+    return summed

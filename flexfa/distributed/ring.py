@@ -15,7 +15,9 @@ import torch.distributed as dist
 from ..api import flex_attention
 from ..errors import InputError, InputTypeError
 from ..frontend import trace
-from .comm import DKV_TAG, KV_TAG, Ring
+from .comm import Ring
+from .exchange import EXCHANGES
+from .group import choose_method, resolve_group
 from .merge import merge_into, weight
 from .sharding import positions
 from .steps import RingMods
@@ -23,7 +25,7 @@ from .steps import RingMods
 
 def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
                    load_balance=True, scale=None, kernel_options=None, *, block_size=128,
-                   return_lse=False):
+                   return_lse=False, method="auto", mesh_dim=None):
     """Attention over a sequence sharded across ``group`` (default: the world group).
 
     ``query`` / ``key`` / ``value`` ``[B, H, S_local, E]`` are this rank's shards, laid out
@@ -31,9 +33,13 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     the mods of the whole sequence: they see global positions. Returns this rank's shard of
     the output (and of the lse with ``return_lse``), differentiable in q, k, v and tensors
     the score_mod captures (their gradients are summed over the group). ``block_size`` is
-    the block mask's, built per ring step from ``mask_mod``.
+    the block mask's, built per ring step from ``mask_mod``. ``group`` may be a DeviceMesh
+    (1-D, or with ``mesh_dim``); ``method`` picks the K/V exchange: ``"ring"``,
+    ``"allgather"`` or ``"auto"`` (by shard size, ``group.ALLGATHER_MAX_BYTES``).
     """
     _check_shards(query, key, value, load_balance)
+    group = resolve_group(group, mesh_dim)
+    method = choose_method(method, key, value)
     ring = Ring(group)
     device = query.device
     batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
@@ -43,7 +49,7 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
               for source in range(ring.world)]
     learned = () if score_mod is None else tuple(
         t for t in trace(mods.score_mod).buffers if t.requires_grad)
-    plan = _Plan(ring, mods, kv_pos, scale, kernel_options)
+    plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method)
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
 
@@ -74,8 +80,9 @@ class _Plan:
     """What the autograd function needs besides tensors; ``steps`` records, per ring step,
     whether it ran a kernel and its block mask (kept for the backward)."""
 
-    def __init__(self, ring: Ring, mods: RingMods, kv_pos: list, scale, kernel_options):
-        self.ring, self.mods, self.kv_pos = ring, mods, kv_pos
+    def __init__(self, ring: Ring, mods: RingMods, kv_pos: list, scale, kernel_options,
+                 method: str):
+        self.ring, self.mods, self.kv_pos, self.method = ring, mods, kv_pos, method
         self.scale, self.kernel_options = scale, kernel_options
         self.steps: list[tuple[bool, object]] = []
 
@@ -92,15 +99,12 @@ class _RingAttention(torch.autograd.Function):
         ring = plan.ring
         out = query.new_zeros(*query.shape[:3], value.shape[-1], dtype=torch.float32)
         lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
-        kv, plan.steps = [key, value], []
-        for step in range(ring.world):
-            transfer = ring.shift(kv, KV_TAG) if step < ring.world - 1 else None
+        plan.steps = []
+        for step, kv in enumerate(EXCHANGES[plan.method](ring).shards([key, value])):
             runs, mask = plan.mods.at_step(plan.kv_pos[ring.source(step)])
             plan.steps.append((runs, mask))
             if runs:
                 merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
-            if transfer is not None:
-                kv = transfer.wait()
         out = out.to(query.dtype)
         ctx.plan = plan
         ctx.save_for_backward(query, key, value, out, lse, *learned)
@@ -116,9 +120,8 @@ class _RingAttention(torch.autograd.Function):
         row_dot = (grad_out * out.float()).sum(-1)
         dq = torch.zeros_like(query, dtype=torch.float32)
         d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
-        kv, incoming = [key, value], None
-        for step in range(ring.world):
-            transfer = ring.shift(kv, KV_TAG) if step < ring.world - 1 else None
+        exchange = EXCHANGES[plan.method](ring)
+        for step, kv in enumerate(exchange.shards([key, value])):
             runs, mask = plan.steps[step]
             dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
             if runs:
@@ -129,13 +132,8 @@ class _RingAttention(torch.autograd.Function):
                 for acc, g in zip(dkv + d_learned, grads[1:]):
                     if g is not None:
                         acc += g
-            if incoming is not None:  # what the earlier ranks added for the same K/V shard
-                for acc, g in zip(dkv, incoming.wait()):
-                    acc += g
-            incoming = ring.shift(dkv, DKV_TAG)
-            if transfer is not None:
-                kv = transfer.wait()
-        dk, dv = incoming.wait()  # after a full turn, this rank's own shard's accumulators
+            exchange.add_grads(step, dkv)
+        dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
         for g in d_learned:
             dist.all_reduce(g, group=ring.group)
         return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),

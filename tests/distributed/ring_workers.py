@@ -8,8 +8,11 @@ import traceback
 
 
 def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None:
-    """Run ``runs`` = [(case, load_balance)] on rank ``rank`` of ``world``; save one file per
-    run (``<case>_<lb>_<rank>.pt``), or ``error_<rank>.txt`` with the traceback."""
+    """Run ``runs`` = [(case, load_balance, variant)] on rank ``rank`` of ``world``; save one
+    file per run (``<case>_<lb>_<variant>_<rank>.pt``), or ``error_<rank>.txt`` with the
+    traceback. ``variant``: ``"ring"`` / ``"allgather"`` (the method, group None) or
+    ``"mesh"`` (method ``"auto"`` over a 1-D CPU DeviceMesh) or ``"mesh2d"`` (the ring over
+    the "cp" dimension of a (1, world) mesh)."""
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         import torch
@@ -18,9 +21,9 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
         try:
-            for case, load_balance in runs:
-                torch.save(_one_run(case, load_balance, rank, world),
-                           os.path.join(out_dir, f"{case}_{int(load_balance)}_{rank}.pt"))
+            for case, load_balance, variant in runs:
+                torch.save(_one_run(case, load_balance, variant, rank, world),
+                           os.path.join(out_dir, result_name(case, load_balance, variant, rank)))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -29,7 +32,11 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
         raise
 
 
-def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
+def result_name(case: str, load_balance: bool, variant: str, rank: int) -> str:
+    return f"{case}_{int(load_balance)}_{variant}_{rank}.pt"
+
+
+def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int) -> dict:
     from flexfa.distributed import ring, ring_attention, shard_sequence
     from .ring_cases import LENGTH, inputs, mods
 
@@ -39,20 +46,47 @@ def _one_run(case: str, load_balance: bool, rank: int, world: int) -> dict:
                                    for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     score_mod, mask_mod, learned = mods(case, length)
-    calls = []
-    original = ring.flex_attention
+    group, mesh_dim, mesh_error = _group(variant, world, q)
+    method = {"ring": "ring", "allgather": "allgather", "mesh": "auto", "mesh2d": "ring"}[variant]
+    calls, chosen = [], []
+    original, original_choice = ring.flex_attention, ring.choose_method
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
-    ring.flex_attention = counting
+
+    def recording(*args):
+        chosen.append(original_choice(*args))
+        return chosen[-1]
+    ring.flex_attention, ring.choose_method = counting, recording
     try:
-        out, lse = ring_attention(q, k, v, score_mod, mask_mod, load_balance=load_balance,
-                                  block_size=16, return_lse=True)
+        out, lse = ring_attention(q, k, v, score_mod, mask_mod, group=group,
+                                  load_balance=load_balance, block_size=16, return_lse=True,
+                                  method=method, mesh_dim=mesh_dim)
         forward_calls = len(calls)
         ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
     finally:
-        ring.flex_attention = original
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
+        ring.flex_attention, ring.choose_method = original, original_choice
+    return {"method": chosen, "mesh_error": mesh_error,
+            "out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
             "dv": v.grad, "dlearned": [t.grad for t in learned],
             "forward_calls": forward_calls, "backward_calls": len(calls) - forward_calls}
+
+
+def _group(variant: str, world: int, q):
+    """(group, mesh_dim, the error of a 2-D mesh without mesh_dim) for ``variant``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flexfa.distributed import ring_attention
+    from flexfa.errors import InputError
+
+    if variant == "mesh":
+        return init_device_mesh("cpu", (world,)), None, None
+    if variant != "mesh2d":
+        return None, None, None
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    try:
+        ring_attention(q, q, q, group=mesh)
+    except InputError as error:  # raised before any communication
+        return mesh, "cp", str(error)
+    return mesh, "cp", None

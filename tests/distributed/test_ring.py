@@ -17,11 +17,17 @@ from flexfa.distributed import shard_sequence, unshard
 from flexfa.errors import InputError
 from reference import assert_close_to_reference, reference_attention
 from .ring_cases import CASES, HEADS, LENGTH, inputs, mods
-from .ring_workers import run_rank
+from .ring_workers import result_name, run_rank
 
 TIMEOUT_S = 240
-RUNS = {2: [(case, lb) for case in CASES for lb in (False, True)],
-        3: [("causal", False), ("causal", True), ("document", True)]}
+# (case, load_balance, variant): the ring for every case; on two ranks also the all-gather
+# exchange, a 1-D DeviceMesh group with method "auto" (which picks all-gather for these
+# small shards) and a 2-D mesh's "cp" dimension; 3 and 4 ranks for the ring alone
+RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
+        + [("causal", True, "allgather"), ("learned_bias", False, "mesh"),
+           ("causal", False, "mesh2d")],
+        3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
+        4: [("causal", True, "ring")]}
 
 
 def _free_port() -> int:
@@ -62,9 +68,12 @@ def ranks_dir(tmp_path_factory):
     return get
 
 
-def _gathered(out_dir: str, case: str, load_balance: bool, world: int) -> dict:
-    shards = [torch.load(os.path.join(out_dir, f"{case}_{int(load_balance)}_{rank}.pt"))
-              for rank in range(world)]
+def _load(out_dir: str, case: str, load_balance: bool, variant: str, rank: int) -> dict:
+    return torch.load(os.path.join(out_dir, result_name(case, load_balance, variant, rank)))
+
+
+def _gathered(out_dir: str, case: str, load_balance: bool, variant: str, world: int) -> dict:
+    shards = [_load(out_dir, case, load_balance, variant, rank) for rank in range(world)]
     result = {name: unshard([s[name] for s in shards], load_balance, dim=2)
               for name in ("out", "lse", "dq", "dk", "dv")}
     result["dlearned"] = shards[0]["dlearned"]
@@ -89,10 +98,11 @@ def _single_process(case: str, length: int, dtype_reference: bool):
             "dlearned": [t.grad for t in learned]}
 
 
-@pytest.mark.parametrize("world,case,load_balance",
-                         [(w, c, lb) for w, runs in RUNS.items() for c, lb in runs])
-def test_ring_matches_single_process_and_reference(ranks_dir, world, case, load_balance):
-    ring = _gathered(ranks_dir(world), case, load_balance, world)
+@pytest.mark.parametrize("world,case,load_balance,variant",
+                         [(w, *run) for w, runs in RUNS.items() for run in runs])
+def test_ring_matches_single_process_and_reference(ranks_dir, world, case, load_balance,
+                                                   variant):
+    ring = _gathered(ranks_dir(world), case, load_balance, variant, world)
     length = LENGTH
     single = _single_process(case, length, None)
     exact = _single_process(case, length, torch.float64)
@@ -115,10 +125,34 @@ def test_fully_masked_steps_launch_no_kernel(ranks_dir, world):
     With load balancing every step has unmasked pairs (each shard holds a tail chunk)."""
     out_dir = ranks_dir(world)
     for rank in range(world):
-        plain = torch.load(os.path.join(out_dir, f"causal_0_{rank}.pt"))
+        plain = _load(out_dir, "causal", False, "ring", rank)
         assert (plain["forward_calls"], plain["backward_calls"]) == (rank + 1, rank + 1)
-        balanced = torch.load(os.path.join(out_dir, f"causal_1_{rank}.pt"))
+        balanced = _load(out_dir, "causal", True, "ring", rank)
         assert (balanced["forward_calls"], balanced["backward_calls"]) == (world, world)
+
+
+@pytest.mark.parametrize("case,load_balance,variant",
+                         [run for run in RUNS[2] if run[2] != "ring"])
+def test_allgather_and_mesh_match_the_ring(ranks_dir, case, load_balance, variant):
+    """The all-gather exchange and the DeviceMesh group give the ring's results: the same
+    kernels on the same shards; only the order in which dK/dV contributions are summed
+    differs (reduce-scatter against the travelling accumulators)."""
+    ring = _gathered(ranks_dir(2), case, load_balance, "ring", 2)
+    other = _gathered(ranks_dir(2), case, load_balance, variant, 2)
+    for name in ("out", "lse", "dq"):
+        assert torch.equal(other[name], ring[name]), f"{variant} {name} differs from the ring"
+    for name in ("dk", "dv"):
+        torch.testing.assert_close(other[name], ring[name], atol=1e-6, rtol=1e-6)
+    for ours, theirs in zip(other["dlearned"], ring["dlearned"]):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    for rank, shard in enumerate(other["ranks"]):  # the same steps skipped
+        plain = ring["ranks"][rank]
+        assert (shard["forward_calls"], shard["backward_calls"]) == \
+            (plain["forward_calls"], plain["backward_calls"])
+        assert plain["method"] == ["ring"]
+        assert shard["method"] == ["ring" if variant == "mesh2d" else "allgather"]
+        if variant == "mesh2d":
+            assert "2-D DeviceMesh" in shard["mesh_error"] and "mesh_dim=" in shard["mesh_error"]
 
 
 @pytest.mark.parametrize("world,load_balance", [(2, False), (3, True), (4, True), (4, False)])
@@ -176,3 +210,29 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q[0], q, q)
     with pytest.raises(InputError, match="torch.distributed is not initialized"):
         ring_attention(q, q, q)
+
+
+def test_method_choice_by_shard_size():
+    from flexfa.distributed.group import ALLGATHER_MAX_BYTES, choose_method
+
+    small = torch.zeros(1, 2, 24, 16)
+    rows = ALLGATHER_MAX_BYTES // (2 * 4 * 16) + 1  # K + V float32 just over the threshold
+    large = torch.zeros(1, 1, rows, 16)
+    assert choose_method("auto", small, small) == "allgather"
+    assert choose_method("auto", large, large) == "ring"
+    assert choose_method("ring", small, small) == "ring"
+    assert choose_method("allgather", large, large) == "allgather"
+    with pytest.raises(InputError, match="method must be one of .* got 'nccl'"):
+        choose_method("nccl", small, small)
+
+
+def test_group_rejects_mesh_dim_without_a_mesh_and_other_types():
+    from flexfa.distributed.group import resolve_group
+    from flexfa.errors import InputTypeError
+
+    assert resolve_group(None, None) is None
+    with pytest.raises(InputError, match="mesh_dim=0 needs group to be a DeviceMesh, got "
+                                         "NoneType"):
+        resolve_group(None, 0)
+    with pytest.raises(InputTypeError, match="ProcessGroup, a DeviceMesh or None, got int"):
+        resolve_group(3, None)
