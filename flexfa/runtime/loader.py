@@ -8,7 +8,9 @@ one, from the same file, and the two copies live side by side under different mo
 Interpreted launches are serialized by ``INTERPRETER_LOCK``: Triton's interpreter keeps the
 current program id in one process-wide builder and patches ``triton.language`` while a kernel
 runs, so two threads launching at once would read each other's program ids (wrong results or
-crashes). Compiled launches are not affected.
+crashes). Loading a module holds it too (CPython 3.11 fails when two threads build Python
+ASTs at once, as a module's execution and an interpreted kernel's first launch both do).
+Compiled launches are not affected.
 
 The interpreter computes with numpy. numpy 2.4 made an error of the array-to-scalar conversion
 Triton 3.6's interpreter does for every program id (deprecated since numpy 1.25: one
@@ -52,7 +54,10 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
     module = importlib.util.module_from_spec(spec)
     if interpret:
         check_interpreter_numpy()
-    with triton_mode(interpret):
+    # under the interpreter's lock: executing the module compiles its source and rewrites
+    # its functions (Python ASTs), and CPython 3.11 fails ("AST constructor recursion depth
+    # mismatch") when two threads build ASTs at once, as a launch does on a kernel's first call
+    with INTERPRETER_LOCK, triton_mode(interpret):
         spec.loader.exec_module(module)
     if interpret:
         _serialize_launches(module)
