@@ -13,7 +13,7 @@ import dataclasses
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module
 from .params import INPUT, decode_combine_params, decode_params, feature_params
-from .spec import INTERPRET, TORCH_DTYPES, launch_options, next_power_of_two, spec_key
+from .spec import TORCH_DTYPES, PaddedDims, launch_options, spec_key
 from .template import template_hash
 from .versions import versions_key
 
@@ -25,7 +25,7 @@ OFFSETS_NONE, OFFSETS_FROM_LENS, OFFSETS_TENSOR = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSpec:
+class DecodeSpec(PaddedDims):
     """A decode-kernel variant; rendering is a pure function of (mods' IR, spec)."""
 
     dtype: str  # "fp16" | "bf16" | "fp32"
@@ -68,17 +68,6 @@ class DecodeSpec:
         assert not self.paged or self.page_size % self.block_n == 0, (
             f"page size {self.page_size} is not a multiple of the key tile {self.block_n}")
 
-    @property
-    def head_dim_pad(self) -> int:
-        return next_power_of_two(self.head_dim)
-
-    @property
-    def head_dim_v_pad(self) -> int:
-        return next_power_of_two(self.head_dim_v)
-
-    @property
-    def interpret(self) -> bool:
-        return self.target == INTERPRET
 
     def constexprs(self, has_score_mod: bool) -> dict[str, object]:
         """The main kernel's constexpr arguments (also the module's flags, but

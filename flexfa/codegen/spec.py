@@ -20,8 +20,25 @@ def next_power_of_two(n: int, minimum: int = 16) -> int:
     return p
 
 
+class PaddedDims:
+    """The padded head dims and the interpreter target of a spec with ``head_dim``,
+    ``head_dim_v`` and ``target`` fields (kernels tile powers of two)."""
+
+    @property
+    def head_dim_pad(self) -> int:
+        return next_power_of_two(self.head_dim)
+
+    @property
+    def head_dim_v_pad(self) -> int:
+        return next_power_of_two(self.head_dim_v)
+
+    @property
+    def interpret(self) -> bool:
+        return self.target == INTERPRET
+
+
 @dataclasses.dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(PaddedDims):
     """A forward-kernel variant. Rendering is a pure function of (mods' IR, spec).
 
     ``target`` is ``"interpret"`` or ``"cuda:<capability>"`` (e.g. ``"cuda:90"``); the source
@@ -73,17 +90,6 @@ class KernelSpec:
             f"tiles ({self.block_m}, {self.block_n})")
         assert self.input_precision in ("ieee", "tf32"), self.input_precision
 
-    @property
-    def head_dim_pad(self) -> int:
-        return next_power_of_two(self.head_dim)
-
-    @property
-    def head_dim_v_pad(self) -> int:
-        return next_power_of_two(self.head_dim_v)
-
-    @property
-    def interpret(self) -> bool:
-        return self.target == INTERPRET
 
     @property
     def dot_in_fp32(self) -> bool:

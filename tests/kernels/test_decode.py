@@ -23,21 +23,9 @@ from flexfa.runtime.families.decode import DECODE
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward
-from forward_utils import check_forward, dense_block_mask, make_qkv, tables_from_dense
+from forward_utils import check_forward, dense_block_mask, make_qkv
 from strategies import mask_mods, score_mods
 
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The (family, splits) of each plan a call makes."""
-    made = []
-    real = plans.keep
-
-    def spy(call, key, plan):
-        made.append((plan.family.name, plan.fixed.get("splits")))
-        return real(call, key, plan)
-    monkeypatch.setattr(plans, "keep", spy)
-    return made
 
 
 def shifted(mask_mod, lengths, L):

@@ -8,21 +8,8 @@ import torch
 import flexfa
 from flexfa.errors import InputError, InputTypeError
 from flexfa.reference import attention_reference
-from flexfa.runtime import plans
 from forward_utils import make_qkv
 
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The (family, splits) of each plan a call makes."""
-    made = []
-    real = plans.keep
-
-    def spy(call, key, plan):
-        made.append((plan.family.name, plan.fixed.get("splits")))
-        return real(call, key, plan)
-    monkeypatch.setattr(plans, "keep", spy)
-    return made
 
 
 def even_heads_skip_row_0(b, h, q_idx, kv_idx):
