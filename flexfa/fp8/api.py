@@ -42,7 +42,8 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
     if isinstance(query, torch.Tensor):
         check_fp8_device(query.device)  # before the quantization kernel runs
         if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and \
-                key.dim() == query.dim() == 4 and key.shape[0] == 1 < query.shape[0]:
+                key.dim() == value.dim() == query.dim() == 4 and \
+                key.shape[0] == value.shape[0] == 1 < query.shape[0]:
             # key and value of batch 1 shared by the query's batch, as flex_attention
             # takes them: quantized per batch entry (scales are per batch entry)
             key, value = broadcast_batch(query, key, value)

@@ -42,3 +42,11 @@ def test_a_mask_of_untileable_blocks_runs_as_its_coarser_equal():
     out = fp8.flex_attention_fp8(q, k, v, block_mask=fine)
     torch.testing.assert_close(out, fp8.flex_attention_fp8(q, k, v, block_mask=tileable),
                                atol=0, rtol=0)
+
+
+def test_key_of_batch_one_with_a_full_batch_value_is_an_error():
+    """Only a key and value both of batch 1 are shared (flex_attention's rule)."""
+    q, _, v = _qkv(3)
+    _, k, _ = _qkv(1)
+    with pytest.raises(ValueError, match="value has batch size 3 but key has 1"):
+        fp8.flex_attention_fp8(q, k, v)
