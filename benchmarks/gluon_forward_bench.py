@@ -46,7 +46,7 @@ for name, score_mod, block_mask in (("causal", None, mask),):
     torch.cuda.synchronize()
     print(name, "finite" if bool(torch.isfinite(out).all()) else "NOT FINITE", flush=True)
 """
-VARIANTS = ("dense", "causal", "softcap_causal")
+VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
 
 
 def safety_run(limit: float) -> dict:
@@ -68,13 +68,16 @@ def safety_run(limit: float) -> dict:
                 stdout=done.stdout[-2000:], stderr=done.stderr[-4000:])
 
 
-def variant(name: str, S: int):
-    """(score_mod, block_mask, causal work) of a benchmark variant at length S."""
+def variant(name: str, S: int, H: int):
+    """(score_mod, block_mask, share of the S x S work) of a project benchmark variant at
+    length S; the share is None for sliding and document (no TFLOP/s figure)."""
     import flexfa
-    if name == "dense":
-        return None, None, False
-    mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, S, S, device="cuda")
-    return (flexfa.mods.softcap(30.0) if name == "softcap_causal" else None), mask, True
+    from flexfa.bench_cases import bench_variants
+    score_mod, mask_mod = bench_variants(S, H, "cuda")[name]
+    if mask_mod is None:
+        return score_mod, None, 1.0
+    share = 0.5 if name in ("causal", "alibi", "softcap") else None
+    return score_mod, flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda"), share
 
 
 def run(backend: str, q, k, v, score_mod, block_mask, lse: bool = False):
@@ -89,7 +92,7 @@ def check(rows: list) -> None:
     S = 2048
     q, k, v = (torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in VARIANTS:
-        score_mod, mask, _ = variant(name, S)
+        score_mod, mask, _ = variant(name, S, 4)
         row = dict(step="check", variant=name)
         try:
             out, lse = run("GLUON", q, k, v, score_mod, mask, lse=True)
@@ -113,11 +116,12 @@ def timings(rows: list, S: int) -> None:
     B, H, E = 1, 16, 128
     q, k, v = (torch.randn(B, H, S, E, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in VARIANTS:
-        score_mod, mask, causal = variant(name, S)
-        flops = 4 * B * H * S * S * E / (2 if causal else 1)
+        score_mod, mask, share = variant(name, S, H)
+        flops = 4 * B * H * S * S * E * share if share else None
+        causal = name == "causal"
         impls = {"gluon": lambda: run("GLUON", q, k, v, score_mod, mask),
                  "hopper": lambda: run("HOPPER", q, k, v, score_mod, mask)}
-        if name != "softcap_causal":
+        if name in ("full", "causal"):
             def cudnn(causal=causal):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(
@@ -128,7 +132,7 @@ def timings(rows: list, S: int) -> None:
             try:
                 fn()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+                row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1) if flops else None)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             rows.append(row)
@@ -146,8 +150,8 @@ def table(rows: list) -> str:
             lines.append(f"{r['variant']:16} {r['impl']:8} {r.get('error', '')[:60]}")
             continue
         ratio = hopper.get(r["variant"]) / r["ms"] if hopper.get(r["variant"]) else float("nan")
-        lines.append(f"{r['variant']:16} {r['impl']:8} {r['ms']:8.3f} {r['tflops']:6.0f} "
-                     f"{ratio:9.3f}")
+        tflops = f"{r['tflops']:6.0f}" if r["tflops"] else f"{'-':>6}"
+        lines.append(f"{r['variant']:16} {r['impl']:8} {r['ms']:8.3f} {tflops} {ratio:9.3f}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@
 # (first failures of) backward tests, then tree_ab against the old tree in .old (carry it);
 # n: the work of 2026-12-01 never run on a GPU (decode, varlen, sinks/dropout, head dims,
 # torch.compile operators, Gluon after its ConSan run), then its benchmarks;
-# each part fits one 10-minute device call)
+# o: n's failures after their fixes and its longer benchmarks; each part fits one 10-minute
+# device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
@@ -75,6 +76,19 @@ import gluon_forward_bench as g; r = g.safety_run(65); print('consan ok' if r['o
   tail -n 25 "$OUT/decode_bench.log" "$OUT/varlen_bench.log"
   # the device returns at most 8 files: one archive of them all
   tar czf /tmp/part_n.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_n.tgz "$OUT/"
+fi
+if [ "$PART" = o ]; then  # part n's failures after their fixes, and its longer benchmarks
+  P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
+  step fixed 150 $P tests/kernels/test_decode.py tests/gpu/test_compile_gpu.py \
+    tests/kernels/test_forward_gpu.py::test_split_kv_decoding_on_gpu &
+  step gluon 150 $P tests/gpu/test_gluon_gpu.py &
+  wait
+  step gluon_bench 110 python benchmarks/gluon_forward_bench.py "$OUT/gluon.json" --safety-timeout 65
+  step decode_bench 85 python benchmarks/decode_bench.py "$OUT/decode.json" --budget 60
+  step headdim_bench 150 python benchmarks/headdim_bench.py "$OUT/headdim.json" --budget 110 \
+    --dims 192/128,256 --seqs 8192
+  tail -n 14 "$OUT/gluon_bench.log" "$OUT/decode_bench.log" "$OUT/headdim_bench.log"
+  tar czf /tmp/part_o.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_o.tgz "$OUT/"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

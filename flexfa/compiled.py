@@ -206,14 +206,15 @@ def follow(obj, path: tuple):
     return obj
 
 
-def _guard_mod(mod, kind: str) -> None:
-    """Call ``mod`` on one-element tensors (zero-dim integer indices would be read as Python
-    ints) so that Dynamo guards on what it reads; the result is dead code in the graph."""
+def _guard_mod(mod, kind: str, device: torch.device) -> None:
+    """Call ``mod`` on one-element tensors on ``device`` (zero-dim integer indices would be
+    read as Python ints; another device than the captured tensors' fails in fake-tensor
+    propagation) so that Dynamo guards on what it reads; the result is dead code."""
     if mod is None or isinstance(mod, TracedMaskMod):
         return
-    index = torch.zeros(1, dtype=torch.int64)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
     if kind == SCORE_MOD:
-        mod(torch.zeros(1), index, index, index, index)
+        mod(torch.zeros(1, device=device), index, index, index, index)
     else:
         mod(index, index, index, index)
 
@@ -232,8 +233,8 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     mask_mod = None if block_mask is None else block_mask.mask_mod
     mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
                                              kernel_options)
-    _guard_mod(score_mod, SCORE_MOD)
-    _guard_mod(mask_mod, MASK_MOD)
+    _guard_mod(score_mod, SCORE_MOD, query.device)
+    _guard_mod(mask_mod, MASK_MOD, query.device)
     score_buffers = [follow(score_mod, p) for p in score_paths]
     mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables, block = [], []
@@ -274,7 +275,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     device = default_device() if device is None else torch.device(device)
     mods, _, mask_paths = describe(None, None, *unbound(mask_mod), False, None)
-    _guard_mod(mask_mod, MASK_MOD)
+    _guard_mod(mask_mod, MASK_MOD, device)
     mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables = torch.ops.flexfa.block_mask_tables(mods, B, H, Q_LEN, KV_LEN, list(block),
                                                 bool(separate_full_blocks), mask_buffers, device)

@@ -109,10 +109,10 @@ def _unset(hook) -> bool:
 
 
 def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list) -> None:
-    """Launch ``state``'s compiled kernel on ``grid`` (2 or 3 dims) on the current stream of
+    """Launch ``state``'s compiled kernel on ``grid`` (1 to 3 dims) on the current stream of
     CUDA device ``device_index`` (the current device) with ``args`` (the non-constexpr ones)."""
     compiled = state.compiled
-    grid = (*grid, 1) if len(grid) == 2 else grid
+    grid = (*grid, 1, 1)[:3]  # the C launcher takes exactly three grid dims
     hooks = triton.knobs.runtime
     stream = torch._C._cuda_getCurrentRawStream(device_index)
     if state.c_launch is not None and _unset(hooks.launch_enter_hook) \

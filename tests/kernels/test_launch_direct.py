@@ -70,11 +70,11 @@ def _state(compiled):
                                {"MODE": 2, "BLOCK": 64})
 
 
-def _triton_args(q, k, out):
+def _triton_args(q, k, out, grid=(3, 2, 1)):
     """What Triton's own launcher passes to the C function for the same launch."""
     recorder = _Recorder()
     compiled = _fake_compiled(recorder)
-    compiled.run(3, 2, 1, 77, compiled.function, compiled.packed_metadata, None, None, None,
+    compiled.run(*grid, 77, compiled.function, compiled.packed_metadata, None, None, None,
                  *_args(q, k, out), 64, 2)
     return recorder.calls[0]
 
@@ -87,6 +87,21 @@ def test_direct_launch_passes_what_tritons_launcher_passes(encoded):
     launch.launch_direct(state, (3, 2), 0, _args(q, k, out))
     assert recorder.calls == [_triton_args(q, k, out)]
     assert recorder.calls[0][:7] == (3, 2, 1, 77, 0xF00, False, True)
+
+
+@pytest.mark.parametrize("grid", [(5,), (5, 2), (5, 2, 3)])
+def test_grids_of_one_to_three_dims_reach_the_launcher_as_three(encoded, grid):
+    """The decode family's combine kernel has a 1-D grid (seen on the H200: 'function takes
+    exactly 33 arguments (31 given)')."""
+    q, k, out = torch.randn(128, 64), torch.randn(256, 64), torch.randn(128, 64)
+    padded = (*grid, 1, 1)[:3]
+    recorder = _Recorder()
+    state = _state(_fake_compiled(recorder))
+    launch.launch_direct(state, grid, 0, _args(q, k, out))
+    assert recorder.calls == [_triton_args(q, k, out, padded)]
+    state.c_launch = None  # Triton's launcher (it passes its launch hooks on)
+    launch.launch_direct(state, grid, 0, _args(q, k, out))
+    assert len(recorder.calls) == 2 and recorder.calls[1][:3] == padded
 
 
 def test_a_descriptor_is_encoded_once_per_base_address(encoded):
