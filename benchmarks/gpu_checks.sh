@@ -85,7 +85,8 @@ if [ "$PART" = o ]; then  # part n's failures after their fixes, and its longer 
   wait
   step gluon_bench 110 python benchmarks/gluon_forward_bench.py "$OUT/gluon.json" --safety-timeout 65
   step decode_bench 85 python benchmarks/decode_bench.py "$OUT/decode.json" --budget 60
-  step headdim_bench 150 python benchmarks/headdim_bench.py "$OUT/headdim.json" --budget 110 \
+  step host_timeline 50 python benchmarks/host_step.py 2048 64 sliding,document --show timeline
+  step headdim_bench 130 python benchmarks/headdim_bench.py "$OUT/headdim.json" --budget 90 \
     --dims 192/128,256 --seqs 8192
   tail -n 14 "$OUT/gluon_bench.log" "$OUT/decode_bench.log" "$OUT/headdim_bench.log"
   tar czf /tmp/part_o.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_o.tgz "$OUT/"
