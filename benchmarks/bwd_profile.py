@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flexfa
-from flexfa.bench import _variants
+from flexfa.bench_cases import bench_variants as _variants
 
 
 def main() -> None:

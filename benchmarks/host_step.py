@@ -72,7 +72,7 @@ def variant_pair(name: str, q, k, v, compiled_flex):
     from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
 
     import flexfa
-    from flexfa.bench import _variants
+    from flexfa.bench_cases import bench_variants as _variants
 
     B, H, S = q.shape[:3]
     score_mod, mask_mod = _variants(S, H, "cuda")[name]

@@ -164,10 +164,21 @@ def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") ->
             f"{at[2]} (batch {at[0]}, head {at[1]}); a tile is either partial or full")))
     if not faults:
         return
-    found = torch.stack([bad.any() for bad, _ in faults]).tolist()  # the one sync
+    found = torch.stack([bad.any() for bad, _ in faults])
+    if _capturing(found):  # no sync inside a CUDA graph: a device-side assert instead
+        torch._assert_async(~found.any(), f"flexfa: {where}* tables are inconsistent (checked "
+                            "during CUDA graph capture; outside a capture the message names "
+                            "the table and tile)")
+        return
+    found = found.tolist()  # the one sync
     for (bad, message), hit in zip(faults, found):
         if hit:
             raise InputError(message(tuple(bad.nonzero()[0].tolist())))
+
+
+def _capturing(tensor) -> bool:
+    """Whether ``tensor``'s device is recording a CUDA graph on its current stream."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_layout(where: str, pair: str, num_blocks, indices, kv_num_blocks, rows: int) -> None:

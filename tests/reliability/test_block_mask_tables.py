@@ -259,3 +259,18 @@ def test_an_index_past_the_lengths_tiles_is_rejected():
     with pytest.raises(flexfa.InputError, match=r"kv_indices\[0, 0, 1, 0\] is 3; .*0\.\.2 "
                                                 r"\(the kv tiles of S=40"):
         BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=16, seq_lengths=(40, 40))
+
+
+def test_during_a_cuda_graph_capture_the_check_is_a_device_side_assert(monkeypatch):
+    """Inside a capture (torch.compile mode="reduce-overhead" records flexfa's operator) the
+    check cannot sync: a fault is a device-side assert (here on the CPU, where torch's
+    _assert_async raises at once), a consistent mask passes without a sync."""
+    monkeypatch.setattr(validate, "_capturing", lambda tensor: True)
+    mask = _fresh("flexfa")
+    mask.full_kv_indices.copy_(mask.kv_indices[..., :mask.full_kv_indices.shape[-1]])
+    with pytest.raises(RuntimeError, match="tables are inconsistent .checked during CUDA graph capture"):
+        validate.check_tables(mask, L, S)
+    synced = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: synced.append(self) or [])
+    validate.check_tables(_fresh("flexfa"), L, S)
+    assert synced == []
