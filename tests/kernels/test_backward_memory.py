@@ -106,7 +106,8 @@ def test_ds_workspace_is_opt_in_and_still_right(allocations):
 
 @pytest.mark.parametrize("Hq, Hkv, Lq, Skv", [(4, 2, 128, 256), (3, 1, 100, 232)])
 def test_gqa_backward_writes_kv_head_gradients_directly(allocations, Hq, Hkv, Lq, Skv):
-    """Hq = 4 / Hkv = 2 with a causal mask and a learnable per-head bias, Hq = 3 / Hkv = 1
+    """Hq = 4 / Hkv = 2 with a causal mask and a learnable per-head bias (deterministic
+    mode: its int64 accumulator), Hq = 3 / Hkv = 1
     dense with ragged lengths: dK, dV are [B, Hkv, S, E] and no tensor as large as a
     per-query-head dK or dV ([B, Hq, S, E] in bf16; L < S keeps dQ smaller) is made."""
     B, E = 1, 32
@@ -117,7 +118,7 @@ def test_gqa_backward_writes_kv_head_gradients_directly(allocations, Hq, Hkv, Lq
         block_mask = create_block_mask(mods.causal, None, None, Lq, Skv, device="cpu",
                                        BLOCK_SIZE=64)
         grads = check_backward(q, k, v, score_mod, mods.causal, block_mask, buffers=buffers,
-                               enable_gqa=True)
+                               enable_gqa=True, kernel_options={"deterministic": True})
     else:
         grads = check_backward(q, k, v, mods.softcap(6.0), enable_gqa=True, with_lse=True)
     assert grads[1].shape == grads[2].shape == (B, Hkv, Skv, E)
