@@ -71,8 +71,26 @@ def timed(fn, bench) -> dict:
     return {"ms": bench(fn), "peak_mib": round(peak, 1)}
 
 
-def passes(forward, inputs, bench) -> dict:
-    """fwd (no autograd) and fwd_bwd rows of ``forward()``, each guarded."""
+def bench_on(device: str, rep: int):
+    """The timer of one call in ms: do_bench's median on a GPU; on the CPU (no CUDA events)
+    the median of three wall-clock runs."""
+    import triton.testing
+
+    def bench(fn) -> float:
+        if device == "cpu":
+            times = []
+            for _ in range(3):
+                begin = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - begin) * 1e3)
+            return sorted(times)[1]
+        return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    return bench
+
+
+def passes(forward, inputs, bench, what=("fwd", "fwd_bwd")) -> dict:
+    """fwd (no autograd) and fwd_bwd rows of ``forward()`` (those in ``what``), each guarded;
+    with fwd also the output ("out")."""
     import torch
     grad = []
 
@@ -88,8 +106,11 @@ def passes(forward, inputs, bench) -> dict:
         for t in inputs:
             t.grad = None
     rows = {}
-    guarded(rows, "fwd", lambda: timed(fwd, bench))
-    guarded(rows, "fwd_bwd", lambda: timed(fwd_bwd, bench))
+    for pass_, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        if pass_ in what:
+            guarded(rows, pass_, lambda: timed(fn, bench))
+    if "fwd" not in what:
+        return rows
     with torch.no_grad():
         try:
             rows["out"] = forward()
@@ -207,7 +228,6 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     import torch
-    import triton.testing
     from torch.nn.attention.flex_attention import flex_attention
     from manifest import manifest
 
@@ -216,15 +236,7 @@ def main(argv=None) -> int:
             setattr(torch._dynamo.config, limit, 64)
     compiled = torch.compile(flex_attention)
 
-    def bench(fn):
-        if args.device == "cpu":  # no CUDA events: the median of a few wall-clock runs
-            times = []
-            for _ in range(3):
-                begin = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - begin) * 1e3)
-            return sorted(times)[1]
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    bench = bench_on(args.device, rep=60)
 
     results = {"manifest": manifest(" ".join([sys.argv[0], *(argv or sys.argv[1:])])),
                "args": vars(args), "cases": [], "skipped": []}
@@ -249,11 +261,16 @@ def main(argv=None) -> int:
         print(f"{label}: x flex {case['speedup_vs_torch_flex']} "
               f"({case['elapsed_s']} s)", flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(table(results["cases"]))
-    if results["skipped"]:
-        print(f"not started (budget {args.budget:.0f} s): {', '.join(results['skipped'])}")
+    finish(results, args.out, table(results["cases"]), args.budget)
     return 0
+
+
+def finish(results: dict, out: str, text: str, budget: float) -> None:
+    """Write the JSON a last time, print the table and the cases the budget left out."""
+    Path(out).write_text(json.dumps(results, indent=1))
+    print(text)
+    if results["skipped"]:
+        print(f"not started (budget {budget:.0f} s): {', '.join(results['skipped'])}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The backward pass: dQ, dK, dV and the captured tensors' gradients of one flex_attention
 call, through the plan of its signature (``flexfa.runtime.families.backward``).
 
-P is recomputed from the saved lse tile by tile and never stored; with the dS workspace
-(kernel_options ``DS_WORKSPACE``) the dK/dV kernel stores dS for the dQ kernel, allocated for
-the duration of the backward; otherwise nothing of size L x S is allocated.
+P is recomputed from the saved lse tile by tile and never stored: by default nothing of size
+L x S is allocated. Only when the caller opts in (kernel_options ``DS_WORKSPACE=True``) does
+the dK/dV kernel store dS for the dQ kernel, in a workspace allocated for the duration of the
+backward.
 """
 from __future__ import annotations
 

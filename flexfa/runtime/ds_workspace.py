@@ -2,11 +2,11 @@
 
 The dK/dV kernel stores each tile's dS (q's dtype) in a workspace of block slots, and the
 dQ kernel then needs one GEMM per tile (dS @ K) instead of three. The workspace is L x S-sized
-(about half of it for causal masks, the band for document and sliding-window masks), so it is
-used only where kernel_options allow it (``DS_WORKSPACE``: True, False, or AUTO where measured
-faster: sm_90, tensor descriptors, padded head dim 128) and it fits the budget
-(``DS_MAX_BYTES``, default ``DEFAULT_MAX_BYTES``, at most a quarter of the GPU and half of its
-free memory). docs/performance.md has the measurements.
+(about half of it for causal masks, the band for document and sliding-window masks), and the
+memory policy is that nothing of size L x S is allocated unless the caller asks: it is used
+only with kernel_options ``DS_WORKSPACE=True`` (the default, False or 'AUTO', never uses it)
+and where it fits the budget (``DS_MAX_BYTES``, default ``DEFAULT_MAX_BYTES``, at most a
+quarter of the GPU and half of its free memory). docs/performance.md has the measurements.
 """
 from __future__ import annotations
 
@@ -36,15 +36,12 @@ def budget(call, device: torch.device) -> int:
     return min(chosen or min(DEFAULT_MAX_BYTES, total // 4), free // 2)
 
 
-def allowed(call, fusable: bool, target: Target, use_tma: bool, head_dim_pad: int,
-            workspace_bytes, device: torch.device) -> bool:
-    """Whether to store dS: only where ``fusable`` (no captured tensor needs a gradient, dK
-    and dV are wanted), the option allows it and the workspace (``workspace_bytes()``,
-    computed only when the rest allows it) fits the budget."""
-    setting = call.options.ds_workspace
-    if not fusable or setting is False:
-        return False
-    if setting is None and not (target.is_sm90 and use_tma and head_dim_pad == 128):
+def allowed(call, fusable: bool, workspace_bytes, device: torch.device) -> bool:
+    """Whether to store dS: only where the caller opted in (``DS_WORKSPACE=True``), the call
+    is ``fusable`` (no captured tensor needs a gradient, dK and dV are wanted) and the
+    workspace (``workspace_bytes()``, computed only when the rest allows it) fits the
+    budget."""
+    if not fusable or call.options.ds_workspace is not True:
         return False
     return workspace_bytes() <= budget(call, device)
 

@@ -66,7 +66,7 @@ class KernelOptions:
     # q block) members: "AUTO"/"UNION" the union of their blocks (each K/V tile once),
     # "MEMBERS" each member's blocks in turn (the walk before the union; kept for comparison)
     decode_walk: str = "AUTO"
-    ds_workspace: bool | None = None  # backward dS workspace: None = where measured faster
+    ds_workspace: bool | None = None  # backward dS workspace (L x S): only when True
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
@@ -166,7 +166,8 @@ SCHEMA = {
                     "(each K/V tile read once), 'MEMBERS' (each head's and q block's blocks in "
                     "turn)"),
     "DS_WORKSPACE": ("ds_workspace", (), _auto_flag,
-                     "backward dQ from a stored dS (memory L x S): True, False or 'AUTO'"),
+                     "backward dQ from a stored dS (memory L x S): True (opt in), False or 'AUTO' "
+                     "(default: off)"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
 }
 # torch's documented keys that change nothing here, with the reason logged once

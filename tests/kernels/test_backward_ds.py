@@ -1,8 +1,8 @@
 """The backward with dQ from a stored dS (``BackwardSpec.ds_dq``; kernel_options
 ``DS_WORKSPACE=True`` forces it under the interpreter): delta kernel, dK/dV storing each tile's
-dS in a workspace, dQ = dS @ K from it. On sm_90 at head dim 128 it is the default
-(``flexfa.runtime.ds_workspace.allowed``); the stores and loads go through tensor descriptors
-there (``bwd_USE_TMA=True`` here) or pointers."""
+dS in a workspace, dQ = dS @ K from it. It is never the default (the memory policy: nothing
+L x S unless asked, ``flexfa.runtime.ds_workspace.allowed``); the stores and loads go through
+tensor descriptors (``bwd_USE_TMA=True`` here) or pointers."""
 import pytest
 import torch
 
@@ -124,18 +124,19 @@ def test_ds_mode_takes_its_own_sm90_tiles():
         assert other.ds_dq and other.dq_launch_options() == other.launch_options()
 
 
-def test_backward_spec_takes_the_workspace_where_allowed():
-    """backward_spec asks ds_workspace: by default on sm_90 with descriptors at head dim 128
-    when no captured tensor needs a gradient and the workspace (causal 512 x 512 in 128-blocks:
-    10 block slots per head) fits the budget; DS_WORKSPACE=True anywhere it fits."""
+def test_backward_spec_takes_the_workspace_only_when_asked():
+    """backward_spec asks ds_workspace: never by default (not even on sm_90 with descriptors
+    at head dim 128, where it once was), with DS_WORKSPACE=True wherever no captured tensor
+    needs a gradient and the workspace (causal 512 x 512 in 128-blocks: 10 block slots per
+    head) fits the budget."""
     workspace = 2 * 10 * 128 * 128 * 2  # heads x slots x tile x bf16 bytes
-    assert _spec(128, fusable=True).ds_dq
-    assert not _spec(128, fusable=False).ds_dq  # captured grads, or no dK/dV wanted
-    assert not _spec(128, fusable=True, options={"DS_WORKSPACE": False}).ds_dq
-    assert not _spec(128, fusable=True, options={"bwd_USE_TMA": False}).ds_dq
-    assert not _spec(64, fusable=True).ds_dq and not _spec(128, fusable=True, target=SM80).ds_dq
-    assert _spec(128, fusable=True, options={"DS_MAX_BYTES": workspace}).ds_dq
-    assert not _spec(128, fusable=True, options={"DS_MAX_BYTES": workspace - 1}).ds_dq
+    for options in (None, {"DS_WORKSPACE": "AUTO"}, {"DS_WORKSPACE": False}):
+        assert not _spec(128, fusable=True, options=options).ds_dq
+    assert _spec(128, fusable=True, options=DS).ds_dq
+    assert not _spec(128, fusable=False, options=DS).ds_dq  # captured grads, or no dK/dV
+    assert _spec(128, fusable=True, options={**DS, "bwd_USE_TMA": False}).ds_dq
+    assert _spec(128, fusable=True, options={**DS, "DS_MAX_BYTES": workspace}).ds_dq
+    assert not _spec(128, fusable=True, options={**DS, "DS_MAX_BYTES": workspace - 1}).ds_dq
     for target in (SM80, INTERPRETER):
         assert _spec(64, fusable=True, target=target, options=DS).ds_dq
         assert not _spec(64, fusable=False, target=target, options=DS).ds_dq
@@ -182,33 +183,28 @@ def test_ds_workspace_rule_and_budget():
             return n
         return workspace
 
-    def use(fusable, target, tma, e_pad, n, options=None):
+    def use(fusable, n, options=None):
         call = AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
-        return ds_workspace.allowed(call, fusable, target, tma, e_pad, size(n), cpu)
+        return ds_workspace.allowed(call, fusable, size(n), cpu)
 
-    assert use(True, SM90, True, 128, 1 << 30)  # auto: sm_90, descriptors, E 128
-    assert not use(True, SM90, True, 64, 1 << 20)  # E = 64 measured slower
-    assert not use(True, SM90, False, 128, 1 << 20)  # no descriptors
-    assert not use(True, SM80, True, 128, 1 << 20)
-    assert not use(True, Target("cuda", 10, 0), True, 128, 1 << 20)  # not measured there
-    assert not use(True, INTERPRETER, True, 128, 1 << 20)
-    assert not use(False, SM90, True, 128, 1 << 20)  # captured grads / no dK, dV
-    assert use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": "AUTO"})
-    assert asked == [1 << 30, 1 << 20]
-    small = {"DS_MAX_BYTES": 1 << 20}
-    assert use(True, SM90, True, 128, 1 << 20, small)
-    assert not use(True, SM90, True, 128, (1 << 20) + 1, small)  # over the budget
-    assert use(True, INTERPRETER, False, 64, 1 << 20, DS)
-    assert not use(True, INTERPRETER, False, 64, (1 << 20) + 1, {**DS, **small})
-    assert not use(False, INTERPRETER, False, 64, 1 << 20, DS)
-    assert not use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": False})
+    # opt-in only: the default and 'AUTO' never take it, not even a tiny one
+    for options in (None, {"DS_WORKSPACE": "AUTO"}, {"DS_WORKSPACE": False}):
+        assert not use(True, 1, options)
+    assert not use(False, 1 << 20, DS)  # captured grads / no dK, dV
+    assert asked == []
+    assert use(True, 1 << 30, DS)  # within the default 8 GiB
+    assert not use(True, (8 << 30) + 1, DS)
+    small = {**DS, "DS_MAX_BYTES": 1 << 20}
+    assert use(True, 1 << 20, small)
+    assert not use(True, (1 << 20) + 1, small)  # over the budget
+    assert asked == [1 << 30, (8 << 30) + 1, 1 << 20, (1 << 20) + 1]
     with pytest.raises(InputTypeError,
                        match=r"kernel_options\['DS_WORKSPACE'\] must be True, False or 'AUTO', got str 'yes'"):
-        use(True, SM90, True, 128, 1 << 20, {"DS_WORKSPACE": "yes"})
+        use(True, 1 << 20, {"DS_WORKSPACE": "yes"})
     for bad in (0, -5):
         with pytest.raises(InputError, match=rf"kernel_options\['DS_MAX_BYTES'\] = {bad} is not "
                                              "allowed; a positive number of bytes"):
-            use(True, SM90, True, 128, 1 << 20, {"DS_MAX_BYTES": bad})
+            use(True, 1 << 20, {**DS, "DS_MAX_BYTES": bad})
 
 
 def test_workspace_bands_follow_the_mask():

@@ -1,8 +1,12 @@
 """The backward family: the dQ and dK/dV kernels of ``bwd_dq.tmpl`` / ``bwd_dkdv.tmpl``.
 
 Two launches (dQ, which also stores delta = rowsum(dO * O) - dlse and accumulates the
-captured-tensor gradients; then dK/dV), or with the dS workspace (``ds_workspace``) three
-(delta; dK/dV storing dS; dQ = dS @ K). P is recomputed from the saved lse tile by tile.
+captured-tensor gradients; then dK/dV), or with the dS workspace (``ds_workspace``, only with
+kernel_options ``DS_WORKSPACE=True``) three (delta; dK/dV storing dS; dQ = dS @ K). P is
+recomputed from the saved lse tile by tile. By default the only memory past the inputs and
+their gradients is O(B * Hq * L) (delta, the lse gradient in float32) and the captured
+tensors' accumulators (their own shapes): one dQ program per q tile owns its rows, and one
+dK/dV program per kv tile loops over its GQA group's query heads, writing [B, Hkv, S, E].
 Q/dO and K/V tiles go through tensor descriptors (TMA) on sm_90 where the layout allows
 (kernel_options ``USE_TMA``). Tiles: measured defaults on sm_90 (docs/performance.md), tuned
 per class at head dim 64, bounded by the caller's kernel_options.
@@ -172,7 +176,7 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target,
                                          ds_spec.sparse_q, ds_spec.sparse_kv, q.device)
         tile = ds_spec.sparse_q * ds_spec.sparse_kv * q.element_size()
         return q.shape[0] * q.shape[1] * slots * tile
-    if ds_workspace.allowed(call, fusable, target, tma, e_pad, workspace, q.device):
+    if ds_workspace.allowed(call, fusable, workspace, q.device):
         return ds_spec
     return spec
 
