@@ -9,9 +9,11 @@ and cuDNN SDPA.
    mistake hangs instead of failing). Nothing else runs unless it passes.
 2. ``check``: the same variants at B=1 H=4 S=2048 E=128 bf16, relative L2 error of the Gluon
    output against the Hopper family's (must be < 5e-3) and lse's max difference.
-3. ``time``: triton.testing.do_bench medians (ms, TFLOP/s with causal work halved) at B=1 H=16
-   S=16384 E=128 bf16 for dense, causal and softcap 30 + causal: Gluon, Hopper, cuDNN SDPA
-   (dense and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
+3. ``time``: triton.testing.do_bench medians (ms; TFLOP/s with causal work halved, none for
+   sliding and document) at H=16, B = ``--tokens`` / S, bf16, for each of ``--dims`` x
+   ``--seqs`` (default E=128, S=16384) and ``--variants`` (the project's: full, causal,
+   sliding 1024, ALiBi, softcap 30, document; all but full causal): Gluon, Hopper, cuDNN SDPA
+   (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
    is set unless ``--tune``: tuning would spend the call's time compiling its candidates).
 
 A short table goes to stdout and everything to the JSON file after every step. Each step is
@@ -108,14 +110,14 @@ def check(rows: list) -> None:
         print(json.dumps(row), flush=True)
 
 
-def timings(rows: list, S: int) -> None:
+def timings(rows: list, S: int, E: int = 128, variants=VARIANTS, tokens: int = 16384) -> None:
     import torch
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
     torch.manual_seed(0)
-    B, H, E = 1, 16, 128
+    B, H = max(1, tokens // S), 16
     q, k, v = (torch.randn(B, H, S, E, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for name in VARIANTS:
+    for name in variants:
         score_mod, mask, share = variant(name, S, H)
         flops = 4 * B * H * S * S * E * share if share else None
         causal = name == "causal"
@@ -140,18 +142,22 @@ def timings(rows: list, S: int) -> None:
 
 
 def table(rows: list) -> str:
-    lines = [f"{'variant':16} {'impl':8} {'ms':>8} {'TF/s':>6} {'vs hopper':>9}"]
-    hopper = {r["variant"]: r.get("ms") for r in rows
+    lines = [f"{'variant':10} {'B':>3} {'S':>6} {'E':>4} {'impl':8} {'ms':>8} {'TF/s':>6} "
+             f"{'vs hopper':>9}"]
+    def case(r):
+        return r["variant"], r["S"], r["E"]
+    hopper = {case(r): r.get("ms") for r in rows
               if r.get("step") == "time" and r["impl"] == "hopper"}
     for r in rows:
         if r.get("step") != "time":
             continue
+        head = f"{r['variant']:10} {r['B']:3} {r['S']:6} {r['E']:4} {r['impl']:8}"
         if "ms" not in r:
-            lines.append(f"{r['variant']:16} {r['impl']:8} {r.get('error', '')[:60]}")
+            lines.append(f"{head} {r.get('error', '')[:60]}")
             continue
-        ratio = hopper.get(r["variant"]) / r["ms"] if hopper.get(r["variant"]) else float("nan")
+        ratio = hopper[case(r)] / r["ms"] if hopper.get(case(r)) else float("nan")
         tflops = f"{r['tflops']:6.0f}" if r["tflops"] else f"{'-':>6}"
-        lines.append(f"{r['variant']:16} {r['impl']:8} {r['ms']:8.3f} {tflops} {ratio:9.3f}")
+        lines.append(f"{head} {r['ms']:8.3f} {tflops} {ratio:9.3f}")
     return "\n".join(lines)
 
 
@@ -160,7 +166,12 @@ def main(argv=None) -> int:
     parser.add_argument("out", help="JSON file for the results")
     parser.add_argument("--safety-timeout", type=float, default=75.0,
                         help="seconds before the ConSan safety run counts as a hang")
-    parser.add_argument("--seq", type=int, default=16384, help="sequence length of the timings")
+    parser.add_argument("--seqs", default="16384",
+                        help="sequence lengths of the timings, comma list (B = tokens / S)")
+    parser.add_argument("--dims", default="128", help="head dims of the timings, comma list")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"variants of the timings, comma list of {','.join(VARIANTS)}")
+    parser.add_argument("--tokens", type=int, default=16384, help="B * S of the timings")
     parser.add_argument("--tune", action="store_true",
                         help="let the Hopper family tune its tiles (slow: compiles candidates)")
     args = parser.parse_args(argv)
@@ -182,8 +193,14 @@ def main(argv=None) -> int:
         return 1
     check(rows)
     save()
-    timings(rows, args.seq)
-    save()
+    variants = tuple(args.variants.split(","))
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; known: {list(VARIANTS)}")
+    for E in map(int, args.dims.split(",")):
+        for S in map(int, args.seqs.split(",")):
+            timings(rows, S, E, variants, args.tokens)
+            save()
     print(table(rows))
     return 0 if all(r.get("ok", True) for r in rows) else 1
 

@@ -8,8 +8,8 @@
 # (first failures of) backward tests, then tree_ab against the old tree in .old (carry it);
 # n: the work of 2026-12-01 never run on a GPU (decode, varlen, sinks/dropout, head dims,
 # torch.compile operators, Gluon after its ConSan run), then its benchmarks;
-# o: n's failures after their fixes and its longer benchmarks; each part fits one 10-minute
-# device call)
+# o: n's failures after their fixes and its longer benchmarks; p: Gluon against Hopper per
+# class and the backward's memory; each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
@@ -90,6 +90,15 @@ if [ "$PART" = o ]; then  # part n's failures after their fixes, and its longer 
     --dims 192/128,256 --seqs 8192
   tail -n 14 "$OUT/gluon_bench.log" "$OUT/decode_bench.log" "$OUT/headdim_bench.log"
   tar czf /tmp/part_o.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_o.tgz "$OUT/"
+fi
+if [ "$PART" = p ]; then  # o's last failure after its fix; Gluon per class; backward memory
+  step compile 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_compile_gpu.py
+  step host_timeline 50 python benchmarks/host_step.py 2048 64 sliding,document --show timeline
+  step gluon_bench 190 python benchmarks/gluon_forward_bench.py "$OUT/gluon.json" \
+    --safety-timeout 65 --dims 64,128 --seqs 2048,16384 --variants full,causal,softcap,document
+  step memory_bench 230 python benchmarks/memory_bench.py "$OUT/memory.json" --budget 180
+  tail -n 40 "$OUT/gluon_bench.log" "$OUT/memory_bench.log" | cut -c1-160
+  tar czf /tmp/part_p.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_p.tgz "$OUT/"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
