@@ -1,5 +1,5 @@
-"""The Gluon forward family on the CPU: when it applies (only forced, sm_90, never the
-interpreter), the specs it plans, and how the mods are rendered into fwd_gluon.tmpl (index
+"""The Gluon forward family on the CPU: when it applies (forced, or by default in the classes
+where it measured faster; sm_90, never the interpreter), the specs it plans, and how the mods are rendered into fwd_gluon.tmpl (index
 vectors and broadcasts in the score tile's layout). Its sm_90 compile check is in
 test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
 from __future__ import annotations
@@ -32,15 +32,44 @@ def _qkv(L=256, E=128, dtype=torch.bfloat16):
     return tuple(torch.zeros(1, 2, L, E, dtype=dtype) for _ in range(3))
 
 
-def test_gluon_runs_only_when_forced_on_sm90():
+def test_gluon_runs_when_forced_on_sm90_only():
     q, k, v = _qkv()
-    assert registry.choose("forward", SM90, _call(), q, k, v).name == "hopper"
     assert registry.choose("forward", SM90, _call(FORCED), q, k, v) is GLUON
     with pytest.raises(flexfa.InputError, match="BACKEND='GLUON'.*interpreter"):
         registry.choose("forward", INTERPRETER, _call(FORCED), q, k, v)
     with pytest.raises(flexfa.InputError, match="sm_90, not cuda:80"):
         registry.choose("forward", SM80, _call(FORCED), q, k, v)
-    assert "only when" in GLUON.why_not(SM90, _call({"BACKEND": "HOPPER"}), q, k, v)
+    assert registry.choose("forward", SM90, _call({"BACKEND": "HOPPER"}), q, k, v).name \
+        == "hopper"
+
+
+def _mask(mask_mod, L):
+    return flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+
+
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() < 256
+
+
+@pytest.mark.parametrize("L, E, mask_mod, options, chosen", [
+    (2048, 128, None, None, "gluon"),        # dense, short: measured 1.15x Hopper
+    (16384, 128, None, None, "gluon"),       # dense, long: 1.26x
+    (8192, 128, mods.causal, None, "gluon"),  # masked, long: 1.03-1.15x
+    (2048, 128, mods.causal, None, "hopper"),  # masked, short: 0.91x
+    (8192, 128, _window, None, "hopper"),    # sparse: 0.87-0.99x
+    (16384, 64, None, None, "hopper"),       # E = 64: 0.77-1.02x
+    (1024, 128, None, None, "hopper"),       # shorter than measured
+    (2048, 128, None, {"BLOCK_N": 64}, "hopper"),  # tiles pinned for the Hopper family
+    (2048, 128, None, {"BACKEND": "HOPPER"}, "hopper"),
+])
+def test_auto_takes_gluon_only_in_the_classes_where_it_measured_faster(L, E, mask_mod,
+                                                                          options, chosen):
+    q, k, v = (torch.empty(1, 1, L, E, dtype=torch.bfloat16) for _ in range(3))
+    call = _call(options, _mask(mask_mod, L) if mask_mod else None)
+    assert registry.choose("forward", SM90, call, q, k, v).name == chosen
+    if call.options.backend == "AUTO":
+        assert registry.choose("forward", SM80, call, q, k, v).name == "ampere"
+        assert registry.choose("forward", INTERPRETER, call, q, k, v).name != "gluon"
 
 
 @pytest.mark.parametrize("make, reason", [

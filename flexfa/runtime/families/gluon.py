@@ -2,8 +2,9 @@
 producer warp, two consumer warpgroups of 64 query rows each, async wgmma overlapping the
 softmax with the P @ V GEMM; docs/gluon.md).
 
-Opt-in: it runs only when ``kernel_options={"BACKEND": "GLUON"}`` forces it, until it is
-measured against the Hopper family per tuning class. It needs an sm_90 GPU (never the
+Chosen by default only in the tuning classes where it measured faster than the Hopper family
+(``AUTO_CLASSES``), anywhere it can run when ``kernel_options={"BACKEND": "GLUON"}`` forces it.
+It needs an sm_90 GPU (never the
 interpreter: Gluon kernels are compiled only), fp16/bf16 inputs with head dims 64 or 128 (q,
 k and v alike) in the layout the Hopper family reads through tensor descriptors, and a block
 mask (if any) whose query blocks are multiples of the program's 128 rows. Tiles: 128 query
@@ -21,6 +22,7 @@ from ...codegen.spec import DTYPE_NAMES, KernelSpec
 from ...config import interpret_mode
 from ...errors import InputError
 from .. import binding, plans
+from ..autotune import SHORT_KV, density_class
 from ..call import AttentionCall
 from ..kernels import generated_module
 from ..launch import Step, cdiv
@@ -36,6 +38,30 @@ HEAD_DIMS = (64, 128)
 # (BLOCK_N, ring depth) per head dim: K and V rings plus Q fit the H200's 227 KB of shared
 # memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V)
 DEFAULT_TILES = {64: (128, 3), 128: (128, 2)}
+
+
+# (head dim, density class, kv length class of runtime.autotune) where BACKEND="AUTO" takes
+# this family: measured faster than the Hopper family on the H200 at L = S in {2048, 16384}
+# (benchmarks/results/nextgen_gpu_2026-12-01/p_ff6ac64): E = 128 dense 1.15x (S = 2048) and
+# 1.26x (16384); E = 128 masked at 16384 1.03-1.15x (causal, softcap, ALiBi). Not taken: sparse
+# masks (document 0.87-0.99x), E = 64 (0.77-1.02x), E = 128 masked at 2048 (0.91-0.92x).
+AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
+                          (128, "masked", "long")})
+AUTO_MIN_LEN = 2048  # the shortest measured: shorter calls keep the Hopper family
+
+
+def _why_not_auto(call: AttentionCall, q, k) -> str | None:
+    """Why BACKEND="AUTO" does not take this family for the call (None: it does)."""
+    L, E, S = q.shape[2], q.shape[3], k.shape[2]
+    if call.options.fwd.pins_tiles:
+        return "kernel_options pin forward tiles (the Hopper family's); BACKEND='GLUON' forces it"
+    if min(L, S) < AUTO_MIN_LEN:
+        return f"BACKEND='AUTO' takes it from L and S >= {AUTO_MIN_LEN}, not L={L}, S={S}"
+    found = (E, density_class(call.block_mask), "short" if S <= SHORT_KV else "long")
+    if found not in AUTO_CLASSES:
+        return (f"BACKEND='AUTO' takes it only where it measured faster than the Hopper "
+                f"family, not for (head dim, density, length) {found}")
+    return None
 
 
 def _why_not_shape(call: AttentionCall, q, k, v) -> str | None:
@@ -114,12 +140,9 @@ def _descriptor_kinds() -> tuple[type, type]:
 class GluonForward(KernelFamily):
     name = "gluon"
     direction = "forward"
-    priority = -10  # never chosen without BACKEND="GLUON" (why_not), last in any case
+    priority = 15  # before Hopper (10) in AUTO_CLASSES, after the decode family (20)
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
-        if call.options.backend != "GLUON":
-            return ("it runs only when kernel_options BACKEND='GLUON' forces it (not yet "
-                    "measured against the other families)")
         if target.interpret:
             return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
                     "cannot run")
@@ -131,6 +154,8 @@ class GluonForward(KernelFamily):
                       "16-byte aligned rows")
         if reason is None and wants_split(call, target, q, k):
             reason = "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
+        if reason is None and call.options.backend != "GLUON":
+            reason = _why_not_auto(call, q, k)
         return reason
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
