@@ -9,9 +9,10 @@
 # n: the work of 2026-12-01 never run on a GPU (decode, varlen, sinks/dropout, head dims,
 # torch.compile operators, Gluon after its ConSan run), then its benchmarks;
 # o: n's failures after their fixes and its longer benchmarks; p: Gluon against Hopper per
-# class and the backward's memory; each part fits one 10-minute device call)
+# class and the backward's memory; q: after the host-cost work, the dispatch, the Gluon default
+# and the examples' GPU runs; each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,13p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,14p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -99,6 +100,18 @@ if [ "$PART" = p ]; then  # o's last failure after its fix; Gluon per class; bac
   step memory_bench 230 python benchmarks/memory_bench.py "$OUT/memory.json" --budget 180
   tail -n 40 "$OUT/gluon_bench.log" "$OUT/memory_bench.log" | cut -c1-160
   tar czf /tmp/part_p.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_p.tgz "$OUT/"
+fi
+if [ "$PART" = q ]; then  # after the host-cost work and the Gluon default; the examples' GPU runs
+  P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
+  step dispatch 40 $P tests/gpu/test_hopper_gpu.py -k dispatch
+  step dispatch_bench 30 python benchmarks/dispatch_overhead.py
+  step host_timeline 45 python benchmarks/host_step.py 2048 64 sliding --show timeline
+  step gluon_auto 100 $P tests/gpu/test_gluon_gpu.py -k auto
+  step decode_graph 45 python examples/decode_paged.py --device cuda --batch 1 --layers 4 --steps 64
+  step compiled_model 100 python examples/compiled_transformer.py --cuda --json "$OUT/compiled.json"
+  tail -n 4 "$OUT/dispatch_bench.log" "$OUT/decode_graph.log" "$OUT/compiled_model.log"
+  grep "host per step" "$OUT/host_timeline.log"
+  tar czf /tmp/part_q.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_q.tgz "$OUT/"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

@@ -21,6 +21,7 @@ import flexfa
 from flexfa import mods
 from flexfa.runtime import plans
 
+from kernels.backward_utils import check_backward
 from kernels.forward_utils import check_forward, make_qkv
 
 pytestmark = pytest.mark.gpu
@@ -123,3 +124,17 @@ def test_gluon_row_max_and_pinned_tiles(safe):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(aux.lse, ref_aux.lse, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(aux.max_scores, ref_aux.max_scores, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("S, mask_mod, family", [
+    (2048, None, "gluon"), (8192, mods.causal, "gluon"), (2048, mods.causal, "hopper")])
+def test_auto_takes_gluon_where_measured_faster_and_trains(safe, S, mask_mod, family):
+    """By default (no BACKEND) E=128 dense and long masked calls run the Gluon forward, the
+    Triton backward takes its out and lse: forward and gradients against the reference."""
+    q, k, v = make_qkv(1, 2, 2, S, S, 128, dtype=torch.bfloat16, device="cuda")
+    mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, S, S,
+                                                                  device="cuda")
+    plans.PLANS.clear()
+    check_forward(q, k, v, None, mask_mod, mask)
+    assert [p.family.name for p in plans.PLANS.values()] == [family]
+    check_backward(q, k, v, None, mask_mod, mask)
