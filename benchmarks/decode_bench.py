@@ -69,7 +69,7 @@ def mask_mod_of(kind, L, S, torch):
     return None, S
 
 
-def run_case(case, torch, triton, flexfa, peers) -> dict:
+def run_case(case, torch, triton, flexfa, peers, variants=()) -> dict:
     name, B, Hq, Hkv, L, S, kind, paged = case
     bf16 = torch.bfloat16
     q = torch.randn(B, Hq, L, E, device="cuda", dtype=bf16)
@@ -114,6 +114,9 @@ def run_case(case, torch, triton, flexfa, peers) -> dict:
         return result
     record("flexfa", lambda: flexfa.flex_attention(q, k, v, block_mask=flex_mask,
                                                    enable_gqa=Hq != Hkv))
+    for options in variants:  # the same call with kernel_options (--variants)
+        record(f"flexfa {json.dumps(options)}", lambda options=options: flexfa.flex_attention(
+            q, k, v, block_mask=flex_mask, enable_gqa=Hq != Hkv, kernel_options=options))
     if "flex" in peers:
         record("torch_flex_compiled", lambda: peers["flex"](q, k, v, block_mask=torch_mask,
                                                             enable_gqa=Hq != Hkv))
@@ -147,6 +150,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=420.0,
                         help="seconds after which no new case starts (default 420)")
     parser.add_argument("--quick", action="store_true", help="the first three cases only")
+    parser.add_argument("--cases", help="only the cases whose names contain one of these "
+                        "comma-separated strings")
+    parser.add_argument("--variants", default="[]",
+                        help="JSON list of kernel_options dicts: each unpaged case also times "
+                             "flexfa with each (e.g. '[{\"BLOCK_M\": 64}]')")
     args = parser.parse_args(argv)
     import torch
     import triton
@@ -179,11 +187,17 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"copy bandwidth {report['copy_GBps']:.0f} GB/s")
     print(f"{'case':36} {'flexfa ms':>10} {'GB/s':>7} {'%copy':>6} {'flex ms':>9} {'sdpa ms':>9}")
-    for case in CASES[:3] if args.quick else CASES:
+    variants = json.loads(args.variants)
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        parser.error(f"--variants must be a JSON list of objects, not {args.variants!r}")
+    cases = CASES[:3] if args.quick else CASES
+    if args.cases:
+        cases = [c for c in cases if any(part in c[0] for part in args.cases.split(","))]
+    for case in cases:
         if time.time() - start > args.budget:
             report["stopped"] = f"budget of {args.budget} s reached before {case[0]}"
             break
-        result = run_case(case, torch, triton, flexfa, peers)
+        result = run_case(case, torch, triton, flexfa, peers, variants)
         report["cases"].append(result)
         out.write_text(json.dumps(report, indent=1))
         cell = lambda peer, key: result.get(peer, {}).get(key, math.nan)  # noqa: E731
@@ -191,6 +205,9 @@ def main(argv=None) -> int:
               f"{100 * cell('flexfa', 'GBps') / report['copy_GBps']:6.1f} "
               f"{cell('torch_flex_compiled', 'ms'):9.4f} {cell('sdpa_flash', 'ms'):9.4f}",
               flush=True)
+        for options in variants:
+            ms = cell(f"flexfa {json.dumps(options)}", "ms")
+            print(f"  with {json.dumps(options):30} {ms:10.4f}", flush=True)
     try:
         report["graph"] = graph_case(torch, triton, flexfa)
         print(f"flex_decode B=1 eager {report['graph']['eager_ms']:.4f} ms, CUDA graph replay "

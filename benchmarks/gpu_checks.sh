@@ -108,8 +108,11 @@ if [ "$PART" = q ]; then  # after the host-cost work and the Gluon default; the 
   step host_timeline 45 python benchmarks/host_step.py 2048 64 sliding --show timeline
   step gluon_auto 100 $P tests/gpu/test_gluon_gpu.py -k auto
   step decode_graph 45 python examples/decode_paged.py --device cuda --batch 1 --layers 4 --steps 64
+  step prefill 50 python benchmarks/decode_bench.py "$OUT/prefill.json" --cases chunked \
+    --variants '[{"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BACKEND": "AMPERE", "SPLIT_KV": "AUTO"}]'
   step compiled_model 100 python examples/compiled_transformer.py --cuda --json "$OUT/compiled.json"
-  tail -n 4 "$OUT/dispatch_bench.log" "$OUT/decode_graph.log" "$OUT/compiled_model.log"
+  tail -n 4 "$OUT/dispatch_bench.log" "$OUT/decode_graph.log" "$OUT/prefill.log" \
+    "$OUT/compiled_model.log"
   grep "host per step" "$OUT/host_timeline.log"
   tar czf /tmp/part_q.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_q.tgz "$OUT/"
 fi
