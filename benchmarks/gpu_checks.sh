@@ -9,8 +9,8 @@
 # n: the work of 2026-12-01 never run on a GPU (decode, varlen, sinks/dropout, head dims,
 # torch.compile operators, Gluon after its ConSan run), then its benchmarks;
 # o: n's failures after their fixes and its longer benchmarks; p: Gluon against Hopper per
-# class and the backward's memory; q: after the host-cost work, the dispatch, the Gluon default
-# and the examples' GPU runs; each part fits one 10-minute device call)
+# class and the backward's memory; q: after the host-cost work, the dispatch and tree_ab at
+# E=64 S=2048 (carry .old61), the Gluon default and the examples' GPU runs; each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,14p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
@@ -101,20 +101,16 @@ if [ "$PART" = p ]; then  # o's last failure after its fix; Gluon per class; bac
   tail -n 40 "$OUT/gluon_bench.log" "$OUT/memory_bench.log" | cut -c1-160
   tar czf /tmp/part_p.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_p.tgz "$OUT/"
 fi
-if [ "$PART" = q ]; then  # after the host-cost work and the Gluon default; the examples' GPU runs
+if [ "$PART" = q ]; then  # after the host-cost work and the Gluon default (carry .old61)
+  # eight files at most, no archive: a call stopped by its limit still returns what ran
   P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
-  step dispatch 40 $P tests/gpu/test_hopper_gpu.py -k dispatch
-  step dispatch_bench 30 python benchmarks/dispatch_overhead.py
-  step host_timeline 45 python benchmarks/host_step.py 2048 64 sliding --show timeline
+  step dispatch 30 $P tests/gpu/test_hopper_gpu.py -k dispatch
+  FLEXFA_AUTOTUNE=0 step tree_ab 90 python benchmarks/tree_ab.py --old .old61 --rounds 2 --rep 30 \
+    --cases 64:2048:sliding,64:2048:alibi,64:2048:document,64:2048:causal --json "$OUT/tree_ab.json"
   step gluon_auto 100 $P tests/gpu/test_gluon_gpu.py -k auto
-  step decode_graph 45 python examples/decode_paged.py --device cuda --batch 1 --layers 4 --steps 64
-  step prefill 50 python benchmarks/decode_bench.py "$OUT/prefill.json" --cases chunked \
-    --variants '[{"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BACKEND": "AMPERE", "SPLIT_KV": "AUTO"}]'
   step compiled_model 100 python examples/compiled_transformer.py --cuda --json "$OUT/compiled.json"
-  tail -n 4 "$OUT/dispatch_bench.log" "$OUT/decode_graph.log" "$OUT/prefill.log" \
-    "$OUT/compiled_model.log"
-  grep "host per step" "$OUT/host_timeline.log"
-  tar czf /tmp/part_q.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_q.tgz "$OUT/"
+  step decode_graph 40 python examples/decode_paged.py --device cuda --batch 1 --layers 4 --steps 64
+  tail -n 12 "$OUT/tree_ab.log"; tail -n 4 "$OUT/compiled_model.log" "$OUT/decode_graph.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
