@@ -51,23 +51,43 @@ for name, score_mod, block_mask in (("causal", None, mask),):
 VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
 
 
-def safety_run(limit: float) -> dict:
-    """Step 1 in a subprocess under ConSan, killed after ``limit`` seconds."""
+def safety_run(limit: float, script: str = SAFETY, expected=("causal finite",)) -> dict:
+    """Step 1: ``script`` in a subprocess under ConSan, killed after ``limit`` seconds; ok
+    when it exits 0 and prints each ``expected`` line."""
     env = {**os.environ, "TRITON_INSTRUMENTATION_MODE": "consan", "TRITON_INTERPRET": "0",
            "PYTHONPATH": ROOT, "FLEXFA_CACHE_DIR": os.environ.get("FLEXFA_CACHE_DIR",
                                                                   "/tmp/flexfa-gluon-consan")}
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", SAFETY], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               env=env, timeout=limit)
     except subprocess.TimeoutExpired as exc:
         return dict(ok=False, seconds=limit, error=f"timed out after {limit} s (a hang?)",
                     stdout=(exc.stdout or b"")[-2000:].decode(errors="replace")
                     if isinstance(exc.stdout, bytes) else str(exc.stdout or "")[-2000:])
     lines = done.stdout.split("\n")
-    ok = done.returncode == 0 and "causal finite" in lines
+    ok = done.returncode == 0 and all(line in lines for line in expected)
     return dict(ok=ok, seconds=round(time.perf_counter() - start, 1), rc=done.returncode,
                 stdout=done.stdout[-2000:], stderr=done.stderr[-4000:])
+
+
+def safety_first(out: str, limit: float, script: str = SAFETY, expected=("causal finite",)):
+    """(rows, save) after a passing safety run (recorded in ``out``), else None (printed)."""
+    rows: list = []
+
+    def save():
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    safety = dict(step="consan", **safety_run(limit, script, expected))
+    rows.append(safety)
+    save()
+    print(json.dumps({k: safety[k] for k in ("step", "ok", "seconds") if k in safety}),
+          flush=True)
+    if not safety["ok"]:
+        print(safety.get("error", ""), safety.get("stderr", "")[-3000:], sep="\n")
+        return None
+    return rows, save
 
 
 def variant(name: str, S: int, H: int):
@@ -177,20 +197,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.tune:
         os.environ["FLEXFA_AUTOTUNE"] = "0"
-    rows: list = []
-
-    def save():
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-
-    safety = dict(step="consan", **safety_run(args.safety_timeout))
-    rows.append(safety)
-    save()
-    print(json.dumps({k: safety[k] for k in ("step", "ok", "seconds") if k in safety}),
-          flush=True)
-    if not safety["ok"]:
-        print(safety.get("error", ""), safety.get("stderr", "")[-2000:], sep="\n")
+    started = safety_first(args.out, args.safety_timeout)
+    if started is None:
         return 1
+    rows, save = started
     check(rows)
     save()
     variants = tuple(args.variants.split(","))

@@ -127,7 +127,7 @@ class BackwardSpec:
 def backward_key(spec: BackwardSpec, joint: JointGraph | None, score: TracedMod | None,
                  mask: TracedMod | None) -> str:
     digest = hashlib.sha256(repr(dataclasses.astuple(spec)).encode())
-    for part in (score.key if score else "-", _joint_key(joint), mask.key if mask else "-",
+    for part in (score.key if score else "-", joint_key(joint), mask.key if mask else "-",
                  versions_key(), template_hash(*BACKWARD_TEMPLATES)):
         digest.update(b"|" + part.encode())
     return digest.hexdigest()
@@ -155,13 +155,13 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
               DEF_KERNEL=def_kernel(f"{name}_dq", kernels[f"{name}_dq"], checks[f"{name}_dq"]),
               TABLES=as_tuple(table_names("KV", "m", "n")), GBUFS=as_tuple(grad_names),
               GRAD_BUFFERS=unpack(grad_names, "gbufs"),
-              SCORE_JOINT=_score_code(joint, score, score_args, True, fast_math, spec.wide_ints),
+              SCORE_JOINT=score_joint_code(joint, score, score_args, True, fast_math, spec.wide_ints),
               BUFFER_GRADS=_buffer_grad_code(joint, score_args, grad_args), **shared)
     dkdv = fill(load_template("bwd_dkdv.tmpl"), KERNEL_NAME=name,
                 DEF_KERNEL=def_kernel(f"{name}_dkdv", kernels[f"{name}_dkdv"],
                                       checks[f"{name}_dkdv"]),
                 TABLES=as_tuple(table_names("Q", "n", "m")),
-                SCORE_JOINT=_score_code(joint, score, score_args, False, fast_math,
+                SCORE_JOINT=score_joint_code(joint, score, score_args, False, fast_math,
                                         spec.wide_ints), **shared)
     common = fill(load_template("bwd_common.tmpl"),
                   DEF_DELTA=def_kernel("flexfa_bwd_delta", kernels["flexfa_bwd_delta"],
@@ -222,7 +222,7 @@ def dscore_is_one(joint: JointGraph | None) -> bool:
     return joint is None or (joint.dscore.op is Op.CONST and joint.dscore.arg == 1.0)
 
 
-def _joint_key(joint: JointGraph | None) -> str:
+def joint_key(joint: JointGraph | None) -> str:
     if joint is None:
         return "-"
     parts = [joint.forward.key, joint.dscore.key] + [f"{l.key}:{g.key}" for l, g in joint.dloads]
@@ -239,10 +239,13 @@ def joint_roots(joint: JointGraph, with_loads: bool = True) -> list[Node]:
     return roots
 
 
-def _score_code(joint: JointGraph | None, score: TracedMod | None, args, with_loads: bool,
-                fast_math: bool = False, wide: tuple[str, ...] = ()) -> str:
+def score_joint_code(joint: JointGraph | None, score: TracedMod | None, args, with_loads: bool,
+                     fast_math: bool = False, wide: tuple[str, ...] = (),
+                     tile: str = "tl.full(score.shape, {fill}, {dtype})") -> str:
     """Statements setting score_mod_out, log2_scale (score_mod_out * log2_scale is the score
-    in log2 units), dscore and (dQ kernel) dload{i}, load{i}_idx{d} from the raw ``qk``."""
+    in log2 units), dscore and (dQ kernel) dload{i}, load{i}_idx{d} from the raw ``qk``;
+    ``tile``: how a full tile of one value is written (the Gluon backward's names its
+    layout)."""
     if joint is None:
         return "score_mod_out = qk\nlog2_scale = sm_scale * 1.4426950408889634"
     roots = joint_roots(joint, with_loads)
@@ -257,7 +260,7 @@ def _score_code(joint: JointGraph | None, score: TracedMod | None, args, with_lo
     lines = ["score = qk * sm_scale", *rendered.lines]
     for root, name, value in zip(roots, names, rendered.values):
         if name == "score_mod_out" and needs_tile_broadcast(root):
-            value = f"({value}) + tl.full(score.shape, 0.0, tl.float32)"
+            value = f"({value}) + {tile.format(fill='0.0', dtype='tl.float32')}"
         lines.append(f"{name} = {value}")
     lines.append("log2_scale = 1.4426950408889634")
     return "\n".join(lines)

@@ -20,7 +20,8 @@ from .template import template_hash
 from .versions import versions_key
 
 GLUON_TEMPLATE = "fwd_gluon"
-GLUON_TEMPLATES = ("fwd_gluon.tmpl", "helpers.tmpl", "common.tmpl", "fwd_common.tmpl")
+GLUON_TEMPLATES = ("fwd_gluon.tmpl", "helpers.tmpl", "gluon_common.tmpl", "common.tmpl",
+                   "fwd_common.tmpl")
 GLUON_TILE = "gl.full([ROWS, BLOCK_N], {fill}, {dtype}, S_LAYOUT)"
 CONSUMERS = 2  # consumer warpgroups per program (fwd_gluon.tmpl's CONSUMERS)
 CONSUMER_ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
@@ -58,15 +59,15 @@ def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | No
         f"{CONSUMER_ROWS} rows")
     return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
                           gluon_params(score, mask), module_flags(gluon_constexprs(spec, True)),
-                          tile=GLUON_TILE)
+                          helpers=("helpers.tmpl", "gluon_common.tmpl"), tile=GLUON_TILE)
 
 
 def descriptor_layout(block: list[int], dtype: str):
     """The NVMMA shared layout of a descriptor block (Gluon descriptors carry it)."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16,
-                                                        "fp16": gl.float16}[dtype])
+    return gl.NVMMASharedLayout.get_default_for(
+        block, {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype])
 
 
 def descriptor_blocks(spec: KernelSpec) -> dict[str, list[int]]:
@@ -83,11 +84,11 @@ def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod |
     constexprs_ = gluon_constexprs(spec, score is not None)
     signature = gluon_params(score, mask).signature(constexprs_, {INPUT: spec.dtype})
     for name, block in descriptor_blocks(spec).items():
-        signature[name] = _descriptor_type(block, spec.dtype)
+        signature[name] = descriptor_type(block, spec.dtype)
     return signature, constexprs_
 
 
-def _descriptor_type(block: list[int], dtype: str) -> str:
+def descriptor_type(block: list[int], dtype: str) -> str:
     """Triton's type string of a Gluon descriptor with this block (from a descriptor over a
     small CPU tensor: the type depends on the block, dtype and layout only)."""
     import torch

@@ -14,6 +14,7 @@ from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
 from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_signature
+from ..codegen.gluon_bwd import GluonBackwardSpec, gluon_bwd_kernel, gluon_bwd_signature
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
@@ -186,6 +187,35 @@ register("fwd_gluon_d128_fp16_softcap_causal",
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                    num_stages=3), archs=(90,))
+
+
+def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,
+                  stages: int = 2):
+    """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
+    (the bounds-checked code), 128-key programs walking 64-row q tiles."""
+    def build(arch: int):
+        score, mask = traced_mods(score_mod, mask_mod)
+        joint = joint_graph(score)
+        spec = GluonBackwardSpec(dtype=dtype, head_dim=head_dim, stages=stages,
+                                 has_block_mask=mask is not None,
+                                 has_full_blocks=mask is not None,
+                                 sparse_q=128 if mask else 64, sparse_kv=128, even_l=False,
+                                 even_s=False, gqa_group=gqa_group, target=f"cuda:{arch}")
+        generated = gluon_bwd_kernel(spec, joint, score, mask)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        signature, constexprs = gluon_bwd_signature(spec, joint, score, mask)
+        return CompileJob(getattr(module, generated.name), signature, constexprs,
+                          spec.launch_options(), generated.name)
+    return build
+
+
+register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_causal),
+         archs=(90,))
+register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=_softcap,
+                                                          gqa_group=2), archs=(90,))
+register("bwd_gluon_d64_fp16_alibi_document",
+         gluon_bwd_job(64, "fp16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
+                       stages=3), archs=(90,))
 
 
 # ---- compile-check variants -----------------------------------------------------------------

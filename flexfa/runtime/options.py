@@ -154,7 +154,7 @@ SCHEMA = {
                 "tiles through tensor descriptors (TMA, sm_90): True, False or 'AUTO'"),
     "BACKEND": ("backend", (), _choice(BACKENDS),
                 "AUTO/TRITON (flexfa's choice), AMPERE, HOPPER, DECODE or GLUON (force that "
-                "kernel family)"),
+                "forward family; GLUON also opts in to the Gluon backward where it applies)"),
     "deterministic": ("deterministic", (), _flag,
                       "bit-identical gradients, captured-tensor gradients included"),
     "fp32_precision": ("fp32_precision", (), _precision, "fp32 dots: 'ieee' or 'tf32'"),

@@ -123,7 +123,7 @@ def import_gluon() -> None:
 
 
 @functools.cache
-def _descriptor_kinds() -> tuple[type, type]:
+def descriptor_kinds() -> tuple[type, type]:
     """(Gluon's TensorDescriptor, one that skips its checks), imported on first use."""
     import_gluon()
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -167,7 +167,7 @@ class GluonForward(KernelFamily):
         out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
         step = plan.steps[0]
         # the descriptors' checks ran at the plan's first launch; its key fixes what they read
-        kind = _descriptor_kinds()[1 if step.launched else 0]
+        kind = descriptor_kinds()[1 if step.launched else 0]
         descriptors = {name: kind(t, shape, strides, block, layout) for t, (
             name, (shape, strides, block, layout)) in zip((q, k, v), plan.fixed["descriptors"])}
         stat_lse, stat_max = stat_args(out, lse, maxs)

@@ -1,0 +1,183 @@
+"""The Gluon backward family: ``bwd_gluon.tmpl`` (FlashAttention-3's backward on sm_90: one
+program per 128 keys, two consumer warpgroups of 64 keys holding dK and dV, a TMA producer
+warp walking the block mask's transposed tables, a dQ-writer warp adding each tile's fp32 dQ
+partial into an accumulator with TMA reduce-adds), between the row kernels of
+``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
+
+Opt-in: it runs only under ``kernel_options={"BACKEND": "GLUON"}`` (which forces the Gluon
+forward too) and, there, only where it applies; elsewhere the Triton backward runs as before
+(captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...). It
+has not run on a GPU yet (docs/gluon.md). Memory past the inputs and gradients: the fp32 dQ
+accumulator (4 * B * Hq * L * E bytes) and two fp32 rows per query; nothing of size L x S.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...codegen.backward import dscore_is_one
+from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, GluonBackwardSpec, RowsSpec,
+                                  descriptor_blocks, descriptor_layouts, gluon_bwd_kernel,
+                                  rows_kernel)
+from ...codegen.spec import DTYPE_NAMES
+from .. import binding, plans
+from ..kernels import generated_module
+from ..launch import Step, cdiv
+from ..registry import KernelFamily, register
+from ..tables import has_full_blocks, mask_blocks
+from ..target import Target
+from .backward import Inputs, int64_nodes_of, joint_graph
+from .gluon import HEAD_DIMS, descriptor_kinds, import_gluon
+from .hopper import descriptor_layout_ok, geometry
+
+DEFAULT_STAGES = {64: 3, 128: 2}  # the Q/dO ring: 2 stages at E = 128 fill 210 KB of 227
+ROWS_BLOCK = 64  # rows per program of the row kernels
+
+
+def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
+    """Why the Gluon backward does not run this call (None: it does)."""
+    if call.options.backend != "GLUON":
+        return "it is opt-in (kernel_options BACKEND='GLUON'): it has not run on a GPU yet"
+    if target.interpret:
+        return "it is a compiled Gluon kernel, which the Triton interpreter cannot run"
+    if not target.is_sm90:
+        return f"it runs on sm_90, not {target}"
+    E, Ev = q.shape[3], v.shape[3]
+    if E != Ev or E not in HEAD_DIMS:
+        return f"it needs head dims {' or '.join(map(str, HEAD_DIMS))} (q, k and v alike), " \
+               f"not E={E}, Ev={Ev}"
+    if not descriptor_layout_ok(q, k, v):
+        return "it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with 16-byte " \
+               "aligned rows"
+    sparse_q, sparse_kv = mask_blocks(call.block_mask)
+    if sparse_q is not None and (sparse_q % BLOCK_M or sparse_kv % BLOCK_N):
+        return (f"it needs block-mask blocks that are multiples of ({BLOCK_M}, {BLOCK_N}), "
+                f"not {tuple(call.block_mask.BLOCK_SIZE)}")
+    joint = joint_graph(call.score)
+    if joint is not None and joint.grad_slots:
+        return "captured-tensor gradients (learnable biases) run on the Triton backward"
+    options = call.options
+    if options.deterministic:
+        return "deterministic=True runs on the Triton backward (the dQ reduce-adds' order " \
+               "varies)"
+    if options.ds_workspace:
+        return "the dS workspace (DS_WORKSPACE=True) is the Triton backward's"
+    if options.bwd.pins_tiles:
+        return "kernel_options pin backward tiles (the Triton backward's)"
+    return None
+
+
+def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
+    L, E, S = q.shape[2], q.shape[3], k.shape[2]
+    mask = call.block_mask
+    sparse_q, sparse_kv = mask_blocks(mask)
+    if mask is None:
+        sparse_q, sparse_kv = BLOCK_M, BLOCK_N
+    return GluonBackwardSpec(
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, stages=DEFAULT_STAGES[E],
+        has_block_mask=mask is not None, has_full_blocks=has_full_blocks(mask, "q"),
+        sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
+        even_s=S % BLOCK_N == 0, gqa_group=call.gqa_group, target=target.name,
+        wide_ints=int64_nodes_of(q, k, call))
+
+
+def padded_rows(L: int, spec: GluonBackwardSpec) -> int:
+    """L_PAD: L rounded up to the walked q block (every walked tile inside its head's rows)."""
+    return cdiv(L, spec.sparse_q) * spec.sparse_q
+
+
+def row_steps(spec: RowsSpec, x: Inputs, l_pad: int) -> tuple[Step, Step]:
+    """The preprocess and postprocess launches of ``x``'s layout (bwd_gluon_rows.tmpl)."""
+    rows = generated_module(rows_kernel, spec)
+    B, Hq, L, _ = x.q.shape
+    block = 16 if spec.interpret else ROWS_BLOCK
+    lengths = {"HQ": Hq, "L": L, "L_PAD": l_pad}
+    pre = Step(rows.kernel(PRE), (cdiv(l_pad, block), B * Hq), spec.constexprs(block),
+               {"num_warps": 4}, binding.Binder(rows.names(PRE), {
+                   **lengths, **binding.strides("o", "bhmd", x.out.stride()),
+                   **binding.strides("g", "bhmd", x.grad_out.stride())}))
+    post = Step(rows.kernel(POST), (cdiv(L, block), B * Hq), spec.constexprs(block),
+                {"num_warps": 4}, binding.Binder(rows.names(POST), {
+                    **lengths, **binding.strides("dq", "bhmd", x.dq.stride())}))
+    return pre, post
+
+
+def run_pre(pre: Step, x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse2, delta) as [B * Hq, l_pad] float32 rows: lse * log2(e) (+inf for empty and
+    padding rows) and rowsum(dO * O) - dlse (0 on padding rows)."""
+    B, Hq = x.q.shape[:2]
+    lse2 = torch.empty(B * Hq, l_pad, dtype=torch.float32, device=x.q.device)
+    delta = torch.empty_like(lse2)
+    dlse = x.grad_lse.float().contiguous() if x.grad_lse is not None else lse2
+    pre.launch_with({"OUT": x.out, "DOUT": x.grad_out, "LSE": x.lse.contiguous(),
+                     "DLSE": dlse, "LSE2": lse2, "DELTA": delta}, x.q.device)
+    return lse2, delta
+
+
+def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float) -> None:
+    """x.dq = scale * the [B * Hq * l_pad, E] float32 accumulator's rows, in dq's dtype."""
+    post.launch_with({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale)}, x.q.device)
+
+
+class GluonBackward(KernelFamily):
+    name = "gluon_bwd"  # not a BACKEND value: BACKEND='GLUON' opts in, Triton stays the fallback
+    direction = "backward"
+    priority = 10  # before triton_bwd (0) where it applies
+
+    def why_not(self, target: Target, call, q, k, v) -> str | None:
+        return why_not_gluon_bwd(target, call, q, k, v)
+
+    def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
+        plan = self.make_plan(call, x, target)
+        plans.keep(call, key, plan)
+        return self.run(plan, call, x, fusable, need_dkdv)
+
+    def make_plan(self, call, x: Inputs, target: Target) -> plans.Plan:
+        import_gluon()
+        q, k = x.q, x.k
+        B, Hq, L, E = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        spec = gluon_bwd_spec(q, k, call, target)
+        joint = joint_graph(call.score)
+        l_pad = padded_rows(L, spec)
+        main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
+        pre, post = row_steps(RowsSpec(E, x.grad_lse is not None, target.name), x, l_pad)
+        lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad}
+        kernel = Step(main.kernel(), (cdiv(S, BLOCK_N), B * Hkv),
+                      spec.constexprs(dscore_is_one(joint)), spec.launch_options(),
+                      binding.Binder(main.names(), {
+                          **lengths, **binding.strides("dk", "bhnd", x.dk.stride()),
+                          **binding.strides("dv", "bhnd", x.dv.stride()),
+                          **binding.tables("Q", "n", "m", call.block_mask, "q", q.device),
+                          **binding.buffer_layout(call.score, call.mask)}))
+        return plans.Plan(self, spec, (pre, kernel, post), {
+            "l_pad": l_pad, "layouts": descriptor_layouts(spec),
+            "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()}})
+
+    def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
+        pre, kernel, post = plan.steps
+        B, Hq, L, E = x.q.shape
+        l_pad, device = plan.fixed["l_pad"], x.q.device
+        lse2, delta = run_pre(pre, x, l_pad)
+        dq_acc = torch.zeros(B * Hq * l_pad, E, dtype=torch.float32, device=device)
+        grad_out = x.grad_out if descriptor_layout_ok(x.grad_out) else x.grad_out.contiguous()
+        kind = descriptor_kinds()[1 if kernel.launched else 0]
+        layouts, blocks = plan.fixed["layouts"], plan.fixed["blocks"]
+
+        def descriptor(name, t, shape, strides):
+            return kind(t, shape, strides, blocks[name], layouts[name])
+        descriptors = {name: descriptor(name, t, *geometry(t, *blocks[name])[:2])
+                       for name, t in (("Q_DESC", x.q), ("DO_DESC", grad_out), ("K_DESC", x.k),
+                                       ("V_DESC", x.v))}
+        descriptors.update(
+            LSE_DESC=descriptor("LSE_DESC", lse2, [B * Hq, l_pad], [l_pad, 1]),
+            DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [l_pad, 1]),
+            DQ_DESC=descriptor("DQ_DESC", dq_acc, [B * Hq * l_pad, E], [E, 1]))
+        kernel.launch_with({**descriptors, "DK": x.dk, "DV": x.dv, "sm_scale": float(call.scale),
+                            **binding.buffer_pointers(call.score, call.mask, detach=True)},
+                           device)
+        run_post(post, dq_acc, x, call.scale)
+        if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
+            x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
+
+
+GLUON_BWD = register(GluonBackward())

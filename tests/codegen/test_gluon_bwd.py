@@ -1,0 +1,139 @@
+"""The Gluon backward family on the CPU: opt-in under BACKEND='GLUON' with the Triton backward
+as the fallback, its refusals (each a phrase naming what it does not do), the spec it plans,
+the module it renders, and its row kernels (lse2/delta before the Gluon kernel, dQ's scale
+and cast after) run under the interpreter against torch. Its sm_90 compile check is in
+test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_bwd_gpu.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flexfa
+from flexfa import mods
+from flexfa.codegen.gluon_bwd import RowsSpec, gluon_bwd_kernel
+from flexfa.runtime import registry
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families.backward import Inputs, joint_graph
+from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, gluon_bwd_spec, padded_rows, row_steps,
+                                               run_post, run_pre, why_not_gluon_bwd)
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
+from flexfa.runtime.target import INTERPRETER, Target
+
+SM90, SM80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
+FORCED = {"BACKEND": "GLUON"}
+
+
+def _call(options=None, block_mask=None, score_mod=None, gqa_group=1):
+    return AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
+                         0.125, parse_kernel_options(options), gqa_group)
+
+
+def _qkv(L=256, E=128, Ev=None, dtype=torch.bfloat16):
+    return (torch.zeros(1, 2, L, E, dtype=dtype), torch.zeros(1, 2, L, E, dtype=dtype),
+            torch.zeros(1, 2, L, Ev or E, dtype=dtype))
+
+
+def _mask(L, block=128, mask_mod=mods.causal):
+    return flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=block)
+
+
+def test_gluon_backward_only_under_backend_gluon_with_triton_as_fallback():
+    q, k, v = _qkv()
+    assert registry.choose("backward", SM90, _call(FORCED), q, k, v) is GLUON_BWD
+    for options in (None, {"BACKEND": "HOPPER"}, {"BACKEND": "AUTO"}):
+        assert registry.choose("backward", SM90, _call(options), q, k, v).name == "triton_bwd"
+    # where it cannot run, BACKEND='GLUON' leaves the backward to the Triton family
+    for target in (INTERPRETER, SM80):
+        assert registry.choose("backward", target, _call(FORCED), q, k, v).name == "triton_bwd"
+    assert "opt-in" in why_not_gluon_bwd(SM90, _call(), q, k, v)
+
+
+def _learnable_bias():
+    bias = torch.zeros(2, requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    return head_bias
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: (_call(FORCED, score_mod=_learnable_bias()), _qkv()), "captured-tensor gradients"),
+    (lambda: (_call({**FORCED, "deterministic": True}), _qkv()), "deterministic=True"),
+    (lambda: (_call({**FORCED, "DS_WORKSPACE": True}), _qkv()), "dS workspace"),
+    (lambda: (_call({**FORCED, "bwd_BLOCK_M1": 32}), _qkv()), "pin backward tiles"),
+    (lambda: (_call(FORCED), _qkv(E=96)), "head dims 64 or 128"),
+    (lambda: (_call(FORCED), _qkv(E=128, Ev=64)), "not E=128, Ev=64"),
+    (lambda: (_call(FORCED), _qkv(dtype=torch.float32)), "fp16/bf16"),
+    (lambda: (_call(FORCED, block_mask=_mask(256, 64)), _qkv()), "multiples of (64, 128)"),
+])
+def test_gluon_backward_refusals_say_what_it_does_not_do(make, reason):
+    call, (q, k, v) = make()
+    found = why_not_gluon_bwd(SM90, call, q, k, v)
+    assert found is not None and reason in found, found
+    assert registry.choose("backward", SM90, call, q, k, v).name == "triton_bwd"
+
+
+@pytest.mark.parametrize("L, block_mask, sparse_q, even_l, even_s, l_pad", [
+    (200, None, 64, False, False, 256),
+    (256, None, 64, True, True, 256),
+    (200, "causal", 128, False, False, 256),
+    (384, "causal", 128, True, True, 384),
+])
+def test_gluon_backward_spec(L, block_mask, sparse_q, even_l, even_s, l_pad):
+    q, k, _ = _qkv(L)
+    mask = _mask(L) if block_mask else None
+    spec = gluon_bwd_spec(q, k, _call(FORCED, block_mask=mask), SM90)
+    assert (spec.sparse_q, spec.even_l, spec.even_s) == (sparse_q, even_l, even_s)
+    assert spec.has_block_mask == (mask is not None) and spec.stages == 2
+    assert padded_rows(L, spec) == l_pad
+    assert spec.launch_options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 168}
+
+
+def test_gluon_backward_renders_mods_in_the_transposed_score_layout():
+    q, k, _ = _qkv(256)
+    mask = _mask(256, mask_mod=lambda b, h, q_idx, kv_idx: h >= 0)  # not a tile by itself
+    call = _call(FORCED, block_mask=mask, score_mod=mods.softcap(30.0))
+    spec = gluon_bwd_spec(q, k, call, SM90)
+    source = gluon_bwd_kernel(spec, joint_graph(call.score), call.score, call.mask).source
+    assert "gl.full([KEYS, BLOCK_M], 1, tl.int1, S_LAYOUT)" in source
+    assert "create_async_tma_reduce" in source and "flexfa_tma_reduce_add(DQ_DESC" in source
+    assert "dscore = " in source and "DSCORE_IS_ONE = tl.constexpr(False)" in source
+    assert "flexfa_tanh_approx" in source  # the GPU's fast tanh, as the forward
+
+
+def _inputs(L, E, dtype, has_dlse, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, H = 1, 2
+    q = torch.zeros(B, H, L, E, dtype=dtype)
+    out, grad_out = (torch.randn(B, H, L, E, generator=g).to(dtype) for _ in range(2))
+    lse = torch.randn(B, H, L, generator=g)
+    lse[0, 1, L // 2] = float("-inf")  # an empty row
+    grad_lse = torch.randn(B, H, L, generator=g) if has_dlse else None
+    return Inputs(q, q, q, out, lse, grad_out, grad_lse, torch.empty_like(q), q, q, {})
+
+
+@settings(max_examples=6, deadline=None)
+@given(L=st.sampled_from([16, 100, 232]), has_dlse=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 99))
+def test_row_kernels_under_the_interpreter(L, has_dlse, dtype, seed):
+    x = _inputs(L, 64, dtype, has_dlse, seed)
+    l_pad = math.ceil(L / 64) * 64
+    pre, post = row_steps(RowsSpec(64, has_dlse, INTERPRETER.name), x, l_pad)
+    lse2, delta = run_pre(pre, x, l_pad)
+    want = (x.out.double() * x.grad_out.double()).sum(-1)
+    if has_dlse:
+        want = want - x.grad_lse.double()
+    lse = x.lse.double() * math.log2(math.e)
+    lse = torch.where(x.lse == float("-inf"), float("inf"), lse)
+    torch.testing.assert_close(delta.view(2, l_pad)[:, :L].double(), want.view(2, L),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2.view(2, l_pad)[:, :L].double(), lse.view(2, L))
+    assert (lse2[:, L:] == float("inf")).all() and (delta[:, L:] == 0).all()
+    acc = torch.randn(2 * l_pad, 64)
+    run_post(post, acc, x, 0.125)
+    torch.testing.assert_close(x.dq, (acc.view(1, 2, l_pad, 64)[:, :, :L] * 0.125).to(dtype))

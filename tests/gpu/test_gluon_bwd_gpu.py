@@ -1,0 +1,105 @@
+"""The Gluon backward family (gluon_bwd, opt-in under BACKEND="GLUON") on an sm_90 GPU:
+dq, dk, dv against the float64 reference on the benchmark's variants (dense, causal, softcap,
+ALiBi, document), ragged lengths, GQA and lse gradients; the plan must be the Gluon one.
+
+It has never run before this file: a barrier-phase mistake hangs the GPU instead of failing,
+so a tiny forward + backward runs first in a subprocess under a time limit, and every other
+test needs it to pass. Run the file itself under a limit too:
+    timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.runtime import plans
+
+from kernels.backward_utils import check_backward
+from kernels.forward_utils import make_qkv
+
+pytestmark = pytest.mark.gpu
+FORCED = {"BACKEND": "GLUON"}
+ROOT = Path(__file__).resolve().parents[2]
+SAFETY = """
+import torch, flexfa
+for L, mask_mod in ((256, None), (300, flexfa.mods.causal)):
+    q, k, v = (torch.randn(1, 2, L, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, L, L,
+                                                                  device="cuda")
+    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BACKEND": "GLUON"})
+    out.sum().backward()
+    torch.cuda.synchronize()
+    print("ok", all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)))
+"""
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module")
+def safe():
+    """A tiny dense and causal backward in a subprocess that is killed after 150 s."""
+    if not _sm90():
+        pytest.skip("needs an sm_90 GPU")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    try:
+        result = subprocess.run([sys.executable, "-c", SAFETY], capture_output=True, text=True,
+                                env=env, timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the Gluon backward hung on a tiny call (barrier phases?)")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["ok", "True", "ok", "True"], result.stdout
+
+
+def _alibi_causal(heads, device):
+    return mods.alibi(heads, device=device), mods.causal
+
+
+def _document(heads, device):
+    return None, mods.document([300, 200, 500], device=device)
+
+
+CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask_mod)); bf16
+    "dense": (2, 4, 4, 1024, 1024, 128, lambda h, d: (None, None)),
+    "dense_d64_fp16": (1, 4, 4, 512, 512, 64, lambda h, d: (None, None)),
+    "causal": (2, 4, 4, 1000, 1000, 128, lambda h, d: (None, mods.causal)),
+    "softcap_causal": (1, 4, 4, 1024, 1024, 128, lambda h, d: (mods.softcap(30.0), mods.causal)),
+    "alibi_causal": (1, 4, 4, 768, 768, 128, _alibi_causal),
+    "document": (1, 4, 4, 1000, 1000, 64, _document),
+    "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
+    "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gluon_backward_matches_reference(safe, name):
+    B, Hq, Hkv, L, S, E, make_mods = CASES[name]
+    dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
+    score_mod, mask_mod = make_mods(Hq, "cuda")
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, dtype=dtype, device="cuda")
+    block_mask = None if mask_mod is None else flexfa.create_block_mask(
+        mask_mod, None, None, L, S, device="cuda")
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                   kernel_options=FORCED, with_lse=name == "causal")
+    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
+def test_learnable_bias_falls_back_to_the_triton_backward(safe):
+    q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
+    bias = torch.zeros(2, device="cuda", requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    plans.PLANS.clear()
+    check_backward(q, k, v, head_bias, None, None, kernel_options=FORCED, buffers=(bias,))
+    assert "triton_bwd" in [p.family.name for p in plans.PLANS.values()]
