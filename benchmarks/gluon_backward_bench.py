@@ -1,18 +1,18 @@
-"""The Gluon backward family (BACKEND="GLUON", issue 26) on the H200 in one device call: a
+"""The Gluon backward family (GLUON_BACKWARD=True, issue 26) on the H200 in one device call: a
 safety run, gradients against the Triton backward, then forward + backward timings and peak
 memory against the Triton backward and cuDNN SDPA.
 
-1. ``consan``: a tiny dense and causal forward + backward with BACKEND="GLUON" in a
+1. ``consan``: a tiny dense and causal forward + backward with the Gluon families in a
    subprocess compiled with Triton 3.6's concurrency sanitizer
    (``TRITON_INSTRUMENTATION_MODE=consan``: shared-memory accesses checked against the
    mbarriers and wgmma waits), killed after ``--safety-timeout`` seconds (a barrier-phase
    mistake hangs). Nothing else runs unless it passes.
 2. ``check``: B=1 H=4 S=2048 E=128 bf16, every project variant: dq, dk, dv of
-   BACKEND="GLUON" (Gluon forward + Gluon backward; the plan's family is recorded) against
+   BACKEND="GLUON" + GLUON_BACKWARD (Gluon forward and backward; the plan's family recorded) against
    BACKEND="HOPPER" (Hopper forward + Triton backward): relative L2 errors, must be < 1e-2.
 3. ``time``: forward + backward medians (ms, triton.testing.do_bench) and the peak memory
    past the inputs (MiB) at H=16, B = ``--tokens`` / S, for ``--seqs`` x ``--variants``:
-   gluon (BACKEND="GLUON"), triton (BACKEND="HOPPER": the Triton backward), cuDNN SDPA (full
+   gluon (both Gluon families), triton (BACKEND="HOPPER": the Triton backward), cuDNN SDPA (full
    and causal). ``--budget`` seconds bound the timings (the rest is skipped, recorded).
 
 A short table goes to stdout, everything to the JSON file after every step:
@@ -42,7 +42,8 @@ for name, L, mask_mod in (("dense", 256, None), ("causal", 384, flexfa.mods.caus
                            requires_grad=True) for _ in range(3))
     mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, L, L,
                                                                   device="cuda")
-    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BACKEND": "GLUON"})
+    out = flexfa.flex_attention(q, k, v, block_mask=mask,
+                                kernel_options={"BACKEND": "GLUON", "GLUON_BACKWARD": True})
     out.sum().backward()
     torch.cuda.synchronize()
     finite = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
@@ -55,8 +56,9 @@ def fwd_bwd(backend: str, q, k, v, score_mod, block_mask, grad_out):
 
     import flexfa
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    options = {"BACKEND": backend, "GLUON_BACKWARD": backend == "GLUON"}
     out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                kernel_options={"BACKEND": backend})
+                                kernel_options=options)
     return torch.autograd.grad(out, (q, k, v), grad_out)
 
 

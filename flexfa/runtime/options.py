@@ -68,6 +68,7 @@ class KernelOptions:
     decode_walk: str = "AUTO"
     ds_workspace: bool | None = None  # backward dS workspace (L x S): only when True
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
+    gluon_backward: bool = False  # the Gluon backward family (sm_90), never run on a GPU yet
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -169,6 +170,9 @@ SCHEMA = {
                      "backward dQ from a stored dS (memory L x S): True (opt in), False or 'AUTO' "
                      "(default: off)"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
+    "GLUON_BACKWARD": ("gluon_backward", (), _flag,
+                       "the experimental Gluon backward on sm_90 (not yet run on a GPU): True "
+                       "opts in where it applies"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

@@ -1,4 +1,4 @@
-"""The Gluon backward family on the CPU: opt-in under BACKEND='GLUON' with the Triton backward
+"""The Gluon backward family on the CPU: opt-in under GLUON_BACKWARD=True with the Triton backward
 as the fallback, its refusals (each a phrase naming what it does not do), the spec it plans,
 the module it renders, and its row kernels (lse2/delta before the Gluon kernel, dQ's scale
 and cast after) run under the interpreter against torch. Its sm_90 compile check is in
@@ -25,7 +25,7 @@ from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
 
 SM90, SM80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
-FORCED = {"BACKEND": "GLUON"}
+FORCED = {"GLUON_BACKWARD": True}
 
 
 def _call(options=None, block_mask=None, score_mod=None, gqa_group=1):
@@ -42,12 +42,15 @@ def _mask(L, block=128, mask_mod=mods.causal):
     return flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=block)
 
 
-def test_gluon_backward_only_under_backend_gluon_with_triton_as_fallback():
+def test_gluon_backward_only_when_opted_in_with_triton_as_fallback():
     q, k, v = _qkv()
     assert registry.choose("backward", SM90, _call(FORCED), q, k, v) is GLUON_BWD
-    for options in (None, {"BACKEND": "HOPPER"}, {"BACKEND": "AUTO"}):
+    assert registry.choose("backward", SM90, _call({**FORCED, "BACKEND": "HOPPER"}), q, k,
+                           v) is GLUON_BWD  # the forward's family does not matter
+    for options in (None, {"BACKEND": "HOPPER"}, {"BACKEND": "AUTO"}, {"BACKEND": "GLUON"},
+                    {"GLUON_BACKWARD": False}):
         assert registry.choose("backward", SM90, _call(options), q, k, v).name == "triton_bwd"
-    # where it cannot run, BACKEND='GLUON' leaves the backward to the Triton family
+    # where it cannot run, GLUON_BACKWARD leaves the backward to the Triton family
     for target in (INTERPRETER, SM80):
         assert registry.choose("backward", target, _call(FORCED), q, k, v).name == "triton_bwd"
     assert "opt-in" in why_not_gluon_bwd(SM90, _call(), q, k, v)

@@ -1,4 +1,4 @@
-"""The Gluon backward family (gluon_bwd, opt-in under BACKEND="GLUON") on an sm_90 GPU:
+"""The Gluon backward family (gluon_bwd, opt-in: GLUON_BACKWARD=True) on an sm_90 GPU:
 dq, dk, dv against the float64 reference on the benchmark's variants (dense, causal, softcap,
 ALiBi, document), ragged lengths, GQA and lse gradients; the plan must be the Gluon one.
 
@@ -25,7 +25,7 @@ from kernels.backward_utils import check_backward
 from kernels.forward_utils import make_qkv
 
 pytestmark = pytest.mark.gpu
-FORCED = {"BACKEND": "GLUON"}
+FORCED = {"BACKEND": "GLUON", "GLUON_BACKWARD": True}
 ROOT = Path(__file__).resolve().parents[2]
 SAFETY = """
 import torch, flexfa
@@ -34,7 +34,7 @@ for L, mask_mod in ((256, None), (300, flexfa.mods.causal)):
                            requires_grad=True) for _ in range(3))
     mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, L, L,
                                                                   device="cuda")
-    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BACKEND": "GLUON"})
+    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BACKEND": "GLUON", "GLUON_BACKWARD": True})
     out.sum().backward()
     torch.cuda.synchronize()
     print("ok", all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)))

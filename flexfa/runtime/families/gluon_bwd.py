@@ -4,8 +4,8 @@ warp walking the block mask's transposed tables, a dQ-writer warp adding each ti
 partial into an accumulator with TMA reduce-adds), between the row kernels of
 ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
-Opt-in: it runs only under ``kernel_options={"BACKEND": "GLUON"}`` (which forces the Gluon
-forward too) and, there, only where it applies; elsewhere the Triton backward runs as before
+Opt-in: it runs only under ``kernel_options={"GLUON_BACKWARD": True}`` (whatever family ran
+the forward: it reads out and lse only) and, there, only where it applies; elsewhere the Triton backward runs as before
 (captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...). It
 has not run on a GPU yet (docs/gluon.md). Memory past the inputs and gradients: the fp32 dQ
 accumulator (4 * B * Hq * L * E bytes) and two fp32 rows per query; nothing of size L x S.
@@ -35,8 +35,8 @@ ROWS_BLOCK = 64  # rows per program of the row kernels
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     """Why the Gluon backward does not run this call (None: it does)."""
-    if call.options.backend != "GLUON":
-        return "it is opt-in (kernel_options BACKEND='GLUON'): it has not run on a GPU yet"
+    if not call.options.gluon_backward:
+        return "it is opt-in (kernel_options GLUON_BACKWARD=True): it has not run on a GPU yet"
     if target.interpret:
         return "it is a compiled Gluon kernel, which the Triton interpreter cannot run"
     if not target.is_sm90:
