@@ -9,24 +9,19 @@ test needs it to pass. Run the file itself under a limit too:
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import flexfa
 from flexfa import mods
 from flexfa.runtime import plans
 
 from kernels.backward_utils import check_backward
+from gpu.gluon_safety import case_inputs, run_safely
 from kernels.forward_utils import make_qkv
 
 pytestmark = pytest.mark.gpu
 FORCED = {"BACKEND": "GLUON", "GLUON_BACKWARD": True}
-ROOT = Path(__file__).resolve().parents[2]
 SAFETY = """
 import torch, flexfa
 for L, mask_mod in ((256, None), (300, flexfa.mods.causal)):
@@ -34,30 +29,18 @@ for L, mask_mod in ((256, None), (300, flexfa.mods.causal)):
                            requires_grad=True) for _ in range(3))
     mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, L, L,
                                                                   device="cuda")
-    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BACKEND": "GLUON", "GLUON_BACKWARD": True})
+    options = {"BACKEND": "GLUON", "GLUON_BACKWARD": True}
+    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options)
     out.sum().backward()
     torch.cuda.synchronize()
     print("ok", all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)))
 """
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.fixture(scope="module")
 def safe():
-    """A tiny dense and causal backward in a subprocess that is killed after 150 s."""
-    if not _sm90():
-        pytest.skip("needs an sm_90 GPU")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    try:
-        result = subprocess.run([sys.executable, "-c", SAFETY], capture_output=True, text=True,
-                                env=env, timeout=150)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the Gluon backward hung on a tiny call (barrier phases?)")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["ok", "True", "ok", "True"], result.stdout
+    """A tiny dense and causal call in a subprocess that is killed after 150 s."""
+    run_safely(SAFETY, 150, "backward")
 
 
 def _alibi_causal(heads, device):
@@ -82,12 +65,8 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gluon_backward_matches_reference(safe, name):
-    B, Hq, Hkv, L, S, E, make_mods = CASES[name]
-    dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
-    score_mod, mask_mod = make_mods(Hq, "cuda")
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, dtype=dtype, device="cuda")
-    block_mask = None if mask_mod is None else flexfa.create_block_mask(
-        mask_mod, None, None, L, S, device="cuda")
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    Hq, Hkv = q.shape[1], k.shape[1]
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
                    kernel_options=FORCED, with_lse=name == "causal")

@@ -9,10 +9,6 @@ under a limit too:
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +18,11 @@ from flexfa import mods
 from flexfa.runtime import plans
 
 from kernels.backward_utils import check_backward
+from gpu.gluon_safety import case_inputs, run_safely
 from kernels.forward_utils import check_forward, make_qkv
 
 pytestmark = pytest.mark.gpu
 FORCED = {"BACKEND": "GLUON"}
-ROOT = Path(__file__).resolve().parents[2]
 SAFETY = """
 import torch, flexfa
 q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -38,23 +34,10 @@ for block_mask in (None, mask):
 """
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.fixture(scope="module")
 def safe():
     """A tiny dense and causal call in a subprocess that is killed after 120 s."""
-    if not _sm90():
-        pytest.skip("needs an sm_90 GPU")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    try:
-        result = subprocess.run([sys.executable, "-c", SAFETY], capture_output=True, text=True,
-                                env=env, timeout=120)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the Gluon forward hung on a tiny call (barrier phases?)")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["ok", "True", "ok", "True"], result.stdout
+    run_safely(SAFETY, 120, "forward")
 
 
 def _alibi_causal(heads, device):
@@ -89,12 +72,8 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gluon_matches_reference_and_hopper(safe, name):
-    B, Hq, Hkv, L, S, E, make_mods = CASES[name]
-    dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
-    score_mod, mask_mod = make_mods(Hq, "cuda")
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, dtype=dtype, device="cuda")
-    block_mask = None if mask_mod is None else flexfa.create_block_mask(
-        mask_mod, None, None, L, S, device="cuda")
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    Hq, Hkv = q.shape[1], k.shape[1]
     plans.PLANS.clear()
     out, lse = check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
                              kernel_options=FORCED)
