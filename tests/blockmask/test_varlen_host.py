@@ -1,0 +1,138 @@
+"""The host side of varlen_block_mask's CUDA path, counted on the CPU: the path CUDA offsets
+take (kernels=True with offsets on the mask's device; the kernels interpreted) makes at most
+the kernel launches, device syncs and torch operations counted here, and its device checks
+flag every bad offsets tensor the host checks reject.
+
+Measured before the checks moved into the kernels (the issue's 16 documents, causal, no
+totals): 2 Triton launches, 1 sync (``.tolist`` of torch-made stats) and 65 torch ops, of them
+about 25 that launch a CUDA kernel (diff, comparisons, reductions, stack, cat, int32 copies);
+0.57 ms on the H200. Now: 3 launches (``varlen_check``, ``varlen_rows``, ``varlen_columns``), 1
+sync, and only allocations and views as torch ops; with the totals given (``Q_LEN`` /
+``KV_LEN``, and every ``varlen_attention`` call) 2 launches: the checks run inside
+``varlen_rows``.
+"""
+import collections
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import flexfa
+from flexfa.blockmask import varlen_tables
+from flexfa.blockmask.offsets import check_offsets
+from flexfa.blockmask.validate import TABLES
+from flexfa.blockmask.varlen import checked_block_mask, document_block_mask
+
+KERNELS = ("varlen_check", "varlen_rows", "varlen_columns")
+SYNCS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__")
+# torch ops that make no device work (metadata only) and the one allocation kind allowed
+FREE = {"aten.as_strided.default", "aten.empty.memory_format", "aten.view.default",
+        "aten.slice.Tensor", "aten.alias.default"}
+
+
+class Counts(TorchDispatchMode):
+    """Torch ops, kernel launches and device syncs (Tensor methods that read values on the
+    host) outside the kernels (the interpreter's own copies are not the CUDA path's)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.ops, self.launches, self.syncs = collections.Counter(), [], collections.Counter()
+        self.inside = False
+        module = varlen_tables.kernels(interpret=True)
+        for name in KERNELS:
+            monkeypatch.setattr(module, name, self._counted(name, getattr(module, name)))
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, self._sync(name, getattr(torch.Tensor, name)))
+
+    def _counted(self, name, kernel):
+        counts = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    counts.launches.append(name)
+                    counts.inside = True
+                    try:
+                        with _disable_current_modes():
+                            return kernel[grid](*args, **kwargs)
+                    finally:
+                        counts.inside = False
+                return launch
+        return Launcher()
+
+    def _sync(self, name, method):
+        def counted(tensor, *args, **kwargs):
+            if not self.inside:
+                self.syncs[name] += 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def issue_offsets(documents=16, tokens=1024, seed=0):
+    """Random documents as in the issue's benchmark (there 32k tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    cuts = (torch.randperm(tokens - 1, generator=generator)[:documents - 1] + 1).sort().values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]).int()
+
+
+@pytest.mark.parametrize("totals,launches", [
+    ((None, None), ["varlen_check", "varlen_rows", "varlen_columns"]),
+    ((1024, 1024), ["varlen_rows", "varlen_columns"]),
+])
+def test_cuda_path_counts(monkeypatch, totals, launches):
+    cu, cpu = issue_offsets(), torch.device("cpu")
+    checked_block_mask("t", cu, cu, cpu, totals, True, None, (128, 128), kernels=True)  # warm
+    with Counts(monkeypatch) as counts:
+        mask = checked_block_mask("t", cu, cu, cpu, totals, True, None, (128, 128),
+                                  kernels=True)
+    assert counts.launches == launches
+    assert dict(counts.syncs) == {"tolist": 1}  # the checks' flags, totals, longest documents
+    assert set(counts.ops) <= FREE, counts.ops
+    assert counts.ops["aten.empty.memory_format"] == (2 if None in totals else 1)
+    assert sum(counts.ops.values()) <= 24, counts.ops  # 17 parts cut, 1-2 allocations
+    expected = document_block_mask(check_offsets("t", cu, cu, cpu), True, None, (128, 128),
+                                   kernels=False)
+    for name in TABLES:
+        assert torch.equal(getattr(mask, name), getattr(expected, name)), name
+    assert mask.documents.offsets.max_q == int(cu.diff().max())
+
+
+def outcome(build):
+    """(int32 offsets, totals, longest documents) of the checked offsets, or the error."""
+    try:
+        offsets = build()
+    except flexfa.InputError as error:
+        return str(error)
+    return (offsets.cu_q.tolist(), offsets.cu_k.tolist(), offsets.total_q, offsets.total_k,
+            offsets.max_q, offsets.max_k)
+
+
+any_offsets = st.lists(st.integers(-3, 40), min_size=2, max_size=6)
+
+
+@given(values=st.one_of(any_offsets, any_offsets.map(sorted), any_offsets.map(
+           lambda v: [0, *sorted(map(abs, v))])),
+       total=st.integers(1, 40), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_device_checks_agree_with_the_host_checks(values, total, dtype):
+    """Whatever the offsets, the kernels' checks (alone or inside varlen_rows) raise the host
+    checks' InputError or accept with the same totals, longest documents and copies."""
+    cu, cpu = torch.tensor(values, dtype=dtype), torch.device("cpu")
+    keys = cu.clone()  # another tensor, same values
+    for totals in ((None, None), (total, total)):
+        want = outcome(lambda: check_offsets("t", cu, keys, cpu, *totals))
+        got = outcome(lambda: checked_block_mask("t", cu, keys, cpu, totals, False, None,
+                                                 (16, 16), kernels=True).documents.offsets)
+        assert got == want
+
+
+def test_int64_offsets_past_int32_fail_before_the_tables():
+    cu = torch.tensor([0, 5, 2 ** 33])
+    with pytest.raises(flexfa.InputError, match=r"cu_seqlens_q\[-1\] is 8589934592; offsets "
+                                                r"must fit in int32"):
+        checked_block_mask("t", cu, cu, torch.device("cpu"), (None, None), False, None,
+                           (16, 16), kernels=True)
