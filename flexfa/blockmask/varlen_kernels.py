@@ -17,7 +17,8 @@ writes at ``rank`` (set) or ``count + column - rank`` (others).
 The offsets' checks run on the device too (``_check``: one program per offsets tensor, which
 also writes its int32 copy): in ``varlen_check`` before the tables when the totals are not
 known, or as ``varlen_rows``' last two programs (``CHECK``) when they are, reading the
-caller's offsets as given (int32 or int64). The host reads the flags once and raises before
+caller's offsets as given (int32 or int64; the tables' code reads them as int32, which only
+unchecked offsets past int32 would change). The host reads the flags once and raises before
 the tables are used; unchecked offsets only ever index inside them (binary searches stay in
 ``0..documents``) and every store stays inside its table, so garbage offsets give garbage
 tables, never a bad access.
@@ -109,7 +110,7 @@ def _documents(cu, positions, documents, steps):
     for _ in range(steps):
         active = low < high
         mid = (low + high) // 2
-        value = tl.load(cu + 1 + mid, mask=active, other=0)
+        value = tl.load(cu + 1 + mid, mask=active, other=0).to(tl.int32)
         right = active & (value <= positions)
         low = tl.where(right, mid + 1, low)
         high = tl.where(active & (value > positions), mid, high)
@@ -124,9 +125,10 @@ def _rows(cu_q, cu_k, positions, documents, steps, total_q, window, CAUSAL: tl.c
     doc = _documents(cu_q, positions, documents, steps)
     inside = positions < total_q
     own = tl.where(inside, doc, 0)
-    key_start = tl.load(cu_k + own)
-    key_end = tl.load(cu_k + own + 1)
-    diag = positions + key_end - tl.load(cu_q + own + 1)  # documents aligned at their ends
+    key_start = tl.load(cu_k + own).to(tl.int32)
+    key_end = tl.load(cu_k + own + 1).to(tl.int32)
+    # documents aligned at their ends
+    diag = positions + key_end - tl.load(cu_q + own + 1).to(tl.int32)
     lo = key_start
     hi = key_end
     if CAUSAL:
@@ -240,7 +242,7 @@ def _tokens(block, cu, documents, steps, total, length, pad_doc, doc_out, pos_ou
     valid = positions < length
     doc = _documents(cu, positions, documents, steps)
     inside = positions < total
-    doc_start = tl.load(cu + tl.minimum(doc, documents - 1))
+    doc_start = tl.load(cu + tl.minimum(doc, documents - 1)).to(tl.int32)
     tl.store(doc_out + positions, tl.where(inside, doc, pad_doc), mask=valid)
     tl.store(pos_out + positions, tl.where(inside, positions - doc_start, 0), mask=valid)
     return positions, valid
