@@ -136,3 +136,33 @@ def test_int64_offsets_past_int32_fail_before_the_tables():
                                                 r"must fit in int32"):
         checked_block_mask("t", cu, cu, torch.device("cpu"), (None, None), False, None,
                            (16, 16), kernels=True)
+
+
+@pytest.mark.gpu
+def test_cuda_offsets_checked_on_the_gpu_and_compiled_once():
+    """CUDA offsets (int32 and int64; with and without the totals) give the torch path's
+    tables; new lengths and document counts compile nothing new; bad ones raise the host's
+    InputError."""
+    module = varlen_tables.kernels(interpret=False)
+
+    def compiled():
+        return [sum(len(cache[0]) for cache in getattr(module, name).device_caches.values())
+                for name in KERNELS]
+    cuda = torch.device("cuda")
+    seen = None
+    for seed, documents in enumerate((16, 16, 5)):
+        cu = issue_offsets(documents, 32768, seed)
+        expected = document_block_mask(check_offsets("t", cu, cu, cuda), True, None,
+                                       (128, 128))
+        for totals in ((None, None), (32768, 32768)):
+            mask = flexfa.varlen_block_mask(cu.cuda(), causal=True, Q_LEN=totals[0],
+                                            KV_LEN=totals[1])
+            for name in TABLES:
+                assert torch.equal(getattr(mask, name), getattr(expected, name)), name
+        seen = seen or compiled()
+        assert compiled() == seen
+    for dtype in (torch.int32, torch.int64):
+        bad = torch.tensor([0, 5, 3, 9], dtype=dtype, device=cuda)
+        for totals in ((None, None), (9, 9)):
+            with pytest.raises(flexfa.InputError, match=r"decreases at index 2 \(5 -> 3\)"):
+                flexfa.varlen_block_mask(bad, Q_LEN=totals[0], KV_LEN=totals[1])
