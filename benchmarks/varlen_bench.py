@@ -99,15 +99,9 @@ def inference(run):
 
 def host_ms(fn, calls: int = 200) -> float:
     """Host milliseconds per call of ``fn`` (its own syncs included), after a warm-up."""
-    import torch
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
+    from dispatch_overhead import _per_call_us  # the host clock over back-to-back calls
+
+    return _per_call_us(fn, calls) / 1e3
 
 
 def profiled(fn) -> dict:
