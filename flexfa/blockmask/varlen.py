@@ -14,8 +14,9 @@ its range's first and past-last kv tile, summed along the kv tiles), and full wh
 of the q tile keeps the whole kv tile (max of the rows' ``lo`` and min of their ``hi``); tiles
 past a sequence end are never full, as in ``create_block_mask``. The tables equal
 ``create_block_mask``'s of the same mask_mod. For CUDA offsets two Triton kernels write them
-(``varlen_tables.py``: no host sync, nothing per document on the host); CPU offsets take
-``torch_tables``, O(rows + tiles) torch work, the kernels' reference in tests.
+and check the offsets (``varlen_tables.py``: one device sync for the checks' outcome and the
+totals, nothing per document on the host); CPU offsets take ``torch_tables``, O(rows +
+tiles) torch work, the kernels' reference in tests.
 
 The mask's mask_mod reads per-token tensors (``offsets.token_tensors``) whose shapes do not
 depend on the lengths, so its trace (made once per (causal, window)) and the kernels compiled
@@ -74,6 +75,8 @@ def varlen_block_mask(cu_seqlens_q, cu_seqlens_k=None, causal=False, window=None
     if device is None:
         device = getattr(cu_seqlens_q, "device", torch.device("cpu"))
     device = resolve_device(func, device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as q's
+        device = torch.device("cuda", torch.cuda.current_device())
     return checked_block_mask(func, cu_seqlens_q, cu_seqlens_k, device, totals, causal, window,
                               block)
 

@@ -16,6 +16,7 @@ whose shapes need the totals (``device_offsets``: three). Each call makes one al
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
@@ -64,9 +65,9 @@ def checked_kernel_tables(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int, t
     """(``Offsets``, per-token tensors, tables) of the caller's device offsets of the given
     totals, checked in the table kernel (``CHECK``) and read back once (the one device sync);
     bad offsets raise their InputError here, before the tables are used."""
-    stats, tokens, tables = _launch(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                                    total_q, total_k, causal, window, block, check=True)
-    return _read(func, stats, cu_seqlens_q, cu_seqlens_k, total_q, total_k), tokens, tables
+    checks, tokens, tables = _launch(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                                     total_q, total_k, causal, window, block, check=True)
+    return _read(func, checks, cu_seqlens_q, cu_seqlens_k, total_q, total_k), tokens, tables
 
 
 def device_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None,
@@ -76,16 +77,17 @@ def device_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None,
     documents = cu_seqlens_q.numel() - 1
     stats, copy_q, copy_k = _allocate(((2 * STATS,), (documents + 1,), (documents + 1,)),
                                       cu_seqlens_q.device)
-    kernels(cu_seqlens_q.device.type != "cuda").varlen_check[(2,)](
-        cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), documents, _given(total_q),
-        _given(total_k), stats, copy_q, copy_k, CHUNK=TOKENS)
+    with _current(cu_seqlens_q.device):
+        kernels(cu_seqlens_q.device.type != "cuda").varlen_check[(2,)](
+            cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), documents, _given(total_q),
+            _given(total_k), stats, copy_q, copy_k, CHUNK=TOKENS)
     return _read(func, (stats, copy_q, copy_k), cu_seqlens_q, cu_seqlens_k, total_q, total_k)
 
 
-def _read(func: str, stats, cu_seqlens_q, cu_seqlens_k, total_q, total_k) -> Offsets:
-    """The checked ``Offsets`` from the device checks' (stats, int32 copies); the one device
-    sync of a call."""
-    stats, copy_q, copy_k = stats
+def _read(func: str, checks, cu_seqlens_q, cu_seqlens_k, total_q, total_k) -> Offsets:
+    """The checked ``Offsets`` from the device checks' outputs (stats, int32 copies of the
+    offsets): the one device sync of a call."""
+    stats, copy_q, copy_k = checks
     flags_q, last_q, longest_q, flags_k, last_k, longest_k = stats.tolist()
     if flags_q or flags_k:
         raise_bad_offsets(func, cu_seqlens_q, cu_seqlens_k, total_q, total_k)
@@ -113,14 +115,16 @@ def _launch(cu_q, cu_k, total_q: int, total_k: int, causal: bool, window: int | 
     checks = parts[14:] if check else (classes,) * 3  # unread without check
     grid = q_tiles + -(-q_length // TOKENS) + -(-k_length // TOKENS) + (2 if check else 0)
     module = kernels(device.type != "cuda")
-    module.varlen_rows[(grid,)](
-        cu_q, cu_k, documents, documents.bit_length(), total_q, total_k, window or 1,
-        *tables[:4], classes, q_tiles, kv_tiles, tokens.doc_q, tokens.pos_q, tokens.diag,
-        q_length, tokens.doc_k, tokens.pos_k, k_length, *checks, BLOCK_Q=block_q,
-        BLOCK_KV=block_kv, ROWS=_power_of_two(block_q), CHUNK=CHUNK, TOKENS=TOKENS,
-        CAUSAL=causal, WINDOW=window is not None, PAD_DOC_Q=PAD_DOC_Q, PAD_DOC_K=PAD_DOC_K,
-        CHECK=check)
-    module.varlen_columns[(kv_tiles,)](classes, *tables[4:], q_tiles, kv_tiles, CHUNK=CHUNK)
+    with _current(device):
+        module.varlen_rows[(grid,)](
+            cu_q, cu_k, documents, documents.bit_length(), total_q, total_k, window or 1,
+            *tables[:4], classes, q_tiles, kv_tiles, tokens.doc_q, tokens.pos_q, tokens.diag,
+            q_length, tokens.doc_k, tokens.pos_k, k_length, *checks, BLOCK_Q=block_q,
+            BLOCK_KV=block_kv, ROWS=_power_of_two(block_q), CHUNK=CHUNK, TOKENS=TOKENS,
+            CAUSAL=causal, WINDOW=window is not None, PAD_DOC_Q=PAD_DOC_Q,
+            PAD_DOC_K=PAD_DOC_K, CHECK=check)
+        module.varlen_columns[(kv_tiles,)](classes, *tables[4:], q_tiles, kv_tiles,
+                                           CHUNK=CHUNK)
     return (checks if check else None), tokens, tables
 
 
@@ -151,6 +155,13 @@ def _allocate(shapes: tuple, device: torch.device) -> list:
     entries, parts = layout
     buffer = torch.empty(entries, dtype=torch.int32, device=device)
     return [buffer.as_strided(shape, strides, offset) for shape, strides, offset in parts]
+
+
+def _current(device: torch.device):
+    """Triton launches on the current CUDA device: make ``device`` current where it is not."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _power_of_two(n: int) -> int:
