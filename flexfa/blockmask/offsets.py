@@ -3,11 +3,12 @@
 ``cu_seqlens_q = [0, 3, 3, 10]`` says the packed queries hold three documents of 3, 0 and 7
 tokens; ``cu_seqlens_k`` has one entry per document too (as ``flash_attn_varlen_func``'s).
 ``check_offsets`` validates both on the host (for device offsets ``varlen_tables`` runs the
-same checks in its kernels, with one device-to-host read) and returns ``Offsets``; ``token_tensors`` gives, per packed token, the int32 tensors the mods read:
-its document, its position inside the document and, per query, the key position of its
-diagonal. They are padded to a power of two (``padded_length``) so that their shapes, which
-are part of the kernels' key, depend on neither the number of documents nor, within a power
-of two, the total: new lengths are data, never a new kernel.
+same checks in its kernels, with one device-to-host read) and returns ``Offsets``;
+``token_tensors`` gives, per packed token, the int32 tensors the mods read: its document,
+its position inside the document and, per query, the key position of its diagonal. They are
+padded to a power of two (``padded_length``) so that their shapes, which are part of the
+kernels' key, depend on neither the number of documents nor, within a power of two, the
+total: new lengths are data, never a new kernel.
 """
 from __future__ import annotations
 
@@ -83,10 +84,14 @@ def host_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
     checked = [_check_values(func, name, cu, total) for name, cu, total in (
         ("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k))]
     (values_q, last_q, max_q), (values_k, last_k, max_k) = checked
-    both = torch.from_numpy(numpy.concatenate([values_q, values_k]).astype(numpy.int32))
-    both = both.to(device)
+    # one copy; the key offsets 128-byte aligned, as the kernels' every pointer (Triton
+    # specializes on alignment: the number of documents must not compile a new kernel)
     entries = len(values_q)
-    return Offsets(both[:entries], both[entries:], last_q, last_k, max_q, max_k)
+    start = -(-entries // 32) * 32
+    both = numpy.zeros(start + entries, dtype=numpy.int32)
+    both[:entries], both[start:] = values_q, values_k
+    both = torch.from_numpy(both).to(device)
+    return Offsets(both[:entries], both[start:], last_q, last_k, max_q, max_k)
 
 
 def raise_bad_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None,

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 from .. import config
 from ..memo import BoundedMemo
@@ -74,13 +75,13 @@ def device_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None,
                    total_k: int | None) -> Offsets:
     """``Offsets`` of the caller's device offsets checked by one ``varlen_check`` launch and
     one read (the totals, which the tables' shapes need, are among what it reads)."""
-    documents = cu_seqlens_q.numel() - 1
-    stats, copy_q, copy_k = _allocate(((2 * STATS,), (documents + 1,), (documents + 1,)),
-                                      cu_seqlens_q.device)
-    with _current(cu_seqlens_q.device):
-        kernels(cu_seqlens_q.device.type != "cuda").varlen_check[(2,)](
-            cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), documents, _given(total_q),
-            _given(total_k), stats, copy_q, copy_k, CHUNK=TOKENS)
+    cu_q, cu_k, device = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), cu_seqlens_q.device
+    documents = cu_q.numel() - 1
+    stats, copy_q, copy_k = _allocate(((2 * STATS,), (documents + 1,), (documents + 1,)), device)
+    with _current(device):
+        launch(kernels(device.type != "cuda").varlen_check, 2, (
+            cu_q, cu_k, documents, _given(total_q), _given(total_k), stats, copy_q, copy_k),
+            {"CHUNK": TOKENS}, (cu_q, cu_k), device)
     return _read(func, (stats, copy_q, copy_k), cu_seqlens_q, cu_seqlens_k, total_q, total_k)
 
 
@@ -115,16 +116,18 @@ def _launch(cu_q, cu_k, total_q: int, total_k: int, causal: bool, window: int | 
     checks = parts[14:] if check else (classes,) * 3  # unread without check
     grid = q_tiles + -(-q_length // TOKENS) + -(-k_length // TOKENS) + (2 if check else 0)
     module = kernels(device.type != "cuda")
+    constexprs = {"BLOCK_Q": block_q, "BLOCK_KV": block_kv, "ROWS": _power_of_two(block_q),
+                  "CHUNK": CHUNK, "TOKENS": TOKENS, "CAUSAL": causal,
+                  "WINDOW": window is not None, "PAD_DOC_Q": PAD_DOC_Q, "PAD_DOC_K": PAD_DOC_K,
+                  "CHECK": check}
     with _current(device):
-        module.varlen_rows[(grid,)](
+        launch(module.varlen_rows, grid, (
             cu_q, cu_k, documents, documents.bit_length(), total_q, total_k, window or 1,
             *tables[:4], classes, q_tiles, kv_tiles, tokens.doc_q, tokens.pos_q, tokens.diag,
-            q_length, tokens.doc_k, tokens.pos_k, k_length, *checks, BLOCK_Q=block_q,
-            BLOCK_KV=block_kv, ROWS=_power_of_two(block_q), CHUNK=CHUNK, TOKENS=TOKENS,
-            CAUSAL=causal, WINDOW=window is not None, PAD_DOC_Q=PAD_DOC_Q,
-            PAD_DOC_K=PAD_DOC_K, CHECK=check)
-        module.varlen_columns[(kv_tiles,)](classes, *tables[4:], q_tiles, kv_tiles,
-                                           CHUNK=CHUNK)
+            q_length, tokens.doc_k, tokens.pos_k, k_length, *checks), constexprs,
+            (cu_q, cu_k) if check else (), device)
+        launch(module.varlen_columns, kv_tiles, (classes, *tables[4:], q_tiles, kv_tiles),
+               {"CHUNK": CHUNK}, (), device)
     return (checks if check else None), tokens, tables
 
 
@@ -155,6 +158,46 @@ def _allocate(shapes: tuple, device: torch.device) -> list:
     entries, parts = layout
     buffer = torch.empty(entries, dtype=torch.int32, device=device)
     return [buffer.as_strided(shape, strides, offset) for shape, strides, offset in parts]
+
+
+# (kernel, device index, constexprs, the offsets' dtypes and 16-byte alignment, Triton's debug
+# and instrumentation settings) -> (its compiled kernel, the constexprs in parameter order)
+_COMPILED = BoundedMemo(64, "varlen compiled kernels")
+
+
+def launch(kernel, grid: int, args: tuple, constexprs: dict, offsets: tuple,
+           device: torch.device) -> None:
+    """``kernel[(grid,)](*args, **constexprs)``; on CUDA, after the first launch of a key, its
+    compiled kernel directly: Triton's per-call binding and specialization cost tens of
+    microseconds on the H200's host (``docs/performance.md``), and the key fixes everything
+    they decide here: the constexprs, and the dtype and 16-byte alignment of the caller's
+    ``offsets`` tensors (the other pointers are 128-byte aligned int32 parts of one
+    allocation; every int is in the kernels' ``do_not_specialize``). With launch hooks set (a
+    profiler's) Triton launches."""
+    if device.type != "cuda":
+        kernel[(grid,)](*args, **constexprs)
+        return
+    runtime = triton.knobs.runtime
+    key = (kernel, device.index, *constexprs.values(), runtime.debug,
+           triton.knobs.compilation.instrumentation_mode,
+           *((t.dtype, t.data_ptr() % 16 == 0) for t in offsets))
+    found = _COMPILED.get(key)
+    if found is None or not (_unset(runtime.launch_enter_hook) and
+                             _unset(runtime.launch_exit_hook)):
+        compiled = kernel[(grid,)](*args, **constexprs)
+        names = kernel.arg_names[len(args):]
+        assert sorted(names) == sorted(constexprs), (names, constexprs)
+        _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))
+        return
+    compiled, tail = found
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None,
+                 None, *args, *tail)
+
+
+def _unset(hook) -> bool:
+    """No launch hook: None or (Triton 3.6) an empty HookChain."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def _current(device: torch.device):

@@ -16,6 +16,7 @@ import collections
 
 import pytest
 import torch
+import triton
 from hypothesis import given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -24,6 +25,7 @@ from flexfa.blockmask import varlen_tables
 from flexfa.blockmask.offsets import check_offsets
 from flexfa.blockmask.validate import TABLES
 from flexfa.blockmask.varlen import checked_block_mask, document_block_mask
+from flexfa.memo import BoundedMemo
 
 KERNELS = ("varlen_check", "varlen_rows", "varlen_columns")
 SYNCS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__")
@@ -167,3 +169,51 @@ def test_cuda_offsets_checked_on_the_gpu_and_compiled_once():
         for totals in ((None, None), (9, 9)):
             with pytest.raises(flexfa.InputError, match=r"decreases at index 2 \(5 -> 3\)"):
                 flexfa.varlen_block_mask(bad, Q_LEN=totals[0], KV_LEN=totals[1])
+
+
+class FakeCompiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeKernel:
+    """A JIT kernel on a fake CUDA device: ``kernel[grid](...)`` is Triton's launch."""
+    arg_names = ["cu", "n", "out", "A", "B"]
+
+    def __init__(self):
+        self.jit_launches = []
+
+    def __getitem__(self, grid):
+        def run(*args, **constexprs):
+            self.jit_launches.append((grid, args, constexprs))
+            return FakeCompiled()
+        return run
+
+
+def test_cuda_launches_after_the_first_skip_tritons_binding(monkeypatch):
+    """On CUDA a launch whose key (constexprs, the offsets' dtype and alignment) launched
+    before calls the compiled kernel with every argument and the constexprs in parameter
+    order; a new key, or a launch hook (a profiler), goes through Triton."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(varlen_tables, "_COMPILED", BoundedMemo(8, register=False))
+    kernel, cuda = FakeKernel(), torch.device("cuda", 0)
+    cu, out = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    for n in (3, 5):  # new ints: the same compiled kernel
+        varlen_tables.launch(kernel, 2, (cu, n, out), {"B": True, "A": 4}, (cu,), cuda)
+    assert len(kernel.jit_launches) == 1
+    (compiled, _), = varlen_tables._COMPILED.values()
+    assert compiled.runs == [(2, 1, 1, 7, "function", "metadata", None, None, None,
+                              cu, 5, out, 4, True)]
+    varlen_tables.launch(kernel, 2, (cu[1:], 3, out), {"B": True, "A": 4}, (cu[1:],), cuda)
+    varlen_tables.launch(kernel, 2, (cu.long(), 3, out), {"B": True, "A": 4}, (cu.long(),),
+                         cuda)
+    varlen_tables.launch(kernel, 2, (cu, 3, out), {"B": False, "A": 4}, (cu,), cuda)
+    assert len(kernel.jit_launches) == 4  # unaligned, int64 offsets, another constexpr
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    varlen_tables.launch(kernel, 2, (cu, 3, out), {"B": True, "A": 4}, (cu,), cuda)
+    assert len(kernel.jit_launches) == 5 and len(compiled.runs) == 1
