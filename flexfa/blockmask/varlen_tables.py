@@ -125,7 +125,7 @@ def _launch(cu_q, cu_k, total_q: int, total_k: int, causal: bool, window: int | 
             cu_q, cu_k, documents, documents.bit_length(), total_q, total_k, window or 1,
             *tables[:4], classes, q_tiles, kv_tiles, tokens.doc_q, tokens.pos_q, tokens.diag,
             q_length, tokens.doc_k, tokens.pos_k, k_length, *checks), constexprs,
-            (cu_q, cu_k) if check else (), device)
+            (cu_q, cu_k), device)
         launch(module.varlen_columns, kv_tiles, (classes, *tables[4:], q_tiles, kv_tiles),
                {"CHUNK": CHUNK}, (), device)
     return (checks if check else None), tokens, tables
@@ -170,10 +170,10 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, offsets: tuple,
     """``kernel[(grid,)](*args, **constexprs)``; on CUDA, after the first launch of a key, its
     compiled kernel directly: Triton's per-call binding and specialization cost tens of
     microseconds on the H200's host (``docs/performance.md``), and the key fixes everything
-    they decide here: the constexprs, and the dtype and 16-byte alignment of the caller's
-    ``offsets`` tensors (the other pointers are 128-byte aligned int32 parts of one
-    allocation; every int is in the kernels' ``do_not_specialize``). With launch hooks set (a
-    profiler's) Triton launches."""
+    they decide here: the constexprs, and the dtype and 16-byte alignment of the ``offsets``
+    tensors (the caller's, or their checked copies; the other pointers are 128-byte aligned
+    int32 parts of one allocation; every int is in the kernels' ``do_not_specialize``). With
+    launch hooks set (a profiler's) Triton launches."""
     if device.type != "cuda":
         kernel[(grid,)](*args, **constexprs)
         return
