@@ -124,7 +124,9 @@ def _rows(cu_q, cu_k, positions, documents, steps, total_q, window, CAUSAL: tl.c
     key index of the diagonal (document 0's shift past total_q)) of query ``positions``."""
     doc = _documents(cu_q, positions, documents, steps)
     inside = positions < total_q
-    own = tl.where(inside, doc, 0)
+    # (clamped: unchecked offsets whose last entry is short of total_q would give rows
+    # past it the document one past the last)
+    own = tl.minimum(tl.where(inside, doc, 0), documents - 1)
     key_start = tl.load(cu_k + own).to(tl.int32)
     key_end = tl.load(cu_k + own + 1).to(tl.int32)
     # documents aligned at their ends
