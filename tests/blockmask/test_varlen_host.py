@@ -13,12 +13,16 @@ none launching a kernel (2 allocations, 17 ``as_strided`` cuts); with the totals
 checks run inside ``varlen_rows``.
 """
 import collections
+import contextlib
+from unittest import mock
 
+import numpy
 import pytest
 import torch
 import triton
 from hypothesis import given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from triton.runtime import interpreter
 
 import flexfa
 from flexfa.blockmask import varlen_tables
@@ -118,18 +122,64 @@ def outcome(build):
 any_offsets = st.lists(st.integers(-3, 40), min_size=2, max_size=6)
 
 
+@contextlib.contextmanager
+def bounds_checked():
+    """Every load and store of the varlen kernels (interpreted) inside one of the launch's
+    tensor arguments (its own elements, not its storage), else an AssertionError."""
+    module, ranges = varlen_tables.kernels(interpret=True), []
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def checked(name, kernel):
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    ranges[:] = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                                 for t in args if isinstance(t, torch.Tensor)]
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        return Launcher()
+
+    def check(ptrs, mask):
+        size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        addresses = numpy.broadcast_to(ptrs.data, numpy.shape(mask.data))[mask.data]
+        inside = numpy.zeros(addresses.shape, dtype=bool)
+        for low, high in ranges:
+            inside |= (addresses >= low) & (addresses + size <= high)
+        assert inside.all(), f"{(~inside).sum()} accesses outside the arguments"
+
+    def checked_load(self, ptrs, mask, other, *rest):
+        check(ptrs, mask)
+        return load(self, ptrs, mask, other, *rest)
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask)
+        return store(self, ptrs, value, mask, *rest)
+    with contextlib.ExitStack() as stack:
+        for name in KERNELS:
+            stack.enter_context(mock.patch.object(module, name,
+                                                  checked(name, getattr(module, name))))
+        stack.enter_context(mock.patch.object(builder, "create_masked_load", checked_load))
+        stack.enter_context(mock.patch.object(builder, "create_masked_store", checked_store))
+        yield
+
+
 @given(values=st.one_of(any_offsets, any_offsets.map(sorted), any_offsets.map(
            lambda v: [0, *sorted(map(abs, v))])),
-       total=st.integers(1, 40), dtype=st.sampled_from([torch.int32, torch.int64]))
+       total=st.one_of(st.integers(1, 40), st.just("last")),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_device_checks_agree_with_the_host_checks(values, total, dtype):
     """Whatever the offsets, the kernels' checks (alone or inside varlen_rows) raise the host
-    checks' InputError or accept with the same totals, longest documents and copies."""
+    checks' InputError or accept with the same totals, longest documents and copies; the
+    kernels never access memory outside their arguments, on bad offsets neither."""
     cu, cpu = torch.tensor(values, dtype=dtype), torch.device("cpu")
     keys = cu.clone()  # another tensor, same values
+    total = max(1, values[-1]) if total == "last" else total
     for totals in ((None, None), (total, total)):
         want = outcome(lambda: check_offsets("t", cu, keys, cpu, *totals))
-        got = outcome(lambda: checked_block_mask("t", cu, keys, cpu, totals, False, None,
-                                                 (16, 16), kernels=True).documents.offsets)
+        with bounds_checked():
+            got = outcome(lambda: checked_block_mask("t", cu, keys, cpu, totals, False, None,
+                                                     (16, 16), kernels=True).documents.offsets)
         assert got == want
 
 
