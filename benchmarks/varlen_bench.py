@@ -261,8 +261,11 @@ def summary(case: dict) -> dict:
 
 def profile_lines(rows: dict) -> list[str]:
     """One line per profiled call: its CUDA kernel launches and device copies."""
+    profile = rows.get("tables_profile", {})
+    if {"error", "skipped"} & set(profile):
+        return [f"tables_profile: {profile}"]
     lines = []
-    for call, found in rows.get("tables_profile", {}).items():
+    for call, found in profile.items():
         if isinstance(found, dict) and "kernels" in found:
             kernels = ", ".join(f"{n[:40]} x{c}" for n, c in found["kernels"].items())
             lines.append(f"{call}: {sum(found['kernels'].values())} kernels ({kernels}); "
