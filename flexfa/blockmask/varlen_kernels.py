@@ -56,7 +56,8 @@ else:
 
 PARTIAL_TILE = tl.constexpr(1)  # the class grid's values (0: empty)
 FULL_TILE = tl.constexpr(2)
-# ``_check``'s flags (bits); offsets.py names them in its messages
+# ``_check``'s flags (bits); any of them set, the host checks the offsets again to name the
+# entry and the values (``offsets.raise_bad_offsets``)
 NEGATIVE, NONZERO_START, DECREASING = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
 WRONG_TOTAL, NO_TOKENS, PAST_INT32 = tl.constexpr(8), tl.constexpr(16), tl.constexpr(32)
 INT32_MAX = tl.constexpr(2 ** 31 - 1)
