@@ -17,8 +17,8 @@ import torch
 from .api import attend
 from .blockmask.block_mask import BlockMask
 from .blockmask.checks import block_size_pair
-from .blockmask.offsets import check_offsets, check_window
-from .blockmask.varlen import document_block_mask
+from .blockmask.offsets import check_window
+from .blockmask.varlen import checked_block_mask
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .frontend import ir
@@ -103,8 +103,8 @@ def packed_block_mask(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int, total
         found = _MASKS.get(cu_seqlens_q, key)
         if found is not None and found[0]() is cu_seqlens_k:
             return found[1]
-    offsets = check_offsets(func, cu_seqlens_q, cu_seqlens_k, device, total_q, total_k)
-    mask = document_block_mask(offsets, causal, window, block)
+    mask = checked_block_mask(func, cu_seqlens_q, cu_seqlens_k, device, (total_q, total_k),
+                              causal, window, block)
     if versions is not None:
         _MASKS.put(cu_seqlens_q, key, (weakref.ref(cu_seqlens_k), mask))
     return mask

@@ -2,24 +2,27 @@
 
 ``cu_seqlens_q = [0, 3, 3, 10]`` says the packed queries hold three documents of 3, 0 and 7
 tokens; ``cu_seqlens_k`` has one entry per document too (as ``flash_attn_varlen_func``'s).
-``check_offsets`` validates both with one device-to-host read (none for CPU offsets) and
-returns ``Offsets``; ``token_tensors`` gives, per packed token, the int32 tensors the mods read:
-its document, its position inside the document and, per query, the key position of its
-diagonal. They are padded to a power of two (``padded_length``) so that their shapes, which
-are part of the kernels' key, depend on neither the number of documents nor, within a power
-of two, the total: new lengths are data, never a new kernel.
+``check_offsets`` validates both on the host (for device offsets ``varlen_tables`` runs the
+same checks in its kernels, with one device-to-host read) and returns ``Offsets``;
+``token_tensors`` gives, per packed token, the int32 tensors the mods read: its document,
+its position inside the document and, per query, the key position of its diagonal. They are
+padded to a power of two (``padded_length``) so that their shapes, which are part of the
+kernels' key, depend on neither the number of documents nor, within a power of two, the
+total: new lengths are data, never a new kernel.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
 
+import numpy
 import torch
 
 from ..errors import InputError, InputTypeError
 
 MIN_PADDED = 128  # the shortest padded per-token tensor
 PAD_DOC_Q, PAD_DOC_K = -1, -2  # documents of padded positions: they never match
+INT32_MAX = 2 ** 31 - 1
 
 
 def padded_length(tokens: int) -> int:
@@ -50,12 +53,18 @@ class Offsets:
 
 def check_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
                   total_q: int | None = None, total_k: int | None = None) -> Offsets:
-    """``Offsets`` of ``cu_seqlens_q`` / ``cu_seqlens_k`` for tensors on ``device``, or an
-    InputError / InputTypeError naming the argument and its values: each a 1-D int32 or int64
-    tensor on the CPU or ``device`` with at least 2 entries, both with as many; starting at 0,
-    non-decreasing; the last entry the total (``total_q`` / ``total_k`` where given)."""
-    names = ("cu_seqlens_q", "cu_seqlens_k")
-    for name, cu in zip(names, (cu_seqlens_q, cu_seqlens_k)):
+    """``Offsets`` of ``cu_seqlens_q`` / ``cu_seqlens_k`` for tensors on ``device``, checked on
+    the host (``check_layouts``, then ``host_offsets``: a device sync for device offsets;
+    ``varlen_tables`` checks device offsets in its kernels instead)."""
+    check_layouts(func, cu_seqlens_q, cu_seqlens_k, device)
+    return host_offsets(func, cu_seqlens_q, cu_seqlens_k, device, total_q, total_k)
+
+
+def check_layouts(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device) -> None:
+    """What the offsets' metadata says (no device sync), or an InputError / InputTypeError:
+    each a 1-D int32 or int64 tensor on the CPU or ``device`` with at least 2 entries, both
+    with as many."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_layout(func, name, cu, device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise InputError(
@@ -63,32 +72,70 @@ def check_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
             f"({cu_seqlens_q.numel() - 1} documents) but cu_seqlens_k has "
             f"{cu_seqlens_k.numel()} ({cu_seqlens_k.numel() - 1} documents); both list the "
             "offsets of the same documents")
-    stats = torch.cat([_stats(cu) for cu in (cu_seqlens_q, cu_seqlens_k)]).tolist()  # one sync
-    results = []
-    for name, cu, total, (low, first, last, bad, longest) in zip(
-            names, (cu_seqlens_q, cu_seqlens_k), (total_q, total_k), (stats[:5], stats[5:])):
-        if low < 0:
-            at = int((cu < 0).nonzero()[0])
-            raise InputError(f"{func}: {name}[{at}] is {int(cu[at])}; offsets must be >= 0, "
-                             f"got {_shown(cu)}")
-        if first != 0:
-            raise InputError(f"{func}: {name}[0] is {first}; offsets start at 0, got {_shown(cu)}")
-        if bad >= 0:
-            raise InputError(
-                f"{func}: {name} decreases at index {bad + 1} ({int(cu[bad])} -> "
-                f"{int(cu[bad + 1])}); offsets must be sorted (non-decreasing), got {_shown(cu)}")
-        if total is not None and last != total:
-            tensor = "query" if name.endswith("q") else "key"
-            raise InputError(
-                f"{func}: {name}[-1] is {last} but {tensor} has {total} tokens; the last offset "
-                "must equal the total number of packed tokens")
-        if last == 0:
-            raise InputError(f"{func}: {name} holds no tokens (its last entry is 0): {_shown(cu)}")
-        # a copy: the caller may reuse its offsets tensor; a mask kept per offsets tensor
-        # must not hold it (varlen_attention's memo holds it weakly)
-        results.append((cu.to(device=device, dtype=torch.int32, copy=True), last, longest))
-    (cu_q, total_q, max_q), (cu_k, total_k, max_k) = results
-    return Offsets(cu_q, cu_k, total_q, total_k, max_q, max_k)
+
+
+def host_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
+                 total_q: int | None = None, total_k: int | None = None) -> Offsets:
+    """``Offsets`` of offsets whose layout is checked, their values checked on the host (numpy:
+    no torch launches) by the rules of ``varlen_kernels._check``: starting at 0, >= 0,
+    non-decreasing, the last entry the total (``total_q`` / ``total_k`` where given), not 0,
+    within int32. Their int32 copies reach ``device`` in one copy (the caller may reuse its
+    offsets tensors; a mask kept per offsets tensor must not hold them)."""
+    checked = [_check_values(func, name, cu, total) for name, cu, total in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k))]
+    (values_q, last_q, max_q), (values_k, last_k, max_k) = checked
+    # one copy; the key offsets 128-byte aligned, as the kernels' every pointer (Triton
+    # specializes on alignment: the number of documents must not compile a new kernel)
+    entries = len(values_q)
+    start = -(-entries // 32) * 32
+    both = numpy.zeros(start + entries, dtype=numpy.int32)
+    both[:entries], both[start:] = values_q, values_k
+    both = torch.from_numpy(both).to(device)
+    return Offsets(both[:entries], both[start:], last_q, last_k, max_q, max_k)
+
+
+def raise_bad_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None,
+                      total_k: int | None) -> None:
+    """The InputError of offsets the device checks flagged (the host's checks, which name the
+    entry and the values; device syncs, on the error path only)."""
+    host_offsets(func, cu_seqlens_q, cu_seqlens_k, torch.device("cpu"), total_q, total_k)
+    raise AssertionError(f"{func}: the device checks flagged offsets the host's accept: "
+                         f"{_shown(_values(cu_seqlens_q))}, {_shown(_values(cu_seqlens_k))}")
+
+
+def _values(cu: torch.Tensor):
+    return cu.detach().cpu().numpy().astype(numpy.int64, copy=False)
+
+
+def _check_values(func: str, name: str, cu: torch.Tensor, total: int | None):
+    """(int64 values, last entry, longest document) of one offsets tensor, or its InputError."""
+    values = _values(cu)
+    if values.min() < 0:
+        at = int(numpy.argmax(values < 0))
+        raise InputError(f"{func}: {name}[{at}] is {values[at]}; offsets must be >= 0, "
+                         f"got {_shown(values)}")
+    if values[0] != 0:
+        raise InputError(f"{func}: {name}[0] is {values[0]}; offsets start at 0, got "
+                         f"{_shown(values)}")
+    lengths = numpy.diff(values)
+    if (lengths < 0).any():
+        bad = int(numpy.argmax(lengths < 0))
+        raise InputError(
+            f"{func}: {name} decreases at index {bad + 1} ({values[bad]} -> {values[bad + 1]}); "
+            f"offsets must be sorted (non-decreasing), got {_shown(values)}")
+    last = int(values[-1])
+    if total is not None and last != total:
+        tensor = "query" if name.endswith("q") else "key"
+        raise InputError(
+            f"{func}: {name}[-1] is {last} but {tensor} has {total} tokens; the last offset "
+            "must equal the total number of packed tokens")
+    if last == 0:
+        raise InputError(f"{func}: {name} holds no tokens (its last entry is 0): "
+                         f"{_shown(values)}")
+    if last > INT32_MAX:
+        raise InputError(f"{func}: {name}[-1] is {last}; offsets must fit in int32 (at most "
+                         f"{INT32_MAX})")
+    return values, last, int(lengths.max())
 
 
 def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
@@ -105,16 +152,8 @@ def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
                          f"pass offsets on {device} or on the CPU")
 
 
-def _stats(cu: torch.Tensor) -> torch.Tensor:
-    """[min, first, last, index of the first decrease (-1: none), longest document]."""
-    lengths = cu.diff()
-    decreasing = lengths < 0
-    first_bad = torch.where(decreasing.any(), decreasing.int().argmax(), -1)
-    return torch.stack([cu.min(), cu[0], cu[-1], first_bad.to(cu.dtype), lengths.max()]).long()
-
-
-def _shown(cu: torch.Tensor, limit: int = 12) -> str:
-    values = cu.tolist()
+def _shown(values, limit: int = 12) -> str:
+    values = values.tolist()
     return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} entries)"
 
 

@@ -14,8 +14,9 @@ its range's first and past-last kv tile, summed along the kv tiles), and full wh
 of the q tile keeps the whole kv tile (max of the rows' ``lo`` and min of their ``hi``); tiles
 past a sequence end are never full, as in ``create_block_mask``. The tables equal
 ``create_block_mask``'s of the same mask_mod. For CUDA offsets two Triton kernels write them
-(``varlen_tables.py``: no host sync, nothing per document on the host); CPU offsets take
-``torch_tables``, O(rows + tiles) torch work, the kernels' reference in tests.
+and check the offsets (``varlen_tables.py``: one device sync for the checks' outcome and the
+totals, nothing per document on the host); CPU offsets take ``torch_tables``, O(rows +
+tiles) torch work, the kernels' reference in tests.
 
 The mask's mask_mod reads per-token tensors (``offsets.token_tensors``) whose shapes do not
 depend on the lengths, so its trace (made once per (causal, window)) and the kernels compiled
@@ -34,9 +35,10 @@ from .analysis import FULL, PARTIAL
 from .block_mask import BlockMask
 from .checks import block_size_pair, positive_int, resolve_device
 from .create import ordered_tables
-from .offsets import Offsets, TokenTensors, check_offsets, check_window, token_tensors
+from .offsets import (Offsets, TokenTensors, check_layouts, check_window, host_offsets,
+                      token_tensors)
 from .validate import mark_checked
-from .varlen_tables import kernel_tables
+from .varlen_tables import checked_kernel_tables, device_offsets, kernel_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,20 +62,44 @@ def varlen_block_mask(cu_seqlens_q, cu_seqlens_k=None, causal=False, window=None
     default to the last offsets and must equal them when given. ``device`` defaults to
     the offsets' device. ``block_mask.mask_mod`` is the same mask as a function of
     ``(b, h, q_idx, kv_idx)`` (usable with torch's FlexAttention), ``block_mask.documents``
-    what it was built from. The offsets are read once (a device sync for GPU offsets).
+    what it was built from. GPU offsets are checked on the GPU and read once (one device
+    sync, with the checks' outcome and the totals); CPU offsets are checked on the host.
     """
     func = "varlen_block_mask"
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     causal = check_bool(f"{func}: causal", causal)
     window = check_window(func, window)
     block = block_size_pair(func, BLOCK_SIZE)
-    lengths = [None if n is None else positive_int(func, name, n)
-               for name, n in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN))]
+    totals = [None if n is None else positive_int(func, name, n)
+              for name, n in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN))]
     if device is None:
         device = getattr(cu_seqlens_q, "device", torch.device("cpu"))
     device = resolve_device(func, device)
-    offsets = check_offsets(func, cu_seqlens_q, cu_seqlens_k, device, *lengths)
-    return document_block_mask(offsets, causal, window, block)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as q's
+        device = torch.device("cuda", torch.cuda.current_device())
+    return checked_block_mask(func, cu_seqlens_q, cu_seqlens_k, device, totals, causal, window,
+                              block)
+
+
+def checked_block_mask(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device, totals,
+                       causal: bool, window: int | None, block: tuple[int, int],
+                       kernels: bool | None = None) -> BlockMask:
+    """The BlockMask of the caller's offsets (``totals``: (Q_LEN, KV_LEN), None where not
+    given), checked: on the host for CPU offsets (``offsets.host_offsets``); for offsets on
+    ``device`` with tables from the kernels (``kernels``: default on CUDA) by the kernels,
+    with one device sync (``varlen_tables``)."""
+    check_layouts(func, cu_seqlens_q, cu_seqlens_k, device)
+    if kernels is None:
+        kernels = device.type == "cuda"
+    if not (kernels and cu_seqlens_q.device == device == cu_seqlens_k.device):
+        offsets = host_offsets(func, cu_seqlens_q, cu_seqlens_k, device, *totals)
+        return document_block_mask(offsets, causal, window, block, kernels)
+    if None in totals:  # the tables' shapes need the totals: checks first
+        offsets = device_offsets(func, cu_seqlens_q, cu_seqlens_k, *totals)
+        return document_block_mask(offsets, causal, window, block, True)
+    offsets, tokens, tables = checked_kernel_tables(func, cu_seqlens_q, cu_seqlens_k, *totals,
+                                                    causal, window, block)
+    return _assembled(offsets, tokens, tables, causal, window, block)
 
 
 def document_block_mask(offsets: Offsets, causal: bool, window: int | None,
@@ -84,6 +110,11 @@ def document_block_mask(offsets: Offsets, causal: bool, window: int | None,
     if kernels is None:
         kernels = offsets.device.type == "cuda"
     tokens, tables = (kernel_tables if kernels else torch_tables)(offsets, causal, window, block)
+    return _assembled(offsets, tokens, tables, causal, window, block)
+
+
+def _assembled(offsets: Offsets, tokens: TokenTensors, tables: list, causal: bool,
+               window: int | None, block: tuple[int, int]) -> BlockMask:
     mod = document_mask_mod(tokens, causal, window)
     mask = BlockMask((offsets.total_q, offsets.total_k), *tables,
                      BLOCK_SIZE=block, mask_mod=mod, traced_mask=traced_document_mask(mod))

@@ -13,6 +13,15 @@ rows of ``kv_*`` / ``full_kv_*`` and of a dense class grid; a token-block progra
 the class grid into the q-side tables. An ordered row lists the set tiles ascending, then
 the others ascending, as ``tables.dense_to_ordered`` does: two passes, a count then the
 writes at ``rank`` (set) or ``count + column - rank`` (others).
+
+The offsets' checks run on the device too (``_check``: one program per offsets tensor, which
+also writes its int32 copy): in ``varlen_check`` before the tables when the totals are not
+known, or as ``varlen_rows``' last two programs (``CHECK``) when they are, reading the
+caller's offsets as given (int32 or int64; the tables' code reads them as int32, which only
+unchecked offsets past int32 would change). The host reads the flags once and raises before
+the tables are used; unchecked offsets only ever index inside them (binary searches stay in
+``0..documents``) and every store stays inside its table, so garbage offsets give garbage
+tables, never a bad access.
 """
 import triton
 import triton.language as tl
@@ -47,6 +56,50 @@ else:
 
 PARTIAL_TILE = tl.constexpr(1)  # the class grid's values (0: empty)
 FULL_TILE = tl.constexpr(2)
+# ``_check``'s flags (bits); any of them set, the host checks the offsets again to name the
+# entry and the values (``offsets.raise_bad_offsets``)
+NEGATIVE, NONZERO_START, DECREASING = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
+WRONG_TOTAL, NO_TOKENS, PAST_INT32 = tl.constexpr(8), tl.constexpr(16), tl.constexpr(32)
+INT32_MAX = tl.constexpr(2 ** 31 - 1)
+STATS = tl.constexpr(3)  # per offsets tensor: flags, last entry, longest document
+
+
+@triton.jit
+def _check(cu, documents, total, stats, copy, CHUNK: tl.constexpr):
+    """Check offsets ``cu`` (``documents + 1`` entries, int32 or int64; ``total`` < 0: any
+    total), write their int32 copy and ``stats``: [flags, last entry, longest document] (the
+    last two clamped to int32; meaningful where flags are 0)."""
+    smallest = tl.load(cu).to(tl.int64)
+    steepest_drop = smallest * 0
+    longest = smallest * 0
+    for start in range(0, documents + 1, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        value = tl.load(cu + index, mask=index <= documents, other=0).to(tl.int64)
+        step = tl.load(cu + index + 1, mask=index < documents, other=0).to(tl.int64) - value
+        step = tl.where(index < documents, step, 0)
+        smallest = tl.minimum(smallest, tl.reduce(value, 0, _min_combine))
+        steepest_drop = tl.minimum(steepest_drop, tl.reduce(step, 0, _min_combine))
+        longest = tl.maximum(longest, tl.reduce(step, 0, _max_combine))
+        tl.store(copy + index, value.to(tl.int32), mask=index <= documents)
+    first = tl.load(cu).to(tl.int64)
+    last = tl.load(cu + documents).to(tl.int64)
+    flags = tl.where(smallest < 0, NEGATIVE, 0) | tl.where(first != 0, NONZERO_START, 0) | \
+        tl.where(steepest_drop < 0, DECREASING, 0) | \
+        tl.where((total >= 0) & (last != total), WRONG_TOTAL, 0) | \
+        tl.where(last == 0, NO_TOKENS, 0) | tl.where(last > INT32_MAX, PAST_INT32, 0)
+    tl.store(stats, flags.to(tl.int32))
+    tl.store(stats + 1, tl.minimum(tl.maximum(last, 0), INT32_MAX).to(tl.int32))
+    tl.store(stats + 2, tl.minimum(tl.maximum(longest, 0), INT32_MAX).to(tl.int32))
+
+
+@triton.jit
+def _check_pair(which, cu_q, cu_k, documents, total_q, total_k, stats, copy_q, copy_k,
+                CHUNK: tl.constexpr):
+    """Program ``which`` (0: queries, 1: keys) of the offsets' checks."""
+    if which == 0:
+        _check(cu_q, documents, total_q, stats, copy_q, CHUNK)
+    else:
+        _check(cu_k, documents, total_k, stats + STATS, copy_k, CHUNK)
 
 
 @triton.jit
@@ -58,7 +111,7 @@ def _documents(cu, positions, documents, steps):
     for _ in range(steps):
         active = low < high
         mid = (low + high) // 2
-        value = tl.load(cu + 1 + mid, mask=active, other=0)
+        value = tl.load(cu + 1 + mid, mask=active, other=0).to(tl.int32)
         right = active & (value <= positions)
         low = tl.where(right, mid + 1, low)
         high = tl.where(active & (value > positions), mid, high)
@@ -72,10 +125,13 @@ def _rows(cu_q, cu_k, positions, documents, steps, total_q, window, CAUSAL: tl.c
     key index of the diagonal (document 0's shift past total_q)) of query ``positions``."""
     doc = _documents(cu_q, positions, documents, steps)
     inside = positions < total_q
-    own = tl.where(inside, doc, 0)
-    key_start = tl.load(cu_k + own)
-    key_end = tl.load(cu_k + own + 1)
-    diag = positions + key_end - tl.load(cu_q + own + 1)  # documents aligned at their ends
+    # (clamped: unchecked offsets whose last entry is short of total_q would give rows
+    # past it the document one past the last)
+    own = tl.minimum(tl.where(inside, doc, 0), documents - 1)
+    key_start = tl.load(cu_k + own).to(tl.int32)
+    key_end = tl.load(cu_k + own + 1).to(tl.int32)
+    # documents aligned at their ends
+    diag = positions + key_end - tl.load(cu_q + own + 1).to(tl.int32)
     lo = key_start
     hi = key_end
     if CAUSAL:
@@ -115,8 +171,9 @@ def _kv_classes(cols, kept, first, past, latest_lo, earliest_hi, total_k,
                 BLOCK_KV: tl.constexpr):
     """(partial, full) int32 flags of kv tiles ``cols`` for a q tile's rows."""
     hit = kept[:, None] & (first[:, None] <= cols[None, :]) & (cols[None, :] < past[:, None])
-    computed = tl.reduce(hit.to(tl.int32), 0, _max_combine) > 0
     start = cols * BLOCK_KV
+    # only tiles that exist: unchecked offsets (CHECK) may give ranges past the keys
+    computed = (tl.reduce(hit.to(tl.int32), 0, _max_combine) > 0) & (start < total_k)
     full = computed & (latest_lo <= start) & (earliest_hi >= start + BLOCK_KV) & \
         (start + BLOCK_KV <= total_k)
     return (computed & ~full).to(tl.int32), full.to(tl.int32)
@@ -188,25 +245,35 @@ def _tokens(block, cu, documents, steps, total, length, pad_doc, doc_out, pos_ou
     valid = positions < length
     doc = _documents(cu, positions, documents, steps)
     inside = positions < total
-    doc_start = tl.load(cu + tl.minimum(doc, documents - 1))
+    doc_start = tl.load(cu + tl.minimum(doc, documents - 1)).to(tl.int32)
     tl.store(doc_out + positions, tl.where(inside, doc, pad_doc), mask=valid)
     tl.store(pos_out + positions, tl.where(inside, positions - doc_start, 0), mask=valid)
     return positions, valid
 
 
 # lengths and counts are data: no specialization on their values (no compile per new lengths)
+@triton.jit(do_not_specialize=["documents", "total_q", "total_k"])
+def varlen_check(cu_q, cu_k, documents, total_q, total_k, stats, copy_q, copy_k,
+                 CHUNK: tl.constexpr):
+    """Two programs: the checks of the query offsets, then of the key offsets."""
+    _check_pair(tl.program_id(0), cu_q, cu_k, documents, total_q, total_k, stats, copy_q,
+                copy_k, CHUNK)
+
+
 @triton.jit(do_not_specialize=["documents", "steps", "total_q", "total_k", "window", "q_tiles",
                                "kv_tiles", "q_length", "k_length"])
 def varlen_rows(cu_q, cu_k, documents, steps, total_q, total_k, window,
                 kv_num, kv_idx, full_num, full_idx, classes, q_tiles, kv_tiles,
-                doc_q, pos_q, diag, q_length, doc_k, pos_k, k_length,
+                doc_q, pos_q, diag, q_length, doc_k, pos_k, k_length, stats, copy_q, copy_k,
                 BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, ROWS: tl.constexpr,
                 CHUNK: tl.constexpr, TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOW: tl.constexpr, PAD_DOC_Q: tl.constexpr, PAD_DOC_K: tl.constexpr):
+                WINDOW: tl.constexpr, PAD_DOC_Q: tl.constexpr, PAD_DOC_K: tl.constexpr,
+                CHECK: tl.constexpr):
     """Programs 0..q_tiles-1: the kv tables' rows; then the query tokens' blocks, then the
-    keys'."""
+    keys'; with ``CHECK`` two more: the offsets' checks (``stats``, ``copy_*``)."""
     pid = tl.program_id(0)
     q_blocks = (q_length + TOKENS - 1) // TOKENS
+    k_blocks = (k_length + TOKENS - 1) // TOKENS
     if pid < q_tiles:
         _kv_row(pid, cu_q, cu_k, documents, steps, total_q, total_k, window, kv_num, kv_idx,
                 full_num, full_idx, classes, kv_tiles, BLOCK_Q, BLOCK_KV, ROWS, CHUNK, CAUSAL,
@@ -217,9 +284,13 @@ def varlen_rows(cu_q, cu_k, documents, steps, total_q, total_k, window,
         _, _, _, row_diag = _rows(cu_q, cu_k, positions, documents, steps, total_q, window,
                                   False, False)
         tl.store(diag + positions, row_diag, mask=valid)
-    else:
+    elif pid < q_tiles + q_blocks + k_blocks:
         _tokens(pid - q_tiles - q_blocks, cu_k, documents, steps, total_k, k_length, PAD_DOC_K,
                 doc_k, pos_k, TOKENS)
+    else:
+        if CHECK:
+            _check_pair(pid - q_tiles - q_blocks - k_blocks, cu_q, cu_k, documents, total_q,
+                        total_k, stats, copy_q, copy_k, TOKENS)
 
 
 @triton.jit(do_not_specialize=["q_tiles", "kv_tiles"])

@@ -430,9 +430,10 @@ register("decode_combine_d128_bf16_g4_l1", decode_job(128, "bf16", 4, 1, splits=
 # ---- the varlen block mask's table kernels --------------------------------------------------
 
 def varlen_tables_job(which: str, block: tuple[int, int] = (128, 128), causal: bool = True,
-                      window: bool = False):
-    """A compile-check builder for ``varlen_rows`` or ``varlen_columns`` (blockmask/
-    varlen_kernels.py) as ``kernel_tables`` launches them."""
+                      window: bool = False, check: bool = False, offsets: str = "i32"):
+    """A compile-check builder for ``varlen_check``, ``varlen_rows`` or ``varlen_columns``
+    (blockmask/varlen_kernels.py) as ``varlen_tables`` launches them; ``offsets``: the
+    caller's offsets' type where a kernel reads them as given (``varlen_check``, ``check``)."""
     from ..blockmask.offsets import PAD_DOC_K, PAD_DOC_Q
     from ..blockmask.varlen_tables import CHUNK, TOKENS, kernels
 
@@ -442,13 +443,17 @@ def varlen_tables_job(which: str, block: tuple[int, int] = (128, 128), causal: b
             constexprs = dict(BLOCK_Q=block[0], BLOCK_KV=block[1],
                               ROWS=next_power_of_two(block[0], 1), CHUNK=CHUNK, TOKENS=TOKENS,
                               CAUSAL=causal, WINDOW=window, PAD_DOC_Q=PAD_DOC_Q,
-                              PAD_DOC_K=PAD_DOC_K)
+                              PAD_DOC_K=PAD_DOC_K, CHECK=check)
             ints = ("documents", "steps", "total_q", "total_k", "window", "q_tiles", "kv_tiles",
                     "q_length", "k_length")
+        elif which == "varlen_check":
+            constexprs, ints = dict(CHUNK=TOKENS), ("documents", "total_q", "total_k")
         else:
             constexprs, ints = dict(CHUNK=CHUNK), ("q_tiles", "kv_tiles")
+        given = which == "varlen_check" or check
         signature = {name: "constexpr" if name in constexprs else "i32" if name in ints
-                     else "*i32" for name in kernel.arg_names}
+                     else f"*{offsets}" if given and name in ("cu_q", "cu_k") else "*i32"
+                     for name in kernel.arg_names}
         return CompileJob(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1},
                           which)
     return build
@@ -456,7 +461,12 @@ def varlen_tables_job(which: str, block: tuple[int, int] = (128, 128), causal: b
 
 register("varlen_rows_causal_128", varlen_tables_job("varlen_rows"))
 register("varlen_rows_window_48x80", varlen_tables_job("varlen_rows", (48, 80), False, True))
+# the offsets' checks inside the rows kernel (totals given), on int64 offsets as given
+register("varlen_rows_checked_causal_128_i64",
+         varlen_tables_job("varlen_rows", check=True, offsets="i64"))
 register("varlen_columns", varlen_tables_job("varlen_columns"))
+register("varlen_check_i32", varlen_tables_job("varlen_check"))
+register("varlen_check_i64", varlen_tables_job("varlen_check", offsets="i64"))
 # attention sinks: in the kernel's epilogue (no splits) and in the combine kernel (splits)
 register("decode_d128_bf16_g4_l3_paged_causal_sinks",
          decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, paged=True,

@@ -79,7 +79,9 @@ def test_decode_kernels_compile(name, arch):
 
 @pytest.mark.parametrize("name,arch", [("varlen_rows_causal_128", 90),
                                        ("varlen_rows_window_48x80", 80),
-                                       ("varlen_columns", 80)])
+                                       ("varlen_columns", 80),
+                                       ("varlen_rows_checked_causal_128_i64", 90),
+                                       ("varlen_check_i64", 80)])
 def test_varlen_table_kernels_compile(name, arch):
     """The varlen BlockMask's table kernels (blockmask/varlen_kernels.py) compile, in a
     process whose triton.language was imported for the interpreter, without spilling."""
