@@ -102,15 +102,20 @@ if [ "$PART" = p ]; then  # o's last failure after its fix; Gluon per class; bac
   tar czf /tmp/part_p.tgz -C "$OUT" . && rm -f "$OUT"/*.log "$OUT"/*.json && mv /tmp/part_p.tgz "$OUT/"
 fi
 if [ "$PART" = q ]; then  # after the host-cost work and the Gluon default (carry .old61)
-  # eight files at most, no archive: a call stopped by its limit still returns what ran
+  # eight files at most (the manifest and seven logs), no archive: a call stopped by its limit
+  # still returns what ran; most wanted first
   P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
   step dispatch 30 $P tests/gpu/test_hopper_gpu.py -k dispatch
-  FLEXFA_AUTOTUNE=0 step tree_ab 90 python benchmarks/tree_ab.py --old .old61 --rounds 2 --rep 30 \
-    --cases 64:2048:sliding,64:2048:alibi,64:2048:document,64:2048:causal --json "$OUT/tree_ab.json"
-  step gluon_auto 100 $P tests/gpu/test_gluon_gpu.py -k auto
-  step compiled_model 100 python examples/compiled_transformer.py --cuda --json "$OUT/compiled.json"
+  FLEXFA_AUTOTUNE=0 step tree_ab 80 python benchmarks/tree_ab.py --old .old61 --rounds 2 --rep 30 \
+    --cases 64:2048:sliding,64:2048:alibi,64:2048:document
+  step gluon_auto 90 $P tests/gpu/test_gluon_gpu.py -k auto
+  step varlen_gpu 40 $P tests/blockmask/test_varlen.py tests/blockmask/test_varlen_host.py \
+    tests/kernels/test_varlen.py
   step decode_graph 40 python examples/decode_paged.py --device cuda --batch 1 --layers 4 --steps 64
-  tail -n 12 "$OUT/tree_ab.log"; tail -n 4 "$OUT/compiled_model.log" "$OUT/decode_graph.log"
+  step varlen_bench 50 python benchmarks/varlen_bench.py /tmp/varlen.json --budget 30
+  step compiled_model 100 python examples/compiled_transformer.py --cuda
+  tail -n 12 "$OUT/tree_ab.log"; tail -n 4 "$OUT/decode_graph.log" "$OUT/compiled_model.log"
+  tail -n 14 "$OUT/varlen_bench.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
