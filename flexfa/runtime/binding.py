@@ -8,6 +8,8 @@ No family keeps an argument order of its own.
 """
 from __future__ import annotations
 
+import functools
+
 from ..codegen.forward import mod_buffer_args
 from ..codegen.params import table_names
 from ..codegen.render import buffer_args as buffer_arg_names
@@ -82,14 +84,19 @@ def buffer_pointers(score, mask, detach: bool = False) -> dict:
     return {name: mods[which].buffers[slot] for name, which, slot in names}
 
 
-def gradient_values(grads: dict, score) -> dict:
-    """The score_mod's gradient accumulators by slot: pointer and strides (``gbuf<i>_*``)."""
+def gradient_strides(grads: dict) -> dict:
+    """The score_mod's gradient accumulators' strides by slot (``gbuf<i>_stride*``): a plan
+    fixes them (each accumulator is contiguous in its captured tensor's shape)."""
     values = {}
     for slot, grad in grads.items():
-        arg = buffer_arg_names(slot, grad.dim(), "gbuf")
-        values[arg.ptr] = grad
-        values.update(zip(arg.strides, grad.stride()))
+        values.update(zip(buffer_arg_names(slot, grad.dim(), "gbuf").strides, grad.stride()))
     return values
+
+
+@functools.lru_cache(maxsize=64)
+def gradient_pointer(slot: int) -> str:
+    """The parameter name of gradient accumulator ``slot``'s pointer (a call's value)."""
+    return buffer_arg_names(slot, 0, "gbuf").ptr
 
 
 def feature_values(call) -> dict:
