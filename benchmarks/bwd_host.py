@@ -8,7 +8,10 @@ other processes on a shared machine); ``--profile``: cProfile of those calls. Th
 work flexfa does on the host per backward call besides launching. With ``--device cuda``
 (bf16, default B=8 H=16 S=2048 E=64, the shape of notes' H200 timeline) each case is timed
 twice, launches stubbed and real: the difference is what the launches themselves cost the
-host (no backward syncs: tests/kernels/test_backward_host.py).
+host (no backward syncs: tests/kernels/test_backward_host.py); the real run also lists each
+launched step (forward and backward) with whether it takes ``launch_direct`` and Triton's C
+launch function itself (``c_launch``; else Triton's Python launcher, which encodes every
+tensor descriptor on every call).
 
     TRITON_INTERPRET=1 python benchmarks/bwd_host.py [--cases dense,sliding,...] [--calls 200]
         [--profile [--sort cumulative]] [--json out.json]
@@ -102,8 +105,18 @@ def run_case(name: str, calls: int, profile: bool, sort: str = "tottime", device
         q.grad = k.grad = v.grad = None
         flexfa.flex_attention(q, k, v, **kwargs).backward(grad)
     step()  # the real first call: plans, generated modules, compiles or the interpreter
-    original_backward = FlexAttentionFunction.backward
+    launched = []  # the backward's steps: on a GPU, whether each takes the C launch fast path
     original_launch = launch.Step.launch
+
+    def recording_launch(self, args, device):
+        launched.append(self)
+        return original_launch(self, args, device)
+    launch.Step.launch = recording_launch
+    try:
+        step()
+    finally:
+        launch.Step.launch = original_launch
+    original_backward = FlexAttentionFunction.backward
     times, profiler = [], cProfile.Profile() if profile else None
 
     def timed_backward(ctx, *grads):
@@ -135,6 +148,11 @@ def run_case(name: str, calls: int, profile: bool, sort: str = "tottime", device
     rounds = [statistics.median(times[i:i + 20]) for i in range(0, len(times) - 19, 20)]
     result = {"case": name, "launches": "stubbed" if stub else "real",
               "backward_us": statistics.median(times) / 1e3, "best_round_us": min(rounds) / 1e3}
+    if device == "cuda":  # direct: launch_direct; c_launch: Triton's C function itself
+        result["steps"] = [{"step": repr(s), "direct": s.direct is not None,
+                            "c_launch": s.direct is not None and s.direct.c_launch is not None,
+                            "descriptors": len(s.direct.descriptors) if s.direct else 0}
+                           for s in launched]
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(25)
@@ -154,6 +172,8 @@ def main(argv=None) -> list[dict]:
             print(f"{name:18s} launches {result['launches']:7s} backward median "
                   f"{result['backward_us']:7.1f} us, best round {result['best_round_us']:7.1f} us",
                   flush=True)
+            for launched in result.get("steps", ()) if not stub else ():
+                print(f"   {launched}", flush=True)
             if "profile" in result:
                 print(result.pop("profile"))
             results.append(result)
