@@ -20,10 +20,13 @@ __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
 
 CONTIGUOUS = torch.contiguous_format  # the gradients' layout, whatever q, k, v's
 
+
 def _key(x: Inputs, call: AttentionCall, fusable: bool) -> tuple:
-    grad_lse = x.grad_lse
-    return ("backward", fusable, x.out.stride(), x.grad_out.shape, x.grad_out.stride(),
-            x.grad_out.dtype, plans.aligned(x.out, x.grad_out),
+    """The plan's key: the forward's layout key, the layout of out, dO and dlse, and which
+    captured tensors require grad."""
+    out, grad_out, grad_lse = x.out, x.grad_out, x.grad_lse
+    return ("backward", fusable, out.stride(), grad_out.shape, grad_out.stride(),
+            grad_out.dtype, (out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0),
             None if grad_lse is None else (grad_lse.dtype, grad_lse.stride(),
                                            grad_lse.data_ptr() % 16 == 0),
             call.score.grad_buffers if call.score else None,

@@ -222,12 +222,13 @@ def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target, tm
         wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None, **mode)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Inputs:
     """The tensors of one backward pass; ``grads``: the float32 (or int64 fixed-point)
     accumulators of the captured tensors' gradients by slot; ``delta``: where the kernels
     store rowsum(dO * O) - dlse [B, Hq, L] float32 for the caller (the sinks' gradient),
-    None for a buffer of their own."""
+    None for a buffer of their own. Made per call and never changed (not frozen: a frozen
+    dataclass's __init__ costs a few microseconds of every cached backward)."""
 
     q: torch.Tensor
     k: torch.Tensor
