@@ -91,7 +91,9 @@ def sinks_grad(sinks, lse, delta) -> torch.Tensor:
     exp(sink_h - lse) is the sink's share of the row's softmax and delta = rowsum(dO * O)
     - dlse (the kernels' DELTA). A sink is a score whose value vector is 0: its dS is
     p_sink * (0 - delta), and d lse / d sink = p_sink adds the dlse term. Rows with lse -inf
-    (only with a sink of -inf) give 0."""
-    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
-    p_sink = torch.where(lse == float("-inf"), 0.0, p_sink)
+    give 0: the sink is one of the row's scores, so lse >= sink and lse is -inf only where
+    the sink is; lse clamped to the lowest finite float makes their exponent -inf - (finite)
+    (one op where a test for -inf and a select took three) and changes no other row."""
+    lowest = torch.finfo(torch.float32).min
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse.clamp(min=lowest))
     return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)

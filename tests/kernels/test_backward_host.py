@@ -63,6 +63,9 @@ def case(name):
         kwargs["score_mod"] = alibi
     if name == "learnable_deterministic":
         kwargs["kernel_options"] = {"deterministic": True}
+    if name == "sinks":
+        kwargs["sinks"] = torch.randn(2, requires_grad=True)
+        leaves = [kwargs["sinks"]]
     return q, k, v, kwargs, leaves
 
 
@@ -78,7 +81,9 @@ def recorded_backward(monkeypatch, q, k, v, kwargs, grad_out) -> OpLog:
                 patch.setattr(torch.Tensor, method, _raising(method))
             patch.setattr(Step, "launch", counted_launch)
             with log:
-                return original(ctx, *grads)
+                results = original(ctx, *grads)
+        log.returned = [t.data_ptr() for t in results if t is not None]
+        return results
 
     def counted_launch(step, args, device):
         log.launches += 1
@@ -114,6 +119,9 @@ EXPECTED = {
     "ds_workspace": (3, {"allocation": 5}),
     "learnable_deterministic": (2, {"allocation": 4, "zeros_like": 1, "_to_copy": 2, "div": 1,
                                     "lt": 1, "all": 1, "where": 1, "scalar_tensor": 1}),
+    # the sinks' gradient from lse and delta (sinks_grad), poisoned like the others
+    "sinks": (2, {"allocation": 4, "clamp": 1, "sub": 1, "exp": 1, "mul": 1, "sum": 1,
+                  "neg": 1, "lt": 1, "all": 1, "where": 1, "scalar_tensor": 1}),
 }
 
 
@@ -132,18 +140,23 @@ def test_cached_backward_allocates_and_launches_only(monkeypatch, name):
             op = "allocation" if op in ALLOCATIONS else op
             work[op] = work.get(op, 0) + 1
     assert (log.launches, work) == EXPECTED[name], log.ops
+    # AccumulateGrad took the returned gradients as they are: nothing in flexfa kept a
+    # reference (which would make it copy each one on the device)
+    for t in (q, k, v, *leaves):
+        assert t.grad.data_ptr() in log.returned, "a gradient was copied by AccumulateGrad"
     # the cached backward's gradients are right (a stale plan binding would show here)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     slopes = leaves64[0] if leaves else None
-    if "score_mod" in kwargs and not leaves:
+    if "score_mod" in kwargs and not leaves:  # a captured tensor without grad
         slopes = kwargs["score_mod"].__closure__[0].cell_contents
 
     def alibi64(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
     score_mod = alibi64 if "score_mod" in kwargs else None
     mask_mod = flexfa.mods.sliding_window(32) if "block_mask" in kwargs else None
+    sinks = leaves64[0] if name == "sinks" else None
     attention_reference(q64, k64, v64, score_mod, mask_mod, enable_gqa=name == "gqa",
-                        ).backward(grad_out.double())
+                        sinks=sinks).backward(grad_out.double())
     for got, want in zip((q, k, v, *leaves), (q64, k64, v64, *leaves64)):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-4, rtol=2e-4)
