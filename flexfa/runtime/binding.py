@@ -65,10 +65,13 @@ def buffer_layout(score, mask) -> dict:
 _POINTER_NAMES: dict[tuple, tuple] = {}  # the mods' keys -> ((name, mod, slot), ...)
 
 
-def buffer_pointers(score, mask, detach: bool = False) -> dict:
-    """The captured tensors themselves (a call's values), detached for the backward. The
-    parameter names depend only on the mods' keys (structure, the tensors' shapes and
-    dtypes): found once per pair of keys, so a cached call does not render them again."""
+def buffer_pointers(score, mask) -> dict:
+    """The captured tensors themselves (a call's values), as they are: a launch reads only
+    their data (Triton's launcher their pointers, the interpreter their storages), and both
+    passes run without grad mode, so a tensor that requires grad needs no detached view (an
+    op per tensor in every cached backward). The parameter names depend only on the mods'
+    keys (structure, the tensors' shapes and dtypes): found once per pair of keys, so a
+    cached call does not render them again."""
     key = (score.key if score is not None else None, mask.key if mask is not None else None)
     names = _POINTER_NAMES.get(key)
     if names is None:
@@ -79,8 +82,6 @@ def buffer_pointers(score, mask, detach: bool = False) -> dict:
             _POINTER_NAMES.clear()
         _POINTER_NAMES[key] = names
     mods = (score, mask)
-    if detach:
-        return {name: mods[which].buffers[slot].detach() for name, which, slot in names}
     return {name: mods[which].buffers[slot] for name, which, slot in names}
 
 

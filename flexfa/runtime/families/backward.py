@@ -309,7 +309,7 @@ def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
               "DELTA": delta,
               "DLSE": x.grad_lse.float().contiguous() if x.grad_lse is not None else delta,
               "sm_scale": float(call.scale),
-              **binding.buffer_pointers(call.score, call.mask, detach=True),
+              **binding.buffer_pointers(call.score, call.mask),
               **binding.feature_values(call)}
     for slot, grad in x.grads.items():
         values[binding.gradient_pointer(slot)] = grad
