@@ -1,4 +1,4 @@
-"""The host time of a cached backward (``FlexAttentionFunction.backward``), with kernel launches stubbed.
+"""Host time of a cached backward (``FlexAttentionFunction.backward``), kernel launches stubbed.
 
 Each case runs one real fwd+bwd (on the CPU under Triton's interpreter), which makes the
 plans, then times ``FlexAttentionFunction.backward`` alone (a wrapper around it, the autograd

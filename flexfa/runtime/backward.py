@@ -49,9 +49,13 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     sinks_need_grad = call.sinks is not None and call.sinks.requires_grad
     delta = torch.empty_like(lse, dtype=torch.float32, memory_format=CONTIGUOUS) \
         if sinks_need_grad else None
-    # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time
-    x = Inputs(q, k, v, out, lse, grad_out, grad_lse,
-               *(torch.empty_like(t, memory_format=CONTIGUOUS) for t in (q, k, v)), grads, delta)
+    # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time. Without dK/dV
+    # wanted a cached plan binds no dk, dv (its dK/dV kernel does not run); a plan is made
+    # with real ones, whose strides it fixes
+    dk, dv = (torch.empty_like(k, memory_format=CONTIGUOUS),
+              torch.empty_like(v, memory_format=CONTIGUOUS)) if need_dkdv else (None, None)
+    x = Inputs(q, k, v, out, lse, grad_out, grad_lse, torch.empty_like(q, memory_format=CONTIGUOUS),
+               dk, dv, grads, delta)
     if q.numel() and k.numel():
         # the dS workspace only where no captured tensor needs a gradient and dK/dV are
         # wanted; when there is no room for it now (there was when it was planned), the call
@@ -63,6 +67,9 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
                 if plan is not None:
                     plan.family.run(plan, call, x, fusable, need_dkdv)
                 else:
+                    if x.dk is None:
+                        x.dk = torch.empty_like(k, memory_format=CONTIGUOUS)
+                        x.dv = torch.empty_like(v, memory_format=CONTIGUOUS)
                     target = target_of(q.device)
                     family = registry.choose("backward", target, call, q, k, v)
                     family.first_call(key, target, call, x, fusable, need_dkdv)
@@ -72,7 +79,8 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
                     raise
     else:  # nothing to attend: all gradients are zero
         for t in (x.dq, x.dk, x.dv):
-            t.zero_()
+            if t is not None:
+                t.zero_()
         if delta is not None:  # (out is 0: delta is -dlse)
             delta.copy_(-grad_lse if grad_lse is not None else torch.zeros_like(delta))
     buffer_grads = {}

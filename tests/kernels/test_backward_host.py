@@ -63,6 +63,9 @@ def case(name):
         kwargs["score_mod"] = alibi
     if name == "learnable_deterministic":
         kwargs["kernel_options"] = {"deterministic": True}
+    if name == "frozen_kv":  # no dK/dV wanted: no dk, dv allocated, one kernel
+        k.requires_grad_(False)
+        v.requires_grad_(False)
     if name == "dropout":  # the backward draws the forward's keep mask from its seed tensor
         kwargs["dropout_p"] = 0.25
     if name == "sinks":
@@ -122,6 +125,7 @@ EXPECTED = {
     "learnable_deterministic": (2, {"allocation": 4, "zeros_like": 1, "_to_copy": 2, "div": 1,
                                     "lt": 1, "all": 1, "where": 1, "scalar_tensor": 1}),
     "dropout": (2, {"allocation": 4}),
+    "frozen_kv": (1, {"allocation": 2}),
     # the sinks' gradient from lse and delta (sinks_grad), poisoned like the others
     "sinks": (2, {"allocation": 4, "clamp": 1, "sub": 1, "exp": 1, "mul": 1, "sum": 1,
                   "neg": 1, "lt": 1, "all": 1, "where": 1, "scalar_tensor": 1}),
@@ -146,11 +150,12 @@ def test_cached_backward_allocates_and_launches_only(monkeypatch, name):
     # AccumulateGrad took the returned gradients as they are: nothing in flexfa kept a
     # reference (which would make it copy each one on the device)
     for t in (q, k, v, *leaves):
-        assert t.grad.data_ptr() in log.returned, "a gradient was copied by AccumulateGrad"
+        if t.requires_grad:
+            assert t.grad.data_ptr() in log.returned, "a gradient was copied by AccumulateGrad"
     if name == "dropout":  # its gradients: tests/kernels/test_dropout.py
         return
     # the cached backward's gradients are right (a stale plan binding would show here)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v))
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     slopes = leaves64[0] if leaves else None
     if "score_mod" in kwargs and not leaves:  # a captured tensor without grad
@@ -164,4 +169,30 @@ def test_cached_backward_allocates_and_launches_only(monkeypatch, name):
     attention_reference(q64, k64, v64, score_mod, mask_mod, enable_gqa=name == "gqa",
                         sinks=sinks).backward(grad_out.double())
     for got, want in zip((q, k, v, *leaves), (q64, k64, v64, *leaves64)):
+        if got.requires_grad:
+            torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-4, rtol=2e-4)
+        else:
+            assert got.grad is None
+
+
+def test_a_plan_made_without_dkdv_serves_calls_that_want_them():
+    # with a captured tensor needing grad both calls take the same plan (not fusable): the
+    # first (k, v frozen) makes it with real dk, dv, whose strides it fixes; the second,
+    # wanting dK/dV, gets right gradients from it
+    q, k, v, kwargs, (slopes,) = case("learnable_deterministic")
+    k_strided, v_strided = (t.detach().transpose(1, 2).contiguous().transpose(1, 2)
+                            for t in (k, v))  # [B, S, H, E] memory: not what dk, dv get
+    grad_out = torch.randn(1, 2, 128, 16)
+    flexfa.flex_attention(q, k_strided, v_strided, **kwargs).backward(grad_out)
+    for t in (k_strided, v_strided):
+        t.requires_grad_()
+    q.grad = slopes.grad = None
+    flexfa.flex_attention(q, k_strided, v_strided, **kwargs).backward(grad_out)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k_strided, v_strided, slopes)]
+
+    def alibi64(score, b, h, q_idx, kv_idx):
+        return score + leaves64[3][h] * (kv_idx - q_idx)
+    attention_reference(*leaves64[:3], alibi64, flexfa.mods.sliding_window(32)
+                        ).backward(grad_out.double())
+    for got, want in zip((q, k_strided, v_strided, slopes), leaves64):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-4, rtol=2e-4)

@@ -227,8 +227,10 @@ class Inputs:
     """The tensors of one backward pass; ``grads``: the float32 (or int64 fixed-point)
     accumulators of the captured tensors' gradients by slot; ``delta``: where the kernels
     store rowsum(dO * O) - dlse [B, Hq, L] float32 for the caller (the sinks' gradient),
-    None for a buffer of their own. Made per call and never changed (not frozen: a frozen
-    dataclass's __init__ costs a few microseconds of every cached backward)."""
+    None for a buffer of their own; ``dk``, ``dv``: None in a cached call that wants no dK/dV
+    (the plan's dK/dV kernel does not run; a plan is made with them). Made per call (not
+    frozen: a frozen dataclass's __init__ costs a few microseconds of every cached
+    backward)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -238,8 +240,8 @@ class Inputs:
     grad_out: torch.Tensor
     grad_lse: torch.Tensor | None
     dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
     grads: dict
     delta: torch.Tensor | None = None
 
