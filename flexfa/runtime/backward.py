@@ -18,12 +18,15 @@ from .target import target_of
 
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
 
+CONTIGUOUS = torch.contiguous_format  # the gradients' layout, whatever q, k, v's
 
 
 def _key(x: Inputs, call: AttentionCall, fusable: bool) -> tuple:
-    grad_lse = x.grad_lse
-    return ("backward", fusable, x.out.stride(), x.grad_out.shape, x.grad_out.stride(),
-            x.grad_out.dtype, plans.aligned(x.out, x.grad_out),
+    """The plan's key: the forward's layout key, the layout of out, dO and dlse, and which
+    captured tensors require grad."""
+    out, grad_out, grad_lse = x.out, x.grad_out, x.grad_lse
+    return ("backward", fusable, out.stride(), grad_out.shape, grad_out.stride(),
+            grad_out.dtype, (out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0),
             None if grad_lse is None else (grad_lse.dtype, grad_lse.stride(),
                                            grad_lse.data_ptr() % 16 == 0),
             call.score.grad_buffers if call.score else None,
@@ -41,14 +44,18 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     joint = joint_graph(call.score)
     grad_slots = joint.grad_slots if joint is not None else ()
     accum = torch.int64 if call.options.deterministic else torch.float32
-    grads = {s: torch.zeros(call.score.buffers[s].shape, dtype=accum, device=q.device)
+    grads = {s: torch.zeros_like(call.score.buffers[s], dtype=accum, memory_format=CONTIGUOUS)
              for s in grad_slots}
     sinks_need_grad = call.sinks is not None and call.sinks.requires_grad
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device) \
+    delta = torch.empty_like(lse, dtype=torch.float32, memory_format=CONTIGUOUS) \
         if sinks_need_grad else None
-    x = Inputs(q, k, v, out, lse, grad_out, grad_lse,
-               *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), grads,
-               delta)
+    # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time. Without dK/dV
+    # wanted a cached plan binds no dk, dv (its dK/dV kernel does not run); a plan is made
+    # with real ones, whose strides it fixes
+    dk, dv = (torch.empty_like(k, memory_format=CONTIGUOUS),
+              torch.empty_like(v, memory_format=CONTIGUOUS)) if need_dkdv else (None, None)
+    x = Inputs(q, k, v, out, lse, grad_out, grad_lse, torch.empty_like(q, memory_format=CONTIGUOUS),
+               dk, dv, grads, delta)
     if q.numel() and k.numel():
         # the dS workspace only where no captured tensor needs a gradient and dK/dV are
         # wanted; when there is no room for it now (there was when it was planned), the call
@@ -60,6 +67,9 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
                 if plan is not None:
                     plan.family.run(plan, call, x, fusable, need_dkdv)
                 else:
+                    if x.dk is None:
+                        x.dk = torch.empty_like(k, memory_format=CONTIGUOUS)
+                        x.dv = torch.empty_like(v, memory_format=CONTIGUOUS)
                     target = target_of(q.device)
                     family = registry.choose("backward", target, call, q, k, v)
                     family.first_call(key, target, call, x, fusable, need_dkdv)
@@ -69,7 +79,8 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
                     raise
     else:  # nothing to attend: all gradients are zero
         for t in (x.dq, x.dk, x.dv):
-            t.zero_()
+            if t is not None:
+                t.zero_()
         if delta is not None:  # (out is 0: delta is -dlse)
             delta.copy_(-grad_lse if grad_lse is not None else torch.zeros_like(delta))
     buffer_grads = {}
@@ -88,7 +99,9 @@ def sinks_grad(sinks, lse, delta) -> torch.Tensor:
     exp(sink_h - lse) is the sink's share of the row's softmax and delta = rowsum(dO * O)
     - dlse (the kernels' DELTA). A sink is a score whose value vector is 0: its dS is
     p_sink * (0 - delta), and d lse / d sink = p_sink adds the dlse term. Rows with lse -inf
-    (only with a sink of -inf) give 0."""
-    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
-    p_sink = torch.where(lse == float("-inf"), 0.0, p_sink)
+    give 0: the sink is one of the row's scores, so lse >= sink and lse is -inf only where
+    the sink is; lse clamped to the lowest finite float makes their exponent -inf - (finite)
+    (one op where a test for -inf and a select took three) and changes no other row."""
+    lowest = torch.finfo(torch.float32).min
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse.clamp(min=lowest))
     return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)

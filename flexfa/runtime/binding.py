@@ -8,6 +8,8 @@ No family keeps an argument order of its own.
 """
 from __future__ import annotations
 
+import functools
+
 from ..codegen.forward import mod_buffer_args
 from ..codegen.params import table_names
 from ..codegen.render import buffer_args as buffer_arg_names
@@ -63,10 +65,13 @@ def buffer_layout(score, mask) -> dict:
 _POINTER_NAMES: dict[tuple, tuple] = {}  # the mods' keys -> ((name, mod, slot), ...)
 
 
-def buffer_pointers(score, mask, detach: bool = False) -> dict:
-    """The captured tensors themselves (a call's values), detached for the backward. The
-    parameter names depend only on the mods' keys (structure, the tensors' shapes and
-    dtypes): found once per pair of keys, so a cached call does not render them again."""
+def buffer_pointers(score, mask) -> dict:
+    """The captured tensors themselves (a call's values), as they are: a launch reads only
+    their data (Triton's launcher their pointers, the interpreter their storages), and both
+    passes run without grad mode, so a tensor that requires grad needs no detached view (an
+    op per tensor in every cached backward). The parameter names depend only on the mods'
+    keys (structure, the tensors' shapes and dtypes): found once per pair of keys, so a
+    cached call does not render them again."""
     key = (score.key if score is not None else None, mask.key if mask is not None else None)
     names = _POINTER_NAMES.get(key)
     if names is None:
@@ -77,19 +82,22 @@ def buffer_pointers(score, mask, detach: bool = False) -> dict:
             _POINTER_NAMES.clear()
         _POINTER_NAMES[key] = names
     mods = (score, mask)
-    if detach:
-        return {name: mods[which].buffers[slot].detach() for name, which, slot in names}
     return {name: mods[which].buffers[slot] for name, which, slot in names}
 
 
-def gradient_values(grads: dict, score) -> dict:
-    """The score_mod's gradient accumulators by slot: pointer and strides (``gbuf<i>_*``)."""
+def gradient_strides(grads: dict) -> dict:
+    """The score_mod's gradient accumulators' strides by slot (``gbuf<i>_stride*``): a plan
+    fixes them (each accumulator is contiguous in its captured tensor's shape)."""
     values = {}
     for slot, grad in grads.items():
-        arg = buffer_arg_names(slot, grad.dim(), "gbuf")
-        values[arg.ptr] = grad
-        values.update(zip(arg.strides, grad.stride()))
+        values.update(zip(buffer_arg_names(slot, grad.dim(), "gbuf").strides, grad.stride()))
     return values
+
+
+@functools.lru_cache(maxsize=64)
+def gradient_pointer(slot: int) -> str:
+    """The parameter name of gradient accumulator ``slot``'s pointer (a call's value)."""
+    return buffer_arg_names(slot, 0, "gbuf").ptr
 
 
 def feature_values(call) -> dict:

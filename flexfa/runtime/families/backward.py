@@ -222,12 +222,15 @@ def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target, tm
         wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None, **mode)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Inputs:
     """The tensors of one backward pass; ``grads``: the float32 (or int64 fixed-point)
     accumulators of the captured tensors' gradients by slot; ``delta``: where the kernels
     store rowsum(dO * O) - dlse [B, Hq, L] float32 for the caller (the sinks' gradient),
-    None for a buffer of their own."""
+    None for a buffer of their own; ``dk``, ``dv``: None in a cached call that wants no dK/dV
+    (the plan's dK/dV kernel does not run; a plan is made with them). Made per call (not
+    frozen: a frozen dataclass's __init__ costs a few microseconds of every cached
+    backward)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -237,8 +240,8 @@ class Inputs:
     grad_out: torch.Tensor
     grad_lse: torch.Tensor | None
     dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
     grads: dict
     delta: torch.Tensor | None = None
 
@@ -257,8 +260,13 @@ def make_steps(spec: BackwardSpec, loaded, x: Inputs, call: AttentionCall,
               **binding.strides("v", "bhnd", x.v.stride()),
               **binding.strides("g", "bhmd", x.grad_out.stride()),
               **binding.strides("o", "bhmd", x.out.stride()),
-              "HQ": Hq, "L": L, "S": S, **binding.buffer_layout(call.score, call.mask)}
+              "HQ": Hq, "L": L, "S": S, **binding.buffer_layout(call.score, call.mask),
+              # the accumulators are contiguous in their captured tensors' shapes (the key's)
+              **binding.gradient_strides(x.grads)}
     device = x.q.device
+    if not spec.ds_dq:  # no workspace: its band table and strides are dummies
+        layout.update({"DS_BAND": dummy_table(device), "MAX_SLOTS": 0,
+                       **binding.strides("band_", "bhn", (0, 0, 0))})
 
     def step(kernel: str, grid, constexprs, options, fixed) -> Step:
         function = f"{loaded.name}_{kernel}" if kernel in ("dq", "dkdv") else kernel
@@ -293,31 +301,20 @@ def descriptor_geometry(spec: BackwardSpec, x: Inputs) -> dict | None:
 
 def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
     """A backward call's values by parameter name: the tensors, the statistics, delta, the dS
-    workspace, the scale and the captured tensors (and their gradients)."""
+    workspace, the scale and the captured tensors (and their gradients' pointers); what the
+    plan's key fixes (strides, without the workspace its dummy band) is in its steps."""
     spec = plan.spec
-    B, Hq, L, _ = x.q.shape
-    S = x.k.shape[2]
-    device = x.q.device
-    delta = x.delta if x.delta is not None else torch.empty(B, Hq, L, dtype=torch.float32,
-                                                            device=device)
+    delta = x.delta if x.delta is not None else torch.empty_like(
+        x.lse, dtype=torch.float32, memory_format=torch.contiguous_format)
     values = {"Q": x.q, "K": x.k, "V": x.v, "DO": x.grad_out, "DOUT": x.grad_out,
               "OUT": x.out, "DQ": x.dq, "DK": x.dk, "DV": x.dv, "LSE": x.lse.contiguous(),
               "DELTA": delta,
               "DLSE": x.grad_lse.float().contiguous() if x.grad_lse is not None else delta,
               "sm_scale": float(call.scale),
-              **binding.buffer_pointers(call.score, call.mask, detach=True),
-              **binding.gradient_values(x.grads, call.score), **binding.feature_values(call)}
-    if spec.ds_dq:  # the workspace of block slots
-        band, slots = ds_workspace.bands_of(call.block_mask, L, S, spec.sparse_q,
-                                            spec.sparse_kv, device)
-        ds_rows = B * Hq * slots * spec.sparse_kv
-        ds = torch.empty(ds_rows * spec.sparse_q, dtype=x.q.dtype, device=device)
-        band_strides = broadcast_strides(band)[:3]
-    else:
-        ds_rows, ds, band, slots = 1, delta, dummy_table(device), 0
-        band_strides = [0, 0, 0]
-    values.update({"DS": ds, "DS_BAND": band, "MAX_SLOTS": slots,
-                   **binding.strides("band_", "bhn", band_strides)})
+              **binding.buffer_pointers(call.score, call.mask),
+              **binding.feature_values(call)}
+    for slot, grad in x.grads.items():
+        values[binding.gradient_pointer(slot)] = grad
     geometry_ = plan.fixed["geometry"]
     if geometry_ is not None:
         # a plan's first launch checks the descriptors; its key fixes what they read
@@ -327,10 +324,22 @@ def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
                       K_DESC=kind(x.k, *geometry_["k"]), V_DESC=kind(x.v, *geometry_["v"]))
     else:  # unused pointers in the kernels' descriptor slots
         values.update(Q_DESC=x.q, DO_DESC=x.grad_out, K_DESC=x.k, V_DESC=x.v)
+    if not spec.ds_dq:  # delta in the workspace's unused pointer slots
+        values["DS"] = values["DS_STORE"] = values["DS_LOAD"] = delta
+        return values
+    # the workspace of block slots: its bands follow the tables' contents (memoized on them)
+    B, Hq, L, _ = x.q.shape
+    S = x.k.shape[2]
+    band, slots = ds_workspace.bands_of(call.block_mask, L, S, spec.sparse_q, spec.sparse_kv,
+                                        x.q.device)
+    ds_rows = B * Hq * slots * spec.sparse_kv
+    ds = torch.empty(ds_rows * spec.sparse_q, dtype=x.q.dtype, device=x.q.device)
+    values.update({"DS": ds, "DS_BAND": band, "MAX_SLOTS": slots,
+                   **binding.strides("band_", "bhn", broadcast_strides(band)[:3])})
     # the workspace as dK/dV stores its tiles and as dQ loads them (descriptors of two block
     # shapes with TMA, else the pointer): DS_DESC of each kernel, set per step by ``run``
     values["DS_STORE"] = values["DS_LOAD"] = ds
-    if spec.ds_dq and geometry_ is not None:
+    if geometry_ is not None:
         view = ([ds_rows, spec.sparse_q], [spec.sparse_q, 1])
         values["DS_STORE"] = kind(ds, *view, [spec.block_n1, spec.block_m1])
         values["DS_LOAD"] = kind(ds, *view, [spec.block_n2, spec.block_m2])
