@@ -12,6 +12,9 @@ import weakref
 from collections import OrderedDict
 
 _ALL: "weakref.WeakSet" = weakref.WeakSet()
+# memos emptied so far (any memo, by clear or clear_all): what a caller keeps of a memo's
+# entries outside it (flexfa.prepared's plans) is used only while this is unchanged
+CLEARS = 0
 
 
 class BoundedMemo:
@@ -63,7 +66,9 @@ class BoundedMemo:
         return list(self._data.values())
 
     def clear(self) -> None:
+        global CLEARS
         with self._lock:
+            CLEARS += 1
             self._data.clear()
 
     def __repr__(self) -> str:

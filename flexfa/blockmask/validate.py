@@ -125,6 +125,19 @@ def _remember(block_mask, tables, geometry, state) -> None:
         pass
 
 
+def table_state(block_mask) -> TableState | None:
+    """The state of the mask's tables as last checked (a new object after every check that
+    found them changed), or None."""
+    return getattr(block_mask, _STATE, None)
+
+
+def still_checked(block_mask, state: TableState, L: int, S: int) -> bool:
+    """Whether ``state`` is the mask's table state and still matches its tables for lengths
+    (L, S): ``check_tables`` would pass without looking at the contents."""
+    return (getattr(block_mask, _STATE, None) is state
+            and state.matches(_tables(block_mask), (block_mask.BLOCK_SIZE, L, S)))
+
+
 def table_generations(block_mask) -> tuple:
     """(layout, contents) of the mask's tables as last checked: ``layout`` changes when a
     table is replaced (memos holding the tables themselves key on it), ``contents`` whenever a

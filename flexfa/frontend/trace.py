@@ -200,6 +200,12 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
     return entry
 
 
+def memoized(fn, kind: str) -> TracedMod | None:
+    """The trace the memo keeps for ``fn`` (its guard not checked), or None."""
+    entry = TRACE_MEMO.get(*_owner_and_key(fn, kind))
+    return entry.traced if entry is not None else None
+
+
 def _reusable(current: Guard | None, traced: TracedMod) -> bool:
     """A trace may be reused when its mod is guarded and every buffer is a tensor the mod
     captured. A buffer computed while tracing (``torch.tanh(t0)`` of a captured 0-d tensor

@@ -82,6 +82,17 @@ def buffer_pointers(score, mask, detach: bool = False) -> dict:
     return {name: mods[which].buffers[slot] for name, which, slot in names}
 
 
+def call_values(call) -> dict:
+    """A forward call's per-call values besides q, k, v, the outputs and the scale: the
+    captured tensors (``buffer_pointers``) and the optional features' (``feature_values``)."""
+    score, mask = call.score, call.mask
+    values = (buffer_pointers(score, mask) if (score is not None and score.buffers)
+              or (mask is not None and mask.buffers) else {})
+    if call.sinks is not None or call.dropout is not None:
+        values.update(feature_values(call))
+    return values
+
+
 def gradient_values(grads: dict, score) -> dict:
     """The score_mod's gradient accumulators by slot: pointer and strides (``gbuf<i>_*``)."""
     values = {}
