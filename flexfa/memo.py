@@ -91,10 +91,21 @@ class OwnedMemo:
         _ALL.add(self)
 
     def get(self, owner, key, default=None):
-        slot = self._owners.get(id(owner))
+        # the two memos' dicts read directly: this lookup is on every cached call's path
+        owners = self._owners._data
+        slot = owners.get(id(owner))
         if slot is None or slot[0]() is not owner:
             return default
-        return slot[1].get(key, default)
+        entries = slot[1]._data
+        value = entries.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        try:  # most recently used last (an entry removed by another thread meanwhile: done)
+            owners.move_to_end(id(owner))
+            entries.move_to_end(key)
+        except KeyError:
+            pass
+        return value
 
     def put(self, owner, key, value) -> None:
         owner_id = id(owner)
