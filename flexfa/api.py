@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from . import compiled
+from .autograd import FlexAttentionFunction
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
@@ -114,8 +115,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
     prepared = signature(query, key, value, score_mod, scale, enable_gqa, return_lse,
                          kernel_options, return_aux, sinks, dropout_p, dropout_seed)
+    score = None  # the score_mod's trace, where the lookup made it
     if prepared is not None:  # a repeated call: its checks of what may have changed
-        found = lookup(prepared, query, key, value, score_mod, block_mask, kernel_options)
+        found, score = lookup(prepared, query, key, value, score_mod, block_mask)
         if found is not None:
             call, key, value = found
             out, lse, _ = attend(query, key, value, call, return_lse, False)
@@ -144,13 +146,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if refs is not None:
             _VALIDATED[signature_[0]] = refs
     options = parse_kernel_options(kernel_options)
-    score = prepare_score_mod(score_mod)
+    if score is None:
+        score = prepare_score_mod(score_mod)
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call, key, value = attention_call(query, key, value, score, block_mask, scale, options,
                                       torch.is_grad_enabled(), sinks,
                                       prepare_dropout(dropout_p, dropout_seed, query.device))
     if prepared is not None:
-        record(prepared, score_mod, block_mask, call)
+        record(prepared, query, key, score_mod, block_mask, call)
     out, lse, maxs = attend(query, key, value, call, return_lse or aux_lse, aux_max)
     return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
 
@@ -164,7 +167,6 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool):
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)
             or (buffers and any(t.requires_grad for t in buffers))):
-        from .autograd import FlexAttentionFunction
         return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers)
     return run_forward(query, key, value, call, return_lse, return_max)
 

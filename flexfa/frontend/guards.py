@@ -27,6 +27,7 @@ import builtins
 import enum
 import functools
 import numbers
+import operator
 import types
 import weakref
 
@@ -224,7 +225,11 @@ class _Walk:
             return
         names = self.add_code(fn.__code__)
         if fn.__closure__:
-            self.value(tuple(_cell(c) for c in fn.__closure__))
+            try:
+                cells = tuple(map(_cell_contents, fn.__closure__))
+            except ValueError:  # an empty cell
+                cells = tuple(_cell(c) for c in fn.__closure__)
+            self.value(cells)
         if fn.__defaults__:
             self.value(fn.__defaults__)
         if fn.__kwdefaults__:
@@ -325,6 +330,9 @@ def _handler(cls: type):
         _HANDLERS.clear()
     _HANDLERS[cls] = handler
     return handler
+
+
+_cell_contents = operator.attrgetter("cell_contents")
 
 
 def _cell(cell):

@@ -135,10 +135,12 @@ def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list
 
 class TrustedDescriptor(TensorDescriptor):
     """A TensorDescriptor whose checks (alignment, strides, block shape) ran when its plan was
-    made, for a plan whose key fixes them: per call only the base tensor changes."""
+    made, for a plan whose key fixes them: per call only the base tensor changes (made on every
+    cached call: no dataclass __init__ and __post_init__)."""
 
-    def __post_init__(self):
-        pass
+    def __init__(self, base, shape, strides, block_shape, padding="zero"):
+        self.base, self.shape, self.strides = base, shape, strides
+        self.block_shape, self.padding = block_shape, padding
 
 
 def cdiv(a: int, b: int) -> int:
