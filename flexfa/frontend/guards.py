@@ -132,10 +132,22 @@ _VALUE_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, tor
                           torch.device, torch.layout, torch.memory_format})
 
 
+_ORDERED: dict[frozenset, list] = {}  # names -> sorted (a repeated walk reuses its names)
+
+
+def _ordered(names: frozenset) -> list:
+    ordered = _ORDERED.get(names)
+    if ordered is None:
+        if len(_ORDERED) > 4096:
+            _ORDERED.clear()
+        ordered = _ORDERED[names] = sorted(names)
+    return ordered
+
+
 class _Walk:
     def __init__(self, names: frozenset):
         self.names = set(names)
-        self.ordered = sorted(self.names)
+        self.ordered = _ORDERED.get(names) or _ordered(names)
         self.parts: list = []
         self.seen: dict[int, int] = {}
         self.keep: list = []  # objects whose ids are in ``seen``: alive for the walk
@@ -172,6 +184,12 @@ class _Walk:
             return
         self.seen[id(value)] = len(self.seen)
         self.keep.append(value)
+        if cls is torch.Tensor:  # the common captured value: no handler call
+            self.tensors.append(value)
+            self.identities.append(value)
+            self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
+                           value.requires_grad)
+            return
         handler = _HANDLERS.get(cls)
         if handler is None:
             handler = _handler(cls)
@@ -358,8 +376,7 @@ def guard(fn, names: frozenset = frozenset()) -> Guard | None:
             walk.value(fn)
         except (Unguardable, RecursionError):
             return None
-        if not walk.grew:
-            return Guard(tuple(walk.parts), frozenset(walk.names), tuple(walk.tensors),
-                         walk.identities)
+        if not walk.grew:  # its names are the ones it started from
+            return Guard(tuple(walk.parts), names, tuple(walk.tensors), walk.identities)
         names = frozenset(walk.names)
     return None
