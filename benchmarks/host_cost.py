@@ -63,9 +63,11 @@ class StubCompiled:
         return None
 
 
-def make_cases(flexfa, torch) -> dict:
-    """name -> a function making one call, on fresh inputs of the probe's shape."""
-    q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+def make_cases(flexfa, torch, device="cpu") -> dict:
+    """name -> a function making one call, on fresh inputs of the probe's shape on
+    ``device`` (``dispatch_overhead.py`` times the same cases on a GPU)."""
+    q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.bfloat16, device=device)
+               for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
     def causal(b, h, q_idx, kv_idx):
@@ -78,18 +80,18 @@ def make_cases(flexfa, torch) -> dict:
         def mask_mod(self, b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx <= self.window)
 
-    slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32))
+    slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32, device=device))
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
-    documents = torch.arange(128) // 40
+    documents = torch.arange(128, device=device) // 40
 
     def document(b, h, q_idx, kv_idx):
         return documents[q_idx] == documents[kv_idx]
 
     def mask(mask_mod):
-        return flexfa.create_block_mask(mask_mod, 1, None, 128, 128, device="cpu")
+        return flexfa.create_block_mask(mask_mod, 1, None, 128, 128, device=device)
 
     causal_mask, sliding, doc_mask = mask(causal), mask(Sliding(32).mask_mod), mask(document)
     attention = flexfa.flex_attention
