@@ -110,7 +110,8 @@ def lookup(signature_, query, key, value, score_mod, block_mask) -> tuple:
     full path takes it instead of tracing again). Raises as the full path would where a
     check fails."""
     signature_, options = signature_
-    entry = PREPARED.get(block_mask, signature_)
+    entry = (PREPARED.dense.get(signature_) if block_mask is None  # (MaskedMemo.get, inline)
+             else PREPARED.masked.get(block_mask, signature_))
     if entry is None or entry.options is not options:  # (an entry holds its options)
         return None, None
     if block_mask is not None and not still_checked(block_mask, entry.state, query.shape[2],

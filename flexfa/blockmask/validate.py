@@ -23,6 +23,7 @@ that are inference tensors (no version counter) are checked on every call.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -77,11 +78,15 @@ def _tables(block_mask) -> tuple:
         return tuple(getattr(block_mask, name, None) for name in TABLES)
 
 
+_version = operator.attrgetter("_version")
+_present = functools.partial(operator.is_not, None)
+
+
 def _versions(tables) -> list | None:
     """The present tables' version counters; None when a table is an inference tensor,
     which has none."""
     try:
-        return [t._version for t in tables if t is not None]
+        return list(map(_version, filter(_present, tables)))
     except RuntimeError:
         return None
 

@@ -24,6 +24,9 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _MAX_DESCRIPTORS = 16  # encoded TMA descriptors kept per descriptor argument of a plan
+# the current CUDA device without torch.cuda.current_device's lazy-init call: a direct launch
+# follows a first launch, which initialized CUDA
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 @dataclasses.dataclass
@@ -102,10 +105,12 @@ def _encoded(desc: TensorDescriptor, meta: dict, cache: dict) -> list:
     return expanded
 
 
-def _unset(hook) -> bool:
-    """No launch hook: None, or (Triton 3.6) an empty HookChain, which Triton's launcher
+def _no_hooks(hooks) -> bool:
+    """No launch hooks: each None, or (Triton 3.6) an empty HookChain, which Triton's launcher
     would still build launch metadata for and call twice per launch."""
-    return hook is None or getattr(hook, "calls", None) == []
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return ((enter is None or getattr(enter, "calls", None) == [])
+            and (leave is None or getattr(leave, "calls", None) == []))
 
 
 def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list) -> None:
@@ -115,13 +120,14 @@ def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list
     grid = (*grid, 1) if len(grid) == 2 else grid
     hooks = triton.knobs.runtime
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    if state.c_launch is not None and _unset(hooks.launch_enter_hook) \
-            and _unset(hooks.launch_exit_hook):
+    if state.c_launch is not None and _no_hooks(hooks):
         final = [*grid, stream, compiled.function, *state.prefix]
         start = 0
         for position, meta, cache in state.descriptors:
             final += args[start:position]
-            final += _encoded(args[position], meta, cache)
+            desc = args[position]
+            expanded = cache.get(desc.base.data_ptr())  # the common case, without a call
+            final += expanded if expanded is not None else _encoded(desc, meta, cache)
             start = position + 1
         final += args[start:]
         final += state.tail
@@ -173,7 +179,7 @@ class Step:
             self.kernel[self.grid](*args, **self.constexprs, **self.options)
             self.launched = True
             return
-        if self.direct is not None and device.index == torch.cuda.current_device():
+        if self.direct is not None and device.index == _current_device():
             launch_direct(self.direct, self.grid, device.index, args)
             return
         with torch.cuda.device(device):
