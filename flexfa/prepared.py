@@ -21,12 +21,13 @@ established everything the entry was derived from:
 - the captured tensors of both mods have the recorded shapes, strides, alignment and device;
 - the checks that read values on every call still run (captured tensors indexed by captured
   tensor values: ``reads_values``; a mask_mod reading tensors that require grad under
-  autograd), and a plan kept
-  in the entry is used only while the plan memo was not cleared since (``run_forward``).
+  autograd); a plan kept in the entry is used only until a memo is cleared
+  (``memo.CLEARS``, ``run_forward``).
 
-Calls with return_aux, sinks, dropout, an enormous scale or tensor subclasses take the full
-path every time. Nothing here keeps a user's object alive: entries hold the
-score_mod's trace weakly and live under the mask, whose own objects they hold.
+Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float or
+tensor subclasses take the full path every time. Nothing here keeps a user's object alive:
+entries hold the score_mod's trace weakly and live under the mask, whose own objects they
+hold.
 """
 from __future__ import annotations
 
