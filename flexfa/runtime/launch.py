@@ -24,9 +24,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _MAX_DESCRIPTORS = 16  # encoded TMA descriptors kept per descriptor argument of a plan
-# the current CUDA device without torch.cuda.current_device's lazy-init call: a direct launch
-# follows a first launch, which initialized CUDA
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 @dataclasses.dataclass
@@ -179,7 +176,7 @@ class Step:
             self.kernel[self.grid](*args, **self.constexprs, **self.options)
             self.launched = True
             return
-        if self.direct is not None and device.index == _current_device():
+        if self.direct is not None and device.index == torch.cuda.current_device():
             launch_direct(self.direct, self.grid, device.index, args)
             return
         with torch.cuda.device(device):
