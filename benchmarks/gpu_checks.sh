@@ -42,9 +42,9 @@ if [ "$PART" = v ]; then
   step bench_cases 150 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_bench_cases.py
   step hopper 40 python -m pytest -m gpu -q -rxX -p no:cacheprovider tests/gpu/test_hopper_gpu.py
   step fp8 40 python -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py
-  step dispatch 40 python benchmarks/dispatch_overhead.py
+  step dispatch 60 python benchmarks/dispatch_overhead.py --json "$OUT/dispatch.json"
   step host_step 60 python benchmarks/host_step.py 2048 64 causal --show profile --steps 20
-  tail -n 3 "$OUT/dispatch.log"
+  tail -n 8 "$OUT/dispatch.log"
   grep "host us per call" "$OUT/host_step.log"
 fi
 if [ "$PART" = r ]; then

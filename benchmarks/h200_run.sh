@@ -15,7 +15,7 @@ LIMIT=${2:-420}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 if [ "$PART" = a ]; then
   python benchmarks/first_call.py "$OUT/first_call.json" 2>&1 | grep -v Warning
-  python benchmarks/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.json"
+  python benchmarks/dispatch_overhead.py --json "$OUT/dispatch.json" 2>&1 | tee "$OUT/dispatch.log"
   timeout "$LIMIT" python -m flexfa bench --dims 128 --seqs 16384,8192,2048 --rep 50 \
     --out "$OUT/d128" 2>&1 | grep -v '^{"impl'
 else

@@ -12,12 +12,14 @@ import weakref
 import torch
 
 from . import compiled
+from .autograd import FlexAttentionFunction
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .inputs import check_aux, check_block_mask, check_scale, check_shapes, check_tensors
 from .lazy import lazy_function
 from .memo import BoundedMemo
+from .prepared import lookup, record, signature
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_score_mod
 
@@ -36,7 +38,7 @@ except ImportError:  # pragma: no cover - older torch
 run_forward = lazy_function("flexfa.runtime.forward", "run_forward")  # loads Triton
 
 # signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
-# Python-side cost of a cached call, benchmarks/python_dispatch.py). An entry holds the block
+# Python-side cost of a cached call, benchmarks/host_cost.py). An entry holds the block
 # mask and its tables only by weak reference (ids in the key, identity checked on a hit), so
 # it neither keeps a dropped mask alive nor matches a new object that reuses an id.
 _VALIDATED = BoundedMemo(256, "validated signatures")
@@ -111,14 +113,23 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                                      kernel_options, return_aux, sinks,
                                                      dropout_p, dropout_seed)
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
-    signature = _validation_key(query, key, value, block_mask, enable_gqa)
+    prepared = signature(query, key, value, score_mod, scale, enable_gqa, return_lse,
+                         kernel_options, return_aux, sinks, dropout_p, dropout_seed)
+    score = None  # the score_mod's trace, where the lookup made it
+    if prepared is not None:  # a repeated call: its checks of what may have changed
+        found, score = lookup(prepared, query, key, value, score_mod, block_mask)
+        if found is not None:
+            call, key, value = found
+            out, lse, _ = attend(query, key, value, call, return_lse, False)
+            return (out, lse) if return_lse else out
+    signature_ = _validation_key(query, key, value, block_mask, enable_gqa)
     checked = False  # the tensor, shape and block-mask checks passed for this signature before
-    if signature is not None:
+    if signature_ is not None:
         try:
-            refs = _VALIDATED.get(signature[0])
+            refs = _VALIDATED.get(signature_[0])
         except TypeError:  # a mask field that cannot be hashed: checked every time
-            signature = refs = None
-        checked = refs is not None and _still_same(refs, signature[1])
+            signature_ = refs = None
+        checked = refs is not None and _still_same(refs, signature_[1])
     if not checked:
         check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
@@ -131,15 +142,18 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     if not checked:
         check_block_mask(block_mask, query, key)
-        refs = _weak(signature[1]) if signature is not None else None
+        refs = _weak(signature_[1]) if signature_ is not None else None
         if refs is not None:
-            _VALIDATED[signature[0]] = refs
+            _VALIDATED[signature_[0]] = refs
     options = parse_kernel_options(kernel_options)
-    score = prepare_score_mod(score_mod)
+    if score is None:
+        score = prepare_score_mod(score_mod)
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call, key, value = attention_call(query, key, value, score, block_mask, scale, options,
                                       torch.is_grad_enabled(), sinks,
                                       prepare_dropout(dropout_p, dropout_seed, query.device))
+    if prepared is not None:
+        record(prepared, query, key, score_mod, block_mask, call)
     out, lse, maxs = attend(query, key, value, call, return_lse or aux_lse, aux_max)
     return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
 
@@ -149,10 +163,10 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool):
     when a gradient is needed (lse is then always computed), else the forward alone."""
     buffers = call.score.buffers if call.score is not None else ()
     sinks = call.sinks
-    inputs = (query, key, value, *buffers) if sinks is None else (query, key, value, sinks,
-                                                                  *buffers)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        from .autograd import FlexAttentionFunction
+    if torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+            or (sinks is not None and sinks.requires_grad)
+            or (buffers and any(t.requires_grad for t in buffers))):
         return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers)
     return run_forward(query, key, value, call, return_lse, return_max)
 

@@ -12,6 +12,9 @@ import weakref
 from collections import OrderedDict
 
 _ALL: "weakref.WeakSet" = weakref.WeakSet()
+# memos emptied so far (any memo, by clear or clear_all): what a caller keeps of a memo's
+# entries outside it (flexfa.prepared's plans) is used only while this is unchanged
+CLEARS = 0
 
 
 class BoundedMemo:
@@ -63,7 +66,9 @@ class BoundedMemo:
         return list(self._data.values())
 
     def clear(self) -> None:
+        global CLEARS
         with self._lock:
+            CLEARS += 1
             self._data.clear()
 
     def __repr__(self) -> str:
@@ -86,10 +91,21 @@ class OwnedMemo:
         _ALL.add(self)
 
     def get(self, owner, key, default=None):
-        slot = self._owners.get(id(owner))
+        # the two memos' dicts read directly: this lookup is on every cached call's path
+        owners = self._owners._data
+        slot = owners.get(id(owner))
         if slot is None or slot[0]() is not owner:
             return default
-        return slot[1].get(key, default)
+        entries = slot[1]._data
+        value = entries.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        try:  # most recently used last (an entry removed by another thread meanwhile: done)
+            owners.move_to_end(id(owner))
+            entries.move_to_end(key)
+        except KeyError:
+            pass
+        return value
 
     def put(self, owner, key, value) -> None:
         owner_id = id(owner)

@@ -122,7 +122,7 @@ def main() -> None:
                                   (64, 64, 64, 64, 4, 3)])
     print(f"[{time.perf_counter() - start:.0f}s] backward done", flush=True)
     from dispatch_overhead import main as dispatch
-    emit(kind="dispatch", **dispatch(2000))
+    emit(kind="dispatch", **dispatch(["--calls", "2000"]))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(ROWS, f, indent=1)

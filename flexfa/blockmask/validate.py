@@ -23,6 +23,7 @@ that are inference tensors (no version counter) are checked on every call.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -77,11 +78,15 @@ def _tables(block_mask) -> tuple:
         return tuple(getattr(block_mask, name, None) for name in TABLES)
 
 
+_version = operator.attrgetter("_version")
+_present = functools.partial(operator.is_not, None)
+
+
 def _versions(tables) -> list | None:
     """The present tables' version counters; None when a table is an inference tensor,
     which has none."""
     try:
-        return [t._version for t in tables if t is not None]
+        return list(map(_version, filter(_present, tables)))
     except RuntimeError:
         return None
 
@@ -123,6 +128,19 @@ def _remember(block_mask, tables, geometry, state) -> None:
         setattr(block_mask, _STATE, TableState(tables, _versions(tables), geometry, layout))
     except AttributeError:  # a frozen or slotted mask object: checked on every call
         pass
+
+
+def table_state(block_mask) -> TableState | None:
+    """The state of the mask's tables as last checked (a new object after every check that
+    found them changed), or None."""
+    return getattr(block_mask, _STATE, None)
+
+
+def still_checked(block_mask, state: TableState, L: int, S: int) -> bool:
+    """Whether ``state`` is the mask's table state and still matches its tables for lengths
+    (L, S): ``check_tables`` would pass without looking at the contents."""
+    return (getattr(block_mask, _STATE, None) is state
+            and state.matches(_tables(block_mask), (block_mask.BLOCK_SIZE, L, S)))
 
 
 def table_generations(block_mask) -> tuple:

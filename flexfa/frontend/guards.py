@@ -17,8 +17,9 @@ What the walk cannot see through makes the mod unguarded (``guard`` returns None
 traced again on every call, never reused stale: objects of C types it does not know,
 dynamic lookups (``getattr``, ``vars``, ``eval``, ``globals``... anywhere in the reached code),
 custom ``__getattr__``/``__getattribute__``, and more than ``MAX_STEPS`` values.
-Identities are held by weak reference where possible, so a guard never keeps a mod's
-objects alive.
+A kept guard (``Guard.keep``: the trace memo's) holds the objects it compares by identity by
+weak reference where possible, so it never keeps a mod's objects alive; comparing two guards
+is one tuple comparison (ids, values, types) and a flag that the kept one's objects live.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import builtins
 import enum
 import functools
 import numbers
+import operator
 import types
 import weakref
 
@@ -47,66 +49,62 @@ class Unguardable(Exception):
     """The walk met state it cannot fingerprint."""
 
 
-class Ref:
-    """Identity of an object, by weak reference where it can be: equal only to a Ref of the
-    same, still living object."""
-
-    __slots__ = ("_ref", "_obj", "_id")
-
-    def __init__(self, obj):
-        self._id = id(obj)
-        try:
-            self._ref, self._obj = weakref.ref(obj), None
-        except TypeError:  # builtins, code objects of some kinds: held, they own no user data
-            self._ref, self._obj = None, obj
-
-    def get(self):
-        return self._obj if self._ref is None else self._ref()
-
-    def __eq__(self, other):
-        if not isinstance(other, Ref) or other._id != self._id:
-            return False
-        obj = self.get()
-        return obj is not None and obj is other.get()
-
-    def __hash__(self):
-        return self._id
-
-    def __repr__(self):
-        return f"Ref({type(self.get()).__name__} at {self._id:#x})"
-
-
 class Guard:
-    """The fingerprint of one walk and the attribute names it used."""
+    """The fingerprint of one walk and the attribute names it used.
 
-    __slots__ = ("fingerprint", "names", "tensors")
+    The fingerprint names an object compared by identity by its id (``("id", n)``), and the
+    guard holds each such object (``identities``): strongly while it is a walk's result, by
+    weak reference once it is kept (``keep``). A kept guard whose object died compares unequal
+    to every guard, so an id reused by a new object never matches it: two guards are equal
+    only if their fingerprints are and both still hold every object they name."""
 
-    def __init__(self, fingerprint: tuple, names: frozenset, tensors: tuple):
+    __slots__ = ("fingerprint", "names", "tensors", "_held", "_live", "__weakref__")
+
+    def __init__(self, fingerprint: tuple, names: frozenset, tensors: tuple, identities: list):
         self.fingerprint = fingerprint
         self.names = names
         self.tensors = tensors  # every tensor reached (trace's in-place and reuse checks)
+        self._held = identities
+        self._live = True
+
+    def keep(self) -> "Guard":
+        """This guard, from now on holding the objects it names by weak reference where they
+        allow one (builtins and code objects of some kinds are held; they own no user data)."""
+        me = weakref.ref(self)
+
+        def dead(_) -> None:
+            kept = me()
+            if kept is not None:
+                kept._live = False
+        held = []
+        for obj in self._held:
+            try:
+                held.append(weakref.ref(obj, dead))
+            except TypeError:
+                held.append(obj)
+        self._held = held
+        return self
 
     def __eq__(self, other):
-        return isinstance(other, Guard) and self.fingerprint == other.fingerprint
+        return (isinstance(other, Guard) and self._live and other._live
+                and self.fingerprint == other.fingerprint)
+
+    __hash__ = None
 
 
-_LIBRARY_TYPES: dict[type, bool] = {}
 _BUILTIN_NAMES = vars(builtins)
 _LIBRARY_MODULES = frozenset({"torch", "math", "numpy", "triton", "torch.nn.functional",
                               "torch.special", "operator", "functools"})
 
 
+@functools.lru_cache(maxsize=4096)
 def is_library_name(module: str) -> bool:
     return module.partition(".")[0] in LIBRARIES
 
 
 def _is_library_type(cls: type) -> bool:
-    known = _LIBRARY_TYPES.get(cls)
-    if known is None:
-        if len(_LIBRARY_TYPES) > 4096:
-            _LIBRARY_TYPES.clear()
-        known = _LIBRARY_TYPES[cls] = is_library_name(getattr(cls, "__module__", "") or "")
-    return known
+    # by the module's name, not the class: a cache of classes would keep the user's alive
+    return is_library_name(getattr(cls, "__module__", "") or "")
 
 
 _CODE_NAMES: dict[int, tuple] = {}
@@ -134,17 +132,35 @@ _VALUE_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, tor
                           torch.device, torch.layout, torch.memory_format})
 
 
+_ORDERED: dict[frozenset, list] = {}  # names -> sorted (a repeated walk reuses its names)
+
+
+def _ordered(names: frozenset) -> list:
+    ordered = _ORDERED.get(names)
+    if ordered is None:
+        if len(_ORDERED) > 4096:
+            _ORDERED.clear()
+        ordered = _ORDERED[names] = sorted(names)
+    return ordered
+
+
 class _Walk:
     def __init__(self, names: frozenset):
         self.names = set(names)
-        self.ordered = sorted(self.names)
+        self.ordered = _ORDERED.get(names) or _ordered(names)
         self.parts: list = []
         self.seen: dict[int, int] = {}
         self.keep: list = []  # objects whose ids are in ``seen``: alive for the walk
         self.tensors: list = []
+        self.identities: list = []  # objects the fingerprint names by id
         self.grew = False
 
-    def add_code(self, code: types.CodeType) -> None:
+    def identity(self, obj) -> None:
+        self.parts.append(("id", id(obj)))
+        self.identities.append(obj)
+
+    def add_code(self, code: types.CodeType) -> frozenset:
+        """Record ``code`` and add its names to the walk's; returns them."""
         names = code_names(code)
         if not names.isdisjoint(DYNAMIC_NAMES):
             raise Unguardable(f"code {code.co_name!r} looks attributes up dynamically")
@@ -152,6 +168,7 @@ class _Walk:
             self.names |= names
             self.grew = True
         self.parts.append(code)
+        return names
 
     def value(self, value) -> None:
         cls = type(value)
@@ -167,6 +184,12 @@ class _Walk:
             return
         self.seen[id(value)] = len(self.seen)
         self.keep.append(value)
+        if cls is torch.Tensor:  # the common captured value: no handler call
+            self.tensors.append(value)
+            self.identities.append(value)
+            self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
+                           value.requires_grad)
+            return
         handler = _HANDLERS.get(cls)
         if handler is None:
             handler = _handler(cls)
@@ -174,7 +197,9 @@ class _Walk:
 
     def tensor(self, value: torch.Tensor) -> None:
         self.tensors.append(value)
-        self.parts += (Ref(value), value.shape, value.dtype, value.device, value.requires_grad)
+        self.identities.append(value)
+        self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
+                       value.requires_grad)
 
     def number(self, value) -> None:
         self.parts += (type(value), value)
@@ -194,7 +219,7 @@ class _Walk:
         if is_library_name(value.__name__):
             self.parts.append(value)  # modules live as long as the process: held, compared
             return
-        self.parts.append(Ref(value))
+        self.identity(value)
         self.attributes(value, vars(value))
 
     def builtin(self, value) -> None:
@@ -214,17 +239,21 @@ class _Walk:
 
     def function(self, fn: types.FunctionType) -> None:
         if is_library_name(fn.__module__ or ""):
-            self.parts.append(Ref(fn))
+            self.identity(fn)
             return
-        self.add_code(fn.__code__)
+        names = self.add_code(fn.__code__)
         if fn.__closure__:
-            self.value(tuple(_cell(c) for c in fn.__closure__))
+            try:
+                cells = tuple(map(_cell_contents, fn.__closure__))
+            except ValueError:  # an empty cell
+                cells = tuple(_cell(c) for c in fn.__closure__)
+            self.value(cells)
         if fn.__defaults__:
             self.value(fn.__defaults__)
         if fn.__kwdefaults__:
             self.value(fn.__kwdefaults__)
         globals_, parts = fn.__globals__, self.parts
-        for name in code_names(fn.__code__):
+        for name in names:
             found = globals_.get(name, _MISSING)
             if found is _MISSING:
                 found = _BUILTIN_NAMES.get(name, _MISSING)
@@ -265,13 +294,14 @@ class _Walk:
             self.value(found)
 
     def klass(self, cls: type) -> None:
-        self.parts.append(Ref(cls))
+        self.identity(cls)
         if _is_library_type(cls):
             return
         for name in self.ordered:
             for base in cls.__mro__:
                 if name in base.__dict__:
-                    self.parts += (name, Ref(base))
+                    self.parts.append(name)
+                    self.identity(base)
                     self.value(base.__dict__[name])
                     break
 
@@ -320,6 +350,9 @@ def _handler(cls: type):
     return handler
 
 
+_cell_contents = operator.attrgetter("cell_contents")
+
+
 def _cell(cell):
     try:
         return cell.cell_contents
@@ -343,7 +376,7 @@ def guard(fn, names: frozenset = frozenset()) -> Guard | None:
             walk.value(fn)
         except (Unguardable, RecursionError):
             return None
-        if not walk.grew:
-            return Guard(tuple(walk.parts), frozenset(walk.names), tuple(walk.tensors))
+        if not walk.grew:  # its names are the ones it started from
+            return Guard(tuple(walk.parts), names, tuple(walk.tensors), walk.identities)
         names = frozenset(walk.names)
     return None

@@ -187,7 +187,7 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
     names = frozenset() if entry is None or entry.guard is None else entry.guard.names
     current = guard(fn, names)
     if (entry is not None and current is not None and current == entry.guard
-            and entry.reads_unchanged()):
+            and (not entry.reads or entry.reads_unchanged())):
         return entry
     if expected is None:
         expected = mod_kind(fn)
@@ -196,8 +196,15 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
     traced, reads, raw = _trace_uncached(fn, kind, current)
     entry = TraceEntry(traced, current, reads, raw)
     if _reusable(current, traced):
+        current.keep()  # its objects held weakly from now on
         TRACE_MEMO.put(owner, key, entry)
     return entry
+
+
+def memoized(fn, kind: str) -> TracedMod | None:
+    """The trace the memo keeps for ``fn`` (its guard not checked), or None."""
+    entry = TRACE_MEMO.get(*_owner_and_key(fn, kind))
+    return entry.traced if entry is not None else None
 
 
 def _reusable(current: Guard | None, traced: TracedMod) -> bool:

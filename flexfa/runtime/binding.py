@@ -85,6 +85,17 @@ def buffer_pointers(score, mask) -> dict:
     return {name: mods[which].buffers[slot] for name, which, slot in names}
 
 
+def call_values(call) -> dict:
+    """A forward call's per-call values besides q, k, v, the outputs and the scale: the
+    captured tensors (``buffer_pointers``) and the optional features' (``feature_values``)."""
+    score, mask = call.score, call.mask
+    values = (buffer_pointers(score, mask) if (score is not None and score.buffers)
+              or (mask is not None and mask.buffers) else {})
+    if call.sinks is not None or call.dropout is not None:
+        values.update(feature_values(call))
+    return values
+
+
 def gradient_strides(grads: dict) -> dict:
     """The score_mod's gradient accumulators' strides by slot (``gbuf<i>_stride*``): a plan
     fixes them (each accumulator is contiguous in its captured tensor's shape)."""

@@ -39,10 +39,11 @@ class AttentionCall:
     """The traced mods, the block mask, scale, options and GQA group of one call, and its
     optional features: ``sinks`` (a contiguous [Hq] tensor of per-head sink logits) and
     ``dropout`` (a ``Dropout``). Made per call (a few attribute stores); nothing caches it,
-    so it keeps nothing alive."""
+    so it keeps nothing alive. ``plans``: where a prepared call (``flexfa.prepared``) keeps
+    the forward plans it ran, or None."""
 
     __slots__ = ("score", "mask", "block_mask", "scale", "options", "gqa_group", "sinks",
-                 "dropout")
+                 "dropout", "plans")
 
     def __init__(self, score: TracedMod | None, mask: TracedMod | None, block_mask,
                  scale: float, options: KernelOptions, gqa_group: int, sinks=None,
@@ -55,6 +56,7 @@ class AttentionCall:
         self.gqa_group = gqa_group  # query heads per kv head
         self.sinks = sinks
         self.dropout = dropout
+        self.plans: dict | None = None
 
     @property
     def scores_first(self) -> bool:

@@ -7,6 +7,7 @@ family's ``run`` (allocate the outputs, bind the tensors, launch the compiled ke
 """
 from __future__ import annotations
 
+from .. import memo
 from . import families  # noqa: F401  (registers the kernel families)
 from . import plans, registry
 from .call import AttentionCall
@@ -25,9 +26,17 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
     rows' max scores [B, Hq, L] float32 or None): ``return_max`` is torch's
     ``AuxRequest(max_scores=True)``, max over keys of score_mod(q.k * scale) where the mask
     keeps the key, -inf for a row with nothing to attend."""
+    kept = call.plans  # a prepared call's plans (flexfa.prepared): valid until a memo is cleared
+    if kept is not None:
+        found = kept.get((return_lse, return_max))
+        if found is not None and found[0] == memo.CLEARS:
+            plan = found[1]
+            return plan.family.run(plan, call, q, k, v, return_lse, return_max)
     key = forward_plan_key(q, k, v, call, return_lse, return_max)
     plan = plans.find(call, key)
     if plan is not None:
+        if kept is not None:
+            kept[(return_lse, return_max)] = (memo.CLEARS, plan)
         return plan.family.run(plan, call, q, k, v, return_lse, return_max)
     if q.numel() == 0 or v.shape[3] == 0:
         return empty_outputs(q, v, return_lse, return_max)

@@ -140,6 +140,19 @@ def check_captured_indices(score: TracedMod | None, mask: TracedMod | None,
         _check_mod(mask, q_shape, kv_len, device)
 
 
+def reads_values(score: TracedMod | None, mask: TracedMod | None, q_shape: tuple[int, ...],
+                 kv_len: int) -> bool:
+    """Whether ``check_captured_indices`` for these mods and sizes has work on each call
+    (indices computed from captured tensor values, whose versions it checks); True where it
+    has not run for them yet. Its other outcomes depend only on the mods' keys and sizes."""
+    for mod in (score, mask):
+        if mod is not None and mod.buffers:
+            result = _STATIC.get((mod.key, q_shape, kv_len))
+            if result is None or result[0] is not None or result[1]:
+                return True
+    return False
+
+
 def _check_mod(mod: TracedMod, q_shape, kv_len: int, device) -> None:
     memo_key = (mod.key, q_shape, kv_len)
     result = _STATIC.get(memo_key)

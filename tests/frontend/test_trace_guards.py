@@ -242,6 +242,22 @@ def test_dropping_a_mod_drops_its_trace_and_captured_tensors():
     assert len(TRACE_MEMO) < count
 
 
+def test_a_kept_guard_holds_no_object_and_dies_with_one():
+    """A kept guard names classes, modules and library functions by id and holds them weakly:
+    once one dies (and a new object may take its id) the guard equals no guard."""
+    holder = [type("Config", (), {"factor": 2.0})]
+    config = weakref.ref(holder[0])
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * holder[0].factor
+    kept = guard(mod).keep()
+    assert guard(mod) == kept
+    holder[0] = type("Config", (), {"factor": 2.0})  # equal contents, another class
+    gc.collect()
+    assert config() is None, "the kept guard must not hold the class"
+    assert guard(mod) != kept and kept != kept
+
+
 def test_fresh_lambdas_do_not_grow_the_memo():
     TRACE_MEMO.clear()
     for i in range(200):

@@ -192,8 +192,7 @@ class AmpereForward(KernelFamily):
         stat_lse, stat_max = stat_args(out, lse, maxs)
         plan.steps[0].launch_with(
             {"Q": q, "K": k, "V": v, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
-             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask),
-             **binding.feature_values(call)}, q.device)
+             "sm_scale": float(call.scale), **binding.call_values(call)}, q.device)
         if splits:
             combine_splits(out, lse, maxs, *results, sinks=call.sinks)
             return results

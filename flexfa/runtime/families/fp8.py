@@ -156,8 +156,7 @@ class FP8Forward(KernelFamily):
         plan.steps[0].launch_with(
             {"Q": x.q, "K": x.k, "V": x.v, "Q_SCALE": x.q_scale, "K_SCALE": x.k_scale,
              "V_SCALE": x.v_scale, "OUT": out, "LSE": lse if lse is not None else out,
-             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask),
-             **binding.feature_values(call)}, x.q.device)
+             "sm_scale": float(call.scale), **binding.call_values(call)}, x.q.device)
         return out, lse
 
 

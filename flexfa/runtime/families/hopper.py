@@ -247,8 +247,7 @@ class HopperForward(KernelFamily):
         step.launch_with(
             {"Q_DESC": kind(q, qs, qt, qb), "K_DESC": kind(k, ks, kt, kb),
              "V_DESC": kind(v, vs, vt, vb), "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
-             "sm_scale": float(call.scale), **binding.buffer_pointers(call.score, call.mask),
-             **binding.feature_values(call)}, q.device)
+             "sm_scale": float(call.scale), **binding.call_values(call)}, q.device)
 
     def choose_config(self, q, k, v, call, target, return_lse, out, lse) -> tuple:
         """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg): pinned, stored, tuned now, or

@@ -1,0 +1,206 @@
+"""A repeated call takes its prepared entry (flexfa.prepared) only while everything the entry
+was derived from still holds: each test calls, changes one thing, calls again and compares the
+result with the float64 reference of the new state. Also: the entry keeps nothing alive, and
+a cached call's Python work stays small (counted in functions entered, not timed)."""
+import gc
+import importlib.util
+import os
+import sys
+import types
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import prepared
+from tests.reference import assert_close_to_reference, reference_pair
+
+trace_module = sys.modules["flexfa.frontend.trace"]  # flexfa.frontend.trace is the function
+
+L, E = 64, 16
+
+
+def _qkv(dtype=torch.float32):
+    torch.manual_seed(0)
+    return [torch.randn(1, 2, L, E, dtype=dtype) for _ in range(3)]
+
+
+def _check(out, q, k, v, score_mod=None, mask_mod=None):
+    (ref, _), (eager, _) = reference_pair(q, k, v, score_mod, mask_mod)
+    assert_close_to_reference(out, ref, eager)
+
+
+def _prepared_hits(monkeypatch) -> list:
+    """Records each lookup's outcome (True: the prepared entry served the call)."""
+    hits, lookup = [], prepared.lookup
+
+    def spy(*args):
+        found = lookup(*args)
+        hits.append(found[0] is not None)
+        return found
+    monkeypatch.setattr(flexfa.api, "lookup", spy)
+    return hits
+
+
+class Shift:
+    def __init__(self):
+        self.amount = 0.0
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.amount * (q_idx - kv_idx)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def test_a_changed_attribute_is_seen_by_the_next_call(monkeypatch):
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+    shift = Shift()
+    mask = flexfa.create_block_mask(causal, 1, None, L, L, device="cpu", BLOCK_SIZE=32)
+    for amount in (0.0, 0.0, 0.0, 0.5, 0.5):
+        shift.amount = amount
+        with torch.no_grad():
+            out = flexfa.flex_attention(q, k, v, shift.score_mod, block_mask=mask)
+        _check(out, q, k, v, shift.score_mod, causal)
+    # the second and third calls are served; the change of amount makes a new trace
+    assert hits == [False, True, True, False, True]
+
+
+def test_captured_tensor_edited_in_place_or_restrided(monkeypatch):
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+    bias = torch.randn(L, L)
+    holder = {"bias": bias}
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + holder["bias"][q_idx, kv_idx]
+    for step in range(4):
+        if step == 2:
+            bias.mul_(-2.0)  # new values, same tensor: the kernel reads them, no new trace
+        if step == 3:  # a new tensor with other strides: a new trace and plan
+            holder["bias"] = bias.t().contiguous().t()
+        out = flexfa.flex_attention(q, k, v, biased)
+        _check(out, q, k, v, biased)
+    assert hits == [False, True, True, False]
+
+
+def test_a_cleared_plan_memo_plans_again(monkeypatch):
+    from flexfa.runtime import plans
+
+    q, k, v = _qkv()
+    flexfa.flex_attention(q, k, v)
+    flexfa.flex_attention(q, k, v)
+    plans.PLANS.clear()
+    flexfa.flex_attention(q, k, v)
+    assert len(plans.PLANS) == 1, "the prepared entry's kept plan must not outlive the memo"
+
+
+def test_the_default_backend_is_part_of_the_entry(monkeypatch):
+    from flexfa.runtime import plans
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv())
+    for _ in range(2):
+        flexfa.flex_attention(q, k, v)
+    monkeypatch.setenv("FLEXFA_BACKEND", "HOPPER")
+    out = flexfa.flex_attention(q, k, v)
+    _check(out, q, k, v)
+    assert "hopper" in {p.family.name for p in plans.PLANS.values()}
+
+
+def test_kernel_options_edited_in_place(monkeypatch):
+    from flexfa.errors import InputError
+    from flexfa.runtime import plans
+
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+    options = {"BLOCK_M": 32, "BLOCK_N": 32}
+    for _ in range(2):
+        flexfa.flex_attention(q, k, v, kernel_options=options)
+    options["BLOCK_M"] = 16
+    out = flexfa.flex_attention(q, k, v, kernel_options=options)
+    _check(out, q, k, v)
+    assert hits == [False, True, False]
+    assert 16 in {p.spec.block_m for p in plans.PLANS.values()}
+    options["BLOCK_M"] = 24
+    with pytest.raises(InputError, match="BLOCK_M"):
+        flexfa.flex_attention(q, k, v, kernel_options=options)
+
+
+def test_an_unguarded_mod_is_traced_once_per_call(monkeypatch):
+    q, k, v = _qkv()
+    config = types.SimpleNamespace(factor=0.5)
+
+    def dynamic(score, b, h, q_idx, kv_idx):  # getattr: state the guards cannot follow
+        return score * getattr(config, "factor")
+    traces, trace_uncached = [], trace_module._trace_uncached
+
+    def spy(*args):
+        traces.append(1)
+        return trace_uncached(*args)
+    monkeypatch.setattr(trace_module, "_trace_uncached", spy)
+    for _ in range(3):
+        flexfa.flex_attention(q, k, v, dynamic)
+    assert len(traces) == 3
+
+
+@pytest.mark.parametrize("block", [32, 24], ids=["tiled", "coarsened"])
+def test_entries_keep_no_mod_mask_or_tensor_alive(block, monkeypatch):
+    """Entries live under the mask; 24-row blocks run through a coarser mask kept with it."""
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+
+    def calls():
+        bias = torch.randn(2, L, L)
+        doc = torch.arange(L) // 20
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx, kv_idx]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+        mask = flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu",
+                                        BLOCK_SIZE=block)
+        for _ in range(3):  # the third call is served by the prepared entry
+            out = flexfa.flex_attention(q, k, v, score_mod, block_mask=mask)
+        assert hits == [False, True, True]
+        _check(out, q, k, v, score_mod, mask_mod)
+        return [weakref.ref(x) for x in (bias, doc, mask, mask.kv_indices, score_mod, mask_mod)]
+    refs = calls()
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+def _functions_entered():
+    """benchmarks/host_cost.py's count of flexfa functions a call enters (sys.setprofile)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_cost.py"
+    spec = importlib.util.spec_from_file_location("host_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.functions_entered
+
+
+@pytest.mark.parametrize("case", ["dense", "causal", "captured", "grad"])
+def test_a_cached_call_enters_few_functions(case):
+    """The cached call's Python work, in flexfa functions entered (a timing would depend on
+    the machine): 60 dense, 83 causal, 109 with a captured tensor and 84 with requires_grad
+    before prepared calls; 21, 27, 47 and 30 with them."""
+    q, k, v = _qkv()
+    bias = torch.randn(L, L)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx, kv_idx]
+    mask = flexfa.create_block_mask(causal, 1, None, L, L, device="cpu", BLOCK_SIZE=32)
+    grads = [t.clone().requires_grad_() for t in (q, k, v)]
+    call = {"dense": lambda: flexfa.flex_attention(q, k, v),
+            "causal": lambda: flexfa.flex_attention(q, k, v, block_mask=mask),
+            "captured": lambda: flexfa.flex_attention(q, k, v, biased, block_mask=mask),
+            "grad": lambda: flexfa.flex_attention(*grads, block_mask=mask)}[case]
+    for _ in range(3):
+        call()
+    bound = {"dense": 25, "causal": 31, "captured": 54, "grad": 35}[case]
+    entered = _functions_entered()(call, os.path.dirname(flexfa.__file__), calls=1)
+    assert entered <= bound, f"{case}: a cached call entered {entered} flexfa functions"
