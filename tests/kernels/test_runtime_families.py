@@ -17,6 +17,7 @@ from flexfa.runtime.families.ampere import AMPERE
 from flexfa.runtime.families.backward import BACKWARD
 from flexfa.runtime.families.decode import DECODE
 from flexfa.runtime.families.gluon import GLUON
+from flexfa.runtime.families.gluon_bwd import GLUON_BWD
 from flexfa.runtime.families.fp8 import FP8
 from flexfa.runtime.families.hopper import HOPPER
 from flexfa.runtime.forward import forward_plan_key
@@ -48,9 +49,10 @@ def test_targets():
 
 
 def test_registered_families():
-    # in order of preference; the Gluon family runs only when BACKEND names it
+    # in order of preference; the Gluon forward only in the classes where it measured faster,
+    # the Gluon backward only with GLUON_BACKWARD=True
     assert registry.families("forward") == (DECODE, GLUON, HOPPER, AMPERE)
-    assert registry.families("backward") == (BACKWARD,)
+    assert registry.families("backward") == (GLUON_BWD, BACKWARD)
     assert registry.families("fp8") == (FP8,)
     assert (HOPPER.name, AMPERE.name, BACKWARD.name, FP8.name) == (
         "hopper", "ampere", "triton_bwd", "fp8")
