@@ -99,9 +99,9 @@ def inference(run):
 
 def host_ms(fn, calls: int = 200) -> float:
     """Host milliseconds per call of ``fn`` (its own syncs included), after a warm-up."""
-    from dispatch_overhead import _per_call_us  # the host clock over back-to-back calls
+    from dispatch_overhead import per_call_us  # the host clock over back-to-back calls
 
-    return _per_call_us(fn, calls) / 1e3
+    return per_call_us(fn, calls, rounds=3)[0] / 1e3
 
 
 def profiled(fn) -> dict:

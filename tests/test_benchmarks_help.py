@@ -37,17 +37,30 @@ def test_every_script_states_its_purpose(script):
 
 
 @pytest.mark.parametrize("script", [p for p in TOOLS if p.suffix == ".py"], ids=lambda p: p.name)
-def test_every_flexfa_name_a_tool_imports_exists(script):
+def test_every_name_a_tool_imports_from_flexfa_or_a_tool_exists(script):
     """Tools import lazily (a GPU step's imports run only on the GPU machine): a name renamed
     in flexfa would fail there first (host_step.py did, on the H200). experiments/ are kept
     as written (benchmarks/README.md)."""
     import importlib
+    siblings = {p.stem: p for p in TOOLS if p.suffix == ".py"}
     for node in ast.walk(ast.parse(script.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flexfa"):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if (node.module or "").startswith("flexfa"):
             module = importlib.import_module(node.module)
             for alias in node.names:
                 assert hasattr(module, alias.name) or importlib.util.find_spec(
                     f"{node.module}.{alias.name}"), f"{script.name}: {node.module}.{alias.name}"
+        elif node.module in siblings:  # another tool (varlen_bench.py read a renamed one)
+            tree = ast.parse(siblings[node.module].read_text())
+            defined = {n.name for n in tree.body if isinstance(
+                n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+            defined |= {t.id for n in tree.body if isinstance(n, ast.Assign)
+                        for t in n.targets if isinstance(t, ast.Name)}
+            defined |= {a.asname or a.name for n in tree.body
+                        if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            for alias in node.names:
+                assert alias.name in defined, f"{script.name}: {node.module}.{alias.name}"
 
 
 def test_the_readme_lists_every_script():
