@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import flex_attention
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import trace
 from .comm import Ring
 from .exchange import EXCHANGES
@@ -25,11 +25,13 @@ from .steps import RingMods
 
 def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
                    load_balance=True, scale=None, kernel_options=None, *, block_size=128,
-                   return_lse=False, method="auto", mesh_dim=None):
+                   return_lse=False, method="auto", mesh_dim=None, enable_gqa=False):
     """Attention over a sequence sharded across ``group`` (default: the world group).
 
-    ``query`` / ``key`` / ``value`` ``[B, H, S_local, E]`` are this rank's shards, laid out
-    by ``shard_sequence(x, rank, world, load_balance)``. ``score_mod`` and ``mask_mod`` are
+    ``query`` ``[B, Hq, S_local, E]`` / ``key`` / ``value`` ``[B, Hkv, S_local, E]`` are this
+    rank's shards, laid out by ``shard_sequence(x, rank, world, load_balance)``; Hkv < Hq
+    (grouped-query attention, Hq a multiple of Hkv) needs ``enable_gqa=True``, and the K/V
+    that travel then have Hkv heads. ``score_mod`` and ``mask_mod`` are
     the mods of the whole sequence: they see global positions. Returns this rank's shard of
     the output (and of the lse with ``return_lse``), differentiable in q, k, v and tensors
     the score_mod captures (their gradients are summed over the group). ``block_size`` is
@@ -37,7 +39,7 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     (1-D, or with ``mesh_dim``); ``method`` picks the K/V exchange: ``"ring"``,
     ``"allgather"`` or ``"auto"`` (by shard size, ``group.ALLGATHER_MAX_BYTES``).
     """
-    _check_shards(query, key, value, load_balance)
+    _check_shards(query, key, value, load_balance, enable_gqa)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
     ring = Ring(group)
@@ -49,12 +51,12 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
               for source in range(ring.world)]
     learned = () if score_mod is None else tuple(
         t for t in trace(mods.score_mod).buffers if t.requires_grad)
-    plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method)
+    plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
 
 
-def _check_shards(query, key, value, load_balance) -> None:
+def _check_shards(query, key, value, load_balance, enable_gqa) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
@@ -68,6 +70,7 @@ def _check_shards(query, key, value, load_balance) -> None:
     if not isinstance(load_balance, bool):
         raise InputTypeError(f"ring_attention: load_balance must be a bool, got "
                              f"{load_balance!r}")
+    _check_heads(query.shape[1], key.shape[1], value.shape[1], enable_gqa)
     if load_balance and query.shape[2] % 2:
         raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
                          f"chunks; its length {query.shape[2]} is odd")
@@ -76,19 +79,35 @@ def _check_shards(query, key, value, load_balance) -> None:
                          "(call torch.distributed.init_process_group first)")
 
 
+def _check_heads(q_heads: int, k_heads: int, v_heads: int, enable_gqa) -> None:
+    """Head counts are checked here, before any communication: a rank that failed inside the
+    first step's kernel call would leave the others waiting on its K/V transfer."""
+    check_bool("ring_attention: enable_gqa", enable_gqa)
+    if k_heads != v_heads:
+        raise InputError(f"ring_attention: value has {v_heads} heads but key has {k_heads}")
+    if k_heads == 0 or q_heads % k_heads:
+        raise InputError(f"ring_attention: query has {q_heads} heads but key has {k_heads}; "
+                         f"query heads must be a multiple of key heads (grouped-query "
+                         f"attention)")
+    if q_heads != k_heads and not enable_gqa:
+        raise InputError(f"ring_attention: query has {q_heads} heads but key has {k_heads}; "
+                         f"pass enable_gqa=True for grouped-query attention, or give key and "
+                         f"value as many heads as query")
+
+
 class _Plan:
     """What the autograd function needs besides tensors; ``steps`` records, per ring step,
     whether it ran a kernel and its block mask (kept for the backward)."""
 
     def __init__(self, ring: Ring, mods: RingMods, kv_pos: list, scale, kernel_options,
-                 method: str):
+                 method: str, enable_gqa: bool):
         self.ring, self.mods, self.kv_pos, self.method = ring, mods, kv_pos, method
-        self.scale, self.kernel_options = scale, kernel_options
+        self.scale, self.kernel_options, self.enable_gqa = scale, kernel_options, enable_gqa
         self.steps: list[tuple[bool, object]] = []
 
     def attend(self, query, key, value, mask):
         return flex_attention(query, key, value, score_mod=self.mods.score_mod, block_mask=mask,
-                              scale=self.scale, return_lse=True,
+                              scale=self.scale, enable_gqa=self.enable_gqa, return_lse=True,
                               kernel_options=self.kernel_options)
 
 

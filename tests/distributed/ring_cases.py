@@ -11,23 +11,37 @@ WINDOW = 20
 # balancing, none a multiple of the 16-row blocks
 LENGTH = 48
 CASES = ("full", "causal", "document", "sliding_window", "learned_bias")
+# grouped-query attention: "gqa_<case>" is <case> with GQA_GROUP x HEADS query heads sharing
+# HEADS key/value heads (two kv heads, so a wrong head-to-group map shows)
+GQA_GROUP = 2
+GQA_PREFIX = "gqa_"
+
+
+def heads(case: str) -> tuple[int, int]:
+    """(query heads, key/value heads) of ``case``."""
+    return (GQA_GROUP * HEADS, HEADS) if case.startswith(GQA_PREFIX) else (HEADS, HEADS)
 
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def inputs(length: int, seed: int = 0):
-    """Full-sequence (q, k, v, grad_out, grad_lse), float32 [B, H, length, E]."""
+def inputs(length: int, case: str = "full", seed: int = 0):
+    """Full-sequence (q, k, v, grad_out, grad_lse) of ``case``, float32 [B, H, length, E]
+    (k and v with the case's key/value heads)."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (BATCH, HEADS, length, HEAD_DIM)
-    q, k, v, grad_out = (torch.randn(shape, generator=generator) for _ in range(4))
-    grad_lse = torch.randn(shape[:3], generator=generator)
+    q_heads, kv_heads = heads(case)
+    q_shape, kv_shape = ((BATCH, h, length, HEAD_DIM) for h in (q_heads, kv_heads))
+    q, k, v, grad_out = (torch.randn(shape, generator=generator)
+                         for shape in (q_shape, kv_shape, kv_shape, q_shape))
+    grad_lse = torch.randn(q_shape[:3], generator=generator)
     return q, k, v, grad_out, grad_lse
 
 
 def mods(case: str, length: int):
     """(score_mod, mask_mod, learnable tensors) of ``case`` over a sequence of ``length``."""
+    q_heads = heads(case)[0]
+    case = case.removeprefix(GQA_PREFIX)
     if case == "full":
         return None, None, ()
     if case == "causal":
@@ -45,8 +59,8 @@ def mods(case: str, length: int):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
         return None, sliding_window, ()
     if case == "learned_bias":
-        bias = (0.1 * torch.arange(HEADS * (2 * length - 1), dtype=torch.float32).sin()
-                ).reshape(HEADS, 2 * length - 1).requires_grad_()
+        bias = (0.1 * torch.arange(q_heads * (2 * length - 1), dtype=torch.float32).sin()
+                ).reshape(q_heads, 2 * length - 1).requires_grad_()
 
         def relative_bias(score, b, h, q_idx, kv_idx):
             return score + bias[h, q_idx - kv_idx + length - 1]

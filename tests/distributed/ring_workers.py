@@ -38,22 +38,23 @@ def result_name(case: str, load_balance: bool, variant: str, rank: int) -> str:
 
 def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int) -> dict:
     from flexfa.distributed import ring, ring_attention, shard_sequence
-    from .ring_cases import LENGTH, inputs, mods
+    from .ring_cases import LENGTH, heads, inputs, mods
 
     length = LENGTH
-    full = inputs(length)
+    full = inputs(length, case)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
                                    for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     score_mod, mask_mod, learned = mods(case, length)
     group, mesh_dim, mesh_error = _group(variant, world, q)
     method = {"ring": "ring", "allgather": "allgather", "mesh": "auto", "mesh2d": "ring"}[variant]
+    q_heads, kv_heads = heads(case)
     calls, chosen = [], []
     original, original_choice = ring.flex_attention, ring.choose_method
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counting(query, key, value, **kwargs):  # (key heads, enable_gqa) of each kernel call
+        calls.append((key.shape[1], kwargs["enable_gqa"]))
+        return original(query, key, value, **kwargs)
 
     def recording(*args):
         chosen.append(original_choice(*args))
@@ -62,7 +63,8 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
     try:
         out, lse = ring_attention(q, k, v, score_mod, mask_mod, group=group,
                                   load_balance=load_balance, block_size=16, return_lse=True,
-                                  method=method, mesh_dim=mesh_dim)
+                                  method=method, mesh_dim=mesh_dim,
+                                  enable_gqa=q_heads != kv_heads)
         forward_calls = len(calls)
         ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
     finally:
@@ -70,7 +72,8 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
     return {"method": chosen, "mesh_error": mesh_error,
             "out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
             "dv": v.grad, "dlearned": [t.grad for t in learned],
-            "forward_calls": forward_calls, "backward_calls": len(calls) - forward_calls}
+            "forward_calls": forward_calls, "backward_calls": len(calls) - forward_calls,
+            "kernel_kv_heads": sorted(set(calls))}
 
 
 def _group(variant: str, world: int, q):

@@ -1,7 +1,8 @@
 """Ring attention (flexfa.distributed) with 2 and 3 gloo processes on the CPU, kernels under
 the Triton interpreter: outputs, lse and gradients (q, k, v, a learned bias) of the gathered
 shards equal single-process flex_attention on the whole sequence and the float64 reference,
-with and without load balancing; fully masked ring steps launch no kernel."""
+with and without load balancing, and with grouped-query attention (fewer key/value heads);
+fully masked ring steps launch no kernel."""
 from __future__ import annotations
 
 import os
@@ -16,16 +17,19 @@ import flexfa
 from flexfa.distributed import shard_sequence, unshard
 from flexfa.errors import InputError
 from reference import assert_close_to_reference, reference_attention
-from .ring_cases import CASES, HEADS, LENGTH, inputs, mods
+from .ring_cases import CASES, HEADS, LENGTH, heads, inputs, mods
 from .ring_workers import result_name, run_rank
 
 TIMEOUT_S = 240
 # (case, load_balance, variant): the ring for every case; on two ranks also the all-gather
 # exchange, a 1-D DeviceMesh group with method "auto" (which picks all-gather for these
-# small shards) and a 2-D mesh's "cp" dimension; 3 and 4 ranks for the ring alone
+# small shards) and a 2-D mesh's "cp" dimension, and grouped-query attention through both
+# exchanges (balanced causal on the ring; the learned bias unbalanced on the ring and the
+# all-gather); 3 and 4 ranks for the ring alone
 RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
         + [("causal", True, "allgather"), ("learned_bias", False, "mesh"),
-           ("causal", False, "mesh2d")],
+           ("causal", False, "mesh2d"), ("gqa_causal", True, "ring"),
+           ("gqa_learned_bias", False, "ring"), ("gqa_learned_bias", False, "allgather")],
         3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
         4: [("causal", True, "ring")]}
 
@@ -84,15 +88,18 @@ def _gathered(out_dir: str, case: str, load_balance: bool, variant: str, world: 
 def _single_process(case: str, length: int, dtype_reference: bool):
     """(out, lse, dq, dk, dv, dlearned) on the whole sequence: flexfa, or the reference in
     float64 / float32 (``dtype_reference`` None: flexfa)."""
-    q, k, v, grad_out, grad_lse = inputs(length)
+    q, k, v, grad_out, grad_lse = inputs(length, case)
     score_mod, mask_mod, learned = mods(case, length)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
     if dtype_reference is None:
         mask = None if mask_mod is None else flexfa.create_block_mask(
             mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=16)
-        out, lse = flexfa.flex_attention(q, k, v, score_mod, mask, return_lse=True)
+        out, lse = flexfa.flex_attention(q, k, v, score_mod, mask, enable_gqa=gqa,
+                                         return_lse=True)
     else:
-        out, lse = reference_attention(q, k, v, score_mod, mask_mod, dtype=dtype_reference)
+        out, lse = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=gqa,
+                                       dtype=dtype_reference)
     ((out * grad_out.to(out.dtype)).sum() + (lse * grad_lse.to(lse.dtype)).sum()).backward()
     return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "dlearned": [t.grad for t in learned]}
@@ -129,6 +136,17 @@ def test_fully_masked_steps_launch_no_kernel(ranks_dir, world):
         assert (plain["forward_calls"], plain["backward_calls"]) == (rank + 1, rank + 1)
         balanced = _load(out_dir, "causal", True, "ring", rank)
         assert (balanced["forward_calls"], balanced["backward_calls"]) == (world, world)
+
+
+@pytest.mark.parametrize("case,load_balance,variant", [run for run in RUNS[2]])
+def test_kernels_get_the_shards_key_value_heads(ranks_dir, case, load_balance, variant):
+    """With GQA every step's kernel (forward and recompute) gets K/V of Hkv heads, as they
+    travelled, and enable_gqa; without it Hq heads and enable_gqa False."""
+    q_heads, kv_heads = heads(case)
+    for rank in range(2):
+        result = _load(ranks_dir(2), case, load_balance, variant, rank)
+        assert result["kernel_kv_heads"] == [(kv_heads, q_heads != kv_heads)]
+        assert result["dk"].shape[1] == result["dv"].shape[1] == kv_heads
 
 
 @pytest.mark.parametrize("case,load_balance,variant",
@@ -210,6 +228,25 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q[0], q, q)
     with pytest.raises(InputError, match="torch.distributed is not initialized"):
         ring_attention(q, q, q)
+
+
+def test_ring_attention_rejects_bad_head_counts_before_communicating():
+    from flexfa.distributed import ring_attention
+    from flexfa.errors import InputTypeError
+
+    q, kv = torch.zeros(1, 6, 8, 16), torch.zeros(1, 4, 8, 16)
+    with pytest.raises(InputError, match="query has 6 heads but key has 4; query heads must "
+                                         "be a multiple of key heads"):
+        ring_attention(q, kv, kv, enable_gqa=True)
+    with pytest.raises(InputError, match="query has 6 heads but key has 3; pass "
+                                         "enable_gqa=True"):
+        ring_attention(q, kv[:, :3], kv[:, :3])
+    with pytest.raises(InputError, match="value has 2 heads but key has 3"):
+        ring_attention(q, kv[:, :3], kv[:, :2], enable_gqa=True)
+    with pytest.raises(InputTypeError, match="enable_gqa must be a bool, got int 1"):
+        ring_attention(q, kv[:, :3], kv[:, :3], enable_gqa=1)
+    with pytest.raises(InputError, match="torch.distributed is not initialized"):
+        ring_attention(q, kv[:, :3], kv[:, :3], enable_gqa=True)  # heads fine: on to the group
 
 
 def test_method_choice_by_shard_size():
