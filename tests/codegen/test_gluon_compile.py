@@ -1,6 +1,6 @@
 """The Gluon forward (fwd_gluon.tmpl) and backward (bwd_gluon.tmpl) compile for sm_90 without
 a GPU: setmaxnreg (the 1-warp partitions give registers to the consumer warpgroups), wgmma,
-TMA (the backward's dQ reduce-add too), no spills (the backward at E=128: a bound). In a subprocess:
+TMA (the backward's dQ reduce-add too), no spills. In a subprocess:
 a compiled Gluon module imports triton.experimental.gluon, whose standard library cannot be
 imported where this test session decorated triton.language for the interpreter."""
 import json
@@ -52,20 +52,21 @@ def test_gluon_forward_compiles_for_sm90(tmp_path):
     assert not rows["fwd_gluon_d128_bf16_dense"]["tanh"]
 
 
-# spill bytes ptxas reports per variant: 0, but E=128 (dK, dV, the transposed scores and the
-# dQ partial of a 64-key consumer) spills a few words at 240 registers (open: docs/gluon.md)
-BWD_SPILLS = {"bwd_gluon_d128_bf16_causal": 32, "bwd_gluon_d64_fp16_alibi_document": 0}
+# E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
+# little to spare: the causal mask and the softcap derivative are the tightest
+BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
+                "bwd_gluon_d64_fp16_alibi_document")
 
 
 def test_gluon_backward_compiles_for_sm90(tmp_path):
     """The Gluon backward (bwd_gluon.tmpl): wgmma, TMA loads, the dQ-writer warp's TMA
     reduce-add, the 1-warp partitions at 24 registers and the worker consumer at 240."""
-    rows = _compile(tmp_path, tuple(BWD_SPILLS))
+    rows = _compile(tmp_path, BWD_VARIANTS)
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and row["reduce"], row
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
-        assert row["spills"] is None or row["spills"] <= BWD_SPILLS[name], row
+        assert row["spills"] in (0, None), row  # None: no ptxas to ask
 
 
 PLAN_SCRIPT = """
