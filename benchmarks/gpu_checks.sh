@@ -10,9 +10,11 @@
 # torch.compile operators, Gluon after its ConSan run), then its benchmarks;
 # o: n's failures after their fixes and its longer benchmarks; p: Gluon against Hopper per
 # class and the backward's memory; q: after the host-cost work, the dispatch and tree_ab at
-# E=64 S=2048 (carry .old61), the Gluon default and the examples' GPU runs; each part fits one 10-minute device call)
+# E=64 S=2048 (carry .old61), the Gluon default and the examples' GPU runs; s: what q left
+# (carry .old61): the dispatch A/B in one process run each, chunked-prefill tiles, the Gluon
+# backward's tests then benchmark, varlen attention rows; each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,14p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,16p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -116,6 +118,20 @@ if [ "$PART" = q ]; then  # after the host-cost work and the Gluon default (carr
   step compiled_model 100 python examples/compiled_transformer.py --cuda
   tail -n 12 "$OUT/tree_ab.log"; tail -n 4 "$OUT/decode_graph.log" "$OUT/compiled_model.log"
   tail -n 14 "$OUT/varlen_bench.log"
+fi
+if [ "$PART" = s ]; then  # what part q left (carry .old61): dispatch A/B, prefill tiles, Gluon bwd
+  P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
+  step dispatch 60 python benchmarks/dispatch_overhead.py --rounds 5
+  step dispatch_old 60 python benchmarks/dispatch_overhead.py --rounds 5 --tree .old61
+  step prefill 60 python benchmarks/decode_bench.py /tmp/prefill.json --cases chunked \
+    --variants '[{"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BACKEND": "AMPERE", "SPLIT_KV": "AUTO"}]'
+  step gluon_bwd 150 $P tests/gpu/test_gluon_bwd_gpu.py
+  if grep -q " passed" "$OUT/gluon_bwd.log" && ! grep -q "hung" "$OUT/gluon_bwd.log"; then
+    step gluon_bwd_bench 150 python benchmarks/gluon_backward_bench.py /tmp/gluon_bwd.json --budget 120
+  fi
+  step varlen_bench 100 python benchmarks/varlen_bench.py /tmp/varlen.json --budget 80
+  tail -n 6 "$OUT/dispatch.log" "$OUT/dispatch_old.log" "$OUT/prefill.log"
+  tail -n 16 "$OUT/gluon_bwd_bench.log" "$OUT/varlen_bench.log" 2>/dev/null
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
