@@ -140,3 +140,30 @@ def test_row_kernels_under_the_interpreter(L, has_dlse, dtype, seed):
     acc = torch.randn(2 * l_pad, 64)
     run_post(post, acc, x, 0.125)
     torch.testing.assert_close(x.dq, (acc.view(1, 2, l_pad, 64)[:, :, :L] * 0.125).to(dtype))
+
+
+def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
+    """The family's plan and cached run on the CPU with the launches recorded (the Gluon
+    kernel runs on an H200 only): every kernel argument is bound, also in a cached call that
+    wants no dK/dV (runtime.backward binds none there; the fused kernel still writes them)."""
+    from flexfa.runtime import binding
+    from flexfa.runtime.launch import Step
+    launched = []
+    monkeypatch.setattr(Step, "launch", lambda self, args, device: (
+        launched.append((self, args)), setattr(self, "launched", True)))
+    L, E = 256, 64
+    q, k, v = _qkv(L=L, E=E)
+    bias = torch.randn(2)
+    call = _call(FORCED, _mask(L), lambda score, b, h, q_idx, kv_idx: score + bias[h])
+    x = _inputs(L, E, torch.bfloat16, True, 0)
+    x.k, x.v, x.dk, x.dv = k, v, torch.empty_like(k), torch.empty_like(v)
+    plan = GLUON_BWD.make_plan(call, x, SM90)
+    x.dk = x.dv = None  # a cached call whose key and value need no gradient
+    GLUON_BWD.run(plan, call, x, False, False)
+    assert [step for step, _ in launched] == list(plan.steps)
+    for step, args in launched:
+        unset = [name for (i, name) in step.binder.slots if args[i] is None]
+        assert not unset, (step, unset)
+        assert all(a is not binding._UNSET for a in args), step  # every fixed value found
+    main = dict(zip(plan.steps[1].binder.names, launched[1][1]))
+    assert main["DK"].shape == k.shape and main["DV"].shape == v.shape

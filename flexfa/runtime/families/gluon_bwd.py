@@ -119,7 +119,7 @@ def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float) -> None:
 
 
 class GluonBackward(KernelFamily):
-    name = "gluon_bwd"  # not a BACKEND value: BACKEND='GLUON' opts in, Triton stays the fallback
+    name = "gluon_bwd"  # not a BACKEND value: GLUON_BACKWARD=True opts in, Triton the fallback
     direction = "backward"
     priority = 10  # before triton_bwd (0) where it applies
 
@@ -172,9 +172,13 @@ class GluonBackward(KernelFamily):
             LSE_DESC=descriptor("LSE_DESC", lse2, [B * Hq, l_pad], [l_pad, 1]),
             DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [l_pad, 1]),
             DQ_DESC=descriptor("DQ_DESC", dq_acc, [B * Hq * l_pad, E], [E, 1]))
-        kernel.launch_with({**descriptors, "DK": x.dk, "DV": x.dv, "sm_scale": float(call.scale),
-                            **binding.buffer_pointers(call.score, call.mask, detach=True)},
-                           device)
+        # the fused kernel writes dK and dV whether or not they are wanted (a cached call
+        # without them binds none: runtime.backward), in the strides its plan fixed
+        dk, dv = (x.dk, x.dv) if x.dk is not None else (
+            torch.empty_like(x.k, memory_format=torch.contiguous_format),
+            torch.empty_like(x.v, memory_format=torch.contiguous_format))
+        kernel.launch_with({**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
+                            **binding.buffer_pointers(call.score, call.mask)}, device)
         run_post(post, dq_acc, x, call.scale)
         if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
