@@ -64,18 +64,28 @@ def _why_not_auto(call: AttentionCall, q, k) -> str | None:
     return None
 
 
-def _why_not_shape(call: AttentionCall, q, k, v) -> str | None:
+def why_not_gluon(target: Target, call: AttentionCall, q, k, v,
+                  blocks: tuple[int, int]) -> str | None:
+    """Why a Gluon kernel (the forward's or the backward's) cannot take this call: it runs
+    compiled on sm_90 only, on fp16/bf16 q, k, v with head dims ``HEAD_DIMS`` alike in the
+    tensor-descriptor layout, and walks block masks whose (q, kv) blocks are multiples of its
+    ``blocks``."""
+    if target.interpret:
+        return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
+                "cannot run")
+    if not target.is_sm90:
+        return f"it runs on sm_90, not {target}"
     E, Ev = q.shape[3], v.shape[3]
     if E != Ev or E not in HEAD_DIMS:
         return f"it needs head dims {' or '.join(map(str, HEAD_DIMS))} (q, k and v alike), " \
                f"not E={E}, Ev={Ev}"
     sparse_q, sparse_kv = mask_blocks(call.block_mask)
-    if sparse_q is not None and (sparse_q % BLOCK_M or sparse_kv % 64):
-        return (f"it needs block-mask blocks that are multiples of ({BLOCK_M}, 64), not "
+    if sparse_q is not None and (sparse_q % blocks[0] or sparse_kv % blocks[1]):
+        return (f"it needs block-mask blocks that are multiples of {blocks}, not "
                 f"{tuple(call.block_mask.BLOCK_SIZE)}")
-    options = call.options.fwd
-    if options.block_m not in (None, BLOCK_M):
-        return f"its programs have BLOCK_M={BLOCK_M} query rows, not {options.block_m}"
+    if not descriptor_layout_ok(q, k, v):
+        return ("it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with 16-byte "
+                "aligned rows")
     return None
 
 
@@ -143,15 +153,10 @@ class GluonForward(KernelFamily):
     priority = 15  # before Hopper (10) in AUTO_CLASSES, after the decode family (20)
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
-        if target.interpret:
-            return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
-                    "cannot run")
-        if not target.is_sm90:
-            return f"it runs on sm_90, not {target}"
-        reason = _why_not_shape(call, q, k, v)
-        if reason is None and not descriptor_layout_ok(q, k, v):
-            reason = ("it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with "
-                      "16-byte aligned rows")
+        reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, 64))
+        block_m = call.options.fwd.block_m
+        if reason is None and block_m not in (None, BLOCK_M):
+            reason = f"its programs have BLOCK_M={BLOCK_M} query rows, not {block_m}"
         if reason is None and wants_split(call, target, q, k):
             reason = "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
         if reason is None and call.options.backend != "GLUON":

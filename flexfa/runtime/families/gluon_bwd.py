@@ -26,7 +26,7 @@ from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
 from .backward import Inputs, int64_nodes_of, joint_graph
-from .gluon import HEAD_DIMS, descriptor_kinds, import_gluon
+from .gluon import descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
 DEFAULT_STAGES = {64: 3, 128: 2}  # the Q/dO ring: 2 stages at E = 128 fill 210 KB of 227
@@ -37,21 +37,9 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     """Why the Gluon backward does not run this call (None: it does)."""
     if not call.options.gluon_backward:
         return "it is opt-in (kernel_options GLUON_BACKWARD=True): it has not run on a GPU yet"
-    if target.interpret:
-        return "it is a compiled Gluon kernel, which the Triton interpreter cannot run"
-    if not target.is_sm90:
-        return f"it runs on sm_90, not {target}"
-    E, Ev = q.shape[3], v.shape[3]
-    if E != Ev or E not in HEAD_DIMS:
-        return f"it needs head dims {' or '.join(map(str, HEAD_DIMS))} (q, k and v alike), " \
-               f"not E={E}, Ev={Ev}"
-    if not descriptor_layout_ok(q, k, v):
-        return "it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with 16-byte " \
-               "aligned rows"
-    sparse_q, sparse_kv = mask_blocks(call.block_mask)
-    if sparse_q is not None and (sparse_q % BLOCK_M or sparse_kv % BLOCK_N):
-        return (f"it needs block-mask blocks that are multiples of ({BLOCK_M}, {BLOCK_N}), "
-                f"not {tuple(call.block_mask.BLOCK_SIZE)}")
+    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N))
+    if reason is not None:
+        return reason
     joint = joint_graph(call.score)
     if joint is not None and joint.grad_slots:
         return "captured-tensor gradients (learnable biases) run on the Triton backward"
