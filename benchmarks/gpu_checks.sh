@@ -12,9 +12,11 @@
 # class and the backward's memory; q: after the host-cost work, the dispatch and tree_ab at
 # E=64 S=2048 (carry .old61), the Gluon default and the examples' GPU runs; s: what q left
 # (carry .old61): the dispatch A/B in one process run each, chunked-prefill tiles, the Gluon
-# backward's tests then benchmark, varlen attention rows; each part fits one 10-minute device call)
+# backward's tests then benchmark, varlen attention rows; t: the Gluon backward after its
+# first-run fixes, its benchmark, the dispatch test, FP8 (allocator), E = 96/80 head dims;
+# each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,16p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,18p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -132,6 +134,19 @@ if [ "$PART" = s ]; then  # what part q left (carry .old61): dispatch A/B, prefi
   step varlen_bench 100 python benchmarks/varlen_bench.py /tmp/varlen.json --budget 80
   tail -n 6 "$OUT/dispatch.log" "$OUT/dispatch_old.log" "$OUT/prefill.log"
   tail -n 16 "$OUT/gluon_bwd_bench.log" "$OUT/varlen_bench.log" 2>/dev/null
+fi
+if [ "$PART" = t ]; then  # after the Gluon backward's first-run fixes (gl.max, the allocator)
+  P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
+  step gluon_bwd 150 $P tests/gpu/test_gluon_bwd_gpu.py
+  if grep -q " passed" "$OUT/gluon_bwd.log" && ! grep -q "hung" "$OUT/gluon_bwd.log"; then
+    step gluon_bwd_bench 150 python benchmarks/gluon_backward_bench.py "$OUT/gluon_bwd.json" \
+      --budget 120
+  fi
+  step dispatch 40 $P tests/gpu/test_hopper_gpu.py -k dispatch
+  step fp8 60 $P tests/gpu/test_fp8_gpu.py
+  FLEXFA_AUTOTUNE=0 step headdim 150 python benchmarks/headdim_bench.py "$OUT/headdim.json" \
+    --dims 96,80 --seqs 8192 --budget 125
+  tail -n 16 "$OUT/gluon_bwd_bench.log" "$OUT/headdim.log" 2>/dev/null
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

@@ -110,6 +110,20 @@ def _no_hooks(hooks) -> bool:
             and (leave is None or getattr(leave, "calls", None) == []))
 
 
+def ensure_allocator() -> None:
+    """A kernel that needs global scratch memory (device-side TMA descriptors; every kernel
+    under Triton's concurrency sanitizer) asks ``triton.set_allocator``'s allocator, a context
+    variable: the autograd engine's device threads, where backward kernels launch, start with
+    Triton's null allocator, which raises. Set one allocating torch memory on the current
+    device (a launch's) where none is set; a user's own allocator stays."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(
+            size, dtype=torch.int8, device="cuda"))
+
+
 def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list) -> None:
     """Launch ``state``'s compiled kernel on ``grid`` (1 to 3 dims) on the current stream of
     CUDA device ``device_index`` (the current device) with ``args`` (the non-constexpr ones)."""
@@ -131,6 +145,8 @@ def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list
         state.c_launch(*final)
         return
     args = [*args, *state.tail]
+    if getattr(getattr(compiled, "_run", None), "global_scratch_size", 1):
+        ensure_allocator()
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata(grid, stream, *args),
                  hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
@@ -179,6 +195,7 @@ class Step:
         if self.direct is not None and device.index == torch.cuda.current_device():
             launch_direct(self.direct, self.grid, device.index, args)
             return
+        ensure_allocator()
         with torch.cuda.device(device):
             compiled = self.kernel[self.grid](*args, **self.constexprs, **self.options)
         self.direct = direct_state(self.kernel, compiled, args, self.constexprs)

@@ -101,21 +101,38 @@ def test_fast_tanh_is_accurate():
 
 # benchmarks/dispatch_overhead.py at 4acea5d and a7d1ac9 (flexfa.api keeps call objects and
 # their plans): 27-38 us dense, 31-35 us causal on two H200 machines (SDPA 19-28 us); eb9e67a took
-# 46-62 / 52-56 us on the same host (benchmarks/results/gpu_checks/4acea5d/dispatch_ab.log)
+# 46-62 / 52-56 us on the same host (benchmarks/results/gpu_checks/4acea5d/dispatch_ab.log).
+# Timed as the benchmark times it: the host and GPU warmed for half a second first (a single
+# cold round read 60 us where the benchmark's median read 44), the median of five rounds.
 def test_dispatch_of_a_cached_call_is_under_50_us():
+    import statistics
+
+    import torch.nn.functional as F
+
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     mask = flexfa.create_block_mask(causal, 1, None, 128, 128, device="cuda")
+
+    def per_call_us(fn, calls=1000, rounds=5):
+        times = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+        return statistics.median(times)
+
+    def call():
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+
     with torch.no_grad():
-        for _ in range(50):
-            flexfa.flex_attention(q, k, v, block_mask=mask)
-        torch.cuda.synchronize()
-        calls = 1000
-        start = time.perf_counter()
-        for _ in range(calls):
-            flexfa.flex_attention(q, k, v, block_mask=mask)
-        torch.cuda.synchronize()
-    per_call_us = (time.perf_counter() - start) / calls * 1e6
-    assert per_call_us < 50, f"{per_call_us:.1f} us per cached call"
+        warm_until = time.perf_counter() + 0.5
+        while time.perf_counter() < warm_until:
+            call()
+        flexfa_us = per_call_us(call)
+        sdpa_us = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert flexfa_us < 50, f"{flexfa_us:.1f} us per cached call (SDPA {sdpa_us:.1f} us)"
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")

@@ -158,3 +158,38 @@ def test_hooks_scratch_and_other_layouts_take_tritons_launcher(encoded, monkeypa
 def test_constexprs_other_than_the_tail_give_no_state():
     kernel = types.SimpleNamespace(params=[types.SimpleNamespace(name=n) for n in PARAMS])
     assert launch.direct_state(kernel, None, [1] * 5, {"BLOCK": 64}) is None
+
+
+def test_a_launch_thread_gets_an_allocator_and_a_users_stays():
+    """Kernels that need global scratch (device-side TMA descriptors, the concurrency
+    sanitizer) ask triton.set_allocator's allocator, a context variable: the autograd
+    engine's threads start with Triton's null one, which raised in the Gluon backward's first
+    GPU run. ensure_allocator sets one where none is; a user's own allocator is kept."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from flexfa.runtime.launch import ensure_allocator
+
+    def user_allocator(size, alignment, stream):
+        raise AssertionError("not called here")
+
+    found = {}
+
+    def fresh_thread():
+        found["before"] = _allocation._allocator.get()
+        ensure_allocator()
+        found["after"] = _allocation._allocator.get()
+
+    def users_thread():
+        triton.set_allocator(user_allocator)
+        ensure_allocator()
+        found["user"] = _allocation._allocator.get()
+
+    for target in (fresh_thread, users_thread):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert isinstance(found["before"], _allocation.NullAllocator)
+    assert not isinstance(found["after"], _allocation.NullAllocator)
+    assert found["user"] is user_allocator

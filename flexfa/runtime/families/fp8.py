@@ -9,7 +9,6 @@ dtype and whether every scale is positive. Tiles through tensor descriptors (ker
 from __future__ import annotations
 
 import torch
-import triton
 
 from ...codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, quantize_kernel
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
@@ -149,10 +148,6 @@ class FP8Forward(KernelFamily):
         lse = torch.empty(B, Hq, L, dtype=torch.float32, device=x.q.device) if return_lse \
             else None
         assert x.k_scale.stride() == x.v_scale.stride(), "K and V scales must share strides"
-        if plan.spec.use_tma:  # device-side descriptors live in a scratch buffer from here
-            device = x.q.device
-            triton.set_allocator(lambda size, alignment, stream: torch.empty(
-                size, dtype=torch.int8, device=device))
         plan.steps[0].launch_with(
             {"Q": x.q, "K": x.k, "V": x.v, "Q_SCALE": x.q_scale, "K_SCALE": x.k_scale,
              "V_SCALE": x.v_scale, "OUT": out, "LSE": lse if lse is not None else out,
