@@ -14,9 +14,10 @@
 # (carry .old61): the dispatch A/B in one process run each, chunked-prefill tiles, the Gluon
 # backward's tests then benchmark, varlen attention rows; t: the Gluon backward after its
 # first-run fixes, its benchmark, the dispatch test, FP8 (allocator), E = 96/80 head dims;
-# each part fits one 10-minute device call)
+# u: the redesign's A/B over 28 cases against 61b247e with the dS workspace matched (carry
+# .old61); each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,18p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,20p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -147,6 +148,17 @@ if [ "$PART" = t ]; then  # after the Gluon backward's first-run fixes (gl.max, 
   FLEXFA_AUTOTUNE=0 step headdim 150 python benchmarks/headdim_bench.py "$OUT/headdim.json" \
     --dims 96,80 --seqs 8192 --budget 125
   tail -n 16 "$OUT/gluon_bwd_bench.log" "$OUT/headdim.log" 2>/dev/null
+fi
+if [ "$PART" = u ]; then  # issue 22's acceptance A/B against 61b247e (carry .old61), dS matched
+  cases=""
+  for shape in 128:16384 128:2048 64:8192 64:2048; do
+    for v in full causal sliding softcap alibi document prefix; do cases="$cases,$shape:$v"; done
+  done
+  # the old tree stores dS by default, this one only with DS_WORKSPACE (issue 26's memory
+  # policy): matched here, so the A/B compares the code
+  FLEXFA_AUTOTUNE=0 step tree_ab 560 python benchmarks/tree_ab.py --old .old61 --rounds 2 \
+    --rep 30 --cases "${cases#,}" --new-options '{"DS_WORKSPACE": true}' --json "$OUT/tree_ab.json"
+  tail -n 60 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
