@@ -5,8 +5,8 @@ The module is built like the Triton forwards' (``forward_module``: the spec's fl
 helpers and the kernel libraries filled with the rendered mods, then the template), so the
 mods are rendered by the same renderer into the same library functions; Gluon runs them on
 its distributed tensors. Two things differ: a mod's value that is not a tile by itself is
-broadcast in the score tile's layout (``GLUON_TILE``), and the template adds the flag
-``STAGES``. Gluon modules are compiled only (no interpreter): they import
+broadcast in the score tile's layout (``GLUON_TILE``), and the template adds the flags
+``STAGES`` and ``PINGPONG``. Gluon modules are compiled only (no interpreter): they import
 ``triton.experimental.gluon``, whose standard library cannot be imported where
 ``triton.language`` was decorated for the interpreter.
 """
@@ -33,15 +33,15 @@ MAX_REGISTERS = 168
 
 def gluon_params(score: TracedMod | None, mask: TracedMod | None) -> KernelParams:
     """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
-    tensors) plus the ring depth ``STAGES``."""
+    tensors) plus the ring depth ``STAGES`` and the consumers' turns ``PINGPONG``."""
     base = forward_params(True, buffer_params(score, mask))
-    return KernelParams((*base.groups[:-1], base.groups[-1] + constexprs("STAGES")))
+    return KernelParams((*base.groups[:-1], base.groups[-1] + constexprs("STAGES", "PINGPONG")))
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
     # the Hopper parameter list's STRIDED_QKV: this kernel reads flat [B * H * len, dim] rows
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, HAS_SINKS=False,
-                DROPOUT=False, STAGES=spec.num_stages)
+                DROPOUT=False, STAGES=spec.num_stages, PINGPONG=spec.pingpong)
 
 
 def gluon_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:

@@ -82,6 +82,8 @@ class KernelSpec(PaddedDims):
     sinks_dtype: str = ""
     # dropout on the probabilities (DROPOUT)
     dropout: bool = False
+    # Gluon template only: the consumer warpgroups issue their GEMMs in turn (PINGPONG)
+    pingpong: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

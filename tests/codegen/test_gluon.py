@@ -163,3 +163,17 @@ def test_gluon_key_covers_stages_and_mods():
     assert len(names) == 3
     source = gluon_kernel(two, biased.score, None).source
     assert "tl.load(sbuf0_ptr + flexfa_index(off_h, sbuf0_size0) * sbuf0_stride0)" in source
+
+
+def test_gluon_pingpong_is_in_the_spec_key_and_source():
+    """kernel_options GLUON_PINGPONG (default off) reaches the spec, so the kernel's key and
+    name, and the module's PINGPONG flag."""
+    q, k, v = _qkv()
+    plain = gluon_spec(q, k, v, _call(FORCED), SM90, False, False)
+    turns = gluon_spec(q, k, v, _call({**FORCED, "GLUON_PINGPONG": True}), SM90, False, False)
+    assert (plain.pingpong, turns.pingpong) == (False, True)
+    plain_kernel, turns_kernel = gluon_kernel(plain, None, None), gluon_kernel(turns, None, None)
+    assert plain_kernel.name != turns_kernel.name and plain_kernel.key != turns_kernel.key
+    assert "PINGPONG = tl.constexpr(False)" in plain_kernel.source
+    assert "PINGPONG = tl.constexpr(True)" in turns_kernel.source
+    assert "mbarrier.wait(turn.index(CID), (t + CID) & 1)" in turns_kernel.source

@@ -118,7 +118,7 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         even_s=S % sparse_kv == 0, return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target.name,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
-        wide_ints=int64_nodes(q, k, call))
+        wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong)
 
 
 @functools.cache
