@@ -1,6 +1,8 @@
 """The Gluon forward family on an sm_90 GPU, forced with BACKEND="GLUON": against the float64
 reference and the Hopper family on the benchmark's variants (dense, causal, sliding window,
-softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors.
+softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors; each
+also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
+row block with no tile).
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -23,14 +25,17 @@ from kernels.forward_utils import check_forward, make_qkv
 
 pytestmark = pytest.mark.gpu
 FORCED = {"BACKEND": "GLUON"}
+PINGPONG = {**FORCED, "GLUON_PINGPONG": True}
 SAFETY = """
 import torch, flexfa
-q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 256, 256, device="cuda")
-for block_mask in (None, mask):
-    out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "GLUON"})
-    torch.cuda.synchronize()
-    print("ok", bool(torch.isfinite(out).all()))
+q, k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
+for block_mask in (None, mask):  # 3 tiles per row block; 1, 2 and 3 with the mask
+    for pingpong in (False, True):
+        out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={
+            "BACKEND": "GLUON", "GLUON_PINGPONG": pingpong})
+        torch.cuda.synchronize()
+        print("ok", bool(torch.isfinite(out).all()))
 """
 
 
@@ -70,13 +75,14 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
 }
 
 
+@pytest.mark.parametrize("forced", [FORCED, PINGPONG], ids=["plain", "pingpong"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gluon_matches_reference_and_hopper(safe, name):
+def test_gluon_matches_reference_and_hopper(safe, name, forced):
     q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
     Hq, Hkv = q.shape[1], k.shape[1]
     plans.PLANS.clear()
     out, lse = check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
-                             kernel_options=FORCED)
+                             kernel_options=forced)
     assert [p.family.name for p in plans.PLANS.values()] == ["gluon"]
     hopper = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                    enable_gqa=Hq != Hkv, kernel_options={"BACKEND": "HOPPER"})
@@ -86,15 +92,20 @@ def test_gluon_matches_reference_and_hopper(safe, name):
         assert bool((out[:, :, :130] == 0).all()) and bool((lse[:, :, :130] == -torch.inf).all())
     # the cached plan gives the same result
     again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                  enable_gqa=Hq != Hkv, kernel_options=FORCED)
+                                  enable_gqa=Hq != Hkv, kernel_options=forced)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
+    if forced is PINGPONG:  # the turns change when GEMMs issue, not what they compute
+        plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                      enable_gqa=Hq != Hkv, kernel_options=FORCED)
+        torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
-def test_gluon_row_max_and_pinned_tiles(safe):
+@pytest.mark.parametrize("forced", [FORCED, PINGPONG], ids=["plain", "pingpong"])
+def test_gluon_row_max_and_pinned_tiles(safe, forced):
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     mask = flexfa.create_block_mask(mods.causal, None, None, 512, 512, device="cuda",
                                     BLOCK_SIZE=(128, 64))
-    options = {**FORCED, "BLOCK_N": 64, "num_stages": 3}
+    options = {**forced, "BLOCK_N": 64, "num_stages": 3}
     out, aux = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options,
                                      return_aux=flexfa.AuxRequest(lse=True, max_scores=True))
     ref, ref_aux = flexfa.flex_attention(q, k, v, block_mask=mask,
