@@ -72,6 +72,8 @@ class KernelOptions:
     # the Gluon forward's consumer warpgroups take turns issuing their GEMMs (ping-pong); off
     # until measured on the H200
     gluon_pingpong: bool = False
+    # the Gluon forward stores out through shared memory and TMA; off until measured
+    gluon_tma_store: bool = False
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -179,6 +181,9 @@ SCHEMA = {
     "GLUON_PINGPONG": ("gluon_pingpong", (), _flag,
                        "the Gluon forward's two consumer warpgroups take turns on the tensor "
                        "cores (FlashAttention-3's ping-pong): True or False (default)"),
+    "GLUON_TMA_STORE": ("gluon_tma_store", (), _flag,
+                        "the Gluon forward writes out through shared memory and a TMA store: "
+                        "True or False (default)"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

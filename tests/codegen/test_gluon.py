@@ -165,15 +165,24 @@ def test_gluon_key_covers_stages_and_mods():
     assert "tl.load(sbuf0_ptr + flexfa_index(off_h, sbuf0_size0) * sbuf0_stride0)" in source
 
 
-def test_gluon_pingpong_is_in_the_spec_key_and_source():
-    """kernel_options GLUON_PINGPONG (default off) reaches the spec, so the kernel's key and
-    name, and the module's PINGPONG flag."""
+@pytest.mark.parametrize("key, field, flag, code", [
+    ("GLUON_PINGPONG", "pingpong", "PINGPONG", "mbarrier.wait(turn.index(CID), (t + CID) & 1)"),
+    ("GLUON_TMA_STORE", "tma_store", "TMA_STORE",
+     "tma.async_copy_shared_to_global(O_DESC, [row, 0], o_smem)"),
+])
+def test_gluon_options_are_in_the_spec_key_and_source(key, field, flag, code):
+    """kernel_options GLUON_PINGPONG and GLUON_TMA_STORE (default off) reach the spec, so the
+    kernel's key and name, and the module's flag."""
     q, k, v = _qkv()
     plain = gluon_spec(q, k, v, _call(FORCED), SM90, False, False)
-    turns = gluon_spec(q, k, v, _call({**FORCED, "GLUON_PINGPONG": True}), SM90, False, False)
-    assert (plain.pingpong, turns.pingpong) == (False, True)
-    plain_kernel, turns_kernel = gluon_kernel(plain, None, None), gluon_kernel(turns, None, None)
-    assert plain_kernel.name != turns_kernel.name and plain_kernel.key != turns_kernel.key
-    assert "PINGPONG = tl.constexpr(False)" in plain_kernel.source
-    assert "PINGPONG = tl.constexpr(True)" in turns_kernel.source
-    assert "mbarrier.wait(turn.index(CID), (t + CID) & 1)" in turns_kernel.source
+    chosen = gluon_spec(q, k, v, _call({**FORCED, key: True}), SM90, False, False)
+    assert (getattr(plain, field), getattr(chosen, field)) == (False, True)
+    plain_kernel, chosen_kernel = gluon_kernel(plain, None, None), gluon_kernel(chosen, None, None)
+    assert plain_kernel.name != chosen_kernel.name and plain_kernel.key != chosen_kernel.key
+    assert f"{flag} = tl.constexpr(False)" in plain_kernel.source
+    assert f"{flag} = tl.constexpr(True)" in chosen_kernel.source
+    assert code in chosen_kernel.source
+    assert plain_kernel.params[:4] == ("Q_DESC", "K_DESC", "V_DESC", "OUT")
+    # the output's descriptor is a parameter with TMA_STORE only
+    assert ("O_DESC" in chosen_kernel.params) == (key == "GLUON_TMA_STORE")
+    assert "O_DESC" not in plain_kernel.params

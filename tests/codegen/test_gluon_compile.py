@@ -1,7 +1,8 @@
 """The Gluon forward (fwd_gluon.tmpl) and backward (bwd_gluon.tmpl) compile for sm_90 without
 a GPU: setmaxnreg (the 1-warp partitions give registers to the consumer warpgroups), wgmma,
 TMA (the backward's dQ reduce-add too), no spills; the forward's ping-pong variant
-(GLUON_PINGPONG) waits on and passes the consumers' turns. In a subprocess:
+(GLUON_PINGPONG) waits on and passes the consumers' turns, its TMA-store variant
+(GLUON_TMA_STORE) stores out by TMA. In a subprocess:
 a compiled Gluon module imports triton.experimental.gluon, whose standard library cannot be
 imported where this test session decorated triton.language for the interpreter."""
 import json
@@ -17,6 +18,8 @@ VARIANTS = ("fwd_gluon_d128_bf16_dense", "fwd_gluon_d128_bf16_causal",
             "fwd_gluon_d128_fp16_softcap_causal")
 PINGPONG_VARIANTS = tuple(f"fwd_gluon_d{dim}_{kind}_pingpong" for dim in (64, 128) for kind in (
     "bf16_dense", "bf16_causal", "fp16_softcap", "bf16_document"))
+TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
+                      "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
 SCRIPT = """
 import json, re, sys
 from flexfa import compile_check
@@ -30,6 +33,8 @@ for name in sys.argv[1:]:
         tma="cp.async.bulk.tensor" in r.ptx,
         reduce="cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in r.ptx,
         try_wait=r.ptx.count("mbarrier.try_wait"),
+        tma_stores=r.ptx.count("cp.async.bulk.tensor.2d.global.shared::cta"),
+        proxy_fence="fence.proxy.async.shared::cta" in r.ptx,
         # an arrive right before waiting for the q.k wgmma: the ping-pong turn passed on
         turn_pass=len(re.findall(TURN_PASS, r.ptx)))))
 """
@@ -54,7 +59,8 @@ def _compile(tmp_path, variants) -> dict:
 @pytest.fixture(scope="module")
 def forward_rows(tmp_path_factory) -> dict:
     """The forward variants, with and without ping-pong, compiled in one process."""
-    return _compile(tmp_path_factory.mktemp("gluon_fwd"), VARIANTS + PINGPONG_VARIANTS)
+    return _compile(tmp_path_factory.mktemp("gluon_fwd"),
+                    VARIANTS + PINGPONG_VARIANTS + TMA_STORE_VARIANTS)
 
 
 def _check_compiled(name: str, row: dict) -> None:
@@ -69,6 +75,7 @@ def test_gluon_forward_compiles_for_sm90(forward_rows):
     for name in VARIANTS:
         _check_compiled(name, forward_rows[name])
         assert forward_rows[name]["turn_pass"] == 0, forward_rows[name]
+        assert forward_rows[name]["tma_stores"] == 0, forward_rows[name]  # plain stores
     assert forward_rows["fwd_gluon_d128_fp16_softcap_causal"]["tanh"]
     assert not forward_rows["fwd_gluon_d128_bf16_dense"]["tanh"]
 
@@ -86,6 +93,19 @@ def test_gluon_pingpong_forward_compiles_for_sm90(forward_rows):
     assert forward_rows["fwd_gluon_d128_bf16_causal_pingpong"]["try_wait"] \
         > forward_rows["fwd_gluon_d128_bf16_causal"]["try_wait"]
     assert forward_rows["fwd_gluon_d64_fp16_softcap_pingpong"]["tanh"]
+
+
+def test_gluon_tma_store_forward_compiles_for_sm90(forward_rows):
+    """GLUON_TMA_STORE: each consumer stores its rows of out by one TMA store from shared
+    memory written before a proxy fence; with ping-pong the turns are unchanged."""
+    for name in TMA_STORE_VARIANTS:
+        row = forward_rows[name]
+        _check_compiled(name, row)
+        assert row["tma_stores"] == 2 and row["proxy_fence"], row  # one per consumer
+    pingpong = forward_rows["fwd_gluon_d64_fp16_softcap_pingpong_tma_store"]
+    assert pingpong["turn_pass"] == 2
+    assert pingpong["try_wait"] == forward_rows["fwd_gluon_d64_fp16_softcap_pingpong"]["try_wait"]
+    assert forward_rows["fwd_gluon_d128_bf16_causal_tma_store"]["turn_pass"] == 0
 
 
 # E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
@@ -118,6 +138,11 @@ q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
 call = AttentionCall(None, None, None, 0.125, parse_kernel_options({"BACKEND": "GLUON"}), 1)
 plan = gluon.GLUON.make_plan(q, q, q, call, Target("cuda", 9, 0), True, False)
 print(type(plan.steps[0].kernel).__name__, plan.steps[0].grid, plan.steps[0].options)
+stored = AttentionCall(None, None, None, 0.125, parse_kernel_options(
+    {"BACKEND": "GLUON", "GLUON_TMA_STORE": True}), 1)
+plan = gluon.GLUON.make_plan(q, q, q, stored, Target("cuda", 9, 0), True, False)
+name, (shape, strides, block, layout) = plan.fixed["descriptors"][-1]
+print(name, shape, strides, block)
 """
 
 
@@ -131,3 +156,5 @@ def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[0] == "GluonJITFunction", result.stdout
     assert "(2, 2)" in result.stdout and "'maxnreg': 168" in result.stdout, result.stdout
+    # GLUON_TMA_STORE: the output's descriptor over its [B * H * L, Ev] rows, 64-row blocks
+    assert result.stdout.splitlines()[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout

@@ -2,7 +2,8 @@
 reference and the Hopper family on the benchmark's variants (dense, causal, sliding window,
 softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors; each
 also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
-row block with no tile).
+row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), both bit-equal
+to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -25,15 +26,17 @@ from kernels.forward_utils import check_forward, make_qkv
 
 pytestmark = pytest.mark.gpu
 FORCED = {"BACKEND": "GLUON"}
-PINGPONG = {**FORCED, "GLUON_PINGPONG": True}
+OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
+           "tma_store": {**FORCED, "GLUON_TMA_STORE": True},
+           "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True}}
 SAFETY = """
 import torch, flexfa
 q, k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
 for block_mask in (None, mask):  # 3 tiles per row block; 1, 2 and 3 with the mask
-    for pingpong in (False, True):
+    for both in (False, True):
         out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={
-            "BACKEND": "GLUON", "GLUON_PINGPONG": pingpong})
+            "BACKEND": "GLUON", "GLUON_PINGPONG": both, "GLUON_TMA_STORE": both})
         torch.cuda.synchronize()
         print("ok", bool(torch.isfinite(out).all()))
 """
@@ -75,9 +78,18 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
 }
 
 
-@pytest.mark.parametrize("forced", [FORCED, PINGPONG], ids=["plain", "pingpong"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_gluon_matches_reference_and_hopper(safe, name, forced):
+# (case, options): every case plain and with ping-pong; the TMA store on even lengths (all
+# rows by TMA) and ragged ones (the last row block's plain stores), alone and with ping-pong
+OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for name in CASES]
+                + [(name, "tma_store") for name in ("dense", "dense_fp16", "ragged")]
+                + [(name, "pingpong_tma_store") for name in (
+                    "dense_d64", "causal", "softcap_causal", "document", "gqa_causal",
+                    "empty_rows")])
+
+
+@pytest.mark.parametrize("name, option", OPTION_CASES)
+def test_gluon_matches_reference_and_hopper(safe, name, option):
+    forced = OPTIONS[option]
     q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
     Hq, Hkv = q.shape[1], k.shape[1]
     plans.PLANS.clear()
@@ -94,14 +106,15 @@ def test_gluon_matches_reference_and_hopper(safe, name, forced):
     again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                   enable_gqa=Hq != Hkv, kernel_options=forced)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
-    if forced is PINGPONG:  # the turns change when GEMMs issue, not what they compute
+    if option != "plain":  # when GEMMs issue and how out is stored, not what is computed
         plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                       enable_gqa=Hq != Hkv, kernel_options=FORCED)
         torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("forced", [FORCED, PINGPONG], ids=["plain", "pingpong"])
-def test_gluon_row_max_and_pinned_tiles(safe, forced):
+@pytest.mark.parametrize("option", ["plain", "pingpong_tma_store"])
+def test_gluon_row_max_and_pinned_tiles(safe, option):
+    forced = OPTIONS[option]
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     mask = flexfa.create_block_mask(mods.causal, None, None, 512, 512, device="cuda",
                                     BLOCK_SIZE=(128, 64))
