@@ -1,8 +1,9 @@
 """The Gluon forward family on the CPU: when it applies (forced, or by default in the classes
-where it measured faster; sm_90, never the interpreter), the specs it plans, and how the mods are rendered into fwd_gluon.tmpl (index
-vectors and broadcasts in the score tile's layout), its GLUON_PINGPONG and GLUON_TMA_STORE
-options, and the ping-pong turns' phase protocol checked in every interleaving. Its sm_90 compile check is in
-test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
+where it measured faster; sm_90, never the interpreter), the specs it plans, how the mods are
+rendered into fwd_gluon.tmpl (index vectors and broadcasts in the score tile's layout), its
+GLUON_PINGPONG and GLUON_TMA_STORE options, and the ping-pong turns' phase protocol checked in
+every interleaving. Its sm_90 compile check is in test_gluon_compile.py, its GPU tests in
+tests/gpu/test_gluon_gpu.py."""
 from __future__ import annotations
 
 import pytest
