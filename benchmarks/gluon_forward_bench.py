@@ -2,18 +2,24 @@
 a safety run, correctness against the Hopper family, then timings against the Hopper family
 and cuDNN SDPA.
 
-1. ``consan``: a tiny causal call (the block-mask walk, partial and full tiles) in a
-   subprocess compiled with Triton 3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
+1. ``consan``: tiny causal calls (the block-mask walk, partial and full tiles; 1, 2 and 3
+   key tiles per row block), without and with the consumers' ping-pong (``GLUON_PINGPONG``),
+   and with ping-pong and the TMA store of out (``GLUON_TMA_STORE``) on a mask whose first
+   row block has no tile and a ragged length (TMA and plain stores), in a subprocess compiled with Triton
+   3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
    the kernel's shared-memory accesses against its mbarriers and wgmma waits, and fails with
    a device assertion on a race), killed after ``--safety-timeout`` seconds (a barrier-phase
    mistake hangs instead of failing). Nothing else runs unless it passes.
 2. ``check``: the same variants at B=1 H=4 S=2048 E=128 bf16, relative L2 error of the Gluon
-   output against the Hopper family's (must be < 5e-3) and lse's max difference.
+   output (``gluon``; ``gluon_pp`` with ping-pong, ``gluon_tma`` with the TMA store,
+   ``gluon_pp_tma`` with both, those of ``--impls``, which must equal ``gluon`` bit for bit)
+   against the Hopper family's (must be < 5e-3) and lse's max difference.
 3. ``time``: triton.testing.do_bench medians (ms; TFLOP/s with causal work halved, none for
    sliding and document) at H=16, B = ``--tokens`` / S, bf16, for each of ``--dims`` x
    ``--seqs`` (default E=128, S=16384) and ``--variants`` (the project's: full, causal,
-   sliding 1024, ALiBi, softcap 30, document; all but full causal): Gluon, Hopper, cuDNN SDPA
-   (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
+   sliding 1024, ALiBi, softcap 30, document; all but full causal) and ``--impls``: Gluon,
+   with ping-pong (``gluon_pp``), the TMA store (``gluon_tma``) or both (``gluon_pp_tma``),
+   Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
    is set unless ``--tune``: tuning would spend the call's time compiling its candidates).
 
 A short table goes to stdout and everything to the JSON file after every step. Each step is
@@ -40,18 +46,37 @@ import torch, triton, flexfa
 # ConSan keeps its state in global scratch memory, allocated through Triton's allocator
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                  device="cuda"))
-q, k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
-for name, score_mod, block_mask in (("causal", None, mask),):
-    out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                kernel_options={"BACKEND": "GLUON"})
+
+
+def late_causal(b, h, q_idx, kv_idx):  # rows before 130 see nothing: row block 0 has no tile
+    return (q_idx >= 130) & (kv_idx <= q_idx)
+
+
+BOTH = {"GLUON_PINGPONG": True, "GLUON_TMA_STORE": True}
+# (name, length, mask_mod, kernel_options past BACKEND): 384 causal has 1, 2 and 3 key tiles
+# per row block; at 320 the last row block's first consumer stores by TMA, the second plainly
+for name, n, mask_mod, options in (
+        ("causal", 384, flexfa.mods.causal, {}),
+        ("causal_pingpong", 384, flexfa.mods.causal, {"GLUON_PINGPONG": True}),
+        ("late_causal_pingpong_tma", 320, late_causal, BOTH)):
+    q, k, v = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = flexfa.create_block_mask(mask_mod, None, None, n, n, device="cuda")
+    out = flexfa.flex_attention(q, k, v, block_mask=mask,
+                                kernel_options={"BACKEND": "GLUON", **options})
     torch.cuda.synchronize()
     print(name, "finite" if bool(torch.isfinite(out).all()) else "NOT FINITE", flush=True)
 """
+SAFE = ("causal finite", "causal_pingpong finite", "late_causal_pingpong_tma finite")
 VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
+# impl -> kernel_options of flexfa's families (cudnn: SDPA, full and causal only)
+GLUON = {"BACKEND": "GLUON"}
+IMPLS = {"gluon": GLUON, "gluon_pp": {**GLUON, "GLUON_PINGPONG": True},
+         "gluon_tma": {**GLUON, "GLUON_TMA_STORE": True},
+         "gluon_pp_tma": {**GLUON, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
+         "hopper": {"BACKEND": "HOPPER"}, "cudnn": None}
 
 
-def safety_run(limit: float, script: str = SAFETY, expected=("causal finite",)) -> dict:
+def safety_run(limit: float, script: str = SAFETY, expected=SAFE) -> dict:
     """Step 1: ``script`` in a subprocess under ConSan, killed after ``limit`` seconds; ok
     when it exits 0 and prints each ``expected`` line."""
     env = {**os.environ, "TRITON_INSTRUMENTATION_MODE": "consan", "TRITON_INTERPRET": "0",
@@ -71,7 +96,7 @@ def safety_run(limit: float, script: str = SAFETY, expected=("causal finite",)) 
                 stdout=done.stdout[-2000:], stderr=done.stderr[-4000:])
 
 
-def safety_first(out: str, limit: float, script: str = SAFETY, expected=("causal finite",)):
+def safety_first(out: str, limit: float, script: str = SAFETY, expected=SAFE):
     """(rows, save) after a passing safety run (recorded in ``out``), else None (printed)."""
     rows: list = []
 
@@ -102,35 +127,47 @@ def variant(name: str, S: int, H: int):
     return score_mod, flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda"), share
 
 
-def run(backend: str, q, k, v, score_mod, block_mask, lse: bool = False):
+def run(impl: str, q, k, v, score_mod, block_mask, lse: bool = False):
+    """flexfa's output with ``IMPLS[impl]``'s kernel_options (an impl name, or a BACKEND)."""
     import flexfa
+    options = IMPLS.get(impl.lower()) or {"BACKEND": impl}
     return flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                 return_lse=lse, kernel_options={"BACKEND": backend})
+                                 return_lse=lse, kernel_options=options)
 
 
-def check(rows: list) -> None:
+def check(rows: list, impls=tuple(IMPLS)) -> None:
     import torch
     torch.manual_seed(0)
     S = 2048
     q, k, v = (torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in VARIANTS:
         score_mod, mask, _ = variant(name, S, 4)
-        row = dict(step="check", variant=name)
-        try:
-            out, lse = run("GLUON", q, k, v, score_mod, mask, lse=True)
-            ref, ref_lse = run("HOPPER", q, k, v, score_mod, mask, lse=True)
-            row["relerr_vs_hopper"] = float((out.float() - ref.float()).norm()
-                                            / ref.float().norm())
-            row["lse_maxdiff"] = float((lse - ref_lse).abs().max())
-            row["ok"] = row["relerr_vs_hopper"] < 5e-3 and row["lse_maxdiff"] < 1e-2
-        except Exception as exc:  # recorded, the rest still runs
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500],
-                       trace=traceback.format_exc()[-1500:])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        ref, ref_lse, plain = None, None, None
+        # the Gluon impls asked for, after the plain kernel (the bit-equality reference)
+        for impl in ("gluon", *(i for i in impls if i.startswith("gluon_"))):
+            row = dict(step="check", variant=name, impl=impl)
+            try:
+                if ref is None:
+                    ref, ref_lse = run("hopper", q, k, v, score_mod, mask, lse=True)
+                out, lse = run(impl, q, k, v, score_mod, mask, lse=True)
+                row["relerr_vs_hopper"] = float((out.float() - ref.float()).norm()
+                                                / ref.float().norm())
+                row["lse_maxdiff"] = float((lse - ref_lse).abs().max())
+                row["ok"] = row["relerr_vs_hopper"] < 5e-3 and row["lse_maxdiff"] < 1e-2
+                if impl == "gluon":
+                    plain = out
+                else:  # when GEMMs issue and how out is stored, not what is computed
+                    row["equals_gluon"] = plain is not None and bool(torch.equal(out, plain))
+                    row["ok"] = row["ok"] and row["equals_gluon"]
+            except Exception as exc:  # recorded, the rest still runs
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500],
+                           trace=traceback.format_exc()[-1500:])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
 
-def timings(rows: list, S: int, E: int = 128, variants=VARIANTS, tokens: int = 16384) -> None:
+def timings(rows: list, S: int, E: int = 128, variants=VARIANTS, tokens: int = 16384,
+            impls=tuple(IMPLS)) -> None:
     import torch
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -141,15 +178,15 @@ def timings(rows: list, S: int, E: int = 128, variants=VARIANTS, tokens: int = 1
         score_mod, mask, share = variant(name, S, H)
         flops = 4 * B * H * S * S * E * share if share else None
         causal = name == "causal"
-        impls = {"gluon": lambda: run("GLUON", q, k, v, score_mod, mask),
-                 "hopper": lambda: run("HOPPER", q, k, v, score_mod, mask)}
-        if name in ("full", "causal"):
-            def cudnn(causal=causal):
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, is_causal=causal)
-            impls["cudnn"] = cudnn
-        for impl, fn in impls.items():
+
+        def cudnn(causal=causal):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        calls = {impl: (lambda impl=impl: run(impl, q, k, v, score_mod, mask))
+                 for impl in impls if IMPLS[impl] is not None}
+        if "cudnn" in impls and name in ("full", "causal"):
+            calls["cudnn"] = cudnn
+        for impl, fn in calls.items():
             row = dict(step="time", variant=name, impl=impl, B=B, H=H, S=S, E=E)
             try:
                 fn()
@@ -192,16 +229,23 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"variants of the timings, comma list of {','.join(VARIANTS)}")
     parser.add_argument("--tokens", type=int, default=16384, help="B * S of the timings")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"what the timings run, comma list of {','.join(IMPLS)} "
+                             "(gluon_pp: the Gluon forward with GLUON_PINGPONG, gluon_tma: "
+                             "with GLUON_TMA_STORE, gluon_pp_tma: both)")
     parser.add_argument("--tune", action="store_true",
                         help="let the Hopper family tune its tiles (slow: compiles candidates)")
     args = parser.parse_args(argv)
     if not args.tune:
         os.environ["FLEXFA_AUTOTUNE"] = "0"
+    impls = tuple(args.impls.split(","))
+    if set(impls) - set(IMPLS):
+        parser.error(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}; known: {list(IMPLS)}")
     started = safety_first(args.out, args.safety_timeout)
     if started is None:
         return 1
     rows, save = started
-    check(rows)
+    check(rows, impls)
     save()
     variants = tuple(args.variants.split(","))
     unknown = set(variants) - set(VARIANTS)
@@ -209,7 +253,7 @@ def main(argv=None) -> int:
         parser.error(f"--variants: unknown {sorted(unknown)}; known: {list(VARIANTS)}")
     for E in map(int, args.dims.split(",")):
         for S in map(int, args.seqs.split(",")):
-            timings(rows, S, E, variants, args.tokens)
+            timings(rows, S, E, variants, args.tokens, impls)
             save()
     print(table(rows))
     return 0 if all(r.get("ok", True) for r in rows) else 1

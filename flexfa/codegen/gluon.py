@@ -5,8 +5,9 @@ The module is built like the Triton forwards' (``forward_module``: the spec's fl
 helpers and the kernel libraries filled with the rendered mods, then the template), so the
 mods are rendered by the same renderer into the same library functions; Gluon runs them on
 its distributed tensors. Two things differ: a mod's value that is not a tile by itself is
-broadcast in the score tile's layout (``GLUON_TILE``), and the template adds the flag
-``STAGES``. Gluon modules are compiled only (no interpreter): they import
+broadcast in the score tile's layout (``GLUON_TILE``), the template adds the flags
+``STAGES``, ``PINGPONG`` and ``TMA_STORE`` and, with the latter, the output's descriptor
+``O_DESC``. Gluon modules are compiled only (no interpreter): they import
 ``triton.experimental.gluon``, whose standard library cannot be imported where
 ``triton.language`` was decorated for the interpreter.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
-from .params import INPUT, KernelParams, constexprs, forward_params
+from .params import DESCRIPTOR, INPUT, KernelParams, Param, constexprs, forward_params
 from .spec import KernelSpec, spec_key
 from .template import template_hash
 from .versions import versions_key
@@ -31,17 +32,22 @@ CONSUMER_ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
 MAX_REGISTERS = 168
 
 
-def gluon_params(score: TracedMod | None, mask: TracedMod | None) -> KernelParams:
+def gluon_params(score: TracedMod | None, mask: TracedMod | None,
+                 tma_store: bool) -> KernelParams:
     """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
-    tensors) plus the ring depth ``STAGES``."""
+    tensors) plus, with ``tma_store``, the output's descriptor ``O_DESC``, and the ring depth
+    ``STAGES`` and the flags ``PINGPONG`` and ``TMA_STORE``."""
     base = forward_params(True, buffer_params(score, mask))
-    return KernelParams((*base.groups[:-1], base.groups[-1] + constexprs("STAGES")))
+    out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
+    return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1],
+                         base.groups[-1] + constexprs("STAGES", "PINGPONG", "TMA_STORE")))
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
     # the Hopper parameter list's STRIDED_QKV: this kernel reads flat [B * H * len, dim] rows
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, HAS_SINKS=False,
-                DROPOUT=False, STAGES=spec.num_stages)
+                DROPOUT=False, STAGES=spec.num_stages, PINGPONG=spec.pingpong,
+                TMA_STORE=spec.tma_store)
 
 
 def gluon_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:
@@ -58,7 +64,7 @@ def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | No
         f"BLOCK_M={spec.block_m}: the Gluon forward's programs have {CONSUMERS} consumers of "
         f"{CONSUMER_ROWS} rows")
     return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
-                          gluon_params(score, mask), module_flags(gluon_constexprs(spec, True)),
+                          gluon_params(score, mask, spec.tma_store), module_flags(gluon_constexprs(spec, True)),
                           helpers=("helpers.tmpl", "gluon_common.tmpl"), tile=GLUON_TILE)
 
 
@@ -71,10 +77,12 @@ def descriptor_layout(block: list[int], dtype: str):
 
 
 def descriptor_blocks(spec: KernelSpec) -> dict[str, list[int]]:
-    """The block shape of each descriptor argument."""
+    """The block shape of each descriptor argument (q, k, v, and out with ``tma_store``)."""
     return {"Q_DESC": [spec.block_m // CONSUMERS, spec.head_dim_pad],
             "K_DESC": [spec.block_n, spec.head_dim_pad],
-            "V_DESC": [spec.block_n, spec.head_dim_v_pad]}
+            "V_DESC": [spec.block_n, spec.head_dim_v_pad],
+            **({"O_DESC": [spec.block_m // CONSUMERS, spec.head_dim_v_pad]}
+               if spec.tma_store else {})}
 
 
 def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
@@ -82,9 +90,10 @@ def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod |
     """(signature, constexprs) of the Gluon forward, for ``triton.compile(GluonASTSource(
     ...))``: a Gluon descriptor's type names its shared layout."""
     constexprs_ = gluon_constexprs(spec, score is not None)
-    signature = gluon_params(score, mask).signature(constexprs_, {INPUT: spec.dtype})
+    signature = gluon_params(score, mask, spec.tma_store).signature(constexprs_, {INPUT: spec.dtype})
     for name, block in descriptor_blocks(spec).items():
-        signature[name] = descriptor_type(block, spec.dtype)
+        if name in signature:
+            signature[name] = descriptor_type(block, spec.dtype)
     return signature, constexprs_
 
 

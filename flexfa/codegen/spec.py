@@ -82,6 +82,10 @@ class KernelSpec(PaddedDims):
     sinks_dtype: str = ""
     # dropout on the probabilities (DROPOUT)
     dropout: bool = False
+    # Gluon template only: the consumer warpgroups issue their GEMMs in turn (PINGPONG); out
+    # goes through shared memory and a TMA store (TMA_STORE)
+    pingpong: bool = False
+    tma_store: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

@@ -160,9 +160,11 @@ def _register_hopper() -> None:
 
 
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
-              num_stages: int = 2, return_lse: bool = True, return_max: bool = False):
+              num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
+              pingpong: bool = False, tma_store: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
-    fixed 128-row programs and register split."""
+    fixed 128-row programs and register split (``pingpong``: the consumers' turns;
+    ``tma_store``: out through shared memory and TMA)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=128,
@@ -172,7 +174,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           even_s=False, return_lse=return_lse, gqa_group=1,
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
-                          return_max=return_max)
+                          return_max=return_max, pingpong=pingpong, tma_store=tma_store)
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
 
@@ -187,6 +189,25 @@ register("fwd_gluon_d128_fp16_softcap_causal",
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                    num_stages=3), archs=(90,))
+# the consumers' turns (kernel_options GLUON_PINGPONG) on the CI variants at both head dims
+for _dim, _stages in ((64, 3), (128, 2)):
+    register(f"fwd_gluon_d{_dim}_bf16_dense_pingpong",
+             gluon_job(_dim, "bf16", num_stages=_stages, pingpong=True), archs=(90,))
+    register(f"fwd_gluon_d{_dim}_bf16_causal_pingpong",
+             gluon_job(_dim, "bf16", mask_mod=_causal, num_stages=_stages, pingpong=True),
+             archs=(90,))
+    register(f"fwd_gluon_d{_dim}_fp16_softcap_pingpong",
+             gluon_job(_dim, "fp16", score_mod=_softcap, num_stages=_stages, return_max=True,
+                       pingpong=True), archs=(90,))
+    register(f"fwd_gluon_d{_dim}_bf16_document_pingpong",
+             gluon_job(_dim, "bf16", mask_mod=_document_mask(), num_stages=_stages,
+                       pingpong=True), archs=(90,))
+# out through shared memory and TMA (GLUON_TMA_STORE), alone and with the turns
+register("fwd_gluon_d128_bf16_causal_tma_store",
+         gluon_job(128, "bf16", mask_mod=_causal, tma_store=True), archs=(90,))
+register("fwd_gluon_d64_fp16_softcap_pingpong_tma_store",
+         gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
+                   tma_store=True), archs=(90,))
 
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,

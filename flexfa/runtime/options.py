@@ -69,6 +69,11 @@ class KernelOptions:
     ds_workspace: bool | None = None  # backward dS workspace (L x S): only when True
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     gluon_backward: bool = False  # the Gluon backward family (sm_90), never run on a GPU yet
+    # the Gluon forward's consumer warpgroups take turns issuing their GEMMs (ping-pong); off
+    # until measured on the H200
+    gluon_pingpong: bool = False
+    # the Gluon forward stores out through shared memory and TMA; off until measured
+    gluon_tma_store: bool = False
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -173,6 +178,12 @@ SCHEMA = {
     "GLUON_BACKWARD": ("gluon_backward", (), _flag,
                        "the experimental Gluon backward on sm_90 (not yet run on a GPU): True "
                        "opts in where it applies"),
+    "GLUON_PINGPONG": ("gluon_pingpong", (), _flag,
+                       "the Gluon forward's two consumer warpgroups take turns on the tensor "
+                       "cores (FlashAttention-3's ping-pong): True or False (default)"),
+    "GLUON_TMA_STORE": ("gluon_tma_store", (), _flag,
+                        "the Gluon forward writes out through shared memory and a TMA store: "
+                        "True or False (default)"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

@@ -1,7 +1,9 @@
 """The Gluon forward family on the CPU: when it applies (forced, or by default in the classes
-where it measured faster; sm_90, never the interpreter), the specs it plans, and how the mods are rendered into fwd_gluon.tmpl (index
-vectors and broadcasts in the score tile's layout). Its sm_90 compile check is in
-test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
+where it measured faster; sm_90, never the interpreter), the specs it plans, how the mods are
+rendered into fwd_gluon.tmpl (index vectors and broadcasts in the score tile's layout), its
+GLUON_PINGPONG and GLUON_TMA_STORE options, and the ping-pong turns' phase protocol checked in
+every interleaving. Its sm_90 compile check is in test_gluon_compile.py, its GPU tests in
+tests/gpu/test_gluon_gpu.py."""
 from __future__ import annotations
 
 import pytest
@@ -163,3 +165,83 @@ def test_gluon_key_covers_stages_and_mods():
     assert len(names) == 3
     source = gluon_kernel(two, biased.score, None).source
     assert "tl.load(sbuf0_ptr + flexfa_index(off_h, sbuf0_size0) * sbuf0_stride0)" in source
+
+
+@pytest.mark.parametrize("key, field, flag, code", [
+    ("GLUON_PINGPONG", "pingpong", "PINGPONG", "mbarrier.wait(turn.index(CID), (t + CID) & 1)"),
+    ("GLUON_TMA_STORE", "tma_store", "TMA_STORE",
+     "tma.async_copy_shared_to_global(O_DESC, [row, 0], o_smem)"),
+])
+def test_gluon_options_are_in_the_spec_key_and_source(key, field, flag, code):
+    """kernel_options GLUON_PINGPONG and GLUON_TMA_STORE (default off) reach the spec, so the
+    kernel's key and name, and the module's flag."""
+    q, k, v = _qkv()
+    plain = gluon_spec(q, k, v, _call(FORCED), SM90, False, False)
+    chosen = gluon_spec(q, k, v, _call({**FORCED, key: True}), SM90, False, False)
+    assert (getattr(plain, field), getattr(chosen, field)) == (False, True)
+    plain_kernel, chosen_kernel = gluon_kernel(plain, None, None), gluon_kernel(chosen, None, None)
+    assert plain_kernel.name != chosen_kernel.name and plain_kernel.key != chosen_kernel.key
+    assert f"{flag} = tl.constexpr(False)" in plain_kernel.source
+    assert f"{flag} = tl.constexpr(True)" in chosen_kernel.source
+    assert code in chosen_kernel.source
+    assert plain_kernel.params[:4] == ("Q_DESC", "K_DESC", "V_DESC", "OUT")
+    # the output's descriptor is a parameter with TMA_STORE only
+    assert ("O_DESC" in chosen_kernel.params) == (key == "GLUON_TMA_STORE")
+    assert "O_DESC" not in plain_kernel.params
+
+
+def _turn_program(source: str):
+    """(first step, parity(t, cid), arrival target(cid)) of fwd_gluon.tmpl's ping-pong turns,
+    read from the template: the loop the turn wait sits in, its parity and the arrival's
+    barrier index."""
+    import re
+    wait = re.search(r"mbarrier\.wait\(turn\.index\(CID\), (.+)\)\n", source)
+    arrive = re.search(r"mbarrier\.arrive\(turn\.index\((.+)\), count=1\)", source)
+    loop = re.findall(r"for t in range\((\w+), total\):", source[:wait.start()])
+    return (int(loop[-1]), lambda t, cid: eval(wait.group(1), {"t": t, "CID": cid}),
+            lambda cid: eval(arrive.group(1), {"CID": cid}))
+
+
+def _run_all_interleavings(programs) -> set:
+    """Every interleaving of the consumers' (op, barrier, parity) programs on count-1
+    mbarriers (a wait for parity p passes once the barrier's completed phases have the other
+    parity; a fresh barrier has completed none): the orders the GEMMs issued in; fails on a
+    state where both consumers wait forever."""
+    ends, seen, frontier = set(), set(), [((0, 0), (0, 0), ())]
+    while frontier:
+        state = frontier.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        pcs, phases, issued = state
+        moves = []
+        for c in (0, 1):
+            if pcs[c] == len(programs[c]):
+                continue
+            kind, barrier, parity = programs[c][pcs[c]]
+            if kind == "wait" and phases[barrier] % 2 == parity:
+                continue  # the phase it waits for has not completed
+            after = list(phases)
+            after[barrier] += kind == "arrive"
+            moved = tuple(pc + (i == c) for i, pc in enumerate(pcs))
+            moves.append((moved, tuple(after), issued + ((c,) if kind == "issue" else ())))
+        if pcs == (len(programs[0]), len(programs[1])):
+            ends.add(issued)
+        assert moves or pcs == (len(programs[0]), len(programs[1])), (
+            f"both consumers wait forever at {state}")
+        frontier.extend(moves)
+    return ends
+
+
+def test_gluon_pingpong_turns_never_hang_and_alternate():
+    """fwd_gluon.tmpl's turn protocol, read from the template, in every interleaving of the
+    two consumers for 0..6 key tiles (no tile, one, odd and even counts): neither hangs and
+    the GEMMs issue alternately, consumer 0 first."""
+    from flexfa.codegen.template import load_template
+    first, parity, target = _turn_program(load_template("fwd_gluon.tmpl"))
+    for total in range(7):
+        steps = range(first, total)
+        programs = [[op for t in steps for op in (("wait", c, parity(t, c)), ("issue", c, 0),
+                                                   ("arrive", target(c), 0))]
+                    for c in (0, 1)]
+        assert _run_all_interleavings(programs) == {(0, 1) * len(steps)}, total

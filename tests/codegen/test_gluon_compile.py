@@ -1,6 +1,8 @@
 """The Gluon forward (fwd_gluon.tmpl) and backward (bwd_gluon.tmpl) compile for sm_90 without
 a GPU: setmaxnreg (the 1-warp partitions give registers to the consumer warpgroups), wgmma,
-TMA (the backward's dQ reduce-add too), no spills. In a subprocess:
+TMA (the backward's dQ reduce-add too), no spills; the forward's ping-pong variant
+(GLUON_PINGPONG) waits on and passes the consumers' turns, its TMA-store variant
+(GLUON_TMA_STORE) stores out by TMA. In a subprocess:
 a compiled Gluon module imports triton.experimental.gluon, whose standard library cannot be
 imported where this test session decorated triton.language for the interpreter."""
 import json
@@ -9,9 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("fwd_gluon_d128_bf16_dense", "fwd_gluon_d128_bf16_causal",
             "fwd_gluon_d128_fp16_softcap_causal")
+PINGPONG_VARIANTS = tuple(f"fwd_gluon_d{dim}_{kind}_pingpong" for dim in (64, 128) for kind in (
+    "bf16_dense", "bf16_causal", "fp16_softcap", "bf16_document"))
+TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
+                      "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
 SCRIPT = """
 import json, os, re, sys
 if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the interpreter
@@ -29,8 +37,16 @@ for name in sys.argv[1:]:
                                          r.ptx))),
         tanh="tanh.approx.f32" in r.ptx, arrive="mbarrier.arrive" in r.ptx,
         tma="cp.async.bulk.tensor" in r.ptx,
-        reduce="cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in r.ptx)))
+        reduce="cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in r.ptx,
+        try_wait=r.ptx.count("mbarrier.try_wait"),
+        tma_stores=r.ptx.count("cp.async.bulk.tensor.2d.global.shared::cta"),
+        proxy_fence="fence.proxy.async.shared::cta" in r.ptx,
+        # an arrive right before waiting for the q.k wgmma: the ping-pong turn passed on
+        turn_pass=len(re.findall(TURN_PASS, r.ptx)))))
 """
+TURN_PASS = (r"mbarrier\.arrive\.shared::cta\.b64[^\n]*\n(?:(?![^\n]*(?:wgmma|mbarrier))"
+             r"[^\n]*\n)*?[ \t]*wgmma\.wait_group\.sync\.aligned 1;")
+SCRIPT = f"TURN_PASS = {TURN_PASS!r}\n" + SCRIPT
 
 
 def _compile(tmp_path, variants, as_test_session=False) -> dict:
@@ -49,16 +65,56 @@ def _compile(tmp_path, variants, as_test_session=False) -> dict:
     return rows
 
 
-def test_gluon_forward_compiles_for_sm90(tmp_path):
-    rows = _compile(tmp_path, VARIANTS)
-    for name, row in rows.items():
-        assert row["ok"], (name, row["error"])
-        assert row["wgmma"] and row["tma"] and row["arrive"], row
-        # the producer warp drops to 24 registers, the worker consumer rises to 240
-        assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
-        assert row["spills"] in (0, None), row  # None: no ptxas to ask
-    assert rows["fwd_gluon_d128_fp16_softcap_causal"]["tanh"]
-    assert not rows["fwd_gluon_d128_bf16_dense"]["tanh"]
+@pytest.fixture(scope="module")
+def forward_rows(tmp_path_factory) -> dict:
+    """The forward variants, with and without ping-pong, compiled in one process."""
+    return _compile(tmp_path_factory.mktemp("gluon_fwd"),
+                    VARIANTS + PINGPONG_VARIANTS + TMA_STORE_VARIANTS)
+
+
+def _check_compiled(name: str, row: dict) -> None:
+    assert row["ok"], (name, row["error"])
+    assert row["wgmma"] and row["tma"] and row["arrive"], row
+    # the producer warp drops to 24 registers, the worker consumer rises to 240
+    assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
+    assert row["spills"] in (0, None), row  # None: no ptxas to ask
+
+
+def test_gluon_forward_compiles_for_sm90(forward_rows):
+    for name in VARIANTS:
+        _check_compiled(name, forward_rows[name])
+        assert forward_rows[name]["turn_pass"] == 0, forward_rows[name]
+        assert forward_rows[name]["tma_stores"] == 0, forward_rows[name]  # plain stores
+    assert forward_rows["fwd_gluon_d128_fp16_softcap_causal"]["tanh"]
+    assert not forward_rows["fwd_gluon_d128_bf16_dense"]["tanh"]
+
+
+def test_gluon_pingpong_forward_compiles_for_sm90(forward_rows):
+    """GLUON_PINGPONG at E=64 and 128: each consumer waits for its turn once more per step
+    (one try_wait loop per consumer over the plain kernel's) and passes the turn after
+    issuing both GEMMs, before it waits for the q.k one."""
+    plain = forward_rows["fwd_gluon_d128_bf16_dense"]["try_wait"]
+    for name in PINGPONG_VARIANTS:
+        row = forward_rows[name]
+        _check_compiled(name, row)
+        assert row["try_wait"] == plain + 2, (name, row["try_wait"], plain)
+        assert row["turn_pass"] == 2, row  # one per consumer warpgroup
+    assert forward_rows["fwd_gluon_d128_bf16_causal_pingpong"]["try_wait"] \
+        > forward_rows["fwd_gluon_d128_bf16_causal"]["try_wait"]
+    assert forward_rows["fwd_gluon_d64_fp16_softcap_pingpong"]["tanh"]
+
+
+def test_gluon_tma_store_forward_compiles_for_sm90(forward_rows):
+    """GLUON_TMA_STORE: each consumer stores its rows of out by one TMA store from shared
+    memory written before a proxy fence; with ping-pong the turns are unchanged."""
+    for name in TMA_STORE_VARIANTS:
+        row = forward_rows[name]
+        _check_compiled(name, row)
+        assert row["tma_stores"] == 2 and row["proxy_fence"], row  # one per consumer
+    pingpong = forward_rows["fwd_gluon_d64_fp16_softcap_pingpong_tma_store"]
+    assert pingpong["turn_pass"] == 2
+    assert pingpong["try_wait"] == forward_rows["fwd_gluon_d64_fp16_softcap_pingpong"]["try_wait"]
+    assert forward_rows["fwd_gluon_d128_bf16_causal_tma_store"]["turn_pass"] == 0
 
 
 # E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
@@ -93,6 +149,11 @@ q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
 call = AttentionCall(None, None, None, 0.125, parse_kernel_options({"BACKEND": "GLUON"}), 1)
 plan = gluon.GLUON.make_plan(q, q, q, call, Target("cuda", 9, 0), True, False)
 print(type(plan.steps[0].kernel).__name__, plan.steps[0].grid, plan.steps[0].options)
+stored = AttentionCall(None, None, None, 0.125, parse_kernel_options(
+    {"BACKEND": "GLUON", "GLUON_TMA_STORE": True}), 1)
+plan = gluon.GLUON.make_plan(q, q, q, stored, Target("cuda", 9, 0), True, False)
+name, (shape, strides, block, layout) = plan.fixed["descriptors"][-1]
+print(name, shape, strides, block)
 """
 
 
@@ -106,3 +167,5 @@ def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[0] == "GluonJITFunction", result.stdout
     assert "(2, 2)" in result.stdout and "'maxnreg': 168" in result.stdout, result.stdout
+    # GLUON_TMA_STORE: the output's descriptor over its [B * H * L, Ev] rows, 64-row blocks
+    assert result.stdout.splitlines()[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout

@@ -1,6 +1,9 @@
 """The Gluon forward family on an sm_90 GPU, forced with BACKEND="GLUON": against the float64
 reference and the Hopper family on the benchmark's variants (dense, causal, sliding window,
-softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors.
+softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors; each
+also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
+row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), both bit-equal
+to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -23,14 +26,19 @@ from kernels.forward_utils import check_forward, make_qkv
 
 pytestmark = pytest.mark.gpu
 FORCED = {"BACKEND": "GLUON"}
+OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
+           "tma_store": {**FORCED, "GLUON_TMA_STORE": True},
+           "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True}}
 SAFETY = """
 import torch, flexfa
-q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 256, 256, device="cuda")
-for block_mask in (None, mask):
-    out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "GLUON"})
-    torch.cuda.synchronize()
-    print("ok", bool(torch.isfinite(out).all()))
+q, k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
+for block_mask in (None, mask):  # 3 tiles per row block; 1, 2 and 3 with the mask
+    for both in (False, True):
+        out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={
+            "BACKEND": "GLUON", "GLUON_PINGPONG": both, "GLUON_TMA_STORE": both})
+        torch.cuda.synchronize()
+        print("ok", bool(torch.isfinite(out).all()))
 """
 
 
@@ -70,13 +78,23 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_gluon_matches_reference_and_hopper(safe, name):
+# (case, options): every case plain and with ping-pong; the TMA store on even lengths (all
+# rows by TMA) and ragged ones (the last row block's plain stores), alone and with ping-pong
+OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for name in CASES]
+                + [(name, "tma_store") for name in ("dense", "dense_fp16", "ragged")]
+                + [(name, "pingpong_tma_store") for name in (
+                    "dense_d64", "causal", "softcap_causal", "document", "gqa_causal",
+                    "empty_rows")])
+
+
+@pytest.mark.parametrize("name, option", OPTION_CASES)
+def test_gluon_matches_reference_and_hopper(safe, name, option):
+    forced = OPTIONS[option]
     q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
     Hq, Hkv = q.shape[1], k.shape[1]
     plans.PLANS.clear()
     out, lse = check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
-                             kernel_options=FORCED)
+                             kernel_options=forced)
     assert [p.family.name for p in plans.PLANS.values()] == ["gluon"]
     hopper = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                    enable_gqa=Hq != Hkv, kernel_options={"BACKEND": "HOPPER"})
@@ -86,15 +104,21 @@ def test_gluon_matches_reference_and_hopper(safe, name):
         assert bool((out[:, :, :130] == 0).all()) and bool((lse[:, :, :130] == -torch.inf).all())
     # the cached plan gives the same result
     again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                  enable_gqa=Hq != Hkv, kernel_options=FORCED)
+                                  enable_gqa=Hq != Hkv, kernel_options=forced)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
+    if option != "plain":  # when GEMMs issue and how out is stored, not what is computed
+        plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                      enable_gqa=Hq != Hkv, kernel_options=FORCED)
+        torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
-def test_gluon_row_max_and_pinned_tiles(safe):
+@pytest.mark.parametrize("option", ["plain", "pingpong_tma_store"])
+def test_gluon_row_max_and_pinned_tiles(safe, option):
+    forced = OPTIONS[option]
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     mask = flexfa.create_block_mask(mods.causal, None, None, 512, 512, device="cuda",
                                     BLOCK_SIZE=(128, 64))
-    options = {**FORCED, "BLOCK_N": 64, "num_stages": 3}
+    options = {**forced, "BLOCK_N": 64, "num_stages": 3}
     out, aux = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options,
                                      return_aux=flexfa.AuxRequest(lse=True, max_scores=True))
     ref, ref_aux = flexfa.flex_attention(q, k, v, block_mask=mask,

@@ -67,6 +67,11 @@ def test_call_wide_keys():
     assert parse_kernel_options({"SPLIT_KV": 8}).split_kv == 8
     assert parse_kernel_options({"DS_WORKSPACE": "AUTO"}).ds_workspace is None
     assert parse_kernel_options({"BACKEND": "TRITON"}) == DEFAULT_OPTIONS  # every kernel is
+    assert not DEFAULT_OPTIONS.gluon_pingpong
+    pingpong = parse_kernel_options({"GLUON_PINGPONG": True})
+    assert pingpong.gluon_pingpong and pingpong != DEFAULT_OPTIONS
+    assert not DEFAULT_OPTIONS.gluon_tma_store
+    assert parse_kernel_options({"GLUON_TMA_STORE": True}).gluon_tma_store
 
 
 @pytest.mark.parametrize("key", sorted(HINTS))
@@ -130,6 +135,9 @@ def test_a_prefix_on_a_key_of_the_other_pass_names_the_right_spelling(key, right
     ({"USE_TMA": 1}, InputTypeError, r"\['USE_TMA'\] must be True, False or 'AUTO', got int 1"),
     ({"bwd_USE_TMA": "yes"}, InputTypeError, r"\['bwd_USE_TMA'\] must be True, False or 'AUTO', got str"),
     ({"deterministic": 0}, InputTypeError, r"\['deterministic'\] must be a bool, got int 0"),
+    ({"GLUON_PINGPONG": 1}, InputTypeError, r"\['GLUON_PINGPONG'\] must be a bool, got int 1"),
+    ({"GLUON_TMA_STORE": "yes"}, InputTypeError,
+     r"\['GLUON_TMA_STORE'\] must be a bool, got str 'yes'"),
     ({"DS_WORKSPACE": 1}, InputTypeError, r"\['DS_WORKSPACE'\] must be True, False or 'AUTO', got int 1"),
     ({"DS_MAX_BYTES": 0}, InputError, r"\['DS_MAX_BYTES'\] = 0 is not allowed; a positive"),
     ({"DS_MAX_BYTES": 1.5}, InputTypeError, r"\['DS_MAX_BYTES'\] must be an int, got float"),

@@ -118,7 +118,20 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         even_s=S % sparse_kv == 0, return_lse=return_lse, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target.name,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
-        wide_ints=int64_nodes(q, k, call))
+        wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
+        tma_store=call.options.gluon_tma_store)
+
+
+def out_geometry(q, v, block: list[int], dtype: str) -> tuple:
+    """(shape, strides, block, layout) of the descriptor over the [B * H * L, Ev] rows of the
+    output ``allocate_outputs`` gives: it is laid out in q's dimension order, so its rows are
+    flat where q's are (``why_not_gluon``)."""
+    B, H, L, _ = q.shape
+    Ev = v.shape[3]
+    sb, sh, sm, sd = out_strides(q, v)
+    assert sd == 1 and (H == 1 or sh == L * sm) and (B == 1 or sb == H * L * sm), (
+        f"out strides {(sb, sh, sm, sd)} of shape {(B, H, L, Ev)} are not [B * H * L, Ev] rows")
+    return [B * H * L, Ev], [sm, 1], block, descriptor_layout(block, dtype)
 
 
 @functools.cache
@@ -174,7 +187,8 @@ class GluonForward(KernelFamily):
         # the descriptors' checks ran at the plan's first launch; its key fixes what they read
         kind = descriptor_kinds()[1 if step.launched else 0]
         descriptors = {name: kind(t, shape, strides, block, layout) for t, (
-            name, (shape, strides, block, layout)) in zip((q, k, v), plan.fixed["descriptors"])}
+            name, (shape, strides, block, layout)) in zip((q, k, v, out),
+                                                          plan.fixed["descriptors"])}
         stat_lse, stat_max = stat_args(out, lse, maxs)
         step.launch_with({**descriptors, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
                           "sm_scale": float(call.scale),
@@ -198,6 +212,9 @@ class GluonForward(KernelFamily):
             shape, strides, _ = geometry(t, block[0], block[1])
             descriptors.append((name, (shape, strides, block,
                                        descriptor_layout(block, spec.dtype))))
+        if spec.tma_store:  # the fourth, over the call's out
+            descriptors.append(("O_DESC", out_geometry(q, v, descriptor_blocks(spec)["O_DESC"],
+                                                       spec.dtype)))
         return plans.Plan(self, spec, (step,), {"descriptors": tuple(descriptors)})
 
 
