@@ -203,8 +203,8 @@ _SCALARS = ints("HQ", "L", "S") + (Param("sm_scale", FLOAT),)
 def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = False,
                    features: tuple[Param, ...] = ()) -> KernelParams:
     """fwd.tmpl's kernel, or with ``hopper`` fwd_hopper.tmpl's (q, k, v through host tensor
-    descriptors, with ``strided`` their batch, head and row strides too; no split-KV
-    decoding); ``buffers``: the mods' ``captured`` tensors; ``features``:
+    descriptors, with ``strided`` their batch, head and row strides too, and SPLIT_KV for
+    the Ampere kernel's SPLIT_KEYS); ``buffers``: the mods' ``captured`` tensors; ``features``:
     ``feature_params``."""
     if hopper:
         inputs = (Param("Q_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "E_PAD")),
@@ -216,10 +216,12 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
         inputs = tensors(INPUT, "Q", "K", "V")
         input_strides = (strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"))
     own = constexprs("RETURN_MAX", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS", "DROPOUT")
+    template_flags = (constexprs("STRIDED_QKV", "SPLIT_KV") if hopper
+                      else constexprs("SPLIT_KEYS"))
     return KernelParams((
         inputs + tensors(INPUT, "OUT") + tensors("fp32", "LSE", "MAXS"), *input_strides,
         strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), _SCALARS + buffers, features,
-        _FORWARD_CONSTEXPRS + own + constexprs("STRIDED_QKV" if hopper else "SPLIT_KEYS")))
+        _FORWARD_CONSTEXPRS + own + template_flags))
 
 
 def decode_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:

@@ -112,9 +112,10 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
                return_lse: bool = True, max_registers: int = 0, return_max: bool = False,
                strided_qkv: bool = False, sinks_dtype: str = "", dropout: bool = False,
-               head_dim_v: int | None = None):
+               head_dim_v: int | None = None, split_kv: bool = False):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods
-    (``strided_qkv``: q, k, v through descriptors over strided matrices)."""
+    (``strided_qkv``: q, k, v through descriptors over strided matrices; ``split_kv``: the
+    split-KV variant)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
@@ -125,7 +126,8 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
                           target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
                           max_registers=max_registers, return_max=return_max,
-                          strided_qkv=strided_qkv, sinks_dtype=sinks_dtype, dropout=dropout)
+                          strided_qkv=strided_qkv, sinks_dtype=sinks_dtype, dropout=dropout,
+                          split_kv=split_kv)
         return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
     return build
 
@@ -156,6 +158,15 @@ def _register_hopper() -> None:
     register("fwd_hopper_d128_bf16_causal_sinks_dropout",
              hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
                         sinks_dtype="fp32", dropout=True), archs=(90,))
+    # split-KV (a chunked prefill), over a block mask and dense, at the default tiles without
+    # their register cap: with the cap of 128 these spill about 236 bytes, as the unsplit
+    # kernel does (232)
+    register("fwd_hopper_d128_bf16_causal_split",
+             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+                        split_kv=True), archs=(90,))
+    register("fwd_hopper_d128_bf16_softcap_split",
+             hopper_job(128, "bf16", score_mod=softcap, block_n=64, split_kv=True),
+             archs=(90,))
 
 
 
