@@ -246,15 +246,27 @@ def decode_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) 
                    "UNION_WALK", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS")))
 
 
-def decode_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
-    """fwd_decode.tmpl's combine kernel: the split workspaces into the outputs (and the
-    sinks, ``features``, added once)."""
+def _combine_params(shape: tuple[Param, ...], features: tuple[Param, ...],
+                    tiles: tuple[Param, ...]) -> KernelParams:
+    """A split-KV combine kernel: the split workspaces into the outputs (and the sinks,
+    ``features``, added once); ``shape`` and ``tiles``: how it finds its rows."""
     return KernelParams((
         tensors("fp32", "PARTS", "PART_LSE", "PART_MAX") + tensors(INPUT, "OUT")
         + tensors("fp32", "LSE", "MAXS"),
-        strides("o", "bhmd"), ints("HKV", "SPLITS"), features,
-        constexprs("BLOCK_M", "EV", "EV_PAD", "GQA_GROUP", "Q_LEN", "RETURN_LSE",
-                   "RETURN_MAX", "HAS_SINKS")))
+        strides("o", "bhmd"), shape, features,
+        tiles + constexprs("EV", "EV_PAD", "RETURN_LSE", "RETURN_MAX", "HAS_SINKS")))
+
+
+def decode_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
+    """fwd_decode.tmpl's combine kernel: one program per batch * kv head, its packed rows."""
+    return _combine_params(ints("HKV", "SPLITS"), features,
+                           constexprs("BLOCK_M", "GQA_GROUP", "Q_LEN"))
+
+
+def hopper_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
+    """fwd_hopper.tmpl's combine kernel: BLOCK_M of the ROWS = B * HQ * L rows per
+    program."""
+    return _combine_params(ints("HQ", "L", "ROWS", "SPLITS"), features, constexprs("BLOCK_M"))
 
 
 def fp8_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:

@@ -20,7 +20,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
+from ...codegen.hopper import HOPPER_TEMPLATE, combine_constexprs, hopper_kernel
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...errors import InputError
 from .. import autotune, binding, plans
@@ -32,8 +32,7 @@ from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
-from .ampere import (MIN_SPLIT_KEYS, combine_splits, int64_nodes, sm_count, split_out_strides,
-                     split_workspaces)
+from .ampere import MIN_SPLIT_KEYS, int64_nodes, sm_count, split_out_strides, split_workspaces
 
 # up to 256: the wide dims' tiles (autotune.HOPPER_CONFIGS[256], HOPPER_CONFIGS_WIDE_QK)
 # compile without spills on sm_90
@@ -45,6 +44,7 @@ INTERPRET_CONFIG = (64, 64, 4, 1, 0)
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_GAIN = 0.8
 MAX_AUTO_SPLITS = 4
+COMBINE_LAUNCH = {"num_warps": 8, "num_stages": 1}  # 128 rows x 128 columns of float32
 
 
 def _flat_rows(t: torch.Tensor) -> bool:
@@ -200,8 +200,7 @@ def hopper_spec(q, k, v, call: AttentionCall, target: Target, config, return_lse
         input_precision=call.options.fp32_precision, target=target.name,
         template=HOPPER_TEMPLATE, max_registers=max_registers, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), strided_qkv=not descriptor_layout_ok(q, k, v),
-        split_kv=split, sinks_dtype="" if split else call.sinks_dtype,
-        dropout=call.dropout is not None)
+        split_kv=split, sinks_dtype=call.sinks_dtype, dropout=call.dropout is not None)
 
 
 class HopperForward(KernelFamily):
@@ -261,7 +260,12 @@ class HopperForward(KernelFamily):
             return
         parts, part_lse, part_max = split_workspaces(splits, out, maxs is not None)
         self.launch(plan, call, q, k, v, parts, part_lse, part_max)
-        combine_splits(parts, part_lse, part_max, out, lse, maxs, sinks=call.sinks)
+        if lse is None:  # the combine kernel always writes lse (RETURN_LSE is on)
+            lse = torch.empty(part_lse.shape[1:], dtype=torch.float32, device=q.device)
+        plan.steps[1].launch_with(
+            {"PARTS": parts, "PART_LSE": part_lse, "PART_MAX": _or(part_max, part_lse),
+             "OUT": out, "LSE": lse, "MAXS": _or(maxs, lse), **binding.feature_values(call)},
+            q.device)
 
     def make_plan(self, q, k, v, call, target, config, return_lse, return_max,
                   splits: int = 1) -> plans.Plan:
@@ -286,7 +290,16 @@ class HopperForward(KernelFamily):
         descriptors = (layout(q, spec.block_m, spec.head_dim_pad),
                        layout(k, spec.block_n, spec.head_dim_pad),
                        layout(v, spec.block_n, spec.head_dim_v_pad))
-        return plans.Plan(self, spec, (step,), {"descriptors": descriptors, "splits": splits})
+        steps = [step]
+        if splits > 1:  # the slices combined by their lse: one program per BLOCK_M flat rows
+            combine = f"{loaded.name}_combine"
+            steps.append(Step(loaded.kernel(combine), (cdiv(B * Hq * L, spec.block_m),),
+                              combine_constexprs(spec), COMBINE_LAUNCH,
+                              binding.Binder(loaded.names(combine), {
+                                  **binding.strides("o", "bhmd", out_strides(q, v)), "HQ": Hq,
+                                  "L": L, "ROWS": B * Hq * L, "SPLITS": splits})))
+        return plans.Plan(self, spec, tuple(steps), {"descriptors": descriptors,
+                                                     "splits": splits})
 
     @staticmethod
     def launch(plan, call, q, k, v, out, lse, maxs) -> None:
@@ -329,6 +342,10 @@ class HopperForward(KernelFamily):
                 lambda: self.launch(plan, call, q, k, v, out, lse, None),
                 warmup=5, rep=25, return_mode="median")
         return autotune.tune(key, candidates, time_config)
+
+
+def _or(tensor, other):
+    return other if tensor is None else tensor
 
 
 def _smaller_configs(config, pinned: autotune.Pinned):
