@@ -17,6 +17,7 @@ from flexfa.runtime.families.decode import DECODE
 from flexfa.runtime.families.hopper import HOPPER, call_splits, split_count
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
+from backward_utils import check_backward
 from forward_utils import check_forward, make_qkv
 
 SM90 = Target("cuda", 9, 0)
@@ -46,7 +47,7 @@ def test_split_matches_the_reference(launched, n):
 
 def test_split_with_full_blocks_and_row_maxima(launched):
     """A mask with full tables (the split counts partial and full blocks as one list), the
-    rows' max scores through the combine, fp16."""
+    rows' max scores through the combine, fp16; gradients through the combined out and lse."""
     q, k, v = make_qkv(2, 2, 2, L, S, 16, dtype=torch.float16, seed=64)
     mask = create_block_mask(causal_at_offset, None, None, L, S, device="cpu", BLOCK_SIZE=32)
     assert mask.full_kv_num_blocks is not None
@@ -58,7 +59,11 @@ def test_split_with_full_blocks_and_row_maxima(launched):
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(aux.lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(aux.max_scores.double(), ref_max, rtol=1e-4, atol=1e-4)
-    assert launched == [("hopper", 3)]
+    assert launched[0] == ("hopper", 3)
+    # training through it: the backward takes the combined out and lse
+    check_backward(q, k, v, None, causal_at_offset, mask, with_lse=True,
+                   kernel_options={"BACKEND": "HOPPER", "SPLIT_KV": 3})
+    assert ("hopper", 3) in launched[1:]
 
 
 def _call(options: dict) -> AttentionCall:
