@@ -10,8 +10,13 @@ same call run eagerly.
 The chunked prefill (L = 512 against 8192 keys) with split-KV variants of the Hopper family,
 each line naming the plan it ran (family, splits, tiles):
 
-    python benchmarks/decode_bench.py results/chunked.json --cases chunked --variants \
-        '[{"SPLIT_KV": 0}, {"SPLIT_KV": 2}, {"SPLIT_KV": 3}, {"SPLIT_KV": 4}]'
+    python benchmarks/decode_bench.py results/chunked.json --cases chunked --budget 500 \
+        --variants '[{"SPLIT_KV": 0}, {"BACKEND": "HOPPER", "SPLIT_KV": 2},
+                     {"BACKEND": "HOPPER", "SPLIT_KV": 3}, {"BACKEND": "HOPPER", "SPLIT_KV": 4},
+                     {"SPLIT_KV": "AUTO"}, {"SPLIT_KV": 2, "maxnreg": 0},
+                     {"BLOCK_M": 64, "num_warps": 4},
+                     {"SPLIT_KV": 2, "BLOCK_M": 64, "num_warps": 4},
+                     {"BACKEND": "AMPERE"}, {"BACKEND": "AMPERE", "SPLIT_KV": 2}]'
 
 Every peer of every case is guarded (an error is recorded, the run goes on); the JSON is
 rewritten after each case, and cases stop once ``--budget`` seconds have passed, so one
