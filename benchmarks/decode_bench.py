@@ -7,6 +7,17 @@ same call run eagerly.
 
     python benchmarks/decode_bench.py results/decode.json [--budget 420] [--quick]
 
+The chunked prefill (L = 512 against 8192 keys) with split-KV variants of the Hopper family,
+each line naming the plan it ran (family, splits, tiles):
+
+    python benchmarks/decode_bench.py results/chunked.json --cases chunked --budget 500 \
+        --variants '[{"SPLIT_KV": 0}, {"BACKEND": "HOPPER", "SPLIT_KV": 2},
+                     {"BACKEND": "HOPPER", "SPLIT_KV": 3}, {"BACKEND": "HOPPER", "SPLIT_KV": 4},
+                     {"SPLIT_KV": "AUTO"}, {"SPLIT_KV": 2, "maxnreg": 0},
+                     {"BLOCK_M": 64, "num_warps": 4},
+                     {"SPLIT_KV": 2, "BLOCK_M": 64, "num_warps": 4},
+                     {"BACKEND": "AMPERE"}, {"BACKEND": "AMPERE", "SPLIT_KV": 2}]'
+
 Every peer of every case is guarded (an error is recorded, the run goes on); the JSON is
 rewritten after each case, and cases stop once ``--budget`` seconds have passed, so one
 8-minute GPU call always leaves a result.
@@ -69,6 +80,26 @@ def mask_mod_of(kind, L, S, torch):
     return None, S
 
 
+def plans_made(fn) -> list[str]:
+    """Run ``fn`` once; the plans flexfa made for it, as 'family xN BMxBN wW sS rR' (N the
+    splits, R the register cap)."""
+    from flexfa.runtime import plans
+    made, keep = [], plans.keep
+
+    def spy(call, key, plan):
+        spec = plan.spec
+        made.append(f"{plan.family.name} x{plan.fixed.get('splits') or 1} "
+                    f"{spec.block_m}x{spec.block_n} w{spec.num_warps} s{spec.num_stages} "
+                    f"r{getattr(spec, 'max_registers', 0)}")
+        return keep(call, key, plan)
+    plans.keep = spy
+    try:
+        fn()
+    finally:
+        plans.keep = keep
+    return made
+
+
 def run_case(case, torch, triton, flexfa, peers, variants=()) -> dict:
     name, B, Hq, Hkv, L, S, kind, paged = case
     bf16 = torch.bfloat16
@@ -82,10 +113,11 @@ def run_case(case, torch, triton, flexfa, peers, variants=()) -> dict:
 
     def record(peer, fn):
         try:
-            fn()
+            made = plans_made(fn) if peer.startswith("flexfa") else []
             torch.cuda.synchronize()
             ms = bench(fn)
-            result[peer] = {"ms": ms, "GBps": result["kv_bytes"] / (ms * 1e-3) / 1e9}
+            result[peer] = {"ms": ms, "GBps": result["kv_bytes"] / (ms * 1e-3) / 1e9,
+                            "plans": made}
         except Exception as exc:  # one failing peer never loses the run
             result[peer] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
@@ -203,11 +235,13 @@ def main(argv=None) -> int:
         cell = lambda peer, key: result.get(peer, {}).get(key, math.nan)  # noqa: E731
         print(f"{case[0]:36} {cell('flexfa', 'ms'):10.4f} {cell('flexfa', 'GBps'):7.0f} "
               f"{100 * cell('flexfa', 'GBps') / report['copy_GBps']:6.1f} "
-              f"{cell('torch_flex_compiled', 'ms'):9.4f} {cell('sdpa_flash', 'ms'):9.4f}",
-              flush=True)
+              f"{cell('torch_flex_compiled', 'ms'):9.4f} {cell('sdpa_flash', 'ms'):9.4f} "
+              f"{' '.join(result.get('flexfa', {}).get('plans', []))}", flush=True)
         for options in variants:
-            ms = cell(f"flexfa {json.dumps(options)}", "ms")
-            print(f"  with {json.dumps(options):30} {ms:10.4f}", flush=True)
+            peer = f"flexfa {json.dumps(options)}"
+            print(f"  with {json.dumps(options):30} {cell(peer, 'ms'):10.4f} "
+                  f"{' '.join(result.get(peer, {}).get('plans', []))} "
+                  f"{result.get(peer, {}).get('error', '')}", flush=True)
     try:
         report["graph"] = graph_case(torch, triton, flexfa)
         print(f"flex_decode B=1 eager {report['graph']['eager_ms']:.4f} ms, CUDA graph replay "

@@ -44,9 +44,10 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None,
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
-    # the Hopper parameter list's STRIDED_QKV: this kernel reads flat [B * H * len, dim] rows
-    return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, HAS_SINKS=False,
-                DROPOUT=False, STAGES=spec.num_stages, PINGPONG=spec.pingpong,
+    # the Hopper parameter list's STRIDED_QKV and SPLIT_KV: this kernel reads flat
+    # [B * H * len, dim] rows, all keys of a row in one program
+    return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, SPLIT_KV=False,
+                HAS_SINKS=False, DROPOUT=False, STAGES=spec.num_stages, PINGPONG=spec.pingpong,
                 TMA_STORE=spec.tma_store)
 
 

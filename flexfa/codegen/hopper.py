@@ -1,4 +1,6 @@
 """The Hopper (sm_90) forward template: filling ``fwd_hopper.tmpl`` and its compile checks.
+The module holds the forward kernel ``<name>`` and ``<name>_combine`` (split-KV's slices
+combined by their lse, launched only when a plan splits).
 
 Same hooks, libraries and ``KernelSpec`` as the Ampere-class ``fwd.tmpl`` (with
 ``template="fwd_hopper"``; the module is built by ``flexfa.codegen.forward.forward_module``);
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, features, forward_module, module_flags
-from .params import INPUT, forward_params
+from .params import INPUT, forward_params, hopper_combine_params
 from .spec import KernelSpec, spec_key
 from .template import template_hash
 from .versions import versions_key
@@ -30,12 +32,25 @@ def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | N
     return forward_module(spec, score, mask, hopper_key(spec, score, mask), "fwd_hopper.tmpl",
                           forward_params(True, buffer_params(score, mask), spec.strided_qkv,
                                          features(spec)),
-                          module_flags(spec.constexprs(True)))
+                          module_flags(spec.constexprs(True)),
+                          others=(("DEF_COMBINE", "combine",
+                                   hopper_combine_params(features(spec))),))
 
 
-def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
-                     ) -> tuple[dict[str, str], dict[str, object]]:
-    """(signature, constexprs) of the Hopper forward, for ``triton.compile(ASTSource(...))``."""
+def combine_constexprs(spec: KernelSpec) -> dict[str, object]:
+    """The constexpr arguments of the module's split-KV combine kernel."""
+    names = hopper_combine_params(features(spec)).constexpr_names
+    return {n: v for n, v in spec.constexprs(False).items() if n in names}
+
+
+def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None,
+                     combine: bool = False) -> tuple[dict[str, str], dict[str, object]]:
+    """(signature, constexprs) of the Hopper forward (or its split-KV combine kernel), for
+    ``triton.compile(ASTSource(...))``."""
+    if combine:
+        constexprs = combine_constexprs(spec)
+        return (hopper_combine_params(features(spec)).signature(constexprs, {INPUT: spec.dtype}),
+                constexprs)
     constexprs = spec.constexprs(score is not None)
     params = forward_params(True, buffer_params(score, mask), spec.strided_qkv, features(spec))
     return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

@@ -203,8 +203,8 @@ _SCALARS = ints("HQ", "L", "S") + (Param("sm_scale", FLOAT),)
 def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = False,
                    features: tuple[Param, ...] = ()) -> KernelParams:
     """fwd.tmpl's kernel, or with ``hopper`` fwd_hopper.tmpl's (q, k, v through host tensor
-    descriptors, with ``strided`` their batch, head and row strides too; no split-KV
-    decoding); ``buffers``: the mods' ``captured`` tensors; ``features``:
+    descriptors, with ``strided`` their batch, head and row strides too, and SPLIT_KV for
+    the Ampere kernel's SPLIT_KEYS); ``buffers``: the mods' ``captured`` tensors; ``features``:
     ``feature_params``."""
     if hopper:
         inputs = (Param("Q_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "E_PAD")),
@@ -216,10 +216,12 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
         inputs = tensors(INPUT, "Q", "K", "V")
         input_strides = (strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"))
     own = constexprs("RETURN_MAX", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS", "DROPOUT")
+    template_flags = (constexprs("STRIDED_QKV", "SPLIT_KV") if hopper
+                      else constexprs("SPLIT_KEYS"))
     return KernelParams((
         inputs + tensors(INPUT, "OUT") + tensors("fp32", "LSE", "MAXS"), *input_strides,
         strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), _SCALARS + buffers, features,
-        _FORWARD_CONSTEXPRS + own + constexprs("STRIDED_QKV" if hopper else "SPLIT_KEYS")))
+        _FORWARD_CONSTEXPRS + own + template_flags))
 
 
 def decode_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:
@@ -244,15 +246,27 @@ def decode_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) 
                    "UNION_WALK", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS")))
 
 
-def decode_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
-    """fwd_decode.tmpl's combine kernel: the split workspaces into the outputs (and the
-    sinks, ``features``, added once)."""
+def _combine_params(shape: tuple[Param, ...], features: tuple[Param, ...],
+                    tiles: tuple[Param, ...]) -> KernelParams:
+    """A split-KV combine kernel: the split workspaces into the outputs (and the sinks,
+    ``features``, added once); ``shape`` and ``tiles``: how it finds its rows."""
     return KernelParams((
         tensors("fp32", "PARTS", "PART_LSE", "PART_MAX") + tensors(INPUT, "OUT")
         + tensors("fp32", "LSE", "MAXS"),
-        strides("o", "bhmd"), ints("HKV", "SPLITS"), features,
-        constexprs("BLOCK_M", "EV", "EV_PAD", "GQA_GROUP", "Q_LEN", "RETURN_LSE",
-                   "RETURN_MAX", "HAS_SINKS")))
+        strides("o", "bhmd"), shape, features,
+        tiles + constexprs("EV", "EV_PAD", "RETURN_LSE", "RETURN_MAX", "HAS_SINKS")))
+
+
+def decode_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
+    """fwd_decode.tmpl's combine kernel: one program per batch * kv head, its packed rows."""
+    return _combine_params(ints("HKV", "SPLITS"), features,
+                           constexprs("BLOCK_M", "GQA_GROUP", "Q_LEN"))
+
+
+def hopper_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
+    """fwd_hopper.tmpl's combine kernel: BLOCK_M of the ROWS = B * HQ * L rows per
+    program."""
+    return _combine_params(ints("HQ", "L", "ROWS", "SPLITS"), features, constexprs("BLOCK_M"))
 
 
 def fp8_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:

@@ -70,6 +70,9 @@ class KernelSpec(PaddedDims):
     return_max: bool = False
     # split-KV decoding (Ampere template only): keys per split, 0 = no split
     split_keys: int = 0
+    # split-KV (Hopper template only): the grid's third axis splits each row's live blocks
+    # (SPLIT_KV), the runtime combines the splits' float32 slices
+    split_kv: bool = False
     # keys of the mods' INT nodes computed in int64 (codegen.ranges.int64_nodes): their values
     # may leave int32 at this call's lengths; empty in the common case
     wide_ints: tuple[str, ...] = ()
@@ -109,7 +112,7 @@ class KernelSpec(PaddedDims):
         if self.template == "fwd":  # the Ampere template's split-KV decoding
             constexprs["SPLIT_KEYS"] = self.split_keys
         if self.template == "fwd_hopper":
-            constexprs["STRIDED_QKV"] = self.strided_qkv
+            constexprs.update(STRIDED_QKV=self.strided_qkv, SPLIT_KV=self.split_kv)
         return constexprs
 
     def launch_options(self) -> dict[str, int]:

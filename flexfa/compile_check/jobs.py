@@ -21,6 +21,7 @@ from ..blockmask import create_block_mask
 from ..runtime.cache import get_module
 from ..runtime.call import AttentionCall, Dropout
 from ..runtime.families.ampere import default_tiles as ampere_tiles
+from ..runtime.families.hopper import COMBINE_LAUNCH as HOPPER_COMBINE_LAUNCH
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
 from ..runtime.decode_inputs import DecodeInputs
 from ..runtime.families.decode import decode_spec
@@ -112,9 +113,10 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
                return_lse: bool = True, max_registers: int = 0, return_max: bool = False,
                strided_qkv: bool = False, sinks_dtype: str = "", dropout: bool = False,
-               head_dim_v: int | None = None):
+               head_dim_v: int | None = None, split_kv: bool = False, combine: bool = False):
     """A compile-check builder (arch -> CompileJob) for the Hopper forward of these mods
-    (``strided_qkv``: q, k, v through descriptors over strided matrices)."""
+    (``strided_qkv``: q, k, v through descriptors over strided matrices; ``split_kv``: the
+    split-KV variant; ``combine``: its combine kernel, as the runtime launches it)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
@@ -125,8 +127,15 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
                           return_lse=return_lse, gqa_group=1, input_precision="ieee",
                           target=f"cuda:{arch}", template=HOPPER_TEMPLATE,
                           max_registers=max_registers, return_max=return_max,
-                          strided_qkv=strided_qkv, sinks_dtype=sinks_dtype, dropout=dropout)
-        return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
+                          strided_qkv=strided_qkv, sinks_dtype=sinks_dtype, dropout=dropout,
+                          split_kv=split_kv)
+        if not combine:
+            return kernel_job(spec, score, mask, hopper_kernel, hopper_signature)
+        generated = hopper_kernel(spec, score, mask)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        signature, constexprs = hopper_signature(spec, score, mask, combine=True)
+        return CompileJob(getattr(module, f"{generated.name}_combine"), signature, constexprs,
+                          HOPPER_COMBINE_LAUNCH, f"{generated.name}_combine")
     return build
 
 
@@ -156,6 +165,18 @@ def _register_hopper() -> None:
     register("fwd_hopper_d128_bf16_causal_sinks_dropout",
              hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
                         sinks_dtype="fp32", dropout=True), archs=(90,))
+    # split-KV (a chunked prefill), over a block mask and dense, at the default tiles without
+    # their register cap: with the cap of 128 these spill about 236 bytes, as the unsplit
+    # kernel does (232)
+    register("fwd_hopper_d128_bf16_causal_split",
+             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+                        split_kv=True), archs=(90,))
+    register("fwd_hopper_d128_bf16_softcap_split",
+             hopper_job(128, "bf16", score_mod=softcap, block_n=64, split_kv=True),
+             archs=(90,))
+    register("fwd_hopper_combine_d128_bf16_sinks_max",
+             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+                        sinks_dtype="fp32", split_kv=True, combine=True), archs=(90,))
 
 
 

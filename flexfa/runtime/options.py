@@ -58,9 +58,9 @@ class KernelOptions:
     backend: str = "AUTO"  # a family name (AMPERE, HOPPER) forces that family
     deterministic: bool = False
     fp32_precision: str = "ieee"
-    # forward: None the family's choice (the decode family splits by occupancy, the Ampere
-    # family never), 0 never, n about n splits (the decode family: exactly n), "AUTO" by
-    # occupancy
+    # forward: None the family's choice (the decode and Hopper families split by occupancy,
+    # the Ampere family never), 0 never, n about n splits (the decode and Hopper families:
+    # exactly n), "AUTO" by occupancy
     split_kv: int | str | None = None
     # the decode family's block-mask walk where a GQA group's rows span several (table head,
     # q block) members: "AUTO"/"UNION" the union of their blocks (each K/V tile once),

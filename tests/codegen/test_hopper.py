@@ -235,8 +235,9 @@ def test_hopper_is_chosen_on_sm90_only_and_when_forced():
         "ampere"
     with pytest.raises(flexfa.InputError, match="BACKEND='HOPPER'.*sm_90"):
         registry.choose("forward", sm80, _call(FORCED), t, t, t)
-    with pytest.raises(flexfa.InputError, match="split-KV"):
-        registry.choose("forward", INTERPRETER, _call({**FORCED, "SPLIT_KV": 2}), t, t, t)
+    # the Hopper family splits too (tests/kernels/test_hopper_split.py)
+    assert registry.choose("forward", INTERPRETER, _call({**FORCED, "SPLIT_KV": 2}), t, t,
+                           t) is HOPPER
 
 
 # ---- strided q, k, v (STRIDED_QKV) ---------------------------------------------------------
@@ -427,3 +428,20 @@ def test_pinned_tiles_that_do_not_fit_are_a_clear_error(hopper_template, monkeyp
     with pytest.raises(flexfa.InputError, match="does not fit this GPU.*kernel_options"):
         flexfa.flex_attention(q, k, v, kernel_options={**FORCED, "num_stages": 3,
                                                        "BLOCK_N": 64})
+
+
+@pytest.mark.parametrize("name", ["fwd_hopper_d128_bf16_causal_split",
+                                  "fwd_hopper_d128_bf16_softcap_split",
+                                  "fwd_hopper_combine_d128_bf16_sinks_max"])
+def test_sm90_split_hopper_kernel_compiles_without_spills(name):
+    """Split-KV (SPLIT_KV: a share of the live blocks, the workspace slice) at the default
+    128 x 64 tiles without the register cap: wgmma, TMA, no spills; the combine kernel (128
+    rows, with sinks and row maxima) without spills."""
+    from flexfa import compile_check
+    from flexfa.compile_check import compile_job
+
+    result = compile_job(name, 90, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    if "combine" not in name:
+        assert result.wgmma and "cp.async.bulk.tensor" in result.ptx
+    assert result.spill_bytes in (None, 0), result.spill_bytes

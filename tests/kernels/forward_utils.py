@@ -97,3 +97,16 @@ def check_forward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *, sc
     lse_floor = None if floor is None else floor
     assert_close_to_reference(lse, lse64, lse_eager, fudge=fudge, floor=lse_floor, name="lse")
     return out, lse
+
+
+def record_splits(monkeypatch, module) -> list:
+    """Spy on ``module.combine_splits`` (a family module's name for it): the list the number of
+    float32 slices of each combine is appended to."""
+    combined = []
+    real = module.combine_splits
+
+    def spy(parts, *rest, **kwargs):
+        combined.append(parts.shape[0])
+        return real(parts, *rest, **kwargs)
+    monkeypatch.setattr(module, "combine_splits", spy)
+    return combined

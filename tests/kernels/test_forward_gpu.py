@@ -105,3 +105,20 @@ def test_split_kv_decoding_on_gpu(launched):
                   kernel_options=auto)
     assert [family for family, _ in launched] == ["decode", "decode"]
     assert min(splits for _, splits in launched) >= 2, launched
+
+
+def test_chunked_prefill_splits_on_gpu(launched):
+    """512 queries at the end of 4096 keys, 32 query heads over 8 kv heads (128 programs):
+    the Hopper family splits each program's live blocks by default on an H200's 132 SMs;
+    forced 3 splits too; against the float64 reference."""
+    L, S = 512, 4096
+    q, k, v = make_qkv(1, 32, 8, L, S, 128, dtype=torch.bfloat16, device="cuda", seed=9)
+
+    def causal_at_offset(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + (S - L)
+    mask = create_block_mask(causal_at_offset, None, None, L, S, device="cuda")
+    check_forward(q, k, v, mods.softcap(30.0), causal_at_offset, mask, enable_gqa=True)
+    check_forward(q, k, v, None, causal_at_offset, mask, enable_gqa=True,
+                  kernel_options={"SPLIT_KV": 3})
+    assert [family for family, _ in launched] == ["hopper", "hopper"]
+    assert launched[0][1] >= 2 and launched[1][1] == 3, launched

@@ -210,7 +210,6 @@ def _qkv(dtype=torch.bfloat16, E=16, L=32):
     ([t.transpose(2, 3).contiguous().transpose(2, 3) for t in _qkv()], {"BACKEND": "HOPPER"},
      r"each a \[B \* H \* len, dim\] matrix or strided"),
     (_qkv(), {"BACKEND": "HOPPER", "USE_TMA": False}, "kernel_options USE_TMA=False"),
-    (_qkv(), {"BACKEND": "HOPPER", "SPLIT_KV": 2}, "split-KV decoding"),
     (_qkv(), {"BACKEND": "AMPERE", "USE_TMA": True}, "USE_TMA=True asks for the "
                                                      r"tensor-descriptor \(Hopper\) family"),
     (_qkv(), {"BACKEND": "AMPERE", "fwd_USE_TMA": True}, "USE_TMA=True"),

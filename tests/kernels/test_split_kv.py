@@ -3,7 +3,8 @@ kernel_options ``SPLIT_KV=n`` forces about n splits, also under the interpreter)
 range of keys per split into float32 slices, combined by their lse. Calls of at most 16 rows
 take the decode family by default (tests/kernels/test_decode.py), so these force AMPERE. Out, lse, row maxima and
 gradients against the float64 reference; empty rows and splits without keys; the rule that
-picks the splits; split calls never take the Hopper family."""
+picks the splits; which family a split call takes (the Hopper family splits too:
+tests/kernels/test_hopper_split.py)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ from flexfa.runtime.families.hopper import HOPPER
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward
-from forward_utils import check_forward, dense_block_mask, make_qkv
+from forward_utils import check_forward, dense_block_mask, make_qkv, record_splits
 from strategies import mask_mods, score_mods
 
 
@@ -33,14 +34,7 @@ SPLIT4 = {"SPLIT_KV": 4, "BACKEND": "AMPERE"}  # about four splits
 @pytest.fixture
 def splits(monkeypatch):
     """Record the float32 slices each call combined."""
-    combined = []
-    real = ampere.combine_splits
-
-    def spy(parts, *rest, **kwargs):
-        combined.append(parts.shape[0])
-        return real(parts, *rest, **kwargs)
-    monkeypatch.setattr(ampere, "combine_splits", spy)
-    return combined
+    return record_splits(monkeypatch, ampere)
 
 
 def tail_window(b, h, q_idx, kv_idx):
@@ -65,30 +59,21 @@ def test_split_decoding_matches_the_reference(splits):
     assert splits == [3, 3]
 
 
-def test_split_decoding_takes_the_ampere_family(monkeypatch):
-    """On sm_90 a bf16 call takes the Hopper family, unless it splits (only the Ampere family
-    splits; with SPLIT_KV="AUTO" where its programs would not fill half of the SMs); forcing
-    the Hopper family onto a split call is an error naming the reason."""
+def test_split_calls_take_the_hopper_family_on_sm90(monkeypatch):
+    """On sm_90 a bf16 call of more rows than the decode family takes runs the Hopper family
+    with or without SPLIT_KV (it splits too), forced or not; on sm_80 the Ampere family."""
     monkeypatch.setattr(ampere, "sm_count", lambda device: 132)
     # 20 rows: more than the decode family takes
     q, k, v = make_qkv(1, 4, 4, 20, 1500, 32, dtype=torch.bfloat16, seed=50)
-    sm90 = Target("cuda", 9, 0)
-    split4 = {"SPLIT_KV": 4}
+    sm90, sm80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
 
     def call(options):
         return AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
-    assert registry.choose("forward", sm90, call({}), q, k, v) is HOPPER
-    assert registry.choose("forward", sm90, call(split4), q, k, v) is AMPERE
-    auto = call({"SPLIT_KV": "AUTO"})
-    assert registry.choose("forward", sm90, auto, q, k, v) is AMPERE  # 4 programs
-    long_q = torch.zeros(1, 4, 2176, 32, dtype=torch.bfloat16)  # 2 x 4 x 17 > 132 SMs
-    assert registry.choose("forward", sm90, auto, long_q, k, v) is HOPPER
-    shorter_q = torch.zeros(1, 4, 2048, 32, dtype=torch.bfloat16)  # 2 x 4 x 16 <= 132
-    assert registry.choose("forward", sm90, auto, shorter_q, k, v) is AMPERE
-    with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call: split-KV"):
-        registry.choose("forward", sm90, call({**split4, "BACKEND": "HOPPER"}), q, k, v)
-    with pytest.raises(InputError, match="BACKEND='HOPPER' cannot run this call: split-KV"):
-        flexfa.flex_attention(q, k, v, kernel_options={**split4, "BACKEND": "HOPPER"})
+    for options in ({}, {"SPLIT_KV": 4}, {"SPLIT_KV": "AUTO"},
+                    {"SPLIT_KV": 4, "BACKEND": "HOPPER"}):
+        assert registry.choose("forward", sm90, call(options), q, k, v) is HOPPER
+        if "BACKEND" not in options:
+            assert registry.choose("forward", sm80, call(options), q, k, v) is AMPERE
 
 
 def test_split_decoding_row_maxima_and_gradients(splits):
@@ -160,8 +145,12 @@ def split_problems(draw):
 @given(problem=split_problems(), data=st.data())
 def test_random_mods_through_split_decoding(problem, data):
     """Random score_mods, mask_mods (block masks with and without full tables), ragged S, GQA
-    and 2-6 splits of 16-64 keys (MIN_SPLIT_KEYS lowered) against the float64 reference."""
+    and 2-6 splits of 16-64 keys (MIN_SPLIT_KEYS lowered) against the float64 reference, in
+    the Ampere family and the Hopper family (fp16/bf16 only: it reads tensor descriptors)."""
     B, Hq, Hkv, L, S, E, dtype = problem
+    backend = data.draw(st.sampled_from(("AMPERE", "HOPPER")), label="backend")
+    if backend == "HOPPER" and dtype == torch.float32:
+        dtype = torch.bfloat16
     score_mod = data.draw(st.none() | score_mods(B, Hq, L, S, max_depth=2), label="score_mod")
     mask_mod = data.draw(st.none() | mask_mods(B, Hq, L, S, max_depth=2), label="mask_mod")
     block_mask = None
@@ -175,4 +164,4 @@ def test_random_mods_through_split_decoding(problem, data):
         patch.setattr(ampere, "MIN_SPLIT_KEYS", 16)
         check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
                       kernel_options={"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KV": splits,
-                                      "BACKEND": "AMPERE"})
+                                      "BACKEND": backend})

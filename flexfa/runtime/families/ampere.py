@@ -165,9 +165,7 @@ class AmpereForward(KernelFamily):
             spec = forward_spec(q, k, v, call, target, return_lse, return_max, split)
         loaded = generated_module(forward_kernel, spec, call.score, call.mask)
         splits = cdiv(S, split) if split else 1
-        # split-KV writes contiguous float32 slices, combined into the output afterwards
-        out_strides_ = (Hq * L * v.shape[3], L * v.shape[3], v.shape[3], 1) if split \
-            else out_strides(q, v)
+        out_strides_ = split_out_strides(q, v) if split else out_strides(q, v)
         fixed = {**binding.strides("q", "bhmd", q.stride()),
                  **binding.strides("k", "bhnd", k.stride()),
                  **binding.strides("v", "bhnd", v.stride()),
@@ -186,9 +184,7 @@ class AmpereForward(KernelFamily):
         splits = plan.fixed["splits"]
         if splits:  # split-KV decoding: float32 slices per split, combined below
             results = out, lse, maxs
-            out = torch.empty(splits, *out.shape, dtype=torch.float32, device=q.device)
-            lse = torch.empty(splits, *out.shape[1:4], dtype=torch.float32, device=q.device)
-            maxs = torch.empty_like(lse) if return_max else None
+            out, lse, maxs = split_workspaces(splits, out, return_max)
         stat_lse, stat_max = stat_args(out, lse, maxs)
         plan.steps[0].launch_with(
             {"Q": q, "K": k, "V": v, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
@@ -197,6 +193,22 @@ class AmpereForward(KernelFamily):
             combine_splits(out, lse, maxs, *results, sinks=call.sinks)
             return results
         return out, lse, maxs
+
+
+def split_out_strides(q, v) -> tuple[int, int, int, int]:
+    """The [B, Hq, L, Ev] strides of a split's slice of ``split_workspaces``' output."""
+    _, Hq, L, _ = q.shape
+    Ev = v.shape[3]
+    return Hq * L * Ev, L * Ev, Ev, 1
+
+
+def split_workspaces(splits: int, out, return_max: bool) -> tuple:
+    """What split-KV kernels write instead of (out, lse, maxs): contiguous float32 slices per
+    split ([splits, B, Hq, L, Ev] and [splits, B, Hq, L]; maxs only where wanted), which
+    ``combine_splits`` turns into the outputs."""
+    parts = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(splits, *out.shape[:3], dtype=torch.float32, device=out.device)
+    return parts, part_lse, torch.empty_like(part_lse) if return_max else None
 
 
 def combine_splits(parts, part_lse, part_max, out, lse, maxs, sinks=None) -> None:

@@ -171,7 +171,7 @@ class GluonForward(KernelFamily):
         if reason is None and block_m not in (None, BLOCK_M):
             reason = f"its programs have BLOCK_M={BLOCK_M} query rows, not {block_m}"
         if reason is None and wants_split(call, target, q, k):
-            reason = "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
+            reason = "split-KV (kernel_options SPLIT_KV) runs the Hopper or Ampere family"
         if reason is None and call.options.backend != "GLUON":
             reason = _why_not_auto(call, q, k)
         return reason

@@ -3,10 +3,15 @@ wgmma-sized tiles, one flat pipelined loop per block table, longest q tiles firs
 
 Applies on sm_90 to fp16/bf16 inputs with head dims 8..256 whose [B, H, len, dim] layout
 flattens to 16-byte aligned rows (what tensor descriptors need), unless kernel_options say
-``USE_TMA=False`` or split-KV decoding applies (the Ampere family splits). Under the
-interpreter it runs when forced (``BACKEND="HOPPER"`` or ``USE_TMA=True``): how CI tests it.
-Tiles are tuned per class on the GPU (``flexfa.runtime.autotune``); a config that does not fit
-the GPU's shared memory falls back to smaller ones at the first launch.
+``USE_TMA=False``. Under the interpreter it runs when forced (``BACKEND="HOPPER"`` or
+``USE_TMA=True``): how CI tests it. Tiles are tuned per class on the GPU
+(``flexfa.runtime.autotune``); a config that does not fit the GPU's shared memory falls back
+to smaller ones at the first launch.
+
+Split-KV (``split_count``): where the (q tile, head) programs leave the GPU's program slots
+half idle (a chunked prefill: L = 512 queries against 8192 keys, B = 1, is 128 programs on
+132 SMs), each program's live blocks are split over the grid's third axis and the float32
+slices combined by their lse (``ampere.combine_splits``).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...codegen.hopper import HOPPER_TEMPLATE, hopper_kernel
+from ...codegen.hopper import HOPPER_TEMPLATE, combine_constexprs, hopper_kernel
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...errors import InputError
 from .. import autotune, binding, plans
@@ -27,12 +32,19 @@ from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
-from .ampere import int64_nodes, wants_split
+from .ampere import MIN_SPLIT_KEYS, int64_nodes, sm_count, split_out_strides, split_workspaces
 
 # up to 256: the wide dims' tiles (autotune.HOPPER_CONFIGS[256], HOPPER_CONFIGS_WIDE_QK)
 # compile without spills on sm_90
 MAX_HEAD_DIM = 256
 INTERPRET_CONFIG = (64, 64, 4, 1, 0)
+# split-KV's rule: program slots per SM (the default tiles' occupancy: two 8-warp programs
+# under the 128-register cap, 96 KB of shared memory each at head dim 128), the predicted
+# fraction of the unsplit time a split must reach, and the most splits it picks
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_GAIN = 0.8
+MAX_AUTO_SPLITS = 4
+COMBINE_LAUNCH = {"num_warps": 8, "num_stages": 1}  # 128 rows x 128 columns of float32
 
 
 def _flat_rows(t: torch.Tensor) -> bool:
@@ -139,8 +151,34 @@ def _candidates(head_dim_pad: int, sparse_q, sparse_kv,
              4, stages, 0)]
 
 
+def split_count(setting, programs: int, sms: int, keys: int) -> int:
+    """Splits of each program's live blocks (1: none) for ``kernel_options["SPLIT_KV"]`` =
+    ``setting``: n exactly n, 0 none; None (the default) and "AUTO" the count s that
+    minimizes the predicted time, cdiv(programs * s, slots) / s rounds of s-times shorter
+    programs (slots = PROGRAMS_PER_SM * sms), where that is at most MIN_SPLIT_GAIN of the
+    unsplit time, ties to the fewest; a split keeps at least MIN_SPLIT_KEYS of the ``keys``.
+    ``sms`` = 0 (the interpreter): no automatic split. Training-shaped calls (programs of a
+    few waves) do not split: their tail wave is a small part of the time."""
+    if setting not in (None, "AUTO"):
+        return max(1, setting)
+    slots = PROGRAMS_PER_SM * sms
+    if not slots:
+        return 1
+    most = max(1, min(MAX_AUTO_SPLITS, keys // MIN_SPLIT_KEYS))
+    rounds = {s: cdiv(programs * s, slots) / s for s in range(1, most + 1)}
+    best = min(rounds, key=lambda s: (rounds[s], s))
+    return best if rounds[best] <= MIN_SPLIT_GAIN * rounds[1] else 1
+
+
+def call_splits(call: AttentionCall, target: Target, q, k, block_m: int) -> int:
+    """``split_count`` for this call with q tiles of ``block_m`` rows on its target."""
+    B, Hq, L, _ = q.shape
+    return split_count(call.options.split_kv, B * Hq * cdiv(L, block_m),
+                       0 if target.interpret else sm_count(q.device), k.shape[2])
+
+
 def hopper_spec(q, k, v, call: AttentionCall, target: Target, config, return_lse: bool,
-                return_max: bool = False) -> KernelSpec:
+                return_max: bool = False, split: bool = False) -> KernelSpec:
     L, E, S, Ev = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     block_m, block_n, warps, stages, max_registers = config
     mask = call.block_mask
@@ -158,11 +196,11 @@ def hopper_spec(q, k, v, call: AttentionCall, target: Target, config, return_lse
         # EVEN_S also needs whole block-mask blocks: the flat loop visits every sub-tile of
         # a block, and a sub-tile past S would read the next head's rows unmasked
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % block_m == 0, even_s=S % sparse_kv == 0,
-        return_lse=return_lse, gqa_group=call.gqa_group,
+        return_lse=return_lse or split, gqa_group=call.gqa_group,
         input_precision=call.options.fp32_precision, target=target.name,
         template=HOPPER_TEMPLATE, max_registers=max_registers, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), strided_qkv=not descriptor_layout_ok(q, k, v),
-        sinks_dtype=call.sinks_dtype, dropout=call.dropout is not None)
+        split_kv=split, sinks_dtype=call.sinks_dtype, dropout=call.dropout is not None)
 
 
 class HopperForward(KernelFamily):
@@ -182,21 +220,20 @@ class HopperForward(KernelFamily):
             return (f"it needs fp16/bf16 q, k, v with head dims 8..{MAX_HEAD_DIM} and 16-byte "
                     "aligned rows, each a [B * H * len, dim] matrix or strided with heads in "
                     "whole rows or side by side at power-of-two head dims")
-        if wants_split(call, target, q, k):
-            return "split-KV decoding (kernel_options SPLIT_KV) runs the Ampere family"
         return None
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
         out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
         config = self.choose_config(q, k, v, call, target, return_lse, out, lse)
+        splits = call_splits(call, target, q, k, config[0])
         pinned = autotune.Pinned.of(call.options.fwd)
         error = None
         # captured-tensor reads are pipelined through shared memory too, so a score_mod with a
         # bias table can need more than the default tiles leave: smaller configs, not a failure
         for tried in _smaller_configs(config, pinned):
-            plan = self.make_plan(q, k, v, call, target, tried, return_lse, return_max)
+            plan = self.make_plan(q, k, v, call, target, tried, return_lse, return_max, splits)
             try:
-                self.launch(plan, call, q, k, v, out, lse, maxs)
+                self.launch_plan(plan, call, q, k, v, out, lse, maxs)
             except OutOfResources as exc:
                 error = exc
                 continue
@@ -211,11 +248,28 @@ class HopperForward(KernelFamily):
 
     def run(self, plan, call, q, k, v, return_lse, return_max):
         out, lse, maxs = allocate_outputs(q, v, return_lse, return_max)
-        self.launch(plan, call, q, k, v, out, lse, maxs)
+        self.launch_plan(plan, call, q, k, v, out, lse, maxs)
         return out, lse, maxs
 
-    def make_plan(self, q, k, v, call, target, config, return_lse, return_max) -> plans.Plan:
-        spec = hopper_spec(q, k, v, call, target, config, return_lse, return_max)
+    def launch_plan(self, plan, call, q, k, v, out, lse, maxs) -> None:
+        """Run ``plan`` into these outputs: directly, or with splits into float32 slices that
+        ``combine_splits`` then writes them from."""
+        splits = plan.fixed["splits"]
+        if splits == 1:
+            self.launch(plan, call, q, k, v, out, lse, maxs)
+            return
+        parts, part_lse, part_max = split_workspaces(splits, out, maxs is not None)
+        self.launch(plan, call, q, k, v, parts, part_lse, part_max)
+        if lse is None:  # the combine kernel always writes lse (RETURN_LSE is on)
+            lse = torch.empty(part_lse.shape[1:], dtype=torch.float32, device=q.device)
+        plan.steps[1].launch_with(
+            {"PARTS": parts, "PART_LSE": part_lse, "PART_MAX": _or(part_max, part_lse),
+             "OUT": out, "LSE": lse, "MAXS": _or(maxs, lse), **binding.feature_values(call)},
+            q.device)
+
+    def make_plan(self, q, k, v, call, target, config, return_lse, return_max,
+                  splits: int = 1) -> plans.Plan:
+        spec = hopper_spec(q, k, v, call, target, config, return_lse, return_max, splits > 1)
         B, Hq, L, _ = q.shape
         loaded = generated_module(hopper_kernel, spec, call.score, call.mask)
         inputs = {}
@@ -223,19 +277,29 @@ class HopperForward(KernelFamily):
             inputs = {**binding.strides("q", "bhm", q.stride()[:3]),
                       **binding.strides("k", "bhn", k.stride()[:3]),
                       **binding.strides("v", "bhn", v.stride()[:3])}
-        fixed = {**inputs, **binding.strides("o", "bhmd", out_strides(q, v)),
+        fixed = {**inputs, **binding.strides("o", "bhmd", split_out_strides(q, v) if splits > 1
+                                             else out_strides(q, v)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
                  "HQ": Hq, "L": L, "S": k.shape[2],
                  **binding.buffer_layout(call.score, call.mask)}
-        step = Step(loaded.kernel(), forward_grid(B * Hq, cdiv(L, spec.block_m),
-                                                  spec.has_block_mask),
+        step = Step(loaded.kernel(), (*forward_grid(B * Hq, cdiv(L, spec.block_m),
+                                                    spec.has_block_mask), splits),
                     spec.constexprs(call.scores_first), spec.launch_options(),
                     binding.Binder(loaded.names(), fixed))
         layout = strided_geometry if spec.strided_qkv else geometry
         descriptors = (layout(q, spec.block_m, spec.head_dim_pad),
                        layout(k, spec.block_n, spec.head_dim_pad),
                        layout(v, spec.block_n, spec.head_dim_v_pad))
-        return plans.Plan(self, spec, (step,), {"descriptors": descriptors})
+        steps = [step]
+        if splits > 1:  # the slices combined by their lse: one program per BLOCK_M flat rows
+            combine = f"{loaded.name}_combine"
+            steps.append(Step(loaded.kernel(combine), (cdiv(B * Hq * L, spec.block_m),),
+                              combine_constexprs(spec), COMBINE_LAUNCH,
+                              binding.Binder(loaded.names(combine), {
+                                  **binding.strides("o", "bhmd", out_strides(q, v)), "HQ": Hq,
+                                  "L": L, "ROWS": B * Hq * L, "SPLITS": splits})))
+        return plans.Plan(self, spec, tuple(steps), {"descriptors": descriptors,
+                                                     "splits": splits})
 
     @staticmethod
     def launch(plan, call, q, k, v, out, lse, maxs) -> None:
@@ -278,6 +342,10 @@ class HopperForward(KernelFamily):
                 lambda: self.launch(plan, call, q, k, v, out, lse, None),
                 warmup=5, rep=25, return_mode="median")
         return autotune.tune(key, candidates, time_config)
+
+
+def _or(tensor, other):
+    return other if tensor is None else tensor
 
 
 def _smaller_configs(config, pinned: autotune.Pinned):
