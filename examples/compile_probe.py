@@ -9,7 +9,7 @@ attribute or a parameter changes, they still do. Prints a table; exit status 0 w
 passes; ``--json PATH`` writes the rows, torch's version and the device::
 
     timeout 900 python examples/compile_probe.py --device cuda --json probe.json
-    TRITON_INTERPRET=1 python examples/compile_probe.py --device cpu
+    python examples/compile_probe.py --device cpu
 """
 from __future__ import annotations
 
