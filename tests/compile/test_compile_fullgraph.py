@@ -43,7 +43,8 @@ def test_aot_eager_fullgraph_equals_eager_and_reads_fresh_contents():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     inputs = make_inputs(48)
-    assert_same(run_step(compiled, inputs, [model.slopes]), run_step(model, inputs, [model.slopes]))
+    assert_same(run_step(compiled, inputs, [model.slopes]),
+                run_step(model, inputs, [model.slopes]))
     before = run_step(model, inputs, [model.slopes])[0]
     doc_ids[36:] = 2  # new contents of a captured tensor: the compiled graph reads them
     after = run_step(compiled, inputs, [model.slopes])
@@ -51,7 +52,8 @@ def test_aot_eager_fullgraph_equals_eager_and_reads_fresh_contents():
     assert_same(after, run_step(model, inputs, [model.slopes]))
     with torch.no_grad():
         model.slopes.mul_(3.0)  # and a parameter updated in place
-    assert_same(run_step(compiled, inputs, [model.slopes]), run_step(model, inputs, [model.slopes]))
+    assert_same(run_step(compiled, inputs, [model.slopes]),
+                run_step(model, inputs, [model.slopes]))
 
 
 def test_mask_built_outside_and_a_closure_over_a_learnable_tensor():
@@ -101,7 +103,8 @@ def test_varying_lengths_compile_once_with_dynamic_shapes():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     for length in (48, 72, 56):  # 2, 3, 2 blocks: one block would specialize
         inputs = make_inputs(length, seed=length)
-        assert_same(run_step(compiled, inputs, [model.slopes]), run_step(model, inputs, [model.slopes]))
+        assert_same(run_step(compiled, inputs, [model.slopes]),
+                    run_step(model, inputs, [model.slopes]))
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -113,7 +116,8 @@ def test_inductor_cpu_fullgraph_equals_eager():
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     inputs = make_inputs(64, seed=3)
-    assert_same(run_step(compiled, inputs, [model.slopes]), run_step(model, inputs, [model.slopes]))
+    assert_same(run_step(compiled, inputs, [model.slopes]),
+                run_step(model, inputs, [model.slopes]))
 
 
 def test_fp8_attention_is_still_a_graph_break():
