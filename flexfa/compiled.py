@@ -2,8 +2,9 @@
 ``flexfa::`` operators (``flexfa.ops``), with no graph break.
 
 Dynamo traces the functions here like user code. One step is opaque to it: ``describe``
-runs at trace time on the real mods (Dynamo calls it with the objects and keeps its result
-as a constant, as for ``torch._dynamo.assume_constant_result``): it traces the mods with
+runs at trace time on the real mods (Dynamo calls it with constants, a module or other object
+as its class and id, and keeps its result as a constant, as for
+``torch._dynamo.assume_constant_result``): it traces the mods with
 flexfa's tracer, registers them (``flexfa.ops.register_mods``) and returns their key with
 the path from each mod to each of its captured tensors. Dynamo then follows those paths
 (closure cells, globals, attributes, items), so the captured tensors enter the graph as
