@@ -2,8 +2,9 @@
 ``flexfa::`` operators (``flexfa.ops``), with no graph break.
 
 Dynamo traces the functions here like user code. One step is opaque to it: ``describe``
-runs at trace time on the real mods (Dynamo calls it with the objects and keeps its result
-as a constant, as for ``torch._dynamo.assume_constant_result``): it traces the mods with
+runs at trace time on the real mods (Dynamo calls it with constants, a module or other object
+as its class and id, and keeps its result as a constant, as for
+``torch._dynamo.assume_constant_result``): it traces the mods with
 flexfa's tracer, registers them (``flexfa.ops.register_mods``) and returns their key with
 the path from each mod to each of its captured tensors. Dynamo then follows those paths
 (closure cells, globals, attributes, items), so the captured tensors enter the graph as
@@ -21,6 +22,7 @@ Python object at trace time; ``describe`` cannot see it and Dynamo stops with an
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import types
 
@@ -41,12 +43,13 @@ MAX_VISITS = 4096  # objects a path search visits
 CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: reader}
 
 
-def describe(score_mod, score_self, mask_mod, mask_self, enable_gqa: bool,
-             kernel_options) -> tuple:
+def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
+             enable_gqa: bool, kernel_options) -> tuple:
     """(mods key, paths to the score_mod's captured tensors, paths to the mask_mod's); runs
-    at Dynamo's trace time on the real objects. A bound method comes as its function and
-    instance (``unbound``): Dynamo hands those over where it cannot hand the method."""
-    score_mod, mask_mod = _bound(score_mod, score_self), _bound(mask_mod, mask_self)
+    at Dynamo's trace time on the real objects. Each mod comes as ``unbound`` takes it apart:
+    Dynamo hands an assume-constant function only what it can turn into constants."""
+    score_mod = _rebound(score_mod, score_class, score_id)
+    mask_mod = _rebound(mask_mod, mask_class, mask_id)
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     from .ops import register_mods  # registers the operators (first call inside torch.compile)
@@ -60,15 +63,35 @@ def describe(score_mod, score_self, mask_mod, mask_self, enable_gqa: bool,
 describe._dynamo_marked_constant = True
 
 
-def unbound(mod):
-    """(function, instance or None) of ``mod``, as ``describe`` takes it (traced by Dynamo)."""
+def unbound(mod) -> tuple:
+    """(function, class, id) of ``mod`` as ``describe`` takes it (traced by Dynamo): a
+    function or partial is itself; a bound method is its function and its instance's class and
+    id; another object (an ``nn.Module``, a callable instance) is its class and id. torch
+    2.11's Dynamo turns an ``nn.Module`` or other object into no constant (2.13 does, with an
+    identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an object from outside the
+    compiled code into constants on both, guarding on the object's identity."""
+    if mod is None or isinstance(mod, (types.FunctionType, functools.partial)):
+        return mod, None, None
     if isinstance(mod, types.MethodType):
-        return mod.__func__, mod.__self__
-    return mod, None
+        return mod.__func__, type(mod.__self__), id(mod.__self__)
+    return None, type(mod), id(mod)
 
 
-def _bound(mod, instance):
-    return mod if instance is None else types.MethodType(mod, instance)
+def _rebound(function, cls, object_id):
+    """The mod ``unbound`` took apart."""
+    if object_id is None:
+        return function
+    instance = _live_object(cls, object_id)
+    return instance if function is None else types.MethodType(function, instance)
+
+
+def _live_object(cls, object_id: int):
+    """The object ``id(obj) == object_id``. Safe only while the object is alive, as it is
+    here: ``describe`` runs while Dynamo traces the frame that holds it, a few bytecodes
+    after Dynamo took its id (its variable holds the object)."""
+    instance = ctypes.cast(object_id, ctypes.py_object).value
+    assert type(instance) is cls, f"object {object_id:#x} is a {type(instance)}, not {cls}"
+    return instance
 
 
 def _traced(mod, kind):
@@ -274,7 +297,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     device = default_device() if device is None else torch.device(device)
-    mods, _, mask_paths = describe(None, None, *unbound(mask_mod), False, None)
+    mods, _, mask_paths = describe(*unbound(None), *unbound(mask_mod), False, None)
     _guard_mod(mask_mod, MASK_MOD, device)
     mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables = torch.ops.flexfa.block_mask_tables(mods, B, H, Q_LEN, KV_LEN, list(block),

@@ -17,6 +17,7 @@ import os
 import pathlib
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -59,7 +60,16 @@ def blocks(path: pathlib.Path) -> list[Block]:
 
 def run_page(path: pathlib.Path, on_gpu: bool):
     """Run the page's python blocks; yields (output block, what it should say) pairs."""
-    namespace = {"__name__": f"docs_{path.stem}"}
+    # a module in sys.modules: torch 2.11's Dynamo imports the module of a function it inlines
+    page = types.ModuleType(f"docs_{path.stem}")
+    sys.modules[page.__name__] = page
+    try:
+        return _run_blocks(path, on_gpu, page.__dict__)
+    finally:
+        del sys.modules[page.__name__]
+
+
+def _run_blocks(path: pathlib.Path, on_gpu: bool, namespace: dict) -> list:
     printed = None
     checks = []
     for block in blocks(path):

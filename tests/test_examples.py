@@ -77,3 +77,12 @@ def test_compiled_transformer_matches_eager_without_recompiling(tmp_path, capsys
     assert len(eager) == 2 and all(math.isfinite(loss) for loss in eager)
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
     assert counters["stats"]["unique_graphs"] == 1  # new documents each step, one graph
+
+
+def test_compile_probe_passes_on_the_cpu(tmp_path, capsys):
+    import json
+    assert load("compile_probe").main(["--device", "cpu", "--json",
+                                       str(tmp_path / "p.json")]) == 0
+    assert "FAIL" not in capsys.readouterr().out
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert len(rows) == 6 and all(row["passed"] for row in rows), rows

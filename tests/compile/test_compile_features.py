@@ -6,10 +6,11 @@ import torch
 
 import flexfa
 from flexfa import mods
-from flexfa.compiled import describe
+from flexfa.compiled import describe, unbound
 from flexfa.errors import InputError
-# pytest puts this folder on sys.path (it has no __init__.py): the sibling's helpers
-from test_compile_fullgraph import _assert_same, _inputs, _run
+
+# pytest puts this folder on sys.path (it has no __init__.py)
+from compile_utils import assert_same, make_inputs, run_step
 
 
 def test_sinks_fullgraph_equal_eager_with_their_gradient():
@@ -24,10 +25,10 @@ def test_sinks_fullgraph_equal_eager_with_their_gradient():
         return flexfa.flex_attention(q, k, v, biased, mask, sinks=sinks) * 2
 
     torch._dynamo.reset()
-    tensors = [*_inputs(40, seed=0), sinks, bias]
-    got = _run(torch.compile(layer, backend="aot_eager", fullgraph=True), tensors, [])
-    want = _run(layer, tensors, [])
-    _assert_same(got, want)  # d sinks and d bias included
+    tensors = [*make_inputs(40, seed=0), sinks, bias]
+    got = run_step(torch.compile(layer, backend="aot_eager", fullgraph=True), tensors, [])
+    want = run_step(layer, tensors, [])
+    assert_same(got, want)  # d sinks and d bias included
     assert want[1][3].abs().min() > 0  # d sinks is there
     no_sinks = flexfa.flex_attention(*(t.detach() for t in tensors[:3]), biased, mask) * 2
     assert (no_sinks - got[0]).abs().max() > 1e-3  # the sinks change the output
@@ -39,10 +40,10 @@ def test_dropout_fullgraph_equals_eager_at_a_fixed_seed():
                                      dropout_p=0.3, dropout_seed=(11, 3)) + 1
 
     torch._dynamo.reset()
-    tensors = _inputs(48, seed=1)
-    got = _run(torch.compile(layer, backend="aot_eager", fullgraph=True), tensors, [])
-    want = _run(layer, tensors, [])
-    _assert_same(got, want)
+    tensors = make_inputs(48, seed=1)
+    got = run_step(torch.compile(layer, backend="aot_eager", fullgraph=True), tensors, [])
+    want = run_step(layer, tensors, [])
+    assert_same(got, want)
     plain = flexfa.flex_attention(*(t.detach() for t in tensors)) + 1
     assert (plain - got[0]).abs().max() > 1e-2  # dropout was applied
 
@@ -54,7 +55,7 @@ def test_dropout_seed_drawn_in_the_graph_from_torch_generator():
         return flexfa.flex_attention(q, k, v, dropout_p=0.5)
 
     torch._dynamo.reset()
-    q, k, v = (t.detach() for t in _inputs(32, seed=2))
+    q, k, v = (t.detach() for t in make_inputs(32, seed=2))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     torch.manual_seed(5)
     first = compiled(q, k, v)
@@ -63,8 +64,8 @@ def test_dropout_seed_drawn_in_the_graph_from_torch_generator():
     assert (compiled(q, k, v) - first).abs().max() > 1e-3
 
 
-def test_opcheck_forward_with_sinks_and_bad_feature_inputs():
-    key, _, _ = describe(None, None, None, None, False, None)
+def test_opcheck_forward_with_sinks_and_bad_featuremake_inputs():
+    key, _, _ = describe(*unbound(None), *unbound(None), False, None)
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 16, 16, generator=generator) for _ in range(3))
     args = (q.requires_grad_(), k, v, key, None, False, [], [], [], [],

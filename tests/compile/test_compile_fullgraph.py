@@ -12,6 +12,9 @@ from torch._dynamo.utils import counters
 import flexfa
 from flexfa import mods
 
+# pytest puts this folder on sys.path (it has no __init__.py)
+from compile_utils import assert_same, make_inputs, run_step
+
 
 class Attention(torch.nn.Module):
     """A learnable ALiBi-like bias (a bound-method score_mod reading a parameter) and a
@@ -34,43 +37,23 @@ class Attention(torch.nn.Module):
         return torch.tanh(flexfa.flex_attention(q * 2, k, v, self.alibi, mask)) + 1
 
 
-def _inputs(length, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, 2, length, 16, generator=generator, requires_grad=True)
-            for _ in range(3)]
-
-
-def _run(fn, inputs, params):
-    out = fn(*inputs)
-    out.backward(torch.ones_like(out))
-    grads = [t.grad.clone() for t in (*inputs, *params)]
-    for t in (*inputs, *params):
-        t.grad = None
-    return out.detach(), grads
-
-
-def _assert_same(got, want):
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    for index, (g, w) in enumerate(zip(got[1], want[1])):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"gradient {index}")
-    assert want[1][-1].abs().sum() > 0  # the captured parameter got a gradient
-
-
 def test_aot_eager_fullgraph_equals_eager_and_reads_fresh_contents():
     doc_ids = torch.tensor([0] * 20 + [1] * 28)
     model = Attention(2, doc_ids)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    inputs = _inputs(48)
-    _assert_same(_run(compiled, inputs, [model.slopes]), _run(model, inputs, [model.slopes]))
-    before = _run(model, inputs, [model.slopes])[0]
+    inputs = make_inputs(48)
+    assert_same(run_step(compiled, inputs, [model.slopes]),
+                run_step(model, inputs, [model.slopes]))
+    before = run_step(model, inputs, [model.slopes])[0]
     doc_ids[36:] = 2  # new contents of a captured tensor: the compiled graph reads them
-    after = _run(compiled, inputs, [model.slopes])
+    after = run_step(compiled, inputs, [model.slopes])
     assert (after[0] - before).abs().max() > 1e-3
-    _assert_same(after, _run(model, inputs, [model.slopes]))
+    assert_same(after, run_step(model, inputs, [model.slopes]))
     with torch.no_grad():
         model.slopes.mul_(3.0)  # and a parameter updated in place
-    _assert_same(_run(compiled, inputs, [model.slopes]), _run(model, inputs, [model.slopes]))
+    assert_same(run_step(compiled, inputs, [model.slopes]),
+                run_step(model, inputs, [model.slopes]))
 
 
 def test_mask_built_outside_and_a_closure_over_a_learnable_tensor():
@@ -96,19 +79,19 @@ def test_mask_built_outside_and_a_closure_over_a_learnable_tensor():
         return flexfa.flex_attention(q, k, v, learnable, inner) * 2
 
     torch._dynamo.reset()
-    inputs = _inputs(40, seed=1)
+    inputs = make_inputs(40, seed=1)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    _assert_same(_run(compiled, inputs, [bias]), _run(layer, inputs, [bias]))
-    _assert_same(_run(torch.compile(layer_inside, backend="aot_eager", fullgraph=True), inputs,
-                      [bias]), _run(layer_inside, inputs, [bias]))
+    assert_same(run_step(compiled, inputs, [bias]), run_step(layer, inputs, [bias]))
+    assert_same(run_step(torch.compile(layer_inside, backend="aot_eager", fullgraph=True), inputs,
+                      [bias]), run_step(layer_inside, inputs, [bias]))
     bias = torch.tensor([-0.3, 0.2], requires_grad=True)  # the cell now holds another tensor
-    _assert_same(_run(compiled, inputs, [bias]), _run(layer, inputs, [bias]))
+    assert_same(run_step(compiled, inputs, [bias]), run_step(layer, inputs, [bias]))
 
 
 def test_explain_reports_no_graph_break():
     model = Attention(2, torch.arange(64) // 30)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(*_inputs(64, seed=2))
+    explained = torch._dynamo.explain(model)(*make_inputs(64, seed=2))
     assert explained.graph_break_count == 0, [r.reason[:400] for r in explained.break_reasons]
     assert explained.graph_count == 1
 
@@ -119,8 +102,9 @@ def test_varying_lengths_compile_once_with_dynamic_shapes():
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     for length in (48, 72, 56):  # 2, 3, 2 blocks: one block would specialize
-        inputs = _inputs(length, seed=length)
-        _assert_same(_run(compiled, inputs, [model.slopes]), _run(model, inputs, [model.slopes]))
+        inputs = make_inputs(length, seed=length)
+        assert_same(run_step(compiled, inputs, [model.slopes]),
+                    run_step(model, inputs, [model.slopes]))
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -131,14 +115,15 @@ def test_inductor_cpu_fullgraph_equals_eager():
     model = Attention(2, torch.tensor([0] * 30 + [1] * 34))
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
-    inputs = _inputs(64, seed=3)
-    _assert_same(_run(compiled, inputs, [model.slopes]), _run(model, inputs, [model.slopes]))
+    inputs = make_inputs(64, seed=3)
+    assert_same(run_step(compiled, inputs, [model.slopes]),
+                run_step(model, inputs, [model.slopes]))
 
 
 def test_fp8_attention_is_still_a_graph_break():
     from flexfa.fp8 import flex_attention_fp8
 
-    q, k, v = (t.detach().to(torch.bfloat16) for t in _inputs(64, seed=6))
+    q, k, v = (t.detach().to(torch.bfloat16) for t in make_inputs(64, seed=6))
 
     def layer(q, k, v):
         return flex_attention_fp8(q, k, v, mods.softcap(5.0)) * 2

@@ -10,7 +10,7 @@ import torch
 import flexfa
 from flexfa import mods
 from flexfa.blockmask.validate import TABLES
-from flexfa.compiled import describe
+from flexfa.compiled import describe, unbound
 
 
 def _case():
@@ -21,7 +21,8 @@ def _case():
 
     mask = flexfa.create_block_mask(mods.causal, 1, None, 40, 40, device="cpu",
                                     BLOCK_SIZE=32)
-    key, score_paths, mask_paths = describe(biased, None, mask.mask_mod, None, False, None)
+    key, score_paths, mask_paths = describe(*unbound(biased), *unbound(mask.mask_mod), False,
+                                            None)
     assert score_paths == ((("cell", "bias"),),) and mask_paths == ()
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 16, generator=generator) for _ in range(3))
@@ -42,7 +43,7 @@ def test_opcheck_forward_and_backward():
 
 
 def test_opcheck_block_mask_tables():
-    key, _, _ = describe(None, None, mods.causal, None, False, None)
+    key, _, _ = describe(*unbound(None), *unbound(mods.causal), False, None)
     for separate in (True, False):
         tables = torch.ops.flexfa.block_mask_tables(key, 1, 2, 100, 64, [32, 16], separate, [],
                                                     torch.device("cpu"))

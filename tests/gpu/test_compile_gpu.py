@@ -3,6 +3,7 @@ graphs (mode="reduce-overhead"), the same outputs and gradients as eager. In a s
 this pytest process has TRITON_INTERPRET=1 (conftest.py), under which Inductor's own Triton
 kernels cannot run."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -47,10 +48,24 @@ print("compiled and eager agree")
 """
 
 
+PROBE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "compile_probe.py"
+
+
+def _run(args: list) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_fullgraph_inductor_matches_eager(mode):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-c", SCRIPT] + ([mode] if mode else [])
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    result = _run(["-c", SCRIPT] + ([mode] if mode else []))
     assert result.returncode == 0, result.stderr[-4000:]
     assert "compiled and eager agree" in result.stdout
+
+
+def test_module_mods_compile_whole():
+    """Bound-method and nn.Module mods (examples/compile_probe.py): no graph break, equal to
+    eager, changed attributes and parameters seen."""
+    result = _run([str(PROBE), "--device", "cuda"])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
