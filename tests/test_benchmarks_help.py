@@ -111,3 +111,19 @@ def test_manifest_records_a_new_run(tmp_path):
     import torch
     assert manifest["versions"]["torch"] == torch.__version__
     assert re.match(r"\d{4}-\d\d-\d\dT", manifest["date"])
+
+
+def test_each_gpu_checks_part_is_one_block_and_known():
+    """A part letter reused for a second block ran both in one device call (2026-12-02: the
+    new part v ran after the old one and the call's time ran out); unknown parts stop before
+    anything runs."""
+    text = (BENCHMARKS / "gpu_checks.sh").read_text()
+    blocks = re.findall(r'^if \[ "\$PART" = (\w+) \]', text, re.M)
+    assert len(blocks) == len(set(blocks)), blocks
+    known = re.search(r'case "\$PART" in ([\w|]+)\)', text).group(1).split("|")
+    assert sorted(set(blocks) | {"all"}) == sorted(known)
+    for part in blocks:
+        assert re.search(rf"\b{part}: ", text), f"part {part} is not in --help"
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu_checks.sh"), "nope"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 2 and "unknown part" in done.stderr
