@@ -68,7 +68,7 @@ class KernelOptions:
     decode_walk: str = "AUTO"
     ds_workspace: bool | None = None  # backward dS workspace (L x S): only when True
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
-    gluon_backward: bool = False  # the Gluon backward family (sm_90), never run on a GPU yet
+    gluon_backward: bool = False  # the Gluon backward family (sm_90), opt-in until timed
     # the Gluon forward's consumer warpgroups take turns issuing their GEMMs (ping-pong); off
     # until measured on the H200
     gluon_pingpong: bool = False
@@ -176,7 +176,7 @@ SCHEMA = {
                      "(default: off)"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
     "GLUON_BACKWARD": ("gluon_backward", (), _flag,
-                       "the experimental Gluon backward on sm_90 (not yet run on a GPU): True "
+                       "the experimental Gluon backward on sm_90 (correct on the H200, not yet timed): True "
                        "opts in where it applies"),
     "GLUON_PINGPONG": ("gluon_pingpong", (), _flag,
                        "the Gluon forward's two consumer warpgroups take turns on the tensor "
