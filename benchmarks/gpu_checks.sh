@@ -165,9 +165,11 @@ if [ "$PART" = u ]; then  # issue 22's acceptance A/B against 61b247e (carry .ol
   tail -n 60 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = w ]; then  # what the 2026-12-02 session could not run: the torch 2.11 compile
-  # probe, Gluon ping-pong and TMA store (ConSan first), the compiled model, their GPU tests
+  # probe, the Hopper split's GPU test, Gluon ping-pong and TMA store (ConSan first), the
+  # compiled model, their GPU tests
   P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
   step probe 60 python examples/compile_probe.py --device cuda --json "$OUT/probe.json"
+  step chunked 40 $P tests/kernels/test_forward_gpu.py -k chunked
   step gluon_pp 200 python benchmarks/gluon_forward_bench.py "$OUT/gluon_pp.json" \
     --safety-timeout 150 --impls gluon,gluon_pp,gluon_pp_tma,hopper,cudnn \
     --variants full,causal,softcap
