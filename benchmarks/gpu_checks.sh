@@ -169,13 +169,15 @@ if [ "$PART" = w ]; then  # what the 2026-12-02 session could not run: the torch
   # compiled model, their GPU tests
   P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
   step probe 60 python examples/compile_probe.py --device cuda --json "$OUT/probe.json"
-  step chunked 40 $P tests/kernels/test_forward_gpu.py -k chunked
+  # the Hopper split, and the Ampere split and decode combine it refactored (CPU-tested only)
+  step forward_decode 150 $P tests/kernels/test_forward_gpu.py tests/kernels/test_decode.py \
+    tests/gpu/test_features_gpu.py
   step gluon_pp 200 python benchmarks/gluon_forward_bench.py "$OUT/gluon_pp.json" \
     --safety-timeout 150 --impls gluon,gluon_pp,gluon_pp_tma,hopper,cudnn \
     --variants full,causal,softcap
   step compiled_model 90 python examples/compiled_transformer.py --cuda
   if grep -q '"ok": true' "$OUT/gluon_pp.json"; then
-    step gluon_gpu 200 $P tests/gpu/test_gluon_gpu.py -k "pingpong or tma"
+    step gluon_gpu 80 $P tests/gpu/test_gluon_gpu.py -k "pingpong and (causal or dense)"
   fi
   tail -n 12 "$OUT/probe.log"; tail -n 16 "$OUT/gluon_pp.log"; tail -n 6 "$OUT/compiled_model.log"
 fi
