@@ -2,11 +2,13 @@
 safety run, gradients against the Triton backward, then forward + backward timings and peak
 memory against the Triton backward and cuDNN SDPA.
 
-1. ``consan``: a tiny dense and causal forward + backward with the Gluon families in a
-   subprocess compiled with Triton 3.6's concurrency sanitizer
-   (``TRITON_INSTRUMENTATION_MODE=consan``: shared-memory accesses checked against the
-   mbarriers and wgmma waits), killed after ``--safety-timeout`` seconds (a barrier-phase
-   mistake hangs). Nothing else runs unless it passes.
+1. ``consan``: a tiny causal forward (Hopper family: the Gluon forward passed its own ConSan
+   run) + Gluon backward (the block-mask walk: partial and full tiles) in a subprocess
+   compiled with Triton 3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``:
+   shared-memory accesses checked against the mbarriers and wgmma waits), killed after
+   ``--safety-timeout`` seconds (a barrier-phase mistake hangs). One instrumented backward
+   kernel only: its compile alone took 433 s on a 2-core development machine (the dense
+   walk differs in the table reads, not in the barriers). Nothing else runs unless it passes.
 2. ``check``: B=1 H=4 S=2048 E=128 bf16, every project variant: dq, dk, dv of
    BACKEND="GLUON" + GLUON_BACKWARD (Gluon forward and backward; the plan's family recorded) against
    BACKEND="HOPPER" (Hopper forward + Triton backward): relative L2 errors, must be < 1e-2.
@@ -37,17 +39,16 @@ SAFETY = """
 import torch, triton, flexfa
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                  device="cuda"))
-for name, L, mask_mod in (("dense", 256, None), ("causal", 384, flexfa.mods.causal)):
-    q, k, v = (torch.randn(1, 2, L, 128, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3))
-    mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, L, L,
-                                                                  device="cuda")
-    out = flexfa.flex_attention(q, k, v, block_mask=mask,
-                                kernel_options={"BACKEND": "GLUON", "GLUON_BACKWARD": True})
-    out.sum().backward()
-    torch.cuda.synchronize()
-    finite = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
-    print(name, "finite" if finite else "NOT FINITE", flush=True)
+L = 384
+q, k, v = (torch.randn(1, 2, L, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, L, L, device="cuda")
+out = flexfa.flex_attention(q, k, v, block_mask=mask,
+                            kernel_options={"BACKEND": "HOPPER", "GLUON_BACKWARD": True})
+out.sum().backward()
+torch.cuda.synchronize()
+finite = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+print("causal", "finite" if finite else "NOT FINITE", flush=True)
 """
 
 
@@ -168,8 +169,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; known: {list(VARIANTS)}")
     os.environ.setdefault("FLEXFA_AUTOTUNE", "0")  # tuning would spend the call compiling
-    started = safety_first(args.out, args.safety_timeout, SAFETY,
-                           ("dense finite", "causal finite"))
+    started = safety_first(args.out, args.safety_timeout, SAFETY, ("causal finite",))
     if started is None:
         return 1
     rows, save = started
