@@ -16,13 +16,13 @@
 # first-run fixes, its benchmark, the dispatch test, FP8 (allocator), E = 96/80 head dims;
 # u: the redesign's A/B over 28 cases against 61b247e with the dS workspace matched (carry
 # .old61); w: the torch 2.11 compile probe, Gluon ping-pong and TMA store (ConSan first),
-# the compiled model; x: the Gluon backward under ConSan, then its benchmark; each part fits
-# one 10-minute device call)
+# the compiled model; x: the Gluon backward under ConSan, then its benchmark; y: chunked
+# prefill on the Gluon forward; each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,21p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x|y) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -186,6 +186,13 @@ if [ "$PART" = x ]; then  # the Gluon backward under ConSan (its compile alone t
   step gluon_bwd_bench 560 python benchmarks/gluon_backward_bench.py "$OUT/gluon_bwd.json" \
     --safety-timeout 400 --budget 120
   tail -n 20 "$OUT/gluon_bwd_bench.log"
+fi
+if [ "$PART" = y ]; then  # chunked prefill on the Gluon forward (one CTA per SM: 128 programs
+  # fill 128 of 132 SMs at full rate, where the Hopper template's are sized for two per SM)
+  step prefill_gluon 120 python benchmarks/decode_bench.py "$OUT/chunked.json" --cases chunked \
+    --budget 100 --variants '[{"BACKEND":"GLUON"},{"BACKEND":"GLUON","GLUON_PINGPONG":true},
+    {"SPLIT_KV":4},{"SPLIT_KV":2,"maxnreg":0}]'
+  tail -n 12 "$OUT/prefill_gluon.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
