@@ -74,6 +74,9 @@ class KernelOptions:
     gluon_pingpong: bool = False
     # the Gluon forward stores out through shared memory and TMA; off until measured
     gluon_tma_store: bool = False
+    # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
+    # first); off until measured
+    gluon_persistent: bool = False
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -184,6 +187,10 @@ SCHEMA = {
     "GLUON_TMA_STORE": ("gluon_tma_store", (), _flag,
                         "the Gluon forward writes out through shared memory and a TMA store: "
                         "True or False (default)"),
+    "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
+                         "the Gluon forward on a persistent grid (one program per SM walking "
+                         "work tiles, longest first): True or False (default); not with "
+                         "GLUON_PINGPONG"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {
@@ -291,6 +298,11 @@ def _parse(options: dict) -> KernelOptions:
         call["backend"] = _default_backend()
     if call["backend"] == "TRITON":
         call["backend"] = "AUTO"  # every flexfa kernel is a Triton kernel
+    if call.get("gluon_persistent") and call.get("gluon_pingpong"):
+        # the turns' phases count steps within one work tile (fwd_gluon.tmpl's header)
+        raise InputError("kernel_options GLUON_PERSISTENT=True and GLUON_PINGPONG=True do not "
+                         "combine: the ping-pong turns restart with every work tile; set one "
+                         "of them False")
     return KernelOptions(fwd=PassOptions(**passes["fwd"]), bwd=PassOptions(**passes["bwd"]),
                          **call)
 
