@@ -124,14 +124,16 @@ def test_gluon_tma_store_forward_compiles_for_sm90(forward_rows):
 
 
 def test_gluon_persistent_forward_compiles_for_sm90(forward_rows):
-    """GLUON_PERSISTENT: every partition loops over work tiles up to the grid's size (the
-    plain kernel reads it only in its one tile's index), the producer waits for each
-    consumer's Q release (one try_wait loop per consumer over the plain kernel's)."""
+    """GLUON_PERSISTENT: the partitions step through work tiles by the grid's size
+    (%nctaid.x; the plain causal kernel reads only the y size, for its one tile's index), the
+    producer waits for each consumer's Q release (one try_wait loop per consumer over the
+    plain kernel's), no spills (the epilogue's column offsets once spilled at 240
+    registers)."""
     plain = forward_rows["fwd_gluon_d128_bf16_causal"]
     for name in PERSISTENT_VARIANTS:
         row = forward_rows[name]
         _check_compiled(name, row)
-        assert row["grid_x"] >= 3 and plain["grid_x"] == 0, (row, plain)
+        assert row["grid_x"] >= 1 and plain["grid_x"] == 0, (row, plain)
         assert row["try_wait"] == plain["try_wait"] + 2, (row["try_wait"], plain["try_wait"])
         assert row["turn_pass"] == 0 and row["tma_stores"] == 0, row
 
@@ -173,6 +175,10 @@ stored = AttentionCall(None, None, None, 0.125, parse_kernel_options(
 plan = gluon.GLUON.make_plan(q, q, q, stored, Target("cuda", 9, 0), True, False)
 name, (shape, strides, block, layout) = plan.fixed["descriptors"][-1]
 print(name, shape, strides, block)
+persistent = AttentionCall(None, None, None, 0.125, parse_kernel_options(
+    {"BACKEND": "GLUON", "GLUON_PERSISTENT": True}), 1)
+plan = gluon.GLUON.make_plan(q, q, q, persistent, Target("cuda", 9, 0), True, False)
+print("persistent", plan.steps[0].grid, plan.steps[0].binder.template[-1])
 """
 
 
@@ -188,3 +194,5 @@ def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
     assert "(2, 2)" in result.stdout and "'maxnreg': 168" in result.stdout, result.stdout
     # GLUON_TMA_STORE: the output's descriptor over its [B * H * L, Ev] rows, 64-row blocks
     assert result.stdout.splitlines()[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout
+    # GLUON_PERSISTENT without a GPU: min(132 SMs, 2 q tiles x 2 heads) programs; BATCH_HEADS
+    assert result.stdout.splitlines()[2] == "persistent (4,) 2", result.stdout

@@ -210,6 +210,8 @@ class GluonForward(KernelFamily):
         import_gluon()
         spec = gluon_spec(q, k, v, call, target, return_lse, return_max)
         B, Hq, L, _ = q.shape
+        # fwd_gluon.tmpl stores out's columns as contiguous
+        assert out_strides(q, v)[3] == 1, f"out strides {out_strides(q, v)} of q {q.stride()}"
         loaded = generated_module(gluon_kernel, spec, call.score, call.mask)
         fixed = {**binding.strides("o", "bhmd", out_strides(q, v)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
