@@ -9,7 +9,7 @@ grid (GLUON_PERSISTENT), all bit-equal to the plain kernel.
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
 under a limit too:
-    timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gluon_gpu.py
+    timeout 600 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gluon_gpu.py
 """
 from __future__ import annotations
 
