@@ -1,10 +1,12 @@
 """The Gluon forward's persistent grid (GLUON_PERSISTENT) on the CPU: its barrier protocol
 across work tiles checked in every interleaving of the producer and the two consumers on an
 mbarrier model, with the phase parities and ring indices read from fwd_gluon.tmpl; the
-option's validation (not with GLUON_PINGPONG) and its grid. Its sm_90 compile check is in
+work tiles' order (the rendered arithmetic run as Python); the option's validation (not with
+GLUON_PINGPONG) and its grid. Its sm_90 compile check is in
 test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -198,3 +200,35 @@ def test_persistent_option_spec_and_grid():
         parse_kernel_options({"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})
     with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_PERSISTENT'\] must be a bool"):
         parse_kernel_options({"GLUON_PERSISTENT": 1})
+
+
+def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int):
+    """The (q tile, batch * head) of each work tile w, from the rendered kernel's
+    ``<name>_work`` and ``<name>_work_tiles`` run as Python (their body is integer
+    arithmetic)."""
+    namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128,
+                 f"{name}_tile": lambda sched, start_m, off_bh: (start_m, off_bh)}
+    for helper in ("work_tiles", "work"):
+        start = source.index(f"def {name}_{helper}(")
+        exec(source[start:source.index("\n\n\n", start)], namespace)
+    sched = ((), batch_heads, 1, L, L)
+    return [namespace[f"{name}_work"](sched, w)
+            for w in range(namespace[f"{name}_work_tiles"](sched))]
+
+
+@pytest.mark.parametrize("has_block_mask", [True, False])
+def test_persistent_work_tiles_cover_every_tile_longest_first(has_block_mask):
+    """Every (q tile, head) is one work tile; under a block mask the first BATCH_HEADS work
+    tiles (the first the programs take) are every head's last q tile, then the one before;
+    dense, a head's q tiles are consecutive (shared K and V), last first."""
+    q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
+    spec = gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125, parse_kernel_options(
+        {**FORCED, "GLUON_PERSISTENT": True}), 1), SM90, False, False)
+    spec = dataclasses.replace(spec, has_block_mask=has_block_mask)
+    kernel = gluon_kernel(spec, None, None)
+    order = _work_order(kernel.source, kernel.name, has_block_mask, 1000, 6)  # 8 q tiles
+    assert sorted(order) == [(m, bh) for m in range(8) for bh in range(6)]
+    if has_block_mask:
+        assert [m for m, _ in order] == [m for m in range(7, -1, -1) for _ in range(6)]
+    else:
+        assert order[:8] == [(m, 0) for m in range(7, -1, -1)]
