@@ -6,8 +6,9 @@ and cuDNN SDPA.
    key tiles per row block), without and with the consumers' ping-pong (``GLUON_PINGPONG``),
    and with ping-pong and the TMA store of out (``GLUON_TMA_STORE``) on a mask whose first
    row block has no tile and a ragged length (TMA and plain stores), and on the persistent
-   grid (``GLUON_PERSISTENT``, with the TMA store) at 96 heads (288 work tiles: 2 or 3 per
-   program on 132 SMs, some with no key tile), in a subprocess compiled with Triton
+   grid (``GLUON_PERSISTENT``, with the TMA store, and with ping-pong) at 96 heads (288 work
+   tiles: 2 or 3 per program on 132 SMs, some with no key tile), in a subprocess compiled
+   with Triton
    3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
    the kernel's shared-memory accesses against its mbarriers and wgmma waits, and fails with
    a device assertion on a race), killed after ``--safety-timeout`` seconds (a barrier-phase
@@ -15,14 +16,15 @@ and cuDNN SDPA.
 2. ``check``: the same variants at B=1 H=4 S=2048 E=128 bf16, relative L2 error of the Gluon
    output (``gluon``; ``gluon_pp`` with ping-pong, ``gluon_tma`` with the TMA store,
    ``gluon_pp_tma`` with both, ``gluon_persist`` on the persistent grid, ``gluon_persist_tma``
-   with the TMA store too, those of ``--impls``, which must equal ``gluon`` bit for bit)
+   with the TMA store too, ``gluon_persist_pp`` with ping-pong, those of ``--impls``, which
+   must equal ``gluon`` bit for bit)
    against the Hopper family's (must be < 5e-3) and lse's max difference.
 3. ``time``: triton.testing.do_bench medians (ms; TFLOP/s with causal work halved, none for
    sliding and document) at H=16, B = ``--tokens`` / S, bf16, for each of ``--dims`` x
    ``--seqs`` (default E=128, S=16384) and ``--variants`` (the project's: full, causal,
    sliding 1024, ALiBi, softcap 30, document; all but full causal) and ``--impls``: Gluon,
    with ping-pong (``gluon_pp``), the TMA store (``gluon_tma``) or both (``gluon_pp_tma``),
-   the persistent grid (``gluon_persist``, ``gluon_persist_tma``), Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
+   the persistent grid (``gluon_persist``, ``gluon_persist_tma``, ``gluon_persist_pp``), Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
    is set unless ``--tune``: tuning would spend the call's time compiling its candidates).
 
 A short table goes to stdout and everything to the JSON file after every step. Each step is
@@ -64,7 +66,9 @@ for name, heads, n, mask_mod, options in (
         ("causal", 2, 384, flexfa.mods.causal, {}),
         ("causal_pingpong", 2, 384, flexfa.mods.causal, {"GLUON_PINGPONG": True}),
         ("late_causal_pingpong_tma", 2, 320, late_causal, BOTH),
-        ("late_causal_persist_tma", 96, 320, late_causal, PERSIST_TMA)):
+        ("late_causal_persist_tma", 96, 320, late_causal, PERSIST_TMA),
+        ("causal_persist_pingpong", 96, 384, flexfa.mods.causal,
+         {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})):
     q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     mask = flexfa.create_block_mask(mask_mod, None, None, n, n, device="cuda")
@@ -74,7 +78,7 @@ for name, heads, n, mask_mod, options in (
     print(name, "finite" if bool(torch.isfinite(out).all()) else "NOT FINITE", flush=True)
 """
 SAFE = ("causal finite", "causal_pingpong finite", "late_causal_pingpong_tma finite",
-        "late_causal_persist_tma finite")
+        "late_causal_persist_tma finite", "causal_persist_pingpong finite")
 VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
 # impl -> kernel_options of flexfa's families (cudnn: SDPA, full and causal only)
 GLUON = {"BACKEND": "GLUON"}
@@ -83,6 +87,7 @@ IMPLS = {"gluon": GLUON, "gluon_pp": {**GLUON, "GLUON_PINGPONG": True},
          "gluon_pp_tma": {**GLUON, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
          "gluon_persist": {**GLUON, "GLUON_PERSISTENT": True},
          "gluon_persist_tma": {**GLUON, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
+         "gluon_persist_pp": {**GLUON, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
          "hopper": {"BACKEND": "HOPPER"}, "cudnn": None}
 
 
@@ -243,7 +248,8 @@ def main(argv=None) -> int:
                         help=f"what the timings run, comma list of {','.join(IMPLS)} "
                              "(gluon_pp: the Gluon forward with GLUON_PINGPONG, gluon_tma: "
                              "with GLUON_TMA_STORE, gluon_pp_tma: both, gluon_persist: with "
-                             "GLUON_PERSISTENT, gluon_persist_tma: with it and the TMA store)")
+                             "GLUON_PERSISTENT, gluon_persist_tma: with it and the TMA store, "
+                             "gluon_persist_pp: with it and ping-pong)")
     parser.add_argument("--tune", action="store_true",
                         help="let the Hopper family tune its tiles (slow: compiles candidates)")
     args = parser.parse_args(argv)

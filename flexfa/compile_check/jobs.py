@@ -231,13 +231,18 @@ register("fwd_gluon_d64_fp16_softcap_pingpong_tma_store",
          gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True), archs=(90,))
 # the persistent grid (GLUON_PERSISTENT): dense and causal at E=128, softcap with the TMA
-# store (o_smem reused across work tiles), document at E=64
+# store (o_smem reused across work tiles), with the turns (GLUON_PINGPONG), document at E=64
 register("fwd_gluon_d128_bf16_dense_persistent", gluon_job(128, "bf16", persistent=True),
          archs=(90,))
 register("fwd_gluon_d128_bf16_causal_persistent",
          gluon_job(128, "bf16", mask_mod=_causal, persistent=True), archs=(90,))
 register("fwd_gluon_d128_fp16_softcap_causal_persistent_tma_store",
          gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True,
+                   tma_store=True, persistent=True), archs=(90,))
+register("fwd_gluon_d128_bf16_causal_persistent_pingpong",
+         gluon_job(128, "bf16", mask_mod=_causal, persistent=True, pingpong=True), archs=(90,))
+register("fwd_gluon_d64_fp16_softcap_persistent_pingpong_tma_store",
+         gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True, persistent=True), archs=(90,))
 register("fwd_gluon_d64_bf16_document_persistent",
          gluon_job(64, "bf16", mask_mod=_document_mask(), num_stages=3, persistent=True),

@@ -189,8 +189,7 @@ SCHEMA = {
                         "True or False (default)"),
     "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
                          "the Gluon forward on a persistent grid (one program per SM walking "
-                         "work tiles, longest first): True or False (default); not with "
-                         "GLUON_PINGPONG"),
+                         "work tiles, longest first): True or False (default)"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {
@@ -298,11 +297,6 @@ def _parse(options: dict) -> KernelOptions:
         call["backend"] = _default_backend()
     if call["backend"] == "TRITON":
         call["backend"] = "AUTO"  # every flexfa kernel is a Triton kernel
-    if call.get("gluon_persistent") and call.get("gluon_pingpong"):
-        # the turns' phases count steps within one work tile (fwd_gluon.tmpl's header)
-        raise InputError("kernel_options GLUON_PERSISTENT=True and GLUON_PINGPONG=True do not "
-                         "combine: the ping-pong turns restart with every work tile; set one "
-                         "of them False")
     return KernelOptions(fwd=PassOptions(**passes["fwd"]), bwd=PassOptions(**passes["bwd"]),
                          **call)
 

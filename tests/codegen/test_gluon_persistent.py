@@ -1,13 +1,14 @@
 """The Gluon forward's persistent grid (GLUON_PERSISTENT) on the CPU: its barrier protocol
 across work tiles checked in every interleaving of the producer and the two consumers on an
-mbarrier model, with the phase parities and ring indices read from fwd_gluon.tmpl; the
-work tiles' order (the rendered arithmetic run as Python); the option's validation (not with
-GLUON_PINGPONG) and its grid. Its sm_90 compile check is in
+mbarrier model (with and without the ping-pong turns), with the phase parities and ring
+indices read from fwd_gluon.tmpl; the work tiles' order (the rendered arithmetic run as
+Python); the option's spec, flag and grid. Its sm_90 compile check is in
 test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import pytest
 import torch
@@ -24,7 +25,9 @@ SM90 = Target("cuda", 9, 0)
 FORCED = {"BACKEND": "GLUON"}
 
 # barrier -> arrivals that complete a phase (fwd_gluon.tmpl's mbarrier.init counts)
-COUNTS = {"q_ready": 1, "q_free": 1, "k_ready": 1, "v_ready": 1, "k_free": 2, "v_free": 2}
+COUNTS = {"q_ready": 1, "q_free": 1, "k_ready": 1, "v_ready": 1, "k_free": 2, "v_free": 2,
+          "turn": 1}
+MODEL_GL = types.SimpleNamespace(maximum=max)  # what the counters' expressions call
 
 
 def _protocol(source: str) -> dict:
@@ -46,23 +49,28 @@ def _protocol(source: str) -> dict:
         "v_ready": find(r"mbarrier\.wait\(v_ready\.index\(prev\), (.+)\)\n"),
         "last": find(r"\n\s+last = (.+)\n"),
         "last_ready": find(r"mbarrier\.wait\(v_ready\.index\(last\), (.+)\)\n"),
+        "turn": find(r"mbarrier\.wait\(turn\.index\(CID\), (.+)\)\n"),
+        "turn_to": find(r"mbarrier\.arrive\(turn\.index\((.+)\), count=1\)"),
         # the counters of the next work tile: the producer's, then the consumers'
         "next": re.findall(r"\n\s+return (j [^\n]+)\n", source),
     }
 
 
-def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = True):
+def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = True,
+              pingpong: bool = False):
     """(producer, consumer 0, consumer 1) op lists of one program walking work tiles with
     these kv-tile counts, as fwd_gluon.tmpl's partitions issue them, each carrying its
     counters (j, i) from tile to tile as the template's returns say. Ops: ("wait", barrier,
     parity), ("arrive", barrier), ("load", buffer, value, barrier) (TMA: written and arrived
-    at once), ("read", buffer, value) (from here on the buffer is in use), ("done", buffer)."""
+    at once), ("read", buffer, value) (from here on the buffer is in use), ("done", buffer);
+    with ``pingpong`` the consumers' turns too, and ("issue", c) where consumer c issues a
+    step's GEMMs."""
     def ev(name, **names):
-        return eval(proto[name], {"STAGES": stages, **names})
+        return eval(proto[name], {"STAGES": stages, "gl": MODEL_GL, **names})
 
     assert len(proto["next"]) == 2, proto["next"]
     producer, consumers = [], [[], []]
-    produced = consumed = (0, 0)  # (j, i) of the first work tile: the template's j = 0, i = 0
+    produced, consumed = (0, 0), (0, 0, 0)  # (j, i[, u]) of the first tile: all 0
     for tile, total in enumerate(totals):
         j, i = produced
         for c in (0, 1):
@@ -75,7 +83,7 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
                 producer += [("wait", (f"{kv}_free", n % stages), ev("free", n=n)),
                              ("load", (kv, n % stages), (tile, t), (f"{kv}_ready", n % stages))]
         produced = eval(proto["next"][0], {"j": j, "i": i, "walk": (0, total)})
-        j, i = consumed
+        j, i, u = consumed
         for c, ops in enumerate(consumers):
             ops += [("wait", ("q_ready", c), ev("q_ready", j=j)), ("read", ("q", c), tile)]
             if total:
@@ -85,11 +93,15 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
                         ("arrive", ("k_free", first))]
                 for t in range(1, total):
                     stage, prev = ev("stage", i=i, t=t), ev("prev", i=i, t=t)
-                    ops += [("wait", ("k_ready", stage), ev("k_ready", i=i, t=t)),
-                            ("read", ("k", stage), (tile, t)),
+                    ops += [("wait", ("k_ready", stage), ev("k_ready", i=i, t=t))]
+                    if pingpong:
+                        ops += [("wait", ("turn", c), ev("turn", u=u, t=t, CID=c)), ("issue", c)]
+                    ops += [("read", ("k", stage), (tile, t)),
                             ("wait", ("v_ready", prev), ev("v_ready", i=i, t=t)),
-                            ("read", ("v", prev), (tile, t - 1)),
-                            ("done", ("k", stage)), ("arrive", ("k_free", stage)),
+                            ("read", ("v", prev), (tile, t - 1))]
+                    if pingpong:
+                        ops += [("arrive", ("turn", ev("turn_to", CID=c)))]
+                    ops += [("done", ("k", stage)), ("arrive", ("k_free", stage)),
                             ("done", ("v", prev)), ("arrive", ("v_free", prev))]
                 last = ev("last", i=i, total=total)
                 ops += [("done", ("q", c)), ("arrive", ("q_free", c)),
@@ -98,19 +110,25 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
                         ("arrive", ("v_free", last))]
             else:  # no kv tile: Q released at once, out = 0 stored
                 ops += [("done", ("q", c)), ("arrive", ("q_free", c))]
-        consumed = eval(proto["next"][1], {"j": j, "i": i, "total": total})
+        consumed = eval(proto["next"][1], {"j": j, "i": i, "u": u, "total": total,
+                                           "gl": MODEL_GL})
     return producer, *consumers
 
 
 def _step(state, op, actor):
-    """The state after ``op`` (None: it waits), failing on a read of the wrong data or a load
-    into a buffer in use."""
-    phases, pending, data, held = state
+    """The state after ``op`` (None: it waits), failing on a read of the wrong data, a load
+    into a buffer in use, or a consumer issuing its step's GEMMs out of turn (consumer 0's
+    k-th after consumer 1's k - 1 steps, consumer 1's k-th after consumer 0's k-th)."""
+    phases, pending, data, held, issued = state
     kind = op[0]
     if kind == "wait":
         return None if phases.get(op[1], 0) % 2 == op[2] else state
     phases, pending, data, held = dict(phases), dict(pending), dict(data), set(held)
-    if kind in ("arrive", "load"):
+    if kind == "issue":
+        c = op[1]
+        assert issued[1 - c] == issued[c] + c, f"consumer {c} issued out of turn: {issued}"
+        issued = tuple(n + (k == c) for k, n in enumerate(issued))
+    elif kind in ("arrive", "load"):
         barrier = op[1] if kind == "arrive" else op[3]
         if kind == "load":
             assert not any(buf == op[1] for _, buf in held), f"load into {op[1]} in use: {op}"
@@ -124,7 +142,7 @@ def _step(state, op, actor):
         held.add((actor, op[1]))
     else:
         held.discard((actor, op[1]))
-    return phases, pending, data, frozenset(held)
+    return phases, pending, data, frozenset(held), issued
 
 
 def _run_all_interleavings(programs) -> int:
@@ -132,7 +150,7 @@ def _run_all_interleavings(programs) -> int:
     The state is a function of the program counters, so each is visited once. Returns the
     number of states."""
     start = (0,) * len(programs)
-    states = {start: ({}, {}, {}, frozenset())}
+    states = {start: ({}, {}, {}, frozenset(), (0, 0))}
     frontier = [start]
     while frontier:
         pcs = frontier.pop()
@@ -160,14 +178,16 @@ def _run_all_interleavings(programs) -> int:
 WALKS = ([], [0], [1], [3], [2, 0], [1, 2, 3], [0, 3, 0], [4, 1, 0, 2])
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_persistent_protocol_never_hangs_or_races(stages):
+@pytest.mark.parametrize("stages, pingpong", [(2, False), (3, False), (2, True)])
+def test_persistent_protocol_never_hangs_or_races(stages, pingpong):
     """fwd_gluon.tmpl's barriers across work tiles, in every interleaving: no partition waits
-    forever, each consumer reads the Q, K and V of its own work tile and kv tile, and no TMA
-    load writes a buffer a consumer still reads."""
+    forever, each consumer reads the Q, K and V of its own work tile and kv tile, no TMA
+    load writes a buffer a consumer still reads; with the ping-pong turns (GLUON_PINGPONG)
+    the consumers issue their steps' GEMMs alternately across tiles, consumer 0 first."""
     proto = _protocol(load_template("fwd_gluon.tmpl"))
     for totals in WALKS:
-        assert _run_all_interleavings(_programs(proto, totals, stages)) > 0, totals
+        assert _run_all_interleavings(_programs(proto, totals, stages, pingpong=pingpong)) > 0, \
+            totals
 
 
 def test_persistent_model_catches_a_missing_q_release():
@@ -179,7 +199,7 @@ def test_persistent_model_catches_a_missing_q_release():
 
 
 def test_persistent_option_spec_and_grid():
-    """GLUON_PERSISTENT (default off) reaches the spec and the kernel's flag; it refuses
+    """GLUON_PERSISTENT (default off) reaches the spec and the kernel's flag, alone and with
     GLUON_PINGPONG; the grid is min(SMs, work tiles), SMs fixed without a GPU."""
     q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     plain, chosen = (gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125,
@@ -196,8 +216,8 @@ def test_persistent_option_spec_and_grid():
     assert gluon_grid(chosen, 2 * 16, 8, cpu) == (FIXED_SMS,)  # 256 work tiles
     assert gluon_grid(chosen, 2, 8, cpu) == (16,)
     assert gluon_grid(plain, 2, 8, cpu) == (8, 2)  # dense: (q tiles, B * H)
-    with pytest.raises(flexfa.InputError, match="GLUON_PERSISTENT=True and GLUON_PINGPONG"):
-        parse_kernel_options({"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})
+    both = parse_kernel_options({"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})
+    assert both.gluon_persistent and both.gluon_pingpong
     with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_PERSISTENT'\] must be a bool"):
         parse_kernel_options({"GLUON_PERSISTENT": 1})
 

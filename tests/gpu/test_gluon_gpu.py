@@ -4,7 +4,7 @@ softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured t
 also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
 row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), each and
 cases of many heads (several work tiles per program, some with no key tile) on the persistent
-grid (GLUON_PERSISTENT), all bit-equal to the plain kernel.
+grid (GLUON_PERSISTENT), also with ping-pong, all bit-equal to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -31,13 +31,15 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "tma_store": {**FORCED, "GLUON_TMA_STORE": True},
            "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
            "persistent": {**FORCED, "GLUON_PERSISTENT": True},
-           "persistent_tma_store": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True}}
+           "persistent_tma_store": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
+           "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}}
 SAFETY = """
 import torch, flexfa
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
 # 3 tiles per row block, 1, 2 and 3 with the mask; 96 heads: 288 work tiles, 2 or 3 for each
 # persistent program
-for heads, options in ((2, ("GLUON_PINGPONG", "GLUON_TMA_STORE")), (96, ("GLUON_PERSISTENT",))):
+for heads, options in ((2, ("GLUON_PINGPONG", "GLUON_TMA_STORE")),
+                       (96, ("GLUON_PERSISTENT", "GLUON_PINGPONG"))):
     q, k, v = (torch.randn(1, heads, 384, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     for block_mask in (None, mask):
@@ -104,7 +106,10 @@ OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for na
                     "empty_rows")]
                 + [(name, "persistent") for name in CASES]
                 + [(name, "persistent_tma_store") for name in (
-                    "dense", "ragged", "many_causal", "many_ragged", "many_empty_rows")])
+                    "dense", "ragged", "many_causal", "many_ragged", "many_empty_rows")]
+                + [(name, "persistent_pingpong") for name in (
+                    "causal", "softcap_causal", "document", "many_causal", "many_document",
+                    "many_empty_rows")])
 
 
 @pytest.mark.parametrize("name, option", OPTION_CASES)
