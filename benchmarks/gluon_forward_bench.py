@@ -5,21 +5,26 @@ and cuDNN SDPA.
 1. ``consan``: tiny causal calls (the block-mask walk, partial and full tiles; 1, 2 and 3
    key tiles per row block), without and with the consumers' ping-pong (``GLUON_PINGPONG``),
    and with ping-pong and the TMA store of out (``GLUON_TMA_STORE``) on a mask whose first
-   row block has no tile and a ragged length (TMA and plain stores), in a subprocess compiled with Triton
+   row block has no tile and a ragged length (TMA and plain stores), and on the persistent
+   grid (``GLUON_PERSISTENT``, with the TMA store, and with ping-pong) at 96 heads (288 work
+   tiles: 2 or 3 per program on 132 SMs, some with no key tile), in a subprocess compiled
+   with Triton
    3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
    the kernel's shared-memory accesses against its mbarriers and wgmma waits, and fails with
    a device assertion on a race), killed after ``--safety-timeout`` seconds (a barrier-phase
    mistake hangs instead of failing). Nothing else runs unless it passes.
-2. ``check``: the same variants at B=1 H=4 S=2048 E=128 bf16, relative L2 error of the Gluon
+2. ``check``: the same variants at B=1 H=16 S=2048 E=128 bf16, relative L2 error of the Gluon
    output (``gluon``; ``gluon_pp`` with ping-pong, ``gluon_tma`` with the TMA store,
-   ``gluon_pp_tma`` with both, those of ``--impls``, which must equal ``gluon`` bit for bit)
+   ``gluon_pp_tma`` with both, ``gluon_persist`` on the persistent grid, ``gluon_persist_tma``
+   with the TMA store too, ``gluon_persist_pp`` with ping-pong, those of ``--impls``, which
+   must equal ``gluon`` bit for bit)
    against the Hopper family's (must be < 5e-3) and lse's max difference.
 3. ``time``: triton.testing.do_bench medians (ms; TFLOP/s with causal work halved, none for
    sliding and document) at H=16, B = ``--tokens`` / S, bf16, for each of ``--dims`` x
    ``--seqs`` (default E=128, S=16384) and ``--variants`` (the project's: full, causal,
    sliding 1024, ALiBi, softcap 30, document; all but full causal) and ``--impls``: Gluon,
    with ping-pong (``gluon_pp``), the TMA store (``gluon_tma``) or both (``gluon_pp_tma``),
-   Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
+   the persistent grid (``gluon_persist``, ``gluon_persist_tma``, ``gluon_persist_pp``), Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
    is set unless ``--tune``: tuning would spend the call's time compiling its candidates).
 
 A short table goes to stdout and everything to the JSON file after every step. Each step is
@@ -53,26 +58,36 @@ def late_causal(b, h, q_idx, kv_idx):  # rows before 130 see nothing: row block 
 
 
 BOTH = {"GLUON_PINGPONG": True, "GLUON_TMA_STORE": True}
-# (name, length, mask_mod, kernel_options past BACKEND): 384 causal has 1, 2 and 3 key tiles
-# per row block; at 320 the last row block's first consumer stores by TMA, the second plainly
-for name, n, mask_mod, options in (
-        ("causal", 384, flexfa.mods.causal, {}),
-        ("causal_pingpong", 384, flexfa.mods.causal, {"GLUON_PINGPONG": True}),
-        ("late_causal_pingpong_tma", 320, late_causal, BOTH)):
-    q, k, v = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+PERSIST_TMA = {"GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True}
+# (name, heads, length, mask_mod, kernel_options past BACKEND): 384 causal has 1, 2 and 3 key
+# tiles per row block; at 320 the last row block's first consumer stores by TMA, the second
+# plainly; 96 heads of 3 row blocks are 288 work tiles, 2 or 3 per persistent program
+for name, heads, n, mask_mod, options in (
+        ("causal", 2, 384, flexfa.mods.causal, {}),
+        ("causal_pingpong", 2, 384, flexfa.mods.causal, {"GLUON_PINGPONG": True}),
+        ("late_causal_pingpong_tma", 2, 320, late_causal, BOTH),
+        ("late_causal_persist_tma", 96, 320, late_causal, PERSIST_TMA),
+        ("causal_persist_pingpong", 96, 384, flexfa.mods.causal,
+         {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})):
+    q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
     mask = flexfa.create_block_mask(mask_mod, None, None, n, n, device="cuda")
     out = flexfa.flex_attention(q, k, v, block_mask=mask,
                                 kernel_options={"BACKEND": "GLUON", **options})
     torch.cuda.synchronize()
     print(name, "finite" if bool(torch.isfinite(out).all()) else "NOT FINITE", flush=True)
 """
-SAFE = ("causal finite", "causal_pingpong finite", "late_causal_pingpong_tma finite")
+SAFE = ("causal finite", "causal_pingpong finite", "late_causal_pingpong_tma finite",
+        "late_causal_persist_tma finite", "causal_persist_pingpong finite")
 VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
 # impl -> kernel_options of flexfa's families (cudnn: SDPA, full and causal only)
 GLUON = {"BACKEND": "GLUON"}
 IMPLS = {"gluon": GLUON, "gluon_pp": {**GLUON, "GLUON_PINGPONG": True},
          "gluon_tma": {**GLUON, "GLUON_TMA_STORE": True},
          "gluon_pp_tma": {**GLUON, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
+         "gluon_persist": {**GLUON, "GLUON_PERSISTENT": True},
+         "gluon_persist_tma": {**GLUON, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
+         "gluon_persist_pp": {**GLUON, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
          "hopper": {"BACKEND": "HOPPER"}, "cudnn": None}
 
 
@@ -139,9 +154,10 @@ def check(rows: list, impls=tuple(IMPLS)) -> None:
     import torch
     torch.manual_seed(0)
     S = 2048
-    q, k, v = (torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # 16 heads: 256 work tiles, so each persistent program walks about two
+    q, k, v = (torch.randn(1, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in VARIANTS:
-        score_mod, mask, _ = variant(name, S, 4)
+        score_mod, mask, _ = variant(name, S, 16)
         ref, ref_lse, plain = None, None, None
         # the Gluon impls asked for, after the plain kernel (the bit-equality reference)
         for impl in ("gluon", *(i for i in impls if i.startswith("gluon_"))):
@@ -232,7 +248,9 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help=f"what the timings run, comma list of {','.join(IMPLS)} "
                              "(gluon_pp: the Gluon forward with GLUON_PINGPONG, gluon_tma: "
-                             "with GLUON_TMA_STORE, gluon_pp_tma: both)")
+                             "with GLUON_TMA_STORE, gluon_pp_tma: both, gluon_persist: with "
+                             "GLUON_PERSISTENT, gluon_persist_tma: with it and the TMA store, "
+                             "gluon_persist_pp: with it and ping-pong)")
     parser.add_argument("--tune", action="store_true",
                         help="let the Hopper family tune its tiles (slow: compiles candidates)")
     args = parser.parse_args(argv)

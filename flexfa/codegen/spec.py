@@ -86,9 +86,11 @@ class KernelSpec(PaddedDims):
     # dropout on the probabilities (DROPOUT)
     dropout: bool = False
     # Gluon template only: the consumer warpgroups issue their GEMMs in turn (PINGPONG); out
-    # goes through shared memory and a TMA store (TMA_STORE)
+    # goes through shared memory and a TMA store (TMA_STORE); one program per SM walks work
+    # tiles (PERSISTENT)
     pingpong: bool = False
     tma_store: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

@@ -182,10 +182,10 @@ def _register_hopper() -> None:
 
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
-              pingpong: bool = False, tma_store: bool = False):
+              pingpong: bool = False, tma_store: bool = False, persistent: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
-    ``tma_store``: out through shared memory and TMA)."""
+    ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=128,
@@ -195,7 +195,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           even_s=False, return_lse=return_lse, gqa_group=1,
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
-                          return_max=return_max, pingpong=pingpong, tma_store=tma_store)
+                          return_max=return_max, pingpong=pingpong, tma_store=tma_store,
+                          persistent=persistent)
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
 
@@ -229,6 +230,23 @@ register("fwd_gluon_d128_bf16_causal_tma_store",
 register("fwd_gluon_d64_fp16_softcap_pingpong_tma_store",
          gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True), archs=(90,))
+# the persistent grid (GLUON_PERSISTENT): dense and causal at E=128, softcap with the TMA
+# store (o_smem reused across work tiles), with the turns (GLUON_PINGPONG), document at E=64
+register("fwd_gluon_d128_bf16_dense_persistent", gluon_job(128, "bf16", persistent=True),
+         archs=(90,))
+register("fwd_gluon_d128_bf16_causal_persistent",
+         gluon_job(128, "bf16", mask_mod=_causal, persistent=True), archs=(90,))
+register("fwd_gluon_d128_fp16_softcap_causal_persistent_tma_store",
+         gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True,
+                   tma_store=True, persistent=True), archs=(90,))
+register("fwd_gluon_d128_bf16_causal_persistent_pingpong",
+         gluon_job(128, "bf16", mask_mod=_causal, persistent=True, pingpong=True), archs=(90,))
+register("fwd_gluon_d64_fp16_softcap_persistent_pingpong_tma_store",
+         gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
+                   tma_store=True, persistent=True), archs=(90,))
+register("fwd_gluon_d64_bf16_document_persistent",
+         gluon_job(64, "bf16", mask_mod=_document_mask(), num_stages=3, persistent=True),
+         archs=(90,))
 
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,

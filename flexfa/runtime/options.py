@@ -74,6 +74,9 @@ class KernelOptions:
     gluon_pingpong: bool = False
     # the Gluon forward stores out through shared memory and TMA; off until measured
     gluon_tma_store: bool = False
+    # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
+    # first); off until measured
+    gluon_persistent: bool = False
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -184,6 +187,9 @@ SCHEMA = {
     "GLUON_TMA_STORE": ("gluon_tma_store", (), _flag,
                         "the Gluon forward writes out through shared memory and a TMA store: "
                         "True or False (default)"),
+    "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
+                         "the Gluon forward on a persistent grid (one program per SM walking "
+                         "work tiles, longest first): True or False (default)"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

@@ -168,7 +168,8 @@ def test_gluon_key_covers_stages_and_mods():
 
 
 @pytest.mark.parametrize("key, field, flag, code", [
-    ("GLUON_PINGPONG", "pingpong", "PINGPONG", "mbarrier.wait(turn.index(CID), (t + CID) & 1)"),
+    ("GLUON_PINGPONG", "pingpong", "PINGPONG",
+     "mbarrier.wait(turn.index(CID), (u + t + CID) & 1)"),
     ("GLUON_TMA_STORE", "tma_store", "TMA_STORE",
      "tma.async_copy_shared_to_global(O_DESC, [row, 0], o_smem)"),
 ])
@@ -198,7 +199,7 @@ def _turn_program(source: str):
     wait = re.search(r"mbarrier\.wait\(turn\.index\(CID\), (.+)\)\n", source)
     arrive = re.search(r"mbarrier\.arrive\(turn\.index\((.+)\), count=1\)", source)
     loop = re.findall(r"for t in range\((\w+), total\):", source[:wait.start()])
-    return (int(loop[-1]), lambda t, cid: eval(wait.group(1), {"t": t, "CID": cid}),
+    return (int(loop[-1]), lambda t, cid: eval(wait.group(1), {"t": t, "CID": cid, "u": 0}),
             lambda cid: eval(arrive.group(1), {"CID": cid}))
 
 

@@ -2,7 +2,8 @@
 a GPU: setmaxnreg (the 1-warp partitions give registers to the consumer warpgroups), wgmma,
 TMA (the backward's dQ reduce-add too), no spills; the forward's ping-pong variant
 (GLUON_PINGPONG) waits on and passes the consumers' turns, its TMA-store variant
-(GLUON_TMA_STORE) stores out by TMA. In a subprocess:
+(GLUON_TMA_STORE) stores out by TMA, its persistent variant (GLUON_PERSISTENT) loops over
+work tiles and waits for each consumer's Q release. In a subprocess:
 a compiled Gluon module imports triton.experimental.gluon, whose standard library cannot be
 imported where this test session decorated triton.language for the interpreter."""
 import json
@@ -22,6 +23,10 @@ PINGPONG_VARIANTS = ("fwd_gluon_d128_bf16_causal_pingpong", "fwd_gluon_d64_fp16_
                      "fwd_gluon_d128_bf16_document_pingpong")
 TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
                       "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
+# one persistent variant here (a compile takes ~40-60 s); the others (dense, softcap with the
+# TMA store, E=64 document) are registered in compile_check:
+#   python -m flexfa compile-check --arch 90 --only persistent
+PERSISTENT_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent",)
 SCRIPT = """
 import json, os, re, sys
 if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the interpreter
@@ -43,6 +48,7 @@ for name in sys.argv[1:]:
         try_wait=r.ptx.count("mbarrier.try_wait"),
         tma_stores=r.ptx.count("cp.async.bulk.tensor.2d.global.shared::cta"),
         proxy_fence="fence.proxy.async.shared::cta" in r.ptx,
+        grid_x=r.ptx.count("%nctaid.x"),
         # an arrive right before waiting for the q.k wgmma: the ping-pong turn passed on
         turn_pass=len(re.findall(TURN_PASS, r.ptx)))))
 """
@@ -71,7 +77,7 @@ def _compile(tmp_path, variants, as_test_session=False) -> dict:
 def forward_rows(tmp_path_factory) -> dict:
     """The forward variants, with and without ping-pong, compiled in one process."""
     return _compile(tmp_path_factory.mktemp("gluon_fwd"),
-                    VARIANTS + PINGPONG_VARIANTS + TMA_STORE_VARIANTS)
+                    VARIANTS + PINGPONG_VARIANTS + TMA_STORE_VARIANTS + PERSISTENT_VARIANTS)
 
 
 def _check_compiled(name: str, row: dict) -> None:
@@ -119,6 +125,21 @@ def test_gluon_tma_store_forward_compiles_for_sm90(forward_rows):
     assert forward_rows["fwd_gluon_d128_bf16_causal_tma_store"]["turn_pass"] == 0
 
 
+def test_gluon_persistent_forward_compiles_for_sm90(forward_rows):
+    """GLUON_PERSISTENT: the partitions step through work tiles by the grid's size
+    (%nctaid.x; the plain causal kernel reads only the y size, for its one tile's index), the
+    producer waits for each consumer's Q release (one try_wait loop per consumer over the
+    plain kernel's), no spills (the epilogue's column offsets once spilled at 240
+    registers)."""
+    plain = forward_rows["fwd_gluon_d128_bf16_causal"]
+    for name in PERSISTENT_VARIANTS:
+        row = forward_rows[name]
+        _check_compiled(name, row)
+        assert row["grid_x"] >= 1 and plain["grid_x"] == 0, (row, plain)
+        assert row["try_wait"] == plain["try_wait"] + 2, (row["try_wait"], plain["try_wait"])
+        assert row["turn_pass"] == 0 and row["tma_stores"] == 0, row
+
+
 # E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
 # little to spare: the causal mask and the softcap derivative are the tightest
 BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
@@ -156,6 +177,10 @@ stored = AttentionCall(None, None, None, 0.125, parse_kernel_options(
 plan = gluon.GLUON.make_plan(q, q, q, stored, Target("cuda", 9, 0), True, False)
 name, (shape, strides, block, layout) = plan.fixed["descriptors"][-1]
 print(name, shape, strides, block)
+persistent = AttentionCall(None, None, None, 0.125, parse_kernel_options(
+    {"BACKEND": "GLUON", "GLUON_PERSISTENT": True}), 1)
+plan = gluon.GLUON.make_plan(q, q, q, persistent, Target("cuda", 9, 0), True, False)
+print("persistent", plan.steps[0].grid, plan.steps[0].binder.template[-1])
 """
 
 
@@ -171,3 +196,5 @@ def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
     assert "(2, 2)" in result.stdout and "'maxnreg': 168" in result.stdout, result.stdout
     # GLUON_TMA_STORE: the output's descriptor over its [B * H * L, Ev] rows, 64-row blocks
     assert result.stdout.splitlines()[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout
+    # GLUON_PERSISTENT without a GPU: min(132 SMs, 2 q tiles x 2 heads) programs; BATCH_HEADS
+    assert result.stdout.splitlines()[2] == "persistent (4,) 2", result.stdout

@@ -2,13 +2,14 @@
 reference and the Hopper family on the benchmark's variants (dense, causal, sliding window,
 softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured tensors; each
 also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
-row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), both bit-equal
-to the plain kernel.
+row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), each and
+cases of many heads (several work tiles per program, some with no key tile) on the persistent
+grid (GLUON_PERSISTENT), also with ping-pong, all bit-equal to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
 under a limit too:
-    timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gluon_gpu.py
+    timeout 600 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gluon_gpu.py
 """
 from __future__ import annotations
 
@@ -28,24 +29,32 @@ pytestmark = pytest.mark.gpu
 FORCED = {"BACKEND": "GLUON"}
 OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "tma_store": {**FORCED, "GLUON_TMA_STORE": True},
-           "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True}}
+           "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
+           "persistent": {**FORCED, "GLUON_PERSISTENT": True},
+           "persistent_tma_store": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
+           "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}}
 SAFETY = """
 import torch, flexfa
-q, k, v = (torch.randn(1, 2, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
-for block_mask in (None, mask):  # 3 tiles per row block; 1, 2 and 3 with the mask
-    for both in (False, True):
-        out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={
-            "BACKEND": "GLUON", "GLUON_PINGPONG": both, "GLUON_TMA_STORE": both})
-        torch.cuda.synchronize()
-        print("ok", bool(torch.isfinite(out).all()))
+# 3 tiles per row block, 1, 2 and 3 with the mask; 96 heads: 288 work tiles, 2 or 3 for each
+# persistent program
+for heads, options in ((2, ("GLUON_PINGPONG", "GLUON_TMA_STORE")),
+                       (96, ("GLUON_PERSISTENT", "GLUON_PINGPONG"))):
+    q, k, v = (torch.randn(1, heads, 384, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    for block_mask in (None, mask):
+        for on in (False, True):
+            out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={
+                "BACKEND": "GLUON", **{key: on for key in options}})
+            torch.cuda.synchronize()
+            print("ok", bool(torch.isfinite(out).all()))
 """
 
 
 @pytest.fixture(scope="module")
 def safe():
-    """A tiny dense and causal call in a subprocess that is killed after 120 s."""
-    run_safely(SAFETY, 120, "forward")
+    """Tiny dense and causal calls in a subprocess that is killed after 180 s."""
+    run_safely(SAFETY, 180, "forward")
 
 
 def _alibi_causal(heads, device):
@@ -76,15 +85,31 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
     "empty_rows": (1, 2, 2, 384, 384, 128, lambda h, d: (None, _empty_prefix)),
 }
+# more work tiles than the H200's 132 SMs: each persistent program walks several (plain and
+# ping-pong run them too)
+MANY_TILES = {
+    "many_causal": (2, 16, 16, 2048, 2048, 128, lambda h, d: (None, mods.causal)),
+    "many_ragged": (2, 16, 16, 1000, 1100, 128, lambda h, d: (None, None)),
+    "many_document": (1, 64, 64, 1000, 1000, 64, _document([300, 200, 500])),
+    "many_empty_rows": (4, 16, 16, 384, 384, 128, lambda h, d: (None, _empty_prefix)),
+}
+CASES.update(MANY_TILES)
 
 
-# (case, options): every case plain and with ping-pong; the TMA store on even lengths (all
-# rows by TMA) and ragged ones (the last row block's plain stores), alone and with ping-pong
+# (case, options): every case plain, with ping-pong and on the persistent grid; the TMA store
+# on even lengths (all rows by TMA) and ragged ones (the last row block's plain stores), alone
+# and with ping-pong or the persistent grid
 OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for name in CASES]
                 + [(name, "tma_store") for name in ("dense", "dense_fp16", "ragged")]
                 + [(name, "pingpong_tma_store") for name in (
                     "dense_d64", "causal", "softcap_causal", "document", "gqa_causal",
-                    "empty_rows")])
+                    "empty_rows")]
+                + [(name, "persistent") for name in CASES]
+                + [(name, "persistent_tma_store") for name in (
+                    "dense", "ragged", "many_causal", "many_ragged", "many_empty_rows")]
+                + [(name, "persistent_pingpong") for name in (
+                    "causal", "softcap_causal", "document", "many_causal", "many_document",
+                    "many_empty_rows")])
 
 
 @pytest.mark.parametrize("name, option", OPTION_CASES)
@@ -100,7 +125,7 @@ def test_gluon_matches_reference_and_hopper(safe, name, option):
                                    enable_gqa=Hq != Hkv, kernel_options={"BACKEND": "HOPPER"})
     error = (out.float() - hopper.float()).norm() / hopper.float().norm().clamp_min(1e-6)
     assert float(error) < 5e-3, float(error)
-    if name == "empty_rows":
+    if name.endswith("empty_rows"):
         assert bool((out[:, :, :130] == 0).all()) and bool((lse[:, :, :130] == -torch.inf).all())
     # the cached plan gives the same result
     again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
@@ -112,7 +137,7 @@ def test_gluon_matches_reference_and_hopper(safe, name, option):
         torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("option", ["plain", "pingpong_tma_store"])
+@pytest.mark.parametrize("option", ["plain", "pingpong_tma_store", "persistent_tma_store"])
 def test_gluon_row_max_and_pinned_tiles(safe, option):
     forced = OPTIONS[option]
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")

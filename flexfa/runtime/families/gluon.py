@@ -30,7 +30,7 @@ from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
-from .ampere import int64_nodes, wants_split
+from .ampere import int64_nodes, sm_count, wants_split
 from .hopper import descriptor_layout_ok, geometry
 
 BLOCK_M = CONSUMERS * CONSUMER_ROWS
@@ -38,6 +38,7 @@ HEAD_DIMS = (64, 128)
 # (BLOCK_N, ring depth) per head dim: K and V rings plus Q fit the H200's 227 KB of shared
 # memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V)
 DEFAULT_TILES = {64: (128, 3), 128: (128, 2)}
+FIXED_SMS = 132  # the H100/H200's SMs: the persistent grid of a plan made without a GPU
 
 
 # (head dim, density class, kv length class of runtime.autotune) where BACKEND="AUTO" takes
@@ -119,7 +120,7 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         input_precision=call.options.fp32_precision, target=target.name,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
-        tma_store=call.options.gluon_tma_store)
+        tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent)
 
 
 def out_geometry(q, v, block: list[int], dtype: str) -> tuple:
@@ -132,6 +133,16 @@ def out_geometry(q, v, block: list[int], dtype: str) -> tuple:
     assert sd == 1 and (H == 1 or sh == L * sm) and (B == 1 or sb == H * L * sm), (
         f"out strides {(sb, sh, sm, sd)} of shape {(B, H, L, Ev)} are not [B * H * L, Ev] rows")
     return [B * H * L, Ev], [sm, 1], block, descriptor_layout(block, dtype)
+
+
+def gluon_grid(spec: KernelSpec, batch_heads: int, q_tiles: int, device) -> tuple[int, ...]:
+    """The launch grid: one program per (q tile, batch * head) (``forward_grid``), or with
+    ``spec.persistent`` min(SMs, work tiles) programs walking the work tiles (a plan made
+    without a GPU, as in the compile tests, counts the H100/H200's ``FIXED_SMS``)."""
+    if not spec.persistent:
+        return forward_grid(batch_heads, q_tiles, spec.has_block_mask)
+    sms = sm_count(device) if device.type == "cuda" else FIXED_SMS
+    return (min(sms, batch_heads * q_tiles),)
 
 
 @functools.cache
@@ -199,12 +210,14 @@ class GluonForward(KernelFamily):
         import_gluon()
         spec = gluon_spec(q, k, v, call, target, return_lse, return_max)
         B, Hq, L, _ = q.shape
+        # fwd_gluon.tmpl stores out's columns as contiguous
+        assert out_strides(q, v)[3] == 1, f"out strides {out_strides(q, v)} of q {q.stride()}"
         loaded = generated_module(gluon_kernel, spec, call.score, call.mask)
         fixed = {**binding.strides("o", "bhmd", out_strides(q, v)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
-                 "HQ": Hq, "L": L, "S": k.shape[2],
+                 "HQ": Hq, "L": L, "S": k.shape[2], "BATCH_HEADS": B * Hq,
                  **binding.buffer_layout(call.score, call.mask)}
-        step = Step(loaded.kernel(), forward_grid(B * Hq, cdiv(L, BLOCK_M), spec.has_block_mask),
+        step = Step(loaded.kernel(), gluon_grid(spec, B * Hq, cdiv(L, BLOCK_M), q.device),
                     gluon_constexprs(spec, call.scores_first), spec.launch_options(),
                     binding.Binder(loaded.names(), fixed))
         descriptors = []

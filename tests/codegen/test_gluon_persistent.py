@@ -1,0 +1,254 @@
+"""The Gluon forward's persistent grid (GLUON_PERSISTENT) on the CPU: its barrier protocol
+across work tiles checked in every interleaving of the producer and the two consumers on an
+mbarrier model (with and without the ping-pong turns), with the phase parities and ring
+indices read from fwd_gluon.tmpl; the work tiles' order (the rendered arithmetic run as
+Python); the option's spec, flag and grid. Its sm_90 compile check is in
+test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.codegen.gluon import gluon_kernel
+from flexfa.codegen.template import load_template
+from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.families.gluon import FIXED_SMS, gluon_grid, gluon_spec
+from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.target import Target
+
+SM90 = Target("cuda", 9, 0)
+FORCED = {"BACKEND": "GLUON"}
+
+# barrier -> arrivals that complete a phase (fwd_gluon.tmpl's mbarrier.init counts)
+COUNTS = {"q_ready": 1, "q_free": 1, "k_ready": 1, "v_ready": 1, "k_free": 2, "v_free": 2,
+          "turn": 1}
+MODEL_GL = types.SimpleNamespace(maximum=max)  # what the counters' expressions call
+
+
+def _protocol(source: str) -> dict:
+    """The template's parity and ring-index expressions, by name (evaluated with j, i, t, n,
+    total and STAGES)."""
+    def find(pattern: str) -> str:
+        found = re.findall(pattern, source)
+        assert len(found) == 1, (pattern, found)
+        return found[0]
+    return {
+        "q_free": find(r"mbarrier\.wait\(q_free\.index\(c\), (.+)\)\n"),
+        "q_ready": find(r"mbarrier\.wait\(q_ready\.index\(CID\), (.+)\)\n"),
+        "n": find(r"\n\s+n = (.+)\n"),
+        "free": find(r"free_phase = (.+)\n"),
+        "first_ready": find(r"mbarrier\.wait\(k_ready\.index\(i % STAGES\), (.+)\)\n"),
+        "stage": find(r"\n\s+stage = (\(i .+)\n"),
+        "prev": find(r"\n\s+prev = (.+)\n"),
+        "k_ready": find(r"mbarrier\.wait\(k_ready\.index\(stage\), (.+)\)\n"),
+        "v_ready": find(r"mbarrier\.wait\(v_ready\.index\(prev\), (.+)\)\n"),
+        "last": find(r"\n\s+last = (.+)\n"),
+        "last_ready": find(r"mbarrier\.wait\(v_ready\.index\(last\), (.+)\)\n"),
+        "turn": find(r"mbarrier\.wait\(turn\.index\(CID\), (.+)\)\n"),
+        "turn_to": find(r"mbarrier\.arrive\(turn\.index\((.+)\), count=1\)"),
+        # the counters of the next work tile: the producer's, then the consumers'
+        "next": re.findall(r"\n\s+return (j [^\n]+)\n", source),
+    }
+
+
+def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = True,
+              pingpong: bool = False):
+    """(producer, consumer 0, consumer 1) op lists of one program walking work tiles with
+    these kv-tile counts, as fwd_gluon.tmpl's partitions issue them, each carrying its
+    counters (j, i) from tile to tile as the template's returns say. Ops: ("wait", barrier,
+    parity), ("arrive", barrier), ("load", buffer, value, barrier) (TMA: written and arrived
+    at once), ("read", buffer, value) (from here on the buffer is in use), ("done", buffer);
+    with ``pingpong`` the consumers' turns too, and ("issue", c) where consumer c issues a
+    step's GEMMs."""
+    def ev(name, **names):
+        return eval(proto[name], {"STAGES": stages, "gl": MODEL_GL, **names})
+
+    assert len(proto["next"]) == 2, proto["next"]
+    producer, consumers = [], [[], []]
+    produced, consumed = (0, 0), (0, 0, 0)  # (j, i[, u]) of the first tile: all 0
+    for tile, total in enumerate(totals):
+        j, i = produced
+        for c in (0, 1):
+            if q_free_wait:
+                producer.append(("wait", ("q_free", c), ev("q_free", j=j)))
+            producer.append(("load", ("q", c), tile, ("q_ready", c)))
+        for t in range(total):
+            n = ev("n", i=i, t=t)
+            for kv in "kv":
+                producer += [("wait", (f"{kv}_free", n % stages), ev("free", n=n)),
+                             ("load", (kv, n % stages), (tile, t), (f"{kv}_ready", n % stages))]
+        produced = eval(proto["next"][0], {"j": j, "i": i, "walk": (0, total)})
+        j, i, u = consumed
+        for c, ops in enumerate(consumers):
+            ops += [("wait", ("q_ready", c), ev("q_ready", j=j)), ("read", ("q", c), tile)]
+            if total:
+                first = i % stages
+                ops += [("wait", ("k_ready", first), ev("first_ready", i=i)),
+                        ("read", ("k", first), (tile, 0)), ("done", ("k", first)),
+                        ("arrive", ("k_free", first))]
+                for t in range(1, total):
+                    stage, prev = ev("stage", i=i, t=t), ev("prev", i=i, t=t)
+                    ops += [("wait", ("k_ready", stage), ev("k_ready", i=i, t=t))]
+                    if pingpong:
+                        ops += [("wait", ("turn", c), ev("turn", u=u, t=t, CID=c)), ("issue", c)]
+                    ops += [("read", ("k", stage), (tile, t)),
+                            ("wait", ("v_ready", prev), ev("v_ready", i=i, t=t)),
+                            ("read", ("v", prev), (tile, t - 1))]
+                    if pingpong:
+                        ops += [("arrive", ("turn", ev("turn_to", CID=c)))]
+                    ops += [("done", ("k", stage)), ("arrive", ("k_free", stage)),
+                            ("done", ("v", prev)), ("arrive", ("v_free", prev))]
+                last = ev("last", i=i, total=total)
+                ops += [("done", ("q", c)), ("arrive", ("q_free", c)),
+                        ("wait", ("v_ready", last), ev("last_ready", i=i, total=total)),
+                        ("read", ("v", last), (tile, total - 1)), ("done", ("v", last)),
+                        ("arrive", ("v_free", last))]
+            else:  # no kv tile: Q released at once, out = 0 stored
+                ops += [("done", ("q", c)), ("arrive", ("q_free", c))]
+        consumed = eval(proto["next"][1], {"j": j, "i": i, "u": u, "total": total,
+                                           "gl": MODEL_GL})
+    return producer, *consumers
+
+
+def _step(state, op, actor):
+    """The state after ``op`` (None: it waits), failing on a read of the wrong data, a load
+    into a buffer in use, or a consumer issuing its step's GEMMs out of turn (consumer 0's
+    k-th after consumer 1's k - 1 steps, consumer 1's k-th after consumer 0's k-th)."""
+    phases, pending, data, held, issued = state
+    kind = op[0]
+    if kind == "wait":
+        return None if phases.get(op[1], 0) % 2 == op[2] else state
+    phases, pending, data, held = dict(phases), dict(pending), dict(data), set(held)
+    if kind == "issue":
+        c = op[1]
+        assert issued[1 - c] == issued[c] + c, f"consumer {c} issued out of turn: {issued}"
+        issued = tuple(n + (k == c) for k, n in enumerate(issued))
+    elif kind in ("arrive", "load"):
+        barrier = op[1] if kind == "arrive" else op[3]
+        if kind == "load":
+            assert not any(buf == op[1] for _, buf in held), f"load into {op[1]} in use: {op}"
+            data[op[1]] = op[2]
+        pending[barrier] = pending.get(barrier, 0) + 1
+        if pending[barrier] == COUNTS[barrier[0]]:
+            pending[barrier] = 0
+            phases[barrier] = phases.get(barrier, 0) + 1
+    elif kind == "read":
+        assert data.get(op[1]) == op[2], f"consumer {actor} read {data.get(op[1])} for {op}"
+        held.add((actor, op[1]))
+    else:
+        held.discard((actor, op[1]))
+    return phases, pending, data, frozenset(held), issued
+
+
+def _run_all_interleavings(programs) -> int:
+    """Every interleaving of the three partitions' programs; fails where all wait forever.
+    The state is a function of the program counters, so each is visited once. Returns the
+    number of states."""
+    start = (0,) * len(programs)
+    states = {start: ({}, {}, {}, frozenset(), (0, 0))}
+    frontier = [start]
+    while frontier:
+        pcs = frontier.pop()
+        state = states[pcs]
+        moved = False
+        for actor, (pc, program) in enumerate(zip(pcs, programs)):
+            if pc == len(program):
+                continue
+            after = _step(state, program[pc], actor)
+            if after is None:
+                continue
+            moved = True
+            nxt = tuple(p + (a == actor) for a, p in enumerate(pcs))
+            if nxt not in states:
+                states[nxt] = after
+                frontier.append(nxt)
+        done = all(pc == len(p) for pc, p in zip(pcs, programs))
+        assert moved or done, f"all partitions wait forever at {pcs}: " + ", ".join(
+            str(p[pc]) for pc, p in zip(pcs, programs) if pc < len(p))
+    return len(states)
+
+
+# a program's work tiles by kv-tile count: none, one empty tile, odd and even counts, empty
+# tiles between and last, rings wrapping within and across tiles
+WALKS = ([], [0], [1], [3], [2, 0], [1, 2, 3], [0, 3, 0], [4, 1, 0, 2])
+
+
+@pytest.mark.parametrize("stages, pingpong", [(2, False), (3, False), (2, True)])
+def test_persistent_protocol_never_hangs_or_races(stages, pingpong):
+    """fwd_gluon.tmpl's barriers across work tiles, in every interleaving: no partition waits
+    forever, each consumer reads the Q, K and V of its own work tile and kv tile, no TMA
+    load writes a buffer a consumer still reads; with the ping-pong turns (GLUON_PINGPONG)
+    the consumers issue their steps' GEMMs alternately across tiles, consumer 0 first."""
+    proto = _protocol(load_template("fwd_gluon.tmpl"))
+    for totals in WALKS:
+        assert _run_all_interleavings(_programs(proto, totals, stages, pingpong=pingpong)) > 0, \
+            totals
+
+
+def test_persistent_model_catches_a_missing_q_release():
+    """The model fails where the producer loaded the next tile's Q without waiting for
+    q_free (so the check above can fail)."""
+    proto = _protocol(load_template("fwd_gluon.tmpl"))
+    with pytest.raises(AssertionError, match="in use|read"):
+        _run_all_interleavings(_programs(proto, [2, 1], 2, q_free_wait=False))
+
+
+def test_persistent_option_spec_and_grid():
+    """GLUON_PERSISTENT (default off) reaches the spec and the kernel's flag, alone and with
+    GLUON_PINGPONG; the grid is min(SMs, work tiles), SMs fixed without a GPU."""
+    q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
+    plain, chosen = (gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125,
+                                                       parse_kernel_options(options), 1),
+                                SM90, False, False)
+                     for options in (FORCED, {**FORCED, "GLUON_PERSISTENT": True}))
+    assert (plain.persistent, chosen.persistent) == (False, True)
+    plain_kernel, chosen_kernel = gluon_kernel(plain, None, None), gluon_kernel(chosen, None, None)
+    assert plain_kernel.key != chosen_kernel.key
+    assert "PERSISTENT = tl.constexpr(True)" in chosen_kernel.source
+    assert "PERSISTENT = tl.constexpr(False)" in plain_kernel.source
+    assert "BATCH_HEADS" in chosen_kernel.params
+    cpu = torch.device("cpu")
+    assert gluon_grid(chosen, 2 * 16, 8, cpu) == (FIXED_SMS,)  # 256 work tiles
+    assert gluon_grid(chosen, 2, 8, cpu) == (16,)
+    assert gluon_grid(plain, 2, 8, cpu) == (8, 2)  # dense: (q tiles, B * H)
+    both = parse_kernel_options({"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})
+    assert both.gluon_persistent and both.gluon_pingpong
+    with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_PERSISTENT'\] must be a bool"):
+        parse_kernel_options({"GLUON_PERSISTENT": 1})
+
+
+def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int):
+    """The (q tile, batch * head) of each work tile w, from the rendered kernel's
+    ``<name>_work`` and ``<name>_work_tiles`` run as Python (their body is integer
+    arithmetic)."""
+    namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128,
+                 f"{name}_tile": lambda sched, start_m, off_bh: (start_m, off_bh)}
+    for helper in ("work_tiles", "work"):
+        start = source.index(f"def {name}_{helper}(")
+        exec(source[start:source.index("\n\n\n", start)], namespace)
+    sched = ((), batch_heads, 1, L, L)
+    return [namespace[f"{name}_work"](sched, w)
+            for w in range(namespace[f"{name}_work_tiles"](sched))]
+
+
+@pytest.mark.parametrize("has_block_mask", [True, False])
+def test_persistent_work_tiles_cover_every_tile_longest_first(has_block_mask):
+    """Every (q tile, head) is one work tile; under a block mask the first BATCH_HEADS work
+    tiles (the first the programs take) are every head's last q tile, then the one before;
+    dense, a head's q tiles are consecutive (shared K and V), last first."""
+    q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
+    spec = gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125, parse_kernel_options(
+        {**FORCED, "GLUON_PERSISTENT": True}), 1), SM90, False, False)
+    spec = dataclasses.replace(spec, has_block_mask=has_block_mask)
+    kernel = gluon_kernel(spec, None, None)
+    order = _work_order(kernel.source, kernel.name, has_block_mask, 1000, 6)  # 8 q tiles
+    assert sorted(order) == [(m, bh) for m in range(8) for bh in range(6)]
+    if has_block_mask:
+        assert [m for m, _ in order] == [m for m in range(7, -1, -1) for _ in range(6)]
+    else:
+        assert order[:8] == [(m, 0) for m in range(7, -1, -1)]
