@@ -15,14 +15,15 @@
 # backward's tests then benchmark, varlen attention rows; t: the Gluon backward after its
 # first-run fixes, its benchmark, the dispatch test, FP8 (allocator), E = 96/80 head dims;
 # u: the redesign's A/B over 28 cases against 61b247e with the dS workspace matched (carry
-# .old61); w: the torch 2.11 compile probe, Gluon ping-pong and TMA store (ConSan first),
-# the compiled model; x: the Gluon backward under ConSan, then its benchmark; y: chunked
-# prefill on the Gluon forward; each part fits one 10-minute device call)
+# .old61); w: the torch 2.11 compile probe, forward and decode GPU tests, Gluon ping-pong,
+# TMA store and persistent grid (ConSan first), the compiled model; x: the Gluon backward
+# under ConSan, then its benchmark; y: chunked prefill on the Gluon forward; z: the Gluon
+# forward's GPU tests (every option); each part fits one 10-minute device call)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
-case "${1:-}" in -h|--help) sed -n '2,21p' "$0" | cut -c3-; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,22p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x|y) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=/tmp/fxc
 OUT=${OUT:-/tmp/flexfa-gpu}
@@ -165,20 +166,18 @@ if [ "$PART" = u ]; then  # issue 22's acceptance A/B against 61b247e (carry .ol
   tail -n 60 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = w ]; then  # what the 2026-12-02 session could not run: the torch 2.11 compile
-  # probe, the Hopper split's GPU test, Gluon ping-pong and TMA store (ConSan first), the
-  # compiled model, their GPU tests
+  # probe, the forward and decode GPU tests, the Gluon forward's options (ConSan first), the
+  # compiled model
   P="python -m pytest -m gpu -q -rfE -p no:cacheprovider"
   step probe 60 python examples/compile_probe.py --device cuda --json "$OUT/probe.json"
   # the Hopper split, and the Ampere split and decode combine it refactored (CPU-tested only)
   step forward_decode 150 $P tests/kernels/test_forward_gpu.py tests/kernels/test_decode.py \
     tests/gpu/test_features_gpu.py
-  step gluon_pp 200 python benchmarks/gluon_forward_bench.py "$OUT/gluon_pp.json" \
-    --safety-timeout 150 --impls gluon,gluon_pp,gluon_pp_tma,hopper,cudnn \
+  # ConSan compiles five instrumented forwards (plain, ping-pong, TMA store, two persistent)
+  step gluon_pp 280 python benchmarks/gluon_forward_bench.py "$OUT/gluon_pp.json" \
+    --safety-timeout 200 --impls gluon,gluon_pp,gluon_persist,gluon_persist_pp,hopper,cudnn \
     --variants full,causal,softcap
   step compiled_model 90 python examples/compiled_transformer.py --cuda
-  if grep -q '"ok": true' "$OUT/gluon_pp.json"; then
-    step gluon_gpu 80 $P tests/gpu/test_gluon_gpu.py -k "pingpong and (causal or dense)"
-  fi
   tail -n 12 "$OUT/probe.log"; tail -n 16 "$OUT/gluon_pp.log"; tail -n 6 "$OUT/compiled_model.log"
 fi
 if [ "$PART" = x ]; then  # the Gluon backward under ConSan (its compile alone takes minutes:
@@ -193,6 +192,11 @@ if [ "$PART" = y ]; then  # chunked prefill on the Gluon forward (one CTA per SM
     --budget 100 --variants '[{"BACKEND":"GLUON"},{"BACKEND":"GLUON","GLUON_PINGPONG":true},
     {"SPLIT_KV":4},{"SPLIT_KV":2,"maxnreg":0}]'
   tail -n 12 "$OUT/prefill_gluon.log"
+fi
+if [ "$PART" = z ]; then  # the Gluon forward's GPU tests: plain (its epilogue changed with the
+  # persistent grid), ping-pong, TMA store, persistent; after part w's ConSan run passed
+  step gluon_gpu 560 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_gluon_gpu.py
+  tail -n 20 "$OUT/gluon_gpu.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
