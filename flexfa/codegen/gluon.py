@@ -7,9 +7,10 @@ mods are rendered by the same renderer into the same library functions; Gluon ru
 its distributed tensors. Two things differ: a mod's value that is not a tile by itself is
 broadcast in the score tile's layout (``GLUON_TILE``), the template adds the flags
 ``STAGES``, ``PINGPONG``, ``TMA_STORE`` and ``PERSISTENT``, the work-tile count's factor
-``BATCH_HEADS`` and, with ``TMA_STORE``, the output's descriptor ``O_DESC``. Gluon modules are compiled only (no interpreter): they import
-``triton.experimental.gluon``, whose standard library cannot be imported where
-``triton.language`` was decorated for the interpreter.
+``BATCH_HEADS`` and, with ``TMA_STORE``, the output's descriptor ``O_DESC``. Gluon modules
+are compiled only (no interpreter): they import ``triton.experimental.gluon``, whose
+standard library cannot be imported where ``triton.language`` was decorated for the
+interpreter.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | No
         f"BLOCK_M={spec.block_m}: the Gluon forward's programs have {CONSUMERS} consumers of "
         f"{CONSUMER_ROWS} rows")
     return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
-                          gluon_params(score, mask, spec.tma_store), module_flags(gluon_constexprs(spec, True)),
+                          gluon_params(score, mask, spec.tma_store),
+                          module_flags(gluon_constexprs(spec, True)),
                           helpers=("helpers.tmpl", "gluon_common.tmpl"), tile=GLUON_TILE)
 
 
@@ -93,7 +95,8 @@ def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod |
     """(signature, constexprs) of the Gluon forward, for ``triton.compile(GluonASTSource(
     ...))``: a Gluon descriptor's type names its shared layout."""
     constexprs_ = gluon_constexprs(spec, score is not None)
-    signature = gluon_params(score, mask, spec.tma_store).signature(constexprs_, {INPUT: spec.dtype})
+    params = gluon_params(score, mask, spec.tma_store)
+    signature = params.signature(constexprs_, {INPUT: spec.dtype})
     for name, block in descriptor_blocks(spec).items():
         if name in signature:
             signature[name] = descriptor_type(block, spec.dtype)

@@ -179,7 +179,8 @@ SCHEMA = {
                      "(default: off)"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
     "GLUON_BACKWARD": ("gluon_backward", (), _flag,
-                       "the experimental Gluon backward on sm_90 (correct on the H200, not yet timed): True "
+                       "the experimental Gluon backward on sm_90 (correct on the H200, not "
+                       "yet timed): True "
                        "opts in where it applies"),
     "GLUON_PINGPONG": ("gluon_pingpong", (), _flag,
                        "the Gluon forward's two consumer warpgroups take turns on the tensor "
