@@ -25,6 +25,11 @@ def stat_args(out, lse, maxs) -> list:
     return [lse if lse is not None else out, maxs if maxs is not None else out]
 
 
+def present_or(tensor, other):
+    """``tensor``, or ``other`` where it is None (an unused pointer argument)."""
+    return other if tensor is None else tensor
+
+
 def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[int, int]:
     """The grid of the Hopper and FP8 forward templates: under a block mask (B * HQ, q tiles),
     heads on the fast axis, so the longest q tiles of every head start first; dense (q tiles,

@@ -35,7 +35,7 @@ from ..decode_inputs import (MAX_Q_LEN, NO_INPUTS, OFFSETS, DecodeInputs, kv_geo
                              split_workspaces)
 from ..kernels import generated_module
 from ..launch import Step, cdiv
-from ..outputs import allocate_outputs, stat_args
+from ..outputs import allocate_outputs, present_or, stat_args
 from ..registry import KernelFamily, register
 from ..tables import dummy_table, largest_tile, mask_blocks
 from ..target import Target, target_of
@@ -49,8 +49,6 @@ WAVES = 2  # programs per SM the default split count aims at
 INTERPRET_SMS = 4  # the notional SM count under the interpreter
 MIN_SPLIT_TILES = 4  # key tiles a split keeps at least
 MAX_SPLITS = 128
-
-
 
 
 def kv_strides(t, inputs: DecodeInputs) -> tuple[int, int, int, int]:
@@ -243,16 +241,13 @@ class DecodeForward(KernelFamily):
         main = plan.steps[0]
         main.launch_with(
             {"Q": q, "K": k, "V": v, **outputs, **workspaces,
-             "KV_LENS": _or(inputs.kv_lens, dummy), "Q_OFFSETS": _or(inputs.q_offsets, dummy),
-             "PAGE_TABLE": _or(inputs.page_table, dummy), "sm_scale": float(call.scale),
+             "KV_LENS": present_or(inputs.kv_lens, dummy),
+             "Q_OFFSETS": present_or(inputs.q_offsets, dummy),
+             "PAGE_TABLE": present_or(inputs.page_table, dummy), "sm_scale": float(call.scale),
              **binding.buffer_pointers(call.score, call.mask)}, q.device)
         if len(plan.steps) > 1:
             plan.steps[1].launch_with({**outputs, **workspaces}, q.device)
         return out, lse, maxs
-
-
-def _or(tensor, dummy):
-    return dummy if tensor is None else tensor
 
 
 def decode_plan_key(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,

@@ -11,7 +11,7 @@ to smaller ones at the first launch.
 Split-KV (``split_count``): where the (q tile, head) programs leave the GPU's program slots
 half idle (a chunked prefill: L = 512 queries against 8192 keys, B = 1, is 128 programs on
 132 SMs), each program's live blocks are split over the grid's third axis and the float32
-slices combined by their lse (``ampere.combine_splits``).
+slices combined by their lse in one kernel of the module (``<name>_combine``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..call import AttentionCall
 from ..debug import log
 from ..kernels import generated_module
 from ..launch import Step, TrustedDescriptor, cdiv
-from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
+from ..outputs import allocate_outputs, forward_grid, out_strides, present_or, stat_args
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
@@ -253,7 +253,7 @@ class HopperForward(KernelFamily):
 
     def launch_plan(self, plan, call, q, k, v, out, lse, maxs) -> None:
         """Run ``plan`` into these outputs: directly, or with splits into float32 slices that
-        ``combine_splits`` then writes them from."""
+        the module's combine kernel then writes them from."""
         splits = plan.fixed["splits"]
         if splits == 1:
             self.launch(plan, call, q, k, v, out, lse, maxs)
@@ -263,8 +263,9 @@ class HopperForward(KernelFamily):
         if lse is None:  # the combine kernel always writes lse (RETURN_LSE is on)
             lse = torch.empty(part_lse.shape[1:], dtype=torch.float32, device=q.device)
         plan.steps[1].launch_with(
-            {"PARTS": parts, "PART_LSE": part_lse, "PART_MAX": _or(part_max, part_lse),
-             "OUT": out, "LSE": lse, "MAXS": _or(maxs, lse), **binding.feature_values(call)},
+            {"PARTS": parts, "PART_LSE": part_lse, "PART_MAX": present_or(part_max, part_lse),
+             "OUT": out, "LSE": lse, "MAXS": present_or(maxs, lse),
+             **binding.feature_values(call)},
             q.device)
 
     def make_plan(self, q, k, v, call, target, config, return_lse, return_max,
@@ -342,10 +343,6 @@ class HopperForward(KernelFamily):
                 lambda: self.launch(plan, call, q, k, v, out, lse, None),
                 warmup=5, rep=25, return_mode="median")
         return autotune.tune(key, candidates, time_config)
-
-
-def _or(tensor, other):
-    return other if tensor is None else tensor
 
 
 def _smaller_configs(config, pinned: autotune.Pinned):
