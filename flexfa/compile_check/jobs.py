@@ -276,6 +276,24 @@ register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod
 register("bwd_gluon_d64_fp16_alibi_document",
          gluon_bwd_job(64, "fp16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                        stages=3), archs=(90,))
+# the heavier mods at E=128, where the consumers' 240 registers are tightest (spill bytes
+# before and after in docs/gluon.md, "The Gluon backward")
+register("bwd_gluon_d128_bf16_alibi_causal",
+         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_causal), archs=(90,))
+register("bwd_gluon_d128_bf16_document",
+         gluon_bwd_job(128, "bf16", mask_mod=_document_mask()), archs=(90,))
+register("bwd_gluon_d128_bf16_alibi_document",
+         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask()),
+         archs=(90,))
+register("bwd_gluon_d128_fp16_softcap_causal",
+         gluon_bwd_job(128, "fp16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
+# GQA with a block mask: each query head of the group walks its own tables (the benchmark's
+# causal GQA case: Hq=32, Hkv=8)
+register("bwd_gluon_d128_bf16_causal_gqa", gluon_bwd_job(128, "bf16", mask_mod=_causal,
+                                                         gqa_group=4), archs=(90,))
+register("bwd_gluon_d128_bf16_alibi_causal_gqa",
+         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_causal, gqa_group=4),
+         archs=(90,))
 
 
 # ---- compile-check variants -----------------------------------------------------------------

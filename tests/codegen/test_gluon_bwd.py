@@ -165,5 +165,7 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
         unset = [name for (i, name) in step.binder.slots if args[i] is None]
         assert not unset, (step, unset)
         assert all(a is not binding._UNSET for a in args), step  # every fixed value found
+    # one program per (128 keys, kv head, batch): the kernel reads head and batch as ids
+    assert plan.steps[1].grid == (2, k.shape[1], k.shape[0]), plan.steps[1].grid
     main = dict(zip(plan.steps[1].binder.names, launched[1][1]))
     assert main["DK"].shape == k.shape and main["DV"].shape == v.shape

@@ -130,7 +130,8 @@ class GluonBackward(KernelFamily):
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
         pre, post = row_steps(RowsSpec(E, x.grad_lse is not None, target.name), x, l_pad)
         lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad}
-        kernel = Step(main.kernel(), (cdiv(S, BLOCK_N), B * Hkv),
+        # (kv blocks, kv heads, batch): bwd_gluon.tmpl reads head and batch as program ids
+        kernel = Step(main.kernel(), (cdiv(S, BLOCK_N), Hkv, B),
                       spec.constexprs(dscore_is_one(joint)), spec.launch_options(),
                       binding.Binder(main.names(), {
                           **lengths, **binding.strides("dk", "bhnd", x.dk.stride()),
