@@ -251,6 +251,9 @@ def main(argv=None) -> int:
                              "with GLUON_TMA_STORE, gluon_pp_tma: both, gluon_persist: with "
                              "GLUON_PERSISTENT, gluon_persist_tma: with it and the TMA store, "
                              "gluon_persist_pp: with it and ping-pong)")
+    parser.add_argument("--safety-only", action="store_true",
+                        help="the ConSan safety run alone (its instrumented compile lands in "
+                             "Triton's cache, so a later full run repeats it quickly)")
     parser.add_argument("--tune", action="store_true",
                         help="let the Hopper family tune its tiles (slow: compiles candidates)")
     args = parser.parse_args(argv)
@@ -262,6 +265,8 @@ def main(argv=None) -> int:
     started = safety_first(args.out, args.safety_timeout)
     if started is None:
         return 1
+    if args.safety_only:
+        return 0
     rows, save = started
     check(rows, impls)
     save()
