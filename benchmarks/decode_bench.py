@@ -7,6 +7,9 @@ same call run eagerly.
 
     python benchmarks/decode_bench.py results/decode.json [--budget 420] [--quick]
 
+``--sweep`` runs chunked prefill over B in {1, 4}, L in {128, 512, 2048}, S in {8k, 32k}
+instead (with ``--variants`` forcing each forward family) to place BACKEND="AUTO"'s line.
+
 The chunked prefill (L = 512 against 8192 keys) with split-KV variants of the Hopper family,
 each line naming the plan it ran (family, splits, tiles):
 
@@ -49,6 +52,10 @@ CASES = [
     ("chunked_prefill_b1_32x8_l512_s8k", 1, 32, 8, 512, 8192, "causal", False),
 ]
 E = 128
+# --sweep: chunked prefill over B x L x S (causal at offset, 32x8 GQA) to place the line
+# between the Hopper family (split-KV) and the Gluon forward (one CTA per SM) in BACKEND="AUTO"
+SWEEP = [(f"prefill_b{B}_32x8_l{L}_s{S // 1024}k", B, 32, 8, L, S, "causal", False)
+         for B in (1, 4) for L in (128, 512, 2048) for S in (8192, 32768)]
 
 
 def copy_bandwidth(torch, triton) -> float:
@@ -182,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=420.0,
                         help="seconds after which no new case starts (default 420)")
     parser.add_argument("--quick", action="store_true", help="the first three cases only")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the chunked-prefill sweep (B x L x S) instead of the cases")
     parser.add_argument("--cases", help="only the cases whose names contain one of these "
                         "comma-separated strings")
     parser.add_argument("--variants", default="[]",
@@ -222,7 +231,7 @@ def main(argv=None) -> int:
     variants = json.loads(args.variants)
     if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
         parser.error(f"--variants must be a JSON list of objects, not {args.variants!r}")
-    cases = CASES[:3] if args.quick else CASES
+    cases = SWEEP if args.sweep else CASES[:3] if args.quick else CASES
     if args.cases:
         cases = [c for c in cases if any(part in c[0] for part in args.cases.split(","))]
     for case in cases:

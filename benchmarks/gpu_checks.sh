@@ -19,13 +19,15 @@
 # and decode tests, the Gluon forward's and backward's ConSan runs in the background, then
 # their GPU tests), GPU suites sharded over 8 processes (benchmarks/shard_pytest.py); x: the
 # timings after w: Gluon forward options, Gluon backward, chunked prefill on Gluon, the
-# compiled model; each part fits one 10-minute device call; a call returns at most 8 files,
+# compiled model; y: the chunked-prefill sweep for BACKEND="AUTO", the compiled model's step
+# time, Inductor with CUDA graphs; z: every GPU test, sharded, the timed ones serial at the
+# end; each part fits one 10-minute device call; a call returns at most 8 files,
 # so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -205,6 +207,25 @@ if [ "$PART" = x ]; then  # timings after w (a warm machine finds w's ConSan com
   step compiled_model 100 python examples/compiled_transformer.py --cuda
   tail -n 16 "$OUT/gluon_fwd_bench.log"; tail -n 20 "$OUT/gluon_bwd_bench.log"
   tail -n 12 "$OUT/prefill_gluon.log"; tail -n 6 "$OUT/compiled_model.log"
+fi
+if [ "$PART" = y ]; then  # the chunked-prefill sweep that places BACKEND="AUTO"'s line between
+  # the Hopper split and the Gluon forward; the compiled model (lr 3e-4, median step times,
+  # graphs per variant); Inductor with and without CUDA graphs after the torch 2.11 fix
+  step prefill_sweep 260 python benchmarks/decode_bench.py "$OUT/prefill_sweep.json" --sweep \
+    --budget 200 --variants '[{"BACKEND":"GLUON"},{"BACKEND":"HOPPER"},
+    {"BACKEND":"HOPPER","SPLIT_KV":0}]'
+  step compiled_model 150 python examples/compiled_transformer.py --cuda \
+    --json "$OUT/compiled_model.json"
+  step compile_gpu 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/gpu/test_compile_gpu.py
+  tail -n 70 "$OUT/prefill_sweep.log"; tail -n 18 "$OUT/compiled_model.log"
+fi
+if [ "$PART" = z ]; then  # every GPU test at a session's end, sharded; the timed ones serial
+  S="python benchmarks/shard_pytest.py -n 8 --tail 80 --logs $OUT/shards"
+  mkdir -p "$OUT/shards"
+  T="dispatch_of_a_cached_call or faster_than_bf16"
+  step gpu_all 330 $S/all -- -m gpu -k "not ($T)" tests
+  step timed 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

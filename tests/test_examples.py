@@ -77,6 +77,7 @@ def test_compiled_transformer_matches_eager_without_recompiling(tmp_path, capsys
     assert len(eager) == 2 and all(math.isfinite(loss) for loss in eager)
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
     assert counters["stats"]["unique_graphs"] == 1  # new documents each step, one graph
+    assert results["flexfa compiled"]["graphs"] == 1
 
 
 def test_compile_probe_passes_on_the_cpu(tmp_path, capsys):
