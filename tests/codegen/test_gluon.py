@@ -74,6 +74,33 @@ def test_auto_takes_gluon_only_in_the_classes_where_it_measured_faster(L, E, mas
         assert registry.choose("forward", INTERPRETER, call, q, k, v).name != "gluon"
 
 
+def _at_offset(L, S):
+    def causal_at_offset(b, h, q_idx, kv_idx):  # the queries are the last L positions
+        return q_idx + (S - L) >= kv_idx
+    return causal_at_offset
+
+
+@pytest.mark.parametrize("B, H, L, S, E, masked, chosen", [
+    (1, 32, 512, 8192, 128, True, "gluon"),    # 128 programs: measured 1.45x the split Hopper
+    (4, 32, 128, 32768, 128, False, "gluon"),  # 128 programs (dense keys: the same class walk)
+    (1, 25, 512, 8192, 128, False, "gluon"),   # 100 programs: 0.76 of 132 SMs
+    (1, 24, 512, 8192, 128, False, "hopper"),  # 96: under AUTO_MIN_FILL of the SMs
+    (1, 32, 128, 8192, 128, True, "hopper"),   # 32 programs: measured 0.71x
+    (1, 32, 512, 4096, 128, False, "hopper"),  # short keys: not measured
+    (1, 32, 512, 8192, 64, False, "hopper"),   # E = 64: not measured
+])
+def test_auto_takes_gluon_for_short_queries_where_its_grid_fills_the_sms(B, H, L, S, E, masked,
+                                                                         chosen):
+    q = torch.empty(B, H, L, E, dtype=torch.bfloat16)
+    k = v = torch.empty(B, H, S, E, dtype=torch.bfloat16)
+    mask = flexfa.create_block_mask(_at_offset(L, S), None, None, L, S, device="cpu",
+                                    BLOCK_SIZE=128) if masked else None
+    family = registry.choose("forward", SM90, _call(None, mask), q, k, v)
+    assert family.name == chosen
+    if chosen == "hopper":
+        assert "BACKEND='AUTO'" in GLUON.why_not(SM90, _call(None, mask), q, k, v)
+
+
 @pytest.mark.parametrize("make, reason", [
     (lambda: _qkv(E=96), "head dims 64 or 128"),
     (lambda: _qkv(E=256), "head dims 64 or 128"),

@@ -166,3 +166,21 @@ def test_auto_takes_gluon_where_measured_faster_and_trains(safe, S, mask_mod, fa
     check_forward(q, k, v, None, mask_mod, mask)
     assert [p.family.name for p in plans.PLANS.values()] == [family]
     check_backward(q, k, v, None, mask_mod, mask)
+
+
+def test_auto_takes_gluon_for_chunked_prefill_and_trains(safe):
+    """512 queries at the end of 8192 keys, 32 query heads over 8 (128 programs on the H200's
+    132 SMs): by default the Gluon forward, unsplit; forward and gradients against the
+    reference. With 8 query heads (32 programs) the Hopper family splits the keys instead."""
+    L, S = 512, 8192
+
+    def causal_at_offset(b, h, q_idx, kv_idx):
+        return q_idx + (S - L) >= kv_idx
+    mask = flexfa.create_block_mask(causal_at_offset, None, None, L, S, device="cuda")
+    for heads, family in ((32, "gluon"), (8, "hopper")):
+        q, k, v = make_qkv(1, heads, 8, L, S, 128, dtype=torch.bfloat16, device="cuda")
+        plans.PLANS.clear()
+        check_forward(q, k, v, None, causal_at_offset, mask, enable_gqa=heads != 8)
+        assert [p.family.name for p in plans.PLANS.values()] == [family]
+        if family == "gluon":  # the Triton backward from the Gluon forward's out and lse
+            check_backward(q, k, v, None, causal_at_offset, mask, enable_gqa=True)

@@ -48,20 +48,37 @@ FIXED_SMS = 132  # the H100/H200's SMs: the persistent grid of a plan made witho
 # masks (document 0.87-0.99x), E = 64 (0.77-1.02x), E = 128 masked at 2048 (0.91-0.92x).
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
                           (128, "masked", "long")})
-AUTO_MIN_LEN = 2048  # the shortest measured: shorter calls keep the Hopper family
+AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
+# Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
+# benchmarks/results/gpu_2026-12-02/y_f0f305c/prefill_sweep.log): the Gluon forward, one CTA
+# per SM and unsplit, against the Hopper family with its key split: 1.45-1.63x where its grid
+# had 128 to 512 programs (B = 1, L = 512; B = 4, L = 128 and 512; S = 8k and 32k), 0.71-0.82x
+# where it had 32 (B = 1, L = 128, 4 of 132 SMs' worth of work in each of 32 programs). So
+# it takes such calls where its programs fill AUTO_MIN_FILL of the SMs (between 32 and 128
+# programs nothing was measured; the line sits near the faster side).
+AUTO_MIN_FILL = 0.75
 
 
-def _why_not_auto(call: AttentionCall, q, k) -> str | None:
-    """Why BACKEND="AUTO" does not take this family for the call (None: it does)."""
-    L, E, S = q.shape[2], q.shape[3], k.shape[2]
+def _why_not_auto(call: AttentionCall, q, k, sms: int) -> str | None:
+    """Why BACKEND="AUTO" does not take this family for the call on ``sms`` SMs (None: it
+    does)."""
+    B, Hq, L, E = q.shape
+    S = k.shape[2]
     if call.options.fwd.pins_tiles:
         return "kernel_options pin forward tiles (the Hopper family's); BACKEND='GLUON' forces it"
-    if min(L, S) < AUTO_MIN_LEN:
-        return f"BACKEND='AUTO' takes it from L and S >= {AUTO_MIN_LEN}, not L={L}, S={S}"
+    if S < AUTO_MIN_LEN:
+        return f"BACKEND='AUTO' takes it from S >= {AUTO_MIN_LEN}, not S={S}"
     found = (E, density_class(call.block_mask), "short" if S <= SHORT_KV else "long")
     if found not in AUTO_CLASSES:
         return (f"BACKEND='AUTO' takes it only where it measured faster than the Hopper "
                 f"family, not for (head dim, density, length) {found}")
+    if L < AUTO_MIN_LEN:
+        programs = B * Hq * cdiv(L, BLOCK_M)
+        if found[2] != "long" or programs < AUTO_MIN_FILL * sms:
+            return (f"BACKEND='AUTO' takes it at L={L} < {AUTO_MIN_LEN} only against keys "
+                    f"longer than {SHORT_KV} with programs for {AUTO_MIN_FILL:.0%} of the "
+                    f"{sms} SMs, not S={S} with {programs} programs (the Hopper family "
+                    f"splits the keys there)")
     return None
 
 
@@ -184,7 +201,7 @@ class GluonForward(KernelFamily):
         if reason is None and wants_split(call, target, q, k):
             reason = "split-KV (kernel_options SPLIT_KV) runs the Hopper or Ampere family"
         if reason is None and call.options.backend != "GLUON":
-            reason = _why_not_auto(call, q, k)
+            reason = _why_not_auto(call, q, k, sm_count(q.device) if q.is_cuda else FIXED_SMS)
         return reason
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
