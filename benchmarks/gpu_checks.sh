@@ -226,6 +226,10 @@ if [ "$PART" = z ]; then  # every GPU test at a session's end, sharded; the time
   T="dispatch_of_a_cached_call or faster_than_bf16"
   step gpu_all 330 $S/all -- -m gpu -k "not ($T)" tests
   step timed 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
+  # the chunked-prefill default after BACKEND="AUTO" took the Gluon forward for it
+  step chunked 60 python benchmarks/decode_bench.py "$OUT/chunked.json" --cases chunked \
+    --budget 40
+  tail -n 4 "$OUT/chunked.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
