@@ -127,3 +127,19 @@ def test_each_gpu_checks_part_is_one_block_and_known():
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu_checks.sh"), "nope"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 2 and "unknown part" in done.stderr
+
+
+def test_plot_decode_reads_shares_of_the_copy_bandwidth(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import plot_decode
+    report = {"gpu": "G", "torch": "t", "copy_GBps": 4000.0, "cases": [
+        {"case": "a", "flexfa": {"ms": 0.2, "GBps": 3000.0},
+         "torch_flex_compiled": {"error": "boom"}},
+        {"case": "b", "flexfa": {"ms": 0.1, "GBps": 1000.0},
+         "sdpa_flash": {"ms": 0.05, "GBps": 2000.0}}]}
+    names, bars = plot_decode.shares(report)
+    assert names == ["a", "b"]
+    assert bars["flexfa"] == [(0.75, 0.2), (0.25, 0.1)]
+    assert bars["torch_flex_compiled"][0][0] == 0.0 and bars["sdpa_flash"][1] == (0.5, 0.05)
+    plot_decode.plot(report, str(tmp_path / "d.png"))
+    assert (tmp_path / "d.png").stat().st_size > 1000
