@@ -93,8 +93,8 @@ def test_compile_probe_passes_on_the_cpu(tmp_path, capsys):
 
 # reads of a tensor's values back to the host, which a CUDA graph cannot capture: aten ops,
 # and Tensor.tolist (which reads a CPU tensor's memory without an aten op)
-HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal",
-              "Tensor.tolist")
+HOST_SYNCS = ("aten.item", "aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero",
+              "aten.equal", "Tensor.tolist")
 
 
 @contextlib.contextmanager
