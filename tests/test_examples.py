@@ -143,7 +143,8 @@ def test_compiled_decode_step_equals_eager_in_one_graph():
     eager's logits at every position, which are the full-sequence model's; one graph serves
     every position (the position is tensor contents); without CUDA graphs each compiled step
     still launches flexfa's kernel from Python, once per layer, as eager does; a repeated
-    step's operator call reads nothing back to the host (what a CUDA graph capture needs)."""
+    step's operator call reads nothing back to the host (what a CUDA graph capture needs);
+    the flex_decode step (kv_lens from the position) gives the same logits."""
     from torch._dynamo.utils import counters
     import flexfa
     import flexfa.ops
@@ -152,21 +153,27 @@ def test_compiled_decode_step_equals_eager_in_one_graph():
     torch.manual_seed(0)
     model = example.Transformer(32, 32, 2, 2, flexfa.flex_attention)
     decoder = example.Decoder(model, batch=2, max_len=64, block=32)
-    tokens = torch.randint(0, 32, (2, 4))
+    tokens = torch.randint(0, 32, (2, 3))
     eager = example.decode(decoder, decoder, tokens, warmup=1, cuda_graphs=False)
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(decoder, backend="aot_eager", fullgraph=True)
     compiled = example.decode(step, decoder, tokens[:, :2], warmup=1, cuda_graphs=False)
     with ops_inside(flexfa.ops, ("_call", "run_forward")) as ops, torch.no_grad():
-        for position in range(2, 4):
+        for position in range(2, 3):
             compiled["logits"] = torch.cat([compiled["logits"], step(tokens[:, position])[None]])
     assert ops["aten.empty"] and not any(ops[name] for name in HOST_SYNCS), ops
-    assert decoder.pos.tolist() == [4, 4]
+    assert decoder.pos.tolist() == [3, 3]
     torch.testing.assert_close(compiled["logits"], eager["logits"], rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert eager["launches_per_step"] == compiled["launches_per_step"] == 2  # no splits here
-    mask = flexfa.create_block_mask(mods.causal, None, None, 4, 4, device="cpu", BLOCK_SIZE=32)
+    mask = flexfa.create_block_mask(mods.causal, None, None, 3, 3, device="cpu", BLOCK_SIZE=32)
     with torch.no_grad():
         full = model(tokens, mask).transpose(0, 1)  # [steps, B, vocab]
     torch.testing.assert_close(eager["logits"], full, rtol=1e-5, atol=1e-5)
+    # flex_decode with kv_lens = pos + 1 (the flexfa::flex_decode operator): the same logits
+    decoder = example.Decoder(model, batch=2, max_len=64, block=32, lengths=True)
+    torch._dynamo.reset()
+    step = torch.compile(decoder, backend="aot_eager", fullgraph=True)
+    lengths = example.decode(step, decoder, tokens, warmup=1, cuda_graphs=False)
+    torch.testing.assert_close(lengths["logits"], full, rtol=1e-5, atol=1e-5)

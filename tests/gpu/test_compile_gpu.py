@@ -76,9 +76,10 @@ DECODE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "compiled_de
 
 
 def test_decode_step_replays_without_python_dispatch(tmp_path):
-    """examples/compiled_decode.py --cuda (4 layers, d 1024, 16 heads, cache 4096, bf16): the
-    step compiled with Inductor, and with CUDA graphs, equals eager; a replayed step launches
-    no flexfa kernel from Python, where eager launches per layer; prints tokens/s."""
+    """examples/compiled_decode.py --cuda (4 layers, d 1024, 16 heads, cache 4096, bf16), with
+    flex_attention and with flex_decode: the step compiled with Inductor, and with CUDA graphs,
+    equals eager; a replayed step launches no flexfa kernel from Python, where eager launches
+    per layer; prints tokens/s."""
     import json
     out = tmp_path / "decode.json"
     result = _run([str(DECODE), "--cuda", "--json", str(out)])
@@ -86,8 +87,9 @@ def test_decode_step_replays_without_python_dispatch(tmp_path):
     assert out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
     rows = json.loads(out.read_text())
     assert all(row["equal"] for row in rows.values()), rows
-    assert rows["eager"]["launches_per_step"] >= 4, rows  # one call per layer, 1-2 launches
-    replayed = rows["compiled + CUDA graphs"]
-    assert replayed["cudagraph_skips"] == 0 and replayed["launches_per_step"] == 0, rows
-    assert rows["compiled"]["graphs"] == replayed["graphs"] == 1, rows
+    for attend in ("flex_attention", "flex_decode"):
+        assert rows[f"{attend} eager"]["launches_per_step"] >= 4, rows  # 1-2 per layer
+        replayed = rows[f"{attend} + CUDA graphs"]
+        assert replayed["cudagraph_skips"] == 0 and replayed["launches_per_step"] == 0, rows
+        assert rows[f"{attend} compiled"]["graphs"] == replayed["graphs"] == 1, rows
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
