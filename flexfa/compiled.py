@@ -1,5 +1,5 @@
-"""What ``torch.compile`` traces of ``flex_attention`` and ``create_block_mask``: the
-``flexfa::`` operators (``flexfa.ops``), with no graph break.
+"""What ``torch.compile`` traces of ``flex_attention``, ``flex_decode`` and
+``create_block_mask``: the ``flexfa::`` operators (``flexfa.ops``), with no graph break.
 
 Dynamo traces the functions here like user code. One step is opaque to it: ``describe``
 runs at trace time on the real mods (Dynamo calls it with constants, a module or other object
@@ -31,7 +31,7 @@ import torch
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.trace import MASK_MOD, SCORE_MOD, trace_entry
@@ -253,26 +253,57 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
-                                             kernel_options)
-    _guard_mod(score_mod, SCORE_MOD, query.device)
-    _guard_mod(mask_mod, MASK_MOD, query.device)
-    score_buffers = [follow(score_mod, p) for p in score_paths]
-    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
-    tables, block = [], []
     if block_mask is not None:
         lengths = tuple(block_mask.seq_lengths)
         if lengths != (query.shape[2], key.shape[2]):
             raise InputError(f"block_mask was built for lengths {lengths} but the inputs have "
                              f"{(query.shape[2], key.shape[2])}")
-        tables = [getattr(block_mask, n) for n in TABLES]
-        block = list(block_mask.BLOCK_SIZE)
+    mods, score_buffers, mask_buffers, tables, block = _operator_mods(
+        score_mod, block_mask, enable_gqa, kernel_options, query.device)
     key, value = broadcast_batch(query, key, value)
     out, lse, maxs = torch.ops.flexfa.flex_attention(
         query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block,
         sinks, dropout_p, seed)
     return out, lse, (maxs if aux_max else None), aux_lse
+
+
+@in_graph("flex_decode")
+def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, *, kv_lens=None,
+                q_offsets=None, page_table=None, return_lse=False, kernel_options=None,
+                workspace=None, validate=True, sinks=None):
+    """``flex_decode`` as torch.compile captures it: one ``flexfa::flex_decode`` operator
+    (inference only). ``kv_lens``, ``q_offsets`` and the page table are operator inputs, so
+    new contents need no recompile; the output comes from the graph's allocator (under CUDA
+    graphs, their pool), not from a ``DecodeWorkspace``."""
+    return_lse, validate = check_bool("return_lse", return_lse), check_bool("validate", validate)
+    if workspace is not None:
+        raise InputError("flex_decode: workspace is not supported inside torch.compile (the "
+                         "compiled graph allocates the output, from the CUDA graph's pool "
+                         "with mode='reduce-overhead'); pass workspace=None")
+    mods, score_buffers, mask_buffers, tables, block = _operator_mods(
+        score_mod, block_mask, True, kernel_options, query.device)
+    lengths = [] if block_mask is None else list(block_mask.seq_lengths)
+    out, lse = torch.ops.flexfa.flex_decode(
+        query, key, value, mods, scale, score_buffers, mask_buffers, tables, block, lengths,
+        kv_lens, q_offsets, page_table, sinks, validate)
+    return (out, lse) if return_lse else out
+
+
+def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, device) -> tuple:
+    """(mods key, the score_mod's captured tensors, the mask_mod's, the block mask's tables,
+    its block size) as the operators take them."""
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
+                                             kernel_options)
+    _guard_mod(score_mod, SCORE_MOD, device)
+    _guard_mod(mask_mod, MASK_MOD, device)
+    score_buffers = [follow(score_mod, p) for p in score_paths]
+    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    tables, block = [], []
+    if block_mask is not None:
+        tables = [getattr(block_mask, n) for n in TABLES]
+        block = list(block_mask.BLOCK_SIZE)
+    return mods, score_buffers, mask_buffers, tables, block
 
 
 def tables_of(tables: list, separate_full_blocks: bool) -> list:

@@ -13,6 +13,7 @@ import torch
 
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import check_tables
+from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
 from .inputs import (check_block_mask_type, check_buffers, check_scale, check_table_shapes,
@@ -26,9 +27,10 @@ from .runtime.pipeline import prepare_mask, prepare_score_mod
 
 run_decode = lazy_function("flexfa.runtime.families.decode", "run_decode")  # loads Triton
 
-__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values"]
+__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values", "decode_call"]
 
 
+@outside_compile
 def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, *,
                 kv_lens=None, q_offsets=None, page_table=None, return_lse=False,
                 kernel_options=None, workspace: DecodeWorkspace | None = None,
@@ -52,7 +54,17 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     ``workspace`` the workspace's tensors, overwritten by the next call with it.
     ``kernel_options``: those of ``flex_attention`` (``SPLIT_KV`` fixes the split count).
     ``sinks`` [Hq]: attention sinks, as ``flex_attention``'s (docs/sinks.md); lse includes them.
+    Inside ``torch.compile`` a call is captured as the ``flexfa::flex_decode`` operator
+    (``flexfa.compiled``; no ``workspace`` there).
     """
+    return decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offsets,
+                       page_table, return_lse, kernel_options, workspace, validate, sinks)
+
+
+def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offsets, page_table,
+                return_lse, kernel_options, workspace, validate, sinks, traced_score=None):
+    """``flex_decode`` of a call; ``traced_score`` (the ``flexfa::flex_decode`` operator's)
+    is a score_mod traced already, used instead of ``score_mod``."""
     validate = check_bool("validate", validate)
     return_lse = check_bool("return_lse", return_lse)
     check_tensors(query, key, value)
@@ -70,7 +82,7 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     if validate:
         check_decode_values(inputs, L, S, key.shape[0] if inputs.paged else None)
     options = parse_kernel_options(kernel_options)
-    score = prepare_score_mod(score_mod)
+    score = traced_score if traced_score is not None else prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)
     runnable = runnable_block_mask(block_mask, mask)
     if runnable is not block_mask:

@@ -3,7 +3,8 @@
 ``torch.ops.flexfa.flex_attention`` (forward), ``torch.ops.flexfa.flex_attention_backward``
 (its registered autograd formula runs it) and ``torch.ops.flexfa.block_mask_tables`` (the
 tables of ``create_block_mask``). Each runs the same runtime as eager flexfa
-(``flexfa.calls.attention_call``, ``run_forward``, ``run_backward``, ``create_block_mask``).
+(``flexfa.calls.attention_call``, ``run_forward``, ``run_backward``, ``create_block_mask``);
+``torch.ops.flexfa.flex_decode`` runs ``flex_decode`` (``flexfa.decode.decode_call``).
 
 A mod is not a tensor: its trace (IR, names, captured tensors' shapes and dtypes, kept
 without the tensors: ``ModsEntry``) is registered under a string key, derived from the
@@ -26,6 +27,7 @@ from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.create import create_block_mask
 from .blockmask.validate import TABLES
 from .calls import attention_call
+from .decode import decode_call
 from .errors import InputError
 from .features import check_sinks
 from .frontend.trace import TracedMod
@@ -295,6 +297,32 @@ def _double_backward(ctx, *grads):
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
 flex_attention_backward_op.register_autograd(_double_backward,
                                              setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- decoding -----------------------------------------------------------------------------
+
+@torch.library.custom_op("flexfa::flex_decode", mutates_args=())
+def flex_decode_op(query: Tensor, key: Tensor, value: Tensor, mods: str, scale: float | None,
+                   score_buffers: list[Tensor], mask_buffers: list[Tensor],
+                   tables: list[Tensor | None], block_size: list[int], mask_lengths: list[int],
+                   kv_lens: Tensor | None, q_offsets: Tensor | None, page_table: Tensor | None,
+                   sinks: Tensor | None, validate: bool) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, L, Ev] in the query's dimension order, lse [B, Hq, L] float32) of
+    ``flex_decode`` with the registered mods; ``mask_lengths`` are the block mask's own
+    (positions x cache length). Inference only: no autograd formula."""
+    entry = mods_entry(mods)
+    score = entry.score.with_buffers(score_buffers) if entry.score else None
+    block_mask = _block_mask(entry, mask_buffers, tables, block_size, tuple(mask_lengths))
+    return decode_call(query, key, value, None, block_mask, scale, kv_lens, q_offsets,
+                       page_table, True, entry.options, None, validate, sinks,
+                       traced_score=score)
+
+
+@flex_decode_op.register_fake
+def _(query, key, value, mods, scale, score_buffers, mask_buffers, tables, block_size,
+      mask_lengths, kv_lens, q_offsets, page_table, sinks, validate):
+    B, Hq, L, _ = query.shape
+    return output_like(query, value.shape[-1]), query.new_empty(B, Hq, L, dtype=torch.float32)
 
 
 # ---- block masks --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """flexfa inside torch.compile(fullgraph=True) on the GPU: Inductor with and without CUDA
-graphs (mode="reduce-overhead"), the same outputs and gradients as eager. In a subprocess:
+graphs (mode="reduce-overhead"), the same outputs and gradients as eager; a decode step that
+replays with no Python dispatch (examples/compiled_decode.py). In a subprocess:
 this pytest process has TRITON_INTERPRET=1 (conftest.py), under which Inductor's own Triton
 kernels cannot run."""
 import os
@@ -68,4 +69,27 @@ def test_module_mods_compile_whole():
     """Bound-method and nn.Module mods (examples/compile_probe.py): no graph break, equal to
     eager, changed attributes and parameters seen."""
     result = _run([str(PROBE), "--device", "cuda"])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+DECODE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "compiled_decode.py"
+
+
+def test_decode_step_replays_without_python_dispatch(tmp_path):
+    """examples/compiled_decode.py --cuda (4 layers, d 1024, 16 heads, cache 4096, bf16), with
+    flex_attention and with flex_decode: the step compiled with Inductor, and with CUDA graphs,
+    equals eager; a replayed step launches no flexfa kernel from Python, where eager launches
+    per layer; prints tokens/s."""
+    import json
+    out = tmp_path / "decode.json"
+    result = _run([str(DECODE), "--cuda", "--json", str(out)])
+    print(result.stdout)
+    assert out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert all(row["equal"] for row in rows.values()), rows
+    for attend in ("flex_attention", "flex_decode"):
+        assert rows[f"{attend} eager"]["launches_per_step"] >= 4, rows  # 1-2 per layer
+        replayed = rows[f"{attend} + CUDA graphs"]
+        assert replayed["cudagraph_skips"] == 0 and replayed["launches_per_step"] == 0, rows
+        assert rows[f"{attend} compiled"]["graphs"] == replayed["graphs"] == 1, rows
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

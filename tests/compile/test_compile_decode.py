@@ -1,0 +1,84 @@
+"""flex_decode inside torch.compile(fullgraph=True): the flexfa::flex_decode operator (opcheck),
+equal to eager flex_decode, new kv_lens / q_offsets contents without a recompile, a paged
+cache, and a DecodeWorkspace refused with an error that says why."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import flexfa
+from flexfa import mods
+from flexfa.blockmask.validate import TABLES
+from flexfa.compiled import describe, unbound
+
+B, HQ, HKV, S, E = 2, 4, 2, 64, 16
+
+
+def _inputs(seed: int = 0) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator)
+            for shape in ((B, HQ, 1, E), (B, HKV, S, E), (B, HKV, S, E))]
+
+
+def test_opcheck_decode():
+    bias = torch.randn(HQ)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    mask = flexfa.create_block_mask(mods.sliding_window(20), None, None, S, S, device="cpu",
+                                    BLOCK_SIZE=16)
+    key, score_paths, _ = describe(*unbound(biased), *unbound(mask.mask_mod), True, None)
+    assert score_paths == ((("cell", "bias"),),)
+    q, k, v = _inputs()
+    lens = torch.tensor([40, 64], dtype=torch.int32)
+    args = (q, k, v, key, None, [bias], [], [getattr(mask, n) for n in TABLES], [16, 16],
+            [S, S], lens, None, None, None, True)
+    torch.library.opcheck(torch.ops.flexfa.flex_decode.default, args)
+    out, lse = torch.ops.flexfa.flex_decode(*args)
+    want, want_lse = flexfa.flex_decode(q, k, v, biased, mask, kv_lens=lens, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+def test_compiled_decode_equals_eager_for_new_lengths_in_one_graph():
+    """Lengths and offsets are operator inputs: new contents, same graph; a paged cache too."""
+    slopes = torch.linspace(0.1, 0.4, HQ)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    window = flexfa.create_block_mask(mods.sliding_window(24), None, None, S, S, device="cpu",
+                                      BLOCK_SIZE=16)
+    q, k, v = _inputs()
+    lens = torch.zeros(B, dtype=torch.int32)
+    offsets = torch.zeros(B, dtype=torch.int32)
+    pages = k.view(B * 4, 16, HKV, E), v.view(B * 4, 16, HKV, E)  # [pages, size, Hkv, E]
+    table = torch.arange(B * 4, dtype=torch.int32).flip(0).view(B, 4)
+
+    def step(q):
+        dense = flexfa.flex_decode(q, k, v, alibi, window, kv_lens=lens, q_offsets=offsets,
+                                   validate=False)
+        paged = flexfa.flex_decode(q, *pages, alibi, kv_lens=lens, page_table=table,
+                                   return_lse=True, validate=False)
+        return dense, *paged
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for new_lens, new_offsets in (([17, 64], [3, 40]), ([64, 33], [63, 0]), ([5, 48], [4, 47])):
+        lens.copy_(torch.tensor(new_lens))
+        offsets.copy_(torch.tensor(new_offsets))
+        for got, want in zip(compiled(q), step(q)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_workspace_refused_inside_compile():
+    q, k, v = _inputs()
+
+    def step(q):
+        return flexfa.flex_decode(q, k, v, workspace=flexfa.DecodeWorkspace())
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="workspace is not supported inside torch.compile"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(q)
