@@ -21,13 +21,14 @@
 # timings after w: Gluon forward options, Gluon backward, chunked prefill on Gluon, the
 # compiled model; y: the chunked-prefill sweep for BACKEND="AUTO", the compiled model's step
 # time, Inductor with CUDA graphs; z: every GPU test, sharded, the timed ones serial at the
-# end; each part fits one 10-minute device call; a call returns at most 8 files,
-# so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
+# end; e: the decode benchmark and its picture; f: the compiled decode step with CUDA graphs,
+# the compiled training step; each part fits one 10-minute device call; a call returns at
+# most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|e|f|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -230,6 +231,21 @@ if [ "$PART" = z ]; then  # every GPU test at a session's end, sharded; the time
   step chunked 60 python benchmarks/decode_bench.py "$OUT/chunked.json" --cases chunked \
     --budget 40
   tail -n 4 "$OUT/chunked.log"
+fi
+if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
+  # the split combine changed since b95fe87's run), its picture
+  step decode_bench 330 python benchmarks/decode_bench.py "$OUT/decode.json" --budget 280
+  python benchmarks/plot_decode.py "$OUT/decode.json" "$OUT/decode.png"
+  tail -n 16 "$OUT/decode_bench.log"
+fi
+if [ "$PART" = f ]; then  # the compiled decode step with and without CUDA graphs (issue 27:
+  # equal to eager, no flexfa launch from Python in a replayed step, tokens/s), the compiled
+  # training step again
+  step compiled_decode 330 python -m pytest -q -s -rfE -m gpu -p no:cacheprovider \
+    tests/gpu/test_compile_gpu.py -k decode_step
+  step compiled_model 150 python examples/compiled_transformer.py --cuda \
+    --json "$OUT/compiled_model.json"
+  tail -n 20 "$OUT/compiled_decode.log"; tail -n 6 "$OUT/compiled_model.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py
