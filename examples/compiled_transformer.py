@@ -14,6 +14,9 @@ times are medians over the steps after the first two (the first compiles; the se
 Dynamo recompiles if a guard failed), with the graphs each variant compiled::
 
     python examples/compiled_transformer.py --cuda --json results.json
+
+``--frozen-slopes`` takes the slopes' gradient away (on both libraries), to see the model's
+cost without a gradient into a captured tensor.
 """
 from __future__ import annotations
 
@@ -114,12 +117,15 @@ def train(model, data, make_mask, block_size: int, lr: float) -> tuple:
 
 def run(steps=3, length=64, vocab=32, dim=32, heads=2, layers=2, block_size=32,
         device="cpu", dtype=torch.float32, backend="aot_eager", with_torch=False,
-        lr=3e-3) -> dict:
+        lr=3e-3, frozen_slopes=False) -> dict:
     """Train the same model eagerly and compiled (and with torch's FlexAttention compiled
     when ``with_torch``); returns {variant: (losses, seconds per step, graphs compiled)}."""
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
     model = Transformer(vocab, dim, heads, layers, flexfa.flex_attention).to(device, dtype)
+    if frozen_slopes:  # no gradient into a captured tensor: the attention kernels alone
+        for attention in model.attention:
+            attention.slopes.requires_grad_(False)
     data = batches(steps, length, vocab, device)
     results = {"flexfa eager": (*train(copy.deepcopy(model), data, flexfa.create_block_mask,
                                        block_size, lr), 0)}
@@ -147,14 +153,19 @@ def main(argv=None) -> int:
                         "Inductor, and torch's FlexAttention compiled for comparison")
     parser.add_argument("--inductor", action="store_true", help="Inductor on CPU")
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--frozen-slopes", action="store_true",
+                        help="slopes without gradients (what the model costs without a "
+                             "learnable bias's gradient, on both libraries)")
     parser.add_argument("--json", help="write the losses and step times here")
     args = parser.parse_args(argv)
     if args.cuda:
         results = run(steps=args.steps or 12, length=4096, vocab=256, dim=1024, heads=16,
                       layers=4, block_size=128, device="cuda", dtype=torch.bfloat16,
-                      backend="inductor", with_torch=True, lr=3e-4)
+                      backend="inductor", with_torch=True, lr=3e-4,
+                      frozen_slopes=args.frozen_slopes)
     else:
-        results = run(steps=args.steps or 3, backend="inductor" if args.inductor else "aot_eager")
+        results = run(steps=args.steps or 3, backend="inductor" if args.inductor else "aot_eager",
+                      frozen_slopes=args.frozen_slopes)
     names = list(results)
     print("step  " + "  ".join(f"{n:>16}" for n in names) + "  compiled - eager")
     eager, compiled = results["flexfa eager"][0], results["flexfa compiled"][0]
