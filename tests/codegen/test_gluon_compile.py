@@ -3,7 +3,7 @@ a GPU: setmaxnreg (the 1-warp partitions give registers to the consumer warpgrou
 TMA (the backward's dQ reduce-add too), no spills; the forward's ping-pong variant
 (GLUON_PINGPONG) waits on and passes the consumers' turns, its TMA-store variant
 (GLUON_TMA_STORE) stores out by TMA, its persistent variant (GLUON_PERSISTENT) loops over
-work tiles and waits for each consumer's Q release. In a subprocess:
+work tiles and waits for each consumer's Q release. In subprocesses:
 a compiled Gluon module imports triton.experimental.gluon, whose standard library cannot be
 imported where this test session decorated triton.language for the interpreter."""
 import json
@@ -27,6 +27,11 @@ TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
 # TMA store, E=64 document) are registered in compile_check:
 #   python -m flexfa compile-check --arch 90 --only persistent
 PERSISTENT_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent",)
+# E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
+# little to spare: fp16 softcap + causal (the derivative and the mask) was the last to spill
+# (the others at E=128: `python -m flexfa compile-check --arch 90 --only bwd_gluon_d128`)
+BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
+                "bwd_gluon_d64_fp16_alibi_document", "bwd_gluon_d128_fp16_softcap_causal")
 SCRIPT = """
 import json, os, re, sys
 if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the interpreter
@@ -57,27 +62,55 @@ TURN_PASS = (r"mbarrier\.arrive\.shared::cta\.b64[^\n]*\n(?:(?![^\n]*(?:wgmma|mb
 SCRIPT = f"TURN_PASS = {TURN_PASS!r}\n" + SCRIPT
 
 
-def _compile(tmp_path, variants, as_test_session=False) -> dict:
-    """The SCRIPT's row of each variant, compiled in a fresh process (``as_test_session``:
-    one that decorated triton.language for the interpreter first, as a GPU test session does:
-    a Gluon kernel calling Triton's standard library, gl.max, fails to compile there)."""
+def _start(tmp_path, variants, as_test_session=False):
+    """A fresh process compiling ``variants`` by the SCRIPT, started and not waited for
+    (``as_test_session``: one that decorated triton.language for the interpreter first, as a
+    GPU test session does: a Gluon kernel calling Triton's standard library, gl.max, fails to
+    compile there)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "",
            **({"AS_TEST_SESSION": "1"} if as_test_session else {}),
            "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "FLEXFA_CACHE_DIR": str(tmp_path / "flexfa")}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, *variants], capture_output=True,
-                            text=True, env=env, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = {row["name"]: row for row in map(json.loads, result.stdout.strip().splitlines())}
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT, *variants], text=True, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return process, variants
+
+
+def _rows(started) -> dict:
+    """The SCRIPT's row of each variant of a process from ``_start``."""
+    process, variants = started
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"compiling {variants} took over 240 s")
+    assert process.returncode == 0, stderr[-2000:]
+    rows = {row["name"]: row for row in map(json.loads, stdout.strip().splitlines())}
     assert set(rows) == set(variants)
     return rows
 
 
 @pytest.fixture(scope="module")
-def forward_rows(tmp_path_factory) -> dict:
-    """The forward variants, with and without ping-pong, compiled in one process."""
-    return _compile(tmp_path_factory.mktemp("gluon_fwd"),
-                    VARIANTS + PINGPONG_VARIANTS + TMA_STORE_VARIANTS + PERSISTENT_VARIANTS)
+def started(tmp_path_factory) -> dict:
+    """Every compile of this module, started at once in four processes of about equal work:
+    the pytest process only waits for them, so on a machine of two or more cores they share
+    the cores (about half the wall time of compiling one after another)."""
+    groups = {"plain": (VARIANTS, False), "pingpong": (PINGPONG_VARIANTS, False),
+              "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
+              "backward": (BWD_VARIANTS, True)}
+    processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
+                 for name, (variants, session) in groups.items()}
+    yield processes
+    for process, _ in processes.values():  # a test that failed before waiting for its rows
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def forward_rows(started) -> dict:
+    """The forward variants, with and without ping-pong, the TMA store and persistence."""
+    return {name: row for group in ("plain", "pingpong", "stores")
+            for name, row in _rows(started[group]).items()}
 
 
 def _check_compiled(name: str, row: dict) -> None:
@@ -140,19 +173,12 @@ def test_gluon_persistent_forward_compiles_for_sm90(forward_rows):
         assert row["turn_pass"] == 0 and row["tma_stores"] == 0, row
 
 
-# E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
-# little to spare: fp16 softcap + causal (the derivative and the mask) was the last to spill
-# (the others at E=128: `python -m flexfa compile-check --arch 90 --only bwd_gluon_d128`)
-BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
-                "bwd_gluon_d64_fp16_alibi_document", "bwd_gluon_d128_fp16_softcap_causal")
-
-
-def test_gluon_backward_compiles_for_sm90(tmp_path):
+def test_gluon_backward_compiles_for_sm90(started):
     """The Gluon backward (bwd_gluon.tmpl): wgmma, TMA loads, the dQ-writer warp's TMA
     reduce-add, the 1-warp partitions at 24 registers and the worker consumer at 240;
     compiled where triton.language was decorated for the interpreter (its first GPU run
     failed there on gl.max)."""
-    rows = _compile(tmp_path, BWD_VARIANTS, as_test_session=True)
+    rows = _rows(started["backward"])
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and row["reduce"], row

@@ -87,15 +87,15 @@ def record_backward_specs(monkeypatch) -> list:
 def check_ragged_gqa_alibi_causal(dtype, *, seed: int, block_size: int, tile: int,
                                   kernel_options=None):
     """The backward of a hard case against the reference: L, S not multiples of the tiles nor
-    of the blocks; E = 48 (padded to 64), Ev = 32; GQA 2 (each kv program serves two query
-    heads); a causal block mask with full and partial blocks; an ALiBi score_mod reading a
-    captured tensor that needs no gradient; a gradient through lse. ``kernel_options`` add to
-    the tiles."""
+    of the blocks (with 64-token blocks: two on each side, the second ragged); E = 48 (padded
+    to 64), Ev = 32; GQA 2 (each kv program serves two query heads); two batches; a causal
+    block mask with full and partial blocks; an ALiBi score_mod reading a captured tensor that
+    needs no gradient; a gradient through lse. ``kernel_options`` add to the tiles."""
     from flexfa import mods
     from flexfa.blockmask import create_block_mask
     from forward_utils import make_qkv
 
-    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 48, 32
+    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 100, 72, 48, 32
     q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=seed)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 

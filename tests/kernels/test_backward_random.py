@@ -16,7 +16,7 @@ def problems(draw):
     B = draw(st.sampled_from([1, 2]))
     Hkv = draw(st.sampled_from([1, 2]))
     Hq = Hkv * draw(st.sampled_from([1, 2]))
-    L, S = draw(st.integers(1, 140)), draw(st.integers(1, 140))
+    L, S = draw(st.integers(1, 100)), draw(st.integers(1, 100))
     E, Ev = draw(st.sampled_from([16, 24, 32])), draw(st.sampled_from([16, 40]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     score_mod = draw(st.none() | score_mods(B, Hq, L, S, smooth=True, grad_buffers=True,

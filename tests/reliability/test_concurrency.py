@@ -1,4 +1,4 @@
-"""The cache under concurrency: 8 processes racing on one new kernel, threads running
+"""The cache under concurrency: 4 processes racing on one new kernel, threads running
 different mods at once."""
 import multiprocessing
 import sys
@@ -12,7 +12,9 @@ from flexfa.runtime import cache
 from .inputs import assert_matches_reference, qkv
 from .workers import attend_once
 
-PROCESSES = 8
+# twice the CI machine's cores: all wait at one barrier, then race for the lock; each more
+# process costs an import of torch and flexfa (about 3 s of CPU)
+PROCESSES = 4
 
 
 def _check_files(directory, problems: list) -> int:
