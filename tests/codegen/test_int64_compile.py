@@ -47,12 +47,7 @@ def _forward_builder(template: str):
     return build
 
 
-# CI compiles each template's int64 math once, the Ampere-class template for sm_80 and the
-# Hopper one for sm_90 (the Ampere-class template's sm_90 build of other mods:
-# test_compile_check); ``pytest -m slow`` adds the Ampere-class template for sm_90
-@pytest.mark.parametrize("template,arch", [("fwd", 80),
-                                           pytest.param("fwd", 90, marks=pytest.mark.slow),
-                                           (HOPPER_TEMPLATE, 90)])
+@pytest.mark.parametrize("template,arch", [("fwd", 80), ("fwd", 90), (HOPPER_TEMPLATE, 90)])
 def test_forward_with_int64_math_compiles(template, arch):
     result = compile_job(f"int64_{template}", arch, _forward_builder(template))
     assert result.ok, result.error
