@@ -2,8 +2,9 @@
 producer warp, two consumer warpgroups of 64 query rows each, async wgmma overlapping the
 softmax with the P @ V GEMM; docs/gluon.md).
 
-Chosen by default only in the tuning classes where it measured faster than the Hopper family
-(``AUTO_CLASSES``), anywhere it can run when ``kernel_options={"BACKEND": "GLUON"}`` forces it.
+Chosen by default only where it measured faster than the Hopper family (``AUTO_CLASSES``;
+shorter queries where its grid fills ``AUTO_MIN_FILL`` of the SMs), anywhere it can run when
+``kernel_options={"BACKEND": "GLUON"}`` forces it.
 It needs an sm_90 GPU (never the
 interpreter: Gluon kernels are compiled only), fp16/bf16 inputs with head dims 64 or 128 (q,
 k and v alike) in the layout the Hopper family reads through tensor descriptors, and a block
