@@ -37,6 +37,8 @@ OUT=${OUT:-/tmp/flexfa-gpu}
 mkdir -p "$OUT"
 python benchmarks/manifest.py "$OUT" --command "bash benchmarks/gpu_checks.sh $*" > /dev/null
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
+# $SHARD/NAME -- PYTEST ARGS: a correctness suite over 8 processes on the GPU (step-able)
+SHARD="python benchmarks/shard_pytest.py -n 8 --tail 80 --logs $OUT/shards"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -173,8 +175,6 @@ if [ "$PART" = u ]; then  # issue 22's acceptance A/B against 61b247e (carry .ol
   tail -n 60 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = w ]; then  # correctness of all work not yet run on a GPU (2026-12-01..03)
-  S="python benchmarks/shard_pytest.py -n 8 --tail 80 --logs $OUT/shards"
-  mkdir -p "$OUT/shards"
   # the instrumented (ConSan) compiles take minutes on one core each: in the background while
   # the other correctness tests compile on the other cores; Triton's cache keeps them for x
   step consan_fwd 330 python benchmarks/gluon_forward_bench.py "$OUT/consan_fwd.json" \
@@ -183,14 +183,14 @@ if [ "$PART" = w ]; then  # correctness of all work not yet run on a GPU (2026-1
     --safety-only --safety-timeout 510 & BWD=$!
   step probe 90 python examples/compile_probe.py --device cuda --json "$OUT/probe.json"
   # the Hopper split, and the Ampere split and decode combine it refactored
-  step forward_decode 200 $S/forward_decode -- -m gpu tests/kernels/test_forward_gpu.py \
+  step forward_decode 200 $SHARD/forward_decode -- -m gpu tests/kernels/test_forward_gpu.py \
     tests/kernels/test_decode.py tests/gpu/test_features_gpu.py
   wait $FWD  # every Gluon forward option, the plain kernel's new epilogue, the int32 walk
   if grep -q '"ok": true' "$OUT/consan_fwd.json"; then
-    step gluon_gpu 240 $S/gluon -- -m gpu tests/gpu/test_gluon_gpu.py; fi
+    step gluon_gpu 240 $SHARD/gluon -- -m gpu tests/gpu/test_gluon_gpu.py; fi
   wait $BWD  # the backward after the spill work (ring counters modulo 2 * STAGES, new grid)
   if grep -q '"ok": true' "$OUT/consan_bwd.json"; then
-    step gluon_bwd_gpu 150 $S/gluon_bwd -- -m gpu tests/gpu/test_gluon_bwd_gpu.py; fi
+    step gluon_bwd_gpu 150 $SHARD/gluon_bwd -- -m gpu tests/gpu/test_gluon_bwd_gpu.py; fi
   tail -n 12 "$OUT/probe.log"
 fi
 if [ "$PART" = x ]; then  # timings after w (a warm machine finds w's ConSan compiles cached):
@@ -222,10 +222,8 @@ if [ "$PART" = y ]; then  # the chunked-prefill sweep that places BACKEND="AUTO"
   tail -n 70 "$OUT/prefill_sweep.log"; tail -n 18 "$OUT/compiled_model.log"
 fi
 if [ "$PART" = z ]; then  # every GPU test at a session's end, sharded; the timed ones serial
-  S="python benchmarks/shard_pytest.py -n 8 --tail 80 --logs $OUT/shards"
-  mkdir -p "$OUT/shards"
   T="dispatch_of_a_cached_call or faster_than_bf16"
-  step gpu_all 330 $S/all -- -m gpu -k "not ($T)" tests
+  step gpu_all 330 $SHARD/all -- -m gpu -k "not ($T)" tests
   step timed 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
   # the chunked-prefill default after BACKEND="AUTO" took the Gluon forward for it
   step chunked 60 python benchmarks/decode_bench.py "$OUT/chunked.json" --cases chunked \

@@ -13,6 +13,7 @@ summed over the shards; exits non-zero when any shard failed or nothing was coll
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print("0 passed: nothing collected")
         return 5
     groups = deal(ids, args.n)
+    os.makedirs(os.path.dirname(os.path.abspath(args.logs)), exist_ok=True)
     t0 = time.time()
     procs = []
     for k, group in enumerate(groups):

@@ -29,9 +29,10 @@ def test_a_failing_shard_fails_the_run(tmp_path):
         "@pytest.mark.parametrize('n', range(5))\n"
         "def test_n(n):\n    assert n != 3\n")
     done = subprocess.run([sys.executable, str(SCRIPT), "-n", "2", "--logs",
-                           str(tmp_path / "log"), "--", "test_tiny.py"],
+                           str(tmp_path / "logs" / "log"), "--", "test_tiny.py"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAILED test_tiny.py::test_n[3]" in done.stdout
     assert done.stdout.splitlines()[-1].startswith("1 failed, 4 passed")
-    assert sorted(p.name for p in tmp_path.glob("log.*.log")) == ["log.0.log", "log.1.log"]
+    assert sorted(p.name for p in (tmp_path / "logs").glob("log.*.log")) == ["log.0.log",
+                                                                             "log.1.log"]

@@ -39,7 +39,12 @@ HEAD_DIMS = (64, 128)
 # (BLOCK_N, ring depth) per head dim: K and V rings plus Q fit the H200's 227 KB of shared
 # memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V)
 DEFAULT_TILES = {64: (128, 3), 128: (128, 2)}
-FIXED_SMS = 132  # the H100/H200's SMs: the persistent grid of a plan made without a GPU
+FIXED_SMS = 132  # the H100/H200's SMs: a plan made without a GPU (compile tests, CPU tests)
+
+
+def _sms(device) -> int:
+    """The SM count of ``device``, ``FIXED_SMS`` for a CPU tensor's plan."""
+    return sm_count(device) if device.type == "cuda" else FIXED_SMS
 
 
 # (head dim, density class, kv length class of runtime.autotune) where BACKEND="AUTO" takes
@@ -159,8 +164,7 @@ def gluon_grid(spec: KernelSpec, batch_heads: int, q_tiles: int, device) -> tupl
     without a GPU, as in the compile tests, counts the H100/H200's ``FIXED_SMS``)."""
     if not spec.persistent:
         return forward_grid(batch_heads, q_tiles, spec.has_block_mask)
-    sms = sm_count(device) if device.type == "cuda" else FIXED_SMS
-    return (min(sms, batch_heads * q_tiles),)
+    return (min(_sms(device), batch_heads * q_tiles),)
 
 
 @functools.cache
@@ -202,7 +206,7 @@ class GluonForward(KernelFamily):
         if reason is None and wants_split(call, target, q, k):
             reason = "split-KV (kernel_options SPLIT_KV) runs the Hopper or Ampere family"
         if reason is None and call.options.backend != "GLUON":
-            reason = _why_not_auto(call, q, k, sm_count(q.device) if q.is_cuda else FIXED_SMS)
+            reason = _why_not_auto(call, q, k, _sms(q.device))
         return reason
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
