@@ -33,7 +33,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gluon_forward_bench import VARIANTS, safety_first, variant  # noqa: E402
+from gluon_forward_bench import (VARIANTS, safety_arguments, safety_first,  # noqa: E402
+                                 variant)
 
 SAFETY = """
 import torch, triton, flexfa
@@ -153,16 +154,12 @@ def table(rows: list) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="JSON file for the results")
-    parser.add_argument("--safety-timeout", type=float, default=90.0,
-                        help="seconds before the ConSan safety run counts as a hang")
+    safety_arguments(parser, 90.0)
     parser.add_argument("--seqs", default="4096,16384",
                         help="sequence lengths of the timings, comma list (B = tokens / S)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"variants of the timings, comma list of {','.join(VARIANTS)}")
     parser.add_argument("--tokens", type=int, default=16384, help="B * S of the timings")
-    parser.add_argument("--safety-only", action="store_true",
-                        help="the ConSan safety run alone (its instrumented compile lands in "
-                             "Triton's cache, so a later full run repeats it quickly)")
     parser.add_argument("--budget", type=float, default=200.0,
                         help="seconds for the whole run; timings past it are skipped")
     args = parser.parse_args(argv)

@@ -111,6 +111,16 @@ def safety_run(limit: float, script: str = SAFETY, expected=SAFE) -> dict:
                 stdout=done.stdout[-2000:], stderr=done.stderr[-4000:])
 
 
+def safety_arguments(parser, timeout: float) -> None:
+    """--safety-timeout (default ``timeout`` seconds) and --safety-only, as both Gluon
+    benchmarks take them."""
+    parser.add_argument("--safety-timeout", type=float, default=timeout,
+                        help="seconds before the ConSan safety run counts as a hang")
+    parser.add_argument("--safety-only", action="store_true",
+                        help="the ConSan safety run alone (its instrumented compile lands in "
+                             "Triton's cache, so a later full run repeats it quickly)")
+
+
 def safety_first(out: str, limit: float, script: str = SAFETY, expected=SAFE):
     """(rows, save) after a passing safety run (recorded in ``out``), else None (printed)."""
     rows: list = []
@@ -237,8 +247,7 @@ def table(rows: list) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="JSON file for the results")
-    parser.add_argument("--safety-timeout", type=float, default=75.0,
-                        help="seconds before the ConSan safety run counts as a hang")
+    safety_arguments(parser, 75.0)
     parser.add_argument("--seqs", default="16384",
                         help="sequence lengths of the timings, comma list (B = tokens / S)")
     parser.add_argument("--dims", default="128", help="head dims of the timings, comma list")
@@ -251,9 +260,6 @@ def main(argv=None) -> int:
                              "with GLUON_TMA_STORE, gluon_pp_tma: both, gluon_persist: with "
                              "GLUON_PERSISTENT, gluon_persist_tma: with it and the TMA store, "
                              "gluon_persist_pp: with it and ping-pong)")
-    parser.add_argument("--safety-only", action="store_true",
-                        help="the ConSan safety run alone (its instrumented compile lands in "
-                             "Triton's cache, so a later full run repeats it quickly)")
     parser.add_argument("--tune", action="store_true",
                         help="let the Hopper family tune its tiles (slow: compiles candidates)")
     args = parser.parse_args(argv)
