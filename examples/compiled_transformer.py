@@ -21,10 +21,12 @@ cost without a gradient into a captured tensor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -93,33 +95,57 @@ def batches(steps: int, length: int, vocab: int, device, seed: int = 0) -> list:
     return out
 
 
-def train(model, data, make_mask, block_size: int, lr: float) -> tuple:
-    """Train on ``data``; returns (losses, seconds per step)."""
+@contextlib.contextmanager
+def watched(on: bool, syncs: list, profile: bool):
+    """Count the device syncs in the block (CUDA's sync debug mode warns at each) into
+    ``syncs``, and print torch.profiler's busiest host and device ops when ``profile``."""
+    if not on:
+        yield
+        return
+    profiler = torch.profiler.profile() if profile else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, profiler:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    if profile:
+        for key in ("self_cpu_time_total", "self_cuda_time_total"):
+            print(profiler.key_averages().table(sort_by=key, row_limit=12))
+
+
+def train(model, data, make_mask, block_size: int, lr: float, profile: bool = False) -> tuple:
+    """Train on ``data``; returns (losses, seconds per step, device syncs in the steady
+    step that is watched: the third, on a GPU)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, seconds = [], []
+    losses, seconds, syncs = [], [], []
     length = data[0][0].numel() - 1
     doc_ids = torch.empty_like(data[0][1][:length])  # one mask_mod: new contents, no recompile
     mask_mod = document_causal(doc_ids)
-    for tokens, new_doc_ids in data:
+    for step, (tokens, new_doc_ids) in enumerate(data):
         doc_ids.copy_(new_doc_ids[:length])
         mask = make_mask(mask_mod, 1, None, length, length, device=tokens.device,
                          BLOCK_SIZE=block_size)
         start = time.perf_counter()
-        logits = model(tokens[None, :-1], mask)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[1:])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        with watched(step == 2 and tokens.is_cuda, syncs, profile):
+            logits = model(tokens[None, :-1], mask)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[1:])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
         losses.append(loss.item())  # synchronizes
         seconds.append(time.perf_counter() - start)
-    return losses, seconds
+    return losses, seconds, syncs[0] if syncs else None
 
 
 def run(steps=3, length=64, vocab=32, dim=32, heads=2, layers=2, block_size=32,
         device="cpu", dtype=torch.float32, backend="aot_eager", with_torch=False,
-        lr=3e-3, frozen_slopes=False) -> dict:
+        lr=3e-3, frozen_slopes=False, profile=False) -> dict:
     """Train the same model eagerly and compiled (and with torch's FlexAttention compiled
-    when ``with_torch``); returns {variant: (losses, seconds per step, graphs compiled)}."""
+    when ``with_torch``); returns {variant: (losses, seconds per step, syncs in the watched
+    step or None, graphs compiled)}."""
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
     model = Transformer(vocab, dim, heads, layers, flexfa.flex_attention).to(device, dtype)
@@ -128,13 +154,13 @@ def run(steps=3, length=64, vocab=32, dim=32, heads=2, layers=2, block_size=32,
             attention.slopes.requires_grad_(False)
     data = batches(steps, length, vocab, device)
     results = {"flexfa eager": (*train(copy.deepcopy(model), data, flexfa.create_block_mask,
-                                       block_size, lr), 0)}
+                                       block_size, lr, profile), 0)}
 
     def compiled(name, model, make_mask):
         torch._dynamo.reset()
         graphs = counters["stats"]["unique_graphs"]
         model = torch.compile(model, backend=backend, fullgraph=True)
-        results[name] = (*train(model, data, make_mask, block_size, lr),
+        results[name] = (*train(model, data, make_mask, block_size, lr, profile),
                          counters["stats"]["unique_graphs"] - graphs)
 
     compiled("flexfa compiled", copy.deepcopy(model), flexfa.create_block_mask)
@@ -156,13 +182,15 @@ def main(argv=None) -> int:
     parser.add_argument("--frozen-slopes", action="store_true",
                         help="slopes without gradients (what the model costs without a "
                              "learnable bias's gradient, on both libraries)")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's "
+                        "busiest ops of the third step of each variant (GPU)")
     parser.add_argument("--json", help="write the losses and step times here")
     args = parser.parse_args(argv)
     if args.cuda:
         results = run(steps=args.steps or 12, length=4096, vocab=256, dim=1024, heads=16,
                       layers=4, block_size=128, device="cuda", dtype=torch.bfloat16,
                       backend="inductor", with_torch=True, lr=3e-4,
-                      frozen_slopes=args.frozen_slopes)
+                      frozen_slopes=args.frozen_slopes, profile=args.profile)
     else:
         results = run(steps=args.steps or 3, backend="inductor" if args.inductor else "aot_eager",
                       frozen_slopes=args.frozen_slopes)
@@ -176,11 +204,14 @@ def main(argv=None) -> int:
     if len(eager) > steady:
         print(f"median seconds per step from step {steady}: " + ", ".join(
             f"{n} {statistics.median(results[n][1][steady:]):.4f}" for n in names))
-    print("graphs compiled: " + ", ".join(f"{n} {results[n][2]}" for n in names[1:]))
+    print("graphs compiled: " + ", ".join(f"{n} {results[n][3]}" for n in names[1:]))
+    if results[names[0]][2] is not None:
+        print("device syncs in step 2 (before the loss is read): " + ", ".join(
+            f"{n} {results[n][2]}" for n in names))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({n: {"losses": l, "seconds": s, "graphs": g}
-                       for n, (l, s, g) in results.items()}, file, indent=1)
+            json.dump({n: {"losses": l, "seconds": s, "syncs": y, "graphs": g}
+                       for n, (l, s, y, g) in results.items()}, file, indent=1)
     return 0
 
 

@@ -20,6 +20,12 @@ which every in-place edit bumps (views share it): a later call with unchanged ta
 costs a few attribute reads and no device sync, and an edited or replaced table is checked
 again. Edits through ``.data`` or ``.numpy()`` do not bump the version and are not seen; tables
 that are inference tensors (no version counter) are checked on every call.
+
+A passed check is also recorded by what the tables are rather than which objects hold them
+(each table's storage, offset, shape, strides, dtype and version; the storages held by weak
+reference, so a freed one cannot be mistaken for a new one at its address): a compiled graph's
+operators rebuild a BlockMask per call around aliases of the mask's tables (autograd's saved
+tensors in the backward), which find their check there instead of syncing again.
 """
 from __future__ import annotations
 
@@ -29,8 +35,10 @@ import operator
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import InputError
+from ..memo import BoundedMemo
 
 PAIRS = ("kv", "full_kv", "q", "full_q")
 TABLES = tuple(f"{pair}_{part}" for pair in PAIRS for part in ("num_blocks", "indices"))
@@ -102,9 +110,51 @@ def check_tables(block_mask, L: int, S: int) -> None:
     geometry = (block_mask.BLOCK_SIZE, L, S)
     if state is not None and state.matches(tables, geometry):
         return
-    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
-    check_contents(dict(zip(TABLES, tables)), (block_q, block_kv, int(L), int(S)))
+    if not _checked_before(tables, geometry):
+        block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+        check_contents(dict(zip(TABLES, tables)), (block_q, block_kv, int(L), int(S)))
     _remember(block_mask, tables, geometry, state)
+
+
+# (geometry, each table's storage and view) -> the storages' weak references: tables checked
+# for a geometry, whoever held them (bounded; holds no table's memory)
+_CHECKED = BoundedMemo(256, "checked block-mask tables")
+
+
+def _storage_key(tables, geometry):
+    """(key, weak references to the storages) of ``tables`` as they are now, or None for an
+    inference tensor (no version counter) among them."""
+    block_size, L, S = geometry
+    views, refs = [], []
+    for table in tables:
+        if table is None:
+            views.append(None)
+            continue
+        try:
+            version = table._version
+        except RuntimeError:
+            return None
+        ref = StorageWeakRef(table.untyped_storage())
+        refs.append(ref)
+        views.append((ref.cdata, table.storage_offset(), tuple(table.shape), table.stride(),
+                      table.dtype, table.device, version))
+    return (tuple(int(b) for b in block_size), int(L), int(S), tuple(views)), refs
+
+
+def _record_checked(tables, geometry) -> None:
+    found = _storage_key(tables, geometry)
+    if found is not None:
+        _CHECKED[found[0]] = found[1]
+
+
+def _checked_before(tables, geometry) -> bool:
+    """Whether tables with these storages, views and versions passed a check for
+    ``geometry``, their storages still alive (a freed storage's address may be reused)."""
+    found = _storage_key(tables, geometry)
+    if found is None:
+        return False
+    refs = _CHECKED.get(found[0])
+    return refs is not None and not any(ref.expired() for ref in refs)
 
 
 def checked_now(block_mask) -> bool:
@@ -122,6 +172,7 @@ def mark_checked(block_mask) -> None:
 
 
 def _remember(block_mask, tables, geometry, state) -> None:
+    _record_checked(tables, geometry)
     same = state is not None and state.live and state.ids == tuple(map(id, tables))
     layout = state.layout if same else next(_GENERATION)
     try:

@@ -88,6 +88,34 @@ def test_mask_built_outside_and_a_closure_over_a_learnable_tensor():
     assert_same(run_step(compiled, inputs, [bias]), run_step(layer, inputs, [bias]))
 
 
+def test_a_compiled_step_checks_no_tables_of_a_mask_built_outside(monkeypatch):
+    """The operators rebuild the mask per call, the backward's around autograd's saved
+    aliases: the tables create_block_mask built are not checked again (a device sync per
+    call on a GPU)."""
+    from flexfa.blockmask import validate
+    checks = []
+    original = validate.check_contents
+    monkeypatch.setattr(validate, "check_contents",
+                        lambda *a, **k: checks.append(a) or original(*a, **k))
+    bias = torch.tensor([0.1, -0.2], requires_grad=True)
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    def layer(q, k, v, mask):
+        return flexfa.flex_attention(q, k, v, learnable, mask) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for seed in (4, 5):  # a new mask per step, as a training loop builds one per batch
+        mask = flexfa.create_block_mask(mods.causal, 1, None, 40, 40, device="cpu",
+                                        BLOCK_SIZE=32)
+        inputs = make_inputs(40, seed=seed)
+        assert_same(run_step(lambda *qkv: compiled(*qkv, mask), inputs, [bias]),
+                    run_step(lambda *qkv: layer(*qkv, mask), inputs, [bias]))
+    assert checks == []
+
+
 def test_explain_reports_no_graph_break():
     model = Attention(2, torch.arange(64) // 30)
     torch._dynamo.reset()

@@ -215,6 +215,41 @@ def test_tables_are_checked_once_per_state(monkeypatch):
     assert counts == [1, 1, 2, 2, 3, 4, 4]
 
 
+def _aliased(mask):
+    """A new BlockMask object around aliases of ``mask``'s tables (what a compiled graph's
+    operators rebuild from its inputs and autograd's saved tensors)."""
+    return BlockMask(mask.seq_lengths, *(getattr(mask, n).detach()[:] for n in TABLES),
+                     BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod)
+
+
+def test_aliases_of_checked_tables_need_no_check_until_edited_or_freed(monkeypatch):
+    checks = []
+    original = validate.check_contents
+    monkeypatch.setattr(validate, "check_contents",
+                        lambda *a, **k: checks.append(a) or original(*a, **k))
+    mask = _masks("flexfa")
+    for _ in range(2):
+        validate.check_tables(_aliased(mask), L, S)
+    assert checks == []  # the tables flexfa built, through two other mask objects
+    validate.check_tables(_aliased(mask), L - 2, S - 2)
+    assert len(checks) == 1  # another geometry is checked
+    alias = _aliased(mask)
+    alias.kv_indices[0, 0, 0, 0] = 99  # an edit through an alias: the next mask checks
+    with pytest.raises(flexfa.InputError, match="kv_indices"):
+        validate.check_tables(_aliased(mask), L, S)
+    assert len(checks) == 2
+    # a freed table's address may hold a new table: a record of a dead storage is not taken
+    tables = [getattr(_masks("flexfa"), n).clone() for n in TABLES]
+    fresh = BlockMask(_FLEXFA.seq_lengths, *tables, BLOCK_SIZE=16, mask_mod=_band)
+    validate.mark_checked(fresh)
+    key, refs = validate._storage_key(tables, (fresh.BLOCK_SIZE, L, S))
+    assert validate._checked_before(tables, (fresh.BLOCK_SIZE, L, S))
+    del fresh, tables
+    assert all(ref.expired() for ref in refs)
+    recorded = validate._CHECKED.get(key)  # still recorded, its storages gone: a new table
+    assert recorded and all(ref.expired() for ref in recorded)  # there is not taken for them
+
+
 def test_inference_tensors_are_checked_on_every_call(monkeypatch):
     with torch.inference_mode():
         mask = _masks("flexfa")
