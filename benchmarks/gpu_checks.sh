@@ -253,7 +253,7 @@ fi
 if [ "$PART" = g ]; then  # after the table check of a graph's rebuilt masks went (f: flexfa
   # compiled 16.7 ms a step against eager 12.2, 20.6 against torch's 8.3 without slope grads)
   step model_syncs 200 python -m pytest -q -s -rfE -m gpu -p no:cacheprovider \
-    tests/gpu/test_compile_gpu.py -k no_device_sync
+    tests/gpu/test_compile_gpu.py -k syncs_no_more
   step model_profile 170 python examples/compiled_transformer.py --cuda --steps 6 --profile \
     --json "$OUT/compiled_model.json"
   step frozen_profile 170 python examples/compiled_transformer.py --cuda --steps 6 --profile \

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import copy
 import json
+import pstats
 import statistics
 import time
+import traceback
 import warnings
 
 import torch
@@ -98,22 +101,31 @@ def batches(steps: int, length: int, vocab: int, device, seed: int = 0) -> list:
 @contextlib.contextmanager
 def watched(on: bool, syncs: list, profile: bool):
     """Count the device syncs in the block (CUDA's sync debug mode warns at each) into
-    ``syncs``, and print torch.profiler's busiest host and device ops when ``profile``."""
+    ``syncs``; with ``profile``, print where each sync came from and torch.profiler's busiest
+    host and device ops."""
     if not on:
         yield
         return
     profiler = torch.profiler.profile() if profile else contextlib.nullcontext()
-    with warnings.catch_warnings(record=True) as caught, profiler:
+    python = cProfile.Profile() if profile else contextlib.nullcontext()
+    seen = []
+    with warnings.catch_warnings(), profiler, python:
         warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_: seen.append(
+            (str(message), traceback.format_stack(limit=14)[:-1]))
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    seen = [stack for message, stack in seen if "synchroniz" in message]
+    syncs.append(len(seen))
     if profile:
+        for number, stack in enumerate(seen):
+            print(f"-- sync {number + 1} of {len(seen)}:\n" + "".join(stack[-8:]))
         for key in ("self_cpu_time_total", "self_cuda_time_total"):
             print(profiler.key_averages().table(sort_by=key, row_limit=12))
+        pstats.Stats(python).sort_stats("tottime").print_stats("flexfa", 25)
 
 
 def train(model, data, make_mask, block_size: int, lr: float, profile: bool = False) -> tuple:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from .autograd import (DOUBLE_BACKWARD_MESSAGE, joint_graph, poisoned_buffer_gra
                        run_forward)
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.create import create_block_mask
-from .blockmask.validate import TABLES
+from .blockmask.validate import TABLES, storage_signature
 from .calls import attention_call
 from .decode import decode_call
 from .errors import InputError
@@ -113,26 +114,42 @@ def mods_entry(key: str) -> ModsEntry:
 
 # the BlockMasks made around a kv_indices table, kept on the table (a cycle the garbage
 # collector frees with it: a memo holding the mask would keep the table alive): the same
-# tables give the same BlockMask object, so its table checks and plans are reused
+# tables give the same BlockMask object, so its table checks, plans and memos are reused
 _MASKS = "_flexfa_graph_masks"
 _MASKS_PER_TABLE = 4
+# (mods, block size, lengths, the tables' and mask buffers' storage signatures) -> a weak
+# reference to the BlockMask made for them: the backward's saved tensors are new objects over
+# the forward's memory and find the forward's mask here (a dead reference is a miss; a live
+# mask holds its tables, so no other storage can have their addresses meanwhile)
+_BY_STORAGE = BoundedMemo(256, "graph block masks", register=False)
 
 
-def _block_mask(entry: ModsEntry, mask_buffers, tables, block_size, lengths) -> BlockMask | None:
+def _block_mask(mods: str, entry: ModsEntry, mask_buffers, tables, block_size,
+                lengths) -> BlockMask | None:
     if not tables:
         return None
-    traced = entry.mask.with_buffers(mask_buffers)
-    memo_key = (traced.key, tuple(block_size), lengths, tuple(map(id, tables)),
+    memo_key = (mods, tuple(block_size), lengths, tuple(map(id, tables)),
                 tuple(map(id, mask_buffers)))
     kept = getattr(tables[1], _MASKS, None)
     mask = kept.get(memo_key) if kept is not None else None
+    if mask is not None:
+        return mask
+    signatures = storage_signature(tables), storage_signature(mask_buffers, versions=False)
+    storage_key = None
+    if None not in signatures:
+        storage_key = (mods, tuple(block_size), lengths, signatures[0][0], signatures[1][0])
+        ref = _BY_STORAGE.get(storage_key)
+        mask = ref() if ref is not None else None
     if mask is None:
+        traced = entry.mask.with_buffers(mask_buffers)
         mask = BlockMask(lengths, *tables, BLOCK_SIZE=tuple(block_size),
                          mask_mod=TracedMaskMod(traced), traced_mask=traced)
-        if kept is None or len(kept) >= _MASKS_PER_TABLE:
-            kept = {}
-            setattr(tables[1], _MASKS, kept)
-        kept[memo_key] = mask
+        if storage_key is not None:
+            _BY_STORAGE[storage_key] = weakref.ref(mask)
+    if kept is None or len(kept) >= _MASKS_PER_TABLE:
+        kept = {}
+        setattr(tables[1], _MASKS, kept)
+    kept[memo_key] = mask
     return mask
 
 
@@ -158,7 +175,7 @@ def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tabl
     check_tensors(query, key, value)
     check_shapes(query, key, value, entry.enable_gqa)
     score = entry.score.with_buffers(score_buffers, grad_slots) if entry.score else None
-    block_mask = _block_mask(entry, mask_buffers, tables, block_size,
+    block_mask = _block_mask(mods, entry, mask_buffers, tables, block_size,
                              (query.shape[2], key.shape[2]))
     check_block_mask(block_mask, query, key)
     scale = scale if scale is not None else query.shape[3] ** -0.5
@@ -312,7 +329,7 @@ def flex_decode_op(query: Tensor, key: Tensor, value: Tensor, mods: str, scale: 
     (positions x cache length). Inference only: no autograd formula."""
     entry = mods_entry(mods)
     score = entry.score.with_buffers(score_buffers) if entry.score else None
-    block_mask = _block_mask(entry, mask_buffers, tables, block_size, tuple(mask_lengths))
+    block_mask = _block_mask(mods, entry, mask_buffers, tables, block_size, tuple(mask_lengths))
     return decode_call(query, key, value, None, block_mask, scale, kv_lens, q_offsets,
                        page_table, True, entry.options, None, validate, sinks,
                        traced_score=score)

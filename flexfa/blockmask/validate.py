@@ -121,24 +121,36 @@ def check_tables(block_mask, L: int, S: int) -> None:
 _CHECKED = BoundedMemo(256, "checked block-mask tables")
 
 
-def _storage_key(tables, geometry):
-    """(key, weak references to the storages) of ``tables`` as they are now, or None for an
-    inference tensor (no version counter) among them."""
-    block_size, L, S = geometry
+def storage_signature(tensors, versions: bool = True):
+    """(signature, weak references to the storages) of ``tensors`` (None entries allowed) as
+    they are now: each one's storage, offset, shape, strides, dtype, device and, with
+    ``versions``, version counter; aliases (views, ``detach()``, autograd's saved tensors)
+    of the same memory have the same signature. None when a tensor is an inference tensor
+    (no version counter). A signature names its storages by address: it is only valid while
+    they live, which the weak references tell (``expired()``)."""
     views, refs = [], []
-    for table in tables:
-        if table is None:
+    for tensor in tensors:
+        if tensor is None:
             views.append(None)
             continue
         try:
-            version = table._version
+            version = tensor._version if versions else None
         except RuntimeError:
             return None
-        ref = StorageWeakRef(table.untyped_storage())
+        ref = StorageWeakRef(tensor.untyped_storage())
         refs.append(ref)
-        views.append((ref.cdata, table.storage_offset(), tuple(table.shape), table.stride(),
-                      table.dtype, table.device, version))
-    return (tuple(int(b) for b in block_size), int(L), int(S), tuple(views)), refs
+        views.append((ref.cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                      tensor.dtype, tensor.device, version))
+    return tuple(views), refs
+
+
+def _storage_key(tables, geometry):
+    """(key, weak references to the storages) of ``tables`` for ``geometry``, or None."""
+    found = storage_signature(tables)
+    if found is None:
+        return None
+    block_size, L, S = geometry
+    return (tuple(int(b) for b in block_size), int(L), int(S), found[0]), found[1]
 
 
 def _record_checked(tables, geometry) -> None:

@@ -78,10 +78,11 @@ def density_class(block_mask) -> str:
     cached = getattr(block_mask, "_flexfa_density_class", None)
     if cached is not None:
         return cached
-    visited = int(block_mask.kv_num_blocks.sum())
     full = getattr(block_mask, "full_kv_num_blocks", None)
+    visited = block_mask.kv_num_blocks.sum()
     if full is not None:
-        visited += int(full.sum())
+        visited = visited + full.sum()
+    visited = int(visited)  # one device-to-host read
     q_blocks, kv_blocks = block_mask.kv_indices.shape[-2], block_mask.kv_indices.shape[-1]
     b, h = block_mask.kv_num_blocks.shape[:2]
     density = visited / max(1, b * h * q_blocks * kv_blocks)

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import flexfa
-from flexfa import mods
+from flexfa import BlockMask, mods
 
 # pytest puts this folder on sys.path (it has no __init__.py)
 from compile_utils import assert_same, make_inputs, run_step
@@ -89,14 +89,17 @@ def test_mask_built_outside_and_a_closure_over_a_learnable_tensor():
 
 
 def test_a_compiled_step_checks_no_tables_of_a_mask_built_outside(monkeypatch):
-    """The operators rebuild the mask per call, the backward's around autograd's saved
-    aliases: the tables create_block_mask built are not checked again (a device sync per
+    """The operators rebuild the mask once per step, and the backward's call finds the
+    forward's (autograd's saved aliases of the tables, same storages): its plans and memos are
+    reused, and the tables create_block_mask built are not checked again (a device sync per
     call on a GPU)."""
+    from flexfa import ops
     from flexfa.blockmask import validate
-    checks = []
+    checks, built = [], []
     original = validate.check_contents
     monkeypatch.setattr(validate, "check_contents",
                         lambda *a, **k: checks.append(a) or original(*a, **k))
+    monkeypatch.setattr(ops, "BlockMask", lambda *a, **k: built.append(a) or BlockMask(*a, **k))
     bias = torch.tensor([0.1, -0.2], requires_grad=True)
 
     def learnable(score, b, h, q_idx, kv_idx):
@@ -113,7 +116,7 @@ def test_a_compiled_step_checks_no_tables_of_a_mask_built_outside(monkeypatch):
         inputs = make_inputs(40, seed=seed)
         assert_same(run_step(lambda *qkv: compiled(*qkv, mask), inputs, [bias]),
                     run_step(lambda *qkv: layer(*qkv, mask), inputs, [bias]))
-    assert checks == []
+    assert checks == [] and len(built) == 2, (len(checks), len(built))
 
 
 def test_explain_reports_no_graph_break():
