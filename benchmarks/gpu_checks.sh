@@ -22,8 +22,9 @@
 # compiled model; y: the chunked-prefill sweep for BACKEND="AUTO", the compiled model's step
 # time, Inductor with CUDA graphs; z: every GPU test, sharded, the timed ones serial at the
 # end; e: the decode benchmark and its picture; f: the compiled decode step with CUDA graphs,
-# the compiled training step; g: the compiled training step's device syncs (its GPU test), then
-# its profile with and without the slopes' gradient; each part fits one 10-minute device call; a call returns at
+# the compiled training step; g: the compiled training step's device syncs (its GPU test), CUDA
+# graphs replaying edited and new masks, the step times with and without the slopes' gradient
+# (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
@@ -250,16 +251,19 @@ if [ "$PART" = f ]; then  # the compiled decode step with and without CUDA graph
   tail -n 20 "$OUT/compiled_decode.log"; tail -n 4 "$OUT/compiled_model.log"
   tail -n 4 "$OUT/compiled_frozen.log"
 fi
-if [ "$PART" = g ]; then  # after the table check of a graph's rebuilt masks went (f: flexfa
-  # compiled 16.7 ms a step against eager 12.2, 20.6 against torch's 8.3 without slope grads)
+if [ "$PART" = g ]; then  # the compiled training step after the graph's masks stopped syncing
+  # (f: flexfa compiled 16.7 ms a step against eager 12.2): its syncs (GPU test), CUDA graphs
+  # that read edited or new tables at replay, then its step times with the host's share
   step model_syncs 200 python -m pytest -q -s -rfE -m gpu -p no:cacheprovider \
     tests/gpu/test_compile_gpu.py -k syncs_no_more
-  step model_profile 170 python examples/compiled_transformer.py --cuda --steps 6 --profile \
+  step capture 150 python -m pytest -q -rfE -m gpu -p no:cacheprovider \
+    tests/gpu/test_capture_gpu.py
+  step compiled_model 110 python examples/compiled_transformer.py --cuda --steps 10 \
     --json "$OUT/compiled_model.json"
-  step frozen_profile 170 python examples/compiled_transformer.py --cuda --steps 6 --profile \
+  step compiled_frozen 110 python examples/compiled_transformer.py --cuda --steps 10 \
     --frozen-slopes --json "$OUT/compiled_frozen.json"
-  tail -n 3 "$OUT/model_syncs.log"; tail -n 3 "$OUT/model_profile.log"
-  tail -n 3 "$OUT/frozen_profile.log"
+  tail -n 3 "$OUT/model_syncs.log"; tail -n 12 "$OUT/capture.log"
+  tail -n 5 "$OUT/compiled_model.log"; tail -n 5 "$OUT/compiled_frozen.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

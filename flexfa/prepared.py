@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from .blockmask.validate import still_checked, table_state
+from .blockmask.validate import capturing, still_checked, table_state
 from .errors import InputError, InputTypeError
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import MASK_MOD, SCORE_MOD, memoized
@@ -136,6 +136,8 @@ def lookup(signature_, query, key, value, score_mod, block_mask) -> tuple:
     if call_mask is not None and call_mask.buffers and torch.is_grad_enabled():
         check_mask_mod_grad(call_mask)
     key, value = broadcast_batch(query, key, value)
+    if entry.runnable is not None and capturing():  # coarsened again inside the capture
+        return None, score
     runnable = block_mask if entry.runnable is None else entry.runnable
     call = AttentionCall(score, call_mask, runnable, entry.scale, options, entry.gqa_group)
     call.plans = entry.plans

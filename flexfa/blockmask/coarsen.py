@@ -27,7 +27,7 @@ from ..frontend.simplify import simplify
 from ..frontend.trace import MASK_MOD, TracedMod
 from .block_mask import BlockMask, TracedMaskMod
 from .tables import dense_to_ordered, ordered_to_dense
-from .validate import mark_checked, table_generations
+from .validate import capturing, mark_checked, table_generations
 
 TILE = 16  # the smallest kernel tile; every block size the kernels run is a multiple of it
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -43,7 +43,9 @@ def runnable_block_mask(block_mask, traced: TracedMod | None):
     block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
     if block_q % TILE == 0 and block_kv % TILE == 0:
         return block_mask
-    contents = table_generations(block_mask)[1]  # None: tables may change unseen
+    # None: tables may change unseen; or a CUDA graph records the coarsening (its ops replay
+    # with the tables' contents then) where a memo would bake in today's
+    contents = None if capturing() else table_generations(block_mask)[1]
     memo = getattr(block_mask, _MEMO, None)
     if memo is not None and contents is not None and memo[0] == contents and memo[1] is traced:
         return memo[2]

@@ -262,6 +262,15 @@ def _capturing(tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is recording a CUDA graph. What the host derives from
+    the tables' values would be baked into the graph, stale once a replay reads new contents
+    (cudagraph trees copy new tables into the graph's inputs; a static mask may be edited in
+    place): memos of such values are not used while capturing, and values the host must read
+    are not computed then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _check_layout(where: str, pair: str, num_blocks, indices, kv_num_blocks, rows: int) -> None:
     """Shapes and dtypes of one table pair: what the kernels' pointer arithmetic assumes."""
     for name, table, dims in ((f"{pair}_num_blocks", num_blocks, 3),

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 
 from .. import config
+from ..blockmask.validate import capturing
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
@@ -78,6 +79,8 @@ def density_class(block_mask) -> str:
     cached = getattr(block_mask, "_flexfa_density_class", None)
     if cached is not None:
         return cached
+    if capturing():  # no device-to-host read inside a CUDA graph capture: tuning's default
+        return "masked"
     full = getattr(block_mask, "full_kv_num_blocks", None)
     visited = block_mask.kv_num_blocks.sum()
     if full is not None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blockmask.validate import table_generations
+from ..blockmask.validate import capturing, table_generations
+from ..errors import InputError
 from ..memo import MaskedMemo
 from .launch import cdiv
 from .tables import mask_tables
@@ -95,7 +96,14 @@ _BANDS = MaskedMemo(64, per_mask=4, name="dS bands")
 
 def bands_of(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int, device) -> tuple:
     """``bands``, memoized under the block mask (dropped with it) by the state of its tables
-    (``table_generations``: an in-place edit changes the bands) and the geometry."""
+    (``table_generations``: an in-place edit changes the bands) and the geometry. Raises
+    InputError while a CUDA graph is being recorded: the workspace's size and bands are read
+    from the tables on the host, and a replay with other tables would overrun it."""
+    if block_mask is not None and capturing():
+        raise InputError("kernel_options DS_WORKSPACE=True cannot run inside a CUDA graph "
+                         "capture (torch.cuda.graph, torch.compile mode='reduce-overhead'): "
+                         "its workspace is sized from the block mask's contents on the host, "
+                         "which a replay does not re-read; leave DS_WORKSPACE unset there")
     contents = table_generations(block_mask)[1] if block_mask is not None else 0
     if contents is None:  # tables whose edits cannot be seen: computed every time
         return bands(block_mask, L, S, sparse_q, sparse_kv, device)

@@ -1,0 +1,57 @@
+"""Inside a CUDA graph capture nothing the host derives from the block mask's values is taken
+from a memo (a replay would run with today's values baked in, whatever the tables then hold)
+and nothing is read back to the host: the coarser mask of untileable blocks is built again
+(its ops are recorded, so each replay rebuilds it from the tables), the prepared call that
+holds one is not taken, the tuning's density class is not read, and the dS workspace, sized
+on the host from the tables, is refused. The capture is simulated on the CPU (each module's
+``capturing``); tests/gpu/test_capture_gpu.py records real graphs and edits the tables."""
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods, prepared
+from flexfa.blockmask import coarsen
+from flexfa.runtime import autotune, ds_workspace
+
+L = 40
+
+
+def _mask():
+    return flexfa.create_block_mask(mods.causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=8)
+
+
+def test_coarse_mask_is_built_again_while_capturing(monkeypatch):
+    mask, q = _mask(), torch.randn(1, 1, L, 16)
+    eager = flexfa.flex_attention(q, q, q, block_mask=mask)  # memoized: the prepared call too
+    kept = mask._flexfa_coarse[2]
+    monkeypatch.setattr(coarsen, "capturing", lambda: True)
+    monkeypatch.setattr(prepared, "capturing", lambda: True)
+    built = []
+    original = coarsen.coarsened
+    monkeypatch.setattr(coarsen, "coarsened", lambda *a: built.append(a) or original(*a))
+    for _ in range(2):
+        torch.testing.assert_close(flexfa.flex_attention(q, q, q, block_mask=mask), eager)
+    assert len(built) == 2 and mask._flexfa_coarse[2] is kept  # no memo read or written
+    monkeypatch.setattr(coarsen, "capturing", lambda: False)
+    monkeypatch.setattr(prepared, "capturing", lambda: False)
+    flexfa.flex_attention(q, q, q, block_mask=mask)
+    assert len(built) == 2  # outside a capture the memo serves again
+
+
+def test_density_class_reads_nothing_while_capturing(monkeypatch):
+    mask = _mask()
+    monkeypatch.setattr(autotune, "capturing", lambda: True)
+    monkeypatch.setattr(type(mask.kv_num_blocks), "__int__", lambda t: pytest.fail("read"),
+                        raising=False)
+    assert autotune.density_class(mask) == "masked"
+    assert getattr(mask, "_flexfa_density_class", None) is None  # not kept: computed later
+    monkeypatch.undo()
+    assert autotune.density_class(mask) == "masked"  # 15 of 25 tiles, read now
+
+
+def test_ds_workspace_is_refused_while_capturing(monkeypatch):
+    mask = _mask()
+    assert ds_workspace.bands_of(mask, L, L, 16, 16, torch.device("cpu"))[1] > 0
+    monkeypatch.setattr(ds_workspace, "capturing", lambda: True)
+    with pytest.raises(flexfa.InputError, match="DS_WORKSPACE=True cannot run inside a CUDA"):
+        ds_workspace.bands_of(mask, L, L, 16, 16, torch.device("cpu"))
