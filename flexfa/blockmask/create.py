@@ -15,6 +15,7 @@ from ..errors import InputError, check_bool
 from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from ..eager import outside_compile
+from . import density
 from .analysis import FULL, PARTIAL, TileAnalysis, TileGrid
 from .block_mask import BlockMask, TracedMaskMod
 from .checks import batch_size, block_size_pair, positive_int, resolve_device
@@ -86,6 +87,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
         mask.dq_write_order, mask.dq_write_order_full = dq_write_order(mask, dq_kv_order)
         mask.dq_kv_order_spt = dq_kv_order
     mark_checked(mask)  # correct by construction: its first call needs no table check
+    # the tuning's density class, read here after the reads of the tiles' classes above, so
+    # that a first call in the middle of a step reads nothing back
+    visited = int(((classes == PARTIAL) | (classes == FULL)).sum())
+    density.record(mask, density.classify(visited, classes.numel()))
     return mask
 
 

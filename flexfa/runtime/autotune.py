@@ -17,7 +17,6 @@ import warnings
 from collections.abc import Callable
 
 from .. import config
-from ..blockmask.validate import capturing
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
@@ -70,31 +69,6 @@ _MEMO: dict[str, tuple[int, int, int, int]] = {}
 def enabled() -> bool:
     return config.autotune_enabled()
 
-
-def density_class(block_mask) -> str:
-    """"dense" (no mask), "sparse" (< 30% of the tiles visited), "masked" otherwise; kept on
-    the mask object, so the device-to-host read happens once per mask."""
-    if block_mask is None:
-        return "dense"
-    cached = getattr(block_mask, "_flexfa_density_class", None)
-    if cached is not None:
-        return cached
-    if capturing():  # no device-to-host read inside a CUDA graph capture: tuning's default
-        return "masked"
-    full = getattr(block_mask, "full_kv_num_blocks", None)
-    visited = block_mask.kv_num_blocks.sum()
-    if full is not None:
-        visited = visited + full.sum()
-    visited = int(visited)  # one device-to-host read
-    q_blocks, kv_blocks = block_mask.kv_indices.shape[-2], block_mask.kv_indices.shape[-1]
-    b, h = block_mask.kv_num_blocks.shape[:2]
-    density = visited / max(1, b * h * q_blocks * kv_blocks)
-    result = "sparse" if density < 0.3 else "masked"
-    try:
-        block_mask._flexfa_density_class = result
-    except AttributeError:  # a frozen or slotted mask object: recompute next time
-        pass
-    return result
 
 
 def tune_key(template: str, target: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,

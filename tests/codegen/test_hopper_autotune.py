@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import flexfa
+from flexfa import BlockMask, mods
+from flexfa.blockmask.density import density_class
 from flexfa.runtime import autotune
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import backward, hopper
@@ -92,19 +94,47 @@ def test_key_separates_density_and_length_classes():
     assert len(keys) == 6
 
 
-def test_density_class_is_computed_once_per_mask():
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+def _no_reads(monkeypatch):
+    """Fail any device-to-host read of a tensor's value (int(t))."""
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: pytest.fail("a table was read"),
+                        raising=False)
 
+
+def test_density_class_is_read_once_per_tables(monkeypatch):
+    """create_block_mask records the class (no read at the first call); a mask rebuilt around
+    aliases of the same tables (a compiled graph's) finds it on their storage; an in-place
+    edit, or a mask made from new tables, reads the tables once."""
     def window(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx).abs() < 64
-    assert autotune.density_class(None) == "dense"
-    mask = flexfa.create_block_mask(causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
-    assert autotune.density_class(mask) == "masked"
-    mask.kv_num_blocks = None  # a second call must not read the tables again
-    assert autotune.density_class(mask) == "masked"
+
+    assert density_class(None) == "dense"
+    mask = flexfa.create_block_mask(mods.causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
     narrow = flexfa.create_block_mask(window, 1, 1, 2048, 2048, device="cpu", BLOCK_SIZE=64)
-    assert autotune.density_class(narrow) == "sparse"
+    names = tuple(f"{pair}_{part}" for pair in ("kv", "full_kv", "q", "full_q")
+                  for part in ("num_blocks", "indices"))
+
+    def rebuilt(m):
+        return BlockMask(m.seq_lengths, *(getattr(m, n).detach()[:] for n in names),
+                         BLOCK_SIZE=m.BLOCK_SIZE, mask_mod=m.mask_mod)
+    with monkeypatch.context() as patched:
+        _no_reads(patched)
+        assert density_class(mask) == density_class(rebuilt(mask)) == "masked"
+        assert density_class(narrow) == density_class(rebuilt(narrow)) == "sparse"
+    narrow.full_kv_num_blocks.zero_()  # in place: the count tables' versions move
+    narrow.kv_num_blocks.zero_()
+    fresh = rebuilt(narrow)
+    with monkeypatch.context() as patched:
+        _no_reads(patched)
+        with pytest.raises(pytest.fail.Exception, match="a table was read"):
+            density_class(fresh)
+    assert density_class(fresh) == "sparse"  # read now: no tile visited
+    reads = BlockMask(mask.seq_lengths, *(getattr(mask, n).clone() for n in names),
+                      BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod)
+    with monkeypatch.context() as patched:
+        _no_reads(patched)
+        with pytest.raises(pytest.fail.Exception, match="a table was read"):
+            density_class(reads)  # new tables (clones): read once
+    assert density_class(reads) == "masked"
 
 
 def _call(options=KernelOptions()):

@@ -10,10 +10,12 @@ import torch
 
 import flexfa
 from flexfa import mods, prepared
-from flexfa.blockmask import coarsen
-from flexfa.runtime import autotune, ds_workspace
+from flexfa.blockmask import coarsen, density
+from flexfa.runtime import ds_workspace
 
 L = 40
+TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
 def _mask():
@@ -39,14 +41,16 @@ def test_coarse_mask_is_built_again_while_capturing(monkeypatch):
 
 
 def test_density_class_reads_nothing_while_capturing(monkeypatch):
-    mask = _mask()
-    monkeypatch.setattr(autotune, "capturing", lambda: True)
-    monkeypatch.setattr(type(mask.kv_num_blocks), "__int__", lambda t: pytest.fail("read"),
-                        raising=False)
-    assert autotune.density_class(mask) == "masked"
+    made = _mask()  # created: its class is recorded
+    mask = flexfa.BlockMask(made.seq_lengths, *(getattr(made, n).clone() for n in TABLES),
+                            BLOCK_SIZE=made.BLOCK_SIZE, mask_mod=made.mask_mod)  # unknown
+    monkeypatch.setattr(density, "capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: pytest.fail("read"), raising=False)
+    assert density.density_class(mask) == "masked"
     assert getattr(mask, "_flexfa_density_class", None) is None  # not kept: computed later
     monkeypatch.undo()
-    assert autotune.density_class(mask) == "masked"  # 15 of 25 tiles, read now
+    assert density.density_class(mask) == "masked"  # 15 of 25 tiles, read now
+    assert mask._flexfa_density_class == "masked"
 
 
 def test_ds_workspace_is_refused_while_capturing(monkeypatch):

@@ -23,6 +23,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ...blockmask.density import density_class
 from ...codegen.backward import BackwardSpec, backward_kernel, dscore_is_one, joint_roots
 from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
@@ -399,7 +400,7 @@ class Backward(KernelFamily):
         # dropout's Philox makes a different kernel: its own winners
         key = autotune.tune_key("bwd_dropout" if call.dropout else "bwd", target.name,
                                 max(e_pad, ev_pad), ev_pad,
-                                DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
+                                DTYPE_NAMES[q.dtype], density_class(call.block_mask),
                                 k.shape[2])
 
         def time_config(config) -> float:  # only called when no stored winner fits

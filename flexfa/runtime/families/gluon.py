@@ -23,7 +23,8 @@ from ...codegen.spec import DTYPE_NAMES, KernelSpec
 from ...config import interpret_mode
 from ...errors import InputError
 from .. import binding, plans
-from ..autotune import SHORT_KV, density_class
+from ...blockmask.density import density_class
+from ..autotune import SHORT_KV
 from ..call import AttentionCall
 from ..kernels import generated_module
 from ..launch import Step, cdiv

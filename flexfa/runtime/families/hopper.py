@@ -20,6 +20,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ...blockmask.density import density_class
 from ...codegen.hopper import HOPPER_TEMPLATE, combine_constexprs, hopper_kernel
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...errors import InputError
@@ -334,7 +335,7 @@ class HopperForward(KernelFamily):
         # dropout's Philox makes a different kernel: its own winners
         key = autotune.tune_key(HOPPER_TEMPLATE + ("_dropout" if call.dropout else ""),
                                 target.name, e_pad, ev_pad,
-                                DTYPE_NAMES[q.dtype], autotune.density_class(call.block_mask),
+                                DTYPE_NAMES[q.dtype], density_class(call.block_mask),
                                 k.shape[2])
 
         def time_config(config) -> float:
