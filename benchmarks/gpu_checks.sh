@@ -255,7 +255,7 @@ if [ "$PART" = g ]; then  # the compiled training step after the graph's masks s
   # (f: flexfa compiled 16.7 ms a step against eager 12.2): its syncs (GPU test), CUDA graphs
   # that read edited or new tables at replay, then its step times with the host's share
   step model_syncs 200 python -m pytest -q -s -rfE -m gpu -p no:cacheprovider \
-    tests/gpu/test_compile_gpu.py -k syncs_no_more
+    tests/gpu/test_compile_gpu.py -k no_device_sync
   step capture 150 python -m pytest -q -rfE -m gpu -p no:cacheprovider \
     tests/gpu/test_capture_gpu.py
   step compiled_model 110 python examples/compiled_transformer.py --cuda --steps 10 \
