@@ -64,7 +64,7 @@ def test_dropout_seed_drawn_in_the_graph_from_torch_generator():
     assert (compiled(q, k, v) - first).abs().max() > 1e-3
 
 
-def test_opcheck_forward_with_sinks_and_bad_featuremake_inputs():
+def test_opcheck_forward_with_sinks_and_bad_feature_inputs():
     key, _, _ = describe(*unbound(None), *unbound(None), False, None)
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 16, 16, generator=generator) for _ in range(3))
