@@ -23,7 +23,8 @@
 # time, Inductor with CUDA graphs; z: every GPU test, sharded, the timed ones serial at the
 # end; e: the decode benchmark and its picture; f: the compiled decode step with CUDA graphs,
 # the compiled training step; g: the compiled training step's device syncs (its GPU test), CUDA
-# graphs replaying edited and new masks, the step times with and without the slopes' gradient
+# graphs replaying edited and new masks, the step times (also with CUDA graphs) with and without
+# the slopes' gradient
 # (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
@@ -254,16 +255,16 @@ fi
 if [ "$PART" = g ]; then  # the compiled training step after the graph's masks stopped syncing
   # (f: flexfa compiled 16.7 ms a step against eager 12.2): its syncs (GPU test), CUDA graphs
   # that read edited or new tables at replay, then its step times with the host's share
-  step model_syncs 200 python -m pytest -q -s -rfE -m gpu -p no:cacheprovider \
+  step model_syncs 120 python -m pytest -q -s -rfE -m gpu -p no:cacheprovider \
     tests/gpu/test_compile_gpu.py -k no_device_sync
-  step capture 150 python -m pytest -q -rfE -m gpu -p no:cacheprovider \
+  step capture 120 python -m pytest -q -rfE -m gpu -p no:cacheprovider \
     tests/gpu/test_capture_gpu.py
-  step compiled_model 110 python examples/compiled_transformer.py --cuda --steps 10 \
-    --json "$OUT/compiled_model.json"
-  step compiled_frozen 110 python examples/compiled_transformer.py --cuda --steps 10 \
-    --frozen-slopes --json "$OUT/compiled_frozen.json"
+  step compiled_model 150 python examples/compiled_transformer.py --cuda --steps 10 \
+    --cudagraphs --json "$OUT/compiled_model.json"
+  step compiled_frozen 150 python examples/compiled_transformer.py --cuda --steps 10 \
+    --cudagraphs --frozen-slopes --json "$OUT/compiled_frozen.json"
   tail -n 3 "$OUT/model_syncs.log"; tail -n 12 "$OUT/capture.log"
-  tail -n 5 "$OUT/compiled_model.log"; tail -n 5 "$OUT/compiled_frozen.log"
+  tail -n 6 "$OUT/compiled_model.log"; tail -n 6 "$OUT/compiled_frozen.log"
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

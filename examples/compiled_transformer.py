@@ -15,8 +15,10 @@ Dynamo recompiles if a guard failed), with the graphs each variant compiled::
 
     python examples/compiled_transformer.py --cuda --json results.json
 
-``--frozen-slopes`` takes the slopes' gradient away (on both libraries), to see the model's
-cost without a gradient into a captured tensor.
+``--cudagraphs`` adds both libraries compiled with ``mode="reduce-overhead"`` (CUDA graphs:
+the step's kernels replay without the host; a new mask's tables are copied into the graphs'
+inputs each step). ``--frozen-slopes`` takes the slopes' gradient away (on both libraries),
+to see the model's cost without a gradient into a captured tensor.
 """
 from __future__ import annotations
 
@@ -128,9 +130,11 @@ def watched(on: bool, syncs: list, profile: bool):
         pstats.Stats(python).sort_stats("tottime").print_stats("flexfa", 25)
 
 
-def train(model, data, make_mask, block_size: int, lr: float, profile: bool = False) -> tuple:
+def train(model, data, make_mask, block_size: int, lr: float, profile: bool = False,
+          graphs: bool = False) -> tuple:
     """Train on ``data``; returns (losses, seconds per step, device syncs in the steady
-    step that is watched: the third, on a GPU, seconds per step until all is enqueued)."""
+    step that is watched: the third, on a GPU, seconds per step until all is enqueued).
+    ``graphs``: the model replays CUDA graphs (each step is marked as a new one)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, seconds, syncs, host = [], [], [], []
     length = data[0][0].numel() - 1
@@ -142,6 +146,8 @@ def train(model, data, make_mask, block_size: int, lr: float, profile: bool = Fa
                          BLOCK_SIZE=block_size)
         start = time.perf_counter()
         with watched(step == 2 and tokens.is_cuda, syncs, profile):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             logits = model(tokens[None, :-1], mask)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[1:])
             optimizer.zero_grad()
@@ -155,9 +161,9 @@ def train(model, data, make_mask, block_size: int, lr: float, profile: bool = Fa
 
 def run(steps=3, length=64, vocab=32, dim=32, heads=2, layers=2, block_size=32,
         device="cpu", dtype=torch.float32, backend="aot_eager", with_torch=False,
-        lr=3e-3, frozen_slopes=False, profile=False) -> dict:
+        lr=3e-3, frozen_slopes=False, profile=False, cudagraphs=False) -> dict:
     """Train the same model eagerly and compiled (and with torch's FlexAttention compiled
-    when ``with_torch``); returns {variant: (losses, seconds per step, syncs in the watched
+    when ``with_torch``; both also with mode="reduce-overhead" when ``cudagraphs``); returns {variant: (losses, seconds per step, syncs in the watched
     step or None, host seconds per step, graphs compiled)}."""
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
@@ -169,20 +175,26 @@ def run(steps=3, length=64, vocab=32, dim=32, heads=2, layers=2, block_size=32,
     results = {"flexfa eager": (*train(copy.deepcopy(model), data, flexfa.create_block_mask,
                                        block_size, lr, profile), 0)}
 
-    def compiled(name, model, make_mask):
+    def compiled(name, model, make_mask, mode=None):
         torch._dynamo.reset()
         graphs = counters["stats"]["unique_graphs"]
-        model = torch.compile(model, backend=backend, fullgraph=True)
-        results[name] = (*train(model, data, make_mask, block_size, lr, profile),
+        model = torch.compile(model, backend=backend, fullgraph=True, mode=mode)
+        results[name] = (*train(model, data, make_mask, block_size, lr, profile,
+                                graphs=mode is not None),
                          counters["stats"]["unique_graphs"] - graphs)
 
-    compiled("flexfa compiled", copy.deepcopy(model), flexfa.create_block_mask)
+    theirs = None
     if with_torch:
         from torch.nn.attention import flex_attention as torch_fa
         theirs = copy.deepcopy(model)
         for attention in theirs.attention:
             attention.attend = torch_fa.flex_attention
-        compiled("torch compiled", theirs, torch_fa.create_block_mask)
+    for mode, suffix in ((None, "compiled"), ("reduce-overhead", "+ CUDA graphs")):
+        if mode is None or cudagraphs:
+            compiled(f"flexfa {suffix}", copy.deepcopy(model), flexfa.create_block_mask, mode)
+            if theirs is not None:
+                compiled(f"torch {suffix}", copy.deepcopy(theirs), torch_fa.create_block_mask,
+                         mode)
     return results
 
 
@@ -197,21 +209,24 @@ def main(argv=None) -> int:
                              "learnable bias's gradient, on both libraries)")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's "
                         "busiest ops of the third step of each variant (GPU)")
+    parser.add_argument("--cudagraphs", action="store_true", help="both libraries also "
+                        "compiled with mode='reduce-overhead' (CUDA graphs; GPU)")
     parser.add_argument("--json", help="write the losses and step times here")
     args = parser.parse_args(argv)
     if args.cuda:
         results = run(steps=args.steps or 12, length=4096, vocab=256, dim=1024, heads=16,
                       layers=4, block_size=128, device="cuda", dtype=torch.bfloat16,
                       backend="inductor", with_torch=True, lr=3e-4,
-                      frozen_slopes=args.frozen_slopes, profile=args.profile)
+                      frozen_slopes=args.frozen_slopes, profile=args.profile,
+                      cudagraphs=args.cudagraphs)
     else:
         results = run(steps=args.steps or 3, backend="inductor" if args.inductor else "aot_eager",
                       frozen_slopes=args.frozen_slopes)
     names = list(results)
-    print("step  " + "  ".join(f"{n:>16}" for n in names) + "  compiled - eager")
+    print("step  " + "  ".join(f"{n:>20}" for n in names) + "  compiled - eager")
     eager, compiled = results["flexfa eager"][0], results["flexfa compiled"][0]
     for step in range(len(eager)):
-        losses = "  ".join(f"{results[n][0][step]:>16.5f}" for n in names)
+        losses = "  ".join(f"{results[n][0][step]:>20.5f}" for n in names)
         print(f"{step:4d}  {losses}  {compiled[step] - eager[step]:+.2e}")
     steady = 2 if len(eager) > 2 else 1  # the first step compiles, the second may recompile
     if len(eager) > steady:
