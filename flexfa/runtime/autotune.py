@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 
 from .. import config
+from ..blockmask.validate import capturing
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
@@ -125,12 +126,15 @@ def tune(key: str, configs, time_config: Callable[[tuple], float],
     """The stored winner of ``key`` if it is one of ``configs``; else time every config
     (``time_config(config) -> ms``; an exception drops the config), keep the fastest and store
     it; a progress line per config on stderr (``label`` names a config there and in the stored
-    timings). A winner stored for another candidate list is tuned again, not returned."""
+    timings). A winner stored for another candidate list is tuned again, not returned. While a
+    CUDA graph is captured nothing is timed (timing synchronizes): the first config, unstored."""
     configs = [tuple(c) for c in configs]
     with _LOCK:
         known = lookup(key, len(configs[0]))
         if known is not None and known in configs:
             return known
+        if capturing():
+            return configs[0]
         timings = {}
         for i, candidate in enumerate(configs):
             label_ = label(candidate)

@@ -2,8 +2,8 @@
 from a memo (a replay would run with today's values baked in, whatever the tables then hold)
 and nothing is read back to the host: the coarser mask of untileable blocks is built again
 (its ops are recorded, so each replay rebuilds it from the tables), the prepared call that
-holds one is not taken, the tuning's density class is not read, and the dS workspace, sized
-on the host from the tables, is refused. The capture is simulated on the CPU (each module's
+holds one is not taken, the tuning's density class is not read, no config is timed, and the
+dS workspace, sized on the host from the tables, is refused. The capture is simulated on the CPU (each module's
 ``capturing``); tests/gpu/test_capture_gpu.py records real graphs and edits the tables."""
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch
 import flexfa
 from flexfa import mods, prepared
 from flexfa.blockmask import coarsen, density
-from flexfa.runtime import ds_workspace
+from flexfa.runtime import autotune, ds_workspace
 
 L = 40
 TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -59,3 +59,22 @@ def test_ds_workspace_is_refused_while_capturing(monkeypatch):
     monkeypatch.setattr(ds_workspace, "capturing", lambda: True)
     with pytest.raises(flexfa.InputError, match="DS_WORKSPACE=True cannot run inside a CUDA"):
         ds_workspace.bands_of(mask, L, L, 16, 16, torch.device("cpu"))
+
+
+def test_nothing_is_tuned_while_capturing(monkeypatch, tmp_path):
+    """A key not tuned yet takes the first config inside a capture (timing would synchronize)
+    and stores nothing: the next call outside a capture tunes it."""
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    autotune.clear_memo()
+    timed = []
+
+    def time_config(config):
+        timed.append(config)
+        return float(config[0])
+
+    monkeypatch.setattr(autotune, "capturing", lambda: True)
+    assert autotune.tune("capture-test", [(2,), (1,)], time_config, label=str) == (2,)
+    assert timed == [] and autotune.lookup("capture-test", 1) is None
+    monkeypatch.setattr(autotune, "capturing", lambda: False)
+    assert autotune.tune("capture-test", [(2,), (1,)], time_config, label=str) == (1,)
+    assert timed == [(2,), (1,)]
