@@ -259,9 +259,9 @@ if [ "$PART" = g ]; then  # the compiled training step after the graph's masks s
     tests/gpu/test_compile_gpu.py -k no_device_sync
   step capture 120 python -m pytest -q -rfE -m gpu -p no:cacheprovider \
     tests/gpu/test_capture_gpu.py
-  step compiled_model 150 python examples/compiled_transformer.py --cuda --steps 10 \
+  step compiled_model 150 python examples/compiled_transformer.py --cuda --steps 8 \
     --cudagraphs --json "$OUT/compiled_model.json"
-  step compiled_frozen 150 python examples/compiled_transformer.py --cuda --steps 10 \
+  step compiled_frozen 150 python examples/compiled_transformer.py --cuda --steps 8 \
     --cudagraphs --frozen-slopes --json "$OUT/compiled_frozen.json"
   tail -n 3 "$OUT/model_syncs.log"; tail -n 12 "$OUT/capture.log"
   tail -n 6 "$OUT/compiled_model.log"; tail -n 6 "$OUT/compiled_frozen.log"
