@@ -78,19 +78,40 @@ class BoundedMemo:
 _MISSING = object()
 
 
+# an owner's attribute holding its own entries ({OwnedMemo: BoundedMemo}), for owners that
+# objects its entries refer to keep alive (``keep_on_owner``)
+_ON_OWNER = "_flexfa_owned_memos"
+
+
+def keep_on_owner(owner) -> None:
+    """Keep every OwnedMemo's entries of ``owner`` on ``owner`` itself rather than in the
+    memo. For an owner that its entries' own objects keep alive (a mask hung on its own
+    table, whose plans bind that table): held by the memo, such entries would keep their
+    owner alive for ever; held by the owner, they form a cycle the garbage collector frees
+    once nothing else refers to it."""
+    setattr(owner, _ON_OWNER, {})
+
+
 class OwnedMemo:
     """Entries kept per owner object, which is held only weakly: when the owner is collected,
     its entries go with it. At most ``owners`` owners (least recently used dropped first) and
     ``per_owner`` entries each. Owners that cannot be weakly referenced are not memoized
-    (``get`` misses, ``put`` does nothing)."""
+    (``get`` misses, ``put`` does nothing). Owners marked by ``keep_on_owner`` hold their own
+    entries (``per_owner`` at most per memo; cleared with the memo)."""
 
     def __init__(self, owners: int, per_owner: int, name: str = ""):
         self.name = name
         self.per_owner = per_owner
         self._owners = BoundedMemo(owners, name, register=False)  # id -> (weakref, memo)
+        self._self_owners = weakref.WeakSet()  # owners holding their entries of this memo
         _ALL.add(self)
 
     def get(self, owner, key, default=None):
+        attributes = getattr(owner, "__dict__", None)
+        own = attributes.get(_ON_OWNER) if attributes is not None else None
+        if own is not None:
+            entries = own.get(self)
+            return default if entries is None else entries.get(key, default)
         # the two memos' dicts read directly: this lookup is on every cached call's path
         owners = self._owners._data
         slot = owners.get(id(owner))
@@ -108,6 +129,13 @@ class OwnedMemo:
         return value
 
     def put(self, owner, key, value) -> None:
+        own = getattr(owner, _ON_OWNER, None)
+        if own is not None:
+            if self not in own:
+                own[self] = BoundedMemo(self.per_owner, self.name, register=False)
+                self._self_owners.add(owner)
+            own[self][key] = value
+            return
         owner_id = id(owner)
         slot = self._owners.get(owner_id)
         if slot is None or slot[0]() is not owner:
@@ -131,18 +159,25 @@ class OwnedMemo:
                 table.pop(owner_id)
         return callback
 
+    def _own_memos(self) -> list:
+        return [getattr(owner, _ON_OWNER)[self] for owner in list(self._self_owners)]
+
     def __len__(self) -> int:
         """Entries over all owners."""
-        return sum(len(slot[1]) for slot in self._owners.values())
+        return (sum(len(slot[1]) for slot in self._owners.values())
+                + sum(len(memo) for memo in self._own_memos()))
 
     def values(self) -> list:
-        return [v for slot in self._owners.values() for v in slot[1].values()]
+        return ([v for slot in self._owners.values() for v in slot[1].values()]
+                + [v for memo in self._own_memos() for v in memo.values()])
 
     def owner_count(self) -> int:
-        return len(self._owners)
+        return len(self._owners) + len(self._self_owners)
 
     def clear(self) -> None:
         self._owners.clear()
+        for memo in self._own_memos():
+            memo.clear()
 
 
 def clear_all() -> None:

@@ -33,7 +33,7 @@ from .errors import InputError
 from .features import check_sinks
 from .frontend.trace import TracedMod
 from .inputs import check_block_mask, check_shapes, check_tensors
-from .memo import BoundedMemo
+from .memo import BoundedMemo, keep_on_owner
 from .runtime.call import SINKS_GRAD, Dropout
 from .runtime.layout import output_like
 from .runtime.options import KernelOptions
@@ -114,7 +114,9 @@ def mods_entry(key: str) -> ModsEntry:
 
 # the BlockMasks made around a kv_indices table, kept on the table (a cycle the garbage
 # collector frees with it: a memo holding the mask would keep the table alive): the same
-# tables give the same BlockMask object, so its table checks, plans and memos are reused
+# tables give the same BlockMask object, so its table checks, plans and memos are reused.
+# The mask keeps its own memos' entries (``keep_on_owner``): its plans bind the table that
+# keeps the mask, which a module-level memo holding them would keep alive for ever
 _MASKS = "_flexfa_graph_masks"
 _MASKS_PER_TABLE = 4
 # (mods, block size, lengths, the tables' and mask buffers' storage signatures) -> a weak
@@ -144,6 +146,7 @@ def _block_mask(mods: str, entry: ModsEntry, mask_buffers, tables, block_size,
         traced = entry.mask.with_buffers(mask_buffers)
         mask = BlockMask(lengths, *tables, BLOCK_SIZE=tuple(block_size),
                          mask_mod=TracedMaskMod(traced), traced_mask=traced)
+        keep_on_owner(mask)
         if storage_key is not None:
             _BY_STORAGE[storage_key] = weakref.ref(mask)
     if kept is None or len(kept) >= _MASKS_PER_TABLE:

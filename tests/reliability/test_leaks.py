@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.memo import BoundedMemo, MaskedMemo, OwnedMemo
+from flexfa.memo import BoundedMemo, MaskedMemo, OwnedMemo, keep_on_owner
 
 L = 64
 
@@ -55,6 +55,35 @@ def test_dropping_mods_and_masks_releases_their_tensors(grad, hopper):
     assert all(x is None for x in alive), [type(x).__name__ for x in alive if x is not None]
 
 
+def test_a_compiled_step_keeps_no_mask_or_table_alive():
+    """The operators' BlockMask made from a graph's tables (found again by their storages),
+    the table-check record and the density class kept by storage hold no table: a mask
+    dropped after compiled training steps frees its tables' memory."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    bias = torch.randn(2, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    def layer(q, k, v, block_mask):
+        return flexfa.flex_attention(q, k, v, score_mod, block_mask)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs(True)
+    storages, masks = [], []
+    for _ in range(2):
+        block_mask = flexfa.create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L,
+                                              device="cpu", BLOCK_SIZE=32)
+        compiled(q, k, v, block_mask).sum().backward()
+        storages.append(StorageWeakRef(block_mask.kv_indices.untyped_storage()))
+        masks.append(weakref.ref(block_mask))
+        del block_mask
+    gc.collect()
+    assert all(m() is None for m in masks)
+    assert all(s.expired() for s in storages)
+
+
 def test_fresh_lambdas_per_call_keep_nothing():
     q, k, v = _inputs(False)
     tensors = []
@@ -90,6 +119,29 @@ def test_memo_classes_are_bounded_and_weak():
     masked.put(owners[1], "b", 2)
     assert masked.get(None, "a") == 1 and masked.get(owners[1], "b") == 2
     assert masked.get(owners[0], "b") is None
+
+
+def test_an_owner_keeping_its_own_entries_is_freed_with_a_cycle_through_them():
+    """An owner marked keep_on_owner holds its entries: an entry referring back to it (a
+    plan binding the table that keeps its mask) is a cycle the collector frees, where the
+    memo holding the entry would keep the owner alive for ever."""
+    class Owner:
+        pass
+    owned = OwnedMemo(owners=4, per_owner=2)
+    owner = Owner()
+    keep_on_owner(owner)
+    owned.put(owner, "plan", [owner])  # refers back to its owner
+    assert owned.get(owner, "plan") == [owner] and len(owned) == 1 and owned.owner_count() == 1
+    for key in range(3):  # bounded per owner as any owner
+        owned.put(owner, key, key)
+    assert owned.get(owner, "plan") is None and len(owned) == 2
+    owned.clear()
+    assert owned.get(owner, 2) is None and len(owned) == 0
+    owned.put(owner, "plan", [owner])
+    gone = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert gone() is None and len(owned) == 0
 
 
 def test_an_id_reused_by_a_new_mask_never_hits_an_old_entry():
