@@ -103,8 +103,8 @@ def batches(steps: int, length: int, vocab: int, device, seed: int = 0) -> list:
 @contextlib.contextmanager
 def watched(on: bool, syncs: list, profile: bool):
     """Count the device syncs in the block (CUDA's sync debug mode warns at each) into
-    ``syncs``; with ``profile``, print where each sync came from and torch.profiler's busiest
-    host and device ops."""
+    ``syncs``; with ``profile``, print where each sync came from, torch.profiler's busiest
+    host and device ops and cProfile's functions of most own time."""
     if not on:
         yield
         return
@@ -127,7 +127,7 @@ def watched(on: bool, syncs: list, profile: bool):
             print(f"-- sync {number + 1} of {len(seen)}:\n" + "".join(stack[-8:]))
         for key in ("self_cpu_time_total", "self_cuda_time_total"):
             print(profiler.key_averages().table(sort_by=key, row_limit=12))
-        pstats.Stats(python).sort_stats("tottime").print_stats("flexfa", 25)
+        pstats.Stats(python).sort_stats("tottime").print_stats(30)
 
 
 def train(model, data, make_mask, block_size: int, lr: float, profile: bool = False,
@@ -207,8 +207,9 @@ def main(argv=None) -> int:
     parser.add_argument("--frozen-slopes", action="store_true",
                         help="slopes without gradients (what the model costs without a "
                              "learnable bias's gradient, on both libraries)")
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler's "
-                        "busiest ops of the third step of each variant (GPU)")
+    parser.add_argument("--profile", action="store_true", help="print the third step's "
+                        "syncs with their stacks, torch.profiler's busiest ops and cProfile's "
+                        "30 functions of most own time, per variant (GPU)")
     parser.add_argument("--cudagraphs", action="store_true", help="both libraries also "
                         "compiled with mode='reduce-overhead' (CUDA graphs; GPU)")
     parser.add_argument("--json", help="write the losses and step times here")
