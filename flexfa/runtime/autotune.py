@@ -71,7 +71,6 @@ def enabled() -> bool:
     return config.autotune_enabled()
 
 
-
 def tune_key(template: str, target: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,
              density: str, kv_len: int) -> str:
     length = "short" if kv_len <= SHORT_KV else "long"

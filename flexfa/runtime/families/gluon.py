@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+from ...blockmask.density import density_class
 from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGISTERS,
                               descriptor_blocks, descriptor_layout, gluon_constexprs,
                               gluon_kernel)
@@ -23,7 +24,6 @@ from ...codegen.spec import DTYPE_NAMES, KernelSpec
 from ...config import interpret_mode
 from ...errors import InputError
 from .. import binding, plans
-from ...blockmask.density import density_class
 from ..autotune import SHORT_KV
 from ..call import AttentionCall
 from ..kernels import generated_module
