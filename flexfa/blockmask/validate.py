@@ -126,8 +126,9 @@ def storage_signature(tensors, versions: bool = True):
     they are now: each one's storage, offset, shape, strides, dtype, device and, with
     ``versions``, version counter; aliases (views, ``detach()``, autograd's saved tensors)
     of the same memory have the same signature. None when a tensor is an inference tensor
-    (no version counter). A signature names its storages by address: it is only valid while
-    they live, which the weak references tell (``expired()``)."""
+    (no version counter) or has no plain storage (sparse, a tensor subclass's wrapper). A
+    signature names its storages by address: it is only valid while they live, which the weak
+    references tell (``expired()``)."""
     views, refs = [], []
     for tensor in tensors:
         if tensor is None:
@@ -135,9 +136,9 @@ def storage_signature(tensors, versions: bool = True):
             continue
         try:
             version = tensor._version if versions else None
-        except RuntimeError:
+            ref = StorageWeakRef(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
             return None
-        ref = StorageWeakRef(tensor.untyped_storage())
         refs.append(ref)
         views.append((ref.cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
                       tensor.dtype, tensor.device, version))

@@ -250,6 +250,20 @@ def test_aliases_of_checked_tables_need_no_check_until_edited_or_freed(monkeypat
     assert recorded and all(ref.expired() for ref in recorded)  # there is not taken for them
 
 
+def test_storage_signatures_of_aliases_match_and_odd_tensors_have_none():
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    same, other = validate.storage_signature([table]), validate.storage_signature([table[1:]])
+    assert validate.storage_signature([table.detach()[:]])[0] == same[0] != other[0]
+    table.add_(0)  # an edit moves the version
+    assert validate.storage_signature([table])[0] != same[0]
+    assert validate.storage_signature([table], versions=False)[0] == \
+        validate.storage_signature([table.detach()], versions=False)[0]
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    assert validate.storage_signature([frozen]) is None  # no version counter
+    assert validate.storage_signature([torch.zeros(3).to_sparse()]) is None  # no storage
+
+
 def test_inference_tensors_are_checked_on_every_call(monkeypatch):
     with torch.inference_mode():
         mask = _masks("flexfa")
