@@ -151,6 +151,8 @@ def record(signature_, query, key, score_mod, block_mask, call: AttentionCall) -
     if signature_ is None or abs(call.scale) > CHECKED_SCALE or call.sinks is not None \
             or call.dropout is not None or call.options is not signature_[1]:
         return
+    if capturing():  # what a capture computes exists only once the graph replays
+        return
     if call.score is not None and memoized(score_mod, SCORE_MOD) is not call.score:
         return
     state = mask = None

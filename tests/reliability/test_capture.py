@@ -2,8 +2,9 @@
 from a memo (a replay would run with today's values baked in, whatever the tables then hold)
 and nothing is read back to the host: the coarser mask of untileable blocks is built again
 (its ops are recorded, so each replay rebuilds it from the tables), the prepared call that
-holds one is not taken, the tuning's density class is not read, no config is timed, and the
-dS workspace, sized on the host from the tables, is refused. The capture is simulated on the CPU (each module's
+holds one is not taken (nor recorded), the tuning's density class is not read, no config is
+timed, a table check (a device-side assert run at replay) is not remembered, and the dS
+workspace, sized on the host from the tables, is refused. The capture is simulated on the CPU (each module's
 ``capturing``); tests/gpu/test_capture_gpu.py records real graphs and edits the tables."""
 import pytest
 import torch
@@ -78,3 +79,28 @@ def test_nothing_is_tuned_while_capturing(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "capturing", lambda: False)
     assert autotune.tune("capture-test", [(2,), (1,)], time_config, label=str) == (1,)
     assert timed == [(2,), (1,)]
+
+
+def test_a_check_inside_a_capture_is_not_remembered(monkeypatch):
+    """Inside a capture the table check is a device-side assert that runs at replay: the
+    tables are not remembered as checked (by the mask or by their storages), so the next call
+    outside the capture checks them; nor is a prepared call recorded."""
+    from flexfa.blockmask import validate
+    made = _mask()
+    mask = flexfa.BlockMask(made.seq_lengths, *(getattr(made, n).clone() for n in TABLES),
+                            BLOCK_SIZE=made.BLOCK_SIZE, mask_mod=made.mask_mod)  # unchecked
+    checks = []
+    original = validate.check_contents
+    monkeypatch.setattr(validate, "check_contents",
+                        lambda *a, **k: checks.append(a) or original(*a, **k))
+    monkeypatch.setattr(validate, "_capturing", lambda tensor: True)
+    monkeypatch.setattr(prepared, "capturing", lambda: True)
+    q = torch.randn(1, 1, L, 16)
+    entries = len(prepared.PREPARED)
+    flexfa.flex_attention(q, q, q, block_mask=mask)
+    assert len(checks) == 1 and validate.table_state(mask) is None
+    assert len(prepared.PREPARED) == entries  # no prepared call recorded
+    monkeypatch.setattr(validate, "_capturing", lambda tensor: False)
+    monkeypatch.setattr(prepared, "capturing", lambda: False)
+    validate.check_tables(mask, L, L)
+    assert len(checks) == 2 and validate.table_state(mask) is not None
