@@ -92,6 +92,12 @@ def keep_on_owner(owner) -> None:
     setattr(owner, _ON_OWNER, {})
 
 
+def _own_entries(owner) -> dict | None:
+    """The entries dict of an owner marked by ``keep_on_owner``, else None."""
+    attributes = getattr(owner, "__dict__", None)
+    return attributes.get(_ON_OWNER) if attributes is not None else None
+
+
 class OwnedMemo:
     """Entries kept per owner object, which is held only weakly: when the owner is collected,
     its entries go with it. At most ``owners`` owners (least recently used dropped first) and
@@ -107,8 +113,7 @@ class OwnedMemo:
         _ALL.add(self)
 
     def get(self, owner, key, default=None):
-        attributes = getattr(owner, "__dict__", None)
-        own = attributes.get(_ON_OWNER) if attributes is not None else None
+        own = _own_entries(owner)
         if own is not None:
             entries = own.get(self)
             return default if entries is None else entries.get(key, default)
@@ -129,7 +134,7 @@ class OwnedMemo:
         return value
 
     def put(self, owner, key, value) -> None:
-        own = getattr(owner, _ON_OWNER, None)
+        own = _own_entries(owner)
         if own is not None:
             if self not in own:
                 own[self] = BoundedMemo(self.per_owner, self.name, register=False)

@@ -26,7 +26,7 @@ from .autograd import (DOUBLE_BACKWARD_MESSAGE, joint_graph, poisoned_buffer_gra
                        run_forward)
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.create import create_block_mask
-from .blockmask.validate import TABLES, storage_signature
+from .blockmask.validate import TABLES, StorageRecords, storage_signature
 from .calls import attention_call
 from .decode import decode_call
 from .errors import InputError
@@ -123,7 +123,7 @@ _MASKS_PER_TABLE = 4
 # reference to the BlockMask made for them: the backward's saved tensors are new objects over
 # the forward's memory and find the forward's mask here (a dead reference is a miss; a live
 # mask holds its tables, so no other storage can have their addresses meanwhile)
-_BY_STORAGE = BoundedMemo(256, "graph block masks", register=False)
+_BY_STORAGE = StorageRecords(256, "graph block masks")
 
 
 def _block_mask(mods: str, entry: ModsEntry, mask_buffers, tables, block_size,
@@ -148,7 +148,8 @@ def _block_mask(mods: str, entry: ModsEntry, mask_buffers, tables, block_size,
                          mask_mod=TracedMaskMod(traced), traced_mask=traced)
         keep_on_owner(mask)
         if storage_key is not None:
-            _BY_STORAGE[storage_key] = weakref.ref(mask)
+            _BY_STORAGE.put(storage_key, signatures[0][1] + signatures[1][1],
+                            weakref.ref(mask))
     if kept is None or len(kept) >= _MASKS_PER_TABLE:
         kept = {}
         setattr(tables[1], _MASKS, kept)

@@ -4,20 +4,19 @@ the kernels' tuning ("dense": no mask; "sparse": under 30% visited; "masked": th
 Counting the visited tiles reads the tables back to the host: a device sync, which in the
 middle of a step stalls the host behind the GPU. The class is therefore kept on the mask
 object and, for masks rebuilt around the same tables (compiled graphs make one per call,
-around autograd's saved aliases of the tables in the backward), on the storage of its
-``kv_num_blocks`` table, keyed by the count tables' storage signature (storages, views,
-version counters: an in-place edit counts again). ``create_block_mask`` records it where it
+around autograd's saved aliases of the tables in the backward), by the count tables' storage
+signature (storages, views, version counters: an in-place edit counts again). ``create_block_mask`` records it where it
 already reads the tiles' classes, so a new mask's first call reads nothing. While a CUDA graph
 is captured nothing is read: the class is "masked" and not kept.
 """
 from __future__ import annotations
 
-from .validate import capturing, storage_signature
+from .validate import StorageRecords, capturing, storage_signature
 
 SPARSE_BELOW = 0.3  # visited share under which a mask is "sparse"
 _ON_MASK = "_flexfa_density_class"
-_ON_STORAGE = "_flexfa_density_classes"  # {count tables' signature: (class, storage refs)}
-_PER_STORAGE = 8
+# the count tables' storage signature -> their class
+_BY_STORAGE = StorageRecords(256, "density classes")
 
 
 def classify(visited: int, tiles: int) -> str:
@@ -32,37 +31,30 @@ def density_class(block_mask) -> str:
         return cached
     counts = _count_tables(block_mask)
     found = storage_signature(counts)
-    kept = getattr(counts[0].untyped_storage(), _ON_STORAGE, {}) if found else {}
-    hit = kept.get(found[0]) if found else None
-    if hit is not None and not any(ref.expired() for ref in hit[1]):
-        result = hit[0]
-    elif capturing():  # no device-to-host read inside a CUDA graph capture
-        return "masked"
-    else:
+    result = _BY_STORAGE.get(found[0]) if found is not None else None
+    if result is None:
+        if capturing():  # no device-to-host read inside a CUDA graph capture
+            return "masked"
         visited = counts[0].sum()
         for table in counts[1:]:
             visited = visited + table.sum()
         result = classify(int(visited), _tiles(block_mask))  # one device-to-host read
-    record(block_mask, result)
+    _keep(block_mask, result, found)
     return result
 
 
 def record(block_mask, result: str) -> None:
     """Keep ``result`` as the class of ``block_mask`` and of its count tables as they are."""
+    _keep(block_mask, result, storage_signature(_count_tables(block_mask)))
+
+
+def _keep(block_mask, result: str, found) -> None:
     try:
         setattr(block_mask, _ON_MASK, result)
     except AttributeError:  # a frozen or slotted mask object
         pass
-    counts = _count_tables(block_mask)
-    found = storage_signature(counts)
-    if found is None:  # inference tensors: edits unseen, nothing kept by storage
-        return
-    storage = counts[0].untyped_storage()
-    kept = getattr(storage, _ON_STORAGE, None)
-    if kept is None or len(kept) >= _PER_STORAGE:
-        kept = {}
-        setattr(storage, _ON_STORAGE, kept)
-    kept[found[0]] = (result, found[1])
+    if found is not None:  # else inference tensors: edits unseen, nothing kept by storage
+        _BY_STORAGE.put(found[0], found[1], result)
 
 
 def _count_tables(block_mask) -> list:

@@ -118,9 +118,28 @@ def check_tables(block_mask, L: int, S: int) -> None:
     _remember(block_mask, tables, geometry, state)
 
 
-# (geometry, each table's storage and view) -> the storages' weak references: tables checked
-# for a geometry, whoever held them (bounded; holds no table's memory)
-_CHECKED = BoundedMemo(256, "checked block-mask tables")
+class StorageRecords:
+    """Values kept by what tensors are (a key holding their ``storage_signature``), bounded,
+    holding no tensor's memory: a value is found only while every storage it was recorded
+    with lives, since a freed storage's address may be taken by a new one."""
+
+    def __init__(self, size: int, name: str):
+        self._memo = BoundedMemo(size, name)
+
+    def get(self, key, default=None):
+        found = self._memo.get(key)
+        if found is None or any(ref.expired() for ref in found[1]):
+            return default
+        return found[0]
+
+    def put(self, key, refs, value) -> None:
+        """Keep ``value`` under ``key`` while the storages of ``refs`` (the signature's weak
+        references) live."""
+        self._memo[key] = (value, refs)
+
+
+# (geometry, each table's storage and view): tables checked for a geometry, whoever held them
+_CHECKED = StorageRecords(256, "checked block-mask tables")
 
 
 def storage_signature(tensors, versions: bool = True):
@@ -159,17 +178,14 @@ def _storage_key(tables, geometry):
 def _record_checked(tables, geometry) -> None:
     found = _storage_key(tables, geometry)
     if found is not None:
-        _CHECKED[found[0]] = found[1]
+        _CHECKED.put(found[0], found[1], True)
 
 
 def _checked_before(tables, geometry) -> bool:
     """Whether tables with these storages, views and versions passed a check for
     ``geometry``, their storages still alive (a freed storage's address may be reused)."""
     found = _storage_key(tables, geometry)
-    if found is None:
-        return False
-    refs = _CHECKED.get(found[0])
-    return refs is not None and not any(ref.expired() for ref in refs)
+    return found is not None and _CHECKED.get(found[0], False)
 
 
 def checked_now(block_mask) -> bool:

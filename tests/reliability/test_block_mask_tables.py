@@ -246,8 +246,9 @@ def test_aliases_of_checked_tables_need_no_check_until_edited_or_freed(monkeypat
     assert validate._checked_before(tables, (fresh.BLOCK_SIZE, L, S))
     del fresh, tables
     assert all(ref.expired() for ref in refs)
-    recorded = validate._CHECKED.get(key)  # still recorded, its storages gone: a new table
-    assert recorded and all(ref.expired() for ref in recorded)  # there is not taken for them
+    recorded = validate._CHECKED._memo.get(key)  # still recorded, its storages gone: a new
+    assert recorded and all(ref.expired() for ref in recorded[1])  # table there is not taken
+    assert validate._CHECKED.get(key) is None  # for them
 
 
 def test_storage_signatures_of_aliases_match_and_odd_tensors_have_none():
