@@ -24,14 +24,20 @@
 # end; e: the decode benchmark and its picture; f: the compiled decode step with CUDA graphs,
 # the compiled training step; g: the compiled training step's device syncs (its GPU test), CUDA
 # graphs replaying edited and new masks, the step times (also with CUDA graphs) with and without
-# the slopes' gradient
+# the slopes' gradient; h: leaves the FA4 wheels' first half in /tmp/fa4 (carry .fa4a, from
+# ../shared/tools/fa4_wheels.sh), then Nsight Compute profiles of the Gluon forward (full,
+# causal, softcap) and the Gluon backward (causal) at E=128 S=16384 (benchmarks/ncu_case.py);
+# i: right after h (carry .fa4b), installs FA4, then the project benchmark at E=128 S=16384
+# with FlexAttention's FLASH backend and the Gluon backward as columns ($VARIANTS, default
+# full,causal,sliding,softcap); j: after i (FA4 still installed), the benchmark's other
+# variants at E=128, E=64 full and causal, and the S=65536 causal memory case
 # (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|e|f|g|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|e|f|g|h|i|j|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -265,6 +271,54 @@ if [ "$PART" = g ]; then  # the compiled training step after the graph's masks s
     --cudagraphs --frozen-slopes --json "$OUT/compiled_frozen.json"
   tail -n 3 "$OUT/model_syncs.log"; tail -n 12 "$OUT/capture.log"
   tail -n 6 "$OUT/compiled_model.log"; tail -n 6 "$OUT/compiled_frozen.log"
+fi
+if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
+  if [ -d .fa4a ]; then mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/; fi
+  mkdir -p "$OUT/ncu"
+  profile() {  # profile NAME KERNEL_REGEX NCU_CASE_ARGS...: one launch, every section
+    local name=$1 kernel=$2; shift 2
+    FLEXFA_AUTOTUNE=0 step "ncu_$name" 200 ncu --clock-control none --set full \
+      --import-source no -k "regex:$kernel" --launch-skip 1 --launch-count 1 \
+      -o "$OUT/ncu/$name" python benchmarks/ncu_case.py --calls 2 "$@"
+    ncu -i "$OUT/ncu/$name.ncu-rep" --page details --csv > "$OUT/ncu/$name.details.csv" 2>&1
+    ncu -i "$OUT/ncu/$name.ncu-rep" --page raw --csv > "$OUT/ncu/$name.raw.csv" 2>&1
+    ncu -i "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/ncu/$name.sass.csv" 2>&1
+  }
+  profile fwd_full flexfa_fwd_gluon --variant full --options '{"BACKEND": "GLUON"}'
+  profile fwd_causal flexfa_fwd_gluon --variant causal --options '{"BACKEND": "GLUON"}'
+  profile fwd_softcap flexfa_fwd_gluon --variant softcap --options '{"BACKEND": "GLUON"}'
+  profile bwd_causal flexfa_bwd_gluon --variant causal --backward \
+    --options '{"BACKEND": "GLUON", "GLUON_BACKWARD": true}'
+  (cd "$OUT" && tar czf ncu.tgz --remove-files ncu)
+  ls -la "$OUT"
+fi
+fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
+  if [ ! -d /tmp/fa4site ]; then
+    cat /tmp/fa4/part.aa .fa4b/part.ab > "/tmp/fa4/$(cat .fa4b/BIG_NAME)" && cp .fa4b/*.whl /tmp/fa4/ \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site \
+        /tmp/fa4/*.whl || echo "FA4 install failed"
+  fi
+  # the .pth of nvidia-cutlass-dsl is not read from a --target folder
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+}
+BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
+             --extra 'gluon_bwd={"GLUON_BACKWARD": true}')
+if [ "$PART" = i ]; then  # the project benchmark with FLASH as a column (issues 25, 26)
+  fa4_path
+  step bench128 540 "${BENCH_FLASH[@]}" --seqs 16384 --dims 128 \
+    --variants "${VARIANTS:-full,causal,sliding,softcap}" --out "$OUT/bench128"
+  tail -n 24 "$OUT/bench128.log"
+fi
+if [ "$PART" = j ]; then
+  fa4_path
+  step bench128b 300 "${BENCH_FLASH[@]}" --seqs 16384 --dims 128 \
+    --variants "${VARIANTS:-alibi,document,prefix}" --out "$OUT/bench128b"
+  step bench64 200 "${BENCH_FLASH[@]}" --seqs 16384 --dims 64 --variants full,causal \
+    --out "$OUT/bench64"
+  step bench_long 90 "${BENCH_FLASH[@]}" --seqs 65536 --dims 128 --heads 8 --tokens 65536 \
+    --variants causal --passes fwd+bwd --out "$OUT/bench_long"
+  for f in bench128b bench64 bench_long; do tail -n 14 "$OUT/$f.log"; done
 fi
 if [ "$PART" = c ] || [ "$PART" = all ]; then
   step memory 50 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_memory_gpu.py

@@ -2,7 +2,11 @@
 
 Every case is checked against FlexAttention before it is timed; times are medians of
 ``triton.testing.do_bench``; FLOPs are 4*B*H*L*S*E times the block density of the mask (from
-torch's own BlockMask, so both sides are charged the same work), x3.5 for fwd+bwd.
+torch's own BlockMask, so both sides are charged the same work), x3.5 for fwd+bwd. Each row
+also has the call's peak extra memory (``peak_mib``: the allocator's peak during one warm call,
+less what was allocated before it). ``--flash`` adds FlexAttention's FLASH backend (FA4, whose
+wheels must be importable) as the column ``flex-flash``; ``--extra LABEL=JSON`` adds flexfa with
+those kernel_options as the column LABEL.
 Writes ``results.json`` (with GPU name, versions, date and commit) and ``results.png``.
 """
 from __future__ import annotations
@@ -37,6 +41,44 @@ def _time(fn, q, k, v, bwd: bool, rep: int) -> float:
     def step():
         fn(q, k, v).backward(do)
     return do_bench(step, warmup=25, rep=rep, return_mode="median", grad_to_none=[q, k, v])
+
+
+def _peak_mib(fn, q, k, v, bwd: bool) -> float:
+    """The allocator's peak during one warm call (and its backward), less what was allocated
+    before it, in MiB: out, the gradients and whatever the implementation keeps or scratches."""
+    import torch
+
+    do = torch.randn_like(q)
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(q, k, v)
+    if bwd:
+        out.backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    for t in (q, k, v):
+        t.grad = None
+    return peak / 2 ** 20
+
+
+def parse_extra(items) -> dict:
+    """``--extra LABEL=JSON`` items as {label: kernel_options}; a clear error for bad ones."""
+    extra = {}
+    for item in items or ():
+        label, sep, text = item.partition("=")
+        if not sep or not label:
+            raise ValueError(f"--extra takes LABEL=JSON (kernel_options), got {item!r}")
+        if label in ("flexfa", "flex", "flex-flash", "sdpa-cudnn", "sdpa-flash"):
+            raise ValueError(f"--extra label {label!r} names a column the benchmark has already")
+        options = json.loads(text)
+        if not isinstance(options, dict):
+            raise ValueError(f"--extra {label}: kernel_options must be a JSON object, got {text!r}")
+        extra[label] = options
+    return extra
 
 
 def _relerr(a, b) -> float:
@@ -109,6 +151,16 @@ def run(args) -> dict:
                     return compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm)
 
                 impls = {"flexfa": fa_fn, "flex": flex_fn}
+                for label, options in parse_extra(args.extra).items():
+                    def extra_fn(q, k, v, score_mod=score_mod, fbm=fbm, options=options):
+                        return flexfa.flex_attention(q, k, v, score_mod=score_mod,
+                                                     block_mask=fbm, kernel_options=options)
+                    impls[label] = extra_fn
+                if args.flash:
+                    def flash_fn(q, k, v, score_mod=score_mod, tbm=tbm):
+                        return compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm,
+                                             kernel_options={"BACKEND": "FLASH"})
+                    impls["flex-flash"] = flash_fn
                 if name in ("full", "causal"):
                     for label, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                                            ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
@@ -131,7 +183,9 @@ def run(args) -> dict:
                                              pass_=pass_name, error=repr(exc)[:200]))
                             continue
                         first[label] = time.perf_counter() - t0
-                    check = _check(fa_fn, flex_fn, q, k, v, bwd) if "flex" in first else {}
+                    # every column against FlexAttention's Triton backend, on the same inputs
+                    checks = {label: _check(impls[label], flex_fn, q, k, v, bwd)
+                              for label in first if label != "flex" and "flex" in first}
                     for label, fn in impls.items():
                         if label not in first:
                             continue
@@ -139,15 +193,18 @@ def run(args) -> dict:
                         flops = 4 * B * H * S * S * D * density * (3.5 if bwd else 1.0)
                         row = dict(impl=label, variant=name, S=S, D=D, B=B, H=H, pass_=pass_name,
                                    ms=ms, tflops=flops / ms / 1e9, density=density,
-                                   first_call_s=first[label])
+                                   first_call_s=first[label],
+                                   peak_mib=_peak_mib(fn, q, k, v, bwd))
+                        row.update(checks.get(label, {}))
                         if label == "flexfa":
-                            row.update(check, blockmask_ms=fa_bm_ms)
+                            row.update(blockmask_ms=fa_bm_ms)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                     _save_partial(args, meta, rows)
             del q, k, v
             torch.cuda.empty_cache()
-    return {"meta": meta, "rows": rows, "summary": summarize(rows)}
+    return {"meta": meta, "rows": rows, "summary": summarize(rows),
+            "peers": summarize_peers(rows)}
 
 
 def _save_partial(args, meta, rows) -> None:
@@ -158,29 +215,36 @@ def _save_partial(args, meta, rows) -> None:
                   indent=1)
 
 
-def case_speedups(rows) -> dict:
-    """{pass: [dict(variant, S, D, speedup)]}: FlexAttention's time over flexfa's for every
-    case that has both."""
+def case_speedups(rows, peer: str = "flex") -> dict:
+    """{pass: [dict(variant, S, D, speedup)]}: the peer's time (FlexAttention's by default)
+    over flexfa's for every case that has both."""
     by_case = {}
     for r in rows:
         if "ms" in r:
             by_case.setdefault((r["variant"], r["S"], r["D"], r["pass_"]), {})[r["impl"]] = r["ms"]
     speedups = {}
     for (variant, S, D, pass_), times in by_case.items():
-        if "flexfa" in times and "flex" in times:
+        if "flexfa" in times and peer in times:
             speedups.setdefault(pass_, []).append(
-                dict(variant=variant, S=S, D=D, speedup=times["flex"] / times["flexfa"]))
+                dict(variant=variant, S=S, D=D, speedup=times[peer] / times["flexfa"]))
     return speedups
 
 
-def summarize(rows) -> dict:
-    """Speedup of flexfa over FlexAttention per case, and the geometric means per pass."""
+def summarize(rows, peer: str = "flex") -> dict:
+    """Speedup of flexfa over the peer (FlexAttention by default) per case, and the geometric
+    means per pass."""
     summary = {}
-    for pass_, items in case_speedups(rows).items():
+    for pass_, items in case_speedups(rows, peer).items():
         geo = math.exp(sum(math.log(i["speedup"]) for i in items) / len(items))
         worst = min(items, key=lambda i: i["speedup"])
         summary[pass_] = dict(geomean_speedup=geo, worst=worst, cases=len(items))
     return summary
+
+
+def summarize_peers(rows) -> dict:
+    """{peer: summarize(rows, peer)} for every column other than flexfa's."""
+    peers = dict.fromkeys(r["impl"] for r in rows if "ms" in r and r["impl"] != "flexfa")
+    return {peer: summarize(rows, peer) for peer in peers}
 
 
 def print_table(result: dict) -> None:
@@ -204,6 +268,33 @@ def print_table(result: dict) -> None:
         w = s["worst"]
         print(f"{pass_}: geomean speedup over FlexAttention {s['geomean_speedup']:.3f}x over "
               f"{s['cases']} cases; worst {w['speedup']:.2f}x ({w['variant']} S={w['S']} D={w['D']})")
+    print_peers(rows)
+
+
+def print_peers(rows) -> None:
+    """One line per case: each column's time and its time over flexfa's (> 1: flexfa faster),
+    and each column's peak extra memory."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows if "ms" in r))
+    if len(impls) <= 2:
+        return
+    cases = {}
+    for r in rows:
+        if "ms" in r:
+            cases.setdefault((r["variant"], r["S"], r["D"], r["pass_"]), {})[r["impl"]] = r
+    print("\nms (time over flexfa's) / peak extra MiB")
+    print(f"{'variant':9} {'S':>6} {'D':>4} {'pass':8} " + " ".join(f"{i:>24}" for i in impls))
+    for (variant, S, D, pass_), by_impl in cases.items():
+        base = by_impl.get("flexfa", {}).get("ms")
+        cells = []
+        for impl in impls:
+            r = by_impl.get(impl)
+            if r is None:
+                cells.append(f"{'-':>24}")
+                continue
+            ratio = f" ({r['ms'] / base:.2f}x)" if base else ""
+            mib = f" / {r['peak_mib']:.0f}" if "peak_mib" in r else ""
+            cells.append(f"{r['ms']:.3f}{ratio}{mib}".rjust(24))
+        print(f"{variant:9} {S:6} {D:4} {pass_:8} " + " ".join(cells))
 
 
 def plot(result: dict, path: str) -> None:
@@ -248,9 +339,17 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
     parser.add_argument("--out", default=config.environment("OUT", "."))
+    parser.add_argument("--flash", action="store_true",
+                        help="add FlexAttention's FLASH backend (FA4 wheels importable) as a column")
+    parser.add_argument("--extra", action="append", metavar="LABEL=JSON",
+                        help="add flexfa with these kernel_options as column LABEL (repeatable)")
     parser.add_argument("--fp8", action="store_true",
                         help="also time the FP8 forward (flexfa.fp8.bench) on the same grid")
     args = parser.parse_args(argv)
+    try:
+        parse_extra(args.extra)
+    except ValueError as exc:
+        parser.error(str(exc))
     import torch
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU", file=sys.stderr)

@@ -72,3 +72,35 @@ def test_merged_results_list_each_target_with_its_margin_and_why_it_was_missed()
     assert not worst["met"] and worst["measured"] == round(8.8 / 9.0, 3)
     assert got["fwd softcap+causal worst speedup"]["met"]
     assert "fwd+bwd softcap+causal worst speedup" not in got  # no softcap fwd+bwd rows
+
+
+def test_peers_are_summarized_and_tabled_with_memory(capsys):
+    rows = [_row("flexfa", "full", 2.0), _row("flex", "full", 3.0),
+            _row("flex-flash", "full", 1.6), _row("sdpa-cudnn", "full", 2.2),
+            _row("flexfa", "causal", 1.0), _row("flex-flash", "causal", 0.8)]
+    for r, mib in zip(rows, (258, 258, 300, 386, 130, 150)):
+        r["peak_mib"] = mib
+    peers = bench.summarize_peers(rows)
+    assert list(peers) == ["flex", "flex-flash", "sdpa-cudnn"]
+    flash = peers["flex-flash"]["fwd"]
+    assert flash["cases"] == 2 and math.isclose(flash["geomean_speedup"], math.sqrt(0.8 * 0.8))
+    assert flash["worst"]["variant"] in ("full", "causal")
+    bench.print_peers(rows)
+    out = capsys.readouterr().out
+    assert "1.600 (0.80x) / 300" in out and "2.200 (1.10x) / 386" in out
+    causal_line = next(line for line in out.splitlines() if line.startswith("causal"))
+    assert "-" in causal_line.split()  # no FlexAttention row for causal
+
+
+def test_extra_columns_are_parsed_and_bad_ones_named():
+    assert bench.parse_extra(['gbwd={"GLUON_BACKWARD": true}']) == {
+        "gbwd": {"GLUON_BACKWARD": True}}
+    assert bench.parse_extra(None) == {}
+    for bad, words in (("gbwd", "LABEL=JSON"), ('flex={"A": 1}', "'flex'"),
+                       ("x=[1]", "JSON object")):
+        try:
+            bench.parse_extra([bad])
+        except ValueError as exc:
+            assert words in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
