@@ -30,14 +30,16 @@
 # i: right after h (carry .fa4b), installs FA4, then the project benchmark at E=128 S=16384
 # with FlexAttention's FLASH backend and the Gluon backward as columns ($VARIANTS, default
 # full,causal,sliding,softcap); j: after i (FA4 still installed), the benchmark's other
-# variants at E=128, E=64 full and causal, and the S=65536 causal memory case
+# variants at E=128, E=64 full and causal, and the S=65536 causal memory case; k: the Gluon
+# forward at E=256 (its GPU tests, then the benchmark at E=256 with it forced as a column, 3
+# rounds), leaving the FA4 wheels' first half in /tmp/fa4 as h does (carry .fa4a)
 # (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|e|f|g|h|i|j|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|e|f|g|h|i|j|k|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -293,6 +295,13 @@ if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
   (cd "$OUT" && tar czf ncu.tgz --remove-files ncu)
   ls -la "$OUT"
 fi
+if [ "$PART" = k ]; then  # the Gluon forward at E = 256 (issues 25, 28)
+  if [ -d .fa4a ]; then mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/; fi
+  step gluon256 240 $SHARD/gluon256 -- -m gpu -rfE tests/gpu/test_gluon_gpu.py -k d256
+  step bench256 300 python -m flexfa bench --rep 40 --rounds 3 --seqs 16384 --dims 256 \
+    --variants full,causal,softcap --extra 'gluon={"BACKEND": "GLUON"}' --out "$OUT/bench256"
+  tail -n 3 "$OUT/gluon256.log"; tail -n 16 "$OUT/bench256.log"
+fi
 fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
   if [ ! -d /tmp/fa4site ]; then
     cat /tmp/fa4/part.aa .fa4b/part.ab > "/tmp/fa4/$(cat .fa4b/BIG_NAME)" && cp .fa4b/*.whl /tmp/fa4/ \
@@ -306,7 +315,7 @@ BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')
 if [ "$PART" = i ]; then  # the project benchmark with FLASH as a column (issues 25, 26)
   fa4_path
-  step bench128 540 "${BENCH_FLASH[@]}" --seqs 16384 --dims 128 \
+  step bench128 540 "${BENCH_FLASH[@]}" --rounds "${ROUNDS:-1}" --seqs 16384 --dims 128 \
     --variants "${VARIANTS:-full,causal,sliding,softcap}" --out "$OUT/bench128"
   tail -n 24 "$OUT/bench128.log"
 fi

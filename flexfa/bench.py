@@ -2,7 +2,8 @@
 
 Every case is checked against FlexAttention before it is timed; times are medians of
 ``triton.testing.do_bench``; FLOPs are 4*B*H*L*S*E times the block density of the mask (from
-torch's own BlockMask, so both sides are charged the same work), x3.5 for fwd+bwd. Each row
+torch's own BlockMask, so both sides are charged the same work), x3.5 for fwd+bwd. ``--rounds``
+times the columns in turn that many times (a row's ms is the median of its rounds). Each row
 also has the call's peak extra memory (``peak_mib``: the allocator's peak during one warm call,
 less what was allocated before it). ``--flash`` adds FlexAttention's FLASH backend (FA4, whose
 wheels must be importable) as the column ``flex-flash``; ``--extra LABEL=JSON`` adds flexfa with
@@ -15,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -30,17 +32,21 @@ def _ceilings():
     return {"bf16_matmul_tflops": 2 * 8192 ** 3 / ms / 1e9}
 
 
+WARMUP_MS = 100  # do_bench's warm-up: long enough for the clocks to leave an idle pause
+
+
 def _time(fn, q, k, v, bwd: bool, rep: int) -> float:
     import torch
     from triton.testing import do_bench
 
     if not bwd:
-        return do_bench(lambda: fn(q, k, v), warmup=25, rep=rep, return_mode="median")
+        return do_bench(lambda: fn(q, k, v), warmup=WARMUP_MS, rep=rep, return_mode="median")
     do = torch.randn_like(q)
 
     def step():
         fn(q, k, v).backward(do)
-    return do_bench(step, warmup=25, rep=rep, return_mode="median", grad_to_none=[q, k, v])
+    return do_bench(step, warmup=WARMUP_MS, rep=rep, return_mode="median",
+                    grad_to_none=[q, k, v])
 
 
 def _peak_mib(fn, q, k, v, bwd: bool) -> float:
@@ -186,14 +192,19 @@ def run(args) -> dict:
                     # every column against FlexAttention's Triton backend, on the same inputs
                     checks = {label: _check(impls[label], flex_fn, q, k, v, bwd)
                               for label in first if label != "flex" and "flex" in first}
-                    for label, fn in impls.items():
-                        if label not in first:
-                            continue
-                        ms = _time(fn, q, k, v, bwd, args.rep)
+                    # rounds over the columns in turn: a GPU's clocks move with its power
+                    # and heat, so no column is always timed first after the checks' pause
+                    timed = {label: [] for label in impls if label in first}
+                    for _ in range(args.rounds):
+                        for label in timed:
+                            timed[label].append(_time(impls[label], q, k, v, bwd, args.rep))
+                    for label, rounds in timed.items():
+                        fn = impls[label]
+                        ms = statistics.median(rounds)
                         flops = 4 * B * H * S * S * D * density * (3.5 if bwd else 1.0)
                         row = dict(impl=label, variant=name, S=S, D=D, B=B, H=H, pass_=pass_name,
-                                   ms=ms, tflops=flops / ms / 1e9, density=density,
-                                   first_call_s=first[label],
+                                   ms=ms, ms_rounds=rounds, tflops=flops / ms / 1e9,
+                                   density=density, first_call_s=first[label],
                                    peak_mib=_peak_mib(fn, q, k, v, bwd))
                         row.update(checks.get(label, {}))
                         if label == "flexfa":
@@ -338,6 +349,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timing rounds over the columns in turn; a row's ms is the median "
+                             "of its rounds' medians")
     parser.add_argument("--out", default=config.environment("OUT", "."))
     parser.add_argument("--flash", action="store_true",
                         help="add FlexAttention's FLASH backend (FA4 wheels importable) as a column")

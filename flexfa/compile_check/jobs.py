@@ -208,6 +208,9 @@ register("fwd_gluon_d128_bf16_causal", gluon_job(128, "bf16", mask_mod=_causal),
 register("fwd_gluon_d128_fp16_softcap_causal",
          gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True),
          archs=(90,))
+register("fwd_gluon_d256_bf16_dense", gluon_job(256, "bf16", block_n=64), archs=(90,))
+register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=_causal, block_n=64),
+         archs=(90,))
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                    num_stages=3), archs=(90,))

@@ -16,7 +16,8 @@ from flexfa.codegen.gluon import GLUON_TILE, gluon_kernel
 from flexfa.frontend.trace import MASK_MOD, SCORE_MOD, trace
 from flexfa.runtime import registry
 from flexfa.runtime.call import AttentionCall
-from flexfa.runtime.families.gluon import GLUON, gluon_spec
+from flexfa.runtime.families.gluon import GLUON, SHARED_BYTES, gluon_spec, shared_bytes
+from flexfa.runtime.families.gluon_bwd import why_not_gluon_bwd
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
@@ -102,8 +103,8 @@ def test_auto_takes_gluon_for_short_queries_where_its_grid_fills_the_sms(B, H, L
 
 
 @pytest.mark.parametrize("make, reason", [
-    (lambda: _qkv(E=96), "head dims 64 or 128"),
-    (lambda: _qkv(E=256), "head dims 64 or 128"),
+    (lambda: _qkv(E=96), "head dims 64 or 128 or 256"),
+    (lambda: _qkv(E=256)[:2] + _qkv(E=128)[2:], "q, k and v alike"),
     (lambda: _qkv(dtype=torch.float32), "fp16/bf16"),
     (lambda: tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv()), "aligned"),
 ])
@@ -129,6 +130,27 @@ def test_gluon_block_mask_blocks_and_pinned_tiles():
         gluon_spec(q, k, v, _call({**FORCED, "BLOCK_N": 128}, mask), SM90, True, False)
     dense = gluon_spec(*_qkv(L=200, E=64), _call(FORCED), SM90, False, True)
     assert (dense.block_n, dense.num_stages, dense.even_l, dense.even_s) == (128, 3, False, False)
+
+
+def test_head_dim_256_takes_64_key_tiles_and_overfull_pins_are_named():
+    """E = 256: 64-key tiles in a 2-stage ring (193 KB of shared memory); pins that would not
+    fit sm_90's 227 KB fail before any compile, naming the options and the defaults."""
+    q, k, v = _qkv(E=256)
+    assert GLUON.why_not(SM90, _call(FORCED), q, k, v) is None
+    spec = gluon_spec(q, k, v, _call(FORCED), SM90, True, False)
+    assert (spec.head_dim, spec.block_n, spec.num_stages) == (256, 64, 2)
+    assert shared_bytes(256, 64, 2, False) <= SHARED_BYTES < shared_bytes(256, 64, 3, False)
+    for options, words in (({"BLOCK_N": 128}, "BLOCK_N=128, num_stages=2 needs 324 KB"),
+                           ({"num_stages": 3}, "BLOCK_N=64, num_stages=3 needs 260 KB"),
+                           ({"GLUON_TMA_STORE": True}, "GLUON_TMA_STORE needs 260 KB")):
+        with pytest.raises(flexfa.InputError, match=words) as info:
+            gluon_spec(q, k, v, _call({**FORCED, **options}), SM90, True, False)
+        assert "BLOCK_N=64, num_stages=2)" in str(info.value)
+    # E = 128 keeps what ran on the H200, and its third stage does not fit
+    assert shared_bytes(128, 128, 2, True) <= SHARED_BYTES < shared_bytes(128, 128, 3, False)
+    # the Gluon backward stays at 64 and 128
+    call = _call({**FORCED, "GLUON_BACKWARD": True})
+    assert "head dims 64 or 128 (" in why_not_gluon_bwd(SM90, call, q, k, v)
 
 
 def test_cpu_tensors_say_why_gluon_cannot_run():
@@ -185,7 +207,8 @@ def test_gluon_key_covers_stages_and_mods():
     q, k, v = _qkv()
     call = _call(FORCED)
     two = gluon_spec(q, k, v, call, SM90, False, False)
-    three = gluon_spec(q, k, v, _call({**FORCED, "num_stages": 3}), SM90, False, False)
+    three = gluon_spec(q, k, v, _call({**FORCED, "num_stages": 3, "BLOCK_N": 64}), SM90, False,
+                       False)
     biased = _call(FORCED, score_mod=_bias_of_head())
     names = {gluon_kernel(two, None, None).name, gluon_kernel(three, None, None).name,
              gluon_kernel(two, biased.score, None).name}

@@ -84,6 +84,12 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
     "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
     "empty_rows": (1, 2, 2, 384, 384, 128, lambda h, d: (None, _empty_prefix)),
+    # E = 256: 64-key tiles, a 64 x 256 accumulator per consumer warpgroup
+    "dense_d256": (1, 4, 4, 1000, 1000, 256, lambda h, d: (None, None)),
+    "causal_d256": (2, 4, 4, 1024, 1024, 256, lambda h, d: (None, mods.causal)),
+    "softcap_causal_d256": (1, 4, 4, 768, 768, 256,
+                            lambda h, d: (mods.softcap(30.0), mods.causal)),
+    "document_d256": (1, 4, 4, 1000, 1000, 256, _document([300, 200, 500])),
 }
 # more work tiles than the H200's 132 SMs: each persistent program walks several (plain and
 # ping-pong run them too)

@@ -36,10 +36,13 @@ from .ampere import int64_nodes, sm_count, wants_split
 from .hopper import descriptor_layout_ok, geometry
 
 BLOCK_M = CONSUMERS * CONSUMER_ROWS
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # (BLOCK_N, ring depth) per head dim: K and V rings plus Q fit the H200's 227 KB of shared
-# memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V)
-DEFAULT_TILES = {64: (128, 3), 128: (128, 2)}
+# memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V; E = 256: 64 KB of Q, 2 x 2
+# stages x 32 KB of 64-key tiles; 128-key tiles there spill the consumers' 240 registers: a
+# 64 x 256 fp32 accumulator is 128 of them)
+DEFAULT_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+SHARED_BYTES = 227 * 1024  # sm_90's shared memory per block
 FIXED_SMS = 132  # the H100/H200's SMs: a plan made without a GPU (compile tests, CPU tests)
 
 
@@ -89,10 +92,10 @@ def _why_not_auto(call: AttentionCall, q, k, sms: int) -> str | None:
     return None
 
 
-def why_not_gluon(target: Target, call: AttentionCall, q, k, v,
-                  blocks: tuple[int, int]) -> str | None:
+def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[int, int],
+                  head_dims: tuple[int, ...] = HEAD_DIMS) -> str | None:
     """Why a Gluon kernel (the forward's or the backward's) cannot take this call: it runs
-    compiled on sm_90 only, on fp16/bf16 q, k, v with head dims ``HEAD_DIMS`` alike in the
+    compiled on sm_90 only, on fp16/bf16 q, k, v with head dims ``head_dims`` alike in the
     tensor-descriptor layout, and walks block masks whose (q, kv) blocks are multiples of its
     ``blocks``."""
     if target.interpret:
@@ -101,8 +104,8 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v,
     if not target.is_sm90:
         return f"it runs on sm_90, not {target}"
     E, Ev = q.shape[3], v.shape[3]
-    if E != Ev or E not in HEAD_DIMS:
-        return f"it needs head dims {' or '.join(map(str, HEAD_DIMS))} (q, k and v alike), " \
+    if E != Ev or E not in head_dims:
+        return f"it needs head dims {' or '.join(map(str, head_dims))} (q, k and v alike), " \
                f"not E={E}, Ev={Ev}"
     sparse_q, sparse_kv = mask_blocks(call.block_mask)
     if sparse_q is not None and (sparse_q % blocks[0] or sparse_kv % blocks[1]):
@@ -126,7 +129,25 @@ def gluon_tiles(call: AttentionCall, head_dim: int) -> tuple[int, int]:
     if sparse_kv is not None and (sparse_kv % block_n or block_n < 64):
         raise InputError(f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; "
                          f"kernel_options BLOCK_N={block_n} must divide it and be >= 64")
-    return block_n, options.num_stages or stages
+    stages = options.num_stages or stages
+    need = shared_bytes(head_dim, block_n, stages, call.options.gluon_tma_store)
+    if need > SHARED_BYTES:
+        raise InputError(
+            f"the Gluon forward at head dim {head_dim} with BLOCK_N={block_n}, num_stages="
+            f"{stages}{', GLUON_TMA_STORE' if call.options.gluon_tma_store else ''} needs "
+            f"{need // 1024} KB of shared memory, more than sm_90's {SHARED_BYTES // 1024} KB: "
+            f"pin fewer stages or a smaller BLOCK_N in kernel_options (the default at this "
+            f"head dim is BLOCK_N={DEFAULT_TILES[head_dim][0]}, num_stages="
+            f"{DEFAULT_TILES[head_dim][1]})")
+    return block_n, stages
+
+
+def shared_bytes(head_dim: int, block_n: int, stages: int, tma_store: bool) -> int:
+    """fwd_gluon.tmpl's shared memory (16-bit elements): the program's Q, the K and V rings,
+    out's staging buffer with the TMA store, and 4 KB for the barriers and the compiler's
+    scratch (Triton 3.6 allocated 3.2 KB more than the buffers at E = 128 and 256)."""
+    rows = BLOCK_M * head_dim * (2 if tma_store else 1)
+    return 2 * (rows + 2 * stages * block_n * head_dim) + 4096
 
 
 def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,

@@ -37,7 +37,7 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     """Why the Gluon backward does not run this call (None: it does)."""
     if not call.options.gluon_backward:
         return "it is opt-in (kernel_options GLUON_BACKWARD=True): it is not timed on a GPU yet"
-    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N))
+    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N), tuple(DEFAULT_STAGES))
     if reason is not None:
         return reason
     joint = joint_graph(call.score)
