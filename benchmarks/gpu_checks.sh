@@ -32,14 +32,17 @@
 # full,causal,sliding,softcap); j: after i (FA4 still installed), the benchmark's other
 # variants at E=128, E=64 full and causal, and the S=65536 causal memory case; k: the Gluon
 # forward at E=256 (its GPU tests, then the benchmark at E=256 with it forced as a column, 3
-# rounds), leaving the FA4 wheels' first half in /tmp/fa4 as h does (carry .fa4a)
+# rounds), leaving the FA4 wheels' first half in /tmp/fa4 as h does (carry .fa4a); l: the
+# MUFU rates of tanh and ex2 (experiments/mufu_rate.py), the Gluon forward by default at
+# E=256 (GPU test), E=256 short and sparse classes against the Hopper family, the head-dim
+# benchmark (issue 28)
 # (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|e|f|g|h|i|j|k|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|e|f|g|h|i|j|k|l|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -301,6 +304,18 @@ if [ "$PART" = k ]; then  # the Gluon forward at E = 256 (issues 25, 28)
   step bench256 300 python -m flexfa bench --rep 40 --rounds 3 --seqs 16384 --dims 256 \
     --variants full,causal,softcap --extra 'gluon={"BACKEND": "GLUON"}' --out "$OUT/bench256"
   tail -n 3 "$OUT/gluon256.log"; tail -n 16 "$OUT/bench256.log"
+fi
+if [ "$PART" = l ]; then
+  step mufu 60 python benchmarks/experiments/mufu_rate.py
+  step auto256 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/gpu/test_gluon_gpu.py -k auto_takes_gluon_where
+  step bench256b 200 python -m flexfa bench --rep 40 --rounds 2 --seqs 2048,16384 --dims 256 \
+    --variants causal,document --extra 'gluon={"BACKEND": "GLUON"}' \
+    --extra 'hopper={"BACKEND": "HOPPER"}' --out "$OUT/bench256b"
+  FLEXFA_AUTOTUNE=0 step headdim 170 python benchmarks/headdim_bench.py "$OUT/headdim.json" \
+    --budget 150
+  cat "$OUT/mufu.log"; tail -n 3 "$OUT/auto256.log"; tail -n 12 "$OUT/bench256b.log"
+  tail -n 30 "$OUT/headdim.log"
 fi
 fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
   if [ ! -d /tmp/fa4site ]; then

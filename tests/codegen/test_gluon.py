@@ -61,6 +61,10 @@ def _window(b, h, q_idx, kv_idx):
     (2048, 128, mods.causal, None, "hopper"),  # masked, short: 0.91x
     (8192, 128, _window, None, "hopper"),    # sparse: 0.87-0.99x
     (16384, 64, None, None, "hopper"),       # E = 64: 0.77-1.02x
+    (16384, 256, None, None, "gluon"),       # E = 256 dense, long: 2.21x
+    (8192, 256, mods.causal, None, "gluon"),  # E = 256 masked, long: 2.31-2.36x
+    (2048, 256, None, None, "hopper"),       # E = 256 short: not measured
+    (8192, 256, _window, None, "hopper"),    # E = 256 sparse: not measured
     (1024, 128, None, None, "hopper"),       # shorter than measured
     (2048, 128, None, {"BLOCK_N": 64}, "hopper"),  # tiles pinned for the Hopper family
     (2048, 128, None, {"BACKEND": "HOPPER"}, "hopper"),
