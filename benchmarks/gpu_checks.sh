@@ -35,14 +35,16 @@
 # rounds), leaving the FA4 wheels' first half in /tmp/fa4 as h does (carry .fa4a); l: the
 # MUFU rates of tanh and ex2 (experiments/mufu_rate.py), the Gluon forward by default at
 # E=256 (GPU test), E=256 short and sparse classes against the Hopper family, the head-dim
-# benchmark (issue 28)
+# benchmark (issue 28); m: E=256 short dense by default (GPU test, benchmark against the
+# Hopper family), the Gluon forward's ping-pong and persistent grid on softcap and causal
+# (3 rounds)
 # (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|e|f|g|h|i|j|k|l|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -316,6 +318,18 @@ if [ "$PART" = l ]; then
     --budget 150
   cat "$OUT/mufu.log"; tail -n 3 "$OUT/auto256.log"; tail -n 12 "$OUT/bench256b.log"
   tail -n 30 "$OUT/headdim.log"
+fi
+if [ "$PART" = m ]; then
+  step auto256 150 python -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/gpu/test_gluon_gpu.py -k "auto_takes_gluon_where and 256"
+  step bench256c 100 python -m flexfa bench --rep 40 --rounds 2 --seqs 2048 --dims 256 \
+    --variants full --extra 'hopper={"BACKEND": "HOPPER"}' --out "$OUT/bench256c"
+  step softcap_options 150 python -m flexfa bench --rep 40 --rounds 3 --seqs 16384 \
+    --dims 128 --variants causal,softcap --passes fwd \
+    --extra 'pingpong={"GLUON_PINGPONG": true}' \
+    --extra 'persist_pp={"GLUON_PERSISTENT": true, "GLUON_PINGPONG": true}' \
+    --out "$OUT/softcap_options"
+  tail -n 3 "$OUT/auto256.log"; tail -n 5 "$OUT/bench256c.log"; tail -n 6 "$OUT/softcap_options.log"
 fi
 fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
   if [ ! -d /tmp/fa4site ]; then

@@ -41,7 +41,7 @@ def main():
                                warmup=50, rep=200, return_mode="median")
     ops = programs * 1024 * ITERS
     for name, ms in times.items():
-        print(f"{name:5} {ms:8.3f} ms  {ops / ms / 1e9 / sms:8.2f} G elem-steps/s per SM")
+        print(f"{name:5} {ms:8.3f} ms  {ops / ms / 1e6 / sms:8.2f} G elem-steps/s per SM")
     mufu = {k: times[k] - times["ffma"] for k in ("tanh", "ex2")}
     print(f"MUFU time beyond the FFMA loop: tanh {mufu['tanh']:.3f} ms, ex2 {mufu['ex2']:.3f} ms,"
           f" tanh / ex2 = {mufu['tanh'] / mufu['ex2']:.2f}")
