@@ -63,8 +63,9 @@ def _window(b, h, q_idx, kv_idx):
     (16384, 64, None, None, "hopper"),       # E = 64: 0.77-1.02x
     (16384, 256, None, None, "gluon"),       # E = 256 dense, long: 2.21x
     (8192, 256, mods.causal, None, "gluon"),  # E = 256 masked, long: 2.31-2.36x
-    (2048, 256, None, None, "hopper"),       # E = 256 short: not measured
-    (8192, 256, _window, None, "hopper"),    # E = 256 sparse: not measured
+    (2048, 256, mods.causal, None, "gluon"),  # E = 256 masked, short: 2.06x
+    (8192, 256, _window, None, "gluon"),     # E = 256 sparse: 1.98-2.0x
+    (1024, 256, None, None, "hopper"),       # E = 256 shorter than measured
     (1024, 128, None, None, "hopper"),       # shorter than measured
     (2048, 128, None, {"BLOCK_N": 64}, "hopper"),  # tiles pinned for the Hopper family
     (2048, 128, None, {"BACKEND": "HOPPER"}, "hopper"),

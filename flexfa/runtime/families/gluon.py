@@ -56,11 +56,13 @@ def _sms(device) -> int:
 # (benchmarks/results/nextgen_gpu_2026-12-01/p_ff6ac64): E = 128 dense 1.15x (S = 2048) and
 # 1.26x (16384); E = 128 masked at 16384 1.03-1.15x (causal, softcap, ALiBi). Not taken: sparse
 # masks (document 0.87-0.99x), E = 64 (0.77-1.02x), E = 128 masked at 2048 (0.91-0.92x).
-# E = 256 at S = 16384 (benchmarks/results/gpu_2026-12-02/k_390f66e): full 2.21x, causal
-# 2.36x, softcap + causal 2.31x the Hopper family (1.81x, 1.94x, 3.23x FlexAttention).
+# E = 256, every class (benchmarks/results/gpu_2026-12-02/k_390f66e, l_13bdec1, m_*): at
+# S = 16384 full 2.21x, causal 2.36x (2.40x again in l), softcap + causal 2.31x, document
+# 2.0x the Hopper family; at S = 2048 (B = 8) causal 2.06x, document 1.98x, full: m_*.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
-                          (128, "masked", "long"), (256, "dense", "long"),
-                          (256, "masked", "long")})
+                          (128, "masked", "long"),
+                          *((256, density, length) for density in ("dense", "masked", "sparse")
+                            for length in ("short", "long"))})
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
 # benchmarks/results/gpu_2026-12-02/y_f0f305c/prefill_sweep.log): the Gluon forward, one CTA
