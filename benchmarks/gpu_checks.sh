@@ -36,8 +36,8 @@
 # MUFU rates of tanh and ex2 (experiments/mufu_rate.py), the Gluon forward by default at
 # E=256 (GPU test), E=256 short and sparse classes against the Hopper family, the head-dim
 # benchmark (issue 28); m: E=256 short dense by default (GPU test, benchmark against the
-# Hopper family), the Gluon forward's ping-pong and persistent grid on softcap and causal
-# (3 rounds)
+# Hopper family), the softcap forward's costs on the Gluon forward: the scale folds and
+# ping-pong (experiments/softcap_ab.py, 3 rounds)
 # (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
@@ -324,12 +324,8 @@ if [ "$PART" = m ]; then
     tests/gpu/test_gluon_gpu.py -k "auto_takes_gluon_where and 256"
   step bench256c 100 python -m flexfa bench --rep 40 --rounds 2 --seqs 2048 --dims 256 \
     --variants full --extra 'hopper={"BACKEND": "HOPPER"}' --out "$OUT/bench256c"
-  step softcap_options 150 python -m flexfa bench --rep 40 --rounds 3 --seqs 16384 \
-    --dims 128 --variants causal,softcap --passes fwd \
-    --extra 'pingpong={"GLUON_PINGPONG": true}' \
-    --extra 'persist_pp={"GLUON_PERSISTENT": true, "GLUON_PINGPONG": true}' \
-    --out "$OUT/softcap_options"
-  tail -n 3 "$OUT/auto256.log"; tail -n 5 "$OUT/bench256c.log"; tail -n 6 "$OUT/softcap_options.log"
+  FLEXFA_AUTOTUNE=0 step softcap_ab 150 python benchmarks/experiments/softcap_ab.py --rounds 3
+  tail -n 3 "$OUT/auto256.log"; tail -n 5 "$OUT/bench256c.log"; cat "$OUT/softcap_ab.log"
 fi
 fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
   if [ ! -d /tmp/fa4site ]; then

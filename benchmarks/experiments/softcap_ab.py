@@ -1,0 +1,79 @@
+"""GPU: where the softcap forward's time goes on the Gluon forward (issue 25: softcap + causal
+is 1.23x plain causal's time, the target 1.1x), B=1 H=16 S=16384 E=128 bf16 causal, in one
+process, rounds over the cases in turn (do_bench medians, the median of the rounds):
+
+- ``causal``: no score_mod;
+- ``softcap``: 30 * tanh(s / 30) (what users write; the kernel multiplies by the scale, by
+  1/30, tanh, by 30, then the softmax's log2(e) joins its FMA);
+- ``softcap_in``: 30 * tanh(s) with ``scale`` = scale / 30 (the /30 folded into the scale, as
+  a code generator could do: one multiply less per score, the same result);
+- ``tanh_only``: tanh(s) with ``scale`` / 30, a timing proxy for folding the *30 into the
+  softmax's log2 scale too (its result differs: only its time is read);
+each plain and with ``GLUON_PINGPONG`` (and the persistent grid with ping-pong).
+
+    python benchmarks/experiments/softcap_ab.py [--rounds 3]
+"""
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep", type=int, default=60)
+    args = parser.parse_args()
+    import torch
+    from triton.testing import do_bench
+
+    import flexfa
+    from flexfa import mods
+
+    S, H, E = 16384, 16, 128
+    q, k, v = (torch.randn(1, H, S, E, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = flexfa.create_block_mask(mods.causal, None, None, S, S, device="cuda")
+    scale = 1.0 / math.sqrt(E)
+
+    def softcap(s, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(s / 30.0)
+
+    def softcap_in(s, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(s)
+
+    def tanh_only(s, b, h, q_idx, kv_idx):
+        return torch.tanh(s)
+
+    mods_ = {"causal": (None, scale), "softcap": (softcap, scale),
+             "softcap_in": (softcap_in, scale / 30.0), "tanh_only": (tanh_only, scale / 30.0)}
+    options = {"plain": {}, "pingpong": {"GLUON_PINGPONG": True},
+               "persist_pp": {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}}
+    cases = {}
+    for name, (score_mod, sc) in mods_.items():
+        for label, extra in options.items():
+            opts = {"BACKEND": "GLUON", **extra}
+            cases[f"{name}/{label}"] = (lambda score_mod=score_mod, sc=sc, opts=opts:
+                                        flexfa.flex_attention(q, k, v, score_mod=score_mod,
+                                                              block_mask=mask, scale=sc,
+                                                              kernel_options=opts))
+    ref = cases["softcap/plain"]().float()
+    folded = cases["softcap_in/plain"]().float()
+    print(f"softcap_in against softcap: relative error "
+          f"{float((folded - ref).norm() / ref.norm()):.2e}", flush=True)
+    times = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, fn in cases.items():
+            times[name].append(do_bench(fn, warmup=100, rep=args.rep, return_mode="median"))
+    base = statistics.median(times["causal/plain"])
+    print(f"{'case':24} {'ms':>8} {'x causal':>9}  rounds")
+    for name, rounds in times.items():
+        ms = statistics.median(rounds)
+        print(f"{name:24} {ms:8.3f} {ms / base:9.3f}  " + " ".join(f"{r:.3f}" for r in rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
