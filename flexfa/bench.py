@@ -364,6 +364,8 @@ def main(argv=None) -> int:
         parse_extra(args.extra)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     import torch
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU", file=sys.stderr)

@@ -104,3 +104,14 @@ def test_extra_columns_are_parsed_and_bad_ones_named():
             assert words in str(exc)
         else:
             raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_bad_rounds_and_extra_columns_stop_before_any_gpu_work(capsys):
+    import pytest
+
+    for argv, words in ((["--rounds", "0"], "--rounds must be at least 1"),
+                        (["--extra", "nolabel"], "LABEL=JSON")):
+        with pytest.raises(SystemExit) as info:
+            bench.main(argv)
+        assert info.value.code == 2
+        assert words in capsys.readouterr().err

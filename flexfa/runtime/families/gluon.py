@@ -56,9 +56,9 @@ def _sms(device) -> int:
 # (benchmarks/results/nextgen_gpu_2026-12-01/p_ff6ac64): E = 128 dense 1.15x (S = 2048) and
 # 1.26x (16384); E = 128 masked at 16384 1.03-1.15x (causal, softcap, ALiBi). Not taken: sparse
 # masks (document 0.87-0.99x), E = 64 (0.77-1.02x), E = 128 masked at 2048 (0.91-0.92x).
-# E = 256, every class (benchmarks/results/gpu_2026-12-02/k_390f66e, l_13bdec1, m_*): at
-# S = 16384 full 2.21x, causal 2.36x (2.40x again in l), softcap + causal 2.31x, document
-# 2.0x the Hopper family; at S = 2048 (B = 8) causal 2.06x, document 1.98x, full: m_*.
+# E = 256, every class (benchmarks/results/gpu_2026-12-02/k_390f66e, l_13bdec1, m_6e86b10):
+# at S = 16384 full 2.21x, causal 2.36x (2.40x again in l), softcap + causal 2.31x, document
+# 2.0x the Hopper family; at S = 2048 (B = 8) full 2.00x, causal 2.06x, document 1.98x.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
                           (128, "masked", "long"),
                           *((256, density, length) for density in ("dense", "masked", "sparse")

@@ -36,7 +36,8 @@ ROWS_BLOCK = 64  # rows per program of the row kernels
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     """Why the Gluon backward does not run this call (None: it does)."""
     if not call.options.gluon_backward:
-        return "it is opt-in (kernel_options GLUON_BACKWARD=True): it is not timed on a GPU yet"
+        return ("it is opt-in (kernel_options GLUON_BACKWARD=True): on the H200 it measured "
+                "1.06x the Triton backward at 1.5x its memory (docs/gluon.md)")
     reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N), tuple(DEFAULT_STAGES))
     if reason is not None:
         return reason
