@@ -24,12 +24,12 @@
 # end; e: the decode benchmark and its picture; f: the compiled decode step with CUDA graphs,
 # the compiled training step; g: the compiled training step's device syncs (its GPU test), CUDA
 # graphs replaying edited and new masks, the step times (also with CUDA graphs) with and without
-# the slopes' gradient; h: leaves the FA4 wheels' first half in /tmp/fa4 (carry .fa4a, from
+# the slopes' gradient (examples/compiled_transformer.py --profile for the profile); h: leaves the FA4 wheels' first half in /tmp/fa4 (carry .fa4a, from
 # ../shared/tools/fa4_wheels.sh), then Nsight Compute profiles of the Gluon forward (full,
 # causal, softcap) and the Gluon backward (causal) at E=128 S=16384 (benchmarks/ncu_case.py);
 # i: right after h (carry .fa4b), installs FA4, then the project benchmark at E=128 S=16384
 # with FlexAttention's FLASH backend and the Gluon backward as columns ($VARIANTS, default
-# full,causal,sliding,softcap); j: after i (FA4 still installed), the benchmark's other
+# full,causal,sliding,softcap; $ROUNDS timing rounds, default 1); j: after i (FA4 still installed), the benchmark's other
 # variants at E=128, E=64 full and causal, and the S=65536 causal memory case; k: the Gluon
 # forward at E=256 (its GPU tests, then the benchmark at E=256 with it forced as a column, 3
 # rounds), leaving the FA4 wheels' first half in /tmp/fa4 as h does (carry .fa4a); l: the
@@ -37,8 +37,7 @@
 # E=256 (GPU test), E=256 short and sparse classes against the Hopper family, the head-dim
 # benchmark (issue 28); m: E=256 short dense by default (GPU test, benchmark against the
 # Hopper family), the softcap forward's costs on the Gluon forward: the scale folds and
-# ping-pong (experiments/softcap_ab.py, 3 rounds)
-# (examples/compiled_transformer.py --profile for the profile); each part fits one 10-minute device call; a call returns at
+# ping-pong (experiments/softcap_ab.py, 3 rounds); each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
