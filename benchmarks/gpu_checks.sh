@@ -278,8 +278,20 @@ if [ "$PART" = g ]; then  # the compiled training step after the graph's masks s
   tail -n 3 "$OUT/model_syncs.log"; tail -n 12 "$OUT/capture.log"
   tail -n 6 "$OUT/compiled_model.log"; tail -n 6 "$OUT/compiled_frozen.log"
 fi
-if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
+fa4_first_half() {  # carried as .fa4a: kept in /tmp/fa4 for fa4_path in the next call
   if [ -d .fa4a ]; then mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/; fi
+}
+fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
+  if [ ! -d /tmp/fa4site ]; then
+    cat /tmp/fa4/part.aa .fa4b/part.ab > "/tmp/fa4/$(cat .fa4b/BIG_NAME)" && cp .fa4b/*.whl /tmp/fa4/ \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site \
+        /tmp/fa4/*.whl || echo "FA4 install failed"
+  fi
+  # the .pth of nvidia-cutlass-dsl is not read from a --target folder
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+}
+if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
+  fa4_first_half
   mkdir -p "$OUT/ncu"
   profile() {  # profile NAME KERNEL_REGEX NCU_CASE_ARGS...: one launch, every section
     local name=$1 kernel=$2; shift 2
@@ -300,7 +312,7 @@ if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
   ls -la "$OUT"
 fi
 if [ "$PART" = k ]; then  # the Gluon forward at E = 256 (issues 25, 28)
-  if [ -d .fa4a ]; then mkdir -p /tmp/fa4 && cp .fa4a/part.aa /tmp/fa4/; fi
+  fa4_first_half
   step gluon256 240 $SHARD/gluon256 -- -m gpu -rfE tests/gpu/test_gluon_gpu.py -k d256
   step bench256 300 python -m flexfa bench --rep 40 --rounds 3 --seqs 16384 --dims 256 \
     --variants full,causal,softcap --extra 'gluon={"BACKEND": "GLUON"}' --out "$OUT/bench256"
@@ -326,15 +338,6 @@ if [ "$PART" = m ]; then
   FLEXFA_AUTOTUNE=0 step softcap_ab 150 python benchmarks/experiments/softcap_ab.py --rounds 3
   tail -n 3 "$OUT/auto256.log"; tail -n 5 "$OUT/bench256c.log"; cat "$OUT/softcap_ab.log"
 fi
-fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLASH backend
-  if [ ! -d /tmp/fa4site ]; then
-    cat /tmp/fa4/part.aa .fa4b/part.ab > "/tmp/fa4/$(cat .fa4b/BIG_NAME)" && cp .fa4b/*.whl /tmp/fa4/ \
-      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site \
-        /tmp/fa4/*.whl || echo "FA4 install failed"
-  fi
-  # the .pth of nvidia-cutlass-dsl is not read from a --target folder
-  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
-}
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')
 if [ "$PART" = i ]; then  # the project benchmark with FLASH as a column (issues 25, 26)
