@@ -7,14 +7,12 @@ each other (e.g. ``b`` [B,1,1,1], ``q_idx`` [1,1,L,1]). The evaluation is differ
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .ir import TIES_NONE, TIES_SPLIT, DType, Node, Op
 
-if TYPE_CHECKING:  # trace imports simplify, which folds constants with apply_op below
-    from .trace import TracedMod
+# ``TracedMod`` in the annotations below is frontend.trace's, not imported even for type
+# checkers: trace imports simplify, which folds constants with apply_op below
 
 _TORCH_DTYPE = {DType.BOOL: torch.bool, DType.INT: torch.int64}
 
