@@ -82,7 +82,8 @@ def parse_extra(items) -> dict:
             raise ValueError(f"--extra label {label!r} names a column the benchmark has already")
         options = json.loads(text)
         if not isinstance(options, dict):
-            raise ValueError(f"--extra {label}: kernel_options must be a JSON object, got {text!r}")
+            raise ValueError(f"--extra {label}: kernel_options must be a JSON object, "
+                             f"got {text!r}")
         extra[label] = options
     return extra
 
@@ -354,7 +355,8 @@ def main(argv=None) -> int:
                              "of its rounds' medians")
     parser.add_argument("--out", default=config.environment("OUT", "."))
     parser.add_argument("--flash", action="store_true",
-                        help="add FlexAttention's FLASH backend (FA4 wheels importable) as a column")
+                        help="add FlexAttention's FLASH backend (FA4 wheels importable) as "
+                             "a column")
     parser.add_argument("--extra", action="append", metavar="LABEL=JSON",
                         help="add flexfa with these kernel_options as column LABEL (repeatable)")
     parser.add_argument("--fp8", action="store_true",

@@ -5,8 +5,9 @@ Counting the visited tiles reads the tables back to the host: a device sync, whi
 middle of a step stalls the host behind the GPU. The class is therefore kept on the mask
 object and, for masks rebuilt around the same tables (compiled graphs make one per call,
 around autograd's saved aliases of the tables in the backward), by the count tables' storage
-signature (storages, views, version counters: an in-place edit counts again). ``create_block_mask`` records it where it
-already reads the tiles' classes, so a new mask's first call reads nothing. While a CUDA graph
+signature (storages, views, version counters: an in-place edit counts again).
+``create_block_mask`` records it where it already reads the tiles' classes, so a new mask's
+first call reads nothing. While a CUDA graph
 is captured nothing is read: the class is "masked" and not kept.
 """
 from __future__ import annotations

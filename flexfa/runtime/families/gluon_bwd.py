@@ -30,6 +30,7 @@ from .gluon import descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
 DEFAULT_STAGES = {64: 3, 128: 2}  # the Q/dO ring: 2 stages at E = 128 fill 210 KB of 227
+HEAD_DIMS = tuple(DEFAULT_STAGES)  # the forward's 256 is not the backward's
 ROWS_BLOCK = 64  # rows per program of the row kernels
 
 
@@ -38,7 +39,7 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     if not call.options.gluon_backward:
         return ("it is opt-in (kernel_options GLUON_BACKWARD=True): on the H200 it measured "
                 "1.06x the Triton backward at 1.5x its memory (docs/gluon.md)")
-    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N), tuple(DEFAULT_STAGES))
+    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N), HEAD_DIMS)
     if reason is not None:
         return reason
     joint = joint_graph(call.score)
