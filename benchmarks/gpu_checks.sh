@@ -17,7 +17,7 @@
 # u: the redesign's A/B over 28 cases against 61b247e with the dS workspace matched (carry
 # .old61); w: correctness of what has not run on a GPU (the torch 2.11 compile probe, forward
 # and decode tests, the Gluon forward's and backward's ConSan runs in the background, then
-# their GPU tests), GPU suites sharded over 8 processes (benchmarks/shard_pytest.py); x: the
+# their GPU tests), GPU suites sharded over 8 processes (scripts/shard_pytest.py); x: the
 # timings after w: Gluon forward options, Gluon backward, chunked prefill on Gluon, the
 # compiled model; y: the chunked-prefill sweep for BACKEND="AUTO", the compiled model's step
 # time, Inductor with CUDA graphs; z: every GPU test, sharded, the timed ones serial at the
@@ -53,7 +53,7 @@ mkdir -p "$OUT"
 python benchmarks/manifest.py "$OUT" --command "bash benchmarks/gpu_checks.sh $*" > /dev/null
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
 # $SHARD/NAME -- PYTEST ARGS: a correctness suite over 8 processes on the GPU (step-able)
-SHARD="python benchmarks/shard_pytest.py -n 8 --tail 80 --logs $OUT/shards"
+SHARD="python scripts/shard_pytest.py -n 8 --tail 80 --logs $OUT/shards"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS

@@ -1,11 +1,11 @@
-"""benchmarks/shard_pytest.py: ids dealt into shards, summaries summed, failures reported."""
+"""scripts/shard_pytest.py: ids dealt into shards, summaries summed, failures reported."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import shard_pytest  # noqa: E402
 
 SCRIPT = Path(shard_pytest.__file__)
@@ -36,3 +36,40 @@ def test_a_failing_shard_fails_the_run(tmp_path):
     assert done.stdout.splitlines()[-1].startswith("1 failed, 4 passed")
     assert sorted(p.name for p in (tmp_path / "logs").glob("log.*.log")) == ["log.0.log",
                                                                              "log.1.log"]
+
+
+def test_processes_takes_a_count_or_auto():
+    assert shard_pytest.processes("3") == 3
+    assert 1 <= shard_pytest.processes("auto") <= 8
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(Exception, match="-n takes a count >= 1 or auto"):
+            shard_pytest.processes(bad)
+
+
+def test_by_file_runs_each_file_once_in_one_process(tmp_path):
+    # three files whose module fixture records the process that set it up: each file's tests
+    # run in one process, every test runs once, and a failure in one file fails the run
+    for name in ("a", "b", "c"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, pytest\n"
+            "@pytest.fixture(scope='module')\n"
+            "def setup_once():\n"
+            f"    with open('setups.txt', 'a') as f: f.write('{name} %d\\n' % os.getpid())\n"
+            "@pytest.mark.parametrize('n', range(4))\n"
+            f"def test_n(setup_once, n):\n    assert '{name}' != 'c' or n != 2\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), "-n", "2", "--by-file", "--logs",
+                           str(tmp_path / "logs" / "log"), "--", "."],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAILED test_c.py::test_n[2]" in done.stdout
+    assert done.stdout.splitlines()[-1].startswith("1 failed, 11 passed")
+    setups = (tmp_path / "setups.txt").read_text().split()
+    assert sorted(setups[0::2]) == ["a", "b", "c"]  # one module setup per file
+    (tmp_path / "test_c.py").unlink()
+    (tmp_path / "setups.txt").unlink()
+    done = subprocess.run([sys.executable, str(SCRIPT), "-n", "4", "--by-file", "--logs",
+                           str(tmp_path / "logs" / "again"), "--", "."],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1].startswith("8 passed in")
+    assert "over 2 processes" in done.stdout.splitlines()[-1]  # no more processes than files
