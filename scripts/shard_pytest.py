@@ -49,7 +49,14 @@ def pytest_runtest_protocol(item, nextitem):
             _claims[path] = True
         except FileExistsError:
             _claims[path] = False
-    return None if _claims[path] else True
+    if _claims[path]:
+        return None
+    # pytest tears a test's fixtures and collectors (module, package, directory) down only
+    # as far as the next test needs them; the test after one that ran here may run elsewhere,
+    # so whatever the next test does not need is torn down at each test skipped here (the
+    # next test that runs here then starts from a stack that is a prefix of its own chain)
+    item.session._setupstate.teardown_exact(nextitem)
+    return True
 
 
 def collect(pytest_args: list[str]) -> list[str]:
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         size = "files from the queue" if args.by_file else f"{len(groups[k])} tests"
         print(f"shard {k} ({size}) rc={codes[k]}: "
               f"{summary[-1].strip('= ') if summary else 'no summary'}")
-        for line in texts[-1].splitlines():
+        for line in dict.fromkeys(texts[-1].splitlines()):  # -rfE and -ra list them twice
             if line.startswith(("FAILED", "ERROR")):
                 print(line)
         if codes[k] != 0:  # the shard's end: the failures' tracebacks, or a crash

@@ -47,29 +47,36 @@ def test_processes_takes_a_count_or_auto():
 
 
 def test_by_file_runs_each_file_once_in_one_process(tmp_path):
-    # three files whose module fixture records the process that set it up: each file's tests
-    # run in one process, every test runs once, and a failure in one file fails the run
-    for name in ("a", "b", "c"):
-        (tmp_path / f"test_{name}.py").write_text(
-            "import os, pytest\n"
+    # four files in two directories whose module fixture records the process that set it up:
+    # each file's tests run in one process, every test runs once, and a failure fails the
+    # run. The sleeps make the usual order: one process takes a/test_a1 (slow), the other
+    # a/test_a2 and b/test_b1 (slower); the first then skips those and takes b/test_b2, so it
+    # must have torn down directory a's collector at the tests it skipped
+    for name, sleep in (("a/test_a1", 2), ("a/test_a2", 0), ("b/test_b1", 3), ("b/test_b2", 0)):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / f"{name}.py").write_text(
+            "import os, time, pytest\n"
             "@pytest.fixture(scope='module')\n"
             "def setup_once():\n"
             f"    with open('setups.txt', 'a') as f: f.write('{name} %d\\n' % os.getpid())\n"
-            "@pytest.mark.parametrize('n', range(4))\n"
-            f"def test_n(setup_once, n):\n    assert '{name}' != 'c' or n != 2\n")
+            "@pytest.mark.parametrize('n', range(3))\n"
+            "def test_n(setup_once, n):\n"
+            f"    time.sleep({sleep} if n == 0 else 0)\n"
+            f"    assert '{name}' != 'b/test_b2' or n != 2\n")
     done = subprocess.run([sys.executable, str(SCRIPT), "-n", "2", "--by-file", "--logs",
                            str(tmp_path / "logs" / "log"), "--", "."],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "FAILED test_c.py::test_n[2]" in done.stdout
-    assert done.stdout.splitlines()[-1].startswith("1 failed, 11 passed")
+    assert "FAILED b/test_b2.py::test_n[2]" in done.stdout
+    assert "ERROR" not in done.stdout, done.stdout
+    assert done.stdout.splitlines()[-1].startswith("1 failed, 11 passed"), done.stdout
     setups = (tmp_path / "setups.txt").read_text().split()
-    assert sorted(setups[0::2]) == ["a", "b", "c"]  # one module setup per file
-    (tmp_path / "test_c.py").unlink()
+    assert sorted(setups[0::2]) == ["a/test_a1", "a/test_a2", "b/test_b1", "b/test_b2"]
+    (tmp_path / "b" / "test_b2.py").unlink()
     (tmp_path / "setups.txt").unlink()
     done = subprocess.run([sys.executable, str(SCRIPT), "-n", "4", "--by-file", "--logs",
-                           str(tmp_path / "logs" / "again"), "--", "."],
+                           str(tmp_path / "logs" / "again"), "--", "a"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines()[-1].startswith("8 passed in")
+    assert done.stdout.splitlines()[-1].startswith("6 passed in")
     assert "over 2 processes" in done.stdout.splitlines()[-1]  # no more processes than files
