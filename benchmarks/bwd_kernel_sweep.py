@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/bwd_kernel_sweep.py [--cases 128:16384:causal,...]
         [--dkdv OWN:WALK:WARPS:STAGES:MAXNREG,...] [--dq ...] [--out DIR]
 
+A case is E:S:variant, or E/Ev:S:variant where v's head dim differs (192/128: DeepSeek's MLA).
 The dK/dV kernel owns OWN keys and walks q tiles of WALK rows; the dQ kernel owns OWN rows and
 walks kv tiles of WALK keys (MAXNREG 0: no register cap). For each case the backward's inputs
 (q, k, v, out, lse, dO and the prepared call) are captured from one ``flexfa`` fwd+bwd, whose
@@ -52,14 +53,16 @@ from flexfa.runtime.launch import Step
 from flexfa.runtime.target import target_of
 
 
-def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16):
+def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16,
+            Dv: int | None = None):
     """(args of run_backward, (dq, dk, dv)) of one flexfa fwd+bwd on the benchmark's inputs
-    (``device="cpu"``, small S and heads: a smoke test under the interpreter)."""
-    B, H = max(1, 16384 // S) if device == "cuda" else 1, heads
+    (``device="cpu"``, small S and heads: a smoke test under the interpreter); v and dO of
+    head dim ``Dv`` (default D)."""
+    B, H, Dv = max(1, 16384 // S) if device == "cuda" else 1, heads, Dv or D
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen)
-               .requires_grad_() for _ in range(3))
-    do = torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen)
+    q, k, v = (torch.randn(B, H, S, dim, device=device, dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for dim in (D, D, Dv))
+    do = torch.randn(B, H, S, Dv, device=device, dtype=torch.bfloat16, generator=gen)
     score_mod, mask_mod = bench_variants(S, H, device)[variant]
     block_mask = flexfa.create_block_mask(mask_mod, B, None, S, S, device=device) \
         if mask_mod else None
@@ -114,8 +117,10 @@ def main() -> None:
     opts = build_parser().parse_args()
     rows = []
     for case in opts.cases.split(","):
-        dim, seq, variant = case.split(":")
-        args, reference = capture(variant, int(seq), int(dim), opts.device, opts.heads)
+        dims, seq, variant = case.split(":")
+        dim, _, dim_v = dims.partition("/")
+        args, reference = capture(variant, int(seq), int(dim), opts.device, opts.heads,
+                                  int(dim_v) if dim_v else None)
         for which, items in (("dkdv", opts.dkdv), ("dq", opts.dq)):
             for item in filter(None, items.split(",")):  # "" skips the kernel
                 try:

@@ -37,13 +37,16 @@
 # E=256 (GPU test), E=256 short and sparse classes against the Hopper family, the head-dim
 # benchmark (issue 28); m: E=256 short dense by default (GPU test, benchmark against the
 # Hopper family), the softcap forward's costs on the Gluon forward: the scale folds and
-# ping-pong (experiments/softcap_ab.py, 3 rounds); each part fits one 10-minute device call; a call returns at
+# ping-pong (experiments/softcap_ab.py, 3 rounds); d: the backward's two kernels at E = 256
+# and E = 192 / Ev = 128, S = 8192 causal, timed apart at candidate tiles
+# (benchmarks/bwd_kernel_sweep.py, issue 28), then the head-dim benchmark at E = 96 and 80;
+# each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -337,6 +340,19 @@ if [ "$PART" = m ]; then
     --variants full --extra 'hopper={"BACKEND": "HOPPER"}' --out "$OUT/bench256c"
   FLEXFA_AUTOTUNE=0 step softcap_ab 150 python benchmarks/experiments/softcap_ab.py --rounds 3
   tail -n 3 "$OUT/auto256.log"; tail -n 5 "$OUT/bench256c.log"; cat "$OUT/softcap_ab.log"
+fi
+if [ "$PART" = d ]; then  # issue 28: E=256 and 192/128 backward tiles, E=96/80 rows
+  step sweep256 240 python benchmarks/bwd_kernel_sweep.py --cases 256:8192:causal \
+    --dkdv 32:32:4:2:0,64:16:8:2:0,64:16:8:3:0,64:32:8:2:0,32:64:4:2:0,64:16:4:2:0 \
+    --dq 64:16:8:2:0,64:32:8:2:0,64:16:8:3:0,32:32:4:2:0,128:16:8:2:0 --out "$OUT/sweep256"
+  step sweep192 200 python benchmarks/bwd_kernel_sweep.py --cases 192/128:8192:causal \
+    --dkdv 32:64:4:2:0,64:16:8:2:0,64:32:8:2:0,32:32:4:2:0,64:16:8:3:0,32:64:4:3:0 \
+    --dq 64:32:8:2:0,64:64:8:2:0,64:16:8:2:0,128:32:8:2:0,64:32:8:3:0 --out "$OUT/sweep192"
+  FLEXFA_AUTOTUNE=0 step headdim 130 python benchmarks/headdim_bench.py "$OUT/headdim.json" \
+    --dims 96,80 --budget 115
+  for f in sweep256 sweep192; do mv "$OUT/$f/bwd_kernel_sweep.json" "$OUT/$f.json"; \
+    rmdir "$OUT/$f"; grep -A4 "best\|^case" "$OUT/$f.log" | tail -n 16; done
+  tail -n 20 "$OUT/headdim.log"
 fi
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')
