@@ -50,18 +50,19 @@ HOPPER_BACKWARD_CANDIDATES = {
     64: ((32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 2)),
     128: ((64, 64, 64, 64, 4, 2),),
 }
-# padded (E, Ev) past 128 on sm_90 with tensor descriptors, from compile checks (no spills;
-# not timed yet), with the dQ kernel's own (warps, stages) last: with 8 warps the dK/dV
-# program's two accumulators and K, V spill 600..1800 bytes at 64 owned keys, so 4 warps own
-# 32 keys (mma.sync: 64 query rows a step while Ev <= 128); dQ programs of 64 rows over 8
-# warps keep wgmma without spills (16 keys a step at Ev = 256, 32 at 128), the 4-warp
-# 32 x 64 ones use mma.sync. Without descriptors all of these spill 700..2700 bytes: the
-# generic tiles.
+# padded (E, Ev) past 128 on sm_90 with tensor descriptors, with the dQ kernel's own (warps,
+# stages) last; the first timed on the H200 (benchmarks/bwd_kernel_sweep.py at S = 8192
+# causal, 2026-12-02 results d_28208eb): dQ programs of 128 rows over 8 warps walking 32 keys
+# (Ev = 256) or 64 (Ev = 128) take 3.6 and 2.1 ms where 64 rows walking 16 / 32 took 15.4
+# and 7.1 (wgmma, no spills); dK/dV programs of 64 keys over 8 warps walking 64 query rows
+# take 8.2 / 5.0 ms where 32 keys over 4 warps took 10.0 / 6.8. The others: smaller shared
+# memory, for tuning. Without descriptors all of these spill 700..2700 bytes: the generic
+# tiles.
 HOPPER_BACKWARD_WIDE = {
-    (256, 128): ((64, 32, 64, 32, 4, 2, 8, 2), (64, 32, 32, 64, 4, 2, 4, 2),
+    (256, 128): ((64, 64, 128, 64, 8, 2, 8, 2), (64, 32, 128, 32, 4, 2, 8, 2),
                  (32, 32, 32, 32, 4, 3, 4, 3)),
-    (256, 256): ((32, 32, 64, 16, 4, 2, 8, 2), (32, 32, 32, 64, 4, 2, 4, 2),
-                 (32, 32, 32, 32, 4, 3, 4, 3)),
+    (256, 256): ((64, 64, 128, 32, 8, 2, 8, 2), (32, 64, 128, 32, 8, 2, 8, 2),
+                 (32, 32, 64, 32, 4, 2, 4, 2)),
 }
 
 
