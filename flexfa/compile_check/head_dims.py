@@ -40,9 +40,13 @@ def _register() -> None:
         register(f"fwd_hopper_{tag}_bf16_softcap_causal",
                  hopper_default_job(E, "bf16", head_dim_v=Ev, **mods), archs=(90,))
         register(f"fwd_{tag}_bf16_softcap_causal", forward_job(E, "bf16", head_dim_v=Ev, **mods))
-        for which in ("dkdv", "dq"):
+        for which in ("dkdv", "dq"):  # ragged lengths (bounds checks), then tile multiples
             register(f"bwd_{which}_{tag}_bf16_softcap_causal",
                      backward_job(which, E, "bf16", head_dim_v=Ev, **mods))
+            if E > 128:  # past 128 the runtime's tiles differ between the two
+                register(f"bwd_{which}_{tag}_bf16_softcap_causal_even",
+                         backward_job(which, E, "bf16", head_dim_v=Ev, ragged=False, **mods),
+                         archs=(90,))
         if E > 128:  # the FP8 tiles past 128: with descriptors on sm_90, pointer loads on both
             register(f"fwd_fp8_{tag}_causal_tma",
                      fp8_job(E, mask_mod=_causal, head_dim_v=Ev, use_tma=True), archs=(90,))

@@ -112,4 +112,48 @@ def test_sm90_backward_tunes_the_wide_candidates(tmp_path, monkeypatch):
     finally:
         autotune.clear_memo()
     assert chosen == candidates[1] and timed == list(candidates)
-    assert backward_family._label(chosen) == "32x32/32x64 w4 s2 dq w4 s2"
+    assert backward_family._label(chosen) == "32x64/128x32 w8 s2 dq w8 s2"
+
+
+@pytest.mark.parametrize("L,S,ragged", [(256, 256, False), (8192, 4096, False),
+                                        (200, 256, True), (256, 8100, True), (64, 64, True)])
+def test_sm90_wide_backward_default_follows_ragged_lengths(L, S, ragged):
+    """Past 128, lengths that are not multiples of 128 (the bounds-checked code) take the
+    4-warp dK/dV tiles, where the 8-warp ones spill and lose on the H200; the dQ tiles and
+    the candidates are the same; such lengths tune under their own key."""
+    assert backward_family.ragged_lengths(torch.empty(1, 1, L, 8), torch.empty(1, 1, S, 8)) \
+        is ragged
+    for E, Ev in ((192, 128), (256, 256)):
+        q, k = (torch.empty(1, 2, n, E, dtype=torch.bfloat16) for n in (L, S))
+        v = torch.empty(1, 2, S, Ev, dtype=torch.bfloat16)
+        spec = backward_family.backward_spec(q, k, v, _call(), False, SM90)
+        pair = (256, 128 if Ev == 128 else 256)
+        want = (backward_family.HOPPER_BACKWARD_WIDE_RAGGED[pair] if ragged
+                else backward_family.HOPPER_BACKWARD_WIDE[pair][0])
+        m1, n1, m2, n2, warps, stages, dq_warps, dq_stages = want
+        assert (spec.block_m1, spec.block_n1, spec.num_warps) == (
+            min(m1, 128), min(n1, 128), warps)
+        assert spec.dq_launch_options()["num_warps"] == dq_warps
+        candidates = backward_family.hopper_candidates(*pair, ragged)
+        assert candidates[0] == want
+        assert set(candidates) >= set(backward_family.HOPPER_BACKWARD_WIDE[pair])
+    # at 128 and below the lengths change nothing
+    assert backward_family.hopper_candidates(128, 128, True) == \
+        backward_family.hopper_candidates(128, 128)
+
+
+def test_sm90_wide_backward_tunes_ragged_lengths_under_their_own_key(monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.setattr(autotune, "enabled", lambda: True)
+    keys = []
+    monkeypatch.setattr(autotune, "tune", lambda key, candidates, *rest: keys.append(
+        (key, candidates[0])) or candidates[0])
+    for L, E in ((256, 256), (200, 256), (200, 64)):
+        q = torch.randn(1, 2, L, E, dtype=torch.bfloat16)
+        x = backward_family.Inputs(q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, L),
+                                   q.clone(), None, q.clone(), q.clone(), q.clone(), {})
+        backward_family.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    assert keys[0][0].startswith("bwd|") and keys[1][0].startswith("bwd_ragged|")
+    assert keys[0][1] == backward_family.HOPPER_BACKWARD_WIDE[256, 256][0]
+    assert keys[1][1] == backward_family.HOPPER_BACKWARD_WIDE_RAGGED[256, 256]
+    assert keys[2][0].startswith("bwd|")  # up to 128 ragged lengths share the key

@@ -51,35 +51,59 @@ HOPPER_BACKWARD_CANDIDATES = {
     128: ((64, 64, 64, 64, 4, 2),),
 }
 # padded (E, Ev) past 128 on sm_90 with tensor descriptors, with the dQ kernel's own (warps,
-# stages) last; the first timed on the H200 (benchmarks/bwd_kernel_sweep.py at S = 8192
-# causal, 2026-12-02 results d_28208eb): dQ programs of 128 rows over 8 warps walking 32 keys
-# (Ev = 256) or 64 (Ev = 128) take 3.6 and 2.1 ms where 64 rows walking 16 / 32 took 15.4
-# and 7.1 (wgmma, no spills); dK/dV programs of 64 keys over 8 warps walking 64 query rows
-# take 8.2 / 5.0 ms where 32 keys over 4 warps took 10.0 / 6.8. The others: smaller shared
-# memory, for tuning. Without descriptors all of these spill 700..2700 bytes: the generic
-# tiles.
+# stages) last; the first timed on the H200 (benchmarks/bwd_kernel_sweep.py, B * S = 16384,
+# causal with and without a softcap, 2026-12-02 results d_28208eb, d2_28208eb, d3_78e95f1):
+# dQ programs of 128 rows over 8 warps walking 32 keys (Ev = 256) or 64 (Ev = 128) take 3.6
+# and 2.1 ms at S = 8192 where 64 rows walking 16 / 32 took 15.4 and 7.1; dK/dV programs of
+# 64 keys over 8 warps walking 64 query rows take 8.2 / 5.0 ms where 32 keys over 4 warps
+# took 10.0 / 6.8. The others: less shared memory, for tuning. Without descriptors all of
+# these spill 700..2700 bytes: the generic tiles.
 HOPPER_BACKWARD_WIDE = {
     (256, 128): ((64, 64, 128, 64, 8, 2, 8, 2), (64, 32, 128, 32, 4, 2, 8, 2),
                  (32, 32, 32, 32, 4, 3, 4, 3)),
     (256, 256): ((64, 64, 128, 32, 8, 2, 8, 2), (32, 64, 128, 32, 8, 2, 8, 2),
                  (32, 32, 64, 32, 4, 2, 4, 2)),
 }
+# lengths that are not multiples of 128 take the bounds-checked code, where the 8-warp dK/dV
+# programs spill 116..224 bytes (S = 8100 with a softcap, d4_78e95f1): at Ev = 256 they lose
+# (16.8 against 12.5 ms), at Ev = 128 they win by 7% (11.1 against 11.9); both take the
+# 4-warp dK/dV programs of 32 keys there (no spills), with the 128-row dQ programs (46..60
+# bytes of spills, still 2.4-3.2x faster than the 64-row ones)
+HOPPER_BACKWARD_WIDE_RAGGED = {
+    (256, 128): (64, 32, 128, 64, 4, 2, 8, 2),
+    (256, 256): (32, 32, 128, 32, 4, 2, 8, 2),
+}
+RAGGED_TILE = 128  # lengths not a multiple of this are "ragged" for the wide tiles
 
 
-def hopper_candidates(head_dim_pad: int, head_dim_v_pad: int) -> tuple:
-    """The sm_90 candidates for padded head dims (E, Ev), the default first."""
+def ragged_lengths(q, k) -> bool:
+    """The query or key length is not a multiple of the widest backward tile: the kernels
+    run their bounds-checked code, which the wide head dims' defaults tell apart."""
+    return bool(q.shape[2] % RAGGED_TILE or k.shape[2] % RAGGED_TILE)
+
+
+def hopper_candidates(head_dim_pad: int, head_dim_v_pad: int, ragged: bool = False) -> tuple:
+    """The sm_90 candidates for padded head dims (E, Ev), the default first; ``ragged``:
+    lengths that are not multiples of ``RAGGED_TILE`` (another default past 128)."""
     widest = max(head_dim_pad, head_dim_v_pad)
     if widest <= 128:
         return HOPPER_BACKWARD_CANDIDATES[64 if widest <= 64 else 128]
-    return HOPPER_BACKWARD_WIDE.get((head_dim_pad, head_dim_v_pad),
-                                    HOPPER_BACKWARD_WIDE[256, 256])
+    pair = (head_dim_pad, head_dim_v_pad) if (head_dim_pad, head_dim_v_pad) in \
+        HOPPER_BACKWARD_WIDE else (256, 256)
+    candidates = HOPPER_BACKWARD_WIDE[pair]
+    if ragged:
+        first = HOPPER_BACKWARD_WIDE_RAGGED[pair]
+        return (first,) + tuple(c for c in candidates if c != first)
+    return candidates
 
 
 def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
-                  head_dim_v_pad: int | None = None, tma: bool = True) -> tuple:
+                  head_dim_v_pad: int | None = None, tma: bool = True,
+                  ragged: bool = False) -> tuple:
     """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages[, dQ's num_warps,
     dQ's num_stages]) for padded head dims E (and Ev, default E); ``tma``: Q, dO, K, V tiles
-    through tensor descriptors (what the sm_90 tiles past 128 need). The dK/dV program holds
+    through tensor descriptors (what the sm_90 tiles past 128 need); ``ragged``: lengths that
+    are not multiples of ``RAGGED_TILE`` (``ragged_lengths``). The dK/dV program holds
     K, V and two fp32 accumulators of BLOCK_N1 x head_dim, the dQ program Q, dO and one;
     elsewhere than sm_90 a 4-warp shape (``python -m flexfa compile-check --only bwd`` prints
     registers and spills)."""
@@ -88,7 +112,7 @@ def default_tiles(head_dim_pad: int, dtype: torch.dtype, target: Target,
     head_dim_v_pad = head_dim_v_pad or head_dim_pad
     widest = max(head_dim_pad, head_dim_v_pad)
     if target.is_sm90 and dtype != torch.float32 and (tma or widest <= 128):
-        return hopper_candidates(head_dim_pad, head_dim_v_pad)[0]
+        return hopper_candidates(head_dim_pad, head_dim_v_pad, ragged)[0]
     head_dim_pad = widest
     if head_dim_pad <= 128:
         tiles = (32, 64, 64, 32, 4, 2)
@@ -161,7 +185,8 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target,
     e_pad = next_power_of_two(max(q.shape[3], v.shape[3]))
     tma = use_tma(call, target, q, k, v, q if grad_out is None else grad_out)
     m1, n1, m2, n2, warps, stages, *dq = config or default_tiles(
-        next_power_of_two(q.shape[3]), q.dtype, target, next_power_of_two(v.shape[3]), tma)
+        next_power_of_two(q.shape[3]), q.dtype, target, next_power_of_two(v.shape[3]), tma,
+        ragged_lengths(q, k))
     dq_warps, dq_stages = dq or (warps, stages)
     spec = _tiled_spec(q, k, v, call, has_dlse, target, tma, (m1, n1, warps, stages),
                        (m2, n2, dq_warps, dq_stages))
@@ -391,15 +416,19 @@ class Backward(KernelFamily):
         q, k, v = x.q, x.k, x.v
         e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-        candidates = hopper_candidates(e_pad, ev_pad)
+        ragged = ragged_lengths(q, k)
+        candidates = hopper_candidates(e_pad, ev_pad, ragged)
         if (not target.is_sm90 or q.dtype == torch.float32
                 or (max(e_pad, ev_pad) > 128 and not use_tma(call, target, q, k, v, x.grad_out))
                 or call.options.bwd.pins_tiles or not autotune.enabled()
                 or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
                 or (joint is not None and joint.grad_slots)):
             return None
-        # dropout's Philox makes a different kernel: its own winners
-        key = autotune.tune_key("bwd_dropout" if call.dropout else "bwd", target.name,
+        # dropout's Philox makes a different kernel: its own winners; so do ragged lengths
+        # past 128, whose default differs
+        family = "bwd_dropout" if call.dropout else "bwd"
+        family += "_ragged" if ragged and max(e_pad, ev_pad) > 128 else ""
+        key = autotune.tune_key(family, target.name,
                                 max(e_pad, ev_pad), ev_pad,
                                 DTYPE_NAMES[q.dtype], density_class(call.block_mask),
                                 k.shape[2])
