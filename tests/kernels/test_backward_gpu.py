@@ -7,7 +7,7 @@ import torch
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import create_block_mask
-from backward_utils import check_backward, flexfa_grads
+from backward_utils import check_backward, flexfa_grads, record_backward_specs
 from forward_utils import make_qkv
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,20 @@ def test_matches_sdpa_backward(causal, E, Ev):
     want = torch.autograd.grad(out, [q32, k32, v32], grad_out.float())
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g.float(), w, atol=3e-2, rtol=3e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("L", [1024, 1000])  # tile multiples and not: other tiles past 128
+@pytest.mark.parametrize("E,Ev", [(256, 256), (192, 128)])
+def test_wide_heads_softcap_causal_both_length_kinds(L, E, Ev, monkeypatch):
+    from flexfa.runtime.families import backward as backward_family
+    specs = record_backward_specs(monkeypatch)
+    q, k, v = make_qkv(B, H, H, L, L, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
+    block_mask = create_block_mask(mods.causal, None, None, L, L, device="cuda")
+    check_backward(q, k, v, mods.softcap(30.0), mods.causal, block_mask, with_lse=True)
+    pair = (256, 128 if Ev == 128 else 256)
+    tiles = backward_family.HOPPER_BACKWARD_WIDE_RAGGED[pair] if L % 128 else \
+        backward_family.HOPPER_BACKWARD_WIDE[pair][0]
+    assert specs and specs[0].use_tma and specs[0].num_warps == tiles[4], specs[0]
 
 
 def test_gqa_ragged_lengths_and_lse_gradient_on_gpu():
