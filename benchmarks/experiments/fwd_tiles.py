@@ -1,12 +1,13 @@
 """GPU: the Hopper forward at pinned tiles against torch FlexAttention (compiled) in one
 process, for a head-dim pair where the default misses a target (issue 28: E = 192 / Ev = 128
 causal at 1.17x FlexAttention, the target 1.2x). Each config is kernel_options BLOCK_M,
-BLOCK_N, num_warps, num_stages (and maxnreg where not 0) with BACKEND="HOPPER"; its output is
-checked against the default's before the timing; rounds over the columns in turn (do_bench
-medians, the median of the rounds).
+BLOCK_N, num_warps, num_stages (and maxnreg where not 0) with BACKEND="HOPPER", or
+``gluon`` / ``gluon:BLOCK_N:STAGES`` (the Gluon forward, forced); its output is checked
+against the default's before the timing; rounds over the columns in turn (do_bench medians,
+the median of the rounds).
 
     python benchmarks/experiments/fwd_tiles.py [--dims 192/128] [--seqs 8192,2048]
-        [--configs 128:64:8:2:0,128:64:8:3:0,...] [--rounds 3] [--out FILE.json]
+        [--modes causal,full] [--configs 128:64:8:2:0,gluon,...] [--rounds 3] [--out F.json]
 """
 import argparse
 import json
@@ -20,6 +21,12 @@ CONFIGS = "128:64:8:2:0,128:64:8:3:0,128:128:8:1:0,64:64:4:2:0,128:32:8:2:0,64:6
 
 
 def options(item: str) -> dict:
+    if item.startswith("gluon"):
+        forced = {"BACKEND": "GLUON"}
+        if item == "gluon":
+            return forced
+        block_n, stages = (int(x) for x in item.split(":")[1:])
+        return {**forced, "BLOCK_N": block_n, "num_stages": stages}
     block_m, block_n, warps, stages, cap = (int(x) for x in item.split(":"))
     pinned = {"BACKEND": "HOPPER", "BLOCK_M": block_m, "BLOCK_N": block_n,
               "num_warps": warps, "num_stages": stages}
@@ -30,6 +37,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", default="192/128")
     parser.add_argument("--seqs", default="8192,2048")
+    parser.add_argument("--modes", default="causal", help="causal and/or full")
     parser.add_argument("--configs", default=CONFIGS, help="BLOCK_M:BLOCK_N:WARPS:STAGES:MAXNREG")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep", type=int, default=60)
@@ -48,13 +56,17 @@ def main() -> int:
     for dims in args.dims.split(","):
         E, _, Ev = dims.partition("/")
         E, Ev = int(E), int(Ev or E)
-        for S in (int(s) for s in args.seqs.split(",")):
+        for S, mode in ((int(s), m) for s in args.seqs.split(",")
+                        for m in args.modes.split(",")):
             B, H = max(1, 16384 // S), 16
             q, k = (torch.randn(B, H, S, E, device="cuda", dtype=torch.bfloat16)
                     for _ in range(2))
             v = torch.randn(B, H, S, Ev, device="cuda", dtype=torch.bfloat16)
-            mask = flexfa.create_block_mask(mods.causal, None, None, S, S, device="cuda")
-            peer_mask = torch_mask(mods.causal, None, None, S, S, device="cuda")
+            causal = mode == "causal"
+            mask = flexfa.create_block_mask(mods.causal, None, None, S, S, device="cuda") \
+                if causal else None
+            peer_mask = torch_mask(mods.causal, None, None, S, S, device="cuda") \
+                if causal else None
             reference = flexfa.flex_attention(q, k, v, block_mask=mask)
             columns = {"flexfa": lambda: flexfa.flex_attention(q, k, v, block_mask=mask),
                        "torch_flex": lambda: compiled(q, k, v, block_mask=peer_mask)}
@@ -78,15 +90,18 @@ def main() -> int:
             peer = statistics.median(times["torch_flex"])
             for name in errors:
                 ms = statistics.median(times[name]) if name in times else None
-                row = dict(E=E, Ev=Ev, S=S, B=B, config=name, ms=ms, error=errors[name],
+                row = dict(E=E, Ev=Ev, S=S, B=B, mode=mode, config=name, ms=ms,
+                           error=errors[name],
                            x_flex=round(peer / ms, 3) if ms else None)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'E/Ev':8} {'S':>6} {'config':18} {'ms':>8} {'x flex':>7} {'max err':>9}")
+    print(f"\n{'E/Ev':8} {'S':>6} {'mode':7} {'config':18} {'ms':>8} {'x flex':>7} "
+          f"{'max err':>9}")
     for row in rows:
         ms = f"{row['ms']:.3f}" if row["ms"] else "-"
         err = row["error"] if isinstance(row["error"], str) else f"{row['error']:.1e}"
-        print(f"{row['E']}/{row['Ev']:<4} {row['S']:>6} {row['config']:18} {ms:>8} "
+        print(f"{row['E']}/{row['Ev']:<4} {row['S']:>6} {row['mode']:7} {row['config']:18} "
+              f"{ms:>8} "
               f"{row['x_flex'] or '-':>7} {err[:40]:>9}")
     if args.out:
         with open(args.out, "w") as f:

@@ -182,13 +182,16 @@ def _register_hopper() -> None:
 
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
-              pingpong: bool = False, tma_store: bool = False, persistent: bool = False):
+              pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
+              head_dim_v: int | None = None):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
-    ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid)."""
+    ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid;
+    ``head_dim_v``: v's head dim, default ``head_dim``)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
-        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, block_m=128,
+        spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
+                          block_m=128,
                           block_n=block_n, num_warps=4, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128, sparse_kv=128 if mask else block_n, even_l=False,
@@ -211,6 +214,12 @@ register("fwd_gluon_d128_fp16_softcap_causal",
 register("fwd_gluon_d256_bf16_dense", gluon_job(256, "bf16", block_n=64), archs=(90,))
 register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=_causal, block_n=64),
          archs=(90,))
+# padded head dims: E = 192 (256) with Ev = 128 (DeepSeek's MLA), E = 96 (128)
+register("fwd_gluon_d192_ev128_bf16_causal",
+         gluon_job(192, "bf16", mask_mod=_causal, block_n=64, num_stages=3, head_dim_v=128),
+         archs=(90,))
+register("fwd_gluon_d96_bf16_softcap_causal",
+         gluon_job(96, "bf16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                    num_stages=3), archs=(90,))

@@ -90,6 +90,13 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "softcap_causal_d256": (1, 4, 4, 768, 768, 256,
                             lambda h, d: (mods.softcap(30.0), mods.causal)),
     "document_d256": (1, 4, 4, 1000, 1000, 256, _document([300, 200, 500])),
+    # padded head dims: TMA fills the columns past E with zeros; Ev < EV_PAD stores masked
+    "causal_d192_ev128": (2, 4, 4, 1000, 1000, (192, 128), lambda h, d: (None, mods.causal)),
+    "softcap_causal_d192_ev128": (1, 4, 4, 1024, 1024, (192, 128),
+                                  lambda h, d: (mods.softcap(30.0), mods.causal)),
+    "causal_d96": (1, 4, 4, 1000, 1000, 96, lambda h, d: (None, mods.causal)),
+    "dense_d80": (1, 4, 4, 1024, 1024, 80, lambda h, d: (None, None)),
+    "document_d48": (1, 4, 4, 1000, 1000, 48, _document([300, 200, 500])),
 }
 # more work tiles than the H200's 132 SMs: each persistent program walks several (plain and
 # ping-pong run them too)
@@ -106,7 +113,8 @@ CASES.update(MANY_TILES)
 # on even lengths (all rows by TMA) and ragged ones (the last row block's plain stores), alone
 # and with ping-pong or the persistent grid
 OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for name in CASES]
-                + [(name, "tma_store") for name in ("dense", "dense_fp16", "ragged")]
+                + [(name, "tma_store") for name in ("dense", "dense_fp16", "ragged",
+                                                    "causal_d192_ev128", "dense_d80")]
                 + [(name, "pingpong_tma_store") for name in (
                     "dense_d64", "causal", "softcap_causal", "document", "gqa_causal",
                     "empty_rows")]

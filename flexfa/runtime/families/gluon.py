@@ -6,9 +6,10 @@ Chosen by default only where it measured faster than the Hopper family (``AUTO_C
 shorter queries where its grid fills ``AUTO_MIN_FILL`` of the SMs), anywhere it can run when
 ``kernel_options={"BACKEND": "GLUON"}`` forces it.
 It needs an sm_90 GPU (never the
-interpreter: Gluon kernels are compiled only), fp16/bf16 inputs with head dims 64 or 128 (q,
-k and v alike) in the layout the Hopper family reads through tensor descriptors, and a block
-mask (if any) whose query blocks are multiples of the program's 128 rows. Tiles: 128 query
+interpreter: Gluon kernels are compiled only), fp16/bf16 inputs whose head dims pad to one of
+``HEAD_DIM_PAIRS`` (E = Ev = 64, 128, 256, and E = 256 with Ev = 128; E = 192 with Ev = 128,
+96 and 80 padded) in the layout the Hopper family reads through tensor descriptors, and a
+block mask (if any) whose query blocks are multiples of the program's 128 rows. Tiles: 128 query
 rows per program (fixed), BLOCK_N and the ring depth (num_stages) from kernel_options or the
 defaults below; the register split is fixed (``MAX_REGISTERS``).
 """
@@ -20,7 +21,7 @@ from ...blockmask.density import density_class
 from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGISTERS,
                               descriptor_blocks, descriptor_layout, gluon_constexprs,
                               gluon_kernel)
-from ...codegen.spec import DTYPE_NAMES, KernelSpec
+from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...config import interpret_mode
 from ...errors import InputError
 from .. import binding, plans
@@ -36,12 +37,16 @@ from .ampere import int64_nodes, sm_count, wants_split
 from .hopper import descriptor_layout_ok, geometry
 
 BLOCK_M = CONSUMERS * CONSUMER_ROWS
-HEAD_DIMS = (64, 128, 256)
-# (BLOCK_N, ring depth) per head dim: K and V rings plus Q fit the H200's 227 KB of shared
-# memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V; E = 256: 64 KB of Q, 2 x 2
-# stages x 32 KB of 64-key tiles; 128-key tiles there spill the consumers' 240 registers: a
-# 64 x 256 fp32 accumulator is 128 of them)
-DEFAULT_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# (BLOCK_N, ring depth) per padded (E, Ev): K and V rings plus Q fit the H200's 227 KB of
+# shared memory (E = 128: 32 KB of Q, 2 x 2 stages x 32 KB of K and V; E = 256: 64 KB of Q,
+# 2 x 2 stages x 32 KB of 64-key tiles; 128-key tiles there spill the consumers' 240
+# registers: a 64 x 256 fp32 accumulator is 128 of them; E = 192 padded to 256 with Ev = 128
+# (DeepSeek's MLA): 64 KB of Q, 3 stages of 32 KB of K and 16 KB of V). Head dims between
+# these are padded: the descriptors' boxes are the padded width, and TMA fills the columns
+# past the tensor's with zeros (they add nothing to q.k; the output's are not stored)
+DEFAULT_TILES = {(64, 64): (128, 3), (128, 128): (128, 2), (256, 256): (64, 2),
+                 (256, 128): (64, 3)}
+HEAD_DIM_PAIRS = frozenset(DEFAULT_TILES)
 SHARED_BYTES = 227 * 1024  # sm_90's shared memory per block
 FIXED_SMS = 132  # the H100/H200's SMs: a plan made without a GPU (compile tests, CPU tests)
 
@@ -97,21 +102,31 @@ def _why_not_auto(call: AttentionCall, q, k, sms: int) -> str | None:
     return None
 
 
+def padded_pair(q, v) -> tuple[int, int]:
+    """(E, Ev) padded to powers of two (at least 16), as the kernels' tiles hold them."""
+    return next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
+
+
 def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[int, int],
-                  head_dims: tuple[int, ...] = HEAD_DIMS) -> str | None:
+                  head_dims: tuple[int, ...] | None = None) -> str | None:
     """Why a Gluon kernel (the forward's or the backward's) cannot take this call: it runs
-    compiled on sm_90 only, on fp16/bf16 q, k, v with head dims ``head_dims`` alike in the
-    tensor-descriptor layout, and walks block masks whose (q, kv) blocks are multiples of its
-    ``blocks``."""
+    compiled on sm_90 only, on fp16/bf16 q, k, v in the tensor-descriptor layout, and walks
+    block masks whose (q, kv) blocks are multiples of its ``blocks``; head dims: ``head_dims``
+    (q, k and v alike), or by default (the forward's) any whose padded (E, Ev) is one of
+    ``HEAD_DIM_PAIRS``."""
     if target.interpret:
         return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
                 "cannot run")
     if not target.is_sm90:
         return f"it runs on sm_90, not {target}"
     E, Ev = q.shape[3], v.shape[3]
-    if E != Ev or E not in head_dims:
+    if head_dims is not None and (E != Ev or E not in head_dims):
         return f"it needs head dims {' or '.join(map(str, head_dims))} (q, k and v alike), " \
                f"not E={E}, Ev={Ev}"
+    if head_dims is None and padded_pair(q, v) not in HEAD_DIM_PAIRS:
+        pairs = ", ".join(f"{e}/{ev}" for e, ev in sorted(HEAD_DIM_PAIRS))
+        return (f"it needs head dims E/Ev that pad to one of {pairs}, not E={E}, Ev={Ev} "
+                f"(padded {'/'.join(map(str, padded_pair(q, v)))})")
     sparse_q, sparse_kv = mask_blocks(call.block_mask)
     if sparse_q is not None and (sparse_q % blocks[0] or sparse_kv % blocks[1]):
         return (f"it needs block-mask blocks that are multiples of {blocks}, not "
@@ -122,10 +137,10 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[in
     return None
 
 
-def gluon_tiles(call: AttentionCall, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, num_stages): kernel_options, else the default, fitted to the mask's key
-    blocks."""
-    block_n, stages = DEFAULT_TILES[head_dim]
+def gluon_tiles(call: AttentionCall, pair: tuple[int, int]) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) at padded head dims ``pair``: kernel_options, else the default,
+    fitted to the mask's key blocks."""
+    block_n, stages = DEFAULT_TILES[pair]
     sparse_kv = mask_blocks(call.block_mask)[1]
     if sparse_kv is not None:
         block_n = min(block_n, largest_tile(sparse_kv))
@@ -135,30 +150,33 @@ def gluon_tiles(call: AttentionCall, head_dim: int) -> tuple[int, int]:
         raise InputError(f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; "
                          f"kernel_options BLOCK_N={block_n} must divide it and be >= 64")
     stages = options.num_stages or stages
-    need = shared_bytes(head_dim, block_n, stages, call.options.gluon_tma_store)
+    need = shared_bytes(*pair, block_n, stages, call.options.gluon_tma_store)
     if need > SHARED_BYTES:
+        dims = str(pair[0]) if pair[0] == pair[1] else "{}/{}".format(*pair)
         raise InputError(
-            f"the Gluon forward at head dim {head_dim} with BLOCK_N={block_n}, num_stages="
-            f"{stages}{', GLUON_TMA_STORE' if call.options.gluon_tma_store else ''} needs "
-            f"{need // 1024} KB of shared memory, more than sm_90's {SHARED_BYTES // 1024} KB: "
-            f"pin fewer stages or a smaller BLOCK_N in kernel_options (the default at this "
-            f"head dim is BLOCK_N={DEFAULT_TILES[head_dim][0]}, num_stages="
-            f"{DEFAULT_TILES[head_dim][1]})")
+            f"the Gluon forward at (padded) head dim {dims} with BLOCK_N={block_n}, "
+            f"num_stages={stages}{', GLUON_TMA_STORE' if call.options.gluon_tma_store else ''}"
+            f" needs {need // 1024} KB of shared memory, more than sm_90's "
+            f"{SHARED_BYTES // 1024} KB: pin fewer stages or a smaller BLOCK_N in "
+            f"kernel_options (the default at this head dim is BLOCK_N={DEFAULT_TILES[pair][0]},"
+            f" num_stages={DEFAULT_TILES[pair][1]})")
     return block_n, stages
 
 
-def shared_bytes(head_dim: int, block_n: int, stages: int, tma_store: bool) -> int:
-    """fwd_gluon.tmpl's shared memory (16-bit elements): the program's Q, the K and V rings,
-    out's staging buffer with the TMA store, and 4 KB for the barriers and the compiler's
-    scratch (Triton 3.6 allocated 3.2 KB more than the buffers at E = 128 and 256)."""
-    rows = BLOCK_M * head_dim * (2 if tma_store else 1)
-    return 2 * (rows + 2 * stages * block_n * head_dim) + 4096
+def shared_bytes(head_dim: int, head_dim_v: int, block_n: int, stages: int,
+                 tma_store: bool) -> int:
+    """fwd_gluon.tmpl's shared memory (16-bit elements) at padded head dims: the program's Q,
+    the K and V rings, out's staging buffer with the TMA store, and 4 KB for the barriers and
+    the compiler's scratch (Triton 3.6 allocated 3.2 KB more than the buffers at E = 128 and
+    256)."""
+    rows = BLOCK_M * (head_dim + (head_dim_v if tma_store else 0))
+    return 2 * (rows + stages * block_n * (head_dim + head_dim_v)) + 4096
 
 
 def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
                return_max: bool) -> KernelSpec:
     L, E, S = q.shape[2], q.shape[3], k.shape[2]
-    block_n, stages = gluon_tiles(call, E)
+    block_n, stages = gluon_tiles(call, padded_pair(q, v))
     mask = call.block_mask
     sparse_q, sparse_kv = mask_blocks(mask) if mask is not None else (BLOCK_M, block_n)
     return KernelSpec(
