@@ -66,13 +66,20 @@ def _window(b, h, q_idx, kv_idx):
     (2048, 256, mods.causal, None, "gluon"),  # E = 256 masked, short: 2.06x
     (8192, 256, _window, None, "gluon"),     # E = 256 sparse: 1.98-2.0x
     (1024, 256, None, None, "hopper"),       # E = 256 shorter than measured
+    (8192, (192, 128), mods.causal, None, "gluon"),  # padded 256/128: 1.41-1.50x
+    (2048, (192, 128), None, None, "gluon"),
+    (8192, (192, 128), _window, None, "hopper"),  # sparse: not measured
+    (8192, 96, None, None, "gluon"),           # padded 128: 1.11-1.34x
+    (2048, 96, mods.causal, None, "gluon"),
+    (8192, 80, None, None, "hopper"),          # not measured
     (1024, 128, None, None, "hopper"),       # shorter than measured
     (2048, 128, None, {"BLOCK_N": 64}, "hopper"),  # tiles pinned for the Hopper family
     (2048, 128, None, {"BACKEND": "HOPPER"}, "hopper"),
 ])
 def test_auto_takes_gluon_only_in_the_classes_where_it_measured_faster(L, E, mask_mod,
                                                                           options, chosen):
-    q, k, v = (torch.empty(1, 1, L, E, dtype=torch.bfloat16) for _ in range(3))
+    E, Ev = E if isinstance(E, tuple) else (E, E)
+    q, k, v = (torch.empty(1, 1, L, dim, dtype=torch.bfloat16) for dim in (E, E, Ev))
     call = _call(options, _mask(mask_mod, L) if mask_mod else None)
     assert registry.choose("forward", SM90, call, q, k, v).name == chosen
     if call.options.backend == "AUTO":
@@ -313,7 +320,8 @@ def test_gluon_pingpong_turns_never_hang_and_alternate():
 def test_padded_head_dims_take_the_padded_pairs_tiles(E, Ev, pair, tiles):
     """Head dims between the kernel's are padded (TMA fills the columns past the tensor's with
     zeros): E = 192 with Ev = 128 (DeepSeek's MLA) takes 64-key tiles in a 3-stage ring (208
-    KB), E = 96 and 80 E = 128's; BACKEND="AUTO" does not take them (not measured)."""
+    KB), E = 96 and 80 E = 128's; BACKEND="AUTO" takes E = 192 and 96 (measured faster than
+    the Hopper family), not 80 and 48 (not measured)."""
     q, k, v = _qkv(E=E)
     v = v[..., :Ev].contiguous()
     assert GLUON.why_not(SM90, _call(FORCED), q, k, v) is None
@@ -324,7 +332,11 @@ def test_padded_head_dims_take_the_padded_pairs_tiles(E, Ev, pair, tiles):
     assert shared_bytes(*pair, *tiles, False) <= SHARED_BYTES
     q, k = (torch.zeros(1, 2, 4096, E, dtype=torch.bfloat16) for _ in range(2))
     v = torch.zeros(1, 2, 4096, Ev, dtype=torch.bfloat16)
-    assert "for (head dim, density, length)" in GLUON.why_not(SM90, _call(), q, k, v)
+    reason = GLUON.why_not(SM90, _call(), q, k, v)
+    if E in (192, 96):
+        assert reason is None
+    else:
+        assert "for (head dim, density, length)" in reason
 
 
 @pytest.mark.parametrize("E,Ev,taken", [(256, 128, True), (192, 192, True), (128, 256, False),
@@ -337,3 +349,17 @@ def test_head_dims_are_taken_by_their_padded_pair(E, Ev, taken):
         assert reason is None
     else:
         assert f"not E={E}, Ev={Ev}" in reason and "64/64, 128/128, 256/128, 256/256" in reason
+
+
+def test_default_ring_shrinks_to_fit_the_tma_store_and_pins_do_not():
+    """E = 192 / Ev = 128 with GLUON_TMA_STORE: out's staging buffer leaves room for 2 of the
+    default 3 stages, so the default ring is 2 deep; 3 pinned stages fail by name."""
+    q, k, v = _qkv(E=192)
+    v = v[..., :128].contiguous()
+    store = {**FORCED, "GLUON_TMA_STORE": True}
+    spec = gluon_spec(q, k, v, _call(store), SM90, True, False)
+    assert (spec.block_n, spec.num_stages, spec.tma_store) == (64, 2, True)
+    assert shared_bytes(256, 128, 64, 3, True) > SHARED_BYTES
+    with pytest.raises(flexfa.InputError, match="256/128 with BLOCK_N=64, num_stages=3, GLUON"):
+        gluon_spec(q, k, v, _call({**store, "num_stages": 3}), SM90, True, False)
+    assert gluon_spec(q, k, v, _call(FORCED), SM90, True, False).num_stages == 3

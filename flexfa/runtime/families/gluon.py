@@ -64,10 +64,15 @@ def _sms(device) -> int:
 # E = 256, every class (benchmarks/results/gpu_2026-12-02/k_390f66e, l_13bdec1, m_6e86b10):
 # at S = 16384 full 2.21x, causal 2.36x (2.40x again in l), softcap + causal 2.31x, document
 # 2.0x the Hopper family; at S = 2048 (B = 8) full 2.00x, causal 2.06x, document 1.98x.
+# Padded head dims (benchmarks/results/gpu_2026-12-02/d6_96708f0, experiments/fwd_tiles.py,
+# L = S = 8192 and 2048, causal and full): E = 192 with Ev = 128 1.41-1.50x the Hopper family
+# (1.59-1.78x FlexAttention), E = 96 1.11-1.34x; sparse masks not measured there.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
                           (128, "masked", "long"),
                           *((256, density, length) for density in ("dense", "masked", "sparse")
-                            for length in ("short", "long"))})
+                            for length in ("short", "long")),
+                          *((dim, density, length) for dim in (192, 96)
+                            for density in ("dense", "masked") for length in ("short", "long"))})
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
 # benchmarks/results/gpu_2026-12-02/y_f0f305c/prefill_sweep.log): the Gluon forward, one CTA
@@ -149,13 +154,18 @@ def gluon_tiles(call: AttentionCall, pair: tuple[int, int]) -> tuple[int, int]:
     if sparse_kv is not None and (sparse_kv % block_n or block_n < 64):
         raise InputError(f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; "
                          f"kernel_options BLOCK_N={block_n} must divide it and be >= 64")
-    stages = options.num_stages or stages
-    need = shared_bytes(*pair, block_n, stages, call.options.gluon_tma_store)
+    tma_store = call.options.gluon_tma_store
+    if options.num_stages:
+        stages = options.num_stages
+    else:  # out's staging buffer may leave room for fewer stages than the default
+        while stages > 2 and shared_bytes(*pair, block_n, stages, tma_store) > SHARED_BYTES:
+            stages -= 1
+    need = shared_bytes(*pair, block_n, stages, tma_store)
     if need > SHARED_BYTES:
         dims = str(pair[0]) if pair[0] == pair[1] else "{}/{}".format(*pair)
         raise InputError(
             f"the Gluon forward at (padded) head dim {dims} with BLOCK_N={block_n}, "
-            f"num_stages={stages}{', GLUON_TMA_STORE' if call.options.gluon_tma_store else ''}"
+            f"num_stages={stages}{', GLUON_TMA_STORE' if tma_store else ''}"
             f" needs {need // 1024} KB of shared memory, more than sm_90's "
             f"{SHARED_BYTES // 1024} KB: pin fewer stages or a smaller BLOCK_N in "
             f"kernel_options (the default at this head dim is BLOCK_N={DEFAULT_TILES[pair][0]},"
