@@ -37,6 +37,14 @@ _TRITON_STATE = [{name: inspect.getattr_static(obj, name) for name in dir(obj)}
 
 
 @pytest.fixture(autouse=True)
+def torch_seeded():
+    """Each test starts from one global RNG state: its torch.randn draws do not depend on the
+    tests that ran before it in the process (scripts/test.sh deals whole files to processes
+    as they come free, so which ran before differs from run to run)."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def triton_language_left_intact():
     yield
     changed = []
