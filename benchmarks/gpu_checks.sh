@@ -40,13 +40,14 @@
 # ping-pong (experiments/softcap_ab.py, 3 rounds); d: the backward's two kernels at E = 256
 # and E = 192 / Ev = 128, S = 8192 causal, timed apart at candidate tiles
 # (benchmarks/bwd_kernel_sweep.py, issue 28), then the head-dim benchmark at E = 96 and 80;
+# ep: GLUON_EXP2_POLY (issue 25): its GPU tests, then softcap_ab.py with it (3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|ep|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -353,6 +354,12 @@ if [ "$PART" = d ]; then  # issue 28: E=256 and 192/128 backward tiles, E=96/80 
   for f in sweep256 sweep192; do mv "$OUT/$f/bwd_kernel_sweep.json" "$OUT/$f.json"; \
     rmdir "$OUT/$f"; grep -A4 "best\|^case" "$OUT/$f.log" | tail -n 16; done
   tail -n 20 "$OUT/headdim.log"
+fi
+if [ "$PART" = ep ]; then  # issue 25: one softmax exp2 in 2 or 4 on the FMA pipes
+  step exp2_poly 200 $SHARD/exp2_poly -- -m gpu tests/gpu/test_gluon_gpu.py -k exp2_poly
+  FLEXFA_AUTOTUNE=0 step softcap_poly 300 python benchmarks/experiments/softcap_ab.py \
+    --rounds 3 --mods causal,softcap --options plain,pingpong,poly2,poly4,poly2_pp,poly4_pp
+  tail -n 3 "$OUT/exp2_poly.log"; cat "$OUT/softcap_poly.log"
 fi
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')

@@ -9,9 +9,12 @@ process, rounds over the cases in turn (do_bench medians, the median of the roun
   a code generator could do: one multiply less per score, the same result);
 - ``tanh_only``: tanh(s) with ``scale`` / 30, a timing proxy for folding the *30 into the
   softmax's log2 scale too (its result differs: only its time is read);
-each plain and with ``GLUON_PINGPONG`` (and the persistent grid with ping-pong).
+each plain and with ``GLUON_PINGPONG`` (and the persistent grid with ping-pong), and with
+``GLUON_EXP2_POLY`` 2 or 4 (one softmax exp2 in 2 or 4 on the FMA pipes; alone and with
+ping-pong).
 
-    python benchmarks/experiments/softcap_ab.py [--rounds 3]
+    python benchmarks/experiments/softcap_ab.py [--rounds 3] [--mods causal,softcap]
+        [--options plain,poly2,poly4,poly2_pp]
 """
 import argparse
 import math
@@ -26,6 +29,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep", type=int, default=60)
+    parser.add_argument("--mods", default="causal,softcap,softcap_in,tanh_only")
+    parser.add_argument("--options", default="plain,pingpong,persist_pp",
+                        help="plain, pingpong, persist_pp, poly2, poly4, poly2_pp, poly4_pp")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
@@ -50,7 +56,17 @@ def main() -> int:
     mods_ = {"causal": (None, scale), "softcap": (softcap, scale),
              "softcap_in": (softcap_in, scale / 30.0), "tanh_only": (tanh_only, scale / 30.0)}
     options = {"plain": {}, "pingpong": {"GLUON_PINGPONG": True},
-               "persist_pp": {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}}
+               "persist_pp": {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
+               "poly2": {"GLUON_EXP2_POLY": 2}, "poly4": {"GLUON_EXP2_POLY": 4},
+               "poly2_pp": {"GLUON_EXP2_POLY": 2, "GLUON_PINGPONG": True},
+               "poly4_pp": {"GLUON_EXP2_POLY": 4, "GLUON_PINGPONG": True}}
+    unknown = set(args.options.split(",")) - set(options) | set(args.mods.split(",")) - set(mods_)
+    if unknown or "plain" not in args.options.split(",") or \
+            not {"causal", "softcap"} <= set(args.mods.split(",")):
+        parser.error(f"--mods must include causal and softcap, --options plain; unknown: "
+                     f"{sorted(unknown)}")
+    mods_ = {name: mods_[name] for name in args.mods.split(",")}
+    options = {name: options[name] for name in args.options.split(",")}
     cases = {}
     for name, (score_mod, sc) in mods_.items():
         for label, extra in options.items():
@@ -60,9 +76,14 @@ def main() -> int:
                                                               block_mask=mask, scale=sc,
                                                               kernel_options=opts))
     ref = cases["softcap/plain"]().float()
-    folded = cases["softcap_in/plain"]().float()
-    print(f"softcap_in against softcap: relative error "
-          f"{float((folded - ref).norm() / ref.norm()):.2e}", flush=True)
+    for name in cases:  # each against the plain kernel of its mod (softcap_in: of softcap)
+        mod = name.split("/")[0]
+        if name.endswith("/plain") and mod != "softcap_in" or mod == "tanh_only":
+            continue
+        base = ref if mod == "softcap_in" else cases[f"{mod}/plain"]().float()
+        out = cases[name]().float()
+        print(f"{name} against {mod if mod != 'softcap_in' else 'softcap'}/plain: relative "
+              f"error {float((out - base).norm() / base.norm()):.2e}", flush=True)
     times = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():

@@ -77,6 +77,9 @@ class KernelOptions:
     # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
     # first); off until measured
     gluon_persistent: bool = False
+    # the Gluon forward computes one exp2 in this many (2 or 4) on the FMA pipes instead of
+    # the MUFU unit that tanh.approx (softcap) shares; 0: all on MUFU. Off until measured
+    gluon_exp2_poly: int = 0
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -191,6 +194,10 @@ SCHEMA = {
     "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
                          "the Gluon forward on a persistent grid (one program per SM walking "
                          "work tiles, longest first): True or False (default)"),
+    "GLUON_EXP2_POLY": ("gluon_exp2_poly", (), _int_in((0, 2, 4), "0 (default), 2 or 4"),
+                        "the Gluon forward computes one softmax exp2 in every 2 or 4 by a "
+                        "polynomial on the FMA pipes (relative error < 1e-4), the others on "
+                        "the MUFU unit; 0 (default): all on MUFU"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {
