@@ -72,6 +72,8 @@ def _window(b, h, q_idx, kv_idx):
     (8192, 96, None, None, "gluon"),           # padded 128: 1.11-1.34x
     (2048, 96, mods.causal, None, "gluon"),
     (8192, 80, None, None, "hopper"),          # not measured
+    (8192, 192, None, None, "hopper"),         # 192 / 192 pads to 256 / 256: not measured
+    (8192, (96, 128), None, None, "hopper"),   # not measured
     (1024, 128, None, None, "hopper"),       # shorter than measured
     (2048, 128, None, {"BLOCK_N": 64}, "hopper"),  # tiles pinned for the Hopper family
     (2048, 128, None, {"BACKEND": "HOPPER"}, "hopper"),

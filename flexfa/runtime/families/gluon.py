@@ -66,12 +66,13 @@ def _sms(device) -> int:
 # 2.0x the Hopper family; at S = 2048 (B = 8) full 2.00x, causal 2.06x, document 1.98x.
 # Padded head dims (benchmarks/results/gpu_2026-12-02/d6_96708f0, experiments/fwd_tiles.py,
 # L = S = 8192 and 2048, causal and full): E = 192 with Ev = 128 1.41-1.50x the Hopper family
-# (1.59-1.78x FlexAttention), E = 96 1.11-1.34x; sparse masks not measured there.
+# (1.59-1.78x FlexAttention), E = 96 1.11-1.34x; sparse masks not measured there. A class's
+# head dims are E where Ev = E, else (E, Ev): only the pairs measured.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
                           (128, "masked", "long"),
                           *((256, density, length) for density in ("dense", "masked", "sparse")
                             for length in ("short", "long")),
-                          *((dim, density, length) for dim in (192, 96)
+                          *((dims, density, length) for dims in ((192, 128), 96)
                             for density in ("dense", "masked") for length in ("short", "long"))})
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
@@ -84,7 +85,7 @@ AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper
 AUTO_MIN_FILL = 0.75
 
 
-def _why_not_auto(call: AttentionCall, q, k, sms: int) -> str | None:
+def _why_not_auto(call: AttentionCall, q, k, v, sms: int) -> str | None:
     """Why BACKEND="AUTO" does not take this family for the call on ``sms`` SMs (None: it
     does)."""
     B, Hq, L, E = q.shape
@@ -93,7 +94,9 @@ def _why_not_auto(call: AttentionCall, q, k, sms: int) -> str | None:
         return "kernel_options pin forward tiles (the Hopper family's); BACKEND='GLUON' forces it"
     if S < AUTO_MIN_LEN:
         return f"BACKEND='AUTO' takes it from S >= {AUTO_MIN_LEN}, not S={S}"
-    found = (E, density_class(call.block_mask), "short" if S <= SHORT_KV else "long")
+    Ev = v.shape[3]
+    found = (E if E == Ev else (E, Ev), density_class(call.block_mask),
+             "short" if S <= SHORT_KV else "long")
     if found not in AUTO_CLASSES:
         return (f"BACKEND='AUTO' takes it only where it measured faster than the Hopper "
                 f"family, not for (head dim, density, length) {found}")
@@ -262,7 +265,7 @@ class GluonForward(KernelFamily):
         if reason is None and wants_split(call, target, q, k):
             reason = "split-KV (kernel_options SPLIT_KV) runs the Hopper or Ampere family"
         if reason is None and call.options.backend != "GLUON":
-            reason = _why_not_auto(call, q, k, _sms(q.device))
+            reason = _why_not_auto(call, q, k, v, _sms(q.device))
         return reason
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
