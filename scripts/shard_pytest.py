@@ -14,8 +14,7 @@ once; a process idles on nothing while files are left), which balances files of 
 different cost without a table of durations. Each process logs to `<logs>.<k>.log`. Prints
 every process's summary (and a failing one's last lines), then one line `N failed, M passed
 ...` summed over the processes; exits non-zero when any process failed, when nothing was
-collected (5), or when the processes together reported other than the collected number of
-tests.
+collected (5), or when the processes together reported fewer outcomes than tests collected.
 """
 from __future__ import annotations
 
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     order = ("failed", "errors", "passed", "skipped", "xfailed", "xpassed")
     print(", ".join(f"{counts[word]} {word}" for word in order if word in counts) +
           f" in {time.time() - t0:.1f}s over {len(groups)} processes")
-    if reported(counts) != len(ids):
+    if reported(counts) < len(ids):  # (more: a module skipped whole reports one skip)
         print(f"{len(ids)} tests collected but {reported(counts)} reported by the processes")
         return 1
     return 0 if all(code == 0 for code in codes) else 1
