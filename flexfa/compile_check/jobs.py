@@ -192,8 +192,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
-                          block_m=128,
-                          block_n=block_n, num_warps=4, num_stages=num_stages,
+                          block_m=128, block_n=block_n, num_warps=4, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
                           sparse_q=128, sparse_kv=128 if mask else block_n, even_l=False,
                           even_s=False, return_lse=return_lse, gqa_group=1,
