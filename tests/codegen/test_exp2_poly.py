@@ -28,13 +28,20 @@ def _bits(hex_word: str) -> float:
         torch.float32).item()
 
 
-def _constants() -> dict[str, list[float]]:
-    """The float32 constants of each instruction kind in the template's EVERY == 2 asm."""
+def _asm(every: int) -> str:
+    """The PTX the template builds for ``every`` (its ``flexfa_exp2_poly_asm``, run here)."""
     text = HELPERS.read_text()
-    asm = text[text.index("def flexfa_exp2_poly"):text.index('pack=2)')]
+    namespace = {}
+    exec(text[text.index("def flexfa_exp2_poly_asm"):text.index("FLEXFA_EXP2_POLY_ASM_2 =")],
+         namespace)
+    return namespace["flexfa_exp2_poly_asm"](every)
+
+
+def _constants(every: int = 2) -> dict[str, list[float]]:
+    """The float32 constants of each instruction kind in the asm for ``every``."""
     found = {}
     for op, *words in re.findall(r"(add\.rn\.f32|sub\.rn\.f32|fma\.rn\.f32|setp\.lt\.f32)"
-                                 r"[^;]*?((?:0f[0-9A-F]{8}[,;\s]*)+)", asm):
+                                 r"[^;]*?((?:0f[0-9A-F]{8}[,;\s]*)+)", _asm(every)):
         found.setdefault(op, []).extend(_bits(w[2:]) for w in re.findall(r"0f[0-9A-F]{8}",
                                                                         words[0]))
     return found
@@ -62,11 +69,18 @@ def test_the_asm_has_the_constants_this_test_reads():
     c = _constants()
     assert c["add.rn.f32"] == [12582912.0] and c["sub.rn.f32"] == [12582912.0]
     assert len(c["fma.rn.f32"]) == 4 and c["setp.lt.f32"] == [-125.0]
-    text = HELPERS.read_text()
-    pack4 = text[text.index('pack=2)'):text.index('pack=4)')]
-    for word in re.findall(r"0f[0-9A-F]{8}", text[text.index("def flexfa_exp2_poly"):
-                                                    text.index('pack=2)')]):
-        assert word in pack4, f"the 4-element asm lacks {word}"
+    assert _constants(4) == c
+    for every in (2, 4):  # ex2.approx on the first every - 1 inputs, outputs written last
+        asm = _asm(every)
+        assert [f"${every + i}" for i in range(every - 1)] == re.findall(
+            r"ex2\.approx\.ftz\.f32 e\d+, (\$\d+);", asm)
+        assert asm.count(f"${2 * every - 1}") == 5  # x: add, sub, setp, testp, selp
+        lines = asm.splitlines()
+        reads = [n for n, line in enumerate(lines)
+                 if any(f"${every + i}" in line for i in range(every))]
+        writes = [n for n, line in enumerate(lines) for i in range(every)
+                  if re.match(rf"\S+ \${i}, ", line)]
+        assert len(writes) == every and min(writes) >= max(reads), asm
 
 
 def test_polynomial_exp2_is_within_1e4_relative_over_the_softmax_range():
