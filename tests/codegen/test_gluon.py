@@ -71,7 +71,10 @@ def _window(b, h, q_idx, kv_idx):
     (8192, (192, 128), _window, None, "hopper"),  # sparse: not measured
     (8192, 96, None, None, "gluon"),           # padded 128: 1.11-1.34x
     (2048, 96, mods.causal, None, "gluon"),
-    (8192, 80, None, None, "hopper"),          # not measured
+    (8192, 80, None, None, "gluon"),           # padded 128: 1.13-1.35x
+    (2048, 80, mods.causal, None, "gluon"),
+    (8192, 80, _window, None, "hopper"),       # sparse: not measured
+    (8192, 48, None, None, "hopper"),          # padded 64: 0.98-1.05x
     (8192, 192, None, None, "hopper"),         # 192 / 192 pads to 256 / 256: not measured
     (8192, (96, 128), None, None, "hopper"),   # not measured
     (1024, 128, None, None, "hopper"),       # shorter than measured

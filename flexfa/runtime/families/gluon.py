@@ -66,13 +66,15 @@ def _sms(device) -> int:
 # 2.0x the Hopper family; at S = 2048 (B = 8) full 2.00x, causal 2.06x, document 1.98x.
 # Padded head dims (benchmarks/results/gpu_2026-12-02/d6_96708f0, experiments/fwd_tiles.py,
 # L = S = 8192 and 2048, causal and full): E = 192 with Ev = 128 1.41-1.50x the Hopper family
-# (1.59-1.78x FlexAttention), E = 96 1.11-1.34x; sparse masks not measured there. A class's
-# head dims are E where Ev = E, else (E, Ev): only the pairs measured.
+# (1.59-1.78x FlexAttention), E = 96 1.11-1.34x; sparse masks not measured there. E = 80
+# (benchmarks/results/gpu_2026-12-02/ft_159240b, the same script, 2 rounds): 1.19x / 1.35x
+# the Hopper family at 8192 causal / full, 1.13x / 1.33x at 2048; E = 48 0.98-1.05x: not
+# taken. A class's head dims are E where Ev = E, else (E, Ev): only the pairs measured.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
                           (128, "masked", "long"),
                           *((256, density, length) for density in ("dense", "masked", "sparse")
                             for length in ("short", "long")),
-                          *((dims, density, length) for dims in ((192, 128), 96)
+                          *((dims, density, length) for dims in ((192, 128), 96, 80)
                             for density in ("dense", "masked") for length in ("short", "long"))})
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
