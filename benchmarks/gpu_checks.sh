@@ -41,13 +41,17 @@
 # and E = 192 / Ev = 128, S = 8192 causal, timed apart at candidate tiles
 # (benchmarks/bwd_kernel_sweep.py, issue 28), then the head-dim benchmark at E = 96 and 80;
 # ep: GLUON_EXP2_POLY (issue 25): its GPU tests, then softcap_ab.py with it (3 rounds);
+# bq: the Gluon backward with one dQ reduce-add per tile (issue 26): its ConSan run in the
+# background, its GPU tests (carry .fa4a: leaves the FA4 wheels' first half as h does);
+# bqb: (carry .fa4b, right after bq) fwd+bwd at E=128 S=16384 against the Triton backward,
+# FLASH and cuDNN, with 2 and 3 ring stages (2 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|ep|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|ep|bq|bqb|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -360,6 +364,22 @@ if [ "$PART" = ep ]; then  # issue 25: one softmax exp2 in 2 or 4 on the FMA pip
   FLEXFA_AUTOTUNE=0 step softcap_poly 300 python benchmarks/experiments/softcap_ab.py \
     --rounds 3 --mods causal,softcap --options plain,pingpong,poly2,poly4,poly2_pp,poly4_pp
   tail -n 3 "$OUT/exp2_poly.log"; cat "$OUT/softcap_poly.log"
+fi
+if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
+  step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \
+    --safety-only --safety-timeout 530 & BWD=$!
+  fa4_first_half
+  step gluon_bwd_gpu 170 $SHARD/gluon_bwd -- -m gpu tests/gpu/test_gluon_bwd_gpu.py
+  wait $BWD
+  tail -n 3 "$OUT/gluon_bwd_gpu.log"; tail -c 600 "$OUT/consan_bwd.json"
+fi
+if [ "$PART" = bqb ]; then
+  fa4_path
+  step bench_bq 540 python -m flexfa bench --flash --rep 40 --rounds 2 --passes fwd+bwd \
+    --seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal}" \
+    --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
+    --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' --out "$OUT/bench_bq"
+  tail -n 20 "$OUT/bench_bq.log"
 fi
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')

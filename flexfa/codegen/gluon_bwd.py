@@ -83,7 +83,8 @@ def descriptor_blocks(spec: GluonBackwardSpec) -> dict[str, tuple[list[int], str
     return {"Q_DESC": (rows, spec.dtype), "DO_DESC": (rows, spec.dtype),
             "K_DESC": (keys, spec.dtype), "V_DESC": (keys, spec.dtype),
             "LSE_DESC": ([1, spec.block_m], "fp32"), "DELTA_DESC": ([1, spec.block_m], "fp32"),
-            "DQ_DESC": (rows, "fp32")}
+            # each consumer reduces its columns of the tile's dQ (bwd_gluon.tmpl's DQ_COLS)
+            "DQ_DESC": ([spec.block_m, e_pad // CONSUMERS], "fp32")}
 
 
 def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None) -> KernelParams:

@@ -288,6 +288,9 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
 
 register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_causal),
          archs=(90,))
+# the deepest ring that fits at E = 128 (kernel_options GLUON_BWD_STAGES=3)
+register("bwd_gluon_d128_bf16_causal_s3", gluon_bwd_job(128, "bf16", mask_mod=_causal, stages=3),
+         archs=(90,))
 register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=_softcap,
                                                           gqa_group=2), archs=(90,))
 register("bwd_gluon_d64_fp16_alibi_document",

@@ -80,6 +80,8 @@ class KernelOptions:
     # the Gluon forward computes one exp2 in this many (2 or 4) on the FMA pipes instead of
     # the MUFU unit that tanh.approx (softcap) shares; 0: all on MUFU. Off until measured
     gluon_exp2_poly: int = 0
+    # the Gluon backward's Q/dO ring depth; 0: its default per head dim
+    gluon_bwd_stages: int = 0
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -198,6 +200,10 @@ SCHEMA = {
                         "the Gluon forward computes one softmax exp2 in every 2 or 4 by a "
                         "polynomial on the FMA pipes (relative error < 1e-4), the others on "
                         "the MUFU unit; 0 (default): all on MUFU"),
+    "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
+                         "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
+                         "shared memory fail before compiling); 0 (default): its choice per "
+                         "head dim"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

@@ -18,8 +18,9 @@ from flexfa.codegen.gluon_bwd import RowsSpec, gluon_bwd_kernel
 from flexfa.runtime import registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families.backward import Inputs, joint_graph
-from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, gluon_bwd_spec, padded_rows, row_steps,
-                                               run_post, run_pre, why_not_gluon_bwd)
+from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, gluon_bwd_spec, padded_rows,
+                                               row_steps, run_post, run_pre, shared_bytes,
+                                               why_not_gluon_bwd)
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
@@ -95,6 +96,25 @@ def test_gluon_backward_spec(L, block_mask, sparse_q, even_l, even_s, l_pad):
     assert spec.has_block_mask == (mask is not None) and spec.stages == 2
     assert padded_rows(L, spec) == l_pad
     assert spec.launch_options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 168}
+
+
+@pytest.mark.parametrize("E, stages, chosen", [(128, None, 2), (64, None, 3), (128, 3, 3),
+                                               (64, 4, 4), (128, 2, 2)])
+def test_gluon_backward_ring_depth_from_kernel_options(E, stages, chosen):
+    q, k, _ = _qkv(256, E)
+    options = {**FORCED, **({"GLUON_BWD_STAGES": stages} if stages else {})}
+    spec = gluon_bwd_spec(q, k, _call(options), SM90)
+    assert spec.stages == chosen and shared_bytes(E, chosen) <= SHARED_BYTES
+
+
+def test_gluon_backward_ring_that_does_not_fit_fails_by_name():
+    q, k, _ = _qkv(256, 128)
+    with pytest.raises(ValueError, match=r"GLUON_BWD_STAGES=4.*head dim 128 needs 265216 bytes"
+                                         r".*stages that fit: \[2, 3\]"):
+        gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_STAGES": 4}), SM90)
+    for bad in (1, 5, "2"):
+        with pytest.raises((flexfa.InputError, TypeError), match="GLUON_BWD_STAGES"):
+            parse_kernel_options({"GLUON_BWD_STAGES": bad})
 
 
 def test_gluon_backward_renders_mods_in_the_transposed_score_layout():

@@ -73,6 +73,18 @@ def test_gluon_backward_matches_reference(safe, name):
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
 
 
+@pytest.mark.parametrize("name", ["causal", "gqa_causal", "softcap_causal"])
+def test_gluon_backward_three_stage_ring_matches_reference(safe, name):
+    """GLUON_BWD_STAGES=3 at E = 128 (226 KB of shared memory, the deepest that fits): its
+    ring counts (it % 3 and the dS pairs' it % 2 together) over a walk longer than 12 tiles."""
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options={**FORCED, "GLUON_BWD_STAGES": 3})
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon_bwd"]
+    assert found and all(p.spec.stages == 3 for p in found)
+
+
 def test_learnable_bias_falls_back_to_the_triton_backward(safe):
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     bias = torch.zeros(2, device="cuda", requires_grad=True)

@@ -29,8 +29,33 @@ from .backward import Inputs, int64_nodes_of, joint_graph
 from .gluon import descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
-DEFAULT_STAGES = {64: 3, 128: 2}  # the Q/dO ring: 2 stages at E = 128 fill 210 KB of 227
+DEFAULT_STAGES = {64: 3, 128: 2}  # the Q/dO ring: 2 stages at E = 128 fill 194 KB of 227
 HEAD_DIMS = tuple(DEFAULT_STAGES)  # the forward's 256 is not the backward's
+SHARED_BYTES = 227 * 1024  # sm_90's shared memory per block
+
+
+def shared_bytes(head_dim: int, stages: int) -> int:
+    """bwd_gluon.tmpl's shared memory (16-bit inputs): the Q/dO ring with its lse2 and delta
+    rows, K and V of the program's keys, two pairs of dS^T tiles, the consumers' fp32 dQ
+    columns, and 1 KB for the barriers (the sm_90 compiles: 193.6 KB at E = 128, 2 stages)."""
+    ring = stages * (2 * BLOCK_M * head_dim * 2 + 2 * BLOCK_M * 4)
+    keys = 2 * BLOCK_N * head_dim * 2
+    ds = 2 * BLOCK_N * BLOCK_M * 2
+    dq = BLOCK_M * head_dim * 4
+    return ring + keys + ds + dq + 1024
+
+
+def ring_stages(call, head_dim: int) -> int:
+    """The Q/dO ring depth: kernel_options GLUON_BWD_STAGES, else the default per head dim;
+    a depth whose buffers do not fit sm_90's shared memory fails here, by name."""
+    stages = call.options.gluon_bwd_stages or DEFAULT_STAGES[head_dim]
+    need = shared_bytes(head_dim, stages)
+    if need > SHARED_BYTES:
+        fits = [n for n in (2, 3, 4) if shared_bytes(head_dim, n) <= SHARED_BYTES]
+        raise ValueError(f"kernel_options GLUON_BWD_STAGES={stages}: the Gluon backward at "
+                         f"head dim {head_dim} needs {need} bytes of shared memory for it, "
+                         f"more than sm_90's {SHARED_BYTES}; stages that fit: {fits}")
+    return stages
 ROWS_BLOCK = 64  # rows per program of the row kernels
 
 
@@ -63,7 +88,7 @@ def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
     if mask is None:
         sparse_q, sparse_kv = BLOCK_M, BLOCK_N
     return GluonBackwardSpec(
-        dtype=DTYPE_NAMES[q.dtype], head_dim=E, stages=DEFAULT_STAGES[E],
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, stages=ring_stages(call, E),
         has_block_mask=mask is not None, has_full_blocks=has_full_blocks(mask, "q"),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
         even_s=S % BLOCK_N == 0, gqa_group=call.gqa_group, target=target.name,
