@@ -44,7 +44,8 @@
 # bq: the Gluon backward with one dQ reduce-add per tile (issue 26): its ConSan run in the
 # background, its GPU tests (carry .fa4a: leaves the FA4 wheels' first half as h does);
 # bqb: (carry .fa4b, right after bq) fwd+bwd at E=128 S=16384 against the Triton backward,
-# FLASH and cuDNN, with 2 and 3 ring stages (2 rounds);
+# FLASH and cuDNN: the Gluon backward by default, with 3 ring stages, with the whole dQ
+# accumulator at once, with dP^T early (2 rounds); E=64; S=65536 causal (memory);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
@@ -375,11 +376,19 @@ if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
 fi
 if [ "$PART" = bqb ]; then
   fa4_path
-  step bench_bq 540 python -m flexfa bench --flash --rep 40 --rounds 2 --passes fwd+bwd \
-    --seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal}" \
+  step bench_bq 330 python -m flexfa bench --flash --rep 40 --rounds 2 --passes fwd+bwd \
+    --seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal,sliding,softcap,alibi,document,prefix}" \
     --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
-    --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' --out "$OUT/bench_bq"
-  tail -n 20 "$OUT/bench_bq.log"
+    --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' \
+    --extra 'gluon_bwd_s3_c1={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3, "GLUON_BWD_DQ_CHUNKS": 1}' \
+    --extra 'gluon_bwd_s3_edp={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3, "GLUON_BWD_EARLY_DP": true}' \
+    --out "$OUT/bench_bq"
+  step bench_bq64 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 16384 \
+    --dims 64 --variants full,causal --extra 'gluon_bwd={"GLUON_BACKWARD": true}' --out "$OUT/bench_bq64"
+  step bench_bq_long 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 65536 \
+    --dims 128 --heads 8 --tokens 65536 --variants causal \
+    --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' --out "$OUT/bench_bq_long"
+  for f in bench_bq bench_bq64 bench_bq_long; do tail -n 12 "$OUT/$f.log"; done
 fi
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')

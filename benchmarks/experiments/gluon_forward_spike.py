@@ -172,7 +172,7 @@ def main_cpu():
     from wgmma_wait_probe import ptx_loop_events
     for BM, BN, stages, warps in ((128, 128, 3, 8), (64, 64, 2, 4)):
         compiled = compile_sm90(BM, BN, 128, stages, warps)
-        registers, spills = ptxas_usage(compiled.asm["ptx"], 90)
+        registers, spills, _ = ptxas_usage(compiled.asm["ptx"], 90)
         print(f"{BM}x{BN} {stages} stages {warps} warps: {registers} registers, {spills} bytes "
               f"spilled, {compiled.metadata.shared} B shared; loop: "
               + " -> ".join(ptx_loop_events(compiled.asm["ptx"])))

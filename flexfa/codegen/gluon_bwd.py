@@ -54,6 +54,7 @@ class GluonBackwardSpec:
     block_m: int = BLOCK_M
     block_n: int = BLOCK_N
     max_registers: int = MAX_REGISTERS
+    early_dp: bool = False  # dP^T issued with S^T (kernel_options GLUON_BWD_EARLY_DP)
 
     def __post_init__(self):
         assert self.sparse_q % self.block_m == 0 and self.sparse_kv % self.block_n == 0, (
@@ -69,7 +70,8 @@ class GluonBackwardSpec:
                     E_PAD=next_power_of_two(self.head_dim), HAS_BLOCK_MASK=self.has_block_mask,
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l, EVEN_S=self.even_s,
-                    GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages)
+                    GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages,
+                    EARLY_DP=self.early_dp)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": 4, "num_stages": 1, "maxnreg": self.max_registers}
@@ -96,10 +98,11 @@ def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None) -> KernelP
     return KernelParams((
         descriptors + tensors(INPUT, "DK", "DV"), strides("dk", "bhnd"), strides("dv", "bhnd"),
         *block_mask_tables("Q", "n", "m"),
-        ints("HQ", "L", "S", "L_PAD") + (Param("sm_scale", FLOAT),) + buffer_params(score, mask),
+        ints("HQ", "L", "S", "L_PAD", "HQ_CHUNK", "B0", "HKV0") + (Param("sm_scale", FLOAT),)
+        + buffer_params(score, mask),
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS",
                    "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE",
-                   "STAGES")))
+                   "STAGES", "EARLY_DP")))
 
 
 def gluon_bwd_key(spec: GluonBackwardSpec, joint: JointGraph | None, score: TracedMod | None,
@@ -184,7 +187,7 @@ def rows_params() -> dict[str, KernelParams]:
                            strides("o", "bhmd"), strides("g", "bhmd"), ints("HQ", "L", "L_PAD"),
                            _ROW_CONSTEXPRS)),
         POST: KernelParams((tensors("fp32", "DQ_ACC") + tensors(INPUT, "DQ"),
-                            strides("dq", "bhmd"), ints("HQ", "L", "L_PAD")
+                            strides("dq", "bhmd"), ints("L", "L_PAD", "HQ_CHUNK", "B0", "H0")
                             + (Param("sm_scale", FLOAT),), _ROW_CONSTEXPRS))}
 
 

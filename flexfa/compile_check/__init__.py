@@ -42,6 +42,9 @@ class CompileResult:
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None  # Triton's compiled.metadata.shared (sm_90: 227 KB fit)
+    # ptxas serialized the wgmmas (its C7514 notice: an instruction reads an accumulator of a
+    # wgmma in flight, so each wgmma waits for the one before); None: no ptxas to ask
+    wgmma_serialized: bool | None = None
     seconds: float = 0.0
     error: str = ""
     skipped: bool = False  # the variant does not target this arch
@@ -88,13 +91,14 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
     except Exception as exc:  # reported in the table, not raised
         return CompileResult(variant, arch, False, seconds=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    registers, spills = ptxas_usage(ptx, arch)
+    registers, spills, serialized = ptxas_usage(ptx, arch)
     return CompileResult(variant, arch, True, "mma.sync" in ptx, "wgmma" in ptx, registers, spills,
-                         shared, time.perf_counter() - start, ptx=ptx)
+                         shared, serialized, time.perf_counter() - start, ptx=ptx)
 
 
-def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
-    """(registers, spill store bytes) from ``ptxas -v``, or (None, None) if unavailable."""
+def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None, bool | None]:
+    """(registers, spill store bytes, wgmmas serialized) from ``ptxas -v``, or Nones if
+    unavailable."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         ptxas = get_ptxas(arch).path
@@ -106,11 +110,12 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
                                      "/dev/null"], capture_output=True, text=True, timeout=300)
         text = result.stdout + result.stderr
     except Exception:  # ptxas missing or failing: the table shows "-"
-        return None, None
+        return None, None, None
     registers = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
     return (max(map(int, registers)) if registers else None,
-            max(map(int, spills)) if spills else None)
+            max(map(int, spills)) if spills else None,
+            "C7514" in text or "wgmma.mma_async instructions are serialized" in text)
 
 
 def traced_mods(score_mod, mask_mod):

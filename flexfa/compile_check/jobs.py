@@ -267,7 +267,7 @@ register("fwd_gluon_d64_bf16_document_persistent",
 
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,
-                  stages: int = 2):
+                  stages: int = 2, early_dp: bool = False):
     """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
     (the bounds-checked code), 128-key programs walking 64-row q tiles."""
     def build(arch: int):
@@ -277,7 +277,8 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
                                  has_block_mask=mask is not None,
                                  has_full_blocks=mask is not None,
                                  sparse_q=128 if mask else 64, sparse_kv=128, even_l=False,
-                                 even_s=False, gqa_group=gqa_group, target=f"cuda:{arch}")
+                                 even_s=False, gqa_group=gqa_group, target=f"cuda:{arch}",
+                                 early_dp=early_dp)
         generated = gluon_bwd_kernel(spec, joint, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = gluon_bwd_signature(spec, joint, score, mask)
@@ -288,6 +289,11 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
 
 register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_causal),
          archs=(90,))
+# dP^T with S^T (GLUON_BWD_EARLY_DP): no spills without mods, dense and causal
+register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_dp=True),
+         archs=(90,))
+register("bwd_gluon_d128_bf16_causal_early_dp",
+         gluon_bwd_job(128, "bf16", mask_mod=_causal, early_dp=True), archs=(90,))
 # the deepest ring that fits at E = 128 (kernel_options GLUON_BWD_STAGES=3)
 register("bwd_gluon_d128_bf16_causal_s3", gluon_bwd_job(128, "bf16", mask_mod=_causal, stages=3),
          archs=(90,))

@@ -183,21 +183,23 @@ class Step:
         self.direct: DirectState | None = None
         self.launched = False  # a first launch ran: descriptors may skip their checks
 
-    def launch_with(self, values: dict, device) -> None:
-        """Launch with the arguments ``values`` names (the rest fixed by the plan)."""
-        self.launch(self.binder.bind(values), device)
+    def launch_with(self, values: dict, device, grid: tuple | None = None) -> None:
+        """Launch with the arguments ``values`` names (the rest fixed by the plan); ``grid``:
+        this launch's grid instead of the plan's (a kernel launched over parts of a call)."""
+        self.launch(self.binder.bind(values), device, grid)
 
-    def launch(self, args: list, device) -> None:
+    def launch(self, args: list, device, grid: tuple | None = None) -> None:
+        grid = self.grid if grid is None else grid
         if device.type != "cuda":
-            self.kernel[self.grid](*args, **self.constexprs, **self.options)
+            self.kernel[grid](*args, **self.constexprs, **self.options)
             self.launched = True
             return
         if self.direct is not None and device.index == torch.cuda.current_device():
-            launch_direct(self.direct, self.grid, device.index, args)
+            launch_direct(self.direct, grid, device.index, args)
             return
         ensure_allocator()
         with torch.cuda.device(device):
-            compiled = self.kernel[self.grid](*args, **self.constexprs, **self.options)
+            compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         self.direct = direct_state(self.kernel, compiled, args, self.constexprs)
         self.launched = True
 

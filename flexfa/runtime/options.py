@@ -82,6 +82,11 @@ class KernelOptions:
     gluon_exp2_poly: int = 0
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
+    # the Gluon backward issues dP^T with S^T (FA3's order); off until measured
+    gluon_bwd_early_dp: bool = False
+    # the Gluon backward's dQ accumulator holds 1 / this of the (batch, kv head) pairs at a
+    # time (one launch per part); 0: its default (4)
+    gluon_bwd_dq_chunks: int = 0
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -204,6 +209,14 @@ SCHEMA = {
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "
                          "head dim"),
+    "GLUON_BWD_EARLY_DP": ("gluon_bwd_early_dp", (), _flag,
+                           "the Gluon backward issues dP^T with S^T, in flight through the "
+                           "mods (FlashAttention-3's order; more registers): True or False "
+                           "(default)"),
+    "GLUON_BWD_DQ_CHUNKS": ("gluon_bwd_dq_chunks", (), _int_in(range(0, 65), "0..64"),
+                            "the Gluon backward's fp32 dQ accumulator holds about 1 / n of the "
+                            "(batch, kv head) pairs, one launch per part (memory against "
+                            "launches): 1 all at once; 0 (default): 4"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

@@ -18,9 +18,9 @@ from flexfa.codegen.gluon_bwd import RowsSpec, gluon_bwd_kernel
 from flexfa.runtime import registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families.backward import Inputs, joint_graph
-from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, gluon_bwd_spec, padded_rows,
-                                               row_steps, run_post, run_pre, shared_bytes,
-                                               why_not_gluon_bwd)
+from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, dq_parts, gluon_bwd_spec,
+                                               padded_rows, row_steps, run_post, run_pre,
+                                               shared_bytes, why_not_gluon_bwd)
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
@@ -162,6 +162,36 @@ def test_row_kernels_under_the_interpreter(L, has_dlse, dtype, seed):
     torch.testing.assert_close(x.dq, (acc.view(1, 2, l_pad, 64)[:, :, :L] * 0.125).to(dtype))
 
 
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 6), Hkv=st.integers(1, 9), chunks=st.integers(1, 12))
+def test_dq_parts_cover_every_pair_once_in_a_bounded_accumulator(B, Hkv, chunks):
+    (acc_b, acc_h), parts = dq_parts(B, Hkv, chunks)
+    covered = [(b, h) for b0, h0, nb, nh in parts for b in range(b0, b0 + nb)
+               for h in range(h0, h0 + nh)]
+    assert sorted(covered) == [(b, h) for b in range(B) for h in range(Hkv)]
+    assert all(nb <= acc_b and nh <= acc_h for _, _, nb, nh in parts)
+    # the accumulator holds about 1 / chunks of the pairs: at most ceil(B * Hkv / chunks)
+    assert acc_b * acc_h <= -(-B * Hkv // min(chunks, B * Hkv))
+
+
+def test_postprocess_writes_each_part_to_its_heads_under_the_interpreter():
+    """Parts of (batches, heads) through a part-sized accumulator: every dQ row comes from
+    the part holding its (batch, head), at the part's first batch and head."""
+    B, Hq, L, E, l_pad = 3, 4, 40, 64, 64
+    x = _inputs(L, E, torch.float16, False, 0)
+    x.q = x.dq = torch.zeros(B, Hq, L, E, dtype=torch.float16)
+    want = torch.randn(B, Hq, L, E)
+    for acc_heads, parts in ((2, [(b, h, 1, 2) for b in range(B) for h in (0, 2)]),
+                             (Hq, [(0, 0, 2, Hq), (2, 0, 1, Hq)])):
+        x.dq.zero_()
+        _, post = row_steps(RowsSpec(E, False, INTERPRETER.name), x, l_pad, acc_heads)
+        for b0, h0, nb, nh in parts:
+            acc = torch.full((nb, acc_heads, l_pad, E), float("nan"))
+            acc[:, :nh, :L] = want[b0:b0 + nb, h0:h0 + nh] * 8
+            run_post(post, acc.view(-1, E), x, 0.125, (b0, h0, nb, nh))
+        torch.testing.assert_close(x.dq.float(), want, atol=2e-3, rtol=1e-3)
+
+
 def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     """The family's plan and cached run on the CPU with the launches recorded (the Gluon
     kernel runs on an H200 only): every kernel argument is bound, also in a cached call that
@@ -169,8 +199,8 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     from flexfa.runtime import binding
     from flexfa.runtime.launch import Step
     launched = []
-    monkeypatch.setattr(Step, "launch", lambda self, args, device: (
-        launched.append((self, args)), setattr(self, "launched", True)))
+    monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None: (
+        launched.append((self, args, grid or self.grid)), setattr(self, "launched", True)))
     L, E = 256, 64
     q, k, v = _qkv(L=L, E=E)
     bias = torch.randn(2)
@@ -180,12 +210,21 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     plan = GLUON_BWD.make_plan(call, x, SM90)
     x.dk = x.dv = None  # a cached call whose key and value need no gradient
     GLUON_BWD.run(plan, call, x, False, False)
-    assert [step for step, _ in launched] == list(plan.steps)
-    for step, args in launched:
+    pre, kernel, post = plan.steps
+    # B = 1, Hkv = 2: the accumulator holds one kv head's rows, the kernel and the
+    # postprocess run per head (GLUON_BWD_DQ_CHUNKS's default: a quarter of the pairs, at
+    # least one)
+    assert [step for step, _, _ in launched] == [pre, kernel, post, kernel, post]
+    assert [grid for _, _, grid in launched][1:] == [(2, 1, 1), (4, 1, 1)] * 2
+    starts = [dict(zip(step.binder.names, args)) for step, args, _ in launched[1:]]
+    assert [(a["B0"], a.get("HKV0", a.get("H0"))) for a in starts] == [(0, 0), (0, 0), (0, 1),
+                                                                         (0, 1)]
+    for step, args, _ in launched:
         unset = [name for (i, name) in step.binder.slots if args[i] is None]
         assert not unset, (step, unset)
         assert all(a is not binding._UNSET for a in args), step  # every fixed value found
     # one program per (128 keys, kv head, batch): the kernel reads head and batch as ids
     assert plan.steps[1].grid == (2, k.shape[1], k.shape[0]), plan.steps[1].grid
     main = dict(zip(plan.steps[1].binder.names, launched[1][1]))
+    assert main["HQ_CHUNK"] == 1 and main["DQ_DESC"].shape == [256, E]  # one head's rows
     assert main["DK"].shape == k.shape and main["DV"].shape == v.shape

@@ -85,6 +85,26 @@ def test_gluon_backward_three_stage_ring_matches_reference(safe, name):
     assert found and all(p.spec.stages == 3 for p in found)
 
 
+@pytest.mark.parametrize("name, options", [
+    ("dense", {"GLUON_BWD_DQ_CHUNKS": 1}),   # the whole accumulator, one launch
+    ("dense", {"GLUON_BWD_DQ_CHUNKS": 3}),   # B = 2, Hkv = 4: parts of 3 heads and 1
+    ("dense", {"GLUON_BWD_DQ_CHUNKS": 8}),   # one (batch, head) pair per launch
+    ("gqa_causal", {"GLUON_BWD_DQ_CHUNKS": 1}),
+    ("causal", {"GLUON_BWD_EARLY_DP": True}),
+    ("dense", {"GLUON_BWD_EARLY_DP": True, "GLUON_BWD_STAGES": 3}),
+    ("softcap_causal", {"GLUON_BWD_EARLY_DP": True}),
+])
+def test_gluon_backward_options_match_reference(safe, name, options):
+    """The accumulator in parts of the (batch, kv head) pairs (launches from B0 / HKV0 that
+    are never specialized: the later parts reuse the first launch's compiled kernel) and dP^T
+    issued with S^T."""
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options={**FORCED, **options})
+    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
 def test_learnable_bias_falls_back_to_the_triton_backward(safe):
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     bias = torch.zeros(2, device="cuda", requires_grad=True)

@@ -57,6 +57,24 @@ def ring_stages(call, head_dim: int) -> int:
                          f"more than sm_90's {SHARED_BYTES}; stages that fit: {fits}")
     return stages
 ROWS_BLOCK = 64  # rows per program of the row kernels
+# the fp32 dQ accumulator holds at most 1 / DQ_CHUNKS of the (batch, kv head) pairs: the
+# kernel and the postprocess run once per part (kernel_options GLUON_BWD_DQ_CHUNKS; 1: all
+# at once). At 4 the accumulator is half of dQ's bf16 bytes: fwd+bwd peak extra memory
+# at S = 16384, H = 16, E = 128 is 258 + 32 MiB against FlexAttention's 258 (1.12x; the
+# whole accumulator, 128 MiB, made it 1.5x)
+DQ_CHUNKS = 4
+
+
+def dq_parts(B: int, Hkv: int, chunks: int) -> tuple[tuple[int, int], list[tuple]]:
+    """((batches, kv heads) of the accumulator, [(first batch, first kv head, batches, kv
+    heads) of each part]) for about ``chunks`` parts of the B x Hkv pairs: one batch's kv
+    heads in runs, or runs of whole batches."""
+    per = -(-B * Hkv // max(1, min(chunks, B * Hkv)))
+    if per <= Hkv:
+        return (1, per), [(b, h, 1, min(per, Hkv - h)) for b in range(B)
+                          for h in range(0, Hkv, per)]
+    nb = per // Hkv
+    return (nb, Hkv), [(b, 0, min(nb, B - b), Hkv) for b in range(0, B, nb)]
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
@@ -92,7 +110,7 @@ def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
         has_block_mask=mask is not None, has_full_blocks=has_full_blocks(mask, "q"),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
         even_s=S % BLOCK_N == 0, gqa_group=call.gqa_group, target=target.name,
-        wide_ints=int64_nodes_of(q, k, call))
+        wide_ints=int64_nodes_of(q, k, call), early_dp=call.options.gluon_bwd_early_dp)
 
 
 def padded_rows(L: int, spec: GluonBackwardSpec) -> int:
@@ -100,8 +118,10 @@ def padded_rows(L: int, spec: GluonBackwardSpec) -> int:
     return cdiv(L, spec.sparse_q) * spec.sparse_q
 
 
-def row_steps(spec: RowsSpec, x: Inputs, l_pad: int) -> tuple[Step, Step]:
-    """The preprocess and postprocess launches of ``x``'s layout (bwd_gluon_rows.tmpl)."""
+def row_steps(spec: RowsSpec, x: Inputs, l_pad: int, acc_heads: int | None = None
+              ) -> tuple[Step, Step]:
+    """The preprocess and postprocess launches of ``x``'s layout (bwd_gluon_rows.tmpl);
+    ``acc_heads``: the dQ accumulator's heads per batch (HQ_CHUNK; all of them by default)."""
     rows = generated_module(rows_kernel, spec)
     B, Hq, L, _ = x.q.shape
     block = 16 if spec.interpret else ROWS_BLOCK
@@ -110,9 +130,10 @@ def row_steps(spec: RowsSpec, x: Inputs, l_pad: int) -> tuple[Step, Step]:
                {"num_warps": 4}, binding.Binder(rows.names(PRE), {
                    **lengths, **binding.strides("o", "bhmd", x.out.stride()),
                    **binding.strides("g", "bhmd", x.grad_out.stride())}))
-    post = Step(rows.kernel(POST), (cdiv(L, block), B * Hq), spec.constexprs(block),
+    post = Step(rows.kernel(POST), (cdiv(L, block), Hq, B), spec.constexprs(block),
                 {"num_warps": 4}, binding.Binder(rows.names(POST), {
-                    **lengths, **binding.strides("dq", "bhmd", x.dq.stride())}))
+                    "L": L, "L_PAD": l_pad, "HQ_CHUNK": acc_heads or Hq,
+                    **binding.strides("dq", "bhmd", x.dq.stride())}))
     return pre, post
 
 
@@ -128,9 +149,14 @@ def run_pre(pre: Step, x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tenso
     return lse2, delta
 
 
-def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float) -> None:
-    """x.dq = scale * the [B * Hq * l_pad, E] float32 accumulator's rows, in dq's dtype."""
-    post.launch_with({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale)}, x.q.device)
+def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float,
+             part: tuple[int, int, int, int] | None = None) -> None:
+    """x.dq = scale * the float32 accumulator's rows, in dq's dtype, for ``part`` (first
+    batch, first query head, batches, query heads; by default all of them): the accumulator
+    holds that part as [batches, HQ_CHUNK, l_pad, E] rows."""
+    b0, h0, nb, nh = part or (0, 0, x.q.shape[0], x.q.shape[1])
+    post.launch_with({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale), "B0": b0,
+                      "H0": h0}, x.q.device, (post.grid[0], nh, nb))
 
 
 class GluonBackward(KernelFamily):
@@ -151,12 +177,15 @@ class GluonBackward(KernelFamily):
         q, k = x.q, x.k
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
+        (acc_b, acc_hkv), parts = dq_parts(B, Hkv, call.options.gluon_bwd_dq_chunks or DQ_CHUNKS)
+        group = Hq // Hkv
         spec = gluon_bwd_spec(q, k, call, target)
         joint = joint_graph(call.score)
         l_pad = padded_rows(L, spec)
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
-        pre, post = row_steps(RowsSpec(E, x.grad_lse is not None, target.name), x, l_pad)
-        lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad}
+        pre, post = row_steps(RowsSpec(E, x.grad_lse is not None, target.name), x, l_pad,
+                              acc_hkv * group)
+        lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad, "HQ_CHUNK": acc_hkv * group}
         # (kv blocks, kv heads, batch): bwd_gluon.tmpl reads head and batch as program ids
         kernel = Step(main.kernel(), (cdiv(S, BLOCK_N), Hkv, B),
                       spec.constexprs(dscore_is_one(joint)), spec.launch_options(),
@@ -167,14 +196,16 @@ class GluonBackward(KernelFamily):
                           **binding.buffer_layout(call.score, call.mask)}))
         return plans.Plan(self, spec, (pre, kernel, post), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
-            "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()}})
+            "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
+            "acc_heads": acc_b * acc_hkv * group, "parts": parts, "group": group})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
         pre, kernel, post = plan.steps
         B, Hq, L, E = x.q.shape
         l_pad, device = plan.fixed["l_pad"], x.q.device
         lse2, delta = run_pre(pre, x, l_pad)
-        dq_acc = torch.zeros(B * Hq * l_pad, E, dtype=torch.float32, device=device)
+        acc_rows = plan.fixed["acc_heads"] * l_pad
+        dq_acc = torch.empty(acc_rows, E, dtype=torch.float32, device=device)
         grad_out = x.grad_out if descriptor_layout_ok(x.grad_out) else x.grad_out.contiguous()
         kind = descriptor_kinds()[1 if kernel.launched else 0]
         layouts, blocks = plan.fixed["layouts"], plan.fixed["blocks"]
@@ -187,15 +218,19 @@ class GluonBackward(KernelFamily):
         descriptors.update(
             LSE_DESC=descriptor("LSE_DESC", lse2, [B * Hq, l_pad], [l_pad, 1]),
             DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [l_pad, 1]),
-            DQ_DESC=descriptor("DQ_DESC", dq_acc, [B * Hq * l_pad, E], [E, 1]))
+            DQ_DESC=descriptor("DQ_DESC", dq_acc, [acc_rows, E], [E, 1]))
         # the fused kernel writes dK and dV whether or not they are wanted (a cached call
         # without them binds none: runtime.backward), in the strides its plan fixed
         dk, dv = (x.dk, x.dv) if x.dk is not None else (
             torch.empty_like(x.k, memory_format=torch.contiguous_format),
             torch.empty_like(x.v, memory_format=torch.contiguous_format))
-        kernel.launch_with({**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
-                            **binding.buffer_pointers(call.score, call.mask)}, device)
-        run_post(post, dq_acc, x, call.scale)
+        args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
+                **binding.buffer_pointers(call.score, call.mask)}
+        group, blocks_n = plan.fixed["group"], kernel.grid[0]
+        for b0, h0, nb, nh in plan.fixed["parts"]:  # the accumulator holds one part at a time
+            dq_acc.zero_()
+            kernel.launch_with({**args, "B0": b0, "HKV0": h0}, device, (blocks_n, nh, nb))
+            run_post(post, dq_acc, x, call.scale, (b0, h0 * group, nb, nh * group))
         if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
 
