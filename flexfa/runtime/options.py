@@ -68,7 +68,9 @@ class KernelOptions:
     decode_walk: str = "AUTO"
     ds_workspace: bool | None = None  # backward dS workspace (L x S): only when True
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
-    gluon_backward: bool = False  # the Gluon backward family (sm_90), opt-in until timed
+    # the Gluon backward family (sm_90): True where it applies, False never, None (default)
+    # where it measured faster (runtime.families.gluon_bwd.AUTO_CLASSES)
+    gluon_backward: bool | None = None
     # the Gluon forward's consumer warpgroups take turns issuing their GEMMs (ping-pong); off
     # until measured on the H200
     gluon_pingpong: bool = False
@@ -173,7 +175,7 @@ SCHEMA = {
                 "tiles through tensor descriptors (TMA, sm_90): True, False or 'AUTO'"),
     "BACKEND": ("backend", (), _choice(BACKENDS),
                 "AUTO/TRITON (flexfa's choice), AMPERE, HOPPER, DECODE or GLUON (force that "
-                "forward family; GLUON also opts in to the Gluon backward where it applies)"),
+                "forward family; the backward's family is GLUON_BACKWARD's choice)"),
     "deterministic": ("deterministic", (), _flag,
                       "bit-identical gradients, captured-tensor gradients included"),
     "fp32_precision": ("fp32_precision", (), _precision, "fp32 dots: 'ieee' or 'tf32'"),
@@ -188,10 +190,10 @@ SCHEMA = {
                      "backward dQ from a stored dS (memory L x S): True (opt in), False or 'AUTO' "
                      "(default: off)"),
     "DS_MAX_BYTES": ("ds_max_bytes", (), _positive_int, "the dS workspace's budget in bytes"),
-    "GLUON_BACKWARD": ("gluon_backward", (), _flag,
-                       "the experimental Gluon backward on sm_90 (correct on the H200, not "
-                       "yet timed): True "
-                       "opts in where it applies"),
+    "GLUON_BACKWARD": ("gluon_backward", (), _auto_flag,
+                       "the Gluon backward on sm_90: True (where it applies), False (never) "
+                       "or 'AUTO' (default: where it measured faster than the Triton "
+                       "backward, docs/gluon.md)"),
     "GLUON_PINGPONG": ("gluon_pingpong", (), _flag,
                        "the Gluon forward's two consumer warpgroups take turns on the tensor "
                        "cores (FlashAttention-3's ping-pong): True or False (default)"),

@@ -325,8 +325,8 @@ def test_gluon_pingpong_turns_never_hang_and_alternate():
 def test_padded_head_dims_take_the_padded_pairs_tiles(E, Ev, pair, tiles):
     """Head dims between the kernel's are padded (TMA fills the columns past the tensor's with
     zeros): E = 192 with Ev = 128 (DeepSeek's MLA) takes 64-key tiles in a 3-stage ring (208
-    KB), E = 96 and 80 E = 128's; BACKEND="AUTO" takes E = 192 and 96 (measured faster than
-    the Hopper family), not 80 and 48 (not measured)."""
+    KB), E = 96 and 80 E = 128's; BACKEND="AUTO" takes E = 192, 96 and 80 (measured faster
+    than the Hopper family), not 48 (measured within noise of it)."""
     q, k, v = _qkv(E=E)
     v = v[..., :Ev].contiguous()
     assert GLUON.why_not(SM90, _call(FORCED), q, k, v) is None
@@ -338,7 +338,7 @@ def test_padded_head_dims_take_the_padded_pairs_tiles(E, Ev, pair, tiles):
     q, k = (torch.zeros(1, 2, 4096, E, dtype=torch.bfloat16) for _ in range(2))
     v = torch.zeros(1, 2, 4096, Ev, dtype=torch.bfloat16)
     reason = GLUON.why_not(SM90, _call(), q, k, v)
-    if E in (192, 96):
+    if E in (192, 96, 80):
         assert reason is None
     else:
         assert "for (head dim, density, length)" in reason

@@ -43,18 +43,43 @@ def _mask(L, block=128, mask_mod=mods.causal):
     return flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=block)
 
 
-def test_gluon_backward_only_when_opted_in_with_triton_as_fallback():
-    q, k, v = _qkv()
+def test_gluon_backward_forced_or_off_with_triton_as_fallback():
+    q, k, v = _qkv()  # L = S = 256: shorter than the default takes it
     assert registry.choose("backward", SM90, _call(FORCED), q, k, v) is GLUON_BWD
     assert registry.choose("backward", SM90, _call({**FORCED, "BACKEND": "HOPPER"}), q, k,
                            v) is GLUON_BWD  # the forward's family does not matter
     for options in (None, {"BACKEND": "HOPPER"}, {"BACKEND": "AUTO"}, {"BACKEND": "GLUON"},
-                    {"GLUON_BACKWARD": False}):
+                    {"GLUON_BACKWARD": False}, {"GLUON_BACKWARD": "AUTO"}):
         assert registry.choose("backward", SM90, _call(options), q, k, v).name == "triton_bwd"
     # where it cannot run, GLUON_BACKWARD leaves the backward to the Triton family
     for target in (INTERPRETER, SM80):
         assert registry.choose("backward", target, _call(FORCED), q, k, v).name == "triton_bwd"
-    assert "opt-in" in why_not_gluon_bwd(SM90, _call(), q, k, v)
+    assert "past 4096" in why_not_gluon_bwd(SM90, _call(), q, k, v)
+    assert "GLUON_BACKWARD=False" in why_not_gluon_bwd(SM90, _call({"GLUON_BACKWARD": False}),
+                                                       q, k, v)
+
+
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() < 512
+
+
+@pytest.mark.parametrize("L, E, mask_mod, options, chosen", [
+    (8192, 128, None, None, "gluon_bwd"),          # dense: 0.86x the Triton backward's time
+    (8192, 128, mods.causal, None, "gluon_bwd"),   # masked: causal 0.86x, prefix 0.88x
+    (8192, 64, mods.causal, None, "gluon_bwd"),    # E = 64: 0.88-0.89x
+    (8192, 128, _window, None, "triton_bwd"),      # sparse: document 1.19x
+    (4096, 128, None, None, "triton_bwd"),         # not past 4096: not measured
+    (8192, 96, None, None, "triton_bwd"),          # head dims 64 and 128 only
+    (8192, 128, None, {"GLUON_BACKWARD": False}, "triton_bwd"),
+    (8192, 128, _window, FORCED, "gluon_bwd"),
+    (8192, 128, None, {"deterministic": True}, "triton_bwd"),
+])
+def test_gluon_backward_by_default_where_it_measured_faster(L, E, mask_mod, options, chosen):
+    q, k, v = (torch.empty(1, 1, L, E, dtype=torch.bfloat16) for _ in range(3))
+    mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
+    call = _call(options, block_mask=mask)
+    assert registry.choose("backward", SM90, call, q, k, v).name == chosen
+    assert registry.choose("backward", SM80, call, q, k, v).name == "triton_bwd"
 
 
 def _learnable_bias():
@@ -93,12 +118,12 @@ def test_gluon_backward_spec(L, block_mask, sparse_q, even_l, even_s, l_pad):
     mask = _mask(L) if block_mask else None
     spec = gluon_bwd_spec(q, k, _call(FORCED, block_mask=mask), SM90)
     assert (spec.sparse_q, spec.even_l, spec.even_s) == (sparse_q, even_l, even_s)
-    assert spec.has_block_mask == (mask is not None) and spec.stages == 2
+    assert spec.has_block_mask == (mask is not None) and spec.stages == 3
     assert padded_rows(L, spec) == l_pad
     assert spec.launch_options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 168}
 
 
-@pytest.mark.parametrize("E, stages, chosen", [(128, None, 2), (64, None, 3), (128, 3, 3),
+@pytest.mark.parametrize("E, stages, chosen", [(128, None, 3), (64, None, 3), (128, 3, 3),
                                                (64, 4, 4), (128, 2, 2)])
 def test_gluon_backward_ring_depth_from_kernel_options(E, stages, chosen):
     q, k, _ = _qkv(256, E)

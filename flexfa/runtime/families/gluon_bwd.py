@@ -4,11 +4,12 @@ warp walking the block mask's transposed tables, a dQ-writer warp adding each ti
 partial into an accumulator with TMA reduce-adds), between the row kernels of
 ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
-Opt-in: it runs only under ``kernel_options={"GLUON_BACKWARD": True}`` (whatever family ran
-the forward: it reads out and lse only) and, there, only where it applies; elsewhere the Triton backward runs as before
-(captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...). Its GPU
-tests pass on the H200; its speed is not measured yet (docs/gluon.md). Memory past the inputs and gradients: the fp32 dQ
-accumulator (4 * B * Hq * L * E bytes) and two fp32 rows per query; nothing of size L x S.
+By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
+backward on the H200 (``AUTO_CLASSES``), under ``GLUON_BACKWARD=True`` wherever it applies
+(whatever family ran the forward: it reads out and lse only); elsewhere the Triton backward
+runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...).
+Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
+a quarter: ``DQ_CHUNKS``) and two fp32 rows per query; nothing of size L x S.
 """
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
 from .backward import Inputs, int64_nodes_of, joint_graph
+from ...blockmask.density import density_class
+from ..autotune import SHORT_KV
 from .gluon import descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
-DEFAULT_STAGES = {64: 3, 128: 2}  # the Q/dO ring: 2 stages at E = 128 fill 194 KB of 227
+# the Q/dO ring: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x the time of 2 at
+# S = 16384 full, 0.99x causal in bqb_02d71cb; mixed within 5% in bqb_339562a)
+DEFAULT_STAGES = {64: 3, 128: 3}
 HEAD_DIMS = tuple(DEFAULT_STAGES)  # the forward's 256 is not the backward's
 SHARED_BYTES = 227 * 1024  # sm_90's shared memory per block
 
@@ -77,14 +82,33 @@ def dq_parts(B: int, Hkv: int, chunks: int) -> tuple[tuple[int, int], list[tuple
     return (nb, Hkv), [(b, 0, min(nb, B - b), Hkv) for b in range(0, B, nb)]
 
 
+# (density class, both lengths past runtime.autotune.SHORT_KV) where GLUON_BACKWARD='AUTO'
+# takes this family: fwd+bwd on the H200 at E = 128, S = 16384 (bqb_339562a, 2 rounds, with
+# the default 3 stages and a quarter of the accumulator at a time), against the Triton
+# backward: full 0.86x its time, causal 0.86x, softcap 0.81x, ALiBi 0.81x, prefix 0.88x;
+# E = 64 full 0.89x, causal 0.88x; S = 65536 causal (H = 8) 0.83x. Sparse masks keep the
+# Triton backward: document 1.19x (the parts' launches and zeroing cost there; 0.97x with
+# the whole accumulator), sliding 0.95x. Shorter lengths were not measured.
+AUTO_CLASSES = frozenset({"dense", "masked"})
+
+
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     """Why the Gluon backward does not run this call (None: it does)."""
-    if not call.options.gluon_backward:
-        return ("it is opt-in (kernel_options GLUON_BACKWARD=True): on the H200 it measured "
-                "1.06x the Triton backward at 1.5x its memory (docs/gluon.md)")
+    choice = call.options.gluon_backward
+    if choice is False:
+        return "kernel_options GLUON_BACKWARD=False"
     reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N), HEAD_DIMS)
     if reason is not None:
         return reason
+    if choice is None:
+        L, S = q.shape[2], k.shape[2]
+        if min(L, S) <= SHORT_KV:
+            return (f"GLUON_BACKWARD='AUTO' takes it for L and S past {SHORT_KV} (measured "
+                    f"there), not L={L}, S={S}")
+        found = density_class(call.block_mask)
+        if found not in AUTO_CLASSES:
+            return (f"GLUON_BACKWARD='AUTO' takes it only where it measured faster than the "
+                    f"Triton backward, not for {found} block masks")
     joint = joint_graph(call.score)
     if joint is not None and joint.grad_slots:
         return "captured-tensor gradients (learnable biases) run on the Triton backward"
