@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import torch
 
+from ...blockmask.density import density_class
 from ...codegen.backward import dscore_is_one
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, GluonBackwardSpec, RowsSpec,
                                   descriptor_blocks, descriptor_layouts, gluon_bwd_kernel,
                                   rows_kernel)
 from ...codegen.spec import DTYPE_NAMES
 from .. import binding, plans
+from ..autotune import SHORT_KV
 from ..kernels import generated_module
 from ..launch import Step, cdiv
 from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
 from .backward import Inputs, int64_nodes_of, joint_graph
-from ...blockmask.density import density_class
-from ..autotune import SHORT_KV
 from .gluon import descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
@@ -61,12 +61,14 @@ def ring_stages(call, head_dim: int) -> int:
                          f"head dim {head_dim} needs {need} bytes of shared memory for it, "
                          f"more than sm_90's {SHARED_BYTES}; stages that fit: {fits}")
     return stages
+
+
 ROWS_BLOCK = 64  # rows per program of the row kernels
 # the fp32 dQ accumulator holds at most 1 / DQ_CHUNKS of the (batch, kv head) pairs: the
 # kernel and the postprocess run once per part (kernel_options GLUON_BWD_DQ_CHUNKS; 1: all
 # at once). At 4 the accumulator is half of dQ's bf16 bytes: fwd+bwd peak extra memory
-# at S = 16384, H = 16, E = 128 is 258 + 32 MiB against FlexAttention's 258 (1.12x; the
-# whole accumulator, 128 MiB, made it 1.5x)
+# at S = 16384, H = 16, E = 128 measured 291 MiB against FlexAttention's 258 (1.13x; the
+# whole accumulator, 128 MiB, made it 387, 1.5x; bqb_339562a)
 DQ_CHUNKS = 4
 
 
