@@ -108,9 +108,9 @@ def run_case(name: str, calls: int, profile: bool, sort: str = "tottime", device
     launched = []  # the backward's steps: on a GPU, whether each takes the C launch fast path
     original_launch = launch.Step.launch
 
-    def recording_launch(self, args, device):
+    def recording_launch(self, args, device, grid=None):
         launched.append(self)
-        return original_launch(self, args, device)
+        return original_launch(self, args, device, grid)
     launch.Step.launch = recording_launch
     try:
         step()
@@ -130,7 +130,7 @@ def run_case(name: str, calls: int, profile: bool, sort: str = "tottime", device
         return result
     FlexAttentionFunction.backward = staticmethod(timed_backward)
     if stub:
-        launch.Step.launch = lambda self, args, device: None
+        launch.Step.launch = lambda self, args, device, grid=None: None
     try:
         for _ in range(20):
             step()

@@ -142,9 +142,9 @@ def count_launches():
     counts = {"launches": 0}
     original = launch.Step.launch
 
-    def counted(self, args, device):
+    def counted(self, args, device, grid=None):
         counts["launches"] += 1
-        return original(self, args, device)
+        return original(self, args, device, grid)
 
     launch.Step.launch = counted
     try:
