@@ -105,6 +105,21 @@ def test_gluon_backward_options_match_reference(safe, name, options):
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
 
 
+@pytest.mark.parametrize("mask_mod", [None, mods.causal])
+def test_default_backward_is_gluon_past_4096(safe, mask_mod):
+    """GLUON_BACKWARD's default ('AUTO') takes the Gluon backward for dense and masked calls
+    with L and S past 4096 (runtime.families.gluon_bwd.AUTO_CLASSES): no kernel_options, a
+    ragged length (the bounds-checked code), the accumulator in its default parts (B * Hkv
+    = 4: one pair per part)."""
+    from flexfa import create_block_mask
+    q, k, v = make_qkv(2, 2, 2, 4160, 4160, 128, dtype=torch.bfloat16, device="cuda")
+    block_mask = (create_block_mask(mask_mod, None, None, 4160, 4160, device="cuda")
+                  if mask_mod else None)
+    plans.PLANS.clear()
+    check_backward(q, k, v, None, mask_mod, block_mask)
+    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
 def test_learnable_bias_falls_back_to_the_triton_backward(safe):
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     bias = torch.zeros(2, device="cuda", requires_grad=True)
