@@ -186,10 +186,7 @@ class Step:
     def launch_with(self, values: dict, device, grid: tuple | None = None) -> None:
         """Launch with the arguments ``values`` names (the rest fixed by the plan); ``grid``:
         this launch's grid instead of the plan's (a kernel launched over parts of a call)."""
-        if grid is None:  # the plan's grid: the two-argument call wrappers of launch know
-            self.launch(self.binder.bind(values), device)
-        else:
-            self.launch(self.binder.bind(values), device, grid)
+        self.launch(self.binder.bind(values), device, grid)
 
     def launch(self, args: list, device, grid: tuple | None = None) -> None:
         grid = self.grid if grid is None else grid

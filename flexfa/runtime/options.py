@@ -80,11 +80,13 @@ class KernelOptions:
     # first); off until measured
     gluon_persistent: bool = False
     # the Gluon forward computes one exp2 in this many (2 or 4) on the FMA pipes instead of
-    # the MUFU unit that tanh.approx (softcap) shares; 0: all on MUFU. Off until measured
+    # the MUFU unit that tanh.approx (softcap) shares; 0: all on MUFU. Off: slower in every
+    # case measured on the H200 (docs/gluon.md)
     gluon_exp2_poly: int = 0
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
-    # the Gluon backward issues dP^T with S^T (FA3's order); off until measured
+    # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
+    # causal, 7-9% slower with a softcap or a document mask on the H200 (docs/gluon.md)
     gluon_bwd_early_dp: bool = False
     # the Gluon backward's dQ accumulator holds 1 / this of the (batch, kv head) pairs at a
     # time (one launch per part); 0: its default (4)

@@ -21,6 +21,7 @@ from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, GluonBackwardSpec
                                   descriptor_blocks, descriptor_layouts, gluon_bwd_kernel,
                                   rows_kernel)
 from ...codegen.spec import DTYPE_NAMES
+from ...errors import InputError
 from .. import binding, plans
 from ..autotune import SHORT_KV
 from ..kernels import generated_module
@@ -29,14 +30,13 @@ from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
 from .backward import Inputs, int64_nodes_of, joint_graph
-from .gluon import descriptor_kinds, import_gluon, why_not_gluon
+from .gluon import SHARED_BYTES, descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
 # the Q/dO ring: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x the time of 2 at
 # S = 16384 full, 0.99x causal in bqb_02d71cb; mixed within 5% in bqb_339562a)
 DEFAULT_STAGES = {64: 3, 128: 3}
 HEAD_DIMS = tuple(DEFAULT_STAGES)  # the forward's 256 is not the backward's
-SHARED_BYTES = 227 * 1024  # sm_90's shared memory per block
 
 
 def shared_bytes(head_dim: int, stages: int) -> int:
@@ -57,7 +57,7 @@ def ring_stages(call, head_dim: int) -> int:
     need = shared_bytes(head_dim, stages)
     if need > SHARED_BYTES:
         fits = [n for n in (2, 3, 4) if shared_bytes(head_dim, n) <= SHARED_BYTES]
-        raise ValueError(f"kernel_options GLUON_BWD_STAGES={stages}: the Gluon backward at "
+        raise InputError(f"kernel_options GLUON_BWD_STAGES={stages}: the Gluon backward at "
                          f"head dim {head_dim} needs {need} bytes of shared memory for it, "
                          f"more than sm_90's {SHARED_BYTES}; stages that fit: {fits}")
     return stages
@@ -204,7 +204,7 @@ class GluonBackward(KernelFamily):
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         (acc_b, acc_hkv), parts = dq_parts(B, Hkv, call.options.gluon_bwd_dq_chunks or DQ_CHUNKS)
-        group = Hq // Hkv
+        group = call.gqa_group
         spec = gluon_bwd_spec(q, k, call, target)
         joint = joint_graph(call.score)
         l_pad = padded_rows(L, spec)
@@ -223,7 +223,7 @@ class GluonBackward(KernelFamily):
         return plans.Plan(self, spec, (pre, kernel, post), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
             "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
-            "acc_heads": acc_b * acc_hkv * group, "parts": parts, "group": group})
+            "acc_heads": acc_b * acc_hkv * group, "parts": parts})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
         pre, kernel, post = plan.steps
@@ -252,7 +252,7 @@ class GluonBackward(KernelFamily):
             torch.empty_like(x.v, memory_format=torch.contiguous_format))
         args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
                 **binding.buffer_pointers(call.score, call.mask)}
-        group, blocks_n = plan.fixed["group"], kernel.grid[0]
+        group, blocks_n = call.gqa_group, kernel.grid[0]
         for b0, h0, nb, nh in plan.fixed["parts"]:  # the accumulator holds one part at a time
             dq_acc.zero_()
             kernel.launch_with({**args, "B0": b0, "HKV0": h0}, device, (blocks_n, nh, nb))
