@@ -46,13 +46,19 @@
 # bqb: (carry .fa4b, right after bq) fwd+bwd at E=128 S=16384 against the Triton backward,
 # FLASH and cuDNN: the Gluon backward by default, with 3 ring stages, with the whole dQ
 # accumulator at once, with dP^T early (2 rounds); E=64; S=65536 causal (memory);
+# ov: the Gluon backward's parts on two streams (issue 26): its GPU tests, an Nsight Compute
+# profile of its kernel (causal, the whole accumulator) (carry .fa4a: leaves the FA4 wheels'
+# first half as h does); ovb: (carry .fa4b, right after ov) fwd+bwd at E=128
+# S=16384 by default, against the Triton backward, the Gluon backward forced with its parts
+# on two streams (default), one after another, all at once, FLASH and cuDNN (2 rounds); E=64;
+# S=65536 causal (memory);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|ep|bq|bqb|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|ep|bq|bqb|ov|ovb|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -299,19 +305,19 @@ fa4_path() {  # FA4 (flash_attn.cute, CuTe DSL) importable: FlexAttention's FLAS
   # the .pth of nvidia-cutlass-dsl is not read from a --target folder
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 }
+profile() {  # profile NAME KERNEL_REGEX NCU_CASE_ARGS...: one launch, every section
+  local name=$1 kernel=$2; shift 2
+  FLEXFA_AUTOTUNE=0 step "ncu_$name" 200 ncu --clock-control none --set full \
+    --import-source no -k "regex:$kernel" --launch-skip 1 --launch-count 1 \
+    -o "$OUT/ncu/$name" python benchmarks/ncu_case.py --calls 2 "$@"
+  ncu -i "$OUT/ncu/$name.ncu-rep" --page details --csv > "$OUT/ncu/$name.details.csv" 2>&1
+  ncu -i "$OUT/ncu/$name.ncu-rep" --page raw --csv > "$OUT/ncu/$name.raw.csv" 2>&1
+  ncu -i "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/ncu/$name.sass.csv" 2>&1
+}
 if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
   fa4_first_half
   mkdir -p "$OUT/ncu"
-  profile() {  # profile NAME KERNEL_REGEX NCU_CASE_ARGS...: one launch, every section
-    local name=$1 kernel=$2; shift 2
-    FLEXFA_AUTOTUNE=0 step "ncu_$name" 200 ncu --clock-control none --set full \
-      --import-source no -k "regex:$kernel" --launch-skip 1 --launch-count 1 \
-      -o "$OUT/ncu/$name" python benchmarks/ncu_case.py --calls 2 "$@"
-    ncu -i "$OUT/ncu/$name.ncu-rep" --page details --csv > "$OUT/ncu/$name.details.csv" 2>&1
-    ncu -i "$OUT/ncu/$name.ncu-rep" --page raw --csv > "$OUT/ncu/$name.raw.csv" 2>&1
-    ncu -i "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass \
-      > "$OUT/ncu/$name.sass.csv" 2>&1
-  }
   profile fwd_full flexfa_fwd_gluon --variant full --options '{"BACKEND": "GLUON"}'
   profile fwd_causal flexfa_fwd_gluon --variant causal --options '{"BACKEND": "GLUON"}'
   profile fwd_softcap flexfa_fwd_gluon --variant softcap --options '{"BACKEND": "GLUON"}'
@@ -389,6 +395,35 @@ if [ "$PART" = bqb ]; then
     --dims 128 --heads 8 --tokens 65536 --variants causal \
     --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' --out "$OUT/bench_bq_long"
   for f in bench_bq bench_bq64 bench_bq_long; do tail -n 12 "$OUT/$f.log"; done
+fi
+if [ "$PART" = ov ]; then  # issue 26: the accumulator's parts on two streams
+  fa4_first_half
+  step gluon_bwd_gpu 200 $SHARD/gluon_bwd -- -m gpu tests/gpu/test_gluon_bwd_gpu.py
+  mkdir -p "$OUT/ncu"
+  profile bwd_causal flexfa_bwd_gluon --variant causal --backward \
+    --options '{"GLUON_BACKWARD": true, "GLUON_BWD_DQ_CHUNKS": 1}'
+  rm -f "$OUT/ncu/bwd_causal.raw.csv"
+  (cd "$OUT" && tar czf ncu.tgz --remove-files ncu)
+  tail -n 3 "$OUT/gluon_bwd_gpu.log"
+fi
+if [ "$PART" = ovb ]; then
+  fa4_path
+  step bench_ov 400 python -m flexfa bench --flash --rep 40 --rounds 2 --passes fwd+bwd \
+    --seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal,sliding,softcap,alibi,document,prefix}" \
+    --extra 'triton_bwd={"GLUON_BACKWARD": false}' \
+    --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
+    --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
+    --extra 'gluon_bwd_c1={"GLUON_BACKWARD": true, "GLUON_BWD_DQ_CHUNKS": 1}' \
+    --out "$OUT/bench_ov"
+  step bench_ov64 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 16384 \
+    --dims 64 --variants full,causal --extra 'triton_bwd={"GLUON_BACKWARD": false}' \
+    --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
+    --out "$OUT/bench_ov64"
+  step bench_ov_long 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 65536 \
+    --dims 128 --heads 8 --tokens 65536 --variants causal \
+    --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
+    --out "$OUT/bench_ov_long"
+  for f in bench_ov bench_ov64 bench_ov_long; do tail -n 14 "$OUT/$f.log"; done
 fi
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')

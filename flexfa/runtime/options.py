@@ -91,6 +91,9 @@ class KernelOptions:
     # the Gluon backward's dQ accumulator holds 1 / this of the (batch, kv head) pairs at a
     # time (one launch per part); 0: its default (4)
     gluon_bwd_dq_chunks: int = 0
+    # the Gluon backward's parts run on two streams, each into half the accumulator (a
+    # part's programs fill the SMs the one before it leaves idle at its end)
+    gluon_bwd_overlap: bool = True
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -221,6 +224,11 @@ SCHEMA = {
                             "the Gluon backward's fp32 dQ accumulator holds about 1 / n of the "
                             "(batch, kv head) pairs, one launch per part (memory against "
                             "launches): 1 all at once; 0 (default): 4"),
+    "GLUON_BWD_OVERLAP": ("gluon_bwd_overlap", (), _flag,
+                          "the Gluon backward's accumulator parts run on two streams, each "
+                          "into half the accumulator, so a part's programs start while the "
+                          "one before it finishes: True (default) or False (one after "
+                          "another)"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

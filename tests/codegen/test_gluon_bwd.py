@@ -18,9 +18,10 @@ from flexfa.codegen.gluon_bwd import RowsSpec, gluon_bwd_kernel
 from flexfa.runtime import registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families.backward import Inputs, joint_graph
-from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, dq_parts, gluon_bwd_spec,
-                                               padded_rows, row_steps, run_post, run_pre,
-                                               shared_bytes, why_not_gluon_bwd)
+from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, dq_parts, dq_slots,
+                                               gluon_bwd_spec, padded_rows, part_streams,
+                                               row_steps, run_post, run_pre, shared_bytes,
+                                               why_not_gluon_bwd)
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
@@ -187,16 +188,64 @@ def test_row_kernels_under_the_interpreter(L, has_dlse, dtype, seed):
     torch.testing.assert_close(x.dq, (acc.view(1, 2, l_pad, 64)[:, :, :L] * 0.125).to(dtype))
 
 
-@settings(max_examples=30, deadline=None)
-@given(B=st.integers(1, 6), Hkv=st.integers(1, 9), chunks=st.integers(1, 12))
-def test_dq_parts_cover_every_pair_once_in_a_bounded_accumulator(B, Hkv, chunks):
-    (acc_b, acc_h), parts = dq_parts(B, Hkv, chunks)
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 6), Hkv=st.integers(1, 9), chunks=st.integers(1, 12),
+       overlap=st.booleans())
+def test_dq_parts_cover_every_pair_once_in_a_bounded_accumulator(B, Hkv, chunks, overlap):
+    slots = dq_slots(B, Hkv, chunks, overlap)
+    (acc_b, acc_h), parts = dq_parts(B, Hkv, chunks, slots)
     covered = [(b, h) for b0, h0, nb, nh in parts for b in range(b0, b0 + nb)
                for h in range(h0, h0 + nh)]
     assert sorted(covered) == [(b, h) for b in range(B) for h in range(Hkv)]
     assert all(nb <= acc_b and nh <= acc_h for _, _, nb, nh in parts)
-    # the accumulator holds about 1 / chunks of the pairs: at most ceil(B * Hkv / chunks)
-    assert acc_b * acc_h <= -(-B * Hkv // min(chunks, B * Hkv))
+    # the accumulator's slots together hold about 1 / chunks of the pairs: at most
+    # ceil(B * Hkv / chunks)
+    room = -(-B * Hkv // min(chunks, B * Hkv))
+    assert slots * acc_b * acc_h <= room
+    # two slots exactly where asked for, with room for two pairs and more than one part
+    assert slots == (2 if overlap and 2 <= room < B * Hkv else 1)
+    assert slots == 1 or len(parts) >= 2
+
+
+def test_parts_take_turns_in_two_slots_on_two_streams(monkeypatch):
+    """With GLUON_BWD_OVERLAP (default) and room for two pairs (B = 1, Hkv = 4,
+    GLUON_BWD_DQ_CHUNKS=2), part i runs in slot i % 2: its kernel writes, and its
+    postprocess reads, that slot's accumulator, zeroed before the kernel; off, one slot."""
+    from flexfa.runtime.launch import Step
+    L, E = 256, 64
+    q, k, v = _qkv(L=L, E=E)
+    q, k, v = (t.repeat(1, 2, 1, 1) for t in (q, k, v))  # four heads
+    for overlap, want_slots in ((True, 2), (False, 1)):
+        launched = []
+        monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None: (
+            launched.append((self, dict(zip(self.binder.names, args)), grid or self.grid)),
+            setattr(self, "launched", True)))
+        options = {"GLUON_BWD_DQ_CHUNKS": 2, "GLUON_BWD_OVERLAP": overlap}
+        call = _call({**FORCED, **options}, _mask(L), None)
+        x = _inputs(L, E, torch.bfloat16, True, 0)
+        x.q, x.k, x.v = q, k, v
+        x.dq, x.dk, x.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        x.out, x.grad_out = torch.randn_like(q), torch.randn_like(q)
+        x.lse = torch.zeros(q.shape[:3])
+        plan = GLUON_BWD.make_plan(call, x, SM90)
+        assert plan.fixed["slots"] == want_slots
+        GLUON_BWD.run(plan, call, x, False, True)
+        pre, kernel, post = plan.steps
+        kernels = [a for step, a, _ in launched if step is kernel]
+        posts = [a for step, a, _ in launched if step is post]
+        assert [a["HKV0"] for a in kernels] == list(range(0, 4, 2 // want_slots))
+        slot_of = [a["DQ_DESC"].base for a in kernels]
+        assert [acc.data_ptr() for acc in slot_of] == [
+            slot_of[i % want_slots].data_ptr() for i in range(len(slot_of))]
+        assert len({acc.data_ptr() for acc in slot_of}) == want_slots
+        assert [a["DQ_ACC"].data_ptr() for a in posts] == [acc.data_ptr() for acc in slot_of]
+
+
+def test_part_streams_off_cuda_are_the_current_stream():
+    with part_streams(torch.device("cpu"), 2) as streams:
+        assert streams == [None, None]
+        with torch.cuda.stream(streams[1]):  # a no-op context off CUDA
+            pass
 
 
 def test_postprocess_writes_each_part_to_its_heads_under_the_interpreter():

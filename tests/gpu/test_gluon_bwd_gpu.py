@@ -15,6 +15,7 @@ import torch
 
 from flexfa import mods
 from flexfa.runtime import plans
+from flexfa.runtime.families.gluon_bwd import DQ_CHUNKS, dq_slots
 
 from kernels.backward_utils import check_backward
 from gpu.gluon_safety import case_inputs, run_safely
@@ -87,8 +88,14 @@ def test_gluon_backward_three_stage_ring_matches_reference(safe, name):
 
 @pytest.mark.parametrize("name, options", [
     ("dense", {"GLUON_BWD_DQ_CHUNKS": 1}),   # the whole accumulator, one launch
-    ("dense", {"GLUON_BWD_DQ_CHUNKS": 3}),   # B = 2, Hkv = 4: parts of 3 heads and 1
+    # B = 2, Hkv = 4: 3 pairs' room, 2 slots of one pair on two streams (8 parts)
+    ("dense", {"GLUON_BWD_DQ_CHUNKS": 3}),
+    # ... one after another: parts of 3 heads and 1
+    ("dense", {"GLUON_BWD_DQ_CHUNKS": 3, "GLUON_BWD_OVERLAP": False}),
     ("dense", {"GLUON_BWD_DQ_CHUNKS": 8}),   # one (batch, head) pair per launch
+    # the default chunks at B = 2, Hkv = 4 (2 pairs' room), on two streams or one
+    ("causal", {}),
+    ("causal", {"GLUON_BWD_OVERLAP": False}),
     ("gqa_causal", {"GLUON_BWD_DQ_CHUNKS": 1}),
     ("causal", {"GLUON_BWD_EARLY_DP": True}),
     ("dense", {"GLUON_BWD_EARLY_DP": True, "GLUON_BWD_STAGES": 3}),
@@ -96,13 +103,19 @@ def test_gluon_backward_three_stage_ring_matches_reference(safe, name):
 ])
 def test_gluon_backward_options_match_reference(safe, name, options):
     """The accumulator in parts of the (batch, kv head) pairs (launches from B0 / HKV0 that
-    are never specialized: the later parts reuse the first launch's compiled kernel) and dP^T
-    issued with S^T."""
+    are never specialized: the later parts reuse the first launch's compiled kernel; by
+    default on two streams, each into its own slot of the accumulator) and dP^T issued with
+    S^T."""
     q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
                    kernel_options={**FORCED, **options})
-    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon_bwd"]
+    assert found
+    B, Hkv = k.shape[:2]
+    chunks = options.get("GLUON_BWD_DQ_CHUNKS", DQ_CHUNKS)
+    want = dq_slots(B, Hkv, chunks, options.get("GLUON_BWD_OVERLAP", True))
+    assert all(p.fixed["slots"] == want for p in found)
 
 
 @pytest.mark.parametrize("mask_mod", [None, mods.causal])

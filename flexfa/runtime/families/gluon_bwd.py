@@ -13,6 +13,8 @@ a quarter: ``DQ_CHUNKS``) and two fp32 rows per query; nothing of size L x S.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...blockmask.density import density_class
@@ -72,16 +74,29 @@ ROWS_BLOCK = 64  # rows per program of the row kernels
 DQ_CHUNKS = 4
 
 
-def dq_parts(B: int, Hkv: int, chunks: int) -> tuple[tuple[int, int], list[tuple]]:
-    """((batches, kv heads) of the accumulator, [(first batch, first kv head, batches, kv
-    heads) of each part]) for about ``chunks`` parts of the B x Hkv pairs: one batch's kv
-    heads in runs, or runs of whole batches."""
-    per = -(-B * Hkv // max(1, min(chunks, B * Hkv)))
+def dq_parts(B: int, Hkv: int, chunks: int, slots: int = 1
+             ) -> tuple[tuple[int, int], list[tuple]]:
+    """((batches, kv heads) of one accumulator slot, [(first batch, first kv head, batches,
+    kv heads) of each part]) for about ``chunks`` parts of the B x Hkv pairs, one batch's kv
+    heads in runs or runs of whole batches; with ``slots`` slots, the accumulator's
+    ceil(B * Hkv / chunks) pairs are shared out between them (parts of 1 / slots the size,
+    slots many times as many; never fewer than one pair a slot)."""
+    pairs = B * Hkv
+    per = max(1, -(-pairs // max(1, min(chunks, pairs))) // max(1, slots))
     if per <= Hkv:
         return (1, per), [(b, h, 1, min(per, Hkv - h)) for b in range(B)
                           for h in range(0, Hkv, per)]
     nb = per // Hkv
     return (nb, Hkv), [(b, 0, min(nb, B - b), Hkv) for b in range(0, B, nb)]
+
+
+def dq_slots(B: int, Hkv: int, chunks: int, overlap: bool) -> int:
+    """Accumulator slots: 2 (a part's kernel runs on one stream while the part before it
+    finishes on the other, each into its own slot) where the accumulator runs in parts and
+    holds two pairs or more, else 1 (the parts one after another)."""
+    pairs = B * Hkv
+    per = -(-pairs // max(1, min(chunks, pairs)))
+    return 2 if overlap and 2 <= per < pairs else 1
 
 
 # (density class, both lengths past runtime.autotune.SHORT_KV) where GLUON_BACKWARD='AUTO'
@@ -137,6 +152,23 @@ def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
         even_s=S % BLOCK_N == 0, gqa_group=call.gqa_group, target=target.name,
         wide_ints=int64_nodes_of(q, k, call), early_dp=call.options.gluon_bwd_early_dp)
+
+
+@contextlib.contextmanager
+def part_streams(device: torch.device, slots: int):
+    """[the current stream] for one slot; for two, also a side stream that starts after
+    everything queued so far and that the current stream waits for on the way out (a fork
+    and join, which CUDA graph capture records too). None off CUDA devices."""
+    if slots == 1 or device.type != "cuda":
+        yield [None] * slots
+        return
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    try:
+        yield [main, side]
+    finally:
+        main.wait_stream(side)
 
 
 def padded_rows(L: int, spec: GluonBackwardSpec) -> int:
@@ -203,7 +235,10 @@ class GluonBackward(KernelFamily):
         q, k = x.q, x.k
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        (acc_b, acc_hkv), parts = dq_parts(B, Hkv, call.options.gluon_bwd_dq_chunks or DQ_CHUNKS)
+        chunks = call.options.gluon_bwd_dq_chunks or DQ_CHUNKS
+        overlap = call.options.gluon_bwd_overlap is not False
+        slots = dq_slots(B, Hkv, chunks, overlap)
+        (acc_b, acc_hkv), parts = dq_parts(B, Hkv, chunks, slots)
         group = call.gqa_group
         spec = gluon_bwd_spec(q, k, call, target)
         joint = joint_graph(call.score)
@@ -223,15 +258,16 @@ class GluonBackward(KernelFamily):
         return plans.Plan(self, spec, (pre, kernel, post), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
             "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
-            "acc_heads": acc_b * acc_hkv * group, "parts": parts})
+            "acc_heads": acc_b * acc_hkv * group, "parts": parts, "slots": slots})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
         pre, kernel, post = plan.steps
         B, Hq, L, E = x.q.shape
         l_pad, device = plan.fixed["l_pad"], x.q.device
         lse2, delta = run_pre(pre, x, l_pad)
-        acc_rows = plan.fixed["acc_heads"] * l_pad
-        dq_acc = torch.empty(acc_rows, E, dtype=torch.float32, device=device)
+        acc_rows, slots = plan.fixed["acc_heads"] * l_pad, plan.fixed["slots"]
+        dq_accs = [torch.empty(acc_rows, E, dtype=torch.float32, device=device)
+                   for _ in range(slots)]
         grad_out = x.grad_out if descriptor_layout_ok(x.grad_out) else x.grad_out.contiguous()
         kind = descriptor_kinds()[1 if kernel.launched else 0]
         layouts, blocks = plan.fixed["layouts"], plan.fixed["blocks"]
@@ -243,8 +279,8 @@ class GluonBackward(KernelFamily):
                                        ("V_DESC", x.v))}
         descriptors.update(
             LSE_DESC=descriptor("LSE_DESC", lse2, [B * Hq, l_pad], [l_pad, 1]),
-            DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [l_pad, 1]),
-            DQ_DESC=descriptor("DQ_DESC", dq_acc, [acc_rows, E], [E, 1]))
+            DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [l_pad, 1]))
+        dq_descs = [descriptor("DQ_DESC", acc, [acc_rows, E], [E, 1]) for acc in dq_accs]
         # the fused kernel writes dK and dV whether or not they are wanted (a cached call
         # without them binds none: runtime.backward), in the strides its plan fixed
         dk, dv = (x.dk, x.dv) if x.dk is not None else (
@@ -253,10 +289,17 @@ class GluonBackward(KernelFamily):
         args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
                 **binding.buffer_pointers(call.score, call.mask)}
         group, blocks_n = call.gqa_group, kernel.grid[0]
-        for b0, h0, nb, nh in plan.fixed["parts"]:  # the accumulator holds one part at a time
-            dq_acc.zero_()
-            kernel.launch_with({**args, "B0": b0, "HKV0": h0}, device, (blocks_n, nh, nb))
-            run_post(post, dq_acc, x, call.scale, (b0, h0 * group, nb, nh * group))
+        # part i in slot i % slots, on that slot's stream: a part's programs fill the SMs
+        # the part before it leaves idle at its end (the parts touch disjoint heads)
+        with part_streams(device, slots) as streams:
+            for i, (b0, h0, nb, nh) in enumerate(plan.fixed["parts"]):
+                slot = i % slots
+                with torch.cuda.stream(streams[slot]):
+                    dq_accs[slot].zero_()
+                    kernel.launch_with({**args, "DQ_DESC": dq_descs[slot], "B0": b0,
+                                        "HKV0": h0}, device, (blocks_n, nh, nb))
+                    run_post(post, dq_accs[slot], x, call.scale,
+                             (b0, h0 * group, nb, nh * group))
         if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
 
