@@ -40,7 +40,6 @@
 # ping-pong (experiments/softcap_ab.py, 3 rounds); d: the backward's two kernels at E = 256
 # and E = 192 / Ev = 128, S = 8192 causal, timed apart at candidate tiles
 # (benchmarks/bwd_kernel_sweep.py, issue 28), then the head-dim benchmark at E = 96 and 80;
-# ep: GLUON_EXP2_POLY (issue 25): its GPU tests, then softcap_ab.py with it (3 rounds);
 # bq: the Gluon backward with one dQ reduce-add per tile (issue 26): its ConSan run in the
 # background, its GPU tests (carry .fa4a: leaves the FA4 wheels' first half as h does);
 # bqb: (carry .fa4b, right after bq) fwd+bwd at E=128 S=16384 against the Triton backward,
@@ -51,14 +50,16 @@
 # first half as h does); ovb: (carry .fa4b, right after ov) fwd+bwd at E=128
 # S=16384 by default, against the Triton backward, the Gluon backward forced with its parts
 # on two streams (default), one after another, all at once, FLASH and cuDNN (2 rounds); E=64;
-# S=65536 causal (memory);
+# S=65536 causal (memory); ovc: where a causal and a full fwd+bwd step's time goes
+# (benchmarks/bwd_profile.py, flexfa and cuDNN), then sliding and document against the
+# Triton backward with the Gluon backward's parts on two streams (3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|ep|bq|bqb|ov|ovb|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|bq|bqb|ov|ovb|ovc|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -366,12 +367,6 @@ if [ "$PART" = d ]; then  # issue 28: E=256 and 192/128 backward tiles, E=96/80 
     rmdir "$OUT/$f"; grep -A4 "best\|^case" "$OUT/$f.log" | tail -n 16; done
   tail -n 20 "$OUT/headdim.log"
 fi
-if [ "$PART" = ep ]; then  # issue 25: one softmax exp2 in 2 or 4 on the FMA pipes
-  step exp2_poly 200 $SHARD/exp2_poly -- -m gpu tests/gpu/test_gluon_gpu.py -k exp2_poly
-  FLEXFA_AUTOTUNE=0 step softcap_poly 300 python benchmarks/experiments/softcap_ab.py \
-    --rounds 3 --mods causal,softcap --options plain,pingpong,poly2,poly4,poly2_pp,poly4_pp
-  tail -n 3 "$OUT/exp2_poly.log"; cat "$OUT/softcap_poly.log"
-fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \
     --safety-only --safety-timeout 530 & BWD=$!
@@ -424,6 +419,14 @@ if [ "$PART" = ovb ]; then
     --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
     --out "$OUT/bench_ov_long"
   for f in bench_ov bench_ov64 bench_ov_long; do tail -n 14 "$OUT/$f.log"; done
+fi
+if [ "$PART" = ovc ]; then
+  step bwd_profile 200 python benchmarks/bwd_profile.py 16384 128 causal,full flexfa,cudnn
+  step bench_sparse 200 python -m flexfa bench --rep 40 --rounds 3 --passes fwd+bwd \
+    --seqs 16384 --dims 128 --variants sliding,document \
+    --extra 'triton_bwd={"GLUON_BACKWARD": false}' --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
+    --out "$OUT/bench_sparse"
+  cat "$OUT/bwd_profile.log"; tail -n 6 "$OUT/bench_sparse.log"
 fi
 BENCH_FLASH=(python -m flexfa bench --flash --rep 40 --passes fwd,fwd+bwd
              --extra 'gluon_bwd={"GLUON_BACKWARD": true}')

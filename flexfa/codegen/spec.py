@@ -91,8 +91,6 @@ class KernelSpec(PaddedDims):
     pingpong: bool = False
     tma_store: bool = False
     persistent: bool = False
-    # Gluon template only: one softmax exp2 in this many on the FMA pipes (EXP2_POLY; 0: none)
-    exp2_poly: int = 0
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

@@ -183,12 +183,11 @@ def _register_hopper() -> None:
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
-              head_dim_v: int | None = None, exp2_poly: int = 0):
+              head_dim_v: int | None = None):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid;
-    ``head_dim_v``: v's head dim, default ``head_dim``; ``exp2_poly``: one exp2 in that many
-    on the FMA pipes)."""
+    ``head_dim_v``: v's head dim, default ``head_dim``)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
@@ -199,7 +198,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
-                          persistent=persistent, exp2_poly=exp2_poly)
+                          persistent=persistent)
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
 
@@ -220,11 +219,6 @@ register("fwd_gluon_d192_ev128_bf16_causal",
          archs=(90,))
 register("fwd_gluon_d96_bf16_softcap_causal",
          gluon_job(96, "bf16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
-# one softmax exp2 in 2 (or 4) on the FMA pipes (kernel_options GLUON_EXP2_POLY)
-for _every in (2, 4):
-    register(f"fwd_gluon_d128_bf16_softcap_causal_exp2poly{_every}",
-             gluon_job(128, "bf16", score_mod=_softcap, mask_mod=_causal, exp2_poly=_every),
-             archs=(90,))
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                    num_stages=3), archs=(90,))

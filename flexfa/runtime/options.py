@@ -79,10 +79,6 @@ class KernelOptions:
     # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
     # first); off until measured
     gluon_persistent: bool = False
-    # the Gluon forward computes one exp2 in this many (2 or 4) on the FMA pipes instead of
-    # the MUFU unit that tanh.approx (softcap) shares; 0: all on MUFU. Off: slower in every
-    # case measured on the H200 (docs/gluon.md)
-    gluon_exp2_poly: int = 0
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
     # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
@@ -208,10 +204,6 @@ SCHEMA = {
     "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
                          "the Gluon forward on a persistent grid (one program per SM walking "
                          "work tiles, longest first): True or False (default)"),
-    "GLUON_EXP2_POLY": ("gluon_exp2_poly", (), _int_in((0, 2, 4), "0 (default), 2 or 4"),
-                        "the Gluon forward computes one softmax exp2 in every 2 or 4 by a "
-                        "polynomial on the FMA pipes (relative error < 1e-4), the others on "
-                        "the MUFU unit; 0 (default): all on MUFU"),
     "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "

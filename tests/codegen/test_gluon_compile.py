@@ -22,8 +22,6 @@ VARIANTS = ("fwd_gluon_d128_bf16_dense", "fwd_gluon_d128_bf16_causal",
 # softcap, document; all: python -m flexfa compile-check --arch 90 --only pingpong)
 PINGPONG_VARIANTS = ("fwd_gluon_d128_bf16_causal_pingpong", "fwd_gluon_d64_fp16_softcap_pingpong",
                      "fwd_gluon_d128_bf16_document_pingpong")
-# one softmax exp2 in two on the FMA pipes (GLUON_EXP2_POLY=2; 4: compile-check's registry)
-EXP2_POLY_VARIANTS = ("fwd_gluon_d128_bf16_softcap_causal_exp2poly2",)
 TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
                       "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
 # one persistent variant here (a compile takes ~40-60 s); the others (dense, softcap with the
@@ -52,7 +50,6 @@ for name in sys.argv[1:]:
         setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                          r.ptx))),
         tanh="tanh.approx.f32" in r.ptx, arrive="mbarrier.arrive" in r.ptx,
-        ex2=r.ptx.count("ex2.approx"), poly=r.ptx.count("0f3D622705"),
         tma="cp.async.bulk.tensor" in r.ptx,
         reduce="cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in r.ptx,
         try_wait=r.ptx.count("mbarrier.try_wait"),
@@ -100,8 +97,7 @@ def started(tmp_path_factory) -> dict:
     """Every compile of this module, started at once in four processes of about equal work:
     the pytest process only waits for them, so on a machine of two or more cores they share
     the cores (about half the wall time of compiling one after another)."""
-    groups = {"plain": (VARIANTS, False),
-              "pingpong": (PINGPONG_VARIANTS + EXP2_POLY_VARIANTS, False),
+    groups = {"plain": (VARIANTS, False), "pingpong": (PINGPONG_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
               "backward": (BWD_VARIANTS, True)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
@@ -238,15 +234,3 @@ def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
     assert result.stdout.splitlines()[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout
     # GLUON_PERSISTENT without a GPU: min(132 SMs, 2 q tiles x 2 heads) programs; BATCH_HEADS
     assert result.stdout.splitlines()[2] == "persistent (4,) 2", result.stdout
-
-
-def test_exp2_poly_moves_half_the_softmax_exp2_to_the_fma_pipes(forward_rows):
-    """GLUON_EXP2_POLY=2: the softcap kernel's softmax exp2s split between ex2.approx and the
-    polynomial (its leading coefficient, once per instance), the tanhs unchanged."""
-    name = EXP2_POLY_VARIANTS[0]
-    row, plain = forward_rows[name], forward_rows["fwd_gluon_d128_fp16_softcap_causal"]
-    _check_compiled(name, row)
-    assert row["tanh"]
-    assert plain["poly"] == 0 and row["poly"] > 0
-    assert row["ex2"] + row["poly"] == plain["ex2"]  # one polynomial for each ex2 it replaced
-    assert row["poly"] * 2 <= plain["ex2"] <= row["poly"] * 2 + 16  # half the P tiles' exp2

@@ -203,8 +203,7 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         input_precision=call.options.fp32_precision, target=target.name,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
-        tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent,
-        exp2_poly=call.options.gluon_exp2_poly)
+        tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent)
 
 
 def out_geometry(q, v, block: list[int], dtype: str) -> tuple:
