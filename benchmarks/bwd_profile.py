@@ -3,7 +3,8 @@ time per step, for flexfa and FlexAttention on a few variants.
 
     PYTHONPATH=. python benchmarks/bwd_profile.py [S] [D] [variants] [impls]
 
-(impls: "flexfa,flex" by default; "flexfa" alone skips FlexAttention's compile)
+(impls: "flexfa,flex" by default; "flexfa" alone skips FlexAttention's compile; "cudnn":
+SDPA's cuDNN backend, on the full and causal variants only)
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("variants", nargs="?", default="causal,sliding,alibi",
                         help="benchmark variants, comma-separated (%(default)s)")
     parser.add_argument("impls", nargs="?", default="flexfa,flex",
-                        help="flexfa and/or flex (torch FlexAttention, compiled) (%(default)s)")
+                        help="flexfa, flex (torch FlexAttention, compiled) and/or cudnn (SDPA's "
+                        "cuDNN backend; full and causal only) (%(default)s)")
     return parser
 
 
@@ -30,6 +32,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import flexfa
 from flexfa.bench_cases import bench_variants as _variants
+
+
+def _cudnn(q, k, v, causal: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def main() -> None:
@@ -49,9 +57,10 @@ def main() -> None:
             if mask_mod else None
         tbm = create_block_mask(mask_mod, B, None, S, S, device="cuda") if mask_mod else None
         impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
-                 "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)}
+                 "flex": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm),
+                 "cudnn": lambda: _cudnn(q, k, v, name == "causal")}
         for label, fn in impls.items():
-            if label not in wanted:
+            if label not in wanted or (label == "cudnn" and name not in ("full", "causal")):
                 continue
 
             def step():  # fresh gradients each step, as the benchmark's do_bench(grad_to_none)
@@ -74,7 +83,7 @@ def main() -> None:
                     kernels[key] = kernels.get(key, 0.0) + e.device_time / steps / 1e3
             gpu = sum(kernels.values())
             print(f"{name:8} {label:7} wall {wall:.3f} ms/step, kernels {gpu:.3f} ms/step")
-            for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]:
+            for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {ms:.3f}  {key}")
 
 
