@@ -52,14 +52,16 @@
 # on two streams (default), one after another, all at once, FLASH and cuDNN (2 rounds); E=64;
 # S=65536 causal (memory); ovc: where a causal and a full fwd+bwd step's time goes
 # (benchmarks/bwd_profile.py, flexfa and cuDNN), then sliding and document against the
-# Triton backward with the Gluon backward's parts on two streams (3 rounds);
+# Triton backward with the Gluon backward's parts on two streams (3 rounds); pz: the
+# postprocess zeroing the accumulator (issue 26): the Gluon backward's GPU tests, then
+# bwd_profile.py on causal and full (flexfa and cuDNN) (carry .fa4a; ovb after it);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|bq|bqb|ov|ovb|ovc|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -419,6 +421,12 @@ if [ "$PART" = ovb ]; then
     --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
     --out "$OUT/bench_ov_long"
   for f in bench_ov bench_ov64 bench_ov_long; do tail -n 14 "$OUT/$f.log"; done
+fi
+if [ "$PART" = pz ]; then  # issue 26: the postprocess leaves the accumulator zeroed
+  fa4_first_half
+  step gluon_bwd_gpu 200 $SHARD/gluon_bwd -- -m gpu tests/gpu/test_gluon_bwd_gpu.py
+  step bwd_profile 200 python benchmarks/bwd_profile.py 16384 128 causal,full flexfa,cudnn
+  tail -n 3 "$OUT/gluon_bwd_gpu.log"; cat "$OUT/bwd_profile.log"
 fi
 if [ "$PART" = ovc ]; then
   step bwd_profile 200 python benchmarks/bwd_profile.py 16384 128 causal,full flexfa,cudnn

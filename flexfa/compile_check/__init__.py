@@ -30,6 +30,9 @@ class CompileJob:
     constexprs: dict[str, object]
     options: dict[str, int]
     name: str = ""  # the generated kernel's name
+    # arguments compiled as multiples of 16 (tt.divisibility), as the runtime specializes
+    # 16-byte aligned pointers and such ints: where vector widths decide registers
+    divisible: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -84,7 +87,9 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
         source = ASTSource
         if job.kernel.is_gluon():  # imported only for Gluon kernels (never interpreted)
             from triton.experimental.gluon._runtime import GluonASTSource as source
-        compiled = triton.compile(source(job.kernel, job.signature, job.constexprs),
+        names = list(job.signature)
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in job.divisible}
+        compiled = triton.compile(source(job.kernel, job.signature, job.constexprs, attrs),
                                   target=GPUTarget("cuda", arch, 32), options=job.options)
         ptx = compiled.asm["ptx"]
         shared = getattr(compiled.metadata, "shared", None)

@@ -14,7 +14,8 @@ from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
 from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_signature
-from ..codegen.gluon_bwd import GluonBackwardSpec, gluon_bwd_kernel, gluon_bwd_signature
+from ..codegen.gluon_bwd import (GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
+                                 gluon_bwd_signature, rows_kernel, rows_params)
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
@@ -281,8 +282,35 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
     return build
 
 
+def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
+                   has_dlse: bool = False):
+    """A compile-check builder for the Gluon backward's row kernels (``which``: the
+    preprocess or the postprocess of ``codegen.gluon_bwd.rows_kernel``), plain Triton, at
+    the runtime's rows per program, with its pointers and row lengths 16-divisible (as
+    the runtime specializes them: they decide the vector width)."""
+    from ..runtime.families.gluon_bwd import ROWS_BLOCK, ROWS_WARPS
+
+    def build(arch: int):
+        spec = RowsSpec(head_dim, has_dlse, f"cuda:{arch}")
+        generated = rows_kernel(spec)
+        module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        constexprs = spec.constexprs(ROWS_BLOCK[which])
+        signature = rows_params()[which].signature(constexprs, {"input": dtype})
+        divisible = tuple(name for name, kind in signature.items()
+                          if kind.startswith("*") or name in ("L_PAD", "stride_dqh", "stride_dqb",
+                                                               "stride_dqm", "stride_oh", "stride_ob",
+                                                               "stride_om", "stride_gh",
+                                                               "stride_gb", "stride_gm"))
+        return CompileJob(getattr(module, which), signature, constexprs,
+                          {"num_warps": ROWS_WARPS, "num_stages": 1}, which, divisible)
+    return build
+
+
 register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_causal),
          archs=(90,))
+register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job("flexfa_gluon_bwd_pre",
+                                                             has_dlse=True), archs=(90,))
+register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job("flexfa_gluon_bwd_post"), archs=(90,))
 # dP^T with S^T (GLUON_BWD_EARLY_DP): no spills without mods, dense and causal
 register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_dp=True),
          archs=(90,))

@@ -239,6 +239,10 @@ def test_parts_take_turns_in_two_slots_on_two_streams(monkeypatch):
             slot_of[i % want_slots].data_ptr() for i in range(len(slot_of))]
         assert len({acc.data_ptr() for acc in slot_of}) == want_slots
         assert [a["DQ_ACC"].data_ptr() for a in posts] == [acc.data_ptr() for acc in slot_of]
+        # the slots start zeroed; each postprocess but a slot's last leaves its rows zeroed
+        # for the slot's next part
+        assert [a["ZERO"] for a in posts] == [1] * (len(posts) - want_slots) + [0] * want_slots
+        assert all(bool((acc == 0).all()) for acc in slot_of[:want_slots])
 
 
 def test_part_streams_off_cuda_are_the_current_stream():
@@ -259,10 +263,19 @@ def test_postprocess_writes_each_part_to_its_heads_under_the_interpreter():
                              (Hq, [(0, 0, 2, Hq), (2, 0, 1, Hq)])):
         x.dq.zero_()
         _, post = row_steps(RowsSpec(E, False, INTERPRETER.name), x, l_pad, acc_heads)
-        for b0, h0, nb, nh in parts:
+        for i, (b0, h0, nb, nh) in enumerate(parts):
             acc = torch.full((nb, acc_heads, l_pad, E), float("nan"))
             acc[:, :nh, :L] = want[b0:b0 + nb, h0:h0 + nh] * 8
-            run_post(post, acc.view(-1, E), x, 0.125, (b0, h0, nb, nh))
+            before = acc.clone()
+            zero = i % 2 == 0
+            run_post(post, acc.view(-1, E), x, 0.125, (b0, h0, nb, nh), zero=zero)
+            # ZERO leaves the part's rows zeroed, padding rows past L included; the rest of
+            # the slot (heads past the part's) as they were
+            if zero:
+                assert (acc[:, :nh] == 0).all()
+            else:
+                assert torch.equal(acc[:, :nh, :L], before[:, :nh, :L])
+            assert acc[:, nh:].isnan().all()  # the other heads' rows: never touched
         torch.testing.assert_close(x.dq.float(), want, atol=2e-3, rtol=1e-3)
 
 
@@ -289,7 +302,8 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     # postprocess run per head (GLUON_BWD_DQ_CHUNKS's default: a quarter of the pairs, at
     # least one)
     assert [step for step, _, _ in launched] == [pre, kernel, post, kernel, post]
-    assert [grid for _, _, grid in launched][1:] == [(2, 1, 1), (4, 1, 1)] * 2
+    # (128 keys a program; 32 rows of L_PAD = 256 a postprocess program)
+    assert [grid for _, _, grid in launched][1:] == [(2, 1, 1), (8, 1, 1)] * 2
     starts = [dict(zip(step.binder.names, args)) for step, args, _ in launched[1:]]
     assert [(a["B0"], a.get("HKV0", a.get("H0"))) for a in starts] == [(0, 0), (0, 0), (0, 1),
                                                                          (0, 1)]

@@ -33,6 +33,8 @@ PERSISTENT_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent",)
 # (the others at E=128: `python -m flexfa compile-check --arch 90 --only bwd_gluon_d128`)
 BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
                 "bwd_gluon_d64_fp16_alibi_document", "bwd_gluon_d128_fp16_softcap_causal")
+# its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
+BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16")
 SCRIPT = """
 import json, os, re, sys
 if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the interpreter
@@ -99,7 +101,7 @@ def started(tmp_path_factory) -> dict:
     the cores (about half the wall time of compiling one after another)."""
     groups = {"plain": (VARIANTS, False), "pingpong": (PINGPONG_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
-              "backward": (BWD_VARIANTS, True)}
+              "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS, True)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
     yield processes
@@ -184,6 +186,9 @@ def test_gluon_backward_compiles_for_sm90(started):
     compiled where triton.language was decorated for the interpreter (its first GPU run
     failed there on gl.max)."""
     rows = _rows(started["backward"])
+    for name in BWD_ROW_VARIANTS:  # plain Triton: no wgmma, no spills
+        row = rows.pop(name)
+        assert row["ok"] and row["spills"] in (0, None), row
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and row["reduce"], row

@@ -65,7 +65,11 @@ def ring_stages(call, head_dim: int) -> int:
     return stages
 
 
-ROWS_BLOCK = 64  # rows per program of the row kernels
+# rows per program of the row kernels (ROWS_WARPS warps): the postprocess reads 32 fp32 of
+# dQ's accumulator per thread at 32 rows (112 registers on sm_90; 225 at 64 rows, which
+# left few warps to keep loads in flight)
+ROWS_BLOCK = {PRE: 64, POST: 32}
+ROWS_WARPS = 4
 # the fp32 dQ accumulator holds at most 1 / DQ_CHUNKS of the (batch, kv head) pairs: the
 # kernel and the postprocess run once per part (kernel_options GLUON_BWD_DQ_CHUNKS; 1: all
 # at once). At 4 the accumulator is half of dQ's bf16 bytes: fwd+bwd peak extra memory
@@ -182,14 +186,15 @@ def row_steps(spec: RowsSpec, x: Inputs, l_pad: int, acc_heads: int | None = Non
     ``acc_heads``: the dQ accumulator's heads per batch (HQ_CHUNK; all of them by default)."""
     rows = generated_module(rows_kernel, spec)
     B, Hq, L, _ = x.q.shape
-    block = 16 if spec.interpret else ROWS_BLOCK
+    block = {name: 16 if spec.interpret else rows for name, rows in ROWS_BLOCK.items()}
     lengths = {"HQ": Hq, "L": L, "L_PAD": l_pad}
-    pre = Step(rows.kernel(PRE), (cdiv(l_pad, block), B * Hq), spec.constexprs(block),
-               {"num_warps": 4}, binding.Binder(rows.names(PRE), {
+    launch = {"num_warps": ROWS_WARPS}
+    pre = Step(rows.kernel(PRE), (cdiv(l_pad, block[PRE]), B * Hq), spec.constexprs(block[PRE]),
+               launch, binding.Binder(rows.names(PRE), {
                    **lengths, **binding.strides("o", "bhmd", x.out.stride()),
                    **binding.strides("g", "bhmd", x.grad_out.stride())}))
-    post = Step(rows.kernel(POST), (cdiv(L, block), Hq, B), spec.constexprs(block),
-                {"num_warps": 4}, binding.Binder(rows.names(POST), {
+    post = Step(rows.kernel(POST), (cdiv(l_pad, block[POST]), Hq, B),
+                spec.constexprs(block[POST]), launch, binding.Binder(rows.names(POST), {
                     "L": L, "L_PAD": l_pad, "HQ_CHUNK": acc_heads or Hq,
                     **binding.strides("dq", "bhmd", x.dq.stride())}))
     return pre, post
@@ -208,13 +213,14 @@ def run_pre(pre: Step, x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float,
-             part: tuple[int, int, int, int] | None = None) -> None:
+             part: tuple[int, int, int, int] | None = None, zero: bool = False) -> None:
     """x.dq = scale * the float32 accumulator's rows, in dq's dtype, for ``part`` (first
     batch, first query head, batches, query heads; by default all of them): the accumulator
-    holds that part as [batches, HQ_CHUNK, l_pad, E] rows."""
+    holds that part as [batches, HQ_CHUNK, l_pad, E] rows; ``zero``: those rows (all l_pad
+    of each head) are left zeroed for the next part in the same slot."""
     b0, h0, nb, nh = part or (0, 0, x.q.shape[0], x.q.shape[1])
     post.launch_with({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale), "B0": b0,
-                      "H0": h0}, x.q.device, (post.grid[0], nh, nb))
+                      "H0": h0, "ZERO": int(zero)}, x.q.device, (post.grid[0], nh, nb))
 
 
 class GluonBackward(KernelFamily):
@@ -266,7 +272,9 @@ class GluonBackward(KernelFamily):
         l_pad, device = plan.fixed["l_pad"], x.q.device
         lse2, delta = run_pre(pre, x, l_pad)
         acc_rows, slots = plan.fixed["acc_heads"] * l_pad, plan.fixed["slots"]
-        dq_accs = [torch.empty(acc_rows, E, dtype=torch.float32, device=device)
+        # zeroed once here: each part's postprocess leaves its rows zeroed for the next part
+        # in its slot (one fill per slot, not per part)
+        dq_accs = [torch.zeros(acc_rows, E, dtype=torch.float32, device=device)
                    for _ in range(slots)]
         grad_out = x.grad_out if descriptor_layout_ok(x.grad_out) else x.grad_out.contiguous()
         kind = descriptor_kinds()[1 if kernel.launched else 0]
@@ -291,15 +299,15 @@ class GluonBackward(KernelFamily):
         group, blocks_n = call.gqa_group, kernel.grid[0]
         # part i in slot i % slots, on that slot's stream: a part's programs fill the SMs
         # the part before it leaves idle at its end (the parts touch disjoint heads)
+        parts = plan.fixed["parts"]
         with part_streams(device, slots) as streams:
-            for i, (b0, h0, nb, nh) in enumerate(plan.fixed["parts"]):
+            for i, (b0, h0, nb, nh) in enumerate(parts):
                 slot = i % slots
                 with torch.cuda.stream(streams[slot]):
-                    dq_accs[slot].zero_()
                     kernel.launch_with({**args, "DQ_DESC": dq_descs[slot], "B0": b0,
                                         "HKV0": h0}, device, (blocks_n, nh, nb))
                     run_post(post, dq_accs[slot], x, call.scale,
-                             (b0, h0 * group, nb, nh * group))
+                             (b0, h0 * group, nb, nh * group), zero=i + slots < len(parts))
         if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
 
