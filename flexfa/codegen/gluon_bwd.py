@@ -187,7 +187,7 @@ def rows_params() -> dict[str, KernelParams]:
                            strides("o", "bhmd"), strides("g", "bhmd"), ints("HQ", "L", "L_PAD"),
                            _ROW_CONSTEXPRS)),
         POST: KernelParams((tensors("fp32", "DQ_ACC") + tensors(INPUT, "DQ"),
-                            strides("dq", "bhmd"), ints("L", "L_PAD", "HQ_CHUNK", "B0", "H0", "ZERO")
+                            strides("dq", "bhmd"), ints("L", "L_PAD", "HQ_CHUNK", "B0", "H0")
                             + (Param("sm_scale", FLOAT),), _ROW_CONSTEXPRS))}
 
 

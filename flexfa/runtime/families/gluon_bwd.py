@@ -193,7 +193,7 @@ def row_steps(spec: RowsSpec, x: Inputs, l_pad: int, acc_heads: int | None = Non
                launch, binding.Binder(rows.names(PRE), {
                    **lengths, **binding.strides("o", "bhmd", x.out.stride()),
                    **binding.strides("g", "bhmd", x.grad_out.stride())}))
-    post = Step(rows.kernel(POST), (cdiv(l_pad, block[POST]), Hq, B),
+    post = Step(rows.kernel(POST), (cdiv(L, block[POST]), Hq, B),
                 spec.constexprs(block[POST]), launch, binding.Binder(rows.names(POST), {
                     "L": L, "L_PAD": l_pad, "HQ_CHUNK": acc_heads or Hq,
                     **binding.strides("dq", "bhmd", x.dq.stride())}))
@@ -213,14 +213,13 @@ def run_pre(pre: Step, x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float,
-             part: tuple[int, int, int, int] | None = None, zero: bool = False) -> None:
+             part: tuple[int, int, int, int] | None = None) -> None:
     """x.dq = scale * the float32 accumulator's rows, in dq's dtype, for ``part`` (first
     batch, first query head, batches, query heads; by default all of them): the accumulator
-    holds that part as [batches, HQ_CHUNK, l_pad, E] rows; ``zero``: those rows (all l_pad
-    of each head) are left zeroed for the next part in the same slot."""
+    holds that part as [batches, HQ_CHUNK, l_pad, E] rows."""
     b0, h0, nb, nh = part or (0, 0, x.q.shape[0], x.q.shape[1])
     post.launch_with({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale), "B0": b0,
-                      "H0": h0, "ZERO": int(zero)}, x.q.device, (post.grid[0], nh, nb))
+                      "H0": h0}, x.q.device, (post.grid[0], nh, nb))
 
 
 class GluonBackward(KernelFamily):
@@ -272,9 +271,10 @@ class GluonBackward(KernelFamily):
         l_pad, device = plan.fixed["l_pad"], x.q.device
         lse2, delta = run_pre(pre, x, l_pad)
         acc_rows, slots = plan.fixed["acc_heads"] * l_pad, plan.fixed["slots"]
-        # zeroed once here: each part's postprocess leaves its rows zeroed for the next part
-        # in its slot (one fill per slot, not per part)
-        dq_accs = [torch.zeros(acc_rows, E, dtype=torch.float32, device=device)
+        # each part zeroes its slot on its stream before its kernel. (The postprocess leaving
+        # the rows zeroed for the slot's next part instead, f2fa661, gave wrong dQ on the
+        # H200 where one slot ran several parts, pz_f2fa661; the reason was not found)
+        dq_accs = [torch.empty(acc_rows, E, dtype=torch.float32, device=device)
                    for _ in range(slots)]
         grad_out = x.grad_out if descriptor_layout_ok(x.grad_out) else x.grad_out.contiguous()
         kind = descriptor_kinds()[1 if kernel.launched else 0]
@@ -304,10 +304,11 @@ class GluonBackward(KernelFamily):
             for i, (b0, h0, nb, nh) in enumerate(parts):
                 slot = i % slots
                 with torch.cuda.stream(streams[slot]):
+                    dq_accs[slot].zero_()
                     kernel.launch_with({**args, "DQ_DESC": dq_descs[slot], "B0": b0,
                                         "HKV0": h0}, device, (blocks_n, nh, nb))
                     run_post(post, dq_accs[slot], x, call.scale,
-                             (b0, h0 * group, nb, nh * group), zero=i + slots < len(parts))
+                             (b0, h0 * group, nb, nh * group))
         if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
 
