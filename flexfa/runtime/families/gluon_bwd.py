@@ -66,8 +66,9 @@ def ring_stages(call, head_dim: int) -> int:
 
 
 # rows per program of the row kernels (ROWS_WARPS warps): the postprocess reads 32 fp32 of
-# dQ's accumulator per thread at 32 rows (112 registers on sm_90; 225 at 64 rows, which
-# left few warps to keep loads in flight)
+# dQ's accumulator per thread at 32 rows (80 registers on sm_90, 166 at 64 rows: more warps
+# a SM to keep loads in flight; not timed apart on a GPU: its GPU tests pass on an H100,
+# pz_edcdc8a_h100)
 ROWS_BLOCK = {PRE: 64, POST: 32}
 ROWS_WARPS = 4
 # the fp32 dQ accumulator holds at most 1 / DQ_CHUNKS of the (batch, kv head) pairs: the
