@@ -142,3 +142,41 @@ def test_learnable_bias_falls_back_to_the_triton_backward(safe):
     plans.PLANS.clear()
     check_backward(q, k, v, head_bias, None, None, kernel_options=FORCED, buffers=(bias,))
     assert "triton_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
+def test_parts_on_two_streams_replay_in_a_cuda_graph(safe):
+    """The accumulator's parts on two streams fork from the capturing stream and join it: a
+    captured forward + backward (B = 2, Hkv = 4: two slots, eight parts) replays on new
+    inputs to what an eager call gives."""
+    import flexfa
+    B, H, L, E = 2, 4, 1024, 128
+    q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn_like(q)
+    mask = flexfa.create_block_mask(mods.causal, None, None, L, L, device="cuda")
+
+    def step():
+        out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=FORCED)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+    plans.PLANS.clear()
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # compiles and plans outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(warm)
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon_bwd"]
+    assert found and all(p.fixed["slots"] == 2 and len(p.fixed["parts"]) == 8 for p in found)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (1, 2):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        with torch.no_grad():
+            for t in (q, k, v, grad):
+                t.copy_(torch.randn(t.shape, device="cuda", generator=generator))
+        graph.replay()
+        want = step()
+        for name, got, expected in zip(("out", "dq", "dk", "dv"), captured, want):
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"replay {seed} {name}: {m}")
