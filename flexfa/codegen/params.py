@@ -39,7 +39,8 @@ class Param:
     name: str
     kind: str
     dtype: str = ""  # TENSOR, DESCRIPTOR: a Triton element type ("fp32"), INPUT or OUTPUT
-    block: tuple[str, ...] = ()  # DESCRIPTOR: the constexprs that give its block shape
+    # DESCRIPTOR: its block shape, constexpr names or fixed sizes
+    block: tuple[str | int, ...] = ()
 
     def __post_init__(self):
         assert self.kind in KINDS, f"parameter {self.name}: kind {self.kind!r} not in {KINDS}"
@@ -95,7 +96,8 @@ class KernelParams:
             if p.kind == TENSOR:
                 signature[p.name] = f"*{element}"
             elif p.kind == DESCRIPTOR:
-                block = ", ".join(str(constexprs[b]) for b in p.block)
+                block = ", ".join(str(b if isinstance(b, int) else constexprs[b])
+                                  for b in p.block)
                 signature[p.name] = f"tensordesc<{element}[{block}]>"
             else:
                 signature[p.name] = {INT: "i32", FLOAT: "fp32", CONSTEXPR: "constexpr"}[p.kind]
@@ -313,9 +315,11 @@ def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
     ds = _ds_workspace(ds_tma)
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "DO")
-        + (_pointer_or_descriptor("K_DESC", tma, INPUT, "BLOCK_N", "E_PAD"),
-           _pointer_or_descriptor("V_DESC", tma, INPUT, "BLOCK_N", "EV_PAD"))
-        + tensors(INPUT, "DQ") + tensors("fp32", "LSE", "DELTA") + tensors(INPUT, "OUT")
+        + (_pointer_or_descriptor("K_DESC", tma, INPUT, 1, "BLOCK_N", "E_PAD"),
+           _pointer_or_descriptor("V_DESC", tma, INPUT, 1, "BLOCK_N", "EV_PAD"))
+        + tensors(INPUT, "DQ") + (_pointer_or_descriptor("DQ_DESC", tma, INPUT, 1, "BLOCK_M",
+                                                         "E_PAD"),)
+        + tensors("fp32", "LSE", "DELTA") + tensors(INPUT, "OUT")
         + tensors("fp32", "DLSE") + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),
         strides("dq", "bhmd"), strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"),

@@ -451,9 +451,31 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         args = step_args(plan, call, inputs)[order.index(which)]
         generated = backward_kernel(spec, joint, call.score, call.mask)
         params = generated.kernel_params(step.kernel.fn.__name__)
-        return CompileJob(step.kernel, launch_signature(params, args), step.constexprs,
-                          step.options, generated.name)
+        signature, ones, divisible = launch_specialization(launch_signature(params, args),
+                                                           params.names, args)
+        return CompileJob(step.kernel, signature, step.constexprs | ones, step.options,
+                          generated.name, divisible)
     return build
+
+
+def launch_specialization(signature: dict[str, str], names, args) -> tuple[dict, dict, tuple]:
+    """``signature`` specialized on ``args`` as Triton's launcher does on a GPU launch: ints
+    equal to 1 (a contiguous tensor's last stride) become constexprs, 16-byte aligned
+    pointers and ints divisible by 16 are compiled as such. Unspecialized, the tiles' stores
+    are per element with a 64-bit address each, registers no launch ever uses. Returns the
+    signature, the constexprs it adds and the names of the divisible arguments."""
+    ones, divisible = {}, []
+    for name, value in zip(names, args):
+        if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.data_ptr() % 16 == 0:
+                divisible.append(name)
+        elif value == 1:
+            ones[name] = 1
+        elif value % 16 == 0:
+            divisible.append(name)
+    return signature | {name: "constexpr" for name in ones}, ones, tuple(divisible)
 
 
 def _register_backward() -> None:

@@ -1,7 +1,8 @@
 """The backward's tensor-descriptor (TMA) path, forced under the interpreter with
 kernel_options ``bwd_USE_TMA=True`` (it is the default on sm_90): Q/dO tiles of the dK/dV
-kernel and K/V tiles of the dQ kernel come from [B * H * n, d] descriptors, so tiles past a
-head's end read the next head's rows and must be masked."""
+kernel come from [B * H * L, d] descriptors, so tiles past a head's end read the next head's
+rows and must be masked; K/V tiles of the dQ kernel from [B * H, S, d] descriptors (zeros
+past S), and dQ is stored through a [B * H, L, E] one (rows past L dropped)."""
 import pytest
 import torch
 
@@ -168,4 +169,4 @@ def test_a_cached_plans_launches_equal_freshly_built_ones():
                 assert x_ is y or (x_.shape == y.shape and x_.dtype == y.dtype)
             else:
                 assert x_ == y
-    assert descriptors == 4  # q, dO in dK/dV; k, v in dQ
+    assert descriptors == 5  # q, dO in dK/dV; k, v, dq in dQ

@@ -317,13 +317,26 @@ def make_steps(spec: BackwardSpec, loaded, x: Inputs, call: AttentionCall,
 
 
 def descriptor_geometry(spec: BackwardSpec, x: Inputs) -> dict | None:
-    """The descriptors' (shape, strides, block) for q, dO, k and v (None without TMA)."""
+    """The descriptors' (shape, strides, block) for q, dO (dK/dV kernel), k, v and dq (dQ
+    kernel); None without TMA."""
     if not spec.use_tma:
         return None
     e_pad, ev_pad = next_power_of_two(x.q.shape[3]), next_power_of_two(x.v.shape[3])
     return {"q": geometry(x.q, spec.block_m1, e_pad),
             "do": geometry(x.grad_out, spec.block_m1, ev_pad),
-            "k": geometry(x.k, spec.block_n2, e_pad), "v": geometry(x.v, spec.block_n2, ev_pad)}
+            "k": head_geometry(x.k, spec.block_n2, e_pad),
+            "v": head_geometry(x.v, spec.block_n2, ev_pad),
+            "dq": head_geometry(x.dq, spec.block_m2, e_pad)}
+
+
+def head_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
+    """(shape, strides, block) of the tensor descriptor over the [B * H, n, d] view of t (a
+    [B * H * n, d] matrix): a block past a head's last row reads TMA's zero fill and its
+    stores there are dropped, where a [B * H * n, d] view would reach the next head. The dQ
+    kernel's loads need no bounds selects then and its store no row mask, registers its
+    128-row tiles at head dims past 128 do not have."""
+    B, H, n, d = t.shape
+    return [B * H, n, d], [n * t.stride(2), t.stride(2), 1], [1, block_rows, cols_pad]
 
 
 def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
@@ -348,9 +361,10 @@ def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
         kind = TrustedDescriptor if plan.steps[0].launched else TensorDescriptor
         values.update(Q_DESC=kind(x.q, *geometry_["q"]),
                       DO_DESC=kind(x.grad_out, *geometry_["do"]),
-                      K_DESC=kind(x.k, *geometry_["k"]), V_DESC=kind(x.v, *geometry_["v"]))
+                      K_DESC=kind(x.k, *geometry_["k"]), V_DESC=kind(x.v, *geometry_["v"]),
+                      DQ_DESC=kind(x.dq, *geometry_["dq"]))
     else:  # unused pointers in the kernels' descriptor slots
-        values.update(Q_DESC=x.q, DO_DESC=x.grad_out, K_DESC=x.k, V_DESC=x.v)
+        values.update(Q_DESC=x.q, DO_DESC=x.grad_out, K_DESC=x.k, V_DESC=x.v, DQ_DESC=x.dq)
     if not spec.ds_dq:  # delta in the workspace's unused pointer slots
         values["DS"] = values["DS_STORE"] = values["DS_LOAD"] = delta
         return values
