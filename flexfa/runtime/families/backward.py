@@ -67,8 +67,11 @@ HOPPER_BACKWARD_WIDE = {
 # lengths that are not multiples of 128 take the bounds-checked code, where the 8-warp dK/dV
 # programs spill 116..224 bytes (S = 8100 with a softcap, d4_78e95f1): at Ev = 256 they lose
 # (16.8 against 12.5 ms), at Ev = 128 they win by 7% (11.1 against 11.9); both take the
-# 4-warp dK/dV programs of 32 keys there (no spills), with the 128-row dQ programs (46..60
-# bytes of spills, still 2.4-3.2x faster than the 64-row ones)
+# 4-warp dK/dV programs of 32 keys there (136 bytes of spills at 192/128 with a softcap in
+# the GPU's compile, s28_bf48edf), with the 128-row dQ programs (2.4-3.2x faster than
+# the 64-row ones; since their K/V loads and dQ stores go through per-head descriptors, 0
+# bytes of spills at 256 and 8 at 192/128 in the GPU's compile, 46 and 60 before, and
+# 0.66-0.70x the time: S = 8100 softcap + causal, s28_bf48edf)
 HOPPER_BACKWARD_WIDE_RAGGED = {
     (256, 128): (64, 32, 128, 64, 4, 2, 8, 2),
     (256, 256): (32, 32, 128, 32, 4, 2, 8, 2),
