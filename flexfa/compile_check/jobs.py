@@ -14,8 +14,8 @@ from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
 from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_signature
-from ..codegen.gluon_bwd import (GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
-                                 gluon_bwd_signature, rows_kernel, rows_params)
+from ..codegen.gluon_bwd import (POST, PRE, GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
+                                 gluon_bwd_signature, rows_params)
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
@@ -285,32 +285,33 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
 def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
                    has_dlse: bool = False):
     """A compile-check builder for the Gluon backward's row kernels (``which``: the
-    preprocess or the postprocess of ``codegen.gluon_bwd.rows_kernel``), plain Triton, at
-    the runtime's rows per program, with its pointers and row lengths 16-divisible (as
-    the runtime specializes them: they decide the vector width)."""
-    from ..runtime.families.gluon_bwd import ROWS_BLOCK, ROWS_WARPS
+    preprocess or the postprocess of ``codegen.gluon_bwd.rows_kernel``), plain Triton, as
+    the runtime launches them (``row_steps``: rows per program, warps, the arguments of a
+    [1, 2, 256, head_dim] call, specialized as a GPU launch is)."""
+    from ..runtime.families.gluon_bwd import row_steps
 
     def build(arch: int):
         spec = RowsSpec(head_dim, has_dlse, f"cuda:{arch}")
-        generated = rows_kernel(spec)
-        module = get_module(generated.name, generated.key, False, lambda: generated.source)
-        constexprs = spec.constexprs(ROWS_BLOCK[which])
-        signature = rows_params()[which].signature(constexprs, {"input": dtype})
-        divisible = tuple(name for name, kind in signature.items()
-                          if kind.startswith("*") or name in ("L_PAD", "stride_dqh", "stride_dqb",
-                                                               "stride_dqm", "stride_oh", "stride_ob",
-                                                               "stride_om", "stride_gh",
-                                                               "stride_gb", "stride_gm"))
-        return CompileJob(getattr(module, which), signature, constexprs,
-                          {"num_warps": ROWS_WARPS, "num_stages": 1}, which, divisible)
+        q = torch.zeros(1, 2, 256, head_dim, dtype=TORCH_DTYPES[dtype])
+        rows = torch.zeros(2, 256)
+        x = Inputs(q, q, q, q, rows[None], q, rows[None] if has_dlse else None, q, q, q, {})
+        pre, post = row_steps(spec, x, 256)
+        step, values = ((pre, {"OUT": q, "DOUT": q, "LSE": rows, "DLSE": rows, "LSE2": rows,
+                               "DELTA": rows}) if which == PRE else
+                        (post, {"DQ_ACC": rows, "DQ": q, "sm_scale": 0.125, "B0": 0, "H0": 0}))
+        args = step.binder.bind(values)
+        signature, ones, divisible = launch_specialization(
+            step.kernel, rows_params()[which].signature(step.constexprs, {"input": dtype}),
+            step.binder.names, args)
+        return CompileJob(step.kernel, signature, step.constexprs | ones, step.options, which,
+                          divisible)
     return build
 
 
 register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_causal),
          archs=(90,))
-register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job("flexfa_gluon_bwd_pre",
-                                                             has_dlse=True), archs=(90,))
-register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job("flexfa_gluon_bwd_post"), archs=(90,))
+register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))
+register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job(POST), archs=(90,))
 # dP^T with S^T (GLUON_BWD_EARLY_DP): no spills without mods, dense and causal
 register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_dp=True),
          archs=(90,))
@@ -451,22 +452,25 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         args = step_args(plan, call, inputs)[order.index(which)]
         generated = backward_kernel(spec, joint, call.score, call.mask)
         params = generated.kernel_params(step.kernel.fn.__name__)
-        signature, ones, divisible = launch_specialization(launch_signature(params, args),
-                                                           params.names, args)
+        signature, ones, divisible = launch_specialization(
+            step.kernel, launch_signature(params, args), params.names, args)
         return CompileJob(step.kernel, signature, step.constexprs | ones, step.options,
                           generated.name, divisible)
     return build
 
 
-def launch_specialization(signature: dict[str, str], names, args) -> tuple[dict, dict, tuple]:
-    """``signature`` specialized on ``args`` as Triton's launcher does on a GPU launch: ints
-    equal to 1 (a contiguous tensor's last stride) become constexprs, 16-byte aligned
-    pointers and ints divisible by 16 are compiled as such. Unspecialized, the tiles' stores
-    are per element with a 64-bit address each, registers no launch ever uses. Returns the
+def launch_specialization(kernel, signature: dict[str, str], names, args
+                          ) -> tuple[dict, dict, tuple]:
+    """``signature`` specialized on ``args`` as Triton's launcher does on a GPU launch of
+    ``kernel``: ints equal to 1 (a contiguous tensor's last stride) become constexprs,
+    16-byte aligned pointers and ints divisible by 16 are compiled as such, except the
+    kernel's ``do_not_specialize`` parameters. Unspecialized, the tiles' stores are per
+    element with a 64-bit address each, registers no launch ever uses. Returns the
     signature, the constexprs it adds and the names of the divisible arguments."""
+    kept = {p.name for p in kernel.params if p.do_not_specialize}
     ones, divisible = {}, []
     for name, value in zip(names, args):
-        if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        if name in kept or isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
             continue
         if isinstance(value, torch.Tensor):
             if value.data_ptr() % 16 == 0:

@@ -66,9 +66,9 @@ def ring_stages(call, head_dim: int) -> int:
 
 
 # rows per program of the row kernels (ROWS_WARPS warps): the postprocess reads 32 fp32 of
-# dQ's accumulator per thread at 32 rows (80 registers on sm_90, 166 at 64 rows: more warps
-# a SM to keep loads in flight; not timed apart on a GPU: its GPU tests pass on an H100,
-# pz_edcdc8a_h100)
+# dQ's accumulator per thread at 32 rows (38 registers on sm_90, 70 at 64 rows, compiled as
+# launched: more programs a SM to keep loads in flight; not timed apart on a GPU: its GPU
+# tests pass on the H200, t28_bf48edf)
 ROWS_BLOCK = {PRE: 64, POST: 32}
 ROWS_WARPS = 4
 # the fp32 dQ accumulator holds at most 1 / DQ_CHUNKS of the (batch, kv head) pairs: the
@@ -242,8 +242,7 @@ class GluonBackward(KernelFamily):
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         chunks = call.options.gluon_bwd_dq_chunks or DQ_CHUNKS
-        overlap = call.options.gluon_bwd_overlap is not False
-        slots = dq_slots(B, Hkv, chunks, overlap)
+        slots = dq_slots(B, Hkv, chunks, call.options.gluon_bwd_overlap)
         (acc_b, acc_hkv), parts = dq_parts(B, Hkv, chunks, slots)
         group = call.gqa_group
         spec = gluon_bwd_spec(q, k, call, target)
