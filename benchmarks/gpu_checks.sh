@@ -318,6 +318,15 @@ profile() {  # profile NAME KERNEL_REGEX NCU_CASE_ARGS...: one launch, every sec
   ncu -i "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass \
     > "$OUT/ncu/$name.sass.csv" 2>&1
 }
+bwd_bench() {  # bwd_bench NAME LIMIT ARGS...: fwd+bwd with FLASH a column (after fa4_path)
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python -m flexfa bench --flash --rep 40 --passes fwd+bwd "$@" \
+    --out "$OUT/$name"
+}
+# the issue-26 cases: every variant at E=128, E=64 full and causal, S=65536 causal (memory)
+E128_ALL=(--seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal,sliding,softcap,alibi,document,prefix}")
+E64=(--seqs 16384 --dims 64 --variants full,causal)
+LONG_CAUSAL=(--seqs 65536 --dims 128 --heads 8 --tokens 65536 --variants causal)
 if [ "$PART" = h ]; then  # where the Gluon kernels' cycles go (issues 25, 26)
   fa4_first_half
   mkdir -p "$OUT/ncu"
@@ -379,18 +388,14 @@ if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
 fi
 if [ "$PART" = bqb ]; then
   fa4_path
-  step bench_bq 330 python -m flexfa bench --flash --rep 40 --rounds 2 --passes fwd+bwd \
-    --seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal,sliding,softcap,alibi,document,prefix}" \
+  bwd_bench bench_bq 330 --rounds 2 "${E128_ALL[@]}" \
     --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
     --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' \
     --extra 'gluon_bwd_s3_c1={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3, "GLUON_BWD_DQ_CHUNKS": 1}' \
-    --extra 'gluon_bwd_s3_edp={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3, "GLUON_BWD_EARLY_DP": true}' \
-    --out "$OUT/bench_bq"
-  step bench_bq64 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 16384 \
-    --dims 64 --variants full,causal --extra 'gluon_bwd={"GLUON_BACKWARD": true}' --out "$OUT/bench_bq64"
-  step bench_bq_long 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 65536 \
-    --dims 128 --heads 8 --tokens 65536 --variants causal \
-    --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}' --out "$OUT/bench_bq_long"
+    --extra 'gluon_bwd_s3_edp={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3, "GLUON_BWD_EARLY_DP": true}'
+  bwd_bench bench_bq64 90 "${E64[@]}" --extra 'gluon_bwd={"GLUON_BACKWARD": true}'
+  bwd_bench bench_bq_long 90 "${LONG_CAUSAL[@]}" \
+    --extra 'gluon_bwd_s3={"GLUON_BACKWARD": true, "GLUON_BWD_STAGES": 3}'
   for f in bench_bq bench_bq64 bench_bq_long; do tail -n 12 "$OUT/$f.log"; done
 fi
 if [ "$PART" = ov ]; then  # issue 26: the accumulator's parts on two streams
@@ -405,21 +410,13 @@ if [ "$PART" = ov ]; then  # issue 26: the accumulator's parts on two streams
 fi
 if [ "$PART" = ovb ]; then
   fa4_path
-  step bench_ov 400 python -m flexfa bench --flash --rep 40 --rounds 2 --passes fwd+bwd \
-    --seqs 16384 --dims 128 --variants "${VARIANTS:-full,causal,sliding,softcap,alibi,document,prefix}" \
-    --extra 'triton_bwd={"GLUON_BACKWARD": false}' \
-    --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
-    --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
-    --extra 'gluon_bwd_c1={"GLUON_BACKWARD": true, "GLUON_BWD_DQ_CHUNKS": 1}' \
-    --out "$OUT/bench_ov"
-  step bench_ov64 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 16384 \
-    --dims 64 --variants full,causal --extra 'triton_bwd={"GLUON_BACKWARD": false}' \
-    --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
-    --out "$OUT/bench_ov64"
-  step bench_ov_long 90 python -m flexfa bench --flash --rep 40 --passes fwd+bwd --seqs 65536 \
-    --dims 128 --heads 8 --tokens 65536 --variants causal \
-    --extra 'gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}' \
-    --out "$OUT/bench_ov_long"
+  SERIAL='gluon_bwd_serial={"GLUON_BACKWARD": true, "GLUON_BWD_OVERLAP": false}'
+  bwd_bench bench_ov 400 --rounds 2 "${E128_ALL[@]}" \
+    --extra 'triton_bwd={"GLUON_BACKWARD": false}' --extra 'gluon_bwd={"GLUON_BACKWARD": true}' \
+    --extra "$SERIAL" --extra 'gluon_bwd_c1={"GLUON_BACKWARD": true, "GLUON_BWD_DQ_CHUNKS": 1}'
+  bwd_bench bench_ov64 90 "${E64[@]}" --extra 'triton_bwd={"GLUON_BACKWARD": false}' \
+    --extra "$SERIAL"
+  bwd_bench bench_ov_long 90 "${LONG_CAUSAL[@]}" --extra "$SERIAL"
   for f in bench_ov bench_ov64 bench_ov_long; do tail -n 14 "$OUT/$f.log"; done
 fi
 if [ "$PART" = pz ]; then  # issue 26: the postprocess leaves the accumulator zeroed

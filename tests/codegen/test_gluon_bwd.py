@@ -326,10 +326,10 @@ def test_parts_flow_gives_every_head_its_own_dq(monkeypatch, B, Hq, Hkv, options
                None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(k), {})
     plan = GLUON_BWD.make_plan(call, x, SM90)
     l_pad = plan.fixed["l_pad"]
-    acc_heads = plan.fixed["acc_heads"]
     pre, kernel, post = plan.steps
-    _, post_cpu = row_steps(RowsSpec(E, False, INTERPRETER.name), x, l_pad,
-                            acc_heads // max(1, plan.fixed["parts"][0][2]))
+    # the same postprocess under the interpreter, over the plan's accumulator heads
+    hq_chunk = dict(zip(post.binder.names, post.binder.template))["HQ_CHUNK"]
+    _, post_cpu = row_steps(RowsSpec(E, False, INTERPRETER.name), x, l_pad, hq_chunk)
     plan.steps = (pre, kernel, post_cpu)
     real_launch = Step.launch
 
