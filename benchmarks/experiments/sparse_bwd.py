@@ -6,9 +6,13 @@ For causal sliding windows and causal document masks of several sizes (B=1, H=16
 and E as given), fwd+bwd with ``GLUON_BACKWARD`` False and True in turn (do_bench medians,
 the median of the rounds), with each mask's share of visited tiles and its mean walk: the
 visited (query tile, key tile) pairs per key tile, the length of a Gluon backward program's
-loop. The gradients of the two backwards are compared before timing.
+loop. The gradients of the two backwards are compared before timing. ``--graph`` also times
+each configuration's step captured in a CUDA graph (replays: the GPU's time without the host's
+launch costs), and ``--configs`` adds the Gluon backward with its parts one after another
+(``serial``) and all at once (``c1``).
 
     python benchmarks/experiments/sparse_bwd.py [--rounds 3] [--seqs 16384] [--dims 128,64]
+        [--graph] [--configs triton,gluon,serial,c1] [--masks sliding_1024,document_bench]
 """
 import argparse
 import statistics
@@ -54,13 +58,19 @@ def main() -> int:
     parser.add_argument("--seqs", default="16384")
     parser.add_argument("--dims", default="128,64")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--configs", default="triton,gluon")
+    parser.add_argument("--masks", default="")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
 
     import flexfa
 
-    options = {"triton": {"GLUON_BACKWARD": False}, "gluon": {"GLUON_BACKWARD": True}}
+    known = {"triton": {"GLUON_BACKWARD": False}, "gluon": {"GLUON_BACKWARD": True},
+             "serial": {"GLUON_BACKWARD": True, "GLUON_BWD_OVERLAP": False},
+             "c1": {"GLUON_BACKWARD": True, "GLUON_BWD_DQ_CHUNKS": 1}}
+    options = {label: known[label] for label in args.configs.split(",")}
     rows = []
     for S in (int(s) for s in args.seqs.split(",")):
         for E in (int(e) for e in args.dims.split(",")):
@@ -68,6 +78,8 @@ def main() -> int:
                                    requires_grad=True) for _ in range(3))
             do = torch.randn_like(q)
             for name, mask_mod in masks(S, "cuda").items():
+                if args.masks and name not in args.masks.split(","):
+                    continue
                 mask = flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda")
                 density, walk = walk_stats(mask)
 
@@ -81,24 +93,48 @@ def main() -> int:
                     step(opts)
                     grads[label] = [t.grad.float() for t in (q, k, v)]
                 err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
-                          for a, b in zip(grads["gluon"], grads["triton"]))
-                times = {label: [] for label in options}
+                          for label in options for a, b in zip(grads[label], grads["triton"]))
+                runs = {label: (lambda opts=opts: step(opts)) for label, opts in options.items()}
+                if args.graph:
+                    runs.update({f"{label}:graph": graphed(lambda opts=opts: step(opts), q, k, v)
+                                 for label, opts in options.items()})
+                times = {label: [] for label in runs}
                 for _ in range(args.rounds):
-                    for label, opts in options.items():
-                        times[label].append(do_bench(lambda: step(opts), warmup=100,
-                                                     rep=args.rep, return_mode="median",
-                                                     grad_to_none=[q, k, v]))
+                    for label, fn in runs.items():
+                        times[label].append(do_bench(
+                            fn, warmup=100, rep=args.rep, return_mode="median",
+                            grad_to_none=None if label.endswith(":graph") else [q, k, v]))
                 med = {label: statistics.median(ts) for label, ts in times.items()}
-                rows.append((S, E, name, density, walk, med["triton"], med["gluon"], err))
+                rows.append((S, E, name, density, walk, med, err))
                 print(f"S={S} E={E} {name:14s} density {density:.3f} walk {walk:6.2f} "
-                      f"triton {med['triton']:.3f} gluon {med['gluon']:.3f} "
-                      f"gluon/triton {med['gluon'] / med['triton']:.3f} rel.err {err:.1e}",
-                      flush=True)
-    print("\nS      E    mask            density  walk    triton   gluon    ratio")
-    for S, E, name, density, walk, tt, tg, _ in sorted(rows, key=lambda r: (r[0], r[1], r[4])):
-        print(f"{S:<6d} {E:<4d} {name:15s} {density:7.3f} {walk:6.2f} {tt:8.3f} {tg:8.3f} "
-              f"{tg / tt:7.3f}")
+                      + " ".join(f"{label} {ms:.3f}" for label, ms in med.items())
+                      + f" rel.err {err:.1e}", flush=True)
+    labels = list(rows[0][5]) if rows else []
+    print("\nS      E    mask            density  walk  " + " ".join(f"{x:>13s}" for x in labels))
+    for S, E, name, density, walk, med, _ in sorted(rows, key=lambda r: (r[0], r[1], r[4])):
+        print(f"{S:<6d} {E:<4d} {name:15s} {density:7.3f} {walk:6.2f} "
+              + " ".join(f"{med[x]:13.3f}" for x in labels))
     return 0
+
+
+def graphed(step, q, k, v):
+    """``step`` captured in a CUDA graph (after warm-up on a side stream): its replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for t in (q, k, v):
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 if __name__ == "__main__":

@@ -175,12 +175,12 @@ class RowsSpec:
                     HAS_DLSE=self.has_dlse)
 
 
-PRE, POST = "flexfa_gluon_bwd_pre", "flexfa_gluon_bwd_post"
+PRE, POST, ZERO = "flexfa_gluon_bwd_pre", "flexfa_gluon_bwd_post", "flexfa_gluon_bwd_zero"
 _ROW_CONSTEXPRS = constexprs("BLOCK", "E", "E_PAD", "EV", "EV_PAD", "HAS_DLSE")
 
 
 def rows_params() -> dict[str, KernelParams]:
-    """The parameters of the two row kernels."""
+    """The parameters of the row kernels."""
     return {
         PRE: KernelParams((tensors(INPUT, "OUT", "DOUT") + tensors("fp32", "LSE", "DLSE", "LSE2",
                                                                    "DELTA"),
@@ -188,12 +188,13 @@ def rows_params() -> dict[str, KernelParams]:
                            _ROW_CONSTEXPRS)),
         POST: KernelParams((tensors("fp32", "DQ_ACC") + tensors(INPUT, "DQ"),
                             strides("dq", "bhmd"), ints("L", "L_PAD", "HQ_CHUNK", "B0", "H0")
-                            + (Param("sm_scale", FLOAT),), _ROW_CONSTEXPRS))}
+                            + (Param("sm_scale", FLOAT),), _ROW_CONSTEXPRS)),
+        ZERO: KernelParams((tensors("fp32", "DQ_ACC"), ints("ROWS"), _ROW_CONSTEXPRS))}
 
 
 def rows_kernel(spec: RowsSpec) -> GeneratedKernel:
-    """Key, name and source of the row kernels' module (kernels ``PRE`` and ``POST``; their
-    BLOCK is a launch choice)."""
+    """Key, name and source of the row kernels' module (kernels ``PRE``, ``POST`` and
+    ``ZERO``; their BLOCK is a launch choice)."""
     key = spec_key(spec, versions_key(), template_hash(*ROWS_TEMPLATES))
     name = f"flexfa_bwd_gluon_rows_d{spec.head_dim}_{key[:12]}"
     flags = {n: v for n, v in spec.constexprs(0).items() if n != "BLOCK"}
@@ -202,7 +203,8 @@ def rows_kernel(spec: RowsSpec) -> GeneratedKernel:
                    MASK_MOD=mask_mod_code(None, []))
     rows = fill(load_template("bwd_gluon_rows.tmpl"),
                 DEF_PRE=def_kernel(PRE, params[PRE], flags),
-                DEF_POST=def_kernel(POST, params[POST], flags))
+                DEF_POST=def_kernel(POST, params[POST], flags),
+                DEF_ZERO=def_kernel(ZERO, params[ZERO], flags))
     source = module_source(f"flexfa generated Gluon backward row kernels: {name}", flags,
-                           (PRE, POST), load_template("helpers.tmpl"), library, rows)
+                           (PRE, POST, ZERO), load_template("helpers.tmpl"), library, rows)
     return GeneratedKernel(key, name, source, "no mods", tuple(params.items()))

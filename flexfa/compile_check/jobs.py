@@ -14,7 +14,7 @@ from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
 from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_signature
-from ..codegen.gluon_bwd import (POST, PRE, GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
+from ..codegen.gluon_bwd import (POST, PRE, ZERO, GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
                                  gluon_bwd_signature, rows_params)
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
@@ -285,10 +285,10 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
 def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
                    has_dlse: bool = False):
     """A compile-check builder for the Gluon backward's row kernels (``which``: the
-    preprocess or the postprocess of ``codegen.gluon_bwd.rows_kernel``), plain Triton, as
-    the runtime launches them (``row_steps``: rows per program, warps, the arguments of a
-    [1, 2, 256, head_dim] call, specialized as a GPU launch is)."""
-    from ..runtime.families.gluon_bwd import row_steps
+    preprocess, the postprocess or the zeroing of ``codegen.gluon_bwd.rows_kernel``), plain
+    Triton, as the runtime launches them (``row_steps``, ``zero_step``: rows per program,
+    warps, the arguments of a [1, 2, 256, head_dim] call, specialized as a GPU launch is)."""
+    from ..runtime.families.gluon_bwd import row_steps, zero_step
 
     def build(arch: int):
         spec = RowsSpec(head_dim, has_dlse, f"cuda:{arch}")
@@ -296,9 +296,11 @@ def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
         rows = torch.zeros(2, 256)
         x = Inputs(q, q, q, q, rows[None], q, rows[None] if has_dlse else None, q, q, q, {})
         pre, post = row_steps(spec, x, 256)
-        step, values = ((pre, {"OUT": q, "DOUT": q, "LSE": rows, "DLSE": rows, "LSE2": rows,
-                               "DELTA": rows}) if which == PRE else
-                        (post, {"DQ_ACC": rows, "DQ": q, "sm_scale": 0.125, "B0": 0, "H0": 0}))
+        step, values = {
+            PRE: (pre, {"OUT": q, "DOUT": q, "LSE": rows, "DLSE": rows, "LSE2": rows,
+                        "DELTA": rows}),
+            POST: (post, {"DQ_ACC": rows, "DQ": q, "sm_scale": 0.125, "B0": 0, "H0": 0}),
+            ZERO: (zero_step(spec, 2 * 256), {"DQ_ACC": rows})}[which]
         args = step.binder.bind(values)
         signature, ones, divisible = launch_specialization(
             step.kernel, rows_params()[which].signature(step.constexprs, {"input": dtype}),
@@ -312,6 +314,7 @@ register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_caus
          archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))
 register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job(POST), archs=(90,))
+register("bwd_gluon_rows_zero_d128_bf16", gluon_rows_job(ZERO), archs=(90,))
 # dP^T with S^T (GLUON_BWD_EARLY_DP): no spills without mods, dense and causal
 register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_dp=True),
          archs=(90,))

@@ -36,6 +36,10 @@ class Binder:
             args[i] = values[name]
         return args
 
+    def position(self, name: str) -> int:
+        """Where ``name`` is in the argument list (to change a bound list in place)."""
+        return self.names.index(name)
+
     def __repr__(self) -> str:
         return f"Binder(per call: {[name for _, name in self.slots]})"
 

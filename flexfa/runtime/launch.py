@@ -124,13 +124,16 @@ def ensure_allocator() -> None:
             size, dtype=torch.int8, device="cuda"))
 
 
-def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list) -> None:
-    """Launch ``state``'s compiled kernel on ``grid`` (1 to 3 dims) on the current stream of
-    CUDA device ``device_index`` (the current device) with ``args`` (the non-constexpr ones)."""
+def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list,
+                  stream=None) -> None:
+    """Launch ``state``'s compiled kernel on ``grid`` (1 to 3 dims) on ``stream`` (a
+    torch.cuda.Stream; None: the current stream) of CUDA device ``device_index`` (the current
+    device) with ``args`` (the non-constexpr ones)."""
     compiled = state.compiled
     grid = (*grid, 1, 1)[:3]  # the C launcher takes exactly three grid dims
     hooks = triton.knobs.runtime
-    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    stream = (torch._C._cuda_getCurrentRawStream(device_index) if stream is None
+              else stream.cuda_stream)
     if state.c_launch is not None and _no_hooks(hooks):
         final = [*grid, stream, compiled.function, *state.prefix]
         start = 0
@@ -188,17 +191,20 @@ class Step:
         this launch's grid instead of the plan's (a kernel launched over parts of a call)."""
         self.launch(self.binder.bind(values), device, grid)
 
-    def launch(self, args: list, device, grid: tuple | None = None) -> None:
+    def launch(self, args: list, device, grid: tuple | None = None, stream=None) -> None:
+        """Launch with the bound ``args``; ``stream``: a torch.cuda.Stream to launch on (None:
+        the current stream; the launch does not make it current: no stream context per
+        launch where a call launches on two streams in turn)."""
         grid = self.grid if grid is None else grid
         if device.type != "cuda":
             self.kernel[grid](*args, **self.constexprs, **self.options)
             self.launched = True
             return
         if self.direct is not None and device.index == torch.cuda.current_device():
-            launch_direct(self.direct, grid, device.index, args)
+            launch_direct(self.direct, grid, device.index, args, stream)
             return
         ensure_allocator()
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         self.direct = direct_state(self.kernel, compiled, args, self.constexprs)
         self.launched = True

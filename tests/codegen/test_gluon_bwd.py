@@ -22,7 +22,7 @@ from flexfa.runtime.families.backward import Inputs, joint_graph
 from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, dq_parts, dq_slots,
                                                gluon_bwd_spec, padded_rows, part_streams,
                                                row_steps, run_post, run_pre, shared_bytes,
-                                               why_not_gluon_bwd)
+                                               why_not_gluon_bwd, zero_step)
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
@@ -218,7 +218,7 @@ def test_parts_take_turns_in_two_slots_on_two_streams(monkeypatch):
     q, k, v = (t.repeat(1, 2, 1, 1) for t in (q, k, v))  # four heads
     for overlap, want_slots in ((True, 2), (False, 1)):
         launched = []
-        monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None: (
+        monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None, stream=None: (
             launched.append((self, dict(zip(self.binder.names, args)), grid or self.grid)),
             setattr(self, "launched", True)))
         options = {"GLUON_BWD_DQ_CHUNKS": 2, "GLUON_BWD_OVERLAP": overlap}
@@ -231,15 +231,20 @@ def test_parts_take_turns_in_two_slots_on_two_streams(monkeypatch):
         plan = GLUON_BWD.make_plan(call, x, SM90)
         assert plan.fixed["slots"] == want_slots
         GLUON_BWD.run(plan, call, x, False, True)
-        pre, kernel, post = plan.steps
+        pre, kernel, post, zero = plan.steps
         kernels = [a for step, a, _ in launched if step is kernel]
         posts = [a for step, a, _ in launched if step is post]
+        zeros = [a for step, a, _ in launched if step is zero]
         assert [a["HKV0"] for a in kernels] == list(range(0, 4, 2 // want_slots))
         slot_of = [a["DQ_DESC"].base for a in kernels]
         assert [acc.data_ptr() for acc in slot_of] == [
             slot_of[i % want_slots].data_ptr() for i in range(len(slot_of))]
         assert len({acc.data_ptr() for acc in slot_of}) == want_slots
         assert [a["DQ_ACC"].data_ptr() for a in posts] == [acc.data_ptr() for acc in slot_of]
+        # each part's slot is zeroed, whole, right before its kernel
+        assert [a["DQ_ACC"].data_ptr() for a in zeros] == [acc.data_ptr() for acc in slot_of]
+        assert [step for step, _, _ in launched[1:]] == [zero, kernel, post] * len(kernels)
+        assert {a["ROWS"] for a in zeros} == {slot_of[0].shape[0]}
 
 
 def test_part_streams_off_cuda_are_the_current_stream():
@@ -274,7 +279,7 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     from flexfa.runtime import binding
     from flexfa.runtime.launch import Step
     launched = []
-    monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None: (
+    monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None, stream=None: (
         launched.append((self, args, grid or self.grid)), setattr(self, "launched", True)))
     L, E = 256, 64
     q, k, v = _qkv(L=L, E=E)
@@ -285,14 +290,16 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     plan = GLUON_BWD.make_plan(call, x, SM90)
     x.dk = x.dv = None  # a cached call whose key and value need no gradient
     GLUON_BWD.run(plan, call, x, False, False)
-    pre, kernel, post = plan.steps
-    # B = 1, Hkv = 2: the accumulator holds one kv head's rows, the kernel and the
-    # postprocess run per head (GLUON_BWD_DQ_CHUNKS's default: a quarter of the pairs, at
-    # least one)
-    assert [step for step, _, _ in launched] == [pre, kernel, post, kernel, post]
-    # (128 keys a program; 32 rows of L_PAD = 256 a postprocess program)
-    assert [grid for _, _, grid in launched][1:] == [(2, 1, 1), (8, 1, 1)] * 2
-    starts = [dict(zip(step.binder.names, args)) for step, args, _ in launched[1:]]
+    pre, kernel, post, zero = plan.steps
+    # B = 1, Hkv = 2: the accumulator holds one kv head's rows, zeroed, then the kernel and
+    # the postprocess run per head (GLUON_BWD_DQ_CHUNKS's default: a quarter of the pairs,
+    # at least one)
+    assert [step for step, _, _ in launched] == [pre] + [zero, kernel, post] * 2
+    # (64 rows a zeroing program; 128 keys a program; 32 rows of L_PAD = 256 a postprocess
+    # program)
+    assert [grid for _, _, grid in launched][1:] == [(4,), (2, 1, 1), (8, 1, 1)] * 2
+    starts = [dict(zip(step.binder.names, args)) for step, args, _ in launched[1:]
+              if step is not zero]
     assert [(a["B0"], a.get("HKV0", a.get("H0"))) for a in starts] == [(0, 0), (0, 0), (0, 1),
                                                                          (0, 1)]
     for step, args, _ in launched:
@@ -301,7 +308,7 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
         assert all(a is not binding._UNSET for a in args), step  # every fixed value found
     # one program per (128 keys, kv head, batch): the kernel reads head and batch as ids
     assert plan.steps[1].grid == (2, k.shape[1], k.shape[0]), plan.steps[1].grid
-    main = dict(zip(plan.steps[1].binder.names, launched[1][1]))
+    main = dict(zip(plan.steps[1].binder.names, launched[2][1]))
     assert main["HQ_CHUNK"] == 1 and main["DQ_DESC"].shape == [256, E]  # one head's rows
     assert main["DK"].shape == k.shape and main["DV"].shape == v.shape
 
@@ -326,18 +333,21 @@ def test_parts_flow_gives_every_head_its_own_dq(monkeypatch, B, Hq, Hkv, options
                None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(k), {})
     plan = GLUON_BWD.make_plan(call, x, SM90)
     l_pad = plan.fixed["l_pad"]
-    pre, kernel, post = plan.steps
-    # the same postprocess under the interpreter, over the plan's accumulator heads
+    pre, kernel, post, _ = plan.steps
+    # the same postprocess and zeroing under the interpreter, over the plan's accumulator
+    # heads (the slots come from torch.empty: only the zeroing makes them start at 0)
     hq_chunk = dict(zip(post.binder.names, post.binder.template))["HQ_CHUNK"]
-    _, post_cpu = row_steps(RowsSpec(E, False, INTERPRETER.name), x, l_pad, hq_chunk)
-    plan.steps = (pre, kernel, post_cpu)
+    rows = RowsSpec(E, False, INTERPRETER.name)
+    _, post_cpu = row_steps(rows, x, l_pad, hq_chunk)
+    zero_cpu = zero_step(rows, plan.fixed["acc_heads"] * l_pad)
+    plan.steps = (pre, kernel, post_cpu, zero_cpu)
     real_launch = Step.launch
 
-    def launch(self, args, device, grid=None):
+    def launch(self, args, device, grid=None, stream=None):
         named = dict(zip(self.binder.names, args))
         if self is pre:
             return
-        if self is post_cpu:
+        if self is post_cpu or self is zero_cpu:
             return real_launch(self, args, device, grid)
         acc = named["DQ_DESC"].base.view(-1, named["HQ_CHUNK"], l_pad, E)
         _, nh, nb = grid

@@ -90,14 +90,14 @@ def recorded_backward(monkeypatch, q, k, v, kwargs, grad_out) -> OpLog:
         log.returned = [t.data_ptr() for t in results if t is not None]
         return results
 
-    def counted_launch(step, args, device, grid=None):
+    def counted_launch(step, args, device, grid=None, stream=None):
         log.launches += 1
         log.paused = True
         with monkeypatch.context() as patch:
             for method in HOST_COPIES:  # the interpreter's own copies
                 patch.setattr(torch.Tensor, method, real[method])
             try:
-                launch(step, args, device, grid)
+                launch(step, args, device, grid, stream)
             finally:
                 log.paused = False
     monkeypatch.setattr(FlexAttentionFunction, "backward", staticmethod(backward))

@@ -19,9 +19,9 @@ import torch
 
 from ...blockmask.density import density_class
 from ...codegen.backward import dscore_is_one
-from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, GluonBackwardSpec, RowsSpec,
-                                  descriptor_blocks, descriptor_layouts, gluon_bwd_kernel,
-                                  rows_kernel)
+from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, ZERO, GluonBackwardSpec,
+                                  RowsSpec, descriptor_blocks, descriptor_layouts,
+                                  gluon_bwd_kernel, rows_kernel)
 from ...codegen.spec import DTYPE_NAMES
 from ...errors import InputError
 from .. import binding, plans
@@ -69,7 +69,7 @@ def ring_stages(call, head_dim: int) -> int:
 # dQ's accumulator per thread at 32 rows (38 registers on sm_90, 70 at 64 rows, compiled as
 # launched: more programs a SM to keep loads in flight; not timed apart on a GPU: its GPU
 # tests pass on the H200, t28_bf48edf)
-ROWS_BLOCK = {PRE: 64, POST: 32}
+ROWS_BLOCK = {PRE: 64, POST: 32, ZERO: 64}
 ROWS_WARPS = 4
 # the fp32 dQ accumulator holds at most 1 / DQ_CHUNKS of the (batch, kv head) pairs: the
 # kernel and the postprocess run once per part (kernel_options GLUON_BWD_DQ_CHUNKS; 1: all
@@ -201,6 +201,14 @@ def row_steps(spec: RowsSpec, x: Inputs, l_pad: int, acc_heads: int | None = Non
     return pre, post
 
 
+def zero_step(spec: RowsSpec, acc_rows: int) -> Step:
+    """The launch zeroing an accumulator slot's ``acc_rows`` rows (bwd_gluon_rows.tmpl)."""
+    rows = generated_module(rows_kernel, spec)
+    block = 16 if spec.interpret else ROWS_BLOCK[ZERO]
+    return Step(rows.kernel(ZERO), (cdiv(acc_rows, block),), spec.constexprs(block),
+                {"num_warps": ROWS_WARPS}, binding.Binder(rows.names(ZERO), {"ROWS": acc_rows}))
+
+
 def run_pre(pre: Step, x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse2, delta) as [B * Hq, l_pad] float32 rows: lse * log2(e) (+inf for empty and
     padding rows) and rowsum(dO * O) - dlse (0 on padding rows)."""
@@ -219,8 +227,15 @@ def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float,
     batch, first query head, batches, query heads; by default all of them): the accumulator
     holds that part as [batches, HQ_CHUNK, l_pad, E] rows."""
     b0, h0, nb, nh = part or (0, 0, x.q.shape[0], x.q.shape[1])
-    post.launch_with({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale), "B0": b0,
-                      "H0": h0}, x.q.device, (post.grid[0], nh, nb))
+    post.launch(post_args(post, dq_acc, x, scale, b0, h0), x.q.device, (post.grid[0], nh, nb))
+
+
+def post_args(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float, b0: int = 0,
+              h0: int = 0) -> list:
+    """The postprocess's arguments for the accumulator ``dq_acc`` and a part from batch b0,
+    query head h0."""
+    return post.binder.bind({"DQ_ACC": dq_acc, "DQ": x.dq, "sm_scale": float(scale),
+                             "B0": b0, "H0": h0})
 
 
 class GluonBackward(KernelFamily):
@@ -249,8 +264,9 @@ class GluonBackward(KernelFamily):
         joint = joint_graph(call.score)
         l_pad = padded_rows(L, spec)
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
-        pre, post = row_steps(RowsSpec(E, x.grad_lse is not None, target.name), x, l_pad,
-                              acc_hkv * group)
+        rows = RowsSpec(E, x.grad_lse is not None, target.name)
+        pre, post = row_steps(rows, x, l_pad, acc_hkv * group)
+        zero = zero_step(rows, acc_b * acc_hkv * group * l_pad)
         lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad, "HQ_CHUNK": acc_hkv * group}
         # (kv blocks, kv heads, batch): bwd_gluon.tmpl reads head and batch as program ids
         kernel = Step(main.kernel(), (cdiv(S, BLOCK_N), Hkv, B),
@@ -260,13 +276,13 @@ class GluonBackward(KernelFamily):
                           **binding.strides("dv", "bhnd", x.dv.stride()),
                           **binding.tables("Q", "n", "m", call.block_mask, "q", q.device),
                           **binding.buffer_layout(call.score, call.mask)}))
-        return plans.Plan(self, spec, (pre, kernel, post), {
+        return plans.Plan(self, spec, (pre, kernel, post, zero), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
             "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
             "acc_heads": acc_b * acc_hkv * group, "parts": parts, "slots": slots})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
-        pre, kernel, post = plan.steps
+        pre, kernel, post, zero = plan.steps
         B, Hq, L, E = x.q.shape
         l_pad, device = plan.fixed["l_pad"], x.q.device
         lse2, delta = run_pre(pre, x, l_pad)
@@ -297,18 +313,26 @@ class GluonBackward(KernelFamily):
         args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
                 **binding.buffer_pointers(call.score, call.mask)}
         group, blocks_n = call.gqa_group, kernel.grid[0]
+        # every launch's arguments bound once; a part changes three of them in a copy (the
+        # host's time per part is what a sparse mask's short backward waits on)
+        main_args = kernel.binder.bind({**args, "DQ_DESC": dq_descs[0], "B0": 0, "HKV0": 0})
+        at_desc, at_b0, at_h0 = (kernel.binder.position(n) for n in ("DQ_DESC", "B0", "HKV0"))
+        posts = [post_args(post, acc, x, call.scale) for acc in dq_accs]
+        post_b0, post_h0 = post.binder.position("B0"), post.binder.position("H0")
+        zeros = [zero.binder.bind({"DQ_ACC": acc}) for acc in dq_accs]
         # part i in slot i % slots, on that slot's stream: a part's programs fill the SMs
         # the part before it leaves idle at its end (the parts touch disjoint heads)
-        parts = plan.fixed["parts"]
         with part_streams(device, slots) as streams:
-            for i, (b0, h0, nb, nh) in enumerate(parts):
+            for i, (b0, h0, nb, nh) in enumerate(plan.fixed["parts"]):
                 slot = i % slots
-                with torch.cuda.stream(streams[slot]):
-                    dq_accs[slot].zero_()
-                    kernel.launch_with({**args, "DQ_DESC": dq_descs[slot], "B0": b0,
-                                        "HKV0": h0}, device, (blocks_n, nh, nb))
-                    run_post(post, dq_accs[slot], x, call.scale,
-                             (b0, h0 * group, nb, nh * group))
+                stream = streams[slot]
+                zero.launch(zeros[slot], device, None, stream)
+                part = main_args.copy()
+                part[at_desc], part[at_b0], part[at_h0] = dq_descs[slot], b0, h0
+                kernel.launch(part, device, (blocks_n, nh, nb), stream)
+                part = posts[slot].copy()
+                part[post_b0], part[post_h0] = b0, h0 * group
+                post.launch(part, device, (post.grid[0], nh * group, nb), stream)
         if x.delta is not None:  # the caller wants delta (never here: sinks are refused)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
 
