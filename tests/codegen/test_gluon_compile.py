@@ -30,9 +30,11 @@ TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
 PERSISTENT_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent",)
 # E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
 # little to spare: fp16 softcap + causal (the derivative and the mask) was the last to spill
-# (the others at E=128: `python -m flexfa compile-check --arch 90 --only bwd_gluon_d128`)
+# (the others at E=128: `python -m flexfa compile-check --arch 90 --only bwd_gluon_d128`);
+# ALiBi + causal GQA 4 (the consumers take each tile from its stage's code) spilled last
 BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
-                "bwd_gluon_d64_fp16_alibi_document", "bwd_gluon_d128_fp16_softcap_causal")
+                "bwd_gluon_d64_fp16_alibi_document", "bwd_gluon_d128_fp16_softcap_causal",
+                "bwd_gluon_d128_bf16_alibi_causal_gqa")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
 BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16",
                     "bwd_gluon_rows_zero_d128_bf16")
@@ -194,10 +196,7 @@ def test_gluon_backward_compiles_for_sm90(started):
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and row["reduce"], row
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
-        # None: no ptxas to ask. GQA walks carry the group's head loop around the tile
-        # loop: with the dS pairs' turnstile 20-32 bytes spill there (before it 0-80)
-        bound = 64 if name.endswith("_gqa") else 0
-        assert row["spills"] is None or row["spills"] <= bound, row
+        assert row["spills"] in (0, None), row  # None: no ptxas to ask
         assert row["serialized"] in (False, None), row  # ptxas kept the wgmmas pipelined
 
 

@@ -44,7 +44,8 @@ HEAD_DIMS = tuple(DEFAULT_STAGES)  # the forward's 256 is not the backward's
 def shared_bytes(head_dim: int, stages: int) -> int:
     """bwd_gluon.tmpl's shared memory (16-bit inputs): the Q/dO ring with its lse2 and delta
     rows, K and V of the program's keys, two pairs of dS^T tiles, the consumers' fp32 dQ
-    columns, and 1 KB for the barriers (the sm_90 compiles: 193.6 KB at E = 128, 2 stages)."""
+    columns, and 1 KB for the barriers and the ring's tile codes (the sm_90 compiles: 193.6 KB at
+    E = 128, 2 stages)."""
     ring = stages * (2 * BLOCK_M * head_dim * 2 + 2 * BLOCK_M * 4)
     keys = 2 * BLOCK_N * head_dim * 2
     ds = 2 * BLOCK_N * BLOCK_M * 2
