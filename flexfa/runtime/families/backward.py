@@ -65,13 +65,14 @@ HOPPER_BACKWARD_WIDE = {
                  (32, 32, 64, 32, 4, 2, 4, 2)),
 }
 # lengths that are not multiples of 128 take the bounds-checked code, where the 8-warp dK/dV
-# programs spill 116..224 bytes (S = 8100 with a softcap, d4_78e95f1): at Ev = 256 they lose
-# (16.8 against 12.5 ms), at Ev = 128 they win by 7% (11.1 against 11.9); both take the
-# 4-warp dK/dV programs of 32 keys there (136 bytes of spills at 192/128 with a softcap in
-# the GPU's compile, s28_bf48edf), with the 128-row dQ programs (2.4-3.2x faster than
-# the 64-row ones; since their K/V loads and dQ stores go through per-head descriptors, 0
-# bytes of spills at 256 and 8 at 192/128 in the GPU's compile, 46 and 60 before, and
-# 0.66-0.70x the time: S = 8100 softcap + causal, s28_bf48edf)
+# programs spill 116..224 words (S = 8100 with a softcap, d4_78e95f1; the GPU runs report
+# Triton's n_spills, local memory in 4-byte words): at Ev = 256 they lose (16.8 against
+# 12.5 ms), at Ev = 128 they win by 7% (11.1 against 11.9); both take the 4-warp dK/dV
+# programs of 32 keys there (no spills, d4_78e95f1 and the compile check; the 136 words of
+# s28_bf48edf were 64 keys walking 32 rows, not these), with the 128-row dQ programs
+# (2.4-3.2x faster than the 64-row ones; since their K/V loads and dQ stores go through
+# per-head descriptors, 0 words of spills at 256 and 8 at 192/128 in the GPU's compile, 46
+# and 60 before, and 0.66-0.70x the time: S = 8100 softcap + causal, s28_bf48edf)
 HOPPER_BACKWARD_WIDE_RAGGED = {
     (256, 128): (64, 32, 128, 64, 4, 2, 8, 2),
     (256, 256): (32, 32, 128, 32, 4, 2, 8, 2),
