@@ -90,7 +90,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     # the tuning's density class, read here after the reads of the tiles' classes above, so
     # that a first call in the middle of a step reads nothing back
     visited = int(((classes == PARTIAL) | (classes == FULL)).sum())
-    density.record(mask, density.classify(visited, classes.numel()))
+    density.record(mask, visited, classes.numel())
     return mask
 
 

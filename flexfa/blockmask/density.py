@@ -1,14 +1,16 @@
 """The density class of a block mask: the share of its tiles the kernels visit, as a key of
-the kernels' tuning ("dense": no mask; "sparse": under 30% visited; "masked": the rest).
+the kernels' tuning ("dense": no mask; "sparse": under 30% visited; "masked": the rest), and
+the share itself (``visited_share``: the Gluon backward's default reads the mean length of a
+program's walk from it).
 
 Counting the visited tiles reads the tables back to the host: a device sync, which in the
-middle of a step stalls the host behind the GPU. The class is therefore kept on the mask
-object and, for masks rebuilt around the same tables (compiled graphs make one per call,
-around autograd's saved aliases of the tables in the backward), by the count tables' storage
-signature (storages, views, version counters: an in-place edit counts again).
-``create_block_mask`` records it where it already reads the tiles' classes, so a new mask's
-first call reads nothing. While a CUDA graph
-is captured nothing is read: the class is "masked" and not kept.
+middle of a step stalls the host behind the GPU. The class and share are therefore kept on
+the mask object and, for masks rebuilt around the same tables (compiled graphs make one per
+call, around autograd's saved aliases of the tables in the backward), by the count tables'
+storage signature (storages, views, version counters: an in-place edit counts again).
+``create_block_mask`` records them where it already reads the tiles' classes, so a new
+mask's first call reads nothing. While a CUDA graph is captured nothing is read: the class
+is "masked", the share unknown (None), and neither is kept.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from .validate import StorageRecords, capturing, storage_signature
 
 SPARSE_BELOW = 0.3  # visited share under which a mask is "sparse"
 _ON_MASK = "_flexfa_density_class"
-# the count tables' storage signature -> their class
+_SHARE_ON_MASK = "_flexfa_visited_share"
+# the count tables' storage signature -> (their class, their visited share)
 _BY_STORAGE = StorageRecords(256, "density classes")
 
 
@@ -27,31 +30,51 @@ def classify(visited: int, tiles: int) -> str:
 def density_class(block_mask) -> str:
     if block_mask is None:
         return "dense"
-    cached = getattr(block_mask, _ON_MASK, None)
-    if cached is not None:
+    found = _known(block_mask)
+    return "masked" if found is None else found[0]
+
+
+def visited_share(block_mask) -> float | None:
+    """The share of the mask's tiles the kernels visit (partial and full; 1.0 without a
+    mask; None while a CUDA graph is captured and the share was not known before)."""
+    if block_mask is None:
+        return 1.0
+    found = _known(block_mask)
+    return None if found is None else found[1]
+
+
+def record(block_mask, visited: int, tiles: int) -> None:
+    """Keep the class and share of ``visited`` of ``tiles`` for ``block_mask`` and its count
+    tables as they are."""
+    _keep(block_mask, (classify(visited, tiles), visited / max(1, tiles)),
+          storage_signature(_count_tables(block_mask)))
+
+
+def _known(block_mask) -> tuple[str, float] | None:
+    """(class, share) of a mask: kept on it, by its tables' storages, or read (one
+    device-to-host read); None while capturing a CUDA graph, when it was not known."""
+    cached = getattr(block_mask, _ON_MASK, None), getattr(block_mask, _SHARE_ON_MASK, None)
+    if None not in cached:
         return cached
     counts = _count_tables(block_mask)
     found = storage_signature(counts)
     result = _BY_STORAGE.get(found[0]) if found is not None else None
     if result is None:
         if capturing():  # no device-to-host read inside a CUDA graph capture
-            return "masked"
+            return None
         visited = counts[0].sum()
         for table in counts[1:]:
             visited = visited + table.sum()
-        result = classify(int(visited), _tiles(block_mask))  # one device-to-host read
+        visited, tiles = int(visited), _tiles(block_mask)  # one device-to-host read
+        result = (classify(visited, tiles), visited / max(1, tiles))
     _keep(block_mask, result, found)
     return result
 
 
-def record(block_mask, result: str) -> None:
-    """Keep ``result`` as the class of ``block_mask`` and of its count tables as they are."""
-    _keep(block_mask, result, storage_signature(_count_tables(block_mask)))
-
-
-def _keep(block_mask, result: str, found) -> None:
+def _keep(block_mask, result: tuple[str, float], found) -> None:
     try:
-        setattr(block_mask, _ON_MASK, result)
+        setattr(block_mask, _ON_MASK, result[0])
+        setattr(block_mask, _SHARE_ON_MASK, result[1])
     except AttributeError:  # a frozen or slotted mask object
         pass
     if found is not None:  # else inference tensors: edits unseen, nothing kept by storage

@@ -62,14 +62,21 @@ def test_gluon_backward_forced_or_off_with_triton_as_fallback():
 
 
 def _window(b, h, q_idx, kv_idx):
-    return (q_idx - kv_idx).abs() < 512
+    return (q_idx - kv_idx).abs() < 256
+
+
+def _causal_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
 
 
 @pytest.mark.parametrize("L, E, mask_mod, options, chosen", [
     (8192, 128, None, None, "gluon_bwd"),          # dense: 0.86x the Triton backward's time
     (8192, 128, mods.causal, None, "gluon_bwd"),   # masked: causal 0.86x, prefix 0.88x
     (8192, 64, mods.causal, None, "gluon_bwd"),    # E = 64: 0.88-0.89x
-    (8192, 128, _window, None, "triton_bwd"),      # sparse: document 1.19x
+    # sparse: by the mean query rows a program walks (SPARSE_WALK_ROWS = 1024): a causal
+    # window of 1024 walks 1088 (0.92x the time at S = 16384), one of 256 each way 576
+    (8192, 128, _causal_window, None, "gluon_bwd"),
+    (8192, 128, _window, None, "triton_bwd"),
     (4096, 128, None, None, "triton_bwd"),         # not past 4096: not measured
     (8192, 96, None, None, "triton_bwd"),          # head dims 64 and 128 only
     (8192, 128, None, {"GLUON_BACKWARD": False}, "triton_bwd"),
@@ -82,6 +89,21 @@ def test_gluon_backward_by_default_where_it_measured_faster(L, E, mask_mod, opti
     call = _call(options, block_mask=mask)
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
     assert registry.choose("backward", SM80, call, q, k, v).name == "triton_bwd"
+    if mask_mod is _window and options is None:
+        assert "walks 1024 query rows or more on average" in why_not_gluon_bwd(SM90, call, q, k,
+                                                                               v)
+
+
+def test_sparse_walk_comes_from_what_create_block_mask_recorded(monkeypatch):
+    """The walk comes from the visited share create_block_mask recorded: the choice reads
+    no table back (a device sync in the middle of a step)."""
+    from flexfa.blockmask import density
+    q, k, v = (torch.empty(1, 1, 8192, 128, dtype=torch.bfloat16) for _ in range(3))
+    mask = _mask(8192, mask_mod=_causal_window)
+    share = density.visited_share(mask)
+    assert share is not None and 1024 <= share * 8192 < 1152
+    monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **kw: pytest.fail("tables read"))
+    assert registry.choose("backward", SM90, _call(None, block_mask=mask), q, k, v) is GLUON_BWD
 
 
 def _learnable_bias():

@@ -5,7 +5,8 @@ partial into an accumulator with TMA reduce-adds), between the row kernels of
 ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
-backward on the H200 (``AUTO_CLASSES``), under ``GLUON_BACKWARD=True`` wherever it applies
+backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long,
+``SPARSE_WALK_ROWS``), under ``GLUON_BACKWARD=True`` wherever it applies
 (whatever family ran the forward: it reads out and lse only); elsewhere the Triton backward
 runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
@@ -17,7 +18,7 @@ import contextlib
 
 import torch
 
-from ...blockmask.density import density_class
+from ...blockmask.density import density_class, visited_share
 from ...codegen.backward import dscore_is_one
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, ZERO, GluonBackwardSpec,
                                   RowsSpec, descriptor_blocks, descriptor_layouts,
@@ -109,10 +110,17 @@ def dq_slots(B: int, Hkv: int, chunks: int, overlap: bool) -> int:
 # takes this family: fwd+bwd on the H200 at E = 128, S = 16384 (bqb_339562a, 2 rounds, with
 # the default 3 stages and a quarter of the accumulator at a time), against the Triton
 # backward: full 0.86x its time, causal 0.86x, softcap 0.81x, ALiBi 0.81x, prefix 0.88x;
-# E = 64 full 0.89x, causal 0.88x; S = 65536 causal (H = 8) 0.83x. Sparse masks keep the
-# Triton backward: document 1.19x (the parts' launches and zeroing cost there; 0.97x with
-# the whole accumulator), sliding 0.95x. Shorter lengths were not measured.
+# E = 64 full 0.89x, causal 0.88x; S = 65536 causal (H = 8) 0.83x. Shorter lengths were not
+# measured.
 AUTO_CLASSES = frozenset({"dense", "masked"})
+# sparse masks too where a program's walk is long: the visited share times L (the mean
+# query rows a 128-key program walks) at least this. sparse_bwd.py on the H200 (E = 128,
+# S = 16384, 2 rounds, fwd+bwd, Gluon / Triton backward, with the host's launches of the
+# parts cut, 11cb355): causal sliding windows of 256 (377 rows) 1.60x the time, 1024 (1114)
+# 0.92x, 2048 (2048) 0.87x; causal documents of 256-2048 tokens (the benchmark's; 884 rows)
+# 1.02x, of 576-4032 (1376) 0.96x. Programs with short walks pay their prologue, epilogue
+# and the parts' launches on too little work.
+SPARSE_WALK_ROWS = 1024
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
@@ -130,8 +138,12 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                     f"there), not L={L}, S={S}")
         found = density_class(call.block_mask)
         if found not in AUTO_CLASSES:
-            return (f"GLUON_BACKWARD='AUTO' takes it only where it measured faster than the "
-                    f"Triton backward, not for {found} block masks")
+            # (a sparse class implies a known share: a capture without it reads "masked")
+            rows = visited_share(call.block_mask) * L
+            if rows < SPARSE_WALK_ROWS:
+                return (f"GLUON_BACKWARD='AUTO' takes sparse block masks where a program "
+                        f"walks {SPARSE_WALK_ROWS} query rows or more on average (measured "
+                        f"faster there), not {rows:.0f}")
     joint = joint_graph(call.score)
     if joint is not None and joint.grad_slots:
         return "captured-tensor gradients (learnable biases) run on the Triton backward"
