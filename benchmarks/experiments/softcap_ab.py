@@ -9,7 +9,8 @@ process, rounds over the cases in turn (do_bench medians, the median of the roun
   a code generator could do: one multiply less per score, the same result);
 - ``tanh_only``: tanh(s) with ``scale`` / 30, a timing proxy for folding the *30 into the
   softmax's log2 scale too (its result differs: only its time is read);
-each plain and with ``GLUON_PINGPONG`` (and the persistent grid with ping-pong).
+each plain and with ``GLUON_PINGPONG`` (and the persistent grid with ping-pong), and with
+``GLUON_STATIC_MAX`` (alone and with ping-pong).
 
     python benchmarks/experiments/softcap_ab.py [--rounds 3] [--mods causal,softcap]
         [--options plain,pingpong,persist_pp]
@@ -29,7 +30,9 @@ def main() -> int:
     parser.add_argument("--rep", type=int, default=60)
     parser.add_argument("--mods", default="causal,softcap,softcap_in,tanh_only")
     parser.add_argument("--options", default="plain,pingpong,persist_pp",
-                        help="plain, pingpong, persist_pp")
+                        help="plain, pingpong, persist_pp, static (GLUON_STATIC_MAX: the "
+                             "softcap's bound for the row max; nothing for causal), "
+                             "static_pp")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
@@ -54,7 +57,9 @@ def main() -> int:
     mods_ = {"causal": (None, scale), "softcap": (softcap, scale),
              "softcap_in": (softcap_in, scale / 30.0), "tanh_only": (tanh_only, scale / 30.0)}
     options = {"plain": {}, "pingpong": {"GLUON_PINGPONG": True},
-               "persist_pp": {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}}
+               "persist_pp": {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
+               "static": {"GLUON_STATIC_MAX": True},
+               "static_pp": {"GLUON_STATIC_MAX": True, "GLUON_PINGPONG": True}}
     unknown = set(args.options.split(",")) - set(options) | set(args.mods.split(",")) - set(mods_)
     if unknown or "plain" not in args.options.split(",") or \
             not {"causal", "softcap"} <= set(args.mods.split(",")):

@@ -6,7 +6,8 @@ helpers and the kernel libraries filled with the rendered mods, then the templat
 mods are rendered by the same renderer into the same library functions; Gluon runs them on
 its distributed tensors. Two things differ: a mod's value that is not a tile by itself is
 broadcast in the score tile's layout (``GLUON_TILE``), the template adds the flags
-``STAGES``, ``PINGPONG``, ``TMA_STORE`` and ``PERSISTENT``, the work-tile count's factor
+``STAGES``, ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT`` and ``STATIC_MAX`` (with its bound
+``STATIC_MAX2``), the work-tile count's factor
 ``BATCH_HEADS`` and, with ``TMA_STORE``, the output's descriptor ``O_DESC``. Gluon modules
 are compiled only (no interpreter): they import ``triton.experimental.gluon``, whose
 standard library cannot be imported where ``triton.language`` was decorated for the
@@ -38,12 +39,14 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None,
     """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
     tensors) plus, with ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
     (B * HQ: the persistent grid's work tiles are q tiles times it), and the ring depth
-    ``STAGES`` and the flags ``PINGPONG``, ``TMA_STORE`` and ``PERSISTENT``."""
+    ``STAGES``, the flags ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT`` and ``STATIC_MAX``
+    with its bound ``STATIC_MAX2`` (log2 units)."""
     base = forward_params(True, buffer_params(score, mask))
     out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
     return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1], ints("BATCH_HEADS"),
                          base.groups[-1] + constexprs("STAGES", "PINGPONG", "TMA_STORE",
-                                                      "PERSISTENT")))
+                                                      "PERSISTENT", "STATIC_MAX",
+                                                      "STATIC_MAX2")))
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
@@ -51,7 +54,9 @@ def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]
     # [B * H * len, dim] rows, all keys of a row in one program
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, SPLIT_KV=False,
                 HAS_SINKS=False, DROPOUT=False, STAGES=spec.num_stages, PINGPONG=spec.pingpong,
-                TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent)
+                TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent,
+                STATIC_MAX=spec.static_max is not None,
+                STATIC_MAX2=(spec.static_max or 0.0) * 1.4426950408889634)
 
 
 def gluon_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:

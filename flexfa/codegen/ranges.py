@@ -151,3 +151,25 @@ def mods_int64_nodes(mods, domain: Domain) -> tuple[str, ...]:
             _MODS_WIDE.clear()
         _MODS_WIDE[memo_key] = keys
     return keys
+
+
+# the widest range of a score_mod's output (log2 units) that a fixed subtrahend serves: every
+# finite score's P = exp2(score - max) is then at least 2**-STATIC_SPAN, far inside bf16's and
+# float32's normal range (2**-126), also after a product with a value of V down to 2**-30
+STATIC_SPAN = 96.0
+_LOG2E = 1.4426950408889634
+
+
+def static_score_max(score, domain: Domain) -> float | None:
+    """The score_mod's largest output over ``domain`` (natural units) where its whole output
+    range is finite and at most ``STATIC_SPAN`` wide in log2 units (softcap: cap * tanh(x /
+    cap) spans 2 * cap), else None: a softmax can then subtract this bound instead of a
+    running row max. Captured tensors count at their dtype's range (never read). Taken on the
+    domain rounded up to powers of two, like ``int64_nodes``."""
+    if score is None or domain.empty:
+        return None
+    dtypes = tuple(dtype for _, dtype in score.buffer_specs)
+    lo, hi = value_ranges([score.root], dtypes, domain.rounded())[score.root]
+    if not (-float("inf") < lo <= hi < float("inf")) or (hi - lo) * _LOG2E > STATIC_SPAN:
+        return None
+    return hi

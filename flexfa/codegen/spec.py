@@ -91,6 +91,10 @@ class KernelSpec(PaddedDims):
     pingpong: bool = False
     tma_store: bool = False
     persistent: bool = False
+    # Gluon template only: the score_mod's output is at most this (natural units) over a range
+    # at most ranges.STATIC_SPAN wide (codegen.ranges.static_score_max): the softmax
+    # subtracts it instead of a running row max (STATIC_MAX); None: the running max
+    static_max: float | None = None
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

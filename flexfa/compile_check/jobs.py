@@ -17,6 +17,7 @@ from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_s
 from ..codegen.gluon_bwd import (POST, PRE, ZERO, GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
                                  gluon_bwd_signature, rows_params)
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
+from ..codegen.ranges import Domain, static_score_max
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
 from ..runtime.cache import get_module
@@ -184,13 +185,16 @@ def _register_hopper() -> None:
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
-              head_dim_v: int | None = None):
+              head_dim_v: int | None = None, static_max: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid;
-    ``head_dim_v``: v's head dim, default ``head_dim``)."""
+    ``head_dim_v``: v's head dim, default ``head_dim``; ``static_max``: the score_mod's
+    bound instead of a running max, as GLUON_STATIC_MAX takes it at S = 16384)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
+        bound = static_score_max(score, Domain(1, 16, 16384, 16384)) if static_max else None
+        assert not static_max or bound is not None, "no static bound for this score_mod"
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
                           block_m=128, block_n=block_n, num_warps=4, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
@@ -199,7 +203,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
-                          persistent=persistent)
+                          persistent=persistent, static_max=bound)
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
 
@@ -210,6 +214,10 @@ register("fwd_gluon_d128_bf16_dense", gluon_job(128, "bf16"), archs=(90,))
 register("fwd_gluon_d128_bf16_causal", gluon_job(128, "bf16", mask_mod=_causal), archs=(90,))
 register("fwd_gluon_d128_fp16_softcap_causal",
          gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True),
+         archs=(90,))
+# GLUON_STATIC_MAX: softcap's bound subtracted, no running max or rescale
+register("fwd_gluon_d128_bf16_softcap_causal_static",
+         gluon_job(128, "bf16", score_mod=_softcap, mask_mod=_causal, static_max=True),
          archs=(90,))
 register("fwd_gluon_d256_bf16_dense", gluon_job(256, "bf16", block_n=64), archs=(90,))
 register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=_causal, block_n=64),

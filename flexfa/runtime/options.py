@@ -79,6 +79,7 @@ class KernelOptions:
     # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
     # first); off until measured
     gluon_persistent: bool = False
+    gluon_static_max: bool = False
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
     # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
@@ -204,6 +205,10 @@ SCHEMA = {
     "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
                          "the Gluon forward on a persistent grid (one program per SM walking "
                          "work tiles, longest first): True or False (default)"),
+    "GLUON_STATIC_MAX": ("gluon_static_max", (), _flag,
+                         "the Gluon forward subtracts the score_mod's proven upper bound instead "
+                         "of a running row max where its output range is bounded (softcap; "
+                         "bf16, no max_scores): True or False (default)"),
     "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "

@@ -368,3 +368,29 @@ def test_default_ring_shrinks_to_fit_the_tma_store_and_pins_do_not():
     with pytest.raises(flexfa.InputError, match="256/128 with BLOCK_N=64, num_stages=3, GLUON"):
         gluon_spec(q, k, v, _call({**store, "num_stages": 3}), SM90, True, False)
     assert gluon_spec(q, k, v, _call(FORCED), SM90, True, False).num_stages == 3
+
+
+@pytest.mark.parametrize("score_mod, dtype, options, return_max, bound", [
+    (mods.softcap(30.0), torch.bfloat16, {"GLUON_STATIC_MAX": True}, False, 30.0),
+    (mods.softcap(30.0), torch.bfloat16, {}, False, None),           # off by default
+    (mods.softcap(30.0), torch.float16, {"GLUON_STATIC_MAX": True}, False, None),  # P underflows
+    (mods.softcap(30.0), torch.bfloat16, {"GLUON_STATIC_MAX": True}, True, None),  # max_scores
+    (mods.softcap(50.0), torch.bfloat16, {"GLUON_STATIC_MAX": True}, False, None),  # 144 > 96
+    (None, torch.bfloat16, {"GLUON_STATIC_MAX": True}, False, None),   # q.k is unbounded
+])
+def test_gluon_static_max_only_where_the_bound_is_proven(score_mod, dtype, options, return_max,
+                                                         bound):
+    """GLUON_STATIC_MAX takes the score_mod's upper bound (codegen.ranges.static_score_max)
+    for bf16 without max_scores; the kernel's module subtracts it (STATIC_MAX2, log2 units)."""
+    q, k, v = _qkv(dtype=dtype)
+    call = _call({**FORCED, **options}, score_mod=score_mod)
+    spec = gluon_spec(q, k, v, call, SM90, True, return_max)
+    if bound is None:
+        assert spec.static_max is None
+        return
+    assert bound <= spec.static_max <= bound * (1 + 1e-5)
+    source = gluon_kernel(spec, call.score, call.mask).source
+    assert "STATIC_MAX = tl.constexpr(True)" in source
+    assert f"STATIC_MAX2 = tl.constexpr({spec.static_max * 1.4426950408889634!r})" in source
+    plain = gluon_spec(q, k, v, _call(FORCED, score_mod=score_mod), SM90, True, False)
+    assert gluon_kernel(plain, call.score, None).key != gluon_kernel(spec, call.score, None).key

@@ -22,6 +22,8 @@ VARIANTS = ("fwd_gluon_d128_bf16_dense", "fwd_gluon_d128_bf16_causal",
 # softcap, document; all: python -m flexfa compile-check --arch 90 --only pingpong)
 PINGPONG_VARIANTS = ("fwd_gluon_d128_bf16_causal_pingpong", "fwd_gluon_d64_fp16_softcap_pingpong",
                      "fwd_gluon_d128_bf16_document_pingpong")
+# GLUON_STATIC_MAX (softcap + causal, bf16): no running row max
+STATIC_VARIANTS = ("fwd_gluon_d128_bf16_softcap_causal_static",)
 TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
                       "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
 # one persistent variant here (a compile takes ~40-60 s); the others (dense, softcap with the
@@ -61,6 +63,7 @@ for name in sys.argv[1:]:
         tma_stores=r.ptx.count("cp.async.bulk.tensor.2d.global.shared::cta"),
         proxy_fence="fence.proxy.async.shared::cta" in r.ptx,
         grid_x=r.ptx.count("%nctaid.x"),
+        fmax=len(re.findall(r"\\bmax(\\.\\w+)*\\.f32", r.ptx)),
         # an arrive right before waiting for the q.k wgmma: the ping-pong turn passed on
         turn_pass=len(re.findall(TURN_PASS, r.ptx)))))
 """
@@ -102,7 +105,7 @@ def started(tmp_path_factory) -> dict:
     """Every compile of this module, started at once in four processes of about equal work:
     the pytest process only waits for them, so on a machine of two or more cores they share
     the cores (about half the wall time of compiling one after another)."""
-    groups = {"plain": (VARIANTS, False), "pingpong": (PINGPONG_VARIANTS, False),
+    groups = {"plain": (VARIANTS, False), "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
               "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS, True)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
@@ -138,6 +141,16 @@ def test_gluon_forward_compiles_for_sm90(forward_rows):
         assert forward_rows[name]["tma_stores"] == 0, forward_rows[name]  # plain stores
     assert forward_rows["fwd_gluon_d128_fp16_softcap_causal"]["tanh"]
     assert not forward_rows["fwd_gluon_d128_bf16_dense"]["tanh"]
+
+
+def test_gluon_static_max_forward_compiles_without_a_row_max(forward_rows):
+    """GLUON_STATIC_MAX: the softcap's bound is subtracted, so no max over the scores is left
+    (the running-max kernel of the same mods has one max.f32 per score)."""
+    for name in STATIC_VARIANTS:
+        row = forward_rows[name]
+        _check_compiled(name, row)
+        assert row["tanh"] and row["fmax"] == 0, row
+    assert forward_rows["fwd_gluon_d128_fp16_softcap_causal"]["fmax"] > 0
 
 
 def test_gluon_pingpong_forward_compiles_for_sm90(forward_rows):

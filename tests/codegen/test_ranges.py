@@ -3,7 +3,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexfa.codegen.ranges import Domain, int64_nodes, mods_int64_nodes, value_ranges
+from flexfa.codegen.ranges import (Domain, int64_nodes, mods_int64_nodes, static_score_max,
+                                   value_ranges)
 from flexfa.frontend import trace
 from flexfa.frontend.ir import DType, Op
 
@@ -102,3 +103,27 @@ def test_int32_decision_is_sound(q_len, kv_len, offset, factor):
             values = evaluate_node(node, b=torch.tensor(0), h=torch.tensor(0), q_idx=q,
                                    kv_idx=kv)
             assert -2 ** 31 <= int(values.min()) and int(values.max()) < 2 ** 31, node
+
+
+def test_static_score_max_bounds_softcaps_and_refuses_wide_or_open_ranges():
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def softcap_with_slope(score, b, h, q_idx, kv_idx):  # its range grows with the lengths
+        return 10.0 * torch.tanh(score) - 0.01 * (q_idx - kv_idx).abs()
+
+    def sigmoid_gate(score, b, h, q_idx, kv_idx):
+        return 8.0 * torch.sigmoid(score) + (q_idx % 4)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.5 * (q_idx - kv_idx)
+
+    bound = static_score_max(trace(softcap), DOMAIN)
+    assert 30.0 <= bound <= 30.001
+    assert 11.0 <= static_score_max(trace(sigmoid_gate), DOMAIN) <= 11.001
+    # 20 + 0.01 * 999 nats = 43 log2 units wide: bounded; at 16384 tokens 265: not
+    assert static_score_max(trace(softcap_with_slope), DOMAIN) is not None
+    assert static_score_max(trace(softcap_with_slope), Domain(1, 1, 16384, 16384)) is None
+    assert static_score_max(trace(alibi), DOMAIN) is None  # the score itself: unbounded
+    assert static_score_max(None, DOMAIN) is None
+    assert static_score_max(trace(softcap), Domain(1, 1, 0, 10)) is None

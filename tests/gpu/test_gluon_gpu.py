@@ -32,7 +32,9 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
            "persistent": {**FORCED, "GLUON_PERSISTENT": True},
            "persistent_tma_store": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
-           "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}}
+           "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
+           "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
+           "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True}}
 SAFETY = """
 import torch, flexfa
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
@@ -84,6 +86,8 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
     "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
     "empty_rows": (1, 2, 2, 384, 384, 128, lambda h, d: (None, _empty_prefix)),
+    "softcap_empty_rows": (1, 2, 2, 384, 384, 128,
+                           lambda h, d: (mods.softcap(30.0), _empty_prefix)),
     # E = 256: 64-key tiles, a 64 x 256 accumulator per consumer warpgroup
     "dense_d256": (1, 4, 4, 1000, 1000, 256, lambda h, d: (None, None)),
     "causal_d256": (2, 4, 4, 1024, 1024, 256, lambda h, d: (None, mods.causal)),
@@ -123,7 +127,12 @@ OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for na
                     "dense", "ragged", "many_causal", "many_ragged", "many_empty_rows")]
                 + [(name, "persistent_pingpong") for name in (
                     "causal", "softcap_causal", "document", "many_causal", "many_document",
-                    "many_empty_rows")])
+                    "many_empty_rows")]
+                # GLUON_STATIC_MAX: softcap's bound subtracted (empty rows: sum 0)
+                + [(name, "static_max") for name in (
+                    "softcap_causal", "softcap_empty_rows", "softcap_causal_d256",
+                    "softcap_causal_d192_ev128")]
+                + [("softcap_causal", "pingpong_static_max")])
 
 
 @pytest.mark.parametrize("name, option", OPTION_CASES)
@@ -145,7 +154,10 @@ def test_gluon_matches_reference_and_hopper(safe, name, option):
     again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                   enable_gqa=Hq != Hkv, kernel_options=forced)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
-    if option != "plain":  # when GEMMs issue and how out is stored, not what is computed
+    if "static_max" in option:  # the bound, not the row max, subtracted: rounding differs
+        found = [p for p in plans.PLANS.values() if p.family.name == "gluon"]
+        assert found and all(p.spec.static_max is not None for p in found)
+    elif option != "plain":  # when GEMMs issue and how out is stored, not what is computed
         plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                       enable_gqa=Hq != Hkv, kernel_options=FORCED)
         torch.testing.assert_close(out, plain, atol=0, rtol=0)
@@ -203,3 +215,15 @@ def test_auto_takes_gluon_for_chunked_prefill_and_trains(safe):
         assert [p.family.name for p in plans.PLANS.values()] == [family]
         if family == "gluon":  # the Triton backward from the Gluon forward's out and lse
             check_backward(q, k, v, None, causal_at_offset, mask, enable_gqa=True)
+
+
+def test_gluon_static_max_trains(safe):
+    """The backward reads the static forward's lse (the bound + log2 of the row sum): softcap
+    + causal gradients against the float64 reference."""
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES["softcap_causal"],
+                                                           "softcap_causal")
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask,
+                   kernel_options=OPTIONS["static_max"])
+    assert any(p.family.name == "gluon" and p.spec.static_max is not None
+               for p in plans.PLANS.values())

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ...blockmask.density import density_class
 from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGISTERS,
                               descriptor_blocks, descriptor_layout, gluon_constexprs,
                               gluon_kernel)
+from ...codegen.ranges import Domain, static_score_max
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...config import interpret_mode
 from ...errors import InputError
@@ -203,7 +206,18 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         input_precision=call.options.fp32_precision, target=target.name,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
-        tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent)
+        tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent,
+        static_max=static_max(q, k, call, return_max))
+
+
+def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:
+    """The spec's ``static_max``: with kernel_options GLUON_STATIC_MAX, the score_mod's proven
+    upper bound (``codegen.ranges.static_score_max``) for bf16 inputs without max_scores, else
+    None (fp16's P underflows below 2**-24: the running max keeps the row's largest P at 1;
+    max_scores needs the true max)."""
+    if not call.options.gluon_static_max or return_max or q.dtype != torch.bfloat16:
+        return None
+    return static_score_max(call.score, Domain(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
 
 
 def out_geometry(q, v, block: list[int], dtype: str) -> tuple:
