@@ -17,6 +17,8 @@ Anything else (another layout, hooks, scratch memory) takes Triton's own launche
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 
 import torch
@@ -204,7 +206,8 @@ class Step:
             launch_direct(self.direct, grid, device.index, args, stream)
             return
         ensure_allocator()
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        with torch.cuda.device(device), (contextlib.nullcontext() if stream is None
+                                         else torch.cuda.stream(stream)):
             compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         self.direct = direct_state(self.kernel, compiled, args, self.constexprs)
         self.launched = True

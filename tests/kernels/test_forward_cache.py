@@ -150,7 +150,8 @@ def test_direct_launch_keys_and_reuse(monkeypatch):
     monkeypatch.setattr(launch, "direct_state", lambda kernel, compiled, args, constexprs: (
         compiled, tuple(constexprs.values())))
     monkeypatch.setattr(launch, "launch_direct",
-                        lambda state, grid, index, args: direct.append((state, grid, index)))
+                        lambda state, grid, index, args, stream=None: direct.append(
+                            (state, grid, index)))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     current = [0]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
