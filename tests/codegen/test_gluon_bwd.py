@@ -76,6 +76,7 @@ def _causal_window(b, h, q_idx, kv_idx):
     # sparse: by the mean query rows a program walks (SPARSE_WALK_ROWS = 1024): a causal
     # window of 1024 walks 1088 (0.92x the time at S = 16384), one of 256 each way 576
     (8192, 128, _causal_window, None, "gluon_bwd"),
+    (8192, 64, _causal_window, None, "triton_bwd"),  # sparse at E = 64: not measured
     (8192, 128, _window, None, "triton_bwd"),
     (4096, 128, None, None, "triton_bwd"),         # not past 4096: not measured
     (8192, 96, None, None, "triton_bwd"),          # head dims 64 and 128 only

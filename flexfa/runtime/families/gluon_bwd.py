@@ -119,8 +119,10 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # parts cut, 11cb355): causal sliding windows of 256 (377 rows) 1.60x the time, 1024 (1114)
 # 0.92x, 2048 (2048) 0.87x; causal documents of 256-2048 tokens (the benchmark's; 884 rows)
 # 1.02x, of 576-4032 (1376) 0.96x. Programs with short walks pay their prologue, epilogue
-# and the parts' launches on too little work.
+# and the parts' launches on too little work. Measured at E = 128 only: E = 64 keeps sparse
+# masks on the Triton backward.
 SPARSE_WALK_ROWS = 1024
+SPARSE_HEAD_DIMS = (128,)
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
@@ -138,6 +140,9 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                     f"there), not L={L}, S={S}")
         found = density_class(call.block_mask)
         if found not in AUTO_CLASSES:
+            if q.shape[3] not in SPARSE_HEAD_DIMS:
+                return (f"GLUON_BACKWARD='AUTO' takes sparse block masks at head dims "
+                        f"{SPARSE_HEAD_DIMS} (measured there), not {q.shape[3]}")
             # (a sparse class implies a known share: a capture without it reads "masked")
             rows = visited_share(call.block_mask) * L
             if rows < SPARSE_WALK_ROWS:
