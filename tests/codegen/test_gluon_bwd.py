@@ -85,7 +85,8 @@ def _causal_window(b, h, q_idx, kv_idx):
     (8192, 128, None, {"deterministic": True}, "triton_bwd"),
 ])
 def test_gluon_backward_by_default_where_it_measured_faster(L, E, mask_mod, options, chosen):
-    q, k, v = (torch.empty(1, 1, L, E, dtype=torch.bfloat16) for _ in range(3))
+    # 64 heads: as much work as the measured calls (SPARSE_MIN_TILES)
+    q, k, v = (torch.empty(1, 64, L, E, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
     call = _call(options, block_mask=mask)
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
@@ -99,12 +100,18 @@ def test_sparse_walk_comes_from_what_create_block_mask_recorded(monkeypatch):
     """The walk comes from the visited share create_block_mask recorded: the choice reads
     no table back (a device sync in the middle of a step)."""
     from flexfa.blockmask import density
-    q, k, v = (torch.empty(1, 1, 8192, 128, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.empty(1, 64, 8192, 128, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(8192, mask_mod=_causal_window)
     share = density.visited_share(mask)
     assert share is not None and 1024 <= share * 8192 < 1152
     monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **kw: pytest.fail("tables read"))
     assert registry.choose("backward", SM90, _call(None, block_mask=mask), q, k, v) is GLUON_BWD
+    # the same walk over fewer heads: less work than was measured, the host's launches of
+    # the parts would dominate
+    few = [t[:, :8] for t in (q, k, v)]
+    call = _call(None, block_mask=mask)
+    assert "16384 visited 128 x 128 tiles" in why_not_gluon_bwd(SM90, call, *few)
+    assert registry.choose("backward", SM90, call, *few).name == "triton_bwd"
 
 
 def _learnable_bias():

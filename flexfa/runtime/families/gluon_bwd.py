@@ -5,8 +5,8 @@ partial into an accumulator with TMA reduce-adds), between the row kernels of
 ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
-backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long,
-``SPARSE_WALK_ROWS``), under ``GLUON_BACKWARD=True`` wherever it applies
+backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
+the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True`` wherever it applies
 (whatever family ran the forward: it reads out and lse only); elsewhere the Triton backward
 runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
@@ -120,9 +120,14 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # 0.92x, 2048 (2048) 0.87x; causal documents of 256-2048 tokens (the benchmark's; 884 rows)
 # 1.02x, of 576-4032 (1376) 0.96x. Programs with short walks pay their prologue, epilogue
 # and the parts' launches on too little work. Measured at E = 128 only: E = 64 keeps sparse
-# masks on the Triton backward.
+# masks on the Triton backward. And only calls of as much work as those (16 heads of 16384
+# tokens visiting 7-13% of the tiles: at least SPARSE_MIN_TILES 128 x 128 tiles over the
+# batch and heads): a smaller call's step waits on the host's launches of the parts
+# (experiments/gluon_bwd_host.py: 0.98 ms of host time a step against 0.66 on the Triton
+# backward).
 SPARSE_WALK_ROWS = 1024
 SPARSE_HEAD_DIMS = (128,)
+SPARSE_MIN_TILES = 16384
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
@@ -144,11 +149,17 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                 return (f"GLUON_BACKWARD='AUTO' takes sparse block masks at head dims "
                         f"{SPARSE_HEAD_DIMS} (measured there), not {q.shape[3]}")
             # (a sparse class implies a known share: a capture without it reads "masked")
-            rows = visited_share(call.block_mask) * L
+            share = visited_share(call.block_mask)
+            rows = share * L
             if rows < SPARSE_WALK_ROWS:
                 return (f"GLUON_BACKWARD='AUTO' takes sparse block masks where a program "
                         f"walks {SPARSE_WALK_ROWS} query rows or more on average (measured "
                         f"faster there), not {rows:.0f}")
+            tiles = share * q.shape[0] * q.shape[1] * L * S / (128 * 128)
+            if tiles < SPARSE_MIN_TILES:
+                return (f"GLUON_BACKWARD='AUTO' takes sparse block masks of at least "
+                        f"{SPARSE_MIN_TILES} visited 128 x 128 tiles over the batch and heads "
+                        f"(measured there), not {tiles:.0f}")
     joint = joint_graph(call.score)
     if joint is not None and joint.grad_slots:
         return "captured-tensor gradients (learnable biases) run on the Triton backward"
