@@ -18,7 +18,6 @@ Anything else (another layout, hooks, scratch memory) takes Triton's own launche
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 
 import torch

@@ -79,6 +79,8 @@ class KernelOptions:
     # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
     # first); off until measured
     gluon_persistent: bool = False
+    # the Gluon forward subtracts the score_mod's proven bound instead of a running row max
+    # (softcap); off: measured within the runs' spread
     gluon_static_max: bool = False
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
