@@ -2,9 +2,10 @@
 bf16) on the Gluon and the Triton backward, do_bench medians over rounds, with the peak extra
 memory. The tree timed is the flexfa that PYTHONPATH finds (another tree's to time its
 kernels). ``--peers`` adds torch FlexAttention (compiled, causal block mask, enable_gqa) and
-SDPA's cuDNN backend (is_causal, enable_gqa) in the same rounds.
+SDPA's cuDNN backend (is_causal, enable_gqa) in the same rounds; ``--chunks 8,16`` adds the
+Gluon backward with its dQ accumulator in that many parts (GLUON_BWD_DQ_CHUNKS).
 
-    PYTHONPATH=. python benchmarks/experiments/gqa_bwd.py [--rounds 3] [--label new] [--peers]
+    PYTHONPATH=. python benchmarks/experiments/gqa_bwd.py [--rounds 3] [--label new] [--peers] [--chunks 8]
 """
 import argparse
 import statistics
@@ -15,6 +16,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--label", default="")
     parser.add_argument("--peers", action="store_true")
+    parser.add_argument("--chunks", default="")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
@@ -28,6 +30,8 @@ def main() -> int:
     do = torch.randn_like(q)
     mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, S, S, device="cuda")
     configs = {"gluon": {"GLUON_BACKWARD": True}, "triton": {"GLUON_BACKWARD": False}}
+    for n in filter(None, args.chunks.split(",")):
+        configs[f"gluon_c{n}"] = {"GLUON_BACKWARD": True, "GLUON_BWD_DQ_CHUNKS": int(n)}
     if args.peers:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
