@@ -222,8 +222,7 @@ SCHEMA = {
     "GLUON_BWD_DQ_CHUNKS": ("gluon_bwd_dq_chunks", (), _int_in(range(0, 65), "0..64"),
                             "the Gluon backward's fp32 dQ accumulator holds about 1 / n of the "
                             "(batch, kv head) pairs, one launch per part (memory against "
-                            "launches): 1 all at once; 0 (default): 4, with GQA up to 8 "
-                            "(the accumulator within 1/8 of out, dQ, dK and dV)"),
+                            "launches): 1 all at once; 0 (default): 4"),
     "GLUON_BWD_OVERLAP": ("gluon_bwd_overlap", (), _flag,
                           "the Gluon backward's accumulator parts run on two streams, each "
                           "into half the accumulator, so a part's programs start while the "

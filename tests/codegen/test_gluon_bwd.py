@@ -19,8 +19,7 @@ from flexfa.runtime import registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import gluon_bwd as gluon_bwd_module
 from flexfa.runtime.families.backward import Inputs, joint_graph
-from flexfa.runtime.families.gluon_bwd import (DQ_CHUNKS, GLUON_BWD, SHARED_BYTES,
-                                               default_dq_chunks, dq_parts, dq_slots,
+from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, dq_parts, dq_slots,
                                                gluon_bwd_spec, padded_rows, part_streams,
                                                row_steps, run_post, run_pre, shared_bytes,
                                                why_not_gluon_bwd, zero_step)
@@ -218,19 +217,6 @@ def test_row_kernels_under_the_interpreter(L, has_dlse, dtype, seed):
     acc = torch.randn(2 * l_pad, 64)
     run_post(post, acc, x, 0.125)
     torch.testing.assert_close(x.dq, (acc.view(1, 2, l_pad, 64)[:, :, :L] * 0.125).to(dtype))
-
-
-def test_default_dq_chunks_keep_the_accumulator_an_eighth_of_the_four_tensors():
-    """Without GQA 1 / DQ_CHUNKS of the pairs; with a group of g query heads a kv head, a
-    pair's fp32 dQ rows (2 g kv-head units of bf16 bytes) against out, dQ, dK and dV
-    (2 g + 2 units): the fewest parts that keep 1 / parts of the former within 1/8 of the
-    latter (GQA 4 at 4 parts measured 1.20x FlexAttention's peak memory)."""
-    assert default_dq_chunks(1) == DQ_CHUNKS == 4
-    for g in range(1, 65):
-        chunks = default_dq_chunks(g)
-        assert 2 * g * 8 <= chunks * (2 * g + 2)
-        assert 2 * g * 8 > (chunks - 1) * (2 * g + 2)
-    assert [default_dq_chunks(g) for g in (2, 4, 8)] == [6, 7, 8]
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,7 +15,7 @@ import torch
 
 from flexfa import mods
 from flexfa.runtime import plans
-from flexfa.runtime.families.gluon_bwd import default_dq_chunks, dq_slots
+from flexfa.runtime.families.gluon_bwd import DQ_CHUNKS, dq_slots
 
 from kernels.backward_utils import check_backward
 from gpu.gluon_safety import case_inputs, run_safely
@@ -113,7 +113,7 @@ def test_gluon_backward_options_match_reference(safe, name, options):
     found = [p for p in plans.PLANS.values() if p.family.name == "gluon_bwd"]
     assert found
     B, Hkv = k.shape[:2]
-    chunks = options.get("GLUON_BWD_DQ_CHUNKS", default_dq_chunks(q.shape[1] // Hkv))
+    chunks = options.get("GLUON_BWD_DQ_CHUNKS", DQ_CHUNKS)
     want = dq_slots(B, Hkv, chunks, options.get("GLUON_BWD_OVERLAP", True))
     assert all(p.fixed["slots"] == want for p in found)
 

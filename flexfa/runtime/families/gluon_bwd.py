@@ -10,8 +10,7 @@ the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKW
 (whatever family ran the forward: it reads out and lse only); elsewhere the Triton backward
 runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
-a quarter: ``DQ_CHUNKS``; less with GQA, ``default_dq_chunks``) and two fp32 rows per query;
-nothing of size L x S.
+a quarter: ``DQ_CHUNKS``) and two fp32 rows per query; nothing of size L x S.
 """
 from __future__ import annotations
 
@@ -80,17 +79,6 @@ ROWS_WARPS = 4
 # at S = 16384, H = 16, E = 128 measured 291 MiB against FlexAttention's 258 (1.13x; the
 # whole accumulator, 128 MiB, made it 387, 1.5x; bqb_339562a)
 DQ_CHUNKS = 4
-
-
-def default_dq_chunks(group: int) -> int:
-    """The parts by default for a GQA group of ``group`` query heads a kv head: the
-    accumulator at most about 1/8 of out, dQ, dK and dV's bytes together, as DQ_CHUNKS keeps
-    it without GQA. A pair's accumulator is 2 * group of those tensors' kv-head units (fp32
-    dQ rows of the group) against 2 * group + 2 units of them: ceil(DQ_CHUNKS * 2 * group /
-    (group + 1)) parts, 4 / 6 / 7 / 8 at groups 1 / 2 / 4 / 8. With 4 at GQA 4 (B=2, Hq=32,
-    Hkv=8, S=8192, E=128) the step's peak extra memory measured 390 MiB against
-    FlexAttention's 324 (1.20x; st_38e7b03)."""
-    return -(-DQ_CHUNKS * 2 * group // (group + 1))
 
 
 def dq_parts(B: int, Hkv: int, chunks: int, slots: int = 1
@@ -297,7 +285,7 @@ class GluonBackward(KernelFamily):
         q, k = x.q, x.k
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        chunks = call.options.gluon_bwd_dq_chunks or default_dq_chunks(call.gqa_group)
+        chunks = call.options.gluon_bwd_dq_chunks or DQ_CHUNKS
         slots = dq_slots(B, Hkv, chunks, call.options.gluon_bwd_overlap)
         (acc_b, acc_hkv), parts = dq_parts(B, Hkv, chunks, slots)
         group = call.gqa_group
