@@ -7,10 +7,9 @@ in rounds that alternate the implementations:
            grad_to_none before each step, CUDA events around each step, median)
   noflush  the same without the flush
   chain    CUDA events around 20 back-to-back steps, per step
-  host     the host's time to enqueue one step (the GPU kept busy by a long sleep first)
-and one profiled pass of 10 flushed steps: per step, the span from the first kernel's start
-to the last one's end, the time no kernel ran inside it (idle), the wait from the flush's
-end to the step's first kernel, and each kernel's summed time.
+  host     the host's time to enqueue one step (the GPU kept busy by a long sleep first).
+(A profiled pass that split the trace at the flushes was dropped: torch's trace did not show
+every flush, st_2aae01a; benchmarks/bwd_profile.py has the kernels' times.)
 
     PYTHONPATH=. python benchmarks/experiments/step_timing.py [--seq 16384] [--dim 128]
         [--variants causal,full] [--rounds 3] [--json out.json]
@@ -36,27 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _kernel_spans(trace: dict) -> list[tuple[str, float, float]]:
-    return sorted((e["name"], e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset"))
-
-
-def _union(spans) -> float:
-    busy, end = 0.0, float("-inf")
-    for _, s, e in spans:
-        if e <= end:
-            continue
-        busy += e - max(s, end)
-        end = e
-    return busy
-
-
 def main() -> int:
     args = build_parser().parse_args()
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
 
     import flexfa
@@ -66,7 +49,6 @@ def main() -> int:
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
-    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
     results = []
     for name in args.variants.split(","):
         score_mod, mask_mod = bench_variants(S, H, "cuda")[name]
@@ -127,57 +109,18 @@ def main() -> int:
                 t["noflush"].append(noflush(fn))
                 t["chain"].append(chain(fn))
                 t["host"].append(host(fn))
-        for label, fn in impls.items():
-            steps = 10
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    q.grad = k.grad = v.grad = None
-                    flush.zero_()
-                    fn().backward(do)
-                torch.cuda.synchronize()
-            path = Path(f"/tmp/step_timing_{name}_{label}.json")
-            prof.export_chrome_trace(str(path))
-            spans = _kernel_spans(json.loads(path.read_text()))
-            # split at the flushes: the 256 MB zeroing (a memset or a fill kernel) is the
-            # only memset or fill of 40 us or more
-            flushes = [i for i, (n, s, e) in enumerate(spans)
-                       if ("memset" in n.lower() or "fill" in n.lower()) and e - s >= 40.0]
-            per = []
-            kernels: dict[str, float] = {}
-            for j, i in enumerate(flushes):
-                body = spans[i + 1:flushes[j + 1] if j + 1 < len(flushes) else len(spans)]
-                if not body:
-                    continue
-                span = max(e for _, _, e in body) - body[0][1]
-                per.append((span, span - _union(body), body[0][1] - spans[i][2]))
-                for n, s, e in body:
-                    kernels[n[:70]] = kernels.get(n[:70], 0.0) + (e - s) / 1e3
-            if not per:  # no flush found: say so rather than lose the timings
-                print(f"{name} {label}: no flush in the profile; kernels seen: "
-                      f"{sorted({n[:40] for n, _, _ in spans})}", flush=True)
-                per = [(float("nan"),) * 3]
+        for label in impls:
             t = timed[label]
             row = {"variant": name, "impl": label, "S": S, "D": D,
-                   **{m: statistics.median(v) for m, v in t.items()},
-                   "rounds": t,
-                   "span": statistics.median(p[0] for p in per) / 1e3,
-                   "idle": statistics.median(p[1] for p in per) / 1e3,
-                   "wait": statistics.median(p[2] for p in per) / 1e3,
-                   "kernels": {n: ms / max(1, len(per)) for n, ms in
-                               sorted(kernels.items(), key=lambda kv: -kv[1])[:10]}}
+                   **{m: statistics.median(v) for m, v in t.items()}, "rounds": t}
             results.append(row)
             print(f"{name:7} {label:7} bench {row['bench']:.3f} noflush {row['noflush']:.3f} "
-                  f"chain {row['chain']:.3f} host {row['host']:.3f} | profiled span "
-                  f"{row['span']:.3f} idle {row['idle']:.3f} wait {row['wait']:.3f} ms",
-                  flush=True)
-            for n, ms in row["kernels"].items():
-                print(f"      {ms:7.3f}  {n}")
+                  f"chain {row['chain']:.3f} host {row['host']:.3f} ms", flush=True)
         base = {r["impl"]: r for r in results if r["variant"] == name}
         if {"flexfa", "cudnn"} <= set(base):
             print(f"{name:7} cuDNN / flexfa: " + ", ".join(
                 f"{m} {base['cudnn'][m] / base['flexfa'][m]:.3f}x"
-                for m in ("bench", "noflush", "chain", "span")), flush=True)
+                for m in ("bench", "noflush", "chain")), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
