@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from flexfa import mods
+from flexfa.codegen.spec import head_dim_blocks
 from flexfa.blockmask import create_block_mask
 from flexfa.runtime import autotune
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import backward as backward_family
 from flexfa.runtime.families.hopper import HOPPER
 from flexfa.runtime.options import KernelOptions
-from flexfa.runtime.target import Target
+from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, record_backward_specs
 from forward_utils import TEMPLATES, check_forward, make_qkv
 
@@ -52,6 +53,78 @@ def test_backward_matches_the_reference(spy_specs, E, Ev, tma):
 @pytest.fixture
 def spy_specs(monkeypatch):
     return record_backward_specs(monkeypatch)
+
+
+# ---- split q/k head dims: the backward holds Q, K, dQ and dK in two column blocks ----
+
+
+@pytest.mark.parametrize("E,blocks", [(192, (128, 64)), (96, (64, 32)), (80, (64, 16)),
+                                      (160, (128, 32)), (72, (64, 16)), (40, (32, 16)),
+                                      (200, (256, 0)), (100, (128, 0)), (24, (32, 0)),
+                                      (128, (128, 0)), (8, (16, 0))])
+def test_head_dim_blocks(E, blocks):
+    # two powers of two where they cover E in fewer columns than its padding, else one
+    assert head_dim_blocks(E) == blocks
+
+
+def test_the_split_runs_on_sm90_and_the_interpreter_and_past_128_elsewhere():
+    sm80 = Target("cuda", 8, 0)
+    for target in (SM90, INTERPRETER):
+        assert [backward_family.split_head_dim(E, target) for E in (192, 96, 80, 128, 100)] \
+            == [True, True, True, False, False]
+    # sm_80's kernels at 96 and 80 spill with the blocks (docs/head-dims.md)
+    assert [backward_family.split_head_dim(E, sm80) for E in (192, 160, 96, 80)] == \
+        [True, True, False, False]
+
+
+def _split_case(E, Ev, L=72, S=100, Hq=4, Hkv=2, dtype=torch.bfloat16):
+    # L and S not multiples of the interpreter's 64-row tiles; GQA 2
+    q, k, v = make_qkv(1, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=E + 7 * Ev)
+    return q, k, v, create_block_mask(mods.causal, None, None, L, S, device="cpu",
+                                      BLOCK_SIZE=64)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("E,Ev", [(192, 128), (96, 96), (80, 80)])
+def test_split_backward_softcap_causal_gqa(spy_specs, E, Ev, tma):
+    q, k, v, causal = _split_case(E, Ev)
+    check_backward(q, k, v, mods.softcap(20.0), mods.causal, causal, enable_gqa=True,
+                   with_lse=True, kernel_options={"bwd_USE_TMA": tma})
+    (spec,) = spy_specs
+    assert spec.split_head_dim and spec.use_tma == tma
+    flags = spec.dq_constexprs(False, False)
+    assert (flags["E_A"], flags["E_B"]) == head_dim_blocks(E) == spec.column_blocks
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_backward_learnable_bias_dense(spy_specs, tma):
+    # a captured tensor's gradient (the dQ kernel's BUFFER_GRADS) with the split at 80, no
+    # mask; E = 72's second block runs past E (64 + 16 for 72 columns: zeros, TMA's fill)
+    for E in (80, 72):
+        q, k, v, _ = _split_case(E, 48, Hq=2)
+        bias = (0.3 * torch.randn(2, 72, 100, generator=torch.Generator().manual_seed(E)))
+        bias.requires_grad_()
+
+        def learnable(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx, kv_idx]
+        check_backward(q, k, v, learnable, buffers=(bias,), enable_gqa=True,
+                       kernel_options={"bwd_USE_TMA": tma})
+    assert [s.column_blocks for s in spy_specs] == [(64, 16), (64, 16)]
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_backward_with_the_ds_workspace(spy_specs, tma):
+    # dK/dV stores dS^T, dQ = dS @ K block by block
+    q, k, v, causal = _split_case(192, 128)
+    check_backward(q, k, v, None, mods.causal, causal, enable_gqa=True,
+                   kernel_options={"DS_WORKSPACE": True, "bwd_USE_TMA": tma})
+    assert [(s.ds_dq, s.split_head_dim) for s in spy_specs] == [(True, True)]
+
+
+def test_split_backward_float32_pointer_loads(spy_specs):
+    q, k, v, causal = _split_case(40, 24, dtype=torch.float32)
+    check_backward(q, k, v, mods.softcap(10.0), mods.causal, causal, enable_gqa=True)
+    assert [(s.split_head_dim, s.use_tma) for s in spy_specs] == [(True, False)]
 
 
 def _call():
