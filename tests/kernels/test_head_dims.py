@@ -230,3 +230,22 @@ def test_sm90_wide_backward_tunes_ragged_lengths_under_their_own_key(monkeypatch
     assert keys[0][1] == backward_family.HOPPER_BACKWARD_WIDE[256, 256][0]
     assert keys[1][1] == backward_family.HOPPER_BACKWARD_WIDE_RAGGED[256, 256]
     assert keys[2][0].startswith("bwd|")  # up to 128 ragged lengths share the key
+
+
+def test_sm90_split_head_dims_tune_under_their_own_key(monkeypatch):
+    """192 in column blocks of 128 and 64 is another kernel than 256 (and 48 than 64): its
+    own tuned winners, though the padded dims are the same."""
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.setattr(autotune, "enabled", lambda: True)
+    keys = []
+    monkeypatch.setattr(autotune, "tune", lambda key, *rest: keys.append(key) or rest[0][0])
+    for E, Ev, L in ((256, 128, 256), (192, 128, 256), (192, 128, 200), (64, 64, 256),
+                     (48, 64, 256)):
+        q = torch.randn(1, 2, L, E, dtype=torch.bfloat16)
+        v = torch.randn(1, 2, L, Ev, dtype=torch.bfloat16)
+        x = backward_family.Inputs(q, q.clone(), v, v.clone(), torch.zeros(1, 2, L),
+                                   v.clone(), None, q.clone(), q.clone(), v.clone(), {})
+        backward_family.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    assert [key.split("|")[0] for key in keys] == [
+        "bwd", "bwd_split", "bwd_ragged_split", "bwd", "bwd_split"]
+    assert len({key.split("|", 1)[1] for key in keys[:2]}) == 1  # the same padded dims

@@ -467,9 +467,10 @@ class Backward(KernelFamily):
                 or (joint is not None and joint.grad_slots)):
             return None
         # dropout's Philox makes a different kernel: its own winners; so do ragged lengths
-        # past 128, whose default differs
+        # past 128, whose default differs, and Q, K in column blocks (192 is not 256)
         family = "bwd_dropout" if call.dropout else "bwd"
         family += "_ragged" if ragged and max(e_pad, ev_pad) > 128 else ""
+        family += "_split" if split_head_dim(q.shape[3], target) else ""
         key = autotune.tune_key(family, target.name,
                                 max(e_pad, ev_pad), ev_pad,
                                 DTYPE_NAMES[q.dtype], density_class(call.block_mask),
