@@ -21,7 +21,7 @@ from .forward import GeneratedKernel, buffer_params, describe_mods, mod_buffer_a
 from .params import (KernelParams, Param, as_tuple, def_kernel, delta_params, dkdv_params,
                      dq_params, feature_params, gradients, table_names, unpack)
 from .render import Leaves, buffer_args, leaf_ops, needs_tile_broadcast, render_mod
-from .spec import TORCH_DTYPES, INTERPRET, next_power_of_two
+from .spec import TORCH_DTYPES, INTERPRET, head_dim_blocks, next_power_of_two
 from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
 
@@ -80,6 +80,9 @@ class BackwardSpec:
     wide_ints: tuple[str, ...] = ()
     # the forward dropped probabilities (DROPOUT): the kernels draw its keep mask again
     dropout: bool = False
+    # Q, K, dQ, dK in two column blocks (``head_dim_blocks``: E = 192 as 128 + 64): the
+    # E_A, E_B flags
+    split_head_dim: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, self.dtype
@@ -91,8 +94,17 @@ class BackwardSpec:
     def interpret(self) -> bool:
         return self.target == INTERPRET
 
+    @property
+    def column_blocks(self) -> tuple[int, int]:
+        """(E_A, E_B): the q/k head dim's column blocks; (E_PAD, 0) unless split."""
+        if self.split_head_dim:
+            return head_dim_blocks(self.head_dim)
+        return next_power_of_two(self.head_dim), 0
+
     def _common(self) -> dict:
-        return dict(E=self.head_dim, E_PAD=next_power_of_two(self.head_dim), EV=self.head_dim_v,
+        e_a, e_b = self.column_blocks
+        return dict(E=self.head_dim, E_PAD=next_power_of_two(self.head_dim), E_A=e_a, E_B=e_b,
+                    EV=self.head_dim_v,
                     EV_PAD=next_power_of_two(self.head_dim_v), HAS_BLOCK_MASK=self.has_block_mask,
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, GQA_GROUP=self.gqa_group,
@@ -181,8 +193,9 @@ def _kernel_params(spec: BackwardSpec, buffers: tuple[Param, ...], grads: tuple[
     """Each kernel of the backward module and its parameters."""
     ds_tma = spec.ds_dq and spec.use_tma
     features = feature_params("", spec.dropout)
-    return {f"{name}_dq": dq_params(spec.use_tma, ds_tma, buffers + grads, features),
-            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers, features),
+    split = spec.split_head_dim
+    return {f"{name}_dq": dq_params(spec.use_tma, ds_tma, buffers + grads, features, split),
+            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers, features, split),
             "flexfa_bwd_delta": delta_params()}
 
 

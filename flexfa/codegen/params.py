@@ -307,48 +307,57 @@ def _ds_workspace(tma: bool) -> tuple[tuple[Param, ...], ...]:
              *tensors("i32", "DS_BAND")), strides("band_", "bhn") + ints("MAX_SLOTS"))
 
 
+def _column_blocks(name: str, tma: bool, split: bool, *rows: str | int) -> tuple[Param, ...]:
+    """A backward kernel's descriptor slots of a q/k head-dim tensor: ``name`` over the
+    columns [0, E_A) and, with ``split`` (E_B > 0), ``name``_B over [E_A, E_A + E_B)."""
+    first = _pointer_or_descriptor(name, tma, INPUT, *rows, "E_A")
+    return (first, _pointer_or_descriptor(f"{name}_B", tma, INPUT, *rows, "E_B")) if split \
+        else (first,)
+
+
 def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
-              features: tuple[Param, ...] = ()) -> KernelParams:
+              features: tuple[Param, ...] = (), split: bool = False) -> KernelParams:
     """bwd_dq.tmpl's kernel (``tma``: K, V through descriptors; ``ds_tma``: the dS workspace
-    too); ``buffers``: the mods' captured tensors, then the score_mod's gradients;
-    ``features``: ``feature_params`` (dropout only)."""
+    too; ``split``: the q/k head dim in two column blocks, K and dQ with a descriptor each);
+    ``buffers``: the mods' captured tensors, then the score_mod's gradients; ``features``:
+    ``feature_params`` (dropout only)."""
     ds = _ds_workspace(ds_tma)
     return KernelParams((
         tensors(INPUT, "Q", "K", "V", "DO")
-        + (_pointer_or_descriptor("K_DESC", tma, INPUT, 1, "BLOCK_N", "E_PAD"),
-           _pointer_or_descriptor("V_DESC", tma, INPUT, 1, "BLOCK_N", "EV_PAD"))
-        + tensors(INPUT, "DQ") + (_pointer_or_descriptor("DQ_DESC", tma, INPUT, 1, "BLOCK_M",
-                                                         "E_PAD"),)
+        + _column_blocks("K_DESC", tma, split, 1, "BLOCK_N")
+        + (_pointer_or_descriptor("V_DESC", tma, INPUT, 1, "BLOCK_N", "EV_PAD"),)
+        + tensors(INPUT, "DQ") + _column_blocks("DQ_DESC", tma, split, 1, "BLOCK_M")
         + tensors("fp32", "LSE", "DELTA") + tensors(INPUT, "OUT")
         + tensors("fp32", "DLSE") + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),
         strides("dq", "bhmd"), strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"),
         _SCALARS + buffers, features,
-        constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
-                   "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP",
-                   "HAS_DLSE", "DSCORE_IS_ONE", "HAS_BUFFER_GRADS", "DETERMINISTIC",
-                   "INPUT_PRECISION", "DOT_UPCAST", "USE_TMA", "LOAD_DS", "DS_TMA", "DROPOUT")))
+        constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "E_A", "E_B", "EV", "EV_PAD",
+                   "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L",
+                   "EVEN_S", "GQA_GROUP", "HAS_DLSE", "DSCORE_IS_ONE", "HAS_BUFFER_GRADS",
+                   "DETERMINISTIC", "INPUT_PRECISION", "DOT_UPCAST", "USE_TMA", "LOAD_DS",
+                   "DS_TMA", "DROPOUT")))
 
 
 def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
-                features: tuple[Param, ...] = ()) -> KernelParams:
+                features: tuple[Param, ...] = (), split: bool = False) -> KernelParams:
     """bwd_dkdv.tmpl's kernel (``tma``: Q, dO through descriptors; ``ds_tma``: the dS
-    workspace too); ``buffers``: the mods' captured tensors; ``features``:
-    ``feature_params`` (dropout only)."""
+    workspace too; ``split``: the q/k head dim in two column blocks, Q with a descriptor
+    each); ``buffers``: the mods' captured tensors; ``features``: ``feature_params``
+    (dropout only)."""
     ds = _ds_workspace(ds_tma)
     return KernelParams((
-        tensors(INPUT, "Q", "K", "V", "DO")
-        + (_pointer_or_descriptor("Q_DESC", tma, INPUT, "BLOCK_M", "E_PAD"),
-           _pointer_or_descriptor("DO_DESC", tma, INPUT, "BLOCK_M", "EV_PAD"))
+        tensors(INPUT, "Q", "K", "V", "DO") + _column_blocks("Q_DESC", tma, split, "BLOCK_M")
+        + (_pointer_or_descriptor("DO_DESC", tma, INPUT, "BLOCK_M", "EV_PAD"),)
         + tensors(INPUT, "DK", "DV") + tensors("fp32", "LSE", "DELTA")
         + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),
         strides("dk", "bhnd"), strides("dv", "bhnd"), *block_mask_tables("Q", "n", "m"),
         _SCALARS + buffers, features,
-        constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
-                   "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP",
-                   "DSCORE_IS_ONE", "INPUT_PRECISION", "DOT_UPCAST", "USE_TMA", "STORE_DS",
-                   "DS_TMA", "DROPOUT")))
+        constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "E_A", "E_B", "EV", "EV_PAD",
+                   "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L",
+                   "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE", "INPUT_PRECISION", "DOT_UPCAST",
+                   "USE_TMA", "STORE_DS", "DS_TMA", "DROPOUT")))
 
 
 def delta_params() -> KernelParams:

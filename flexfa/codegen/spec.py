@@ -20,6 +20,20 @@ def next_power_of_two(n: int, minimum: int = 16) -> int:
     return p
 
 
+def head_dim_blocks(n: int) -> tuple[int, int]:
+    """The column blocks (E_A, E_B) in which the backward holds a q/k head dim ``n``: one
+    block of ``next_power_of_two(n)`` columns (E_B = 0), or, where n is not a power of two
+    and two powers of two cover it in fewer columns, the largest power of two below n and the
+    smallest one (at least 16) that covers the rest: 192 -> 128 + 64 (not 256), 96 -> 64 + 32,
+    80 -> 64 + 16, 160 -> 128 + 32; 200 (128 + 128) and 24 (16 + 16) stay one block."""
+    padded = next_power_of_two(n)
+    first = padded // 2
+    if first < 16 or n <= first:
+        return padded, 0
+    second = next_power_of_two(n - first)
+    return (first, second) if first + second < padded else (padded, 0)
+
+
 class PaddedDims:
     """The padded head dims and the interpreter target of a spec with ``head_dim``,
     ``head_dim_v`` and ``target`` fields (kernels tile powers of two)."""

@@ -1,8 +1,8 @@
 """Compile-check variants of the large and odd head dims (E = 192 with Ev = 128 as in
-DeepSeek's MLA, E = 256, E = 96 padded to 128), every family at the tiles the runtime picks
-for them by default: ``python -m flexfa compile-check --only d192`` (or ``d256``, ``d96``)
-prints registers, spill bytes and shared memory. docs/performance.md "Head dims" has the
-table and why the tiles are what they are."""
+DeepSeek's MLA, E = 256, E = 96 and 80 padded to 128), every family at the tiles the runtime
+picks for them by default: ``python -m flexfa compile-check --only d192`` (or ``d256``,
+``d96``, ``d80``) prints registers, spill bytes and shared memory. docs/performance.md "Head
+dims" has the table and why the tiles are what they are."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +13,7 @@ from . import register
 from .jobs import FP8_ARCHS, backward_job, forward_job, fp8_job, hopper_job
 
 # tag -> (E, Ev)
-HEAD_DIMS = {"d192_ev128": (192, 128), "d256": (256, 256), "d96": (96, 96)}
+HEAD_DIMS = {"d192_ev128": (192, 128), "d256": (256, 256), "d96": (96, 96), "d80": (80, 80)}
 
 
 def _causal(b, h, q_idx, kv_idx):

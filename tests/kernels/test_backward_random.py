@@ -17,7 +17,8 @@ def problems(draw):
     Hkv = draw(st.sampled_from([1, 2]))
     Hq = Hkv * draw(st.sampled_from([1, 2]))
     L, S = draw(st.integers(1, 100)), draw(st.integers(1, 100))
-    E, Ev = draw(st.sampled_from([16, 24, 32])), draw(st.sampled_from([16, 40]))
+    # 48: q and k in column blocks of 32 and 16 (flexfa.codegen.spec.head_dim_blocks)
+    E, Ev = draw(st.sampled_from([16, 24, 32, 48])), draw(st.sampled_from([16, 40]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     score_mod = draw(st.none() | score_mods(B, Hq, L, S, smooth=True, grad_buffers=True,
                                             max_depth=3, max_buffers=2))

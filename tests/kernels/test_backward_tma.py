@@ -28,9 +28,10 @@ def spy_specs(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tma_backward_ragged_gqa_bias_and_block_mask(spy_specs, dtype):
-    # L, S not multiples of the 64-row tiles nor of the 128-token blocks; E = 48 (descriptor
-    # blocks 64 wide: zero fill); GQA 2; a learnable bias; causal block mask with full blocks
-    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 48, 32
+    # L, S not multiples of the 64-row tiles nor of the 128-token blocks; E = 56 (descriptor
+    # blocks 64 wide: zero fill; no column blocks); GQA 2; a learnable bias; causal block
+    # mask with full blocks
+    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 200, 136, 56, 32
     q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=21)
     bias = (0.2 * torch.randn(Hq, generator=torch.Generator().manual_seed(3))).requires_grad_()
 
@@ -111,13 +112,15 @@ def test_backward_plans_are_reused_per_signature_and_mask(monkeypatch):
     assert len(calls) == 3
 
 
-def test_tma_rows_of_other_heads_cannot_leak_inf(spy_specs):
+@pytest.mark.parametrize("E", [16, 48])  # 48: q, k in column blocks of 32 and 16
+def test_tma_rows_of_other_heads_cannot_leak_inf(spy_specs, E):
     """With descriptors, the tiles past L and S read the next head's rows; an inf there (in
     the second head's q, k or upstream gradient) must not turn this head's gradients NaN."""
     L = S = 40
-    q, k, v = make_qkv(1, 2, 2, L, S, 16, dtype=torch.bfloat16, seed=25)
+    q, k, v = make_qkv(1, 2, 2, L, S, E, 16, dtype=torch.bfloat16, seed=25)
     grad_out = torch.randn(1, 2, L, 16).to(torch.bfloat16)
     q[0, 1, 0, 0] = k[0, 1, 0, 0] = grad_out[0, 1, 0, 0] = float("inf")
+    q[0, 1, 0, -1] = k[0, 1, 0, -1] = float("inf")  # the last column block's too
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = flexfa.flex_attention(q, k, v, kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, **TMA})
     out.backward(grad_out)
@@ -169,4 +172,5 @@ def test_a_cached_plans_launches_equal_freshly_built_ones():
                 assert x_ is y or (x_.shape == y.shape and x_.dtype == y.dtype)
             else:
                 assert x_ == y
-    assert descriptors == 5  # q, dO in dK/dV; k, v, dq in dQ
+    # q, dO in dK/dV; k, v, dq in dQ; E = 48 in column blocks of 32 and 16: q, k and dq twice
+    assert descriptors == 8

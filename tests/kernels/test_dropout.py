@@ -136,14 +136,16 @@ def gradients(q, k, v, p, seed, buffers, score_mod, options, with_sinks=False):
     return got, wanted[0], wanted[1]
 
 
-@pytest.mark.parametrize("template,dtype,options", [
-    ("ampere", torch.float32, {}),
-    ("hopper", torch.bfloat16, {"USE_TMA": True}),  # descriptors in the backward too
-    ("ampere", torch.float32, {"DS_WORKSPACE": True}),  # dK/dV stores dS, dQ reads it
+@pytest.mark.parametrize("template,dtype,options,head_dim", [
+    ("ampere", torch.float32, {}, E),
+    ("hopper", torch.bfloat16, {"USE_TMA": True}, E),  # descriptors in the backward too
+    ("ampere", torch.float32, {"DS_WORKSPACE": True}, E),  # dK/dV stores dS, dQ reads it
+    # q and k in column blocks of 128 and 64 (flexfa.codegen.spec.head_dim_blocks)
+    ("hopper", torch.bfloat16, {"USE_TMA": True}, 192),
 ])
-def test_backward_draws_the_same_mask(template, dtype, options, monkeypatch):
+def test_backward_draws_the_same_mask(template, dtype, options, head_dim, monkeypatch):
     specs = record_backward_specs(monkeypatch)
-    q, k, v = make_qkv(1, HQ, HKV, L, S, E, dtype=dtype, seed=12)
+    q, k, v = make_qkv(1, HQ, HKV, L, S, head_dim, dtype=dtype, seed=12)
     bias = (0.1 * torch.randn(HQ, L)).requires_grad_()
 
     def row_bias(score, b, h, q_idx, kv_idx):
@@ -156,8 +158,9 @@ def test_backward_draws_the_same_mask(template, dtype, options, monkeypatch):
     for name, g, want, same in zip(names, got, exact, eager):
         floor = 1e-2 if dtype == torch.bfloat16 and name in ("dsinks", "dbias") else None
         assert_close_to_reference(g, want, same, fudge=6.0, name=name, floor=floor)
-    assert [(spec.dropout, spec.ds_dq, spec.use_tma) for spec in specs] == [
-        (True, bool(options.get("DS_WORKSPACE")), bool(options.get("USE_TMA")))]
+    assert [(s.dropout, s.ds_dq, s.use_tma, s.split_head_dim) for s in specs] == [
+        (True, bool(options.get("DS_WORKSPACE")), bool(options.get("USE_TMA")),
+         head_dim == 192)]
 
 
 def test_p_zero_runs_todays_kernels(monkeypatch):

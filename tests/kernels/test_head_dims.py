@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from flexfa import mods
+from flexfa.codegen.spec import head_dim_blocks
 from flexfa.blockmask import create_block_mask
 from flexfa.runtime import autotune
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import backward as backward_family
 from flexfa.runtime.families.hopper import HOPPER
 from flexfa.runtime.options import KernelOptions
-from flexfa.runtime.target import Target
+from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, record_backward_specs
 from forward_utils import TEMPLATES, check_forward, make_qkv
 
@@ -52,6 +53,78 @@ def test_backward_matches_the_reference(spy_specs, E, Ev, tma):
 @pytest.fixture
 def spy_specs(monkeypatch):
     return record_backward_specs(monkeypatch)
+
+
+# ---- split q/k head dims: the backward holds Q, K, dQ and dK in two column blocks ----
+
+
+@pytest.mark.parametrize("E,blocks", [(192, (128, 64)), (96, (64, 32)), (80, (64, 16)),
+                                      (160, (128, 32)), (72, (64, 16)), (40, (32, 16)),
+                                      (200, (256, 0)), (100, (128, 0)), (24, (32, 0)),
+                                      (128, (128, 0)), (8, (16, 0))])
+def test_head_dim_blocks(E, blocks):
+    # two powers of two where they cover E in fewer columns than its padding, else one
+    assert head_dim_blocks(E) == blocks
+
+
+def test_the_split_runs_on_sm90_and_the_interpreter_and_past_128_elsewhere():
+    sm80 = Target("cuda", 8, 0)
+    for target in (SM90, INTERPRETER):
+        assert [backward_family.split_head_dim(E, target) for E in (192, 96, 80, 128, 100)] \
+            == [True, True, True, False, False]
+    # sm_80's kernels at 96 and 80 spill with the blocks (docs/head-dims.md)
+    assert [backward_family.split_head_dim(E, sm80) for E in (192, 160, 96, 80)] == \
+        [True, True, False, False]
+
+
+def _split_case(E, Ev, L=72, S=100, Hq=4, Hkv=2, dtype=torch.bfloat16):
+    # L and S not multiples of the interpreter's 64-row tiles; GQA 2
+    q, k, v = make_qkv(1, Hq, Hkv, L, S, E, Ev, dtype=dtype, seed=E + 7 * Ev)
+    return q, k, v, create_block_mask(mods.causal, None, None, L, S, device="cpu",
+                                      BLOCK_SIZE=64)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("E,Ev", [(192, 128), (96, 96), (80, 80)])
+def test_split_backward_softcap_causal_gqa(spy_specs, E, Ev, tma):
+    q, k, v, causal = _split_case(E, Ev)
+    check_backward(q, k, v, mods.softcap(20.0), mods.causal, causal, enable_gqa=True,
+                   with_lse=True, kernel_options={"bwd_USE_TMA": tma})
+    (spec,) = spy_specs
+    assert spec.split_head_dim and spec.use_tma == tma
+    flags = spec.dq_constexprs(False, False)
+    assert (flags["E_A"], flags["E_B"]) == head_dim_blocks(E) == spec.column_blocks
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_backward_learnable_bias_dense(spy_specs, tma):
+    # a captured tensor's gradient (the dQ kernel's BUFFER_GRADS) with the split at 80, no
+    # mask; E = 72's second block runs past E (64 + 16 for 72 columns: zeros, TMA's fill)
+    for E in (80, 72):
+        q, k, v, _ = _split_case(E, 48, Hq=2)
+        bias = (0.3 * torch.randn(2, 72, 100, generator=torch.Generator().manual_seed(E)))
+        bias.requires_grad_()
+
+        def learnable(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx, kv_idx]
+        check_backward(q, k, v, learnable, buffers=(bias,), enable_gqa=True,
+                       kernel_options={"bwd_USE_TMA": tma})
+    assert [s.column_blocks for s in spy_specs] == [(64, 16), (64, 16)]
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_backward_with_the_ds_workspace(spy_specs, tma):
+    # dK/dV stores dS^T, dQ = dS @ K block by block
+    q, k, v, causal = _split_case(192, 128)
+    check_backward(q, k, v, None, mods.causal, causal, enable_gqa=True,
+                   kernel_options={"DS_WORKSPACE": True, "bwd_USE_TMA": tma})
+    assert [(s.ds_dq, s.split_head_dim) for s in spy_specs] == [(True, True)]
+
+
+def test_split_backward_float32_pointer_loads(spy_specs):
+    q, k, v, causal = _split_case(40, 24, dtype=torch.float32)
+    check_backward(q, k, v, mods.softcap(10.0), mods.causal, causal, enable_gqa=True)
+    assert [(s.split_head_dim, s.use_tma) for s in spy_specs] == [(True, False)]
 
 
 def _call():
@@ -157,3 +230,22 @@ def test_sm90_wide_backward_tunes_ragged_lengths_under_their_own_key(monkeypatch
     assert keys[0][1] == backward_family.HOPPER_BACKWARD_WIDE[256, 256][0]
     assert keys[1][1] == backward_family.HOPPER_BACKWARD_WIDE_RAGGED[256, 256]
     assert keys[2][0].startswith("bwd|")  # up to 128 ragged lengths share the key
+
+
+def test_sm90_split_head_dims_tune_under_their_own_key(monkeypatch):
+    """192 in column blocks of 128 and 64 is another kernel than 256 (and 48 than 64): its
+    own tuned winners, though the padded dims are the same."""
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.setattr(autotune, "enabled", lambda: True)
+    keys = []
+    monkeypatch.setattr(autotune, "tune", lambda key, *rest: keys.append(key) or rest[0][0])
+    for E, Ev, L in ((256, 128, 256), (192, 128, 256), (192, 128, 200), (64, 64, 256),
+                     (48, 64, 256)):
+        q = torch.randn(1, 2, L, E, dtype=torch.bfloat16)
+        v = torch.randn(1, 2, L, Ev, dtype=torch.bfloat16)
+        x = backward_family.Inputs(q, q.clone(), v, v.clone(), torch.zeros(1, 2, L),
+                                   v.clone(), None, q.clone(), q.clone(), v.clone(), {})
+        backward_family.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    assert [key.split("|")[0] for key in keys] == [
+        "bwd", "bwd_split", "bwd_ragged_split", "bwd", "bwd_split"]
+    assert len({key.split("|", 1)[1] for key in keys[:2]}) == 1  # the same padded dims

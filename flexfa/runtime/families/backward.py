@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...blockmask.density import density_class
 from ...codegen.backward import BackwardSpec, backward_kernel, dscore_is_one, joint_roots
 from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
-from ...codegen.spec import DTYPE_NAMES, next_power_of_two
+from ...codegen.spec import DTYPE_NAMES, head_dim_blocks, next_power_of_two
 from ...errors import InputError
 from ...frontend.grad import JointGraph, derive
 from ...frontend.trace import TracedMod
@@ -250,7 +250,18 @@ def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target, tm
         input_precision=call.options.fp32_precision, target=target.name, use_tma=tma,
         dq_warps=0 if dq_warps == warps else dq_warps,
         dq_stages=0 if dq_stages == stages else dq_stages,
-        wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None, **mode)
+        wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None,
+        split_head_dim=split_head_dim(q.shape[3], target), **mode)
+
+
+def split_head_dim(head_dim: int, target: Target) -> bool:
+    """The kernels hold Q, K, dQ and dK in two column blocks (``head_dim_blocks``: 192 as
+    128 + 64, no padding to 256) wherever such blocks exist on sm_90 and under the
+    interpreter (which tests what sm_90 runs), elsewhere past 128 only: sm_80's kernels at
+    E = 96 and 80 spill with them (compile check: dK/dV 96 bytes, dQ 12 and 4) and not
+    without (docs/head-dims.md)."""
+    return head_dim_blocks(head_dim)[1] > 0 and (
+        target.is_sm90 or target.interpret or head_dim > 128)
 
 
 @dataclasses.dataclass(slots=True)
@@ -322,15 +333,23 @@ def make_steps(spec: BackwardSpec, loaded, x: Inputs, call: AttentionCall,
 
 def descriptor_geometry(spec: BackwardSpec, x: Inputs) -> dict | None:
     """The descriptors' (shape, strides, block) for q, dO (dK/dV kernel), k, v and dq (dQ
-    kernel); None without TMA."""
+    kernel), and where the q/k head dim is split (``head_dim_blocks``) q_b, k_b and dq_b, the
+    second column block's (the kernels load and store it at column E_A); None without
+    TMA."""
     if not spec.use_tma:
         return None
-    e_pad, ev_pad = next_power_of_two(x.q.shape[3]), next_power_of_two(x.v.shape[3])
-    return {"q": geometry(x.q, spec.block_m1, e_pad),
-            "do": geometry(x.grad_out, spec.block_m1, ev_pad),
-            "k": head_geometry(x.k, spec.block_n2, e_pad),
-            "v": head_geometry(x.v, spec.block_n2, ev_pad),
-            "dq": head_geometry(x.dq, spec.block_m2, e_pad)}
+    e_a, e_b = spec.column_blocks
+    ev_pad = next_power_of_two(x.v.shape[3])
+    blocks = {"q": geometry(x.q, spec.block_m1, e_a),
+              "do": geometry(x.grad_out, spec.block_m1, ev_pad),
+              "k": head_geometry(x.k, spec.block_n2, e_a),
+              "v": head_geometry(x.v, spec.block_n2, ev_pad),
+              "dq": head_geometry(x.dq, spec.block_m2, e_a)}
+    if e_b:
+        blocks.update(q_b=geometry(x.q, spec.block_m1, e_b),
+                      k_b=head_geometry(x.k, spec.block_n2, e_b),
+                      dq_b=head_geometry(x.dq, spec.block_m2, e_b))
+    return blocks
 
 
 def head_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
@@ -367,8 +386,13 @@ def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
                       DO_DESC=kind(x.grad_out, *geometry_["do"]),
                       K_DESC=kind(x.k, *geometry_["k"]), V_DESC=kind(x.v, *geometry_["v"]),
                       DQ_DESC=kind(x.dq, *geometry_["dq"]))
+        if "q_b" in geometry_:
+            values.update(Q_DESC_B=kind(x.q, *geometry_["q_b"]),
+                          K_DESC_B=kind(x.k, *geometry_["k_b"]),
+                          DQ_DESC_B=kind(x.dq, *geometry_["dq_b"]))
     else:  # unused pointers in the kernels' descriptor slots
-        values.update(Q_DESC=x.q, DO_DESC=x.grad_out, K_DESC=x.k, V_DESC=x.v, DQ_DESC=x.dq)
+        values.update(Q_DESC=x.q, DO_DESC=x.grad_out, K_DESC=x.k, V_DESC=x.v, DQ_DESC=x.dq,
+                      Q_DESC_B=x.q, K_DESC_B=x.k, DQ_DESC_B=x.dq)
     if not spec.ds_dq:  # delta in the workspace's unused pointer slots
         values["DS"] = values["DS_STORE"] = values["DS_LOAD"] = delta
         return values
@@ -443,9 +467,10 @@ class Backward(KernelFamily):
                 or (joint is not None and joint.grad_slots)):
             return None
         # dropout's Philox makes a different kernel: its own winners; so do ragged lengths
-        # past 128, whose default differs
+        # past 128, whose default differs, and Q, K in column blocks (192 is not 256)
         family = "bwd_dropout" if call.dropout else "bwd"
         family += "_ragged" if ragged and max(e_pad, ev_pad) > 128 else ""
+        family += "_split" if split_head_dim(q.shape[3], target) else ""
         key = autotune.tune_key(family, target.name,
                                 max(e_pad, ev_pad), ev_pad,
                                 DTYPE_NAMES[q.dtype], density_class(call.block_mask),
