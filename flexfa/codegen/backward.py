@@ -113,9 +113,12 @@ class BackwardSpec:
                     DROPOUT=self.dropout)
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
+        # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, without dropout
+        dv_last = (self.column_blocks[1] > 0 and next_power_of_two(self.head_dim) > 128
+                   and not self.dropout)
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
-                    DS_TMA=self.ds_dq and self.use_tma, **self._common())
+                    DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,

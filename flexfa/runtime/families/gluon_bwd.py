@@ -6,9 +6,10 @@ partial into an accumulator with TMA reduce-adds), between the row kernels of
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
-the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True`` wherever it applies
-(whatever family ran the forward: it reads out and lse only); elsewhere the Triton backward
-runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks, other head dims...).
+the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True``
+wherever it applies (whatever family ran the forward: it reads out and lse only); elsewhere
+the Triton backward runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks,
+other head dims...).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``) and two fp32 rows per query; nothing of size L x S.
 """
