@@ -119,14 +119,15 @@ def passes(forward, inputs, bench, what=("fwd", "fwd_bwd")) -> dict:
     return rows
 
 
-def flexfa_rows(q, k, v, causal: bool, bench) -> dict:
+def flexfa_rows(q, k, v, causal: bool, bench, options=None, what=("fwd", "fwd_bwd")) -> dict:
     import flexfa
     from flexfa.runtime import plans
 
     mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, q.shape[2], k.shape[2],
                                     device=q.device) if causal else None
     plans.PLANS.clear()  # the plans listed below are this case's
-    rows = passes(lambda: flexfa.flex_attention(q, k, v, block_mask=mask), (q, k, v), bench)
+    rows = passes(lambda: flexfa.flex_attention(q, k, v, block_mask=mask,
+                                                kernel_options=options), (q, k, v), bench, what)
     rows["plans"] = []
     for described in map(describe, plans.PLANS.values()):  # with and without lse: one entry
         if described not in rows["plans"]:
@@ -170,6 +171,9 @@ def run_case(E: int, Ev: int, S: int, causal: bool, args, compiled, bench) -> di
                     generator=generator).requires_grad_()
     case = {"E": E, "Ev": Ev, "B": B, "H": H, "S": S, "mode": "causal" if causal else "full"}
     makers = {"flexfa": lambda: flexfa_rows(q, k, v, causal, bench),
+              # the Gluon backward asked for (head dims that pad to 64 or 128)
+              "flexfa_gluon_bwd": lambda: flexfa_rows(q, k, v, causal, bench,
+                                                      {"GLUON_BACKWARD": True}, ("fwd_bwd",)),
               "torch_flex": lambda: torch_rows(q, k, v, causal, compiled, bench),
               "cudnn": lambda: cudnn_rows(q, k, v, causal, bench)}
     peers = args.peers.split(",")
@@ -185,12 +189,15 @@ def run_case(E: int, Ev: int, S: int, causal: bool, args, compiled, bench) -> di
             for name, out in outs.items() if name != "flexfa"}
     case["speedup_vs_torch_flex"] = {
         what: ratio(case, "torch_flex", what) for what in ("fwd", "fwd_bwd")}
+    if "flexfa_gluon_bwd" in peers:
+        case["gluon_bwd_speedup_vs_torch_flex"] = ratio(case, "torch_flex", "fwd_bwd",
+                                                        "flexfa_gluon_bwd")
     return case
 
 
-def ratio(case: dict, peer: str, what: str):
+def ratio(case: dict, peer: str, what: str, ours: str = "flexfa"):
     try:
-        return round(case[peer][what]["ms"] / case["flexfa"][what]["ms"], 3)
+        return round(case[peer][what]["ms"] / case[ours][what]["ms"], 3)
     except (KeyError, TypeError):
         return None
 
@@ -201,14 +208,15 @@ def table(cases: list[dict]) -> str:
             return f"{case[peer][what]['ms']:.3f}"
         except (KeyError, TypeError):
             return "err"
-    lines = ["E/Ev     S     mode    pass     flexfa   torch_flex  cudnn    x flex"]
+    lines = ["E/Ev     S     mode    pass     flexfa   torch_flex  cudnn    x flex  gluon_bwd"]
     for case in cases:
         for what in ("fwd", "fwd_bwd"):
             speedup = case["speedup_vs_torch_flex"][what]
+            gluon = ms(case, "flexfa_gluon_bwd", what) if "flexfa_gluon_bwd" in case else "-"
             lines.append(f"{case['E']}/{case['Ev']:<4} {case['S']:<5} {case['mode']:<7} "
                          f"{what:<8} {ms(case, 'flexfa', what):>8} "
                          f"{ms(case, 'torch_flex', what):>11} {ms(case, 'cudnn', what):>8} "
-                         f"{'-' if speedup is None else f'{speedup:.2f}':>7}")
+                         f"{'-' if speedup is None else f'{speedup:.2f}':>7} {gluon:>10}")
     return "\n".join(lines)
 
 
@@ -220,7 +228,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dims", default=",".join(DIMS), help="E or E/Ev, comma list")
     parser.add_argument("--modes", default="causal,full", help="causal and/or full")
     parser.add_argument("--seqs", default="8192,2048", help="sequence lengths (B = 16384 / S)")
-    parser.add_argument("--peers", default="flexfa,torch_flex,cudnn")
+    parser.add_argument("--peers", default="flexfa,torch_flex,cudnn",
+                        help="comma list of flexfa, flexfa_gluon_bwd (GLUON_BACKWARD=True), "
+                             "torch_flex, cudnn")
     parser.add_argument("--tokens", type=int, default=TOKENS, help="B * S (default 16384)")
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")

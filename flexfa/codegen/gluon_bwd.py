@@ -40,7 +40,7 @@ class GluonBackwardSpec:
     (joint IR, mask IR, spec)."""
 
     dtype: str  # "fp16" | "bf16"
-    head_dim: int  # q, k, v alike (64 or 128)
+    head_dim: int  # q, k, v alike (padding to 64 or 128)
     stages: int  # the Q/dO ring depth
     has_block_mask: bool
     has_full_blocks: bool

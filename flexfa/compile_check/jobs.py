@@ -354,6 +354,12 @@ register("bwd_gluon_d128_bf16_causal_gqa", gluon_bwd_job(128, "bf16", mask_mod=_
 register("bwd_gluon_d128_bf16_alibi_causal_gqa",
          gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_causal, gqa_group=4),
          archs=(90,))
+# head dims padded to the next power of two (TMA's zero fill past E; issue 28's 96 and 80)
+register("bwd_gluon_d96_bf16_softcap_causal",
+         gluon_bwd_job(96, "bf16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
+register("bwd_gluon_d80_bf16_causal", gluon_bwd_job(80, "bf16", mask_mod=_causal), archs=(90,))
+register("bwd_gluon_d48_fp16_dense", gluon_bwd_job(48, "fp16", stages=3), archs=(90,))
+register("bwd_gluon_rows_post_d96_bf16", gluon_rows_job(POST, head_dim=96), archs=(90,))
 
 
 # ---- compile-check variants -----------------------------------------------------------------

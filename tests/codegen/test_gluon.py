@@ -168,9 +168,9 @@ def test_head_dim_256_takes_64_key_tiles_and_overfull_pins_are_named():
     # E = 128 keeps what ran on the H200, and its third stage does not fit
     assert shared_bytes(128, 128, 128, 2, True) <= SHARED_BYTES < \
         shared_bytes(128, 128, 128, 3, False)
-    # the Gluon backward stays at 64 and 128
+    # the Gluon backward stays at head dims that pad to 64 and 128
     call = _call({**FORCED, "GLUON_BACKWARD": True})
-    assert "head dims 64 or 128 (" in why_not_gluon_bwd(SM90, call, q, k, v)
+    assert "head dims that pad to 64 or 128 (" in why_not_gluon_bwd(SM90, call, q, k, v)
 
 
 def test_cpu_tensors_say_why_gluon_cannot_run():

@@ -79,7 +79,9 @@ def _causal_window(b, h, q_idx, kv_idx):
     (8192, 64, _causal_window, None, "triton_bwd"),  # sparse at E = 64: not measured
     (8192, 128, _window, None, "triton_bwd"),
     (4096, 128, None, None, "triton_bwd"),         # not past 4096: not measured
-    (8192, 96, None, None, "triton_bwd"),          # head dims 64 and 128 only
+    (8192, 96, None, None, "triton_bwd"),          # AUTO: head dims 64 and 128 only
+    (8192, 96, mods.causal, FORCED, "gluon_bwd"),  # 96 pads to 128: runs when asked for
+    (8192, 80, None, FORCED, "gluon_bwd"),
     (8192, 128, None, {"GLUON_BACKWARD": False}, "triton_bwd"),
     (8192, 128, _window, FORCED, "gluon_bwd"),
     (8192, 128, None, {"deterministic": True}, "triton_bwd"),
@@ -127,7 +129,8 @@ def _learnable_bias():
     (lambda: (_call({**FORCED, "deterministic": True}), _qkv()), "deterministic=True"),
     (lambda: (_call({**FORCED, "DS_WORKSPACE": True}), _qkv()), "dS workspace"),
     (lambda: (_call({**FORCED, "bwd_BLOCK_M1": 32}), _qkv()), "pin backward tiles"),
-    (lambda: (_call(FORCED), _qkv(E=96)), "head dims 64 or 128"),
+    (lambda: (_call(FORCED), _qkv(E=256)), "head dims that pad to 64 or 128"),
+    (lambda: (_call(FORCED), _qkv(E=96, Ev=128)), "not E=96, Ev=128"),
     (lambda: (_call(FORCED), _qkv(E=128, Ev=64)), "not E=128, Ev=64"),
     (lambda: (_call(FORCED), _qkv(dtype=torch.float32)), "fp16/bf16"),
     (lambda: (_call(FORCED, block_mask=_mask(256, 64)), _qkv()), "multiples of (64, 128)"),
@@ -156,12 +159,17 @@ def test_gluon_backward_spec(L, block_mask, sparse_q, even_l, even_s, l_pad):
 
 
 @pytest.mark.parametrize("E, stages, chosen", [(128, None, 3), (64, None, 3), (128, 3, 3),
-                                               (64, 4, 4), (128, 2, 2)])
+                                               (64, 4, 4), (128, 2, 2), (96, None, 3),
+                                               (48, 4, 4)])
 def test_gluon_backward_ring_depth_from_kernel_options(E, stages, chosen):
     q, k, _ = _qkv(256, E)
     options = {**FORCED, **({"GLUON_BWD_STAGES": stages} if stages else {})}
     spec = gluon_bwd_spec(q, k, _call(options), SM90)
     assert spec.stages == chosen and shared_bytes(E, chosen) <= SHARED_BYTES
+    # a padded head dim takes its power of two's buffers (TMA fills the columns past E)
+    padded = 1 << (E - 1).bit_length()
+    assert shared_bytes(E, chosen) == shared_bytes(padded, chosen)
+    assert spec.constexprs(False)["E_PAD"] == padded and spec.constexprs(False)["E"] == E
 
 
 def test_gluon_backward_ring_that_does_not_fit_fails_by_name():

@@ -36,10 +36,12 @@ PERSISTENT_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent",)
 # ALiBi + causal GQA 4 (the consumers take each tile from its stage's code) spilled last
 BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
                 "bwd_gluon_d64_fp16_alibi_document", "bwd_gluon_d128_fp16_softcap_causal",
-                "bwd_gluon_d128_bf16_alibi_causal_gqa")
+                "bwd_gluon_d128_bf16_alibi_causal_gqa",
+                # head dims padded to 128 (TMA's zero fill past E)
+                "bwd_gluon_d96_bf16_softcap_causal", "bwd_gluon_d80_bf16_causal")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
 BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16",
-                    "bwd_gluon_rows_zero_d128_bf16")
+                    "bwd_gluon_rows_zero_d128_bf16", "bwd_gluon_rows_post_d96_bf16")
 SCRIPT = """
 import json, os, re, sys
 if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the interpreter

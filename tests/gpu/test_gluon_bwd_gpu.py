@@ -61,6 +61,12 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "document": (1, 4, 4, 1000, 1000, 64, _document),
     "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
     "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
+    # head dims padded to 128 / 64 (TMA's zero fill past E; stores and reduce-adds cut at E)
+    "causal_d96": (2, 4, 4, 1000, 1000, 96, lambda h, d: (None, mods.causal)),
+    "softcap_causal_d80": (1, 4, 4, 700, 700, 80,
+                           lambda h, d: (mods.softcap(30.0), mods.causal)),
+    "dense_d48_fp16": (1, 4, 4, 500, 600, 48, lambda h, d: (None, None)),
+    "gqa_alibi_causal_d96": (1, 8, 2, 640, 640, 96, _alibi_causal),
 }
 
 

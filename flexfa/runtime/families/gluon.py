@@ -124,18 +124,18 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[in
                   head_dims: tuple[int, ...] | None = None) -> str | None:
     """Why a Gluon kernel (the forward's or the backward's) cannot take this call: it runs
     compiled on sm_90 only, on fp16/bf16 q, k, v in the tensor-descriptor layout, and walks
-    block masks whose (q, kv) blocks are multiples of its ``blocks``; head dims: ``head_dims``
-    (q, k and v alike), or by default (the forward's) any whose padded (E, Ev) is one of
-    ``HEAD_DIM_PAIRS``."""
+    block masks whose (q, kv) blocks are multiples of its ``blocks``; head dims: q, k and v
+    alike and padding to one of ``head_dims`` (the backward's), or by default (the
+    forward's) any whose padded (E, Ev) is one of ``HEAD_DIM_PAIRS``."""
     if target.interpret:
         return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
                 "cannot run")
     if not target.is_sm90:
         return f"it runs on sm_90, not {target}"
     E, Ev = q.shape[3], v.shape[3]
-    if head_dims is not None and (E != Ev or E not in head_dims):
-        return f"it needs head dims {' or '.join(map(str, head_dims))} (q, k and v alike), " \
-               f"not E={E}, Ev={Ev}"
+    if head_dims is not None and (E != Ev or next_power_of_two(E) not in head_dims):
+        return (f"it needs head dims that pad to {' or '.join(map(str, head_dims))} (q, k and "
+                f"v alike), not E={E}, Ev={Ev}")
     if head_dims is None and padded_pair(q, v) not in HEAD_DIM_PAIRS:
         pairs = ", ".join(f"{e}/{ev}" for e, ev in sorted(HEAD_DIM_PAIRS))
         return (f"it needs head dims E/Ev that pad to one of {pairs}, not E={E}, Ev={Ev} "

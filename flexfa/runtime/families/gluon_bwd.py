@@ -24,7 +24,7 @@ from ...codegen.backward import dscore_is_one
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, ZERO, GluonBackwardSpec,
                                   RowsSpec, descriptor_blocks, descriptor_layouts,
                                   gluon_bwd_kernel, rows_kernel)
-from ...codegen.spec import DTYPE_NAMES
+from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
 from .. import binding, plans
 from ..autotune import SHORT_KV
@@ -37,17 +37,21 @@ from .backward import Inputs, int64_nodes_of, joint_graph
 from .gluon import SHARED_BYTES, descriptor_kinds, import_gluon, why_not_gluon
 from .hopper import descriptor_layout_ok, geometry
 
-# the Q/dO ring: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x the time of 2 at
-# S = 16384 full, 0.99x causal in bqb_02d71cb; mixed within 5% in bqb_339562a)
+# the Q/dO ring per padded head dim: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x
+# the time of 2 at S = 16384 full, 0.99x causal in bqb_02d71cb; mixed within 5% in
+# bqb_339562a)
 DEFAULT_STAGES = {64: 3, 128: 3}
-HEAD_DIMS = tuple(DEFAULT_STAGES)  # the forward's 256 is not the backward's
+# the head dims it takes pad to these (96 and 80 run at 128: TMA's zero fill past E on the
+# loads, the stores and the dQ reduce-adds cut at E); the forward's 256 is not the backward's
+HEAD_DIMS = tuple(DEFAULT_STAGES)
 
 
 def shared_bytes(head_dim: int, stages: int) -> int:
-    """bwd_gluon.tmpl's shared memory (16-bit inputs): the Q/dO ring with its lse2 and delta
-    rows, K and V of the program's keys, two pairs of dS^T tiles, the consumers' fp32 dQ
-    columns, and 1 KB for the barriers and the ring's tile codes (the sm_90 compiles: 193.6 KB at
-    E = 128, 2 stages)."""
+    """bwd_gluon.tmpl's shared memory (16-bit inputs) at ``head_dim`` padded to a power of
+    two: the Q/dO ring with its lse2 and delta rows, K and V of the program's keys, two pairs
+    of dS^T tiles, the consumers' fp32 dQ columns, and 1 KB for the barriers and the ring's
+    tile codes (the sm_90 compiles: 193.6 KB at E = 128, 2 stages)."""
+    head_dim = next_power_of_two(head_dim)
     ring = stages * (2 * BLOCK_M * head_dim * 2 + 2 * BLOCK_M * 4)
     keys = 2 * BLOCK_N * head_dim * 2
     ds = 2 * BLOCK_N * BLOCK_M * 2
@@ -58,7 +62,7 @@ def shared_bytes(head_dim: int, stages: int) -> int:
 def ring_stages(call, head_dim: int) -> int:
     """The Q/dO ring depth: kernel_options GLUON_BWD_STAGES, else the default per head dim;
     a depth whose buffers do not fit sm_90's shared memory fails here, by name."""
-    stages = call.options.gluon_bwd_stages or DEFAULT_STAGES[head_dim]
+    stages = call.options.gluon_bwd_stages or DEFAULT_STAGES[next_power_of_two(head_dim)]
     need = shared_bytes(head_dim, stages)
     if need > SHARED_BYTES:
         fits = [n for n in (2, 3, 4) if shared_bytes(head_dim, n) <= SHARED_BYTES]
@@ -129,6 +133,9 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 SPARSE_WALK_ROWS = 1024
 SPARSE_HEAD_DIMS = (128,)
 SPARSE_MIN_TILES = 16384
+# head dims GLUON_BACKWARD='AUTO' takes (the padded ones opt in with GLUON_BACKWARD=True
+# until measured against the Triton backward)
+AUTO_HEAD_DIMS = (64, 128)
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
@@ -141,6 +148,9 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         return reason
     if choice is None:
         L, S = q.shape[2], k.shape[2]
+        if q.shape[3] not in AUTO_HEAD_DIMS:
+            return (f"GLUON_BACKWARD='AUTO' takes head dims {AUTO_HEAD_DIMS} (measured "
+                    f"there), not {q.shape[3]}")
         if min(L, S) <= SHORT_KV:
             return (f"GLUON_BACKWARD='AUTO' takes it for L and S past {SHORT_KV} (measured "
                     f"there), not L={L}, S={S}")
