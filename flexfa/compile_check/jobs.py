@@ -13,6 +13,7 @@ from ..codegen.decode import decode_kernel, decode_signature
 from ..codegen.forward import forward_kernel, forward_signature
 from ..codegen.fp8 import (FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, fp8_forward_signature,
                            quantize_kernel, quantize_signature)
+from ..codegen.params import quantize_params
 from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_signature
 from ..codegen.gluon_bwd import (POST, PRE, ZERO, GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
                                  gluon_bwd_signature, rows_params)
@@ -27,7 +28,9 @@ from ..runtime.families.hopper import COMBINE_LAUNCH as HOPPER_COMBINE_LAUNCH
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
 from ..runtime.decode_inputs import DecodeInputs
 from ..runtime.families.decode import decode_spec
-from ..runtime.families.fp8 import default_tiles as fp8_tiles
+from ..fp8.inputs import FP8_DTYPE
+from ..fp8.quantize import seq_contiguous_storage
+from ..runtime.families.fp8 import default_tiles as fp8_tiles, quantize_launch
 from ..runtime.options import KernelOptions, PassOptions
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from ..runtime.target import parse_target
@@ -402,18 +405,26 @@ register("fwd_fp8_d128_causal_sinks", fp8_job(128, mask_mod=_causal, sinks_dtype
 
 
 def quantize_job(head_dim: int, dtype: str, rotate: bool, block: int = 128):
-    """A compile-check builder: the quantization kernel for one head dim and input dtype."""
+    """A compile-check builder: the quantization kernel for one head dim and input dtype,
+    launched as ``flexfa.fp8.quantize`` launches it (``quantize_launch``) on q or k (rotated,
+    row-contiguous output) or v (S-contiguous output) of 200 rows, its arguments specialized
+    as on a GPU (``launch_specialization``)."""
     def build(arch: int) -> CompileJob:
         generated = quantize_kernel()
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
+        kernel = getattr(module, generated.name)
         e_pad = next_power_of_two(head_dim, FP8_MIN_DIM if rotate else 16)
-        constexprs = dict(E=head_dim, E_PAD=e_pad, E_OUT=e_pad if rotate else head_dim,
-                          BLOCK=block, ROWS=min(block, 64 if e_pad >= 256 else 128),
-                          ROTATE=rotate, DOT_IN_FP32=dtype == "fp32", EMULATE_FP8_CAST=False)
-        return CompileJob(getattr(module, generated.name),
-                                        quantize_signature(dtype, constexprs), constexprs,
-                                        {"num_warps": 8 if e_pad >= 128 else 4, "num_stages": 1},
-                                        generated.name)
+        x = torch.zeros(1, 2, 200, head_dim, dtype=TORCH_DTYPES[dtype])
+        out = (torch.empty(1, 2, 200, e_pad, dtype=FP8_DTYPE) if rotate
+               else seq_contiguous_storage(x))
+        scale = torch.empty(1, 2, -(-200 // block))
+        signed_h = torch.zeros(e_pad, e_pad) if rotate else None
+        names = quantize_params().names
+        args, launch = quantize_launch(names, x, block, signed_h, out, scale, False)
+        options = {"num_warps": launch.pop("num_warps"), "num_stages": 1}
+        signature, ones, divisible = launch_specialization(
+            kernel, quantize_signature(dtype, launch), names, args)
+        return CompileJob(kernel, signature, launch | ones, options, generated.name, divisible)
     return build
 
 

@@ -39,7 +39,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
 
 
-def _seq_contiguous_storage(v: torch.Tensor) -> torch.Tensor:
+def seq_contiguous_storage(v: torch.Tensor) -> torch.Tensor:
     """An e4m3 ``[B, H, S, Ev]`` view of S-contiguous storage (S padded to 16: aligned rows)."""
     B, H, S, Ev = v.shape
     storage = torch.zeros(B, H, Ev, -(-S // 16) * 16, dtype=FP8_DTYPE, device=v.device)
@@ -48,7 +48,7 @@ def _seq_contiguous_storage(v: torch.Tensor) -> torch.Tensor:
 
 def _seq_contiguous(v8: torch.Tensor) -> torch.Tensor:
     """``v8`` [B, H, S, Ev] copied into S-contiguous storage."""
-    out = _seq_contiguous_storage(v8)
+    out = seq_contiguous_storage(v8)
     out.copy_(v8)
     return out
 
@@ -88,7 +88,7 @@ def _quantize_fused(q, k, v, block_q, block_kv, signs, seed) -> FP8Inputs:
     width = q.shape[-1] if signs is None else signs.shape[0]
     rotation = None if signs is None else signed_hadamard(width, seed, q.device)
     q8, k8 = (torch.empty(*x.shape[:3], width, dtype=FP8_DTYPE, device=x.device) for x in (q, k))
-    v8 = _seq_contiguous_storage(v)
+    v8 = seq_contiguous_storage(v)
     scales = [quantize_rows(x, block, matrix, out) for x, block, matrix, out in
               ((q, block_q, rotation, q8), (k, block_kv, rotation, k8), (v, block_kv, None, v8))]
     return FP8Inputs(q8, k8, v8, *scales, block_q=block_q, block_kv=block_kv,

@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("fwd_gluon_d128_bf16_dense", "fwd_gluon_d128_bf16_causal",
             "fwd_gluon_d128_fp16_softcap_causal", "fwd_gluon_d256_bf16_dense",
+            "fwd_gluon_d256_bf16_causal",  # the zero-extended epilogue offsets (issue 28)
             "fwd_gluon_d192_ev128_bf16_causal")  # padded E, another Ev
 # CI compiles three of the eight registered ping-pong variants (E = 64 and 128 x dense, causal,
 # softcap, document; all: python -m flexfa compile-check --arch 90 --only pingpong)

@@ -48,6 +48,19 @@ def test_backward_matches_the_reference(spy_specs, E, Ev, tma):
     constexprs = spec.dkdv_constexprs(False)
     assert (constexprs["E_PAD"], constexprs["EV_PAD"]) == (
         256 if E > 128 else 128, 256 if Ev > 128 else 128)
+    # 256 in one column block walks the window's partial and full blocks in one loop
+    assert constexprs["ONE_LOOP"] == (E == 256)
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_backward_one_loop_without_score_mod(spy_specs, gqa):
+    # ONE_LOOP with dscore = 1 (P masked once, dS from it) and a causal mask (the diagonal
+    # blocks partial, the rest full), GQA's loop over query heads around the walk
+    q, k, v = make_qkv(1, 2 * gqa, 2, L, S, 256, 256, dtype=torch.bfloat16, seed=gqa)
+    causal = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    check_backward(q, k, v, None, mods.causal, causal, enable_gqa=gqa > 1)
+    (spec,) = spy_specs
+    assert spec.dkdv_constexprs(True)["ONE_LOOP"]
 
 
 @pytest.fixture

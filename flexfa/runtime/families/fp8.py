@@ -163,27 +163,36 @@ def quantize_rows(x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
     """One fused pass: rotate (``x @ signed_h / sqrt(d)``; None: no rotation), per-block amax,
     e4m3 values into ``out`` (any strides, ``[B, H, N, d or E]``); returns the descales
     ``[B, H, nb]``."""
-    B, H, N, E = x.shape
-    rotate = signed_h is not None
-    e_pad = signed_h.shape[0] if rotate else next_power_of_two(E, 16)
+    B, H, N, _ = x.shape
     scale = torch.empty(B, H, cdiv(N, block), dtype=torch.float32, device=x.device)
     if scale.numel() == 0:
         return scale
-    if not rotate:
-        signed_h = scale  # a placeholder pointer
     interpret = x.device.type == "cpu"
-    rows = min(block, 64 if e_pad >= 256 else 128)
     loaded = _quantize_module(interpret)
-    args = binding.Binder(loaded.names(), {}).bind({
-        "X": x, "X8": out, "SCALE": scale, "SIGNED_H": signed_h,
+    args, launch = quantize_launch(loaded.names(), x, block, signed_h, out, scale, interpret)
+    Step(loaded.kernel(), (scale.shape[2], B * H), {}, launch).launch(args, x.device)
+    return scale
+
+
+def quantize_launch(names, x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
+                    out: torch.Tensor, scale: torch.Tensor, interpret: bool
+                    ) -> tuple[list, dict]:
+    """``quantize_rows``'s launch of the kernel with parameters ``names``: its positional
+    arguments and its constexprs with the launch options (the compile check builds the
+    same launch)."""
+    _, H, N, E = x.shape
+    rotate = signed_h is not None
+    e_pad = signed_h.shape[0] if rotate else next_power_of_two(E, 16)
+    args = binding.Binder(names, {}).bind({  # without a rotation SCALE is SIGNED_H's placeholder
+        "X": x, "X8": out, "SCALE": scale, "SIGNED_H": signed_h if rotate else scale,
         **binding.strides("x", "bhnd", x.stride()), **binding.strides("o", "bhnd", out.stride()),
         **binding.strides("s", "bh", scale.stride()[:2]), "H": H, "N": N,
         "inv_sqrt_d": 1.0 / e_pad ** 0.5})
-    launch = dict(E=E, E_PAD=e_pad, E_OUT=out.shape[-1], BLOCK=block, ROWS=rows,
-                  ROTATE=rotate, DOT_IN_FP32=interpret or x.dtype == torch.float32,
+    launch = dict(E=E, E_PAD=e_pad, E_OUT=out.shape[-1], BLOCK=block,
+                  ROWS=min(block, 64 if e_pad >= 256 else 128), ROTATE=rotate,
+                  DOT_IN_FP32=interpret or x.dtype == torch.float32,
                   EMULATE_FP8_CAST=interpret, num_warps=8 if e_pad >= 128 else 4)
-    Step(loaded.kernel(), (scale.shape[2], B * H), {}, launch).launch(args, x.device)
-    return scale
+    return args, launch
 
 
 def _generate_quantize(spec: ModeSpec):
