@@ -113,12 +113,13 @@ class BackwardSpec:
                     DROPOUT=self.dropout)
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
-        # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, without dropout
-        dv_last = (self.column_blocks[1] > 0 and next_power_of_two(self.head_dim) > 128
-                   and not self.dropout)
         # partial and full q blocks in one loop (bwd_dkdv.tmpl): 256 in one column block
         one_loop = (self.column_blocks == (256, 0) and not self.dropout
                     and self.has_block_mask and self.has_full_blocks)
+        # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, or in the one loop; never
+        # with dropout
+        dv_last = not self.dropout and (
+            one_loop or (self.column_blocks[1] > 0 and next_power_of_two(self.head_dim) > 128))
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, ONE_LOOP=one_loop,

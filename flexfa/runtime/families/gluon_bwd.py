@@ -133,17 +133,14 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 SPARSE_WALK_ROWS = 1024
 SPARSE_HEAD_DIMS = (128,)
 SPARSE_MIN_TILES = 16384
-# head dims GLUON_BACKWARD='AUTO' takes: 64, and 80 to 128, which all run its E = 128 kernel
-# (TMA's zero fill past E). Measured at 96 and 80 on the H200 (gb_f6f3362, fwd+bwd, B=2 H=16
-# S=8192, ms, Gluon / Triton backward): 96 causal 3.533 / 4.292, full 6.557 / 8.020; 80
-# causal 3.312 / 4.043, full 6.058 / 7.456 (0.81-0.82x the time). Others (48, pads to 64, not
-# measured) opt in with GLUON_BACKWARD=True.
-AUTO_HEAD_DIMS = (64, (80, 128))
 
 
 def auto_head_dim(E: int) -> bool:
-    return any(E == dims if isinstance(dims, int) else dims[0] <= E <= dims[1]
-               for dims in AUTO_HEAD_DIMS)
+    """The head dims GLUON_BACKWARD='AUTO' takes: 64, and 80 to 128, which all run its
+    E = 128 kernel (TMA's zero fill past E; faster than the Triton backward where measured,
+    at 96 and 80: docs/gluon.md, "Padded head dims in the backward"). Others (48, padded to
+    64, not measured) opt in with GLUON_BACKWARD=True."""
+    return E == 64 or 80 <= E <= 128
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
