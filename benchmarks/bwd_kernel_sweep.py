@@ -3,7 +3,9 @@
     PYTHONPATH=. python benchmarks/bwd_kernel_sweep.py [--cases 128:16384:causal,...]
         [--dkdv OWN:WALK:WARPS:STAGES:MAXNREG,...] [--dq ...] [--out DIR]
 
-A case is E:S:variant, or E/Ev:S:variant where v's head dim differs (192/128: DeepSeek's MLA).
+A case is E:S:variant, or E/Ev:S:variant where v's head dim differs (192/128: DeepSeek's MLA);
+the variant may carry suffixes: ``+gqaG`` (G query heads per kv head), ``+drop`` (dropout 0.1,
+a fixed seed), ``+nomask`` (the variant's score_mod without its mask_mod): ``causal+gqa4``.
 The dK/dV kernel owns OWN keys and walks q tiles of WALK rows; the dQ kernel owns OWN rows and
 walks kv tiles of WALK keys (MAXNREG 0: no register cap). For each case the backward's inputs
 (q, k, v, out, lse, dO and the prepared call) are captured from one ``flexfa`` fwd+bwd, whose
@@ -58,12 +60,23 @@ def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16,
     """(args of run_backward, (dq, dk, dv)) of one flexfa fwd+bwd on the benchmark's inputs
     (``device="cpu"``, small S and heads: a smoke test under the interpreter); v and dO of
     head dim ``Dv`` (default D)."""
+    variant, *suffixes = variant.split("+")
+    group = next((int(x[3:]) for x in suffixes if x.startswith("gqa")), 1)
+    unknown = [x for x in suffixes if x not in ("drop", "nomask") and not x.startswith("gqa")]
+    if unknown or heads % group:
+        raise ValueError(f"variant suffixes {unknown} unknown or heads {heads} not a multiple "
+                         f"of the GQA group {group}")
     B, H, Dv = max(1, 16384 // S) if device == "cuda" else 1, heads, Dv or D
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, dim, device=device, dtype=torch.bfloat16, generator=gen)
-               .requires_grad_() for dim in (D, D, Dv))
+    q, k, v = (torch.randn(B, h, S, dim, device=device, dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for dim, h in ((D, H), (D, H // group), (Dv, H // group)))
     do = torch.randn(B, H, S, Dv, device=device, dtype=torch.bfloat16, generator=gen)
     score_mod, mask_mod = bench_variants(S, H, device)[variant]
+    if "nomask" in suffixes:
+        mask_mod = None
+    extra = dict(enable_gqa=group > 1)
+    if "drop" in suffixes:
+        extra.update(dropout_p=0.1, dropout_seed=1234)
     block_mask = flexfa.create_block_mask(mask_mod, B, None, S, S, device=device) \
         if mask_mod else None
     seen = {}
@@ -74,7 +87,7 @@ def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16,
         return original(*args, **kwargs)
     flexfa_autograd.run_backward = recording
     try:
-        flexfa.flex_attention(q, k, v, score_mod, block_mask).backward(do)
+        flexfa.flex_attention(q, k, v, score_mod, block_mask, **extra).backward(do)
     finally:
         flexfa_autograd.run_backward = original
     return seen["args"], (q.grad.clone(), k.grad.clone(), v.grad.clone())

@@ -101,6 +101,11 @@ class BackwardSpec:
             return head_dim_blocks(self.head_dim)
         return next_power_of_two(self.head_dim), 0
 
+    @property
+    def wide(self) -> bool:
+        """A padded head dim past 128 (q/k or v)."""
+        return max(next_power_of_two(self.head_dim), next_power_of_two(self.head_dim_v)) > 128
+
     def _common(self) -> dict:
         e_a, e_b = self.column_blocks
         return dict(E=self.head_dim, E_PAD=next_power_of_two(self.head_dim), E_A=e_a, E_B=e_b,
@@ -113,9 +118,10 @@ class BackwardSpec:
                     DROPOUT=self.dropout)
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
-        # partial and full q blocks in one loop (bwd_dkdv.tmpl): 256 in one column block
+        # partial and full q blocks in one loop (bwd_dkdv.tmpl): 256 in one column block,
+        # with a block mask that has full blocks or without a block mask (the same tile body)
         one_loop = (self.column_blocks == (256, 0) and not self.dropout
-                    and self.has_block_mask and self.has_full_blocks)
+                    and (self.has_full_blocks or not self.has_block_mask))
         # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, or in the one loop; never
         # with dropout
         dv_last = not self.dropout and (
@@ -123,13 +129,15 @@ class BackwardSpec:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, ONE_LOOP=one_loop,
+                    RAGGED_APART=not self.wide,
+                    ROW_OFFSETS=self.use_tma and not (one_loop and self.has_block_mask),
                     **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,
                     EVEN_S=self.even_s2, DSCORE_IS_ONE=dscore_one,
                     HAS_BUFFER_GRADS=has_buffer_grads, DETERMINISTIC=self.deterministic,
-                    HAS_DLSE=self.has_dlse, LOAD_DS=self.ds_dq,
+                    HAS_DLSE=self.has_dlse, LOAD_DS=self.ds_dq, RAGGED_APART=not self.wide,
                     DS_TMA=self.ds_dq and self.use_tma, **self._common())
 
     def delta_constexprs(self, block_m: int) -> dict:

@@ -92,6 +92,15 @@ def test_wide_heads_softcap_causal_both_length_kinds(L, E, Ev, monkeypatch):
     assert specs and specs[0].use_tma and specs[0].num_warps == tiles[4], specs[0]
 
 
+@pytest.mark.parametrize("L", [1024, 1000])
+@pytest.mark.parametrize("E,Ev,gqa", [(256, 256, 1), (256, 256, 2), (192, 128, 2)])
+def test_wide_heads_softcap_without_block_mask(L, E, Ev, gqa):
+    # no block mask: at 256 the one loop's tile body over every tile, past 128 every tile
+    # bounds-checked at ragged lengths (bwd_dkdv.tmpl's ONE_LOOP, RAGGED_APART)
+    q, k, v = make_qkv(B, H, H // gqa, L, L, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
+    check_backward(q, k, v, mods.softcap(30.0), enable_gqa=gqa > 1, with_lse=True)
+
+
 def test_gqa_ragged_lengths_and_lse_gradient_on_gpu():
     q, k, v = make_qkv(2, 8, 2, 1000, 1777, 128, dtype=torch.bfloat16, device="cuda")
     block_mask = create_block_mask(mods.sliding_window(300), None, None, 1000, 1777,
