@@ -129,15 +129,14 @@ class BackwardSpec:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, ONE_LOOP=one_loop,
-                    RAGGED_APART=not self.wide,
-                    ROW_OFFSETS=self.use_tma and not (one_loop and self.has_block_mask),
                     **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,
                     EVEN_S=self.even_s2, DSCORE_IS_ONE=dscore_one,
                     HAS_BUFFER_GRADS=has_buffer_grads, DETERMINISTIC=self.deterministic,
-                    HAS_DLSE=self.has_dlse, LOAD_DS=self.ds_dq, RAGGED_APART=not self.wide,
+                    HAS_DLSE=self.has_dlse, LOAD_DS=self.ds_dq,
+                    RAGGED_APART=not self.wide,  # bwd_dq.tmpl
                     DS_TMA=self.ds_dq and self.use_tma, **self._common())
 
     def delta_constexprs(self, block_m: int) -> dict:

@@ -68,9 +68,9 @@ def test_backward_one_loop_without_score_mod(spy_specs, gqa):
 @pytest.mark.parametrize("E,Ev,gqa,tma", [(256, 256, 1, True), (256, 256, 2, False),
                                            (192, 128, 2, True)])
 def test_backward_wide_without_block_mask_ragged(spy_specs, E, Ev, gqa, tma):
-    # no block mask, L and S not tile multiples: past 128 every tile is bounds-checked in one
-    # loop (no ragged last tile apart), at 256 the one loop's tile body (APPLY_MASK False);
-    # with descriptors lse and delta rows addressed from q_row (ROW_OFFSETS), GQA's heads
+    # no block mask, L and S not tile multiples: at 256 the dK/dV kernel runs the one loop's
+    # tile body (APPLY_MASK False); past 128 the dQ kernel checks bounds on every key tile
+    # (RAGGED_APART off); GQA's heads around the walk
     q, k, v = make_qkv(2, 2 * gqa, 2, L + 8, S + 10, E, Ev, dtype=torch.bfloat16, seed=E + gqa)
     check_backward(q, k, v, mods.softcap(20.0), enable_gqa=gqa > 1, with_lse=True,
                    kernel_options={"bwd_USE_TMA": tma})
@@ -78,23 +78,10 @@ def test_backward_wide_without_block_mask_ragged(spy_specs, E, Ev, gqa, tma):
     assert not spec.even_l1 and not spec.even_s2 and not spec.has_block_mask
     dkdv = spec.dkdv_constexprs(False)
     assert dkdv["ONE_LOOP"] == (E == 256) and dkdv["DV_LAST"]
-    assert not dkdv["RAGGED_APART"] and not spec.dq_constexprs(False, False)["RAGGED_APART"]
-    assert dkdv["ROW_OFFSETS"] == tma
-
-
-def test_backward_ragged_apart_and_row_offsets_up_to_128(spy_specs):
-    # up to 128 the whole tiles run without bounds checks and the ragged last one apart;
-    # descriptors address lse and delta from q_row except in the one loop over a block mask
-    q, k, v = make_qkv(2, 4, 2, L, S, 64, 64, dtype=torch.bfloat16, seed=5)
-    check_backward(q, k, v, mods.softcap(20.0), enable_gqa=True,
-                   kernel_options={"bwd_USE_TMA": True})
-    (spec,) = spy_specs
-    dkdv = spec.dkdv_constexprs(False)
-    assert dkdv["RAGGED_APART"] and dkdv["ROW_OFFSETS"] and not dkdv["ONE_LOOP"]
-    assert spec.dq_constexprs(False, False)["RAGGED_APART"]
-    one_loop = dataclasses.replace(spec, head_dim=256, head_dim_v=256, has_block_mask=True,
-                                   has_full_blocks=True).dkdv_constexprs(False)
-    assert one_loop["ONE_LOOP"] and not one_loop["ROW_OFFSETS"]
+    assert not spec.dq_constexprs(False, False)["RAGGED_APART"]
+    narrow = dataclasses.replace(spec, head_dim=128, head_dim_v=128)
+    assert narrow.dq_constexprs(False, False)["RAGGED_APART"]
+    assert not narrow.dkdv_constexprs(False)["ONE_LOOP"]
 
 
 @pytest.fixture
