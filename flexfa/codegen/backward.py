@@ -119,9 +119,10 @@ class BackwardSpec:
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
         # partial and full q blocks in one loop (bwd_dkdv.tmpl): 256 in one column block,
-        # with a block mask that has full blocks or without a block mask (the same tile body)
+        # with a block mask that has full blocks; without a block mask (the same tile body)
+        # where a score_mod has a derivative (measured: bwd_dkdv.tmpl's ONE_LOOP)
         one_loop = (self.column_blocks == (256, 0) and not self.dropout
-                    and (self.has_full_blocks or not self.has_block_mask))
+                    and (self.has_full_blocks if self.has_block_mask else not dscore_one))
         # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, or in the one loop; never
         # with dropout
         dv_last = not self.dropout and (
@@ -129,6 +130,7 @@ class BackwardSpec:
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, ONE_LOOP=one_loop,
+                    ROW_OFFSETS=one_loop and not self.has_block_mask and self.use_tma,
                     **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:

@@ -357,7 +357,8 @@ def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "E_A", "E_B", "EV", "EV_PAD",
                    "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L",
                    "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE", "INPUT_PRECISION", "DOT_UPCAST",
-                   "USE_TMA", "STORE_DS", "DS_TMA", "DROPOUT", "DV_LAST", "ONE_LOOP")))
+                   "USE_TMA", "STORE_DS", "DS_TMA", "DROPOUT", "DV_LAST", "ONE_LOOP",
+                   "ROW_OFFSETS")))
 
 
 def delta_params() -> KernelParams:

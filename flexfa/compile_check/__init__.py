@@ -5,13 +5,16 @@ Each registered variant is a builder ``arch -> CompileJob`` (a compiled-mode ker
 signature, constexprs and launch options), registered with ``register(name, builder)``;
 ``flexfa.compile_check.jobs`` registers every family's, ``head_dims`` the wide and odd
 head dims' at their default tiles. The table shows, per (kernel, arch): ok, whether the PTX
-uses ``mma.sync`` / ``wgmma``, the registers and spill bytes ``ptxas -v`` reports, and the
-shared memory Triton allocates per program.
+uses ``mma.sync`` / ``wgmma``, the registers and spill bytes ``ptxas -v`` reports, how many
+local-memory loads and stores lie inside the kernel's tile loops (``loop_local_ops``: the
+spills paid on every tile; nvdisasm's SASS), and the shared memory Triton allocates per
+program.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -48,6 +51,10 @@ class CompileResult:
     # ptxas serialized the wgmmas (its C7514 notice: an instruction reads an accumulator of a
     # wgmma in flight, so each wgmma waits for the one before); None: no ptxas to ask
     wgmma_serialized: bool | None = None
+    # local-memory loads and stores (SASS LDL / STL) inside the kernel's innermost loops of
+    # at least LOOP_MIN_INSTRUCTIONS: the spills a tile loop pays on every tile, where
+    # spill_bytes also counts those of code run once (a ragged last tile, a per-head prologue)
+    loop_local_ops: int | None = None
     seconds: float = 0.0
     error: str = ""
     skipped: bool = False  # the variant does not target this arch
@@ -96,31 +103,71 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
     except Exception as exc:  # reported in the table, not raised
         return CompileResult(variant, arch, False, seconds=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    registers, spills, serialized = ptxas_usage(ptx, arch)
+    registers, spills, serialized, sass = ptxas_usage(ptx, arch, sass=True)
     return CompileResult(variant, arch, True, "mma.sync" in ptx, "wgmma" in ptx, registers, spills,
-                         shared, serialized, time.perf_counter() - start, ptx=ptx)
+                         shared, serialized, loop_local_ops(sass) if sass else None,
+                         time.perf_counter() - start, ptx=ptx)
 
 
-def ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None, bool | None]:
+def ptxas_usage(ptx: str, arch: int, sass: bool = False) -> tuple:
     """(registers, spill store bytes, wgmmas serialized) from ``ptxas -v``, or Nones if
-    unavailable."""
+    unavailable; ``sass``: and the cubin's SASS text from ``nvdisasm`` (None without it)."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         ptxas = get_ptxas(arch).path
         suffix = "a" if arch >= 90 else ""
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            result = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o",
-                                     "/dev/null"], capture_output=True, text=True, timeout=300)
-        text = result.stdout + result.stderr
+        with tempfile.TemporaryDirectory() as folder:
+            source, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+            with open(source, "w") as f:
+                f.write(ptx)
+            result = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", source, "-o",
+                                     cubin], capture_output=True, text=True, timeout=300)
+            text = result.stdout + result.stderr
+            disassembly = _disassemble(os.path.dirname(ptxas), cubin) if sass else None
     except Exception:  # ptxas missing or failing: the table shows "-"
-        return None, None, None
+        return (None, None, None) + ((None,) if sass else ())
     registers = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
-    return (max(map(int, registers)) if registers else None,
-            max(map(int, spills)) if spills else None,
-            "C7514" in text or "wgmma.mma_async instructions are serialized" in text)
+    usage = (max(map(int, registers)) if registers else None,
+             max(map(int, spills)) if spills else None,
+             "C7514" in text or "wgmma.mma_async instructions are serialized" in text)
+    return usage + ((disassembly,) if sass else ())
+
+
+def _disassemble(tools: str, cubin: str) -> str | None:
+    """nvdisasm's SASS of ``cubin`` (Triton ships nvdisasm beside ptxas), or None."""
+    tool = os.path.join(tools, "nvdisasm")
+    if not os.path.exists(cubin) or not os.path.exists(tool):
+        return None
+    result = subprocess.run([tool, "-c", cubin], capture_output=True, text=True, timeout=300)
+    return result.stdout if result.returncode == 0 else None
+
+
+LOOP_MIN_INSTRUCTIONS = 64  # smaller loops are barrier waits and spin loops, not tile loops
+
+
+def loop_local_ops(sass: str) -> int:
+    """The local-memory instructions (LDL, STL) of ``sass`` inside its innermost loops of at
+    least LOOP_MIN_INSTRUCTIONS instructions (the tile loops of the attention kernels, where
+    a spill costs on every tile). A loop: a conditional branch back to an earlier label; an
+    unconditional one is how ptxas returns from a block it laid out of line (a barrier's
+    wait), not a loop."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    instruction = [bool(re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)) for line in lines]
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"@!?U?P\w+\s+BRA\b.*?(\.L_x_\d+)", line)
+        if m and instruction[i] and labels.get(m.group(1), i) < i:
+            start = labels[m.group(1)]
+            if sum(instruction[start:i + 1]) >= LOOP_MIN_INSTRUCTIONS:
+                loops.append((start, i))
+    innermost = [(a, b) for a, b in loops
+                 if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    local = re.compile(r"\b(LDL|STL)\b")
+    return sum(1 for i, line in enumerate(lines) if instruction[i] and local.search(line)
+               and any(a <= i <= b for a, b in innermost))
 
 
 def traced_mods(score_mod, mask_mod):
@@ -141,14 +188,14 @@ def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:
 
 def format_table(results: list[CompileResult]) -> str:
     header = ["kernel", "arch", "ok", "mma.sync", "wgmma", "registers", "spills (B)",
-              "shared (KB)", "time (s)"]
+              "in loops", "shared (KB)", "time (s)"]
 
     def cell(value):
         return "-" if value is None else ("yes" if value is True else "no" if value is False
                                            else str(value))
 
     rows = [[r.variant, f"sm_{r.arch}", "ok" if r.ok else ("skip" if r.skipped else "FAIL"), cell(r.mma_sync),
-             cell(r.wgmma), cell(r.registers), cell(r.spill_bytes),
+             cell(r.wgmma), cell(r.registers), cell(r.spill_bytes), cell(r.loop_local_ops),
              cell(None if r.shared_bytes is None else round(r.shared_bytes / 1024, 1)),
              f"{r.seconds:.1f}"]
             for r in results]

@@ -89,3 +89,50 @@ def test_varlen_table_kernels_compile(name, arch):
     assert result.ok, result.error
     assert f".entry {name.split('_')[0]}_{name.split('_')[1]}" in result.ptx
     assert result.spill_bytes in (None, 0), result.spill_bytes
+
+
+def _sass(body: list[str]) -> str:
+    # nvdisasm -c's shape: labels on their own lines, instructions with their offset comment
+    lines, offset = [], 0
+    for item in body:
+        if item.endswith(":"):
+            lines.append(item)
+        else:
+            lines.append(f"        /*{offset:04x}*/                   {item} ;")
+            offset += 16
+    return "\n".join(lines)
+
+
+def test_loop_local_ops_counts_spills_of_the_tile_loops_only():
+    from flexfa.compile_check import LOOP_MIN_INSTRUCTIONS, loop_local_ops
+    filler = ["FFMA R0, R1, R2, R0"] * LOOP_MIN_INSTRUCTIONS
+    sass = _sass(["STL [R1], R5", "LDL R6, [R1+0x4]",  # prologue: once per program
+                  ".L_x_0:", "LDL R7, [R1]", "STL [R1+0x8], R7",
+                  ".L_x_2:", "HMMA.16816.F32 R8, R4, R6, R8", *filler,
+                  "@P1 BRA `(.L_x_2)",  # the tile loop, inside the outer loop
+                  "@!P3 BRA `(.L_x_1)",  # to a wait laid out of line, which returns to L_x_5
+                  ".L_x_5:", "LDL R3, [R1+0x8]", *filler,
+                  "@P2 BRA `(.L_x_0)",  # the outer loop: not innermost
+                  "EXIT",
+                  ".L_x_1:", "SYNCS.PHASECHK.TRANS64 P0, [R2], RZ",
+                  "@!P0 BRA `(.L_x_1)", "BRA `(.L_x_5)",
+                  ".L_x_9:", "BRA `(.L_x_9)"])
+    # the tile loop has no LDL/STL; the wait's return branch is not a loop (else L_x_5..
+    # would be an innermost loop holding LDL R3)
+    assert loop_local_ops(sass) == 0
+    inner = sass.replace("HMMA.16816.F32 R8, R4, R6, R8", "LDL R9, [R1+0xc]")
+    inner = inner.replace("@P1 BRA", "STL [R1+0xc], R9 ;\n        /*ffff*/   @P1 BRA")
+    assert loop_local_ops(inner) == 2
+    # a loop shorter than LOOP_MIN_INSTRUCTIONS (a spin loop) is not a tile loop
+    short = _sass([".L_x_0:", "LDL R7, [R1]", "FFMA R0, R1, R2, R0", "@P0 BRA `(.L_x_0)"])
+    assert loop_local_ops(short) == 0
+
+
+def test_compile_result_reports_spills_inside_loops():
+    name = "fwd_d128_bf16_causal"
+    result = compile_job(name, 90, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    if result.spill_bytes is None:
+        pytest.skip("ptxas is unavailable")
+    assert result.loop_local_ops == 0
+    assert "in loops" in format_table([result])

@@ -47,6 +47,7 @@ SM90_DEFAULTS = [f"fwd_hopper_{tag}_bf16_softcap_causal" for tag in ("d192_ev128
 def test_sm90_defaults_do_not_spill(name):
     result = _compiled(name, 90)
     assert result.spill_bytes == 0, f"{name}: {result.spill_bytes} bytes of spills"
+    assert result.loop_local_ops in (None, 0), f"{name}: {result.loop_local_ops} in loops"
     assert result.shared_bytes <= 227 * 1024, f"{name}: {result.shared_bytes} bytes of shared"
     if name.startswith("fwd_hopper"):
         assert result.wgmma and "cp.async.bulk.tensor" in result.ptx  # TMA loads, wgmma

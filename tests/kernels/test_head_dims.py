@@ -78,6 +78,9 @@ def test_backward_wide_without_block_mask_ragged(spy_specs, E, Ev, gqa, tma):
     assert not spec.even_l1 and not spec.even_s2 and not spec.has_block_mask
     dkdv = spec.dkdv_constexprs(False)
     assert dkdv["ONE_LOOP"] == (E == 256) and dkdv["DV_LAST"]
+    assert dkdv["ROW_OFFSETS"] == (E == 256 and tma)
+    # without a score_mod (dscore = 1) the two-loop body: it measured faster there
+    assert not spec.dkdv_constexprs(True)["ONE_LOOP"]
     assert not spec.dq_constexprs(False, False)["RAGGED_APART"]
     narrow = dataclasses.replace(spec, head_dim=128, head_dim_v=128)
     assert narrow.dq_constexprs(False, False)["RAGGED_APART"]

@@ -1,0 +1,60 @@
+"""CPU (no GPU): where the backward's kernels spill at the wide head dims (issue 28). For E =
+256 and 192 with Ev = 128, every mod class of the table and both length kinds (tile multiples,
+whose sm_90 default is 64 keys x 64 rows on 8 warps, and ragged lengths, 32-key programs on 4
+warps), compiles the dK/dV and dQ kernels for sm_90 at the runtime's default tiles
+(``flexfa.compile_check.jobs.backward_job``) and prints ``ptxas -v``'s spill store bytes next
+to the local-memory instructions inside the tile loops (``loop_local_ops``: the spills paid on
+every tile). A cold Triton cache compiles about 90 kernels (minutes).
+
+    python benchmarks/experiments/wide_spills.py [--dims 256,192] [--only dropout]
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def variants():
+    from flexfa.compile_check import jobs
+    softcap, causal = jobs._softcap, jobs._causal
+    return {
+        "dense": {}, "softcap": dict(score_mod=softcap), "causal": dict(mask_mod=causal),
+        "softcap + causal": dict(score_mod=softcap, mask_mod=causal),
+        "document": dict(mask_mod=jobs._document_mask()),
+        "ALiBi + causal": dict(score_mod=jobs._slopes_mod(), mask_mod=causal),
+        "GQA 4": dict(gqa_group=4),
+        "GQA 4 softcap + causal": dict(score_mod=softcap, mask_mod=causal, gqa_group=4),
+        "dropout": dict(dropout=True), "dropout + causal": dict(mask_mod=causal, dropout=True),
+        "dS workspace, causal": dict(mask_mod=causal, ds=True),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", default="256,192", help="256 (Ev 256) and/or 192 (Ev 128)")
+    parser.add_argument("--only", default="", help="only variants whose name contains this")
+    args = parser.parse_args()
+    from flexfa.compile_check import compile_job
+    from flexfa.compile_check.jobs import backward_job
+
+    print("E    variant                 "
+          "dK/dV even      dK/dV ragged    dQ even         dQ ragged   (bytes / in loops)")
+    for dim in (int(d) for d in args.dims.split(",")):
+        for name, mods in variants().items():
+            if args.only not in name:
+                continue
+            cells = []
+            for which in ("dkdv", "dq"):
+                for ragged in (False, True):
+                    result = compile_job(name, 90, backward_job(
+                        which, dim, "bf16", head_dim_v=128 if dim == 192 else dim,
+                        ragged=ragged, **mods))
+                    cells.append(f"{result.spill_bytes} / {result.loop_local_ops}"
+                                 if result.ok else "FAIL")
+            print(f"{dim:<4} {name:23s} " + "".join(f"{c:16s}" for c in cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
