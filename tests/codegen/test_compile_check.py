@@ -132,7 +132,7 @@ def test_compile_result_reports_spills_inside_loops():
     name = "fwd_d128_bf16_causal"
     result = compile_job(name, 90, compile_check.REGISTRY[name])
     assert result.ok, result.error
-    if result.spill_bytes is None:
-        pytest.skip("ptxas is unavailable")
+    if result.spill_bytes is None or result.loop_local_ops is None:
+        pytest.skip("ptxas or nvdisasm is unavailable")  # Triton's wheel ships both
     assert result.loop_local_ops == 0
     assert "in loops" in format_table([result])
