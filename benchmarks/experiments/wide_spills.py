@@ -49,7 +49,7 @@ def main() -> int:
                 for ragged in (False, True):
                     result = compile_job(name, 90, backward_job(
                         which, dim, "bf16", head_dim_v=128 if dim == 192 else dim,
-                        ragged=ragged, **mods))
+                        ragged=ragged, **mods), loops=True)
                     cells.append(f"{result.spill_bytes} / {result.loop_local_ops}"
                                  if result.ok else "FAIL")
             print(f"{dim:<4} {name:23s} " + "".join(f"{c:16s}" for c in cells), flush=True)

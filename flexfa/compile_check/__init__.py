@@ -82,8 +82,11 @@ def supports(name: str, arch: int) -> bool:
     return name not in ARCHS or arch in ARCHS[name]
 
 
-def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob]) -> CompileResult:
-    """Build and compile one variant for ``sm_<arch>``; errors become a failed result."""
+def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob],
+                loops: bool = False) -> CompileResult:
+    """Build and compile one variant for ``sm_<arch>``; errors become a failed result.
+    ``loops``: also disassemble the cubin and count ``loop_local_ops`` (about 0.5 s more for
+    a large kernel; the command-line table does)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -103,7 +106,8 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
     except Exception as exc:  # reported in the table, not raised
         return CompileResult(variant, arch, False, seconds=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    registers, spills, serialized, sass = ptxas_usage(ptx, arch, sass=True)
+    registers, spills, serialized, sass = (ptxas_usage(ptx, arch, sass=True) if loops
+                                           else (*ptxas_usage(ptx, arch), None))
     return CompileResult(variant, arch, True, "mma.sync" in ptx, "wgmma" in ptx, registers, spills,
                          shared, serialized, loop_local_ops(sass) if sass else None,
                          time.perf_counter() - start, ptx=ptx)
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--arch must be comma-separated integers like 80,90, got {args.arch!r}",
               file=sys.stderr)
         return 2
-    results = [compile_job(name, arch, REGISTRY[name]) if supports(name, arch)
+    results = [compile_job(name, arch, REGISTRY[name], loops=True) if supports(name, arch)
                else CompileResult(name, arch, False, skipped=True, error="not for this arch")
                for name in names for arch in archs]
     print(format_table(results))

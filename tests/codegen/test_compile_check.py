@@ -130,7 +130,8 @@ def test_loop_local_ops_counts_spills_of_the_tile_loops_only():
 
 def test_compile_result_reports_spills_inside_loops():
     name = "fwd_d128_bf16_causal"
-    result = compile_job(name, 90, compile_check.REGISTRY[name])
+    result = compile_job(name, 90, compile_check.REGISTRY[name], loops=True)
+    assert compile_job(name, 90, compile_check.REGISTRY[name]).loop_local_ops is None
     assert result.ok, result.error
     if result.spill_bytes is None or result.loop_local_ops is None:
         pytest.skip("ptxas or nvdisasm is unavailable")  # Triton's wheel ships both
