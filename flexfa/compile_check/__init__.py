@@ -106,41 +106,46 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
     except Exception as exc:  # reported in the table, not raised
         return CompileResult(variant, arch, False, seconds=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    registers, spills, serialized, sass = (ptxas_usage(ptx, arch, sass=True) if loops
-                                           else (*ptxas_usage(ptx, arch), None))
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "k.cubin") if loops else None
+        registers, spills, serialized = ptxas_usage(ptx, arch, cubin)
+        sass = _disassemble(arch, cubin) if loops else None
     return CompileResult(variant, arch, True, "mma.sync" in ptx, "wgmma" in ptx, registers, spills,
                          shared, serialized, loop_local_ops(sass) if sass else None,
                          time.perf_counter() - start, ptx=ptx)
 
 
-def ptxas_usage(ptx: str, arch: int, sass: bool = False) -> tuple:
+def ptxas_usage(ptx: str, arch: int, cubin: str | None = None
+                ) -> tuple[int | None, int | None, bool | None]:
     """(registers, spill store bytes, wgmmas serialized) from ``ptxas -v``, or Nones if
-    unavailable; ``sass``: and the cubin's SASS text from ``nvdisasm`` (None without it)."""
+    unavailable; ``cubin``: where to write the binary (for ``_disassemble``)."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         ptxas = get_ptxas(arch).path
         suffix = "a" if arch >= 90 else ""
-        with tempfile.TemporaryDirectory() as folder:
-            source, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
-            with open(source, "w") as f:
-                f.write(ptx)
-            result = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", source, "-o",
-                                     cubin], capture_output=True, text=True, timeout=300)
-            text = result.stdout + result.stderr
-            disassembly = _disassemble(os.path.dirname(ptxas), cubin) if sass else None
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            result = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o",
+                                     cubin or "/dev/null"], capture_output=True, text=True,
+                                    timeout=300)
+        text = result.stdout + result.stderr
     except Exception:  # ptxas missing or failing: the table shows "-"
-        return (None, None, None) + ((None,) if sass else ())
+        return None, None, None
     registers = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
-    usage = (max(map(int, registers)) if registers else None,
-             max(map(int, spills)) if spills else None,
-             "C7514" in text or "wgmma.mma_async instructions are serialized" in text)
-    return usage + ((disassembly,) if sass else ())
+    return (max(map(int, registers)) if registers else None,
+            max(map(int, spills)) if spills else None,
+            "C7514" in text or "wgmma.mma_async instructions are serialized" in text)
 
 
-def _disassemble(tools: str, cubin: str) -> str | None:
+def _disassemble(arch: int, cubin: str) -> str | None:
     """nvdisasm's SASS of ``cubin`` (Triton ships nvdisasm beside ptxas), or None."""
-    tool = os.path.join(tools, "nvdisasm")
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        tool = os.path.join(os.path.dirname(get_ptxas(arch).path), "nvdisasm")
+    except Exception:
+        return None
     if not os.path.exists(cubin) or not os.path.exists(tool):
         return None
     result = subprocess.run([tool, "-c", cubin], capture_output=True, text=True, timeout=300)

@@ -95,8 +95,9 @@ def test_wide_heads_softcap_causal_both_length_kinds(L, E, Ev, monkeypatch):
 @pytest.mark.parametrize("L", [1024, 1000])
 @pytest.mark.parametrize("E,Ev,gqa", [(256, 256, 1), (256, 256, 2), (192, 128, 2)])
 def test_wide_heads_softcap_without_block_mask(L, E, Ev, gqa):
-    # no block mask: at 256 the one loop's tile body over every tile, past 128 every tile
-    # bounds-checked at ragged lengths (bwd_dkdv.tmpl's ONE_LOOP, RAGGED_APART)
+    # no block mask: at 256 the dK/dV kernel runs the one loop's tile body (bwd_dkdv.tmpl's
+    # ONE_LOOP, ROW_OFFSETS); past 128 the dQ kernel bounds-checks every key tile at ragged
+    # lengths (bwd_dq.tmpl's RAGGED_APART off)
     q, k, v = make_qkv(B, H, H // gqa, L, L, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
     check_backward(q, k, v, mods.softcap(30.0), enable_gqa=gqa > 1, with_lse=True)
 
