@@ -52,6 +52,12 @@ def _document(heads, device):
     return None, mods.document([300, 200, 500], device=device)
 
 
+def _empty_rows(score, b, h, q_idx, kv_idx):
+    # every fifth query row scores -inf everywhere: its lse is -inf, which the kernel must
+    # read as +inf (P = 0, no NaN) in full blocks and without a block mask too
+    return torch.where(q_idx % 5 == 2, float("-inf"), score)
+
+
 CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask_mod)); bf16
     "dense": (2, 4, 4, 1024, 1024, 128, lambda h, d: (None, None)),
     "dense_d64_fp16": (1, 4, 4, 512, 512, 64, lambda h, d: (None, None)),
@@ -61,6 +67,8 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "document": (1, 4, 4, 1000, 1000, 64, _document),
     "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
     "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
+    "empty_rows": (1, 4, 4, 700, 700, 128, lambda h, d: (_empty_rows, None)),
+    "empty_rows_causal": (2, 4, 2, 600, 600, 128, lambda h, d: (_empty_rows, mods.causal)),
     # head dims padded to 128 / 64 (TMA's zero fill past E; stores and reduce-adds cut at E)
     "causal_d96": (2, 4, 4, 1000, 1000, 96, lambda h, d: (None, mods.causal)),
     "softcap_causal_d80": (1, 4, 4, 700, 700, 80,

@@ -2,7 +2,7 @@
 program per 128 keys, two consumer warpgroups of 64 keys holding dK and dV, a TMA producer
 warp walking the block mask's transposed tables, a dQ-writer warp adding each tile's fp32 dQ
 partial into an accumulator with TMA reduce-adds), between the row kernels of
-``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
+``bwd_gluon_rows.tmpl`` (delta rows before, dQ's scale and cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
@@ -11,7 +11,8 @@ wherever it applies (whatever family ran the forward: it reads out and lse only)
 the Triton backward runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks,
 other head dims...).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
-a quarter: ``DQ_CHUNKS``) and two fp32 rows per query; nothing of size L x S.
+a quarter: ``DQ_CHUNKS``) and one fp32 row per query (delta: the kernel reads the forward's lse
+as it is); nothing of size L x S.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ HEAD_DIMS = tuple(DEFAULT_STAGES)
 
 def shared_bytes(head_dim: int, stages: int) -> int:
     """bwd_gluon.tmpl's shared memory (16-bit inputs) at ``head_dim`` padded to a power of
-    two: the Q/dO ring with its lse2 and delta rows, K and V of the program's keys, two pairs
+    two: the Q/dO ring with its lse and delta rows, K and V of the program's keys, two pairs
     of dS^T tiles, the consumers' fp32 dQ columns, and 1 KB for the barriers and the ring's
     tile codes (the sm_90 compiles: 193.6 KB at E = 128, 2 stages)."""
     head_dim = next_power_of_two(head_dim)
@@ -254,16 +255,28 @@ def zero_step(spec: RowsSpec, acc_rows: int) -> Step:
                 {"num_warps": ROWS_WARPS}, binding.Binder(rows.names(ZERO), {"ROWS": acc_rows}))
 
 
-def run_pre(pre: Step, x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse2, delta) as [B * Hq, l_pad] float32 rows: lse * log2(e) (+inf for empty and
-    padding rows) and rowsum(dO * O) - dlse (0 on padding rows)."""
+def run_pre(pre: Step, x: Inputs, l_pad: int) -> torch.Tensor:
+    """delta as [B * Hq, l_pad] float32 rows: rowsum(dO * O) - dlse (0 on padding rows)."""
     B, Hq = x.q.shape[:2]
-    lse2 = torch.empty(B * Hq, l_pad, dtype=torch.float32, device=x.q.device)
-    delta = torch.empty_like(lse2)
-    dlse = x.grad_lse.float().contiguous() if x.grad_lse is not None else lse2
-    pre.launch_with({"OUT": x.out, "DOUT": x.grad_out, "LSE": x.lse.contiguous(),
-                     "DLSE": dlse, "LSE2": lse2, "DELTA": delta}, x.q.device)
-    return lse2, delta
+    delta = torch.empty(B * Hq, l_pad, dtype=torch.float32, device=x.q.device)
+    dlse = x.grad_lse.float().contiguous() if x.grad_lse is not None else delta
+    pre.launch_with({"OUT": x.out, "DOUT": x.grad_out, "DLSE": dlse, "DELTA": delta},
+                    x.q.device)
+    return delta
+
+
+def lse_row(lse: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(tensor, shape, strides) of the tensor descriptor the kernel reads the forward's lse
+    [B, Hq, L] through: all of it as one [1, B * Hq * L] float32 row (head bh's row m at
+    column bh * L + m, so any L is addressable; the stride of the one-row dimension is never
+    stepped, but TMA wants it 16-byte aligned and past the row's end). Copied only where it
+    is not contiguous float32 from a 16-byte aligned start (a descriptor's base must be: the
+    plan's descriptors skip their checks after the first call, so this one is checked here,
+    every call)."""
+    if lse.dtype != torch.float32 or not lse.is_contiguous() or lse.data_ptr() % 16:
+        lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device).copy_(lse)
+    n = lse.numel()
+    return lse.view(1, n), [1, n], [-(-n // 4) * 4, 1]
 
 
 def run_post(post: Step, dq_acc: torch.Tensor, x: Inputs, scale: float,
@@ -330,7 +343,7 @@ class GluonBackward(KernelFamily):
         pre, kernel, post, zero = plan.steps
         B, Hq, L, E = x.q.shape
         l_pad, device = plan.fixed["l_pad"], x.q.device
-        lse2, delta = run_pre(pre, x, l_pad)
+        delta = run_pre(pre, x, l_pad)
         acc_rows, slots = plan.fixed["acc_heads"] * l_pad, plan.fixed["slots"]
         # each part zeroes its slot on its stream before its kernel. (The postprocess leaving
         # the rows zeroed for the slot's next part instead, f2fa661, gave wrong dQ on the
@@ -347,7 +360,7 @@ class GluonBackward(KernelFamily):
                        for name, t in (("Q_DESC", x.q), ("DO_DESC", grad_out), ("K_DESC", x.k),
                                        ("V_DESC", x.v))}
         descriptors.update(
-            LSE_DESC=descriptor("LSE_DESC", lse2, [B * Hq, l_pad], [l_pad, 1]),
+            LSE_DESC=descriptor("LSE_DESC", *lse_row(x.lse)),
             DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [l_pad, 1]))
         dq_descs = [descriptor("DQ_DESC", acc, [acc_rows, E], [E, 1]) for acc in dq_accs]
         # the fused kernel writes dK and dV whether or not they are wanted (a cached call
