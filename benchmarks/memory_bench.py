@@ -10,8 +10,8 @@ torch.cuda.max_memory_allocated after reset_peak_memory_stats minus what was all
 the call, i.e. the inputs, the upstream gradient and the block mask; outputs and gradients
 count); cuDNN only where the variant is expressible (full, causal); the dS mode fwd+bwd only
 (its forward is flexfa's). Also the memory the outputs and gradients must take and flexfa's
-default formula (the outputs, dQ, dK, dV and 4 B Hq L bytes of delta), and which backward
-plans ran. The issue's memory target: flexfa's fwd+bwd peak <= 1.2x FlexAttention's.
+default formula (the outputs, dQ, dK, dV, 4 B Hq L bytes of delta and, where the Gluon backward
+ran, its fp32 dQ accumulator: ``accumulator_mib``), and which backward plans ran. The issue's memory target: flexfa's fwd+bwd peak <= 1.2x FlexAttention's.
 
     timeout 300 python benchmarks/memory_bench.py out.json [--budget 240]
 
@@ -85,7 +85,8 @@ def run_case(name: str, device: str, compiled, bench, peers) -> dict:
     grads = sum(t.numel() * 2 for t in inputs)
     case["outputs_mib"] = {"fwd": round((out_bytes + lse_bytes) / MIB, 1),
                            "fwd_bwd": round((out_bytes + lse_bytes + grads) / MIB, 1)}
-    # flexfa's default backward: those, and delta [B, Hq, L] float32
+    # flexfa's default backward: those, and delta [B, Hq, L] float32 (and, added once flexfa
+# ran, the Gluon backward's dQ accumulator where that plan ran)
     case["flexfa_formula_mib"] = round((out_bytes + lse_bytes + grads + lse_bytes) / MIB, 1)
 
     def rows(forward, what=("fwd", "fwd_bwd")) -> dict:
@@ -98,6 +99,8 @@ def run_case(name: str, device: str, compiled, bench, peers) -> dict:
         found = rows(lambda: flexfa.flex_attention(q, k, v, score_mod, mask, enable_gqa=gqa,
                                                    kernel_options=options), what)
         found["plans"] = sorted({describe(plan) for plan in plans.PLANS.values()})
+        found["accumulator_mib"] = round(sum(plan.fixed.get("accumulator_bytes", 0)
+                                             for plan in plans.PLANS.values()) / MIB, 1)
         return found
 
     def torch_rows() -> dict:
@@ -120,6 +123,10 @@ def run_case(name: str, device: str, compiled, bench, peers) -> dict:
         guarded(case, peer, makers[peer])
         if device == "cuda":
             torch.cuda.empty_cache()
+    if isinstance(case.get("flexfa"), dict) and "accumulator_mib" in case["flexfa"]:
+        # the Gluon backward's fp32 dQ accumulator (a part of the heads at a time), if it ran
+        case["flexfa_formula_mib"] = round(case["flexfa_formula_mib"]
+                                           + case["flexfa"]["accumulator_mib"], 1)
     outs = {peer: case[peer].pop("out") for peer in peers
             if isinstance(case.get(peer), dict) and "out" in case[peer]}
     if "flexfa" in outs:

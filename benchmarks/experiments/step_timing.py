@@ -7,12 +7,16 @@ in rounds that alternate the implementations:
            grad_to_none before each step, CUDA events around each step, median)
   noflush  the same without the flush
   chain    CUDA events around 20 back-to-back steps, per step
-  host     the host's time to enqueue one step (the GPU kept busy by a long sleep first).
+  host     the host's time to enqueue one step (the GPU kept busy by a long sleep first),
+and each implementation's peak extra memory of one step (MiB: outputs and gradients count).
+An implementation `flexfa@NAME=VALUE;NAME=VALUE` is flexfa with those kernel_options (ints,
+True/False), e.g. `flexfa@GLUON_BWD_DQ_CHUNKS=3`; `--modes` picks the ways of timing.
 (A profiled pass that split the trace at the flushes was dropped: torch's trace did not show
 every flush, st_2aae01a; benchmarks/bwd_profile.py has the kernels' times.)
 
     PYTHONPATH=. python benchmarks/experiments/step_timing.py [--seq 16384] [--dim 128]
-        [--variants causal,full] [--rounds 3] [--json out.json]
+        [--variants causal,full] [--impls flexfa,flexfa@GLUON_BWD_DQ_CHUNKS=3,cudnn]
+        [--modes bench,noflush,chain,host] [--rounds 3] [--json out.json]
 """
 import argparse
 import json
@@ -24,12 +28,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+MODES = ("bench", "noflush", "chain", "host")
+
+
+def kernel_options(label: str) -> dict | None:
+    """The kernel_options of an implementation label `flexfa@NAME=VALUE;...` (None for
+    plain `flexfa`)."""
+    if "@" not in label:
+        return None
+    options = {}
+    for item in label.split("@", 1)[1].split(";"):
+        name, value = item.split("=", 1)
+        options[name] = {"True": True, "False": False}.get(value) if value in (
+            "True", "False") else int(value) if value.lstrip("-").isdigit() else value
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--variants", default="causal,full")
     parser.add_argument("--impls", default="flexfa,cudnn")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default="")
     return parser
@@ -58,9 +79,12 @@ def main() -> int:
         def cudnn(causal=(name == "causal")):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        impls = {"flexfa": lambda: flexfa.flex_attention(q, k, v, score_mod, fbm),
-                 "cudnn": cudnn}
-        impls = {label: fn for label, fn in impls.items() if label in args.impls.split(",")}
+        def flexfa_impl(options):
+            return lambda: flexfa.flex_attention(q, k, v, score_mod, fbm,
+                                                 kernel_options=options)
+        impls = {label: cudnn if label == "cudnn" else flexfa_impl(kernel_options(label))
+                 for label in args.impls.split(",")}
+        modes = args.modes.split(",")
 
         def step(fn):
             q.grad = k.grad = v.grad = None
@@ -96,31 +120,41 @@ def main() -> int:
             torch.cuda.synchronize()
             return ms
 
+        def peak_mib(fn):
+            q.grad = k.grad = v.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            fn().backward(do)
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+        ways = {"bench": lambda fn: do_bench(lambda: step(fn), warmup=100, rep=100,
+                                             return_mode="median", grad_to_none=[q, k, v]),
+                "noflush": noflush, "chain": chain, "host": host}
         for fn in impls.values():
             for _ in range(3):
                 step(fn)
         torch.cuda.synchronize()
-        timed = {label: {"bench": [], "noflush": [], "chain": [], "host": []} for label in impls}
+        peaks = {label: peak_mib(fn) for label, fn in impls.items()}
+        timed = {label: {m: [] for m in modes} for label in impls}
         for _ in range(args.rounds):
             for label, fn in impls.items():
-                t = timed[label]
-                t["bench"].append(do_bench(lambda: step(fn), warmup=100, rep=100,
-                                           return_mode="median", grad_to_none=[q, k, v]))
-                t["noflush"].append(noflush(fn))
-                t["chain"].append(chain(fn))
-                t["host"].append(host(fn))
+                for m in modes:
+                    timed[label][m].append(ways[m](fn))
         for label in impls:
             t = timed[label]
-            row = {"variant": name, "impl": label, "S": S, "D": D,
+            row = {"variant": name, "impl": label, "S": S, "D": D, "peak_mib": peaks[label],
                    **{m: statistics.median(v) for m, v in t.items()}, "rounds": t}
             results.append(row)
-            print(f"{name:7} {label:7} bench {row['bench']:.3f} noflush {row['noflush']:.3f} "
-                  f"chain {row['chain']:.3f} host {row['host']:.3f} ms", flush=True)
+            print(f"{name:7} {label:30} " + " ".join(f"{m} {row[m]:.3f}" for m in modes)
+                  + f" ms, peak extra {row['peak_mib']:.0f} MiB", flush=True)
         base = {r["impl"]: r for r in results if r["variant"] == name}
-        if {"flexfa", "cudnn"} <= set(base):
-            print(f"{name:7} cuDNN / flexfa: " + ", ".join(
-                f"{m} {base['cudnn'][m] / base['flexfa'][m]:.3f}x"
-                for m in ("bench", "noflush", "chain")), flush=True)
+        for label in (lb for lb in base if lb.startswith("flexfa") and "cudnn" in base):
+            print(f"{name:7} cuDNN / {label}: " + ", ".join(
+                f"{m} {base['cudnn'][m] / base[label][m]:.3f}x"
+                for m in modes if m != "host"), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

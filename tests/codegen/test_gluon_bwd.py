@@ -281,6 +281,8 @@ def test_parts_take_turns_in_two_slots_on_two_streams(monkeypatch):
         assert [acc.data_ptr() for acc in slot_of] == [
             slot_of[i % want_slots].data_ptr() for i in range(len(slot_of))]
         assert len({acc.data_ptr() for acc in slot_of}) == want_slots
+        # the bytes memory reports take from the plan are those the slots hold
+        assert plan.fixed["accumulator_bytes"] == want_slots * slot_of[0].numel() * 4
         assert [a["DQ_ACC"].data_ptr() for a in posts] == [acc.data_ptr() for acc in slot_of]
         # each part's slot is zeroed, whole, right before its kernel
         assert [a["DQ_ACC"].data_ptr() for a in zeros] == [acc.data_ptr() for acc in slot_of]

@@ -337,7 +337,9 @@ class GluonBackward(KernelFamily):
         return plans.Plan(self, spec, (pre, kernel, post, zero), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
             "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
-            "acc_heads": acc_b * acc_hkv * group, "parts": parts, "slots": slots})
+            "acc_heads": acc_b * acc_hkv * group, "parts": parts, "slots": slots,
+            # what run() allocates for the fp32 dQ accumulator (memory reports read it)
+            "accumulator_bytes": slots * acc_b * acc_hkv * group * l_pad * E * 4})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
         pre, kernel, post, zero = plan.steps
