@@ -6,8 +6,8 @@ The Gluon module is built like the Gluon forward's: helpers, the Gluon library, 
 library with the mask_mod, then the template with the score_mod's joint graph rendered as for
 the Triton backward (``score_joint_code``) and broadcasts in the transposed score tile's layout
 (``GLUON_TILE_T``). The row kernels are a small plain-Triton module (the interpreter runs them
-too): the preprocess writes the padded delta rows the Gluon kernel reads by TMA (it reads the
-forward's lse as it is), the postprocess scales and casts the fp32 dQ accumulator.
+too): the preprocess writes the padded lse2 and delta rows the Gluon kernel reads by TMA, the
+postprocess scales and casts the fp32 dQ accumulator.
 """
 from __future__ import annotations
 
@@ -182,8 +182,10 @@ _ROW_CONSTEXPRS = constexprs("BLOCK", "E", "E_PAD", "EV", "EV_PAD", "HAS_DLSE")
 def rows_params() -> dict[str, KernelParams]:
     """The parameters of the row kernels."""
     return {
-        PRE: KernelParams((tensors(INPUT, "OUT", "DOUT") + tensors("fp32", "DLSE", "DELTA"),
-                           strides("o", "bhmd"), strides("g", "bhmd"), ints("HQ", "L", "L_PAD"),
+        PRE: KernelParams((tensors(INPUT, "OUT", "DOUT") + tensors("fp32", "LSE", "DLSE", "LSE2",
+                                                                   "DELTA"),
+                           strides("o", "bhmd"), strides("g", "bhmd"),
+                           ints("HQ", "L", "L_PAD", "ROW_STRIDE"),
                            _ROW_CONSTEXPRS)),
         POST: KernelParams((tensors("fp32", "DQ_ACC") + tensors(INPUT, "DQ"),
                             strides("dq", "bhmd"), ints("L", "L_PAD", "HQ_CHUNK", "B0", "H0")

@@ -308,7 +308,8 @@ def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
         x = Inputs(q, q, q, q, rows[None], q, rows[None] if has_dlse else None, q, q, q, {})
         pre, post = row_steps(spec, x, 256)
         step, values = {
-            PRE: (pre, {"OUT": q, "DOUT": q, "DLSE": rows, "DELTA": rows}),
+            PRE: (pre, {"OUT": q, "DOUT": q, "LSE": rows, "DLSE": rows, "LSE2": rows,
+                        "DELTA": rows, "ROW_STRIDE": 512}),
             POST: (post, {"DQ_ACC": rows, "DQ": q, "sm_scale": 0.125, "B0": 0, "H0": 0}),
             ZERO: (zero_step(spec, 2 * 256), {"DQ_ACC": rows})}[which]
         args = step.binder.bind(values)

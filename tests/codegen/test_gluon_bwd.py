@@ -218,13 +218,18 @@ def test_row_kernels_under_the_interpreter(L, has_dlse, dtype, seed):
     x = _inputs(L, 64, dtype, has_dlse, seed)
     l_pad = math.ceil(L / 64) * 64
     pre, post = row_steps(RowsSpec(64, has_dlse, INTERPRETER.name), x, l_pad)
-    delta = run_pre(pre, x, l_pad)
+    lse2, delta = run_pre(pre, x, l_pad)
+    # both rows in dQ's own memory (it is written only after the kernel has read them)
+    for rows in (lse2, delta):
+        assert rows.untyped_storage().data_ptr() == x.dq.untyped_storage().data_ptr()
     want = (x.out.double() * x.grad_out.double()).sum(-1)
     if has_dlse:
         want = want - x.grad_lse.double()
-    torch.testing.assert_close(delta.view(2, l_pad)[:, :L].double(), want.view(2, L),
-                               rtol=1e-5, atol=1e-5)
-    assert (delta[:, L:] == 0).all()
+    lse = x.lse.double() * math.log2(math.e)
+    lse = torch.where(x.lse == float("-inf"), float("inf"), lse)
+    torch.testing.assert_close(delta[:, :L].double(), want.view(2, L), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2[:, :L].double(), lse.view(2, L))
+    assert (lse2[:, L:] == float("inf")).all() and (delta[:, L:] == 0).all()
     acc = torch.randn(2 * l_pad, 64)
     run_post(post, acc, x, 0.125)
     torch.testing.assert_close(x.dq, (acc.view(1, 2, l_pad, 64)[:, :, :L] * 0.125).to(dtype))
@@ -354,34 +359,39 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     main = dict(zip(plan.steps[1].binder.names, launched[2][1]))
     assert main["HQ_CHUNK"] == 1 and main["DQ_DESC"].shape == [256, E]  # one head's rows
     assert main["DK"].shape == k.shape and main["DV"].shape == v.shape
-    # the forward's lse itself, as one row of B * Hq * L (no log2 copy of it)
-    assert main["LSE_DESC"].base.data_ptr() == x.lse.data_ptr()
-    assert main["LSE_DESC"].shape == [1, 2 * L] and main["LSE_DESC"].strides == [2 * L, 1]
-    assert dict(zip(pre.binder.names, launched[0][1])).keys().isdisjoint({"LSE", "LSE2"})
+    # lse2 and delta rows in dQ's memory: head bh's rows in its dQ bytes (L * E / 2 float32)
+    for name, offset in (("LSE_DESC", 0), ("DELTA_DESC", 256)):
+        desc = main[name]
+        assert desc.base.untyped_storage().data_ptr() == x.dq.untyped_storage().data_ptr()
+        assert desc.base.data_ptr() == x.dq.data_ptr() + 4 * offset
+        assert desc.shape == [2, 256] and desc.strides == [L * E // 2, 1]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(2, 3, 7),                                     # as it is
-    lambda: torch.randn(2 * 3 * 7 + 1)[1:].view(2, 3, 7),             # 4 bytes off 16
-    lambda: torch.randn(2, 7, 3).transpose(1, 2),                     # not contiguous
-    lambda: torch.randn(2, 3, 7, dtype=torch.float64),                # not float32
+@pytest.mark.parametrize("L, E, delta_wanted, in_dq", [
+    (256, 64, False, True),     # 2 x 256 float32 rows in 256 x 64 bf16: they fit
+    (100, 64, False, True),     # l_pad 128: 4 * 128 <= 6400
+    (256, 64, True, False),     # the caller wants delta after the postprocess
+    (3, 8, False, False),       # l_pad 64 past a head's 3 x 8 values of dQ
 ])
-def test_lse_row_is_one_aligned_float32_row_of_the_forwards_lse(make):
-    """The Gluon kernel reads the forward's lse through a [1, B * Hq * L] descriptor: the
-    tensor itself where TMA can read it, else an aligned float32 copy; the row's stride is
-    16-byte aligned and past its end whatever L is (here 42 values, stride 44), and Gluon's
-    own descriptor checks accept it."""
-    from triton.experimental.gluon import language as gl
-    from flexfa.runtime.families.gluon import descriptor_kinds
-    lse = make()
-    row, shape, strides = gluon_bwd_module.lse_row(lse)
-    fits = lse.dtype == torch.float32 and lse.is_contiguous() and lse.data_ptr() % 16 == 0
-    assert (row.data_ptr() == lse.data_ptr()) == fits
-    assert row.dtype == torch.float32 and row.data_ptr() % 16 == 0
-    assert shape == [1, 42] and strides == [44, 1]
-    assert torch.equal(row.view(2, 3, 7), lse.float())
-    layout = gl.NVMMASharedLayout.get_default_for([1, 64], gl.float32)
-    descriptor_kinds()[0](row, shape, strides, [1, 64], layout)  # its checks pass
+def test_row_buffers_live_in_dq_where_they_fit(L, E, delta_wanted, in_dq):
+    """The lse2 and delta rows take dQ's bytes where two [l_pad] float32 rows fit in each
+    head's L x E values and nobody reads delta after the postprocess; else a buffer of
+    their own. Either way [B * Hq, l_pad] views with 16-byte aligned rows."""
+    B, Hq = 2, 3
+    l_pad = -(-L // 64) * 64
+    q = torch.zeros(B, Hq, L, E, dtype=torch.bfloat16)
+    x = Inputs(q, q, q, q, torch.zeros(B, Hq, L), q, None, torch.empty_like(q), q, q, {},
+               torch.empty(B, Hq, L) if delta_wanted else None)
+    lse2, delta, got = gluon_bwd_module.row_buffers(x, l_pad)
+    assert got == in_dq
+    shared = lse2.untyped_storage().data_ptr() == x.dq.untyped_storage().data_ptr()
+    assert shared == in_dq
+    for rows in (lse2, delta):
+        assert rows.shape == (B * Hq, l_pad) and rows.dtype == torch.float32
+        assert rows.stride(1) == 1 and rows.stride(0) * 4 % 16 == 0
+        assert rows.data_ptr() % 16 == 0
+    if in_dq:  # head bh's rows inside head bh's dQ values
+        assert lse2.stride(0) == L * E // 2 and delta.data_ptr() == lse2.data_ptr() + 4 * l_pad
 
 
 @pytest.mark.parametrize("B, Hq, Hkv, options", [
@@ -393,14 +403,16 @@ def test_lse_row_is_one_aligned_float32_row_of_the_forwards_lse(make):
 def test_parts_flow_gives_every_head_its_own_dq(monkeypatch, B, Hq, Hkv, options):
     """The run's parts, slots and postprocess flags end to end, with the Gluon kernel
     emulated by its reduce-adds (each part adds its heads' dQ into its slot's rows, as
-    bwd_gluon.tmpl's dQ writer does) and the postprocess run under the interpreter: every
-    head's dQ is its own, whatever ran in the slot before it."""
+    bwd_gluon.tmpl's dQ writer does) and the pre- and postprocess run under the interpreter:
+    every head's dQ is its own, whatever ran in the slot before it, and every part's kernel
+    finds its heads' lse2 and delta rows as the preprocess wrote them, though they live in
+    dQ's memory, which other parts' postprocesses write meanwhile."""
     from flexfa.runtime.launch import Step
     L, E, group = 200, 64, Hq // Hkv
-    q, k = torch.zeros(B, Hq, L, E), torch.zeros(B, Hkv, L, E)
+    q, k = (torch.zeros(B, h, L, E, dtype=torch.bfloat16) for h in (Hq, Hkv))
     want = torch.randn(B, Hq, L, E)
     call = _call({**FORCED, **options}, None, None, gqa_group=group)
-    x = Inputs(q, k, k, torch.randn_like(q), torch.zeros(B, Hq, L), torch.randn_like(q),
+    x = Inputs(q, k, k, torch.randn_like(q), torch.randn(B, Hq, L), torch.randn_like(q),
                None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(k), {})
     plan = GLUON_BWD.make_plan(call, x, SM90)
     l_pad = plan.fixed["l_pad"]
@@ -409,25 +421,36 @@ def test_parts_flow_gives_every_head_its_own_dq(monkeypatch, B, Hq, Hkv, options
     # heads (the slots come from torch.empty: only the zeroing makes them start at 0)
     hq_chunk = dict(zip(post.binder.names, post.binder.template))["HQ_CHUNK"]
     rows = RowsSpec(E, False, INTERPRETER.name)
-    _, post_cpu = row_steps(rows, x, l_pad, hq_chunk)
+    pre_cpu, post_cpu = row_steps(rows, x, l_pad, hq_chunk)
     zero_cpu = zero_step(rows, plan.fixed["acc_heads"] * l_pad)
     plan.steps = (pre, kernel, post_cpu, zero_cpu)
     real_launch = Step.launch
 
     def launch(self, args, device, grid=None, stream=None):
         named = dict(zip(self.binder.names, args))
-        if self is pre:
-            return
-        if self is post_cpu or self is zero_cpu:
+        if self is pre_cpu or self is post_cpu or self is zero_cpu:
             return real_launch(self, args, device, grid)
         acc = named["DQ_DESC"].base.view(-1, named["HQ_CHUNK"], l_pad, E)
         _, nh, nb = grid
         b0, h0 = named["B0"], named["HKV0"]
+        lse2_then, delta_then = rows_seen[0]
         for j in range(nb):
             for i in range(nh * group):
+                bh = (b0 + j) * Hq + h0 * group + i
+                assert torch.equal(named["LSE_DESC"].base[bh], lse2_then[bh]), bh
+                assert torch.equal(named["DELTA_DESC"].base[bh], delta_then[bh]), bh
                 acc[j, i, :L] += want[b0 + j, h0 * group + i] / 0.125
     monkeypatch.setattr(Step, "launch", launch)
-    monkeypatch.setattr(gluon_bwd_module, "run_pre",
-                        lambda pre, x, l_pad: torch.zeros(B * Hq, l_pad))
+    rows_seen = []
+    real_run_pre = gluon_bwd_module.run_pre
+
+    def run_pre_cpu(pre, x, l_pad):  # the real preprocess, under the interpreter
+        lse2, delta = real_run_pre(pre_cpu, x, l_pad)
+        rows_seen.append((lse2.clone(), delta.clone()))
+        return lse2, delta
+    monkeypatch.setattr(gluon_bwd_module, "run_pre", run_pre_cpu)
     GLUON_BWD.run(plan, call, x, False, True)
-    torch.testing.assert_close(x.dq, want, atol=1e-5, rtol=1e-5)
+    assert rows_seen[0][0].untyped_storage().data_ptr() != x.dq.untyped_storage().data_ptr()
+    assert gluon_bwd_module.row_buffers(x, l_pad)[2]  # the run's rows were in dQ
+    # within one bf16 rounding of want (the interpreter's cast need not round as torch's)
+    torch.testing.assert_close(x.dq.float(), want, atol=1e-6, rtol=2 ** -7)
