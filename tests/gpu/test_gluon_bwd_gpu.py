@@ -1,6 +1,7 @@
 """The Gluon backward family (gluon_bwd, opt-in: GLUON_BACKWARD=True) on an sm_90 GPU:
 dq, dk, dv against the float64 reference on the benchmark's variants (dense, causal, softcap,
-ALiBi, document), ragged lengths, GQA and lse gradients; the plan must be the Gluon one.
+ALiBi, document, sliding window, prefix LM), ragged lengths, GQA, rows whose lse is -inf and
+lse gradients; the plan must be the Gluon one.
 
 It has never run before this file: a barrier-phase mistake hangs the GPU instead of failing,
 so a tiny forward + backward runs first in a subprocess under a time limit, and every other
@@ -52,6 +53,14 @@ def _document(heads, device):
     return None, mods.document([300, 200, 500], device=device)
 
 
+def _sliding_256(b, h, q_idx, kv_idx):  # the benchmark's sliding window, scaled down
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+
+
+def _prefix_300(b, h, q_idx, kv_idx):  # the benchmark's prefix LM, scaled down
+    return (kv_idx < 300) | (q_idx >= kv_idx)
+
+
 def _empty_rows(score, b, h, q_idx, kv_idx):
     # every fifth query row scores -inf everywhere: its lse is -inf, which the kernel must
     # read as +inf (P = 0, no NaN) in full blocks and without a block mask too
@@ -67,6 +76,8 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "document": (1, 4, 4, 1000, 1000, 64, _document),
     "ragged": (1, 4, 4, 300, 1100, 128, lambda h, d: (None, None)),
     "gqa_causal": (1, 8, 2, 640, 640, 128, lambda h, d: (None, mods.causal)),
+    "sliding": (1, 4, 4, 1500, 1500, 128, lambda h, d: (None, _sliding_256)),
+    "prefix": (1, 4, 4, 1200, 1200, 128, lambda h, d: (None, _prefix_300)),
     "empty_rows": (1, 4, 4, 700, 700, 128, lambda h, d: (_empty_rows, None)),
     "empty_rows_causal": (2, 4, 2, 600, 600, 128, lambda h, d: (_empty_rows, mods.causal)),
     # head dims padded to 128 / 64 (TMA's zero fill past E; stores and reduce-adds cut at E)
