@@ -10,8 +10,9 @@ torch.cuda.max_memory_allocated after reset_peak_memory_stats minus what was all
 the call, i.e. the inputs, the upstream gradient and the block mask; outputs and gradients
 count); cuDNN only where the variant is expressible (full, causal); the dS mode fwd+bwd only
 (its forward is flexfa's). Also the memory the outputs and gradients must take and flexfa's
-default formula (the outputs, dQ, dK, dV, 4 B Hq L bytes of delta and, where the Gluon backward
-ran, its fp32 dQ accumulator: ``accumulator_mib``), and which backward plans ran. The issue's memory target: flexfa's fwd+bwd peak <= 1.2x FlexAttention's.
+default formula (the outputs, dQ, dK, dV, 4 B Hq L bytes of delta and, where the Gluon
+backward ran, its fp32 dQ accumulator: ``accumulator_mib``), and which backward plans ran.
+The issue's memory target: flexfa's fwd+bwd peak <= 1.2x FlexAttention's.
 
     timeout 300 python benchmarks/memory_bench.py out.json [--budget 240]
 
@@ -86,7 +87,7 @@ def run_case(name: str, device: str, compiled, bench, peers) -> dict:
     case["outputs_mib"] = {"fwd": round((out_bytes + lse_bytes) / MIB, 1),
                            "fwd_bwd": round((out_bytes + lse_bytes + grads) / MIB, 1)}
     # flexfa's default backward: those, and delta [B, Hq, L] float32 (and, added once flexfa
-# ran, the Gluon backward's dQ accumulator where that plan ran)
+    # ran, the Gluon backward's dQ accumulator where that plan ran)
     case["flexfa_formula_mib"] = round((out_bytes + lse_bytes + grads + lse_bytes) / MIB, 1)
 
     def rows(forward, what=("fwd", "fwd_bwd")) -> dict:
