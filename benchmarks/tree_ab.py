@@ -64,10 +64,18 @@ from flexfa.bench_cases import VARIANTS, bench_variants
 
 
 def load_tree(path: str, name: str = "flexfa_old"):
-    """The ``flexfa`` package under ``path`` imported as ``name`` (its imports are relative)."""
+    """The ``flexfa`` package under ``path`` imported as ``name`` (its imports are relative,
+    and its lazy functions load its own runtime). A tree older than that (flexfa/lazy.py
+    without ``_PACKAGE``, before 2026-12-03's twelfth session) would run this process's
+    runtime on its own traced mods and fail deep in code generation: refused here by name."""
     init = Path(path) / "flexfa" / "__init__.py"
     if not init.is_file():
         raise SystemExit(f"--old {path}: no flexfa/__init__.py there")
+    lazy = init.parent / "lazy.py"
+    if lazy.is_file() and "_PACKAGE" not in lazy.read_text():
+        raise SystemExit(f"--old {path}: its flexfa/lazy.py imports 'flexfa.runtime...' by "
+                         "name, which in this process is this checkout's runtime; A/B that "
+                         "tree in separate processes instead (alternate the runs)")
     spec = importlib.util.spec_from_file_location(name, init,
                                                   submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)

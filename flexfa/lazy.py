@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import importlib
 
+# this package's own name: "flexfa", or the name another copy of the tree was imported under
+# (benchmarks/tree_ab.py loads an older tree as "flexfa_old": its lazy functions must load
+# its own runtime, not this process's flexfa)
+_PACKAGE = __name__.rpartition(".")[0]
+
 
 def lazy_function(module: str, name: str):
-    """A stand-in for ``module.name`` that imports ``module`` on the first call."""
+    """A stand-in for ``module.name`` that imports ``module`` on the first call; a module
+    under ``flexfa.`` is looked up in this copy's own package."""
+    if module.startswith("flexfa."):
+        module = _PACKAGE + module[len("flexfa"):]
     found = []
 
     def call(*args, **kwargs):

@@ -143,3 +143,45 @@ def test_plot_decode_reads_shares_of_the_copy_bandwidth(tmp_path):
     assert bars["torch_flex_compiled"][0][0] == 0.0 and bars["sdpa_flash"][1] == (0.5, 0.05)
     plot_decode.plot(report, str(tmp_path / "d.png"))
     assert (tmp_path / "d.png").stat().st_size > 1000
+
+
+TREE_COPY = """
+import sys, torch
+sys.path.insert(0, {benchmarks!r})
+import flexfa, tree_ab
+copy = tree_ab.load_tree({tree!r}, "flexfa_old")
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+outs = []
+for lib in (copy, flexfa):
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(i),
+                           requires_grad=True) for i in range(3))
+    mask = lib.create_block_mask(causal, 1, None, 128, 128, device="cpu")
+    out = lib.flex_attention(q, k, v, block_mask=mask)
+    out.sum().backward()
+    outs.append([out, q.grad, k.grad, v.grad])
+own = [m for m in ("flexfa_old.runtime.forward", "flexfa_old.runtime.backward") if m in sys.modules]
+print("own runtime:", own)
+print("equal:", all(torch.equal(a, b) for a, b in zip(*outs)))
+"""
+
+
+def test_tree_ab_runs_the_other_tree_on_its_own_runtime(tmp_path):
+    """tree_ab.py imports another flexfa tree as ``flexfa_old`` beside this one: the copy's
+    lazily loaded runtime must be its own. flexfa.lazy once imported "flexfa.runtime..." by
+    name, so the copy's calls ran this tree's runtime on the copy's traced IR and failed
+    (H200, 2026-12-03: "cannot render IR op KV_IDX on int values"). A copy of this tree,
+    loaded as tree_ab loads one, gives this tree's outputs and gradients from its own runtime
+    (under the interpreter, in a subprocess: the copy stays out of this process)."""
+    import shutil
+    shutil.copytree(REPO / "flexfa", tmp_path / "flexfa",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = TREE_COPY.format(benchmarks=str(BENCHMARKS), tree=str(tmp_path))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "own runtime: ['flexfa_old.runtime.forward', 'flexfa_old.runtime.backward']" \
+        in done.stdout, done.stdout
+    assert "equal: True" in done.stdout, done.stdout
