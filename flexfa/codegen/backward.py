@@ -34,6 +34,12 @@ _DKDV_TILE = {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1", "EVEN_L": "EVEN_L1",
 _ROW_KERNEL = {"BLOCK_M": None}  # the delta kernel's rows per program
 
 
+def wide_head_dims(head_dim: int, head_dim_v: int) -> bool:
+    """Whether q/k's or v's head dim pads past 128: the backward's wide kernels (their own
+    tuned tiles, their own ragged-length defaults)."""
+    return max(next_power_of_two(head_dim), next_power_of_two(head_dim_v)) > 128
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardSpec:
     """A backward-kernel variant; rendering is a pure function of (joint IR, mask IR, spec).
@@ -104,7 +110,7 @@ class BackwardSpec:
     @property
     def wide(self) -> bool:
         """A padded head dim past 128 (q/k or v)."""
-        return max(next_power_of_two(self.head_dim), next_power_of_two(self.head_dim_v)) > 128
+        return wide_head_dims(self.head_dim, self.head_dim_v)
 
     def _common(self) -> dict:
         e_a, e_b = self.column_blocks

@@ -24,7 +24,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...blockmask.density import density_class
-from ...codegen.backward import BackwardSpec, backward_kernel, dscore_is_one, joint_roots
+from ...codegen.backward import (BackwardSpec, backward_kernel, dscore_is_one, joint_roots,
+                                 wide_head_dims)
 from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, head_dim_blocks, next_power_of_two
 from ...errors import InputError
@@ -459,9 +460,10 @@ class Backward(KernelFamily):
         e_pad, ev_pad = next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         ragged = ragged_lengths(q, k)
+        wide = wide_head_dims(q.shape[3], v.shape[3])
         candidates = hopper_candidates(e_pad, ev_pad, ragged)
         if (not target.is_sm90 or q.dtype == torch.float32
-                or (max(e_pad, ev_pad) > 128 and not use_tma(call, target, q, k, v, x.grad_out))
+                or (wide and not use_tma(call, target, q, k, v, x.grad_out))
                 or call.options.bwd.pins_tiles or not autotune.enabled()
                 or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
                 or (joint is not None and joint.grad_slots)):
@@ -469,7 +471,7 @@ class Backward(KernelFamily):
         # dropout's Philox makes a different kernel: its own winners; so do ragged lengths
         # past 128, whose default differs, and Q, K in column blocks (192 is not 256)
         family = "bwd_dropout" if call.dropout else "bwd"
-        family += "_ragged" if ragged and max(e_pad, ev_pad) > 128 else ""
+        family += "_ragged" if ragged and wide else ""
         family += "_split" if split_head_dim(q.shape[3], target) else ""
         key = autotune.tune_key(family, target.name,
                                 max(e_pad, ev_pad), ev_pad,
