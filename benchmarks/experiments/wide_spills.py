@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def variants():
     from flexfa.compile_check import jobs
-    softcap, causal = jobs._softcap, jobs._causal
+    softcap, causal = jobs.softcap_mod, jobs.causal_mask
     return {
         "dense": {}, "softcap": dict(score_mod=softcap), "causal": dict(mask_mod=causal),
         "softcap + causal": dict(score_mod=softcap, mask_mod=causal),

@@ -5,23 +5,14 @@ picks for them by default: ``python -m flexfa compile-check --only d192`` (or ``
 dims" has the table and why the tiles are what they are."""
 from __future__ import annotations
 
-import torch
-
 from ..codegen.spec import next_power_of_two
 from ..runtime.autotune import hopper_configs
 from . import register
-from .jobs import FP8_ARCHS, backward_job, forward_job, fp8_job, hopper_job
+from .jobs import (FP8_ARCHS, backward_job, causal_mask, forward_job, fp8_job, hopper_job,
+                   softcap_mod)
 
 # tag -> (E, Ev)
 HEAD_DIMS = {"d192_ev128": (192, 128), "d256": (256, 256), "d96": (96, 96), "d80": (80, 80)}
-
-
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def _softcap(score, b, h, q_idx, kv_idx):
-    return 30.0 * torch.tanh(score / 30.0)
 
 
 def hopper_default_job(head_dim: int, dtype: str, head_dim_v: int | None = None, **mods):
@@ -35,7 +26,7 @@ def hopper_default_job(head_dim: int, dtype: str, head_dim_v: int | None = None,
 
 def _register() -> None:
     # a score_mod as well as the mask: the default tiles keep headroom for a mod's registers
-    mods = dict(score_mod=_softcap, mask_mod=_causal)
+    mods = dict(score_mod=softcap_mod, mask_mod=causal_mask)
     for tag, (E, Ev) in HEAD_DIMS.items():
         register(f"fwd_hopper_{tag}_bf16_softcap_causal",
                  hopper_default_job(E, "bf16", head_dim_v=Ev, **mods), archs=(90,))
@@ -49,8 +40,8 @@ def _register() -> None:
                          archs=(90,))
         if E > 128:  # the FP8 tiles past 128: with descriptors on sm_90, pointer loads on both
             register(f"fwd_fp8_{tag}_causal_tma",
-                     fp8_job(E, mask_mod=_causal, head_dim_v=Ev, use_tma=True), archs=(90,))
-            register(f"fwd_fp8_{tag}_causal", fp8_job(E, mask_mod=_causal, head_dim_v=Ev),
+                     fp8_job(E, mask_mod=causal_mask, head_dim_v=Ev, use_tma=True), archs=(90,))
+            register(f"fwd_fp8_{tag}_causal", fp8_job(E, mask_mod=causal_mask, head_dim_v=Ev),
                      archs=FP8_ARCHS)
 
 

@@ -46,11 +46,11 @@ def _slopes_mod():
     return alibi
 
 
-def _softcap(score, b, h, q_idx, kv_idx):
+def softcap_mod(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 
 
-def _causal(b, h, q_idx, kv_idx):
+def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
@@ -93,21 +93,21 @@ def forward_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, head_d
 
 
 register("fwd_d64_bf16_dense", forward_job(64, "bf16", return_lse=False))
-register("fwd_d128_bf16_causal", forward_job(128, "bf16", mask_mod=_causal))
+register("fwd_d128_bf16_causal", forward_job(128, "bf16", mask_mod=causal_mask))
 # with the rows' max scores too (AuxRequest(max_scores=True))
-register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=_softcap, return_max=True))
+register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=softcap_mod, return_max=True))
 register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slopes_mod(),
                                                      mask_mod=_document_mask()))
-register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=_causal, head_dim_v=48))
+register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=causal_mask, head_dim_v=48))
 register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
-register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=_causal,
+register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=causal_mask,
                                                    return_max=True, split_keys=4096))
 register("fwd_d64_bf16_bool_table", forward_job(64, "bf16", mask_mod=_global_tokens_mask()))
 # attention sinks (bf16 and float32 logits) with dropout, and with the rows' max scores
 register("fwd_d128_bf16_causal_sinks_dropout",
-         forward_job(128, "bf16", mask_mod=_causal, sinks_dtype="fp32", dropout=True))
+         forward_job(128, "bf16", mask_mod=causal_mask, sinks_dtype="fp32", dropout=True))
 register("fwd_d64_fp16_softcap_sinks_dropout_max",
-         forward_job(64, "fp16", score_mod=_softcap, sinks_dtype="fp16", dropout=True,
+         forward_job(64, "fp16", score_mod=softcap_mod, sinks_dtype="fp16", dropout=True,
                      return_max=True))
 
 
@@ -145,42 +145,37 @@ def hopper_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_m
 
 
 def _register_hopper() -> None:
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    def softcap(score, b, h, q_idx, kv_idx):
-        return 30.0 * torch.tanh(score / 30.0)
-
     # sm_90 only: the runtime never picks this template elsewhere
-    register("fwd_hopper_d128_bf16_causal", hopper_job(128, "bf16", mask_mod=causal),
+    register("fwd_hopper_d128_bf16_causal", hopper_job(128, "bf16", mask_mod=causal_mask),
                    archs=(90,))
     register("fwd_hopper_d64_bf16_dense", hopper_job(64, "bf16", return_lse=False),
                    archs=(90,))
     # the tuned defaults with a register cap (two programs per SM)
     register("fwd_hopper_d128_bf16_causal_128x64_r128",
-                   hopper_job(128, "bf16", mask_mod=causal, block_n=64, max_registers=128),
+                   hopper_job(128, "bf16", mask_mod=causal_mask, block_n=64, max_registers=128),
                    archs=(90,))
     # packed / [B, L, H, E] q, k, v read in place (varlen_attention's layout)
     register("fwd_hopper_d128_bf16_causal_strided",
-             hopper_job(128, "bf16", mask_mod=causal, strided_qkv=True), archs=(90,))
+             hopper_job(128, "bf16", mask_mod=causal_mask, strided_qkv=True), archs=(90,))
     # with the rows' max scores too (AuxRequest(max_scores=True))
     register("fwd_hopper_d128_fp16_softcap_causal",
-                   hopper_job(128, "fp16", score_mod=softcap, mask_mod=causal, return_max=True),
+                   hopper_job(128, "fp16", score_mod=softcap_mod, mask_mod=causal_mask,
+                              return_max=True),
                    archs=(90,))
     register("fwd_hopper_d128_bf16_causal_sinks_dropout",
-             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+             hopper_job(128, "bf16", mask_mod=causal_mask, block_n=64, return_max=True,
                         sinks_dtype="fp32", dropout=True), archs=(90,))
     # split-KV (a chunked prefill), over a block mask and dense, at the default tiles without
     # their register cap: with the cap of 128 these spill about 236 bytes, as the unsplit
     # kernel does (232)
     register("fwd_hopper_d128_bf16_causal_split",
-             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+             hopper_job(128, "bf16", mask_mod=causal_mask, block_n=64, return_max=True,
                         split_kv=True), archs=(90,))
     register("fwd_hopper_d128_bf16_softcap_split",
-             hopper_job(128, "bf16", score_mod=softcap, block_n=64, split_kv=True),
+             hopper_job(128, "bf16", score_mod=softcap_mod, block_n=64, split_kv=True),
              archs=(90,))
     register("fwd_hopper_combine_d128_bf16_sinks_max",
-             hopper_job(128, "bf16", mask_mod=causal, block_n=64, return_max=True,
+             hopper_job(128, "bf16", mask_mod=causal_mask, block_n=64, return_max=True,
                         sinks_dtype="fp32", split_kv=True, combine=True), archs=(90,))
 
 
@@ -214,23 +209,23 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
 # a compiled Gluon module imports triton.experimental.gluon: check these in a process that
 # never ran the interpreter (tests/codegen/test_gluon_compile.py)
 register("fwd_gluon_d128_bf16_dense", gluon_job(128, "bf16"), archs=(90,))
-register("fwd_gluon_d128_bf16_causal", gluon_job(128, "bf16", mask_mod=_causal), archs=(90,))
+register("fwd_gluon_d128_bf16_causal", gluon_job(128, "bf16", mask_mod=causal_mask), archs=(90,))
 register("fwd_gluon_d128_fp16_softcap_causal",
-         gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True),
+         gluon_job(128, "fp16", score_mod=softcap_mod, mask_mod=causal_mask, return_max=True),
          archs=(90,))
 # GLUON_STATIC_MAX: softcap's bound subtracted, no running max or rescale
 register("fwd_gluon_d128_bf16_softcap_causal_static",
-         gluon_job(128, "bf16", score_mod=_softcap, mask_mod=_causal, static_max=True),
+         gluon_job(128, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, static_max=True),
          archs=(90,))
 register("fwd_gluon_d256_bf16_dense", gluon_job(256, "bf16", block_n=64), archs=(90,))
-register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=_causal, block_n=64),
+register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=causal_mask, block_n=64),
          archs=(90,))
 # padded head dims: E = 192 (256) with Ev = 128 (DeepSeek's MLA), E = 96 (128)
 register("fwd_gluon_d192_ev128_bf16_causal",
-         gluon_job(192, "bf16", mask_mod=_causal, block_n=64, num_stages=3, head_dim_v=128),
+         gluon_job(192, "bf16", mask_mod=causal_mask, block_n=64, num_stages=3, head_dim_v=128),
          archs=(90,))
 register("fwd_gluon_d96_bf16_softcap_causal",
-         gluon_job(96, "bf16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
+         gluon_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
                    num_stages=3), archs=(90,))
@@ -239,33 +234,33 @@ for _dim, _stages in ((64, 3), (128, 2)):
     register(f"fwd_gluon_d{_dim}_bf16_dense_pingpong",
              gluon_job(_dim, "bf16", num_stages=_stages, pingpong=True), archs=(90,))
     register(f"fwd_gluon_d{_dim}_bf16_causal_pingpong",
-             gluon_job(_dim, "bf16", mask_mod=_causal, num_stages=_stages, pingpong=True),
+             gluon_job(_dim, "bf16", mask_mod=causal_mask, num_stages=_stages, pingpong=True),
              archs=(90,))
     register(f"fwd_gluon_d{_dim}_fp16_softcap_pingpong",
-             gluon_job(_dim, "fp16", score_mod=_softcap, num_stages=_stages, return_max=True,
+             gluon_job(_dim, "fp16", score_mod=softcap_mod, num_stages=_stages, return_max=True,
                        pingpong=True), archs=(90,))
     register(f"fwd_gluon_d{_dim}_bf16_document_pingpong",
              gluon_job(_dim, "bf16", mask_mod=_document_mask(), num_stages=_stages,
                        pingpong=True), archs=(90,))
 # out through shared memory and TMA (GLUON_TMA_STORE), alone and with the turns
 register("fwd_gluon_d128_bf16_causal_tma_store",
-         gluon_job(128, "bf16", mask_mod=_causal, tma_store=True), archs=(90,))
+         gluon_job(128, "bf16", mask_mod=causal_mask, tma_store=True), archs=(90,))
 register("fwd_gluon_d64_fp16_softcap_pingpong_tma_store",
-         gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
+         gluon_job(64, "fp16", score_mod=softcap_mod, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True), archs=(90,))
 # the persistent grid (GLUON_PERSISTENT): dense and causal at E=128, softcap with the TMA
 # store (o_smem reused across work tiles), with the turns (GLUON_PINGPONG), document at E=64
 register("fwd_gluon_d128_bf16_dense_persistent", gluon_job(128, "bf16", persistent=True),
          archs=(90,))
 register("fwd_gluon_d128_bf16_causal_persistent",
-         gluon_job(128, "bf16", mask_mod=_causal, persistent=True), archs=(90,))
+         gluon_job(128, "bf16", mask_mod=causal_mask, persistent=True), archs=(90,))
 register("fwd_gluon_d128_fp16_softcap_causal_persistent_tma_store",
-         gluon_job(128, "fp16", score_mod=_softcap, mask_mod=_causal, return_max=True,
+         gluon_job(128, "fp16", score_mod=softcap_mod, mask_mod=causal_mask, return_max=True,
                    tma_store=True, persistent=True), archs=(90,))
 register("fwd_gluon_d128_bf16_causal_persistent_pingpong",
-         gluon_job(128, "bf16", mask_mod=_causal, persistent=True, pingpong=True), archs=(90,))
+         gluon_job(128, "bf16", mask_mod=causal_mask, persistent=True, pingpong=True), archs=(90,))
 register("fwd_gluon_d64_fp16_softcap_persistent_pingpong_tma_store",
-         gluon_job(64, "fp16", score_mod=_softcap, num_stages=3, return_max=True, pingpong=True,
+         gluon_job(64, "fp16", score_mod=softcap_mod, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True, persistent=True), archs=(90,))
 register("fwd_gluon_d64_bf16_document_persistent",
          gluon_job(64, "bf16", mask_mod=_document_mask(), num_stages=3, persistent=True),
@@ -321,7 +316,7 @@ def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
     return build
 
 
-register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=_causal),
+register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=causal_mask),
          archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))
 register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job(POST), archs=(90,))
@@ -330,11 +325,11 @@ register("bwd_gluon_rows_zero_d128_bf16", gluon_rows_job(ZERO), archs=(90,))
 register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_dp=True),
          archs=(90,))
 register("bwd_gluon_d128_bf16_causal_early_dp",
-         gluon_bwd_job(128, "bf16", mask_mod=_causal, early_dp=True), archs=(90,))
+         gluon_bwd_job(128, "bf16", mask_mod=causal_mask, early_dp=True), archs=(90,))
 # the deepest ring that fits at E = 128 (kernel_options GLUON_BWD_STAGES=3)
-register("bwd_gluon_d128_bf16_causal_s3", gluon_bwd_job(128, "bf16", mask_mod=_causal, stages=3),
-         archs=(90,))
-register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=_softcap,
+register("bwd_gluon_d128_bf16_causal_s3",
+         gluon_bwd_job(128, "bf16", mask_mod=causal_mask, stages=3), archs=(90,))
+register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=softcap_mod,
                                                           gqa_group=2), archs=(90,))
 register("bwd_gluon_d64_fp16_alibi_document",
          gluon_bwd_job(64, "fp16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
@@ -342,25 +337,25 @@ register("bwd_gluon_d64_fp16_alibi_document",
 # the heavier mods at E=128, where the consumers' 240 registers are tightest (spill bytes
 # before and after in docs/gluon.md, "The Gluon backward")
 register("bwd_gluon_d128_bf16_alibi_causal",
-         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_causal), archs=(90,))
+         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=causal_mask), archs=(90,))
 register("bwd_gluon_d128_bf16_document",
          gluon_bwd_job(128, "bf16", mask_mod=_document_mask()), archs=(90,))
 register("bwd_gluon_d128_bf16_alibi_document",
          gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask()),
          archs=(90,))
 register("bwd_gluon_d128_fp16_softcap_causal",
-         gluon_bwd_job(128, "fp16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
+         gluon_bwd_job(128, "fp16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
 # GQA with a block mask: each query head of the group walks its own tables (the benchmark's
 # causal GQA case: Hq=32, Hkv=8)
-register("bwd_gluon_d128_bf16_causal_gqa", gluon_bwd_job(128, "bf16", mask_mod=_causal,
+register("bwd_gluon_d128_bf16_causal_gqa", gluon_bwd_job(128, "bf16", mask_mod=causal_mask,
                                                          gqa_group=4), archs=(90,))
 register("bwd_gluon_d128_bf16_alibi_causal_gqa",
-         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_causal, gqa_group=4),
+         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=causal_mask, gqa_group=4),
          archs=(90,))
 # head dims padded to the next power of two (TMA's zero fill past E; issue 28's 96 and 80)
 register("bwd_gluon_d96_bf16_softcap_causal",
-         gluon_bwd_job(96, "bf16", score_mod=_softcap, mask_mod=_causal), archs=(90,))
-register("bwd_gluon_d80_bf16_causal", gluon_bwd_job(80, "bf16", mask_mod=_causal), archs=(90,))
+         gluon_bwd_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
+register("bwd_gluon_d80_bf16_causal", gluon_bwd_job(80, "bf16", mask_mod=causal_mask), archs=(90,))
 register("bwd_gluon_d48_fp16_dense", gluon_bwd_job(48, "fp16", stages=3), archs=(90,))
 register("bwd_gluon_rows_post_d96_bf16", gluon_rows_job(POST, head_dim=96), archs=(90,))
 
@@ -391,16 +386,16 @@ def fp8_job(head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None, use_t
 
 FP8_ARCHS = (89, 90)  # e4m3 tensor cores: Ada (mma.sync) and Hopper (wgmma)
 register("fwd_fp8_d128_dense", fp8_job(128), archs=FP8_ARCHS)
-register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=_causal),
+register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=causal_mask),
                        archs=FP8_ARCHS)
-register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=_softcap),
+register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=softcap_mod),
                        archs=FP8_ARCHS)
 register("fwd_fp8_d128_alibi_document",
                        fp8_job(128, score_mod=_slopes_mod(),
                                mask_mod=_document_mask()), archs=FP8_ARCHS)
 register("fwd_fp8_d128_causal_tma",
-                       fp8_job(128, mask_mod=_causal, use_tma=True), archs=(90,))
-register("fwd_fp8_d128_causal_sinks", fp8_job(128, mask_mod=_causal, sinks_dtype="fp32"),
+                       fp8_job(128, mask_mod=causal_mask, use_tma=True), archs=(90,))
+register("fwd_fp8_d128_causal_sinks", fp8_job(128, mask_mod=causal_mask, sinks_dtype="fp32"),
          archs=FP8_ARCHS)
 
 
@@ -516,21 +511,15 @@ def _register_backward() -> None:
     def learnable_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h, q_idx, kv_idx]
 
-    def softcap(score, b, h, q_idx, kv_idx):
-        return 30.0 * torch.tanh(score / 30.0)
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
     variants = {
         "d64_bf16_dense": dict(head_dim=64, dtype="bf16"),
-        "d128_bf16_softcap_causal": dict(head_dim=128, dtype="bf16", score_mod=softcap,
-                                         mask_mod=causal),
+        "d128_bf16_softcap_causal": dict(head_dim=128, dtype="bf16", score_mod=softcap_mod,
+                                         mask_mod=causal_mask),
         "d64_fp16_bias_deterministic": dict(head_dim=64, dtype="fp16", score_mod=learnable_bias,
                                             deterministic=True),
-        "d80_bf16_ev48_gqa_causal": dict(head_dim=80, dtype="bf16", mask_mod=causal,
+        "d80_bf16_ev48_gqa_causal": dict(head_dim=80, dtype="bf16", mask_mod=causal_mask,
                                          head_dim_v=48, gqa_group=2),
-        "d128_bf16_causal_dropout": dict(head_dim=128, dtype="bf16", mask_mod=causal,
+        "d128_bf16_causal_dropout": dict(head_dim=128, dtype="bf16", mask_mod=causal_mask,
                                          dropout=True),
         "d64_fp16_dense_dropout": dict(head_dim=64, dtype="fp16", dropout=True),
     }
@@ -540,9 +529,9 @@ def _register_backward() -> None:
     # dQ from the stored dS (the sm_90 default at head dim 128): dK/dV storing dS, dQ from it
     for which in ("dkdv", "dq"):
         register(f"bwd_ds_{which}_d128_bf16_causal",
-                       backward_job(which, 128, "bf16", mask_mod=causal, ds=True))
+                       backward_job(which, 128, "bf16", mask_mod=causal_mask, ds=True))
         register(f"bwd_ds_{which}_d128_bf16_causal_dropout",
-                 backward_job(which, 128, "bf16", mask_mod=causal, ds=True, dropout=True))
+                 backward_job(which, 128, "bf16", mask_mod=causal_mask, ds=True, dropout=True))
 
 
 _register_hopper()
@@ -592,18 +581,18 @@ def decode_job(head_dim: int, dtype: str, group: int, q_len: int, score_mod=None
 
 register("decode_d128_bf16_g4_l1_dense_split", decode_job(128, "bf16", 4, 1, splits=True))
 register("decode_d128_bf16_g5_l3_paged_causal",
-         decode_job(128, "bf16", 5, 3, score_mod=_softcap, mask_mod=_causal, paged=True,
+         decode_job(128, "bf16", 5, 3, score_mod=softcap_mod, mask_mod=causal_mask, paged=True,
                     splits=True))
 register("decode_d64_fp16_g8_l16_per_head_alibi",
-         decode_job(64, "fp16", 8, 16, score_mod=_slopes_mod(), mask_mod=_causal,
+         decode_job(64, "fp16", 8, 16, score_mod=_slopes_mod(), mask_mod=causal_mask,
                     per_head_mask=True))
 # rows across two q blocks, per-head tables: the union walk, and each member in turn
 register("decode_d128_bf16_g4_l3_paged_per_head_union",
-         decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, per_head_mask=True,
-                    paged=True, splits=True))
+         decode_job(128, "bf16", 4, 3, score_mod=softcap_mod, mask_mod=causal_mask,
+                    per_head_mask=True, paged=True, splits=True))
 register("decode_d128_bf16_g4_l3_paged_per_head_members",
-         decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, per_head_mask=True,
-                    paged=True, splits=True, walk="MEMBERS"))
+         decode_job(128, "bf16", 4, 3, score_mod=softcap_mod, mask_mod=causal_mask,
+                    per_head_mask=True, paged=True, splits=True, walk="MEMBERS"))
 register("decode_combine_d128_bf16_g4_l1", decode_job(128, "bf16", 4, 1, splits=True,
                                                       combine=True))
 
@@ -650,7 +639,7 @@ register("varlen_check_i32", varlen_tables_job("varlen_check"))
 register("varlen_check_i64", varlen_tables_job("varlen_check", offsets="i64"))
 # attention sinks: in the kernel's epilogue (no splits) and in the combine kernel (splits)
 register("decode_d128_bf16_g4_l3_paged_causal_sinks",
-         decode_job(128, "bf16", 4, 3, score_mod=_softcap, mask_mod=_causal, paged=True,
+         decode_job(128, "bf16", 4, 3, score_mod=softcap_mod, mask_mod=causal_mask, paged=True,
                     sinks=True))
 register("decode_combine_d128_bf16_g4_l1_sinks", decode_job(128, "bf16", 4, 1, splits=True,
                                                             combine=True, sinks=True))
