@@ -222,11 +222,13 @@ def test_persistent_option_spec_and_grid():
         parse_kernel_options({"GLUON_PERSISTENT": 1})
 
 
-def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int):
+def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int,
+                programs: int = 4):
     """The (q tile, batch * head) of each work tile w, from the rendered kernel's
     ``<name>_work`` and ``<name>_work_tiles`` run as Python (their body is integer
-    arithmetic)."""
+    arithmetic) on a grid of ``programs``."""
     namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128,
+                 "gl": types.SimpleNamespace(num_programs=lambda axis: programs),
                  f"{name}_tile": lambda sched, start_m, off_bh: (start_m, off_bh)}
     for helper in ("work_tiles", "work"):
         start = source.index(f"def {name}_{helper}(")
@@ -236,19 +238,42 @@ def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_head
             for w in range(namespace[f"{name}_work_tiles"](sched))]
 
 
-@pytest.mark.parametrize("has_block_mask", [True, False])
-def test_persistent_work_tiles_cover_every_tile_longest_first(has_block_mask):
-    """Every (q tile, head) is one work tile; under a block mask the first BATCH_HEADS work
-    tiles (the first the programs take) are every head's last q tile, then the one before;
-    dense, a head's q tiles are consecutive (shared K and V), last first."""
+def _persistent_kernel(has_block_mask: bool):
     q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     spec = gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125, parse_kernel_options(
         {**FORCED, "GLUON_PERSISTENT": True}), 1), SM90, False, False)
-    spec = dataclasses.replace(spec, has_block_mask=has_block_mask)
-    kernel = gluon_kernel(spec, None, None)
-    order = _work_order(kernel.source, kernel.name, has_block_mask, 1000, 6)  # 8 q tiles
+    return gluon_kernel(dataclasses.replace(spec, has_block_mask=has_block_mask), None, None)
+
+
+@pytest.mark.parametrize("has_block_mask", [True, False])
+def test_persistent_work_tiles_cover_every_tile_longest_first(has_block_mask):
+    """Every (q tile, head) is one work tile; under a block mask the first BATCH_HEADS work
+    tiles (the first the programs take) are every head's last q tile, then the one before,
+    each odd round of the programs in reverse (snake order) but the last, incomplete one;
+    dense, a head's q tiles are consecutive (shared K and V), last first."""
+    kernel = _persistent_kernel(has_block_mask)
+    # 8 q tiles x 6 heads on 5 programs: 9 complete rounds and 3 tiles over
+    order = _work_order(kernel.source, kernel.name, has_block_mask, 1000, 6, programs=5)
     assert sorted(order) == [(m, bh) for m in range(8) for bh in range(6)]
+    lpt = [(m, bh) for m in range(7, -1, -1) for bh in range(6)]
     if has_block_mask:
-        assert [m for m, _ in order] == [m for m in range(7, -1, -1) for _ in range(6)]
+        snake = [lpt[r * 5 + (4 - p if r % 2 else p)] for r in range(9) for p in range(5)]
+        assert order == snake + lpt[45:]
     else:
         assert order[:8] == [(m, 0) for m in range(7, -1, -1)]
+
+
+def test_persistent_snake_order_balances_causal_programs():
+    """Causal at S = 16384, H = 16 on 132 programs (the H200's SMs): q tile m walks m + 1 kv
+    tiles; program p takes work tiles p, p + 132, ... The snake order keeps the busiest
+    program within 1% of the mean; the plain longest-first order put it 5.7% over."""
+    kernel = _persistent_kernel(True)
+    programs, q_tiles, heads = 132, 128, 16
+    order = _work_order(kernel.source, kernel.name, True, q_tiles * 128, heads, programs)
+    loads = [sum(order[w][0] + 1 for w in range(p, len(order), programs))
+             for p in range(programs)]
+    mean = sum(loads) / programs
+    assert max(loads) <= 1.01 * mean, (max(loads), mean)
+    plain = [sum(q_tiles - w // heads for w in range(p, len(order), programs))
+             for p in range(programs)]
+    assert sum(plain) == sum(loads) and max(plain) > 1.05 * mean
