@@ -21,8 +21,8 @@ def variants():
     return {
         "dense": {}, "softcap": dict(score_mod=softcap), "causal": dict(mask_mod=causal),
         "softcap + causal": dict(score_mod=softcap, mask_mod=causal),
-        "document": dict(mask_mod=jobs._document_mask()),
-        "ALiBi + causal": dict(score_mod=jobs._slopes_mod(), mask_mod=causal),
+        "document": dict(mask_mod=jobs.document_mask()),
+        "ALiBi + causal": dict(score_mod=jobs.slopes_mod(), mask_mod=causal),
         "GQA 4": dict(gqa_group=4),
         "GQA 4 softcap + causal": dict(score_mod=softcap, mask_mod=causal, gqa_group=4),
         "dropout": dict(dropout=True), "dropout + causal": dict(mask_mod=causal, dropout=True),

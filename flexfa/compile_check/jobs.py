@@ -38,7 +38,8 @@ from . import CompileJob, kernel_job, register, traced_mods
 
 # ---- the Ampere-class forward -----------------------------------------------------------
 
-def _slopes_mod():
+def slopes_mod():
+    """An ALiBi score_mod over 4 heads' slopes (a captured tensor), as the jobs compile it."""
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 
     def alibi(score, b, h, q_idx, kv_idx):
@@ -54,7 +55,8 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def _document_mask():
+def document_mask():
+    """A document mask_mod reading a captured [4096] int32 document id per position."""
     doc = torch.zeros(4096, dtype=torch.int32)
 
     def document(b, h, q_idx, kv_idx):
@@ -96,8 +98,8 @@ register("fwd_d64_bf16_dense", forward_job(64, "bf16", return_lse=False))
 register("fwd_d128_bf16_causal", forward_job(128, "bf16", mask_mod=causal_mask))
 # with the rows' max scores too (AuxRequest(max_scores=True))
 register("fwd_d128_fp16_softcap", forward_job(128, "fp16", score_mod=softcap_mod, return_max=True))
-register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=_slopes_mod(),
-                                                     mask_mod=_document_mask()))
+register("fwd_d64_fp16_alibi_document", forward_job(64, "fp16", score_mod=slopes_mod(),
+                                                     mask_mod=document_mask()))
 register("fwd_d80_bf16_ev48_causal", forward_job(80, "bf16", mask_mod=causal_mask, head_dim_v=48))
 register("fwd_d256_bf16_dense", forward_job(256, "bf16"))
 register("fwd_d128_bf16_causal_split", forward_job(128, "bf16", mask_mod=causal_mask,
@@ -227,7 +229,7 @@ register("fwd_gluon_d192_ev128_bf16_causal",
 register("fwd_gluon_d96_bf16_softcap_causal",
          gluon_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
 register("fwd_gluon_d64_bf16_alibi_document",
-         gluon_job(64, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
+         gluon_job(64, "bf16", score_mod=slopes_mod(), mask_mod=document_mask(),
                    num_stages=3), archs=(90,))
 # the consumers' turns (kernel_options GLUON_PINGPONG) on the CI variants at both head dims
 for _dim, _stages in ((64, 3), (128, 2)):
@@ -240,7 +242,7 @@ for _dim, _stages in ((64, 3), (128, 2)):
              gluon_job(_dim, "fp16", score_mod=softcap_mod, num_stages=_stages, return_max=True,
                        pingpong=True), archs=(90,))
     register(f"fwd_gluon_d{_dim}_bf16_document_pingpong",
-             gluon_job(_dim, "bf16", mask_mod=_document_mask(), num_stages=_stages,
+             gluon_job(_dim, "bf16", mask_mod=document_mask(), num_stages=_stages,
                        pingpong=True), archs=(90,))
 # out through shared memory and TMA (GLUON_TMA_STORE), alone and with the turns
 register("fwd_gluon_d128_bf16_causal_tma_store",
@@ -263,7 +265,7 @@ register("fwd_gluon_d64_fp16_softcap_persistent_pingpong_tma_store",
          gluon_job(64, "fp16", score_mod=softcap_mod, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True, persistent=True), archs=(90,))
 register("fwd_gluon_d64_bf16_document_persistent",
-         gluon_job(64, "bf16", mask_mod=_document_mask(), num_stages=3, persistent=True),
+         gluon_job(64, "bf16", mask_mod=document_mask(), num_stages=3, persistent=True),
          archs=(90,))
 
 
@@ -332,16 +334,16 @@ register("bwd_gluon_d128_bf16_causal_s3",
 register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=softcap_mod,
                                                           gqa_group=2), archs=(90,))
 register("bwd_gluon_d64_fp16_alibi_document",
-         gluon_bwd_job(64, "fp16", score_mod=_slopes_mod(), mask_mod=_document_mask(),
+         gluon_bwd_job(64, "fp16", score_mod=slopes_mod(), mask_mod=document_mask(),
                        stages=3), archs=(90,))
 # the heavier mods at E=128, where the consumers' 240 registers are tightest (spill bytes
 # before and after in docs/gluon.md, "The Gluon backward")
 register("bwd_gluon_d128_bf16_alibi_causal",
-         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=causal_mask), archs=(90,))
+         gluon_bwd_job(128, "bf16", score_mod=slopes_mod(), mask_mod=causal_mask), archs=(90,))
 register("bwd_gluon_d128_bf16_document",
-         gluon_bwd_job(128, "bf16", mask_mod=_document_mask()), archs=(90,))
+         gluon_bwd_job(128, "bf16", mask_mod=document_mask()), archs=(90,))
 register("bwd_gluon_d128_bf16_alibi_document",
-         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=_document_mask()),
+         gluon_bwd_job(128, "bf16", score_mod=slopes_mod(), mask_mod=document_mask()),
          archs=(90,))
 register("bwd_gluon_d128_fp16_softcap_causal",
          gluon_bwd_job(128, "fp16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
@@ -350,7 +352,7 @@ register("bwd_gluon_d128_fp16_softcap_causal",
 register("bwd_gluon_d128_bf16_causal_gqa", gluon_bwd_job(128, "bf16", mask_mod=causal_mask,
                                                          gqa_group=4), archs=(90,))
 register("bwd_gluon_d128_bf16_alibi_causal_gqa",
-         gluon_bwd_job(128, "bf16", score_mod=_slopes_mod(), mask_mod=causal_mask, gqa_group=4),
+         gluon_bwd_job(128, "bf16", score_mod=slopes_mod(), mask_mod=causal_mask, gqa_group=4),
          archs=(90,))
 # head dims padded to the next power of two (TMA's zero fill past E; issue 28's 96 and 80)
 register("bwd_gluon_d96_bf16_softcap_causal",
@@ -391,8 +393,8 @@ register("fwd_fp8_d128_causal", fp8_job(128, mask_mod=causal_mask),
 register("fwd_fp8_d64_softcap", fp8_job(64, score_mod=softcap_mod),
                        archs=FP8_ARCHS)
 register("fwd_fp8_d128_alibi_document",
-                       fp8_job(128, score_mod=_slopes_mod(),
-                               mask_mod=_document_mask()), archs=FP8_ARCHS)
+                       fp8_job(128, score_mod=slopes_mod(),
+                               mask_mod=document_mask()), archs=FP8_ARCHS)
 register("fwd_fp8_d128_causal_tma",
                        fp8_job(128, mask_mod=causal_mask, use_tma=True), archs=(90,))
 register("fwd_fp8_d128_causal_sinks", fp8_job(128, mask_mod=causal_mask, sinks_dtype="fp32"),
@@ -584,7 +586,7 @@ register("decode_d128_bf16_g5_l3_paged_causal",
          decode_job(128, "bf16", 5, 3, score_mod=softcap_mod, mask_mod=causal_mask, paged=True,
                     splits=True))
 register("decode_d64_fp16_g8_l16_per_head_alibi",
-         decode_job(64, "fp16", 8, 16, score_mod=_slopes_mod(), mask_mod=causal_mask,
+         decode_job(64, "fp16", 8, 16, score_mod=slopes_mod(), mask_mod=causal_mask,
                     per_head_mask=True))
 # rows across two q blocks, per-head tables: the union walk, and each member in turn
 register("decode_d128_bf16_g4_l3_paged_per_head_union",
