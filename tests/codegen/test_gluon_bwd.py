@@ -61,6 +61,18 @@ def test_gluon_backward_forced_or_off_with_triton_as_fallback():
                                                        q, k, v)
 
 
+def test_gluon_backward_refuses_more_kv_blocks_than_a_grid_axis_holds(monkeypatch):
+    """The kv blocks are the grid's y axis (at most 65535 on CUDA: S past 8 M keys); past it
+    the Triton backward runs, with the reason (the limit lowered here to S = 256's 2 blocks
+    minus one, so as not to allocate 8 M keys)."""
+    q, k, v = _qkv()
+    assert why_not_gluon_bwd(SM90, _call(FORCED), q, k, v) is None
+    monkeypatch.setattr(gluon_bwd_module, "MAX_GRID_Y", 1)
+    found = why_not_gluon_bwd(SM90, _call(FORCED), q, k, v)
+    assert "S=256" in found and "2 kv blocks" in found and "exceed a grid's 1" in found
+    assert registry.choose("backward", SM90, _call(FORCED), q, k, v).name == "triton_bwd"
+
+
 def _window(b, h, q_idx, kv_idx):
     return (q_idx - kv_idx).abs() < 256
 
@@ -343,9 +355,9 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     # the postprocess run per head (GLUON_BWD_DQ_CHUNKS's default: a quarter of the pairs,
     # at least one)
     assert [step for step, _, _ in launched] == [pre] + [zero, kernel, post] * 2
-    # (64 rows a zeroing program; 128 keys a program; 32 rows of L_PAD = 256 a postprocess
-    # program)
-    assert [grid for _, _, grid in launched][1:] == [(4,), (2, 1, 1), (8, 1, 1)] * 2
+    # (64 rows a zeroing program; one kv head of 2 x 128 keys a part, heads on the fast
+    # axis; 32 rows of L_PAD = 256 a postprocess program)
+    assert [grid for _, _, grid in launched][1:] == [(4,), (1, 2, 1), (8, 1, 1)] * 2
     starts = [dict(zip(step.binder.names, args)) for step, args, _ in launched[1:]
               if step is not zero]
     assert [(a["B0"], a.get("HKV0", a.get("H0"))) for a in starts] == [(0, 0), (0, 0), (0, 1),
@@ -354,8 +366,8 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
         unset = [name for (i, name) in step.binder.slots if args[i] is None]
         assert not unset, (step, unset)
         assert all(a is not binding._UNSET for a in args), step  # every fixed value found
-    # one program per (128 keys, kv head, batch): the kernel reads head and batch as ids
-    assert plan.steps[1].grid == (2, k.shape[1], k.shape[0]), plan.steps[1].grid
+    # one program per (kv head, 128 keys, batch): the kernel reads head and batch as ids
+    assert plan.steps[1].grid == (k.shape[1], 2, k.shape[0]), plan.steps[1].grid
     main = dict(zip(plan.steps[1].binder.names, launched[2][1]))
     assert main["HQ_CHUNK"] == 1 and main["DQ_DESC"].shape == [256, E]  # one head's rows
     assert main["DK"].shape == k.shape and main["DV"].shape == v.shape
@@ -431,7 +443,7 @@ def test_parts_flow_gives_every_head_its_own_dq(monkeypatch, B, Hq, Hkv, options
         if self is pre_cpu or self is post_cpu or self is zero_cpu:
             return real_launch(self, args, device, grid)
         acc = named["DQ_DESC"].base.view(-1, named["HQ_CHUNK"], l_pad, E)
-        _, nh, nb = grid
+        nh, _, nb = grid
         b0, h0 = named["B0"], named["HKV0"]
         lse2_then, delta_then = rows_seen[0]
         for j in range(nb):
