@@ -126,8 +126,10 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # parts cut, 11cb355): causal sliding windows of 256 (377 rows) 1.60x the time, 1024 (1114)
 # 0.92x, 2048 (2048) 0.87x; causal documents of 256-2048 tokens (the benchmark's; 884 rows)
 # 1.02x, of 576-4032 (1376) 0.96x. Programs with short walks pay their prologue, epilogue
-# and the parts' launches on too little work. Measured at E = 128 only: E = 64 keeps sparse
-# masks on the Triton backward. And only calls of as much work as those (16 heads of 16384
+# and the parts' launches on too little work. At E = 64 the Triton backward was faster on
+# every such mask but a causal window of 2048 (0.97x; sp_f8a67d8: windows of 512 and 1024
+# 1.47x and 1.22x, the benchmark's documents 1.51x): E = 64 keeps sparse masks on the Triton
+# backward. And only calls of as much work as those (16 heads of 16384
 # tokens visiting 7-13% of the tiles: at least SPARSE_MIN_TILES 128 x 128 tiles over the
 # batch and heads): a smaller call's step waits on the host's launches of the parts
 # (experiments/gluon_bwd_host.py: 0.98 ms of host time a step against 0.66 on the Triton
