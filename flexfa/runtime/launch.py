@@ -166,6 +166,11 @@ class TrustedDescriptor(TensorDescriptor):
         self.block_shape, self.padding = block_shape, padding
 
 
+# CUDA's limit on a grid's y and z sizes (x goes to 2**31 - 1): the kernels that put (batch,
+# head) pairs or kv blocks there check against it before launching
+MAX_GRID_Y = 65535
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of ints (``triton.cdiv`` is a JIT function: slow to call on the host)."""
     return -(-a // b)

@@ -31,7 +31,7 @@ from ...errors import InputError
 from .. import binding, plans
 from ..autotune import SHORT_KV
 from ..kernels import generated_module
-from ..launch import Step, cdiv
+from ..launch import MAX_GRID_Y, Step, cdiv
 from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
@@ -261,9 +261,6 @@ def zero_step(spec: RowsSpec, acc_rows: int) -> Step:
                 {"num_warps": ROWS_WARPS}, binding.Binder(rows.names(ZERO), {"ROWS": acc_rows}))
 
 
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (and z) size: kernel_grid's kv blocks
-
-
 def kernel_grid(S: int, kv_heads: int, batches: int) -> tuple[int, int, int]:
     """The Gluon backward's grid over ``kv_heads`` kv heads of ``batches`` batches: (kv
     heads, kv blocks of BLOCK_N keys, batches), read as program ids by bwd_gluon.tmpl. The
@@ -355,7 +352,8 @@ class GluonBackward(KernelFamily):
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
         rows = RowsSpec(E, x.grad_lse is not None, target.name)
         pre, post = row_steps(rows, x, l_pad, acc_hkv * group)
-        zero = zero_step(rows, acc_b * acc_hkv * group * l_pad)
+        acc_heads = acc_b * acc_hkv * group  # the (batch, query head) pairs a slot holds
+        zero = zero_step(rows, acc_heads * l_pad)
         lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad, "HQ_CHUNK": acc_hkv * group}
         kernel = Step(main.kernel(), kernel_grid(S, Hkv, B),
                       spec.constexprs(dscore_is_one(joint)), spec.launch_options(),
@@ -367,9 +365,9 @@ class GluonBackward(KernelFamily):
         return plans.Plan(self, spec, (pre, kernel, post, zero), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
             "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
-            "acc_heads": acc_b * acc_hkv * group, "parts": parts, "slots": slots,
+            "acc_heads": acc_heads, "parts": parts, "slots": slots,
             # what run() allocates for the fp32 dQ accumulator (memory reports read it)
-            "accumulator_bytes": slots * acc_b * acc_hkv * group * l_pad * E * 4})
+            "accumulator_bytes": slots * acc_heads * l_pad * E * 4})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
         pre, kernel, post, zero = plan.steps
