@@ -13,10 +13,12 @@ import torch
 from .blockmask.block_mask import SLICED, sliced_mask_mod
 from .errors import InputError, InputTypeError, check_bool
 from .frontend.trace import TracedMod
-from .runtime.launch import MAX_GRID_Y
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# CUDA's limit on a grid's y and z dimensions: the kernels put the (batch, head) pairs there
+# (the backward's and the dense forward's grids; a masked forward puts them on the x axis)
+MAX_CUDA_PROGRAM_ROWS = 65535
 MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 _NAMES = ("query", "key", "value")
 
@@ -66,12 +68,11 @@ def check_shapes(query, key, value, enable_gqa: bool) -> None:
     if Hq != Hkv and not enable_gqa:
         raise InputError(f"query has {Hq} heads but key has {Hkv}; pass enable_gqa=True for "
                          "grouped-query attention, or give key/value as many heads as query")
-    # the backward's and the dense forward's grids put the (batch, head) pairs on the y axis
-    if query.is_cuda and B * Hq > MAX_GRID_Y:
+    if query.is_cuda and B * Hq > MAX_CUDA_PROGRAM_ROWS:
         raise InputError(f"query has batch {B} x {Hq} heads = {B * Hq} (batch, head) pairs; "
                          f"the CUDA kernels run them on a grid axis of at most "
-                         f"{MAX_GRID_Y}: split the batch into calls of at most "
-                         f"{MAX_GRID_Y // Hq} batch entries")
+                         f"{MAX_CUDA_PROGRAM_ROWS}: split the batch into calls of at most "
+                         f"{MAX_CUDA_PROGRAM_ROWS // Hq} batch entries")
 
 
 def broadcast_batch(query, key, value) -> tuple:

@@ -166,8 +166,9 @@ class TrustedDescriptor(TensorDescriptor):
         self.block_shape, self.padding = block_shape, padding
 
 
-# CUDA's limit on a grid's y and z sizes (x goes to 2**31 - 1): the kernels that put (batch,
-# head) pairs or kv blocks there check against it before launching
+# CUDA's limit on a grid's y and z sizes (x goes to 2**31 - 1), for the runtime's kernels that
+# put kv blocks there (flexfa.inputs checks the (batch, head) pairs against its own
+# MAX_CUDA_PROGRAM_ROWS: importing this module loads Triton, which `import flexfa` must not)
 MAX_GRID_Y = 65535
 
 
