@@ -1,10 +1,12 @@
 """Dropout's host side: the seed tensor a call's kernels draw from, the threshold and scale
 of a probability, and the kernel that writes the keep mask of a seed (for references).
 
-An element (b, h, q, k) of a call is kept when the Philox4x32-10 word of key ``seed`` and
-counters (k, q, b * H + h, offset mod 2**32), shifted right by one, is at least
-``round(p * 2**31)`` (``flexfa_dropout_keep`` in helpers.tmpl): a pure function of the seed
-and the indices, drawn again by the backward, nothing of size L x S stored.
+An element (b, h, q, k) of a call is kept when its 16-bit half of a Philox4x32-10 word is at
+least ``round(p * 2**16)``: the output words of key ``seed`` and counters (k // 8, q,
+b * H + h, offset mod 2**32), word (k % 8) // 2, the low half for even k
+(``flexfa_dropout_keep`` in helpers.tmpl). A pure function of the seed and the indices,
+drawn again by the backward, nothing of size L x S stored; one Philox call covers eight
+keys (FlashAttention-2 takes 8 bits an element, sixteen keys a call).
 """
 from __future__ import annotations
 
@@ -14,10 +16,14 @@ from ..codegen.dropout import dropout_mask_kernel
 from .kernels import ModeSpec, generated_module
 from .launch import Step, cdiv
 
+THRESHOLD_BITS = 16  # the random bits an element is decided by
+
+
 def threshold(p: float) -> int:
-    """The 31-bit threshold of drop probability ``p`` in [0, 1): an element is dropped when
-    its random word's top 31 bits are below it."""
-    return min(round(p * 2 ** 31), 2 ** 31 - 1)
+    """The 16-bit threshold of drop probability ``p`` in [0, 1): an element is dropped when
+    its random half-word is below it, so with probability ``threshold(p) / 2**16`` (within
+    2**-17 of p; at most 1 - 2**-16)."""
+    return min(round(p * 2 ** THRESHOLD_BITS), 2 ** THRESHOLD_BITS - 1)
 
 
 def scale(p: float) -> float:

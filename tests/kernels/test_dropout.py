@@ -1,6 +1,6 @@
 """Dropout on the attention probabilities (``flex_attention(..., dropout_p=, dropout_seed=)``):
-the keep mask is Philox4x32-10 of (seed, offset, b, h, q, k // 4) (checked bit for bit against a
-pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
+the keep mask is decided by 16-bit halves of Philox4x32-10 words of (seed, offset, b, h, q,
+k // 8) (checked bit for bit against a pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
 against the float64 reference fed ``flexfa.dropout_mask``), its keep rate is 1 - p
 (statistical tests, of the mask and of the kernel itself), p = 0 runs today's kernels, p
 close to 1 stays finite, and bad arguments fail before any launch."""
@@ -40,13 +40,14 @@ def test_the_mask_is_philox_of_seed_offset_and_indices():
     p, (seed, offset) = 0.3, SEED
     mask = flexfa.dropout_mask((seed, offset), 2, 3, 20, 40, p)
     assert mask.shape == (2, 3, 20, 40) and mask.dtype == torch.bool
-    threshold = round(p * 2 ** 31)
+    threshold = round(p * 2 ** 16)
     for b in range(2):
         for h in range(3):
             for q in range(0, 20, 3):
-                for k in range(0, 40, 3):
-                    word = philox_words(seed, (k // 4, q, b * 3 + h, offset))[k % 4]
-                    assert bool(mask[b, h, q, k]) == ((word >> 1) >= threshold), (b, h, q, k)
+                for k in range(40):  # every key: each of the eight a Philox call covers
+                    word = philox_words(seed, (k // 8, q, b * 3 + h, offset))[(k % 8) // 2]
+                    half = (word >> (16 * (k % 2))) & 0xFFFF
+                    assert bool(mask[b, h, q, k]) == (half >= threshold), (b, h, q, k)
     assert not torch.equal(mask, flexfa.dropout_mask((seed, offset + 1), 2, 3, 20, 40, p))
     assert not torch.equal(mask, flexfa.dropout_mask(seed + 1, 2, 3, 20, 40, p))
     assert torch.equal(mask, flexfa.dropout_mask((seed, offset), 2, 3, 20, 40, p))
@@ -186,7 +187,7 @@ def test_p_close_to_one():
         exact = reference(q, k, v, p, 7, mask_mod=None)
         torch.testing.assert_close(out.double(), exact[0], atol=1e-5 / (1 - p), rtol=1e-4)
         torch.testing.assert_close(lse.double(), exact[1])
-    # 1 - 1e-12 rounds to the largest 31-bit threshold: about one element in 2**31 survives
+    # 1 - 1e-12 rounds to the largest 16-bit threshold: about one element in 2**16 survives
     assert flexfa.dropout_mask(7, 1, 2, 40, 48, 1 - 1e-12).sum() == 0
 
 
