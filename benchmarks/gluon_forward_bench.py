@@ -59,26 +59,28 @@ def late_causal(b, h, q_idx, kv_idx):  # rows before 130 see nothing: row block 
 
 BOTH = {"GLUON_PINGPONG": True, "GLUON_TMA_STORE": True}
 PERSIST_TMA = {"GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True}
-# (name, heads, length, mask_mod, kernel_options past BACKEND): 384 causal has 1, 2 and 3 key
-# tiles per row block; at 320 the last row block's first consumer stores by TMA, the second
-# plainly; 96 heads of 3 row blocks are 288 work tiles, 2 or 3 per persistent program
-for name, heads, n, mask_mod, options in (
-        ("causal", 2, 384, flexfa.mods.causal, {}),
-        ("causal_pingpong", 2, 384, flexfa.mods.causal, {"GLUON_PINGPONG": True}),
-        ("late_causal_pingpong_tma", 2, 320, late_causal, BOTH),
-        ("late_causal_persist_tma", 96, 320, late_causal, PERSIST_TMA),
+# (name, heads, length, mask_mod, kernel_options past BACKEND, dropout_p): 384 causal has 1, 2
+# and 3 key tiles per row block; at 320 the last row block's first consumer stores by TMA, the
+# second plainly; 96 heads of 3 row blocks are 288 work tiles, 2 or 3 per persistent program
+for name, heads, n, mask_mod, options, p in (
+        ("causal", 2, 384, flexfa.mods.causal, {}, 0.0),
+        ("causal_pingpong", 2, 384, flexfa.mods.causal, {"GLUON_PINGPONG": True}, 0.0),
+        ("late_causal_pingpong_tma", 2, 320, late_causal, BOTH, 0.0),
+        ("late_causal_persist_tma", 96, 320, late_causal, PERSIST_TMA, 0.0),
         ("causal_persist_pingpong", 96, 384, flexfa.mods.causal,
-         {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})):
+         {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}, 0.0),
+        ("late_causal_pingpong_dropout", 2, 320, late_causal, {"GLUON_PINGPONG": True}, 0.2)):
     q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     mask = flexfa.create_block_mask(mask_mod, None, None, n, n, device="cuda")
-    out = flexfa.flex_attention(q, k, v, block_mask=mask,
+    out = flexfa.flex_attention(q, k, v, block_mask=mask, dropout_p=p, dropout_seed=3,
                                 kernel_options={"BACKEND": "GLUON", **options})
     torch.cuda.synchronize()
     print(name, "finite" if bool(torch.isfinite(out).all()) else "NOT FINITE", flush=True)
 """
 SAFE = ("causal finite", "causal_pingpong finite", "late_causal_pingpong_tma finite",
-        "late_causal_persist_tma finite", "causal_persist_pingpong finite")
+        "late_causal_persist_tma finite", "causal_persist_pingpong finite",
+        "late_causal_pingpong_dropout finite")
 VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
 # impl -> kernel_options of flexfa's families (cudnn: SDPA, full and causal only)
 GLUON = {"BACKEND": "GLUON"}

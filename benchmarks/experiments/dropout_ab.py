@@ -1,5 +1,6 @@
-"""GPU: what dropout costs, flexfa with and without ``dropout_p`` next to SDPA's dropout
-(its flash and cuDNN backends), forward and forward + backward, bf16, in one process.
+"""GPU: what dropout costs, flexfa with and without ``dropout_p`` (by default, and with the
+Hopper or the Gluon forward forced) next to SDPA's dropout (its flash and cuDNN backends),
+forward and forward + backward, bf16, in one process.
 
 flexfa is imported from ``PYTHONPATH`` (not from this file's tree), so that an A/B runs the
 same script on two trees in alternating processes. Each case (batch, heads, length, head
@@ -52,6 +53,11 @@ def main() -> int:
             "flexfa_drop": lambda: flexfa.flex_attention(q, k, v, block_mask=mask,
                                                          dropout_p=args.p, dropout_seed=1),
         }
+        for family in ("hopper", "gluon"):  # the forward families, forced
+            impls[f"flexfa_drop_{family}"] = (
+                lambda family=family: flexfa.flex_attention(
+                    q, k, v, block_mask=mask, dropout_p=args.p, dropout_seed=1,
+                    kernel_options={"BACKEND": family.upper()}))
         if not args.no_sdpa:
             for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                   ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
-from .params import DESCRIPTOR, INPUT, KernelParams, Param, constexprs, forward_params, ints
+from .params import (DESCRIPTOR, INPUT, KernelParams, Param, constexprs, feature_params,
+                     forward_params, ints)
 from .spec import KernelSpec, spec_key
 from .template import template_hash
 from .versions import versions_key
@@ -34,14 +35,15 @@ CONSUMER_ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
 MAX_REGISTERS = 168
 
 
-def gluon_params(score: TracedMod | None, mask: TracedMod | None,
-                 tma_store: bool) -> KernelParams:
+def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: bool,
+                 dropout: bool = False) -> KernelParams:
     """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
-    tensors) plus, with ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
+    tensors; with ``dropout`` the seed, threshold and scale of ``feature_params``) plus, with
+    ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
     (B * HQ: the persistent grid's work tiles are q tiles times it), and the ring depth
     ``STAGES``, the flags ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT`` and ``STATIC_MAX``
     with its bound ``STATIC_MAX2`` (log2 units)."""
-    base = forward_params(True, buffer_params(score, mask))
+    base = forward_params(True, buffer_params(score, mask), features=feature_params("", dropout))
     out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
     return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1], ints("BATCH_HEADS"),
                          base.groups[-1] + constexprs("STAGES", "PINGPONG", "TMA_STORE",
@@ -53,7 +55,8 @@ def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]
     # the Hopper parameter list's STRIDED_QKV and SPLIT_KV: this kernel reads flat
     # [B * H * len, dim] rows, all keys of a row in one program
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, SPLIT_KV=False,
-                HAS_SINKS=False, DROPOUT=False, STAGES=spec.num_stages, PINGPONG=spec.pingpong,
+                HAS_SINKS=False, DROPOUT=spec.dropout, STAGES=spec.num_stages,
+                PINGPONG=spec.pingpong,
                 TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent,
                 STATIC_MAX=spec.static_max is not None,
                 STATIC_MAX2=(spec.static_max or 0.0) * 1.4426950408889634)
@@ -73,7 +76,7 @@ def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | No
         f"BLOCK_M={spec.block_m}: the Gluon forward's programs have {CONSUMERS} consumers of "
         f"{CONSUMER_ROWS} rows")
     return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
-                          gluon_params(score, mask, spec.tma_store),
+                          gluon_params(score, mask, spec.tma_store, spec.dropout),
                           module_flags(gluon_constexprs(spec, True)),
                           helpers=("helpers.tmpl", "gluon_common.tmpl"), tile=GLUON_TILE)
 
@@ -100,7 +103,7 @@ def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod |
     """(signature, constexprs) of the Gluon forward, for ``triton.compile(GluonASTSource(
     ...))``: a Gluon descriptor's type names its shared layout."""
     constexprs_ = gluon_constexprs(spec, score is not None)
-    params = gluon_params(score, mask, spec.tma_store)
+    params = gluon_params(score, mask, spec.tma_store, spec.dropout)
     signature = params.signature(constexprs_, {INPUT: spec.dtype})
     for name, block in descriptor_blocks(spec).items():
         if name in signature:

@@ -185,12 +185,13 @@ def _register_hopper() -> None:
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
-              head_dim_v: int | None = None, static_max: bool = False):
+              head_dim_v: int | None = None, static_max: bool = False, dropout: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid;
     ``head_dim_v``: v's head dim, default ``head_dim``; ``static_max``: the score_mod's
-    bound instead of a running max, as GLUON_STATIC_MAX takes it at S = 16384)."""
+    bound instead of a running max, as GLUON_STATIC_MAX takes it at S = 16384; ``dropout``:
+    the keep mask applied to P)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         bound = static_score_max(score, Domain(1, 16, 16384, 16384)) if static_max else None
@@ -203,7 +204,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
-                          persistent=persistent, static_max=bound)
+                          persistent=persistent, static_max=bound, dropout=dropout)
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
 
@@ -219,6 +220,11 @@ register("fwd_gluon_d128_fp16_softcap_causal",
 register("fwd_gluon_d128_bf16_softcap_causal_static",
          gluon_job(128, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, static_max=True),
          archs=(90,))
+# dropout_p: the keep mask's Philox words in the consumers (counters laid out as the score tile)
+register("fwd_gluon_d128_bf16_causal_dropout",
+         gluon_job(128, "bf16", mask_mod=causal_mask, dropout=True), archs=(90,))
+register("fwd_gluon_d256_bf16_causal_dropout",
+         gluon_job(256, "bf16", mask_mod=causal_mask, block_n=64, dropout=True), archs=(90,))
 register("fwd_gluon_d256_bf16_dense", gluon_job(256, "bf16", block_n=64), archs=(90,))
 register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=causal_mask, block_n=64),
          archs=(90,))

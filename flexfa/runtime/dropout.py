@@ -2,9 +2,10 @@
 of a probability, and the kernel that writes the keep mask of a seed (for references).
 
 An element (b, h, q, k) of a call is kept when its 16-bit half of a Philox4x32-10 word is at
-least ``round(p * 2**16)``: the output words of key ``seed`` and counters (k // 8, q,
-b * H + h, offset mod 2**32), word (k % 8) // 2, the low half for even k
-(``flexfa_dropout_keep`` in helpers.tmpl). A pure function of the seed and the indices,
+least ``round(p * 2**16)``: of the output words of key ``seed`` and counters
+(4 * (k // 32) + (k % 8) // 2, q, b * H + h, offset mod 2**32), word (k % 32) // 8, the low
+half for even k (``flexfa_dropout_keep`` in helpers.tmpl: the halves a thread of an
+accumulator tile holds come from its own Philox calls). A pure function of the seed and the indices,
 drawn again by the backward, nothing of size L x S stored; one Philox call covers eight
 keys (FlashAttention-2 takes 8 bits an element, sixteen keys a call).
 """

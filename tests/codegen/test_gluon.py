@@ -15,7 +15,7 @@ from flexfa.codegen.forward import mask_mod_code, score_mod_code
 from flexfa.codegen.gluon import GLUON_TILE, gluon_kernel
 from flexfa.frontend.trace import MASK_MOD, SCORE_MOD, trace
 from flexfa.runtime import registry
-from flexfa.runtime.call import AttentionCall
+from flexfa.runtime.call import AttentionCall, Dropout
 from flexfa.runtime.families.gluon import GLUON, SHARED_BYTES, gluon_spec, shared_bytes
 from flexfa.runtime.families.gluon_bwd import why_not_gluon_bwd
 from flexfa.runtime.options import parse_kernel_options
@@ -26,9 +26,10 @@ SM90, SM80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
 FORCED = {"BACKEND": "GLUON"}
 
 
-def _call(options=None, block_mask=None, score_mod=None):
+def _call(options=None, block_mask=None, score_mod=None, dropout=None, sinks=None):
     return AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                         0.125, parse_kernel_options(options), 1)
+                         0.125, parse_kernel_options(options), 1, sinks=sinks,
+                         dropout=None if dropout is None else Dropout(dropout, torch.zeros(2)))
 
 
 def _qkv(L=256, E=128, dtype=torch.bfloat16):
@@ -90,6 +91,41 @@ def test_auto_takes_gluon_only_in_the_classes_where_it_measured_faster(L, E, mas
     if call.options.backend == "AUTO":
         assert registry.choose("forward", SM80, call, q, k, v).name == "ampere"
         assert registry.choose("forward", INTERPRETER, call, q, k, v).name != "gluon"
+
+
+@pytest.mark.parametrize("L, E, mask_mod, chosen", [
+    (4096, 128, mods.causal, "gluon"),   # masked, short: measured 0.87x the Hopper's time
+    (2048, 128, mods.causal, "gluon"),
+    (4096, 128, None, "gluon"),          # dense, as without dropout
+    (8192, 256, mods.causal, "gluon"),
+    (4096, 64, mods.causal, "hopper"),   # E = 64: 1.06x the Hopper's time
+    (4096, 128, _window, "hopper"),      # sparse: not measured
+])
+def test_auto_with_dropout_takes_gluon_where_measured_faster(L, E, mask_mod, chosen):
+    """dropout_p: the Gluon forward has the keep mask (its Philox words overlap the other
+    consumer's GEMMs), and AUTO also takes it for E = 128 masked calls of short keys."""
+    q, k, v = (torch.empty(1, 1, L, E, dtype=torch.bfloat16) for _ in range(3))
+    mask = _mask(mask_mod, L) if mask_mod else None
+    assert registry.choose("forward", SM90, _call(None, mask, dropout=0.1), q, k, v).name \
+        == chosen
+    if (L, E, mask_mod) == (4096, 128, mods.causal):
+        # without dropout the Hopper family; with sinks too (the Gluon forward has none)
+        assert registry.choose("forward", SM90, _call(None, mask), q, k, v).name == "hopper"
+        call = _call(None, mask, dropout=0.1, sinks=torch.zeros(1))
+        assert registry.choose("forward", SM90, call, q, k, v).name == "hopper"
+        assert GLUON.why_not(SM90, _call(FORCED, mask, dropout=0.1), q, k, v) is None
+
+
+def test_gluon_dropout_is_in_the_spec_key_and_parameters():
+    q, k, v = _qkv()
+    plain = gluon_spec(q, k, v, _call(FORCED), SM90, False, False)
+    dropped = gluon_spec(q, k, v, _call(FORCED, dropout=0.2), SM90, False, False)
+    assert not plain.dropout and dropped.dropout
+    with_mask = gluon_kernel(dropped, None, None)
+    assert with_mask.name != gluon_kernel(plain, None, None).name
+    assert {"DROPOUT_SEED", "dropout_threshold", "dropout_scale"} <= set(with_mask.params)
+    assert "DROPOUT = tl.constexpr(True)" in with_mask.source
+    assert "DROPOUT_SEED" not in gluon_kernel(plain, None, None).params
 
 
 def _at_offset(L, S):

@@ -3,7 +3,8 @@ a GPU: setmaxnreg (the 1-warp partitions give registers to the consumer warpgrou
 TMA (the backward's dQ reduce-add too), no spills; the forward's ping-pong variant
 (GLUON_PINGPONG) waits on and passes the consumers' turns, its TMA-store variant
 (GLUON_TMA_STORE) stores out by TMA, its persistent variant (GLUON_PERSISTENT) loops over
-work tiles and waits for each consumer's Q release. In subprocesses:
+work tiles and waits for each consumer's Q release, its dropout keeps the keep mask out of
+shared memory and its tile loop free of spills. In subprocesses:
 a compiled Gluon module imports triton.experimental.gluon, whose standard library cannot be
 imported where this test session decorated triton.language for the interpreter."""
 import json
@@ -25,6 +26,8 @@ PINGPONG_VARIANTS = ("fwd_gluon_d128_bf16_causal_pingpong", "fwd_gluon_d64_fp16_
                      "fwd_gluon_d128_bf16_document_pingpong")
 # GLUON_STATIC_MAX (softcap + causal, bf16): no running row max
 STATIC_VARIANTS = ("fwd_gluon_d128_bf16_softcap_causal_static",)
+# dropout_p: the keep mask's Philox words computed where the score tile's halves live
+DROPOUT_VARIANTS = ("fwd_gluon_d128_bf16_causal_dropout", "fwd_gluon_d256_bf16_causal_dropout")
 TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
                       "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
 # one persistent variant here (a compile takes ~40-60 s); the others (dense, softcap with the
@@ -53,9 +56,11 @@ if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the
     import_gluon()
 from flexfa import compile_check
 for name in sys.argv[1:]:
-    r = compile_check.compile_job(name, 90, compile_check.REGISTRY[name])
+    r = compile_check.compile_job(name, 90, compile_check.REGISTRY[name],
+                                  loops="dropout" in name)
     print(json.dumps(dict(
         name=name, ok=r.ok, error=r.error, wgmma=r.wgmma, spills=r.spill_bytes,
+        loop_spills=r.loop_local_ops, st_shared=r.ptx.count("st.shared"),
         serialized=r.wgmma_serialized,
         setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                          r.ptx))),
@@ -108,7 +113,8 @@ def started(tmp_path_factory) -> dict:
     """Every compile of this module, started at once in four processes of about equal work:
     the pytest process only waits for them, so on a machine of two or more cores they share
     the cores (about half the wall time of compiling one after another)."""
-    groups = {"plain": (VARIANTS, False), "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS, False),
+    groups = {"plain": (VARIANTS, False),
+              "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS + DROPOUT_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
               "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS, True)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
@@ -154,6 +160,23 @@ def test_gluon_static_max_forward_compiles_without_a_row_max(forward_rows):
         _check_compiled(name, row)
         assert row["tanh"] and row["fmax"] == 0, row
     assert forward_rows["fwd_gluon_d128_fp16_softcap_causal"]["fmax"] > 0
+
+
+def test_gluon_dropout_forward_compiles_for_sm90(forward_rows):
+    """dropout_p: the Philox counters are laid out so that each consumer thread computes the
+    words of the score halves it holds, so the keep mask reaches the score tile without
+    shared memory (as many st.shared as the kernel without dropout) and the tile loop holds
+    no spilled value. Outside it ptxas spills a few bytes, two kernel arguments computed at
+    the entry for the epilogue (8 at E = 128 and 4 at 256 in Triton 3.6; 0 without dropout)."""
+    for name in DROPOUT_VARIANTS:
+        row = forward_rows[name]
+        assert row["ok"], (name, row["error"])
+        assert row["wgmma"] and row["tma"] and row["arrive"], row
+        assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
+        assert row["loop_spills"] in (0, None) and row["spills"] in (0, 4, 8, None), row
+        assert row["serialized"] in (False, None), row
+    plain = forward_rows["fwd_gluon_d128_bf16_causal"]
+    assert forward_rows["fwd_gluon_d128_bf16_causal_dropout"]["st_shared"] == plain["st_shared"]
 
 
 def test_gluon_pingpong_forward_compiles_for_sm90(forward_rows):

@@ -227,3 +227,52 @@ def test_gluon_static_max_trains(safe):
                    kernel_options=OPTIONS["static_max"])
     assert any(p.family.name == "gluon" and p.spec.static_max is not None
                for p in plans.PLANS.values())
+
+
+DROPOUT_CASES = [("causal", "plain"), ("ragged", "plain"), ("gqa_causal", "pingpong"),
+                 ("document", "persistent"), ("softcap_causal", "static_max"),
+                 ("causal_d256", "plain"), ("causal_d192_ev128", "persistent_pingpong"),
+                 ("many_causal", "persistent"), ("empty_rows", "plain")]
+
+
+@pytest.mark.parametrize("name, option", DROPOUT_CASES)
+def test_gluon_dropout_matches_the_reference_and_hopper(safe, name, option):
+    """dropout_p on the Gluon forward: its keep mask is flexfa.dropout_mask's (out against
+    the float64 reference fed that mask), the Hopper family's (out close to its out with the
+    same seed), the same on a second call, and the Triton backward draws it again (gradients
+    of the first cases against the reference)."""
+    from flexfa.reference import attention_reference
+
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    B, Hq, L, _ = q.shape
+    S, Hkv = k.shape[2], k.shape[1]
+    p, seed = 0.3, (20261203, 7)
+    plans.PLANS.clear()
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = flexfa.flex_attention(*inputs, score_mod=score_mod, block_mask=block_mask,
+                                     enable_gqa=Hq != Hkv, return_lse=True, dropout_p=p,
+                                     dropout_seed=seed, kernel_options=OPTIONS[option])
+    assert [pl.family.name for pl in plans.PLANS.values()] == ["gluon"]
+    keep = flexfa.dropout_mask(seed, B, Hq, L, S, p, device="cuda")
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, want_lse = attention_reference(*ref_inputs, score_mod, mask_mod, enable_gqa=Hq != Hkv,
+                                         return_lse=True, dropout_mask=keep, dropout_p=p)
+    scale = want.abs().max().item()
+    assert (out.double() - want).abs().max().item() <= 4e-2 * max(scale, 1.0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=2e-3)
+    hopper = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                   enable_gqa=Hq != Hkv, dropout_p=p, dropout_seed=seed,
+                                   kernel_options={"BACKEND": "HOPPER"})
+    error = (out.float() - hopper.float()).norm() / hopper.float().norm().clamp_min(1e-6)
+    assert float(error) < 5e-3, float(error)
+    again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                  enable_gqa=Hq != Hkv, dropout_p=p, dropout_seed=seed,
+                                  kernel_options=OPTIONS[option])
+    torch.testing.assert_close(again, out.detach(), atol=0, rtol=0)
+    if name in ("causal", "ragged", "gqa_causal", "causal_d256"):
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, inputs, grad)
+        wanted = torch.autograd.grad(want, ref_inputs, grad.double())
+        for label, g, w in zip(("dq", "dk", "dv"), got, wanted):
+            bound = 8e-2 * max(w.abs().max().item(), 1.0)
+            assert (g.double() - w).abs().max().item() <= bound, label

@@ -1,6 +1,6 @@
 """Dropout on the attention probabilities (``flex_attention(..., dropout_p=, dropout_seed=)``):
 the keep mask is decided by 16-bit halves of Philox4x32-10 words of (seed, offset, b, h, q,
-k // 8) (checked bit for bit against a pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
+4 * (k // 32) + (k % 8) // 2) (checked bit for bit against a pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
 against the float64 reference fed ``flexfa.dropout_mask``), its keep rate is 1 - p
 (statistical tests, of the mask and of the kernel itself), p = 0 runs today's kernels, p
 close to 1 stays finite, and bad arguments fail before any launch."""
@@ -45,7 +45,8 @@ def test_the_mask_is_philox_of_seed_offset_and_indices():
         for h in range(3):
             for q in range(0, 20, 3):
                 for k in range(40):  # every key: each of the eight a Philox call covers
-                    word = philox_words(seed, (k // 8, q, b * 3 + h, offset))[(k % 8) // 2]
+                    group = 4 * (k // 32) + (k % 8) // 2
+                    word = philox_words(seed, (group, q, b * 3 + h, offset))[(k % 32) // 8]
                     half = (word >> (16 * (k % 2))) & 0xFFFF
                     assert bool(mask[b, h, q, k]) == (half >= threshold), (b, h, q, k)
     assert not torch.equal(mask, flexfa.dropout_mask((seed, offset + 1), 2, 3, 20, 40, p))
@@ -109,9 +110,10 @@ def test_forward_matches_the_reference_with_the_same_mask(template):
     assert_close_to_reference(lse, exact[1], eager[1], name="lse")  # dropout leaves lse alone
 
 
-def gradients(q, k, v, p, seed, buffers, score_mod, options, with_sinks=False):
+def gradients(q, k, v, p, seed, buffers, score_mod, options, with_sinks=False, block=32):
     """(flexfa's, float64's, same-dtype eager's) gradients of out and lse with respect to
-    q, k, v (the sinks) and ``buffers``."""
+    q, k, v (the sinks) and ``buffers``, under a block mask of ``block``-square blocks (the
+    kernels' tiles are at most that)."""
     generator = torch.Generator().manual_seed(11)
     grad_out = torch.randn(*q.shape[:3], v.shape[3], generator=generator)
     grad_lse = torch.randn(*q.shape[:3], generator=generator)
@@ -119,7 +121,7 @@ def gradients(q, k, v, p, seed, buffers, score_mod, options, with_sinks=False):
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     extra = [sinks.clone().requires_grad_()] if with_sinks else []
     mask = flexfa.create_block_mask(late_causal, None, None, q.shape[2], k.shape[2],
-                                    device="cpu", BLOCK_SIZE=32)
+                                    device="cpu", BLOCK_SIZE=block)
     out, lse = flexfa.flex_attention(*inputs, score_mod, mask, enable_gqa=True, return_lse=True,
                                      sinks=extra[0] if extra else None, dropout_p=p,
                                      dropout_seed=seed, kernel_options=options)
@@ -162,6 +164,26 @@ def test_backward_draws_the_same_mask(template, dtype, options, head_dim, monkey
     assert [(s.dropout, s.ds_dq, s.use_tma, s.split_head_dim) for s in specs] == [
         (True, bool(options.get("DS_WORKSPACE")), bool(options.get("USE_TMA")),
          head_dim == 192)]
+
+
+def test_tiles_of_16_keys_draw_the_same_mask(monkeypatch):
+    """16-key tiles (a block mask of 16, as fp32 or E = 256 tiles can be) take half of a
+    32-key block's Philox words: forward and both backward kernels against the mask kernel's
+    32-key tiles."""
+    from flexfa.runtime.families import ampere
+
+    specs = record_backward_specs(monkeypatch)
+    forward_specs = []
+    original = ampere.forward_spec
+    monkeypatch.setattr(ampere, "forward_spec",
+                        lambda *a, **kw: forward_specs.append(original(*a, **kw))
+                        or forward_specs[-1])
+    q, k, v = make_qkv(1, HQ, HKV, L, S, E, dtype=torch.float32, seed=16)
+    got, exact, eager = gradients(q, k, v, 0.3, SEED, [], None, TEMPLATES["ampere"], block=16)
+    for name, g, want, same in zip(["dq", "dk", "dv"], got, exact, eager):
+        assert_close_to_reference(g, want, same, fudge=6.0, name=name)
+    assert [s.block_n for s in forward_specs] == [16]
+    assert [(s.block_n1, s.block_n2) for s in specs] == [(16, 16)]
 
 
 def test_p_zero_runs_todays_kernels(monkeypatch):

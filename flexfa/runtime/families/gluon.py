@@ -79,6 +79,12 @@ AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
                             for length in ("short", "long")),
                           *((dims, density, length) for dims in ((192, 128), 96, 80)
                             for density in ("dense", "masked") for length in ("short", "long"))})
+# With dropout_p (the Philox words of the keep mask computed while the other consumer's GEMMs
+# run) also E = 128 masked at the short length: B=4 H=16 L=S=4096 causal, p = 0.1, forward
+# 0.967 ms against the Hopper family's 1.111 (dense 1.768 against 2.014, E = 256 causal 0.792
+# against 1.441; E = 64 causal 0.962 against 0.910, not taken;
+# benchmarks/results/gpu_2026-12-03/gdrop_*)
+DROPOUT_CLASSES = AUTO_CLASSES | {(128, "masked", "short")}
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
 # benchmarks/results/gpu_2026-12-02/y_f0f305c/prefill_sweep.log): the Gluon forward, one CTA
@@ -102,9 +108,10 @@ def _why_not_auto(call: AttentionCall, q, k, v, sms: int) -> str | None:
     Ev = v.shape[3]
     found = (E if E == Ev else (E, Ev), density_class(call.block_mask),
              "short" if S <= SHORT_KV else "long")
-    if found not in AUTO_CLASSES:
+    if found not in (DROPOUT_CLASSES if call.dropout is not None else AUTO_CLASSES):
         return (f"BACKEND='AUTO' takes it only where it measured faster than the Hopper "
-                f"family, not for (head dim, density, length) {found}")
+                f"family, not for (head dim, density, length) {found}"
+                f"{' with dropout' if call.dropout is not None else ''}")
     if L < AUTO_MIN_LEN:
         programs = B * Hq * cdiv(L, BLOCK_M)
         if found[2] != "long" or programs < AUTO_MIN_FILL * sms:
@@ -207,7 +214,7 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
         tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent,
-        static_max=static_max(q, k, call, return_max))
+        static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None)
 
 
 def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:
@@ -271,6 +278,7 @@ class GluonForward(KernelFamily):
     name = "gluon"
     direction = "forward"
     priority = 15  # before Hopper (10) in AUTO_CLASSES, after the decode family (20)
+    features = frozenset({"dropout"})  # the keep mask on P (fwd_gluon.tmpl's DROPOUT)
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, 64))
@@ -299,7 +307,8 @@ class GluonForward(KernelFamily):
         stat_lse, stat_max = stat_args(out, lse, maxs)
         step.launch_with({**descriptors, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
                           "sm_scale": float(call.scale),
-                          **binding.buffer_pointers(call.score, call.mask)}, q.device)
+                          **binding.buffer_pointers(call.score, call.mask),
+                          **binding.feature_values(call)}, q.device)
         return out, lse, maxs
 
     def make_plan(self, q, k, v, call, target, return_lse, return_max) -> plans.Plan:
