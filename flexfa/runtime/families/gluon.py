@@ -83,7 +83,8 @@ AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
 # run) also E = 128 masked at the short length: B=4 H=16 L=S=4096 causal, p = 0.1, forward
 # 0.967 ms against the Hopper family's 1.111 (dense 1.768 against 2.014, E = 256 causal 0.792
 # against 1.441; E = 64 causal 0.962 against 0.910, not taken;
-# benchmarks/results/gpu_2026-12-03/gdrop_5d5eca0)
+# benchmarks/results/gpu_2026-12-03/gdrop_5d5eca0); B=8 L=S=2048 causal 0.608 against 0.650
+# (gr_e96fd0a)
 DROPOUT_CLASSES = AUTO_CLASSES | {(128, "masked", "short")}
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
