@@ -29,7 +29,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep", type=int, default=40)
     parser.add_argument("--no-sdpa", action="store_true")
+    parser.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd")
     args = parser.parse_args()
+    passes = args.passes.split(",")
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -70,24 +72,29 @@ def main() -> int:
         times = {}
         for name, fn in list(impls.items()):
             try:
-                fn().backward(grad)  # compile, tune, check that it runs
+                out = fn()  # compile, tune, check that it runs
+                if "fwd+bwd" in passes:
+                    out.backward(grad)
                 torch.cuda.synchronize()
             except Exception as exc:  # an SDPA backend without this shape or dropout
                 print(f"{case} {name}: skipped ({type(exc).__name__}: {str(exc)[:120]})")
                 impls.pop(name)
                 continue
-            times[name] = {"fwd": [], "fwd+bwd": []}
+            times[name] = {p: [] for p in passes}
         for _ in range(args.rounds):
             for name, fn in impls.items():
-                with torch.no_grad():
-                    times[name]["fwd"].append(do_bench(fn, rep=args.rep, return_mode="median"))
-                times[name]["fwd+bwd"].append(do_bench(
-                    lambda: fn().backward(grad), rep=args.rep, grad_to_none=[q, k, v],
-                    return_mode="median"))
+                if "fwd" in passes:
+                    with torch.no_grad():
+                        times[name]["fwd"].append(do_bench(fn, rep=args.rep,
+                                                           return_mode="median"))
+                if "fwd+bwd" in passes:
+                    times[name]["fwd+bwd"].append(do_bench(
+                        lambda: fn().backward(grad), rep=args.rep, grad_to_none=[q, k, v],
+                        return_mode="median"))
         results["cases"][case] = times
         for name, t in times.items():
-            print(f"{case:24s} {name:16s} fwd {statistics.median(t['fwd']):8.3f} ms  "
-                  f"fwd+bwd {statistics.median(t['fwd+bwd']):8.3f} ms", flush=True)
+            print(f"{case:24s} {name:16s} " + "  ".join(
+                f"{p} {statistics.median(t[p]):8.3f} ms" for p in passes), flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

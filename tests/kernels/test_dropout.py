@@ -253,3 +253,43 @@ def test_bad_dropout_arguments_fail_before_any_launch(monkeypatch):
         flexfa.fp8.flex_attention_fp8(q.bfloat16(), k.bfloat16(), v.bfloat16(), dropout_p=0.1)
     with pytest.raises(InputError, match="dropout_mask needs a seed"):
         flexfa.dropout_mask(None, 1, 1, 4, 4, 0.5)
+
+
+PHILOX_PROBE = '''
+import triton
+import triton.language as tl
+
+{helpers}
+
+
+@triton.jit
+def philox_probe(OUT, key0, key1, N: tl.constexpr, WIDE: tl.constexpr):
+    i = tl.arange(0, N).to(tl.uint32)
+    c0 = i * 2654435761
+    words = flexfa_philox(key0.to(tl.uint32), key1.to(tl.uint32), c0, c0 ^ 0x5BD1E995, i * 0 + 7,
+                          i * 0 + 4294967295, WIDE)
+    for j in tl.static_range(4):
+        tl.store(OUT + j * N + tl.arange(0, N), words[j].to(tl.int64))
+'''
+
+
+def test_wide_multiply_philox_is_philox(tmp_path):
+    """flexfa_philox's WIDE form (each 32 x 32 product as one 64-bit multiply, the Gluon
+    forward's at BLOCK_N 128) gives the four-multiply form's words, and Philox4x32-10's."""
+    from flexfa.codegen.template import load_template
+    from flexfa.runtime.loader import load_module
+
+    path = tmp_path / "philox_probe.py"
+    path.write_text(PHILOX_PROBE.format(helpers=load_template("helpers.tmpl")))
+    module = load_module(path, interpret=True)
+    seed, n = 0xDEADBEEF12345678, 64
+    outs = []
+    for wide in (False, True):
+        out = torch.empty(4, n, dtype=torch.int64)
+        module.philox_probe[(1,)](out, seed & 0xFFFFFFFF, seed >> 32, N=n, WIDE=wide)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    for i in (0, 1, 17, 63):
+        c0 = (i * 2654435761) & 0xFFFFFFFF
+        want = philox_words(seed, (c0, c0 ^ 0x5BD1E995, 7, 4294967295))
+        assert tuple(outs[1][:, i].tolist()) == want, i
