@@ -21,6 +21,7 @@ from .blockmask.offsets import check_window
 from .blockmask.varlen import checked_block_mask
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
+from .features import check_sinks, prepare_dropout
 from .frontend import ir
 from .frontend.ir import DType, Op
 from .frontend.trace import SCORE_MOD, TracedMod
@@ -43,20 +44,24 @@ _NAMES = ("query", "key", "value")
 @outside_compile
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, causal=False, window=None, score_mod=None, scale=None,
-                     return_lse=False, kernel_options=None, *, BLOCK_SIZE=128):
+                     return_lse=False, kernel_options=None, *, BLOCK_SIZE=128, sinks=None,
+                     dropout_p=0.0, dropout_seed=None):
     """Attention within each packed document; ``flash_attn_varlen_func``'s interface.
 
     ``q`` ``[total_q, Hq, E]``, ``k`` ``[total_k, Hkv, E]``, ``v`` ``[total_k, Hkv, Ev]`` (Hkv
     divides Hq: grouped-query attention), ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 or int64
     offsets with one entry more than documents (on the CPU or q's device) -> out ``[total_q,
-    Hq, Ev]``, and with ``return_lse`` lse ``[Hq, total_q]`` float32 (natural log; -inf and out
-    0 for a query that sees no key). ``causal`` is per document and aligned at its end
+    Hq, Ev]``, and with ``return_lse`` lse ``[Hq, total_q]`` float32 (natural log; -inf, or the
+    head's sink with ``sinks``, and out 0 for a query that sees no key). ``causal`` is per document and aligned at its end
     (bottom-right, as flash_attn: query i of lq sees keys 0..i + lk - lq); ``window=w`` keeps
     the keys at distance 0..w-1 before the query's diagonal (causal) or under w on both sides.
     ``max_seqlen_q`` / ``max_seqlen_k``, where given, must be at least the longest document.
     ``score_mod(score, b, h, q_idx, kv_idx)`` sees b = document, q_idx / kv_idx inside it;
     gradients reach q, k, v and the score_mod's captured tensors. ``BLOCK_SIZE`` is the mask's
-    tile, ``kernel_options`` as for ``flex_attention``.
+    tile, ``kernel_options`` as for ``flex_attention``. ``sinks`` ``[Hq]`` (docs/sinks.md: one
+    logit per head in every query's softmax) and ``dropout_p`` / ``dropout_seed``
+    (docs/dropout.md) as ``flex_attention``'s; the keep mask is the packed call's,
+    ``flexfa.dropout_mask(seed, 1, Hq, total_q, total_k, p)[0]`` at the packed positions.
     """
     func = "varlen_attention"
     for name, tensor in zip(_NAMES, (q, k, v)):
@@ -82,9 +87,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
         _check_max_seqlen(func, name, given, longest)
     check_score_range(query, key, scale)
     options = parse_kernel_options(kernel_options)
+    sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
+    dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     score = local_score_mod(func, score_mod, block_mask, query.shape[1])
     call = AttentionCall(score, block_mask.traced_mask, block_mask, scale, options,
-                         query.shape[1] // key.shape[1])
+                         query.shape[1] // key.shape[1], sinks, dropout)
     out, lse, _ = attend(query, key, value, call, return_lse, False)
     out = out[0].transpose(0, 1)  # [total_q, Hq, Ev], a view
     return (out, lse[0]) if return_lse else out

@@ -211,6 +211,68 @@ def test_packed_tensors_run_the_hopper_family_in_place():
                                                return_lse=True,
                                                kernel_options={"BACKEND": "HOPPER"})
     assert torch.equal(out, flat_out[0].transpose(0, 1)) and torch.equal(lse, flat_lse[0])
+    # with dropout the packed positions draw the same keep mask in place and on the copies
+    dropped = flexfa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, dropout_p=0.3,
+                                      dropout_seed=5, kernel_options={"BACKEND": "HOPPER"})
+    flat_dropped = flexfa.flex_attention(*copies, block_mask=mask, enable_gqa=True,
+                                         dropout_p=0.3, dropout_seed=5,
+                                         kernel_options={"BACKEND": "HOPPER"})
+    assert torch.equal(dropped, flat_dropped[0].transpose(0, 1))
+    assert not torch.equal(dropped, out)
     ampere = flexfa.varlen_attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True,
                                      kernel_options={"BACKEND": "AMPERE"})
     torch.testing.assert_close(out, ampere[0], atol=1e-2, rtol=0)
+
+
+def test_sinks_and_dropout_per_document():
+    """``sinks`` and ``dropout_p`` on packed documents: each document's out, lse and
+    gradients (the sinks' too) are the float64 reference's with the same sinks and the packed
+    call's keep mask (``flexfa.dropout_mask`` of [1, H, total_q, total_k]) cut to the
+    document; a query with no key gets out 0 and lse = its head's sink."""
+    from flexfa.reference import attention_reference
+
+    q_lengths, k_lengths = [5, 40, 0, 33], [9, 40, 6, 0]
+    q, k, v = (t.requires_grad_() for t in packed(q_lengths, k_lengths, seed=7))
+    sinks = torch.linspace(-1.0, 1.5, H).requires_grad_()
+    p, seed = 0.25, (99, 3)
+    out, lse = flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths),
+                                       causal=True, return_lse=True, BLOCK_SIZE=32,
+                                       sinks=sinks, dropout_p=p, dropout_seed=seed)
+    keep = flexfa.dropout_mask(seed, 1, H, sum(q_lengths), sum(k_lengths), p)[0]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad((out * grad_out).sum(), (q, k, v, sinks))
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    total = 0.0
+    cu_q, cu_k = offsets(q_lengths).tolist(), offsets(k_lengths).tolist()
+    for doc, (lq, lk) in enumerate(zip(q_lengths, k_lengths)):
+        rows, keys = slice(cu_q[doc], cu_q[doc + 1]), slice(cu_k[doc], cu_k[doc + 1])
+        if lq == 0:
+            continue
+        if lk == 0:  # nothing to attend: out 0, lse the sink
+            assert bool((out[rows] == 0).all())
+            torch.testing.assert_close(lse[:, rows], sinks.detach()[:, None].expand(H, lq))
+            continue
+        views = [t[s].transpose(0, 1).unsqueeze(0) for t, s in zip(ref_inputs[:3],
+                                                                     (rows, keys, keys))]
+        want, want_lse = attention_reference(
+            *views, mask_mod=document_mask(lq, lk, True, None), enable_gqa=True,
+            return_lse=True, sinks=ref_inputs[3], dropout_mask=keep[None, :, rows, keys],
+            dropout_p=p)
+        torch.testing.assert_close(out[rows].detach().transpose(0, 1).double(), want[0],
+                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse[:, rows].detach().double(), want_lse[0], atol=2e-5,
+                                   rtol=1e-4)
+        total = total + (want[0].transpose(0, 1) * grad_out[rows].double()).sum()
+    wanted = torch.autograd.grad(total, ref_inputs)
+    for name, a, b in zip(("q", "k", "v", "sinks"), got, wanted):
+        torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=1e-4, msg=name)
+    # the same seed, the same result; p = 0 is no dropout; a bad sinks shape fails first
+    again = flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths),
+                                    causal=True, BLOCK_SIZE=32, sinks=sinks, dropout_p=p,
+                                    dropout_seed=seed)
+    assert torch.equal(again, out)
+    with pytest.raises(flexfa.InputError, match=r"sinks must be \[4\]"):
+        flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths),
+                                sinks=torch.zeros(3))
+    with pytest.raises(flexfa.InputError, match=r"dropout_p must be in \[0, 1\)"):
+        flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths), dropout_p=1.0)
