@@ -1,5 +1,6 @@
-"""GPU: what dropout costs, flexfa with and without ``dropout_p`` (by default, and with the
-Hopper or the Gluon forward forced) next to SDPA's dropout (its flash and cuDNN backends),
+"""GPU: what dropout costs, flexfa with and without ``dropout_p`` (by default, with the
+Hopper or the Gluon forward forced, and with the Gluon or the Triton backward forced) next to
+SDPA's dropout (its flash and cuDNN backends),
 forward and forward + backward, bf16, in one process.
 
 flexfa is imported from ``PYTHONPATH`` (not from this file's tree), so that an A/B runs the
@@ -60,6 +61,11 @@ def main() -> int:
                 lambda family=family: flexfa.flex_attention(
                     q, k, v, block_mask=mask, dropout_p=args.p, dropout_seed=1,
                     kernel_options={"BACKEND": family.upper()}))
+        for choice in (True, False):  # the backward families, forced (GLUON_BACKWARD)
+            impls[f"flexfa_drop_bwd_{'gluon' if choice else 'triton'}"] = (
+                lambda choice=choice: flexfa.flex_attention(
+                    q, k, v, block_mask=mask, dropout_p=args.p, dropout_seed=1,
+                    kernel_options={"GLUON_BACKWARD": choice}))
         if not args.no_sdpa:
             for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                   ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):

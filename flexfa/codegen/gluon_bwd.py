@@ -19,7 +19,8 @@ from .backward import joint_key, dscore_is_one, score_joint_code
 from .forward import GeneratedKernel, buffer_params, describe_mods, mask_mod_code, mod_buffer_args
 from .gluon import MAX_REGISTERS, descriptor_type, descriptor_layout
 from .params import (DESCRIPTOR, FLOAT, INPUT, KernelParams, Param, as_tuple, block_mask_tables,
-                     constexprs, def_kernel, ints, strides, table_names, tensors, unpack)
+                     constexprs, def_kernel, feature_params, ints, strides, table_names,
+                     tensors, unpack)
 from .spec import INTERPRET, next_power_of_two, spec_key
 from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
@@ -55,11 +56,13 @@ class GluonBackwardSpec:
     block_n: int = BLOCK_N
     max_registers: int = MAX_REGISTERS
     early_dp: bool = False  # dP^T issued with S^T (kernel_options GLUON_BWD_EARLY_DP)
+    dropout: bool = False  # the forward's keep mask drawn again (bwd_gluon.tmpl's DROPOUT)
 
     def __post_init__(self):
         assert self.sparse_q % self.block_m == 0 and self.sparse_kv % self.block_n == 0, (
             f"block-mask blocks ({self.sparse_q}, {self.sparse_kv}) are not multiples of the "
             f"tiles ({self.block_m}, {self.block_n})")
+        assert not (self.early_dp and self.dropout), "EARLY_DP's dP^T starts from -delta"
 
     @property
     def interpret(self) -> bool:
@@ -71,7 +74,7 @@ class GluonBackwardSpec:
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l, EVEN_S=self.even_s,
                     GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages,
-                    EARLY_DP=self.early_dp)
+                    EARLY_DP=self.early_dp, DROPOUT=self.dropout)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": 4, "num_stages": 1, "maxnreg": self.max_registers}
@@ -89,9 +92,11 @@ def descriptor_blocks(spec: GluonBackwardSpec) -> dict[str, tuple[list[int], str
             "DQ_DESC": ([spec.block_m, e_pad // CONSUMERS], "fp32")}
 
 
-def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None) -> KernelParams:
+def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
+                     dropout: bool = False) -> KernelParams:
     """bwd_gluon.tmpl's kernel: descriptors (their blocks from ``descriptor_blocks``), dK,
-    dV, the transposed q tables, lengths, the scale and the mods' captured tensors."""
+    dV, the transposed q tables, lengths, the scale, the mods' captured tensors and, with
+    ``dropout``, the seed, threshold and scale of ``feature_params``."""
     descriptors = tuple(Param(name, DESCRIPTOR, dtype, ("BLOCK_M", "E_PAD")) for name, dtype in (
         ("Q_DESC", INPUT), ("DO_DESC", INPUT), ("K_DESC", INPUT), ("V_DESC", INPUT),
         ("LSE_DESC", "fp32"), ("DELTA_DESC", "fp32"), ("DQ_DESC", "fp32")))
@@ -99,10 +104,10 @@ def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None) -> KernelP
         descriptors + tensors(INPUT, "DK", "DV"), strides("dk", "bhnd"), strides("dv", "bhnd"),
         *block_mask_tables("Q", "n", "m"),
         ints("HQ", "L", "S", "L_PAD", "HQ_CHUNK", "B0", "HKV0") + (Param("sm_scale", FLOAT),)
-        + buffer_params(score, mask),
+        + buffer_params(score, mask) + feature_params("", dropout),
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS",
                    "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE",
-                   "STAGES", "EARLY_DP")))
+                   "STAGES", "EARLY_DP", "DROPOUT")))
 
 
 def gluon_bwd_key(spec: GluonBackwardSpec, joint: JointGraph | None, score: TracedMod | None,
@@ -120,7 +125,7 @@ def gluon_bwd_kernel(spec: GluonBackwardSpec, joint: JointGraph | None, score: T
     score_args, mask_args = mod_buffer_args(score, mask)
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
-    params = gluon_bwd_params(score, mask)
+    params = gluon_bwd_params(score, mask, spec.dropout)
     flags = spec.constexprs(dscore_is_one(joint))
     library = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
                    MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints,
@@ -142,7 +147,7 @@ def gluon_bwd_signature(spec: GluonBackwardSpec, joint: JointGraph | None,
                         ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) for ``triton.compile(GluonASTSource(...))``."""
     constexprs_ = spec.constexprs(dscore_is_one(joint))
-    signature = gluon_bwd_params(score, mask).signature(
+    signature = gluon_bwd_params(score, mask, spec.dropout).signature(
         constexprs_ | {"E_PAD": next_power_of_two(spec.head_dim)}, {INPUT: spec.dtype})
     for name, (block, dtype) in descriptor_blocks(spec).items():
         signature[name] = descriptor_type(block, dtype)

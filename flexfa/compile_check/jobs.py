@@ -276,9 +276,10 @@ register("fwd_gluon_d64_bf16_document_persistent",
 
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,
-                  stages: int = 2, early_dp: bool = False):
+                  stages: int = 2, early_dp: bool = False, dropout: bool = False):
     """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
-    (the bounds-checked code), 128-key programs walking 64-row q tiles."""
+    (the bounds-checked code), 128-key programs walking 64-row q tiles (``dropout``: the
+    keep mask drawn again)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         joint = joint_graph(score)
@@ -287,7 +288,7 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
                                  has_full_blocks=mask is not None,
                                  sparse_q=128 if mask else 64, sparse_kv=128, even_l=False,
                                  even_s=False, gqa_group=gqa_group, target=f"cuda:{arch}",
-                                 early_dp=early_dp)
+                                 early_dp=early_dp, dropout=dropout)
         generated = gluon_bwd_kernel(spec, joint, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = gluon_bwd_signature(spec, joint, score, mask)
@@ -335,6 +336,12 @@ register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_
 register("bwd_gluon_d128_bf16_causal_early_dp",
          gluon_bwd_job(128, "bf16", mask_mod=causal_mask, early_dp=True), archs=(90,))
 # the deepest ring that fits at E = 128 (kernel_options GLUON_BWD_STAGES=3)
+# dropout_p: the keep mask's Philox words in the consumers (counters laid out as S^T)
+register("bwd_gluon_d128_bf16_causal_dropout",
+         gluon_bwd_job(128, "bf16", mask_mod=causal_mask, stages=3, dropout=True), archs=(90,))
+register("bwd_gluon_d64_fp16_softcap_gqa_dropout",
+         gluon_bwd_job(64, "fp16", score_mod=softcap_mod, gqa_group=2, stages=3, dropout=True),
+         archs=(90,))
 register("bwd_gluon_d128_bf16_causal_s3",
          gluon_bwd_job(128, "bf16", mask_mod=causal_mask, stages=3), archs=(90,))
 register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=softcap_mod,

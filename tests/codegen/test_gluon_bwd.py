@@ -5,6 +5,7 @@ and cast after) run under the interpreter against torch. Its sm_90 compile check
 test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_bwd_gpu.py."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -23,6 +24,7 @@ from flexfa.runtime.families.gluon_bwd import (GLUON_BWD, SHARED_BYTES, dq_parts
                                                gluon_bwd_spec, padded_rows, part_streams,
                                                row_steps, run_post, run_pre, shared_bytes,
                                                why_not_gluon_bwd, zero_step)
+from flexfa.features import prepare_dropout
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.pipeline import prepare_mask, prepare_score_mod
 from flexfa.runtime.target import INTERPRETER, Target
@@ -31,9 +33,10 @@ SM90, SM80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
 FORCED = {"GLUON_BACKWARD": True}
 
 
-def _call(options=None, block_mask=None, score_mod=None, gqa_group=1):
+def _call(options=None, block_mask=None, score_mod=None, gqa_group=1, dropout_p=0.0):
     return AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                         0.125, parse_kernel_options(options), gqa_group)
+                         0.125, parse_kernel_options(options), gqa_group,
+                         dropout=prepare_dropout(dropout_p, (5, 1), "cpu"))
 
 
 def _qkv(L=256, E=128, Ev=None, dtype=torch.bfloat16):
@@ -158,6 +161,31 @@ def test_gluon_backward_refusals_say_what_it_does_not_do(make, reason):
     found = why_not_gluon_bwd(SM90, call, q, k, v)
     assert found is not None and reason in found, found
     assert registry.choose("backward", SM90, call, q, k, v).name == "triton_bwd"
+
+
+def test_gluon_backward_takes_dropout_and_draws_the_mask_again():
+    """Dropout runs on the Gluon backward (the family has the feature; sinks still do not),
+    its spec and kernel carry DROPOUT and the seed's parameters, and GLUON_BWD_EARLY_DP (dP^T
+    from -delta, which dropout's dS^T cannot use) gives way to it."""
+    q, k, v = _qkv()
+    call = _call({**FORCED, "GLUON_BWD_EARLY_DP": True}, dropout_p=0.25)
+    assert call.features == {"dropout"}
+    assert registry.choose("backward", SM90, call, q, k, v) is GLUON_BWD
+    spec = gluon_bwd_spec(q, k, call, SM90)
+    assert spec.dropout and not spec.early_dp
+    assert not gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_EARLY_DP": True}), SM90).dropout
+    flags = spec.constexprs(True)
+    assert flags["DROPOUT"] is True and flags["EARLY_DP"] is False
+    def parameters(kernel):
+        return kernel.source.split(f"def {kernel.name}(")[1].split("):")[0]
+    kernel = gluon_bwd_kernel(spec, None, None, None)
+    assert "DROPOUT = tl.constexpr(True)" in kernel.source
+    for name in ("DROPOUT_SEED", "dropout_threshold", "dropout_scale"):
+        assert name in parameters(kernel), name
+    plain = gluon_bwd_kernel(gluon_bwd_spec(q, k, _call(FORCED), SM90), None, None, None)
+    assert "DROPOUT_SEED" not in parameters(plain) and "sm_scale" in parameters(plain)
+    with pytest.raises(AssertionError, match="EARLY_DP"):
+        dataclasses.replace(spec, early_dp=True)
 
 
 @pytest.mark.parametrize("L, block_mask, sparse_q, even_l, even_s, l_pad", [
@@ -332,7 +360,8 @@ def test_postprocess_writes_each_part_to_its_heads_under_the_interpreter():
         torch.testing.assert_close(x.dq.float(), want, atol=2e-3, rtol=1e-3)
 
 
-def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch, dropout_p):
     """The family's plan and cached run on the CPU with the launches recorded (the Gluon
     kernel runs on an H200 only): every kernel argument is bound, also in a cached call that
     wants no dK/dV (runtime.backward binds none there; the fused kernel still writes them)."""
@@ -344,7 +373,8 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     L, E = 256, 64
     q, k, v = _qkv(L=L, E=E)
     bias = torch.randn(2)
-    call = _call(FORCED, _mask(L), lambda score, b, h, q_idx, kv_idx: score + bias[h])
+    call = _call(FORCED, _mask(L), lambda score, b, h, q_idx, kv_idx: score + bias[h],
+                 dropout_p=dropout_p)
     x = _inputs(L, E, torch.bfloat16, True, 0)
     x.k, x.v, x.dk, x.dv = k, v, torch.empty_like(k), torch.empty_like(v)
     plan = GLUON_BWD.make_plan(call, x, SM90)
@@ -371,6 +401,11 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch):
     main = dict(zip(plan.steps[1].binder.names, launched[2][1]))
     assert main["HQ_CHUNK"] == 1 and main["DQ_DESC"].shape == [256, E]  # one head's rows
     assert main["DK"].shape == k.shape and main["DV"].shape == v.shape
+    if dropout_p:  # the forward's seed tensor, round(p * 2**16) and 1 / (1 - p)
+        assert main["DROPOUT_SEED"] is call.dropout.seed
+        assert (main["dropout_threshold"], main["dropout_scale"]) == (32768, 2.0)
+    else:
+        assert "DROPOUT_SEED" not in main
     # lse2 and delta rows in dQ's memory: head bh's rows in its dQ bytes (L * E / 2 float32)
     for name, offset in (("LSE_DESC", 0), ("DELTA_DESC", 256)):
         desc = main[name]

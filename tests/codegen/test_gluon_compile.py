@@ -43,6 +43,9 @@ BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
                 "bwd_gluon_d128_bf16_alibi_causal_gqa",
                 # head dims padded to 128 (TMA's zero fill past E)
                 "bwd_gluon_d96_bf16_softcap_causal", "bwd_gluon_d80_bf16_causal")
+# dropout_p: the consumers draw the keep mask again in the transposed score tile's layout
+BWD_DROPOUT_VARIANTS = ("bwd_gluon_d128_bf16_causal_dropout",
+                        "bwd_gluon_d64_fp16_softcap_gqa_dropout")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
 BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16",
                     "bwd_gluon_rows_zero_d128_bf16", "bwd_gluon_rows_post_d96_bf16")
@@ -116,7 +119,7 @@ def started(tmp_path_factory) -> dict:
     groups = {"plain": (VARIANTS, False),
               "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS + DROPOUT_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
-              "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS, True)}
+              "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
     yield processes
@@ -229,6 +232,7 @@ def test_gluon_backward_compiles_for_sm90(started):
     compiled where triton.language was decorated for the interpreter (its first GPU run
     failed there on gl.max)."""
     rows = _rows(started["backward"])
+    dropout = {name: rows.pop(name) for name in BWD_DROPOUT_VARIANTS}
     for name in BWD_ROW_VARIANTS:  # plain Triton: no wgmma, no spills
         row = rows.pop(name)
         assert row["ok"] and row["spills"] in (0, None), row
@@ -238,6 +242,19 @@ def test_gluon_backward_compiles_for_sm90(started):
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
         assert row["spills"] in (0, None), row  # None: no ptxas to ask
         assert row["serialized"] in (False, None), row  # ptxas kept the wgmmas pipelined
+    # dropout_p: each thread computes the Philox calls of its own keys and queries (32
+    # queries at a time), so the keep mask reaches the tile without shared memory (as many
+    # st.shared as without dropout). At E = 128 the calls next to dK and dV leave 28 bytes
+    # of spills, one local-memory instruction of them in the tile loop (Triton 3.6); at 64
+    # none
+    for name, row in dropout.items():
+        assert row["ok"], (name, row["error"])
+        assert row["wgmma"] and row["reduce"] and ["inc", "240"] in row["setmaxnreg"], row
+        assert row["serialized"] in (False, None), row
+    d128, d64 = (dropout[name] for name in BWD_DROPOUT_VARIANTS)
+    assert d128["st_shared"] == rows["bwd_gluon_d128_bf16_causal"]["st_shared"], d128
+    assert (d128["spills"] or 0) <= 32 and (d128["loop_spills"] or 0) <= 1, d128
+    assert (d64["spills"] or 0) == 0 and (d64["loop_spills"] or 0) == 0, d64
 
 
 PLAN_SCRIPT = """

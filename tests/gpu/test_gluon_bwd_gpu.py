@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flexfa
 from flexfa import mods
 from flexfa.runtime import plans
 from flexfa.runtime.families.gluon_bwd import DQ_CHUNKS, dq_slots
@@ -32,8 +33,10 @@ for L, mask_mod in ((256, None), (300, flexfa.mods.causal)):
     mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, L, L,
                                                                   device="cuda")
     options = {"BACKEND": "GLUON", "GLUON_BACKWARD": True}
-    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options)
-    out.sum().backward()
+    for p in (0.0, 0.2):  # and the keep mask drawn again
+        out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options,
+                                    dropout_p=p)
+        out.sum().backward()
     torch.cuda.synchronize()
     print("ok", all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)))
 """
@@ -97,6 +100,45 @@ def test_gluon_backward_matches_reference(safe, name):
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
                    kernel_options=FORCED, with_lse=name == "causal")
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
+DROPOUT_CASES = ("causal", "ragged", "gqa_causal", "softcap_causal", "document",
+                 "dense_d64_fp16", "causal_d96", "empty_rows_causal")
+
+
+@pytest.mark.parametrize("name", DROPOUT_CASES)
+def test_gluon_backward_dropout_matches_the_reference_and_triton(safe, name):
+    """dropout_p on the Gluon backward: the consumers draw the forward's keep mask again in
+    the transposed tile (dq, dk, dv against the float64 reference fed flexfa.dropout_mask)
+    and agree with the Triton backward's gradients for the same seed."""
+    from flexfa.reference import attention_reference
+
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    B, Hq, L, _ = q.shape
+    S, Hkv = k.shape[2], k.shape[1]
+    p, seed = 0.3, (20261203, 7)
+    grad = torch.randn(B, Hq, L, v.shape[3], device="cuda", dtype=q.dtype)
+    found = {}
+    for label, options in (("gluon", FORCED), ("triton", {"GLUON_BACKWARD": False})):
+        plans.PLANS.clear()
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flexfa.flex_attention(*inputs, score_mod=score_mod, block_mask=block_mask,
+                                    enable_gqa=Hq != Hkv, dropout_p=p, dropout_seed=seed,
+                                    kernel_options=options)
+        found[label] = torch.autograd.grad(out, inputs, grad)
+        families = [pl.family.name for pl in plans.PLANS.values()]
+        assert ("gluon_bwd" in families) == (label == "gluon"), (label, families)
+    keep = flexfa.dropout_mask(seed, B, Hq, L, S, p, device="cuda")
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = attention_reference(*ref, score_mod, mask_mod, enable_gqa=Hq != Hkv,
+                               dropout_mask=keep, dropout_p=p)
+    wanted = torch.autograd.grad(want, ref, grad.double())
+    for label, got, triton_, w in zip(("dq", "dk", "dv"), found["gluon"], found["triton"],
+                                      wanted):
+        bound = 8e-2 * max(w.abs().max().item(), 1.0)
+        assert (got.double() - w).abs().max().item() <= bound, label
+        error = (got.float() - triton_.float()).norm() / triton_.float().norm().clamp_min(1e-6)
+        assert float(error) < 1e-2, (label, float(error))
 
 
 @pytest.mark.parametrize("name", ["causal", "gqa_causal", "softcap_causal"])

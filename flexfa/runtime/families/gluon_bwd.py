@@ -8,8 +8,9 @@ By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
 the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True``
 wherever it applies (whatever family ran the forward: it reads out and lse only); elsewhere
-the Triton backward runs (captured-tensor gradients, ``deterministic=True``, dropout, sinks,
-other head dims...).
+the Triton backward runs (captured-tensor gradients, ``deterministic=True``, sinks, other
+head dims...). Dropout draws the forward's keep mask again in the consumers (bwd_gluon.tmpl's
+DROPOUT).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``); the two fp32 rows per query the kernel reads (lse2, delta) live in
 dQ's own memory until the postprocess writes dQ there (``row_buffers``); nothing of size
@@ -208,7 +209,9 @@ def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
         has_block_mask=mask is not None, has_full_blocks=has_full_blocks(mask, "q"),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
         even_s=S % BLOCK_N == 0, gqa_group=call.gqa_group, target=target.name,
-        wide_ints=int64_nodes_of(q, k, call), early_dp=call.options.gluon_bwd_early_dp)
+        wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None,
+        # EARLY_DP's dP^T starts from -delta, which dropout's dS^T cannot use
+        early_dp=call.options.gluon_bwd_early_dp and call.dropout is None)
 
 
 @contextlib.contextmanager
@@ -328,6 +331,7 @@ class GluonBackward(KernelFamily):
     name = "gluon_bwd"  # not a BACKEND value: GLUON_BACKWARD=True opts in, Triton the fallback
     direction = "backward"
     priority = 10  # before triton_bwd (0) where it applies
+    features = frozenset({"dropout"})  # the keep mask drawn again (bwd_gluon.tmpl's DROPOUT)
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         return why_not_gluon_bwd(target, call, q, k, v)
@@ -400,6 +404,8 @@ class GluonBackward(KernelFamily):
             torch.empty_like(x.v, memory_format=torch.contiguous_format))
         args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
                 **binding.buffer_pointers(call.score, call.mask)}
+        if call.dropout is not None:
+            args.update(binding.feature_values(call))
         group = call.gqa_group
         # every launch's arguments bound once; a part changes three of them in a copy (the
         # host's time per part is what a sparse mask's short backward waits on)
