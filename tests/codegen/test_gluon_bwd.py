@@ -119,6 +119,32 @@ def test_gluon_backward_by_default_where_it_measured_faster(L, E, mask_mod, opti
                                                                                v)
 
 
+@pytest.mark.parametrize("L, E, mask_mod, chosen", [
+    (2048, 128, mods.causal, "gluon_bwd"),   # 0.95x the Triton backward's time with dropout
+    (2048, 96, None, "gluon_bwd"),           # pads to 128 (dense 0.86x at 2048)
+    (1024, 128, mods.causal, "triton_bwd"),  # 1.05x
+    (4096, 64, mods.causal, "gluon_bwd"),    # 0.97x
+    (2048, 64, mods.causal, "triton_bwd"),   # 1.07x
+    (8192, 128, None, "gluon_bwd"),
+])
+def test_gluon_backward_with_dropout_by_default_from_the_measured_lengths(L, E, mask_mod,
+                                                                          chosen):
+    """With dropout, 'AUTO' takes the Gluon backward from DROPOUT_MIN_LENGTH on (2048 at
+    E = 128, 4096 at 64), where it measured faster than the Triton backward (which draws
+    the mask in both its kernels); the reason names the lengths."""
+    q, k, v = (torch.empty(1, 64, L, E, dtype=torch.bfloat16) for _ in range(3))
+    mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
+    call = _call(None, block_mask=mask, dropout_p=0.1)
+    assert registry.choose("backward", SM90, call, q, k, v).name == chosen
+    if chosen == "triton_bwd":
+        reason = why_not_gluon_bwd(SM90, call, q, k, v)
+        assert f"dropout at head dim {E} for L and S of at least" in reason, reason
+    # the same call without dropout: past 4096 only
+    plain = _call(None, block_mask=mask)
+    assert registry.choose("backward", SM90, plain, q, k, v).name == (
+        "gluon_bwd" if L > 4096 else "triton_bwd")
+
+
 def test_sparse_walk_comes_from_what_create_block_mask_recorded(monkeypatch):
     """The walk comes from the visited share create_block_mask recorded: the choice reads
     no table back (a device sync in the middle of a step)."""

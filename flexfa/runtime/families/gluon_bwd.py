@@ -135,6 +135,13 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # batch and heads): a smaller call's step waits on the host's launches of the parts
 # (experiments/gluon_bwd_host.py: 0.98 ms of host time a step against 0.66 on the Triton
 # backward).
+# with dropout (the consumers draw the keep mask once, where the Triton backward draws it
+# in both its kernels): 'AUTO' takes calls whose L and S are at least this, by padded head
+# dim. fwd+bwd with p = 0.1 on the H200 against the Triton backward (dropout_ab.py, 2
+# rounds, gbd_<commit>): E = 128 causal 1.05x the time at S = 1024 (B = 16), 0.95x at 2048,
+# 0.85x at 4096, 0.83x at 8192; dense 0.86x at 2048, 0.83-0.84x at 4096 and 8192; E = 64
+# causal 1.07x at 2048, 0.97x at 4096, 0.95x at 8192, dense 1.06x at 1024
+DROPOUT_MIN_LENGTH = {64: 4096, 128: 2048}
 SPARSE_WALK_ROWS = 1024
 SPARSE_HEAD_DIMS = (128,)
 SPARSE_MIN_TILES = 16384
@@ -161,7 +168,12 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         if not auto_head_dim(q.shape[3]):
             return (f"GLUON_BACKWARD='AUTO' takes head dims 64 and 80 to 128 (measured at "
                     f"64, 80, 96 and 128), not {q.shape[3]}")
-        if min(L, S) <= SHORT_KV:
+        if call.dropout is not None:
+            need = DROPOUT_MIN_LENGTH[next_power_of_two(q.shape[3])]
+            if min(L, S) < need:
+                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dim {q.shape[3]} for L "
+                        f"and S of at least {need} (measured faster there), not L={L}, S={S}")
+        elif min(L, S) <= SHORT_KV:
             return (f"GLUON_BACKWARD='AUTO' takes it for L and S past {SHORT_KV} (measured "
                     f"there), not L={L}, S={S}")
         found = density_class(call.block_mask)
