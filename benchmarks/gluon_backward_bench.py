@@ -8,7 +8,9 @@ memory against the Triton backward and cuDNN SDPA.
    shared-memory accesses checked against the mbarriers and wgmma waits), killed after
    ``--safety-timeout`` seconds (a barrier-phase mistake hangs). One instrumented backward
    kernel only: its compile alone took 433 s on a 2-core development machine (the dense
-   walk differs in the table reads, not in the barriers). Nothing else runs unless it passes.
+   walk differs in the table reads, not in the barriers); ``--safety-dropout P`` makes its
+   call drop probabilities (the consumers draw the keep mask again). Nothing else runs
+   unless it passes.
 2. ``check``: B=1 H=4 S=2048 E=128 bf16, every project variant: dq, dk, dv of
    BACKEND="GLUON" + GLUON_BACKWARD (Gluon forward and backward; the plan's family recorded) against
    BACKEND="HOPPER" (Hopper forward + Triton backward): relative L2 errors, must be < 1e-2.
@@ -44,7 +46,7 @@ L = 384
 q, k, v = (torch.randn(1, 2, L, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, L, L, device="cuda")
-out = flexfa.flex_attention(q, k, v, block_mask=mask,
+out = flexfa.flex_attention(q, k, v, block_mask=mask, dropout_p=DROPOUT_P,
                             kernel_options={"BACKEND": "HOPPER", "GLUON_BACKWARD": True})
 out.sum().backward()
 torch.cuda.synchronize()
@@ -155,6 +157,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="JSON file for the results")
     safety_arguments(parser, 90.0)
+    parser.add_argument("--safety-dropout", type=float, default=0.0,
+                        help="dropout_p of the safety run's call (the consumers' keep mask)")
     parser.add_argument("--seqs", default="4096,16384",
                         help="sequence lengths of the timings, comma list (B = tokens / S)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -169,7 +173,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; known: {list(VARIANTS)}")
     os.environ.setdefault("FLEXFA_AUTOTUNE", "0")  # tuning would spend the call compiling
-    started = safety_first(args.out, args.safety_timeout, SAFETY, ("causal finite",))
+    if not 0.0 <= args.safety_dropout < 1.0:
+        parser.error(f"--safety-dropout must be in [0, 1), got {args.safety_dropout}")
+    started = safety_first(args.out, args.safety_timeout,
+                           SAFETY.replace("DROPOUT_P", repr(args.safety_dropout)),
+                           ("causal finite",))
     if started is None:
         return 1
     if args.safety_only:
