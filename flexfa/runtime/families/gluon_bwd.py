@@ -138,9 +138,9 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # with dropout (the consumers draw the keep mask once, where the Triton backward draws it
 # in both its kernels): 'AUTO' takes calls whose L and S are at least this, by padded head
 # dim. fwd+bwd with p = 0.1 on the H200 against the Triton backward (dropout_ab.py, 2
-# rounds, gpu_2026-12-03/gbd_094b28e): E = 128 causal 1.05x the time at S = 1024 (B = 16), 0.95x at 2048,
-# 0.85x at 4096, 0.83x at 8192; dense 0.86x at 2048, 0.83-0.84x at 4096 and 8192; E = 64
-# causal 1.07x at 2048, 0.97x at 4096, 0.95x at 8192, dense 1.06x at 1024
+# rounds, gpu_2026-12-03/gbd_094b28e): E = 128 causal 1.05x the time at S = 1024 (B = 16),
+# 0.95x at 2048, 0.85x at 4096, 0.83x at 8192; dense 0.86x at 2048, 0.82-0.84x at 4096 and
+# 8192; E = 64 causal 1.07x at 2048, 0.97x at 4096, 0.95x at 8192, dense 1.06x at 1024
 DROPOUT_MIN_LENGTH = {64: 4096, 128: 2048}
 SPARSE_WALK_ROWS = 1024
 SPARSE_HEAD_DIMS = (128,)
