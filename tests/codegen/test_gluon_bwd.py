@@ -202,6 +202,7 @@ def test_gluon_backward_takes_dropout_and_draws_the_mask_again():
     assert not gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_EARLY_DP": True}), SM90).dropout
     flags = spec.constexprs(True)
     assert flags["DROPOUT"] is True and flags["EARLY_DP"] is False
+
     def parameters(kernel):
         return kernel.source.split(f"def {kernel.name}(")[1].split("):")[0]
     kernel = gluon_bwd_kernel(spec, None, None, None)

@@ -242,11 +242,11 @@ def test_gluon_backward_compiles_for_sm90(started):
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
         assert row["spills"] in (0, None), row  # None: no ptxas to ask
         assert row["serialized"] in (False, None), row  # ptxas kept the wgmmas pipelined
-    # dropout_p: each thread computes the Philox calls of its own keys and queries (32
-    # queries at a time), so the keep mask reaches the tile without shared memory (as many
-    # st.shared as without dropout). At E = 128 the calls next to dK and dV leave 28 bytes
-    # of spills, one local-memory instruction of them in the tile loop (Triton 3.6); at 64
-    # none
+    # dropout_p: each Philox call is made by the two threads that hold its keys' halves of
+    # the transposed tile and swapped between them by warp shuffles (32 queries at a time),
+    # so the keep mask reaches the tile without shared memory (as many st.shared as without
+    # dropout). At E = 128 the calls next to dK and dV leave 28 bytes of spills, one
+    # local-memory instruction of them in the tile loop (Triton 3.6); at 64 none
     for name, row in dropout.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["reduce"] and ["inc", "240"] in row["setmaxnreg"], row
