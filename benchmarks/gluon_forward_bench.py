@@ -24,8 +24,10 @@ and cuDNN SDPA.
    ``--seqs`` (default E=128, S=16384) and ``--variants`` (the project's: full, causal,
    sliding 1024, ALiBi, softcap 30, document; all but full causal) and ``--impls``: Gluon,
    with ping-pong (``gluon_pp``), the TMA store (``gluon_tma``) or both (``gluon_pp_tma``),
-   the persistent grid (``gluon_persist``, ``gluon_persist_tma``, ``gluon_persist_pp``), Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles (``FLEXFA_AUTOTUNE=0``
-   is set unless ``--tune``: tuning would spend the call's time compiling its candidates).
+   the persistent grid (``gluon_persist``, ``gluon_persist_tma``, ``gluon_persist_pp``),
+   Hopper, cuDNN SDPA (full and causal only). The Hopper family runs its default tiles
+   (``FLEXFA_AUTOTUNE=0`` is set unless ``--tune``: tuning would spend the call's time
+   compiling its candidates).
 
 A short table goes to stdout and everything to the JSON file after every step. Each step is
 guarded: a failure is recorded and the rest still runs (step 1's failure stops the run).

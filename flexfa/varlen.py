@@ -52,8 +52,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     divides Hq: grouped-query attention), ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 or int64
     offsets with one entry more than documents (on the CPU or q's device) -> out ``[total_q,
     Hq, Ev]``, and with ``return_lse`` lse ``[Hq, total_q]`` float32 (natural log; -inf, or the
-    head's sink with ``sinks``, and out 0 for a query that sees no key). ``causal`` is per document and aligned at its end
-    (bottom-right, as flash_attn: query i of lq sees keys 0..i + lk - lq); ``window=w`` keeps
+    head's sink with ``sinks``, and out 0 for a query that sees no key). ``causal`` is per
+    document and aligned at its end (bottom-right, as flash_attn: query i of lq sees keys
+    0..i + lk - lq); ``window=w`` keeps
     the keys at distance 0..w-1 before the query's diagonal (causal) or under w on both sides.
     ``max_seqlen_q`` / ``max_seqlen_k``, where given, must be at least the longest document.
     ``score_mod(score, b, h, q_idx, kv_idx)`` sees b = document, q_idx / kv_idx inside it;

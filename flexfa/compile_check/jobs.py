@@ -335,13 +335,13 @@ register("bwd_gluon_d128_bf16_dense_early_dp", gluon_bwd_job(128, "bf16", early_
          archs=(90,))
 register("bwd_gluon_d128_bf16_causal_early_dp",
          gluon_bwd_job(128, "bf16", mask_mod=causal_mask, early_dp=True), archs=(90,))
-# the deepest ring that fits at E = 128 (kernel_options GLUON_BWD_STAGES=3)
 # dropout_p: the keep mask's Philox words in the consumers (counters laid out as S^T)
 register("bwd_gluon_d128_bf16_causal_dropout",
          gluon_bwd_job(128, "bf16", mask_mod=causal_mask, stages=3, dropout=True), archs=(90,))
 register("bwd_gluon_d64_fp16_softcap_gqa_dropout",
          gluon_bwd_job(64, "fp16", score_mod=softcap_mod, gqa_group=2, stages=3, dropout=True),
          archs=(90,))
+# the deepest ring that fits at E = 128 (kernel_options GLUON_BWD_STAGES=3)
 register("bwd_gluon_d128_bf16_causal_s3",
          gluon_bwd_job(128, "bf16", mask_mod=causal_mask, stages=3), archs=(90,))
 register("bwd_gluon_d128_bf16_softcap_gqa", gluon_bwd_job(128, "bf16", score_mod=softcap_mod,

@@ -1,6 +1,7 @@
 """Dropout on the attention probabilities (``flex_attention(..., dropout_p=, dropout_seed=)``):
 the keep mask is decided by 16-bit halves of Philox4x32-10 words of (seed, offset, b, h, q,
-4 * (k // 32) + (k % 8) // 2) (checked bit for bit against a pure-Python Philox), the forward and both backward kernels draw it identically (exact tests
+4 * (k // 32) + (k % 8) // 2) (checked bit for bit against a pure-Python Philox), the
+forward and both backward kernels draw it identically (exact tests
 against the float64 reference fed ``flexfa.dropout_mask``), its keep rate is 1 - p
 (statistical tests, of the mask and of the kernel itself), p = 0 runs today's kernels, p
 close to 1 stays finite, and bad arguments fail before any launch."""
