@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..frontend.ir import Node
 from ..frontend.trace import TracedMod
+from .fold import fold_scales
 from .params import (INPUT, KernelParams, Param, as_tuple, captured, def_kernel,
                      feature_params, forward_params, table_names, unpack)
 from .render import BufferArgs, Leaves, buffer_args, needs_tile_broadcast, render_mod
@@ -86,16 +88,20 @@ def buffer_params(score: TracedMod | None, mask: TracedMod | None) -> tuple[Para
 
 
 def score_mod_code(score: TracedMod | None, args: list[BufferArgs], fast_math: bool = False,
-                   wide: tuple[str, ...] = (), tile: str = TRITON_TILE) -> str:
+                   wide: tuple[str, ...] = (), tile: str = TRITON_TILE,
+                   root: Node | None = None) -> str:
     """Statements setting ``score_mod_out`` (a full fp32 tile) from ``score`` and indices;
     ``fast_math`` for GPU targets (hardware tanh/sigmoid/exp); ``wide``: the spec's
-    ``wide_ints``; ``tile``: how a full tile of one value is written (TRITON_TILE)."""
+    ``wide_ints``; ``tile``: how a full tile of one value is written (TRITON_TILE);
+    ``root``: the graph to render, default the mod's (the forward renders it with its
+    constant factors folded out: ``fold.fold_scales``)."""
     if score is None:
         return "score_mod_out = score"
-    rendered = render_mod(score, [score.root], FORWARD_LEAVES, args, prefix="s",
+    root = score.root if root is None else root
+    rendered = render_mod(score, [root], FORWARD_LEAVES, args, prefix="s",
                           fast_math=fast_math, wide=wide)
     value = rendered.values[0]
-    if needs_tile_broadcast(score.root):
+    if needs_tile_broadcast(root):
         value = f"{tile.format(fill='0.0', dtype='tl.float32')} + ({value})"
     return "\n".join([*rendered.lines, f"score_mod_out = {value}"])
 
@@ -140,11 +146,15 @@ def forward_module(spec, score: TracedMod | None, mask: TracedMod | None, key: s
     score_args, mask_args = mod_buffer_args(score, mask)
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
+    folded = fold_scales(score.root) if score is not None else None
+    flags = {**flags, "SCORE_IN_SCALE": folded.in_scale if folded else 1.0,
+             "SCORE_OUT_SCALE": folded.out_scale if folded else 1.0}
     common = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
                   MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints, tile=tile))
     library = fill(load_template("fwd_common.tmpl"), SCORE_BUFFERS=unpack(score_names, "sbufs"),
                    SCORE_MOD=score_mod_code(score, score_args, fast_math=not spec.interpret,
-                                            wide=spec.wide_ints, tile=tile))
+                                            wide=spec.wide_ints, tile=tile,
+                                            root=folded.root if folded else None))
     checked = {n: flags[n] for n in params.constexpr_names if n not in LAUNCH_FLAGS}
     kernel = fill(load_template(template), KERNEL_NAME=name,
                   DEF_KERNEL=def_kernel(name, params, checked),
