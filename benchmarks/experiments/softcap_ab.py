@@ -3,14 +3,17 @@ is 1.23x plain causal's time, the target 1.1x), B=1 H=16 S=16384 E=128 bf16 caus
 process, rounds over the cases in turn (do_bench medians, the median of the rounds):
 
 - ``causal``: no score_mod;
-- ``softcap``: 30 * tanh(s / 30) (what users write; the kernel multiplies by the scale, by
-  1/30, tanh, by 30, then the softmax's log2(e) joins its FMA);
-- ``softcap_in``: 30 * tanh(s) with ``scale`` = scale / 30 (the /30 folded into the scale, as
-  a code generator could do: one multiply less per score, the same result);
-- ``tanh_only``: tanh(s) with ``scale`` / 30, a timing proxy for folding the *30 into the
-  softmax's log2 scale too (its result differs: only its time is read);
-each plain and with ``GLUON_PINGPONG`` (and the persistent grid with ping-pong), and with
-``GLUON_STATIC_MAX`` (alone and with ping-pong).
+- ``softcap``: 30 * tanh(s / 30) (what users write; since the sixteenth session the code
+  generator folds the /30 into the scale and the *30 into the softmax's log2 scale,
+  flexfa/codegen/fold.py, so the tile computes tanh and exp2 only);
+- ``softcap_in``: 30 * tanh(s) with ``scale`` = scale / 30 (written folded: before the fold,
+  one multiply less per score; now the same tile as ``softcap``);
+- ``tanh_only``: tanh(s) with ``scale`` / 30 (before the fold, a timing proxy for folding the
+  *30 too; its result differs: only its time is read);
+each by default (``plain``: GLUON_STATIC_MAX is on by default, so the softcap subtracts its
+bound), with the running max (``running``: GLUON_STATIC_MAX False), with ``GLUON_PINGPONG``
+(and the persistent grid with ping-pong), and with ``GLUON_STATIC_MAX`` forced (alone and
+with ping-pong).
 
     python benchmarks/experiments/softcap_ab.py [--rounds 3] [--mods causal,softcap]
         [--options plain,pingpong,persist_pp]
@@ -30,8 +33,9 @@ def main() -> int:
     parser.add_argument("--rep", type=int, default=60)
     parser.add_argument("--mods", default="causal,softcap,softcap_in,tanh_only")
     parser.add_argument("--options", default="plain,pingpong,persist_pp",
-                        help="plain, pingpong, persist_pp, static (GLUON_STATIC_MAX: the "
-                             "softcap's bound for the row max; nothing for causal), "
+                        help="plain (the defaults), running (GLUON_STATIC_MAX False: the "
+                             "running row max), pingpong, persist_pp, static (GLUON_STATIC_MAX: "
+                             "the softcap's bound for the row max; nothing for causal), "
                              "static_pp")
     args = parser.parse_args()
     import torch
@@ -56,7 +60,8 @@ def main() -> int:
 
     mods_ = {"causal": (None, scale), "softcap": (softcap, scale),
              "softcap_in": (softcap_in, scale / 30.0), "tanh_only": (tanh_only, scale / 30.0)}
-    options = {"plain": {}, "pingpong": {"GLUON_PINGPONG": True},
+    options = {"plain": {}, "running": {"GLUON_STATIC_MAX": False},
+               "pingpong": {"GLUON_PINGPONG": True},
                "persist_pp": {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
                "static": {"GLUON_STATIC_MAX": True},
                "static_pp": {"GLUON_STATIC_MAX": True, "GLUON_PINGPONG": True}}

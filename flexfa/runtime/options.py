@@ -80,8 +80,9 @@ class KernelOptions:
     # first); off until measured
     gluon_persistent: bool = False
     # the Gluon forward subtracts the score_mod's proven bound instead of a running row max
-    # (softcap); off: measured within the runs' spread
-    gluon_static_max: bool = False
+    # (softcap); on: with the softcap's constants folded (codegen/fold.py) 1.05-1.15x faster
+    # on softcap forwards on the H200, 5 rounds (docs/gluon.md, "Static max")
+    gluon_static_max: bool = True
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
     # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
@@ -210,7 +211,7 @@ SCHEMA = {
     "GLUON_STATIC_MAX": ("gluon_static_max", (), _flag,
                          "the Gluon forward subtracts the score_mod's proven upper bound instead "
                          "of a running row max where its output range is bounded (softcap; "
-                         "bf16, no max_scores): True or False (default)"),
+                         "bf16, no max_scores): True (default) or False"),
     "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "

@@ -408,7 +408,8 @@ def test_default_ring_shrinks_to_fit_the_tma_store_and_pins_do_not():
 
 @pytest.mark.parametrize("score_mod, dtype, options, return_max, bound", [
     (mods.softcap(30.0), torch.bfloat16, {"GLUON_STATIC_MAX": True}, False, 30.0),
-    (mods.softcap(30.0), torch.bfloat16, {}, False, None),           # off by default
+    (mods.softcap(30.0), torch.bfloat16, {}, False, 30.0),           # on by default
+    (mods.softcap(30.0), torch.bfloat16, {"GLUON_STATIC_MAX": False}, False, None),
     (mods.softcap(30.0), torch.float16, {"GLUON_STATIC_MAX": True}, False, None),  # P underflows
     (mods.softcap(30.0), torch.bfloat16, {"GLUON_STATIC_MAX": True}, True, None),  # max_scores
     (mods.softcap(50.0), torch.bfloat16, {"GLUON_STATIC_MAX": True}, False, None),  # 144 > 96
@@ -428,5 +429,6 @@ def test_gluon_static_max_only_where_the_bound_is_proven(score_mod, dtype, optio
     source = gluon_kernel(spec, call.score, call.mask).source
     assert "STATIC_MAX = tl.constexpr(True)" in source
     assert f"STATIC_MAX2 = tl.constexpr({spec.static_max * 1.4426950408889634!r})" in source
-    plain = gluon_spec(q, k, v, _call(FORCED, score_mod=score_mod), SM90, True, False)
+    plain = gluon_spec(q, k, v, _call({**FORCED, "GLUON_STATIC_MAX": False},
+                                      score_mod=score_mod), SM90, True, False)
     assert gluon_kernel(plain, call.score, None).key != gluon_kernel(spec, call.score, None).key

@@ -34,7 +34,9 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "persistent_tma_store": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
            "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
-           "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True}}
+           "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True},
+           # the static max is on by default: the running row max of a bounded score_mod
+           "running_max": {**FORCED, "GLUON_STATIC_MAX": False}}
 SAFETY = """
 import torch, flexfa
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
@@ -132,7 +134,8 @@ OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for na
                 + [(name, "static_max") for name in (
                     "softcap_causal", "softcap_empty_rows", "softcap_causal_d256",
                     "softcap_causal_d192_ev128")]
-                + [("softcap_causal", "pingpong_static_max")])
+                + [("softcap_causal", "pingpong_static_max")]
+                + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")])
 
 
 @pytest.mark.parametrize("name, option", OPTION_CASES)
@@ -154,9 +157,11 @@ def test_gluon_matches_reference_and_hopper(safe, name, option):
     again = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                   enable_gqa=Hq != Hkv, kernel_options=forced)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon"]
     if "static_max" in option:  # the bound, not the row max, subtracted: rounding differs
-        found = [p for p in plans.PLANS.values() if p.family.name == "gluon"]
         assert found and all(p.spec.static_max is not None for p in found)
+    elif option == "running_max":
+        assert found and all(p.spec.static_max is None for p in found)
     elif option != "plain":  # when GEMMs issue and how out is stored, not what is computed
         plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                       enable_gqa=Hq != Hkv, kernel_options=FORCED)
