@@ -17,6 +17,7 @@ import hashlib
 from ..frontend.grad import JointGraph
 from ..frontend.ir import Node, Op
 from ..frontend.trace import TracedMod
+from .fold import fold_joint
 from .forward import GeneratedKernel, buffer_params, describe_mods, mod_buffer_args
 from .params import (KernelParams, Param, as_tuple, def_kernel, delta_params, dkdv_params,
                      dq_params, feature_params, gradients, table_names, unpack)
@@ -32,6 +33,7 @@ _DQ_TILE = {"BLOCK_M": "BLOCK_M2", "BLOCK_N": "BLOCK_N2", "EVEN_L": "EVEN_L2", "
 _DKDV_TILE = {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1", "EVEN_L": "EVEN_L1",
               "EVEN_S": "EVEN_S1"}
 _ROW_KERNEL = {"BLOCK_M": None}  # the delta kernel's rows per program
+LOG2E = 1.4426950408889634  # the rendered scores' log2_scale without a folded factor
 
 
 def wide_head_dims(head_dim: int, head_dim_v: int) -> bool:
@@ -196,8 +198,12 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
                 DEF_KERNEL=def_kernel(f"{name}_dkdv", kernels[f"{name}_dkdv"],
                                       checks[f"{name}_dkdv"]),
                 TABLES=as_tuple(table_names("Q", "n", "m")),
+                # past 128 the dK/dV kernel's registers are at their edge: with the fold,
+                # ptxas spilled two values around the loop at 256 (16 bytes; compile check)
                 SCORE_JOINT=score_joint_code(joint, score, score_args, False, fast_math,
-                                        spec.wide_ints), **shared)
+                                             spec.wide_ints,
+                                             fold=next_power_of_two(spec.head_dim) <= 128),
+                **shared)
     common = fill(load_template("bwd_common.tmpl"),
                   DEF_DELTA=def_kernel("flexfa_bwd_delta", kernels["flexfa_bwd_delta"],
                                        checks["flexfa_bwd_delta"]))
@@ -277,13 +283,20 @@ def joint_roots(joint: JointGraph, with_loads: bool = True) -> list[Node]:
 
 def score_joint_code(joint: JointGraph | None, score: TracedMod | None, args, with_loads: bool,
                      fast_math: bool = False, wide: tuple[str, ...] = (),
-                     tile: str = "tl.full(score.shape, {fill}, {dtype})") -> str:
+                     tile: str = "tl.full(score.shape, {fill}, {dtype})",
+                     fold: bool = True) -> str:
     """Statements setting score_mod_out, log2_scale (score_mod_out * log2_scale is the score
     in log2 units), dscore and (dQ kernel) dload{i}, load{i}_idx{d} from the raw ``qk``;
     ``tile``: how a full tile of one value is written (the Gluon backward's names its
-    layout)."""
+    layout); ``fold``: the mod's constant factors folded into the scales (below)."""
     if joint is None:
         return "score_mod_out = qk\nlog2_scale = sm_scale * 1.4426950408889634"
+    # constant factors of the mod folded into the scales (codegen/fold.py): the score read as
+    # q.k * scale * in_scale, log2(e) times out_scale, the derivative times their product
+    folded = fold_joint(joint) if fold else None
+    in_scale, out_scale, ds_scale = ((folded.in_scale, folded.out_scale, folded.dscore_scale)
+                                     if folded else (1.0, 1.0, 1.0))
+    joint = folded.joint if folded else joint
     roots = joint_roots(joint, with_loads)
     names = ["score_mod_out", "dscore"]
     if with_loads:
@@ -293,12 +306,15 @@ def score_joint_code(joint: JointGraph | None, score: TracedMod | None, args, wi
     # of tanh reads the forward's tanh value (one tanh.approx per element)
     rendered = render_mod(score, roots, Leaves(), args, prefix="s", fast_math=fast_math,
                           wide=wide)
-    lines = ["score = qk * sm_scale", *rendered.lines]
+    lines = [f"score = qk * (sm_scale * {in_scale!r})" if in_scale != 1.0
+             else "score = qk * sm_scale", *rendered.lines]
     for root, name, value in zip(roots, names, rendered.values):
         if name == "score_mod_out" and needs_tile_broadcast(root):
             value = f"({value}) + {tile.format(fill='0.0', dtype='tl.float32')}"
+        if name == "dscore" and ds_scale != 1.0:
+            value = f"({value}) * {ds_scale!r}"
         lines.append(f"{name} = {value}")
-    lines.append("log2_scale = 1.4426950408889634")
+    lines.append(f"log2_scale = {LOG2E * out_scale!r}")
     return "\n".join(lines)
 
 

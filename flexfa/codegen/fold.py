@@ -14,6 +14,12 @@ thread, 64 after the fold). ``fold_scales`` splits them off:
   or ``score / c``: the kernel renders the mod on the score itself and multiplies the softmax
   scale by ``c_in`` (once per program, a scalar).
 
+The backward folds the same factors out of the score_mod's joint graph (``fold_joint``): it
+renders the folded mod and its derivative, reads the score as q.k * scale * c_in, multiplies
+log2(e) by c_out and the derivative by c_in * c_out (nothing where that is 1, as for a
+softcap, whose 30 and 1/30 cancel). A joint graph with captured-tensor gradients is not
+folded (their derivatives would need c_out too).
+
 Each fold changes a result by the rounding of one fp32 product (the factor applied to a scale
 instead of to the score), never more. Factors outside FOLD_RANGE stay in the mod, so a folded
 scale is never near fp32's overflow or underflow. The fold is a pure function of the IR, so
@@ -25,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..frontend.ir import DType, Node, Op, rewrite
+from ..frontend.grad import JointGraph, derive_node
+from ..frontend.ir import DType, Node, Op, const, rewrite, score
+from ..frontend.simplify import simplify
 
 FOLD_RANGE = (2.0 ** -64, 2.0 ** 64)  # factors folded: positive, finite, within this range
 
@@ -61,15 +69,15 @@ def _factor(node: Node, operand: Node | None = None) -> tuple[Node, float] | Non
 def _fold_in(root: Node) -> tuple[Node, float]:
     """(root with the score's one scaled use replaced by the score, the factor), or (root,
     1.0) where the score is used otherwise too."""
-    score = Node.make(Op.SCORE, DType.FLOAT)
-    users = {node for node in root.toposort() if any(s is score for s in node.src)}
-    if len(users) != 1 or root is score:
+    leaf = score()
+    users = {node for node in root.toposort() if any(s is leaf for s in node.src)}
+    if len(users) != 1 or root is leaf:
         return root, 1.0
     (user,) = users
-    found = _factor(user, score)
-    if found is None or sum(s is score for s in user.src) != 1:
+    found = _factor(user, leaf)
+    if found is None or sum(s is leaf for s in user.src) != 1:
         return root, 1.0
-    return rewrite(root, lambda node: score if node is user else node), found[1]
+    return rewrite(root, lambda node: leaf if node is user else node), found[1]
 
 
 def fold_scales(root: Node) -> Folded:
@@ -82,3 +90,28 @@ def fold_scales(root: Node) -> Folded:
         out_scale *= factor
     root, in_scale = _fold_in(root)
     return Folded(root, in_scale, out_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedJoint:
+    joint: JointGraph  # the folded mod and its derivative (no captured-tensor gradients)
+    in_scale: float
+    out_scale: float
+
+    @property
+    def dscore_scale(self) -> float:
+        """The derivative's factor: d mod / d score = in_scale * out_scale * d root / d s."""
+        return self.in_scale * self.out_scale
+
+
+def fold_joint(joint: JointGraph | None) -> FoldedJoint | None:
+    """The joint graph of the score_mod without its foldable factors, or None where nothing
+    folds or the joint graph has captured-tensor gradients (module docstring)."""
+    if joint is None or joint.dloads:
+        return None
+    folded = fold_scales(joint.forward)
+    if folded.root is joint.forward:
+        return None
+    dscore = derive_node(folded.root).get(id(score()))
+    return FoldedJoint(JointGraph(folded.root, simplify(dscore or const(0.0)), ()),
+                       folded.in_scale, folded.out_scale)

@@ -1,7 +1,7 @@
 """flexfa.codegen.fold: a score_mod's constant input and output factors folded into the scales
-the forward kernels apply anyway (the softmax scale, exp2's log2(e)); the kernels that run the
-folded mods (every forward template under the interpreter) against the float64 reference, with
-their lse and row max."""
+the kernels apply anyway (the softmax scale, exp2's log2(e)); the kernels that run the folded
+mods (every forward template and the Triton backward under the interpreter) against the
+float64 reference, with their lse and row max, and their gradients."""
 import math
 
 import pytest
@@ -9,12 +9,15 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest
 
 import flexfa
-from flexfa.codegen.fold import FOLD_RANGE, fold_scales
-from flexfa.codegen.forward import forward_kernel
+from flexfa.codegen.backward import score_joint_code
+from flexfa.codegen.fold import FOLD_RANGE, fold_joint, fold_scales
+from flexfa.codegen.forward import forward_kernel, mod_buffer_args
 from flexfa.codegen.spec import KernelSpec
+from flexfa.frontend.grad import derive
 from flexfa.frontend.ir import Op
 from flexfa.frontend.trace import trace
 from flexfa.reference import attention_reference
+from kernels.backward_utils import check_backward
 from kernels.forward_utils import TEMPLATES, make_qkv
 
 
@@ -109,3 +112,47 @@ def test_folded_forward_matches_the_reference(template, score_mod):
     torch.testing.assert_close(aux.lse.double()[~empty], lse64[~empty], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double(), out64, rtol=2e-2, atol=2e-2)
     assert math.isfinite(out.double().abs().max().item())
+
+
+def test_the_backward_renders_the_folded_joint_graph():
+    """softcap's joint graph folded: the score read as q.k * scale / 30, tanh and its
+    derivative 1 - tanh^2 without the constants (30 * 1/30 = 1), log2(e) * 30; unfolded with
+    fold=False; a pure output factor moves into dscore and log2_scale."""
+    softcap = trace(flexfa.mods.softcap(30.0), "score_mod")
+    joint = derive(softcap)
+    code = score_joint_code(joint, softcap, [], False, True)
+    assert f"score = qk * (sm_scale * {1.0 / 30.0!r})" in code
+    assert "30.0" not in code and "dscore = s1" in code and "1.0 - (s0 * s0)" in code
+    assert f"log2_scale = {1.4426950408889634 * 30.0!r}" in code
+    plain = score_joint_code(joint, softcap, [], False, True, fold=False)
+    assert "score = qk * sm_scale" in plain and "30.0" in plain
+    assert "log2_scale = 1.4426950408889634" in plain
+    half = trace(lambda s, b, h, q, k: s * 0.5, "score_mod")
+    code = score_joint_code(derive(half), half, [], False, True)
+    assert "score_mod_out = score" in code and "dscore = (1.0) * 0.5" in code
+    assert f"log2_scale = {1.4426950408889634 * 0.5!r}" in code
+
+
+def test_a_joint_graph_with_captured_gradients_is_not_folded():
+    """A learnable bias's gradient is d mod / d bias, which an output factor scales too: such
+    joint graphs stay as written (forward kernels fold them: they compute no gradient)."""
+    bias = torch.randn(4, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return 2.0 * (score + bias[h])
+    traced = trace(biased, "score_mod")
+    joint = derive(traced)
+    assert joint.dloads and fold_joint(joint) is None
+    args = mod_buffer_args(traced, None)[0]
+    assert "log2_scale = 1.4426950408889634\n" in score_joint_code(joint, traced, args, True,
+                                                                   True) + "\n"
+    assert fold_scales(traced.root).out_scale == 2.0
+
+
+@pytest.mark.parametrize("score_mod", [scaled_softcap, half_alibi])
+def test_folded_backward_matches_the_reference(score_mod):
+    """dq, dk, dv of the folded mods (both Triton backward kernels render the folded joint
+    graph) against the float64 reference, with empty rows and a scale."""
+    q, k, v = make_qkv(1, 2, 2, 48, 64, 32, dtype=torch.float32, seed=13)
+    mask = flexfa.create_block_mask(late_causal, 1, 2, 48, 64, device="cpu", BLOCK_SIZE=32)
+    check_backward(q, k, v, score_mod, late_causal, mask, scale=0.4, with_lse=True)
