@@ -55,6 +55,10 @@ class CompileResult:
     # at least LOOP_MIN_INSTRUCTIONS: the spills a tile loop pays on every tile, where
     # spill_bytes also counts those of code run once (a ragged last tile, a per-head prologue)
     loop_local_ops: int | None = None
+    # the opcodes (SASS, suffixes dropped) of the shortest path through the largest innermost
+    # tile loop, forward branches taken or not: what a tile that needs no mask or bounds
+    # check executes; a mask if-converted into every tile shows here (``tile_path``)
+    loop_path: dict[str, int] | None = None
     seconds: float = 0.0
     error: str = ""
     skipped: bool = False  # the variant does not target this arch
@@ -112,7 +116,8 @@ def compile_job(variant: str, arch: int, job_builder: Callable[[int], CompileJob
         sass = _disassemble(arch, cubin) if loops else None
     return CompileResult(variant, arch, True, "mma.sync" in ptx, "wgmma" in ptx, registers, spills,
                          shared, serialized, loop_local_ops(sass) if sass else None,
-                         time.perf_counter() - start, ptx=ptx)
+                         tile_path(sass) if sass else None, time.perf_counter() - start,
+                         ptx=ptx)
 
 
 def ptxas_usage(ptx: str, arch: int, cubin: str | None = None
@@ -155,16 +160,17 @@ def _disassemble(arch: int, cubin: str) -> str | None:
 LOOP_MIN_INSTRUCTIONS = 64  # smaller loops are barrier waits and spin loops, not tile loops
 
 
-def loop_local_ops(sass: str) -> int:
-    """The local-memory instructions (LDL, STL) of ``sass`` inside its innermost loops of at
-    least LOOP_MIN_INSTRUCTIONS instructions (the tile loops of the attention kernels, where
-    a spill costs on every tile). A loop: a conditional branch back to an earlier label; an
-    unconditional one is how ptxas returns from a block it laid out of line (a barrier's
-    wait), not a loop."""
-    lines = sass.splitlines()
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/")
+_OPCODE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def _innermost_loops(lines: list[str]) -> list[tuple[int, int]]:
+    """(first, last) line of each innermost loop of at least LOOP_MIN_INSTRUCTIONS
+    instructions. A loop: a conditional branch back to an earlier label; an unconditional one
+    is how ptxas returns from a block it laid out of line (a barrier's wait), not a loop."""
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"\s*(\.L_x_\d+):", line))}
-    instruction = [bool(re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)) for line in lines]
+    instruction = [bool(_INSTRUCTION.match(line)) for line in lines]
     loops = []
     for i, line in enumerate(lines):
         m = re.search(r"@!?U?P\w+\s+BRA\b.*?(\.L_x_\d+)", line)
@@ -172,11 +178,52 @@ def loop_local_ops(sass: str) -> int:
             start = labels[m.group(1)]
             if sum(instruction[start:i + 1]) >= LOOP_MIN_INSTRUCTIONS:
                 loops.append((start, i))
-    innermost = [(a, b) for a, b in loops
-                 if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [(a, b) for a, b in loops
+            if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+
+
+def loop_local_ops(sass: str) -> int:
+    """The local-memory instructions (LDL, STL) of ``sass`` inside its innermost loops of at
+    least LOOP_MIN_INSTRUCTIONS instructions (the tile loops of the attention kernels, where
+    a spill costs on every tile)."""
+    lines = sass.splitlines()
+    innermost = _innermost_loops(lines)
     local = re.compile(r"\b(LDL|STL)\b")
-    return sum(1 for i, line in enumerate(lines) if instruction[i] and local.search(line)
-               and any(a <= i <= b for a, b in innermost))
+    return sum(1 for i, line in enumerate(lines) if _INSTRUCTION.match(line)
+               and local.search(line) and any(a <= i <= b for a, b in innermost))
+
+
+def tile_path(sass: str) -> dict[str, int] | None:
+    """Opcode counts of the shortest path through the largest innermost loop of ``sass``:
+    each forward branch inside the loop taken or not, whichever executes fewer instructions
+    (a branch out of the loop, a barrier's wait, is not taken). None without such a loop."""
+    lines = sass.splitlines()
+    loops = _innermost_loops(lines)
+    if not loops:
+        return None
+    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
+    labels = {m.group(1): i for i in range(first, last + 1)
+              if (m := re.match(r"\s*(\.L_x_\d+):", lines[i]))}
+    best: dict[int, tuple[int, dict[str, int]]] = {last + 1: (0, {})}
+    for i in range(last, first - 1, -1):
+        m = _OPCODE.match(lines[i])
+        op = m.group(1) if m and _INSTRUCTION.match(lines[i]) else None
+        successors = [i + 1]
+        if op == "BRA" and i != last:
+            target = re.search(r"\((\.L_x_\d+)\)", lines[i])
+            conditional = re.match(r"\s*/\*[0-9a-f]+\*/\s+@", lines[i]) is not None
+            if target and labels.get(target.group(1), -1) > i:
+                successors = [labels[target.group(1)]] + ([i + 1] if conditional else [])
+            elif not conditional:
+                successors = []
+        options = [best[n] for n in successors if n in best]
+        if not options:
+            continue
+        count, ops = min(options, key=lambda option: option[0])
+        if op:
+            ops = {**ops, op: ops.get(op, 0) + 1}
+        best[i] = (count + (1 if op else 0), ops)
+    return best[first][1] if first in best else None
 
 
 def traced_mods(score_mod, mask_mod):

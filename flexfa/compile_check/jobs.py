@@ -185,13 +185,14 @@ def _register_hopper() -> None:
 def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n: int = 128,
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
-              head_dim_v: int | None = None, static_max: bool = False, dropout: bool = False):
+              head_dim_v: int | None = None, static_max: bool = False, dropout: bool = False,
+              even: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid;
     ``head_dim_v``: v's head dim, default ``head_dim``; ``static_max``: the score_mod's
     bound instead of a running max, as GLUON_STATIC_MAX takes it at S = 16384; ``dropout``:
-    the keep mask applied to P)."""
+    the keep mask applied to P; ``even``: lengths multiples of the tiles, else ragged)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         bound = static_score_max(score, Domain(1, 16, 16384, 16384)) if static_max else None
@@ -199,8 +200,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
                           block_m=128, block_n=block_n, num_warps=4, num_stages=num_stages,
                           has_block_mask=mask is not None, has_full_blocks=mask is not None,
-                          sparse_q=128, sparse_kv=128 if mask else block_n, even_l=False,
-                          even_s=False, return_lse=return_lse, gqa_group=1,
+                          sparse_q=128, sparse_kv=128 if mask else block_n, even_l=even,
+                          even_s=even, return_lse=return_lse, gqa_group=1,
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
@@ -219,6 +220,11 @@ register("fwd_gluon_d128_fp16_softcap_causal",
 # GLUON_STATIC_MAX: softcap's bound subtracted, no running max or rescale
 register("fwd_gluon_d128_bf16_softcap_causal_static",
          gluon_job(128, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, static_max=True),
+         archs=(90,))
+# even lengths with a cheap score_mod: the partial tiles' branch must stay a branch (its
+# full tiles run no mask: codegen tests read the tile loop's shortest path)
+register("fwd_gluon_d128_bf16_alibi_causal_even",
+         gluon_job(128, "bf16", score_mod=slopes_mod(), mask_mod=causal_mask, even=True),
          archs=(90,))
 # dropout_p: the keep mask's Philox words in the consumers (counters laid out as the score tile)
 register("fwd_gluon_d128_bf16_causal_dropout",

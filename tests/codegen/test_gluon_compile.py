@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("fwd_gluon_d128_bf16_dense", "fwd_gluon_d128_bf16_causal",
             "fwd_gluon_d128_fp16_softcap_causal", "fwd_gluon_d256_bf16_dense",
             "fwd_gluon_d256_bf16_causal",  # the zero-extended epilogue offsets (issue 28)
-            "fwd_gluon_d192_ev128_bf16_causal")  # padded E, another Ev
+            "fwd_gluon_d192_ev128_bf16_causal",  # padded E, another Ev
+            "fwd_gluon_d128_bf16_alibi_causal_even")  # a full tile's path without the mask
 # CI compiles three of the eight registered ping-pong variants (E = 64 and 128 x dense, causal,
 # softcap, document; all: python -m flexfa compile-check --arch 90 --only pingpong)
 PINGPONG_VARIANTS = ("fwd_gluon_d128_bf16_causal_pingpong", "fwd_gluon_d64_fp16_softcap_pingpong",
@@ -59,11 +60,10 @@ if os.environ.pop("AS_TEST_SESSION", None):  # triton.language decorated for the
     import_gluon()
 from flexfa import compile_check
 for name in sys.argv[1:]:
-    r = compile_check.compile_job(name, 90, compile_check.REGISTRY[name],
-                                  loops="dropout" in name)
+    r = compile_check.compile_job(name, 90, compile_check.REGISTRY[name], loops=True)
     print(json.dumps(dict(
         name=name, ok=r.ok, error=r.error, wgmma=r.wgmma, spills=r.spill_bytes,
-        loop_spills=r.loop_local_ops, st_shared=r.ptx.count("st.shared"),
+        loop_spills=r.loop_local_ops, path=r.loop_path, st_shared=r.ptx.count("st.shared"),
         serialized=r.wgmma_serialized,
         setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                          r.ptx))),
@@ -155,6 +155,28 @@ def test_gluon_forward_compiles_for_sm90(forward_rows):
     assert not forward_rows["fwd_gluon_d128_bf16_dense"]["tanh"]
 
 
+def _index_compares(path: dict) -> int:
+    """Integer compares on a tile loop's shortest path (a full tile's): the mask_mod's and the
+    bounds checks' per score (64 a thread for a forward tile of 64 x 128 scores, 32 for a
+    backward one) where they run, a few of the loop's own otherwise (a softcap's NaN guard in
+    the backward is a float compare)."""
+    return path.get("ISETP", 0)
+
+
+def test_full_tiles_run_no_mask_and_no_bounds_check(forward_rows):
+    """A full tile runs neither the mask_mod nor the check past S: ragged lengths (S not a
+    multiple of the tile; checked on the tile that reaches past S) and ALiBi + causal at even
+    lengths (whose cheap score_mod LLVM once hoisted out of the partial tiles' branch, and
+    ptxas predicated the mask left into every tile). The causal tile's path is the dense
+    one's within a few instructions."""
+    dense = sum(forward_rows["fwd_gluon_d128_bf16_dense"]["path"].values())
+    for name in ("fwd_gluon_d128_bf16_causal", "fwd_gluon_d128_bf16_alibi_causal_even",
+                 "fwd_gluon_d128_fp16_softcap_causal"):
+        path = forward_rows[name]["path"]
+        assert path and _index_compares(path) <= 8, (name, path)
+    assert sum(forward_rows["fwd_gluon_d128_bf16_causal"]["path"].values()) <= dense + 32
+
+
 def test_gluon_static_max_forward_compiles_without_a_row_max(forward_rows):
     """GLUON_STATIC_MAX: the softcap's bound is subtracted, so no max over the scores is left
     (the running-max kernel of the same mods has one max.f32 per score)."""
@@ -239,6 +261,8 @@ def test_gluon_backward_compiles_for_sm90(started):
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and row["reduce"], row
+        # ragged lengths: q tiles within L and S run no mask or bounds check (as the forward)
+        assert row["path"] and _index_compares(row["path"]) <= 8, (name, row["path"])
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
         assert row["spills"] in (0, None), row  # None: no ptxas to ask
         assert row["serialized"] in (False, None), row  # ptxas kept the wgmmas pipelined
