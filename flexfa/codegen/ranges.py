@@ -117,18 +117,56 @@ _WIDE: dict[tuple, tuple[str, ...]] = {}
 def int64_nodes(roots: Sequence[Node], buffer_dtypes: Sequence[torch.dtype], domain: Domain
                 ) -> tuple[str, ...]:
     """Sorted keys of the INT nodes under ``roots`` whose values may leave int32 anywhere in
-    ``domain`` rounded up to powers of two (empty in the common case). Memoized."""
+    ``domain`` rounded up to powers of two (empty in the common case), and a ``FLOAT_CAST``
+    mark for each cast of index math that a kernel computes in float32 (``float_casts``).
+    Memoized."""
     domain = domain.rounded()
     memo_key = (tuple(root.key for root in roots), tuple(buffer_dtypes), domain)
     keys = _WIDE.get(memo_key)
     if keys is None:
         ranges = value_ranges(roots, buffer_dtypes, domain)
-        keys = tuple(sorted(node.key for node, (lo, hi) in ranges.items()
-                            if node.dtype is DType.INT and not fits_int32(lo, hi)))
+        keys = tuple(sorted([node.key for node, (lo, hi) in ranges.items()
+                             if node.dtype is DType.INT and not fits_int32(lo, hi)]
+                            + [FLOAT_CAST + key for key in float_casts(ranges)]))
         if len(_WIDE) >= _MAX_MEMO:
             _WIDE.clear()
         _WIDE[memo_key] = keys
     return keys
+
+
+# a cast to float of integer index math (``q_idx - kv_idx``, its abs, sums and extremes of
+# indices and constants) whose every value, operands included, is an integer below 2**24 in
+# magnitude: float32 holds each exactly, so the kernel computes it in float32 from the
+# indices converted one by one (a row's q_idx once a row, a column's kv_idx once a column)
+# with the same result as the int32 math converted per score. ALiBi's |q_idx - kv_idx|: an
+# integer add, abs and conversion per score become one float subtraction (its abs is an
+# operand modifier). The mark (FLOAT_CAST + the cast's key) rides in a spec's wide_ints,
+# which every kernel cache key holds and every renderer reads (render.lift_float_casts)
+FLOAT_CAST = "f:"
+FLOAT_EXACT = 2.0 ** 24
+# NEG is not: -(q_idx - kv_idx) at q_idx = kv_idx is -0.0 in float, whose sign a division
+# would show (the int math's 0 converts to +0.0); sums, differences and extremes of these
+# never give -0.0 (x - x is +0.0)
+_LIFTABLE = frozenset({Op.ADD, Op.SUB, Op.ABS, Op.MAX, Op.MIN, Op.CONST, Op.B, Op.H,
+                       Op.Q_IDX, Op.KV_IDX})
+
+
+def float_casts(ranges: dict[Node, tuple[float, float]]) -> list[str]:
+    """Keys of the INT -> FLOAT casts among ``ranges``' nodes whose operand's graph is
+    index math of _LIFTABLE ops with every value within +-FLOAT_EXACT."""
+    found = []
+    for node in ranges:
+        if node.op is not Op.CAST or node.dtype is not DType.FLOAT:
+            continue
+        source = node.src[0]
+        if source.dtype is not DType.INT or source.op is Op.CONST:
+            continue
+        below = source.toposort()
+        if all(n.op in _LIFTABLE and n.dtype is DType.INT and n in ranges
+               and -FLOAT_EXACT <= ranges[n][0] and ranges[n][1] <= FLOAT_EXACT
+               for n in below) and any(n.op in (Op.Q_IDX, Op.KV_IDX) for n in below):
+            found.append(node.key)
+    return found
 
 
 _MODS_WIDE: dict[tuple, tuple[str, ...]] = {}

@@ -29,7 +29,8 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..frontend.evaluate import evaluate_node
-from ..frontend.ir import DType, Node, Op
+from ..frontend.ir import DType, Node, Op, cast, rewrite
+from .ranges import FLOAT_CAST
 
 FLOAT, INT, BOOL = DType.FLOAT, DType.INT, DType.BOOL
 
@@ -371,6 +372,25 @@ def _order(roots: Sequence[Node]) -> list[Node]:
     return order
 
 
+def lift_float_casts(roots: Sequence[Node], wide: Collection[str]) -> list[Node]:
+    """``roots`` with each cast that ``wide`` marks (``ranges.FLOAT_CAST`` + its key: integer
+    index math exact in float32) computed in float: its graph rebuilt on FLOAT values, each
+    index and constant cast alone (a row's q_idx, a column's kv_idx: once per row or column,
+    not per score). Exact: every value is an integer float32 holds (ranges.float_casts)."""
+    marked = {key[len(FLOAT_CAST):] for key in wide if key.startswith(FLOAT_CAST)}
+    if not marked:
+        return list(roots)
+
+    def in_float(node: Node) -> Node:
+        if node.op in (Op.CONST, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
+            return cast(node, FLOAT)
+        return Node.make(node.op, FLOAT, tuple(in_float(s) for s in node.src), node.arg)
+
+    def lift(node: Node) -> Node:
+        return in_float(node.src[0]) if node.op is Op.CAST and node.key in marked else node
+    return [rewrite(root, lift) for root in roots]
+
+
 def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
            buffers: Sequence[BufferArgs] = (), prefix: str = "t",
            fast_math: bool = False, wide: Collection[str] = ()) -> Rendered:
@@ -381,6 +401,7 @@ def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
     tanh, sigmoid and exp to the hardware approximations of helpers.tmpl; a derivative that
     reads ``tanh(x)`` (1 - tanh(x)**2) reuses the forward value's name. ``wide``: keys of
     the INT nodes computed in int64 (see the module docstring)."""
+    roots = lift_float_casts(roots, wide)
     renderer = _Renderer(leaves, buffers, prefix, fast_math, wide)
     counts = _use_counts(roots)
     root_ids = {id(r) for r in roots}

@@ -18,7 +18,7 @@ from ..codegen.gluon import GLUON_TEMPLATE, MAX_REGISTERS, gluon_kernel, gluon_s
 from ..codegen.gluon_bwd import (POST, PRE, ZERO, GluonBackwardSpec, RowsSpec, gluon_bwd_kernel,
                                  gluon_bwd_signature, rows_params)
 from ..codegen.hopper import HOPPER_TEMPLATE, hopper_kernel, hopper_signature
-from ..codegen.ranges import Domain, static_score_max
+from ..codegen.ranges import Domain, mods_int64_nodes, static_score_max
 from ..codegen.spec import TORCH_DTYPES, KernelSpec, next_power_of_two
 from ..blockmask import create_block_mask
 from ..runtime.cache import get_module
@@ -195,7 +195,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
     the keep mask applied to P; ``even``: lengths multiples of the tiles, else ragged)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
-        bound = static_score_max(score, Domain(1, 16, 16384, 16384)) if static_max else None
+        domain = Domain(1, 16, 16384, 16384)  # as a call at S = 16384 decides (lengths: data)
+        bound = static_score_max(score, domain) if static_max else None
         assert not static_max or bound is not None, "no static bound for this score_mod"
         spec = KernelSpec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
                           block_m=128, block_n=block_n, num_warps=4, num_stages=num_stages,
@@ -205,7 +206,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
-                          persistent=persistent, static_max=bound, dropout=dropout)
+                          persistent=persistent, static_max=bound, dropout=dropout,
+                          wide_ints=mods_int64_nodes((score, mask), domain))
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
 

@@ -168,13 +168,15 @@ def test_full_tiles_run_no_mask_and_no_bounds_check(forward_rows):
     multiple of the tile; checked on the tile that reaches past S) and ALiBi + causal at even
     lengths (whose cheap score_mod LLVM once hoisted out of the partial tiles' branch, and
     ptxas predicated the mask left into every tile). The causal tile's path is the dense
-    one's within a few instructions."""
+    one's within a few instructions; ALiBi's distance is float math (ranges.float_casts)."""
     dense = sum(forward_rows["fwd_gluon_d128_bf16_dense"]["path"].values())
     for name in ("fwd_gluon_d128_bf16_causal", "fwd_gluon_d128_bf16_alibi_causal_even",
                  "fwd_gluon_d128_fp16_softcap_causal"):
         path = forward_rows[name]["path"]
         assert path and _index_compares(path) <= 8, (name, path)
     assert sum(forward_rows["fwd_gluon_d128_bf16_causal"]["path"].values()) <= dense + 32
+    # ALiBi's |q_idx - kv_idx| in float32 at S = 16384 (exact there): no integer abs per score
+    assert forward_rows["fwd_gluon_d128_bf16_alibi_causal_even"]["path"].get("IABS", 0) == 0
 
 
 def test_gluon_static_max_forward_compiles_without_a_row_max(forward_rows):

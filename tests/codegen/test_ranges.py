@@ -3,8 +3,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexfa.codegen.ranges import (Domain, int64_nodes, mods_int64_nodes, static_score_max,
-                                   value_ranges)
+from flexfa.codegen.ranges import (FLOAT_CAST, Domain, int64_nodes, mods_int64_nodes,
+                                   static_score_max, value_ranges)
 from flexfa.frontend import trace
 from flexfa.frontend.ir import DType, Op
 
@@ -12,7 +12,47 @@ DOMAIN = Domain(2, 4, 1000, 1000)
 
 
 def _int_keys(mod, domain=DOMAIN):
-    return set(mods_int64_nodes([trace(mod)], domain))
+    """The keys of the INT nodes computed in int64 (not the float-cast marks)."""
+    return {key for key in mods_int64_nodes([trace(mod)], domain)
+            if not key.startswith(FLOAT_CAST)}
+
+
+def _float_casts(mod, domain=DOMAIN):
+    return {key[len(FLOAT_CAST):] for key in mods_int64_nodes([trace(mod)], domain)
+            if key.startswith(FLOAT_CAST)}
+
+
+def test_index_math_cast_to_float_is_marked_where_float32_holds_it_exactly():
+    """ALiBi's |q_idx - kv_idx| (and sums, extremes of indices and constants) cast to float
+    is computed in float32 where every value stays within 2**24 (rounded domain); a product,
+    a floor division, a captured tensor's value or longer lengths keep the int32 math."""
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.5 * (q_idx - kv_idx).abs()
+
+    def clamped(score, b, h, q_idx, kv_idx):
+        return score + torch.maximum(q_idx - kv_idx, torch.zeros_like(q_idx) - 128) + h
+
+    def product(score, b, h, q_idx, kv_idx):
+        return score + q_idx * kv_idx
+
+    def floored(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) // 64
+
+    def negated(score, b, h, q_idx, kv_idx):  # -0.0 in float where q_idx == kv_idx
+        return score / -(q_idx - kv_idx)
+
+    table = torch.arange(8, dtype=torch.int32)
+
+    def loaded(score, b, h, q_idx, kv_idx):
+        return score + (table[h] - kv_idx)
+
+    cast = _node(alibi, Op.CAST)
+    assert _float_casts(alibi) == {cast.key}
+    assert _float_casts(alibi, Domain(8, 64, 2 ** 23, 2 ** 23)) == {cast.key}
+    assert _float_casts(alibi, Domain(1, 1, 2 ** 24 + 1, 16)) == set()  # q_idx past 2**24
+    assert len(_float_casts(clamped)) == 1
+    assert _float_casts(product) == _float_casts(floored) == _float_casts(loaded) == set()
+    assert _float_casts(negated) == set()
 
 
 def _node(mod, op):

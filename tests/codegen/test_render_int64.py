@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexfa.codegen.ranges import Domain, mods_int64_nodes
+from flexfa.codegen.ranges import FLOAT_CAST, Domain, mods_int64_nodes
 from flexfa.codegen.render import render
 from flexfa.errors import UnsupportedOpError
 from flexfa.frontend import evaluate_node, trace
@@ -88,7 +88,10 @@ def test_int64_captured_values_and_casts(tmp_path):
 def test_common_case_renders_as_before():
     traced = trace(lambda s, b, h, q, kv: s + (q - kv) * 0.5 + (q * kv) % 7)
     wide = mods_int64_nodes([traced], Domain(4, 16, 4096, 4096))
-    assert wide == () and "int64" not in "\n".join(render([traced.root]).lines)
+    # one mark only: (q - kv) cast to float, computed in float32 (ranges.float_casts)
+    assert len(wide) == 1 and wide[0].startswith(FLOAT_CAST)
+    lines = "\n".join(render([traced.root], wide=wide).lines)
+    assert "int64" not in lines and "(q_idx.to(tl.float32) - kv_idx.to(tl.float32))" in lines
 
 
 def test_constants_beyond_int64_are_refused():
