@@ -400,7 +400,8 @@ def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
     ``MAX_INLINE_DEPTH`` gets a name. ``fast_math`` (kernels compiled for a GPU) renders
     tanh, sigmoid and exp to the hardware approximations of helpers.tmpl; a derivative that
     reads ``tanh(x)`` (1 - tanh(x)**2) reuses the forward value's name. ``wide``: keys of
-    the INT nodes computed in int64 (see the module docstring)."""
+    the INT nodes computed in int64 (see the module docstring) and the marks of the casts
+    computed in float32 (``lift_float_casts``)."""
     roots = lift_float_casts(roots, wide)
     renderer = _Renderer(leaves, buffers, prefix, fast_math, wide)
     counts = _use_counts(roots)

@@ -88,7 +88,8 @@ class KernelSpec(PaddedDims):
     # (SPLIT_KV), the runtime combines the splits' float32 slices
     split_kv: bool = False
     # keys of the mods' INT nodes computed in int64 (codegen.ranges.int64_nodes): their values
-    # may leave int32 at this call's lengths; empty in the common case
+    # may leave int32 at this call's lengths; empty in the common case; and the marks
+    # (ranges.FLOAT_CAST + key) of the casts of index math computed in float32 there
     wide_ints: tuple[str, ...] = ()
     # Hopper template only: q, k, v read through descriptors over their strided matrices,
     # each (batch, head) at a row and column origin (runtime/families/hopper.py), instead of
