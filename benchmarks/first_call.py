@@ -73,7 +73,8 @@ def main(out_path: str | None = None, options: dict | None = None,
     start = time.perf_counter()
     step(compiled, block_mask=tmask)
     flex_first = time.perf_counter() - start
-    result = {"options": options, "backward": backward, "flexfa_first_call_s": first, "triton_compile_s": spent["triton_s"],
+    result = {"options": options, "backward": backward, "flexfa_first_call_s": first,
+              "triton_compile_s": spent["triton_s"],
               "flexfa_own_ms": (first - spent["triton_s"] - cached) * 1e3,
               "flexfa_cached_call_ms": cached * 1e3, "flex_attention_first_call_s": flex_first}
     print(json.dumps(result), flush=True)

@@ -31,9 +31,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..frontend.grad import JointGraph, derive_node
-from ..frontend.ir import DType, Node, Op, const, rewrite, score
-from ..frontend.simplify import simplify
+from ..frontend.grad import JointGraph, joint_of
+from ..frontend.ir import DType, Node, Op, rewrite, score
 
 FOLD_RANGE = (2.0 ** -64, 2.0 ** 64)  # factors folded: positive, finite, within this range
 
@@ -112,6 +111,4 @@ def fold_joint(joint: JointGraph | None) -> FoldedJoint | None:
     folded = fold_scales(joint.forward)
     if folded.root is joint.forward:
         return None
-    dscore = derive_node(folded.root).get(id(score()))
-    return FoldedJoint(JointGraph(folded.root, simplify(dscore or const(0.0)), ()),
-                       folded.in_scale, folded.out_scale)
+    return FoldedJoint(joint_of(folded.root), folded.in_scale, folded.out_scale)

@@ -161,6 +161,7 @@ LOOP_MIN_INSTRUCTIONS = 64  # smaller loops are barrier waits and spin loops, no
 
 
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/")
+_LABEL = re.compile(r"\s*(\.L_x_\d+):")
 _OPCODE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -169,7 +170,7 @@ def _innermost_loops(lines: list[str]) -> list[tuple[int, int]]:
     instructions. A loop: a conditional branch back to an earlier label; an unconditional one
     is how ptxas returns from a block it laid out of line (a barrier's wait), not a loop."""
     labels = {m.group(1): i for i, line in enumerate(lines)
-              if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+              if (m := _LABEL.match(line))}
     instruction = [bool(_INSTRUCTION.match(line)) for line in lines]
     loops = []
     for i, line in enumerate(lines):
@@ -203,7 +204,7 @@ def tile_path(sass: str) -> dict[str, int] | None:
         return None
     first, last = max(loops, key=lambda loop: loop[1] - loop[0])
     labels = {m.group(1): i for i in range(first, last + 1)
-              if (m := re.match(r"\s*(\.L_x_\d+):", lines[i]))}
+              if (m := _LABEL.match(lines[i]))}
     best: dict[int, tuple[int, dict[str, int]]] = {last + 1: (0, {})}
     for i in range(last, first - 1, -1):
         m = _OPCODE.match(lines[i])

@@ -245,11 +245,17 @@ def derive(traced: TracedMod, grad_slots=None) -> JointGraph:
         if not traced.buffers[slot].dtype.is_floating_point:
             raise InputError(f"in mod {traced.name!r}: captured tensor {slot} has dtype "
                              f"{traced.buffers[slot].dtype}; only float tensors get gradients")
-    adjoints = derive_node(traced.root, slots, traced.name)
+    return joint_of(traced.root, slots, traced.name)
+
+
+def joint_of(root: Node, grad_slots=frozenset(), name: str = "mod") -> JointGraph:
+    """The joint graph of the score_mod graph ``root`` for the buffer slots ``grad_slots``
+    (``derive`` without its checks of a TracedMod)."""
+    adjoints = derive_node(root, grad_slots, name)
     dscore = simplify(adjoints.get(id(ir.score())) or _f(0.0))
-    dloads = tuple((node, simplify(adjoints[id(node)])) for node in traced.root.toposort()
-                   if node.op is Op.LOAD and node.arg in slots and id(node) in adjoints)
-    return JointGraph(traced.root, dscore, dloads)
+    dloads = tuple((node, simplify(adjoints[id(node)])) for node in root.toposort()
+                   if node.op is Op.LOAD and node.arg in grad_slots and id(node) in adjoints)
+    return JointGraph(root, dscore, dloads)
 
 
 def derive_node(root: Node, grad_slots=frozenset(), name: str = "mod") -> dict[int, Node]:
