@@ -94,8 +94,10 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="arrive_sync_"))
     dump, override = work / "dump", work / "override"
+    # a private Triton cache: Triton's cache key does not cover the override, so a patched
+    # binary written to a shared cache would be loaded later by unpatched runs
     base = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_ALWAYS_COMPILE": "1",
-            "FLEXFA_CACHE_DIR": str(work / "flexfa")}
+            "FLEXFA_CACHE_DIR": str(work / "flexfa"), "TRITON_CACHE_DIR": str(work / "triton")}
     outs = {"dump": work / "o_dump", "plain": work / "o_plain", "patched": work / "o_patched"}
     for folder in outs.values():
         folder.mkdir()
