@@ -185,3 +185,39 @@ def test_tree_ab_runs_the_other_tree_on_its_own_runtime(tmp_path):
     assert "own runtime: ['flexfa_old.runtime.forward', 'flexfa_old.runtime.backward']" \
         in done.stdout, done.stdout
     assert "equal: True" in done.stdout, done.stdout
+
+
+def test_arrive_sync_ab_strips_only_the_rendezvous_before_mbarrier_operations():
+    """experiments/arrive_sync_ab.py removes a consumer's 128-thread bar.sync only where the
+    next instruction is a single-thread mbarrier arrive or a stage wait; the rendezvous before
+    barrier setup, shared-memory stores and other partitions' barriers stay."""
+    sys.path.insert(0, str(BENCHMARKS / "experiments"))
+    try:
+        from arrive_sync_ab import strip_syncs
+    finally:
+        sys.path.pop(0)
+    ptx = "\n".join([
+        "\tbar.sync \t2, 128;",                       # before an arrive: removed
+        "\t.loc\t1 1369 28",
+        "\t// begin inline asm",
+        "\t@%p17 mbarrier.arrive.shared::cta.b64 _, [%r666];",
+        "\tbar.sync \t0, 128;",                       # before a wait: removed
+        "\t// begin inline asm",
+        "",
+        "{",
+        "\t.reg .pred complete;",
+        "\twaitLoop:",
+        "\tmbarrier.try_wait.parity.shared.b64 complete, [%r662], %r663;",
+        "\tbar.sync \t0, 128;",                       # before barrier setup: kept
+        "\t@%p241 mbarrier.init.shared::cta.b64 [%r1204], 1;",
+        "\tbar.sync \t2, 128;",                       # before a shared store: kept
+        "\tst.shared.v4.b32 [%r1], {%r2, %r3, %r4, %r5};",
+        "\tbar.sync \t1, 32;",                        # another partition's: kept
+        "\t@%p7 mbarrier.arrive.shared::cta.b64 _, [%r9];",
+        "\tbar.sync \t2, 128;",                       # before an expect-tx arrive: kept
+        "\t@%p7 mbarrier.arrive.expect_tx.shared.b64 _, [%r210], 16384;",
+    ])
+    stripped, removed = strip_syncs(ptx)
+    assert removed == 2
+    assert stripped.count("bar.sync") == 4
+    assert "mbarrier.arrive.shared::cta.b64 _, [%r666]" in stripped
