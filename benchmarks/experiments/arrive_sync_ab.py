@@ -8,7 +8,8 @@ proves it done, as FlashAttention-3's consumers rely on), the rendezvous is not 
 
 This A/B removes those `bar.sync` lines from the forward's PTX (Triton's kernel dump and
 override: TRITON_KERNEL_DUMP / TRITON_KERNEL_OVERRIDE, in child processes), checks that the
-outputs are bitwise those of the unpatched kernel, and times both in turn (B=1 H=16 S=16384
+outputs are bitwise those of the unpatched kernel and that the patched side compiled each
+patched kernel from its file (Triton logs each override), and times both in turn (B=1 H=16 S=16384
 E=128 bf16, the default options: no TMA store, no persistent grid, whose consumers write
 shared memory or publish a Q release):
 
@@ -75,13 +76,16 @@ print("ROWS " + json.dumps(rows))
 """
 
 
-def child(cases: str, rep: int, out_dir: str, env: dict) -> dict:
+def child(cases: str, rep: int, out_dir: str, env: dict) -> tuple[dict, int]:
+    """(median ms per case, how many kernels Triton compiled from an override file)."""
     done = subprocess.run([sys.executable, "-c", CHILD, cases, str(rep), out_dir],
                           capture_output=True, text=True, env=env, timeout=400)
     rows = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
     if done.returncode or not rows:
         raise SystemExit(f"child failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1][5:])
+    overridden = sum("Overriding kernel with file" in line
+                     for line in (done.stdout + done.stderr).splitlines())
+    return json.loads(rows[-1][5:]), overridden
 
 
 def main() -> int:
@@ -111,14 +115,20 @@ def main() -> int:
         target.mkdir(parents=True, exist_ok=True)
         text, n = strip_syncs(ptx.read_text())
         (target / ptx.name).write_text(text)
-        removed[ptx.name] = n
+        removed[f"{ptx.parent.name[:8]}/{ptx.name}"] = n  # one compile (hash) each
     print("bar.sync lines removed:", removed, flush=True)
     envs = {"plain": base, "patched": {**base, "TRITON_KERNEL_OVERRIDE": "1",
                                        "TRITON_OVERRIDE_DIR": str(override)}}
     times = {side: {name: [] for name in args.cases.split(",")} for side in envs}
     for _ in range(args.rounds):
         for side, env in envs.items():
-            for name, ms in child(args.cases, args.rep, str(outs[side]), env).items():
+            rows, overridden = child(args.cases, args.rep, str(outs[side]), env)
+            # the patched side must have compiled every patched kernel from its file (else
+            # both sides would time the same kernels), the plain side none
+            want = len(removed) if side == "patched" else 0
+            if overridden != want:
+                raise SystemExit(f"{side}: {overridden} kernels overridden, expected {want}")
+            for name, ms in rows.items():
                 times[side][name].append(ms)
     print(f"{'case':10} {'plain ms':>9} {'patched':>9} {'speedup':>8}  equal  rounds")
     for name in args.cases.split(","):
