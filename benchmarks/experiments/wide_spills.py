@@ -6,7 +6,7 @@ warps), compiles the dK/dV and dQ kernels for sm_90 at the runtime's default til
 to the local-memory instructions inside the tile loops (``loop_local_ops``: the spills paid on
 every tile). A cold Triton cache compiles about 90 kernels (minutes).
 
-    python benchmarks/experiments/wide_spills.py [--dims 256,192] [--only dropout]
+    python benchmarks/experiments/wide_spills.py [--dims 256,192] [--only dropout] [--no-tma]
 """
 import argparse
 import sys
@@ -34,6 +34,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", default="256,192", help="256 (Ev 256) and/or 192 (Ev 128)")
     parser.add_argument("--only", default="", help="only variants whose name contains this")
+    parser.add_argument("--no-tma", action="store_true",
+                        help="pointer loads instead of tensor descriptors (kernel_options "
+                             "bwd_USE_TMA=False)")
     args = parser.parse_args()
     from flexfa.compile_check import compile_job
     from flexfa.compile_check.jobs import backward_job
@@ -49,7 +52,8 @@ def main() -> int:
                 for ragged in (False, True):
                     result = compile_job(name, 90, backward_job(
                         which, dim, "bf16", head_dim_v=128 if dim == 192 else dim,
-                        ragged=ragged, **mods), loops=True)
+                        ragged=ragged, use_tma=False if args.no_tma else None, **mods),
+                        loops=True)
                     cells.append(f"{result.spill_bytes} / {result.loop_local_ops}"
                                  if result.ok else "FAIL")
             print(f"{dim:<4} {name:23s} " + "".join(f"{c:16s}" for c in cells), flush=True)
