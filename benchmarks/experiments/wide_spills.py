@@ -36,7 +36,8 @@ def main() -> int:
     parser.add_argument("--only", default="", help="only variants whose name contains this")
     parser.add_argument("--no-tma", action="store_true",
                         help="pointer loads instead of tensor descriptors (kernel_options "
-                             "bwd_USE_TMA=False)")
+                             "bwd_USE_TMA=False; past 128 the backward then takes its small "
+                             "pointer-load tiles, so the cells compare other tiles too)")
     args = parser.parse_args()
     from flexfa.compile_check import compile_job
     from flexfa.compile_check.jobs import backward_job
