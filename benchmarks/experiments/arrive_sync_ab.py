@@ -55,7 +55,7 @@ def strip_syncs(ptx: str) -> tuple[str, int]:
 
 
 CHILD = r"""
-import json, math, sys, torch, flexfa
+import json, sys, torch, flexfa
 from flexfa import mods
 from triton.testing import do_bench
 cases, rep, out_dir = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--rep", type=int, default=60)
     parser.add_argument("--cases", default="causal,full,softcap")
     args = parser.parse_args()
+    cases = args.cases.split(",")
     import torch
 
     work = Path(tempfile.mkdtemp(prefix="arrive_sync_"))
@@ -119,7 +120,7 @@ def main() -> int:
     print("bar.sync lines removed:", removed, flush=True)
     envs = {"plain": base, "patched": {**base, "TRITON_KERNEL_OVERRIDE": "1",
                                        "TRITON_OVERRIDE_DIR": str(override)}}
-    times = {side: {name: [] for name in args.cases.split(",")} for side in envs}
+    times = {side: {name: [] for name in cases} for side in envs}
     for _ in range(args.rounds):
         for side, env in envs.items():
             rows, overridden = child(args.cases, args.rep, str(outs[side]), env)
@@ -131,7 +132,7 @@ def main() -> int:
             for name, ms in rows.items():
                 times[side][name].append(ms)
     print(f"{'case':10} {'plain ms':>9} {'patched':>9} {'speedup':>8}  equal  rounds")
-    for name in args.cases.split(","):
+    for name in cases:
         a, b = (statistics.median(times[s][name]) for s in ("plain", "patched"))
         equal = all(torch.equal(torch.load(outs["dump"] / f"{name}.pt"),
                                 torch.load(outs[s] / f"{name}.pt")) for s in envs)
