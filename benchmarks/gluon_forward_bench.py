@@ -71,7 +71,11 @@ for name, heads, n, mask_mod, options, p in (
         ("late_causal_persist_tma", 96, 320, late_causal, PERSIST_TMA, 0.0),
         ("causal_persist_pingpong", 96, 384, flexfa.mods.causal,
          {"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True}, 0.0),
-        ("late_causal_pingpong_dropout", 2, 320, late_causal, {"GLUON_PINGPONG": True}, 0.2)):
+        ("late_causal_pingpong_dropout", 2, 320, late_causal, {"GLUON_PINGPONG": True}, 0.2),
+        ("late_causal_dynamic_tma", 96, 320, late_causal,
+         {"GLUON_PERSISTENT": "DYNAMIC", "GLUON_TMA_STORE": True}, 0.0),
+        ("causal_dynamic_pingpong", 96, 384, flexfa.mods.causal,
+         {"GLUON_PERSISTENT": "DYNAMIC", "GLUON_PINGPONG": True}, 0.0)):
     q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     mask = flexfa.create_block_mask(mask_mod, None, None, n, n, device="cuda")
@@ -82,7 +86,8 @@ for name, heads, n, mask_mod, options, p in (
 """
 SAFE = ("causal finite", "causal_pingpong finite", "late_causal_pingpong_tma finite",
         "late_causal_persist_tma finite", "causal_persist_pingpong finite",
-        "late_causal_pingpong_dropout finite")
+        "late_causal_pingpong_dropout finite", "late_causal_dynamic_tma finite",
+        "causal_dynamic_pingpong finite")
 VARIANTS = ("full", "causal", "sliding", "alibi", "softcap", "document")  # flexfa.bench_cases
 # impl -> kernel_options of flexfa's families (cudnn: SDPA, full and causal only)
 GLUON = {"BACKEND": "GLUON"}
@@ -92,6 +97,8 @@ IMPLS = {"gluon": GLUON, "gluon_pp": {**GLUON, "GLUON_PINGPONG": True},
          "gluon_persist": {**GLUON, "GLUON_PERSISTENT": True},
          "gluon_persist_tma": {**GLUON, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
          "gluon_persist_pp": {**GLUON, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
+         "gluon_dynamic": {**GLUON, "GLUON_PERSISTENT": "DYNAMIC"},
+         "gluon_dynamic_pp": {**GLUON, "GLUON_PERSISTENT": "DYNAMIC", "GLUON_PINGPONG": True},
          "hopper": {"BACKEND": "HOPPER"}, "cudnn": None}
 
 

@@ -1,5 +1,6 @@
 """GPU: one fwd+bwd step timed four ways, flexfa against cuDNN SDPA (issue 26: the project
 benchmark put causal at 0.996x cuDNN while a profile of back-to-back steps put it at 1.015x).
+With ``--forward`` the step is the forward alone (under ``torch.no_grad()``).
 
 For each variant (causal, full; B=1, H=16, bf16, S and E as given) and each implementation,
 in rounds that alternate the implementations:
@@ -16,7 +17,7 @@ every flush, st_2aae01a; benchmarks/bwd_profile.py has the kernels' times.)
 
     PYTHONPATH=. python benchmarks/experiments/step_timing.py [--seq 16384] [--dim 128]
         [--variants causal,full] [--impls flexfa,flexfa@GLUON_BWD_DQ_CHUNKS=3,cudnn]
-        [--modes bench,noflush,chain,host] [--rounds 3] [--json out.json]
+        [--modes bench,noflush,chain,host] [--rounds 3] [--forward] [--json out.json]
 """
 import argparse
 import json
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--impls", default="flexfa,cudnn")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--forward", action="store_true",
+                        help="time the forward alone (no gradients) instead of fwd+bwd")
     parser.add_argument("--json", default="")
     return parser
 
@@ -86,9 +89,16 @@ def main() -> int:
                  for label in args.impls.split(",")}
         modes = args.modes.split(",")
 
+        def run(fn):  # one step: fwd+bwd, or with --forward the forward alone
+            if args.forward:
+                with torch.no_grad():
+                    fn()
+            else:
+                fn().backward(do)
+
         def step(fn):
             q.grad = k.grad = v.grad = None
-            fn().backward(do)
+            run(fn)
 
         def noflush(fn, n=40):
             times = []
@@ -96,7 +106,7 @@ def main() -> int:
                 q.grad = k.grad = v.grad = None
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                fn().backward(do)
+                run(fn)
                 b.record()
                 times.append((a, b))
             torch.cuda.synchronize()
@@ -126,7 +136,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            fn().backward(do)
+            run(fn)
             torch.cuda.synchronize()
             return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
 

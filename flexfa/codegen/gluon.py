@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
 from .params import (DESCRIPTOR, INPUT, KernelParams, Param, constexprs, feature_params,
-                     forward_params, ints)
+                     forward_params, ints, tensors)
 from .spec import KernelSpec, spec_key
 from .template import template_hash
 from .versions import versions_key
@@ -36,7 +36,7 @@ MAX_REGISTERS = 168
 
 
 def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: bool,
-                 dropout: bool = False) -> KernelParams:
+                 dropout: bool = False, dynamic: bool = False) -> KernelParams:
     """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
     tensors; with ``dropout`` the seed, threshold and scale of ``feature_params``) plus, with
     ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
@@ -45,9 +45,11 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: boo
     with its bound ``STATIC_MAX2`` (log2 units)."""
     base = forward_params(True, buffer_params(score, mask), features=feature_params("", dropout))
     out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
-    return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1], ints("BATCH_HEADS"),
+    counter = tensors("i32", "TILE_COUNTER") if dynamic else ()
+    return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1],
+                         ints("BATCH_HEADS") + counter,
                          base.groups[-1] + constexprs("STAGES", "PINGPONG", "TMA_STORE",
-                                                      "PERSISTENT", "STATIC_MAX",
+                                                      "PERSISTENT", "DYNAMIC", "STATIC_MAX",
                                                       "STATIC_MAX2")))
 
 
@@ -57,7 +59,7 @@ def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, SPLIT_KV=False,
                 HAS_SINKS=False, DROPOUT=spec.dropout, STAGES=spec.num_stages,
                 PINGPONG=spec.pingpong,
-                TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent,
+                TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent, DYNAMIC=spec.dynamic,
                 STATIC_MAX=spec.static_max is not None,
                 STATIC_MAX2=(spec.static_max or 0.0) * 1.4426950408889634)
 
@@ -76,7 +78,7 @@ def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | No
         f"BLOCK_M={spec.block_m}: the Gluon forward's programs have {CONSUMERS} consumers of "
         f"{CONSUMER_ROWS} rows")
     return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
-                          gluon_params(score, mask, spec.tma_store, spec.dropout),
+                          gluon_params(score, mask, spec.tma_store, spec.dropout, spec.dynamic),
                           module_flags(gluon_constexprs(spec, True)),
                           helpers=("helpers.tmpl", "gluon_common.tmpl"), tile=GLUON_TILE)
 
@@ -103,7 +105,7 @@ def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod |
     """(signature, constexprs) of the Gluon forward, for ``triton.compile(GluonASTSource(
     ...))``: a Gluon descriptor's type names its shared layout."""
     constexprs_ = gluon_constexprs(spec, score is not None)
-    params = gluon_params(score, mask, spec.tma_store, spec.dropout)
+    params = gluon_params(score, mask, spec.tma_store, spec.dropout, spec.dynamic)
     signature = params.signature(constexprs_, {INPUT: spec.dtype})
     for name, block in descriptor_blocks(spec).items():
         if name in signature:

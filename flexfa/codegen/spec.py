@@ -106,6 +106,9 @@ class KernelSpec(PaddedDims):
     pingpong: bool = False
     tma_store: bool = False
     persistent: bool = False
+    # Gluon template only, with persistent: the work tiles come from an atomic counter
+    # (DYNAMIC) instead of a fixed walk
+    dynamic: bool = False
     # Gluon template only: the score_mod's output is at most this (natural units) over a range
     # at most ranges.STATIC_SPAN wide (codegen.ranges.static_score_max): the softmax
     # subtracts it instead of a running row max (STATIC_MAX); None: the running max

@@ -186,11 +186,11 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
               head_dim_v: int | None = None, static_max: bool = False, dropout: bool = False,
-              even: bool = False):
+              even: bool = False, dynamic: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
-    ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid;
-    ``head_dim_v``: v's head dim, default ``head_dim``; ``static_max``: the score_mod's
+    ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid
+    (``dynamic``: its work tiles from an atomic counter); ``head_dim_v``: v's head dim, default ``head_dim``; ``static_max``: the score_mod's
     bound instead of a running max, as GLUON_STATIC_MAX takes it at S = 16384; ``dropout``:
     the keep mask applied to P; ``even``: lengths multiples of the tiles, else ragged)."""
     def build(arch: int):
@@ -206,7 +206,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           input_precision="ieee", target=f"cuda:{arch}",
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
-                          persistent=persistent, static_max=bound, dropout=dropout,
+                          persistent=persistent or dynamic, dynamic=dynamic,
+                          static_max=bound, dropout=dropout,
                           wide_ints=mods_int64_nodes((score, mask), domain))
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
@@ -278,6 +279,9 @@ register("fwd_gluon_d128_bf16_causal_persistent_pingpong",
 register("fwd_gluon_d64_fp16_softcap_persistent_pingpong_tma_store",
          gluon_job(64, "fp16", score_mod=softcap_mod, num_stages=3, return_max=True, pingpong=True,
                    tma_store=True, persistent=True), archs=(90,))
+register("fwd_gluon_d128_bf16_causal_persistent_dynamic",
+         gluon_job(128, "bf16", mask_mod=causal_mask, dynamic=True), archs=(90,))
+register("fwd_gluon_d128_bf16_dense_persistent_dynamic", gluon_job(128, "bf16", dynamic=True), archs=(90,))
 register("fwd_gluon_d64_bf16_document_persistent",
          gluon_job(64, "bf16", mask_mod=document_mask(), num_stages=3, persistent=True),
          archs=(90,))

@@ -77,8 +77,9 @@ class KernelOptions:
     # the Gluon forward stores out through shared memory and TMA; off until measured
     gluon_tma_store: bool = False
     # the Gluon forward on a persistent grid (one program per SM walking work tiles, longest
-    # first); off until measured
-    gluon_persistent: bool = False
+    # first): False, True (each program's tiles fixed), "DYNAMIC" (from an atomic counter) or
+    # None (default): "DYNAMIC" under a block mask, else off (docs/gluon.md, measured)
+    gluon_persistent: bool | str | None = None
     # the Gluon forward subtracts the score_mod's proven bound instead of a running row max
     # (softcap); on: with the softcap's constants folded (codegen/fold.py) 1.05-1.15x faster
     # on softcap forwards on the H200, 5 rounds (docs/gluon.md, "Static max")
@@ -118,6 +119,23 @@ def _int_in(choices, meaning: str):
 
 def _flag(key: str, value) -> bool:
     return check_bool(f"kernel_options[{key!r}]", value)
+
+
+def _flag_or(word: str):
+    """True, False, ``word`` (any case), or "AUTO" / None for flexfa's choice (None)."""
+    def check(key: str, value) -> bool | str | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            if value.upper() not in (word, "AUTO"):
+                raise InputError(f"kernel_options[{key!r}] must be True, False, {word!r} or "
+                                 f"'AUTO', got {value!r}")
+            return word if value.upper() == word else None
+        if not isinstance(value, bool):
+            raise InputTypeError(f"kernel_options[{key!r}] must be True, False, {word!r} or "
+                                 f"'AUTO', got {type(value).__name__} {value!r}")
+        return value
+    return check
 
 
 def _auto_flag(key: str, value) -> bool | None:
@@ -205,9 +223,12 @@ SCHEMA = {
     "GLUON_TMA_STORE": ("gluon_tma_store", (), _flag,
                         "the Gluon forward writes out through shared memory and a TMA store: "
                         "True or False (default)"),
-    "GLUON_PERSISTENT": ("gluon_persistent", (), _flag,
+    "GLUON_PERSISTENT": ("gluon_persistent", (), _flag_or("DYNAMIC"),
                          "the Gluon forward on a persistent grid (one program per SM walking "
-                         "work tiles, longest first): True or False (default)"),
+                         "work tiles, longest first): True (each program's tiles fixed), "
+                         "'DYNAMIC' (each program takes the next tile from an atomic counter "
+                         "when it is done with one), False, or 'AUTO' (default: 'DYNAMIC' "
+                         "under a block mask, else False)"),
     "GLUON_STATIC_MAX": ("gluon_static_max", (), _flag,
                          "the Gluon forward subtracts the score_mod's proven upper bound instead "
                          "of a running row max where its output range is bounded (softcap; "

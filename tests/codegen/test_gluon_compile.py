@@ -35,6 +35,10 @@ TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
 # TMA store, E=64 document) are registered in compile_check:
 #   python -m flexfa compile-check --arch 90 --only persistent
 PERSISTENT_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent",)
+# the default under a block mask (GLUON_PERSISTENT "AUTO"): the work tiles from an atomic
+# counter; compiled where triton.language was decorated for the interpreter, as a GPU test
+# session does (its first GPU run failed there on gl.max)
+DYNAMIC_VARIANTS = ("fwd_gluon_d128_bf16_causal_persistent_dynamic",)
 # E=128 holds dK, dV, the transposed scores and dP of a 64-key consumer in 240 registers with
 # little to spare: fp16 softcap + causal (the derivative and the mask) was the last to spill
 # (the others at E=128: `python -m flexfa compile-check --arch 90 --only bwd_gluon_d128`);
@@ -68,7 +72,7 @@ for name in sys.argv[1:]:
         setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                          r.ptx))),
         tanh="tanh.approx.f32" in r.ptx, arrive="mbarrier.arrive" in r.ptx,
-        tma="cp.async.bulk.tensor" in r.ptx,
+        tma="cp.async.bulk.tensor" in r.ptx, atomics=r.ptx.count("atom.global"),
         reduce="cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in r.ptx,
         try_wait=r.ptx.count("mbarrier.try_wait"),
         tma_stores=r.ptx.count("cp.async.bulk.tensor.2d.global.shared::cta"),
@@ -119,7 +123,8 @@ def started(tmp_path_factory) -> dict:
     groups = {"plain": (VARIANTS, False),
               "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS + DROPOUT_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
-              "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True)}
+              "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True),
+              "dynamic": (DYNAMIC_VARIANTS, True)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
     yield processes
@@ -131,7 +136,7 @@ def started(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def forward_rows(started) -> dict:
     """The forward variants, with and without ping-pong, the TMA store and persistence."""
-    return {name: row for group in ("plain", "pingpong", "stores")
+    return {name: row for group in ("plain", "pingpong", "stores", "dynamic")
             for name, row in _rows(started[group]).items()}
 
 
@@ -240,7 +245,8 @@ def test_gluon_persistent_forward_compiles_for_sm90(forward_rows):
     (%nctaid.x; the plain causal kernel reads only the y size, for its one tile's index), the
     producer waits for each consumer's Q release (one try_wait loop per consumer over the
     plain kernel's), no spills (the epilogue's column offsets once spilled at 240
-    registers)."""
+    registers); with "DYNAMIC" (the default under a block mask) the producer takes each next
+    tile by one atomic add and hands it to the consumers."""
     plain = forward_rows["fwd_gluon_d128_bf16_causal"]
     for name in PERSISTENT_VARIANTS:
         row = forward_rows[name]
@@ -248,6 +254,16 @@ def test_gluon_persistent_forward_compiles_for_sm90(forward_rows):
         assert row["grid_x"] >= 1 and plain["grid_x"] == 0, (row, plain)
         assert row["try_wait"] == plain["try_wait"] + 2, (row["try_wait"], plain["try_wait"])
         assert row["turn_pass"] == 0 and row["tma_stores"] == 0, row
+    static = forward_rows[PERSISTENT_VARIANTS[0]]
+    assert static["atomics"] == 0, static
+    for name in DYNAMIC_VARIANTS:
+        # one atomic add (the producer's next tile); four try_wait loops more than the fixed
+        # walk: the producer's Q-release waits before the end, once per consumer, and each
+        # consumer's Q wait both before its first tile and after each
+        row = forward_rows[name]
+        _check_compiled(name, row)
+        assert row["grid_x"] >= 1 and row["atomics"] == 1, row
+        assert row["try_wait"] == static["try_wait"] + 4, (row["try_wait"], static["try_wait"])
 
 
 def test_gluon_backward_compiles_for_sm90(started):

@@ -57,14 +57,18 @@ def _protocol(source: str) -> dict:
 
 
 def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = True,
-              pingpong: bool = False):
+              pingpong: bool = False, dynamic: bool = False):
     """(producer, consumer 0, consumer 1) op lists of one program walking work tiles with
     these kv-tile counts, as fwd_gluon.tmpl's partitions issue them, each carrying its
     counters (j, i) from tile to tile as the template's returns say. Ops: ("wait", barrier,
     parity), ("arrive", barrier), ("load", buffer, value, barrier) (TMA: written and arrived
     at once), ("read", buffer, value) (from here on the buffer is in use), ("done", buffer);
     with ``pingpong`` the consumers' turns too, and ("issue", c) where consumer c issues a
-    step's GEMMs."""
+    step's GEMMs; with ``dynamic`` (GLUON_PERSISTENT="DYNAMIC") the producer writes each
+    tile's number into consumer c's slot ("write", buffer, value: in place, no arrival)
+    after its q_free wait, the consumer reads it after its q_ready wait, and after the last
+    tile the producer writes the end into each slot and arrives on q_ready without a load,
+    which the consumers wait for and read."""
     def ev(name, **names):
         return eval(proto[name], {"STAGES": stages, "gl": MODEL_GL, **names})
 
@@ -76,6 +80,8 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
         for c in (0, 1):
             if q_free_wait:
                 producer.append(("wait", ("q_free", c), ev("q_free", j=j)))
+            if dynamic:
+                producer.append(("write", ("slot", c), tile))
             producer.append(("load", ("q", c), tile, ("q_ready", c)))
         for t in range(total):
             n = ev("n", i=i, t=t)
@@ -85,7 +91,10 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
         produced = eval(proto["next"][0], {"j": j, "i": i, "walk": (0, total)})
         j, i, u = consumed
         for c, ops in enumerate(consumers):
-            ops += [("wait", ("q_ready", c), ev("q_ready", j=j)), ("read", ("q", c), tile)]
+            ops += [("wait", ("q_ready", c), ev("q_ready", j=j))]
+            if dynamic:
+                ops += [("read", ("slot", c), tile), ("done", ("slot", c))]
+            ops += [("read", ("q", c), tile)]
             if total:
                 first = i % stages
                 ops += [("wait", ("k_ready", first), ev("first_ready", i=i)),
@@ -112,6 +121,13 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
                 ops += [("done", ("q", c)), ("arrive", ("q_free", c))]
         consumed = eval(proto["next"][1], {"j": j, "i": i, "u": u, "total": total,
                                            "gl": MODEL_GL})
+    if dynamic:  # the end: no tile left
+        j = produced[0]
+        for c in (0, 1):
+            producer += [("wait", ("q_free", c), ev("q_free", j=j)), ("write", ("slot", c), "end"),
+                         ("arrive", ("q_ready", c))]
+            consumers[c] += [("wait", ("q_ready", c), ev("q_ready", j=consumed[0])),
+                             ("read", ("slot", c), "end"), ("done", ("slot", c))]
     return producer, *consumers
 
 
@@ -128,6 +144,9 @@ def _step(state, op, actor):
         c = op[1]
         assert issued[1 - c] == issued[c] + c, f"consumer {c} issued out of turn: {issued}"
         issued = tuple(n + (k == c) for k, n in enumerate(issued))
+    elif kind == "write":
+        assert not any(buf == op[1] for _, buf in held), f"write into {op[1]} in use: {op}"
+        data[op[1]] = op[2]
     elif kind in ("arrive", "load"):
         barrier = op[1] if kind == "arrive" else op[3]
         if kind == "load":
@@ -178,16 +197,19 @@ def _run_all_interleavings(programs) -> int:
 WALKS = ([], [0], [1], [3], [2, 0], [1, 2, 3], [0, 3, 0], [4, 1, 0, 2])
 
 
-@pytest.mark.parametrize("stages, pingpong", [(2, False), (3, False), (2, True)])
-def test_persistent_protocol_never_hangs_or_races(stages, pingpong):
+@pytest.mark.parametrize("stages, pingpong, dynamic", [
+    (2, False, False), (3, False, False), (2, True, False), (2, False, True), (3, True, True)])
+def test_persistent_protocol_never_hangs_or_races(stages, pingpong, dynamic):
     """fwd_gluon.tmpl's barriers across work tiles, in every interleaving: no partition waits
     forever, each consumer reads the Q, K and V of its own work tile and kv tile, no TMA
     load writes a buffer a consumer still reads; with the ping-pong turns (GLUON_PINGPONG)
-    the consumers issue their steps' GEMMs alternately across tiles, consumer 0 first."""
+    the consumers issue their steps' GEMMs alternately across tiles, consumer 0 first; with
+    the tiles from a counter (DYNAMIC) each consumer reads its own tile's number from its
+    slot, then the end."""
     proto = _protocol(load_template("fwd_gluon.tmpl"))
     for totals in WALKS:
-        assert _run_all_interleavings(_programs(proto, totals, stages, pingpong=pingpong)) > 0, \
-            totals
+        assert _run_all_interleavings(_programs(proto, totals, stages, pingpong=pingpong,
+                                                dynamic=dynamic)) > 0, totals
 
 
 def test_persistent_model_catches_a_missing_q_release():
@@ -196,10 +218,14 @@ def test_persistent_model_catches_a_missing_q_release():
     proto = _protocol(load_template("fwd_gluon.tmpl"))
     with pytest.raises(AssertionError, match="in use|read"):
         _run_all_interleavings(_programs(proto, [2, 1], 2, q_free_wait=False))
+    # and where the producer wrote the next tile's number before the consumer read its own
+    with pytest.raises(AssertionError, match="in use|read"):
+        _run_all_interleavings(_programs(proto, [1, 1], 2, q_free_wait=False, dynamic=True))
 
 
 def test_persistent_option_spec_and_grid():
-    """GLUON_PERSISTENT (default off) reaches the spec and the kernel's flag, alone and with
+    """GLUON_PERSISTENT (default off without a block mask) reaches the spec and the kernel's
+    flag, alone and with
     GLUON_PINGPONG; the grid is min(SMs, work tiles), SMs fixed without a GPU."""
     q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     plain, chosen = (gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125,
@@ -218,16 +244,62 @@ def test_persistent_option_spec_and_grid():
     assert gluon_grid(plain, 2, 8, cpu) == (8, 2)  # dense: (q tiles, B * H)
     both = parse_kernel_options({"GLUON_PERSISTENT": True, "GLUON_PINGPONG": True})
     assert both.gluon_persistent and both.gluon_pingpong
-    with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_PERSISTENT'\] must be a bool"):
+    with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_PERSISTENT'\] must be True, "
+                       r"False, 'DYNAMIC' or 'AUTO', got int 1"):
         parse_kernel_options({"GLUON_PERSISTENT": 1})
+    with pytest.raises(flexfa.InputError, match=r"got 'atomic'"):
+        parse_kernel_options({"GLUON_PERSISTENT": "atomic"})
+    assert parse_kernel_options({"GLUON_PERSISTENT": "dynamic"}).gluon_persistent == "DYNAMIC"
+
+
+def test_dynamic_option_spec_counter_and_grid():
+    """GLUON_PERSISTENT="DYNAMIC" makes a persistent spec with the counter: the kernel's
+    DYNAMIC flag and its TILE_COUNTER argument (absent without it), the persistent grid."""
+    q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
+    static, dynamic = (gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125,
+                                                         parse_kernel_options(options), 1),
+                                  SM90, False, False)
+                       for options in ({**FORCED, "GLUON_PERSISTENT": True},
+                                       {**FORCED, "GLUON_PERSISTENT": "DYNAMIC"}))
+    assert (static.persistent, static.dynamic) == (True, False)
+    assert (dynamic.persistent, dynamic.dynamic) == (True, True)
+    static_kernel, dynamic_kernel = gluon_kernel(static, None, None), gluon_kernel(dynamic, None,
+                                                                                     None)
+    assert static_kernel.key != dynamic_kernel.key
+    assert "DYNAMIC = tl.constexpr(True)" in dynamic_kernel.source
+    assert "DYNAMIC = tl.constexpr(False)" in static_kernel.source
+    def arguments(kernel):  # the kernel function's parameter list
+        start = kernel.source.index(f"def {kernel.name}(")
+        return kernel.source[start:kernel.source.index(")", start)]
+    assert "TILE_COUNTER" in arguments(dynamic_kernel)
+    assert "TILE_COUNTER" not in arguments(static_kernel)
+    assert gluon_grid(dynamic, 2 * 16, 8, torch.device("cpu")) == (FIXED_SMS,)
+
+
+@pytest.mark.parametrize("value, with_mask, expected", [
+    (None, True, (True, True)), ("AUTO", True, (True, True)), (None, False, (False, False)),
+    (False, True, (False, False)), (True, True, (True, False)),
+    ("DYNAMIC", False, (True, True))])
+def test_persistent_default_is_dynamic_under_a_block_mask(value, with_mask, expected):
+    """GLUON_PERSISTENT's default ("AUTO", None): the tiles from the counter where the call
+    has a block mask (measured faster on causal and ALiBi + causal, docs/gluon.md), the
+    plain grid without one; an explicit value holds either way."""
+    q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
+    mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 1000, 1000,
+                                    device="cpu") if with_mask else None
+    options = {**FORCED} if value is None else {**FORCED, "GLUON_PERSISTENT": value}
+    spec = gluon_spec(q, k, v, AttentionCall(None, None, mask, 0.125,
+                                             parse_kernel_options(options), 1),
+                      SM90, False, False)
+    assert (spec.persistent, spec.dynamic) == expected
 
 
 def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int,
-                programs: int = 4):
+                programs: int = 4, dynamic: bool = False):
     """The (q tile, batch * head) of each work tile w, from the rendered kernel's
     ``<name>_work`` and ``<name>_work_tiles`` run as Python (their body is integer
     arithmetic) on a grid of ``programs``."""
-    namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128,
+    namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128, "DYNAMIC": dynamic,
                  "gl": types.SimpleNamespace(num_programs=lambda axis: programs),
                  f"{name}_tile": lambda sched, start_m, off_bh: (start_m, off_bh)}
     for helper in ("work_tiles", "work"):
@@ -261,6 +333,19 @@ def test_persistent_work_tiles_cover_every_tile_longest_first(has_block_mask):
         assert order == snake + lpt[45:]
     else:
         assert order[:8] == [(m, 0) for m in range(7, -1, -1)]
+
+
+@pytest.mark.parametrize("has_block_mask", [True, False])
+def test_dynamic_work_tiles_are_longest_first(has_block_mask):
+    """With the tiles from a counter (DYNAMIC) the work tiles are handed out in their
+    number's order, so w is plain longest-first order: no snake under a block mask."""
+    kernel = _persistent_kernel(has_block_mask)
+    order = _work_order(kernel.source, kernel.name, has_block_mask, 1000, 6, programs=5,
+                        dynamic=True)
+    if has_block_mask:
+        assert order == [(m, bh) for m in range(7, -1, -1) for bh in range(6)]
+    else:
+        assert order == [(m, bh) for bh in range(6) for m in range(7, -1, -1)]
 
 
 def test_persistent_snake_order_balances_causal_programs():

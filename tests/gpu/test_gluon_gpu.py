@@ -4,7 +4,8 @@ softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured t
 also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
 row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), each and
 cases of many heads (several work tiles per program, some with no key tile) on the persistent
-grid (GLUON_PERSISTENT), also with ping-pong, all bit-equal to the plain kernel.
+grid (GLUON_PERSISTENT; True and "DYNAMIC", its tiles from an atomic counter), also with
+ping-pong, all bit-equal to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -33,6 +34,10 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "persistent": {**FORCED, "GLUON_PERSISTENT": True},
            "persistent_tma_store": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_TMA_STORE": True},
            "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
+           # the work tiles from an atomic counter
+           "dynamic": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC"},
+           "dynamic_pingpong_tma_store": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC",
+                                          "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
            "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True},
            # the static max is on by default: the running row max of a bounded score_mod
@@ -43,13 +48,16 @@ mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device
 # 3 tiles per row block, 1, 2 and 3 with the mask; 96 heads: 288 work tiles, 2 or 3 for each
 # persistent program
 for heads, options in ((2, ("GLUON_PINGPONG", "GLUON_TMA_STORE")),
-                       (96, ("GLUON_PERSISTENT", "GLUON_PINGPONG"))):
+                       (96, ("GLUON_PERSISTENT", "GLUON_PINGPONG")),
+                       (96, ("GLUON_PERSISTENT",))):
     q, k, v = (torch.randn(1, heads, 384, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     for block_mask in (None, mask):
         for on in (False, True):
+            # the last entry's persistent grid takes its tiles from the atomic counter
+            dynamic = len(options) == 1 and on
             out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={
-                "BACKEND": "GLUON", **{key: on for key in options}})
+                "BACKEND": "GLUON", **{key: "DYNAMIC" if dynamic else on for key in options}})
             torch.cuda.synchronize()
             print("ok", bool(torch.isfinite(out).all()))
 """
@@ -129,6 +137,10 @@ OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for na
                     "dense", "ragged", "many_causal", "many_ragged", "many_empty_rows")]
                 + [(name, "persistent_pingpong") for name in (
                     "causal", "softcap_causal", "document", "many_causal", "many_document",
+                    "many_empty_rows")]
+                + [(name, "dynamic") for name in CASES]
+                + [(name, "dynamic_pingpong_tma_store") for name in (
+                    "causal", "ragged", "many_causal", "many_ragged", "many_document",
                     "many_empty_rows")]
                 # GLUON_STATIC_MAX: softcap's bound subtracted (empty rows: sum 0)
                 + [(name, "static_max") for name in (

@@ -205,6 +205,9 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
     block_n, stages = gluon_tiles(call, padded_pair(q, v))
     mask = call.block_mask
     sparse_q, sparse_kv = mask_blocks(mask) if mask is not None else (BLOCK_M, block_n)
+    persistent = call.options.gluon_persistent
+    if persistent is None:  # AUTO: tiles from the counter under a block mask (docs/gluon.md)
+        persistent = "DYNAMIC" if mask is not None else False
     return KernelSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=v.shape[3], block_m=BLOCK_M,
         block_n=block_n, num_warps=4, num_stages=stages, has_block_mask=mask is not None,
@@ -214,7 +217,8 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         input_precision=call.options.fp32_precision, target=target.name,
         template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS, return_max=return_max,
         wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
-        tma_store=call.options.gluon_tma_store, persistent=call.options.gluon_persistent,
+        tma_store=call.options.gluon_tma_store,
+        persistent=persistent is not False, dynamic=persistent == "DYNAMIC",
         static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None)
 
 
@@ -306,6 +310,8 @@ class GluonForward(KernelFamily):
             name, (shape, strides, block, layout)) in zip((q, k, v, out),
                                                           plan.fixed["descriptors"])}
         stat_lse, stat_max = stat_args(out, lse, maxs)
+        if plan.spec.dynamic:  # the work tiles' counter, from 0 for each launch
+            descriptors["TILE_COUNTER"] = torch.zeros(1, dtype=torch.int32, device=q.device)
         step.launch_with({**descriptors, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
                           "sm_scale": float(call.scale),
                           **binding.buffer_pointers(call.score, call.mask),
