@@ -199,13 +199,14 @@ def test_gluon_row_max_and_pinned_tiles(safe, option):
 
 @pytest.mark.parametrize("S, E, mask_mod, family", [
     (2048, 128, None, "gluon"), (8192, 128, mods.causal, "gluon"),
+    (8192, 128, mods.sliding_window(512), "gluon"),
     (2048, 128, mods.causal, "hopper"), (8192, 256, mods.causal, "gluon"),
     (2048, 256, None, "gluon"), (4096, (192, 128), mods.causal, "gluon"),
     (2048, 96, None, "gluon")])
 def test_auto_takes_gluon_where_measured_faster_and_trains(safe, S, E, mask_mod, family):
-    """By default (no BACKEND) E=128 dense and long masked calls, and E=256, 192 / 128 and 96
-    calls from L = S = 2048, run the Gluon forward, the Triton backward takes its out and lse:
-    forward and gradients against the reference."""
+    """By default (no BACKEND) E=128 dense, sparse and long masked calls, and E=256, 192 / 128
+    and 96 calls from L = S = 2048, run the Gluon forward, the Triton backward takes its out
+    and lse: forward and gradients against the reference."""
     E, Ev = E if isinstance(E, tuple) else (E, E)
     q, k, v = make_qkv(1, 2, 2, S, S, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
     mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, S, S,

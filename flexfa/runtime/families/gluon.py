@@ -62,8 +62,13 @@ def _sms(device) -> int:
 # (head dim, density class, kv length class of runtime.autotune) where BACKEND="AUTO" takes
 # this family: measured faster than the Hopper family on the H200 at L = S in {2048, 16384}
 # (benchmarks/results/nextgen_gpu_2026-12-01/p_ff6ac64): E = 128 dense 1.15x (S = 2048) and
-# 1.26x (16384); E = 128 masked at 16384 1.03-1.15x (causal, softcap, ALiBi). Not taken: sparse
-# masks (document 0.87-0.99x), E = 64 (0.77-1.02x), E = 128 masked at 2048 (0.91-0.92x).
+# 1.26x (16384); E = 128 masked at 16384 1.03-1.15x (causal, softcap, ALiBi). Not taken: E = 64
+# (0.77-1.02x), E = 128 masked at 2048 (0.91-0.92x). E = 128 sparse since its work tiles come
+# from an atomic counter under a block mask (GLUON_PERSISTENT's default;
+# benchmarks/results/gpu_2026-12-04/sp_53ddddb, the project benchmark's sliding and document,
+# 3 rounds): its time over the Hopper family's 0.88-0.92 at S = 8192 and 16384, document 0.95
+# at 2048 (on the plain grid 0.94-0.97 at 8192 and 16384, 1.05 at 2048; before, 0.87-0.99x
+# slower); E = 64 sparse 1.04-1.16x the Hopper family's time: not taken.
 # E = 256, every class (benchmarks/results/gpu_2026-12-02/k_390f66e, l_13bdec1, m_6e86b10):
 # at S = 16384 full 2.21x, causal 2.36x (2.40x again in l), softcap + causal 2.31x, document
 # 2.0x the Hopper family; at S = 2048 (B = 8) full 2.00x, causal 2.06x, document 1.98x.
@@ -74,7 +79,8 @@ def _sms(device) -> int:
 # the Hopper family at 8192 causal / full, 1.13x / 1.33x at 2048; E = 48 0.98-1.05x: not
 # taken. A class's head dims are E where Ev = E, else (E, Ev): only the pairs measured.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
-                          (128, "masked", "long"),
+                          (128, "masked", "long"), (128, "sparse", "short"),
+                          (128, "sparse", "long"),
                           *((256, density, length) for density in ("dense", "masked", "sparse")
                             for length in ("short", "long")),
                           *((dims, density, length) for dims in ((192, 128), 96, 80)
