@@ -3,7 +3,9 @@
 Every case is checked against FlexAttention before it is timed; times are medians of
 ``triton.testing.do_bench``; FLOPs are 4*B*H*L*S*E times the block density of the mask (from
 torch's own BlockMask, so both sides are charged the same work), x3.5 for fwd+bwd. ``--rounds``
-times the columns in turn that many times (a row's ms is the median of its rounds). Each row
+times the columns in turn that many times, each round in another order of a balanced Latin
+square (``round_order``: every column at every place and after every other column equally
+often), and a row's ms is the median of its rounds. Each row
 also has the call's peak extra memory (``peak_mib``: the allocator's peak during one warm call,
 less what was allocated before it). ``--flash`` adds FlexAttention's FLASH backend (FA4, whose
 wheels must be importable) as the column ``flex-flash``; ``--extra LABEL=JSON`` adds flexfa with
@@ -33,6 +35,24 @@ def _ceilings():
 
 
 WARMUP_MS = 100  # do_bench's warm-up: long enough for the clocks to leave an idle pause
+
+
+def round_order(labels: list[str], r: int) -> list[str]:
+    """The columns in round ``r``, by a balanced Latin square (Williams's design): row r of
+    the square whose first row is 0, 1, n - 1, 2, n - 2, ... and row r adds r (mod n); for
+    an odd n rounds n to 2n - 1 are those rows reversed. Over n rounds (2n for an odd n) each
+    column is timed at each place equally often, first among them, and right after each
+    other column equally often. (In fixed order a column timed right after SDPA's flash
+    column, 6.3 ms a call at E = 128 S = 16384, ran 3.58-3.66 ms where the same kernel in
+    another column ran 3.42-3.53: benchmarks/results/gpu_2026-12-04/bench_53ddddb.)"""
+    n = len(labels)
+    if n == 0:
+        return []
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    period = n if n % 2 == 0 else 2 * n
+    r %= period
+    row = [labels[(j + r) % n] for j in first]
+    return row[::-1] if r >= n else row
 
 
 def _time(fn, q, k, v, bwd: bool, rep: int) -> float:
@@ -194,10 +214,11 @@ def run(args) -> dict:
                     checks = {label: _check(impls[label], flex_fn, q, k, v, bwd)
                               for label in first if label != "flex" and "flex" in first}
                     # rounds over the columns in turn: a GPU's clocks move with its power
-                    # and heat, so no column is always timed first after the checks' pause
+                    # and heat, so no column is always timed first after the checks' pause,
+                    # nor always right after the same column (round_order)
                     timed = {label: [] for label in impls if label in first}
-                    for _ in range(args.rounds):
-                        for label in timed:
+                    for r in range(args.rounds):
+                        for label in round_order(list(timed), r):
                             timed[label].append(_time(impls[label], q, k, v, bwd, args.rep))
                     for label, rounds in timed.items():
                         fn = impls[label]
@@ -351,8 +372,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="timing rounds over the columns in turn; a row's ms is the median "
-                             "of its rounds' medians")
+                        help="timing rounds over the columns in turn (each round in another "
+                             "order: a balanced Latin square); a row's ms is the median of its "
+                             "rounds' medians")
     parser.add_argument("--out", default=config.environment("OUT", "."))
     parser.add_argument("--flash", action="store_true",
                         help="add FlexAttention's FLASH backend (FA4 wheels importable) as "

@@ -1,8 +1,11 @@
 """The benchmark's arithmetic (speedups, geometric means, table) on synthetic rows; the timed
 part needs a GPU and runs on the H200 (``python -m flexfa bench``)."""
 import math
+from collections import Counter
 import os
 import shutil
+
+import pytest
 
 from flexfa import bench, bench_cases
 
@@ -115,3 +118,21 @@ def test_bad_rounds_and_extra_columns_stop_before_any_gpu_work(capsys):
             bench.main(argv)
         assert info.value.code == 2
         assert words in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6])
+def test_round_order_balances_places_and_predecessors(n):
+    """Over n rounds (2n for an odd n) each column is timed at each place equally often and
+    right after each other column equally often (Williams's design); round 0 starts with the
+    first column, and the rounds repeat with that period."""
+    labels = [f"c{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    orders = [bench.round_order(labels, r) for r in range(period)]
+    assert orders[0][0] == labels[0] and all(sorted(o) == labels for o in orders)
+    for place in range(n):
+        assert Counter(o[place] for o in orders) == {label: period // n for label in labels}
+    pairs = Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+    assert pairs == {(a, b): period // n for a in labels for b in labels if a != b}
+    assert bench.round_order(labels, period + 1) == orders[1 % period]
+    assert bench.round_order([], 3) == []

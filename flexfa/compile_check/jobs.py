@@ -190,9 +190,10 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid
-    (``dynamic``: its work tiles from an atomic counter); ``head_dim_v``: v's head dim, default ``head_dim``; ``static_max``: the score_mod's
-    bound instead of a running max, as GLUON_STATIC_MAX takes it at S = 16384; ``dropout``:
-    the keep mask applied to P; ``even``: lengths multiples of the tiles, else ragged)."""
+    (``dynamic``: its work tiles from an atomic counter); ``head_dim_v``: v's head dim,
+    default ``head_dim``; ``static_max``: the score_mod's bound instead of a running max, as
+    GLUON_STATIC_MAX takes it at S = 16384; ``dropout``: the keep mask applied to P;
+    ``even``: lengths multiples of the tiles, else ragged)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         domain = Domain(1, 16, 16384, 16384)  # as a call at S = 16384 decides (lengths: data)
@@ -281,7 +282,8 @@ register("fwd_gluon_d64_fp16_softcap_persistent_pingpong_tma_store",
                    tma_store=True, persistent=True), archs=(90,))
 register("fwd_gluon_d128_bf16_causal_persistent_dynamic",
          gluon_job(128, "bf16", mask_mod=causal_mask, dynamic=True), archs=(90,))
-register("fwd_gluon_d128_bf16_dense_persistent_dynamic", gluon_job(128, "bf16", dynamic=True), archs=(90,))
+register("fwd_gluon_d128_bf16_dense_persistent_dynamic", gluon_job(128, "bf16", dynamic=True),
+         archs=(90,))
 register("fwd_gluon_d64_bf16_document_persistent",
          gluon_job(64, "bf16", mask_mod=document_mask(), num_stages=3, persistent=True),
          archs=(90,))
