@@ -67,8 +67,10 @@ def _sms(device) -> int:
 # from an atomic counter under a block mask (GLUON_PERSISTENT's default;
 # benchmarks/results/gpu_2026-12-04/sp_53ddddb, the project benchmark's sliding and document,
 # 3 rounds): its time over the Hopper family's 0.88-0.92 at S = 8192 and 16384, document 0.95
-# at 2048 (on the plain grid 0.94-0.97 at 8192 and 16384, 1.05 at 2048; before, 0.87-0.99x
-# slower); E = 64 sparse 1.04-1.16x the Hopper family's time: not taken.
+# at 2048 (on the plain grid 0.94-0.97 at 8192 and 16384, 0.99-1.05 at 2048; in 2026-12-01's
+# runs 0.87-0.99x the speed); E = 64 sparse 1.04-1.16x the Hopper family's time: not taken.
+# The sliding window at 2048 (0.94, a "masked" short class) is not taken: causal there was not
+# measured with the dynamic tiles.
 # E = 256, every class (benchmarks/results/gpu_2026-12-02/k_390f66e, l_13bdec1, m_6e86b10):
 # at S = 16384 full 2.21x, causal 2.36x (2.40x again in l), softcap + causal 2.31x, document
 # 2.0x the Hopper family; at S = 2048 (B = 8) full 2.00x, causal 2.06x, document 1.98x.
