@@ -225,8 +225,8 @@ def test_persistent_model_catches_a_missing_q_release():
 
 def test_persistent_option_spec_and_grid():
     """GLUON_PERSISTENT (default off without a block mask) reaches the spec and the kernel's
-    flag, alone and with
-    GLUON_PINGPONG; the grid is min(SMs, work tiles), SMs fixed without a GPU."""
+    flag, alone and with GLUON_PINGPONG; the grid is min(SMs, work tiles), SMs fixed without
+    a GPU."""
     q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     plain, chosen = (gluon_spec(q, k, v, AttentionCall(None, None, None, 0.125,
                                                        parse_kernel_options(options), 1),
@@ -252,6 +252,12 @@ def test_persistent_option_spec_and_grid():
     assert parse_kernel_options({"GLUON_PERSISTENT": "dynamic"}).gluon_persistent == "DYNAMIC"
 
 
+def _arguments(kernel) -> str:
+    """The generated kernel function's parameter list."""
+    start = kernel.source.index(f"def {kernel.name}(")
+    return kernel.source[start:kernel.source.index(")", start)]
+
+
 def test_dynamic_option_spec_counter_and_grid():
     """GLUON_PERSISTENT="DYNAMIC" makes a persistent spec with the counter: the kernel's
     DYNAMIC flag and its TILE_COUNTER argument (absent without it), the persistent grid."""
@@ -268,11 +274,8 @@ def test_dynamic_option_spec_counter_and_grid():
     assert static_kernel.key != dynamic_kernel.key
     assert "DYNAMIC = tl.constexpr(True)" in dynamic_kernel.source
     assert "DYNAMIC = tl.constexpr(False)" in static_kernel.source
-    def arguments(kernel):  # the kernel function's parameter list
-        start = kernel.source.index(f"def {kernel.name}(")
-        return kernel.source[start:kernel.source.index(")", start)]
-    assert "TILE_COUNTER" in arguments(dynamic_kernel)
-    assert "TILE_COUNTER" not in arguments(static_kernel)
+    assert "TILE_COUNTER" in _arguments(dynamic_kernel)
+    assert "TILE_COUNTER" not in _arguments(static_kernel)
     assert gluon_grid(dynamic, 2 * 16, 8, torch.device("cpu")) == (FIXED_SMS,)
 
 
