@@ -318,10 +318,11 @@ class GluonForward(KernelFamily):
             name, (shape, strides, block, layout)) in zip((q, k, v, out),
                                                           plan.fixed["descriptors"])}
         stat_lse, stat_max = stat_args(out, lse, maxs)
-        if plan.spec.dynamic:  # the work tiles' counter, from 0 for each launch
-            descriptors["TILE_COUNTER"] = torch.zeros(1, dtype=torch.int32, device=q.device)
-        step.launch_with({**descriptors, "OUT": out, "LSE": stat_lse, "MAXS": stat_max,
-                          "sm_scale": float(call.scale),
+        # the dynamic tiles' counter, from 0 for each launch
+        counter = {"TILE_COUNTER": torch.zeros(1, dtype=torch.int32, device=q.device)} \
+            if plan.spec.dynamic else {}
+        step.launch_with({**descriptors, **counter, "OUT": out, "LSE": stat_lse,
+                          "MAXS": stat_max, "sm_scale": float(call.scale),
                           **binding.buffer_pointers(call.score, call.mask),
                           **binding.feature_values(call)}, q.device)
         return out, lse, maxs
