@@ -17,7 +17,7 @@ import flexfa
 from flexfa.codegen.gluon import gluon_kernel
 from flexfa.codegen.template import load_template
 from flexfa.runtime.call import AttentionCall
-from flexfa.runtime.families.gluon import FIXED_SMS, gluon_grid, gluon_spec
+from flexfa.runtime.families.gluon import FIXED_SMS, gluon_grid, gluon_spec, head_group
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import Target
 
@@ -298,17 +298,18 @@ def test_persistent_default_is_dynamic_under_a_block_mask(value, with_mask, expe
 
 
 def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int,
-                programs: int = 4, dynamic: bool = False):
+                programs: int = 4, dynamic: bool = False, head_group: int | None = None):
     """The (q tile, batch * head) of each work tile w, from the rendered kernel's
     ``<name>_work`` and ``<name>_work_tiles`` run as Python (their body is integer
-    arithmetic) on a grid of ``programs``."""
+    arithmetic) on a grid of ``programs``; ``head_group``: the dynamic order's HEAD_GROUP
+    (None: every head in one group, as the kernel passes without DYNAMIC)."""
     namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128, "DYNAMIC": dynamic,
-                 "gl": types.SimpleNamespace(num_programs=lambda axis: programs),
+                 "gl": types.SimpleNamespace(num_programs=lambda axis: programs, minimum=min),
                  f"{name}_tile": lambda sched, start_m, off_bh: (start_m, off_bh)}
     for helper in ("work_tiles", "work"):
         start = source.index(f"def {name}_{helper}(")
         exec(source[start:source.index("\n\n\n", start)], namespace)
-    sched = ((), batch_heads, 1, L, L)
+    sched = ((), batch_heads, 1, L, L, batch_heads if head_group is None else head_group)
     return [namespace[f"{name}_work"](sched, w)
             for w in range(namespace[f"{name}_work_tiles"](sched))]
 
@@ -349,6 +350,75 @@ def test_dynamic_work_tiles_are_longest_first(has_block_mask):
         assert order == [(m, bh) for m in range(7, -1, -1) for bh in range(6)]
     else:
         assert order == [(m, bh) for bh in range(6) for m in range(7, -1, -1)]
+
+
+@pytest.mark.parametrize("head_group", [1, 2, 4, 5, 6, 7, 100])
+def test_dynamic_work_tiles_take_the_heads_in_groups(head_group):
+    """Under a block mask the dynamic order goes through HEAD_GROUP heads at a time (the
+    last group may be smaller): each group's tiles are contiguous, its heads' last q tile
+    first, then the one before; every (q tile, head) exactly once; a group of at least
+    BATCH_HEADS heads is the plain longest-first order. Without a block mask the group has
+    no effect (a head's q tiles are together already)."""
+    kernel = _persistent_kernel(True)
+    order = _work_order(kernel.source, kernel.name, True, 1000, 6, programs=5, dynamic=True,
+                        head_group=head_group)
+    assert sorted(order) == [(m, bh) for m in range(8) for bh in range(6)]
+    expected = [(m, bh) for first in range(0, 6, head_group) for m in range(7, -1, -1)
+                for bh in range(first, min(first + head_group, 6))]
+    assert order == expected
+    if head_group >= 6:
+        assert order == [(m, bh) for m in range(7, -1, -1) for bh in range(6)]
+    dense = _persistent_kernel(False)
+    assert _work_order(dense.source, dense.name, False, 1000, 6, programs=5, dynamic=True,
+                       head_group=head_group) == [(m, bh) for bh in range(6)
+                                                  for m in range(7, -1, -1)]
+
+
+@pytest.mark.parametrize("S, E, dtype, group, option, expected", [
+    (16384, 128, torch.bfloat16, 1, 0, 2),  # 8 MiB of K and V a head: 2 in 16 MiB
+    (2048, 128, torch.bfloat16, 1, 0, 16),
+    (16384, 64, torch.bfloat16, 1, 0, 4),
+    (65536, 128, torch.bfloat16, 1, 0, 1),  # more than the budget: one head at a time
+    (16384, 128, torch.bfloat16, 4, 0, 8),  # GQA: the group's query heads share K and V
+    (16384, 128, torch.float32, 1, 0, 1),
+    (16384, 128, torch.bfloat16, 1, 3, 3),  # kernel_options GLUON_HEAD_GROUP
+])
+def test_head_group_from_the_l2_budget(S, E, dtype, group, option, expected):
+    q = torch.zeros(1, 4 * group, 1, E, dtype=dtype)
+    k = v = torch.zeros(1, 4, S, E, dtype=dtype)
+    call = AttentionCall(None, None, None, 0.125, parse_kernel_options(
+        {"GLUON_HEAD_GROUP": option}), group)
+    assert head_group(call, q, k, v) == expected
+
+
+def test_head_group_keeps_every_head_together_under_a_sparse_mask():
+    """A sparse block mask (a sliding window visiting few tiles) keeps the plain order (one
+    group of all B * Hq heads: grouped heads measured slower there); a causal one groups."""
+    q = k = v = torch.zeros(2, 3, 4096, 128, dtype=torch.bfloat16)
+    options = parse_kernel_options({})
+    sliding, causal = (flexfa.create_block_mask(mask_mod, None, None, 4096, 4096, device="cpu")
+                       for mask_mod in (flexfa.mods.sliding_window(256), flexfa.mods.causal))
+    assert head_group(AttentionCall(None, None, sliding, 0.125, options, 1), q, k, v) == 6
+    assert head_group(AttentionCall(None, None, causal, 0.125, options, 1), q, k, v) == 8
+    pinned = parse_kernel_options({"GLUON_HEAD_GROUP": 2})
+    assert head_group(AttentionCall(None, None, sliding, 0.125, pinned, 1), q, k, v) == 2
+
+
+def test_head_group_option_and_argument():
+    """GLUON_HEAD_GROUP: a non-negative int (bad values name the key); HEAD_GROUP is a
+    kernel argument only of the dynamic kernel."""
+    assert parse_kernel_options({}).gluon_head_group == 0
+    assert parse_kernel_options({"GLUON_HEAD_GROUP": 4}).gluon_head_group == 4
+    with pytest.raises(flexfa.InputError, match=r"\['GLUON_HEAD_GROUP'\] = -1 is not allowed"):
+        parse_kernel_options({"GLUON_HEAD_GROUP": -1})
+    for bad in ("2", True, 2.0):
+        with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_HEAD_GROUP'\] must be an int"):
+            parse_kernel_options({"GLUON_HEAD_GROUP": bad})
+    q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
+    static, dynamic = (gluon_kernel(gluon_spec(q, k, v, AttentionCall(
+        None, None, None, 0.125, parse_kernel_options({**FORCED, "GLUON_PERSISTENT": value}),
+        1), SM90, False, False), None, None) for value in (True, "DYNAMIC"))
+    assert "HEAD_GROUP" in _arguments(dynamic) and "HEAD_GROUP" not in _arguments(static)
 
 
 def test_persistent_snake_order_balances_causal_programs():

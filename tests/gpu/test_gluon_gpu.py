@@ -4,8 +4,8 @@ softcap, ALiBi, document), ragged lengths, GQA, fully masked rows and captured t
 also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile counts, a
 row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), each and
 cases of many heads (several work tiles per program, some with no key tile) on the persistent
-grid (GLUON_PERSISTENT; True and "DYNAMIC", its tiles from an atomic counter), also with
-ping-pong, all bit-equal to the plain kernel.
+grid (GLUON_PERSISTENT; True and "DYNAMIC", its tiles from an atomic counter, also with the
+heads in groups of GLUON_HEAD_GROUP), also with ping-pong, all bit-equal to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -38,6 +38,9 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "dynamic": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC"},
            "dynamic_pingpong_tma_store": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC",
                                           "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
+           # the dynamic order's heads one and three at a time (three: a smaller last group)
+           "dynamic_group1": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "GLUON_HEAD_GROUP": 1},
+           "dynamic_group3": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "GLUON_HEAD_GROUP": 3},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
            "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True},
            # the static max is on by default: the running row max of a bounded score_mod
@@ -142,6 +145,9 @@ OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for na
                 + [(name, "dynamic_pingpong_tma_store") for name in (
                     "causal", "ragged", "many_causal", "many_ragged", "many_document",
                     "many_empty_rows")]
+                + [(name, group) for group in ("dynamic_group1", "dynamic_group3")
+                   for name in ("causal", "sliding", "gqa_causal", "many_causal",
+                                "many_document", "many_empty_rows")]
                 # GLUON_STATIC_MAX: softcap's bound subtracted (empty rows: sum 0)
                 + [(name, "static_max") for name in (
                     "softcap_causal", "softcap_empty_rows", "softcap_causal_d256",
@@ -200,13 +206,14 @@ def test_gluon_row_max_and_pinned_tiles(safe, option):
 @pytest.mark.parametrize("S, E, mask_mod, family", [
     (2048, 128, None, "gluon"), (8192, 128, mods.causal, "gluon"),
     (8192, 128, mods.sliding_window(512), "gluon"),
-    (2048, 128, mods.causal, "hopper"), (8192, 256, mods.causal, "gluon"),
+    (2048, 128, mods.causal, "gluon"), (8192, 64, mods.causal, "gluon"),
+    (4096, 64, mods.causal, "hopper"), (8192, 256, mods.causal, "gluon"),
     (2048, 256, None, "gluon"), (4096, (192, 128), mods.causal, "gluon"),
     (2048, 96, None, "gluon")])
 def test_auto_takes_gluon_where_measured_faster_and_trains(safe, S, E, mask_mod, family):
-    """By default (no BACKEND) E=128 dense, sparse and long masked calls, and E=256, 192 / 128
-    and 96 calls from L = S = 2048, run the Gluon forward, the Triton backward takes its out
-    and lse: forward and gradients against the reference."""
+    """By default (no BACKEND) E=128 dense, sparse and masked calls, E = 64 masked calls of long
+    keys, and E=256, 192 / 128 and 96 calls from L = S = 2048, run the Gluon forward, the
+    Triton backward takes its out and lse: forward and gradients against the reference."""
     E, Ev = E if isinstance(E, tuple) else (E, E)
     q, k, v = make_qkv(1, 2, 2, S, S, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
     mask = None if mask_mod is None else flexfa.create_block_mask(mask_mod, None, None, S, S,

@@ -80,9 +80,15 @@ def _sms(device) -> int:
 # (benchmarks/results/gpu_2026-12-02/ft_159240b, the same script, 2 rounds): 1.19x / 1.35x
 # the Hopper family at 8192 causal / full, 1.13x / 1.33x at 2048; E = 48 0.98-1.05x: not
 # taken. A class's head dims are E where Ev = E, else (E, Ev): only the pairs measured.
+# Since the dynamic tiles take the heads in groups (HEAD_GROUP;
+# benchmarks/results/gpu_2026-12-04/group_7623fd4, 3 rounds, B * H * L = 16 * 16384): E = 128
+# masked at 2048 and 4096 (causal, sliding, ALiBi, softcap, prefix) 0.81-0.88x the Hopper
+# family's time, E = 64 masked at 8192 and 16384 (causal, ALiBi, prefix, softcap) 0.93-0.98x;
+# E = 64 sparse (document) still 1.15x.
 AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
-                          (128, "masked", "long"), (128, "sparse", "short"),
-                          (128, "sparse", "long"),
+                          (128, "masked", "short"), (128, "masked", "long"),
+                          (128, "sparse", "short"), (128, "sparse", "long"),
+                          (64, "masked", "long"),
                           *((256, density, length) for density in ("dense", "masked", "sparse")
                             for length in ("short", "long")),
                           *((dims, density, length) for dims in ((192, 128), 96, 80)
@@ -92,8 +98,9 @@ AUTO_CLASSES = frozenset({(128, "dense", "short"), (128, "dense", "long"),
 # 0.967 ms against the Hopper family's 1.111 (dense 1.768 against 2.014, E = 256 causal 0.792
 # against 1.441; E = 64 causal 0.962 against 0.910, not taken;
 # benchmarks/results/gpu_2026-12-03/gdrop_5d5eca0); B=8 L=S=2048 causal 0.608 against 0.650
-# (gr_e96fd0a)
-DROPOUT_CLASSES = AUTO_CLASSES | {(128, "masked", "short")}
+# (gr_e96fd0a). E = 64 with dropout keeps the Hopper family (measured slower at 4096 above,
+# not measured at the long length that AUTO_CLASSES takes without dropout).
+DROPOUT_CLASSES = AUTO_CLASSES - {(64, "masked", "long")}
 AUTO_MIN_LEN = 2048  # the shortest L = S measured: shorter keys keep the Hopper family
 # Shorter queries against long keys (chunked prefill, E = 128, causal at an offset, 32x8 GQA;
 # benchmarks/results/gpu_2026-12-02/y_f0f305c/prefill_sweep.log): the Gluon forward, one CTA
@@ -205,6 +212,27 @@ def shared_bytes(head_dim: int, head_dim_v: int, block_n: int, stages: int,
     256)."""
     rows = BLOCK_M * (head_dim + (head_dim_v if tma_store else 0))
     return 2 * (rows + stages * block_n * (head_dim + head_dim_v)) + 4096
+
+
+# the K and V bytes the dynamic tiles' head groups aim to keep in L2 (fwd_gluon.tmpl's
+# HEAD_GROUP): at S = 16384, E = 128 (8 MiB a head) groups of 1 and 2 heads ran causal, ALiBi,
+# softcap and prefix forwards in 0.92-0.95x the time of all 16 heads at once, 4 heads in
+# 0.95-0.98x; under sparse masks grouped heads ran slower (document 1.07x, sliding 1.01x the
+# time), so those keep every head in one group (docs/gluon.md, "Heads in groups")
+L2_GROUP_BYTES = 16 * 2 ** 20
+
+
+def head_group(call: AttentionCall, q, k, v) -> int:
+    """Query heads per group of the dynamic tiles' order: kernel_options GLUON_HEAD_GROUP,
+    else under a sparse block mask all of them (B * Hq, the plain longest-first order), else
+    as many kv heads as ``L2_GROUP_BYTES`` of K and V hold, at least one, times the GQA group
+    (the query heads of a kv head share its K and V)."""
+    if call.options.gluon_head_group:
+        return call.options.gluon_head_group
+    if density_class(call.block_mask) == "sparse":
+        return q.shape[0] * q.shape[1]
+    per_head = k.shape[2] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+    return call.gqa_group * max(1, L2_GROUP_BYTES // max(per_head, 1))
 
 
 def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
@@ -337,6 +365,7 @@ class GluonForward(KernelFamily):
         fixed = {**binding.strides("o", "bhmd", out_strides(q, v)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
                  "HQ": Hq, "L": L, "S": k.shape[2], "BATCH_HEADS": B * Hq,
+                 "HEAD_GROUP": head_group(call, q, k, v),
                  **binding.buffer_layout(call.score, call.mask)}
         step = Step(loaded.kernel(), gluon_grid(spec, B * Hq, cdiv(L, BLOCK_M), q.device),
                     gluon_constexprs(spec, call.scores_first), spec.launch_options(),
