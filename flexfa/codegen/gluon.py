@@ -41,15 +41,14 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: boo
     tensors; with ``dropout`` the seed, threshold and scale of ``feature_params``) plus, with
     ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
     (B * HQ: the persistent grid's work tiles are q tiles times it), with ``dynamic`` the
-    tile counter ``TILE_COUNTER`` and ``HEAD_GROUP`` (heads per group of the work tiles'
-    order under a block mask), and the ring depth
+    tile counter ``TILE_COUNTER``, and the ring depth
     ``STAGES``, the flags ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT`` and ``STATIC_MAX``
     with its bound ``STATIC_MAX2`` (log2 units)."""
     base = forward_params(True, buffer_params(score, mask), features=feature_params("", dropout))
     out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
-    dynamic_args = (tensors("i32", "TILE_COUNTER") + ints("HEAD_GROUP")) if dynamic else ()
+    counter = tensors("i32", "TILE_COUNTER") if dynamic else ()
     return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1],
-                         ints("BATCH_HEADS") + dynamic_args,
+                         ints("BATCH_HEADS") + counter,
                          base.groups[-1] + constexprs("STAGES", "PINGPONG", "TMA_STORE",
                                                       "PERSISTENT", "DYNAMIC", "STATIC_MAX",
                                                       "STATIC_MAX2")))

@@ -220,9 +220,11 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
     own = constexprs("RETURN_MAX", "INPUT_PRECISION", "DOT_IN_FP32", "HAS_SINKS", "DROPOUT")
     template_flags = (constexprs("STRIDED_QKV", "SPLIT_KV") if hopper
                       else constexprs("SPLIT_KEYS"))
+    # HEAD_GROUP: flexfa_longest_first's heads per group under a block mask
+    scalars = _SCALARS + (ints("HEAD_GROUP") if hopper else ())
     return KernelParams((
         inputs + tensors(INPUT, "OUT") + tensors("fp32", "LSE", "MAXS"), *input_strides,
-        strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), _SCALARS + buffers, features,
+        strides("o", "bhmd"), *block_mask_tables("KV", "m", "n"), scalars + buffers, features,
         _FORWARD_CONSTEXPRS + own + template_flags))
 
 

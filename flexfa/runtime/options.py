@@ -80,10 +80,11 @@ class KernelOptions:
     # first): False, True (each program's tiles fixed), "DYNAMIC" (from an atomic counter) or
     # None (default): "DYNAMIC" under a block mask, else off (docs/gluon.md, measured)
     gluon_persistent: bool | str | None = None
-    # the dynamic tiles under a block mask take the heads this many at a time (each group's
-    # q tiles longest first, then the next group's), so the programs running together share
-    # few heads' K and V in L2; 0 (default): as many as fit families.gluon.L2_GROUP_BYTES
-    gluon_head_group: int = 0
+    # under a block mask the forward's work (the Hopper family's grid, the Gluon forward's
+    # dynamic tiles) takes the heads this many at a time (each group's q tiles longest first,
+    # then the next group's), so the programs running together share few heads' K and V in
+    # L2; 0 (default): runtime.outputs.head_group's choice
+    head_group: int = 0
     # the Gluon forward subtracts the score_mod's proven bound instead of a running row max
     # (softcap); on: with the softcap's constants folded (codegen/fold.py) 1.05-1.15x faster
     # on softcap forwards on the H200, 5 rounds (docs/gluon.md, "Static max")
@@ -233,12 +234,12 @@ SCHEMA = {
                          "'DYNAMIC' (each program takes the next tile from an atomic counter "
                          "when it is done with one), False, or 'AUTO' (default: 'DYNAMIC' "
                          "under a block mask, else False)"),
-    "GLUON_HEAD_GROUP": ("gluon_head_group", (), _int_in(range(0, 2 ** 31),
-                                                         "0 (default) or a number of heads"),
-                         "the Gluon forward's dynamic tiles under a block mask go through the "
-                         "heads this many at a time, each group's longest q tiles first (K "
-                         "and V of few heads in L2); 0 (default): as many heads as share 16 "
-                         "MiB of K and V"),
+    "HEAD_GROUP": ("head_group", (), _int_in(range(0, 2 ** 31),
+                                             "0 (default) or a number of heads"),
+                   "under a block mask the forward (Hopper family, Gluon forward) goes through "
+                   "the heads this many at a time, each group's longest q tiles first (K and V "
+                   "of few heads in L2); 0 (default): as many heads as share 16 MiB of K and "
+                   "V, every head at once under a sparse mask"),
     "GLUON_STATIC_MAX": ("gluon_static_max", (), _flag,
                          "the Gluon forward subtracts the score_mod's proven upper bound instead "
                          "of a running row max where its output range is bounded (softcap; "

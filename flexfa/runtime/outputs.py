@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..blockmask.density import density_class
 from .layout import output_like, output_strides
 
 
@@ -32,9 +33,34 @@ def present_or(tensor, other):
 
 def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[int, int]:
     """The grid of the Hopper and FP8 forward templates: under a block mask (B * HQ, q tiles),
-    heads on the fast axis, so the longest q tiles of every head start first; dense (q tiles,
-    B * HQ), where the programs of one head running together share its K and V in L2."""
+    which fwd_common.tmpl's flexfa_longest_first reads in dispatch order (the Hopper
+    family's as HEAD_GROUP heads at a time, each group's longest q tiles first:
+    ``head_group``); dense (q tiles, B * HQ), where the programs of one head running
+    together share its K and V in L2."""
     return (batch_heads, q_tiles) if has_block_mask else (q_tiles, batch_heads)
+
+
+# the K and V bytes a head group's programs aim to keep in L2 (kernel argument HEAD_GROUP):
+# the Gluon forward's dynamic tiles at S = 16384, E = 128 (8 MiB a head) ran causal, ALiBi,
+# softcap and prefix forwards in 0.92-0.95x the time of all 16 heads at once with groups of
+# 1 and 2 heads, 0.95-0.98x with 4; the Hopper family's grid with these groups causal at E =
+# 64 0.90-0.96x, E = 128 0.92-0.99x. Under sparse masks grouped heads ran slower (Gluon:
+# document 1.07x, sliding 1.01x the time; Hopper: document 1.08x), so those keep every head
+# in one group (docs/gluon.md, "Heads in groups")
+L2_GROUP_BYTES = 16 * 2 ** 20
+
+
+def head_group(call, q, k, v) -> int:
+    """Query heads per group of the forward's order under a block mask: kernel_options
+    HEAD_GROUP, else under a sparse block mask all of them (B * Hq, the plain longest-first
+    order), else as many kv heads as ``L2_GROUP_BYTES`` of K and V hold, at least one, times
+    the GQA group (the query heads of a kv head share its K and V)."""
+    if call.options.head_group:
+        return call.options.head_group
+    if density_class(call.block_mask) == "sparse":
+        return q.shape[0] * q.shape[1]
+    per_head = k.shape[2] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+    return call.gqa_group * max(1, L2_GROUP_BYTES // max(per_head, 1))
 
 
 def empty_outputs(q, v, return_lse: bool, return_max: bool) -> tuple:

@@ -17,7 +17,8 @@ import flexfa
 from flexfa.codegen.gluon import gluon_kernel
 from flexfa.codegen.template import load_template
 from flexfa.runtime.call import AttentionCall
-from flexfa.runtime.families.gluon import FIXED_SMS, gluon_grid, gluon_spec, head_group
+from flexfa.runtime.families.gluon import FIXED_SMS, gluon_grid, gluon_spec
+from flexfa.runtime.outputs import head_group
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import Target
 
@@ -381,13 +382,13 @@ def test_dynamic_work_tiles_take_the_heads_in_groups(head_group):
     (65536, 128, torch.bfloat16, 1, 0, 1),  # more than the budget: one head at a time
     (16384, 128, torch.bfloat16, 4, 0, 8),  # GQA: the group's query heads share K and V
     (16384, 128, torch.float32, 1, 0, 1),
-    (16384, 128, torch.bfloat16, 1, 3, 3),  # kernel_options GLUON_HEAD_GROUP
+    (16384, 128, torch.bfloat16, 1, 3, 3),  # kernel_options HEAD_GROUP
 ])
 def test_head_group_from_the_l2_budget(S, E, dtype, group, option, expected):
     q = torch.zeros(1, 4 * group, 1, E, dtype=dtype)
     k = v = torch.zeros(1, 4, S, E, dtype=dtype)
     call = AttentionCall(None, None, None, 0.125, parse_kernel_options(
-        {"GLUON_HEAD_GROUP": option}), group)
+        {"HEAD_GROUP": option}), group)
     assert head_group(call, q, k, v) == expected
 
 
@@ -400,25 +401,27 @@ def test_head_group_keeps_every_head_together_under_a_sparse_mask():
                        for mask_mod in (flexfa.mods.sliding_window(256), flexfa.mods.causal))
     assert head_group(AttentionCall(None, None, sliding, 0.125, options, 1), q, k, v) == 6
     assert head_group(AttentionCall(None, None, causal, 0.125, options, 1), q, k, v) == 8
-    pinned = parse_kernel_options({"GLUON_HEAD_GROUP": 2})
+    pinned = parse_kernel_options({"HEAD_GROUP": 2})
     assert head_group(AttentionCall(None, None, sliding, 0.125, pinned, 1), q, k, v) == 2
 
 
 def test_head_group_option_and_argument():
-    """GLUON_HEAD_GROUP: a non-negative int (bad values name the key); HEAD_GROUP is a
-    kernel argument only of the dynamic kernel."""
-    assert parse_kernel_options({}).gluon_head_group == 0
-    assert parse_kernel_options({"GLUON_HEAD_GROUP": 4}).gluon_head_group == 4
-    with pytest.raises(flexfa.InputError, match=r"\['GLUON_HEAD_GROUP'\] = -1 is not allowed"):
-        parse_kernel_options({"GLUON_HEAD_GROUP": -1})
+    """HEAD_GROUP: a non-negative int (bad values name the key); HEAD_GROUP is a kernel
+    argument of every Gluon forward (forward_params'), only the dynamic one's sched uses it
+    (the plain grid and the fixed walk keep every head at once)."""
+    assert parse_kernel_options({}).head_group == 0
+    assert parse_kernel_options({"HEAD_GROUP": 4}).head_group == 4
+    with pytest.raises(flexfa.InputError, match=r"\['HEAD_GROUP'\] = -1 is not allowed"):
+        parse_kernel_options({"HEAD_GROUP": -1})
     for bad in ("2", True, 2.0):
-        with pytest.raises(flexfa.InputTypeError, match=r"\['GLUON_HEAD_GROUP'\] must be an int"):
-            parse_kernel_options({"GLUON_HEAD_GROUP": bad})
+        with pytest.raises(flexfa.InputTypeError, match=r"\['HEAD_GROUP'\] must be an int"):
+            parse_kernel_options({"HEAD_GROUP": bad})
     q = k = v = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     static, dynamic = (gluon_kernel(gluon_spec(q, k, v, AttentionCall(
         None, None, None, 0.125, parse_kernel_options({**FORCED, "GLUON_PERSISTENT": value}),
         1), SM90, False, False), None, None) for value in (True, "DYNAMIC"))
-    assert "HEAD_GROUP" in _arguments(dynamic) and "HEAD_GROUP" not in _arguments(static)
+    assert "HEAD_GROUP" in _arguments(dynamic) and "HEAD_GROUP" in _arguments(static)
+    assert "BATCH_HEADS, HQ, L, S, HEAD_GROUP)" in dynamic.source
 
 
 def test_persistent_snake_order_balances_causal_programs():

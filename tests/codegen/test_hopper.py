@@ -2,11 +2,14 @@
 and its sm_90 compile check (wgmma, TMA, tanh.approx)."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 import flexfa
 from flexfa.codegen.render import render
+from flexfa.codegen.template import load_template
 from flexfa.frontend.grad import derive
 from flexfa.frontend.trace import SCORE_MOD, trace
 from flexfa.runtime import plans, registry
@@ -445,3 +448,45 @@ def test_sm90_split_hopper_kernel_compiles_without_spills(name):
     if "combine" not in name:
         assert result.wgmma and "cp.async.bulk.tensor" in result.ptx
     assert result.spill_bytes in (None, 0), result.spill_bytes
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_heads_in_groups_give_the_same_result(group, hopper_template):
+    """kernel_options HEAD_GROUP reorders the programs under a block mask (B * H = 6 heads in
+    groups of 1, or of 4 and 2); every (q tile, head) still runs once: against the reference
+    and bit-equal to the default order."""
+    q, k, v = make_qkv(2, 3, 3, 300, 300, 32, 32, dtype=torch.bfloat16, seed=group)
+    mask = flexfa.create_block_mask(causal, None, None, 300, 300, device="cpu",
+                                    BLOCK_SIZE=64)
+    out = check_forward(q, k, v, None, causal, mask, kernel_options={**FORCED,
+                                                                     "HEAD_GROUP": group})[0]
+    assert [p.spec.template for p in hopper_plans()] and hopper_template
+    default = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=FORCED)
+    torch.testing.assert_close(out, default, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("heads, q_tiles, group", [(6, 5, 1), (6, 5, 4), (6, 5, 6), (6, 5, 9),
+                                                   (7, 3, 2), (1, 4, 1)])
+def test_longest_first_order_takes_the_heads_in_groups(heads, q_tiles, group):
+    """fwd_common.tmpl's flexfa_longest_first run as Python over a (B * H, q tiles) grid in
+    dispatch order: every (q tile, head) once; each group's programs together, its heads'
+    last q tiles first; a group of at least B * H heads is the order before (every head's
+    last tile, then the one before)."""
+    source = load_template("fwd_common.tmpl")
+    start = source.index("def flexfa_longest_first(")
+    body = source[start:source.index("\n\n\n", start)]
+    order = []
+    for pid1 in range(q_tiles):
+        for pid0 in range(heads):
+            tl = types.SimpleNamespace(program_id=lambda axis: (pid0, pid1)[axis],
+                                       num_programs=lambda axis: (heads, q_tiles)[axis],
+                                       minimum=min, constexpr=object)
+            namespace = {"HAS_BLOCK_MASK": True, "tl": tl}
+            exec(body, namespace)
+            start_m, off_bh, _, _ = namespace["flexfa_longest_first"](1, group, True)
+            order.append((start_m, off_bh))
+    assert order == [(m, bh) for first in range(0, heads, group)
+                     for m in range(q_tiles - 1, -1, -1)
+                     for bh in range(first, min(first + group, heads))]
+    if group >= heads:
+        assert order == [(q_tiles - 1 - p1, p0) for p1 in range(q_tiles) for p0 in range(heads)]

@@ -5,7 +5,7 @@ also with the consumers' ping-pong (GLUON_PINGPONG: one tile, odd and even tile 
 row block with no tile), some with out through a TMA store (GLUON_TMA_STORE), each and
 cases of many heads (several work tiles per program, some with no key tile) on the persistent
 grid (GLUON_PERSISTENT; True and "DYNAMIC", its tiles from an atomic counter, also with the
-heads in groups of GLUON_HEAD_GROUP), also with ping-pong, all bit-equal to the plain kernel.
+heads in groups of HEAD_GROUP), also with ping-pong, all bit-equal to the plain kernel.
 
 A barrier-phase mistake hangs the GPU instead of failing: a tiny call runs first in a
 subprocess under a time limit, and every other test needs it to pass. Run the file itself
@@ -39,8 +39,8 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "dynamic_pingpong_tma_store": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC",
                                           "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
            # the dynamic order's heads one and three at a time (three: a smaller last group)
-           "dynamic_group1": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "GLUON_HEAD_GROUP": 1},
-           "dynamic_group3": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "GLUON_HEAD_GROUP": 3},
+           "dynamic_group1": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "HEAD_GROUP": 1},
+           "dynamic_group3": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "HEAD_GROUP": 3},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
            "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True},
            # the static max is on by default: the running row max of a bounded score_mod

@@ -32,7 +32,7 @@ from ..autotune import SHORT_KV
 from ..call import AttentionCall
 from ..kernels import generated_module
 from ..launch import Step, cdiv
-from ..outputs import allocate_outputs, forward_grid, out_strides, stat_args
+from ..outputs import allocate_outputs, forward_grid, head_group, out_strides, stat_args
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
@@ -212,27 +212,6 @@ def shared_bytes(head_dim: int, head_dim_v: int, block_n: int, stages: int,
     256)."""
     rows = BLOCK_M * (head_dim + (head_dim_v if tma_store else 0))
     return 2 * (rows + stages * block_n * (head_dim + head_dim_v)) + 4096
-
-
-# the K and V bytes the dynamic tiles' head groups aim to keep in L2 (fwd_gluon.tmpl's
-# HEAD_GROUP): at S = 16384, E = 128 (8 MiB a head) groups of 1 and 2 heads ran causal, ALiBi,
-# softcap and prefix forwards in 0.92-0.95x the time of all 16 heads at once, 4 heads in
-# 0.95-0.98x; under sparse masks grouped heads ran slower (document 1.07x, sliding 1.01x the
-# time), so those keep every head in one group (docs/gluon.md, "Heads in groups")
-L2_GROUP_BYTES = 16 * 2 ** 20
-
-
-def head_group(call: AttentionCall, q, k, v) -> int:
-    """Query heads per group of the dynamic tiles' order: kernel_options GLUON_HEAD_GROUP,
-    else under a sparse block mask all of them (B * Hq, the plain longest-first order), else
-    as many kv heads as ``L2_GROUP_BYTES`` of K and V hold, at least one, times the GQA group
-    (the query heads of a kv head share its K and V)."""
-    if call.options.gluon_head_group:
-        return call.options.gluon_head_group
-    if density_class(call.block_mask) == "sparse":
-        return q.shape[0] * q.shape[1]
-    per_head = k.shape[2] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
-    return call.gqa_group * max(1, L2_GROUP_BYTES // max(per_head, 1))
 
 
 def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,

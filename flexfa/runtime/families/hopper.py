@@ -29,7 +29,8 @@ from ..call import AttentionCall
 from ..debug import log
 from ..kernels import generated_module
 from ..launch import Step, TrustedDescriptor, cdiv
-from ..outputs import allocate_outputs, forward_grid, out_strides, present_or, stat_args
+from ..outputs import (allocate_outputs, forward_grid, head_group, out_strides, present_or,
+                       stat_args)
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
@@ -282,7 +283,7 @@ class HopperForward(KernelFamily):
         fixed = {**inputs, **binding.strides("o", "bhmd", split_out_strides(q, v) if splits > 1
                                              else out_strides(q, v)),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", q.device),
-                 "HQ": Hq, "L": L, "S": k.shape[2],
+                 "HQ": Hq, "L": L, "S": k.shape[2], "HEAD_GROUP": head_group(call, q, k, v),
                  **binding.buffer_layout(call.score, call.mask)}
         step = Step(loaded.kernel(), (*forward_grid(B * Hq, cdiv(L, spec.block_m),
                                                     spec.has_block_mask), splits),
