@@ -54,13 +54,16 @@ def head_group(call, q, k, v) -> int:
     """Query heads per group of the forward's order under a block mask: kernel_options
     HEAD_GROUP, else under a sparse block mask all of them (B * Hq, the plain longest-first
     order), else as many kv heads as ``L2_GROUP_BYTES`` of K and V hold, at least one, times
-    the GQA group (the query heads of a kv head share its K and V)."""
+    the GQA group (the query heads of a kv head share its K and V); never more than B * Hq
+    (the same order), so the kernels' q tiles * HEAD_GROUP stays within their program count
+    (an int32)."""
+    batch_heads = q.shape[0] * q.shape[1]
     if call.options.head_group:
-        return call.options.head_group
+        return min(call.options.head_group, batch_heads)
     if density_class(call.block_mask) == "sparse":
-        return q.shape[0] * q.shape[1]
+        return batch_heads
     per_head = k.shape[2] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
-    return call.gqa_group * max(1, L2_GROUP_BYTES // max(per_head, 1))
+    return min(call.gqa_group * max(1, L2_GROUP_BYTES // max(per_head, 1)), batch_heads)
 
 
 def empty_outputs(q, v, return_lse: bool, return_max: bool) -> tuple:

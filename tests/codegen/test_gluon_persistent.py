@@ -383,10 +383,13 @@ def test_dynamic_work_tiles_take_the_heads_in_groups(head_group):
     (16384, 128, torch.bfloat16, 4, 0, 8),  # GQA: the group's query heads share K and V
     (16384, 128, torch.float32, 1, 0, 1),
     (16384, 128, torch.bfloat16, 1, 3, 3),  # kernel_options HEAD_GROUP
+    (16384, 128, torch.bfloat16, 1, 1000, 64),  # never more than B * Hq (2 x 32)
+    (16, 16, torch.bfloat16, 1, 0, 64),  # 1 KiB a head: all of them
 ])
 def test_head_group_from_the_l2_budget(S, E, dtype, group, option, expected):
-    q = torch.zeros(1, 4 * group, 1, E, dtype=dtype)
-    k = v = torch.zeros(1, 4, S, E, dtype=dtype)
+    """B = 2, 32 kv heads: the L2 budget's heads (times the GQA group), at most B * Hq."""
+    q = torch.zeros(2, 32 * group, 1, E, dtype=dtype)
+    k = v = torch.zeros(2, 32, S, E, dtype=dtype)
     call = AttentionCall(None, None, None, 0.125, parse_kernel_options(
         {"HEAD_GROUP": option}), group)
     assert head_group(call, q, k, v) == expected
@@ -395,11 +398,11 @@ def test_head_group_from_the_l2_budget(S, E, dtype, group, option, expected):
 def test_head_group_keeps_every_head_together_under_a_sparse_mask():
     """A sparse block mask (a sliding window visiting few tiles) keeps the plain order (one
     group of all B * Hq heads: grouped heads measured slower there); a causal one groups."""
-    q = k = v = torch.zeros(2, 3, 4096, 128, dtype=torch.bfloat16)
+    q = k = v = torch.zeros(2, 8, 4096, 128, dtype=torch.bfloat16)
     options = parse_kernel_options({})
     sliding, causal = (flexfa.create_block_mask(mask_mod, None, None, 4096, 4096, device="cpu")
                        for mask_mod in (flexfa.mods.sliding_window(256), flexfa.mods.causal))
-    assert head_group(AttentionCall(None, None, sliding, 0.125, options, 1), q, k, v) == 6
+    assert head_group(AttentionCall(None, None, sliding, 0.125, options, 1), q, k, v) == 16
     assert head_group(AttentionCall(None, None, causal, 0.125, options, 1), q, k, v) == 8
     pinned = parse_kernel_options({"HEAD_GROUP": 2})
     assert head_group(AttentionCall(None, None, sliding, 0.125, pinned, 1), q, k, v) == 2
