@@ -4,7 +4,8 @@ whose sm_90 default is 64 keys x 64 rows on 8 warps, and ragged lengths, 32-key 
 warps), compiles the dK/dV and dQ kernels for sm_90 at the runtime's default tiles
 (``flexfa.compile_check.jobs.backward_job``) and prints ``ptxas -v``'s spill store bytes next
 to the local-memory instructions inside the tile loops (``loop_local_ops``: the spills paid on
-every tile). A cold Triton cache compiles about 90 kernels (minutes).
+every tile), and "S" where ptxas serialized the kernel's wgmmas (C7514 / C7515). A cold Triton
+cache compiles about 90 kernels (minutes).
 
     python benchmarks/experiments/wide_spills.py [--dims 256,192] [--only dropout] [--no-tma]
 """
@@ -43,7 +44,8 @@ def main() -> int:
     from flexfa.compile_check.jobs import backward_job
 
     print("E    variant                 "
-          "dK/dV even      dK/dV ragged    dQ even         dQ ragged   (bytes / in loops)")
+          "dK/dV even      dK/dV ragged    dQ even         dQ ragged   (bytes / in loops"
+          ", S: wgmmas serialized)")
     for dim in (int(d) for d in args.dims.split(",")):
         for name, mods in variants().items():
             if args.only not in name:
@@ -55,7 +57,8 @@ def main() -> int:
                         which, dim, "bf16", head_dim_v=128 if dim == 192 else dim,
                         ragged=ragged, use_tma=False if args.no_tma else None, **mods),
                         loops=True)
-                    cells.append(f"{result.spill_bytes} / {result.loop_local_ops}"
+                    serial = " S" if result.wgmma_serialized else ""
+                    cells.append(f"{result.spill_bytes} / {result.loop_local_ops}{serial}"
                                  if result.ok else "FAIL")
             print(f"{dim:<4} {name:23s} " + "".join(f"{c:16s}" for c in cells), flush=True)
     return 0

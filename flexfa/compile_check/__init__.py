@@ -7,8 +7,10 @@ signature, constexprs and launch options), registered with ``register(name, buil
 head dims' at their default tiles. The table shows, per (kernel, arch): ok, whether the PTX
 uses ``mma.sync`` / ``wgmma``, the registers and spill bytes ``ptxas -v`` reports, how many
 local-memory loads and stores lie inside the kernel's tile loops (``loop_local_ops``: the
-spills paid on every tile; nvdisasm's SASS), and the shared memory Triton allocates per
-program.
+spills paid on every tile; nvdisasm's SASS), whether ptxas serialized the kernel's wgmmas
+(its C7514 / C7515 notices: an instruction reads or defines an accumulator register between
+a wgmma and its wait on some path, and ptxas then waits after every wgmma of the function),
+and the shared memory Triton allocates per program.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ class CompileResult:
     spill_bytes: int | None = None
     shared_bytes: int | None = None  # Triton's compiled.metadata.shared (sm_90: 227 KB fit)
     # ptxas serialized the wgmmas (its C7514 notice: an instruction reads an accumulator of a
-    # wgmma in flight, so each wgmma waits for the one before); None: no ptxas to ask
+    # wgmma in flight; C7515: a non-wgmma instruction defines one between a wgmma and its
+    # wait; either way each wgmma then waits for the one before); None: no ptxas to ask
     wgmma_serialized: bool | None = None
     # local-memory loads and stores (SASS LDL / STL) inside the kernel's innermost loops of
     # at least LOOP_MIN_INSTRUCTIONS: the spills a tile loop pays on every tile, where
@@ -244,15 +247,16 @@ def kernel_job(spec, score, mask, generate, signature_of) -> CompileJob:
 
 
 def format_table(results: list[CompileResult]) -> str:
-    header = ["kernel", "arch", "ok", "mma.sync", "wgmma", "registers", "spills (B)",
-              "in loops", "shared (KB)", "time (s)"]
+    header = ["kernel", "arch", "ok", "mma.sync", "wgmma", "serialized", "registers",
+              "spills (B)", "in loops", "shared (KB)", "time (s)"]
 
     def cell(value):
         return "-" if value is None else ("yes" if value is True else "no" if value is False
                                            else str(value))
 
     rows = [[r.variant, f"sm_{r.arch}", "ok" if r.ok else ("skip" if r.skipped else "FAIL"), cell(r.mma_sync),
-             cell(r.wgmma), cell(r.registers), cell(r.spill_bytes), cell(r.loop_local_ops),
+             cell(r.wgmma), cell(r.wgmma_serialized if r.wgmma else None), cell(r.registers),
+             cell(r.spill_bytes), cell(r.loop_local_ops),
              cell(None if r.shared_bytes is None else round(r.shared_bytes / 1024, 1)),
              f"{r.seconds:.1f}"]
             for r in results]

@@ -137,3 +137,28 @@ def test_compile_result_reports_spills_inside_loops():
         pytest.skip("ptxas or nvdisasm is unavailable")  # Triton's wheel ships both
     assert result.loop_local_ops == 0
     assert "in loops" in format_table([result])
+
+
+# sm_90 kernels whose wgmmas ptxas does not serialize today (C7515); the compile check's
+# "serialized" column lists the ones it does (docs/head-dims.md, "Serialized wgmmas")
+UNSERIALIZED = ("fwd_hopper_d128_bf16_causal", "fwd_hopper_d64_bf16_dense",
+                "fwd_hopper_d128_bf16_causal_split", "bwd_dkdv_d128_bf16_softcap_causal",
+                "bwd_dq_d128_bf16_softcap_causal", "bwd_dq_d256_bf16_softcap_causal_even")
+
+
+@pytest.mark.parametrize("name", UNSERIALIZED)
+def test_default_kernels_keep_their_wgmmas_unserialized(name):
+    result = compile_job(name, 90, compile_check.REGISTRY[name])
+    assert result.ok, result.error
+    if result.wgmma_serialized is None:
+        pytest.skip("ptxas is unavailable")  # Triton's wheel ships it
+    assert result.wgmma and not result.wgmma_serialized, name
+
+
+def test_the_table_shows_serialized_wgmmas():
+    serial = CompileResult("k", 90, True, False, True, 255, 0, 1024, True)
+    table = format_table([serial, CompileResult("m", 80, True, True, False, 128, 0, 1024,
+                                                None)])
+    header, _, first, second = table.splitlines()
+    column = header.index("serialized")
+    assert first[column:].startswith("yes") and second[column:].startswith("-")
