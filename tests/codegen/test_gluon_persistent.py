@@ -301,14 +301,15 @@ def test_persistent_default_is_dynamic_under_a_block_mask(value, with_mask, expe
 def _work_order(source: str, name: str, has_block_mask: bool, L: int, batch_heads: int,
                 programs: int = 4, dynamic: bool = False, head_group: int | None = None):
     """The (q tile, batch * head) of each work tile w, from the rendered kernel's
-    ``<name>_work`` and ``<name>_work_tiles`` run as Python (their body is integer
-    arithmetic) on a grid of ``programs``; ``head_group``: the dynamic order's HEAD_GROUP
-    (None: every head in one group, as the kernel passes without DYNAMIC)."""
+    ``<name>_work`` and ``<name>_work_tiles`` (with fwd_common.tmpl's flexfa_head_groups)
+    run as Python (their body is integer arithmetic) on a grid of ``programs``;
+    ``head_group``: the dynamic order's HEAD_GROUP (None: every head in one group, as the
+    kernel passes without DYNAMIC)."""
     namespace = {"HAS_BLOCK_MASK": has_block_mask, "BLOCK_M": 128, "DYNAMIC": dynamic,
-                 "gl": types.SimpleNamespace(num_programs=lambda axis: programs, minimum=min),
+                 "gl": types.SimpleNamespace(num_programs=lambda axis: programs),
                  f"{name}_tile": lambda sched, start_m, off_bh: (start_m, off_bh)}
-    for helper in ("work_tiles", "work"):
-        start = source.index(f"def {name}_{helper}(")
+    for function in (f"{name}_work_tiles", f"{name}_work", "flexfa_head_groups"):
+        start = source.index(f"def {function}(")
         exec(source[start:source.index("\n\n\n", start)], namespace)
     sched = ((), batch_heads, 1, L, L, batch_heads if head_group is None else head_group)
     return [namespace[f"{name}_work"](sched, w)

@@ -473,14 +473,14 @@ def test_longest_first_order_takes_the_heads_in_groups(heads, q_tiles, group):
     last q tiles first; a group of at least B * H heads is the order before (every head's
     last tile, then the one before)."""
     source = load_template("fwd_common.tmpl")
-    start = source.index("def flexfa_longest_first(")
-    body = source[start:source.index("\n\n\n", start)]
+    body = "\n\n".join(source[start:source.index("\n\n\n", start)] for start in (
+        source.index(f"def {name}(") for name in ("flexfa_head_groups", "flexfa_longest_first")))
     order = []
     for pid1 in range(q_tiles):
         for pid0 in range(heads):
             tl = types.SimpleNamespace(program_id=lambda axis: (pid0, pid1)[axis],
                                        num_programs=lambda axis: (heads, q_tiles)[axis],
-                                       minimum=min, constexpr=object)
+                                       constexpr=object)
             namespace = {"HAS_BLOCK_MASK": True, "tl": tl}
             exec(body, namespace)
             start_m, off_bh, _, _ = namespace["flexfa_longest_first"](1, group, True)
