@@ -143,7 +143,9 @@ def test_compile_result_reports_spills_inside_loops():
 # "serialized" column lists the ones it does (docs/head-dims.md, "Serialized wgmmas")
 UNSERIALIZED = ("fwd_hopper_d128_bf16_causal", "fwd_hopper_d64_bf16_dense",
                 "fwd_hopper_d128_bf16_causal_split", "bwd_dkdv_d128_bf16_softcap_causal",
-                "bwd_dq_d128_bf16_softcap_causal", "bwd_dq_d256_bf16_softcap_causal_even")
+                "bwd_dq_d128_bf16_softcap_causal", "bwd_dq_d256_bf16_softcap_causal_even",
+                "bwd_dkdv_d256_bf16_softcap_causal_even", "bwd_dkdv_d64_bf16_dense",
+                "bwd_dq_d64_bf16_dense")
 
 
 @pytest.mark.parametrize("name", UNSERIALIZED)

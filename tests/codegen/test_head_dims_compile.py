@@ -43,11 +43,23 @@ SM90_DEFAULTS = [f"fwd_hopper_{tag}_bf16_softcap_causal" for tag in ("d192_ev128
     "fp8_quantize_d256_fp16_rotate"]
 
 
+# (spill bytes, local-memory instructions in the tile loops) allowed: E = 256's dK/dV walks
+# its partial and full blocks under a guard that keeps its wgmmas unserialized (common.tmpl's
+# flexfa_walk_mask_one_loop); ptxas then spills a value, 1.11-1.12x faster fwd+bwd on the
+# H200 than spill-free and serialized (docs/head-dims.md, "Serialized wgmmas")
+SPILL_BUDGET = {"bwd_dkdv_d256_bf16_softcap_causal": (8, 0),
+                "bwd_dkdv_d256_bf16_softcap_causal_even": (36, 1)}
+
+
 @pytest.mark.parametrize("name", SM90_DEFAULTS)
 def test_sm90_defaults_do_not_spill(name):
     result = _compiled(name, 90)
-    assert result.spill_bytes == 0, f"{name}: {result.spill_bytes} bytes of spills"
-    assert result.loop_local_ops in (None, 0), f"{name}: {result.loop_local_ops} in loops"
+    spills, loop_ops = SPILL_BUDGET.get(name, (0, 0))
+    assert result.spill_bytes <= spills, f"{name}: {result.spill_bytes} bytes of spills"
+    assert (result.loop_local_ops or 0) <= loop_ops, \
+        f"{name}: {result.loop_local_ops} local-memory instructions in loops"
+    if result.wgmma_serialized is not None and result.wgmma:
+        assert not result.wgmma_serialized, f"{name}: ptxas serialized its wgmmas"
     assert result.shared_bytes <= 227 * 1024, f"{name}: {result.shared_bytes} bytes of shared"
     if name.startswith("fwd_hopper"):
         assert result.wgmma and "cp.async.bulk.tensor" in result.ptx  # TMA loads, wgmma
