@@ -49,7 +49,7 @@ from triton.testing import do_bench
 import flexfa
 from flexfa import autograd as flexfa_autograd
 from flexfa.bench import _relerr
-from flexfa.bench_cases import bench_variants
+from flexfa.bench_cases import bench_variants, split_variant
 from flexfa.runtime.families import backward as bwd
 from flexfa.runtime.launch import Step
 from flexfa.runtime.target import target_of
@@ -60,22 +60,17 @@ def capture(variant: str, S: int, D: int, device: str = "cuda", heads: int = 16,
     """(args of run_backward, (dq, dk, dv)) of one flexfa fwd+bwd on the benchmark's inputs
     (``device="cpu"``, small S and heads: a smoke test under the interpreter); v and dO of
     head dim ``Dv`` (default D)."""
-    variant, *suffixes = variant.split("+")
-    group = next((int(x[3:]) for x in suffixes if x.startswith("gqa")), 1)
-    unknown = [x for x in suffixes if x not in ("drop", "nomask") and not x.startswith("gqa")]
-    if unknown or heads % group:
-        raise ValueError(f"variant suffixes {unknown} unknown or heads {heads} not a multiple "
-                         f"of the GQA group {group}")
+    variant, group, dropout, nomask = split_variant(variant, heads)
     B, H, Dv = max(1, 16384 // S) if device == "cuda" else 1, heads, Dv or D
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, h, S, dim, device=device, dtype=torch.bfloat16, generator=gen)
                .requires_grad_() for dim, h in ((D, H), (D, H // group), (Dv, H // group)))
     do = torch.randn(B, H, S, Dv, device=device, dtype=torch.bfloat16, generator=gen)
     score_mod, mask_mod = bench_variants(S, H, device)[variant]
-    if "nomask" in suffixes:
+    if nomask:
         mask_mod = None
     extra = dict(enable_gqa=group > 1)
-    if "drop" in suffixes:
+    if dropout:
         extra.update(dropout_p=0.1, dropout_seed=1234)
     block_mask = flexfa.create_block_mask(mask_mod, B, None, S, S, device=device) \
         if mask_mod else None

@@ -12,7 +12,8 @@ names (their template hashes differ), so they share one kernel cache and one tun
 (this checkout chooses kernels only through them); ``--old-env NAME=VALUE,...`` /
 ``--new-env ...`` set environment variables while that side runs and is timed (older trees
 read some choices from the environment); with ``--old .`` the same tree under two settings.
-``--grid`` times the whole benchmark grid (``python -m flexfa bench``'s dims, lengths and
+A case's variant may carry ``flexfa.bench_cases.split_variant``'s suffixes (``+gqaG``,
+``+drop``, ``+nomask``: ``256:8192:causal+gqa4``). ``--grid`` times the whole benchmark grid (``python -m flexfa bench``'s dims, lengths and
 variants); ``--json PATH`` writes the rows. ``--old`` may be given several times (with as many
 ``--old-env``, matched in order, or none): each tree is timed against this checkout in the
 same rounds, which shares the new side's compile and timing between them.
@@ -60,7 +61,7 @@ import torch
 
 import flexfa
 from flexfa.bench import _relerr, _time
-from flexfa.bench_cases import VARIANTS, bench_variants
+from flexfa.bench_cases import VARIANTS, bench_variants, split_variant
 
 
 def load_tree(path: str, name: str = "flexfa_old"):
@@ -136,16 +137,21 @@ def main(argv=None) -> int:
              if args.grid else parse_cases(args.cases))
     for dim, seq, variant in cases:
         B, H = max(1, args.tokens // seq), args.heads
-        score_mod, mask_mod = bench_variants(seq, H, "cuda")[variant]
-        q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=True) for _ in range(3))
+        base, group, dropout, nomask = split_variant(variant, H)
+        score_mod, mask_mod = bench_variants(seq, H, "cuda")[base]
+        mask_mod = None if nomask else mask_mod
+        extra = dict(enable_gqa=True) if group > 1 else {}
+        if dropout:
+            extra.update(dropout_p=0.1, dropout_seed=1234)
+        q, k, v = (torch.randn(B, h, seq, dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for h in (H, H // group, H // group))
         fns = {}
         for label, lib in trees.items():
             mask = (lib.create_block_mask(mask_mod, B, None, seq, seq, device="cuda")
                     if mask_mod else None)
             fns[label] = (lambda lib=lib, mask=mask, opts=options[label]:
                           lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask,
-                                                             kernel_options=opts))()
+                                                             kernel_options=opts, **extra))()
         for bwd in [p == "fwd+bwd" for p in args.passes.split(",")]:
             do = torch.randn_like(q)
             results = {}

@@ -42,6 +42,24 @@ def bench_variants(S: int, H: int, device):
             "document": (None, document_causal), "prefix": (None, prefix_lm)}
 
 
+def split_variant(variant: str, heads: int) -> tuple[str, int, bool, bool]:
+    """(base variant, GQA group, dropout, without the mask_mod) of a benchmark variant with
+    suffixes: ``+gqaG`` (G query heads per kv head), ``+drop`` (dropout 0.1, a fixed seed),
+    ``+nomask`` (the variant's score_mod without its mask_mod), e.g. ``causal+gqa4+drop``."""
+    base, *suffixes = variant.split("+")
+    groups = [x[3:] for x in suffixes if x.startswith("gqa")]
+    unknown = [x for x in suffixes if x not in ("drop", "nomask") and not x.startswith("gqa")]
+    if (unknown or base not in VARIANTS or len(groups) > 1
+            or not all(g.isdigit() and int(g) > 0 for g in groups)):
+        raise ValueError(f"variant {variant!r}: base must be one of {VARIANTS}, suffixes "
+                         f"+gqaG, +drop, +nomask; got base {base!r}, suffixes {suffixes}")
+    group = int(groups[0]) if groups else 1
+    if heads % group:
+        raise ValueError(f"variant {variant!r}: heads {heads} not a multiple of the GQA "
+                         f"group {group}")
+    return base, group, "drop" in suffixes, "nomask" in suffixes
+
+
 def source_digest() -> str:
     """sha256 over flexfa's own files (package-relative path and bytes of every .py and
     .tmpl), which names the code that ran even where the commit cannot be trusted (a copy of
