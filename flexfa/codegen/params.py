@@ -275,13 +275,13 @@ def hopper_combine_params(features: tuple[Param, ...] = ()) -> KernelParams:
 
 def fp8_params(buffers: tuple[Param, ...], features: tuple[Param, ...] = ()) -> KernelParams:
     """fwd_fp8.tmpl's kernel: e4m3 q, k, v with float32 descales, output in OUTPUT;
-    ``features``: ``feature_params`` (sinks only)."""
+    HEAD_GROUP as ``forward_params``'s; ``features``: ``feature_params`` (sinks only)."""
     return KernelParams((
         tensors("fp8e4nv", "Q", "K", "V") + tensors("fp32", "Q_SCALE", "K_SCALE", "V_SCALE")
         + tensors(OUTPUT, "OUT") + tensors("fp32", "LSE"),
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("o", "bhmd"),
         strides("qs_", "bh") + strides("kvs_", "bh"), *block_mask_tables("KV", "m", "n"),
-        _SCALARS + buffers, features,
+        _SCALARS + ints("HEAD_GROUP") + buffers, features,
         _FORWARD_CONSTEXPRS + constexprs("SCALE_Q", "SCALE_KV", "P_SHIFT", "EMULATE_FP8_CAST",
                                          "USE_TMA", "FOLD_QK_SCALE", "HAS_SINKS")))
 

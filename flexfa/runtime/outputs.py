@@ -33,8 +33,8 @@ def present_or(tensor, other):
 
 def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[int, int]:
     """The grid of the Hopper and FP8 forward templates: under a block mask (B * HQ, q tiles),
-    which fwd_common.tmpl's flexfa_longest_first reads in dispatch order (the Hopper
-    family's as HEAD_GROUP heads at a time, each group's longest q tiles first:
+    which fwd_common.tmpl's flexfa_longest_first reads in dispatch order (HEAD_GROUP
+    heads at a time, each group's longest q tiles first:
     ``head_group``); dense (q tiles, B * HQ), where the programs of one head running
     together share its K and V in L2."""
     return (batch_heads, q_tiles) if has_block_mask else (q_tiles, batch_heads)
@@ -44,9 +44,10 @@ def forward_grid(batch_heads: int, q_tiles: int, has_block_mask: bool) -> tuple[
 # the Gluon forward's dynamic tiles at S = 16384, E = 128 (8 MiB a head) ran causal, ALiBi,
 # softcap and prefix forwards in 0.92-0.95x the time of all 16 heads at once with groups of
 # 1 and 2 heads, 0.95-0.98x with 4; the Hopper family's grid with these groups causal at E =
-# 64 0.90-0.96x, E = 128 0.92-0.99x. Under sparse masks grouped heads ran slower (Gluon:
-# document 1.07x, sliding 1.01x the time; Hopper: document 1.08x), so those keep every head
-# in one group (docs/gluon.md, "Heads in groups")
+# 64 0.90-0.96x, E = 128 0.92-0.99x; the FP8 forward's (K and V of one byte) causal 0.92-0.97x
+# at S = 2048-16384. Under sparse masks grouped heads ran slower (Gluon: document 1.07x,
+# sliding 1.01x the time; Hopper: document 1.08x; FP8: document 1.02-1.08x), so those keep
+# every head in one group (docs/gluon.md, "Heads in groups")
 L2_GROUP_BYTES = 16 * 2 ** 20
 
 

@@ -97,6 +97,21 @@ def test_kernel_options_pin_tiles():
     check_fp8(q, k, v, None, mods.causal, kernel_options={"BLOCK_M": 32, "BLOCK_N": 16})
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_heads_in_groups_give_the_same_result(group):
+    """kernel_options HEAD_GROUP reorders the programs under a block mask (4 query heads in
+    groups of 1, or of 3 and 1; GQA 2): every (q tile, head) still runs once, against the
+    references and bit-equal to every head in one group (the plain longest-first order)."""
+    q, k, v = _qkv(Hq=4, Hkv=2, seed=10 + group)
+    pins = {"BLOCK_M": 32, "BLOCK_N": 16}
+    out, lse = check_fp8(q, k, v, None, mods.causal, enable_gqa=True,
+                         kernel_options={**pins, "HEAD_GROUP": group})
+    plain = check_fp8(q, k, v, None, mods.causal, enable_gqa=True,
+                      kernel_options={**pins, "HEAD_GROUP": 4})
+    torch.testing.assert_close(out, plain[0], atol=0, rtol=0)
+    torch.testing.assert_close(lse, plain[1], atol=0, rtol=0)
+
+
 def test_empty_rows_give_zero_and_minus_inf():
     def late_keys(b, h, q_idx, kv_idx):  # rows q_idx < 50 attend to nothing
         return (kv_idx < q_idx - 50) & (kv_idx >= 0)

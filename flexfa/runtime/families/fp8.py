@@ -18,7 +18,7 @@ from ..call import AttentionCall
 from ..kernels import ModeSpec, generated_module
 from ..launch import Step, cdiv
 from ..layout import output_like
-from ..outputs import forward_grid, out_strides
+from ..outputs import forward_grid, head_group, out_strides
 from ..registry import KernelFamily, register
 from ..tables import mask_blocks
 from ..target import Target
@@ -133,6 +133,7 @@ class FP8Forward(KernelFamily):
                  **binding.strides("kvs_", "bh", x.k_scale.stride()[:2]),
                  **binding.tables("KV", "m", "n", call.block_mask, "kv", x.q.device),
                  "HQ": Hq, "L": L, "S": x.k.shape[2],
+                 "HEAD_GROUP": head_group(call, x.q, x.k, x.v),
                  **binding.buffer_layout(call.score, call.mask)}
         step = Step(loaded.kernel(), forward_grid(B * Hq, cdiv(L, spec.block_m),
                                                   spec.has_block_mask),
