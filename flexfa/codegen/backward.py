@@ -224,7 +224,8 @@ def _kernel_params(spec: BackwardSpec, buffers: tuple[Param, ...], grads: tuple[
     features = feature_params("", spec.dropout)
     split = spec.split_head_dim
     return {f"{name}_dq": dq_params(spec.use_tma, ds_tma, buffers + grads, features, split),
-            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers, features, split),
+            f"{name}_dkdv": dkdv_params(spec.use_tma, ds_tma, buffers, features, split,
+                                        not spec.even_l1),
             "flexfa_bwd_delta": delta_params()}
 
 

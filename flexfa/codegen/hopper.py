@@ -25,13 +25,21 @@ def hopper_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                     versions_key(), template_hash(*HOPPER_TEMPLATES))
 
 
+def kv_heads(spec: KernelSpec) -> bool:
+    """K and V through descriptors over their heads (fwd_hopper.tmpl: [B * HKV, S, dim], or
+    with strided q, k, v [B, HKV, S, dim]) at a ragged S, where a key tile past S would read
+    another head's rows from the row views, and an inf or NaN there would reach the output
+    as 0 * inf in P @ V."""
+    return not spec.even_s
+
+
 def hopper_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None
                   ) -> GeneratedKernel:
     """Key, name (``flexfa_fwd_hopper_d128_bf16_<hash>``) and source of the Hopper forward."""
     assert spec.template == HOPPER_TEMPLATE, f"spec is for template {spec.template!r}"
     return forward_module(spec, score, mask, hopper_key(spec, score, mask), "fwd_hopper.tmpl",
                           forward_params(True, buffer_params(score, mask), spec.strided_qkv,
-                                         features(spec)),
+                                         features(spec), kv_heads(spec)),
                           module_flags(spec.constexprs(True)),
                           others=(("DEF_COMBINE", "combine",
                                    hopper_combine_params(features(spec))),))
@@ -52,5 +60,6 @@ def hopper_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod 
         return (hopper_combine_params(features(spec)).signature(constexprs, {INPUT: spec.dtype}),
                 constexprs)
     constexprs = spec.constexprs(score is not None)
-    params = forward_params(True, buffer_params(score, mask), spec.strided_qkv, features(spec))
+    params = forward_params(True, buffer_params(score, mask), spec.strided_qkv, features(spec),
+                            kv_heads(spec))
     return params.signature(constexprs, {INPUT: spec.dtype}), constexprs

@@ -203,15 +203,18 @@ _SCALARS = ints("HQ", "L", "S") + (Param("sm_scale", FLOAT),)
 
 
 def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = False,
-                   features: tuple[Param, ...] = ()) -> KernelParams:
+                   features: tuple[Param, ...] = (), kv_heads: bool = False) -> KernelParams:
     """fwd.tmpl's kernel, or with ``hopper`` fwd_hopper.tmpl's (q, k, v through host tensor
-    descriptors, with ``strided`` their batch, head and row strides too, and SPLIT_KV for
-    the Ampere kernel's SPLIT_KEYS); ``buffers``: the mods' ``captured`` tensors; ``features``:
+    descriptors, with ``strided`` their batch, head and row strides too, with ``kv_heads``
+    k and v over [B * HKV, S, dim] heads, [B, HKV, S, dim] with ``strided`` (a ragged S), and
+    SPLIT_KV for the Ampere kernel's
+    SPLIT_KEYS); ``buffers``: the mods' ``captured`` tensors; ``features``:
     ``feature_params``."""
     if hopper:
+        rows = ((1, 1, "BLOCK_N") if strided else (1, "BLOCK_N")) if kv_heads else ("BLOCK_N",)
         inputs = (Param("Q_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "E_PAD")),
-                  Param("K_DESC", DESCRIPTOR, INPUT, ("BLOCK_N", "E_PAD")),
-                  Param("V_DESC", DESCRIPTOR, INPUT, ("BLOCK_N", "EV_PAD")))
+                  Param("K_DESC", DESCRIPTOR, INPUT, (*rows, "E_PAD")),
+                  Param("V_DESC", DESCRIPTOR, INPUT, (*rows, "EV_PAD")))
         input_strides: tuple[tuple[Param, ...], ...] = (
             (strides("q", "bhm"), strides("k", "bhn"), strides("v", "bhn")) if strided else ())
     else:
@@ -342,15 +345,18 @@ def dq_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
 
 
 def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
-                features: tuple[Param, ...] = (), split: bool = False) -> KernelParams:
-    """bwd_dkdv.tmpl's kernel (``tma``: Q, dO through descriptors; ``ds_tma``: the dS
+                features: tuple[Param, ...] = (), split: bool = False,
+                head_views: bool = False) -> KernelParams:
+    """bwd_dkdv.tmpl's kernel (``tma``: Q, dO through descriptors, over the [B * H * L, d]
+    rows or with ``head_views`` (ragged L) the [B * H, L, d] heads; ``ds_tma``: the dS
     workspace too; ``split``: the q/k head dim in two column blocks, Q with a descriptor
     each); ``buffers``: the mods' captured tensors; ``features``: ``feature_params``
     (dropout only)."""
     ds = _ds_workspace(ds_tma)
+    rows = (1, "BLOCK_M") if head_views else ("BLOCK_M",)
     return KernelParams((
-        tensors(INPUT, "Q", "K", "V", "DO") + _column_blocks("Q_DESC", tma, split, "BLOCK_M")
-        + (_pointer_or_descriptor("DO_DESC", tma, INPUT, "BLOCK_M", "EV_PAD"),)
+        tensors(INPUT, "Q", "K", "V", "DO") + _column_blocks("Q_DESC", tma, split, *rows)
+        + (_pointer_or_descriptor("DO_DESC", tma, INPUT, *rows, "EV_PAD"),)
         + tensors(INPUT, "DK", "DV") + tensors("fp32", "LSE", "DELTA")
         + tensors(INPUT, "DS") + ds[0], ds[1],
         strides("q", "bhmd"), strides("k", "bhnd"), strides("v", "bhnd"), strides("g", "bhmd"),

@@ -164,3 +164,20 @@ def test_the_table_shows_serialized_wgmmas():
     header, _, first, second = table.splitlines()
     column = header.index("serialized")
     assert first[column:].startswith("yes") and second[column:].startswith("-")
+
+
+def test_ragged_dkdv_tiles_reach_the_gemms_without_a_bounds_select():
+    """At a ragged L the dK/dV kernel reads Q and dO through per-head descriptors (zeros past
+    L) instead of selecting the rows past L in registers: E = 128 causal at its default tiles
+    spilled 132 bytes, 21 local-memory instructions in the loop and 1127 on the tile's path
+    with the select; 20 / 2 / 768 without (docs/head-dims.md)."""
+    from flexfa.compile_check import jobs
+    result = compile_job("ragged", 90, jobs.backward_job("dkdv", 128, "bf16",
+                                                         mask_mod=jobs.causal_mask, ragged=True),
+                         loops=True)
+    assert result.ok, result.error
+    if result.loop_local_ops is None or not result.loop_path:
+        pytest.skip("ptxas or nvdisasm is unavailable")  # Triton's wheel ships both
+    assert result.loop_local_ops <= 4 and sum(result.loop_path.values()) < 900, \
+        (result.spill_bytes, result.loop_local_ops, sum(result.loop_path.values()))
+

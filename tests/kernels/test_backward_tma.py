@@ -1,8 +1,9 @@
 """The backward's tensor-descriptor (TMA) path, forced under the interpreter with
 kernel_options ``bwd_USE_TMA=True`` (it is the default on sm_90): Q/dO tiles of the dK/dV
-kernel come from [B * H * L, d] descriptors, so tiles past a head's end read the next head's
-rows and must be masked; K/V tiles of the dQ kernel from [B * H, S, d] descriptors (zeros
-past S), and dQ is stored through a [B * H, L, E] one (rows past L dropped)."""
+kernel come from [B * H * L, d] descriptors where L is a multiple of the tile and from
+[B * H, L, d] ones otherwise (zeros past L: never the next head's rows); K/V tiles of the dQ
+kernel from [B * H, S, d] descriptors (zeros past S), and dQ is stored through a
+[B * H, L, E] one (rows past L dropped)."""
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from flexfa.errors import InputTypeError
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import backward as backward_family
 from flexfa.runtime.options import parse_kernel_options
+from flexfa.runtime.pipeline import prepare_mask
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, record_backward_specs
 from forward_utils import make_qkv
@@ -129,6 +131,31 @@ def test_tma_rows_of_other_heads_cannot_leak_inf(spy_specs, E):
         assert torch.isfinite(g[0, 0]).all(), f"{name} of head 0 has non-finite values"
 
 
+@pytest.mark.parametrize("L,heads", [(200, True), (256, False)])
+def test_dkdv_reads_q_and_do_per_head_where_l_is_ragged(L, heads):
+    """At a ragged L the dK/dV kernel's Q and dO descriptors cover [B * H, L, d] (zeros past
+    L, no bounds select in the kernel); at a multiple of the tile the [B * H * L, d] rows. The
+    kernel's signature follows (rank-3 blocks), and both give the reference's gradients."""
+    q, k, v = make_qkv(1, 2, 2, L, 136, 48, 32, dtype=torch.bfloat16, seed=27)
+    block_mask = create_block_mask(mods.causal, None, None, L, 136, device="cpu")
+    call = AttentionCall(None, prepare_mask(block_mask), block_mask, 0.25,
+                         parse_kernel_options(TMA), 1)
+    spec = backward_family.backward_spec(q, k, v, call, has_dlse=False, target=INTERPRETER)
+    grad_out = torch.randn(1, 2, L, 32).to(q.dtype)
+    x = backward_family.Inputs(q, k, v, torch.zeros_like(grad_out), torch.zeros(1, 2, L),
+                               grad_out, None, torch.empty_like(q), torch.empty_like(k),
+                               torch.empty_like(v), {})
+    geometry = backward_family.descriptor_geometry(spec, x)
+    assert spec.even_l1 is not heads
+    for name, cols in (("q", 32), ("q_b", 16), ("do", 32)):
+        shape, strides, block = geometry[name]
+        if heads:
+            assert (shape, block) == ([2, L, 48 if name != "do" else 32], [1, spec.block_m1, cols])
+        else:
+            assert (shape, block) == ([2 * L, 48 if name != "do" else 32], [spec.block_m1, cols])
+    check_backward(q, k, v, None, mods.causal, block_mask, kernel_options=TMA)
+
+
 def test_a_cached_plans_launches_equal_freshly_built_ones():
     """A cached plan launches with its stored steps (kernels, grids, constexprs, options) and
     descriptor geometry, and descriptors whose checks are skipped once its first launch ran:
@@ -136,7 +163,6 @@ def test_a_cached_plans_launches_equal_freshly_built_ones():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from flexfa.runtime.launch import TrustedDescriptor
-    from flexfa.runtime.pipeline import prepare_mask
 
     q, k, v = make_qkv(1, 4, 2, 200, 136, 48, 32, dtype=torch.bfloat16, seed=26)
     block_mask = create_block_mask(mods.causal, None, None, 200, 136, device="cpu")

@@ -189,6 +189,29 @@ def test_nan_in_a_value_stays_in_its_head_and_out_of_skipped_tiles():
     torch.testing.assert_close(out[0, 1], reference[0, 1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["heads", "strided"])
+@pytest.mark.parametrize("options", [{}, {"BACKEND": "HOPPER"},
+                                     {"BACKEND": "HOPPER", "BLOCK_N": 64}],
+                         ids=["default", "hopper", "hopper_64"])
+def test_an_inf_in_the_next_heads_keys_stays_there_at_a_ragged_s(layout, options):
+    """S = 100 is not a multiple of the key tile: a tile past S must not read the next head's
+    (or, heads side by side, the next batch's) first keys and values, where an inf or NaN
+    would turn this head's P @ V into NaN (P is 0 there, 0 * inf is not). The Hopper family
+    read them through its [B * H * S, E] descriptors until the twentieth session."""
+    S = 100
+    gen = torch.Generator().manual_seed(7)
+    shape = (2, S, 2, 32) if layout == "strided" else (2, 2, S, 32)
+    q, k, v = (torch.randn(*shape, generator=gen).to(torch.bfloat16) for _ in range(3))
+    if layout == "strided":  # [B, S, H, E] memory read as [B, H, S, E]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k[1, 1, 0, 0], v[1, 1, 0, 1], v[0, 1, 0, 2], v[1, 0, 0, 3] = math.inf, math.inf, math.nan, \
+        -math.inf  # the first key of every (batch, head) but the first
+    out = flexfa.flex_attention(q, k, v, kernel_options=options)
+    assert torch.isfinite(out[0, 0]).all()
+    reference = attention_reference(q[:1, :1], k[:1, :1], v[:1, :1]).float()
+    torch.testing.assert_close(out[:1, :1].float(), reference, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan, 1e39])
 def test_inf_and_nan_scale_are_rejected(scale):
     q, k, v = qkv(L=8, S=8)

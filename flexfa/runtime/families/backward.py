@@ -40,7 +40,7 @@ from ..launch import Step, TrustedDescriptor, cdiv
 from ..registry import KernelFamily, register
 from ..tables import broadcast_strides, dummy_table, has_full_blocks, largest_tile, mask_blocks
 from ..target import Target
-from .hopper import descriptor_layout_ok, geometry
+from .hopper import descriptor_layout_ok, geometry, head_geometry
 
 FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
 
@@ -73,7 +73,10 @@ HOPPER_BACKWARD_WIDE = {
 # s28_bf48edf were 64 keys walking 32 rows, not these), with the 128-row dQ programs
 # (2.4-3.2x faster than the 64-row ones; since their K/V loads and dQ stores go through
 # per-head descriptors, 0 words of spills at 256 and 8 at 192/128 in the GPU's compile, 46
-# and 60 before, and 0.66-0.70x the time: S = 8100 softcap + causal, s28_bf48edf)
+# and 60 before, and 0.66-0.70x the time: S = 8100 softcap + causal, s28_bf48edf). Since Q
+# and dO come through per-head descriptors at ragged lengths (no bounds selects), the 8-warp
+# 64-key programs at Ev = 256 under a causal mask take 6.7 against these tiles' 10.2 ms
+# (rag_67facf5), one of the autotuner's candidates; without a block mask they still spill
 HOPPER_BACKWARD_WIDE_RAGGED = {
     (256, 128): (64, 32, 128, 64, 4, 2, 8, 2),
     (256, 256): (32, 32, 128, 32, 4, 2, 8, 2),
@@ -341,26 +344,18 @@ def descriptor_geometry(spec: BackwardSpec, x: Inputs) -> dict | None:
         return None
     e_a, e_b = spec.column_blocks
     ev_pad = next_power_of_two(x.v.shape[3])
-    blocks = {"q": geometry(x.q, spec.block_m1, e_a),
-              "do": geometry(x.grad_out, spec.block_m1, ev_pad),
+    # Q and dO of the dK/dV kernel: per head where L is ragged (bwd_dkdv.tmpl, not EVEN_L)
+    rows = geometry if spec.even_l1 else head_geometry
+    blocks = {"q": rows(x.q, spec.block_m1, e_a),
+              "do": rows(x.grad_out, spec.block_m1, ev_pad),
               "k": head_geometry(x.k, spec.block_n2, e_a),
               "v": head_geometry(x.v, spec.block_n2, ev_pad),
               "dq": head_geometry(x.dq, spec.block_m2, e_a)}
     if e_b:
-        blocks.update(q_b=geometry(x.q, spec.block_m1, e_b),
+        blocks.update(q_b=rows(x.q, spec.block_m1, e_b),
                       k_b=head_geometry(x.k, spec.block_n2, e_b),
                       dq_b=head_geometry(x.dq, spec.block_m2, e_b))
     return blocks
-
-
-def head_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
-    """(shape, strides, block) of the tensor descriptor over the [B * H, n, d] view of t (a
-    [B * H * n, d] matrix): a block past a head's last row reads TMA's zero fill and its
-    stores there are dropped, where a [B * H * n, d] view would reach the next head. The dQ
-    kernel's loads need no bounds selects then and its store no row mask, registers its
-    128-row tiles at head dims past 128 do not have."""
-    B, H, n, d = t.shape
-    return [B * H, n, d], [n * t.stride(2), t.stride(2), 1], [1, block_rows, cols_pad]
 
 
 def call_values(plan, call: AttentionCall, x: Inputs) -> dict:

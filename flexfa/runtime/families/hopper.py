@@ -21,7 +21,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...blockmask.density import density_class
-from ...codegen.hopper import HOPPER_TEMPLATE, combine_constexprs, hopper_kernel
+from ...codegen.hopper import HOPPER_TEMPLATE, combine_constexprs, hopper_kernel, kv_heads
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...errors import InputError
 from .. import autotune, binding, plans
@@ -77,6 +77,17 @@ def geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
     """(shape, strides, block) of the tensor descriptor over the [B * H * n, d] view of t."""
     B, H, n, d = t.shape
     return [B * H * n, d], [t.stride(2), 1], [block_rows, cols_pad]
+
+
+def head_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
+    """(shape, strides, block) of the tensor descriptor over the [B * H, n, d] view of t (a
+    [B * H * n, d] matrix): a block past a head's last row reads TMA's zero fill and its
+    stores there are dropped, where a [B * H * n, d] view would reach the next head. The
+    backward's dQ kernel and, at a ragged L, dK/dV kernel need no bounds selects then (the
+    dQ store no row mask), registers its tiles past 128 do not have; the Hopper forward's K
+    and V at a ragged S read no other head's keys (an inf there made P @ V NaN)."""
+    B, H, n, d = t.shape
+    return [B * H, n, d], [n * t.stride(2), t.stride(2), 1], [1, block_rows, cols_pad]
 
 
 # ---- strided q, k, v: one [rows, columns] matrix with each (batch, head) at its origin -------
@@ -138,6 +149,17 @@ def strided_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
     rows = t.shape[2] + sum((size - 1) * r for size, r, _ in steps)
     columns = t.shape[3] + sum((size - 1) * c for size, _, c in steps)
     return [rows, columns], [t.stride(2), 1], [block_rows, cols_pad]
+
+
+def strided_head_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
+    """(shape, strides, block) of the 4-D descriptor over a ``strided_layout_ok`` tensor's
+    [B, H, n, d] itself: a block past n reads TMA's zero fill, never another head's or
+    batch's rows. Its batch and head steps are whole rows or aligned column offsets (16-byte
+    multiples, ``_steps``); a dimension of size 1 takes an aligned stride it never steps."""
+    B, H, n, d = t.shape
+    row = t.stride(2)
+    steps = [stride if size > 1 else n * row for size, stride in zip(t.shape[:2], t.stride()[:2])]
+    return [B, H, n, d], [*steps, row, 1], [1, 1, block_rows, cols_pad]
 
 
 def _candidates(head_dim_pad: int, sparse_q, sparse_kv,
@@ -290,9 +312,12 @@ class HopperForward(KernelFamily):
                     spec.constexprs(call.scores_first), spec.launch_options(),
                     binding.Binder(loaded.names(), fixed))
         layout = strided_geometry if spec.strided_qkv else geometry
+        # at a ragged S, K and V per head (fwd_hopper.tmpl, codegen.hopper.kv_heads)
+        keys = ((strided_head_geometry if spec.strided_qkv else head_geometry)
+                if kv_heads(spec) else layout)
         descriptors = (layout(q, spec.block_m, spec.head_dim_pad),
-                       layout(k, spec.block_n, spec.head_dim_pad),
-                       layout(v, spec.block_n, spec.head_dim_v_pad))
+                       keys(k, spec.block_n, spec.head_dim_pad),
+                       keys(v, spec.block_n, spec.head_dim_v_pad))
         steps = [step]
         if splits > 1:  # the slices combined by their lse: one program per BLOCK_M flat rows
             combine = f"{loaded.name}_combine"
