@@ -13,8 +13,9 @@ names (their template hashes differ), so they share one kernel cache and one tun
 ``--new-env ...`` set environment variables while that side runs and is timed (older trees
 read some choices from the environment); with ``--old .`` the same tree under two settings.
 A case's variant may carry ``flexfa.bench_cases.split_variant``'s suffixes (``+gqaG``,
-``+drop``, ``+nomask``: ``256:8192:causal+gqa4``). ``--grid`` times the whole benchmark grid (``python -m flexfa bench``'s dims, lengths and
-variants); ``--json PATH`` writes the rows. ``--old`` may be given several times (with as many
+``+drop``, ``+nomask``: ``256:8192:causal+gqa4``). ``--grid`` times the whole benchmark
+grid (``python -m flexfa bench``'s dims, lengths and variants); ``--json PATH`` writes the
+rows. ``--old`` may be given several times (with as many
 ``--old-env``, matched in order, or none): each tree is timed against this checkout in the
 same rounds, which shares the new side's compile and timing between them.
 """

@@ -207,9 +207,8 @@ def forward_params(hopper: bool, buffers: tuple[Param, ...], strided: bool = Fal
     """fwd.tmpl's kernel, or with ``hopper`` fwd_hopper.tmpl's (q, k, v through host tensor
     descriptors, with ``strided`` their batch, head and row strides too, with ``kv_heads``
     k and v over [B * HKV, S, dim] heads, [B, HKV, S, dim] with ``strided`` (a ragged S), and
-    SPLIT_KV for the Ampere kernel's
-    SPLIT_KEYS); ``buffers``: the mods' ``captured`` tensors; ``features``:
-    ``feature_params``."""
+    SPLIT_KV for the Ampere kernel's SPLIT_KEYS); ``buffers``: the mods' ``captured``
+    tensors; ``features``: ``feature_params``."""
     if hopper:
         rows = ((1, 1, "BLOCK_N") if strided else (1, "BLOCK_N")) if kv_heads else ("BLOCK_N",)
         inputs = (Param("Q_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "E_PAD")),
