@@ -3,8 +3,9 @@
 ``python benchmarks/experiments/clock_trace.py --rounds 8 --out DIR`` times flexfa's forward
 on the benchmark's inputs (B = 1, H = 16, S = 16384, E = 128, bf16; causal, softcap + causal
 and full) and cuDNN SDPA (causal, full) with ``triton.testing.do_bench`` (median), in rounds
-that rotate the order, while ``nvidia-smi`` samples the SM clock, power and temperature every
-50 ms (reading them only; nothing is set). It writes ``rounds.json`` (each timing with its
+in ``flexfa.bench.round_order``'s balanced order (guard2_a8ea5b0's run rotated it), while
+``nvidia-smi`` samples the SM clock, power and temperature every 50 ms (reading them only;
+nothing is set). It writes ``rounds.json`` (each timing with its
 wall-clock interval) and ``smi.csv``, and prints per timing the median ms next to the median
 SM clock and power sampled during it, then the correlation of time and clock per variant.
 """
@@ -32,6 +33,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flexfa
+    from flexfa.bench import round_order
     from flexfa.bench_cases import bench_variants
 
     os.makedirs(args.out, exist_ok=True)
@@ -66,8 +68,7 @@ def main() -> int:
         rows, names = [], list(impls)
         try:
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
+                for name in round_order(names, r):
                     start = time.time()
                     ms = do_bench(impls[name], warmup=25, rep=args.rep, return_mode="median")
                     rows.append(dict(impl=name, round=r, ms=ms, start=start, end=time.time()))

@@ -5,9 +5,10 @@
 pre-quantized inputs, ``flexfa.fp8.flex_attention_fp8``) on the benchmark's inputs (B x S =
 ``--tokens``, H = 16) with ``kernel_options={"HEAD_GROUP": g}`` for each g (0: the runtime's
 default, ``flexfa.runtime.outputs.head_group``; B x H or more: every head in one group, the
-order before groups), ``triton.testing.do_bench`` medians in rounds that rotate the order,
-checks that every order gives the bit-identical output, and prints each group's median and
-its speed against every head in one group. A case's variant takes
+order before groups), ``triton.testing.do_bench`` medians in rounds in
+``flexfa.bench.round_order``'s balanced order (fp8_group_effa31e's run rotated it), checks
+that every order gives the bit-identical output, and prints each group's median and its
+speed against every head in one group. A case's variant takes
 ``flexfa.bench_cases.split_variant``'s suffixes.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flexfa
+    from flexfa.bench import round_order
     from flexfa.bench_cases import bench_variants, split_variant
     from flexfa.fp8 import flex_attention_fp8, quantize
 
@@ -69,8 +71,7 @@ def main() -> int:
         same = {g: bool(torch.equal(o, plain)) for g, o in outs.items()}
         times = {g: [] for g in values}
         for r in range(args.rounds):
-            order = values[r % len(values):] + values[:r % len(values)]
-            for g in order:
+            for g in round_order(values, r):
                 times[g].append(do_bench(fns[g], warmup=25, rep=args.rep, return_mode="median"))
         all_heads = statistics.median(times[B * H])
         for g in values:
