@@ -6,7 +6,8 @@ memory against the Triton backward and cuDNN SDPA.
    run) + Gluon backward (the block-mask walk: partial and full tiles) in a subprocess
    compiled with Triton 3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``:
    shared-memory accesses checked against the mbarriers and wgmma waits), killed after
-   ``--safety-timeout`` seconds (a barrier-phase mistake hangs). One instrumented backward
+   ``--safety-timeout`` seconds (a barrier-phase mistake hangs); at L = S = 320, no multiple
+   of its tiles, so the tiles past a head's end come by heads (3-D TMA). One instrumented backward
    kernel only: its compile alone took 433 s on a 2-core development machine (the dense
    walk differs in the table reads, not in the barriers); ``--safety-dropout P`` makes its
    call drop probabilities (the consumers draw the keep mask again). Nothing else runs
@@ -42,7 +43,7 @@ SAFETY = """
 import torch, triton, flexfa
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                  device="cuda"))
-L = 384
+L = 320  # ragged: Q, dO, K and V tiles past a head's end read by heads (3-D TMA)
 q, k, v = (torch.randn(1, 2, L, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, L, L, device="cuda")

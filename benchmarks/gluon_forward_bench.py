@@ -5,11 +5,10 @@ and cuDNN SDPA.
 1. ``consan``: tiny causal calls (the block-mask walk, partial and full tiles; 1, 2 and 3
    key tiles per row block), without and with the consumers' ping-pong (``GLUON_PINGPONG``),
    and with ping-pong and the TMA store of out (``GLUON_TMA_STORE``) on a mask whose first
-   row block has no tile and a ragged length (TMA and plain stores), and on the persistent
-   grid (``GLUON_PERSISTENT``, with the TMA store, and with ping-pong) at 96 heads (288 work
-   tiles: 2 or 3 per program on 132 SMs, some with no key tile), in a subprocess compiled
-   with Triton
-   3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
+   row block has no tile and a ragged length (TMA and plain stores; K and V past S read by
+   heads, 3-D TMA), and on the persistent grid (``GLUON_PERSISTENT``, with the TMA store, and
+   with ping-pong) at 96 heads (288 work tiles: 2 or 3 per program on 132 SMs, some with no
+   key tile), in a subprocess compiled with Triton 3.6's concurrency sanitizer (``TRITON_INSTRUMENTATION_MODE=consan``: it checks
    the kernel's shared-memory accesses against its mbarriers and wgmma waits, and fails with
    a device assertion on a race), killed after ``--safety-timeout`` seconds (a barrier-phase
    mistake hangs instead of failing). Nothing else runs unless it passes.

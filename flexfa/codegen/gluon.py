@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..frontend.trace import TracedMod
 from .forward import GeneratedKernel, buffer_params, forward_module, module_flags
+from .hopper import kv_heads
 from .params import (DESCRIPTOR, INPUT, KernelParams, Param, constexprs, feature_params,
                      forward_params, ints, tensors)
 from .spec import KernelSpec, spec_key
@@ -93,10 +94,13 @@ def descriptor_layout(block: list[int], dtype: str):
 
 
 def descriptor_blocks(spec: KernelSpec) -> dict[str, list[int]]:
-    """The block shape of each descriptor argument (q, k, v, and out with ``tma_store``)."""
+    """The block shape of each descriptor argument (q, k, v, and out with ``tma_store``):
+    at a ragged S (``kv_heads``) K's and V's are [1, BLOCK_N, dim] blocks of their
+    [B * HKV, S, dim] heads."""
+    heads = [1] if kv_heads(spec) else []
     return {"Q_DESC": [spec.block_m // CONSUMERS, spec.head_dim_pad],
-            "K_DESC": [spec.block_n, spec.head_dim_pad],
-            "V_DESC": [spec.block_n, spec.head_dim_v_pad],
+            "K_DESC": heads + [spec.block_n, spec.head_dim_pad],
+            "V_DESC": heads + [spec.block_n, spec.head_dim_v_pad],
             **({"O_DESC": [spec.block_m // CONSUMERS, spec.head_dim_v_pad]}
                if spec.tma_store else {})}
 

@@ -81,10 +81,12 @@ class GluonBackwardSpec:
 
 
 def descriptor_blocks(spec: GluonBackwardSpec) -> dict[str, tuple[list[int], str]]:
-    """Each descriptor argument's (block shape, element type)."""
+    """Each descriptor argument's (block shape, element type): at a ragged L (S) Q's and
+    dO's (K's and V's) are [1, rows, E] blocks of their [B * H, n, E] heads (bwd_gluon.tmpl's
+    Bounds)."""
     e_pad = next_power_of_two(spec.head_dim)
-    rows = [spec.block_m, e_pad]
-    keys = [spec.block_n // CONSUMERS, e_pad]
+    rows = [1] * (not spec.even_l) + [spec.block_m, e_pad]
+    keys = [1] * (not spec.even_s) + [spec.block_n // CONSUMERS, e_pad]
     return {"Q_DESC": (rows, spec.dtype), "DO_DESC": (rows, spec.dtype),
             "K_DESC": (keys, spec.dtype), "V_DESC": (keys, spec.dtype),
             "LSE_DESC": ([1, spec.block_m], "fp32"), "DELTA_DESC": ([1, spec.block_m], "fp32"),

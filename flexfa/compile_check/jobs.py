@@ -290,18 +290,19 @@ register("fwd_gluon_d64_bf16_document_persistent",
 
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,
-                  stages: int = 2, early_dp: bool = False, dropout: bool = False):
+                  stages: int = 2, early_dp: bool = False, dropout: bool = False,
+                  even: bool = False):
     """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
-    (the bounds-checked code), 128-key programs walking 64-row q tiles (``dropout``: the
-    keep mask drawn again)."""
+    (the bounds-checked code and q, k, v read by heads) unless ``even``, 128-key programs
+    walking 64-row q tiles (``dropout``: the keep mask drawn again)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         joint = joint_graph(score)
         spec = GluonBackwardSpec(dtype=dtype, head_dim=head_dim, stages=stages,
                                  has_block_mask=mask is not None,
                                  has_full_blocks=mask is not None,
-                                 sparse_q=128 if mask else 64, sparse_kv=128, even_l=False,
-                                 even_s=False, gqa_group=gqa_group, target=f"cuda:{arch}",
+                                 sparse_q=128 if mask else 64, sparse_kv=128, even_l=even,
+                                 even_s=even, gqa_group=gqa_group, target=f"cuda:{arch}",
                                  early_dp=early_dp, dropout=dropout)
         generated = gluon_bwd_kernel(spec, joint, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)

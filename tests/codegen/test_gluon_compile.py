@@ -73,6 +73,9 @@ for name in sys.argv[1:]:
                                          r.ptx))),
         tanh="tanh.approx.f32" in r.ptx, arrive="mbarrier.arrive" in r.ptx,
         tma="cp.async.bulk.tensor" in r.ptx, atomics=r.ptx.count("atom.global"),
+        # loads through the [heads, n, dim] views (a ragged length's q, k, v, dO) and rows
+        tma_3d=r.ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global"),
+        tma_2d=r.ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
         reduce="cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in r.ptx,
         try_wait=r.ptx.count("mbarrier.try_wait"),
         tma_stores=r.ptx.count("cp.async.bulk.tensor.2d.global.shared::cta"),
@@ -140,6 +143,12 @@ def forward_rows(started) -> dict:
             for name, row in _rows(started[group]).items()}
 
 
+@pytest.fixture(scope="module")
+def backward_rows(started) -> dict:
+    """The backward's variants: the kernel's, its row kernels', with dropout."""
+    return _rows(started["backward"])
+
+
 def _check_compiled(name: str, row: dict) -> None:
     assert row["ok"], (name, row["error"])
     assert row["wgmma"] and row["tma"] and row["arrive"], row
@@ -182,6 +191,22 @@ def test_full_tiles_run_no_mask_and_no_bounds_check(forward_rows):
     assert sum(forward_rows["fwd_gluon_d128_bf16_causal"]["path"].values()) <= dense + 32
     # ALiBi's |q_idx - kv_idx| in float32 at S = 16384 (exact there): no integer abs per score
     assert forward_rows["fwd_gluon_d128_bf16_alibi_causal_even"]["path"].get("IABS", 0) == 0
+
+
+def test_ragged_lengths_read_by_heads(forward_rows, backward_rows):
+    """At a length that is no multiple of the tile the Gluon kernels read the tiles a head's
+    end reaches into through the [heads, n, dim] views (3-D TMA; TMA's zero fill past n)
+    instead of the [heads * n, dim] rows, where a tile past S read the next head's first keys
+    and an inf there made this head's P @ V NaN (tests/gpu/test_next_head_inf_gpu.py): in
+    the forward K and V (Q's rows past L are never stored), in the backward Q, dO, K and V
+    (lse2, delta and the dQ reduce stay 2-D); at tile multiples every load is 2-D."""
+    ragged, even = (forward_rows["fwd_gluon_d128_bf16_causal"],
+                    forward_rows["fwd_gluon_d128_bf16_alibi_causal_even"])
+    assert ragged["tma_3d"] > 0 and ragged["tma_2d"] > 0, ragged  # K, V by heads; Q rows
+    assert even["tma_3d"] == 0 and even["tma_2d"] > 0, even
+    backward = backward_rows["bwd_gluon_d128_bf16_causal"]
+    # Q, dO, K, V by heads (each of the producer's copies is 3-D), lse2 and delta by rows
+    assert backward["tma_3d"] > 0 and backward["tma_2d"] > 0, backward
 
 
 def test_gluon_static_max_forward_compiles_without_a_row_max(forward_rows):
@@ -266,12 +291,12 @@ def test_gluon_persistent_forward_compiles_for_sm90(forward_rows):
         assert row["try_wait"] == static["try_wait"] + 4, (row["try_wait"], static["try_wait"])
 
 
-def test_gluon_backward_compiles_for_sm90(started):
+def test_gluon_backward_compiles_for_sm90(backward_rows):
     """The Gluon backward (bwd_gluon.tmpl): wgmma, TMA loads, the dQ-writer warp's TMA
     reduce-add, the 1-warp partitions at 24 registers and the worker consumer at 240;
     compiled where triton.language was decorated for the interpreter (its first GPU run
     failed there on gl.max)."""
-    rows = _rows(started["backward"])
+    rows = dict(backward_rows)
     dropout = {name: rows.pop(name) for name in BWD_DROPOUT_VARIANTS}
     for name in BWD_ROW_VARIANTS:  # plain Triton: no wgmma, no spills
         row = rows.pop(name)

@@ -37,7 +37,7 @@ from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
 from ..target import Target
 from .ampere import int64_nodes, sm_count, wants_split
-from .hopper import descriptor_layout_ok, geometry
+from .hopper import block_geometry, descriptor_layout_ok
 
 BLOCK_M = CONSUMERS * CONSUMER_ROWS
 # (BLOCK_N, ring depth) per padded (E, Ev): K and V rings plus Q fit the H200's 227 KB of
@@ -351,7 +351,8 @@ class GluonForward(KernelFamily):
                     binding.Binder(loaded.names(), fixed))
         descriptors = []
         for t, (name, block) in zip((q, k, v), descriptor_blocks(spec).items()):
-            shape, strides, _ = geometry(t, block[0], block[1])
+            # K and V at a ragged S by heads (rank-3 blocks, codegen.hopper.kv_heads)
+            shape, strides = block_geometry(t, block)
             descriptors.append((name, (shape, strides, block,
                                        descriptor_layout(block, spec.dtype))))
         if spec.tma_store:  # the fourth, over the call's out

@@ -38,7 +38,7 @@ from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
 from .backward import Inputs, int64_nodes_of, joint_graph
 from .gluon import SHARED_BYTES, descriptor_kinds, import_gluon, why_not_gluon
-from .hopper import descriptor_layout_ok, geometry
+from .hopper import block_geometry, descriptor_layout_ok
 
 # the Q/dO ring per padded head dim: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x
 # the time of 2 at S = 16384 full, 0.99x causal in bqb_02d71cb; mixed within 5% in
@@ -402,7 +402,7 @@ class GluonBackward(KernelFamily):
 
         def descriptor(name, t, shape, strides):
             return kind(t, shape, strides, blocks[name], layouts[name])
-        descriptors = {name: descriptor(name, t, *geometry(t, *blocks[name])[:2])
+        descriptors = {name: descriptor(name, t, *block_geometry(t, blocks[name]))
                        for name, t in (("Q_DESC", x.q), ("DO_DESC", grad_out), ("K_DESC", x.k),
                                        ("V_DESC", x.v))}
         descriptors.update(

@@ -90,6 +90,13 @@ def head_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
     return [B * H, n, d], [n * t.stride(2), t.stride(2), 1], [1, block_rows, cols_pad]
 
 
+def block_geometry(t: torch.Tensor, block: list[int]) -> tuple[list[int], list[int]]:
+    """(shape, strides) of the descriptor over t for a block [rows, cols] (the [B * H * n, d]
+    rows) or [1, rows, cols] (the [B * H, n, d] heads, ``head_geometry``)."""
+    layout = head_geometry if len(block) == 3 else geometry
+    return layout(t, *block[-2:])[:2]
+
+
 # ---- strided q, k, v: one [rows, columns] matrix with each (batch, head) at its origin -------
 #
 # A [B, H, n, d] tensor whose rows (stride(2)) are 16-byte aligned is a matrix of rows of
