@@ -1,7 +1,7 @@
 """CPU (no GPU): where the backward's kernels spill at the wide head dims (issue 28). For E =
 256 and 192 with Ev = 128, every mod class of the table and both length kinds (tile multiples,
 whose sm_90 default is 64 keys x 64 rows on 8 warps, and ragged lengths, 32-key programs on 4
-warps), compiles the dK/dV and dQ kernels for sm_90 at the runtime's default tiles
+warps, except at 256 under a block mask: the 64-key ones, backward.py's ragged_default), compiles the dK/dV and dQ kernels for sm_90 at the runtime's default tiles
 (``flexfa.compile_check.jobs.backward_job``) and prints ``ptxas -v``'s spill store bytes next
 to the local-memory instructions inside the tile loops (``loop_local_ops``: the spills paid on
 every tile), and "S" where ptxas serialized the kernel's wgmmas (C7514 / C7515). A cold Triton

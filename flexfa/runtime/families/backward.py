@@ -75,8 +75,8 @@ HOPPER_BACKWARD_WIDE = {
 # per-head descriptors, 0 words of spills at 256 and 8 at 192/128 in the GPU's compile, 46
 # and 60 before, and 0.66-0.70x the time: S = 8100 softcap + causal, s28_bf48edf). Since Q
 # and dO come through per-head descriptors at ragged lengths (no bounds selects), the 8-warp
-# 64-key programs at Ev = 256 under a causal mask take 6.7 against these tiles' 10.2 ms
-# (rag_67facf5), one of the autotuner's candidates; without a block mask they still spill
+# 64-key programs at Ev = 256 under a block mask are faster again: those calls take the even
+# lengths' default (``ragged_default``); without a block mask they still spill
 HOPPER_BACKWARD_WIDE_RAGGED = {
     (256, 128): (64, 32, 128, 64, 4, 2, 8, 2),
     (256, 256): (32, 32, 128, 32, 4, 2, 8, 2),
@@ -88,6 +88,21 @@ def ragged_lengths(q, k) -> bool:
     """The query or key length is not a multiple of the widest backward tile: the kernels
     run their bounds-checked code, which the wide head dims' defaults tell apart."""
     return bool(q.shape[2] % RAGGED_TILE or k.shape[2] % RAGGED_TILE)
+
+
+def ragged_default(q, k, v, call: AttentionCall) -> bool:
+    """The wide head dims' ragged-length default applies (``HOPPER_BACKWARD_WIDE_RAGGED``):
+    lengths that are not multiples of ``RAGGED_TILE``, except at padded head dims 256/256
+    under a block mask. There, since Q and dO come through per-head descriptors (no bounds
+    selects), the 8-warp 64-key dK/dV programs win at ragged lengths as at even ones (H200,
+    S = 8100, the dK/dV kernel alone, ms against the 4-warp 32-key tiles: causal 6.7 / 10.2,
+    softcap + causal 7.4 / 10.6, ALiBi + causal 7.0 / 10.3, document 1.7 / 2.5, causal GQA 4
+    7.2 / 10.3, causal with dropout 14.1 / 14.5; fwd+bwd 1.23-1.28x, rag_67facf5 and
+    mask_e08f18d). Without a mask their unmasked walk spills 736 bytes (66 local-memory
+    instructions in the loop) in the sm_90 compile; at 192/128 the 4-warp tiles stay faster
+    under a mask too (causal 5.1 / 5.6 ms, softcap + causal 5.4 / 7.4)."""
+    wide_pair = (next_power_of_two(q.shape[3]), next_power_of_two(v.shape[3])) == (256, 256)
+    return ragged_lengths(q, k) and not (wide_pair and call.block_mask is not None)
 
 
 def hopper_candidates(head_dim_pad: int, head_dim_v_pad: int, ragged: bool = False) -> tuple:
@@ -194,7 +209,7 @@ def backward_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target,
     tma = use_tma(call, target, q, k, v, q if grad_out is None else grad_out)
     m1, n1, m2, n2, warps, stages, *dq = config or default_tiles(
         next_power_of_two(q.shape[3]), q.dtype, target, next_power_of_two(v.shape[3]), tma,
-        ragged_lengths(q, k))
+        ragged_default(q, k, v, call))
     dq_warps, dq_stages = dq or (warps, stages)
     spec = _tiled_spec(q, k, v, call, has_dlse, target, tma, (m1, n1, warps, stages),
                        (m2, n2, dq_warps, dq_stages))
@@ -456,7 +471,7 @@ class Backward(KernelFamily):
         work = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         ragged = ragged_lengths(q, k)
         wide = wide_head_dims(q.shape[3], v.shape[3])
-        candidates = hopper_candidates(e_pad, ev_pad, ragged)
+        candidates = hopper_candidates(e_pad, ev_pad, ragged_default(q, k, v, call))
         if (not target.is_sm90 or q.dtype == torch.float32
                 or (wide and not use_tma(call, target, q, k, v, x.grad_out))
                 or call.options.bwd.pins_tiles or not autotune.enabled()
