@@ -1,8 +1,10 @@
 """A non-finite value stays in its own (batch, head): inf and NaN in the first and last keys,
 values, queries and upstream gradients of every other (batch, head) never reach one clean
 head's output or gradients, on every family the interpreter runs (the default, the Hopper
-forward forced, the Triton backward with and without tensor descriptors), heads stacked or
-side by side, with and without a block mask, GQA, at lengths that are tile multiples or not.
+forward forced, the Triton backward with and without tensor descriptors, dQ from the stored
+dS, split-KV), heads stacked or side by side, with and without a block mask, GQA, at
+lengths that are tile multiples or not; the clean heads bit-equal to the same family's
+attention on them alone.
 Tiles that reach past a head's last row read other rows through row-view descriptors unless
 the kernel reads per-head views or zeroes them: the Hopper forward at a ragged S leaked an
 inf in the next head's first value into this head's P @ V until the twentieth session (every
@@ -19,7 +21,10 @@ from flexfa import mods
 
 FAMILIES = {"default": {}, "hopper": {"BACKEND": "HOPPER"},
             "tma_backward": {"bwd_USE_TMA": True},
-            "hopper_tma_backward": {"BACKEND": "HOPPER", "bwd_USE_TMA": True}}
+            "hopper_tma_backward": {"BACKEND": "HOPPER", "bwd_USE_TMA": True},
+            # dQ from the stored dS (its K reads), keys split over programs and combined
+            "ds_workspace": {"DS_WORKSPACE": True}, "hopper_split_kv": {"BACKEND": "HOPPER",
+                                                                      "SPLIT_KV": 2}}
 
 
 def _poison(t: torch.Tensor, clean_heads: int) -> None:
@@ -67,10 +72,11 @@ def test_other_heads_non_finite_values_never_reach_a_clean_head(lengths, E, fami
         out.backward(grad_out)
         assert torch.isfinite(q.grad[0, :gqa]).all()
         assert torch.isfinite(k.grad[0, 0]).all() and torch.isfinite(v.grad[0, 0]).all()
-    # the clean heads against attention on them alone
+    # the clean heads against attention on them alone, by the same family
     clean = flexfa.flex_attention(*(t[:1, :h].detach().contiguous() for t, h in
                                     ((q, gqa), (k, 1), (v, 1))),
                                   block_mask=(flexfa.create_block_mask(
                                       mods.causal, None, None, L, S, device="cpu")
-                                      if causal else None), enable_gqa=gqa > 1)
+                                      if causal else None), enable_gqa=gqa > 1,
+                                  kernel_options=FAMILIES[family])
     torch.testing.assert_close(out[:1, :gqa].detach(), clean, atol=0, rtol=0)
