@@ -387,17 +387,14 @@ def test_postprocess_writes_each_part_to_its_heads_under_the_interpreter():
         torch.testing.assert_close(x.dq.float(), want, atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
-def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch, dropout_p):
-    """The family's plan and cached run on the CPU with the launches recorded (the Gluon
-    kernel runs on an H200 only): every kernel argument is bound, also in a cached call that
-    wants no dK/dV (runtime.backward binds none there; the fused kernel still writes them)."""
-    from flexfa.runtime import binding
+def _recorded_run(monkeypatch, L: int, E: int, dropout_p: float = 0.0):
+    """(plan, call, inputs, k, v, launches) of the family's plan and a cached run of a
+    causal call with a captured bias at length L (no dK/dV wanted), the launches recorded:
+    the Gluon kernel runs on an H200 only."""
     from flexfa.runtime.launch import Step
     launched = []
     monkeypatch.setattr(Step, "launch", lambda self, args, device, grid=None, stream=None: (
         launched.append((self, args, grid or self.grid)), setattr(self, "launched", True)))
-    L, E = 256, 64
     q, k, v = _qkv(L=L, E=E)
     bias = torch.randn(2)
     call = _call(FORCED, _mask(L), lambda score, b, h, q_idx, kv_idx: score + bias[h],
@@ -407,6 +404,37 @@ def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch, 
     plan = GLUON_BWD.make_plan(call, x, SM90)
     x.dk = x.dv = None  # a cached call whose key and value need no gradient
     GLUON_BWD.run(plan, call, x, False, False)
+    return plan, call, x, k, v, launched
+
+
+@pytest.mark.parametrize("L", [256, 200])
+def test_ragged_lengths_read_q_do_k_v_by_heads(monkeypatch, L):
+    """At a length that is no multiple of the tiles the kernel's Q, dO, K and V descriptors
+    are over the [B * H, n, E] heads with [1, rows, E] blocks (a tile past n reads TMA's zero
+    fill, never the next head's rows, whose inf made dQ, dK, dV NaN); at multiples over
+    the [B * H * n, E] rows."""
+    E = 64
+    plan, call, x, k, v, launched = _recorded_run(monkeypatch, L, E)
+    main = dict(zip(plan.steps[1].binder.names, launched[2][1]))
+    for name, rows in (("Q_DESC", 64), ("DO_DESC", 64), ("K_DESC", 64), ("V_DESC", 64)):
+        desc = main[name]
+        if L % 128:
+            assert (desc.shape, desc.strides, desc.block_shape) == (
+                [2, L, E], [L * E, E, 1], [1, rows, E]), (name, desc)
+            assert desc.layout.rank == 3
+        else:
+            assert (desc.shape, desc.strides, desc.block_shape) == (
+                [2 * L, E], [E, 1], [rows, E]), (name, desc)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_a_plan_binds_every_argument_first_and_cached_without_dkdv(monkeypatch, dropout_p):
+    """The family's plan and cached run on the CPU with the launches recorded (the Gluon
+    kernel runs on an H200 only): every kernel argument is bound, also in a cached call that
+    wants no dK/dV (runtime.backward binds none there; the fused kernel still writes them)."""
+    from flexfa.runtime import binding
+    L, E = 256, 64
+    plan, call, x, k, v, launched = _recorded_run(monkeypatch, L, E, dropout_p)
     pre, kernel, post, zero = plan.steps
     # B = 1, Hkv = 2: the accumulator holds one kv head's rows, zeroed, then the kernel and
     # the postprocess run per head (GLUON_BWD_DQ_CHUNKS's default: a quarter of the pairs,

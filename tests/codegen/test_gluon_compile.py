@@ -337,6 +337,8 @@ q = torch.zeros(1, 2, 200, 64, dtype=torch.float16)
 call = AttentionCall(None, None, None, 0.125, parse_kernel_options({"BACKEND": "GLUON"}), 1)
 plan = gluon.GLUON.make_plan(q, q, q, call, Target("cuda", 9, 0), True, False)
 print(type(plan.steps[0].kernel).__name__, plan.steps[0].grid, plan.steps[0].options)
+for name, (shape, strides, block, layout) in plan.fixed["descriptors"]:
+    print("geometry", name, shape, strides, block, layout.rank)
 stored = AttentionCall(None, None, None, 0.125, parse_kernel_options(
     {"BACKEND": "GLUON", "GLUON_TMA_STORE": True}), 1)
 plan = gluon.GLUON.make_plan(q, q, q, stored, Target("cuda", 9, 0), True, False)
@@ -359,7 +361,14 @@ def test_gluon_plan_loads_where_triton_language_is_interpreted(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[0] == "GluonJITFunction", result.stdout
     assert "(2, 2)" in result.stdout and "'maxnreg': 168" in result.stdout, result.stdout
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("geometry")]
+    # at S = 200 (no multiple of the 128-key tile) K and V by heads: [B * H, S, E] with
+    # rank-3 blocks (TMA's zero fill past S, never the next head's keys); Q by rows
+    geometry = [line for line in result.stdout.splitlines() if line.startswith("geometry")]
+    assert geometry == ["geometry Q_DESC [400, 64] [64, 1] [64, 64] 2",
+                        "geometry K_DESC [2, 200, 64] [12800, 64, 1] [1, 128, 64] 3",
+                        "geometry V_DESC [2, 200, 64] [12800, 64, 1] [1, 128, 64] 3"], geometry
     # GLUON_TMA_STORE: the output's descriptor over its [B * H * L, Ev] rows, 64-row blocks
-    assert result.stdout.splitlines()[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout
+    assert lines[1] == "O_DESC [400, 64] [64, 1] [64, 64]", result.stdout
     # GLUON_PERSISTENT without a GPU: min(132 SMs, 2 q tiles x 2 heads) programs; BATCH_HEADS
-    assert result.stdout.splitlines()[2] == "persistent (4,) 2", result.stdout
+    assert lines[2] == "persistent (4,) 2", result.stdout
