@@ -2,8 +2,8 @@
 NaN and lse +inf, a row with a NaN score out and lse NaN, a row whose scores are all -inf out
 0 and lse -inf; gradients are NaN where torch's are. The oracle is torch itself, run eagerly
 on the CPU: its flex_attention for out and lse, and for the gradients the dense backward it
-would run (torch's CPU flex_attention has no backward). The one documented difference: a row
-with both a +inf and a NaN score gets lse +inf where torch's is NaN (out NaN in both). The
+would run (torch's CPU flex_attention has no backward). A row with both a +inf and a NaN
+score is NaN in out, lse, row max and gradients, as torch's (the running max keeps NaN). The
 "cuda" cases run the same checks on compiled kernels (NaN handling of max and FMA contraction
 differ from the interpreter's)."""
 import math
@@ -58,11 +58,6 @@ def _inputs(device, requires_grad=False, **shape):
     return ours, cpu
 
 
-def _mixed_rows(extra) -> torch.Tensor:
-    """Rows with both a +inf and a NaN score: lse +inf here, NaN in torch."""
-    return torch.isposinf(extra).any(-1) & torch.isnan(extra).any(-1)
-
-
 def _torch(q, k, v, extra, scale=SCALE):
     """torch's (out, lse, row max) and gradients of out.sum() (dq, dk, dv), in float32."""
     _, torch_add, torch_joint = _mods(extra)
@@ -74,13 +69,9 @@ def _torch(q, k, v, extra, scale=SCALE):
     return out, lse2 * math.log(2), max2 * math.log(2), grads
 
 
-def _assert_same(name, ours, theirs, atol, skip_rows=None):
-    """Same NaN and infinity pattern (rows ``skip_rows`` may be +inf or NaN where torch's are
-    NaN), finite values close."""
+def _assert_same(name, ours, theirs, atol):
+    """Same NaN and infinity pattern, finite values close."""
     ours, theirs = ours.detach().double().cpu(), theirs.detach().double()
-    if skip_rows is not None and skip_rows.any():  # ours [..., L], the rows on the last dim
-        assert (torch.isnan(ours[..., skip_rows]) | torch.isposinf(ours[..., skip_rows])).all()
-        ours, theirs = ours[..., ~skip_rows], theirs[..., ~skip_rows]
     assert torch.equal(torch.isnan(ours), torch.isnan(theirs)), f"{name}: NaN pattern differs"
     infinite = torch.isinf(theirs)
     assert torch.equal(torch.isinf(ours), infinite), f"{name}: infinities differ"
@@ -103,10 +94,9 @@ def test_out_lse_and_row_max_follow_torch(device, template, dtype, atol, data):
     torch_out, torch_lse = torch_flex_attention(*cpu, score_mod=_mods(extra)[0], scale=SCALE,
                                                 return_lse=True)
     _, _, torch_max, _ = _torch(*cpu, extra)
-    mixed = _mixed_rows(extra)
     _assert_same("out", out.float(), torch_out.float(), atol)
-    _assert_same("lse", aux.lse, torch_lse, atol, skip_rows=mixed)
-    _assert_same("max_scores", aux.max_scores, torch_max, atol, skip_rows=mixed)
+    _assert_same("lse", aux.lse, torch_lse, atol)
+    _assert_same("max_scores", aux.max_scores, torch_max, atol)
     empty = torch.isneginf(extra).all(-1)  # fully masked rows: out 0, lse -inf
     out, lse = out.cpu(), aux.lse.cpu()
     assert (out[..., empty, :] == 0).all() and torch.isneginf(lse[..., empty]).all()
@@ -122,9 +112,38 @@ def test_gradients_follow_torch(device, data):
     out.sum().backward()
     torch_out, torch_lse, _, torch_grads = _torch(*cpu, extra)
     _assert_same("out", out, torch_out, 1e-4)
-    _assert_same("lse", lse, torch_lse, 1e-4, skip_rows=_mixed_rows(extra))
+    _assert_same("lse", lse, torch_lse, 1e-4)
     for name, ours, theirs in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), torch_grads):
         _assert_same(name, ours, theirs, 1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("template, dtype", [("AMPERE", torch.float32),
+                                             ("HOPPER", torch.bfloat16)])
+def test_a_row_with_inf_and_nan_scores_is_nan_as_torch(device, template, dtype):
+    """Rows with a +inf and a NaN score, in one key tile (row 0) and in two (rows 1 and 2, in
+    either order; BLOCK_N=16): out, lse, row max and, in float32, every gradient as torch's:
+    NaN (the running max keeps NaN; one that dropped it gave lse +inf, and dV finite for the
+    keys whose score was finite)."""
+    extra = torch.zeros(L, S)
+    extra[0, 1], extra[0, 0] = INF, math.nan
+    extra[1, 3], extra[1, S - 2] = math.nan, INF
+    extra[2, 2], extra[2, S - 1] = INF, math.nan
+    (q, k, v), cpu = _inputs(device, requires_grad=dtype == torch.float32, L=L, S=S,
+                             dtype=dtype)
+    out, aux = flexfa.flex_attention(q, k, v, score_mod=_mods(extra.to(device))[0], scale=SCALE,
+                                     kernel_options={"BACKEND": template, "BLOCK_N": 16},
+                                     return_aux=AuxRequest(lse=True, max_scores=True))
+    torch_out, torch_lse, torch_max, torch_grads = _torch(*cpu, extra)
+    for name, ours, theirs in (("lse", aux.lse, torch_lse), ("max", aux.max_scores, torch_max)):
+        assert torch.isnan(ours[0, 0, :3].cpu()).all() and torch.isnan(theirs[0, 0, :3]).all()
+        _assert_same(name, ours, theirs, 2e-2)
+    _assert_same("out", out.float(), torch_out, 2e-2)
+    if dtype == torch.float32:
+        out.sum().backward()
+        for name, ours, theirs in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), torch_grads):
+            _assert_same(name, ours, theirs, 1e-3)
+        assert torch.isnan(v.grad).all()  # every key is visited by the NaN rows
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -155,12 +174,16 @@ def test_split_kv_decoding_combines_non_finite_rows(monkeypatch, device, backend
     monkeypatch.setattr(ampere, "combine_splits",
                         lambda parts, *rest, **kw: (combined.append(parts.shape[0]),
                                                     real(parts, *rest, **kw)))
-    rows, keys = 5, 1024
+    rows, keys = 8, 1024
     extra = torch.zeros(rows, keys)
     extra[0, 900] = INF  # in the second split only
     extra[1, 10] = math.nan  # in the first split only
     extra[2] = -INF  # nothing to attend
     extra[3, :512] = -INF  # the first split has nothing for this row
+    extra[4, 10], extra[4, 512:] = math.nan, -INF  # NaN, and the second split has nothing
+    extra[5, 10], extra[5, 900] = math.nan, INF  # NaN in the first split, +inf in the second
+    extra[6, 3], extra[6, 5] = INF, math.nan  # both in the first split
+    extra[7, 700], extra[7, 600] = INF, math.nan  # both in the second split
     (q, k, v), cpu = _inputs(device, L=rows, S=keys)
     out, aux = flexfa.flex_attention(q, k, v, score_mod=_mods(extra.to(device))[0],
                                      kernel_options={"SPLIT_KV": 2, "BACKEND": backend},
@@ -172,6 +195,7 @@ def test_split_kv_decoding_combines_non_finite_rows(monkeypatch, device, backend
     _assert_same("lse", aux.lse, torch_lse, 1e-4)
     maxs = aux.max_scores.cpu()
     assert maxs[0, 0, 0] == INF and math.isnan(maxs[0, 0, 1]) and maxs[0, 0, 2] == -INF
+    assert torch.isnan(maxs[0, 0, 4:]).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
