@@ -247,3 +247,56 @@ def test_parts_on_two_streams_replay_in_a_cuda_graph(safe):
         for name, got, expected in zip(("out", "dq", "dk", "dv"), captured, want):
             torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2,
                                        msg=lambda m: f"replay {seed} {name}: {m}")
+
+
+def _non_finite(score, b, h, q_idx, kv_idx):
+    # row 300 a +inf score, row 309 a NaN, row 917 both, in two key tiles (keys 5 and 700)
+    score = torch.where((q_idx == 300) & (kv_idx == 7), float("inf"), score)
+    score = torch.where((q_idx == 309) & (kv_idx == 11), float("nan"), score)
+    score = torch.where((q_idx == 917) & (kv_idx == 5), float("inf"), score)
+    return torch.where((q_idx == 917) & (kv_idx == 700), float("nan"), score)
+
+
+def non_finite_results(options: dict, device: str = "cuda", dtype=torch.bfloat16) -> dict:
+    """out, lse, dq, dk, dv of a causal call at L = S = 1024, E = 128 whose score_mod puts a
+    +inf, a NaN and both into three rows (``_non_finite``), under ``options``."""
+    generator = torch.Generator(device=device).manual_seed(20261204)
+    q, k, v, grad = (torch.randn(1, 2, 1024, 128, device=device, dtype=dtype,
+                                 generator=generator) for _ in range(4))
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    mask = flexfa.create_block_mask(mods.causal, None, None, 1024, 1024, device=device)
+    out, lse = flexfa.flex_attention(*inputs, score_mod=_non_finite, block_mask=mask,
+                                     return_lse=True, kernel_options=options)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"),
+                    (out, lse, *torch.autograd.grad(out, inputs, grad))))
+
+
+def assert_same_non_finite(found: dict, want: dict) -> None:
+    """The same NaN and +-inf pattern in every tensor, the finite values close; the rows of
+    non_finite_results as docs/training.md has them (torch's)."""
+    for name, got in found.items():
+        got, expected = got.detach().float().cpu(), want[name].detach().float().cpu()
+        assert torch.equal(got.isnan(), expected.isnan()), name
+        assert torch.equal(got.isinf(), expected.isinf()), name
+        assert torch.equal(got[got.isinf()], expected[expected.isinf()]), name
+        finite = expected.isfinite()
+        error = (got[finite] - expected[finite]).norm() / expected[finite].norm().clamp_min(1e-6)
+        assert float(error) < 2e-2, (name, float(error))
+    lse, dv = want["lse"][0, 0].cpu(), want["dv"].cpu()
+    assert lse[300] == float("inf") and lse[309].isnan() and lse[917].isnan()
+    # dv: NaN for every key the NaN rows visit (causal: 0..917), finite past them
+    assert dv[:, :, :918].isnan().all() and dv[:, :, 918:].isfinite().all()
+    assert want["dq"][0, 0].cpu().isnan().any(-1).nonzero().flatten().tolist() == [300, 309, 917]
+
+
+def test_gluon_non_finite_rows_follow_the_triton_families(safe):
+    """A +inf score, a NaN score and both in one row (in two key tiles): the Gluon forward
+    and backward give the Hopper forward's and Triton backward's NaN and inf pattern."""
+    plans.PLANS.clear()
+    found = non_finite_results(FORCED)
+    families = {p.family.name for p in plans.PLANS.values()}
+    assert {"gluon", "gluon_bwd"} <= families, families
+    plans.PLANS.clear()
+    want = non_finite_results({"BACKEND": "HOPPER", "GLUON_BACKWARD": False})
+    assert "gluon_bwd" not in {p.family.name for p in plans.PLANS.values()}
+    assert_same_non_finite(found, want)
