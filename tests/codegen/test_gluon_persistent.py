@@ -1,6 +1,6 @@
 """The Gluon forward's persistent grid (GLUON_PERSISTENT) on the CPU: its barrier protocol
 across work tiles checked in every interleaving of the producer and the two consumers on an
-mbarrier model (with and without the ping-pong turns), with the phase parities and ring
+mbarrier model (mbarrier_model.py; with and without the ping-pong turns), with the phase parities and ring
 indices read from fwd_gluon.tmpl; the work tiles' order (the rendered arithmetic run as
 Python); the option's spec, flag and grid. Its sm_90 compile check is in
 test_gluon_compile.py, its GPU tests in tests/gpu/test_gluon_gpu.py."""
@@ -21,6 +21,7 @@ from flexfa.runtime.families.gluon import FIXED_SMS, gluon_grid, gluon_spec
 from flexfa.runtime.outputs import head_group
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import Target
+from mbarrier_model import run_all_interleavings
 
 SM90 = Target("cuda", 9, 0)
 FORCED = {"BACKEND": "GLUON"}
@@ -132,67 +133,6 @@ def _programs(proto: dict, totals: list[int], stages: int, q_free_wait: bool = T
     return producer, *consumers
 
 
-def _step(state, op, actor):
-    """The state after ``op`` (None: it waits), failing on a read of the wrong data, a load
-    into a buffer in use, or a consumer issuing its step's GEMMs out of turn (consumer 0's
-    k-th after consumer 1's k - 1 steps, consumer 1's k-th after consumer 0's k-th)."""
-    phases, pending, data, held, issued = state
-    kind = op[0]
-    if kind == "wait":
-        return None if phases.get(op[1], 0) % 2 == op[2] else state
-    phases, pending, data, held = dict(phases), dict(pending), dict(data), set(held)
-    if kind == "issue":
-        c = op[1]
-        assert issued[1 - c] == issued[c] + c, f"consumer {c} issued out of turn: {issued}"
-        issued = tuple(n + (k == c) for k, n in enumerate(issued))
-    elif kind == "write":
-        assert not any(buf == op[1] for _, buf in held), f"write into {op[1]} in use: {op}"
-        data[op[1]] = op[2]
-    elif kind in ("arrive", "load"):
-        barrier = op[1] if kind == "arrive" else op[3]
-        if kind == "load":
-            assert not any(buf == op[1] for _, buf in held), f"load into {op[1]} in use: {op}"
-            data[op[1]] = op[2]
-        pending[barrier] = pending.get(barrier, 0) + 1
-        if pending[barrier] == COUNTS[barrier[0]]:
-            pending[barrier] = 0
-            phases[barrier] = phases.get(barrier, 0) + 1
-    elif kind == "read":
-        assert data.get(op[1]) == op[2], f"consumer {actor} read {data.get(op[1])} for {op}"
-        held.add((actor, op[1]))
-    else:
-        held.discard((actor, op[1]))
-    return phases, pending, data, frozenset(held), issued
-
-
-def _run_all_interleavings(programs) -> int:
-    """Every interleaving of the three partitions' programs; fails where all wait forever.
-    The state is a function of the program counters, so each is visited once. Returns the
-    number of states."""
-    start = (0,) * len(programs)
-    states = {start: ({}, {}, {}, frozenset(), (0, 0))}
-    frontier = [start]
-    while frontier:
-        pcs = frontier.pop()
-        state = states[pcs]
-        moved = False
-        for actor, (pc, program) in enumerate(zip(pcs, programs)):
-            if pc == len(program):
-                continue
-            after = _step(state, program[pc], actor)
-            if after is None:
-                continue
-            moved = True
-            nxt = tuple(p + (a == actor) for a, p in enumerate(pcs))
-            if nxt not in states:
-                states[nxt] = after
-                frontier.append(nxt)
-        done = all(pc == len(p) for pc, p in zip(pcs, programs))
-        assert moved or done, f"all partitions wait forever at {pcs}: " + ", ".join(
-            str(p[pc]) for pc, p in zip(pcs, programs) if pc < len(p))
-    return len(states)
-
-
 # a program's work tiles by kv-tile count: none, one empty tile, odd and even counts, empty
 # tiles between and last, rings wrapping within and across tiles
 WALKS = ([], [0], [1], [3], [2, 0], [1, 2, 3], [0, 3, 0], [4, 1, 0, 2])
@@ -209,8 +149,8 @@ def test_persistent_protocol_never_hangs_or_races(stages, pingpong, dynamic):
     slot, then the end."""
     proto = _protocol(load_template("fwd_gluon.tmpl"))
     for totals in WALKS:
-        assert _run_all_interleavings(_programs(proto, totals, stages, pingpong=pingpong,
-                                                dynamic=dynamic)) > 0, totals
+        assert run_all_interleavings(_programs(proto, totals, stages, pingpong=pingpong,
+                                               dynamic=dynamic), COUNTS) > 0, totals
 
 
 def test_persistent_model_catches_a_missing_q_release():
@@ -218,10 +158,11 @@ def test_persistent_model_catches_a_missing_q_release():
     q_free (so the check above can fail)."""
     proto = _protocol(load_template("fwd_gluon.tmpl"))
     with pytest.raises(AssertionError, match="in use|read"):
-        _run_all_interleavings(_programs(proto, [2, 1], 2, q_free_wait=False))
+        run_all_interleavings(_programs(proto, [2, 1], 2, q_free_wait=False), COUNTS)
     # and where the producer wrote the next tile's number before the consumer read its own
     with pytest.raises(AssertionError, match="in use|read"):
-        _run_all_interleavings(_programs(proto, [1, 1], 2, q_free_wait=False, dynamic=True))
+        run_all_interleavings(_programs(proto, [1, 1], 2, q_free_wait=False, dynamic=True),
+                              COUNTS)
 
 
 def test_persistent_option_spec_and_grid():
