@@ -200,3 +200,20 @@ def test_block_walks_over_several_tiles_with_a_partial_last_block(L, S):
     block_mask = create_block_mask(mods.causal, None, None, L, S, device="cpu", BLOCK_SIZE=128)
     check_backward(q, k, v, mods.softcap(6.0), mods.causal, block_mask,
                    kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_learnable_constant_added_to_every_score(dtype):
+    """score + c(t0) for a learnable 0-d t0 (found by a random hypothesis run): the softmax
+    ignores c, so t0's gradient is c'(t0) times the rows' lse gradients plus what delta =
+    rowsum(dO * out) from the rounded out leaves of the dS terms' cancellation; check_backward
+    compares it with the float64 gradient of the kernels' own out (seed 31 failed the plain
+    float64 comparison: 5.1e-2 against a bound of 1.5e-2)."""
+    t0 = torch.tensor(-1.6059316396713257, requires_grad=True)
+
+    def constant(score, b, h, q_idx, kv_idx):
+        return score + torch.sin(torch.tanh(torch.cos(t0)))
+
+    q, k, v = make_qkv(1, 2, 1, 10, 2, 48, Ev=16, dtype=dtype, seed=1)
+    check_backward(q, k, v, constant, None, None, buffers=(t0,), enable_gqa=True,
+                   with_lse=True, seed=31)
