@@ -22,10 +22,11 @@ FLOORS = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 2e-5, torch.
 
 
 def reference_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
-                        dtype=torch.float64):
-    """(out, lse) of dense attention in ``dtype``; lse is natural-log, -inf for empty rows."""
+                        dtype=torch.float64, **features):
+    """(out, lse) of dense attention in ``dtype``; lse is natural-log, -inf for empty rows;
+    ``features``: attention_reference's sinks, dropout_mask, dropout_p."""
     return attention_reference(q, k, v, score_mod, mask_mod, scale=scale, enable_gqa=enable_gqa,
-                               return_lse=True, dtype=dtype)
+                               return_lse=True, dtype=dtype, **features)
 
 
 def reference_pair(q, k, v, score_mod=None, mask_mod=None, **kwargs):

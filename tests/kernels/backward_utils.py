@@ -14,40 +14,55 @@ GRAD_FUDGE = 6.0
 
 def flexfa_grads(q, k, v, score_mod=None, block_mask=None, *, grad_out, grad_lse=None,
                  enable_gqa=False, kernel_options=None, buffers=(), scale=None,
-                 with_out=False):
-    """(dq, dk, dv, *buffer grads) of flexfa for the given upstream gradients (``with_out``:
-    and the forward's out, as (grads, out))."""
+                 with_out=False, sinks=None, dropout=None):
+    """(dq, dk, dv, *buffer grads[, dsinks]) of flexfa for the given upstream gradients;
+    ``sinks``: [Hq] logits (their gradient last); ``dropout``: (p, seed). ``with_out``: and
+    the forward's (out, lse), as (grads, (out, lse))."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    targets, features = [q, k, v, *buffers], {}
+    if sinks is not None:
+        features["sinks"] = sinks.detach().requires_grad_(True)
+        targets.append(features["sinks"])
+    if dropout is not None:
+        features["dropout_p"], features["dropout_seed"] = dropout
     out, lse = flexfa.flex_attention(q, k, v, score_mod, block_mask, scale=scale,
                                      enable_gqa=enable_gqa, return_lse=True,
-                                     kernel_options=kernel_options)
+                                     kernel_options=kernel_options, **features)
     outputs, grads = [out], [grad_out]
     if grad_lse is not None:
         outputs.append(lse)
         grads.append(grad_lse)
-    found = torch.autograd.grad(outputs, [q, k, v, *buffers], grads, allow_unused=True)
-    return (found, out.detach()) if with_out else found
+    found = torch.autograd.grad(outputs, targets, grads, allow_unused=True)
+    return (found, (out.detach(), lse.detach())) if with_out else found
 
 
 def reference_grads(q, k, v, score_mod=None, mask_mod=None, *, grad_out, grad_lse=None,
-                    enable_gqa=False, buffers=(), dtype=torch.float64, scale=None):
-    """The same gradients from autograd through the dense reference computed in ``dtype``."""
+                    enable_gqa=False, buffers=(), dtype=torch.float64, scale=None,
+                    sinks=None, keep=None, dropout_p=0.0):
+    """The same gradients from autograd through the dense reference computed in ``dtype``
+    (``keep``: the dropout mask flexfa.dropout_mask draws, with ``dropout_p``)."""
     q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    targets = [q, k, v, *buffers]
+    if sinks is not None:
+        sinks = sinks.detach().clone().requires_grad_(True)
+        targets.append(sinks)
     out, lse = reference_attention(q, k, v, score_mod, mask_mod, scale=scale,
-                                   enable_gqa=enable_gqa, dtype=dtype)
+                                   enable_gqa=enable_gqa, dtype=dtype, sinks=sinks,
+                                   dropout_mask=keep, dropout_p=dropout_p)
     outputs, grads = [out], [grad_out.to(dtype)]
     if grad_lse is not None:
         outputs.append(lse)
         grads.append(grad_lse.to(dtype))
-    result = torch.autograd.grad(outputs, [q, k, v, *buffers], grads, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g for g, t in zip(result, [q, k, v, *buffers])]
+    result = torch.autograd.grad(outputs, targets, grads, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(result, targets)]
 
 
 def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
                    enable_gqa=False, kernel_options=None, buffers=(), with_lse=False,
-                   scale=None, seed=0, fudge=GRAD_FUDGE):
-    """flexfa's out, dq, dk, dv and buffer gradients vs the float64 reference (oracle: error
-    <= fudge x the same-dtype eager reference's error + the dtype's floor). Returns flexfa's
+                   scale=None, seed=0, fudge=GRAD_FUDGE, sinks=None, dropout=None):
+    """flexfa's out, lse and dq, dk, dv, buffer (and ``sinks``') gradients vs the float64
+    reference (oracle: error <= fudge x the same-dtype eager reference's error + the dtype's
+    floor); ``dropout``: (p, seed), the reference fed flexfa.dropout_mask. Returns flexfa's
     gradients.
 
     The backward (FlashAttention's) forms dS = P * (dP - delta) + P * dlse with delta =
@@ -58,40 +73,75 @@ def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
     error found by a random hypothesis run, where the dS terms otherwise cancel). So the
     gradients are compared with the float64 gradients of the kernels' own out, which are
     the exact ones with the lse's upstream gradient shifted by that difference (P * dlse
-    is where it enters), and out itself with the float64 out; the eager error they are
-    allowed a multiple of stays measured against the exact gradients."""
+    is where it enters; the sinks' term too), and out itself with the float64 out; the
+    eager error they are allowed a multiple of stays measured against the exact
+    gradients."""
     generator = torch.Generator().manual_seed(seed)
     B, Hq, L, _ = q.shape
     grad_out = torch.randn(B, Hq, L, v.shape[3], generator=generator).to(q.device, q.dtype)
     grad_lse = torch.randn(B, Hq, L, generator=generator).to(q.device) if with_lse else None
     kwargs = dict(grad_out=grad_out, grad_lse=grad_lse, enable_gqa=enable_gqa,
                   buffers=buffers, scale=scale)
-    got, out = flexfa_grads(q, k, v, score_mod, block_mask, kernel_options=kernel_options,
-                            with_out=True, **kwargs)
-    exact_out, _ = reference_attention(q, k, v, score_mod, mask_mod, scale=scale,
-                                       enable_gqa=enable_gqa)
-    eager_out, _ = reference_attention(q, k, v, score_mod, mask_mod, scale=scale,
-                                       enable_gqa=enable_gqa, dtype=q.dtype)
+    got, (out, lse) = flexfa_grads(q, k, v, score_mod, block_mask, kernel_options=kernel_options,
+                                   with_out=True, sinks=sinks, dropout=dropout, **kwargs)
+    features = {"sinks": sinks}
+    if dropout is not None:
+        features["keep"] = flexfa.dropout_mask(dropout[1], B, Hq, L, k.shape[2], dropout[0],
+                                               device=q.device)
+        features["dropout_p"] = dropout[0]
+    forward = dict(scale=scale, enable_gqa=enable_gqa, sinks=sinks,
+                   dropout_mask=features.get("keep"), dropout_p=features.get("dropout_p", 0.0))
+    exact_out, exact_lse = reference_attention(q, k, v, score_mod, mask_mod, **forward)
+    eager_out, eager_lse = reference_attention(q, k, v, score_mod, mask_mod, dtype=q.dtype,
+                                               **forward)
     assert_close_to_reference(out, exact_out, eager_out, name="out")
+    assert_close_to_reference(lse, exact_lse, eager_lse, name="lse")
     shift = (grad_out.double() * (exact_out - out.double())).sum(-1)
     shifted = dict(kwargs, grad_lse=shift if grad_lse is None else grad_lse.double() + shift)
-    of_out = reference_grads(q, k, v, score_mod, mask_mod, **shifted)
-    exact = reference_grads(q, k, v, score_mod, mask_mod, **kwargs)
-    eager = reference_grads(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs)
-    names = ["dq", "dk", "dv"] + [f"grad of captured tensor {i}" for i in range(len(buffers))]
-    for name, g, want, exact_g, same_dtype, like in zip(names, got, of_out, exact, eager,
-                                                        [q, k, v, *buffers]):
+    of_out = reference_grads(q, k, v, score_mod, mask_mod, **shifted, **features)
+    exact = reference_grads(q, k, v, score_mod, mask_mod, **kwargs, **features)
+    eager = reference_grads(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs, **features)
+    names = (["dq", "dk", "dv"] + [f"grad of captured tensor {i}" for i in range(len(buffers))]
+             + (["dsinks"] if sinks is not None else []))
+    likes = [q, k, v, *buffers] + ([sinks] if sinks is not None else [])
+    for name, g, want, exact_g, same_dtype, like in zip(names, got, of_out, exact, eager, likes):
         assert g is not None, f"{name}: no gradient"
         assert g.shape == like.shape and g.dtype == like.dtype, (
             f"{name}: {tuple(g.shape)} {g.dtype}, expected {tuple(like.shape)} {like.dtype}")
         # a buffer's gradient has the buffer's dtype whatever q's: its oracle takes q's dtype
         # floor, or one unit in the last place of its own dtype at its size if that is more
         # (a float16 buffer's gradient near 3 cannot be closer than 2e-3)
-        floor = None if name.startswith("d") else max(
+        floor = None if name.startswith("d") and name != "dsinks" else max(
             _floor(q.dtype), torch.finfo(g.dtype).eps * float(want.abs().max()))
         assert_close_to_reference(g, want, same_dtype, fudge=fudge, floor=floor, name=name,
                                   eager_against=exact_g)
     return got
+
+
+def check_drawn_problem(p: dict):
+    """check_backward on a drawn problem (test_backward_random's, test_feature_combinations'):
+    B, Hq, Hkv, L, S, E, Ev, dtype, score_mod, mask_mod (a block mask of BLOCK_SIZE block),
+    options, with_lse, seed, and optionally sinks and dropout; its shapes are noted for
+    hypothesis's report."""
+    from hypothesis import note
+
+    from flexfa.blockmask import create_block_mask
+    from forward_utils import make_qkv
+    note(f"B={p['B']} Hq={p['Hq']} Hkv={p['Hkv']} L={p['L']} S={p['S']} E={p['E']} "
+         f"Ev={p['Ev']} {p['dtype']} block={p['block']} options={p['options']} "
+         f"lse={p['with_lse']} sinks={p.get('sinks')} dropout={p.get('dropout')}")
+    q, k, v = make_qkv(p["B"], p["Hq"], p["Hkv"], p["L"], p["S"], p["E"], Ev=p["Ev"],
+                       dtype=p["dtype"], seed=p["seed"])
+    block_mask = None
+    if p["mask_mod"] is not None:
+        block_mask = create_block_mask(p["mask_mod"], p["B"], p["Hq"], p["L"], p["S"],
+                                       device="cpu", BLOCK_SIZE=p["block"])
+    score_mod = p["score_mod"]
+    buffers = tuple(t for t in getattr(score_mod, "captured", {}).values() if t.requires_grad)
+    return check_backward(q, k, v, score_mod, p["mask_mod"], block_mask, buffers=buffers,
+                          enable_gqa=p["Hq"] != p["Hkv"], kernel_options=p["options"],
+                          with_lse=p["with_lse"], seed=p["seed"], sinks=p.get("sinks"),
+                          dropout=p.get("dropout"))
 
 
 def _floor(dtype):

@@ -2,12 +2,10 @@
 (lengths not tile multiples, L != S, GQA, E != Ev), dtypes and block sizes; dq, dk, dv and
 captured-tensor gradients against autograd of the float64 reference (the shared oracle)."""
 import torch
-from hypothesis import given, note, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexfa.blockmask import create_block_mask
-from backward_utils import check_backward
-from forward_utils import make_qkv
+from backward_utils import check_drawn_problem
 from strategies import mask_mods, score_mods
 
 
@@ -35,18 +33,4 @@ def problems(draw):
 @given(problem=problems())
 @settings(max_examples=10)
 def test_random_backward_matches_reference(problem):
-    p = problem
-    note(f"B={p['B']} Hq={p['Hq']} Hkv={p['Hkv']} L={p['L']} S={p['S']} E={p['E']} "
-         f"Ev={p['Ev']} {p['dtype']} block={p['block']} options={p['options']} "
-         f"lse={p['with_lse']}")
-    q, k, v = make_qkv(p["B"], p["Hq"], p["Hkv"], p["L"], p["S"], p["E"], Ev=p["Ev"],
-                       dtype=p["dtype"], seed=p["seed"])
-    block_mask = None
-    if p["mask_mod"] is not None:
-        block_mask = create_block_mask(p["mask_mod"], p["B"], p["Hq"], p["L"], p["S"],
-                                       device="cpu", BLOCK_SIZE=p["block"])
-    score_mod = p["score_mod"]
-    buffers = tuple(t for t in getattr(score_mod, "captured", {}).values() if t.requires_grad)
-    check_backward(q, k, v, score_mod, p["mask_mod"], block_mask, buffers=buffers,
-                   enable_gqa=p["Hq"] != p["Hkv"], kernel_options=p["options"],
-                   with_lse=p["with_lse"], seed=p["seed"])
+    check_drawn_problem(problem)
