@@ -37,16 +37,18 @@ def shifted(mask_mod, lengths, L):
 
 
 def reference_rows(q, k, v, score_mod, mask_mod, lengths, offsets):
-    """(out, lse) of each sequence b with keys 0..lengths[b]-1 and rows at offsets[b] + i."""
+    """(out, lse) of each sequence b with keys 0..lengths[b]-1 and rows at offsets[b] + i.
+    The mods see batch index b as the index tensor bb + b (bb is 0 for the one sequence
+    sliced out), not as a Python int: a mod may call tensor methods on it."""
     outs, lses = [], []
     for b in range(q.shape[0]):
         n, o = int(lengths[b]), int(offsets[b])
 
         def score(s, bb, h, qi, ki, o=o, b=b):
-            return s if score_mod is None else score_mod(s, b, h, qi + o, ki)
+            return s if score_mod is None else score_mod(s, bb + b, h, qi + o, ki)
 
         def mask(bb, h, qi, ki, o=o, b=b):
-            return mask_mod(b, h, qi + o, ki) if mask_mod is not None else ki >= 0
+            return mask_mod(bb + b, h, qi + o, ki) if mask_mod is not None else ki >= 0
         out, lse = attention_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], score,
                                        mask, enable_gqa=True, return_lse=True)
         outs.append(out)
