@@ -68,14 +68,13 @@ def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
     The backward (FlashAttention's) forms dS = P * (dP - delta) + P * dlse with delta =
     rowsum(dO * out) from the forward's out, rounded to q's dtype, where the exact gradient
     has the exact out: the two differ by P * (delta_exact - delta) in every dS, which sums
-    to rowsum(dO * (out_exact - out)) per row in a captured tensor's gradient that every
-    score of a row reads (a score_mod adding a learnable constant: 26x the eager bf16
-    error found by a random hypothesis run, where the dS terms otherwise cancel). So the
-    gradients are compared with the float64 gradients of the kernels' own out, which are
-    the exact ones with the lse's upstream gradient shifted by that difference (P * dlse
-    is where it enters; the sinks' term too), and out itself with the float64 out; the
-    eager error they are allowed a multiple of stays measured against the exact
-    gradients."""
+    to rowsum(dO * (out_exact - out)) per row in the gradient of a captured tensor that
+    every score of a row reads, where the dS terms otherwise cancel (docs/training.md,
+    "Precision of row-wide shifts"). So the gradients are compared with the float64
+    gradients of the kernels' own out, which are the exact ones with the lse's upstream
+    gradient shifted by that difference (P * dlse is where it enters; the sinks' term too),
+    and out itself with the float64 out; the eager error they are allowed a multiple of
+    stays measured against the exact gradients."""
     generator = torch.Generator().manual_seed(seed)
     B, Hq, L, _ = q.shape
     grad_out = torch.randn(B, Hq, L, v.shape[3], generator=generator).to(q.device, q.dtype)
