@@ -36,11 +36,12 @@ def flexfa_grads(q, k, v, score_mod=None, block_mask=None, *, grad_out, grad_lse
     return (found, (out.detach(), lse.detach())) if with_out else found
 
 
-def reference_grads(q, k, v, score_mod=None, mask_mod=None, *, grad_out, grad_lse=None,
-                    enable_gqa=False, buffers=(), dtype=torch.float64, scale=None,
-                    sinks=None, keep=None, dropout_p=0.0):
-    """The same gradients from autograd through the dense reference computed in ``dtype``
-    (``keep``: the dropout mask flexfa.dropout_mask draws, with ``dropout_p``)."""
+def reference_run(q, k, v, score_mod=None, mask_mod=None, *, enable_gqa=False, buffers=(),
+                  dtype=torch.float64, scale=None, sinks=None, keep=None, dropout_p=0.0):
+    """The dense reference computed in ``dtype``, kept differentiable: (out, lse, grads),
+    where grads(grad_out, grad_lse) gives (dq, dk, dv, *buffer grads[, dsinks]) by autograd
+    through it (zeros where a target is unused), as often as asked (``keep``: the dropout
+    mask flexfa.dropout_mask draws, with ``dropout_p``)."""
     q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
     targets = [q, k, v, *buffers]
     if sinks is not None:
@@ -49,12 +50,16 @@ def reference_grads(q, k, v, score_mod=None, mask_mod=None, *, grad_out, grad_ls
     out, lse = reference_attention(q, k, v, score_mod, mask_mod, scale=scale,
                                    enable_gqa=enable_gqa, dtype=dtype, sinks=sinks,
                                    dropout_mask=keep, dropout_p=dropout_p)
-    outputs, grads = [out], [grad_out.to(dtype)]
-    if grad_lse is not None:
-        outputs.append(lse)
-        grads.append(grad_lse.to(dtype))
-    result = torch.autograd.grad(outputs, targets, grads, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g for g, t in zip(result, targets)]
+
+    def grads(grad_out, grad_lse=None):
+        outputs, upstream = [out], [grad_out.to(dtype)]
+        if grad_lse is not None:
+            outputs.append(lse)
+            upstream.append(grad_lse.to(dtype))
+        result = torch.autograd.grad(outputs, targets, upstream, allow_unused=True,
+                                     retain_graph=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(result, targets)]
+    return out.detach(), lse.detach(), grads
 
 
 def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
@@ -83,24 +88,22 @@ def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
                   buffers=buffers, scale=scale)
     got, (out, lse) = flexfa_grads(q, k, v, score_mod, block_mask, kernel_options=kernel_options,
                                    with_out=True, sinks=sinks, dropout=dropout, **kwargs)
-    features = {"sinks": sinks}
+    keep = dropout_p = None
     if dropout is not None:
-        features["keep"] = flexfa.dropout_mask(dropout[1], B, Hq, L, k.shape[2], dropout[0],
-                                               device=q.device)
-        features["dropout_p"] = dropout[0]
-    forward = dict(scale=scale, enable_gqa=enable_gqa, sinks=sinks,
-                   dropout_mask=features.get("keep"), dropout_p=features.get("dropout_p", 0.0))
-    exact_out, exact_lse = reference_attention(q, k, v, score_mod, mask_mod, **forward)
-    eager_out, eager_lse = reference_attention(q, k, v, score_mod, mask_mod, dtype=q.dtype,
-                                               **forward)
+        dropout_p = dropout[0]
+        keep = flexfa.dropout_mask(dropout[1], B, Hq, L, k.shape[2], dropout_p, device=q.device)
+    reference = dict(enable_gqa=enable_gqa, buffers=buffers, scale=scale, sinks=sinks,
+                     keep=keep, dropout_p=dropout_p or 0.0)
+    exact_out, exact_lse, exact_grads = reference_run(q, k, v, score_mod, mask_mod, **reference)
+    eager_out, eager_lse, eager_grads = reference_run(q, k, v, score_mod, mask_mod,
+                                                      dtype=q.dtype, **reference)
     # the gradients' fudge: a guard that no forward error hides in the shifted reference
     assert_close_to_reference(out, exact_out, eager_out, fudge=fudge, name="out")
     assert_close_to_reference(lse, exact_lse, eager_lse, fudge=fudge, name="lse")
     shift = (grad_out.double() * (exact_out - out.double())).sum(-1)
-    shifted = dict(kwargs, grad_lse=shift if grad_lse is None else grad_lse.double() + shift)
-    of_out = reference_grads(q, k, v, score_mod, mask_mod, **shifted, **features)
-    exact = reference_grads(q, k, v, score_mod, mask_mod, **kwargs, **features)
-    eager = reference_grads(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs, **features)
+    of_out = exact_grads(grad_out, shift if grad_lse is None else grad_lse.double() + shift)
+    exact = exact_grads(grad_out, grad_lse)
+    eager = eager_grads(grad_out, grad_lse)
     names = (["dq", "dk", "dv"] + [f"grad of captured tensor {i}" for i in range(len(buffers))]
              + (["dsinks"] if sinks is not None else []))
     likes = [q, k, v, *buffers] + ([sinks] if sinks is not None else [])
@@ -116,6 +119,27 @@ def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
         assert_close_to_reference(g, want, same_dtype, fudge=fudge, floor=floor, name=name,
                                   eager_against=exact_g)
     return got
+
+
+def draw_problem(draw, *, groups, max_len, head_dims, head_dims_v, blocks) -> dict:
+    """The shapes, dtype, mods and block size of a random backward problem (a hypothesis
+    composite's ``draw``): GQA groups, lengths 1..max_len, head dims and mask block sizes
+    from the given choices; random smooth score_mods with learnable captured tensors and
+    random mask_mods. The caller draws the options, lse gradient and seed (and features)."""
+    from hypothesis import strategies as st
+
+    from strategies import mask_mods, score_mods
+    B = draw(st.sampled_from([1, 2]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from(groups))
+    L, S = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    E, Ev = draw(st.sampled_from(head_dims)), draw(st.sampled_from(head_dims_v))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    score_mod = draw(st.none() | score_mods(B, Hq, L, S, smooth=True, grad_buffers=True,
+                                            max_depth=3, max_buffers=2))
+    mask_mod = draw(st.none() | mask_mods(B, Hq, L, S, max_depth=2, max_buffers=1))
+    return dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype, score_mod=score_mod,
+                mask_mod=mask_mod, block=draw(st.sampled_from(blocks)))
 
 
 def check_drawn_problem(p: dict):

@@ -13,9 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flexfa
-from backward_utils import check_backward, check_drawn_problem
+from backward_utils import check_backward, check_drawn_problem, draw_problem
 from forward_utils import make_qkv
-from strategies import mask_mods, score_mods
 
 # more examples for a longer hunt (as test_fuzz.py): FLEXFA_FUZZ_EXAMPLES=300 HYPOTHESIS_PROFILE=dev
 EXAMPLES = int(os.environ.get("FLEXFA_FUZZ_EXAMPLES", "0")) or 12
@@ -23,27 +22,19 @@ EXAMPLES = int(os.environ.get("FLEXFA_FUZZ_EXAMPLES", "0")) or 12
 
 @st.composite
 def combinations(draw):
-    B, Hkv = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
-    Hq = Hkv * draw(st.sampled_from([1, 2, 3]))
-    L, S = draw(st.integers(1, 80)), draw(st.integers(1, 80))
-    E, Ev = draw(st.sampled_from([16, 32, 40])), draw(st.sampled_from([16, 24]))
-    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
-    score_mod = draw(st.none() | score_mods(B, Hq, L, S, smooth=True, grad_buffers=True,
-                                            max_depth=3, max_buffers=2))
-    mask_mod = draw(st.none() | mask_mods(B, Hq, L, S, max_depth=2, max_buffers=1))
-    block = draw(st.sampled_from([16, 32, (16, 32), (32, 16), 64]))
+    problem = draw_problem(draw, groups=[1, 2, 3], max_len=80, head_dims=[16, 32, 40],
+                           head_dims_v=[16, 24], blocks=[16, 32, (16, 32), (32, 16), 64])
     sinks = None
     if draw(st.booleans()):
-        sinks = torch.tensor(draw(st.lists(st.floats(-2.0, 2.0), min_size=Hq, max_size=Hq)))
+        sinks = torch.tensor(draw(st.lists(st.floats(-2.0, 2.0), min_size=problem["Hq"],
+                                           max_size=problem["Hq"])))
     dropout = draw(st.sampled_from([None, (0.2, 7), (0.6, (3, 11))]))
     # the Hopper family takes 16-bit inputs only; None: the runtime's choice
     families = [None, {"BACKEND": "AMPERE"}, {"BLOCK_M": 16, "BLOCK_N": 16}]
-    if dtype != torch.float32:
+    if problem["dtype"] != torch.float32:
         families.append({"BACKEND": "HOPPER"})
-    return dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype, score_mod=score_mod,
-                mask_mod=mask_mod, block=block, sinks=sinks, dropout=dropout,
-                options=draw(st.sampled_from(families)), with_lse=draw(st.booleans()),
-                seed=draw(st.integers(0, 1000)))
+    return dict(problem, sinks=sinks, dropout=dropout, options=draw(st.sampled_from(families)),
+                with_lse=draw(st.booleans()), seed=draw(st.integers(0, 1000)))
 
 
 @given(case=combinations())
