@@ -10,6 +10,17 @@ import torch
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 INTERPRET = "interpret"  # the target of kernels run by the Triton interpreter on CPU tensors
+# the target prefix of a Gluon kernel's sm_90 source run on CPU tensors by
+# runtime.gluon_emulator ("emulate:90"; kernel_options GLUON_EMULATE): rendered as for
+# "cuda:90", cached apart from it
+EMULATE = "emulate"
+
+
+def load_mode(spec) -> bool | str:
+    """How a spec's module is loaded: True interpreted, False compiled, EMULATE emulated."""
+    if getattr(spec, "target", "").startswith(EMULATE + ":"):
+        return EMULATE
+    return spec.interpret
 
 
 def next_power_of_two(n: int, minimum: int = 16) -> int:
@@ -55,8 +66,9 @@ class PaddedDims:
 class KernelSpec(PaddedDims):
     """A forward-kernel variant. Rendering is a pure function of (mods' IR, spec).
 
-    ``target`` is ``"interpret"`` or ``"cuda:<capability>"`` (e.g. ``"cuda:90"``); the source
-    is the same, but the spec keeps the two apart in caches.
+    ``target`` is ``"interpret"``, ``"cuda:<capability>"`` (e.g. ``"cuda:90"``) or, for the
+    Gluon forward on CPU tensors, ``"emulate:90"``; the source is the same, but the spec keeps
+    them apart in caches.
     """
 
     dtype: str  # "fp16" | "bf16" | "fp32": q, k and v share it

@@ -52,7 +52,7 @@ def fill(text: str, **hooks: str) -> str:
 
 # the interpreter hands a kernel its constexpr arguments as plain Python values: its helpers
 # read the flags as such too (a tl.constexpr has no reflected operators: 3 % BLOCK fails)
-_INTERPRETED_FLAGS = """\
+INTERPRETED_FLAGS = """\
 if triton.knobs.runtime.interpret:
     globals().update({name: value.value for name, value in list(globals().items())
                       if isinstance(value, tl.constexpr)})"""
@@ -80,7 +80,7 @@ def module_source(title: str, flags: Mapping[str, object], kernels: tuple[str, .
     if flags:
         header.append("\n".join(f"{name} = tl.constexpr({value!r})"
                                 for name, value in flags.items()))
-        header.append(_INTERPRETED_FLAGS)
+        header.append(INTERPRETED_FLAGS)
     return "\n\n\n".join(["\n\n".join(header),
                           *(section.strip("\n") for section in sections),
                           _INTERPRETED_CALLS.format(kernels=tuple(kernels))]) + "\n"

@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from ..codegen.spec import EMULATE
 from ..codegen.versions import build_tag
 from ..memo import clear_all
 from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
@@ -192,9 +193,10 @@ def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[
     return path
 
 
-def get_module(name: str, key: str, interpret: bool, generate: Callable[[], str]):
-    """The imported kernel module ``name`` (interpreted or compiled), from memo, disk or
-    ``generate()``; the interpreted and compiled copies are separate memo entries."""
+def get_module(name: str, key: str, interpret: bool | str, generate: Callable[[], str]):
+    """The imported kernel module ``name`` (interpreted, compiled, or with ``interpret``
+    EMULATE a Gluon module run by runtime.gluon_emulator), from memo, disk or ``generate()``;
+    each mode's copy is its own memo entry."""
     memo_key = (key, interpret)
     module = _MEMO.get(memo_key)
     if module is not None:
@@ -203,18 +205,26 @@ def get_module(name: str, key: str, interpret: bool, generate: Callable[[], str]
     with _LOCK:
         module = _MEMO.get(memo_key)
         if module is None:
-            module_name = f"flexfa_kernels.{name}_{'interp' if interpret else 'jit'}"
+            suffix = {True: "interp", False: "jit", EMULATE: "emu"}[interpret]
+            module_name = f"flexfa_kernels.{name}_{suffix}"
             path = ensure_source(name, key, generate)
             try:
-                module = load_module(path, interpret, module_name=module_name)
+                module = _load(path, interpret, module_name)
             except FileNotFoundError:  # pruned by another process since it was checked
                 path = ensure_source(name, key, generate)
-                module = load_module(path, interpret, module_name=module_name)
+                module = _load(path, interpret, module_name)
             debug(f"kernel {name}", f"source: {path}")
             _MEMO[memo_key] = module
         else:
             STATS.memo_hits += 1
     return module
+
+
+def _load(path, interpret: bool | str, module_name: str):
+    if interpret == EMULATE:
+        from .gluon_emulator import load_emulated
+        return load_emulated(str(path), module_name)
+    return load_module(path, interpret, module_name=module_name)
 
 
 def clear_memo() -> None:

@@ -6,6 +6,7 @@ import os
 import traceback
 
 from ..codegen.forward import GeneratedKernel
+from ..codegen.spec import load_mode
 from ..errors import CodegenError, FlexFAError
 from ..frontend.trace import TracedMod
 from ..memo import BoundedMemo
@@ -48,7 +49,7 @@ def generated_module(generate, spec, *mods) -> Loaded:
     found = _MODULES.get(memo_key)
     if found is None:
         generated = generate(spec, *mods)
-        found = _MODULES[memo_key] = Loaded(load_generated(generated, spec.interpret), generated)
+        found = _MODULES[memo_key] = Loaded(load_generated(generated, load_mode(spec)), generated)
     return found
 
 
@@ -60,7 +61,7 @@ def _mod_key(mod):
     return None
 
 
-def load_generated(generated: GeneratedKernel, interpret: bool):
+def load_generated(generated: GeneratedKernel, interpret: bool | str):
     """The imported module of ``generated``, through the kernel cache. A source that Python
     cannot compile or run (an error raised from the generated file) is a CodegenError naming
     the mods and the file, not a bare SyntaxError from a file the user never wrote."""

@@ -74,10 +74,12 @@ def _serialize_launches(module) -> None:
 
     for value in list(vars(module).values()):
         if isinstance(value, InterpretedFunction) and "run" not in vars(value):
-            value.run = _locked(value.run)
+            value.run = serialized(value.run)
 
 
-def _locked(run):
+def serialized(run):
+    """``run`` (an interpreted kernel's launch) holding ``INTERPRETER_LOCK``, the numpy
+    scalar-conversion warnings filtered."""
     def locked_run(*args, **kwargs):
         # catch_warnings changes process-wide state: safe here because launches hold the lock
         with INTERPRETER_LOCK, warnings.catch_warnings():

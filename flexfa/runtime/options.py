@@ -100,6 +100,9 @@ class KernelOptions:
     # the Gluon backward's parts run on two streams, each into half the accumulator (a
     # part's programs fill the SMs the one before it leaves idle at its end)
     gluon_bwd_overlap: bool = True
+    # the Gluon families on CPU tensors: their sm_90 source run by runtime.gluon_emulator
+    # (tests and debugging; the families choose as on sm_90, BACKEND/GLUON_BACKWARD force)
+    gluon_emulate: bool = False
     fwd: PassOptions = PassOptions()
     bwd: PassOptions = PassOptions()
 
@@ -261,6 +264,10 @@ SCHEMA = {
                           "into half the accumulator, so a part's programs start while the "
                           "one before it finishes: True (default) or False (one after "
                           "another)"),
+    "GLUON_EMULATE": ("gluon_emulate", (), _flag,
+                      "CPU tensors only: the Gluon forward and backward run their sm_90 source "
+                      "in flexfa's emulator (runtime.gluon_emulator: tests and debugging, "
+                      "slow), choosing as on sm_90; True or False (default)"),
 }
 # torch's documented keys that change nothing here, with the reason logged once
 HINTS = {

@@ -1,4 +1,6 @@
-"""Where a call runs: the Triton interpreter (CPU tensors) or a CUDA architecture.
+"""Where a call runs: the Triton interpreter (CPU tensors) or a CUDA architecture; for the
+Gluon families on CPU tensors under kernel_options GLUON_EMULATE, sm_90 emulated
+(``EMULATED_SM90``: its kernels are rendered as for sm_90 and run by runtime.gluon_emulator).
 
 Families say which targets they apply to from ``Target`` fields, never from strings checked by
 membership: an sm_100 GPU is not an sm_90 one. A GPU newer than any flexfa's kernels were
@@ -12,14 +14,14 @@ import functools
 
 import torch
 
-from ..codegen.spec import INTERPRET
+from ..codegen.spec import EMULATE, INTERPRET
 
 NEWEST_KNOWN_MAJOR = 9  # Hopper: the newest architecture flexfa's families were tuned on
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    kind: str  # "interpret" or "cuda"
+    kind: str  # "interpret", "cuda" or "emulate"
     major: int = 0
     minor: int = 0
 
@@ -29,8 +31,9 @@ class Target:
 
     @property
     def name(self) -> str:
-        """The spec's and the cache key's spelling: ``interpret`` or ``cuda:<major><minor>``."""
-        return INTERPRET if self.interpret else f"cuda:{self.major}{self.minor}"
+        """The spec's and the cache key's spelling: ``interpret``, ``cuda:<major><minor>`` or
+        ``emulate:<major><minor>``."""
+        return INTERPRET if self.interpret else f"{self.kind}:{self.major}{self.minor}"
 
     @property
     def is_sm90(self) -> bool:
@@ -46,6 +49,7 @@ class Target:
 
 
 INTERPRETER = Target(INTERPRET)
+EMULATED_SM90 = Target(EMULATE, 9, 0)
 
 
 @functools.cache
@@ -62,8 +66,8 @@ def target_of(device: torch.device) -> Target:
 
 
 def parse_target(text: str) -> Target:
-    """``interpret`` or ``cuda:90`` (a spec's target) as a Target."""
+    """``interpret``, ``cuda:90`` or ``emulate:90`` (a spec's target) as a Target."""
     if text == INTERPRET:
         return INTERPRETER
-    arch = int(text.split(":")[1])
-    return Target("cuda", arch // 10, arch % 10)
+    kind, arch = text.split(":")
+    return Target(kind, int(arch) // 10, int(arch) % 10)

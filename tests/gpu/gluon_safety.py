@@ -33,18 +33,18 @@ def run_safely(script: str, limit: float, what: str) -> None:
     assert words and words == ["ok", "True"] * (len(words) // 2), result.stdout
 
 
-def case_inputs(case: tuple, name: str) -> tuple:
+def case_inputs(case: tuple, name: str, device: str = "cuda") -> tuple:
     """(q, k, v, score_mod, mask_mod, block_mask) of a ``CASES`` entry (B, Hq, Hkv, L, S, E,
-    mods(heads, device)) on the GPU; E may be a pair (E, Ev); fp16 where the name ends so,
-    else bf16."""
+    mods(heads, device)) on ``device`` (the GPU; the CPU for the Gluon emulator's tests); E
+    may be a pair (E, Ev); fp16 where the name ends so, else bf16."""
     from flexfa import create_block_mask
 
     from kernels.forward_utils import make_qkv
     B, Hq, Hkv, L, S, E, make_mods = case
     E, Ev = E if isinstance(E, tuple) else (E, E)
     dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
-    score_mod, mask_mod = make_mods(Hq, "cuda")
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev=Ev, dtype=dtype, device="cuda")
+    score_mod, mask_mod = make_mods(Hq, device)
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev=Ev, dtype=dtype, device=device)
     block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, S,
-                                                                 device="cuda")
+                                                                 device=device)
     return q, k, v, score_mod, mask_mod, block_mask

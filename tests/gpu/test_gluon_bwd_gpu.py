@@ -177,12 +177,19 @@ def test_gluon_backward_options_match_reference(safe, name, options):
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
                    kernel_options={**FORCED, **options})
+    gluon_backward_plans(options, k)
+
+
+def gluon_backward_plans(options: dict, k) -> list:
+    """The Gluon backward's plans of the call just made (at least one), each with the
+    accumulator slots ``options`` ask for at k's batch and kv heads."""
     found = [p for p in plans.PLANS.values() if p.family.name == "gluon_bwd"]
     assert found
     B, Hkv = k.shape[:2]
     chunks = options.get("GLUON_BWD_DQ_CHUNKS", DQ_CHUNKS)
     want = dq_slots(B, Hkv, chunks, options.get("GLUON_BWD_OVERLAP", True))
     assert all(p.fixed["slots"] == want for p in found)
+    return found
 
 
 @pytest.mark.parametrize("mask_mod, E", [(None, 128), (mods.causal, 128), (mods.causal, 96)])
@@ -249,29 +256,44 @@ def test_parts_on_two_streams_replay_in_a_cuda_graph(safe):
                                        msg=lambda m: f"replay {seed} {name}: {m}")
 
 
-def _non_finite(score, b, h, q_idx, kv_idx):
-    # row 300 a +inf score, row 309 a NaN, row 917 both, in two key tiles (keys 5 and 700)
-    score = torch.where((q_idx == 300) & (kv_idx == 7), float("inf"), score)
-    score = torch.where((q_idx == 309) & (kv_idx == 11), float("nan"), score)
-    score = torch.where((q_idx == 917) & (kv_idx == 5), float("inf"), score)
-    return torch.where((q_idx == 917) & (kv_idx == 700), float("nan"), score)
+def non_finite_positions(length: int) -> tuple:
+    """(inf row, NaN row, both row, inf key, NaN key, both's inf key, both's NaN key) at L = S
+    = ``length``: the third row's two keys in two key tiles (1024: rows 300, 309, 917, keys 7,
+    11, 5 and 700; 256: rows 100, 109, 217, keys 7, 11, 5 and 200)."""
+    if length == 1024:
+        return 300, 309, 917, 7, 11, 5, 700
+    return length // 2 - 28, length // 2 - 19, length - 39, 7, 11, 5, length - 56
 
 
-def non_finite_results(options: dict, device: str = "cuda", dtype=torch.bfloat16) -> dict:
-    """out, lse, dq, dk, dv of a causal call at L = S = 1024, E = 128 whose score_mod puts a
-    +inf, a NaN and both into three rows (``_non_finite``), under ``options``."""
+def _non_finite_mod(length: int):
+    inf_row, nan_row, both_row, inf_key, nan_key, both_inf, both_nan = \
+        non_finite_positions(length)
+
+    def non_finite(score, b, h, q_idx, kv_idx):
+        score = torch.where((q_idx == inf_row) & (kv_idx == inf_key), float("inf"), score)
+        score = torch.where((q_idx == nan_row) & (kv_idx == nan_key), float("nan"), score)
+        score = torch.where((q_idx == both_row) & (kv_idx == both_inf), float("inf"), score)
+        return torch.where((q_idx == both_row) & (kv_idx == both_nan), float("nan"), score)
+    return non_finite
+
+
+def non_finite_results(options: dict, device: str = "cuda", dtype=torch.bfloat16,
+                       length: int = 1024) -> dict:
+    """out, lse, dq, dk, dv of a causal call at L = S = ``length``, E = 128 whose score_mod
+    puts a +inf, a NaN and both into three rows (``non_finite_positions``), under
+    ``options``."""
     generator = torch.Generator(device=device).manual_seed(20261204)
-    q, k, v, grad = (torch.randn(1, 2, 1024, 128, device=device, dtype=dtype,
+    q, k, v, grad = (torch.randn(1, 2, length, 128, device=device, dtype=dtype,
                                  generator=generator) for _ in range(4))
     inputs = [t.requires_grad_() for t in (q, k, v)]
-    mask = flexfa.create_block_mask(mods.causal, None, None, 1024, 1024, device=device)
-    out, lse = flexfa.flex_attention(*inputs, score_mod=_non_finite, block_mask=mask,
-                                     return_lse=True, kernel_options=options)
+    mask = flexfa.create_block_mask(mods.causal, None, None, length, length, device=device)
+    out, lse = flexfa.flex_attention(*inputs, score_mod=_non_finite_mod(length),
+                                     block_mask=mask, return_lse=True, kernel_options=options)
     return dict(zip(("out", "lse", "dq", "dk", "dv"),
                     (out, lse, *torch.autograd.grad(out, inputs, grad))))
 
 
-def assert_same_non_finite(found: dict, want: dict) -> None:
+def assert_same_non_finite(found: dict, want: dict, length: int = 1024) -> None:
     """The same NaN and +-inf pattern in every tensor, the finite values close; the rows of
     non_finite_results as docs/training.md has them (torch's)."""
     for name, got in found.items():
@@ -282,11 +304,13 @@ def assert_same_non_finite(found: dict, want: dict) -> None:
         finite = expected.isfinite()
         error = (got[finite] - expected[finite]).norm() / expected[finite].norm().clamp_min(1e-6)
         assert float(error) < 2e-2, (name, float(error))
+    inf_row, nan_row, both_row = non_finite_positions(length)[:3]
     lse, dv = want["lse"][0, 0].cpu(), want["dv"].cpu()
-    assert lse[300] == float("inf") and lse[309].isnan() and lse[917].isnan()
-    # dv: NaN for every key the NaN rows visit (causal: 0..917), finite past them
-    assert dv[:, :, :918].isnan().all() and dv[:, :, 918:].isfinite().all()
-    assert want["dq"][0, 0].cpu().isnan().any(-1).nonzero().flatten().tolist() == [300, 309, 917]
+    assert lse[inf_row] == float("inf") and lse[nan_row].isnan() and lse[both_row].isnan()
+    # dv: NaN for every key the NaN rows visit (causal: 0..both_row), finite past them
+    assert dv[:, :, :both_row + 1].isnan().all() and dv[:, :, both_row + 1:].isfinite().all()
+    assert want["dq"][0, 0].cpu().isnan().any(-1).nonzero().flatten().tolist() == [
+        inf_row, nan_row, both_row]
 
 
 def test_gluon_non_finite_rows_follow_the_triton_families(safe):

@@ -5,8 +5,9 @@ softmax with the P @ V GEMM; docs/gluon.md).
 Chosen by default only where it measured faster than the Hopper family (``AUTO_CLASSES``;
 shorter queries where its grid fills ``AUTO_MIN_FILL`` of the SMs), anywhere it can run when
 ``kernel_options={"BACKEND": "GLUON"}`` forces it.
-It needs an sm_90 GPU (never the
-interpreter: Gluon kernels are compiled only), fp16/bf16 inputs whose head dims pad to one of
+It needs an sm_90 GPU (or CPU tensors
+under kernel_options GLUON_EMULATE, where runtime.gluon_emulator runs its sm_90 source; never
+the Triton interpreter itself), fp16/bf16 inputs whose head dims pad to one of
 ``HEAD_DIM_PAIRS`` (E = Ev = 64, 128, 256, and E = 256 with Ev = 128; E = 192 with Ev = 128,
 96 and 80 padded) in the layout the Hopper family reads through tensor descriptors, and a
 block mask (if any) whose query blocks are multiples of the program's 128 rows. Tiles: 128 query
@@ -35,7 +36,7 @@ from ..launch import Step, cdiv
 from ..outputs import allocate_outputs, forward_grid, head_group, out_strides, stat_args
 from ..registry import KernelFamily, register
 from ..tables import largest_tile, mask_blocks
-from ..target import Target
+from ..target import EMULATED_SM90, Target
 from .ampere import int64_nodes, sm_count, wants_split
 from .hopper import block_geometry, descriptor_layout_ok
 
@@ -150,10 +151,13 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[in
     block masks whose (q, kv) blocks are multiples of its ``blocks``; head dims: q, k and v
     alike and padding to one of ``head_dims`` (the backward's), or by default (the
     forward's) any whose padded (E, Ev) is one of ``HEAD_DIM_PAIRS``."""
-    if target.interpret:
+    if call.options.gluon_emulate and not target.interpret:
+        raise InputError(f"kernel_options GLUON_EMULATE=True runs the Gluon kernels on CPU "
+                         f"tensors, but q is on {q.device}")
+    if target.interpret and not call.options.gluon_emulate:
         return ("it is a compiled Gluon kernel, which the Triton interpreter (CPU tensors) "
-                "cannot run")
-    if not target.is_sm90:
+                "cannot run (kernel_options GLUON_EMULATE=True runs it in flexfa's emulator)")
+    if not target.interpret and not target.is_sm90:
         return f"it runs on sm_90, not {target}"
     E, Ev = q.shape[3], v.shape[3]
     if head_dims is not None and (E != Ev or next_power_of_two(E) not in head_dims):
@@ -171,6 +175,12 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[in
         return ("it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with 16-byte "
                 "aligned rows")
     return None
+
+
+def gluon_target(target: Target) -> Target:
+    """The target a Gluon kernel is rendered for: sm_90 emulated for CPU tensors (they reach
+    the family only under GLUON_EMULATE: ``why_not_gluon``), else the call's."""
+    return EMULATED_SM90 if target.interpret else target
 
 
 def gluon_tiles(call: AttentionCall, pair: tuple[int, int]) -> tuple[int, int]:
@@ -336,7 +346,7 @@ class GluonForward(KernelFamily):
 
     def make_plan(self, q, k, v, call, target, return_lse, return_max) -> plans.Plan:
         import_gluon()
-        spec = gluon_spec(q, k, v, call, target, return_lse, return_max)
+        spec = gluon_spec(q, k, v, call, gluon_target(target), return_lse, return_max)
         B, Hq, L, _ = q.shape
         # fwd_gluon.tmpl stores out's columns as contiguous
         assert out_strides(q, v)[3] == 1, f"out strides {out_strides(q, v)} of q {q.stride()}"

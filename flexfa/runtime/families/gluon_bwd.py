@@ -37,7 +37,8 @@ from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
 from .backward import Inputs, int64_nodes_of, joint_graph
-from .gluon import SHARED_BYTES, descriptor_kinds, import_gluon, why_not_gluon
+from .gluon import (SHARED_BYTES, descriptor_kinds, gluon_target, import_gluon,
+                    why_not_gluon)
 from .hopper import block_geometry, descriptor_layout_ok
 
 # the Q/dO ring per padded head dim: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x
@@ -362,7 +363,7 @@ class GluonBackward(KernelFamily):
         slots = dq_slots(B, Hkv, chunks, call.options.gluon_bwd_overlap)
         (acc_b, acc_hkv), parts = dq_parts(B, Hkv, chunks, slots)
         group = call.gqa_group
-        spec = gluon_bwd_spec(q, k, call, target)
+        spec = gluon_bwd_spec(q, k, call, gluon_target(target))
         joint = joint_graph(call.score)
         l_pad = padded_rows(L, spec)
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)

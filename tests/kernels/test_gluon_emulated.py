@@ -1,0 +1,232 @@
+"""The Gluon forward and backward families on CPU tensors, through flexfa's emulator
+(kernel_options GLUON_EMULATE; runtime.gluon_emulator): the sm_90 source the GPU compiles,
+its index arithmetic, shared-memory data flow and barrier protocol run against the float64
+reference, on the GPU tests' variants scaled down (tests/gpu/test_gluon_gpu.py,
+test_gluon_bwd_gpu.py): dense, causal, sliding window, softcap, ALiBi, document, ragged
+lengths, GQA, empty rows, head dims 48 to 256, every forward option (ping-pong, TMA store,
+persistent and dynamic grids, static max) bit-equal to the plain kernel, and the backward's
+dropout, ring depths, accumulator parts and early dP^T. Registers, layouts, wgmma's
+asynchrony and speed stay the GPU tests' to check."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+from flexfa.errors import InputError
+from flexfa.runtime import plans
+
+from gpu.gluon_safety import case_inputs
+from gpu.test_gluon_bwd_gpu import (assert_same_non_finite, gluon_backward_plans,
+                                    non_finite_results)
+from kernels.backward_utils import check_backward
+from kernels.forward_utils import check_forward, make_qkv
+
+EMULATE = {"GLUON_EMULATE": True}
+FORCED = {**EMULATE, "BACKEND": "GLUON"}
+BACKWARD = {**FORCED, "GLUON_BACKWARD": True}
+OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
+           "tma_store": {**FORCED, "GLUON_TMA_STORE": True},
+           "pingpong_tma_store": {**FORCED, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True},
+           "persistent": {**FORCED, "GLUON_PERSISTENT": True},
+           "persistent_pingpong": {**FORCED, "GLUON_PERSISTENT": True, "GLUON_PINGPONG": True},
+           "dynamic": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC"},
+           "dynamic_tma_store": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC",
+                                 "GLUON_TMA_STORE": True},
+           "dynamic_group1": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "HEAD_GROUP": 1},
+           "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
+           "running_max": {**FORCED, "GLUON_STATIC_MAX": False}}
+
+
+def _none(heads, device):
+    return None, None
+
+
+def _causal(heads, device):
+    return None, mods.causal
+
+
+def _alibi_causal(heads, device):
+    return mods.alibi(heads, device=device), mods.causal
+
+
+def _softcap_causal(heads, device):
+    return mods.softcap(30.0), mods.causal
+
+
+def _document(heads, device):
+    return None, mods.document([100, 60, 140], device=device)
+
+
+def _empty_prefix(b, h, q_idx, kv_idx):
+    # rows before 130 attend to nothing: out 0, lse -inf
+    return (q_idx >= 130) & (kv_idx <= q_idx)
+
+
+def _empty_rows(score, b, h, q_idx, kv_idx):
+    # every fifth query row scores -inf everywhere (its lse -inf, read as +inf: P = 0)
+    return torch.where(q_idx % 5 == 2, float("-inf"), score)
+
+
+CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device)); bf16 unless the name ends fp16
+    "dense": (1, 2, 2, 200, 300, 128, _none),
+    "dense_even": (1, 2, 2, 256, 256, 64, _none),
+    "dense_fp16": (1, 2, 2, 128, 200, 64, _none),
+    "causal": (2, 2, 2, 300, 300, 64, _causal),
+    "sliding": (1, 2, 2, 384, 384, 64, lambda h, d: (None, mods.sliding_window(100))),
+    "softcap_causal": (1, 2, 2, 256, 256, 128, _softcap_causal),
+    "alibi_causal": (1, 2, 2, 256, 200, 64, _alibi_causal),
+    "document": (1, 2, 2, 300, 300, 64, _document),
+    "gqa_causal": (1, 4, 2, 256, 256, 64, _causal),
+    "empty_rows": (1, 2, 2, 256, 256, 64, lambda h, d: (None, _empty_prefix)),
+    "softcap_empty_rows": (1, 2, 2, 256, 256, 64,
+                           lambda h, d: (mods.softcap(30.0), _empty_prefix)),
+    "dense_d256": (1, 1, 1, 200, 150, 256, _none),
+    "causal_d256": (1, 1, 1, 256, 256, 256, _causal),
+    "causal_d192_ev128": (1, 1, 1, 200, 200, (192, 128), _causal),
+    "dense_d80": (1, 1, 1, 200, 130, 80, _none),
+    "document_d48": (1, 1, 1, 300, 300, 48, _document),
+}
+# more work tiles (B * Hq * q tiles: 140) than the 132 SMs a CPU plan assumes: some persistent
+# programs walk two, some static-grid tiles have no key tile under the prefix mask
+MANY = {"many_empty_rows": (1, 70, 70, 256, 128, 64, lambda h, d: (None, _empty_prefix))}
+
+FORWARD_CASES = ([(name, "plain") for name in CASES]
+                 + [(name, "pingpong") for name in ("dense", "causal", "softcap_causal",
+                                                    "document", "empty_rows", "causal_d256")]
+                 + [(name, "tma_store") for name in ("dense", "dense_fp16",
+                                                     "causal_d192_ev128", "dense_d80")]
+                 + [(name, "pingpong_tma_store") for name in ("causal", "gqa_causal")]
+                 + [(name, "persistent") for name in ("dense", "causal", "document",
+                                                      "many_empty_rows")]
+                 + [(name, "dynamic") for name in ("causal", "sliding", "gqa_causal",
+                                                   "many_empty_rows")]
+                 + [("dense", "dynamic_tma_store")]
+                 + [(name, "dynamic_group1") for name in ("causal", "gqa_causal")]
+                 + [(name, "static_max") for name in ("softcap_causal", "softcap_empty_rows")]
+                 + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")])
+
+
+def _inputs(name: str):
+    return case_inputs({**CASES, **MANY}[name], name, device="cpu")
+
+
+def _families() -> list[str]:
+    return sorted({p.family.name for p in plans.PLANS.values()})
+
+
+@pytest.mark.parametrize("name, option", FORWARD_CASES)
+def test_gluon_forward_emulated_matches_reference(name, option):
+    forced = OPTIONS[option]
+    q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    gqa = q.shape[1] != k.shape[1]
+    plans.PLANS.clear()
+    out, lse = check_forward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=gqa,
+                             kernel_options=forced)
+    assert _families() == ["gluon"]
+    if name.endswith("empty_rows"):
+        assert bool((out[:, :, :130] == 0).all()) and bool((lse[:, :, :130] == -torch.inf).all())
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon"]
+    if "static_max" in option:
+        assert all(p.spec.static_max is not None for p in found)
+    elif option == "running_max":
+        assert all(p.spec.static_max is None for p in found)
+    elif option != "plain":  # when GEMMs issue and how out is stored, not what is computed
+        plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                      enable_gqa=gqa, kernel_options=FORCED)
+        torch.testing.assert_close(out, plain, atol=0, rtol=0)
+
+
+def test_gluon_forward_emulated_row_max_and_pinned_tiles():
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16)
+    mask = flexfa.create_block_mask(mods.causal, None, None, 256, 256, device="cpu",
+                                    BLOCK_SIZE=(128, 64))
+    aux = flexfa.AuxRequest(lse=True, max_scores=True)
+    out, got = flexfa.flex_attention(q, k, v, block_mask=mask, return_aux=aux,
+                                     kernel_options={**FORCED, "BLOCK_N": 64, "num_stages": 3})
+    ref, want = flexfa.flex_attention(q, k, v, block_mask=mask, return_aux=aux)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.lse, want.lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.max_scores, want.max_scores, atol=1e-4, rtol=1e-4)
+
+
+BACKWARD_CASES = ["dense", "dense_even", "dense_fp16", "causal", "sliding", "softcap_causal",
+                  "alibi_causal", "document", "gqa_causal", "dense_d80", "document_d48"]
+
+
+@pytest.mark.parametrize("name", BACKWARD_CASES + ["empty_rows_score"])
+def test_gluon_backward_emulated_matches_reference(name):
+    if name == "empty_rows_score":
+        q, k, v = make_qkv(1, 2, 2, 300, 300, 64, dtype=torch.bfloat16)
+        score_mod, mask_mod = _empty_rows, mods.causal
+        block_mask = flexfa.create_block_mask(mods.causal, None, None, 300, 300, device="cpu")
+    else:
+        q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options=BACKWARD, with_lse=name == "causal")
+    assert _families() == ["gluon", "gluon_bwd"]
+
+
+@pytest.mark.parametrize("name", ["causal", "gqa_causal", "document", "dense_fp16"])
+def test_gluon_backward_emulated_dropout(name):
+    """The consumers draw the forward's keep mask again in the transposed tile."""
+    q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options=BACKWARD, dropout=(0.3, (20261205, 3)))
+    assert _families() == ["gluon", "gluon_bwd"]
+
+
+@pytest.mark.parametrize("name, options", [
+    ("causal", {"GLUON_BWD_STAGES": 3}),
+    ("softcap_causal", {"GLUON_BWD_STAGES": 3}),
+    ("causal", {"GLUON_BWD_DQ_CHUNKS": 1}),
+    # B = 2, Hkv = 2: one pair per part, two slots on "two streams" (run in turn on a CPU)
+    ("causal", {"GLUON_BWD_DQ_CHUNKS": 4}),
+    ("causal", {"GLUON_BWD_DQ_CHUNKS": 4, "GLUON_BWD_OVERLAP": False}),
+    ("gqa_causal", {"GLUON_BWD_DQ_CHUNKS": 2}),
+    ("causal", {"GLUON_BWD_EARLY_DP": True}),
+    ("softcap_causal", {"GLUON_BWD_EARLY_DP": True, "GLUON_BWD_STAGES": 3}),
+])
+def test_gluon_backward_emulated_options(name, options):
+    q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options={**BACKWARD, **options})
+    found = gluon_backward_plans(options, k)
+    if "GLUON_BWD_STAGES" in options:
+        assert all(p.spec.stages == options["GLUON_BWD_STAGES"] for p in found)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, on the inf and NaN rows
+def test_gluon_emulated_non_finite_rows_follow_the_interpreted_families():
+    """A +inf score, a NaN score and both in one row (in two key tiles): the Gluon forward
+    and backward give the interpreted Ampere forward's and Triton backward's NaN and inf
+    pattern (torch's: docs/training.md)."""
+    plans.PLANS.clear()
+    found = non_finite_results(BACKWARD, device="cpu", length=256)
+    assert {"gluon", "gluon_bwd"} <= set(_families())
+    plans.PLANS.clear()
+    want = non_finite_results({}, device="cpu", length=256)
+    assert "gluon" not in _families()
+    assert_same_non_finite(found, want, length=256)
+
+
+def test_gluon_emulate_takes_cpu_tensors_only():
+    """GLUON_EMULATE on a CUDA target is an input error naming the option (the check, with
+    the target a CUDA call would have)."""
+    from flexfa.runtime.call import AttentionCall
+    from flexfa.runtime.families.gluon import why_not_gluon
+    from flexfa.runtime.options import KernelOptions
+    from flexfa.runtime.target import INTERPRETER, Target
+
+    q, k, v = make_qkv(1, 1, 1, 128, 128, 64, dtype=torch.bfloat16)
+
+    def call(**options):
+        return AttentionCall(None, None, None, 0.125, KernelOptions(**options), 1)
+    with pytest.raises(InputError, match="GLUON_EMULATE=True runs the Gluon kernels on CPU"):
+        why_not_gluon(Target("cuda", 9, 0), call(gluon_emulate=True), q, k, v, (128, 64))
+    assert "GLUON_EMULATE" in why_not_gluon(INTERPRETER, call(), q, k, v, (128, 64))
+    assert why_not_gluon(INTERPRETER, call(gluon_emulate=True), q, k, v, (128, 64)) is None
