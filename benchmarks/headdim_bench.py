@@ -171,7 +171,7 @@ def run_case(E: int, Ev: int, S: int, causal: bool, args, compiled, bench) -> di
                     generator=generator).requires_grad_()
     case = {"E": E, "Ev": Ev, "B": B, "H": H, "S": S, "mode": "causal" if causal else "full"}
     makers = {"flexfa": lambda: flexfa_rows(q, k, v, causal, bench),
-              # the Gluon backward asked for (head dims that pad to 64 or 128)
+              # the Gluon backward asked for (head dims that pad to 64, 128 or 256)
               "flexfa_gluon_bwd": lambda: flexfa_rows(q, k, v, causal, bench,
                                                       {"GLUON_BACKWARD": True}, ("fwd_bwd",)),
               "torch_flex": lambda: torch_rows(q, k, v, causal, compiled, bench),

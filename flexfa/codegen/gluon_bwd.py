@@ -1,6 +1,7 @@
-"""The Gluon backward (``bwd_gluon.tmpl``, FlashAttention-3's backward on sm_90) and the row
-kernels around it (``bwd_gluon_rows.tmpl``): filling them, their parameters and their compile
-checks.
+"""The Gluon backward (``bwd_gluon.tmpl``, FlashAttention-3's backward on sm_90; at head dims
+padding to 256 ``bwd_gluon_wide.tmpl``, both consumers on the same 64 keys; both with
+``bwd_gluon_shared.tmpl``'s producer and tile walk) and the row kernels around it
+(``bwd_gluon_rows.tmpl``): filling them, their parameters and their compile checks.
 
 The Gluon module is built like the Gluon forward's: helpers, the Gluon library, the kernel
 library with the mask_mod, then the template with the score_mod's joint graph rendered as for
@@ -25,14 +26,20 @@ from .spec import INTERPRET, next_power_of_two, spec_key
 from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
 
-GLUON_BWD_TEMPLATES = ("bwd_gluon.tmpl", "helpers.tmpl", "gluon_common.tmpl", "common.tmpl")
+GLUON_BWD_TEMPLATES = ("bwd_gluon.tmpl", "bwd_gluon_wide.tmpl", "bwd_gluon_shared.tmpl",
+                       "helpers.tmpl", "gluon_common.tmpl", "common.tmpl")
 ROWS_TEMPLATES = ("bwd_gluon_rows.tmpl", "helpers.tmpl", "common.tmpl")
 # a full transposed score tile of one value (bwd_gluon.tmpl's S_LAYOUT)
 GLUON_TILE_T = "gl.full([KEYS, BLOCK_M], {fill}, {dtype}, S_LAYOUT)"
+# a consumer's score columns at E = 256 (bwd_gluon_wide.tmpl's S_LAYOUT)
+GLUON_TILE_WIDE = "gl.full([BLOCK_M, SPLIT], {fill}, {dtype}, S_LAYOUT)"
 CONSUMERS = 2  # bwd_gluon.tmpl's consumer warpgroups
 KEYS = 64  # keys of one consumer (one wgmma M)
 BLOCK_M = 64  # query rows of a walked tile
 BLOCK_N = CONSUMERS * KEYS  # keys per program
+# bwd_gluon_wide.tmpl (head dims padding to 256): both consumers on the same 64 keys
+WIDE_HEAD_DIM = 256
+BLOCK_N_WIDE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +48,7 @@ class GluonBackwardSpec:
     (joint IR, mask IR, spec)."""
 
     dtype: str  # "fp16" | "bf16"
-    head_dim: int  # q, k, v alike (padding to 64 or 128)
+    head_dim: int  # q, k, v alike (padding to 64, 128 or 256)
     stages: int  # the Q/dO ring depth
     has_block_mask: bool
     has_full_blocks: bool
@@ -63,6 +70,13 @@ class GluonBackwardSpec:
             f"block-mask blocks ({self.sparse_q}, {self.sparse_kv}) are not multiples of the "
             f"tiles ({self.block_m}, {self.block_n})")
         assert not (self.early_dp and self.dropout), "EARLY_DP's dP^T starts from -delta"
+        assert not self.wide or (self.block_n == BLOCK_N_WIDE and not self.early_dp
+                                 and not self.dropout), f"E = 256: {self}"
+
+    @property
+    def wide(self) -> bool:
+        """bwd_gluon_wide.tmpl's kernel (head dims padding to 256), else bwd_gluon.tmpl's."""
+        return next_power_of_two(self.head_dim) == WIDE_HEAD_DIM
 
     @property
     def interpret(self) -> bool:
@@ -86,24 +100,31 @@ def descriptor_blocks(spec: GluonBackwardSpec) -> dict[str, tuple[list[int], str
     Bounds)."""
     e_pad = next_power_of_two(spec.head_dim)
     rows = [1] * (not spec.even_l) + [spec.block_m, e_pad]
-    keys = [1] * (not spec.even_s) + [spec.block_n // CONSUMERS, e_pad]
-    return {"Q_DESC": (rows, spec.dtype), "DO_DESC": (rows, spec.dtype),
-            "K_DESC": (keys, spec.dtype), "V_DESC": (keys, spec.dtype),
-            "LSE_DESC": ([1, spec.block_m], "fp32"), "DELTA_DESC": ([1, spec.block_m], "fp32"),
-            # each consumer reduces its columns of the tile's dQ (bwd_gluon.tmpl's DQ_COLS)
-            "DQ_DESC": ([spec.block_m, e_pad // CONSUMERS], "fp32")}
+    # K and V by consumer (bwd_gluon.tmpl) or whole (bwd_gluon_wide.tmpl's KV_ROWS)
+    keys = [1] * (not spec.even_s) + [spec.block_n // (1 if spec.wide else CONSUMERS), e_pad]
+    blocks = {"Q_DESC": (rows, spec.dtype), "DO_DESC": (rows, spec.dtype),
+              "K_DESC": (keys, spec.dtype), "V_DESC": (keys, spec.dtype),
+              "LSE_DESC": ([1, spec.block_m], "fp32"), "DELTA_DESC": ([1, spec.block_m], "fp32")}
+    if not spec.wide:  # (the wide kernel adds dQ by atomics: no descriptor)
+        # each consumer reduces its columns of the tile's dQ (bwd_gluon.tmpl's DQ_COLS)
+        blocks["DQ_DESC"] = ([spec.block_m, e_pad // CONSUMERS], "fp32")
+    return blocks
 
 
 def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
-                     dropout: bool = False) -> KernelParams:
+                     dropout: bool = False, wide: bool = False) -> KernelParams:
     """bwd_gluon.tmpl's kernel: descriptors (their blocks from ``descriptor_blocks``), dK,
     dV, the transposed q tables, lengths, the scale, the mods' captured tensors and, with
-    ``dropout``, the seed, threshold and scale of ``feature_params``."""
-    descriptors = tuple(Param(name, DESCRIPTOR, dtype, ("BLOCK_M", "E_PAD")) for name, dtype in (
-        ("Q_DESC", INPUT), ("DO_DESC", INPUT), ("K_DESC", INPUT), ("V_DESC", INPUT),
-        ("LSE_DESC", "fp32"), ("DELTA_DESC", "fp32"), ("DQ_DESC", "fp32")))
+    ``dropout``, the seed, threshold and scale of ``feature_params``; ``wide``
+    (bwd_gluon_wide.tmpl): the fp32 dQ accumulator DQ_ACC as a pointer, not a descriptor."""
+    names = (("Q_DESC", INPUT), ("DO_DESC", INPUT), ("K_DESC", INPUT), ("V_DESC", INPUT),
+             ("LSE_DESC", "fp32"), ("DELTA_DESC", "fp32")) + ((("DQ_DESC", "fp32"),) * (not wide))
+    descriptors = tuple(Param(name, DESCRIPTOR, dtype, ("BLOCK_M", "E_PAD"))
+                        for name, dtype in names)
+    accumulator = tensors("fp32", "DQ_ACC") if wide else ()
     return KernelParams((
-        descriptors + tensors(INPUT, "DK", "DV"), strides("dk", "bhnd"), strides("dv", "bhnd"),
+        descriptors + accumulator + tensors(INPUT, "DK", "DV"), strides("dk", "bhnd"),
+        strides("dv", "bhnd"),
         *block_mask_tables("Q", "n", "m"),
         ints("HQ", "L", "S", "L_PAD", "HQ_CHUNK", "B0", "HKV0") + (Param("sm_scale", FLOAT),)
         + buffer_params(score, mask) + feature_params("", dropout),
@@ -127,20 +148,22 @@ def gluon_bwd_kernel(spec: GluonBackwardSpec, joint: JointGraph | None, score: T
     score_args, mask_args = mod_buffer_args(score, mask)
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
-    params = gluon_bwd_params(score, mask, spec.dropout)
+    params = gluon_bwd_params(score, mask, spec.dropout, spec.wide)
     flags = spec.constexprs(dscore_is_one(joint))
+    tile = GLUON_TILE_WIDE if spec.wide else GLUON_TILE_T
     library = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
-                   MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints,
-                                          tile=GLUON_TILE_T))
-    kernel = fill(load_template("bwd_gluon.tmpl"), KERNEL_NAME=name,
+                   MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints, tile=tile))
+    template = "bwd_gluon_wide.tmpl" if spec.wide else "bwd_gluon.tmpl"
+    kernel = fill(load_template(template), KERNEL_NAME=name,
                   DEF_KERNEL=def_kernel(name, params, flags),
                   TABLES=as_tuple(table_names("Q", "n", "m")), SBUFS=as_tuple(score_names),
                   MBUFS=as_tuple(mask_names), SCORE_BUFFERS=unpack(score_names, "sbufs"),
                   SCORE_JOINT=score_joint_code(joint, score, score_args, False, True,
-                                               spec.wide_ints, GLUON_TILE_T))
+                                               spec.wide_ints, tile))
+    shared = fill(load_template("bwd_gluon_shared.tmpl"), KERNEL_NAME=name)
     source = module_source(f"flexfa generated Gluon backward kernel: {name}", flags, (name,),
                            load_template("helpers.tmpl"), load_template("gluon_common.tmpl"),
-                           library, kernel)
+                           library, kernel, shared)
     return GeneratedKernel(key, name, source, describe_mods(score, mask), ((name, params),))
 
 
@@ -149,7 +172,7 @@ def gluon_bwd_signature(spec: GluonBackwardSpec, joint: JointGraph | None,
                         ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) for ``triton.compile(GluonASTSource(...))``."""
     constexprs_ = spec.constexprs(dscore_is_one(joint))
-    signature = gluon_bwd_params(score, mask, spec.dropout).signature(
+    signature = gluon_bwd_params(score, mask, spec.dropout, spec.wide).signature(
         constexprs_ | {"E_PAD": next_power_of_two(spec.head_dim)}, {INPUT: spec.dtype})
     for name, (block, dtype) in descriptor_blocks(spec).items():
         signature[name] = descriptor_type(block, dtype)

@@ -26,6 +26,7 @@ from ..runtime.call import AttentionCall, Dropout
 from ..runtime.families.ampere import default_tiles as ampere_tiles
 from ..runtime.families.hopper import COMBINE_LAUNCH as HOPPER_COMBINE_LAUNCH
 from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
+from ..runtime.families.gluon_bwd import keys_per_program
 from ..runtime.decode_inputs import DecodeInputs
 from ..runtime.families.decode import decode_spec
 from ..fp8.inputs import FP8_DTYPE
@@ -294,16 +295,19 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
                   even: bool = False):
     """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
     (the bounds-checked code and q, k, v read by heads) unless ``even``, 128-key programs
-    walking 64-row q tiles (``dropout``: the keep mask drawn again)."""
+    (64 at E = 256: bwd_gluon_wide.tmpl) walking 64-row q tiles (``dropout``: the keep mask
+    drawn again)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         joint = joint_graph(score)
+        block_n = keys_per_program(head_dim)  # 64 at E = 256 (bwd_gluon_wide.tmpl)
         spec = GluonBackwardSpec(dtype=dtype, head_dim=head_dim, stages=stages,
                                  has_block_mask=mask is not None,
                                  has_full_blocks=mask is not None,
-                                 sparse_q=128 if mask else 64, sparse_kv=128, even_l=even,
+                                 sparse_q=128 if mask else 64,
+                                 sparse_kv=128 if mask else block_n, even_l=even,
                                  even_s=even, gqa_group=gqa_group, target=f"cuda:{arch}",
-                                 early_dp=early_dp, dropout=dropout)
+                                 early_dp=early_dp, dropout=dropout, block_n=block_n)
         generated = gluon_bwd_kernel(spec, joint, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = gluon_bwd_signature(spec, joint, score, mask)
@@ -342,6 +346,24 @@ def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
 
 register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=causal_mask),
          archs=(90,))
+# E = 256 (bwd_gluon_wide.tmpl: both consumers on 64 keys, dK / dV / dQ split along E); spill
+# bytes / local-memory instructions in the tile loop at registration (sm_90, Triton 3.6):
+# dense and softcap 0 / 0 at ragged lengths, every mask 0 / 0 at tile multiples; ragged
+# causal and softcap + causal 12 / 1, ALiBi + causal 4 / 1, GQA 4 causal 52 / 3 (24 / 0 even)
+register("bwd_gluon_d256_bf16_dense", gluon_bwd_job(256, "bf16"), archs=(90,))
+register("bwd_gluon_d256_bf16_causal_even", gluon_bwd_job(256, "bf16", mask_mod=causal_mask,
+                                                          even=True), archs=(90,))
+register("bwd_gluon_d256_bf16_causal", gluon_bwd_job(256, "bf16", mask_mod=causal_mask),
+         archs=(90,))
+register("bwd_gluon_d256_fp16_softcap", gluon_bwd_job(256, "fp16", score_mod=softcap_mod),
+         archs=(90,))
+register("bwd_gluon_d256_bf16_softcap_causal_even",
+         gluon_bwd_job(256, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, even=True),
+         archs=(90,))
+register("bwd_gluon_d256_bf16_gqa_causal",
+         gluon_bwd_job(256, "bf16", mask_mod=causal_mask, gqa_group=4), archs=(90,))
+register("bwd_gluon_d192_bf16_causal_even",
+         gluon_bwd_job(192, "bf16", mask_mod=causal_mask, even=True), archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))
 register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job(POST), archs=(90,))
 register("bwd_gluon_rows_zero_d128_bf16", gluon_rows_job(ZERO), archs=(90,))

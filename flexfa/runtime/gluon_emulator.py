@@ -23,7 +23,9 @@ module loads a generated Gluon module with ``gluon.jit`` read as the interpreter
   ever complete (every live partition waiting, nothing queued) raises ``GluonDeadlock``
   naming the barriers instead of hanging;
 - the kernels' inline PTX is replaced by exact equivalents (``tanh.approx.f32`` by tanh, the
-  ``%ctaid`` reads by the program ids, ``mov.b32`` by its input).
+  ``%ctaid`` reads by the program ids, ``mov.b32`` by its input);
+- a ``range()`` loop in a kernel yields int32 tensors, as a compiled loop's variable is
+  (``gl.static_range`` stays Python ints).
 
 What it checks: a kernel's index arithmetic, its data flow through shared memory and its
 barrier protocol in the interleavings the thread switches produce, against the float64
@@ -522,6 +524,12 @@ class _Forward(types.ModuleType):
         return getattr(self.__dict__["_base"], name)
 
 
+def _runtime_range(*args):
+    """range() in kernel code: the values as int32 scalar tensors."""
+    for i in builtins.range(*(_value(a) for a in args)):
+        yield tl.tensor(interp.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
+
+
 def _static_range(start, end=None, step=None, **kwargs):
     start, end = (0, start) if end is None else (start, end)
     return range(_value(start), _value(end), _value(step) if step is not None else 1)
@@ -647,6 +655,9 @@ def load_emulated(path: str, module_name: str) -> types.ModuleType:
         exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)
     module.__dict__.update({name: value.value for name, value in list(vars(module).items())
                             if isinstance(value, tl.constexpr)})
+    # in the kernels (the module's body has run), a loop over range() is a runtime loop: its
+    # variable an int32 tensor (`t < walk[0]` a tensor, not a Python bool), as compiled
+    module.__dict__["__builtins__"]["range"] = _runtime_range
     # helpers look triton.language up when called: give them the emulator's inline asm;
     # the interpreter's patching needs the real module among the globals
     module.__dict__["_flexfa_triton_language"] = tl

@@ -15,6 +15,8 @@ GEMMs (consumer 0's k-th after consumer 1's k - 1 steps, consumer 1's k-th after
 0's k-th)."""
 from __future__ import annotations
 
+import re
+
 
 def step(state, op, actor, counts: dict):
     """The state after ``op`` by partition ``actor`` (None: it waits); ``counts``: the
@@ -74,3 +76,29 @@ def run_all_interleavings(programs, counts: dict) -> int:
         assert moved or done, f"all partitions wait forever at {pcs}: " + ", ".join(
             str(p[pc]) for pc, p in zip(pcs, programs) if pc < len(p))
     return len(states)
+
+
+def find_one(pattern: str, source: str) -> str:
+    """The one value ``pattern``'s group takes in a template's ``source`` (an error if it
+    takes none or several)."""
+    found = set(re.findall(pattern, source))
+    assert len(found) == 1, (pattern, found)
+    return found.pop()
+
+
+def barrier_counts(source: str, consumers: int) -> dict:
+    """Each barrier's arrival count, by name, from the template's mbarrier.init calls."""
+    return {name: int(count) if count.isdigit() else {"CONSUMERS": consumers}[count]
+            for name, count in re.findall(r"mbarrier\.init\((\w+)\.index\(\w+\), count=(\w+)\)",
+                                          source)}
+
+
+def backward_producer_tile(ev, it: int, gqa: bool) -> list[tuple]:
+    """The Gluon backward producer's ops for tile ``it`` (bwd_gluon_shared.tmpl, both backward
+    kernels): the stage's free wait, with GQA the tile's code into the stage's slot, then
+    Q, dO, lse and delta into the stage ("q": one TMA transaction on ready). ``ev(name,
+    **names)`` evaluates a template expression."""
+    stage = ev("stage", it=it)
+    return ([("wait", ("free", stage), ev("free", it=it))]
+            + ([("write", ("code", stage), it)] if gqa else [])
+            + [("load", ("q", stage), it, ("ready", stage))])

@@ -176,7 +176,10 @@ def _learnable_bias():
     (lambda: (_call({**FORCED, "deterministic": True}), _qkv()), "deterministic=True"),
     (lambda: (_call({**FORCED, "DS_WORKSPACE": True}), _qkv()), "dS workspace"),
     (lambda: (_call({**FORCED, "bwd_BLOCK_M1": 32}), _qkv()), "pin backward tiles"),
-    (lambda: (_call(FORCED), _qkv(E=256)), "head dims that pad to 64 or 128"),
+    (lambda: (_call(FORCED), _qkv(E=512)), "head dims that pad to 64 or 128 or 256"),
+    (lambda: (_call(FORCED, dropout_p=0.1), _qkv(E=256)), "dropout at head dim 256"),
+    (lambda: (_call(FORCED, block_mask=_mask(256, 32)), _qkv(E=256)),
+     "multiples of (64, 64)"),
     (lambda: (_call(FORCED), _qkv(E=96, Ev=128)), "not E=96, Ev=128"),
     (lambda: (_call(FORCED), _qkv(E=128, Ev=64)), "not E=128, Ev=64"),
     (lambda: (_call(FORCED), _qkv(dtype=torch.float32)), "fp16/bf16"),
@@ -233,7 +236,7 @@ def test_gluon_backward_spec(L, block_mask, sparse_q, even_l, even_s, l_pad):
 
 @pytest.mark.parametrize("E, stages, chosen", [(128, None, 3), (64, None, 3), (128, 3, 3),
                                                (64, 4, 4), (128, 2, 2), (96, None, 3),
-                                               (48, 4, 4)])
+                                               (48, 4, 4), (256, None, 2), (192, 2, 2)])
 def test_gluon_backward_ring_depth_from_kernel_options(E, stages, chosen):
     q, k, _ = _qkv(256, E)
     options = {**FORCED, **({"GLUON_BWD_STAGES": stages} if stages else {})}

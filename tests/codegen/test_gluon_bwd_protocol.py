@@ -13,22 +13,24 @@ import re
 import pytest
 
 from flexfa.codegen.template import load_template
-from mbarrier_model import run_all_interleavings
+from mbarrier_model import (backward_producer_tile, barrier_counts, find_one,
+                            run_all_interleavings)
 
 CONSUMERS = 2
+
+
+def backward_source() -> str:
+    """bwd_gluon.tmpl and the producer and tile walk it shares with bwd_gluon_wide.tmpl."""
+    return load_template("bwd_gluon.tmpl") + load_template("bwd_gluon_shared.tmpl")
 
 
 def _protocol(source: str) -> dict:
     """The template's expressions, by name: barrier counts, parities (of `it` and STAGES),
     ring stage, and the dS^T buffers a consumer writes and its dQ wgmmas read."""
     def find(pattern: str) -> str:
-        found = set(re.findall(pattern, source))
-        assert len(found) == 1, (pattern, found)
-        return found.pop()
+        return find_one(pattern, source)
 
-    counts = {name: int(count) if count.isdigit() else {"CONSUMERS": CONSUMERS}[count]
-              for name, count in re.findall(r"mbarrier\.init\((\w+)\.index\(\w+\), count=(\w+)\)",
-                                            source)}
+    counts = barrier_counts(source, CONSUMERS)
     ds_wait = re.findall(r"mbarrier\.wait\(ds_full\.index\((.+?)\), (.+)\)\n", source)
     assert len(ds_wait) == 1, ds_wait
     return {
@@ -68,9 +70,7 @@ def _programs(proto: dict, tiles: int, stages: int, gqa: bool = False) -> list[l
     writer = []
     for it in range(tiles):
         stage = ev("stage", it=it)
-        producer += [("wait", ("free", stage), ev("free", it=it))]
-        producer += [("write", ("code", stage), it)] if gqa else []
-        producer += [("load", ("q", stage), it, ("ready", stage))]
+        producer += backward_producer_tile(ev, it, gqa)
         for cid, ops in enumerate(consumers):
             if it == 0:
                 for c in range(CONSUMERS):
@@ -111,7 +111,7 @@ def test_backward_protocol_never_hangs_or_races(tiles, stages, gqa):
     its own tile's Q/dO stage (with GQA its code) and both consumers' dS^T of that tile,
     each writer reduce reads its tile's dQ columns, and no load or store writes a buffer
     still read (the ring's stages, the two dS^T pairs across tiles, the dQ buffers)."""
-    assert _check(load_template("bwd_gluon.tmpl"), tiles, stages, gqa) > 0
+    assert _check(backward_source(), tiles, stages, gqa) > 0
 
 
 @pytest.mark.parametrize("mistake, old, new, message", [
@@ -130,7 +130,7 @@ def test_backward_protocol_never_hangs_or_races(tiles, stages, gqa):
 def test_the_model_catches_protocol_mistakes(mistake, old, new, message):
     """The check above can fail: each mistake, written into the template's text, makes the
     model hang or race."""
-    source = load_template("bwd_gluon.tmpl")
+    source = backward_source()
     assert source.count(old) >= 1, mistake
     with pytest.raises(AssertionError, match=message):
         _check(source.replace(old, new), 4, 2)

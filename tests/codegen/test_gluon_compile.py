@@ -51,6 +51,10 @@ BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
 # dropout_p: the consumers draw the keep mask again in the transposed score tile's layout
 BWD_DROPOUT_VARIANTS = ("bwd_gluon_d128_bf16_causal_dropout",
                         "bwd_gluon_d64_fp16_softcap_gqa_dropout")
+# E = 256 (bwd_gluon_wide.tmpl): no spills without a mask at a ragged length and with one at
+# tile multiples (the others: python -m flexfa compile-check --arch 90 --only bwd_gluon_d256)
+BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even",
+                     "bwd_gluon_d256_bf16_causal")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
 BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16",
                     "bwd_gluon_rows_zero_d128_bf16", "bwd_gluon_rows_post_d96_bf16")
@@ -127,7 +131,7 @@ def started(tmp_path_factory) -> dict:
               "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS + DROPOUT_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
               "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True),
-              "dynamic": (DYNAMIC_VARIANTS, True)}
+              "dynamic": (DYNAMIC_VARIANTS, True), "wide": (BWD_WIDE_VARIANTS, False)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
     yield processes
@@ -322,6 +326,25 @@ def test_gluon_backward_compiles_for_sm90(backward_rows):
     assert d128["st_shared"] == rows["bwd_gluon_d128_bf16_causal"]["st_shared"], d128
     assert (d128["spills"] or 0) <= 32 and (d128["loop_spills"] or 0) <= 1, d128
     assert (d64["spills"] or 0) == 0 and (d64["loop_spills"] or 0) == 0, d64
+
+
+def test_gluon_wide_backward_compiles_for_sm90(started):
+    """The E = 256 backward (bwd_gluon_wide.tmpl): wgmma unserialized, TMA loads, dQ by
+    relaxed atomic adds (no TMA reduce, no dQ buffer in shared memory), the producer at 24
+    registers and the worker consumer at 240; no spills without a mask at a ragged length
+    nor with the causal mask at tile multiples, and at most one local-memory instruction in
+    the tile loop (12 bytes) with the causal mask at a ragged length."""
+    rows = _rows(started["wide"])
+    for name, row in rows.items():
+        assert row["ok"], (name, row["error"])
+        assert row["wgmma"] and row["tma"] and row["arrive"] and not row["reduce"], row
+        assert row["atomics"] > 0, row
+        assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
+        assert row["serialized"] in (False, None), row
+    for name in ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even"):
+        assert rows[name]["spills"] in (0, None), rows[name]
+    ragged = rows["bwd_gluon_d256_bf16_causal"]
+    assert (ragged["spills"] or 0) <= 12 and (ragged["loop_spills"] or 0) <= 1, ragged
 
 
 PLAN_SCRIPT = """

@@ -39,6 +39,13 @@ for L, mask_mod in ((256, None), (300, flexfa.mods.causal)):
         out.sum().backward()
     torch.cuda.synchronize()
     print("ok", all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)))
+    # E = 256: bwd_gluon_wide.tmpl's barriers
+    q, k, v = (torch.randn(1, 2, L, 256, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options=options)
+    out.sum().backward()
+    torch.cuda.synchronize()
+    print("ok", all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)))
 """
 
 
@@ -89,6 +96,16 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
                            lambda h, d: (mods.softcap(30.0), mods.causal)),
     "dense_d48_fp16": (1, 4, 4, 500, 600, 48, lambda h, d: (None, None)),
     "gqa_alibi_causal_d96": (1, 8, 2, 640, 640, 96, _alibi_causal),
+    # E = 256 (bwd_gluon_wide.tmpl: 64-key programs, dK / dV / dQ split along E; dQ by atomic
+    # adds), and 192 padded to it
+    "dense_d256": (1, 4, 4, 1000, 1100, 256, lambda h, d: (None, None)),
+    "causal_d256": (2, 4, 4, 1024, 1024, 256, lambda h, d: (None, mods.causal)),
+    "softcap_causal_d256": (1, 4, 4, 1000, 1000, 256,
+                            lambda h, d: (mods.softcap(30.0), mods.causal)),
+    "gqa_alibi_causal_d256": (1, 8, 2, 640, 640, 256, _alibi_causal),
+    "document_d256": (1, 4, 4, 1000, 1000, 256, _document),
+    "empty_rows_causal_d256": (1, 4, 2, 600, 600, 256, lambda h, d: (_empty_rows, mods.causal)),
+    "causal_d192": (1, 4, 4, 1000, 1000, 192, lambda h, d: (None, mods.causal)),
 }
 
 

@@ -2,7 +2,9 @@
 and one check of flexfa's out and lse against the float64 reference."""
 from __future__ import annotations
 
+import contextlib
 import types
+from unittest import mock
 
 import torch
 
@@ -110,3 +112,18 @@ def record_splits(monkeypatch, module) -> list:
         return real(parts, *rest, **kwargs)
     monkeypatch.setattr(module, "combine_splits", spy)
     return combined
+
+
+@contextlib.contextmanager
+def kept_plans(record=lambda plan: plan):
+    """The list of ``record(plan)`` for each plan the runtime keeps in the block (a spy on
+    runtime.plans.keep: a plan outlives the call only as long as its block mask)."""
+    from flexfa.runtime import plans
+    made = []
+    real = plans.keep
+
+    def spy(call, key, plan):
+        made.append(record(plan))
+        return real(call, key, plan)
+    with mock.patch.object(plans, "keep", spy):
+        yield made

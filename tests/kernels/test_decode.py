@@ -15,7 +15,7 @@ import flexfa
 from flexfa import mods
 from flexfa.errors import InputError
 from flexfa.reference import attention_reference
-from flexfa.runtime import plans, registry
+from flexfa.runtime import registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import decode
 from flexfa.runtime.families.ampere import AMPERE
@@ -23,7 +23,7 @@ from flexfa.runtime.families.decode import DECODE
 from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward
-from forward_utils import check_forward, dense_block_mask, make_qkv
+from forward_utils import check_forward, dense_block_mask, kept_plans, make_qkv
 from strategies import mask_mods, score_mods
 
 
@@ -377,16 +377,10 @@ def reversed_rows(num_blocks, indices):
 
 
 @pytest.fixture
-def union_walks(monkeypatch):
+def union_walks():
     """spec.union_walk of each decode plan a call makes."""
-    made = []
-    real = plans.keep
-
-    def spy(call, key, plan):
-        made.append(plan.spec.union_walk)
-        return real(call, key, plan)
-    monkeypatch.setattr(plans, "keep", spy)
-    return made
+    with kept_plans(lambda plan: plan.spec.union_walk) as made:
+        yield made
 
 
 # (G, L, splits, paged): GQA ratios 3 and 4, L in {1, 3}, splits 1..4, paged and contiguous

@@ -86,6 +86,15 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device)); bf16 unless the n
     "causal_d256": (1, 1, 1, 256, 256, 256, _causal),
     "causal_d192_ev128": (1, 1, 1, 200, 200, (192, 128), _causal),
     "dense_d80": (1, 1, 1, 200, 130, 80, _none),
+    # the backward's E = 256 kernel (bwd_gluon_wide.tmpl): 64-key programs, dK / dV / dQ split
+    # along E between the consumers; 192 and 160 pad to it
+    "softcap_d256": (1, 2, 2, 200, 200, 256, lambda h, d: (mods.softcap(30.0), None)),
+    "softcap_causal_d256": (1, 2, 2, 256, 256, 256, _softcap_causal),
+    "gqa_causal_d256": (1, 4, 1, 300, 300, 256, _causal),
+    "gqa_dense_d256": (1, 4, 2, 200, 260, 256, _none),
+    "alibi_causal_d256": (1, 2, 2, 256, 200, 256, _alibi_causal),
+    "dense_d192": (1, 1, 1, 200, 130, 192, _none),
+    "document_d160": (1, 1, 1, 300, 300, 160, _document),
     "document_d48": (1, 1, 1, 300, 300, 48, _document),
 }
 # more work tiles (B * Hq * q tiles: 140) than the 132 SMs a CPU plan assumes: some persistent
@@ -152,7 +161,10 @@ def test_gluon_forward_emulated_row_max_and_pinned_tiles():
 
 
 BACKWARD_CASES = ["dense", "dense_even", "dense_fp16", "causal", "sliding", "softcap_causal",
-                  "alibi_causal", "document", "gqa_causal", "dense_d80", "document_d48"]
+                  "alibi_causal", "document", "gqa_causal", "dense_d80", "document_d48",
+                  "dense_d256", "causal_d256", "softcap_d256", "softcap_causal_d256",
+                  "gqa_causal_d256", "gqa_dense_d256", "alibi_causal_d256", "dense_d192",
+                  "document_d160"]
 
 
 @pytest.mark.parametrize("name", BACKWARD_CASES + ["empty_rows_score"])
@@ -165,8 +177,11 @@ def test_gluon_backward_emulated_matches_reference(name):
         q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                   kernel_options=BACKWARD, with_lse=name == "causal")
+                   kernel_options=BACKWARD, with_lse=name in ("causal", "causal_d256"))
     assert _families() == ["gluon", "gluon_bwd"]
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon_bwd"]
+    wide = q.shape[3] > 128  # bwd_gluon_wide.tmpl's 64-key programs
+    assert all(p.spec.wide == wide and p.spec.block_n == (64 if wide else 128) for p in found)
 
 
 @pytest.mark.parametrize("name", ["causal", "gqa_causal", "document", "dense_fp16"])
@@ -189,6 +204,10 @@ def test_gluon_backward_emulated_dropout(name):
     ("gqa_causal", {"GLUON_BWD_DQ_CHUNKS": 2}),
     ("causal", {"GLUON_BWD_EARLY_DP": True}),
     ("softcap_causal", {"GLUON_BWD_EARLY_DP": True, "GLUON_BWD_STAGES": 3}),
+    ("causal_d256", {"GLUON_BWD_DQ_CHUNKS": 1}),
+    ("gqa_causal_d256", {"GLUON_BWD_DQ_CHUNKS": 4, "GLUON_BWD_OVERLAP": False}),
+    # EARLY_DP changes nothing at 256 (S and dP are issued together there)
+    ("causal_d256", {"GLUON_BWD_EARLY_DP": True}),
 ])
 def test_gluon_backward_emulated_options(name, options):
     q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
@@ -198,6 +217,23 @@ def test_gluon_backward_emulated_options(name, options):
     found = gluon_backward_plans(options, k)
     if "GLUON_BWD_STAGES" in options:
         assert all(p.spec.stages == options["GLUON_BWD_STAGES"] for p in found)
+    if q.shape[3] > 128:
+        assert all(not p.spec.early_dp for p in found)
+
+
+def test_gluon_backward_emulated_e256_limits():
+    """At E = 256 a Q/dO ring of 3 stages does not fit sm_90's shared memory (an error naming
+    the bytes and the depths that fit), and dropout runs on the Triton backward."""
+    q, k, v, score_mod, mask_mod, block_mask = _inputs("causal_d256")
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flexfa.flex_attention(*inputs, block_mask=block_mask,
+                                kernel_options={**BACKWARD, "GLUON_BWD_STAGES": 3})
+    with pytest.raises(InputError, match=r"GLUON_BWD_STAGES=3.*head dim 256.*fit: \[2\]"):
+        out.sum().backward()
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, kernel_options=BACKWARD,
+                   dropout=(0.2, (7, 7)))
+    assert "triton_bwd" in _families() and "gluon_bwd" not in _families()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, on the inf and NaN rows

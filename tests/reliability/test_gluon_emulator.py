@@ -1,8 +1,9 @@
 """The Gluon emulator (runtime.gluon_emulator) catches what it is there to catch: small Gluon
 kernels written here show its barrier, TMA and deadlock semantics, and mistakes written into
 the real templates (a missing wait, a wait for the wrong phase, a wrong row offset, the wrong
-dS^T buffer) make the emulated families fail against the float64 reference, where the
-unchanged templates pass (tests/kernels/test_gluon_emulated.py)."""
+dS^T buffer, at E = 256 the wrong columns or an early read of P^T and dS^T) make the
+emulated families fail against the float64 reference, where the unchanged templates pass
+(tests/kernels/test_gluon_emulated.py)."""
 from __future__ import annotations
 
 import pytest
@@ -128,12 +129,20 @@ MUTATIONS = {
     # the dQ wgmmas go ahead without both consumers' dS^T
     "bwd_ds_full": ("bwd_gluon.tmpl", "mbarrier.wait(ds_full.index(it % 2), (it // 2) & 1)",
                     "mbarrier.wait(ds_full.index(it % 2), ((it // 2) & 1) ^ 1)", "backward"),
+    # E = 256: both dQ slices formed from the first slice's keys' columns
+    "wide_dq_slice": ("bwd_gluon_wide.tmpl", "k.slice(CID * HALF + h * DQ_SLICE, DQ_SLICE",
+                      "k.slice(CID * HALF, DQ_SLICE", "wide"),
+    # E = 256: the halves of P^T and dS^T read before the other consumer stored its half
+    "wide_pds_full": ("bwd_gluon_wide.tmpl", "mbarrier.wait(pds_full.index(0), it & 1)",
+                      "mbarrier.wait(pds_full.index(0), (it & 1) ^ 1)", "wide"),
 }
 
 
 def _check(direction: str) -> set[str]:
-    """The families that ran (the plans live as long as the block mask)."""
-    q, k, v = make_qkv(1, 2, 2, 384, 384, 64, dtype=torch.bfloat16)
+    """The families that ran (the plans live as long as the block mask); "wide": the
+    backward at E = 256."""
+    q, k, v = make_qkv(1, 2, 2, 384, 384, 256 if direction == "wide" else 64,
+                       dtype=torch.bfloat16)
     mask = flexfa.create_block_mask(mods.causal, None, None, 384, 384, device="cpu")
     if direction == "forward":
         check_forward(q, k, v, None, mods.causal, mask, kernel_options=EMULATED)
@@ -160,7 +169,7 @@ def test_a_mistake_in_a_template_fails_the_emulated_family(name, fresh_cache, mo
     plans.PLANS.clear()
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "backward", "wide"])
 def test_the_unchanged_templates_pass_the_same_check(direction, fresh_cache):
     plans.PLANS.clear()
     want = {"gluon"} if direction == "forward" else {"gluon", "gluon_bwd"}

@@ -1,8 +1,11 @@
 """The Gluon backward family: ``bwd_gluon.tmpl`` (FlashAttention-3's backward on sm_90: one
 program per 128 keys, two consumer warpgroups of 64 keys holding dK and dV, a TMA producer
 warp walking the block mask's transposed tables, a dQ-writer warp adding each tile's fp32 dQ
-partial into an accumulator with TMA reduce-adds), between the row kernels of
-``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
+partial into an accumulator with TMA reduce-adds); at head dims padding to 256
+``bwd_gluon_wide.tmpl`` (64 keys a program, both consumers on them, dK / dV / dQ split along
+E, dQ by atomic adds; under ``GLUON_BACKWARD=True`` only until measured on a GPU, no dropout),
+between the row kernels of ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and
+cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
@@ -24,7 +27,8 @@ import torch
 
 from ...blockmask.density import density_class, visited_share
 from ...codegen.backward import dscore_is_one
-from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, POST, PRE, ZERO, GluonBackwardSpec,
+from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
+                                  GluonBackwardSpec,
                                   RowsSpec, descriptor_blocks, descriptor_layouts,
                                   gluon_bwd_kernel, rows_kernel)
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
@@ -44,10 +48,16 @@ from .hopper import block_geometry, descriptor_layout_ok
 # the Q/dO ring per padded head dim: 3 stages at E = 128 fill 226 KB of 227 (fwd+bwd 0.96x
 # the time of 2 at S = 16384 full, 0.99x causal in bqb_02d71cb; mixed within 5% in
 # bqb_339562a)
-DEFAULT_STAGES = {64: 3, 128: 3}
+DEFAULT_STAGES = {64: 3, 128: 3, 256: 2}
 # the head dims it takes pad to these (96 and 80 run at 128: TMA's zero fill past E on the
-# loads, the stores and the dQ reduce-adds cut at E); the forward's 256 is not the backward's
+# loads, the stores and the dQ reduce-adds cut at E); 256 (and 192, 160) runs
+# bwd_gluon_wide.tmpl's kernel, opt-in (GLUON_BACKWARD=True) until measured on a GPU
 HEAD_DIMS = tuple(DEFAULT_STAGES)
+
+
+def keys_per_program(head_dim: int) -> int:
+    """BLOCK_N: the keys of one program (64 where both consumers share them at 256)."""
+    return BLOCK_N_WIDE if next_power_of_two(head_dim) == WIDE_HEAD_DIM else BLOCK_N
 
 
 def shared_bytes(head_dim: int, stages: int) -> int:
@@ -57,6 +67,8 @@ def shared_bytes(head_dim: int, stages: int) -> int:
     tile codes (the sm_90 compiles: 193.6 KB at E = 128, 2 stages)."""
     head_dim = next_power_of_two(head_dim)
     ring = stages * (2 * BLOCK_M * head_dim * 2 + 2 * BLOCK_M * 4)
+    if head_dim == WIDE_HEAD_DIM:  # K, V of 64 keys, P^T and dS^T; dQ by atomics
+        return ring + 2 * BLOCK_N_WIDE * head_dim * 2 + 2 * BLOCK_N_WIDE * BLOCK_M * 2 + 1024
     keys = 2 * BLOCK_N * head_dim * 2
     ds = 2 * BLOCK_N * BLOCK_M * 2
     dq = BLOCK_M * head_dim * 4
@@ -161,9 +173,13 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     choice = call.options.gluon_backward
     if choice is False:
         return "kernel_options GLUON_BACKWARD=False"
-    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, BLOCK_N), HEAD_DIMS)
+    block_n = keys_per_program(q.shape[3])
+    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, block_n), HEAD_DIMS)
     if reason is not None:
         return reason
+    if block_n == BLOCK_N_WIDE and call.dropout is not None:
+        return (f"dropout at head dim {q.shape[3]} runs on the Triton backward (the Gluon "
+                f"backward's E = 256 kernel draws no keep mask)")
     if choice is None:
         L, S = q.shape[2], k.shape[2]
         if not auto_head_dim(q.shape[3]):
@@ -194,9 +210,9 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                 return (f"GLUON_BACKWARD='AUTO' takes sparse block masks of at least "
                         f"{SPARSE_MIN_TILES} visited 128 x 128 tiles over the batch and heads "
                         f"(measured there), not {tiles:.0f}")
-    if cdiv(k.shape[2], BLOCK_N) > MAX_GRID_Y:
-        return (f"S={k.shape[2]}: the Gluon backward's {cdiv(k.shape[2], BLOCK_N)} kv blocks "
-                f"of {BLOCK_N} keys exceed a grid's {MAX_GRID_Y} on its y axis")
+    if cdiv(k.shape[2], block_n) > MAX_GRID_Y:
+        return (f"S={k.shape[2]}: the Gluon backward's {cdiv(k.shape[2], block_n)} kv blocks "
+                f"of {block_n} keys exceed a grid's {MAX_GRID_Y} on its y axis")
     joint = joint_graph(call.score)
     if joint is not None and joint.grad_slots:
         return "captured-tensor gradients (learnable biases) run on the Triton backward"
@@ -214,17 +230,21 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
 def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
     L, E, S = q.shape[2], q.shape[3], k.shape[2]
     mask = call.block_mask
+    block_n = keys_per_program(E)
+    wide = block_n == BLOCK_N_WIDE
     sparse_q, sparse_kv = mask_blocks(mask)
     if mask is None:
-        sparse_q, sparse_kv = BLOCK_M, BLOCK_N
+        sparse_q, sparse_kv = BLOCK_M, block_n
     return GluonBackwardSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, stages=ring_stages(call, E),
         has_block_mask=mask is not None, has_full_blocks=has_full_blocks(mask, "q"),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
-        even_s=S % BLOCK_N == 0, gqa_group=call.gqa_group, target=target.name,
+        even_s=S % block_n == 0, gqa_group=call.gqa_group, target=target.name,
         wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None,
-        # EARLY_DP's dP^T starts from -delta, which dropout's dS^T cannot use
-        early_dp=call.options.gluon_bwd_early_dp and call.dropout is None)
+        block_n=block_n,
+        # EARLY_DP's dP^T starts from -delta, which dropout's dS^T cannot use; the E = 256
+        # kernel issues S and dP together always
+        early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide)
 
 
 @contextlib.contextmanager
@@ -277,7 +297,8 @@ def zero_step(spec: RowsSpec, acc_rows: int) -> Step:
                 {"num_warps": ROWS_WARPS}, binding.Binder(rows.names(ZERO), {"ROWS": acc_rows}))
 
 
-def kernel_grid(S: int, kv_heads: int, batches: int) -> tuple[int, int, int]:
+def kernel_grid(S: int, kv_heads: int, batches: int, block_n: int = BLOCK_N
+                ) -> tuple[int, int, int]:
     """The Gluon backward's grid over ``kv_heads`` kv heads of ``batches`` batches: (kv
     heads, kv blocks of BLOCK_N keys, batches), read as program ids by bwd_gluon.tmpl. The
     heads are on the fast axis, so a launch starts every head's kv block 0 (under causal-like
@@ -288,7 +309,7 @@ def kernel_grid(S: int, kv_heads: int, batches: int) -> tuple[int, int, int]:
     against 1.5%; 0.9% against 0.2% at B = 1, H = 16, S = 16384; experiments/
     grid_order_model.py). On the H200 that GQA case's fwd+bwd took 0.94x the time, the
     other unchanged (grid_f8a67d8)."""
-    return kv_heads, cdiv(S, BLOCK_N), batches
+    return kv_heads, cdiv(S, block_n), batches
 
 
 def row_buffers(x: Inputs, l_pad: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -372,7 +393,7 @@ class GluonBackward(KernelFamily):
         acc_heads = acc_b * acc_hkv * group  # the (batch, query head) pairs a slot holds
         zero = zero_step(rows, acc_heads * l_pad)
         lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad, "HQ_CHUNK": acc_hkv * group}
-        kernel = Step(main.kernel(), kernel_grid(S, Hkv, B),
+        kernel = Step(main.kernel(), kernel_grid(S, Hkv, B, spec.block_n),
                       spec.constexprs(dscore_is_one(joint)), spec.launch_options(),
                       binding.Binder(main.names(), {
                           **lengths, **binding.strides("dk", "bhnd", x.dk.stride()),
@@ -409,7 +430,12 @@ class GluonBackward(KernelFamily):
         descriptors.update(
             LSE_DESC=descriptor("LSE_DESC", lse2, [B * Hq, l_pad], [lse2.stride(0), 1]),
             DELTA_DESC=descriptor("DELTA_DESC", delta, [B * Hq, l_pad], [delta.stride(0), 1]))
-        dq_descs = [descriptor("DQ_DESC", acc, [acc_rows, E], [E, 1]) for acc in dq_accs]
+        # the accumulator as a descriptor (bwd_gluon.tmpl's TMA reduce-adds) or a pointer
+        # (bwd_gluon_wide.tmpl's atomic adds)
+        wide = plan.spec.wide
+        acc_name = "DQ_ACC" if wide else "DQ_DESC"
+        dq_descs = dq_accs if wide else [descriptor("DQ_DESC", acc, [acc_rows, E], [E, 1])
+                                         for acc in dq_accs]
         # the fused kernel writes dK and dV whether or not they are wanted (a cached call
         # without them binds none: runtime.backward), in the strides its plan fixed
         dk, dv = (x.dk, x.dv) if x.dk is not None else (
@@ -422,8 +448,8 @@ class GluonBackward(KernelFamily):
         group = call.gqa_group
         # every launch's arguments bound once; a part changes three of them in a copy (the
         # host's time per part is what a sparse mask's short backward waits on)
-        main_args = kernel.binder.bind({**args, "DQ_DESC": dq_descs[0], "B0": 0, "HKV0": 0})
-        at_desc, at_b0, at_h0 = (kernel.binder.position(n) for n in ("DQ_DESC", "B0", "HKV0"))
+        main_args = kernel.binder.bind({**args, acc_name: dq_descs[0], "B0": 0, "HKV0": 0})
+        at_desc, at_b0, at_h0 = (kernel.binder.position(n) for n in (acc_name, "B0", "HKV0"))
         posts = [post_args(post, acc, x, call.scale) for acc in dq_accs]
         post_b0, post_h0 = post.binder.position("B0"), post.binder.position("H0")
         zeros = [zero.binder.bind({"DQ_ACC": acc}) for acc in dq_accs]
@@ -436,7 +462,8 @@ class GluonBackward(KernelFamily):
                 zero.launch(zeros[slot], device, None, stream)
                 part = main_args.copy()
                 part[at_desc], part[at_b0], part[at_h0] = dq_descs[slot], b0, h0
-                kernel.launch(part, device, kernel_grid(x.k.shape[2], nh, nb), stream)
+                kernel.launch(part, device, kernel_grid(x.k.shape[2], nh, nb, plan.spec.block_n),
+                              stream)
                 part = posts[slot].copy()
                 part[post_b0], part[post_h0] = b0, h0 * group
                 post.launch(part, device, (post.grid[0], nh * group, nb), stream)
