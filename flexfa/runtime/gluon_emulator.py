@@ -16,11 +16,14 @@ module loads a generated Gluon module with ``gluon.jit`` read as the interpreter
   it completes: a partition that reads the buffer without that wait (none, or one for a
   phase already past) reads stale data, as it could on a GPU;
   TMA stores and reduce-adds write at once;
-- ``warpgroup_mma`` multiplies in float32 (16-bit and fp8 inputs are exact in float32) and
-  ``warpgroup_mma_wait`` returns its dependencies;
+- ``warpgroup_mma`` multiplies in float32 (16-bit and fp8 inputs are exact in float32); an
+  asynchronous one is formed only when ``warpgroup_mma_wait`` retires it, and a TMA load
+  issued or a store made into shared memory it reads before then raises ``GluonRace`` (a
+  buffer released before the wgmma reading it retired);
 - ``gl.warp_specialize`` runs each partition in its own thread, one at a time: a partition runs
-  until it waits on a barrier phase that has not completed, and a wait that no partition can
-  ever complete (every live partition waiting, nothing queued) raises ``GluonDeadlock``
+  until it waits on a barrier phase that has not completed, and after each of its arrivals
+  the others run as far as they can (each until it waits or yields); a wait that no partition
+  can ever complete (every live partition waiting, nothing queued) raises ``GluonDeadlock``
   naming the barriers instead of hanging;
 - the kernels' inline PTX is replaced by exact equivalents (``tanh.approx.f32`` by tanh, the
   ``%ctaid`` reads by the program ids, ``mov.b32`` by its input);
@@ -28,10 +31,11 @@ module loads a generated Gluon module with ``gluon.jit`` read as the interpreter
   (``gl.static_range`` stays Python ints).
 
 What it checks: a kernel's index arithmetic, its data flow through shared memory and its
-barrier protocol in the interleavings the thread switches produce, against the float64
-reference at small shapes (tests/kernels/test_gluon_emulated.py). What it does not: register
-pressure, the hardware's layouts and swizzles, the asynchrony of wgmma (computed when issued)
-and any speed. Triton's integer ``//`` and ``%`` semantics are the interpreter's.
+barrier protocol in the interleavings its scheduling produces, against the float64
+reference at small shapes (tests/kernels/test_gluon_emulated.py; mistakes written into the
+templates fail there: tests/reliability/test_gluon_emulator.py). What it does not: register
+pressure, the hardware's layouts and swizzles, and any speed. Triton's integer ``//`` and
+``%`` semantics are the interpreter's.
 """
 from __future__ import annotations
 
@@ -156,11 +160,17 @@ class _Region:
         self.alive = partitions
         self.waiting: dict[str, str] = {}  # partition -> what it waits for, since the last change
         self.error: BaseException | None = None
+        self.yielding: set[str] = set()  # partitions letting the others run (_yield)
 
     def changed(self) -> None:
         """A barrier moved: every waiter checks again."""
         self.waiting.clear()
         self.cv.notify_all()
+
+    def others_stopped(self) -> bool:
+        """Whether every other live partition waits on a barrier or yields."""
+        me = threading.current_thread().name
+        return len((set(self.waiting) | self.yielding) - {me}) >= self.alive - 1
 
 
 _LOCAL = threading.local()
@@ -222,7 +232,7 @@ class Barrier:
         """Complete the TMA loads queued on this barrier."""
         queued, self.queued = self.queued, []
         for copy in queued:
-            copy()
+            copy.land()
 
     def passed(self, parity: int) -> bool:
         """Whether a wait for ``parity`` passes: the barrier's current phase (``phases``
@@ -260,11 +270,38 @@ def _wait(bar: Barrier, parity: int) -> None:
                 f"{who} on {what}" for who, what in sorted(region.waiting.items())))
             region.cv.notify_all()
             raise region.error
+        region.cv.notify_all()  # a partition yielding (_yield) may go on
         if not region.cv.wait(WAIT_TIMEOUT):
             region.error = GluonDeadlock(f"{me} waited {WAIT_TIMEOUT} s on {bar.name}")
             raise region.error
         region.waiting.pop(me, None)
         bar.land()
+
+
+def _yield() -> None:
+    """After an arrival: the other partitions run as far as they can (until each waits on a
+    barrier or yields too) before this one goes on, so that what a partition does after
+    releasing a buffer (a wgmma not yet retired reading it) meets the refill a producer
+    issues at once, as it can on a GPU."""
+    region = _region()
+    if region is None:
+        return
+    me = threading.current_thread().name
+    region.yielding.add(me)
+    try:
+        region.cv.notify_all()
+        while not region.others_stopped() and region.error is None:
+            if not region.cv.wait(WAIT_TIMEOUT):
+                break
+    finally:
+        region.yielding.discard(me)
+        region.cv.notify_all()
+
+
+def _arrive(bar, count=1, pred=True) -> None:
+    if _value(pred):
+        _barrier(bar).arrive(_value(count))
+        _yield()
 
 
 def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
@@ -274,9 +311,10 @@ def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
         raise RuntimeError("gl.warp_specialize inside a warp-specialized region")
     region = _Region(len(functions_and_args))
     results = {}
+    _IN_FLIGHT.clear()  # (a kernel may leave some in flight at its end)
 
     def run(index, fn, args):
-        _LOCAL.region = region
+        _LOCAL.region, _LOCAL.wgmmas = region, []
         with region.cv:
             try:
                 results[index] = fn(*args)
@@ -355,6 +393,7 @@ class SharedMemory:
         return _tensor(self.data.copy(), self.dtype)
 
     def store(self, value) -> None:
+        _check_unread(self, "a store")
         if value.dtype != self.dtype:
             raise TypeError(f"storing {value.dtype} into {self.dtype} shared memory")
         data = value.handle.data
@@ -439,15 +478,26 @@ def _descriptor(desc) -> Descriptor:
     raise TypeError(f"expected a tensor descriptor argument, got {type(desc).__name__}")
 
 
+class _Copy:
+    """A TMA load issued and not yet landed."""
+
+    def __init__(self, desc: "Descriptor", coord: list, bar: Barrier, result: SharedMemory):
+        self.desc, self.coord, self.bar, self.result = desc, coord, bar, result
+        self.landed = False
+
+    def land(self) -> None:
+        if not self.landed:
+            self.landed = True
+            self.result.data[...] = self.desc.read(self.coord).reshape(self.result.data.shape)
+            self.bar.transferred(self.result.nbytes)
+
+
 def _tma_load(desc, coord, barrier, result, pred=True) -> None:
     if not _value(pred):
         return
-    desc, bar, coord = _descriptor(desc), _barrier(barrier), [_value(c) for c in coord]
-
-    def copy():
-        result.data[...] = desc.read(coord).reshape(result.data.shape)
-        bar.transferred(result.nbytes)
-    bar.queued.append(copy)
+    _check_unread(result, "a TMA load")
+    copy = _Copy(_descriptor(desc), [_value(c) for c in coord], _barrier(barrier), result)
+    copy.bar.queued.append(copy)
 
 
 def _tma_store(desc, coord, src) -> None:
@@ -472,19 +522,77 @@ def _operand(x) -> np.ndarray:
     return _as_float32(x.handle.data, x.dtype)
 
 
+class GluonRace(RuntimeError):
+    """Shared memory written (a TMA load issued into it, a store) while an asynchronous
+    wgmma that reads it is in flight."""
+
+
+# the asynchronous wgmmas in flight (every partition's; reset per warp-specialized region)
+_IN_FLIGHT: set = set()
+
+
+class InFlight:
+    """An asynchronous wgmma not yet retired: its product is formed when a
+    warpgroup_mma_wait retires it, from the shared memory as it is then; meanwhile a write
+    into the shared memory it reads raises GluonRace (a buffer released before its wgmma
+    retired and refilled). It is no tensor until retired (using it as one fails)."""
+
+    def __init__(self, compute, reads: list):
+        self._compute, self._value, self.reads = compute, None, reads
+        _IN_FLIGHT.add(self)
+
+    def retire(self) -> tl.tensor:
+        if self._value is None:
+            self._value = self._compute()
+            _IN_FLIGHT.discard(self)
+        return self._value
+
+
+def _check_unread(smem: "SharedMemory", what: str) -> None:
+    """GluonRace if a wgmma in flight reads any of ``smem``."""
+    for pending in list(_IN_FLIGHT):
+        if any(np.may_share_memory(smem.data, read) for read in pending.reads):
+            raise GluonRace(f"{what} into shared memory that a wgmma in flight reads "
+                            f"(shape {smem.shape}, {threading.current_thread().name})")
+
+
+def _in_flight() -> list:
+    """The calling partition's wgmmas in flight, oldest first."""
+    if not hasattr(_LOCAL, "wgmmas"):
+        _LOCAL.wgmmas = []
+    return _LOCAL.wgmmas
+
+
 def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None,
                   is_async=False):
-    product = np.matmul(_operand(a), _operand(b))
-    if _value(use_acc):
-        product = product + _as_float32(acc.handle.data, acc.dtype)
-    return _tensor(product.astype(_storage_dtype(acc.dtype)), acc.dtype)
+    use = _value(use_acc)
+
+    def compute() -> tl.tensor:
+        base = acc.retire() if isinstance(acc, InFlight) else acc
+        product = np.matmul(_operand(a), _operand(b))
+        if use:
+            product = product + _as_float32(base.handle.data, base.dtype)
+        return _tensor(product.astype(_storage_dtype(base.dtype)), base.dtype)
+    if not _value(is_async):
+        return compute()
+    pending = InFlight(compute, [x.data for x in (a, b) if isinstance(x, SharedMemory)])
+    _in_flight().append(pending)
+    return pending
 
 
 def warpgroup_mma_wait(num_outstanding=0, deps=None):
+    """Retire all but the ``num_outstanding`` newest wgmmas of this partition; ``deps`` come
+    back as tensors where retired (one still in flight stays an InFlight)."""
     if deps is None:
         raise ValueError("warpgroup_mma_wait deps must be given")
-    deps = list(deps)
-    return deps[0] if len(deps) == 1 else tuple(deps)
+    flight = _in_flight()
+    keep = _value(num_outstanding)
+    retired = flight[:len(flight) - keep] if keep else list(flight)
+    for pending in retired:
+        pending.retire()
+    del flight[:len(retired)]
+    done = [d.retire() if isinstance(d, InFlight) and d not in flight else d for d in deps]
+    return done[0] if len(done) == 1 else tuple(done)
 
 
 # ---------------------------------------------------------------------------------------
@@ -575,8 +683,7 @@ def _hopper() -> types.ModuleType:
         invalidate=lambda bar: None,
         expect=lambda bar, nbytes, pred=True: (
             _barrier(bar).expect(_value(nbytes)) if _value(pred) else None),
-        arrive=lambda bar, *, count=1, pred=True: (
-            _barrier(bar).arrive(_value(count)) if _value(pred) else None),
+        arrive=lambda bar, *, count=1, pred=True: _arrive(bar, count, pred),
         wait=lambda bar, phase, pred=True, deps=(): (
             _wait(_barrier(bar), _value(phase)) if _value(pred) else None))
     tma = types.SimpleNamespace(async_copy_global_to_shared=_tma_load,

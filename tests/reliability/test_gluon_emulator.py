@@ -107,12 +107,18 @@ def test_unknown_inline_ptx_is_refused():
         inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [], None, True, 1)
 
 
+# the lines that retire a tile's wgmmas and release the stage they read (swapped below)
+_BWD_RETIRE = """        dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                 deps=(dv, dk, p_op, ds_op))
+"""
+_BWD_FREE = "        mbarrier.arrive(free.index(stage), count=1)\n"
+_FWD_RETIRE = "            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n"
+_FWD_FREE = "            mbarrier.arrive(v_free.index(prev), count=1)\n"
 # mistakes written into the templates: (template, text, replacement, what it breaks)
 MUTATIONS = {
     # the consumer's P @ V reads a V stage without waiting for its TMA load
-    "fwd_no_v_wait": ("fwd_gluon.tmpl",
-                      "            mbarrier.wait(v_ready.index(prev), ((i + t - 1) // STAGES) & 1)\n",
-                      "", "forward"),
+    "fwd_no_v_wait": ("fwd_gluon.tmpl", "            mbarrier.wait(v_ready.index(prev), "
+                      "((i + t - 1) // STAGES) & 1)\n", "", "forward"),
     # the K stage's wait for the phase before its load's: passes at once, stale K
     "fwd_k_parity": ("fwd_gluon.tmpl",
                      "mbarrier.wait(k_ready.index(stage), ((i + t) // STAGES) & 1)",
@@ -129,6 +135,14 @@ MUTATIONS = {
     # the dQ wgmmas go ahead without both consumers' dS^T
     "bwd_ds_full": ("bwd_gluon.tmpl", "mbarrier.wait(ds_full.index(it % 2), (it // 2) & 1)",
                     "mbarrier.wait(ds_full.index(it % 2), ((it // 2) & 1) ^ 1)", "backward"),
+    # the stage released before the dV and dK wgmmas reading its Q and dO retired: the
+    # producer's refill is issued under them
+    "bwd_early_free": ("bwd_gluon.tmpl", _BWD_RETIRE + _BWD_FREE, _BWD_FREE + _BWD_RETIRE,
+                       "backward"),
+    # the V stage released before the P @ V wgmma reading it retired: the producer's next V
+    # load into it is issued under the wgmma
+    "fwd_early_v_free": ("fwd_gluon.tmpl", _FWD_RETIRE + _FWD_FREE, _FWD_FREE + _FWD_RETIRE,
+                         "forward"),
     # E = 256: both dQ slices formed from the first slice's keys' columns
     "wide_dq_slice": ("bwd_gluon_wide.tmpl", "k.slice(CID * HALF + h * DQ_SLICE, DQ_SLICE",
                       "k.slice(CID * HALF, DQ_SLICE", "wide"),
@@ -141,9 +155,10 @@ MUTATIONS = {
 def _check(direction: str) -> set[str]:
     """The families that ran (the plans live as long as the block mask); "wide": the
     backward at E = 256."""
-    q, k, v = make_qkv(1, 2, 2, 384, 384, 256 if direction == "wide" else 64,
-                       dtype=torch.bfloat16)
-    mask = flexfa.create_block_mask(mods.causal, None, None, 384, 384, device="cpu")
+    # the forward's last q tile walks 5 kv tiles through a ring of 3 (K and V stages reused)
+    L = 640 if direction == "forward" else 384
+    q, k, v = make_qkv(1, 2, 2, L, L, 256 if direction == "wide" else 64, dtype=torch.bfloat16)
+    mask = flexfa.create_block_mask(mods.causal, None, None, L, L, device="cpu")
     if direction == "forward":
         check_forward(q, k, v, None, mods.causal, mask, kernel_options=EMULATED)
     else:
