@@ -64,6 +64,9 @@ class GluonBackwardSpec:
     max_registers: int = MAX_REGISTERS
     early_dp: bool = False  # dP^T issued with S^T (kernel_options GLUON_BWD_EARLY_DP)
     dropout: bool = False  # the forward's keep mask drawn again (bwd_gluon.tmpl's DROPOUT)
+    # v's (and dO's) head dim where it differs from q's (bwd_gluon_wide.tmpl only: E = 192
+    # or 256 with Ev = 128, DeepSeek's MLA); 0: the same
+    head_dim_v: int = 0
 
     def __post_init__(self):
         assert self.sparse_q % self.block_m == 0 and self.sparse_kv % self.block_n == 0, (
@@ -72,6 +75,14 @@ class GluonBackwardSpec:
         assert not (self.early_dp and self.dropout), "EARLY_DP's dP^T starts from -delta"
         assert not self.wide or (self.block_n == BLOCK_N_WIDE and not self.early_dp
                                  and not self.dropout), f"E = 256: {self}"
+        assert self.ev == self.head_dim or (
+            self.wide and next_power_of_two(self.ev) in (128, WIDE_HEAD_DIM)), (
+            f"Ev={self.ev} with E={self.head_dim}")
+
+    @property
+    def ev(self) -> int:
+        """v's head dim."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def wide(self) -> bool:
@@ -84,7 +95,8 @@ class GluonBackwardSpec:
 
     def constexprs(self, dscore_one: bool) -> dict[str, object]:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, E=self.head_dim,
-                    E_PAD=next_power_of_two(self.head_dim), HAS_BLOCK_MASK=self.has_block_mask,
+                    E_PAD=next_power_of_two(self.head_dim), EV=self.ev,
+                    EV_PAD=next_power_of_two(self.ev), HAS_BLOCK_MASK=self.has_block_mask,
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l, EVEN_S=self.even_s,
                     GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages,
@@ -98,12 +110,12 @@ def descriptor_blocks(spec: GluonBackwardSpec) -> dict[str, tuple[list[int], str
     """Each descriptor argument's (block shape, element type): at a ragged L (S) Q's and
     dO's (K's and V's) are [1, rows, E] blocks of their [B * H, n, E] heads (bwd_gluon.tmpl's
     Bounds)."""
-    e_pad = next_power_of_two(spec.head_dim)
-    rows = [1] * (not spec.even_l) + [spec.block_m, e_pad]
+    e_pad, ev_pad = next_power_of_two(spec.head_dim), next_power_of_two(spec.ev)
+    rows = [1] * (not spec.even_l) + [spec.block_m]
     # K and V by consumer (bwd_gluon.tmpl) or whole (bwd_gluon_wide.tmpl's KV_ROWS)
-    keys = [1] * (not spec.even_s) + [spec.block_n // (1 if spec.wide else CONSUMERS), e_pad]
-    blocks = {"Q_DESC": (rows, spec.dtype), "DO_DESC": (rows, spec.dtype),
-              "K_DESC": (keys, spec.dtype), "V_DESC": (keys, spec.dtype),
+    keys = [1] * (not spec.even_s) + [spec.block_n // (1 if spec.wide else CONSUMERS)]
+    blocks = {"Q_DESC": (rows + [e_pad], spec.dtype), "DO_DESC": (rows + [ev_pad], spec.dtype),
+              "K_DESC": (keys + [e_pad], spec.dtype), "V_DESC": (keys + [ev_pad], spec.dtype),
               "LSE_DESC": ([1, spec.block_m], "fp32"), "DELTA_DESC": ([1, spec.block_m], "fp32")}
     if not spec.wide:  # (the wide kernel adds dQ by atomics: no descriptor)
         # each consumer reduces its columns of the tile's dQ (bwd_gluon.tmpl's DQ_COLS)
@@ -128,7 +140,8 @@ def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
         *block_mask_tables("Q", "n", "m"),
         ints("HQ", "L", "S", "L_PAD", "HQ_CHUNK", "B0", "HKV0") + (Param("sm_scale", FLOAT),)
         + buffer_params(score, mask) + feature_params("", dropout),
-        constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS",
+        constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
+                   "HAS_FULL_BLOCKS",
                    "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE",
                    "STAGES", "EARLY_DP", "DROPOUT")))
 
@@ -173,7 +186,8 @@ def gluon_bwd_signature(spec: GluonBackwardSpec, joint: JointGraph | None,
     """(signature, constexprs) for ``triton.compile(GluonASTSource(...))``."""
     constexprs_ = spec.constexprs(dscore_is_one(joint))
     signature = gluon_bwd_params(score, mask, spec.dropout, spec.wide).signature(
-        constexprs_ | {"E_PAD": next_power_of_two(spec.head_dim)}, {INPUT: spec.dtype})
+        constexprs_ | {"E_PAD": next_power_of_two(spec.head_dim),
+                       "EV_PAD": next_power_of_two(spec.ev)}, {INPUT: spec.dtype})
     for name, (block, dtype) in descriptor_blocks(spec).items():
         signature[name] = descriptor_type(block, dtype)
     return signature, constexprs_
@@ -189,20 +203,21 @@ def descriptor_layouts(spec: GluonBackwardSpec) -> dict[str, object]:
 
 @dataclasses.dataclass(frozen=True)
 class RowsSpec:
-    """The pre/postprocess kernels' variant: head dim and whether dlse is subtracted."""
+    """The pre/postprocess kernels' variant: head dims and whether dlse is subtracted."""
 
     head_dim: int
     has_dlse: bool
     target: str
+    head_dim_v: int = 0  # dO's and out's, where it differs (0: the same)
 
     @property
     def interpret(self) -> bool:
         return self.target == INTERPRET
 
     def constexprs(self, block: int) -> dict[str, object]:
-        e_pad = next_power_of_two(self.head_dim)
-        return dict(BLOCK=block, E=self.head_dim, E_PAD=e_pad, EV=self.head_dim, EV_PAD=e_pad,
-                    HAS_DLSE=self.has_dlse)
+        ev = self.head_dim_v or self.head_dim
+        return dict(BLOCK=block, E=self.head_dim, E_PAD=next_power_of_two(self.head_dim),
+                    EV=ev, EV_PAD=next_power_of_two(ev), HAS_DLSE=self.has_dlse)
 
 
 PRE, POST, ZERO = "flexfa_gluon_bwd_pre", "flexfa_gluon_bwd_post", "flexfa_gluon_bwd_zero"

@@ -292,11 +292,11 @@ register("fwd_gluon_d64_bf16_document_persistent",
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,
                   stages: int = 2, early_dp: bool = False, dropout: bool = False,
-                  even: bool = False):
+                  even: bool = False, head_dim_v: int = 0):
     """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
     (the bounds-checked code and q, k, v read by heads) unless ``even``, 128-key programs
     (64 at E = 256: bwd_gluon_wide.tmpl) walking 64-row q tiles (``dropout``: the keep mask
-    drawn again)."""
+    drawn again; ``head_dim_v``: v's head dim where it is not q's, E = 256 only)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         joint = joint_graph(score)
@@ -307,7 +307,8 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
                                  sparse_q=128 if mask else 64,
                                  sparse_kv=128 if mask else block_n, even_l=even,
                                  even_s=even, gqa_group=gqa_group, target=f"cuda:{arch}",
-                                 early_dp=early_dp, dropout=dropout, block_n=block_n)
+                                 early_dp=early_dp, dropout=dropout, block_n=block_n,
+                                 head_dim_v=head_dim_v)
         generated = gluon_bwd_kernel(spec, joint, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = gluon_bwd_signature(spec, joint, score, mask)
@@ -349,7 +350,8 @@ register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=causa
 # E = 256 (bwd_gluon_wide.tmpl: both consumers on 64 keys, dK / dV / dQ split along E); spill
 # bytes / local-memory instructions in the tile loop at registration (sm_90, Triton 3.6):
 # dense and softcap 0 / 0 at ragged lengths, every mask 0 / 0 at tile multiples; ragged
-# causal and softcap + causal 12 / 1, ALiBi + causal 4 / 1, GQA 4 causal 52 / 3 (24 / 0 even)
+# causal and softcap + causal 12 / 1, ALiBi + causal 4 / 1, GQA 4 causal 52 / 3 (24 / 0 even);
+# E = 192 or 256 with Ev = 128: 0 / 0 in every one but GQA 4 (32 / 0)
 register("bwd_gluon_d256_bf16_dense", gluon_bwd_job(256, "bf16"), archs=(90,))
 register("bwd_gluon_d256_bf16_causal_even", gluon_bwd_job(256, "bf16", mask_mod=causal_mask,
                                                           even=True), archs=(90,))
@@ -364,6 +366,11 @@ register("bwd_gluon_d256_bf16_gqa_causal",
          gluon_bwd_job(256, "bf16", mask_mod=causal_mask, gqa_group=4), archs=(90,))
 register("bwd_gluon_d192_bf16_causal_even",
          gluon_bwd_job(192, "bf16", mask_mod=causal_mask, even=True), archs=(90,))
+# DeepSeek's MLA shape: E = 192 with Ev = 128 (dV's columns 64 a consumer)
+register("bwd_gluon_d192_ev128_bf16_causal",
+         gluon_bwd_job(192, "bf16", mask_mod=causal_mask, head_dim_v=128), archs=(90,))
+register("bwd_gluon_d192_ev128_bf16_softcap",
+         gluon_bwd_job(192, "bf16", score_mod=softcap_mod, head_dim_v=128), archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))
 register("bwd_gluon_rows_post_d128_bf16", gluon_rows_job(POST), archs=(90,))
 register("bwd_gluon_rows_zero_d128_bf16", gluon_rows_job(ZERO), archs=(90,))

@@ -106,6 +106,10 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device) -> (score_mod, mask
     "document_d256": (1, 4, 4, 1000, 1000, 256, _document),
     "empty_rows_causal_d256": (1, 4, 2, 600, 600, 256, lambda h, d: (_empty_rows, mods.causal)),
     "causal_d192": (1, 4, 4, 1000, 1000, 192, lambda h, d: (None, mods.causal)),
+    # DeepSeek's MLA shape: E = 192 with Ev = 128 (dV's columns 64 a consumer)
+    "causal_d192_ev128": (2, 4, 4, 1000, 1000, (192, 128), lambda h, d: (None, mods.causal)),
+    "softcap_causal_d192_ev128": (1, 4, 4, 1024, 1024, (192, 128),
+                                  lambda h, d: (mods.softcap(30.0), mods.causal)),
 }
 
 

@@ -95,6 +95,10 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device)); bf16 unless the n
     "alibi_causal_d256": (1, 2, 2, 256, 200, 256, _alibi_causal),
     "dense_d192": (1, 1, 1, 200, 130, 192, _none),
     "document_d160": (1, 1, 1, 300, 300, 160, _document),
+    # DeepSeek's MLA shape (E = 192, Ev = 128) and 256 / 128: dV's columns 64 a consumer
+    "softcap_d256_ev128": (1, 2, 2, 200, 260, (256, 128),
+                           lambda h, d: (mods.softcap(30.0), None)),
+    "gqa_alibi_causal_d192_ev128": (1, 4, 2, 256, 256, (192, 128), _alibi_causal),
     "document_d48": (1, 1, 1, 300, 300, 48, _document),
 }
 # more work tiles (B * Hq * q tiles: 140) than the 132 SMs a CPU plan assumes: some persistent
@@ -164,7 +168,8 @@ BACKWARD_CASES = ["dense", "dense_even", "dense_fp16", "causal", "sliding", "sof
                   "alibi_causal", "document", "gqa_causal", "dense_d80", "document_d48",
                   "dense_d256", "causal_d256", "softcap_d256", "softcap_causal_d256",
                   "gqa_causal_d256", "gqa_dense_d256", "alibi_causal_d256", "dense_d192",
-                  "document_d160"]
+                  "document_d160", "causal_d192_ev128", "softcap_d256_ev128",
+                  "gqa_alibi_causal_d192_ev128"]
 
 
 @pytest.mark.parametrize("name", BACKWARD_CASES + ["empty_rows_score"])

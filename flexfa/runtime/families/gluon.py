@@ -145,12 +145,12 @@ def padded_pair(q, v) -> tuple[int, int]:
 
 
 def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[int, int],
-                  head_dims: tuple[int, ...] | None = None) -> str | None:
+                  pairs: frozenset | None = None) -> str | None:
     """Why a Gluon kernel (the forward's or the backward's) cannot take this call: it runs
-    compiled on sm_90 only, on fp16/bf16 q, k, v in the tensor-descriptor layout, and walks
-    block masks whose (q, kv) blocks are multiples of its ``blocks``; head dims: q, k and v
-    alike and padding to one of ``head_dims`` (the backward's), or by default (the
-    forward's) any whose padded (E, Ev) is one of ``HEAD_DIM_PAIRS``."""
+    compiled on sm_90 only (or emulated: GLUON_EMULATE), on fp16/bf16 q, k, v in the
+    tensor-descriptor layout, and walks block masks whose (q, kv) blocks are multiples of its
+    ``blocks``; head dims: any whose padded (E, Ev) is one of ``pairs`` (default the
+    forward's, ``HEAD_DIM_PAIRS``)."""
     if call.options.gluon_emulate and not target.interpret:
         raise InputError(f"kernel_options GLUON_EMULATE=True runs the Gluon kernels on CPU "
                          f"tensors, but q is on {q.device}")
@@ -160,12 +160,10 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[in
     if not target.interpret and not target.is_sm90:
         return f"it runs on sm_90, not {target}"
     E, Ev = q.shape[3], v.shape[3]
-    if head_dims is not None and (E != Ev or next_power_of_two(E) not in head_dims):
-        return (f"it needs head dims that pad to {' or '.join(map(str, head_dims))} (q, k and "
-                f"v alike), not E={E}, Ev={Ev}")
-    if head_dims is None and padded_pair(q, v) not in HEAD_DIM_PAIRS:
-        pairs = ", ".join(f"{e}/{ev}" for e, ev in sorted(HEAD_DIM_PAIRS))
-        return (f"it needs head dims E/Ev that pad to one of {pairs}, not E={E}, Ev={Ev} "
+    pairs = HEAD_DIM_PAIRS if pairs is None else pairs
+    if padded_pair(q, v) not in pairs:
+        named = ", ".join(f"{e}/{ev}" for e, ev in sorted(pairs))
+        return (f"it needs head dims E/Ev that pad to one of {named}, not E={E}, Ev={Ev} "
                 f"(padded {'/'.join(map(str, padded_pair(q, v)))})")
     sparse_q, sparse_kv = mask_blocks(call.block_mask)
     if sparse_q is not None and (sparse_q % blocks[0] or sparse_kv % blocks[1]):

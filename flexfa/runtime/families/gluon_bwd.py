@@ -3,7 +3,8 @@ program per 128 keys, two consumer warpgroups of 64 keys holding dK and dV, a TM
 warp walking the block mask's transposed tables, a dQ-writer warp adding each tile's fp32 dQ
 partial into an accumulator with TMA reduce-adds); at head dims padding to 256
 ``bwd_gluon_wide.tmpl`` (64 keys a program, both consumers on them, dK / dV / dQ split along
-E, dQ by atomic adds; under ``GLUON_BACKWARD=True`` only until measured on a GPU, no dropout),
+E, dQ by atomic adds; v's head dim 128 allowed there, E = 192 with Ev = 128; under
+``GLUON_BACKWARD=True`` only until measured on a GPU, no dropout),
 between the row kernels of ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and
 cast after).
 
@@ -53,6 +54,9 @@ DEFAULT_STAGES = {64: 3, 128: 3, 256: 2}
 # loads, the stores and the dQ reduce-adds cut at E); 256 (and 192, 160) runs
 # bwd_gluon_wide.tmpl's kernel, opt-in (GLUON_BACKWARD=True) until measured on a GPU
 HEAD_DIMS = tuple(DEFAULT_STAGES)
+# padded (E, Ev): v's head dim is q's, or 128 under E = 256 (bwd_gluon_wide.tmpl: DeepSeek's
+# MLA, E = 192 with Ev = 128)
+HEAD_DIM_PAIRS = frozenset({(e, e) for e in HEAD_DIMS} | {(WIDE_HEAD_DIM, 128)})
 
 
 def keys_per_program(head_dim: int) -> int:
@@ -60,28 +64,32 @@ def keys_per_program(head_dim: int) -> int:
     return BLOCK_N_WIDE if next_power_of_two(head_dim) == WIDE_HEAD_DIM else BLOCK_N
 
 
-def shared_bytes(head_dim: int, stages: int) -> int:
+def shared_bytes(head_dim: int, stages: int, head_dim_v: int | None = None) -> int:
     """bwd_gluon.tmpl's shared memory (16-bit inputs) at ``head_dim`` padded to a power of
     two: the Q/dO ring with its lse2 and delta rows, K and V of the program's keys, two pairs
     of dS^T tiles, the consumers' fp32 dQ columns, and 1 KB for the barriers and the ring's
-    tile codes (the sm_90 compiles: 193.6 KB at E = 128, 2 stages)."""
+    tile codes (the sm_90 compiles: 193.6 KB at E = 128, 2 stages); bwd_gluon_wide.tmpl's
+    at 256 (``head_dim_v``: v's, default q's)."""
     head_dim = next_power_of_two(head_dim)
-    ring = stages * (2 * BLOCK_M * head_dim * 2 + 2 * BLOCK_M * 4)
+    ev = next_power_of_two(head_dim_v or head_dim)
     if head_dim == WIDE_HEAD_DIM:  # K, V of 64 keys, P^T and dS^T; dQ by atomics
-        return ring + 2 * BLOCK_N_WIDE * head_dim * 2 + 2 * BLOCK_N_WIDE * BLOCK_M * 2 + 1024
+        ring = stages * (BLOCK_M * (head_dim + ev) * 2 + 2 * BLOCK_M * 4)
+        return (ring + BLOCK_N_WIDE * (head_dim + ev) * 2 + 2 * BLOCK_N_WIDE * BLOCK_M * 2
+                + 1024)
+    ring = stages * (2 * BLOCK_M * head_dim * 2 + 2 * BLOCK_M * 4)
     keys = 2 * BLOCK_N * head_dim * 2
     ds = 2 * BLOCK_N * BLOCK_M * 2
     dq = BLOCK_M * head_dim * 4
     return ring + keys + ds + dq + 1024
 
 
-def ring_stages(call, head_dim: int) -> int:
+def ring_stages(call, head_dim: int, head_dim_v: int | None = None) -> int:
     """The Q/dO ring depth: kernel_options GLUON_BWD_STAGES, else the default per head dim;
     a depth whose buffers do not fit sm_90's shared memory fails here, by name."""
     stages = call.options.gluon_bwd_stages or DEFAULT_STAGES[next_power_of_two(head_dim)]
-    need = shared_bytes(head_dim, stages)
+    need = shared_bytes(head_dim, stages, head_dim_v)
     if need > SHARED_BYTES:
-        fits = [n for n in (2, 3, 4) if shared_bytes(head_dim, n) <= SHARED_BYTES]
+        fits = [n for n in (2, 3, 4) if shared_bytes(head_dim, n, head_dim_v) <= SHARED_BYTES]
         raise InputError(f"kernel_options GLUON_BWD_STAGES={stages}: the Gluon backward at "
                          f"head dim {head_dim} needs {need} bytes of shared memory for it, "
                          f"more than sm_90's {SHARED_BYTES}; stages that fit: {fits}")
@@ -174,9 +182,12 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     if choice is False:
         return "kernel_options GLUON_BACKWARD=False"
     block_n = keys_per_program(q.shape[3])
-    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, block_n), HEAD_DIMS)
+    reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, block_n), HEAD_DIM_PAIRS)
     if reason is not None:
         return reason
+    if block_n != BLOCK_N_WIDE and q.shape[3] != v.shape[3]:
+        return (f"it needs v's head dim to be q's below E = 256 (bwd_gluon.tmpl), not "
+                f"E={q.shape[3]}, Ev={v.shape[3]}")
     if block_n == BLOCK_N_WIDE and call.dropout is not None:
         return (f"dropout at head dim {q.shape[3]} runs on the Triton backward (the Gluon "
                 f"backward's E = 256 kernel draws no keep mask)")
@@ -227,8 +238,11 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     return None
 
 
-def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
+def gluon_bwd_spec(q, k, call, target: Target, head_dim_v: int | None = None
+                   ) -> GluonBackwardSpec:
+    """The spec of a call (``head_dim_v``: v's head dim, default q's)."""
     L, E, S = q.shape[2], q.shape[3], k.shape[2]
+    Ev = head_dim_v or E
     mask = call.block_mask
     block_n = keys_per_program(E)
     wide = block_n == BLOCK_N_WIDE
@@ -236,12 +250,12 @@ def gluon_bwd_spec(q, k, call, target: Target) -> GluonBackwardSpec:
     if mask is None:
         sparse_q, sparse_kv = BLOCK_M, block_n
     return GluonBackwardSpec(
-        dtype=DTYPE_NAMES[q.dtype], head_dim=E, stages=ring_stages(call, E),
+        dtype=DTYPE_NAMES[q.dtype], head_dim=E, stages=ring_stages(call, E, Ev),
         has_block_mask=mask is not None, has_full_blocks=has_full_blocks(mask, "q"),
         sparse_q=sparse_q, sparse_kv=sparse_kv, even_l=L % sparse_q == 0,
         even_s=S % block_n == 0, gqa_group=call.gqa_group, target=target.name,
         wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None,
-        block_n=block_n,
+        block_n=block_n, head_dim_v=0 if Ev == E else Ev,
         # EARLY_DP's dP^T starts from -delta, which dropout's dS^T cannot use; the E = 256
         # kernel issues S and dP together always
         early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide)
@@ -384,11 +398,12 @@ class GluonBackward(KernelFamily):
         slots = dq_slots(B, Hkv, chunks, call.options.gluon_bwd_overlap)
         (acc_b, acc_hkv), parts = dq_parts(B, Hkv, chunks, slots)
         group = call.gqa_group
-        spec = gluon_bwd_spec(q, k, call, gluon_target(target))
+        spec = gluon_bwd_spec(q, k, call, gluon_target(target), x.v.shape[3])
         joint = joint_graph(call.score)
         l_pad = padded_rows(L, spec)
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
-        rows = RowsSpec(E, x.grad_lse is not None, target.name)
+        Ev = x.v.shape[3]
+        rows = RowsSpec(E, x.grad_lse is not None, target.name, 0 if Ev == E else Ev)
         pre, post = row_steps(rows, x, l_pad, acc_hkv * group)
         acc_heads = acc_b * acc_hkv * group  # the (batch, query head) pairs a slot holds
         zero = zero_step(rows, acc_heads * l_pad)
