@@ -348,10 +348,10 @@ def gluon_rows_job(which: str, head_dim: int = 128, dtype: str = "bf16",
 register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=causal_mask),
          archs=(90,))
 # E = 256 (bwd_gluon_wide.tmpl: both consumers on 64 keys, dK / dV / dQ split along E); spill
-# bytes / local-memory instructions in the tile loop at registration (sm_90, Triton 3.6):
-# dense and softcap 0 / 0 at ragged lengths, every mask 0 / 0 at tile multiples; ragged
-# causal and softcap + causal 12 / 1, ALiBi + causal 4 / 1, GQA 4 causal 52 / 3 (24 / 0 even);
-# E = 192 or 256 with Ev = 128: 0 / 0 in every one but GQA 4 (32 / 0)
+# bytes / local-memory instructions in the tile loop at registration (sm_90, Triton 3.6): 0 / 0
+# dense, softcap, causal, softcap + causal, ALiBi + causal, ragged and at tile multiples, at
+# 256, 192/128 and 256/128; GQA 4 causal 48 / 2 ragged, 24 / 0 even (32 / 0 at 192/128), all
+# in the producer warp's 24 registers (the consumers' 240 hold everything)
 register("bwd_gluon_d256_bf16_dense", gluon_bwd_job(256, "bf16"), archs=(90,))
 register("bwd_gluon_d256_bf16_causal_even", gluon_bwd_job(256, "bf16", mask_mod=causal_mask,
                                                           even=True), archs=(90,))

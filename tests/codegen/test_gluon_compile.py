@@ -51,9 +51,9 @@ BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
 # dropout_p: the consumers draw the keep mask again in the transposed score tile's layout
 BWD_DROPOUT_VARIANTS = ("bwd_gluon_d128_bf16_causal_dropout",
                         "bwd_gluon_d64_fp16_softcap_gqa_dropout")
-# E = 256 (bwd_gluon_wide.tmpl): no spills without a mask at a ragged length and with one at
-# tile multiples, none at E = 192 with Ev = 128 (the others: python -m flexfa compile-check
-# --arch 90 --only bwd_gluon_d256, --only bwd_gluon_d192)
+# E = 256 (bwd_gluon_wide.tmpl): no spills with or without a mask, at ragged lengths and tile
+# multiples, nor at E = 192 with Ev = 128 (the others: python -m flexfa compile-check
+# --arch 90 --only bwd_gluon_d256, --only bwd_gluon_d192; GQA spills in the producer warp)
 BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even",
                      "bwd_gluon_d256_bf16_causal", "bwd_gluon_d192_ev128_bf16_causal")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
@@ -332,10 +332,8 @@ def test_gluon_backward_compiles_for_sm90(backward_rows):
 def test_gluon_wide_backward_compiles_for_sm90(started):
     """The E = 256 backward (bwd_gluon_wide.tmpl): wgmma unserialized, TMA loads, dQ by
     relaxed atomic adds (no TMA reduce, no dQ buffer in shared memory), the producer at 24
-    registers and the worker consumer at 240; no spills without a mask at a ragged length
-    nor with the causal mask at tile multiples nor at E = 192 with Ev = 128, and at most one
-    local-memory instruction in the tile loop (12 bytes) with the causal mask at a ragged
-    length."""
+    registers and the worker consumer at 240; no spills, with or without the causal mask, at
+    a ragged length or tile multiples, at E = 192 with Ev = 128 too."""
     rows = _rows(started["wide"])
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
@@ -343,11 +341,7 @@ def test_gluon_wide_backward_compiles_for_sm90(started):
         assert row["atomics"] > 0, row
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
         assert row["serialized"] in (False, None), row
-    for name in ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even",
-                 "bwd_gluon_d192_ev128_bf16_causal"):
-        assert rows[name]["spills"] in (0, None), rows[name]
-    ragged = rows["bwd_gluon_d256_bf16_causal"]
-    assert (ragged["spills"] or 0) <= 12 and (ragged["loop_spills"] or 0) <= 1, ragged
+        assert row["spills"] in (0, None) and row["loop_spills"] in (0, None), row
 
 
 PLAN_SCRIPT = """

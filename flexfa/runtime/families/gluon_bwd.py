@@ -4,9 +4,8 @@ warp walking the block mask's transposed tables, a dQ-writer warp adding each ti
 partial into an accumulator with TMA reduce-adds); at head dims padding to 256
 ``bwd_gluon_wide.tmpl`` (64 keys a program, both consumers on them, dK / dV / dQ split along
 E, dQ by atomic adds; v's head dim 128 allowed there, E = 192 with Ev = 128; under
-``GLUON_BACKWARD=True`` only until measured on a GPU, no dropout),
-between the row kernels of ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and
-cast after).
+``GLUON_BACKWARD=True`` only until measured on a GPU, no dropout), between the row kernels of
+``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
@@ -29,9 +28,8 @@ import torch
 from ...blockmask.density import density_class, visited_share
 from ...codegen.backward import dscore_is_one
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
-                                  GluonBackwardSpec,
-                                  RowsSpec, descriptor_blocks, descriptor_layouts,
-                                  gluon_bwd_kernel, rows_kernel)
+                                  GluonBackwardSpec, RowsSpec, descriptor_blocks,
+                                  descriptor_layouts, gluon_bwd_kernel, rows_kernel)
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
 from .. import binding, plans
