@@ -90,9 +90,21 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
     if not ctx.needs_input_grad[0]:
         dq = None
     buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
-    buffers = call.score.buffers if call.score is not None else ()
+    buffers = ctx.saved_tensors[5:]
     return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
-            *(buffer_grads.get(slot) for slot in range(len(buffers))))
+            *(_buffer_grad(ctx, buffer_grads, slot, buffer)
+              for slot, buffer in enumerate(buffers)))
+
+
+def _buffer_grad(ctx, buffer_grads: dict, slot: int, buffer: torch.Tensor):
+    """Captured tensor ``slot``'s gradient; zeros where it requires grad but no score depends
+    on it differentiably (read only through a step, ``score + bias.floor()``): the kernels
+    compute none, and torch's eager gradient is zeros there, not None (an optimizer skips a
+    parameter whose gradient is None)."""
+    grad = buffer_grads.get(slot)
+    if grad is None and ctx.needs_input_grad[6 + slot]:
+        grad = torch.zeros_like(buffer)
+    return grad
 
 
 def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:

@@ -53,7 +53,8 @@ def reference_run(q, k, v, score_mod=None, mask_mod=None, *, enable_gqa=False, b
 
     def grads(grad_out, grad_lse=None):
         outputs, upstream = [out], [grad_out.to(dtype)]
-        if grad_lse is not None:
+        # (an lse that depends on no input, a constant score_mod's, adds no gradient)
+        if grad_lse is not None and lse.requires_grad:
             outputs.append(lse)
             upstream.append(grad_lse.to(dtype))
         result = torch.autograd.grad(outputs, targets, upstream, allow_unused=True,

@@ -217,3 +217,17 @@ def test_a_learnable_constant_added_to_every_score(dtype):
     q, k, v = make_qkv(1, 2, 1, 10, 2, 48, Ev=16, dtype=dtype, seed=1)
     check_backward(q, k, v, constant, None, None, buffers=(t0,), enable_gqa=True,
                    with_lse=True, seed=31)
+
+
+def test_a_captured_tensor_read_only_through_a_step_gets_zero_gradient_as_in_torch():
+    """A learnable captured tensor that no score depends on differentiably (read through
+    floor) gets torch's zero gradient, not None (an optimizer skips a parameter whose
+    gradient is None; weight decay would not reach it)."""
+    bias = torch.tensor([0.3, 1.7], requires_grad=True)
+
+    def floored(score, b, h, q_idx, kv_idx):
+        return score + bias[h].floor()
+    q, k, v = (torch.randn(1, 2, 16, 16, requires_grad=True) for _ in range(3))
+    out = flexfa.flex_attention(q, k, v, score_mod=floored)
+    (grad,) = torch.autograd.grad(out.sum(), [bias], allow_unused=True)
+    assert grad is not None and torch.equal(grad, torch.zeros(2))

@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backward_utils import check_drawn_problem, draw_problem
+from flexfa.prepared import PREPARED
+from flexfa.runtime import plans
 from forward_utils import kept_plans
 
 EXAMPLES = int(os.environ.get("FLEXFA_FUZZ_EXAMPLES", "0")) or 6
@@ -33,6 +35,9 @@ def gluon_problems(draw):
 @given(case=gluon_problems())
 @settings(max_examples=EXAMPLES, deadline=None)
 def test_random_mods_through_the_emulated_gluon_kernels(case):
+    # every example plans afresh (an earlier one's plan and prepared call would serve it)
+    plans.PLANS.clear()
+    PREPARED.clear()
     with kept_plans(lambda plan: plan.family.name) as made:
         check_drawn_problem(case)
     assert "gluon" in made, made  # the Gluon forward ran (the backward where it applies)
