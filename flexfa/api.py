@@ -162,12 +162,15 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool):
     """(out, lse or None, row max or None) of a validated call: through the autograd Function
     when a gradient is needed (lse is then always computed), else the forward alone."""
     buffers = call.score.buffers if call.score is not None else ()
+    # (captured tensors the trace dropped that require grad: their gradient is zeros)
+    dropped = tuple(t for t in call.score.dropped if t.requires_grad) if call.score else ()
     sinks = call.sinks
     if torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)
-            or (buffers and any(t.requires_grad for t in buffers))):
-        return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers)
+            or (buffers and any(t.requires_grad for t in buffers)) or dropped):
+        return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers,
+                                           *dropped)
     return run_forward(query, key, value, call, return_lse, return_max)
 
 

@@ -39,9 +39,10 @@ DOUBLE_BACKWARD_MESSAGE = (
 
 class FlexAttentionFunction(torch.autograd.Function):
     """apply(query, key, value, call: AttentionCall, return_max: bool, sinks or None,
-    *score_mod_buffers) -> (out, lse, row max or None); ``sinks`` is ``call.sinks`` (an input
-    here so that it gets its gradient); the row max (``AuxRequest(max_scores=True)``) has no
-    gradient, as in torch."""
+    *score_mod_buffers, *dropped) -> (out, lse, row max or None); ``sinks`` is ``call.sinks``
+    (an input here so that it gets its gradient); ``dropped``: captured tensors the trace
+    removed that require grad (``TracedMod.dropped``: zero gradients); the row max
+    (``AuxRequest(max_scores=True)``) has no gradient, as in torch."""
 
     @staticmethod
     def forward(ctx, query, key, value, call: AttentionCall, return_max: bool, sinks,
@@ -98,9 +99,10 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
 
 def _buffer_grad(ctx, buffer_grads: dict, slot: int, buffer: torch.Tensor):
     """Captured tensor ``slot``'s gradient; zeros where it requires grad but no score depends
-    on it differentiably (read only through a step, ``score + bias.floor()``): the kernels
-    compute none, and torch's eager gradient is zeros there, not None (an optimizer skips a
-    parameter whose gradient is None)."""
+    on it differentiably (read only through a step, ``score + bias.floor()``, or in a branch
+    the trace removed: ``TracedMod.dropped``): the kernels compute none, and torch's eager
+    gradient is zeros there, not None (an optimizer skips a parameter whose gradient is
+    None)."""
     grad = buffer_grads.get(slot)
     if grad is None and ctx.needs_input_grad[6 + slot]:
         grad = torch.zeros_like(buffer)

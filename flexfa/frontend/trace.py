@@ -39,6 +39,10 @@ class TracedMod:
     root: Node
     buffers: tuple[torch.Tensor, ...]
     name: str
+    # captured tensors the mod read that simplification removed (read only in a branch never
+    # taken, ``torch.where(q_idx < q_idx, t, score)``): no kernel reads them, but those that
+    # require grad get torch's zero gradient (flexfa.api.attend, flexfa.autograd), not None
+    dropped: tuple[torch.Tensor, ...] = ()
 
     @functools.cached_property
     def buffer_specs(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
@@ -243,7 +247,9 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple[TracedMod, tu
     raw = _result_node(tracer, result, kind)
     root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))
     read = tuple((weakref.ref(t), t._version) for t in watched if id(t) in reads.read)
-    return TracedMod(kind, root, buffers, name), read, raw
+    kept = {id(t) for t in buffers}
+    dropped = tuple(t for t in tracer.buffers if id(t) not in kept)
+    return TracedMod(kind, root, buffers, name, dropped), read, raw
 
 
 # tensor methods and properties that read metadata, not values

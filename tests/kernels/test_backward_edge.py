@@ -231,3 +231,17 @@ def test_a_captured_tensor_read_only_through_a_step_gets_zero_gradient_as_in_tor
     out = flexfa.flex_attention(q, k, v, score_mod=floored)
     (grad,) = torch.autograd.grad(out.sum(), [bias], allow_unused=True)
     assert grad is not None and torch.equal(grad, torch.zeros(2))
+
+
+def test_a_captured_tensor_in_a_branch_never_taken_gets_zero_gradient_as_in_torch():
+    """torch.where(q_idx < q_idx, t, score): the trace removes the branch and the kernels
+    never read t, but t requires grad and torch's eager gradient of it is zeros (found by
+    the random mods of test_gluon_emulated_random.py)."""
+    t = torch.tensor(0.5, requires_grad=True)
+
+    def dead_branch(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, t, score) + score
+    q, k, v = (torch.randn(1, 1, 8, 16, requires_grad=True) for _ in range(3))
+    out = flexfa.flex_attention(q, k, v, score_mod=dead_branch)
+    (grad,) = torch.autograd.grad(out.sum(), [t], allow_unused=True)
+    assert grad is not None and torch.equal(grad, torch.zeros(()))
