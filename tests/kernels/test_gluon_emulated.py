@@ -211,7 +211,7 @@ def test_gluon_backward_emulated_dropout(name):
     ("softcap_causal", {"GLUON_BWD_EARLY_DP": True, "GLUON_BWD_STAGES": 3}),
     ("causal_d256", {"GLUON_BWD_DQ_CHUNKS": 1}),
     ("gqa_causal_d256", {"GLUON_BWD_DQ_CHUNKS": 4, "GLUON_BWD_OVERLAP": False}),
-    # EARLY_DP changes nothing at 256 (S and dP are issued together there)
+    # EARLY_DP changes nothing at 256 (its dP is issued after the mods)
     ("causal_d256", {"GLUON_BWD_EARLY_DP": True}),
 ])
 def test_gluon_backward_emulated_options(name, options):

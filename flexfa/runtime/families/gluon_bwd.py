@@ -255,7 +255,7 @@ def gluon_bwd_spec(q, k, call, target: Target, head_dim_v: int | None = None
         wide_ints=int64_nodes_of(q, k, call), dropout=call.dropout is not None,
         block_n=block_n, head_dim_v=0 if Ev == E else Ev,
         # EARLY_DP's dP^T starts from -delta, which dropout's dS^T cannot use; the E = 256
-        # kernel issues S and dP together always
+        # kernel has no such option (its dP is issued after the mods)
         early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide)
 
 
