@@ -431,7 +431,6 @@ class Descriptor:
     with zero fill past the shape, its writes and reduce-adds dropped there."""
 
     def __init__(self, host):
-        self.host = host
         self.base = host.base
         self.shape = [int(s) for s in host.shape]
         self.strides = [int(s) for s in host.strides]
@@ -638,18 +637,10 @@ def _runtime_range(*args):
         yield tl.tensor(interp.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
 
 
-def _static_range(start, end=None, step=None, **kwargs):
-    start, end = (0, start) if end is None else (start, end)
-    return range(_value(start), _value(end), _value(step) if step is not None else 1)
-
-
-def _static_assert(cond, msg=""):
-    assert _value(cond), _value(msg)
-
-
 def _language() -> types.ModuleType:
     """``gl``: triton.language's functions without their layout arguments, Gluon's own
-    pieces emulated."""
+    pieces emulated; the rest (static_range, static_assert, ...) is triton.language's as the
+    interpreter patches it for a launch."""
     def arange(start, end, layout=None):
         return tl.arange(start, end)
 
@@ -665,9 +656,7 @@ def _language() -> types.ModuleType:
     names = dict(
         arange=arange, full=full, zeros=zeros, convert_layout=convert_layout,
         allocate_shared_memory=allocate_shared_memory, warp_specialize=warp_specialize,
-        thread_barrier=lambda: None, static_range=_static_range,
-        static_assert=_static_assert, inline_asm_elementwise=inline_asm_elementwise,
-        num_warps=lambda: 4,
+        thread_barrier=lambda: None, inline_asm_elementwise=inline_asm_elementwise,
         MBarrierLayout=MBarrierLayout,
         **{name: _layout(name) for name in (
             "BlockedLayout", "SliceLayout", "NVMMADistributedLayout", "DotOperandLayout",

@@ -18,8 +18,9 @@ from flexfa.errors import InputError
 from flexfa.runtime import plans
 
 from gpu.gluon_safety import case_inputs
-from gpu.test_gluon_bwd_gpu import (assert_same_non_finite, gluon_backward_plans,
-                                    non_finite_results)
+from gpu.test_gluon_bwd_gpu import (_alibi_causal, _empty_rows, assert_same_non_finite,
+                                    gluon_backward_plans, non_finite_results)
+from gpu.test_gluon_gpu import _empty_prefix
 from kernels.backward_utils import check_backward
 from kernels.forward_utils import check_forward, make_qkv
 
@@ -47,26 +48,12 @@ def _causal(heads, device):
     return None, mods.causal
 
 
-def _alibi_causal(heads, device):
-    return mods.alibi(heads, device=device), mods.causal
-
-
 def _softcap_causal(heads, device):
     return mods.softcap(30.0), mods.causal
 
 
 def _document(heads, device):
     return None, mods.document([100, 60, 140], device=device)
-
-
-def _empty_prefix(b, h, q_idx, kv_idx):
-    # rows before 130 attend to nothing: out 0, lse -inf
-    return (q_idx >= 130) & (kv_idx <= q_idx)
-
-
-def _empty_rows(score, b, h, q_idx, kv_idx):
-    # every fifth query row scores -inf everywhere (its lse -inf, read as +inf: P = 0)
-    return torch.where(q_idx % 5 == 2, float("-inf"), score)
 
 
 CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device)); bf16 unless the name ends fp16
