@@ -10,8 +10,9 @@ memory against the Triton backward and cuDNN SDPA.
    of its tiles, so the tiles past a head's end come by heads (3-D TMA). One instrumented backward
    kernel only: its compile alone took 433 s on a 2-core development machine (the dense
    walk differs in the table reads, not in the barriers); ``--safety-dropout P`` makes its
-   call drop probabilities (the consumers draw the keep mask again). Nothing else runs
-   unless it passes.
+   call drop probabilities (the consumers draw the keep mask again), ``--safety-head-dim
+   256`` or ``192/128`` runs the kernel for head dims padding to 256 instead
+   (bwd_gluon_wide.tmpl). Nothing else runs unless it passes.
 2. ``check``: B=1 H=4 S=2048 E=128 bf16, every project variant: dq, dk, dv of
    BACKEND="GLUON" + GLUON_BACKWARD (Gluon forward and backward; the plan's family recorded) against
    BACKEND="HOPPER" (Hopper forward + Triton backward): relative L2 errors, must be < 1e-2.
@@ -44,8 +45,8 @@ import torch, triton, flexfa
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                  device="cuda"))
 L = 320  # ragged: Q, dO, K and V tiles past a head's end read by heads (3-D TMA)
-q, k, v = (torch.randn(1, 2, L, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-           for _ in range(3))
+q, k, v = (torch.randn(1, 2, L, e, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for e in (HEAD_DIM, HEAD_DIM, HEAD_DIM_V))
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, L, L, device="cuda")
 out = flexfa.flex_attention(q, k, v, block_mask=mask, dropout_p=DROPOUT_P,
                             kernel_options={"BACKEND": "HOPPER", "GLUON_BACKWARD": True})
@@ -160,6 +161,8 @@ def main(argv=None) -> int:
     safety_arguments(parser, 90.0)
     parser.add_argument("--safety-dropout", type=float, default=0.0,
                         help="dropout_p of the safety run's call (the consumers' keep mask)")
+    parser.add_argument("--safety-head-dim", default="128",
+                        help="E or E/Ev of the safety run's call (256, 192/128: the wide kernel)")
     parser.add_argument("--seqs", default="4096,16384",
                         help="sequence lengths of the timings, comma list (B = tokens / S)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -176,8 +179,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("FLEXFA_AUTOTUNE", "0")  # tuning would spend the call compiling
     if not 0.0 <= args.safety_dropout < 1.0:
         parser.error(f"--safety-dropout must be in [0, 1), got {args.safety_dropout}")
-    started = safety_first(args.out, args.safety_timeout,
-                           SAFETY.replace("DROPOUT_P", repr(args.safety_dropout)),
+    dims = args.safety_head_dim.split("/")
+    if not (1 <= len(dims) <= 2 and all(d.isdigit() and int(d) > 0 for d in dims)):
+        parser.error(f"--safety-head-dim must be E or E/Ev, got {args.safety_head_dim!r}")
+    script = (SAFETY.replace("DROPOUT_P", repr(args.safety_dropout))
+              .replace("HEAD_DIM_V", dims[-1]).replace("HEAD_DIM", dims[0]))
+    started = safety_first(args.out, args.safety_timeout, script,
                            ("causal finite",))
     if started is None:
         return 1

@@ -55,13 +55,17 @@
 # Triton backward with the Gluon backward's parts on two streams (3 rounds); pz: the
 # postprocess zeroing the accumulator (issue 26): the Gluon backward's GPU tests, then
 # bwd_profile.py on causal and full (flexfa and cuDNN) (carry .fa4a; ovb after it);
+# wd: the Gluon backward at head dims padding to 256 (issue 28), first GPU run: ConSan at E = 256
+# and 192 / 128 in the background, the Gluon forward / backward, non-finite and Triton backward
+# GPU tests sharded; wdb: (after wd) the head-dim benchmark at 256 and 192 / 128 with the Gluon
+# backward as a column, then the max.NaN forward A/B against dd39f31 (carry .oldD) (issue 25);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -377,6 +381,26 @@ if [ "$PART" = d ]; then  # issue 28: E=256 and 192/128 backward tiles, E=96/80 
   for f in sweep256 sweep192; do mv "$OUT/$f/bwd_kernel_sweep.json" "$OUT/$f.json"; \
     rmdir "$OUT/$f"; grep -A4 "best\|^case" "$OUT/$f.log" | tail -n 16; done
   tail -n 20 "$OUT/headdim.log"
+fi
+if [ "$PART" = wd ]; then  # issue 28: the E = 256 and 192 / 128 Gluon backward's first GPU run
+  for d in 256 192/128; do
+    step "consan_w${d%%/*}" 540 python benchmarks/gluon_backward_bench.py \
+      "$OUT/consan_w${d%%/*}.json" --safety-only --safety-timeout 530 --safety-head-dim "$d" &
+  done
+  step gpu_suites 480 $SHARD/wd -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
+    tests/gpu/test_gluon_gpu.py tests/reliability/test_nonfinite_scores.py \
+    tests/kernels/test_backward_gpu.py
+  wait
+  tail -n 12 "$OUT/gpu_suites.log"; tail -c 400 "$OUT"/consan_w*.json
+fi
+if [ "$PART" = wdb ]; then  # after wd: timings (issues 28, 25)
+  FLEXFA_AUTOTUNE=0 step headdim 330 python benchmarks/headdim_bench.py "$OUT/headdim.json" \
+    --dims 256,192/128 --modes causal,full --seqs 8192,8100 --budget 270 \
+    --peers flexfa,flexfa_gluon_bwd,torch_flex,cudnn
+  FLEXFA_AUTOTUNE=0 step tree_ab 230 python benchmarks/tree_ab.py --old .oldD --rounds 3 \
+    --passes fwd --json "$OUT/tree_ab.json" \
+    --cases 128:16384:full,128:16384:causal,128:16384:softcap,128:16384:alibi,128:16384:document,64:16384:causal
+  tail -n 36 "$OUT/headdim.log"; tail -n 16 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \
