@@ -59,13 +59,16 @@
 # and 192 / 128 in the background, the Gluon forward / backward, non-finite and Triton backward
 # GPU tests sharded; wdb: (after wd) the head-dim benchmark at 256 and 192 / 128 with the Gluon
 # backward as a column, then the max.NaN forward A/B against dd39f31 (carry .oldD) (issue 25);
+# wdc: with the Gluon backward by default at E = 256: the Triton backward's GPU tests (what wd
+# left), the default's test, fwd+bwd at E = 256 against the Triton backward (S = 16384 full,
+# causal, softcap, ALiBi, 2 rounds; S = 8192 causal, 3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -401,6 +404,17 @@ if [ "$PART" = wdb ]; then  # after wd: timings (issues 28, 25)
     --passes fwd --json "$OUT/tree_ab.json" \
     --cases 128:16384:full,128:16384:causal,128:16384:softcap,128:16384:alibi,128:16384:document,64:16384:causal
   tail -n 36 "$OUT/headdim.log"; tail -n 16 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wdc ]; then  # the E = 256 default (issue 28)
+  step gpu_tests 200 $SHARD/wdc -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py::test_default_backward_is_gluon_past_4096
+  B256=(python -m flexfa bench --rep 40 --dims 256 --passes fwd+bwd
+        --extra 'triton_bwd={"GLUON_BACKWARD": false}')
+  FLEXFA_AUTOTUNE=0 step b256 220 "${B256[@]}" --seqs 16384 --variants full,causal,softcap,alibi \
+    --rounds 2 --out "$OUT/b256"
+  FLEXFA_AUTOTUNE=0 step b256c 90 "${B256[@]}" --seqs 8192 --variants causal --rounds 3 \
+    --out "$OUT/b256c"
+  tail -n 6 "$OUT/gpu_tests.log"; tail -n 14 "$OUT/b256.log" "$OUT/b256c.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \

@@ -214,12 +214,17 @@ def test_head_dim_256_takes_64_key_tiles_and_overfull_pins_are_named():
     # E = 128 keeps what ran on the H200, and its third stage does not fit
     assert shared_bytes(128, 128, 128, 2, True) <= SHARED_BYTES < \
         shared_bytes(128, 128, 128, 3, False)
-    # the Gluon backward takes it under GLUON_BACKWARD=True only (bwd_gluon_wide.tmpl, not
-    # yet measured on a GPU): 'AUTO' keeps the Triton backward
+    # the Gluon backward (bwd_gluon_wide.tmpl) takes it under GLUON_BACKWARD=True; 'AUTO' at
+    # lengths past 4096 only (where it was measured), and not with v's head dim 128
     call = _call({**FORCED, "GLUON_BACKWARD": True})
     assert why_not_gluon_bwd(SM90, call, q, k, v) is None
-    assert "GLUON_BACKWARD='AUTO' takes head dims 64 and 80 to 128" in why_not_gluon_bwd(
+    assert "GLUON_BACKWARD='AUTO' takes it for L and S past 4096" in why_not_gluon_bwd(
         SM90, _call(FORCED), q, k, v)
+    q, k = _qkv(L=8192, E=192)[:2]
+    v = torch.zeros(1, 2, 8192, 128, dtype=torch.bfloat16)
+    assert why_not_gluon_bwd(SM90, call, q, k, v) is None
+    assert ("GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's alike"
+            in why_not_gluon_bwd(SM90, _call(FORCED), q, k, v))
 
 
 def test_cpu_tensors_say_why_gluon_cannot_run():

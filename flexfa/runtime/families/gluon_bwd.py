@@ -166,12 +166,16 @@ SPARSE_HEAD_DIMS = (128,)
 SPARSE_MIN_TILES = 16384
 
 
-def auto_head_dim(E: int) -> bool:
-    """The head dims GLUON_BACKWARD='AUTO' takes: 64, and 80 to 128, which all run its
-    E = 128 kernel (TMA's zero fill past E; faster than the Triton backward where measured,
-    at 96 and 80: docs/gluon.md, "Padded head dims in the backward"). Others (48, padded to
-    64, not measured) opt in with GLUON_BACKWARD=True."""
-    return E == 64 or 80 <= E <= 128
+def auto_head_dim(E: int, Ev: int) -> bool:
+    """The head dims GLUON_BACKWARD='AUTO' takes (v's alike): 64, and 80 to 128, which all
+    run its E = 128 kernel (TMA's zero fill past E; faster than the Triton backward where
+    measured, at 96 and 80: docs/gluon.md, "Padded head dims in the backward"), and 256
+    (bwd_gluon_wide.tmpl; fwd+bwd on the H200, one run, gpu_2026-12-05/wdb_45b05fb: 0.90x
+    the Triton backward's time dense at S = 8192, 0.73x at 8100, causal 1.02x at 8192, 0.96x
+    at 8100). E = 192 with Ev = 128 keeps the Triton backward (its wide kernel 1.14x the
+    time causal, 1.08x dense at 8192, 1.01x and 0.98x at 8100); others (48, 160, 192 and
+    256 / 128, not measured) opt in with GLUON_BACKWARD=True."""
+    return E == Ev and (E == 64 or 80 <= E <= 128 or E == WIDE_HEAD_DIM)
 
 
 def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
@@ -191,9 +195,9 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                 f"backward's E = 256 kernel draws no keep mask)")
     if choice is None:
         L, S = q.shape[2], k.shape[2]
-        if not auto_head_dim(q.shape[3]):
-            return (f"GLUON_BACKWARD='AUTO' takes head dims 64 and 80 to 128 (measured at "
-                    f"64, 80, 96 and 128), not {q.shape[3]}")
+        if not auto_head_dim(q.shape[3], v.shape[3]):
+            return (f"GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's "
+                    f"alike (measured faster there), not E={q.shape[3]}, Ev={v.shape[3]}")
         if call.dropout is not None:
             need = DROPOUT_MIN_LENGTH[next_power_of_two(q.shape[3])]
             if min(L, S) < need:
