@@ -170,11 +170,13 @@ def auto_head_dim(E: int, Ev: int) -> bool:
     """The head dims GLUON_BACKWARD='AUTO' takes (v's alike): 64, and 80 to 128, which all
     run its E = 128 kernel (TMA's zero fill past E; faster than the Triton backward where
     measured, at 96 and 80: docs/gluon.md, "Padded head dims in the backward"), and 256
-    (bwd_gluon_wide.tmpl; fwd+bwd on the H200, one run, gpu_2026-12-05/wdb_45b05fb: 0.90x
-    the Triton backward's time dense at S = 8192, 0.73x at 8100, causal 1.02x at 8192, 0.96x
-    at 8100). E = 192 with Ev = 128 keeps the Triton backward (its wide kernel 1.14x the
-    time causal, 1.08x dense at 8192, 1.01x and 0.98x at 8100); others (48, 160, 192 and
-    256 / 128, not measured) opt in with GLUON_BACKWARD=True."""
+    (bwd_gluon_wide.tmpl). fwd+bwd on the H200 against the Triton backward
+    (benchmarks/results/gpu_2026-12-05): at 256 the time of dense 0.87x at S = 16384, 0.90x
+    at 8192, 0.73x at 8100; softcap + causal 0.97x and ALiBi + causal 0.93x at 16384;
+    causal 1.00x at 16384, 1.01-1.02x at 8192, 0.96x at 8100 (peak memory 577 MiB against
+    514: dQ's float32 accumulator). E = 192 with Ev = 128 keeps the Triton backward (the
+    wide kernel 1.14x the time causal, 1.08x dense at 8192; 1.01x and 0.98x at 8100); others
+    (48, 160, 192 and 256 / 128, not measured) opt in with GLUON_BACKWARD=True."""
     return E == Ev and (E == 64 or 80 <= E <= 128 or E == WIDE_HEAD_DIM)
 
 
