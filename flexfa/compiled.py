@@ -45,7 +45,8 @@ CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: rea
 
 def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
              enable_gqa: bool, kernel_options) -> tuple:
-    """(mods key, paths to the score_mod's captured tensors, paths to the mask_mod's); runs
+    """(mods key, paths to the score_mod's captured tensors (then to those its trace removed:
+    ``buffer_paths``' ``unread``), paths to the mask_mod's); runs
     at Dynamo's trace time on the real objects. Each mod comes as ``unbound`` takes it apart:
     Dynamo hands an assume-constant function only what it can turn into constants."""
     score_mod = _rebound(score_mod, score_class, score_id)
@@ -56,7 +57,7 @@ def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     score = _traced(score_mod, SCORE_MOD)
     mask = _traced(mask_mod, MASK_MOD)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
-    return (key, buffer_paths(score_mod, score), buffer_paths(mask_mod, mask))
+    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask))
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
@@ -108,12 +109,20 @@ def _traced(mod, kind):
     return entry.traced
 
 
-def buffer_paths(mod, traced) -> tuple:
+def buffer_paths(mod, traced, unread: bool = False) -> tuple:
     """The path from ``mod`` to each of ``traced``'s captured tensors, by identity: tuples of
-    steps ``("attr", name)``, ``("item", key)``, ``("cell", free variable)``, ``("global", name)``."""
-    if traced is None or not traced.buffers:
+    steps ``("attr", name)``, ``("item", key)``, ``("cell", free variable)``, ``("global", name)``.
+    ``unread``: then the paths of the captured tensors the trace removed
+    (``TracedMod.dropped``) that can be reached; the operator takes them after the others so
+    that they get torch's zero gradient (one that requires grad and cannot be reached fails
+    as a read one does)."""
+    if traced is None:
         return ()
-    wanted = {id(t): slot for slot, t in enumerate(traced.buffers)}
+    read = len(traced.buffers)
+    tensors = (*traced.buffers, *(traced.dropped if unread else ()))
+    if not tensors:
+        return ()
+    wanted = {id(t): slot for slot, t in enumerate(tensors)}
     found: dict[int, tuple] = {}
     queue = collections.deque([(mod, ())])
     seen = {id(mod)}
@@ -129,15 +138,16 @@ def buffer_paths(mod, traced) -> tuple:
                 queue.append((child, (*path, step)))
     for path in found.values():
         _add_cell_readers(mod, path)
-    missing = [s for s in range(len(traced.buffers)) if s not in found]
+    missing = [s for s in range(len(tensors))
+               if s not in found and (s < read or tensors[s].requires_grad)]
     if missing:
-        shapes = ", ".join(str(tuple(traced.buffers[s].shape)) for s in missing)
+        shapes = ", ".join(str(tuple(tensors[s].shape)) for s in missing)
         raise InputError(
             f"the {traced.kind} {traced.name!r} reads captured tensors of shape {shapes} that "
             "torch.compile cannot reach from it (tensors computed inside the mod, or held by "
             "an object flexfa does not walk); compute them outside the mod and capture them "
             "in a closure, a global, a functools.partial or a module attribute")
-    return tuple(found[s] for s in range(len(traced.buffers)))
+    return tuple(found[s] for s in range(len(tensors)) if s in found)
 
 
 def _children(obj):

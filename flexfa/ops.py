@@ -58,11 +58,14 @@ class Skeleton:
 
     def with_buffers(self, buffers, grad_slots=()) -> TracedMod:
         """The TracedMod reading ``buffers`` (the operator's inputs); those in ``grad_slots``
-        are marked as requiring grad (the backward's kernels specialize on them)."""
-        if len(buffers) != len(self.buffer_specs):
+        are marked as requiring grad (the backward's kernels specialize on them). Tensors past
+        the traced ones are captured tensors the trace removed (``TracedMod.dropped``), passed
+        so that they get torch's zero gradient; no kernel reads them."""
+        if len(buffers) < len(self.buffer_specs):
             raise InputError(f"the traced {self.kind} {self.name!r} reads "
                              f"{len(self.buffer_specs)} captured tensors but the operator got "
                              f"{len(buffers)}")
+        buffers = buffers[:len(self.buffer_specs)]
         for slot, (tensor, (_, dtype)) in enumerate(zip(buffers, self.buffer_specs)):
             if tensor.dtype != dtype:
                 raise InputError(f"captured tensor {slot} of the {self.kind} {self.name!r} has "
@@ -224,12 +227,16 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse, maxs = output
     ctx.mods, ctx.scale, ctx.block_size, ctx.dropout_p = mods, scale, block_size, dropout_p
     ctx.counts = (len(score_buffers), len(mask_buffers), [t is not None for t in tables])
-    ctx.grad_slots = [s for s, t in enumerate(score_buffers) if t.requires_grad]
+    entry = mods_entry(mods)
+    read = len(entry.score.buffer_specs) if entry.score is not None else 0
+    # the captured tensors the kernels read that require grad, and those past them (removed
+    # by the trace: Skeleton.with_buffers) that do: torch's gradient of the latter is zeros
+    ctx.grad_slots = [s for s, t in enumerate(score_buffers[:read]) if t.requires_grad]
+    ctx.zero_slots = [s for s, t in enumerate(score_buffers) if s >= read and t.requires_grad]
     ctx.needs = (query.requires_grad, key.requires_grad or value.requires_grad,
                  sinks is not None and sinks.requires_grad)
     optional = [t for t in (sinks, dropout_seed if dropout_p else None) if t is not None]
     ctx.counts = (*ctx.counts, sinks is not None, len(optional))
-    entry = mods_entry(mods)
     if entry.score is not None and ctx.grad_slots:  # no derivative: fails in the forward
         joint_graph(entry.score.with_buffers(score_buffers, tuple(ctx.grad_slots)))
     ctx.save_for_backward(query, key, value, out, lse, *score_buffers, *mask_buffers,
@@ -257,6 +264,7 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
         mask_buffers, tables, ctx.block_size, ctx.grad_slots, need_dq, need_dkdv, sinks,
         need_dsinks, ctx.dropout_p, seed)
     by_slot = dict(zip(ctx.grad_slots, grads))
+    by_slot.update((s, torch.zeros_like(score_buffers[s])) for s in ctx.zero_slots)
     buffer_grads = [by_slot.get(s) for s in range(n_score)]
     # an empty list argument (block_size without a block mask) is a list in the inputs'
     # structure, a non-empty one of ints a leaf: its gradient mirrors that; a call may leave
@@ -296,7 +304,10 @@ def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: T
     return (dq if need_dq else empty.clone(), dk if need_dkdv else empty.clone(),
             dv if need_dkdv else empty.clone(),
             buffer_grads[SINKS_GRAD] if need_dsinks else empty.clone(),
-            [buffer_grads[s] for s in grad_slots])
+            # zeros where no score depends on the tensor differentiably (score + t.floor()):
+            # the kernels compute no gradient there, torch's is zeros
+            [buffer_grads[s] if s in buffer_grads else torch.zeros_like(score_buffers[s])
+             for s in grad_slots])
 
 
 @flex_attention_backward_op.register_fake

@@ -119,6 +119,43 @@ def test_a_compiled_step_checks_no_tables_of_a_mask_built_outside(monkeypatch):
     assert checks == [] and len(built) == 2, (len(checks), len(built))
 
 
+def test_captured_tensors_without_a_differentiable_read_get_zero_gradients():
+    """Compiled as eager (tests/kernels/test_backward_edge.py): a learnable tensor read only
+    in a branch the trace removes (it got None; the operator now takes it after the read
+    ones) and one read only through a step (``floor``: the backward operator raised KeyError)
+    get torch's zero gradient; a tensor computed inside the mod in a removed branch, needing
+    no gradient, still compiles."""
+    t = torch.tensor(0.5, requires_grad=True)
+    bias = torch.zeros(2, requires_grad=True)
+
+    def removed(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, t, score) + score
+
+    def floored(score, b, h, q_idx, kv_idx):
+        return score + bias[h].floor()
+
+    def inner(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, torch.ones(()), score)
+
+    inputs = make_inputs(40, seed=4)
+    for mod, param in ((removed, t), (floored, bias), (inner, None)):
+        def layer(q, k, v):
+            return flexfa.flex_attention(q, k, v, mod) * 2
+
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        for fn in (layer, compiled):
+            if param is not None:
+                param.grad = None
+            out = fn(*inputs)
+            out.sum().backward()
+            if param is not None:
+                assert param.grad is not None and torch.equal(param.grad,
+                                                              torch.zeros_like(param))
+        for x in inputs:
+            x.grad = None
+
+
 def test_explain_reports_no_graph_break():
     model = Attention(2, torch.arange(64) // 30)
     torch._dynamo.reset()

@@ -36,6 +36,13 @@ def test_opcheck_forward_and_backward():
     out, lse, maxs = torch.ops.flexfa.flex_attention(q.detach(), k, v, key, None, True,
                                                     [bias.detach()], [], tables, [32, 32])
     assert maxs.shape == lse.shape == (1, 2, 40)
+    # a captured tensor past the read ones (one the trace removed) gets a zero gradient
+    unread = torch.randn(3, requires_grad=True)
+    args = (q, k, v, key, None, False, [bias, unread], [], tables, [32, 32])
+    torch.library.opcheck(torch.ops.flexfa.flex_attention.default, args)
+    out_unread = torch.ops.flexfa.flex_attention(*args)[0]
+    grads = torch.autograd.grad(out_unread.sum(), (bias, unread))
+    assert torch.equal(grads[1], torch.zeros(3)) and grads[0].abs().sum() > 0
     grad_out = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flexfa.flex_attention_backward.default,
                           (q.detach(), k, v, out, lse, grad_out, None, key, None,
