@@ -142,11 +142,14 @@ def buffer_paths(mod, traced, unread: bool = False) -> tuple:
                if s not in found and (s < read or tensors[s].requires_grad)]
     if missing:
         shapes = ", ".join(str(tuple(tensors[s].shape)) for s in missing)
+        what = ("reads captured tensors" if missing[0] < read else
+                "has tensors that require grad in a branch its trace removes (their gradient "
+                "is zeros)")
         raise InputError(
-            f"the {traced.kind} {traced.name!r} reads captured tensors of shape {shapes} that "
-            "torch.compile cannot reach from it (tensors computed inside the mod, or held by "
-            "an object flexfa does not walk); compute them outside the mod and capture them "
-            "in a closure, a global, a functools.partial or a module attribute")
+            f"the {traced.kind} {traced.name!r} {what} of shape {shapes} that torch.compile "
+            "cannot reach from it (tensors computed inside the mod, or held by an object "
+            "flexfa does not walk); compute them outside the mod and capture them in a "
+            "closure, a global, a functools.partial or a module attribute")
     return tuple(found[s] for s in range(len(tensors)) if s in found)
 
 

@@ -214,11 +214,15 @@ def memoized(fn, kind: str) -> TracedMod | None:
 def _reusable(current: Guard | None, traced: TracedMod) -> bool:
     """A trace may be reused when its mod is guarded and every buffer is a tensor the mod
     captured. A buffer computed while tracing (``torch.tanh(t0)`` of a captured 0-d tensor
-    runs eagerly) holds this call's values and, for a parameter, this call's autograd graph."""
+    runs eagerly) holds this call's values and, for a parameter, this call's autograd graph;
+    so does a removed one that requires grad (``dropped``: ``w = bias * bias`` read only in a
+    branch the trace removes gets its zero gradient through that graph, which a second
+    backward would find freed)."""
     if current is None:
         return False
     captured = {id(t) for t in current.tensors}
-    return all(id(t) in captured for t in traced.buffers)
+    return (all(id(t) in captured for t in traced.buffers)
+            and all(id(t) in captured for t in traced.dropped if t.requires_grad))
 
 
 def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple[TracedMod, tuple, Node]:

@@ -124,7 +124,7 @@ def test_captured_tensors_without_a_differentiable_read_get_zero_gradients():
     in a branch the trace removes (it got None; the operator now takes it after the read
     ones) and one read only through a step (``floor``: the backward operator raised KeyError)
     get torch's zero gradient; a tensor computed inside the mod in a removed branch, needing
-    no gradient, still compiles."""
+    no gradient, still compiles; one that needs a gradient is refused by name."""
     t = torch.tensor(0.5, requires_grad=True)
     bias = torch.zeros(2, requires_grad=True)
 
@@ -137,7 +137,16 @@ def test_captured_tensors_without_a_differentiable_read_get_zero_gradients():
     def inner(score, b, h, q_idx, kv_idx):
         return torch.where(q_idx < q_idx, torch.ones(()), score)
 
+    def computed(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, torch.ones(2, requires_grad=True)[h], score)
+
     inputs = make_inputs(40, seed=4)
+    # a tensor that requires grad in a removed branch and that the graph cannot reach (made
+    # inside the mod): its zero gradient cannot be given, so the call is refused
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="requires? grad in a branch its trace removes"):
+        torch.compile(lambda q, k, v: flexfa.flex_attention(q, k, v, computed),
+                      backend="aot_eager", fullgraph=True)(*inputs)
     for mod, param in ((removed, t), (floored, bias), (inner, None)):
         def layer(q, k, v):
             return flexfa.flex_attention(q, k, v, mod) * 2

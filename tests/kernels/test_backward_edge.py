@@ -245,3 +245,20 @@ def test_a_captured_tensor_in_a_branch_never_taken_gets_zero_gradient_as_in_torc
     out = flexfa.flex_attention(q, k, v, score_mod=dead_branch)
     (grad,) = torch.autograd.grad(out.sum(), [t], allow_unused=True)
     assert grad is not None and torch.equal(grad, torch.zeros(()))
+
+
+def test_a_tensor_computed_in_a_branch_never_taken_is_traced_again_each_call():
+    """``w = bias * bias`` computed while tracing and read only in a removed branch gets its
+    zero gradient through this call's autograd graph; a memoized trace kept that graph, and
+    the second call's backward raised 'Trying to backward through the graph a second time'.
+    Such a trace is not memoized (as one whose read buffers are computed is not)."""
+    bias = torch.tensor([0.3, 1.7], requires_grad=True)
+
+    def computed(score, b, h, q_idx, kv_idx):
+        w = bias * bias
+        return torch.where(q_idx < q_idx, w[h], score) + score
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    for _ in range(3):
+        out = flexfa.flex_attention(q, k, v, score_mod=computed)
+        (grad,) = torch.autograd.grad(out.sum(), [bias], allow_unused=True)
+        assert grad is not None and torch.equal(grad, torch.zeros(2))
