@@ -43,7 +43,7 @@ UNSUPPORTED_SCORE = [
     ("(score if score > 0 else -score)", ("control flow",)),
     ("float(score)", ("float()",)),
     ("math.exp(score)", ("float()",)),
-    ("torch.softmax(score, -1)", ("not supported",)),
+    ("torch.softmax(score, -1)", ("is a reduction",)),
     ("score.item()", ("not supported",)),
     ("torch.atan2(score, score)", ("not supported",)),
     ("len(q_idx)", ("len()",)),

@@ -4,13 +4,15 @@ call either matches the reference or raises a flexfa error (a ValueError, TypeEr
 NotImplementedError) whose message names the problem; nothing else escapes."""
 import os
 
+import pytest
 import torch
 from hypothesis import event, given, note, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexfa
 from reference import assert_close_to_reference, reference_pair
-from .fuzz_cases import FAULTS, KERNEL_ONLY_WORDS, make_mod, mod_sources
+from .fuzz_cases import (FAULTS, KERNEL_ONLY_WORDS, UNSUPPORTED_MASK, UNSUPPORTED_SCORE,
+                         make_mod, mod_sources)
 
 # more examples for a longer hunt: FLEXFA_FUZZ_EXAMPLES=500 HYPOTHESIS_PROFILE=dev pytest ...
 EXAMPLES = int(os.environ.get("FLEXFA_FUZZ_EXAMPLES", "0")) or None
@@ -37,6 +39,25 @@ def outcome(call, expected_words: tuple[str, ...]):
     assert not expected_words, f"expected an error naming one of {expected_words}; got a result"
     event("ran (checked against the reference)")
     return result
+
+
+@pytest.mark.parametrize("kind, body, words",
+                         [("score", *case) for case in UNSUPPORTED_SCORE]
+                         + [("mask", *case) for case in UNSUPPORTED_MASK])
+def test_every_unsupported_mod_is_refused_by_name(kind, body, words):
+    """Each unsupported expression the hunts draw, once (a long hunt found the softmax
+    message reworded past the words it expected)."""
+    mod = make_mod(kind, body if body.startswith("[") or kind == "mask"
+                   else f"score + {body}")[0]
+    q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+    with pytest.raises(flexfa.FlexFAError) as info:
+        if kind == "score":
+            flexfa.flex_attention(q, k, v, score_mod=mod)
+        else:
+            flexfa.flex_attention(q, k, v, block_mask=flexfa.create_block_mask(
+                mod, 1, 2, 8, 8, device="cpu"))
+    assert isinstance(info.value, (ValueError, TypeError, NotImplementedError))
+    assert any(word.lower() in str(info.value).lower() for word in words), str(info.value)
 
 
 def tensor(draw, shape, dtype, generator):
