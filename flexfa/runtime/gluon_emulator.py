@@ -373,7 +373,11 @@ class SharedMemory:
         start, length, dim = _value(start), _value(length), _value(dim)
         index = [slice(None)] * self.data.ndim
         index[dim] = slice(start, start + length)
-        return SharedMemory(self.data[tuple(index)], self.dtype)
+        view = self.data[tuple(index)]
+        if any(n <= 0 or n & (n - 1) for n in view.shape):  # as Triton's compiler refuses
+            raise ValueError(f"a shared-memory slice must have power-of-2 and non-zero "
+                             f"dimensions; got {list(view.shape)}")
+        return SharedMemory(view, self.dtype)
 
     def permute(self, order) -> "SharedMemory":
         return SharedMemory(self.data.transpose([_value(o) for o in order]), self.dtype)

@@ -107,6 +107,18 @@ def test_unknown_inline_ptx_is_refused():
         inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [], None, True, 1)
 
 
+def test_a_shared_memory_slice_of_no_power_of_two_width_is_refused_as_the_compiler_does():
+    """Triton's sm_90 compile refuses a [64, 192] slice of a [64, 256] tile; the emulator had
+    run one (E = 192's Q K^T over 192 columns, now two wgmmas of 128 and 64)."""
+    import triton.language as tl
+
+    from flexfa.runtime.gluon_emulator import allocate_shared_memory
+    tile = allocate_shared_memory(tl.bfloat16, [64, 256], None)
+    assert tile.slice(128, 64, dim=1).shape == [64, 64]
+    with pytest.raises(ValueError, match="power-of-2.*64, 192"):
+        tile.slice(0, 192, dim=1)
+
+
 # the lines that retire a tile's wgmmas and release the stage they read (swapped below)
 _BWD_RETIRE = """        dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
                                                  deps=(dv, dk, p_op, ds_op))
@@ -144,8 +156,8 @@ MUTATIONS = {
     "fwd_early_v_free": ("fwd_gluon.tmpl", _FWD_RETIRE + _FWD_FREE, _FWD_FREE + _FWD_RETIRE,
                          "forward"),
     # E = 256: both dQ slices formed from the first slice's keys' columns
-    "wide_dq_slice": ("bwd_gluon_wide.tmpl", "k.slice(CID * HALF + h * DQ_SLICE, DQ_SLICE",
-                      "k.slice(CID * HALF, DQ_SLICE", "wide"),
+    "wide_dq_slice": ("bwd_gluon_wide.tmpl", "k.slice((FIRST_DQ + h) * DQ_SLICE, DQ_SLICE",
+                      "k.slice(FIRST_DQ * DQ_SLICE, DQ_SLICE", "wide"),
     # E = 256: the halves of P^T and dS^T read before the other consumer stored its half
     "wide_pds_full": ("bwd_gluon_wide.tmpl", "mbarrier.wait(pds_full.index(0), it & 1)",
                       "mbarrier.wait(pds_full.index(0), (it & 1) ^ 1)", "wide"),

@@ -175,7 +175,8 @@ def auto_head_dim(E: int, Ev: int) -> bool:
     at 8192, 0.73x at 8100; softcap + causal 0.97x and ALiBi + causal 0.93x at 16384;
     causal 1.00x at 16384, 1.01-1.02x at 8192, 0.96x at 8100 (peak memory 577 MiB against
     514: dQ's float32 accumulator). E = 192 with Ev = 128 keeps the Triton backward (the
-    wide kernel 1.14x the time causal, 1.08x dense at 8192; 1.01x and 0.98x at 8100); others
+    wide kernel with E padded to 256 took 1.14x the time causal, 1.08x dense at 8192; 1.01x
+    and 0.98x at 8100; its 192-column layout, 0.81x the tensor work, is not yet timed); others
     (48, 160, 192 and 256 / 128, not measured) opt in with GLUON_BACKWARD=True."""
     return E == Ev and (E == 64 or 80 <= E <= 128 or E == WIDE_HEAD_DIM)
 
