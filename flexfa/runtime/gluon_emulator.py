@@ -15,7 +15,9 @@ module loads a generated Gluon module with ``gluon.jit`` read as the interpreter
   tensor's shape, the barrier's bytes completed) only when a partition waits for the phase
   it completes: a partition that reads the buffer without that wait (none, or one for a
   phase already past) reads stale data, as it could on a GPU;
-  TMA stores and reduce-adds write at once;
+- a TMA store or reduce-add inside a warp-specialized region reads its shared memory only
+  when ``tma.store_wait`` retires it (or its partition ends); a store or TMA load into that
+  shared memory before then raises ``GluonRace`` (a buffer rewritten before the TMA read it);
 - ``warpgroup_mma`` multiplies in float32 (16-bit and fp8 inputs are exact in float32); an
   asynchronous one is formed only when ``warpgroup_mma_wait`` retires it, and a TMA load
   issued or a store made into shared memory it reads before then raises ``GluonRace`` (a
@@ -312,12 +314,14 @@ def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
     region = _Region(len(functions_and_args))
     results = {}
     _IN_FLIGHT.clear()  # (a kernel may leave some in flight at its end)
+    _STORING.clear()
 
     def run(index, fn, args):
-        _LOCAL.region, _LOCAL.wgmmas = region, []
+        _LOCAL.region, _LOCAL.wgmmas, _LOCAL.stores = region, [], []
         with region.cv:
             try:
                 results[index] = fn(*args)
+                _store_wait(0)  # a partition's stores complete before it ends
             except BaseException as exc:  # reported by the default partition's thread
                 if region.error is None:
                     region.error = exc
@@ -398,6 +402,7 @@ class SharedMemory:
 
     def store(self, value) -> None:
         _check_unread(self, "a store")
+        _check_not_storing(self, "a store")
         if value.dtype != self.dtype:
             raise TypeError(f"storing {value.dtype} into {self.dtype} shared memory")
         data = value.handle.data
@@ -499,20 +504,67 @@ def _tma_load(desc, coord, barrier, result, pred=True) -> None:
     if not _value(pred):
         return
     _check_unread(result, "a TMA load")
+    _check_not_storing(result, "a TMA load")
     copy = _Copy(_descriptor(desc), [_value(c) for c in coord], _barrier(barrier), result)
     copy.bar.queued.append(copy)
 
 
+class _Store:
+    """A TMA store or reduce-add issued and not yet retired by ``tma.store_wait``: it reads
+    ``src`` (and writes global memory) when retired."""
+
+    def __init__(self, desc: Descriptor, coord: list, src: SharedMemory, add: bool):
+        self.desc, self.coord, self.src, self.add = desc, coord, src, add
+
+    def complete(self) -> None:
+        _STORING.discard(self)
+        self.desc.write(self.coord, self.src.data, add=self.add)
+
+
+# the TMA stores in flight (every partition's; reset per warp-specialized region)
+_STORING: set = set()
+
+
+def _stores() -> list:
+    """The calling partition's TMA stores in flight, oldest first."""
+    if not hasattr(_LOCAL, "stores"):
+        _LOCAL.stores = []
+    return _LOCAL.stores
+
+
+def _issue_store(desc, coord, src, add: bool) -> None:
+    store = _Store(_descriptor(desc), [_value(c) for c in coord], src, add)
+    if _region() is None:  # outside a warp-specialized region: written at once
+        store.complete()
+        return
+    _STORING.add(store)
+    _stores().append(store)
+
+
 def _tma_store(desc, coord, src) -> None:
-    _descriptor(desc).write([_value(c) for c in coord], src.data)
+    _issue_store(desc, coord, src, False)
 
 
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None) -> None:
-    _descriptor(tensor_desc).write([_value(c) for c in coord], src.data, add=True)
+    _issue_store(tensor_desc, coord, src, True)
 
 
 def _store_wait(pendings) -> None:
-    pass
+    """Retire all but the ``pendings`` newest TMA stores of this partition."""
+    stores, keep = _stores(), _value(pendings)
+    retired = stores[:len(stores) - keep] if keep else list(stores)
+    for store in retired:
+        store.complete()
+    del stores[:len(retired)]
+
+
+def _check_not_storing(smem: SharedMemory, what: str) -> None:
+    """GluonRace if a TMA store in flight reads any of ``smem``."""
+    for store in list(_STORING):
+        if np.may_share_memory(smem.data, store.src.data):
+            raise GluonRace(f"{what} into shared memory that a TMA store in flight reads "
+                            f"(shape {smem.shape}, {threading.current_thread().name}): "
+                            "tma.store_wait first")
 
 
 # ---------------------------------------------------------------------------------------

@@ -155,6 +155,9 @@ MUTATIONS = {
     # load into it is issued under the wgmma
     "fwd_early_v_free": ("fwd_gluon.tmpl", _FWD_RETIRE + _FWD_FREE, _FWD_FREE + _FWD_RETIRE,
                          "forward"),
+    # the dQ writer releases its buffers before its TMA reduce-adds have read them: a
+    # consumer's next dQ store lands under them (GluonRace)
+    "bwd_no_store_wait": ("bwd_gluon.tmpl", "            tma.store_wait(0)\n", "", "backward"),
     # E = 256: both dQ slices formed from the first slice's keys' columns
     "wide_dq_slice": ("bwd_gluon_wide.tmpl", "k.slice((FIRST_DQ + h) * DQ_SLICE, DQ_SLICE",
                       "k.slice(FIRST_DQ * DQ_SLICE, DQ_SLICE", "wide"),
