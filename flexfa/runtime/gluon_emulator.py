@@ -313,8 +313,7 @@ def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
         raise RuntimeError("gl.warp_specialize inside a warp-specialized region")
     region = _Region(len(functions_and_args))
     results = {}
-    _IN_FLIGHT.clear()  # (a kernel may leave some in flight at its end)
-    _STORING.clear()
+    _READERS.clear()  # (a kernel may leave some in flight at its end)
 
     def run(index, fn, args):
         _LOCAL.region, _LOCAL.wgmmas, _LOCAL.stores = region, [], []
@@ -402,7 +401,6 @@ class SharedMemory:
 
     def store(self, value) -> None:
         _check_unread(self, "a store")
-        _check_not_storing(self, "a store")
         if value.dtype != self.dtype:
             raise TypeError(f"storing {value.dtype} into {self.dtype} shared memory")
         data = value.handle.data
@@ -429,6 +427,58 @@ def allocate_shared_memory(element_ty, shape, layout, value=None) -> SharedMemor
     if value is not None:
         smem.store(value)
     return smem
+
+
+# ---------------------------------------------------------------------------------------
+# asynchronous readers of shared memory (wgmmas, TMA stores)
+
+
+class GluonRace(RuntimeError):
+    """Shared memory written (a TMA load issued into it, a store) while an asynchronous
+    operation that reads it (a wgmma, a TMA store) is in flight."""
+
+
+# the asynchronous operations in flight that read shared memory (every partition's; reset
+# per warp-specialized region)
+_READERS: set = set()
+
+
+class _Reader:
+    """An asynchronous operation reading the shared memory ``reads`` until retired; a write
+    into that memory before then raises GluonRace."""
+
+    WHAT = HINT = ""
+
+    def __init__(self, reads: list):
+        self.reads = reads
+        _READERS.add(self)
+
+    def retire(self):
+        _READERS.discard(self)
+
+
+def _check_unread(smem: "SharedMemory", what: str) -> None:
+    """GluonRace if an operation in flight reads any of ``smem``."""
+    for pending in list(_READERS):
+        if any(np.may_share_memory(smem.data, read) for read in pending.reads):
+            raise GluonRace(f"{what} into shared memory that {pending.WHAT} in flight reads "
+                            f"(shape {smem.shape}, {threading.current_thread().name})"
+                            f"{pending.HINT}")
+
+
+def _pending(kind: str) -> list:
+    """The calling partition's operations of ``kind`` in flight, oldest first."""
+    if not hasattr(_LOCAL, kind):
+        setattr(_LOCAL, kind, [])
+    return getattr(_LOCAL, kind)
+
+
+def _retire_oldest(pending: list, keep: int) -> None:
+    """Retire all but the ``keep`` newest of ``pending`` (oldest first)."""
+    retired = pending[:len(pending) - keep] if keep else list(pending)
+    for operation in retired:
+        operation.retire()
+    del pending[:len(retired)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -504,41 +554,31 @@ def _tma_load(desc, coord, barrier, result, pred=True) -> None:
     if not _value(pred):
         return
     _check_unread(result, "a TMA load")
-    _check_not_storing(result, "a TMA load")
     copy = _Copy(_descriptor(desc), [_value(c) for c in coord], _barrier(barrier), result)
     copy.bar.queued.append(copy)
 
 
-class _Store:
+class _Store(_Reader):
     """A TMA store or reduce-add issued and not yet retired by ``tma.store_wait``: it reads
     ``src`` (and writes global memory) when retired."""
 
+    WHAT, HINT = "a TMA store", ": tma.store_wait first"
+
     def __init__(self, desc: Descriptor, coord: list, src: SharedMemory, add: bool):
+        super().__init__([src.data])
         self.desc, self.coord, self.src, self.add = desc, coord, src, add
 
-    def complete(self) -> None:
-        _STORING.discard(self)
+    def retire(self) -> None:
+        super().retire()
         self.desc.write(self.coord, self.src.data, add=self.add)
 
 
-# the TMA stores in flight (every partition's; reset per warp-specialized region)
-_STORING: set = set()
-
-
-def _stores() -> list:
-    """The calling partition's TMA stores in flight, oldest first."""
-    if not hasattr(_LOCAL, "stores"):
-        _LOCAL.stores = []
-    return _LOCAL.stores
-
-
 def _issue_store(desc, coord, src, add: bool) -> None:
-    store = _Store(_descriptor(desc), [_value(c) for c in coord], src, add)
+    desc, coord = _descriptor(desc), [_value(c) for c in coord]
     if _region() is None:  # outside a warp-specialized region: written at once
-        store.complete()
-        return
-    _STORING.add(store)
-    _stores().append(store)
+        desc.write(coord, src.data, add=add)
+    else:
+        _pending("stores").append(_Store(desc, coord, src, add))
 
 
 def _tma_store(desc, coord, src) -> None:
@@ -551,20 +591,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None) -> None:
 
 def _store_wait(pendings) -> None:
     """Retire all but the ``pendings`` newest TMA stores of this partition."""
-    stores, keep = _stores(), _value(pendings)
-    retired = stores[:len(stores) - keep] if keep else list(stores)
-    for store in retired:
-        store.complete()
-    del stores[:len(retired)]
-
-
-def _check_not_storing(smem: SharedMemory, what: str) -> None:
-    """GluonRace if a TMA store in flight reads any of ``smem``."""
-    for store in list(_STORING):
-        if np.may_share_memory(smem.data, store.src.data):
-            raise GluonRace(f"{what} into shared memory that a TMA store in flight reads "
-                            f"(shape {smem.shape}, {threading.current_thread().name}): "
-                            "tma.store_wait first")
+    _retire_oldest(_pending("stores"), _value(pendings))
 
 
 # ---------------------------------------------------------------------------------------
@@ -577,45 +604,23 @@ def _operand(x) -> np.ndarray:
     return _as_float32(x.handle.data, x.dtype)
 
 
-class GluonRace(RuntimeError):
-    """Shared memory written (a TMA load issued into it, a store) while an asynchronous
-    wgmma that reads it is in flight."""
-
-
-# the asynchronous wgmmas in flight (every partition's; reset per warp-specialized region)
-_IN_FLIGHT: set = set()
-
-
-class InFlight:
+class InFlight(_Reader):
     """An asynchronous wgmma not yet retired: its product is formed when a
     warpgroup_mma_wait retires it, from the shared memory as it is then; meanwhile a write
     into the shared memory it reads raises GluonRace (a buffer released before its wgmma
     retired and refilled). It is no tensor until retired (using it as one fails)."""
 
+    WHAT = "a wgmma"
+
     def __init__(self, compute, reads: list):
-        self._compute, self._value, self.reads = compute, None, reads
-        _IN_FLIGHT.add(self)
+        super().__init__(reads)
+        self._compute, self._value = compute, None
 
     def retire(self) -> tl.tensor:
         if self._value is None:
+            super().retire()
             self._value = self._compute()
-            _IN_FLIGHT.discard(self)
         return self._value
-
-
-def _check_unread(smem: "SharedMemory", what: str) -> None:
-    """GluonRace if a wgmma in flight reads any of ``smem``."""
-    for pending in list(_IN_FLIGHT):
-        if any(np.may_share_memory(smem.data, read) for read in pending.reads):
-            raise GluonRace(f"{what} into shared memory that a wgmma in flight reads "
-                            f"(shape {smem.shape}, {threading.current_thread().name})")
-
-
-def _in_flight() -> list:
-    """The calling partition's wgmmas in flight, oldest first."""
-    if not hasattr(_LOCAL, "wgmmas"):
-        _LOCAL.wgmmas = []
-    return _LOCAL.wgmmas
 
 
 def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None,
@@ -631,7 +636,7 @@ def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_
     if not _value(is_async):
         return compute()
     pending = InFlight(compute, [x.data for x in (a, b) if isinstance(x, SharedMemory)])
-    _in_flight().append(pending)
+    _pending("wgmmas").append(pending)
     return pending
 
 
@@ -640,12 +645,8 @@ def warpgroup_mma_wait(num_outstanding=0, deps=None):
     back as tensors where retired (one still in flight stays an InFlight)."""
     if deps is None:
         raise ValueError("warpgroup_mma_wait deps must be given")
-    flight = _in_flight()
-    keep = _value(num_outstanding)
-    retired = flight[:len(flight) - keep] if keep else list(flight)
-    for pending in retired:
-        pending.retire()
-    del flight[:len(retired)]
+    flight = _pending("wgmmas")
+    _retire_oldest(flight, _value(num_outstanding))
     done = [d.retire() if isinstance(d, InFlight) and d not in flight else d for d in deps]
     return done[0] if len(done) == 1 else tuple(done)
 
