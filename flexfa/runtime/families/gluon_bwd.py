@@ -3,8 +3,8 @@ program per 128 keys, two consumer warpgroups of 64 keys holding dK and dV, a TM
 warp walking the block mask's transposed tables, a dQ-writer warp adding each tile's fp32 dQ
 partial into an accumulator with TMA reduce-adds); at head dims padding to 256
 ``bwd_gluon_wide.tmpl`` (64 keys a program, both consumers on them, dK / dV / dQ split along
-E, dQ by atomic adds; v's head dim 128 allowed there, E = 192 with Ev = 128; under
-``GLUON_BACKWARD=True`` only until measured on a GPU, no dropout), between the row kernels of
+E, dQ by atomic adds; v's head dim 128 allowed there, E = 192 with Ev = 128; by default at
+E = Ev = 256 only, no dropout), between the row kernels of
 ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
@@ -50,7 +50,7 @@ from .hopper import block_geometry, descriptor_layout_ok
 DEFAULT_STAGES = {64: 3, 128: 3, 256: 2}
 # the head dims it takes pad to these (96 and 80 run at 128: TMA's zero fill past E on the
 # loads, the stores and the dQ reduce-adds cut at E); 256 (and 192, 160) runs
-# bwd_gluon_wide.tmpl's kernel, opt-in (GLUON_BACKWARD=True) until measured on a GPU
+# bwd_gluon_wide.tmpl's kernel ('AUTO' takes it at 256 only: auto_head_dim)
 HEAD_DIMS = tuple(DEFAULT_STAGES)
 # padded (E, Ev): v's head dim is q's, or 128 under E = 256 (bwd_gluon_wide.tmpl: DeepSeek's
 # MLA, E = 192 with Ev = 128)
@@ -407,8 +407,7 @@ class GluonBackward(KernelFamily):
         joint = joint_graph(call.score)
         l_pad = padded_rows(L, spec)
         main = generated_module(gluon_bwd_kernel, spec, joint, call.score, call.mask)
-        Ev = x.v.shape[3]
-        rows = RowsSpec(E, x.grad_lse is not None, target.name, 0 if Ev == E else Ev)
+        rows = RowsSpec(E, x.grad_lse is not None, target.name, spec.head_dim_v)
         pre, post = row_steps(rows, x, l_pad, acc_hkv * group)
         acc_heads = acc_b * acc_hkv * group  # the (batch, query head) pairs a slot holds
         zero = zero_step(rows, acc_heads * l_pad)
