@@ -61,14 +61,17 @@
 # backward as a column, then the max.NaN forward A/B against dd39f31 (carry .oldD) (issue 25);
 # wdc: with the Gluon backward by default at E = 256: the Triton backward's GPU tests (what wd
 # left), the default's test, fwd+bwd at E = 256 against the Triton backward (S = 16384 full,
-# causal, softcap, ALiBi, 2 rounds; S = 8192 causal, 3 rounds);
+# causal, softcap, ALiBi, 2 rounds; S = 8192 causal, 3 rounds); we: the wide Gluon backward's
+# 192-column layout (issue 28): ConSan at 192 / 128 in the background, the Gluon backward's GPU
+# tests sharded, then experiments/wide_bwd_ab.py (Gluon against Triton backward, 3 rounds) at
+# 192 / 128 (S = 8192, 8100) and at 256 below 4096;
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -415,6 +418,18 @@ if [ "$PART" = wdc ]; then  # the E = 256 default (issue 28)
   FLEXFA_AUTOTUNE=0 step b256c 90 "${B256[@]}" --seqs 8192 --variants causal --rounds 3 \
     --out "$OUT/b256c"
   tail -n 6 "$OUT/gpu_tests.log"; tail -n 14 "$OUT/b256.log" "$OUT/b256c.log"
+fi
+if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon backward
+  step consan_w192 300 python benchmarks/gluon_backward_bench.py "$OUT/consan_w192.json" \
+    --safety-only --safety-timeout 290 --safety-head-dim 192/128 &
+  step gpu_tests 240 $SHARD/we -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py
+  wait
+  tail -n 6 "$OUT/gpu_tests.log"; tail -c 300 "$OUT/consan_w192.json"; echo
+  FLEXFA_AUTOTUNE=0 step ab "${AB_LIMIT:-300}" python benchmarks/experiments/wide_bwd_ab.py \
+    "$OUT/ab.json" --rounds 3 --cases "${AB_CASES:-192/128:8192:causal,192/128:8192:full,\
+192/128:8100:causal,192/128:8100:full,192/128:8192:softcap,256:4096:causal,256:4096:full,\
+256:2048:causal,256:2048:full}"
+  tail -n 12 "$OUT/ab.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \
