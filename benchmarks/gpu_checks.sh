@@ -64,7 +64,7 @@
 # causal, softcap, ALiBi, 2 rounds; S = 8192 causal, 3 rounds); we: the wide Gluon backward's
 # 192-column layout (issue 28): ConSan at 192 / 128 in the background, the Gluon backward's GPU
 # tests sharded, then experiments/wide_bwd_ab.py (Gluon against Triton backward, 3 rounds) at
-# 192 / 128 (S = 8192, 8100) and at 256 below 4096;
+# 192 / 128 (S = 8192, 8100), at 256 below 4096 and with dropout (ConSan of it at 256 too);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
@@ -422,14 +422,17 @@ fi
 if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon backward
   step consan_w192 300 python benchmarks/gluon_backward_bench.py "$OUT/consan_w192.json" \
     --safety-only --safety-timeout 290 --safety-head-dim 192/128 &
+  step consan_w256d 300 python benchmarks/gluon_backward_bench.py "$OUT/consan_w256d.json" \
+    --safety-only --safety-timeout 290 --safety-head-dim 256 --safety-dropout 0.1 &
   step gpu_tests 240 $SHARD/we -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py
   wait
-  tail -n 6 "$OUT/gpu_tests.log"; tail -c 300 "$OUT/consan_w192.json"; echo
+  tail -n 6 "$OUT/gpu_tests.log"; tail -c 300 "$OUT"/consan_w*.json; echo
   FLEXFA_AUTOTUNE=0 step ab "${AB_LIMIT:-300}" python benchmarks/experiments/wide_bwd_ab.py \
     "$OUT/ab.json" --rounds 3 --cases "${AB_CASES:-192/128:8192:causal,192/128:8192:full,\
-192/128:8100:causal,192/128:8100:full,192/128:8192:softcap,256:4096:causal,256:4096:full,\
-256:2048:causal,256:2048:full}"
-  tail -n 12 "$OUT/ab.log"
+192/128:8100:causal,256:8192:causal+drop,192/128:8192:causal+drop,256:4096:causal,\
+256:2048:causal,192/128:8100:full,256:4096:full,256:2048:full,192/128:8192:softcap,\
+256:4096:causal+drop,256:2048:full+drop}"
+  tail -n 16 "$OUT/ab.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \

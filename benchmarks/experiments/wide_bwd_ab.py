@@ -1,14 +1,15 @@
 """GPU: the Gluon backward against the Triton backward at the wide head dims (issue 28:
 whether GLUON_BACKWARD='AUTO' should take E = 192 / Ev = 128, and E = 256 below S = 4096).
 
-For each case ``E[/Ev]:S:variant`` (variants of ``flexfa.bench_cases.bench_variants``; B =
-tokens / S, H = 16, bf16), fwd+bwd with ``GLUON_BACKWARD`` False and True in turn, each
+For each case ``E[/Ev]:S:variant[+drop]`` (variants of ``flexfa.bench_cases.bench_variants``;
+``+drop``: with ``dropout_p`` ``--p``; B = tokens / S, H = 16, bf16), fwd+bwd with ``GLUON_BACKWARD`` False and True in turn, each
 round in the other order (do_bench medians, the median of the rounds), and the peak extra
 memory of one step. The gradients of the two backwards are compared before timing (the
 largest difference over the largest Triton gradient, per tensor).
 
     python benchmarks/experiments/wide_bwd_ab.py OUT.json [--rounds 3]
-        [--cases 192/128:8192:causal,256:2048:full] [--tokens 16384]
+        [--cases 192/128:8192:causal,256:2048:full,256:8192:causal+drop] [--tokens 16384]
+        [--p 0.1]
 """
 import argparse
 import json
@@ -21,10 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 CONFIGS = {"triton": {"GLUON_BACKWARD": False}, "gluon": {"GLUON_BACKWARD": True}}
 
 
-def parse_case(text: str) -> tuple[int, int, int, str]:
+def parse_case(text: str) -> tuple[int, int, int, str, bool]:
     dims, S, variant = text.split(":")
     E, _, Ev = dims.partition("/")
-    return int(E), int(Ev or E), int(S), variant
+    variant, _, drop = variant.partition("+")
+    if drop not in ("", "drop"):
+        raise ValueError(f"case {text!r}: a variant's suffix is '+drop', not {drop!r}")
+    return int(E), int(Ev or E), int(S), variant, drop == "drop"
 
 
 def main() -> int:
@@ -35,6 +39,7 @@ def main() -> int:
     parser.add_argument("--rep", type=int, default=60)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--p", type=float, default=0.1, help="dropout_p of '+drop' cases")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
@@ -44,7 +49,8 @@ def main() -> int:
 
     rows = []
     for case in args.cases.split(","):
-        E, Ev, S, variant = parse_case(case)
+        E, Ev, S, variant, drop = parse_case(case)
+        dropout = {"dropout_p": args.p, "dropout_seed": 1} if drop else {}
         B = max(1, args.tokens // S)
         score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[variant]
         mask = (None if mask_mod is None else
@@ -57,7 +63,7 @@ def main() -> int:
 
         def step(opts):
             flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask,
-                                  kernel_options=opts).backward(do)
+                                  kernel_options=opts, **dropout).backward(do)
         grads, peak = {}, {}
         for label, opts in CONFIGS.items():
             for t in (q, k, v):
@@ -82,7 +88,7 @@ def main() -> int:
                                              warmup=100, rep=args.rep, return_mode="median",
                                              grad_to_none=[q, k, v]))
         med = {label: statistics.median(ts) for label, ts in times.items()}
-        rows.append({"case": case, "B": B, "H": args.heads, "ms": med, "rounds": times,
+        rows.append({"case": case, "B": B, "dropout_p": args.p if drop else 0.0, "H": args.heads, "ms": med, "rounds": times,
                      "peak_mib": peak, "grad_rel_err": err,
                      "gluon_over_triton": med["gluon"] / med["triton"]})
         print(f"{case:24s} B={B:<2d} triton {med['triton']:8.3f} gluon {med['gluon']:8.3f} "

@@ -63,7 +63,7 @@ class GluonBackwardSpec:
     block_n: int = BLOCK_N
     max_registers: int = MAX_REGISTERS
     early_dp: bool = False  # dP^T issued with S^T (kernel_options GLUON_BWD_EARLY_DP)
-    dropout: bool = False  # the forward's keep mask drawn again (bwd_gluon.tmpl's DROPOUT)
+    dropout: bool = False  # the forward's keep mask drawn again (the templates' DROPOUT)
     # v's (and dO's) head dim where it differs from q's (bwd_gluon_wide.tmpl only: E = 192
     # or 256 with Ev = 128, DeepSeek's MLA); 0: the same
     head_dim_v: int = 0
@@ -73,8 +73,8 @@ class GluonBackwardSpec:
             f"block-mask blocks ({self.sparse_q}, {self.sparse_kv}) are not multiples of the "
             f"tiles ({self.block_m}, {self.block_n})")
         assert not (self.early_dp and self.dropout), "EARLY_DP's dP^T starts from -delta"
-        assert not self.wide or (self.block_n == BLOCK_N_WIDE and not self.early_dp
-                                 and not self.dropout), f"E = 256: {self}"
+        assert not self.wide or (self.block_n == BLOCK_N_WIDE and not self.early_dp), (
+            f"E = 256: {self}")
         assert self.ev == self.head_dim or (
             self.wide and next_power_of_two(self.ev) in (128, WIDE_HEAD_DIM)), (
             f"Ev={self.ev} with E={self.head_dim}")

@@ -152,6 +152,24 @@ def test_gluon_backward_with_dropout_by_default_from_the_measured_lengths(L, E, 
         "gluon_bwd" if L > 4096 else "triton_bwd")
 
 
+@pytest.mark.parametrize("E, Ev", [(256, 256), (192, 128)])
+def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev):
+    """The wide kernel draws the keep mask too: GLUON_BACKWARD=True takes dropout at the
+    head dims padding to 256; 'AUTO' keeps it on the Triton backward until measured there
+    (DROPOUT_MIN_LENGTH has no entry for 256) and says so."""
+    q, k = (torch.empty(1, 64, 8192, E, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, 64, 8192, Ev, dtype=torch.bfloat16)
+    mask = _mask(8192, mask_mod=mods.causal)
+    forced = _call(FORCED, block_mask=mask, dropout_p=0.1)
+    assert why_not_gluon_bwd(SM90, forced, q, k, v) is None
+    assert registry.choose("backward", SM90, forced, q, k, v) is GLUON_BWD
+    auto = _call(None, block_mask=mask, dropout_p=0.1)
+    reason = why_not_gluon_bwd(SM90, auto, q, k, v)
+    if E == Ev:
+        assert "takes dropout at head dims [64, 128] (measured there), not 256" in reason, reason
+    assert registry.choose("backward", SM90, auto, q, k, v).name == "triton_bwd"
+
+
 def test_sparse_walk_comes_from_what_create_block_mask_recorded(monkeypatch):
     """The walk comes from the visited share create_block_mask recorded: the choice reads
     no table back (a device sync in the middle of a step)."""
@@ -185,7 +203,6 @@ def _learnable_bias():
     (lambda: (_call({**FORCED, "bwd_BLOCK_M1": 32}), _qkv()), "pin backward tiles"),
     (lambda: (_call(FORCED), _qkv(E=512)),
      "E/Ev that pad to one of 64/64, 128/128, 256/128, 256/256, not E=512"),
-    (lambda: (_call(FORCED, dropout_p=0.1), _qkv(E=256)), "dropout at head dim 256"),
     (lambda: (_call(FORCED, block_mask=_mask(256, 32)), _qkv(E=256)),
      "multiples of (64, 64)"),
     (lambda: (_call(FORCED), _qkv(E=96, Ev=128)), "not E=96, Ev=128"),

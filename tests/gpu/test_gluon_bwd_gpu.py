@@ -124,13 +124,16 @@ def test_gluon_backward_matches_reference(safe, name):
 
 
 DROPOUT_CASES = ("causal", "ragged", "gqa_causal", "softcap_causal", "document",
-                 "dense_d64_fp16", "causal_d96", "empty_rows_causal")
+                 "dense_d64_fp16", "causal_d96", "empty_rows_causal",
+                 # the wide kernel's keep mask, drawn in each consumer's [queries, keys] tile
+                 "dense_d256", "softcap_causal_d256", "gqa_alibi_causal_d256",
+                 "causal_d192_ev128")
 
 
 @pytest.mark.parametrize("name", DROPOUT_CASES)
 def test_gluon_backward_dropout_matches_the_reference_and_triton(safe, name):
-    """dropout_p on the Gluon backward: the consumers draw the forward's keep mask again in
-    the transposed tile (dq, dk, dv against the float64 reference fed flexfa.dropout_mask)
+    """dropout_p on the Gluon backward: the consumers draw the forward's keep mask again (dq,
+    dk, dv against the float64 reference fed flexfa.dropout_mask)
     and agree with the Triton backward's gradients for the same seed."""
     from flexfa.reference import attention_reference
 

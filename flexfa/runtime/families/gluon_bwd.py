@@ -4,7 +4,7 @@ warp walking the block mask's transposed tables, a dQ-writer warp adding each ti
 partial into an accumulator with TMA reduce-adds); at head dims padding to 256
 ``bwd_gluon_wide.tmpl`` (64 keys a program, both consumers on them, dK / dV / dQ split along
 E, dQ by atomic adds; v's head dim 128 allowed there, E = 192 with Ev = 128; by default at
-E = Ev = 256 only, no dropout), between the row kernels of
+E = Ev = 256 only), between the row kernels of
 ``bwd_gluon_rows.tmpl`` (lse2 and delta rows before, dQ's scale and cast after).
 
 By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the Triton
@@ -12,8 +12,8 @@ backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is l
 the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True``
 wherever it applies (whatever family ran the forward: it reads out and lse only); elsewhere
 the Triton backward runs (captured-tensor gradients, ``deterministic=True``, sinks, other
-head dims...). Dropout draws the forward's keep mask again in the consumers (bwd_gluon.tmpl's
-DROPOUT).
+head dims...). Dropout draws the forward's keep mask again in the consumers (both
+templates' DROPOUT).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``); the two fp32 rows per query the kernel reads (lse2, delta) live in
 dQ's own memory until the postprocess writes dQ there (``row_buffers``); nothing of size
@@ -193,16 +193,16 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
     if block_n != BLOCK_N_WIDE and q.shape[3] != v.shape[3]:
         return (f"it needs v's head dim to be q's below E = 256 (bwd_gluon.tmpl), not "
                 f"E={q.shape[3]}, Ev={v.shape[3]}")
-    if block_n == BLOCK_N_WIDE and call.dropout is not None:
-        return (f"dropout at head dim {q.shape[3]} runs on the Triton backward (the Gluon "
-                f"backward's E = 256 kernel draws no keep mask)")
     if choice is None:
         L, S = q.shape[2], k.shape[2]
         if not auto_head_dim(q.shape[3], v.shape[3]):
             return (f"GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's "
                     f"alike (measured faster there), not E={q.shape[3]}, Ev={v.shape[3]}")
         if call.dropout is not None:
-            need = DROPOUT_MIN_LENGTH[next_power_of_two(q.shape[3])]
+            need = DROPOUT_MIN_LENGTH.get(next_power_of_two(q.shape[3]))
+            if need is None:
+                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dims "
+                        f"{sorted(DROPOUT_MIN_LENGTH)} (measured there), not {q.shape[3]}")
             if min(L, S) < need:
                 return (f"GLUON_BACKWARD='AUTO' takes dropout at head dim {q.shape[3]} for L "
                         f"and S of at least {need} (measured faster there), not L={L}, S={S}")
