@@ -63,15 +63,17 @@
 # left), the default's test, fwd+bwd at E = 256 against the Triton backward (S = 16384 full,
 # causal, softcap, ALiBi, 2 rounds; S = 8192 causal, 3 rounds); we: the wide Gluon backward's
 # 192-column layout (issue 28): ConSan at 192 / 128 in the background, the Gluon backward's GPU
-# tests sharded, then experiments/wide_bwd_ab.py (Gluon against Triton backward, 3 rounds) at
+# tests sharded, then experiments/options_ab.py (Gluon against Triton backward, 3 rounds) at
 # 192 / 128 (S = 8192, 8100), at 256 below 4096 and with dropout (ConSan of it at 256 too);
+# wf: GLUON_QK_TRIM (the Gluon forward's Q K^T over E's 32-column slices): its GPU tests,
+# then the forward with and without it at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -427,12 +429,24 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
   step gpu_tests 240 $SHARD/we -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py
   wait
   tail -n 6 "$OUT/gpu_tests.log"; tail -c 300 "$OUT"/consan_w*.json; echo
-  FLEXFA_AUTOTUNE=0 step ab "${AB_LIMIT:-300}" python benchmarks/experiments/wide_bwd_ab.py \
+  FLEXFA_AUTOTUNE=0 step ab "${AB_LIMIT:-300}" python benchmarks/experiments/options_ab.py \
     "$OUT/ab.json" --rounds 3 --cases "${AB_CASES:-192/128:8192:causal,192/128:8192:full,\
 192/128:8100:causal,256:8192:causal+drop,192/128:8192:causal+drop,256:4096:causal,\
 256:2048:causal,192/128:8100:full,256:4096:full,256:2048:full,192/128:8192:softcap,\
 256:4096:causal+drop,256:2048:full+drop}"
   tail -n 16 "$OUT/ab.log"
+fi
+if [ "$PART" = wf ]; then  # GLUON_QK_TRIM: tests, then the forward A/B
+  step gpu_tests 200 $SHARD/wf -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
+    -k "qk_trim or d192 or d96 or d80"
+  tail -n 6 "$OUT/gpu_tests.log"
+  FLEXFA_AUTOTUNE=0 step ab_fwd 300 python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_fwd.json" --passes fwd --rounds 5 \
+    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
+    --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,192/128:16384:causal,\
+96:8192:causal,96:8192:full,80:8192:causal,160:8192:causal,192/128:8192:softcap,\
+192/128:2048:causal}"
+  tail -n 14 "$OUT/ab_fwd.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \

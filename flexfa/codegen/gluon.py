@@ -6,8 +6,8 @@ helpers and the kernel libraries filled with the rendered mods, then the templat
 mods are rendered by the same renderer into the same library functions; Gluon runs them on
 its distributed tensors. Two things differ: a mod's value that is not a tile by itself is
 broadcast in the score tile's layout (``GLUON_TILE``), the template adds the flags
-``STAGES``, ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT`` and ``STATIC_MAX`` (with its bound
-``STATIC_MAX2``), the work-tile count's factor
+``STAGES``, ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT``, ``STATIC_MAX`` (with its bound
+``STATIC_MAX2``) and ``QK_TRIM``, the work-tile count's factor
 ``BATCH_HEADS`` and, with ``TMA_STORE``, the output's descriptor ``O_DESC``. Gluon modules
 are compiled only (no interpreter): they import ``triton.experimental.gluon``, whose
 standard library cannot be imported where ``triton.language`` was decorated for the
@@ -43,8 +43,8 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: boo
     ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
     (B * HQ: the persistent grid's work tiles are q tiles times it), with ``dynamic`` the
     tile counter ``TILE_COUNTER``, and the ring depth
-    ``STAGES``, the flags ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT`` and ``STATIC_MAX``
-    with its bound ``STATIC_MAX2`` (log2 units)."""
+    ``STAGES``, the flags ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT``, ``STATIC_MAX``
+    with its bound ``STATIC_MAX2`` (log2 units) and ``QK_TRIM``."""
     base = forward_params(True, buffer_params(score, mask), features=feature_params("", dropout))
     out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
     counter = tensors("i32", "TILE_COUNTER") if dynamic else ()
@@ -52,7 +52,7 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: boo
                          ints("BATCH_HEADS") + counter,
                          base.groups[-1] + constexprs("STAGES", "PINGPONG", "TMA_STORE",
                                                       "PERSISTENT", "DYNAMIC", "STATIC_MAX",
-                                                      "STATIC_MAX2")))
+                                                      "STATIC_MAX2", "QK_TRIM")))
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
@@ -63,7 +63,8 @@ def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]
                 PINGPONG=spec.pingpong,
                 TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent, DYNAMIC=spec.dynamic,
                 STATIC_MAX=spec.static_max is not None,
-                STATIC_MAX2=(spec.static_max or 0.0) * 1.4426950408889634)
+                STATIC_MAX2=(spec.static_max or 0.0) * 1.4426950408889634,
+                QK_TRIM=spec.qk_trim)
 
 
 def gluon_key(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | None) -> str:

@@ -125,6 +125,9 @@ class KernelSpec(PaddedDims):
     # at most ranges.STATIC_SPAN wide (codegen.ranges.static_score_max): the softmax
     # subtracts it instead of a running row max (STATIC_MAX); None: the running max
     static_max: float | None = None
+    # Gluon template only: Q K^T over E's 32-column slices alone, not E_PAD's (QK_TRIM; set
+    # only where they differ)
+    qk_trim: bool = False
 
     def __post_init__(self):
         assert self.dtype in TORCH_DTYPES, f"dtype {self.dtype!r} not in {sorted(TORCH_DTYPES)}"

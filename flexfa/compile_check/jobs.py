@@ -187,14 +187,15 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
               head_dim_v: int | None = None, static_max: bool = False, dropout: bool = False,
-              even: bool = False, dynamic: bool = False):
+              even: bool = False, dynamic: bool = False, qk_trim: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid
     (``dynamic``: its work tiles from an atomic counter); ``head_dim_v``: v's head dim,
     default ``head_dim``; ``static_max``: the score_mod's bound instead of a running max, as
     GLUON_STATIC_MAX takes it at S = 16384; ``dropout``: the keep mask applied to P;
-    ``even``: lengths multiples of the tiles, else ragged)."""
+    ``even``: lengths multiples of the tiles, else ragged; ``qk_trim``: Q K^T over E's
+    32-column slices alone, GLUON_QK_TRIM)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         domain = Domain(1, 16, 16384, 16384)  # as a call at S = 16384 decides (lengths: data)
@@ -209,7 +210,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           template=GLUON_TEMPLATE, max_registers=MAX_REGISTERS,
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
                           persistent=persistent or dynamic, dynamic=dynamic,
-                          static_max=bound, dropout=dropout,
+                          static_max=bound, dropout=dropout, qk_trim=qk_trim,
                           wide_ints=mods_int64_nodes((score, mask), domain))
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
@@ -245,6 +246,14 @@ register("fwd_gluon_d192_ev128_bf16_causal",
          archs=(90,))
 register("fwd_gluon_d96_bf16_softcap_causal",
          gluon_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
+# Q K^T over E's 32-column slices alone (GLUON_QK_TRIM): 128 + 64 columns at 192, 64 + 32
+# at 96
+register("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
+         gluon_job(192, "bf16", mask_mod=causal_mask, block_n=64, num_stages=3, head_dim_v=128,
+                   qk_trim=True), archs=(90,))
+register("fwd_gluon_d96_bf16_softcap_causal_qk_trim",
+         gluon_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, qk_trim=True),
+         archs=(90,))
 register("fwd_gluon_d64_bf16_alibi_document",
          gluon_job(64, "bf16", score_mod=slopes_mod(), mask_mod=document_mask(),
                    num_stages=3), archs=(90,))

@@ -89,6 +89,9 @@ class KernelOptions:
     # (softcap); on: with the softcap's constants folded (codegen/fold.py) 1.05-1.15x faster
     # on softcap forwards on the H200, 5 rounds (docs/gluon.md, "Static max")
     gluon_static_max: bool = True
+    # the Gluon forward runs Q K^T over E's 32-column slices only, not the zero columns
+    # padding E to a power of two (E = 80, 96, 160 to 192); off until measured on the H200
+    gluon_qk_trim: bool = False
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
     # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
@@ -247,6 +250,11 @@ SCHEMA = {
                          "the Gluon forward subtracts the score_mod's proven upper bound instead "
                          "of a running row max where its output range is bounded (softcap; "
                          "bf16, no max_scores): True (default) or False"),
+    "GLUON_QK_TRIM": ("gluon_qk_trim", (), _flag,
+                      "the Gluon forward runs Q K^T over E's 32-column slices only, not the "
+                      "zero columns padding E to a power of two (0.75x its work at E = 96 "
+                      "and 80, 0.75x at 192, 0.625x at 160): True or False (default, until "
+                      "measured)"),
     "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "

@@ -315,6 +315,31 @@ def test_gluon_options_are_in_the_spec_key_and_source(key, field, flag, code):
     assert "O_DESC" not in plain_kernel.params
 
 
+@pytest.mark.parametrize("E, Ev, trimmed", [(96, 96, True), (80, 80, True), (192, 128, True),
+                                           (160, 160, True), (224, 224, True),
+                                           (128, 128, False), (256, 256, False),
+                                           (48, 48, False)])
+def test_gluon_qk_trim_is_set_only_where_it_trims(E, Ev, trimmed):
+    """GLUON_QK_TRIM (default off) reaches the spec only where E's 32-column slices are fewer
+    than its power of two's, so a head dim it cannot trim compiles no second kernel; where it
+    does, the kernel's key, name and module flag differ."""
+    q, k = (torch.empty(1, 2, 256, E, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, 2, 256, Ev, dtype=torch.bfloat16)
+    plain = gluon_spec(q, k, v, _call(FORCED), SM90, False, False)
+    chosen = gluon_spec(q, k, v, _call({**FORCED, "GLUON_QK_TRIM": True}), SM90, False, False)
+    assert (plain.qk_trim, chosen.qk_trim) == (False, trimmed)
+    if trimmed:
+        plain_kernel, chosen_kernel = (gluon_kernel(plain, None, None),
+                                       gluon_kernel(chosen, None, None))
+        assert plain_kernel.name != chosen_kernel.name
+        assert "QK_TRIM = tl.constexpr(False)" in plain_kernel.source
+        assert "QK_TRIM = tl.constexpr(True)" in chosen_kernel.source
+    else:
+        assert plain == chosen
+    with pytest.raises(TypeError, match="GLUON_QK_TRIM"):
+        _call({**FORCED, "GLUON_QK_TRIM": "yes"})
+
+
 def _turn_program(source: str):
     """(first step, parity(t, cid), arrival target(cid)) of fwd_gluon.tmpl's ping-pong turns,
     read from the template: the loop the turn wait sits in, its parity and the arrival's

@@ -56,6 +56,9 @@ BWD_DROPOUT_VARIANTS = ("bwd_gluon_d128_bf16_causal_dropout",
 # --arch 90 --only bwd_gluon_d256, --only bwd_gluon_d192; GQA spills in the producer warp)
 BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even",
                      "bwd_gluon_d256_bf16_causal", "bwd_gluon_d192_ev128_bf16_causal")
+# Q K^T over E's 32-column slices alone (GLUON_QK_TRIM) and the padded variants they trim
+QK_TRIM_VARIANTS = ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
+                    "fwd_gluon_d96_bf16_softcap_causal_qk_trim", "fwd_gluon_d96_bf16_softcap_causal")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
 BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16",
                     "bwd_gluon_rows_zero_d128_bf16", "bwd_gluon_rows_post_d96_bf16")
@@ -73,7 +76,7 @@ for name in sys.argv[1:]:
     print(json.dumps(dict(
         name=name, ok=r.ok, error=r.error, wgmma=r.wgmma, spills=r.spill_bytes,
         loop_spills=r.loop_local_ops, path=r.loop_path, st_shared=r.ptx.count("st.shared"),
-        serialized=r.wgmma_serialized,
+        serialized=r.wgmma_serialized, wgmmas=r.ptx.count("wgmma.mma_async"),
         setmaxnreg=sorted(set(re.findall(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                          r.ptx))),
         tanh="tanh.approx.f32" in r.ptx, arrive="mbarrier.arrive" in r.ptx,
@@ -132,7 +135,8 @@ def started(tmp_path_factory) -> dict:
               "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS + DROPOUT_VARIANTS, False),
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
               "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True),
-              "dynamic": (DYNAMIC_VARIANTS, True), "wide": (BWD_WIDE_VARIANTS, False)}
+              "dynamic": (DYNAMIC_VARIANTS, True),
+              "wide": (BWD_WIDE_VARIANTS + QK_TRIM_VARIANTS, False)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
     yield processes
@@ -334,7 +338,8 @@ def test_gluon_wide_backward_compiles_for_sm90(started):
     relaxed atomic adds (no TMA reduce, no dQ buffer in shared memory), the producer at 24
     registers and the worker consumer at 240; no spills, with or without the causal mask, at
     a ragged length or tile multiples, at E = 192 with Ev = 128 too."""
-    rows = _rows(started["wide"])
+    rows = {name: row for name, row in _rows(started["wide"]).items()
+            if name in BWD_WIDE_VARIANTS}
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and not row["reduce"], row
@@ -342,6 +347,20 @@ def test_gluon_wide_backward_compiles_for_sm90(started):
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
         assert row["serialized"] in (False, None), row
         assert row["spills"] in (0, None) and row["loop_spills"] in (0, None), row
+
+
+def test_gluon_qk_trim_forward_compiles_for_sm90(started):
+    """GLUON_QK_TRIM: Q K^T over E's 32-column slices alone, as two wgmmas (128 + 64 columns
+    at 192, 64 + 32 at 96) with no spills and the wgmmas unserialized; fewer wgmma
+    instructions than the padded kernel (6 k-steps of Q K^T a tile at 96 instead of 8)."""
+    rows = _rows(started["wide"])
+    for name in ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
+                 "fwd_gluon_d96_bf16_softcap_causal_qk_trim"):
+        _check_compiled(name, rows[name])
+        assert rows[name]["loop_spills"] in (0, None), rows[name]
+    trimmed, padded = (rows["fwd_gluon_d96_bf16_softcap_causal_qk_trim"],
+                       rows["fwd_gluon_d96_bf16_softcap_causal"])
+    assert trimmed["wgmmas"] < padded["wgmmas"], (trimmed["wgmmas"], padded["wgmmas"])
 
 
 PLAN_SCRIPT = """

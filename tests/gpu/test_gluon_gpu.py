@@ -44,7 +44,9 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
            "pingpong_static_max": {**FORCED, "GLUON_PINGPONG": True, "GLUON_STATIC_MAX": True},
            # the static max is on by default: the running row max of a bounded score_mod
-           "running_max": {**FORCED, "GLUON_STATIC_MAX": False}}
+           "running_max": {**FORCED, "GLUON_STATIC_MAX": False},
+           # Q K^T over E's 32-column slices alone: the same wgmma k-steps less the zero ones
+           "qk_trim": {**FORCED, "GLUON_QK_TRIM": True}}
 SAFETY = """
 import torch, flexfa
 mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 384, 384, device="cuda")
@@ -153,7 +155,9 @@ OPTION_CASES = ([(name, "plain") for name in CASES] + [(name, "pingpong") for na
                     "softcap_causal", "softcap_empty_rows", "softcap_causal_d256",
                     "softcap_causal_d192_ev128")]
                 + [("softcap_causal", "pingpong_static_max")]
-                + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")])
+                + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")]
+                + [(name, "qk_trim") for name in ("causal_d192_ev128", "softcap_causal_d192_ev128",
+                                                  "causal_d96", "dense_d80")])
 
 
 @pytest.mark.parametrize("name, option", OPTION_CASES)

@@ -37,7 +37,8 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
                                  "GLUON_TMA_STORE": True},
            "dynamic_group1": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "HEAD_GROUP": 1},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
-           "running_max": {**FORCED, "GLUON_STATIC_MAX": False}}
+           "running_max": {**FORCED, "GLUON_STATIC_MAX": False},
+           "qk_trim": {**FORCED, "GLUON_QK_TRIM": True}}
 
 
 def _none(heads, device):
@@ -81,6 +82,8 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device)); bf16 unless the n
     "gqa_dense_d256": (1, 4, 2, 200, 260, 256, _none),
     "alibi_causal_d256": (1, 2, 2, 256, 200, 256, _alibi_causal),
     "dense_d192": (1, 1, 1, 200, 130, 192, _none),
+    # three slices of Q K^T under GLUON_QK_TRIM (128 + 64 + 32)
+    "causal_d224": (1, 1, 1, 200, 200, 224, _causal),
     "document_d160": (1, 1, 1, 300, 300, 160, _document),
     # DeepSeek's MLA shape (E = 192, Ev = 128) and 256 / 128: dV's columns 64 a consumer
     "softcap_d256_ev128": (1, 2, 2, 200, 260, (256, 128),
@@ -105,7 +108,10 @@ FORWARD_CASES = ([(name, "plain") for name in CASES]
                  + [("dense", "dynamic_tma_store")]
                  + [(name, "dynamic_group1") for name in ("causal", "gqa_causal")]
                  + [(name, "static_max") for name in ("softcap_causal", "softcap_empty_rows")]
-                 + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")])
+                 + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")]
+                 + [(name, "qk_trim") for name in ("dense_d80", "document_d160",
+                                                   "causal_d192_ev128", "dense_d192",
+                                                   "causal_d224", "causal_d256")])
 
 
 def _inputs(name: str):
@@ -132,6 +138,8 @@ def test_gluon_forward_emulated_matches_reference(name, option):
         assert all(p.spec.static_max is not None for p in found)
     elif option == "running_max":
         assert all(p.spec.static_max is None for p in found)
+    elif option == "qk_trim":  # set only where E's 32-column slices are fewer than E_PAD's
+        assert all(p.spec.qk_trim == (q.shape[3] != 256) for p in found)
     elif option != "plain":  # when GEMMs issue and how out is stored, not what is computed
         plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                       enable_gqa=gqa, kernel_options=FORCED)

@@ -5,8 +5,8 @@ lengths, GQA groups, head dims 48 to 256 (E = 256's own backward kernel, padded 
 under 192 and 256), block masks of the blocks the Gluon kernels walk, with or without dropout,
 fp16 and bf16; out, lse and every gradient against the float64 reference
 (kernels/backward_utils.check_backward).
-Where the Gluon backward does not apply (captured-tensor gradients, dropout at 256) the
-Triton backward runs, interpreted: the Gluon forward is still the one checked."""
+Where the Gluon backward does not apply (captured-tensor gradients) the Triton backward
+runs, interpreted: the Gluon forward is still the one checked."""
 import os
 
 import torch

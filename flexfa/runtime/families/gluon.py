@@ -242,7 +242,14 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         wide_ints=int64_nodes(q, k, call), pingpong=call.options.gluon_pingpong,
         tma_store=call.options.gluon_tma_store,
         persistent=persistent is not False, dynamic=persistent == "DYNAMIC",
-        static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None)
+        static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None,
+        qk_trim=call.options.gluon_qk_trim and trimmed_columns(E) < next_power_of_two(E))
+
+
+def trimmed_columns(E: int) -> int:
+    """The columns Q K^T runs over under GLUON_QK_TRIM: E's 32-column slices
+    (fwd_gluon.tmpl's E_COLS)."""
+    return -(-E // 32) * 32
 
 
 def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:

@@ -1,0 +1,132 @@
+"""GPU: flexfa under two or more kernel_options configurations in alternating rounds, at any
+head dims (issue 28: where GLUON_BACKWARD='AUTO' should take the wide Gluon backward, at
+E = 192 / Ev = 128, at 256 below S = 4096 and with dropout; whether GLUON_QK_TRIM pays).
+
+For each case ``E[/Ev]:S:variant[+drop]`` (variants of ``flexfa.bench_cases.bench_variants``;
+``+drop``: with ``dropout_p`` ``--p``; B = tokens / S, H = 16, bf16), the forward or fwd+bwd
+(``--passes``) under each configuration of ``--configs`` in turn, each round in the reverse
+order of the one before (do_bench medians, the median of the rounds), and the peak extra
+memory of one call. The outputs (and with fwd+bwd the gradients) of every configuration are
+compared with the first's before timing (the largest difference over the first's largest
+value, per tensor). The default configurations are the Triton and the Gluon backward.
+
+    python benchmarks/experiments/options_ab.py OUT.json [--rounds 3] [--passes fwd+bwd]
+        [--cases 192/128:8192:causal,256:2048:full,256:8192:causal+drop] [--tokens 16384]
+        [--configs 'triton={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}'] [--p 0.1]
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+DEFAULT_CONFIGS = 'triton={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}'
+
+
+def parse_case(text: str) -> tuple[int, int, int, str, bool]:
+    dims, S, variant = text.split(":")
+    E, _, Ev = dims.partition("/")
+    variant, _, drop = variant.partition("+")
+    if drop not in ("", "drop"):
+        raise ValueError(f"case {text!r}: a variant's suffix is '+drop', not {drop!r}")
+    return int(E), int(Ev or E), int(S), variant, drop == "drop"
+
+
+def parse_configs(text: str) -> dict[str, dict]:
+    configs = {}
+    for item in text.split(";"):
+        label, _, options = item.partition("=")
+        configs[label.strip()] = json.loads(options)
+    if len(configs) < 2:
+        raise ValueError(f"--configs needs two or more LABEL=JSON items, got {text!r}")
+    return configs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--cases", default="192/128:8192:causal,192/128:8192:full")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="LABEL=JSON kernel_options items separated by ';'")
+    parser.add_argument("--passes", default="fwd+bwd", choices=("fwd", "fwd+bwd"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep", type=int, default=60)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--p", type=float, default=0.1, help="dropout_p of '+drop' cases")
+    args = parser.parse_args()
+    configs = parse_configs(args.configs)
+    backward = args.passes == "fwd+bwd"
+    import torch
+    from triton.testing import do_bench
+
+    import flexfa
+    from flexfa.bench_cases import bench_variants
+
+    first = next(iter(configs))
+    rows = []
+    for case in args.cases.split(","):
+        E, Ev, S, variant, drop = parse_case(case)
+        dropout = {"dropout_p": args.p, "dropout_seed": 1} if drop else {}
+        B = max(1, args.tokens // S)
+        score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[variant]
+        mask = (None if mask_mod is None else
+                flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda"))
+        q, k = (torch.randn(B, args.heads, S, E, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=backward) for _ in range(2))
+        v = torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=backward)
+        do = torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16)
+
+        def step(opts):
+            out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask,
+                                        kernel_options=opts, **dropout)
+            if backward:
+                out.backward(do)
+            return out
+        results, peak = {}, {}
+        for label, opts in configs.items():
+            for _ in range(2):  # the first call compiles; the second's peak is the call's
+                for t in (q, k, v):
+                    t.grad = None
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                with torch.set_grad_enabled(backward):
+                    out = step(opts)
+                torch.cuda.synchronize()
+            peak[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            results[label] = [out.detach().float()] + (
+                [t.grad.float() for t in (q, k, v)] if backward else [])
+        err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+                  for label in configs for a, b in zip(results[label], results[first]))
+        times = {label: [] for label in configs}
+        for r in range(args.rounds):
+            order = list(configs) if r % 2 == 0 else list(reversed(configs))
+            for label in order:
+                with torch.set_grad_enabled(backward):
+                    times[label].append(do_bench(
+                        lambda opts=configs[label]: step(opts), warmup=100, rep=args.rep,
+                        return_mode="median", grad_to_none=[q, k, v] if backward else None))
+        med = {label: statistics.median(ts) for label, ts in times.items()}
+        rows.append({"case": case, "B": B, "H": args.heads, "passes": args.passes,
+                     "dropout_p": args.p if drop else 0.0, "configs": configs, "ms": med,
+                     "rounds": times, "peak_mib": peak, "rel_err": err,
+                     "over_first": {label: med[label] / med[first] for label in configs}})
+        print(f"{case:24s} B={B:<2d} " + " ".join(
+            f"{label} {med[label]:8.3f} ({med[label] / med[first]:.3f}x, "
+            f"{peak[label]:.0f} MiB)" for label in configs) + f" rel.err {err:.1e}", flush=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        del q, k, v, do, results
+    print(f"\n{args.passes} ms; ratios over {first}")
+    print(f"{'case':24s} " + " ".join(f"{label:>12s}" for label in configs) + "  ratios")
+    for row in rows:
+        print(f"{row['case']:24s} " + " ".join(f"{row['ms'][label]:12.3f}" for label in configs)
+              + "  " + " ".join(f"{row['over_first'][label]:.3f}" for label in configs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
