@@ -64,7 +64,8 @@
 # causal, softcap, ALiBi, 2 rounds; S = 8192 causal, 3 rounds); we: the wide Gluon backward's
 # 192-column layout (issue 28): ConSan at 192 / 128 in the background, the Gluon backward's GPU
 # tests sharded, then experiments/options_ab.py (Gluon against Triton backward, 3 rounds) at
-# 192 / 128 (S = 8192, 8100), at 256 below 4096 and with dropout (ConSan of it at 256 too);
+# 192 / 128 (S = 8192, 8100), at 256 below 4096, with dropout (ConSan of it at 256 too) and
+# under sparse masks at 256 (as far as its time limit reaches: each case is saved when done);
 # wf: GLUON_QK_TRIM (the Gluon forward's Q K^T over E's 32-column slices): its GPU tests,
 # then the forward with and without it at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds);
 # each part fits one 10-minute device call; a call returns at
@@ -433,7 +434,7 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
     "$OUT/ab.json" --rounds 3 --cases "${AB_CASES:-192/128:8192:causal,192/128:8192:full,\
 192/128:8100:causal,256:8192:causal+drop,192/128:8192:causal+drop,256:4096:causal,\
 256:2048:causal,192/128:8100:full,256:4096:full,256:2048:full,192/128:8192:softcap,\
-256:4096:causal+drop,256:2048:full+drop}"
+256:4096:causal+drop,256:2048:full+drop,256:16384:sliding,256:16384:document}"
   tail -n 16 "$OUT/ab.log"
 fi
 if [ "$PART" = wf ]; then  # GLUON_QK_TRIM: tests, then the forward A/B
