@@ -201,6 +201,16 @@ def test_gluon_backward_emulated_dropout(name):
                for p in plans.PLANS.values() if p.family.name == "gluon_bwd")
 
 
+def test_gluon_wide_backward_emulated_dropout_close_to_one():
+    """p = 0.99 in the wide kernel: the few kept elements carry P / (1 - p) = 100 P into dV
+    and dP, the dropped ones -delta alone into dS."""
+    q, k, v, score_mod, mask_mod, block_mask = _inputs("causal_d256")
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, kernel_options=BACKWARD,
+                   dropout=(0.99, (20261205, 9)))
+    assert _families() == ["gluon", "gluon_bwd"]
+
+
 @pytest.mark.parametrize("name, options", [
     ("causal", {"GLUON_BWD_STAGES": 3}),
     ("softcap_causal", {"GLUON_BWD_STAGES": 3}),
