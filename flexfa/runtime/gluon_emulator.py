@@ -16,8 +16,10 @@ module loads a generated Gluon module with ``gluon.jit`` read as the interpreter
   it completes: a partition that reads the buffer without that wait (none, or one for a
   phase already past) reads stale data, as it could on a GPU;
 - a TMA store or reduce-add inside a warp-specialized region reads its shared memory only
-  when ``tma.store_wait`` retires it (or its partition ends); a store or TMA load into that
-  shared memory before then raises ``GluonRace`` (a buffer rewritten before the TMA read it);
+  when ``tma.store_wait`` retires it; a store or TMA load into that shared memory before
+  then raises ``GluonRace`` (a buffer rewritten before the TMA read it), and so does a
+  partition that ends with one in flight (the program's shared memory may be gone, or
+  another program's, when the TMA reads it);
 - ``warpgroup_mma`` multiplies in float32 (16-bit and fp8 inputs are exact in float32); an
   asynchronous one is formed only when ``warpgroup_mma_wait`` retires it, and a TMA load
   issued or a store made into shared memory it reads before then raises ``GluonRace`` (a
@@ -320,7 +322,7 @@ def warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
         with region.cv:
             try:
                 results[index] = fn(*args)
-                _store_wait(0)  # a partition's stores complete before it ends
+                _check_no_stores_in_flight()
             except BaseException as exc:  # reported by the default partition's thread
                 if region.error is None:
                     region.error = exc
@@ -435,7 +437,8 @@ def allocate_shared_memory(element_ty, shape, layout, value=None) -> SharedMemor
 
 class GluonRace(RuntimeError):
     """Shared memory written (a TMA load issued into it, a store) while an asynchronous
-    operation that reads it (a wgmma, a TMA store) is in flight."""
+    operation that reads it (a wgmma, a TMA store) is in flight, or a partition ended with a
+    TMA store in flight."""
 
 
 # the asynchronous operations in flight that read shared memory (every partition's; reset
@@ -587,6 +590,14 @@ def _tma_store(desc, coord, src) -> None:
 
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None) -> None:
     _issue_store(tensor_desc, coord, src, True)
+
+
+def _check_no_stores_in_flight() -> None:
+    """GluonRace if the calling partition ends with TMA stores it never waited for."""
+    pending = _pending("stores")
+    if pending:
+        raise GluonRace(f"{threading.current_thread().name} ended with {len(pending)} TMA "
+                        f"store(s) in flight: tma.store_wait(0) before a partition ends")
 
 
 def _store_wait(pendings) -> None:

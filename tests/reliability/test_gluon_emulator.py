@@ -158,6 +158,9 @@ MUTATIONS = {
     # the dQ writer releases its buffers before its TMA reduce-adds have read them: a
     # consumer's next dQ store lands under them (GluonRace)
     "bwd_no_store_wait": ("bwd_gluon.tmpl", "            tma.store_wait(0)\n", "", "backward"),
+    # the forward's TMA store of out never waited for: each consumer ends (and with it the
+    # program) with the store in flight (GluonRace)
+    "fwd_no_store_wait": ("fwd_gluon.tmpl", "    tma.store_wait(0)\n", "", "forward_tma_store"),
     # E = 256: both dQ slices formed from the first slice's keys' columns
     "wide_dq_slice": ("bwd_gluon_wide.tmpl", "k.slice((FIRST_DQ + h) * DQ_SLICE, DQ_SLICE",
                       "k.slice(FIRST_DQ * DQ_SLICE, DQ_SLICE", "wide"),
@@ -171,11 +174,14 @@ def _check(direction: str) -> set[str]:
     """The families that ran (the plans live as long as the block mask); "wide": the
     backward at E = 256."""
     # the forward's last q tile walks 5 kv tiles through a ring of 3 (K and V stages reused)
-    L = 640 if direction == "forward" else 384
+    L = 640 if direction.startswith("forward") else 384
     q, k, v = make_qkv(1, 2, 2, L, L, 256 if direction == "wide" else 64, dtype=torch.bfloat16)
     mask = flexfa.create_block_mask(mods.causal, None, None, L, L, device="cpu")
     if direction == "forward":
         check_forward(q, k, v, None, mods.causal, mask, kernel_options=EMULATED)
+    elif direction == "forward_tma_store":
+        check_forward(q, k, v, None, mods.causal, mask,
+                      kernel_options={**EMULATED, "GLUON_TMA_STORE": True})
     else:
         check_backward(q, k, v, None, mods.causal, mask, kernel_options=EMULATED)
     return {p.family.name for p in plans.PLANS.values()}
@@ -199,9 +205,9 @@ def test_a_mistake_in_a_template_fails_the_emulated_family(name, fresh_cache, mo
     plans.PLANS.clear()
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward", "wide"])
+@pytest.mark.parametrize("direction", ["forward", "forward_tma_store", "backward", "wide"])
 def test_the_unchanged_templates_pass_the_same_check(direction, fresh_cache):
     plans.PLANS.clear()
-    want = {"gluon"} if direction == "forward" else {"gluon", "gluon_bwd"}
+    want = {"gluon"} if direction.startswith("forward") else {"gluon", "gluon_bwd"}
     assert _check(direction) == want
     plans.PLANS.clear()
