@@ -66,8 +66,10 @@
 # tests sharded, then experiments/options_ab.py (Gluon against Triton backward, 3 rounds) at
 # 192 / 128 (S = 8192, 8100), at 256 below 4096, with dropout (ConSan of it at 256 too) and
 # under sparse masks at 256 (as far as its time limit reaches: each case is saved when done);
-# wf: GLUON_QK_TRIM (the Gluon forward's Q K^T over E's 32-column slices): its GPU tests,
-# then the forward with and without it at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds);
+# wf: GLUON_QK_TRIM and GLUON_BWD_QK_TRIM (the Gluon forward's Q K^T, the Gluon backward's
+# S^T and dP^T over E's 32-column slices): their GPU tests, then the forward with and without
+# the first at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds), fwd+bwd with and without
+# the second at 96 and 80 (3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
@@ -439,7 +441,7 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
 fi
 if [ "$PART" = wf ]; then  # GLUON_QK_TRIM: tests, then the forward A/B
   step gpu_tests 200 $SHARD/wf -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
-    -k "qk_trim or d192 or d96 or d80"
+    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80"
   tail -n 6 "$OUT/gpu_tests.log"
   FLEXFA_AUTOTUNE=0 step ab_fwd 300 python benchmarks/experiments/options_ab.py \
     "$OUT/ab_fwd.json" --passes fwd --rounds 5 \
@@ -447,7 +449,11 @@ if [ "$PART" = wf ]; then  # GLUON_QK_TRIM: tests, then the forward A/B
     --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,192/128:16384:causal,\
 96:8192:causal,96:8192:full,80:8192:causal,160:8192:causal,192/128:8192:softcap,\
 192/128:2048:causal}"
-  tail -n 14 "$OUT/ab_fwd.log"
+  FLEXFA_AUTOTUNE=0 step ab_bwd 150 python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_bwd.json" --rounds 3 --configs \
+    'padded={"GLUON_BACKWARD": true};trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
+    --cases "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal,96:8192:softcap}"
+  tail -n 14 "$OUT/ab_fwd.log" "$OUT/ab_bwd.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
   step consan_bwd 540 python benchmarks/gluon_backward_bench.py "$OUT/consan_bwd.json" \

@@ -55,6 +55,13 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: boo
                                                       "STATIC_MAX2", "QK_TRIM")))
 
 
+def trimmed_columns(E: int) -> int:
+    """The columns of q.k under kernel_options GLUON_QK_TRIM: E's 32-column slices
+    (gluon_common.tmpl's TRIM_COLS; a kernel takes QK_TRIM only where they are fewer than E's
+    power of two's)."""
+    return -(-E // 32) * 32
+
+
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:
     # the Hopper parameter list's STRIDED_QKV and SPLIT_KV: this kernel reads flat
     # [B * H * len, dim] rows, all keys of a row in one program

@@ -67,14 +67,18 @@ class GluonBackwardSpec:
     # v's (and dO's) head dim where it differs from q's (bwd_gluon_wide.tmpl only: E = 192
     # or 256 with Ev = 128, DeepSeek's MLA); 0: the same
     head_dim_v: int = 0
+    # S^T and dP^T over E's 32-column slices alone (kernel_options GLUON_BWD_QK_TRIM;
+    # gluon_common.tmpl's flexfa_gluon_kt; bwd_gluon.tmpl only, set where they are fewer than
+    # E_PAD's)
+    qk_trim: bool = False
 
     def __post_init__(self):
         assert self.sparse_q % self.block_m == 0 and self.sparse_kv % self.block_n == 0, (
             f"block-mask blocks ({self.sparse_q}, {self.sparse_kv}) are not multiples of the "
             f"tiles ({self.block_m}, {self.block_n})")
         assert not (self.early_dp and self.dropout), "EARLY_DP's dP^T starts from -delta"
-        assert not self.wide or (self.block_n == BLOCK_N_WIDE and not self.early_dp), (
-            f"E = 256: {self}")
+        assert not self.wide or (self.block_n == BLOCK_N_WIDE and not self.early_dp
+                                 and not self.qk_trim), f"E = 256: {self}"
         assert self.ev == self.head_dim or (
             self.wide and next_power_of_two(self.ev) in (128, WIDE_HEAD_DIM)), (
             f"Ev={self.ev} with E={self.head_dim}")
@@ -100,7 +104,7 @@ class GluonBackwardSpec:
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l, EVEN_S=self.even_s,
                     GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages,
-                    EARLY_DP=self.early_dp, DROPOUT=self.dropout)
+                    EARLY_DP=self.early_dp, DROPOUT=self.dropout, QK_TRIM=self.qk_trim)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": 4, "num_stages": 1, "maxnreg": self.max_registers}
@@ -143,7 +147,7 @@ def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
                    "HAS_FULL_BLOCKS",
                    "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE",
-                   "STAGES", "EARLY_DP", "DROPOUT")))
+                   "STAGES", "EARLY_DP", "DROPOUT", "QK_TRIM")))
 
 
 def gluon_bwd_key(spec: GluonBackwardSpec, joint: JointGraph | None, score: TracedMod | None,

@@ -301,11 +301,12 @@ register("fwd_gluon_d64_bf16_document_persistent",
 
 def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_group: int = 1,
                   stages: int = 2, early_dp: bool = False, dropout: bool = False,
-                  even: bool = False, head_dim_v: int = 0):
+                  even: bool = False, head_dim_v: int = 0, qk_trim: bool = False):
     """A compile-check builder for the Gluon backward (sm_90) of these mods, ragged lengths
     (the bounds-checked code and q, k, v read by heads) unless ``even``, 128-key programs
     (64 at E = 256: bwd_gluon_wide.tmpl) walking 64-row q tiles (``dropout``: the keep mask
-    drawn again; ``head_dim_v``: v's head dim where it is not q's, E = 256 only)."""
+    drawn again; ``head_dim_v``: v's head dim where it is not q's, E = 256 only; ``qk_trim``:
+    S^T and dP^T over E's 32-column slices, GLUON_BWD_QK_TRIM)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         joint = joint_graph(score)
@@ -317,7 +318,7 @@ def gluon_bwd_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, gqa_
                                  sparse_kv=128 if mask else block_n, even_l=even,
                                  even_s=even, gqa_group=gqa_group, target=f"cuda:{arch}",
                                  early_dp=early_dp, dropout=dropout, block_n=block_n,
-                                 head_dim_v=head_dim_v)
+                                 head_dim_v=head_dim_v, qk_trim=qk_trim)
         generated = gluon_bwd_kernel(spec, joint, score, mask)
         module = get_module(generated.name, generated.key, False, lambda: generated.source)
         signature, constexprs = gluon_bwd_signature(spec, joint, score, mask)
@@ -424,6 +425,11 @@ register("bwd_gluon_d128_bf16_alibi_causal_gqa",
 register("bwd_gluon_d96_bf16_softcap_causal",
          gluon_bwd_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask), archs=(90,))
 register("bwd_gluon_d80_bf16_causal", gluon_bwd_job(80, "bf16", mask_mod=causal_mask), archs=(90,))
+# S^T and dP^T over E's 32-column slices (GLUON_BWD_QK_TRIM; causal at a ragged length spills
+# 4 bytes there, one local-memory instruction a tile: not a compile-check variant)
+register("bwd_gluon_d96_bf16_softcap_causal_qk_trim",
+         gluon_bwd_job(96, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, qk_trim=True),
+         archs=(90,))
 register("bwd_gluon_d48_fp16_dense", gluon_bwd_job(48, "fp16", stages=3), archs=(90,))
 register("bwd_gluon_rows_post_d96_bf16", gluon_rows_job(POST, head_dim=96), archs=(90,))
 

@@ -92,6 +92,9 @@ class KernelOptions:
     # the Gluon forward runs Q K^T over E's 32-column slices only, not the zero columns
     # padding E to a power of two (E = 80, 96, 160 to 192); off until measured on the H200
     gluon_qk_trim: bool = False
+    # the Gluon backward (its E <= 128 kernel) runs S^T and dP^T over E's 32-column slices
+    # only (E = 80, 96); off until measured on the H200
+    gluon_bwd_qk_trim: bool = False
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
     # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
@@ -255,6 +258,11 @@ SCHEMA = {
                       "zero columns padding E to a power of two (0.75x its work at E = 96 "
                       "and 80, 0.75x at 192, 0.625x at 160): True or False (default, until "
                       "measured)"),
+    "GLUON_BWD_QK_TRIM": ("gluon_bwd_qk_trim", (), _flag,
+                          "the Gluon backward runs S^T = K Q^T and dP^T = V dO^T over E's "
+                          "32-column slices only, not the zero columns padding E to 128 (E = 80 "
+                          "and 96: 0.75x those two GEMMs' work): True or False (default, until "
+                          "measured)"),
     "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "

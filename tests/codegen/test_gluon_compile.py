@@ -58,7 +58,8 @@ BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_ev
                      "bwd_gluon_d256_bf16_causal", "bwd_gluon_d192_ev128_bf16_causal")
 # Q K^T over E's 32-column slices alone (GLUON_QK_TRIM) and the padded variants they trim
 QK_TRIM_VARIANTS = ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
-                    "fwd_gluon_d96_bf16_softcap_causal_qk_trim", "fwd_gluon_d96_bf16_softcap_causal")
+                    "fwd_gluon_d96_bf16_softcap_causal_qk_trim", "fwd_gluon_d96_bf16_softcap_causal",
+                    "bwd_gluon_d96_bf16_softcap_causal_qk_trim")
 # its row kernels (plain Triton), at the runtime's rows per program and 16-divisible pointers
 BWD_ROW_VARIANTS = ("bwd_gluon_rows_pre_d128_bf16_dlse", "bwd_gluon_rows_post_d128_bf16",
                     "bwd_gluon_rows_zero_d128_bf16", "bwd_gluon_rows_post_d96_bf16")
@@ -150,6 +151,12 @@ def forward_rows(started) -> dict:
     """The forward variants, with and without ping-pong, the TMA store and persistence."""
     return {name: row for group in ("plain", "pingpong", "stores", "dynamic")
             for name, row in _rows(started[group]).items()}
+
+
+@pytest.fixture(scope="module")
+def wide_rows(started) -> dict:
+    """The E = 256 backward's variants and the trimmed (GLUON_QK_TRIM, GLUON_BWD_QK_TRIM)."""
+    return _rows(started["wide"])
 
 
 @pytest.fixture(scope="module")
@@ -333,13 +340,12 @@ def test_gluon_backward_compiles_for_sm90(backward_rows):
     assert (d64["spills"] or 0) == 0 and (d64["loop_spills"] or 0) == 0, d64
 
 
-def test_gluon_wide_backward_compiles_for_sm90(started):
+def test_gluon_wide_backward_compiles_for_sm90(wide_rows):
     """The E = 256 backward (bwd_gluon_wide.tmpl): wgmma unserialized, TMA loads, dQ by
     relaxed atomic adds (no TMA reduce, no dQ buffer in shared memory), the producer at 24
     registers and the worker consumer at 240; no spills, with or without the causal mask, at
     a ragged length or tile multiples, at E = 192 with Ev = 128 too."""
-    rows = {name: row for name, row in _rows(started["wide"]).items()
-            if name in BWD_WIDE_VARIANTS}
+    rows = {name: row for name, row in wide_rows.items() if name in BWD_WIDE_VARIANTS}
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"] and not row["reduce"], row
@@ -349,17 +355,27 @@ def test_gluon_wide_backward_compiles_for_sm90(started):
         assert row["spills"] in (0, None) and row["loop_spills"] in (0, None), row
 
 
-def test_gluon_qk_trim_forward_compiles_for_sm90(started):
+def test_gluon_qk_trim_forward_compiles_for_sm90(wide_rows):
     """GLUON_QK_TRIM: Q K^T over E's 32-column slices alone, as two wgmmas (128 + 64 columns
     at 192, 64 + 32 at 96) with no spills and the wgmmas unserialized; fewer wgmma
     instructions than the padded kernel (6 k-steps of Q K^T a tile at 96 instead of 8)."""
-    rows = _rows(started["wide"])
+    rows = wide_rows
     for name in ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
                  "fwd_gluon_d96_bf16_softcap_causal_qk_trim"):
         _check_compiled(name, rows[name])
         assert rows[name]["loop_spills"] in (0, None), rows[name]
     trimmed, padded = (rows["fwd_gluon_d96_bf16_softcap_causal_qk_trim"],
                        rows["fwd_gluon_d96_bf16_softcap_causal"])
+    assert trimmed["wgmmas"] < padded["wgmmas"], (trimmed["wgmmas"], padded["wgmmas"])
+
+
+def test_gluon_bwd_qk_trim_compiles_for_sm90(wide_rows, backward_rows):
+    """GLUON_BWD_QK_TRIM: S^T and dP^T over E's 64 + 32 columns at E = 96 (softcap +
+    causal, ragged): no spills, unserialized, fewer wgmma instructions than the padded
+    kernel."""
+    trimmed = wide_rows["bwd_gluon_d96_bf16_softcap_causal_qk_trim"]
+    _check_compiled("bwd_gluon_d96_bf16_softcap_causal_qk_trim", trimmed)
+    padded = backward_rows["bwd_gluon_d96_bf16_softcap_causal"]
     assert trimmed["wgmmas"] < padded["wgmmas"], (trimmed["wgmmas"], padded["wgmmas"])
 
 

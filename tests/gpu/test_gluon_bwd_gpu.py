@@ -165,6 +165,34 @@ def test_gluon_backward_dropout_matches_the_reference_and_triton(safe, name):
         assert float(error) < 1e-2, (label, float(error))
 
 
+@pytest.mark.parametrize("name, options", [
+    ("causal_d96", {}), ("softcap_causal_d80", {}), ("gqa_alibi_causal_d96", {}),
+    ("causal_d96", {"GLUON_BWD_EARLY_DP": True})])
+def test_gluon_backward_qk_trim_matches_reference(safe, name, options):
+    """GLUON_BWD_QK_TRIM: S^T and dP^T over E's 64 + 32 columns at 96 and 80, against the
+    float64 reference and the padded kernel's gradients: dK and dV bit for bit (the zero
+    columns' wgmma k-steps add exact zeros), dQ up to the order of its fp32 reduce-adds."""
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    Hq, Hkv = q.shape[1], k.shape[1]
+    trim = {**FORCED, **options, "GLUON_BWD_QK_TRIM": True}
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                   kernel_options=trim)
+    assert all(p.spec.qk_trim for p in gluon_backward_plans(trim, k))
+    grad = torch.randn(q.shape[:3] + (v.shape[3],), device="cuda", dtype=q.dtype)
+    found = []
+    for opts in ({**FORCED, **options}, trim):
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flexfa.flex_attention(*inputs, score_mod=score_mod, block_mask=block_mask,
+                                    enable_gqa=Hq != Hkv, kernel_options=opts)
+        found.append(torch.autograd.grad(out, inputs, grad))
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = found
+    torch.testing.assert_close(dk1, dk0, atol=0, rtol=0)
+    torch.testing.assert_close(dv1, dv0, atol=0, rtol=0)
+    error = (dq1.float() - dq0.float()).norm() / dq0.float().norm().clamp_min(1e-6)
+    assert float(error) < 1e-3, float(error)
+
+
 @pytest.mark.parametrize("name", ["causal", "gqa_causal", "softcap_causal"])
 def test_gluon_backward_three_stage_ring_matches_reference(safe, name):
     """GLUON_BWD_STAGES=3 at E = 128 (226 KB of shared memory, the deepest that fits): its

@@ -82,6 +82,7 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mods(heads, device)); bf16 unless the n
     "gqa_dense_d256": (1, 4, 2, 200, 260, 256, _none),
     "alibi_causal_d256": (1, 2, 2, 256, 200, 256, _alibi_causal),
     "dense_d192": (1, 1, 1, 200, 130, 192, _none),
+    "softcap_causal_d96": (1, 2, 2, 200, 200, 96, _softcap_causal),
     # three slices of Q K^T under GLUON_QK_TRIM (128 + 64 + 32)
     "causal_d224": (1, 1, 1, 200, 200, 224, _causal),
     "document_d160": (1, 1, 1, 300, 300, 160, _document),
@@ -184,17 +185,18 @@ def test_gluon_backward_emulated_matches_reference(name):
     assert all(p.spec.wide == wide and p.spec.block_n == (64 if wide else 128) for p in found)
 
 
-@pytest.mark.parametrize("name", ["causal", "gqa_causal", "document", "dense_fp16",
-                                  "causal_d256", "softcap_d256_ev128",
-                                  "gqa_alibi_causal_d192_ev128"])
-def test_gluon_backward_emulated_dropout(name):
+@pytest.mark.parametrize("name, options", [
+    (name, {}) for name in ("causal", "gqa_causal", "document", "dense_fp16", "causal_d256",
+                            "softcap_d256_ev128", "gqa_alibi_causal_d192_ev128")]
+    + [("softcap_causal_d96", {"GLUON_BWD_QK_TRIM": True})])
+def test_gluon_backward_emulated_dropout(name, options):
     """The consumers draw the forward's keep mask again: in the transposed tile at E <= 128,
     in the [queries, keys] tile of each consumer's 32 keys at the wide head dims (the mask
     kept in P's sign until dP is back), ragged S and v's head dim 128 among them."""
     q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                   kernel_options=BACKWARD, dropout=(0.3, (20261205, 3)))
+                   kernel_options={**BACKWARD, **options}, dropout=(0.3, (20261205, 3)))
     assert _families() == ["gluon", "gluon_bwd"]
     wide = q.shape[3] > 128
     assert all(p.spec.dropout and p.spec.wide == wide
@@ -225,6 +227,13 @@ def test_gluon_wide_backward_emulated_dropout_close_to_one():
     ("gqa_causal_d256", {"GLUON_BWD_DQ_CHUNKS": 4, "GLUON_BWD_OVERLAP": False}),
     # EARLY_DP changes nothing at 256 (its dP is issued after the mods)
     ("causal_d256", {"GLUON_BWD_EARLY_DP": True}),
+    # S^T and dP^T over E's 32-column slices (64 + 32), with dP^T early too
+    ("dense_d80", {"GLUON_BWD_QK_TRIM": True}),
+    ("softcap_causal_d96", {"GLUON_BWD_QK_TRIM": True}),
+    ("softcap_causal_d96", {"GLUON_BWD_QK_TRIM": True, "GLUON_BWD_EARLY_DP": True}),
+    # changes nothing where E fills its power of two, nor in the wide kernel
+    ("causal", {"GLUON_BWD_QK_TRIM": True}),
+    ("document_d160", {"GLUON_BWD_QK_TRIM": True}),
 ])
 def test_gluon_backward_emulated_options(name, options):
     q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
@@ -236,6 +245,8 @@ def test_gluon_backward_emulated_options(name, options):
         assert all(p.spec.stages == options["GLUON_BWD_STAGES"] for p in found)
     if q.shape[3] > 128:
         assert all(not p.spec.early_dp for p in found)
+    trimmed = bool(options.get("GLUON_BWD_QK_TRIM")) and q.shape[3] in (80, 96)
+    assert found and all(p.spec.qk_trim == trimmed for p in found)
 
 
 def test_gluon_backward_emulated_e256_limits():

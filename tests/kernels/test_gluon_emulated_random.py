@@ -31,9 +31,10 @@ def gluon_problems(draw):
                            blocks=[128, (128, 64), 256])
     problem["dtype"] = draw(st.sampled_from([torch.float16, torch.bfloat16]))
     dropout = draw(st.sampled_from([None, None, (0.3, 5)]))
-    # Q K^T over E's 32-column slices alone (of the head dims drawn, at 96 and 192 a kernel
-    # of two slices; elsewhere it changes nothing)
-    options = {**EMULATED, "GLUON_QK_TRIM": draw(st.booleans())}
+    # Q K^T over E's 32-column slices alone (of the head dims drawn, at 96 and 192 a forward
+    # of two slices, at 96 a backward; elsewhere it changes nothing)
+    options = {**EMULATED, "GLUON_QK_TRIM": draw(st.booleans()),
+               "GLUON_BWD_QK_TRIM": draw(st.booleans())}
     return dict(problem, dropout=dropout, options=options, with_lse=draw(st.booleans()),
                 seed=draw(st.integers(0, 1000)))
 

@@ -23,7 +23,7 @@ import torch
 from ...blockmask.density import density_class
 from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGISTERS,
                               descriptor_blocks, descriptor_layout, gluon_constexprs,
-                              gluon_kernel)
+                              gluon_kernel, trimmed_columns)
 from ...codegen.ranges import Domain, static_score_max
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...config import interpret_mode
@@ -245,11 +245,6 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None,
         qk_trim=call.options.gluon_qk_trim and trimmed_columns(E) < next_power_of_two(E))
 
-
-def trimmed_columns(E: int) -> int:
-    """The columns Q K^T runs over under GLUON_QK_TRIM: E's 32-column slices
-    (fwd_gluon.tmpl's E_COLS)."""
-    return -(-E // 32) * 32
 
 
 def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:

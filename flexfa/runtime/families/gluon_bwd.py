@@ -27,6 +27,7 @@ import torch
 
 from ...blockmask.density import density_class, visited_share
 from ...codegen.backward import dscore_is_one
+from ...codegen.gluon import trimmed_columns
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
                                   GluonBackwardSpec, RowsSpec, descriptor_blocks,
                                   descriptor_layouts, gluon_bwd_kernel, rows_kernel)
@@ -263,7 +264,11 @@ def gluon_bwd_spec(q, k, call, target: Target, head_dim_v: int | None = None
         block_n=block_n, head_dim_v=0 if Ev == E else Ev,
         # EARLY_DP's dP^T starts from -delta, which dropout's dS^T cannot use; the E = 256
         # kernel has no such option (its dP is issued after the mods)
-        early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide)
+        early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide,
+        # S^T and dP^T over E's 32-column slices (the E <= 128 kernel; the wide one runs Q K^T
+        # over E's 64-column slices always)
+        qk_trim=(call.options.gluon_bwd_qk_trim and not wide
+                 and trimmed_columns(E) < next_power_of_two(E)))
 
 
 @contextlib.contextmanager
