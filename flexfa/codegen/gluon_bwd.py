@@ -69,7 +69,7 @@ class GluonBackwardSpec:
     head_dim_v: int = 0
     # S^T and dP^T over E's 32-column slices alone (kernel_options GLUON_BWD_QK_TRIM;
     # gluon_common.tmpl's flexfa_gluon_kt; bwd_gluon.tmpl only, set where they are fewer than
-    # E_PAD's)
+    # E_PAD's: the wide kernel's QK_TRIM is always on)
     qk_trim: bool = False
 
     def __post_init__(self):
@@ -104,7 +104,9 @@ class GluonBackwardSpec:
                     HAS_FULL_BLOCKS=self.has_full_blocks, SPARSE_Q=self.sparse_q,
                     SPARSE_KV=self.sparse_kv, EVEN_L=self.even_l, EVEN_S=self.even_s,
                     GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages,
-                    EARLY_DP=self.early_dp, DROPOUT=self.dropout, QK_TRIM=self.qk_trim)
+                    EARLY_DP=self.early_dp, DROPOUT=self.dropout,
+                    # the wide kernel's Q K^T always over E's 32-column slices
+                    QK_TRIM=self.qk_trim or self.wide)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": 4, "num_stages": 1, "maxnreg": self.max_registers}

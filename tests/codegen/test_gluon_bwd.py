@@ -174,14 +174,15 @@ def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev):
                                            (64, 64, False), (192, 128, False), (256, 256, False)])
 def test_gluon_bwd_qk_trim_is_set_only_where_it_trims(E, Ev, trimmed):
     """GLUON_BWD_QK_TRIM (default off) reaches the E <= 128 kernel's spec where E's 32-column
-    slices are fewer than E_PAD's (80, 96), never the wide kernel's (it runs Q K^T over its
-    64-column slices always), and is in the kernel's key, name and module flags."""
+    slices are fewer than E_PAD's (80, 96), never the wide kernel's (its module flag is on
+    always), and is in the kernel's key, name and module flags."""
     q, k = (torch.empty(1, 2, 256, E, dtype=torch.bfloat16) for _ in range(2))
     plain = gluon_bwd_spec(q, k, _call(FORCED), SM90, head_dim_v=Ev)
     chosen = gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_QK_TRIM": True}), SM90,
                             head_dim_v=Ev)
     assert (plain.qk_trim, chosen.qk_trim) == (False, trimmed)
-    assert plain.constexprs(True)["QK_TRIM"] is False
+    # the wide kernel's Q K^T runs over E's 32-column slices always (its module flag on)
+    assert plain.constexprs(True)["QK_TRIM"] is (E > 128)
     if trimmed:
         call = _call(FORCED)
         joint = joint_graph(call.score)

@@ -165,7 +165,7 @@ BACKWARD_CASES = ["dense", "dense_even", "dense_fp16", "causal", "sliding", "sof
                   "dense_d256", "causal_d256", "softcap_d256", "softcap_causal_d256",
                   "gqa_causal_d256", "gqa_dense_d256", "alibi_causal_d256", "dense_d192",
                   "document_d160", "causal_d192_ev128", "softcap_d256_ev128",
-                  "gqa_alibi_causal_d192_ev128"]
+                  "gqa_alibi_causal_d192_ev128", "causal_d224"]
 
 
 @pytest.mark.parametrize("name", BACKWARD_CASES + ["empty_rows_score"])

@@ -266,7 +266,7 @@ def gluon_bwd_spec(q, k, call, target: Target, head_dim_v: int | None = None
         # kernel has no such option (its dP is issued after the mods)
         early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide,
         # S^T and dP^T over E's 32-column slices (the E <= 128 kernel; the wide one runs Q K^T
-        # over E's 64-column slices always)
+        # over E's 32-column slices always)
         qk_trim=(call.options.gluon_bwd_qk_trim and not wide
                  and trimmed_columns(E) < next_power_of_two(E)))
 
