@@ -2,7 +2,7 @@
 the Gluon forward and backward in the emulator (kernel_options GLUON_EMULATE;
 runtime.gluon_emulator): the mods rendered into the Gluon templates' layouts, at random
 lengths, GQA groups, head dims 48 to 256 (E = 256's own backward kernel, padded dims; v's 128
-under 192 and 256), block masks of the blocks the Gluon kernels walk, with or without dropout,
+under 160 to 256), block masks of the blocks the Gluon kernels walk, with or without dropout,
 fp16 and bf16; out, lse and every gradient against the float64 reference
 (kernels/backward_utils.check_backward).
 Where the Gluon backward does not apply (captured-tensor gradients) the Triton backward
@@ -24,15 +24,16 @@ EMULATED = {"BACKEND": "GLUON", "GLUON_BACKWARD": True, "GLUON_EMULATE": True}
 
 @st.composite
 def gluon_problems(draw):
-    E = draw(st.sampled_from([48, 64, 96, 128, 192, 256]))
+    E = draw(st.sampled_from([48, 64, 96, 128, 160, 192, 224, 256]))
     # v's head dim may be 128 where q's pads to 256 (DeepSeek's MLA: 192 / 128)
     Ev = draw(st.sampled_from([E, 128])) if E > 128 else E
     problem = draw_problem(draw, groups=[1, 2], max_len=300, head_dims=[E], head_dims_v=[Ev],
                            blocks=[128, (128, 64), 256])
     problem["dtype"] = draw(st.sampled_from([torch.float16, torch.bfloat16]))
     dropout = draw(st.sampled_from([None, None, (0.3, 5)]))
-    # Q K^T over E's 32-column slices alone (of the head dims drawn, at 96 and 192 a forward
-    # of two slices, at 96 a backward; elsewhere it changes nothing)
+    # Q K^T over E's 32-column slices alone (of the head dims drawn, a forward of two or
+    # three slices at 96, 160, 192 and 224, a backward of two at 96; elsewhere it changes
+    # nothing)
     options = {**EMULATED, "GLUON_QK_TRIM": draw(st.booleans()),
                "GLUON_BWD_QK_TRIM": draw(st.booleans())}
     return dict(problem, dropout=dropout, options=options, with_lse=draw(st.booleans()),

@@ -246,7 +246,6 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         qk_trim=call.options.gluon_qk_trim and trimmed_columns(E) < next_power_of_two(E))
 
 
-
 def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:
     """The spec's ``static_max``: with kernel_options GLUON_STATIC_MAX, the score_mod's proven
     upper bound (``codegen.ranges.static_score_max``) for bf16 inputs without max_scores, else

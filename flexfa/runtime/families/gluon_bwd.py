@@ -202,7 +202,7 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         if call.dropout is not None:
             need = DROPOUT_MIN_LENGTH.get(next_power_of_two(q.shape[3]))
             if need is None:
-                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dims "
+                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dims padding to "
                         f"{sorted(DROPOUT_MIN_LENGTH)} (measured there), not {q.shape[3]}")
             if min(L, S) < need:
                 return (f"GLUON_BACKWARD='AUTO' takes dropout at head dim {q.shape[3]} for L "
