@@ -379,6 +379,10 @@ register("bwd_gluon_d192_bf16_causal_even",
 # DeepSeek's MLA shape: E = 192 with Ev = 128 (dV's columns 64 a consumer)
 register("bwd_gluon_d192_ev128_bf16_causal",
          gluon_bwd_job(192, "bf16", mask_mod=causal_mask, head_dim_v=128), archs=(90,))
+# dropout: the keep mask of each consumer's [queries, keys] tile, kept in P's sign
+register("bwd_gluon_d256_bf16_softcap_causal_dropout",
+         gluon_bwd_job(256, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, dropout=True),
+         archs=(90,))
 register("bwd_gluon_d192_ev128_bf16_softcap",
          gluon_bwd_job(192, "bf16", score_mod=softcap_mod, head_dim_v=128), archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))
