@@ -90,7 +90,8 @@ class KernelOptions:
     # on softcap forwards on the H200, 5 rounds (docs/gluon.md, "Static max")
     gluon_static_max: bool = True
     # the Gluon forward runs Q K^T over E's 32-column slices only, not the zero columns
-    # padding E to a power of two (E = 80, 96, 160 to 192); off until measured on the H200
+    # padding E to a power of two (where they are fewer: E = 80, 96, 160, 192, 224); off
+    # until measured on the H200
     gluon_qk_trim: bool = False
     # the Gluon backward (its E <= 128 kernel) runs S^T and dP^T over E's 32-column slices
     # only (E = 80, 96); off until measured on the H200
