@@ -20,7 +20,7 @@ from .forward import GeneratedKernel, buffer_params, forward_module, module_flag
 from .hopper import kv_heads
 from .params import (DESCRIPTOR, INPUT, KernelParams, Param, constexprs, feature_params,
                      forward_params, ints, tensors)
-from .spec import KernelSpec, spec_key
+from .spec import KernelSpec, next_power_of_two, spec_key
 from .template import template_hash
 from .versions import versions_key
 
@@ -55,11 +55,11 @@ def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: boo
                                                       "STATIC_MAX2", "QK_TRIM")))
 
 
-def trimmed_columns(E: int) -> int:
-    """The columns of q.k under kernel_options GLUON_QK_TRIM: E's 32-column slices
-    (gluon_common.tmpl's TRIM_COLS; a kernel takes QK_TRIM only where they are fewer than E's
-    power of two's)."""
-    return -(-E // 32) * 32
+def trims_columns(E: int) -> bool:
+    """Whether QK_TRIM changes a kernel at head dim E: E's 32-column slices
+    (gluon_common.tmpl's TRIM_COLS) are fewer than its power of two's (80, 96, 160, 192,
+    224); the families set it only there, so other head dims compile no second kernel."""
+    return -(-E // 32) * 32 < next_power_of_two(E)
 
 
 def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]:

@@ -23,7 +23,7 @@ import torch
 from ...blockmask.density import density_class
 from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGISTERS,
                               descriptor_blocks, descriptor_layout, gluon_constexprs,
-                              gluon_kernel, trimmed_columns)
+                              gluon_kernel, trims_columns)
 from ...codegen.ranges import Domain, static_score_max
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
 from ...config import interpret_mode
@@ -243,7 +243,7 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         tma_store=call.options.gluon_tma_store,
         persistent=persistent is not False, dynamic=persistent == "DYNAMIC",
         static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None,
-        qk_trim=call.options.gluon_qk_trim and trimmed_columns(E) < next_power_of_two(E))
+        qk_trim=call.options.gluon_qk_trim and trims_columns(E))
 
 
 def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:

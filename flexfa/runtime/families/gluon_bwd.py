@@ -27,7 +27,7 @@ import torch
 
 from ...blockmask.density import density_class, visited_share
 from ...codegen.backward import dscore_is_one
-from ...codegen.gluon import trimmed_columns
+from ...codegen.gluon import trims_columns
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
                                   GluonBackwardSpec, RowsSpec, descriptor_blocks,
                                   descriptor_layouts, gluon_bwd_kernel, rows_kernel)
@@ -267,8 +267,7 @@ def gluon_bwd_spec(q, k, call, target: Target, head_dim_v: int | None = None
         early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide,
         # S^T and dP^T over E's 32-column slices (the E <= 128 kernel; the wide one runs Q K^T
         # over E's 32-column slices always)
-        qk_trim=(call.options.gluon_bwd_qk_trim and not wide
-                 and trimmed_columns(E) < next_power_of_two(E)))
+        qk_trim=call.options.gluon_bwd_qk_trim and not wide and trims_columns(E))
 
 
 @contextlib.contextmanager
