@@ -361,7 +361,8 @@ register("bwd_gluon_d128_bf16_causal", gluon_bwd_job(128, "bf16", mask_mod=causa
 # bytes / local-memory instructions in the tile loop at registration (sm_90, Triton 3.6): 0 / 0
 # dense, softcap, causal, softcap + causal, ALiBi + causal, ragged and at tile multiples, at
 # 256, 192/128 and 256/128; GQA 4 causal 48 / 2 ragged, 24 / 0 even (32 / 0 at 192/128), all
-# in the producer warp's 24 registers (the consumers' 240 hold everything)
+# in the producer warp's 24 registers (the consumers' 240 hold everything), until the
+# producer walked each head from opaque copies (OPAQUE_WALK, twenty-sixth session: 0 / 0)
 register("bwd_gluon_d256_bf16_dense", gluon_bwd_job(256, "bf16"), archs=(90,))
 register("bwd_gluon_d256_bf16_causal_even", gluon_bwd_job(256, "bf16", mask_mod=causal_mask,
                                                           even=True), archs=(90,))

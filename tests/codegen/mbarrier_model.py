@@ -80,7 +80,10 @@ def run_all_interleavings(programs, counts: dict) -> int:
 
 def find_one(pattern: str, source: str) -> str:
     """The one value ``pattern``'s group takes in a template's ``source`` (an error if it
-    takes none or several)."""
+    takes none or several). An opaque copy (bwd_gluon_shared.tmpl's ``_opaque``, a ``mov``
+    the compilers cannot move) is the value it copies: the producer's stage from an opaque
+    copy of ``it`` is the consumers' ``it % STAGES``."""
+    source = re.sub(r"\{\{KERNEL_NAME\}\}_opaque\((\w+)\)", r"\1", source)
     found = set(re.findall(pattern, source))
     assert len(found) == 1, (pattern, found)
     return found.pop()

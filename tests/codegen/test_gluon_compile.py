@@ -52,11 +52,13 @@ BWD_VARIANTS = ("bwd_gluon_d128_bf16_causal", "bwd_gluon_d128_bf16_softcap_gqa",
 BWD_DROPOUT_VARIANTS = ("bwd_gluon_d128_bf16_causal_dropout",
                         "bwd_gluon_d64_fp16_softcap_gqa_dropout")
 # E = 256 (bwd_gluon_wide.tmpl): no spills with or without a mask, at ragged lengths and tile
-# multiples, nor at E = 192 with Ev = 128 (the others: python -m flexfa compile-check
-# --arch 90 --only bwd_gluon_d256, --only bwd_gluon_d192; GQA spills in the producer warp)
+# multiples, nor at E = 192 with Ev = 128, nor with GQA 4 (its producer warp spilled 48 bytes
+# until it walked each head from opaque copies, OPAQUE_WALK); the others: python -m flexfa
+# compile-check --arch 90 --only bwd_gluon_d256, --only bwd_gluon_d192
 BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even",
                      "bwd_gluon_d256_bf16_causal", "bwd_gluon_d192_ev128_bf16_causal",
-                     "bwd_gluon_d256_bf16_softcap_causal_dropout")
+                     "bwd_gluon_d256_bf16_softcap_causal_dropout",
+                     "bwd_gluon_d256_bf16_gqa_causal")
 # Q K^T over E's 32-column slices alone (GLUON_QK_TRIM) and the padded variants they trim
 QK_TRIM_VARIANTS = ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
                     "fwd_gluon_d96_bf16_softcap_causal_qk_trim", "fwd_gluon_d96_bf16_softcap_causal",
@@ -345,7 +347,8 @@ def test_gluon_wide_backward_compiles_for_sm90(wide_rows):
     """The E = 256 backward (bwd_gluon_wide.tmpl): wgmma unserialized, TMA loads, dQ by
     relaxed atomic adds (no TMA reduce, no dQ buffer in shared memory), the producer at 24
     registers and the worker consumer at 240; no spills, with or without the causal mask, at
-    a ragged length or tile multiples, at E = 192 with Ev = 128 too, and with dropout."""
+    a ragged length or tile multiples, at E = 192 with Ev = 128 too, with dropout and with
+    GQA 4 (the producer's head loop, OPAQUE_WALK)."""
     rows = {name: row for name, row in wide_rows.items() if name in BWD_WIDE_VARIANTS}
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
