@@ -33,9 +33,10 @@ SM90, SM80 = Target("cuda", 9, 0), Target("cuda", 8, 0)
 FORCED = {"GLUON_BACKWARD": True}
 
 
-def _call(options=None, block_mask=None, score_mod=None, gqa_group=1, dropout_p=0.0):
+def _call(options=None, block_mask=None, score_mod=None, gqa_group=1, dropout_p=0.0,
+          sinks=None):
     return AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
-                         0.125, parse_kernel_options(options), gqa_group,
+                         0.125, parse_kernel_options(options), gqa_group, sinks,
                          dropout=prepare_dropout(dropout_p, (5, 1), "cpu"))
 
 
@@ -152,6 +153,24 @@ def test_gluon_backward_with_dropout_by_default_from_the_measured_lengths(L, E, 
         "gluon_bwd" if L > 4096 else "triton_bwd")
 
 
+@pytest.mark.parametrize("L, E, mask_mod", [(8192, 128, None), (8192, 128, mods.causal),
+                                          (8192, 256, mods.causal), (4096, 128, mods.causal),
+                                          (8192, 192, mods.causal)])
+def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_mod):
+    """Attention sinks change nothing in the backward's kernels (the forward's lse holds
+    them; their gradient comes from lse and delta after the kernels), so 'AUTO' chooses for
+    a call with sinks as for the same call without, and the Gluon forward still refuses
+    them (the forward then runs the Hopper family)."""
+    q, k, v = (torch.empty(1, 64, L, E, dtype=torch.bfloat16) for _ in range(3))
+    mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
+    with_sinks = _call(None, block_mask=mask, sinks=torch.zeros(64))
+    assert with_sinks.features == {"sinks"}
+    plain = registry.choose("backward", SM90, _call(None, block_mask=mask), q, k, v)
+    assert registry.choose("backward", SM90, with_sinks, q, k, v) is plain
+    assert (plain is GLUON_BWD) == (L > 4096 and E != 192)
+    assert registry.choose("forward", SM90, with_sinks, q, k, v).name != "gluon"
+
+
 @pytest.mark.parametrize("E, Ev", [(256, 256), (192, 128)])
 def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev):
     """The wide kernel draws the keep mask too: GLUON_BACKWARD=True takes dropout at the
@@ -242,7 +261,7 @@ def test_gluon_backward_refusals_say_what_it_does_not_do(make, reason):
 
 
 def test_gluon_backward_takes_dropout_and_draws_the_mask_again():
-    """Dropout runs on the Gluon backward (the family has the feature; sinks still do not),
+    """Dropout runs on the Gluon backward (the family has the feature, as it has sinks),
     its spec and kernel carry DROPOUT and the seed's parameters, and GLUON_BWD_EARLY_DP (dP^T
     from -delta, which dropout's dS^T cannot use) gives way to it."""
     q, k, v = _qkv()

@@ -165,6 +165,25 @@ def test_gluon_backward_dropout_matches_the_reference_and_triton(safe, name):
         assert float(error) < 1e-2, (label, float(error))
 
 
+SINKS_CASES = ("causal", "gqa_causal", "empty_rows_causal", "dense_d64_fp16", "causal_d96",
+               "causal_d256", "gqa_alibi_causal_d256", "causal_d192_ev128")
+
+
+@pytest.mark.parametrize("name", SINKS_CASES)
+def test_gluon_backward_with_sinks_matches_reference(safe, name):
+    """Attention sinks on the Gluon backward (the forward on the Hopper family, which has
+    them): dq, dk, dv, d sinks and (causal) the lse gradient's path against the float64
+    reference; the kernels are the ones without sinks, d sinks comes from lse and delta."""
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    Hq, Hkv = q.shape[1], k.shape[1]
+    sinks = (torch.randn(Hq, device="cuda") * 2).requires_grad_()
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                   kernel_options={"GLUON_BACKWARD": True}, sinks=sinks,
+                   with_lse=name == "causal")
+    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
 @pytest.mark.parametrize("name, options", [
     ("causal_d96", {}), ("softcap_causal_d80", {}), ("gqa_alibi_causal_d96", {}),
     ("causal_d96", {"GLUON_BWD_EARLY_DP": True})])

@@ -203,6 +203,24 @@ def test_gluon_backward_emulated_dropout(name, options):
                for p in plans.PLANS.values() if p.family.name == "gluon_bwd")
 
 
+@pytest.mark.parametrize("name", ["causal", "gqa_causal", "empty_rows", "causal_d256",
+                                  "gqa_alibi_causal_d192_ev128"])
+def test_gluon_backward_emulated_sinks(name):
+    """Attention sinks on the Gluon backward (the forward's family has them; the Gluon
+    forward does not): its kernels run as without them, since the forward's lse holds each
+    row's sink and P is the keys' share alone; d sinks comes from lse and delta after them,
+    delta kept apart from dQ's memory (row_buffers). With rows that attend to nothing (lse =
+    the sink: P = 0, d sink = the row's dlse), lse gradients, GQA and the wide kernel."""
+    q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    sinks = (torch.randn(q.shape[1], generator=torch.Generator().manual_seed(5)) * 2
+             ).requires_grad_()
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options={**EMULATE, "GLUON_BACKWARD": True}, sinks=sinks,
+                   with_lse=True)
+    assert "gluon_bwd" in _families() and "gluon" not in _families(), _families()
+
+
 def test_gluon_wide_backward_emulated_dropout_close_to_one():
     """p = 0.99 in the wide kernel: the few kept elements carry P / (1 - p) = 100 P into dV
     and dP, the dropped ones -delta alone into dS."""

@@ -11,9 +11,10 @@ By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
 the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True``
 wherever it applies (whatever family ran the forward: it reads out and lse only); elsewhere
-the Triton backward runs (captured-tensor gradients, ``deterministic=True``, sinks, other
-head dims...). Dropout draws the forward's keep mask again in the consumers (both
-templates' DROPOUT).
+the Triton backward runs (captured-tensor gradients, ``deterministic=True``, other head
+dims...). Dropout draws the forward's keep mask again in the consumers (both templates'
+DROPOUT); attention sinks need nothing of the kernel (lse holds them) and take their
+gradient from lse and delta after it.
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``); the two fp32 rows per query the kernel reads (lse2, delta) live in
 dQ's own memory until the postprocess writes dQ there (``row_buffers``); nothing of size
@@ -388,7 +389,11 @@ class GluonBackward(KernelFamily):
     name = "gluon_bwd"  # not a BACKEND value: GLUON_BACKWARD=True opts in, Triton the fallback
     direction = "backward"
     priority = 10  # before triton_bwd (0) where it applies
-    features = frozenset({"dropout"})  # the keep mask drawn again (bwd_gluon.tmpl's DROPOUT)
+    # dropout: the keep mask drawn again (bwd_gluon.tmpl's DROPOUT); sinks: nothing in the
+    # kernel (the forward's lse holds each row's sink, so P is the keys' share alone), their
+    # gradient from lse and delta after it (runtime.backward.sinks_grad; row_buffers then
+    # keeps delta apart from dQ's memory)
+    features = frozenset({"dropout", "sinks"})
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         return why_not_gluon_bwd(target, call, q, k, v)
@@ -490,8 +495,8 @@ class GluonBackward(KernelFamily):
                 part = posts[slot].copy()
                 part[post_b0], part[post_h0] = b0, h0 * group
                 post.launch(part, device, (post.grid[0], nh * group, nb), stream)
-        if x.delta is not None:  # the caller wants delta (never here: sinks are refused;
-            # row_buffers then keeps delta out of dQ, whose postprocess overwrites it)
+        if x.delta is not None:  # the caller wants delta (the sinks' gradient; row_buffers
+            # then keeps delta out of dQ, whose postprocess overwrites it)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
 
 
