@@ -37,15 +37,18 @@ MAX_REGISTERS = 168
 
 
 def gluon_params(score: TracedMod | None, mask: TracedMod | None, tma_store: bool,
-                 dropout: bool = False, dynamic: bool = False) -> KernelParams:
+                 dropout: bool = False, dynamic: bool = False,
+                 sinks_dtype: str = "") -> KernelParams:
     """The Hopper forward's parameters (descriptors, outputs, tables, lengths, captured
-    tensors; with ``dropout`` the seed, threshold and scale of ``feature_params``) plus, with
+    tensors; with ``dropout`` the seed, threshold and scale of ``feature_params``, with
+    ``sinks_dtype`` its SINKS) plus, with
     ``tma_store``, the output's descriptor ``O_DESC``, ``BATCH_HEADS``
     (B * HQ: the persistent grid's work tiles are q tiles times it), with ``dynamic`` the
     tile counter ``TILE_COUNTER``, and the ring depth
     ``STAGES``, the flags ``PINGPONG``, ``TMA_STORE``, ``PERSISTENT``, ``STATIC_MAX``
     with its bound ``STATIC_MAX2`` (log2 units) and ``QK_TRIM``."""
-    base = forward_params(True, buffer_params(score, mask), features=feature_params("", dropout))
+    base = forward_params(True, buffer_params(score, mask),
+                          features=feature_params(sinks_dtype, dropout))
     out_desc = (Param("O_DESC", DESCRIPTOR, INPUT, ("BLOCK_M", "EV_PAD")),) if tma_store else ()
     counter = tensors("i32", "TILE_COUNTER") if dynamic else ()
     return KernelParams((base.groups[0] + out_desc, *base.groups[1:-1],
@@ -66,7 +69,8 @@ def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]
     # the Hopper parameter list's STRIDED_QKV and SPLIT_KV: this kernel reads flat
     # [B * H * len, dim] rows, all keys of a row in one program
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, SPLIT_KV=False,
-                HAS_SINKS=False, DROPOUT=spec.dropout, STAGES=spec.num_stages,
+                HAS_SINKS=bool(spec.sinks_dtype), DROPOUT=spec.dropout,
+                STAGES=spec.num_stages,
                 PINGPONG=spec.pingpong,
                 TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent, DYNAMIC=spec.dynamic,
                 STATIC_MAX=spec.static_max is not None,
@@ -88,7 +92,8 @@ def gluon_kernel(spec: KernelSpec, score: TracedMod | None, mask: TracedMod | No
         f"BLOCK_M={spec.block_m}: the Gluon forward's programs have {CONSUMERS} consumers of "
         f"{CONSUMER_ROWS} rows")
     return forward_module(spec, score, mask, gluon_key(spec, score, mask), "fwd_gluon.tmpl",
-                          gluon_params(score, mask, spec.tma_store, spec.dropout, spec.dynamic),
+                          gluon_params(score, mask, spec.tma_store, spec.dropout, spec.dynamic,
+                                       spec.sinks_dtype),
                           module_flags(gluon_constexprs(spec, True)),
                           helpers=("helpers.tmpl", "gluon_common.tmpl"), tile=GLUON_TILE)
 
@@ -118,7 +123,8 @@ def gluon_signature(spec: KernelSpec, score: TracedMod | None, mask: TracedMod |
     """(signature, constexprs) of the Gluon forward, for ``triton.compile(GluonASTSource(
     ...))``: a Gluon descriptor's type names its shared layout."""
     constexprs_ = gluon_constexprs(spec, score is not None)
-    params = gluon_params(score, mask, spec.tma_store, spec.dropout, spec.dynamic)
+    params = gluon_params(score, mask, spec.tma_store, spec.dropout, spec.dynamic,
+                          spec.sinks_dtype)
     signature = params.signature(constexprs_, {INPUT: spec.dtype})
     for name, block in descriptor_blocks(spec).items():
         if name in signature:

@@ -187,7 +187,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
               num_stages: int = 2, return_lse: bool = True, return_max: bool = False,
               pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
               head_dim_v: int | None = None, static_max: bool = False, dropout: bool = False,
-              even: bool = False, dynamic: bool = False, qk_trim: bool = False):
+              even: bool = False, dynamic: bool = False, qk_trim: bool = False,
+              sinks: bool = False):
     """A compile-check builder for the Gluon forward (sm_90) of these mods, at the family's
     fixed 128-row programs and register split (``pingpong``: the consumers' turns;
     ``tma_store``: out through shared memory and TMA; ``persistent``: the persistent grid
@@ -195,7 +196,8 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
     default ``head_dim``; ``static_max``: the score_mod's bound instead of a running max, as
     GLUON_STATIC_MAX takes it at S = 16384; ``dropout``: the keep mask applied to P;
     ``even``: lengths multiples of the tiles, else ragged; ``qk_trim``: Q K^T over E's
-    32-column slices alone, GLUON_QK_TRIM)."""
+    32-column slices alone, GLUON_QK_TRIM; ``sinks``: float32 attention sinks folded in the
+    epilogue)."""
     def build(arch: int):
         score, mask = traced_mods(score_mod, mask_mod)
         domain = Domain(1, 16, 16384, 16384)  # as a call at S = 16384 decides (lengths: data)
@@ -211,6 +213,7 @@ def gluon_job(head_dim: int, dtype: str, score_mod=None, mask_mod=None, block_n:
                           return_max=return_max, pingpong=pingpong, tma_store=tma_store,
                           persistent=persistent or dynamic, dynamic=dynamic,
                           static_max=bound, dropout=dropout, qk_trim=qk_trim,
+                          sinks_dtype="fp32" if sinks else "",
                           wide_ints=mods_int64_nodes((score, mask), domain))
         return kernel_job(spec, score, mask, gluon_kernel, gluon_signature)
     return build
@@ -237,6 +240,13 @@ register("fwd_gluon_d128_bf16_causal_dropout",
          gluon_job(128, "bf16", mask_mod=causal_mask, dropout=True), archs=(90,))
 register("fwd_gluon_d256_bf16_causal_dropout",
          gluon_job(256, "bf16", mask_mod=causal_mask, block_n=64, dropout=True), archs=(90,))
+# attention sinks: each row's sink joins its denominator in the epilogue (with the row max, and
+# under the static max and the persistent grid's work-tile loop)
+register("fwd_gluon_d128_bf16_causal_sinks",
+         gluon_job(128, "bf16", mask_mod=causal_mask, return_max=True, sinks=True), archs=(90,))
+register("fwd_gluon_d128_bf16_softcap_causal_static_sinks",
+         gluon_job(128, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, static_max=True,
+                   dynamic=True, sinks=True), archs=(90,))
 register("fwd_gluon_d256_bf16_dense", gluon_job(256, "bf16", block_n=64), archs=(90,))
 register("fwd_gluon_d256_bf16_causal", gluon_job(256, "bf16", mask_mod=causal_mask, block_n=64),
          archs=(90,))

@@ -6,6 +6,8 @@ every interleaving. Its sm_90 compile check is in test_gluon_compile.py, its GPU
 tests/gpu/test_gluon_gpu.py."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -114,7 +116,7 @@ def test_auto_with_dropout_takes_gluon_where_measured_faster(L, E, mask_mod, cho
     """dropout_p: the Gluon forward has the keep mask (its Philox words overlap the other
     consumer's GEMMs); AUTO takes it in the classes it takes without dropout (E = 128 masked
     calls of short keys measured 0.87x the Hopper family's time with it before they were
-    taken without), not with sinks (the Gluon forward has none)."""
+    taken without), with sinks too (folded in the epilogue, HAS_SINKS)."""
     q, k, v = (torch.empty(1, 1, L, E, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(mask_mod, L) if mask_mod else None
     assert registry.choose("forward", SM90, _call(None, mask, dropout=0.1), q, k, v).name \
@@ -122,8 +124,25 @@ def test_auto_with_dropout_takes_gluon_where_measured_faster(L, E, mask_mod, cho
     if (L, E, mask_mod) == (4096, 128, mods.causal):
         assert registry.choose("forward", SM90, _call(None, mask), q, k, v).name == "gluon"
         call = _call(None, mask, dropout=0.1, sinks=torch.zeros(1))
-        assert registry.choose("forward", SM90, call, q, k, v).name == "hopper"
+        assert registry.choose("forward", SM90, call, q, k, v).name == "gluon"
         assert GLUON.why_not(SM90, _call(FORCED, mask, dropout=0.1), q, k, v) is None
+
+
+def test_gluon_sinks_are_in_the_spec_key_and_parameters():
+    """HAS_SINKS: the sinks' element type is in the spec (a kernel of its own, with SINKS
+    among its parameters and HAS_SINKS on); a call without sinks keeps the kernel it had."""
+    q, k, v = _qkv()
+    plain = gluon_spec(q, k, v, _call(FORCED), SM90, False, False)
+    with_sinks = gluon_spec(q, k, v, _call(FORCED, sinks=torch.zeros(2)), SM90, False, False)
+    assert plain.sinks_dtype == "" and with_sinks.sinks_dtype == "fp32"
+    kernel, base = gluon_kernel(with_sinks, None, None), gluon_kernel(plain, None, None)
+    assert kernel.name != base.name
+    assert "HAS_SINKS = tl.constexpr(True)" in kernel.source
+    assert "HAS_SINKS = tl.constexpr(False)" in base.source
+    def sinks_parameter(generated):  # (HAS_SINKS is a constexpr parameter of both)
+        parameters = generated.source.split(f"def {generated.name}(")[1].split("):")[0]
+        return re.search(r"\bSINKS\b", parameters) is not None
+    assert sinks_parameter(kernel) and not sinks_parameter(base)
 
 
 def test_gluon_dropout_is_in_the_spec_key_and_parameters():

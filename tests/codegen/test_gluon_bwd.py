@@ -159,8 +159,8 @@ def test_gluon_backward_with_dropout_by_default_from_the_measured_lengths(L, E, 
 def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_mod):
     """Attention sinks change nothing in the backward's kernels (the forward's lse holds
     them; their gradient comes from lse and delta after the kernels), so 'AUTO' chooses for
-    a call with sinks as for the same call without, and the Gluon forward still refuses
-    them (the forward then runs the Hopper family)."""
+    a call with sinks as for the same call without; so does the forward (the Gluon forward
+    folds them in its epilogue)."""
     q, k, v = (torch.empty(1, 64, L, E, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
     with_sinks = _call(None, block_mask=mask, sinks=torch.zeros(64))
@@ -168,7 +168,8 @@ def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_m
     plain = registry.choose("backward", SM90, _call(None, block_mask=mask), q, k, v)
     assert registry.choose("backward", SM90, with_sinks, q, k, v) is plain
     assert (plain is GLUON_BWD) == (L > 4096 and E != 192)
-    assert registry.choose("forward", SM90, with_sinks, q, k, v).name != "gluon"
+    assert registry.choose("forward", SM90, with_sinks, q, k, v) is registry.choose(
+        "forward", SM90, _call(None, block_mask=mask), q, k, v)
 
 
 @pytest.mark.parametrize("E, Ev", [(256, 256), (192, 128)])

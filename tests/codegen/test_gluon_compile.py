@@ -29,6 +29,10 @@ PINGPONG_VARIANTS = ("fwd_gluon_d128_bf16_causal_pingpong", "fwd_gluon_d64_fp16_
 STATIC_VARIANTS = ("fwd_gluon_d128_bf16_softcap_causal_static",)
 # dropout_p: the keep mask's Philox words computed where the score tile's halves live
 DROPOUT_VARIANTS = ("fwd_gluon_d128_bf16_causal_dropout", "fwd_gluon_d256_bf16_causal_dropout")
+# HAS_SINKS: each row's sink folded into its denominator in the epilogue (the second under the
+# static max and the dynamic grid, compiled as a GPU test session does)
+SINKS_VARIANTS = ("fwd_gluon_d128_bf16_causal_sinks",
+                  "fwd_gluon_d128_bf16_softcap_causal_static_sinks")
 TMA_STORE_VARIANTS = ("fwd_gluon_d128_bf16_causal_tma_store",
                       "fwd_gluon_d64_fp16_softcap_pingpong_tma_store")
 # one persistent variant here (a compile takes ~40-60 s); the others (dense, softcap with the
@@ -137,9 +141,9 @@ def started(tmp_path_factory) -> dict:
     the cores (about half the wall time of compiling one after another)."""
     groups = {"plain": (VARIANTS, False),
               "pingpong": (PINGPONG_VARIANTS + STATIC_VARIANTS + DROPOUT_VARIANTS, False),
-              "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS, False),
+              "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS + SINKS_VARIANTS[:1], False),
               "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True),
-              "dynamic": (DYNAMIC_VARIANTS, True),
+              "dynamic": (DYNAMIC_VARIANTS + SINKS_VARIANTS[1:], True),
               "wide": (BWD_WIDE_VARIANTS + QK_TRIM_VARIANTS, False)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
@@ -254,6 +258,16 @@ def test_gluon_dropout_forward_compiles_for_sm90(forward_rows):
         assert row["serialized"] in (False, None), row
     plain = forward_rows["fwd_gluon_d128_bf16_causal"]
     assert forward_rows["fwd_gluon_d128_bf16_causal_dropout"]["st_shared"] == plain["st_shared"]
+
+
+def test_gluon_sinks_forward_compiles_for_sm90(forward_rows):
+    """HAS_SINKS: the sink joins each row's denominator once, in the epilogue, so the tile
+    loop's path is the kernel's without sinks (the same opcodes, as many of each), with no
+    spills and the wgmmas unserialized."""
+    for name in SINKS_VARIANTS:
+        _check_compiled(name, forward_rows[name])
+    assert forward_rows["fwd_gluon_d128_bf16_causal_sinks"]["path"] == \
+        forward_rows["fwd_gluon_d128_bf16_causal"]["path"]
 
 
 def test_gluon_pingpong_forward_compiles_for_sm90(forward_rows):

@@ -258,6 +258,44 @@ def test_gluon_static_max_trains(safe):
                for p in plans.PLANS.values())
 
 
+SINKS_CASES = [("causal", "plain"), ("ragged", "tma_store"), ("gqa_causal", "pingpong"),
+               ("document", "dynamic"), ("softcap_causal", "static_max"),
+               ("causal_d256", "plain"), ("causal_d192_ev128", "persistent_pingpong"),
+               ("many_empty_rows", "persistent"), ("empty_rows", "plain")]
+
+
+@pytest.mark.parametrize("name, option", SINKS_CASES)
+def test_gluon_sinks_match_the_reference_and_hopper(safe, name, option):
+    """Attention sinks on the Gluon forward (HAS_SINKS: each row's sink joins its
+    denominator in the epilogue): out and lse against the float64 reference (rows with
+    nothing to attend: out 0, lse = the sink), the row max the scores' own as the Hopper
+    family's, and out close to the Hopper family's."""
+    from flexfa.reference import attention_reference
+
+    q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
+    Hq, Hkv = q.shape[1], k.shape[1]
+    sinks = torch.randn(Hq, device="cuda") * 2
+    with_max = option != "static_max"
+    aux = flexfa.AuxRequest(lse=True, max_scores=with_max)
+    plans.PLANS.clear()
+    out, got = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                     enable_gqa=Hq != Hkv, sinks=sinks, return_aux=aux,
+                                     kernel_options=OPTIONS[option])
+    assert [pl.family.name for pl in plans.PLANS.values()] == ["gluon"]
+    want, want_lse = attention_reference(q.double(), k.double(), v.double(), score_mod,
+                                         mask_mod, enable_gqa=Hq != Hkv, return_lse=True,
+                                         sinks=sinks.double())
+    assert (out.double() - want).abs().max().item() <= 4e-2 * max(want.abs().max().item(), 1.0)
+    torch.testing.assert_close(got.lse.double(), want_lse, atol=2e-3, rtol=2e-3)
+    hopper, stats = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                          enable_gqa=Hq != Hkv, sinks=sinks, return_aux=aux,
+                                          kernel_options={"BACKEND": "HOPPER"})
+    error = (out.float() - hopper.float()).norm() / hopper.float().norm().clamp_min(1e-6)
+    assert float(error) < 5e-3, float(error)
+    if with_max:
+        torch.testing.assert_close(got.max_scores, stats.max_scores, atol=1e-3, rtol=1e-3)
+
+
 DROPOUT_CASES = [("causal", "plain"), ("ragged", "plain"), ("gqa_causal", "pingpong"),
                  ("document", "persistent"), ("softcap_causal", "static_max"),
                  ("causal_d256", "plain"), ("causal_d192_ev128", "persistent_pingpong"),

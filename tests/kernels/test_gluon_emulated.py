@@ -147,6 +147,47 @@ def test_gluon_forward_emulated_matches_reference(name, option):
         torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("name, option", [
+    ("causal", "plain"), ("empty_rows", "plain"), ("softcap_causal", "static_max"),
+    ("gqa_causal", "pingpong"), ("dense", "tma_store"), ("document", "dynamic"),
+    ("causal_d256", "plain"), ("causal_d192_ev128", "persistent")])
+def test_gluon_forward_emulated_sinks(name, option):
+    """HAS_SINKS: each row's head's sink joins its denominator in the epilogue (out = acc /
+    (l + exp(sink - m)), lse = logaddexp(lse, sink); a row with nothing to attend gets out 0
+    and lse = the sink), under the static max, ping-pong, the TMA store, the persistent
+    grids and the wide head dims; the row max stays the scores' own (the interpreted
+    Ampere-class family's, which folds the sink the same way)."""
+    from flexfa.reference import attention_reference
+    from reference import assert_close_to_reference
+
+    q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    gqa = q.shape[1] != k.shape[1]
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(7)) * 2
+    with_max = option != "static_max"  # (the static max holds no row max)
+    aux = flexfa.AuxRequest(lse=True, max_scores=with_max)
+    plans.PLANS.clear()
+    out, got = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                     enable_gqa=gqa, sinks=sinks, return_aux=aux,
+                                     kernel_options=OPTIONS[option])
+    assert _families() == ["gluon"]
+    found = [p for p in plans.PLANS.values() if p.family.name == "gluon"]
+    assert all(p.spec.sinks_dtype == "fp32" for p in found)
+    assert all((p.spec.static_max is not None) == (option == "static_max") for p in found)
+    kwargs = dict(enable_gqa=gqa, return_lse=True, sinks=sinks)
+    exact = attention_reference(q, k, v, score_mod, mask_mod, **kwargs)
+    eager = attention_reference(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs)
+    assert_close_to_reference(out, exact[0], eager[0], fudge=4.0, name="out")
+    assert_close_to_reference(got.lse, exact[1], eager[1], fudge=4.0, name="lse")
+    if name == "empty_rows":  # the sink alone
+        assert bool((out[:, :, :130] == 0).all())
+        torch.testing.assert_close(got.lse[:, :, :130],
+                                   sinks.view(1, -1, 1).expand_as(got.lse[:, :, :130]))
+    if with_max:
+        _, want = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                        enable_gqa=gqa, sinks=sinks, return_aux=aux)
+        torch.testing.assert_close(got.max_scores, want.max_scores, atol=1e-4, rtol=1e-4)
+
+
 def test_gluon_forward_emulated_row_max_and_pinned_tiles():
     q, k, v = make_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16)
     mask = flexfa.create_block_mask(mods.causal, None, None, 256, 256, device="cpu",
@@ -206,19 +247,35 @@ def test_gluon_backward_emulated_dropout(name, options):
 @pytest.mark.parametrize("name", ["causal", "gqa_causal", "empty_rows", "causal_d256",
                                   "gqa_alibi_causal_d192_ev128"])
 def test_gluon_backward_emulated_sinks(name):
-    """Attention sinks on the Gluon backward (the forward's family has them; the Gluon
-    forward does not): its kernels run as without them, since the forward's lse holds each
-    row's sink and P is the keys' share alone; d sinks comes from lse and delta after them,
-    delta kept apart from dQ's memory (row_buffers). With rows that attend to nothing (lse =
-    the sink: P = 0, d sink = the row's dlse), lse gradients, GQA and the wide kernel."""
+    """Attention sinks on the Gluon backward: its kernels run as without them, since the
+    forward's lse holds each row's sink and P is the keys' share alone; d sinks comes from
+    lse and delta after them, delta kept apart from dQ's memory (row_buffers). With rows
+    that attend to nothing (lse = the sink: P = 0, d sink = the row's dlse), lse gradients,
+    GQA and the wide kernel; the forward on the Gluon family (HAS_SINKS) or, as a call that
+    only takes the Gluon backward does, the interpreted Ampere-class one."""
     q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
     sinks = (torch.randn(q.shape[1], generator=torch.Generator().manual_seed(5)) * 2
              ).requires_grad_()
+    for options, families in ((BACKWARD, ["gluon", "gluon_bwd"]),
+                              ({**EMULATE, "GLUON_BACKWARD": True}, ["ampere", "gluon_bwd"])):
+        plans.PLANS.clear()
+        check_backward(q, k, v, score_mod, mask_mod, block_mask,
+                       enable_gqa=q.shape[1] != k.shape[1], kernel_options=options,
+                       sinks=sinks, with_lse=True)
+        assert _families() == families
+
+
+@pytest.mark.parametrize("name", ["gqa_causal", "causal_d256"])
+def test_gluon_emulated_sinks_with_dropout(name):
+    """Sinks and dropout together on both Gluon families: the keep mask drops keys'
+    probabilities after the row sum (the sink's term is in it, never dropped)."""
+    q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
+    sinks = (torch.randn(q.shape[1], generator=torch.Generator().manual_seed(9))
+             ).requires_grad_()
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                   kernel_options={**EMULATE, "GLUON_BACKWARD": True}, sinks=sinks,
-                   with_lse=True)
-    assert "gluon_bwd" in _families() and "gluon" not in _families(), _families()
+                   kernel_options=BACKWARD, sinks=sinks, dropout=(0.3, (20261205, 4)))
+    assert _families() == ["gluon", "gluon_bwd"]
 
 
 def test_gluon_wide_backward_emulated_dropout_close_to_one():

@@ -3,7 +3,7 @@ the Gluon forward and backward in the emulator (kernel_options GLUON_EMULATE;
 runtime.gluon_emulator): the mods rendered into the Gluon templates' layouts, at random
 lengths, GQA groups, head dims 48 to 256 (E = 256's own backward kernel, padded dims; v's 128
 under 160 to 256), block masks of the blocks the Gluon kernels walk, with or without dropout,
-fp16 and bf16; out, lse and every gradient against the float64 reference
+attention sinks, fp16 and bf16; out, lse and every gradient against the float64 reference
 (kernels/backward_utils.check_backward).
 Where the Gluon backward does not apply (captured-tensor gradients) the Triton backward
 runs, interpreted: the Gluon forward is still the one checked."""
@@ -31,12 +31,17 @@ def gluon_problems(draw):
                            blocks=[128, (128, 64), 256])
     problem["dtype"] = draw(st.sampled_from([torch.float16, torch.bfloat16]))
     dropout = draw(st.sampled_from([None, None, (0.3, 5)]))
+    sinks = None  # both Gluon families take attention sinks (HAS_SINKS in the forward)
+    if draw(st.integers(0, 2)) == 0:
+        sinks = torch.tensor(draw(st.lists(st.floats(-3.0, 3.0), min_size=problem["Hq"],
+                                           max_size=problem["Hq"])))
     # Q K^T over E's 32-column slices alone (of the head dims drawn, a forward of two or
     # three slices at 96, 160, 192 and 224, a backward of two at 96; elsewhere it changes
     # nothing)
     options = {**EMULATED, "GLUON_QK_TRIM": draw(st.booleans()),
                "GLUON_BWD_QK_TRIM": draw(st.booleans())}
-    return dict(problem, dropout=dropout, options=options, with_lse=draw(st.booleans()),
+    return dict(problem, dropout=dropout, sinks=sinks, options=options,
+                with_lse=draw(st.booleans()),
                 seed=draw(st.integers(0, 1000)))
 
 

@@ -243,6 +243,7 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         tma_store=call.options.gluon_tma_store,
         persistent=persistent is not False, dynamic=persistent == "DYNAMIC",
         static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None,
+        sinks_dtype=call.sinks_dtype,
         qk_trim=call.options.gluon_qk_trim and trims_columns(E))
 
 
@@ -307,7 +308,9 @@ class GluonForward(KernelFamily):
     name = "gluon"
     direction = "forward"
     priority = 15  # before Hopper (10) in AUTO_CLASSES, after the decode family (20)
-    features = frozenset({"dropout"})  # the keep mask on P (fwd_gluon.tmpl's DROPOUT)
+    # dropout: the keep mask on P (fwd_gluon.tmpl's DROPOUT); sinks: each row's sink joins
+    # its denominator in the epilogue (HAS_SINKS)
+    features = frozenset({"dropout", "sinks"})
 
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         reason = why_not_gluon(target, call, q, k, v, (BLOCK_M, 64))
