@@ -67,7 +67,8 @@
 # 192 / 128 (S = 8192, 8100), at 256 below 4096, with dropout (ConSan of it at 256 too) and
 # under sparse masks at 256 (as far as its time limit reaches: each case is saved when done);
 # wf: GLUON_QK_TRIM and GLUON_BWD_QK_TRIM (the Gluon forward's Q K^T, the Gluon backward's
-# S^T and dP^T over E's 32-column slices): their GPU tests, then the forward with and without
+# S^T and dP^T over E's 32-column slices) and both Gluon families' attention sinks: their GPU
+# tests, then the forward with and without
 # the first at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds), fwd+bwd with and without
 # the second at 96 and 80 (3 rounds);
 # each part fits one 10-minute device call; a call returns at
@@ -439,9 +440,9 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
 256:4096:causal+drop,256:2048:full+drop,256:16384:sliding,256:16384:document}"
   tail -n 16 "$OUT/ab.log"
 fi
-if [ "$PART" = wf ]; then  # GLUON_QK_TRIM: tests, then the forward A/B
+if [ "$PART" = wf ]; then  # GLUON_QK_TRIM (and both Gluon families' sinks): tests, then A/B
   step gpu_tests 200 $SHARD/wf -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
-    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80"
+    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
   tail -n 6 "$OUT/gpu_tests.log"
   FLEXFA_AUTOTUNE=0 step ab_fwd 300 python benchmarks/experiments/options_ab.py \
     "$OUT/ab_fwd.json" --passes fwd --rounds 5 \
