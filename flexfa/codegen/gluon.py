@@ -70,8 +70,7 @@ def gluon_constexprs(spec: KernelSpec, has_score_mod: bool) -> dict[str, object]
     # [B * H * len, dim] rows, all keys of a row in one program
     return dict(spec.constexprs(has_score_mod), STRIDED_QKV=False, SPLIT_KV=False,
                 HAS_SINKS=bool(spec.sinks_dtype), DROPOUT=spec.dropout,
-                STAGES=spec.num_stages,
-                PINGPONG=spec.pingpong,
+                STAGES=spec.num_stages, PINGPONG=spec.pingpong,
                 TMA_STORE=spec.tma_store, PERSISTENT=spec.persistent, DYNAMIC=spec.dynamic,
                 STATIC_MAX=spec.static_max is not None,
                 STATIC_MAX2=(spec.static_max or 0.0) * 1.4426950408889634,
