@@ -70,14 +70,15 @@
 # S^T and dP^T over E's 32-column slices) and both Gluon families' attention sinks: their GPU
 # tests, then the forward with and without
 # the first at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds), fwd+bwd with and without
-# the second at 96 and 80 (3 rounds);
+# the second at 96 and 80 (3 rounds); wg: the wide Gluon backward with GQA (its producer's
+# opaque head walk) against 8ab6f3e, fwd+bwd at E = 256 (tree_ab.py, carry .oldW);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -439,6 +440,13 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
 256:2048:causal,192/128:8100:full,256:4096:full,256:2048:full,192/128:8192:softcap,\
 256:4096:causal+drop,256:2048:full+drop,256:16384:sliding,256:16384:document}"
   tail -n 16 "$OUT/ab.log"
+fi
+if [ "$PART" = wg ]; then  # the wide backward's GQA producer (OPAQUE_WALK) against 8ab6f3e
+  # (carry .oldW: git worktree add .oldW 8ab6f3e), fwd+bwd, 3 rounds
+  FLEXFA_AUTOTUNE=0 step tree_ab "${WG_LIMIT:-200}" python benchmarks/tree_ab.py --old .oldW \
+    --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
+    "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
+  tail -n 8 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = wf ]; then  # GLUON_QK_TRIM (and both Gluon families' sinks): tests, then A/B
   step gpu_tests 200 $SHARD/wf -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
