@@ -245,16 +245,15 @@ def test_gluon_static_max_forward_compiles_without_a_row_max(forward_rows):
 def test_gluon_dropout_forward_compiles_for_sm90(forward_rows):
     """dropout_p: the Philox counters are laid out so that each consumer thread computes the
     words of the score halves it holds, so the keep mask reaches the score tile without
-    shared memory (as many st.shared as the kernel without dropout) and the tile loop holds
-    no spilled value. Outside it ptxas spills a few bytes, kernel arguments computed at the
-    entry for the epilogue (12 at E = 128 with the Philox's wide multiplies and 4 at 256 in
-    Triton 3.6; 0 without dropout)."""
+    shared memory (as many st.shared as the kernel without dropout) and nothing spills (at
+    56196b6 ptxas spilled 12 bytes at E = 128 and 4 at 256 outside the tile loop, kernel
+    arguments computed at the entry for the epilogue; 0 at 3aef015)."""
     for name in DROPOUT_VARIANTS:
         row = forward_rows[name]
         assert row["ok"], (name, row["error"])
         assert row["wgmma"] and row["tma"] and row["arrive"], row
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
-        assert row["loop_spills"] in (0, None) and (row["spills"] or 0) <= 16, row
+        assert row["loop_spills"] in (0, None) and row["spills"] in (0, None), row
         assert row["serialized"] in (False, None), row
     plain = forward_rows["fwd_gluon_d128_bf16_causal"]
     assert forward_rows["fwd_gluon_d128_bf16_causal_dropout"]["st_shared"] == plain["st_shared"]
