@@ -150,7 +150,9 @@ def test_gluon_forward_emulated_matches_reference(name, option):
 @pytest.mark.parametrize("name, option", [
     ("causal", "plain"), ("empty_rows", "plain"), ("softcap_causal", "static_max"),
     ("gqa_causal", "pingpong"), ("dense", "tma_store"), ("document", "dynamic"),
-    ("causal_d256", "plain"), ("causal_d192_ev128", "persistent")])
+    ("causal_d256", "plain"), ("causal_d192_ev128", "persistent"),
+    # persistent programs walking tiles of several heads: each tile's own head's sink
+    ("many_empty_rows", "persistent")])
 def test_gluon_forward_emulated_sinks(name, option):
     """HAS_SINKS: each row's head's sink joins its denominator in the epilogue (out = acc /
     (l + exp(sink - m)), lse = logaddexp(lse, sink); a row with nothing to attend gets out 0
