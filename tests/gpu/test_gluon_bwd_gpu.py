@@ -171,9 +171,9 @@ SINKS_CASES = ("causal", "gqa_causal", "empty_rows_causal", "dense_d64_fp16", "c
 
 @pytest.mark.parametrize("name", SINKS_CASES)
 def test_gluon_backward_with_sinks_matches_reference(safe, name):
-    """Attention sinks on the Gluon backward (the forward on the Hopper family, which has
-    them): dq, dk, dv, d sinks and (causal) the lse gradient's path against the float64
-    reference; the kernels are the ones without sinks, d sinks comes from lse and delta."""
+    """Attention sinks on the Gluon backward (the forward as 'AUTO' chooses it): dq, dk, dv,
+    d sinks and (causal) the lse gradient's path against the float64 reference; the kernels
+    are the ones without sinks, d sinks comes from lse and delta."""
     q, k, v, score_mod, mask_mod, block_mask = case_inputs(CASES[name], name)
     Hq, Hkv = q.shape[1], k.shape[1]
     sinks = (torch.randn(Hq, device="cuda") * 2).requires_grad_()
