@@ -3,7 +3,9 @@ the Gluon forward and backward in the emulator (kernel_options GLUON_EMULATE;
 runtime.gluon_emulator): the mods rendered into the Gluon templates' layouts, at random
 lengths, GQA groups, head dims 48 to 256 (E = 256's own backward kernel, padded dims; v's 128
 under 160 to 256), block masks of the blocks the Gluon kernels walk, with or without dropout,
-attention sinks, fp16 and bf16; out, lse and every gradient against the float64 reference
+attention sinks, fp16 and bf16, under random kernel_options of both families (ping-pong, the
+TMA store, the persistent grids, the static max, ring depths, dQ parts, early dP^T, the
+trims); out, lse and every gradient against the float64 reference
 (kernels/backward_utils.check_backward).
 Where the Gluon backward does not apply (captured-tensor gradients) the Triton backward
 runs, interpreted: the Gluon forward is still the one checked."""
@@ -39,7 +41,18 @@ def gluon_problems(draw):
     # three slices at 96, 160, 192 and 224, a backward of two at 96; elsewhere it changes
     # nothing)
     options = {**EMULATED, "GLUON_QK_TRIM": draw(st.booleans()),
-               "GLUON_BWD_QK_TRIM": draw(st.booleans())}
+               "GLUON_BWD_QK_TRIM": draw(st.booleans()),
+               # the other options that change how the kernels run, not what they compute
+               "GLUON_PINGPONG": draw(st.booleans()), "GLUON_STATIC_MAX": draw(st.booleans()),
+               "GLUON_BWD_DQ_CHUNKS": draw(st.sampled_from([0, 1, 4])),
+               "GLUON_BWD_OVERLAP": draw(st.booleans()),
+               "GLUON_BWD_EARLY_DP": draw(st.booleans())}
+    persistent = draw(st.sampled_from([None, False, True, "DYNAMIC"]))  # None: 'AUTO'
+    if persistent is not None:
+        options["GLUON_PERSISTENT"] = persistent
+    if E <= 128:  # out's staging buffer and a third Q/dO stage fit sm_90 there only
+        options["GLUON_TMA_STORE"] = draw(st.booleans())
+        options["GLUON_BWD_STAGES"] = draw(st.sampled_from([0, 2, 3]))
     return dict(problem, dropout=dropout, sinks=sinks, options=options,
                 with_lse=draw(st.booleans()),
                 seed=draw(st.integers(0, 1000)))
