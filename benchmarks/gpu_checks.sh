@@ -431,7 +431,7 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
     --safety-only --safety-timeout 290 --safety-head-dim 192/128 &
   step consan_w256d 300 python benchmarks/gluon_backward_bench.py "$OUT/consan_w256d.json" \
     --safety-only --safety-timeout 290 --safety-head-dim 256 --safety-dropout 0.1 &
-  step gpu_tests 240 $SHARD/we -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py
+  step gpu_tests 280 $SHARD/we -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py
   wait
   tail -n 6 "$OUT/gpu_tests.log"; tail -c 300 "$OUT"/consan_w*.json; echo
   FLEXFA_AUTOTUNE=0 step ab "${AB_LIMIT:-300}" python benchmarks/experiments/options_ab.py \
