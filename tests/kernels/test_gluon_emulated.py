@@ -159,7 +159,7 @@ def test_gluon_forward_emulated_sinks(name, option):
     and lse = the sink), under the static max, ping-pong, the TMA store, the persistent
     grids and the wide head dims; the row max stays the scores' own (the interpreted
     Ampere-class family's, which folds the sink the same way)."""
-    from flexfa.reference import attention_reference
+    from kernels.test_sinks import reference_pair
     from reference import assert_close_to_reference
 
     q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
@@ -178,9 +178,7 @@ def test_gluon_forward_emulated_sinks(name, option):
     want_dtype = "fp32" if sinks.dtype == torch.float32 else "bf16"
     assert all(p.spec.sinks_dtype == want_dtype for p in found)
     assert all((p.spec.static_max is not None) == (option == "static_max") for p in found)
-    kwargs = dict(enable_gqa=gqa, return_lse=True, sinks=sinks)
-    exact = attention_reference(q, k, v, score_mod, mask_mod, **kwargs)
-    eager = attention_reference(q, k, v, score_mod, mask_mod, dtype=q.dtype, **kwargs)
+    exact, eager = reference_pair(q, k, v, sinks, mask_mod, score_mod)
     assert_close_to_reference(out, exact[0], eager[0], fudge=4.0, name="out")
     assert_close_to_reference(got.lse, exact[1], eager[1], fudge=4.0, name="lse")
     if name == "empty_rows":  # the sink alone
