@@ -71,14 +71,16 @@
 # tests, then the forward with and without
 # the first at 192 / 128, 160, 96 and 80 (options_ab.py, 5 rounds), fwd+bwd with and without
 # the second at 96 and 80 (3 rounds); wg: the wide Gluon backward with GQA (its producer's
-# opaque head walk) against 8ab6f3e, fwd+bwd at E = 256 (tree_ab.py, carry .oldW);
+# opaque head walk) against 8ab6f3e, fwd+bwd at E = 256 (tree_ab.py, carry .oldW); wh: wf and
+# wg in one call: the sinks and trim GPU tests, wg's A/B (carry .oldW), then the forward trim
+# A/B on fewer cases (3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -447,6 +449,21 @@ if [ "$PART" = wg ]; then  # the wide backward's GQA producer (OPAQUE_WALK) agai
     --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
     "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
   tail -n 8 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wh ]; then  # wf's GPU tests, wg's A/B, then wf's forward A/B cut to one call
+  step gpu_tests 150 $SHARD/wh -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
+  tail -n 6 "$OUT/gpu_tests.log"
+  FLEXFA_AUTOTUNE=0 step tree_ab 170 python benchmarks/tree_ab.py --old .oldW \
+    --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
+    "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
+  tail -n 8 "$OUT/tree_ab.log"
+  FLEXFA_AUTOTUNE=0 step ab_fwd 200 python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_fwd.json" --passes fwd --rounds 3 \
+    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
+    --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,96:8192:causal,96:8192:full,\
+80:8192:causal,160:8192:causal}"
+  tail -n 12 "$OUT/ab_fwd.log"
 fi
 if [ "$PART" = wf ]; then  # GLUON_QK_TRIM (and both Gluon families' sinks): tests, then A/B
   step gpu_tests 200 $SHARD/wf -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
