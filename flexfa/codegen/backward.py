@@ -177,8 +177,7 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
     key = backward_key(spec, joint, score, mask)
     name = f"flexfa_bwd_d{spec.head_dim}_{spec.dtype}_{key[:12]}"
     score_args, mask_args = mod_buffer_args(score, mask)
-    grad_slots = joint.grad_slots if joint is not None else ()
-    grad_args = {s: buffer_args(s, len(score.buffer_specs[s][0]), "gbuf") for s in grad_slots}
+    grad_args = grad_buffer_args(joint, score)
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
     grads = gradients(grad_args.values(), "i64" if spec.deterministic else "fp32")
@@ -193,7 +192,7 @@ def backward_kernel(spec: BackwardSpec, joint: JointGraph | None, score: TracedM
               TABLES=as_tuple(table_names("KV", "m", "n")), GBUFS=as_tuple(grad_names),
               GRAD_BUFFERS=unpack(grad_names, "gbufs"),
               SCORE_JOINT=score_joint_code(joint, score, score_args, True, fast_math, spec.wide_ints),
-              BUFFER_GRADS=_buffer_grad_code(joint, score_args, grad_args), **shared)
+              BUFFER_GRADS=buffer_grad_code(joint, score_args, grad_args), **shared)
     dkdv = fill(load_template("bwd_dkdv.tmpl"), KERNEL_NAME=name,
                 DEF_KERNEL=def_kernel(f"{name}_dkdv", kernels[f"{name}_dkdv"],
                                       checks[f"{name}_dkdv"]),
@@ -326,14 +325,18 @@ def _mask_code(mask: TracedMod | None, args, wide: tuple[str, ...] = ()) -> str:
     return "\n".join([*rendered.lines, f"mask_mod_out = {rendered.values[0]}"])
 
 
-def _buffer_grad_code(joint: JointGraph | None, args, grad_args) -> str:
+def buffer_grad_code(joint: JointGraph | None, args, grad_args, q_axis: int = 0,
+                     gluon: bool = False) -> str:
     """Scatter-adds of ds_out * dload{i} at each grad load's (clamped) indices.
 
     The contribution is summed over the tile axes the indices do not depend on first
     (``scale[h]``: one atomic per tile; ``bias[q_idx]``: one per row), so atomics stay few.
+    ``q_axis``: the tile's query axis (1 in the Gluon backward's transposed S^T tile);
+    ``gluon``: Gluon's reduce and atomics (relaxed fp32 adds) instead of ``flexfa_grad_add``.
     """
     if joint is None or not joint.dloads:
         return "pass"
+    lang, kv_axis = ("gl" if gluon else "tl"), 1 - q_axis
     lines = []
     for i, (load, _) in enumerate(joint.dloads):
         slot = load.arg
@@ -341,21 +344,30 @@ def _buffer_grad_code(joint: JointGraph | None, args, grad_args) -> str:
             else frozenset()
         rows = bool(deps & {Op.Q_IDX, Op.SCORE})
         cols = bool(deps & {Op.KV_IDX, Op.SCORE})
-        contrib = f"tl.where(p > 0.0, ds_out * dload{i}, 0.0)"
+        contrib = f"{lang}.where(p > 0.0, ds_out * dload{i}, 0.0)"
         if rows and cols:
             value = contrib
         elif rows:
-            value = f"tl.reduce({contrib}, 1, flexfa_sum_combine, keep_dims=True)"
+            value = f"{lang}.reduce({contrib}, {kv_axis}, flexfa_sum_combine, keep_dims=True)"
         elif cols:
-            value = f"tl.reduce({contrib}, 0, flexfa_sum_combine, keep_dims=True)"
+            value = f"{lang}.reduce({contrib}, {q_axis}, flexfa_sum_combine, keep_dims=True)"
         else:
-            value = f"tl.reduce(tl.reduce({contrib}, 1, flexfa_sum_combine), 0, flexfa_sum_combine)"
+            value = (f"{lang}.reduce({lang}.reduce({contrib}, 1, flexfa_sum_combine), 0, "
+                     f"flexfa_sum_combine)")
         size_names, grad = args[slot].sizes, grad_args[slot]
         offset = " + ".join(f"flexfa_index(load{i}_idx{d}, {size}) * {stride}"
                             for d, (size, stride) in enumerate(zip(size_names, grad.strides)))
         pointer = f"{grad.ptr} + {offset}" if offset else grad.ptr
-        lines.append(f"flexfa_grad_add({pointer}, {value})")
+        lines.append(f"gl.atomic_add({pointer}, {value}, sem=\"relaxed\")" if gluon
+                     else f"flexfa_grad_add({pointer}, {value})")
     return "\n".join(lines)
+
+
+def grad_buffer_args(joint: JointGraph | None, score: TracedMod | None) -> dict:
+    """{slot: the gradient accumulator's argument names} of each captured tensor of the
+    score_mod that wants a gradient."""
+    grad_slots = joint.grad_slots if joint is not None else ()
+    return {s: buffer_args(s, len(score.buffer_specs[s][0]), "gbuf") for s in grad_slots}
 
 
 # ---- compile-only check variants (python -m flexfa compile-check) --------------------------

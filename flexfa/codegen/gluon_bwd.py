@@ -16,12 +16,13 @@ import dataclasses
 
 from ..frontend.grad import JointGraph
 from ..frontend.trace import TracedMod
-from .backward import joint_key, dscore_is_one, score_joint_code
+from .backward import (buffer_grad_code, dscore_is_one, grad_buffer_args, joint_key,
+                       score_joint_code)
 from .forward import GeneratedKernel, buffer_params, describe_mods, mask_mod_code, mod_buffer_args
 from .gluon import MAX_REGISTERS, descriptor_type, descriptor_layout
 from .params import (DESCRIPTOR, FLOAT, INPUT, KernelParams, Param, as_tuple, block_mask_tables,
-                     constexprs, def_kernel, feature_params, ints, strides, table_names,
-                     tensors, unpack)
+                     constexprs, def_kernel, feature_params, gradients, ints, strides,
+                     table_names, tensors, unpack)
 from .spec import INTERPRET, next_power_of_two, spec_key
 from .template import fill, load_template, module_source, template_hash
 from .versions import versions_key
@@ -97,7 +98,9 @@ class GluonBackwardSpec:
     def interpret(self) -> bool:
         return self.target == INTERPRET
 
-    def constexprs(self, dscore_one: bool) -> dict[str, object]:
+    def constexprs(self, dscore_one: bool, buffer_grads: bool = False) -> dict[str, object]:
+        """``buffer_grads``: the score_mod's captured tensors want gradients (the templates'
+        HAS_BUFFER_GRADS)."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, E=self.head_dim,
                     E_PAD=next_power_of_two(self.head_dim), EV=self.ev,
                     EV_PAD=next_power_of_two(self.ev), HAS_BLOCK_MASK=self.has_block_mask,
@@ -106,7 +109,7 @@ class GluonBackwardSpec:
                     GQA_GROUP=self.gqa_group, DSCORE_IS_ONE=dscore_one, STAGES=self.stages,
                     EARLY_DP=self.early_dp, DROPOUT=self.dropout,
                     # the wide kernel's Q K^T always over E's 32-column slices
-                    QK_TRIM=self.qk_trim or self.wide)
+                    QK_TRIM=self.qk_trim or self.wide, HAS_BUFFER_GRADS=buffer_grads)
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": 4, "num_stages": 1, "maxnreg": self.max_registers}
@@ -130,9 +133,11 @@ def descriptor_blocks(spec: GluonBackwardSpec) -> dict[str, tuple[list[int], str
 
 
 def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
-                     dropout: bool = False, wide: bool = False) -> KernelParams:
+                     dropout: bool = False, wide: bool = False,
+                     joint: JointGraph | None = None) -> KernelParams:
     """bwd_gluon.tmpl's kernel: descriptors (their blocks from ``descriptor_blocks``), dK,
-    dV, the transposed q tables, lengths, the scale, the mods' captured tensors and, with
+    dV, the transposed q tables, lengths, the scale, the mods' captured tensors, the fp32
+    gradient accumulators of those that want one (``joint``'s grad slots) and, with
     ``dropout``, the seed, threshold and scale of ``feature_params``; ``wide``
     (bwd_gluon_wide.tmpl): the fp32 dQ accumulator DQ_ACC as a pointer, not a descriptor."""
     names = (("Q_DESC", INPUT), ("DO_DESC", INPUT), ("K_DESC", INPUT), ("V_DESC", INPUT),
@@ -145,11 +150,17 @@ def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
         strides("dv", "bhnd"),
         *block_mask_tables("Q", "n", "m"),
         ints("HQ", "L", "S", "L_PAD", "HQ_CHUNK", "B0", "HKV0") + (Param("sm_scale", FLOAT),)
-        + buffer_params(score, mask) + feature_params("", dropout),
+        + buffer_params(score, mask) + gradients(grad_buffer_args(joint, score).values(), "fp32")
+        + feature_params("", dropout),
         constexprs("BLOCK_M", "BLOCK_N", "E", "E_PAD", "EV", "EV_PAD", "HAS_BLOCK_MASK",
                    "HAS_FULL_BLOCKS",
                    "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE",
-                   "STAGES", "EARLY_DP", "DROPOUT", "QK_TRIM")))
+                   "STAGES", "EARLY_DP", "DROPOUT", "QK_TRIM", "HAS_BUFFER_GRADS")))
+
+
+def has_buffer_grads(joint: JointGraph | None) -> bool:
+    """Whether the score_mod's captured tensors want gradients (HAS_BUFFER_GRADS)."""
+    return bool(joint is not None and joint.grad_slots)
 
 
 def gluon_bwd_key(spec: GluonBackwardSpec, joint: JointGraph | None, score: TracedMod | None,
@@ -167,8 +178,10 @@ def gluon_bwd_kernel(spec: GluonBackwardSpec, joint: JointGraph | None, score: T
     score_args, mask_args = mod_buffer_args(score, mask)
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
-    params = gluon_bwd_params(score, mask, spec.dropout, spec.wide)
-    flags = spec.constexprs(dscore_is_one(joint))
+    grad_args = grad_buffer_args(joint, score)
+    grad_names = [p.name for p in gradients(grad_args.values(), "fp32")]
+    params = gluon_bwd_params(score, mask, spec.dropout, spec.wide, joint)
+    flags = spec.constexprs(dscore_is_one(joint), has_buffer_grads(joint))
     tile = GLUON_TILE_WIDE if spec.wide else GLUON_TILE_T
     library = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
                    MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints, tile=tile))
@@ -178,7 +191,16 @@ def gluon_bwd_kernel(spec: GluonBackwardSpec, joint: JointGraph | None, score: T
                   TABLES=as_tuple(table_names("Q", "n", "m")), SBUFS=as_tuple(score_names),
                   MBUFS=as_tuple(mask_names), SCORE_BUFFERS=unpack(score_names, "sbufs"),
                   SCORE_JOINT=score_joint_code(joint, score, score_args, False, True,
-                                               spec.wide_ints, tile))
+                                               spec.wide_ints, tile),
+                  # the captured tensors' gradients (HAS_BUFFER_GRADS): the joint again with
+                  # the gradients' loads, and their scatter-adds (S^T's query axis is 1
+                  # below E = 256, the wide kernel's S is not transposed)
+                  GBUFS=as_tuple(grad_names), GRAD_BUFFERS=unpack(grad_names, "gbufs"),
+                  SCORE_JOINT_LOADS=score_joint_code(joint, score, score_args, True, True,
+                                                     spec.wide_ints, tile)
+                  if grad_args else "pass",
+                  BUFFER_GRADS=buffer_grad_code(joint, score_args, grad_args,
+                                                0 if spec.wide else 1, gluon=True))
     shared = fill(load_template("bwd_gluon_shared.tmpl"), KERNEL_NAME=name)
     source = module_source(f"flexfa generated Gluon backward kernel: {name}", flags, (name,),
                            load_template("helpers.tmpl"), load_template("gluon_common.tmpl"),
@@ -190,8 +212,8 @@ def gluon_bwd_signature(spec: GluonBackwardSpec, joint: JointGraph | None,
                         score: TracedMod | None, mask: TracedMod | None
                         ) -> tuple[dict[str, str], dict[str, object]]:
     """(signature, constexprs) for ``triton.compile(GluonASTSource(...))``."""
-    constexprs_ = spec.constexprs(dscore_is_one(joint))
-    signature = gluon_bwd_params(score, mask, spec.dropout, spec.wide).signature(
+    constexprs_ = spec.constexprs(dscore_is_one(joint), has_buffer_grads(joint))
+    signature = gluon_bwd_params(score, mask, spec.dropout, spec.wide, joint).signature(
         constexprs_ | {"E_PAD": next_power_of_two(spec.head_dim),
                        "EV_PAD": next_power_of_two(spec.ev)}, {INPUT: spec.dtype})
     for name, (block, dtype) in descriptor_blocks(spec).items():

@@ -48,6 +48,16 @@ def slopes_mod():
     return alibi
 
 
+def learnable_relative_bias():
+    """A score_mod adding a learnable relative-position bias (a captured [8191] tensor that
+    wants a gradient: the backward scatter-adds into it)."""
+    rel = torch.zeros(8191, requires_grad=True)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + rel[q_idx - kv_idx + 4095]
+    return relative
+
+
 def softcap_mod(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 
@@ -394,6 +404,10 @@ register("bwd_gluon_d192_ev128_bf16_causal",
 register("bwd_gluon_d256_bf16_softcap_causal_dropout",
          gluon_bwd_job(256, "bf16", score_mod=softcap_mod, mask_mod=causal_mask, dropout=True),
          archs=(90,))
+# a learnable relative bias (HAS_BUFFER_GRADS: one atomic add a score into its gradient)
+register("bwd_gluon_d256_bf16_relbias_causal",
+         gluon_bwd_job(256, "bf16", score_mod=learnable_relative_bias(),
+                       mask_mod=causal_mask), archs=(90,))
 register("bwd_gluon_d192_ev128_bf16_softcap",
          gluon_bwd_job(192, "bf16", score_mod=softcap_mod, head_dim_v=128), archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))

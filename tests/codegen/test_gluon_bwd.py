@@ -241,7 +241,8 @@ def _learnable_bias():
 
 
 @pytest.mark.parametrize("make, reason", [
-    (lambda: (_call(FORCED, score_mod=_learnable_bias()), _qkv()), "captured-tensor gradients"),
+    (lambda: (_call(None, score_mod=_learnable_bias()), _qkv(L=8192)),
+     "leaves captured-tensor gradients"),
     (lambda: (_call({**FORCED, "deterministic": True}), _qkv()), "deterministic=True"),
     (lambda: (_call({**FORCED, "DS_WORKSPACE": True}), _qkv()), "dS workspace"),
     (lambda: (_call({**FORCED, "bwd_BLOCK_M1": 32}), _qkv()), "pin backward tiles"),
@@ -259,6 +260,30 @@ def test_gluon_backward_refusals_say_what_it_does_not_do(make, reason):
     found = why_not_gluon_bwd(SM90, call, q, k, v)
     assert found is not None and reason in found, found
     assert registry.choose("backward", SM90, call, q, k, v).name == "triton_bwd"
+
+
+@pytest.mark.parametrize("E", [128, 256])
+def test_gluon_backward_takes_captured_tensor_gradients_when_asked(E):
+    """Learnable captured tensors: GLUON_BACKWARD=True takes them (HAS_BUFFER_GRADS: the
+    joint rendered again with the gradients' loads, an fp32 accumulator parameter per tensor,
+    the scatter-adds by Gluon's atomics); 'AUTO' leaves them to the Triton backward (refusals
+    test above). A call without them keeps the kernel without any of it."""
+    q, k, v = _qkv(E=E)
+    call = _call(FORCED, score_mod=_learnable_bias())
+    assert why_not_gluon_bwd(SM90, call, q, k, v) is None
+    assert registry.choose("backward", SM90, call, q, k, v) is GLUON_BWD
+    spec = gluon_bwd_spec(q, k, call, SM90)
+    joint = joint_graph(call.score)
+    assert joint.grad_slots == (0,)
+    kernel = gluon_bwd_kernel(spec, joint, call.score, call.mask)
+    parameters = kernel.source.split(f"def {kernel.name}(")[1].split("):")[0]
+    assert "HAS_BUFFER_GRADS = tl.constexpr(True)" in kernel.source
+    assert "gbuf0_ptr" in parameters and "gbuf0_stride0" in parameters
+    assert "gl.atomic_add(gbuf0_ptr + " in kernel.source
+    fixed = _call(FORCED, score_mod=mods.alibi(2))
+    plain = gluon_bwd_kernel(spec, joint_graph(fixed.score), fixed.score, None)
+    assert "HAS_BUFFER_GRADS = tl.constexpr(False)" in plain.source
+    assert "gbuf0" not in plain.source
 
 
 def test_gluon_backward_takes_dropout_and_draws_the_mask_again():

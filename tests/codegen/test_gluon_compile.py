@@ -62,7 +62,7 @@ BWD_DROPOUT_VARIANTS = ("bwd_gluon_d128_bf16_causal_dropout",
 BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_even",
                      "bwd_gluon_d256_bf16_causal", "bwd_gluon_d192_ev128_bf16_causal",
                      "bwd_gluon_d256_bf16_softcap_causal_dropout",
-                     "bwd_gluon_d256_bf16_gqa_causal")
+                     "bwd_gluon_d256_bf16_gqa_causal", "bwd_gluon_d256_bf16_relbias_causal")
 # Q K^T over E's 32-column slices alone (GLUON_QK_TRIM) and the padded variants they trim
 QK_TRIM_VARIANTS = ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
                     "fwd_gluon_d96_bf16_softcap_causal_qk_trim", "fwd_gluon_d96_bf16_softcap_causal",
@@ -360,8 +360,9 @@ def test_gluon_wide_backward_compiles_for_sm90(wide_rows):
     """The E = 256 backward (bwd_gluon_wide.tmpl): wgmma unserialized, TMA loads, dQ by
     relaxed atomic adds (no TMA reduce, no dQ buffer in shared memory), the producer at 24
     registers and the worker consumer at 240; no spills, with or without the causal mask, at
-    a ragged length or tile multiples, at E = 192 with Ev = 128 too, with dropout and with
-    GQA 4 (the producer's head loop, OPAQUE_WALK)."""
+    a ragged length or tile multiples, at E = 192 with Ev = 128 too, with dropout, with
+    GQA 4 (the producer's head loop, OPAQUE_WALK) and with a learnable relative bias (its
+    gradient's atomics, HAS_BUFFER_GRADS)."""
     rows = {name: row for name, row in wide_rows.items() if name in BWD_WIDE_VARIANTS}
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])

@@ -19,7 +19,7 @@ from flexfa import mods
 from flexfa.runtime import plans
 from flexfa.runtime.families.gluon_bwd import DQ_CHUNKS, dq_slots
 
-from kernels.backward_utils import check_backward
+from kernels.backward_utils import check_backward, learnable_mod
 from gpu.gluon_safety import case_inputs, run_safely
 from kernels.forward_utils import make_qkv
 
@@ -181,6 +181,22 @@ def test_gluon_backward_with_sinks_matches_reference(safe, name):
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
                    kernel_options={"GLUON_BACKWARD": True}, sinks=sinks,
                    with_lse=name == "causal")
+    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
+@pytest.mark.parametrize("name", ["causal", "gqa_causal", "document", "ragged", "causal_d96",
+                                  "causal_d256", "gqa_alibi_causal_d256", "causal_d192_ev128"])
+def test_gluon_backward_captured_tensor_gradients_match_reference(safe, name):
+    """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True): the five
+    tensors of backward_utils.learnable_mod (a relative bias, a head scale, row and column
+    biases, a 0-d gain) with the case's mask_mod, every gradient against the float64
+    reference."""
+    q, k, v, _, mask_mod, block_mask = case_inputs(CASES[name], name)
+    Hq, Hkv = q.shape[1], k.shape[1]
+    score_mod, buffers = learnable_mod(Hq, q.shape[2], k.shape[2], seed=4, device="cuda")
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
+                   kernel_options=FORCED, buffers=buffers)
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
 
 

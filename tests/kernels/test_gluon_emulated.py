@@ -21,7 +21,7 @@ from gpu.gluon_safety import case_inputs
 from gpu.test_gluon_bwd_gpu import (_alibi_causal, _empty_rows, assert_same_non_finite,
                                     gluon_backward_plans, non_finite_results)
 from gpu.test_gluon_gpu import _empty_prefix
-from kernels.backward_utils import check_backward
+from kernels.backward_utils import check_backward, learnable_mod
 from kernels.forward_utils import check_forward, make_qkv
 
 EMULATE = {"GLUON_EMULATE": True}
@@ -266,6 +266,24 @@ def test_gluon_backward_emulated_sinks(name):
                        enable_gqa=q.shape[1] != k.shape[1], kernel_options=options,
                        sinks=sinks, with_lse=True)
         assert _families() == families
+
+
+@pytest.mark.parametrize("name, dropout", [
+    ("causal", None), ("gqa_causal", None), ("document", None), ("dense_fp16", None),
+    ("gqa_causal", (0.3, (7, 2))), ("causal_d256", None), ("gqa_dense_d256", None),
+    ("causal_d192_ev128", (0.3, (7, 2))), ("empty_rows", None)])
+def test_gluon_backward_emulated_captured_tensor_gradients(name, dropout):
+    """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True; both templates'
+    HAS_BUFFER_GRADS): every gradient, the five captured tensors' among them, against the
+    float64 reference, in the E <= 128 kernel (S^T transposed: queries on axis 1) and the wide
+    one, with GQA, dropout (P before the keep mask times the dropped dP's), a document mask,
+    fp16 and rows that attend to nothing."""
+    q, k, v, _, mask_mod, block_mask = _inputs(name)
+    score_mod, buffers = learnable_mod(q.shape[1], q.shape[2], k.shape[2], seed=3)
+    plans.PLANS.clear()
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                   kernel_options=BACKWARD, buffers=buffers, dropout=dropout)
+    assert _families() == ["gluon", "gluon_bwd"]
 
 
 @pytest.mark.parametrize("name", ["gqa_causal", "causal_d256"])

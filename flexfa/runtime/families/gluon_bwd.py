@@ -11,10 +11,12 @@ By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
 the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True``
 wherever it applies (whatever family ran the forward: it reads out and lse only); elsewhere
-the Triton backward runs (captured-tensor gradients, ``deterministic=True``, other head
-dims...). Dropout draws the forward's keep mask again in the consumers (both templates'
-DROPOUT); attention sinks need nothing of the kernel (lse holds them) and take their
-gradient from lse and delta after it.
+the Triton backward runs (``deterministic=True``, other head dims..., and under 'AUTO'
+captured-tensor gradients). Dropout draws the forward's keep mask again in the consumers
+(both templates' DROPOUT); attention sinks need nothing of the kernel (lse holds them) and
+take their gradient from lse and delta after it; captured tensors that want gradients
+(learnable biases) get them from the consumers' tiles by atomic adds into fp32
+accumulators (both templates' HAS_BUFFER_GRADS).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``); the two fp32 rows per query the kernel reads (lse2, delta) live in
 dQ's own memory until the postprocess writes dQ there (``row_buffers``); nothing of size
@@ -31,7 +33,8 @@ from ...codegen.backward import dscore_is_one
 from ...codegen.gluon import trims_columns
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
                                   GluonBackwardSpec, RowsSpec, descriptor_blocks,
-                                  descriptor_layouts, gluon_bwd_kernel, rows_kernel)
+                                  descriptor_layouts, gluon_bwd_kernel, has_buffer_grads,
+                                  rows_kernel)
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
 from .. import binding, plans
@@ -232,8 +235,9 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         return (f"S={k.shape[2]}: the Gluon backward's {cdiv(k.shape[2], block_n)} kv blocks "
                 f"of {block_n} keys exceed a grid's {MAX_GRID_Y} on its y axis")
     joint = joint_graph(call.score)
-    if joint is not None and joint.grad_slots:
-        return "captured-tensor gradients (learnable biases) run on the Triton backward"
+    if choice is None and joint is not None and joint.grad_slots:
+        return ("GLUON_BACKWARD='AUTO' leaves captured-tensor gradients (learnable biases) "
+                "to the Triton backward (not measured here; GLUON_BACKWARD=True takes them)")
     options = call.options
     if options.deterministic:
         return "deterministic=True runs on the Triton backward (the dQ reduce-adds' order " \
@@ -422,12 +426,15 @@ class GluonBackward(KernelFamily):
         zero = zero_step(rows, acc_heads * l_pad)
         lengths = {"HQ": Hq, "L": L, "S": S, "L_PAD": l_pad, "HQ_CHUNK": acc_hkv * group}
         kernel = Step(main.kernel(), kernel_grid(S, Hkv, B, spec.block_n),
-                      spec.constexprs(dscore_is_one(joint)), spec.launch_options(),
+                      spec.constexprs(dscore_is_one(joint), has_buffer_grads(joint)),
+                      spec.launch_options(),
                       binding.Binder(main.names(), {
                           **lengths, **binding.strides("dk", "bhnd", x.dk.stride()),
                           **binding.strides("dv", "bhnd", x.dv.stride()),
                           **binding.tables("Q", "n", "m", call.block_mask, "q", q.device),
-                          **binding.buffer_layout(call.score, call.mask)}))
+                          **binding.buffer_layout(call.score, call.mask),
+                          # the accumulators are contiguous in their captured tensors' shapes
+                          **binding.gradient_strides(x.grads)}))
         return plans.Plan(self, spec, (pre, kernel, post, zero), {
             "l_pad": l_pad, "layouts": descriptor_layouts(spec),
             "blocks": {name: block for name, (block, _) in descriptor_blocks(spec).items()},
@@ -470,7 +477,8 @@ class GluonBackward(KernelFamily):
             torch.empty_like(x.k, memory_format=torch.contiguous_format),
             torch.empty_like(x.v, memory_format=torch.contiguous_format))
         args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
-                **binding.buffer_pointers(call.score, call.mask)}
+                **binding.buffer_pointers(call.score, call.mask),
+                **{binding.gradient_pointer(slot): grad for slot, grad in x.grads.items()}}
         if call.dropout is not None:
             args.update(binding.feature_values(call))
         group = call.gqa_group
