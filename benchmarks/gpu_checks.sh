@@ -73,14 +73,15 @@
 # the second at 96 and 80 (3 rounds); wg: the wide Gluon backward with GQA (its producer's
 # opaque head walk) against 8ab6f3e, fwd+bwd at E = 256 (tree_ab.py, carry .oldW); wh: wf and
 # wg in one call: the sinks and trim GPU tests, wg's A/B (carry .oldW), then the forward trim
-# A/B on fewer cases (3 rounds);
+# A/B on fewer cases (3 rounds); wi: the Gluon backward's captured-tensor gradient GPU tests
+# (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -447,6 +448,17 @@ if [ "$PART" = wg ]; then  # the wide backward's GQA producer (OPAQUE_WALK) agai
   # (carry .oldW: git worktree add .oldW 8ab6f3e), fwd+bwd, 3 rounds
   FLEXFA_AUTOTUNE=0 step tree_ab "${WG_LIMIT:-200}" python benchmarks/tree_ab.py --old .oldW \
     --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
+    "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
+  tail -n 8 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wi ]; then  # the captured-tensor gradients on the Gluon backward, then wh, wg
+  step grads 120 $SHARD/wi_grads -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
+    -k "captured_tensor or learnable_bias"
+  step gpu_tests 150 $SHARD/wi -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
+  tail -n 4 "$OUT/grads.log" "$OUT/gpu_tests.log"
+  FLEXFA_AUTOTUNE=0 step tree_ab 140 python benchmarks/tree_ab.py --old .oldW \
+    --rounds 2 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
     "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
   tail -n 8 "$OUT/tree_ab.log"
 fi

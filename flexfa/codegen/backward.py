@@ -338,12 +338,8 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, q_axis: int = 0,
         return "pass"
     lang, kv_axis = ("gl" if gluon else "tl"), 1 - q_axis
     lines = []
-    for i, (load, _) in enumerate(joint.dloads):
+    for i, ((load, _), (rows, cols)) in enumerate(zip(joint.dloads, grad_load_axes(joint))):
         slot = load.arg
-        deps = frozenset().union(*(leaf_ops(index) for index in load.src)) if load.src \
-            else frozenset()
-        rows = bool(deps & {Op.Q_IDX, Op.SCORE})
-        cols = bool(deps & {Op.KV_IDX, Op.SCORE})
         contrib = f"{lang}.where(p > 0.0, ds_out * dload{i}, 0.0)"
         if rows and cols:
             value = contrib
@@ -361,6 +357,17 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, q_axis: int = 0,
         lines.append(f"gl.atomic_add({pointer}, {value}, sem=\"relaxed\")" if gluon
                      else f"flexfa_grad_add({pointer}, {value})")
     return "\n".join(lines)
+
+
+def grad_load_axes(joint: JointGraph | None) -> list[tuple[bool, bool]]:
+    """(rows, cols) of each gradient load of ``joint``: whether its indices vary along the
+    score tile's query axis, its key axis (the score itself varies along both)."""
+    axes = []
+    for load, _ in (joint.dloads if joint is not None else ()):
+        deps = frozenset().union(*(leaf_ops(index) for index in load.src)) if load.src \
+            else frozenset()
+        axes.append((bool(deps & {Op.Q_IDX, Op.SCORE}), bool(deps & {Op.KV_IDX, Op.SCORE})))
+    return axes
 
 
 def grad_buffer_args(joint: JointGraph | None, score: TracedMod | None) -> dict:

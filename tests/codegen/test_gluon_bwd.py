@@ -262,12 +262,36 @@ def test_gluon_backward_refusals_say_what_it_does_not_do(make, reason):
     assert registry.choose("backward", SM90, call, q, k, v).name == "triton_bwd"
 
 
-@pytest.mark.parametrize("E", [128, 256])
+def _key_bias():
+    bias = torch.zeros(256, requires_grad=True)
+
+    def key_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    return key_bias
+
+
+@pytest.mark.parametrize("E, score_mod, reason", [
+    (128, _learnable_bias, "below E = 256"), (96, _learnable_bias, "below E = 256"),
+    (256, _key_bias, "along the keys alone"), (192, _key_bias, "along the keys alone")])
+def test_gluon_backward_refuses_the_captured_tensor_gradients_it_got_wrong(E, score_mod, reason):
+    """On the H200 (gpu_2026-12-05) the E <= 128 kernel with captured-tensor gradients passed
+    sm_90's shared memory, and the wide kernel's gradients of a tensor indexed by the key
+    alone (a sum over the queries, across the warpgroup's warps) were wrong: under
+    GLUON_BACKWARD=True those calls take the Triton backward."""
+    q, k, v = _qkv(E=E)
+    call = _call(FORCED, score_mod=score_mod())
+    found = why_not_gluon_bwd(SM90, call, q, k, v)
+    assert found is not None and reason in found, found
+    assert registry.choose("backward", SM90, call, q, k, v).name == "triton_bwd"
+
+
+@pytest.mark.parametrize("E", [192, 256])
 def test_gluon_backward_takes_captured_tensor_gradients_when_asked(E):
-    """Learnable captured tensors: GLUON_BACKWARD=True takes them (HAS_BUFFER_GRADS: the
-    joint rendered again with the gradients' loads, an fp32 accumulator parameter per tensor,
-    the scatter-adds by Gluon's atomics); 'AUTO' leaves them to the Triton backward (refusals
-    test above). A call without them keeps the kernel without any of it."""
+    """Learnable captured tensors at head dims padding to 256: GLUON_BACKWARD=True takes them
+    (HAS_BUFFER_GRADS: the joint rendered again with the gradients' loads, an fp32
+    accumulator parameter per tensor, the scatter-adds by Gluon's atomics); 'AUTO' leaves
+    them to the Triton backward (refusals test above). A call without them keeps the kernel
+    without any of it."""
     q, k, v = _qkv(E=E)
     call = _call(FORCED, score_mod=_learnable_bias())
     assert why_not_gluon_bwd(SM90, call, q, k, v) is None

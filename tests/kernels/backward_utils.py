@@ -63,11 +63,12 @@ def reference_run(q, k, v, score_mod=None, mask_mod=None, *, enable_gqa=False, b
     return out.detach(), lse.detach(), grads
 
 
-def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu"):
-    """(score_mod, its five learnable captured tensors), one per way a gradient load can
-    depend on the score tile: rel[q - kv] (every element), scale[h] (the score times it: one
-    sum a tile, its derivative the score), row[h, q] (a sum over keys), col[kv] (over
-    queries) and a 0-d gain (times col)."""
+def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", key_bias: bool = True):
+    """(score_mod, its learnable captured tensors), one per way a gradient load can depend on
+    the score tile: rel[q - kv] (every element), scale[h] (the score times it: one sum a
+    tile, its derivative the score), row[h, q] (a sum over keys), a 0-d gain (times col[kv],
+    or without ``key_bias`` times rel) and col[kv] (a sum over queries; the Gluon backward
+    refuses it, runtime.families.gluon_bwd)."""
     generator = torch.Generator().manual_seed(seed)
 
     def leaf(*shape, mean=0.0, std=1.0):
@@ -78,7 +79,12 @@ def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu"):
     def learnable(score, b, h, q_idx, kv_idx):
         return (score * scale[h] + rel[q_idx - kv_idx + S - 1] + row[h, q_idx]
                 + col[kv_idx] * gain)
-    return learnable, (rel, scale, row, col, gain)
+
+    def without_key_bias(score, b, h, q_idx, kv_idx):
+        return (score * scale[h] + rel[q_idx - kv_idx + S - 1] * gain + row[h, q_idx])
+    if key_bias:
+        return learnable, (rel, scale, row, gain, col)
+    return without_key_bias, (rel, scale, row, gain)
 
 
 def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,

@@ -269,21 +269,27 @@ def test_gluon_backward_emulated_sinks(name):
 
 
 @pytest.mark.parametrize("name, dropout", [
-    ("causal", None), ("gqa_causal", None), ("document", None), ("dense_fp16", None),
-    ("gqa_causal", (0.3, (7, 2))), ("causal_d256", None), ("gqa_dense_d256", None),
-    ("causal_d192_ev128", (0.3, (7, 2))), ("empty_rows", None)])
+    ("causal_d256", None), ("gqa_dense_d256", None), ("gqa_causal_d256", (0.3, (7, 2))),
+    ("causal_d192_ev128", (0.3, (7, 2))), ("dense_d192", None), ("alibi_causal_d256", None)])
 def test_gluon_backward_emulated_captured_tensor_gradients(name, dropout):
-    """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True; both templates'
-    HAS_BUFFER_GRADS): every gradient, the five captured tensors' among them, against the
-    float64 reference, in the E <= 128 kernel (S^T transposed: queries on axis 1) and the wide
-    one, with GQA, dropout (P before the keep mask times the dropped dP's), a document mask,
-    fp16 and rows that attend to nothing."""
+    """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True; the wide
+    template's HAS_BUFFER_GRADS): every gradient, four captured tensors' among them (a
+    relative bias, a head scale, a row bias, a 0-d gain), against the float64 reference,
+    with GQA, dropout (P before the keep mask times the dropped dP's) and E = 192 / Ev = 128;
+    a key bias (refused by the Gluon backward) takes the Triton backward."""
     q, k, v, _, mask_mod, block_mask = _inputs(name)
-    score_mod, buffers = learnable_mod(q.shape[1], q.shape[2], k.shape[2], seed=3)
+    Hq, L, S = q.shape[1], q.shape[2], k.shape[2]
+    score_mod, buffers = learnable_mod(Hq, L, S, seed=3, key_bias=False)
     plans.PLANS.clear()
-    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=q.shape[1] != k.shape[1],
+    check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != k.shape[1],
                    kernel_options=BACKWARD, buffers=buffers, dropout=dropout)
     assert _families() == ["gluon", "gluon_bwd"]
+    if name == "causal_d256":
+        score_mod, buffers = learnable_mod(Hq, L, S, seed=3)
+        plans.PLANS.clear()
+        check_backward(q, k, v, score_mod, mask_mod, block_mask, kernel_options=BACKWARD,
+                       buffers=buffers)
+        assert _families() == ["gluon", "triton_bwd"]
 
 
 @pytest.mark.parametrize("name", ["gqa_causal", "causal_d256"])

@@ -29,7 +29,7 @@ import contextlib
 import torch
 
 from ...blockmask.density import density_class, visited_share
-from ...codegen.backward import dscore_is_one
+from ...codegen.backward import dscore_is_one, grad_load_axes
 from ...codegen.gluon import trims_columns
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
                                   GluonBackwardSpec, RowsSpec, descriptor_blocks,
@@ -235,9 +235,19 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         return (f"S={k.shape[2]}: the Gluon backward's {cdiv(k.shape[2], block_n)} kv blocks "
                 f"of {block_n} keys exceed a grid's {MAX_GRID_Y} on its y axis")
     joint = joint_graph(call.score)
-    if choice is None and joint is not None and joint.grad_slots:
-        return ("GLUON_BACKWARD='AUTO' leaves captured-tensor gradients (learnable biases) "
-                "to the Triton backward (not measured here; GLUON_BACKWARD=True takes them)")
+    if joint is not None and joint.grad_slots:
+        if choice is None:
+            return ("GLUON_BACKWARD='AUTO' leaves captured-tensor gradients (learnable "
+                    "biases) to the Triton backward (not measured; GLUON_BACKWARD=True takes "
+                    "them at head dims padding to 256)")
+        if block_n != BLOCK_N_WIDE:
+            return ("captured-tensor gradients run on the Triton backward below E = 256: "
+                    "with them the Gluon kernel's shared memory passes sm_90's (233096 of "
+                    "232448 bytes on the H200)")
+        if any(cols and not rows for rows, cols in grad_load_axes(joint)):
+            return ("captured-tensor gradients indexed along the keys alone (col[kv_idx]) "
+                    "run on the Triton backward: the Gluon kernel's sums of them over the "
+                    "queries were wrong on the H200")
     options = call.options
     if options.deterministic:
         return "deterministic=True runs on the Triton backward (the dQ reduce-adds' order " \
