@@ -172,23 +172,50 @@ def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_m
         "forward", SM90, _call(None, block_mask=mask), q, k, v)
 
 
-@pytest.mark.parametrize("E, Ev", [(256, 256), (192, 128)])
-def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev):
+@pytest.mark.parametrize("E, Ev, L, chosen", [
+    (256, 256, 8192, "gluon_bwd"),    # 0.79x the Triton backward's time (we_001b317)
+    (256, 256, 2048, "gluon_bwd"),    # dense 0.81x
+    (256, 256, 1024, "triton_bwd"),   # not measured
+    (192, 128, 8192, "gluon_bwd"),    # 0.90x
+    (192, 128, 4096, "triton_bwd"),   # not measured
+    (256, 128, 8192, "gluon_bwd"),    # the same pair of padded dims
+])
+def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev, L, chosen):
     """The wide kernel draws the keep mask too: GLUON_BACKWARD=True takes dropout at the
-    head dims padding to 256; 'AUTO' keeps it on the Triton backward until measured there
-    (DROPOUT_MIN_LENGTH has no entry for 256) and says so."""
-    q, k = (torch.empty(1, 64, 8192, E, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.empty(1, 64, 8192, Ev, dtype=torch.bfloat16)
-    mask = _mask(8192, mask_mod=mods.causal)
+    head dims padding to 256; 'AUTO' from DROPOUT_MIN_LENGTH of the padded pair on (2048 at
+    256, 8192 at 192 / 128, where it measured faster), below that the Triton backward, and
+    at 192 / 128 without dropout the Triton backward always (faster there)."""
+    q, k = (torch.empty(1, 64, L, E, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, 64, L, Ev, dtype=torch.bfloat16)
+    mask = _mask(L, mask_mod=mods.causal)
     forced = _call(FORCED, block_mask=mask, dropout_p=0.1)
     assert why_not_gluon_bwd(SM90, forced, q, k, v) is None
     assert registry.choose("backward", SM90, forced, q, k, v) is GLUON_BWD
     auto = _call(None, block_mask=mask, dropout_p=0.1)
-    reason = why_not_gluon_bwd(SM90, auto, q, k, v)
-    if E == Ev:
-        assert "takes dropout at head dims padding to [64, 128] (measured there), not 256" \
-            in reason, reason
-    assert registry.choose("backward", SM90, auto, q, k, v).name == "triton_bwd"
+    assert registry.choose("backward", SM90, auto, q, k, v).name == chosen
+    if chosen == "triton_bwd":
+        reason = why_not_gluon_bwd(SM90, auto, q, k, v)
+        assert f"dropout at head dim {E} for L and S of at least" in reason, reason
+    plain = why_not_gluon_bwd(SM90, _call(None, block_mask=mask), q, k, v)
+    if E != Ev:
+        assert "192 or 256 with Ev = 128 with dropout" in plain, plain
+
+
+@pytest.mark.parametrize("L, mask_mod, chosen", [
+    (2048, None, "gluon_bwd"), (4096, None, "gluon_bwd"),       # 0.96x, 0.94x (we_001b317)
+    (1024, None, "triton_bwd"),                                 # not measured
+    (4096, mods.causal, "triton_bwd"), (2048, mods.causal, "triton_bwd"),  # 1.03x, 1.10x
+    (8192, mods.causal, "gluon_bwd")])
+def test_wide_backward_without_a_block_mask_from_2048(L, mask_mod, chosen):
+    """At E = 256 'AUTO' takes the wide kernel for calls without a block mask from L = S =
+    WIDE_DENSE_MIN_LENGTH (2048), where it measured faster; masked calls from past
+    SHORT_KV (4096) as at the other head dims."""
+    q, k, v = (torch.empty(1, 16, L, 256, dtype=torch.bfloat16) for _ in range(3))
+    mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
+    call = _call(None, block_mask=mask)
+    assert registry.choose("backward", SM90, call, q, k, v).name == chosen
+    if chosen == "triton_bwd":
+        assert "past 4096" in why_not_gluon_bwd(SM90, call, q, k, v)
 
 
 @pytest.mark.parametrize("E, Ev, trimmed", [(96, 96, True), (80, 80, True), (128, 128, False),

@@ -164,9 +164,19 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # dim. fwd+bwd with p = 0.1 on the H200 against the Triton backward (dropout_ab.py, 2
 # rounds, gpu_2026-12-03/gbd_094b28e): E = 128 causal 1.05x the time at S = 1024 (B = 16),
 # 0.95x at 2048, 0.85x at 4096, 0.83x at 8192; dense 0.86x at 2048, 0.82-0.84x at 4096 and
-# 8192; E = 64 causal 1.07x at 2048, 0.97x at 4096, 0.95x at 8192, dense 1.06x at 1024
-DROPOUT_MIN_LENGTH = {64: 4096, 128: 2048}
+# 8192; E = 64 causal 1.07x at 2048, 0.97x at 4096, 0.95x at 8192, dense 1.06x at 1024.
+# Keyed by the padded (E, Ev) pair. The wide kernel (options_ab.py, 3 rounds,
+# gpu_2026-12-05/we_001b317): 256 causal 0.79x at 8192 and 0.80x at 4096, dense 0.81x at
+# 2048; 192 / 128 causal 0.90x at 8192 (the only length measured there; it is taken with
+# dropout alone: without, the Triton backward was faster at 192 / 128)
+DROPOUT_MIN_LENGTH = {(64, 64): 4096, (128, 128): 2048, (256, 256): 2048, (256, 128): 8192}
+# without a block mask the wide kernel from this length (not past SHORT_KV only): dense
+# fwd+bwd at E = 256 0.94x the Triton backward's time at 4096 and 0.96x at 2048 (we_001b317;
+# causal there 1.03x and 1.10x: masked calls keep SHORT_KV)
+WIDE_DENSE_MIN_LENGTH = 2048
 SPARSE_WALK_ROWS = 1024
+# (at 256 sliding windows of 1024 and the benchmark's documents at S = 16384 took 1.11x and
+# 1.07x the Triton backward's time, we_001b317: sparse masks stay there)
 SPARSE_HEAD_DIMS = (128,)
 SPARSE_MIN_TILES = 16384
 
@@ -181,8 +191,10 @@ def auto_head_dim(E: int, Ev: int) -> bool:
     causal 1.00x at 16384, 1.01-1.02x at 8192, 0.96x at 8100 (peak memory 577 MiB against
     514: dQ's float32 accumulator). E = 192 with Ev = 128 keeps the Triton backward (the
     wide kernel with E padded to 256 took 1.14x the time causal, 1.08x dense at 8192; 1.01x
-    and 0.98x at 8100; its 192-column layout, 0.81x the tensor work, is not yet timed); others
-    (48, 160, 192 and 256 / 128, not measured) opt in with GLUON_BACKWARD=True."""
+    and 0.98x at 8100; with its 192-column layout (we_001b317, 3 rounds) 1.09x causal,
+    1.04x dense, 1.03x softcap at 8192, 0.98x causal and 0.95x dense at 8100), except with
+    dropout (why_not_gluon_bwd, DROPOUT_MIN_LENGTH); others (48, 160, 192 and 256 / 128
+    without dropout, not measured) opt in with GLUON_BACKWARD=True."""
     return E == Ev and (E == 64 or 80 <= E <= 128 or E == WIDE_HEAD_DIM)
 
 
@@ -199,24 +211,30 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         return (f"it needs v's head dim to be q's below E = 256 (bwd_gluon.tmpl), not "
                 f"E={q.shape[3]}, Ev={v.shape[3]}")
     if choice is None:
-        L, S = q.shape[2], k.shape[2]
-        if not auto_head_dim(q.shape[3], v.shape[3]):
-            return (f"GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's "
-                    f"alike (measured faster there), not E={q.shape[3]}, Ev={v.shape[3]}")
-        if call.dropout is not None:
-            need = DROPOUT_MIN_LENGTH.get(next_power_of_two(q.shape[3]))
-            if need is None:
-                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dims padding to "
-                        f"{sorted(DROPOUT_MIN_LENGTH)} (measured there), not {q.shape[3]}")
-            if min(L, S) < need:
-                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dim {q.shape[3]} for L "
-                        f"and S of at least {need} (measured faster there), not L={L}, S={S}")
-        elif min(L, S) <= SHORT_KV:
-            return (f"GLUON_BACKWARD='AUTO' takes it for L and S past {SHORT_KV} (measured "
-                    f"there), not L={L}, S={S}")
+        L, S, E, Ev = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+        pair = (next_power_of_two(E), next_power_of_two(Ev))
         found = density_class(call.block_mask)
+        # E = 192 / Ev = 128 (and 256 / 128) with dropout only (DROPOUT_MIN_LENGTH)
+        if not (auto_head_dim(E, Ev) or (call.dropout is not None and pair == (256, 128))):
+            return (f"GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's "
+                    f"alike (and 192 or 256 with Ev = 128 with dropout; measured faster "
+                    f"there), not E={E}, Ev={Ev}")
+        if call.dropout is not None:
+            need = DROPOUT_MIN_LENGTH.get(pair)
+            if need is None:
+                return (f"GLUON_BACKWARD='AUTO' takes dropout at padded head dims (E, Ev) "
+                        f"{sorted(DROPOUT_MIN_LENGTH)} (measured there), not {pair}")
+            if min(L, S) < need:
+                return (f"GLUON_BACKWARD='AUTO' takes dropout at head dim {E} for L "
+                        f"and S of at least {need} (measured faster there), not L={L}, S={S}")
+        elif min(L, S) <= SHORT_KV and not (
+                pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and found == "dense"
+                and min(L, S) >= WIDE_DENSE_MIN_LENGTH):
+            return (f"GLUON_BACKWARD='AUTO' takes it for L and S past {SHORT_KV} (at E = 256 "
+                    f"from {WIDE_DENSE_MIN_LENGTH} without a block mask; measured there), "
+                    f"not L={L}, S={S}")
         if found not in AUTO_CLASSES:
-            if q.shape[3] not in SPARSE_HEAD_DIMS:
+            if E not in SPARSE_HEAD_DIMS:
                 return (f"GLUON_BACKWARD='AUTO' takes sparse block masks at head dims "
                         f"{SPARSE_HEAD_DIMS} (measured there), not {q.shape[3]}")
             # (a sparse class implies a known share: a capture without it reads "masked")
