@@ -198,7 +198,23 @@ def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev, L, chosen):
         assert f"dropout at head dim {E} for L and S of at least" in reason, reason
     plain = why_not_gluon_bwd(SM90, _call(None, block_mask=mask), q, k, v)
     if E != Ev:
-        assert "192 or 256 with Ev = 128 with dropout" in plain, plain
+        assert "192 or 256 with Ev = 128 with dropout or at lengths" in plain, plain
+
+
+@pytest.mark.parametrize("L, mask_mod, chosen", [
+    (8100, mods.causal, "gluon_bwd"), (8100, None, "gluon_bwd"),     # 0.98x, 0.95x
+    (8192, mods.causal, "triton_bwd"), (8192, None, "triton_bwd"),   # 1.09x, 1.04x
+    (4000, mods.causal, "triton_bwd"),                               # not measured
+])
+def test_mla_shape_takes_the_wide_backward_at_ragged_lengths(L, mask_mod, chosen):
+    """E = 192 / Ev = 128 without dropout: 'AUTO' takes the wide kernel where L or S is not
+    a multiple of 128 (past 4096), where it measured faster than the Triton backward's
+    bounds-checked programs, and keeps the Triton backward at tile multiples."""
+    q, k = (torch.empty(1, 16, L, 192, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, 16, L, 128, dtype=torch.bfloat16)
+    mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
+    call = _call(None, block_mask=mask)
+    assert registry.choose("backward", SM90, call, q, k, v).name == chosen
 
 
 @pytest.mark.parametrize("L, mask_mod, chosen", [

@@ -174,6 +174,11 @@ DROPOUT_MIN_LENGTH = {(64, 64): 4096, (128, 128): 2048, (256, 256): 2048, (256, 
 # fwd+bwd at E = 256 0.94x the Triton backward's time at 4096 and 0.96x at 2048 (we_001b317;
 # causal there 1.03x and 1.10x: masked calls keep SHORT_KV)
 WIDE_DENSE_MIN_LENGTH = 2048
+# at E = 192 / Ev = 128 without dropout the wide kernel where L or S is not a multiple of
+# this: there the Triton backward's dK/dV runs its bounds-checked 32-key programs, and the
+# Gluon backward took 0.98x its time causal and 0.95x dense at S = 8100 (at 8192 1.09x and
+# 1.04x: tile multiples stay on the Triton backward; we_001b317)
+MLA_RAGGED = 128
 SPARSE_WALK_ROWS = 1024
 # (at 256 sliding windows of 1024 and the benchmark's documents at S = 16384 took 1.11x and
 # 1.07x the Triton backward's time, we_001b317: sparse masks stay there)
@@ -214,11 +219,15 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         L, S, E, Ev = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
         pair = (next_power_of_two(E), next_power_of_two(Ev))
         found = density_class(call.block_mask)
-        # E = 192 / Ev = 128 (and 256 / 128) with dropout only (DROPOUT_MIN_LENGTH)
-        if not (auto_head_dim(E, Ev) or (call.dropout is not None and pair == (256, 128))):
+        # E = 192 / Ev = 128 (and 256 / 128) with dropout (DROPOUT_MIN_LENGTH) or at a
+        # length that is not a multiple of 128 (MLA_RAGGED)
+        ragged = L % MLA_RAGGED or S % MLA_RAGGED
+        if not (auto_head_dim(E, Ev) or (pair == (WIDE_HEAD_DIM, 128)
+                                         and (call.dropout is not None or ragged))):
             return (f"GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's "
-                    f"alike (and 192 or 256 with Ev = 128 with dropout; measured faster "
-                    f"there), not E={E}, Ev={Ev}")
+                    f"alike, and 192 or 256 with Ev = 128 with dropout or at lengths that are "
+                    f"not multiples of {MLA_RAGGED} (measured faster there), not E={E}, "
+                    f"Ev={Ev}, L={L}, S={S}")
         if call.dropout is not None:
             need = DROPOUT_MIN_LENGTH.get(pair)
             if need is None:
