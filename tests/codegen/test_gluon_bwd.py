@@ -313,14 +313,25 @@ def _key_bias():
     return key_bias
 
 
+def _row_bias():
+    bias = torch.zeros(2, 256, requires_grad=True)
+
+    def row_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx]
+    return row_bias
+
+
 @pytest.mark.parametrize("E, score_mod, reason", [
     (128, _learnable_bias, "below E = 256"), (96, _learnable_bias, "below E = 256"),
-    (256, _key_bias, "along the keys alone"), (192, _key_bias, "along the keys alone")])
+    (256, _key_bias, "along one axis"), (192, _key_bias, "along one axis"),
+    (256, _row_bias, "along one axis")])
 def test_gluon_backward_refuses_the_captured_tensor_gradients_it_got_wrong(E, score_mod, reason):
     """On the H200 (gpu_2026-12-05) the E <= 128 kernel with captured-tensor gradients passed
-    sm_90's shared memory, and the wide kernel's gradients of a tensor indexed by the key
-    alone (a sum over the queries, across the warpgroup's warps) were wrong: under
-    GLUON_BACKWARD=True those calls take the Triton backward."""
+    sm_90's shared memory, and the wide kernel's gradients of a tensor indexed along one axis
+    of the tile alone were wrong (the reduced vector repeats in a thread's registers and
+    Gluon's atomics add each copy; the sm_90 PTX shows two adds to each of a thread's
+    addresses for a key bias, eight for a row bias): under GLUON_BACKWARD=True those calls
+    take the Triton backward."""
     q, k, v = _qkv(E=E)
     call = _call(FORCED, score_mod=score_mod())
     found = why_not_gluon_bwd(SM90, call, q, k, v)

@@ -188,18 +188,18 @@ def test_gluon_backward_with_sinks_matches_reference(safe, name):
                                   "gqa_alibi_causal_d256", "causal_d192_ev128", "causal_d192"])
 def test_gluon_backward_captured_tensor_gradients_match_reference(safe, name):
     """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True, head dims
-    padding to 256): four tensors of backward_utils.learnable_mod (a relative bias, a head
-    scale, a row bias, a 0-d gain) with the case's mask_mod, every gradient against the
-    float64 reference. (A key bias, whose sums over the queries were wrong here on
-    2026-12-05, and E <= 128, whose kernel then passed the shared memory, take the Triton
-    backward.)"""
+    padding to 256): three tensors of backward_utils.learnable_mod (a relative bias, a head
+    scale, a 0-d gain) with the case's mask_mod, every gradient against the float64
+    reference, lse's gradient in. (Row and key biases, whose sums along one axis the kernel
+    added more than once, and E <= 128, whose kernel then passed the shared memory, take the
+    Triton backward.)"""
     q, k, v, _, mask_mod, block_mask = case_inputs(CASES[name], name)
     Hq, Hkv = q.shape[1], k.shape[1]
     score_mod, buffers = learnable_mod(Hq, q.shape[2], k.shape[2], seed=4, device="cuda",
-                                       key_bias=False)
+                                       vectors=False)
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
-                   kernel_options=FORCED, buffers=buffers)
+                   kernel_options=FORCED, buffers=buffers, with_lse=True)
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
 
 

@@ -63,12 +63,13 @@ def reference_run(q, k, v, score_mod=None, mask_mod=None, *, enable_gqa=False, b
     return out.detach(), lse.detach(), grads
 
 
-def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", key_bias: bool = True):
+def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", vectors: bool = True):
     """(score_mod, its learnable captured tensors), one per way a gradient load can depend on
     the score tile: rel[q - kv] (every element), scale[h] (the score times it: one sum a
-    tile, its derivative the score), row[h, q] (a sum over keys), a 0-d gain (times col[kv],
-    or without ``key_bias`` times rel) and col[kv] (a sum over queries; the Gluon backward
-    refuses it, runtime.families.gluon_bwd)."""
+    tile, its derivative the score), a 0-d gain (times rel: a sum of a full tile) and, with
+    ``vectors``, row[h, q] (a sum over keys) and col[kv] (over queries), which the Gluon
+    backward refuses (runtime.families.gluon_bwd). A row bias's exact gradient is 0 unless
+    lse's is not (softmax ignores a row-wide shift): check it with ``with_lse``."""
     generator = torch.Generator().manual_seed(seed)
 
     def leaf(*shape, mean=0.0, std=1.0):
@@ -77,14 +78,14 @@ def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", key_bias: bo
     gain = torch.tensor(0.7, device=device, requires_grad=True)
 
     def learnable(score, b, h, q_idx, kv_idx):
-        return (score * scale[h] + rel[q_idx - kv_idx + S - 1] + row[h, q_idx]
-                + col[kv_idx] * gain)
+        return (score * scale[h] + rel[q_idx - kv_idx + S - 1] * gain + row[h, q_idx]
+                + col[kv_idx])
 
-    def without_key_bias(score, b, h, q_idx, kv_idx):
-        return (score * scale[h] + rel[q_idx - kv_idx + S - 1] * gain + row[h, q_idx])
-    if key_bias:
-        return learnable, (rel, scale, row, gain, col)
-    return without_key_bias, (rel, scale, row, gain)
+    def full_tiles(score, b, h, q_idx, kv_idx):
+        return score * scale[h] + rel[q_idx - kv_idx + S - 1] * gain
+    if vectors:
+        return learnable, (rel, scale, gain, row, col)
+    return full_tiles, (rel, scale, gain)
 
 
 def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
