@@ -178,7 +178,8 @@ def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_m
     (256, 256, 1024, "triton_bwd"),   # not measured
     (192, 128, 8192, "gluon_bwd"),    # 0.90x
     (192, 128, 4096, "triton_bwd"),   # not measured
-    (256, 128, 8192, "gluon_bwd"),    # the same pair of padded dims
+    (256, 128, 8192, "triton_bwd"),   # the same padded pair, not measured
+    (160, 128, 8192, "triton_bwd"),   # not measured
 ])
 def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev, L, chosen):
     """The wide kernel draws the keep mask too: GLUON_BACKWARD=True takes dropout at the
@@ -195,10 +196,11 @@ def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev, L, chosen):
     assert registry.choose("backward", SM90, auto, q, k, v).name == chosen
     if chosen == "triton_bwd":
         reason = why_not_gluon_bwd(SM90, auto, q, k, v)
-        assert f"dropout at head dim {E} for L and S of at least" in reason, reason
+        assert (f"dropout at head dim {E} for L and S of at least" in reason
+                or "E = 192 with Ev = 128 with dropout" in reason), reason
     plain = why_not_gluon_bwd(SM90, _call(None, block_mask=mask), q, k, v)
     if E != Ev:
-        assert "192 or 256 with Ev = 128 with dropout or at lengths" in plain, plain
+        assert "E = 192 with Ev = 128 with dropout or at lengths" in plain, plain
 
 
 @pytest.mark.parametrize("L, mask_mod, chosen", [

@@ -170,6 +170,7 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # 2048; 192 / 128 causal 0.90x at 8192 (the only length measured there; it is taken with
 # dropout alone: without, the Triton backward was faster at 192 / 128)
 DROPOUT_MIN_LENGTH = {(64, 64): 4096, (128, 128): 2048, (256, 256): 2048, (256, 128): 8192}
+# (of the pairs padding to 256 / 128 'AUTO' takes 192 / 128 alone: why_not_gluon_bwd)
 # without a block mask the wide kernel from this length (not past SHORT_KV only): dense
 # fwd+bwd at E = 256 0.94x the Triton backward's time at 4096 and 0.96x at 2048 (we_001b317;
 # causal there 1.03x and 1.10x: masked calls keep SHORT_KV)
@@ -219,13 +220,14 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         L, S, E, Ev = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
         pair = (next_power_of_two(E), next_power_of_two(Ev))
         found = density_class(call.block_mask)
-        # E = 192 / Ev = 128 (and 256 / 128) with dropout (DROPOUT_MIN_LENGTH) or at a
-        # length that is not a multiple of 128 (MLA_RAGGED)
+        # DeepSeek's MLA shape, E = 192 / Ev = 128 (the one measured of the pairs padding to
+        # 256 / 128), with dropout (DROPOUT_MIN_LENGTH) or at a length that is not a multiple
+        # of 128 (MLA_RAGGED)
         ragged = L % MLA_RAGGED or S % MLA_RAGGED
-        if not (auto_head_dim(E, Ev) or (pair == (WIDE_HEAD_DIM, 128)
+        if not (auto_head_dim(E, Ev) or ((E, Ev) == (192, 128)
                                          and (call.dropout is not None or ragged))):
             return (f"GLUON_BACKWARD='AUTO' takes head dims 64, 80 to 128 and 256, v's "
-                    f"alike, and 192 or 256 with Ev = 128 with dropout or at lengths that are "
+                    f"alike, and E = 192 with Ev = 128 with dropout or at lengths that are "
                     f"not multiples of {MLA_RAGGED} (measured faster there), not E={E}, "
                     f"Ev={Ev}, L={L}, S={S}")
         if call.dropout is not None:
