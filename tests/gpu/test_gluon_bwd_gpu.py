@@ -298,6 +298,26 @@ def test_default_backward_is_gluon_past_4096(safe, mask_mod, E):
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
 
 
+@pytest.mark.parametrize("E, Ev, L, mask_mod, dropout", [
+    (192, 128, 4160, mods.causal, None),      # the MLA shape at a ragged length
+    (192, 128, 8192, mods.causal, (0.1, 7)),  # the MLA shape with dropout
+    (256, 256, 2048, None, None),             # no block mask from 2048
+    (256, 256, 2048, mods.causal, (0.1, 7)),  # dropout from 2048
+])
+def test_default_backward_takes_the_wide_kernel_where_measured(safe, E, Ev, L, mask_mod,
+                                                               dropout):
+    """'AUTO' (no kernel_options) takes the wide Gluon backward where the twenty-seventh
+    session's H200 A/B measured it faster (we_001b317): every gradient against the float64
+    reference there."""
+    from flexfa import create_block_mask
+    q, k, v = make_qkv(1, 2, 2, L, L, E, Ev, dtype=torch.bfloat16, device="cuda")
+    block_mask = (create_block_mask(mask_mod, None, None, L, L, device="cuda")
+                  if mask_mod else None)
+    plans.PLANS.clear()
+    check_backward(q, k, v, None, mask_mod, block_mask, dropout=dropout)
+    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+
+
 def test_learnable_bias_falls_back_to_the_triton_backward(safe):
     q, k, v = make_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, device="cuda")
     bias = torch.zeros(2, device="cuda", requires_grad=True)
