@@ -74,14 +74,17 @@
 # opaque head walk) against 8ab6f3e, fwd+bwd at E = 256 (tree_ab.py, carry .oldW); wh: wf and
 # wg in one call: the sinks and trim GPU tests, wg's A/B (carry .oldW), then the forward trim
 # A/B on fewer cases (3 rounds); wi: the Gluon backward's captured-tensor gradient GPU tests
-# (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds);
+# (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds); wj:
+# what the twenty-seventh session left unrun: the Gluon backward's GPU tests changed after wi
+# (captured-tensor gradients with lse's gradient, the refusals, 'AUTO' at the wide dims), then
+# wf's forward and backward trim A/Bs;
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -450,6 +453,21 @@ if [ "$PART" = wg ]; then  # the wide backward's GQA producer (OPAQUE_WALK) agai
     --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
     "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
   tail -n 8 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wj ]; then  # the twenty-seventh session's unrun GPU tests, then wf's A/Bs
+  step gpu_tests 150 $SHARD/wj -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
+    -k "captured_tensor or learnable_bias or wide_kernel_where_measured"
+  tail -n 4 "$OUT/gpu_tests.log"
+  FLEXFA_AUTOTUNE=0 step ab_fwd 250 python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_fwd.json" --passes fwd --rounds 3 \
+    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
+    --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,96:8192:causal,96:8192:full,\
+80:8192:causal,160:8192:causal}"
+  FLEXFA_AUTOTUNE=0 step ab_bwd 150 python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_bwd.json" --rounds 3 --configs \
+    'padded={"GLUON_BACKWARD": true};trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
+    --cases "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal}"
+  tail -n 12 "$OUT/ab_fwd.log" "$OUT/ab_bwd.log"
 fi
 if [ "$PART" = wi ]; then  # the captured-tensor gradients on the Gluon backward, then wh, wg
   step grads 120 $SHARD/wi_grads -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
