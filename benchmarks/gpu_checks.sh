@@ -74,8 +74,8 @@
 # opaque head walk) against 8ab6f3e, fwd+bwd at E = 256 (tree_ab.py, carry .oldW); wh: wf and
 # wg in one call: the sinks and trim GPU tests, wg's A/B (carry .oldW), then the forward trim
 # A/B on fewer cases (3 rounds); wi: the Gluon backward's captured-tensor gradient GPU tests
-# (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds); wj:
-# what the twenty-seventh session left unrun: the Gluon backward's GPU tests changed after wi
+# (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds);
+# wj: what the twenty-seventh session left unrun: the Gluon backward's GPU tests changed after wi
 # (captured-tensor gradients with lse's gradient, the refusals, 'AUTO' at the wide dims), then
 # wf's forward and backward trim A/Bs;
 # each part fits one 10-minute device call; a call returns at
