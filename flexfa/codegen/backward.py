@@ -325,18 +325,19 @@ def _mask_code(mask: TracedMod | None, args, wide: tuple[str, ...] = ()) -> str:
     return "\n".join([*rendered.lines, f"mask_mod_out = {rendered.values[0]}"])
 
 
-def buffer_grad_code(joint: JointGraph | None, args, grad_args, q_axis: int = 0,
-                     gluon: bool = False) -> str:
-    """Scatter-adds of ds_out * dload{i} at each grad load's (clamped) indices.
+def buffer_grad_code(joint: JointGraph | None, args, grad_args, gluon: bool = False) -> str:
+    """Scatter-adds of ds_out * dload{i} at each grad load's (clamped) indices, in a
+    [queries, keys] score tile.
 
     The contribution is summed over the tile axes the indices do not depend on first
     (``scale[h]``: one atomic per tile; ``bias[q_idx]``: one per row), so atomics stay few.
-    ``q_axis``: the tile's query axis (1 in the Gluon backward's transposed S^T tile);
-    ``gluon``: Gluon's reduce and atomics (relaxed fp32 adds) instead of ``flexfa_grad_add``.
+    ``gluon``: Gluon's reduce and atomics (relaxed fp32 adds) instead of ``flexfa_grad_add``
+    (the Gluon backward takes no load summed along one axis alone: its atomics would add
+    each register's copy of the sum, runtime.families.gluon_bwd).
     """
     if joint is None or not joint.dloads:
         return "pass"
-    lang, kv_axis = ("gl" if gluon else "tl"), 1 - q_axis
+    lang = "gl" if gluon else "tl"
     lines = []
     for i, ((load, _), (rows, cols)) in enumerate(zip(joint.dloads, grad_load_axes(joint))):
         slot = load.arg
@@ -344,9 +345,9 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, q_axis: int = 0,
         if rows and cols:
             value = contrib
         elif rows:
-            value = f"{lang}.reduce({contrib}, {kv_axis}, flexfa_sum_combine, keep_dims=True)"
+            value = f"{lang}.reduce({contrib}, 1, flexfa_sum_combine, keep_dims=True)"
         elif cols:
-            value = f"{lang}.reduce({contrib}, {q_axis}, flexfa_sum_combine, keep_dims=True)"
+            value = f"{lang}.reduce({contrib}, 0, flexfa_sum_combine, keep_dims=True)"
         else:
             value = (f"{lang}.reduce({lang}.reduce({contrib}, 1, flexfa_sum_combine), 0, "
                      f"flexfa_sum_combine)")

@@ -179,6 +179,7 @@ def gluon_bwd_kernel(spec: GluonBackwardSpec, joint: JointGraph | None, score: T
     score_names = [p for args in score_args for p in args.params]
     mask_names = [p for args in mask_args for p in args.params]
     grad_args = grad_buffer_args(joint, score)
+    assert spec.wide or not grad_args, "captured-tensor gradients: bwd_gluon_wide.tmpl only"
     grad_names = [p.name for p in gradients(grad_args.values(), "fp32")]
     params = gluon_bwd_params(score, mask, spec.dropout, spec.wide, joint)
     flags = spec.constexprs(dscore_is_one(joint), has_buffer_grads(joint))
@@ -186,21 +187,20 @@ def gluon_bwd_kernel(spec: GluonBackwardSpec, joint: JointGraph | None, score: T
     library = fill(load_template("common.tmpl"), MASK_BUFFERS=unpack(mask_names, "mbufs"),
                    MASK_MOD=mask_mod_code(mask, mask_args, wide=spec.wide_ints, tile=tile))
     template = "bwd_gluon_wide.tmpl" if spec.wide else "bwd_gluon.tmpl"
+    # the wide kernel's captured-tensor gradients (HAS_BUFFER_GRADS): the joint again with the
+    # gradients' loads, and their scatter-adds
+    grads = dict(GBUFS=as_tuple(grad_names), GRAD_BUFFERS=unpack(grad_names, "gbufs"),
+                 SCORE_JOINT_LOADS=score_joint_code(joint, score, score_args, True, True,
+                                                    spec.wide_ints, tile)
+                 if grad_args else "pass",
+                 BUFFER_GRADS=buffer_grad_code(joint, score_args, grad_args, gluon=True)
+                 ) if spec.wide else {}
     kernel = fill(load_template(template), KERNEL_NAME=name,
                   DEF_KERNEL=def_kernel(name, params, flags),
                   TABLES=as_tuple(table_names("Q", "n", "m")), SBUFS=as_tuple(score_names),
                   MBUFS=as_tuple(mask_names), SCORE_BUFFERS=unpack(score_names, "sbufs"),
                   SCORE_JOINT=score_joint_code(joint, score, score_args, False, True,
-                                               spec.wide_ints, tile),
-                  # the captured tensors' gradients (HAS_BUFFER_GRADS): the joint again with
-                  # the gradients' loads, and their scatter-adds (S^T's query axis is 1
-                  # below E = 256, the wide kernel's S is not transposed)
-                  GBUFS=as_tuple(grad_names), GRAD_BUFFERS=unpack(grad_names, "gbufs"),
-                  SCORE_JOINT_LOADS=score_joint_code(joint, score, score_args, True, True,
-                                                     spec.wide_ints, tile)
-                  if grad_args else "pass",
-                  BUFFER_GRADS=buffer_grad_code(joint, score_args, grad_args,
-                                                0 if spec.wide else 1, gluon=True))
+                                               spec.wide_ints, tile), **grads)
     shared = fill(load_template("bwd_gluon_shared.tmpl"), KERNEL_NAME=name)
     source = module_source(f"flexfa generated Gluon backward kernel: {name}", flags, (name,),
                            load_template("helpers.tmpl"), load_template("gluon_common.tmpl"),

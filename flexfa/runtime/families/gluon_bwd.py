@@ -11,12 +11,13 @@ By default (``GLUON_BACKWARD`` 'AUTO') it runs where it measured faster than the
 backward on the H200 (``AUTO_CLASSES``; sparse masks where a program's walk is long and
 the call large, ``SPARSE_WALK_ROWS``, ``SPARSE_MIN_TILES``), under ``GLUON_BACKWARD=True``
 wherever it applies (whatever family ran the forward: it reads out and lse only); elsewhere
-the Triton backward runs (``deterministic=True``, other head dims..., and under 'AUTO'
-captured-tensor gradients). Dropout draws the forward's keep mask again in the consumers
+the Triton backward runs (``deterministic=True``, other head dims..., captured-tensor
+gradients under 'AUTO'). Dropout draws the forward's keep mask again in the consumers
 (both templates' DROPOUT); attention sinks need nothing of the kernel (lse holds them) and
 take their gradient from lse and delta after it; captured tensors that want gradients
-(learnable biases) get them from the consumers' tiles by atomic adds into fp32
-accumulators (both templates' HAS_BUFFER_GRADS).
+(learnable biases) get them under ``GLUON_BACKWARD=True`` from the wide kernel's consumer
+tiles by atomic adds into fp32 accumulators (its HAS_BUFFER_GRADS), where each is read once
+a score or once a tile (``why_not_gluon_bwd`` says what else).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``); the two fp32 rows per query the kernel reads (lse2, delta) live in
 dQ's own memory until the postprocess writes dQ there (``row_buffers``); nothing of size
