@@ -447,68 +447,64 @@ if [ "$PART" = we ]; then  # issue 28: the 192-column layout of the wide Gluon b
 256:4096:causal+drop,256:2048:full+drop,256:16384:sliding,256:16384:document}"
   tail -n 16 "$OUT/ab.log"
 fi
-if [ "$PART" = wg ]; then  # the wide backward's GQA producer (OPAQUE_WALK) against 8ab6f3e
-  # (carry .oldW: git worktree add .oldW 8ab6f3e), fwd+bwd, 3 rounds
-  FLEXFA_AUTOTUNE=0 step tree_ab "${WG_LIMIT:-200}" python benchmarks/tree_ab.py --old .oldW \
-    --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
+# the Gluon option steps several parts share (wf, wg, wh, wi, wj)
+SHORT_TRIM_CASES="192/128:8192:causal,192/128:8192:full,96:8192:causal,96:8192:full,\
+80:8192:causal,160:8192:causal"
+option_tests() {  # option_tests NAME LIMIT: the trims' and both Gluon families' sinks GPU tests
+  step gpu_tests "$2" $SHARD/$1 -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
+}
+opaque_walk_ab() {  # opaque_walk_ab LIMIT ROUNDS: the wide backward's GQA producer
+  # (OPAQUE_WALK) against 8ab6f3e (carry .oldW: git worktree add .oldW 8ab6f3e), fwd+bwd
+  FLEXFA_AUTOTUNE=0 step tree_ab "$1" python benchmarks/tree_ab.py --old .oldW \
+    --rounds "$2" --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
     "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
   tail -n 8 "$OUT/tree_ab.log"
+}
+trim_fwd_ab() {  # trim_fwd_ab LIMIT ROUNDS CASES: the Gluon forward with and without GLUON_QK_TRIM
+  FLEXFA_AUTOTUNE=0 step ab_fwd "$1" python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_fwd.json" --passes fwd --rounds "$2" \
+    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
+    --cases "$3"
+}
+trim_bwd_ab() {  # trim_bwd_ab LIMIT CASES: the Gluon backward with and without GLUON_BWD_QK_TRIM
+  FLEXFA_AUTOTUNE=0 step ab_bwd "$1" python benchmarks/experiments/options_ab.py \
+    "$OUT/ab_bwd.json" --rounds 3 --configs \
+    'padded={"GLUON_BACKWARD": true};trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
+    --cases "$2"
+}
+if [ "$PART" = wg ]; then  # the wide backward's GQA producer against 8ab6f3e, 3 rounds
+  opaque_walk_ab "${WG_LIMIT:-200}" 3
 fi
 if [ "$PART" = wj ]; then  # the twenty-seventh session's unrun GPU tests, then wf's A/Bs
   step gpu_tests 150 $SHARD/wj -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
     -k "captured_tensor or learnable_bias or wide_kernel_where_measured"
   tail -n 4 "$OUT/gpu_tests.log"
-  FLEXFA_AUTOTUNE=0 step ab_fwd 250 python benchmarks/experiments/options_ab.py \
-    "$OUT/ab_fwd.json" --passes fwd --rounds 3 \
-    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
-    --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,96:8192:causal,96:8192:full,\
-80:8192:causal,160:8192:causal}"
-  FLEXFA_AUTOTUNE=0 step ab_bwd 150 python benchmarks/experiments/options_ab.py \
-    "$OUT/ab_bwd.json" --rounds 3 --configs \
-    'padded={"GLUON_BACKWARD": true};trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
-    --cases "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal}"
+  trim_fwd_ab 250 3 "${WF_CASES:-$SHORT_TRIM_CASES}"
+  trim_bwd_ab 150 "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal}"
   tail -n 12 "$OUT/ab_fwd.log" "$OUT/ab_bwd.log"
 fi
 if [ "$PART" = wi ]; then  # the captured-tensor gradients on the Gluon backward, then wh, wg
   step grads 120 $SHARD/wi_grads -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
     -k "captured_tensor or learnable_bias"
-  step gpu_tests 150 $SHARD/wi -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
-    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
+  option_tests wi 150
   tail -n 4 "$OUT/grads.log" "$OUT/gpu_tests.log"
-  FLEXFA_AUTOTUNE=0 step tree_ab 140 python benchmarks/tree_ab.py --old .oldW \
-    --rounds 2 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
-    "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
-  tail -n 8 "$OUT/tree_ab.log"
+  opaque_walk_ab 140 2
 fi
 if [ "$PART" = wh ]; then  # wf's GPU tests, wg's A/B, then wf's forward A/B cut to one call
-  step gpu_tests 150 $SHARD/wh -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
-    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
+  option_tests wh 150
   tail -n 6 "$OUT/gpu_tests.log"
-  FLEXFA_AUTOTUNE=0 step tree_ab 170 python benchmarks/tree_ab.py --old .oldW \
-    --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases \
-    "${WG_CASES:-256:8192:causal+gqa4,256:8100:causal+gqa4,256:8192:alibi+gqa4,256:8192:full+gqa8}"
-  tail -n 8 "$OUT/tree_ab.log"
-  FLEXFA_AUTOTUNE=0 step ab_fwd 200 python benchmarks/experiments/options_ab.py \
-    "$OUT/ab_fwd.json" --passes fwd --rounds 3 \
-    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
-    --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,96:8192:causal,96:8192:full,\
-80:8192:causal,160:8192:causal}"
+  opaque_walk_ab 170 3
+  trim_fwd_ab 200 3 "${WF_CASES:-$SHORT_TRIM_CASES}"
   tail -n 12 "$OUT/ab_fwd.log"
 fi
 if [ "$PART" = wf ]; then  # GLUON_QK_TRIM (and both Gluon families' sinks): tests, then A/B
-  step gpu_tests 200 $SHARD/wf -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_gpu.py \
-    tests/gpu/test_gluon_bwd_gpu.py -k "qk_trim or d192 or d96 or d80 or sinks"
+  option_tests wf 200
   tail -n 6 "$OUT/gpu_tests.log"
-  FLEXFA_AUTOTUNE=0 step ab_fwd 300 python benchmarks/experiments/options_ab.py \
-    "$OUT/ab_fwd.json" --passes fwd --rounds 5 \
-    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
-    --cases "${WF_CASES:-192/128:8192:causal,192/128:8192:full,192/128:16384:causal,\
+  trim_fwd_ab 300 5 "${WF_CASES:-192/128:8192:causal,192/128:8192:full,192/128:16384:causal,\
 96:8192:causal,96:8192:full,80:8192:causal,160:8192:causal,192/128:8192:softcap,\
 192/128:2048:causal}"
-  FLEXFA_AUTOTUNE=0 step ab_bwd 150 python benchmarks/experiments/options_ab.py \
-    "$OUT/ab_bwd.json" --rounds 3 --configs \
-    'padded={"GLUON_BACKWARD": true};trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
-    --cases "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal,96:8192:softcap}"
+  trim_bwd_ab 150 "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal,96:8192:softcap}"
   tail -n 14 "$OUT/ab_fwd.log" "$OUT/ab_bwd.log"
 fi
 if [ "$PART" = bq ]; then  # issue 26: the Gluon backward's shared dQ columns
