@@ -231,7 +231,7 @@ def _kernel_params(spec: BackwardSpec, buffers: tuple[Param, ...], grads: tuple[
 def _kernel_constexprs(spec: BackwardSpec, joint: JointGraph | None):
     """(kernel suffix, its constexprs, their module flags) of each kernel; the rows of the
     delta kernel are a launch choice (``block_m``: any value here)."""
-    one, grads = dscore_is_one(joint), bool(joint is not None and joint.grad_slots)
+    one, grads = dscore_is_one(joint), has_buffer_grads(joint)
     return (("_dq", spec.dq_constexprs(one, grads), _DQ_TILE),
             ("_dkdv", spec.dkdv_constexprs(one), _DKDV_TILE),
             ("flexfa_bwd_delta", spec.delta_constexprs(0), _ROW_KERNEL))
@@ -262,6 +262,11 @@ def _kernel_flags(spec: BackwardSpec, joint: JointGraph | None, name: str
 
 def dscore_is_one(joint: JointGraph | None) -> bool:
     return joint is None or (joint.dscore.op is Op.CONST and joint.dscore.arg == 1.0)
+
+
+def has_buffer_grads(joint: JointGraph | None) -> bool:
+    """Whether the score_mod's captured tensors want gradients (HAS_BUFFER_GRADS)."""
+    return bool(joint is not None and joint.grad_slots)
 
 
 def joint_key(joint: JointGraph | None) -> str:

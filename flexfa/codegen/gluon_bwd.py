@@ -16,8 +16,8 @@ import dataclasses
 
 from ..frontend.grad import JointGraph
 from ..frontend.trace import TracedMod
-from .backward import (buffer_grad_code, dscore_is_one, grad_buffer_args, joint_key,
-                       score_joint_code)
+from .backward import (buffer_grad_code, dscore_is_one, grad_buffer_args, has_buffer_grads,
+                       joint_key, score_joint_code)
 from .forward import GeneratedKernel, buffer_params, describe_mods, mask_mod_code, mod_buffer_args
 from .gluon import MAX_REGISTERS, descriptor_type, descriptor_layout
 from .params import (DESCRIPTOR, FLOAT, INPUT, KernelParams, Param, as_tuple, block_mask_tables,
@@ -156,11 +156,6 @@ def gluon_bwd_params(score: TracedMod | None, mask: TracedMod | None,
                    "HAS_FULL_BLOCKS",
                    "SPARSE_Q", "SPARSE_KV", "EVEN_L", "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE",
                    "STAGES", "EARLY_DP", "DROPOUT", "QK_TRIM", "HAS_BUFFER_GRADS")))
-
-
-def has_buffer_grads(joint: JointGraph | None) -> bool:
-    """Whether the score_mod's captured tensors want gradients (HAS_BUFFER_GRADS)."""
-    return bool(joint is not None and joint.grad_slots)
 
 
 def gluon_bwd_key(spec: GluonBackwardSpec, joint: JointGraph | None, score: TracedMod | None,

@@ -109,6 +109,12 @@ def gradient_strides(grads: dict) -> dict:
     return values
 
 
+def gradient_pointers(grads: dict) -> dict:
+    """{the gradient accumulator pointer's parameter name: its tensor} of each slot (a
+    call's values)."""
+    return {gradient_pointer(slot): grad for slot, grad in grads.items()}
+
+
 @functools.lru_cache(maxsize=64)
 def gradient_pointer(slot: int) -> str:
     """The parameter name of gradient accumulator ``slot``'s pointer (a call's value)."""

@@ -24,8 +24,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...blockmask.density import density_class
-from ...codegen.backward import (BackwardSpec, backward_kernel, dscore_is_one, joint_roots,
-                                 wide_head_dims)
+from ...codegen.backward import (BackwardSpec, backward_kernel, dscore_is_one,
+                                 has_buffer_grads, joint_roots, wide_head_dims)
 from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, head_dim_blocks, next_power_of_two
 from ...errors import InputError
@@ -315,7 +315,7 @@ def make_steps(spec: BackwardSpec, loaded, x: Inputs, call: AttentionCall,
     B, Hq, L, _ = x.q.shape
     Hkv, S = x.k.shape[1], x.k.shape[2]
     one = dscore_is_one(joint)
-    has_grads = bool(joint is not None and joint.grad_slots)
+    has_grads = has_buffer_grads(joint)
     layout = {**binding.strides("q", "bhmd", x.q.stride()),
               **binding.strides("k", "bhnd", x.k.stride()),
               **binding.strides("v", "bhnd", x.v.stride()),
@@ -386,9 +386,7 @@ def call_values(plan, call: AttentionCall, x: Inputs) -> dict:
               "DLSE": x.grad_lse.float().contiguous() if x.grad_lse is not None else delta,
               "sm_scale": float(call.scale),
               **binding.buffer_pointers(call.score, call.mask),
-              **binding.feature_values(call)}
-    for slot, grad in x.grads.items():
-        values[binding.gradient_pointer(slot)] = grad
+              **binding.feature_values(call), **binding.gradient_pointers(x.grads)}
     geometry_ = plan.fixed["geometry"]
     if geometry_ is not None:
         # a plan's first launch checks the descriptors; its key fixes what they read
@@ -476,7 +474,7 @@ class Backward(KernelFamily):
                 or (wide and not use_tma(call, target, q, k, v, x.grad_out))
                 or call.options.bwd.pins_tiles or not autotune.enabled()
                 or work < autotune.MIN_TUNED_WORK or len(candidates) < 2
-                or (joint is not None and joint.grad_slots)):
+                or has_buffer_grads(joint)):
             return None
         # dropout's Philox makes a different kernel: its own winners; so do ragged lengths
         # past 128, whose default differs, and Q, K in column blocks (192 is not 256)

@@ -30,12 +30,11 @@ import contextlib
 import torch
 
 from ...blockmask.density import density_class, visited_share
-from ...codegen.backward import dscore_is_one, grad_load_axes
+from ...codegen.backward import dscore_is_one, grad_load_axes, has_buffer_grads
 from ...codegen.gluon import trims_columns
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
                                   GluonBackwardSpec, RowsSpec, descriptor_blocks,
-                                  descriptor_layouts, gluon_bwd_kernel, has_buffer_grads,
-                                  rows_kernel)
+                                  descriptor_layouts, gluon_bwd_kernel, rows_kernel)
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
 from .. import binding, plans
@@ -265,7 +264,7 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         return (f"S={k.shape[2]}: the Gluon backward's {cdiv(k.shape[2], block_n)} kv blocks "
                 f"of {block_n} keys exceed a grid's {MAX_GRID_Y} on its y axis")
     joint = joint_graph(call.score)
-    if joint is not None and joint.grad_slots:
+    if has_buffer_grads(joint):
         if choice is None:
             return ("GLUON_BACKWARD='AUTO' leaves captured-tensor gradients (learnable "
                     "biases) to the Triton backward (not measured; GLUON_BACKWARD=True takes "
@@ -519,7 +518,7 @@ class GluonBackward(KernelFamily):
             torch.empty_like(x.v, memory_format=torch.contiguous_format))
         args = {**descriptors, "DK": dk, "DV": dv, "sm_scale": float(call.scale),
                 **binding.buffer_pointers(call.score, call.mask),
-                **{binding.gradient_pointer(slot): grad for slot, grad in x.grads.items()}}
+                **binding.gradient_pointers(x.grads)}
         if call.dropout is not None:
             args.update(binding.feature_values(call))
         group = call.gqa_group
