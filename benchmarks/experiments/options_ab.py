@@ -2,8 +2,11 @@
 head dims (issue 28: where GLUON_BACKWARD='AUTO' should take the wide Gluon backward, at
 E = 192 / Ev = 128, at 256 below S = 4096 and with dropout; whether GLUON_QK_TRIM pays).
 
-For each case ``E[/Ev]:S:variant[+drop]`` (variants of ``flexfa.bench_cases.bench_variants``;
-``+drop``: with ``dropout_p`` ``--p``; B = tokens / S, H = 16, bf16), the forward or fwd+bwd
+For each case ``E[/Ev]:S:variant[+drop][+learn|+learnv]`` (variants of
+``flexfa.bench_cases.bench_variants``; ``+drop``: with ``dropout_p`` ``--p``; ``+learn``: plus
+learnable captured tensors, a relative bias times a 0-d gain and the score times a head scale,
+``+learnv`` also a row bias row[h, q] and a key bias col[kv], their gradients compared and
+timed too; B = tokens / S, H = 16, bf16), the forward or fwd+bwd
 (``--passes``) under each configuration of ``--configs`` in turn, each round in the reverse
 order of the one before (do_bench medians, the median of the rounds), and the peak extra
 memory of one call. The outputs (and with fwd+bwd the gradients) of every configuration are
@@ -25,13 +28,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 DEFAULT_CONFIGS = 'triton={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}'
 
 
-def parse_case(text: str) -> tuple[int, int, int, str, bool]:
+def parse_case(text: str) -> tuple[int, int, int, str, bool, str]:
+    """(E, Ev, S, variant, dropout, learnable: '', 'learn' or 'learnv') of a case."""
     dims, S, variant = text.split(":")
     E, _, Ev = dims.partition("/")
-    variant, _, drop = variant.partition("+")
-    if drop not in ("", "drop"):
-        raise ValueError(f"case {text!r}: a variant's suffix is '+drop', not {drop!r}")
-    return int(E), int(Ev or E), int(S), variant, drop == "drop"
+    variant, *suffixes = variant.split("+")
+    learn = [x for x in suffixes if x in ("learn", "learnv")]
+    if any(x not in ("drop", "learn", "learnv") for x in suffixes) or len(learn) > 1:
+        raise ValueError(f"case {text!r}: a variant's suffixes are '+drop' and one of "
+                         f"'+learn', '+learnv', not {suffixes}")
+    return int(E), int(Ev or E), int(S), variant, "drop" in suffixes, (learn or [""])[0]
+
+
+def learnable(score_mod, learn: str, H: int, S: int):
+    """(score_mod plus learnable captured tensors, the tensors): see the module's doc."""
+    import torch
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape, mean=0.0, std=1.0):
+        return (mean + std * torch.randn(*shape, generator=generator)).cuda().requires_grad_()
+    rel, scale, row, col = leaf(2 * S - 1, std=0.5), leaf(H, mean=1.0, std=0.3), leaf(H, S), leaf(S)
+    gain = torch.tensor(0.7, device="cuda", requires_grad=True)
+    base = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
+
+    def tiles(score, b, h, q_idx, kv_idx):
+        return base(score, b, h, q_idx, kv_idx) * scale[h] + rel[q_idx - kv_idx + S - 1] * gain
+
+    def vectors(score, b, h, q_idx, kv_idx):
+        return tiles(score, b, h, q_idx, kv_idx) + row[h, q_idx] + col[kv_idx]
+    if learn == "learn":
+        return tiles, [rel, scale, gain]
+    return vectors, [rel, scale, gain, row, col]
 
 
 def parse_configs(text: str) -> dict[str, dict]:
@@ -68,10 +95,13 @@ def main() -> int:
     first = next(iter(configs))
     rows = []
     for case in args.cases.split(","):
-        E, Ev, S, variant, drop = parse_case(case)
+        E, Ev, S, variant, drop, learn = parse_case(case)
         dropout = {"dropout_p": args.p, "dropout_seed": 1} if drop else {}
         B = max(1, args.tokens // S)
         score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[variant]
+        buffers = []
+        if learn:
+            score_mod, buffers = learnable(score_mod, learn, args.heads, S)
         mask = (None if mask_mod is None else
                 flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda"))
         q, k = (torch.randn(B, args.heads, S, E, device="cuda", dtype=torch.bfloat16,
@@ -79,6 +109,7 @@ def main() -> int:
         v = torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16,
                         requires_grad=backward)
         do = torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16)
+        leaves = [q, k, v, *buffers] if backward else buffers
 
         def step(opts):
             out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask,
@@ -89,7 +120,7 @@ def main() -> int:
         results, peak = {}, {}
         for label, opts in configs.items():
             for _ in range(2):  # the first call compiles; the second's peak is the call's
-                for t in (q, k, v):
+                for t in leaves:
                     t.grad = None
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -99,7 +130,7 @@ def main() -> int:
                 torch.cuda.synchronize()
             peak[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
             results[label] = [out.detach().float()] + (
-                [t.grad.float() for t in (q, k, v)] if backward else [])
+                [t.grad.float() for t in leaves] if backward else [])
         err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
                   for label in configs for a, b in zip(results[label], results[first]))
         times = {label: [] for label in configs}
@@ -109,7 +140,7 @@ def main() -> int:
                 with torch.set_grad_enabled(backward):
                     times[label].append(do_bench(
                         lambda opts=configs[label]: step(opts), warmup=100, rep=args.rep,
-                        return_mode="median", grad_to_none=[q, k, v] if backward else None))
+                        return_mode="median", grad_to_none=leaves if backward else None))
         med = {label: statistics.median(ts) for label, ts in times.items()}
         rows.append({"case": case, "B": B, "H": args.heads, "passes": args.passes,
                      "dropout_p": args.p if drop else 0.0, "configs": configs, "ms": med,
@@ -119,7 +150,7 @@ def main() -> int:
             f"{label} {med[label]:8.3f} ({med[label] / med[first]:.3f}x, "
             f"{peak[label]:.0f} MiB)" for label in configs) + f" rel.err {err:.1e}", flush=True)
         Path(args.out).write_text(json.dumps(rows, indent=1))
-        del q, k, v, do, results
+        del q, k, v, do, results, leaves, buffers
     print(f"\n{args.passes} ms; ratios over {first}")
     print(f"{'case':24s} " + " ".join(f"{label:>12s}" for label in configs) + "  ratios")
     for row in rows:
