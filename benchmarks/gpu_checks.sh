@@ -78,13 +78,16 @@
 # wj: what the twenty-seventh session left unrun: the Gluon backward's GPU tests changed after wi
 # (captured-tensor gradients with lse's gradient, the refusals, 'AUTO' at the wide dims), then
 # wf's forward and backward trim A/Bs;
+# wk: wj's GPU tests of 'AUTO' at the wide dims and the E = 128 fallback, then (from .vecW, a
+# worktree of the branch vector-grads: carry .vecW) the captured-tensor GPU tests with row and
+# key biases and a fwd+bwd A/B of the Triton and Gluon backward with learnable tensors;
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -475,6 +478,18 @@ trim_bwd_ab() {  # trim_bwd_ab LIMIT CASES: the Gluon backward with and without 
 }
 if [ "$PART" = wg ]; then  # the wide backward's GQA producer against 8ab6f3e, 3 rounds
   opaque_walk_ab "${WG_LIMIT:-200}" 3
+fi
+if [ "$PART" = wk ]; then  # the twenty-eighth session's first call (see --help)
+  step gpu_tests 140 $SHARD/wk -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
+    -k "learnable_bias or wide_kernel_where_measured"
+  tail -n 4 "$OUT/gpu_tests.log"
+  (cd "${VEC_TREE:-.vecW}" && step vec_tests 150 $SHARD/wk_vec -- -m gpu -p no:cacheprovider \
+    tests/gpu/test_gluon_bwd_gpu.py -k "captured_tensor")
+  tail -n 4 "$OUT/vec_tests.log"
+  FLEXFA_AUTOTUNE=0 step ab_learn 230 python "${VEC_TREE:-.vecW}/benchmarks/experiments/options_ab.py" \
+    "$OUT/ab_learn.json" --rounds 3 --cases \
+    "${WK_CASES:-256:8192:causal+learn,256:8192:causal+learnv,192/128:8192:causal+learnv}"
+  tail -n 6 "$OUT/ab_learn.log"
 fi
 if [ "$PART" = wj ]; then  # the twenty-seventh session's unrun GPU tests, then wf's A/Bs
   step gpu_tests 150 $SHARD/wj -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
