@@ -75,12 +75,11 @@
 # wg in one call: the sinks and trim GPU tests, wg's A/B (carry .oldW), then the forward trim
 # A/B on fewer cases (3 rounds); wi: the Gluon backward's captured-tensor gradient GPU tests
 # (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds);
-# wj: what the twenty-seventh session left unrun: the Gluon backward's GPU tests changed after wi
-# (captured-tensor gradients with lse's gradient, the refusals, 'AUTO' at the wide dims), then
-# wf's forward and backward trim A/Bs;
-# wk: wj's GPU tests of 'AUTO' at the wide dims and the E = 128 fallback, then (from .vecW, a
-# worktree of the branch vector-grads: carry .vecW) the captured-tensor GPU tests with row and
-# key biases and a fwd+bwd A/B of the Triton and Gluon backward with learnable tensors;
+# wj: wf's forward and backward trim A/Bs (GLUON_QK_TRIM, GLUON_BWD_QK_TRIM), never timed;
+# wk: the twenty-seventh session's unrun GPU tests ('AUTO' at the wide dims, the E = 128
+# fallback), then (from .vecW, a worktree of the branch vector-grads: carry .vecW) the
+# captured-tensor GPU tests with row and key biases and a fwd+bwd A/B of the Triton and Gluon
+# backward with learnable tensors;
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
@@ -491,12 +490,9 @@ if [ "$PART" = wk ]; then  # the twenty-eighth session's first call (see --help)
     "${WK_CASES:-256:8192:causal+learn,256:8192:causal+learnv,192/128:8192:causal+learnv}"
   tail -n 6 "$OUT/ab_learn.log"
 fi
-if [ "$PART" = wj ]; then  # the twenty-seventh session's unrun GPU tests, then wf's A/Bs
-  step gpu_tests 150 $SHARD/wj -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \
-    -k "captured_tensor or learnable_bias or wide_kernel_where_measured"
-  tail -n 4 "$OUT/gpu_tests.log"
-  trim_fwd_ab 250 3 "${WF_CASES:-$SHORT_TRIM_CASES}"
-  trim_bwd_ab 150 "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal}"
+if [ "$PART" = wj ]; then  # wf's trim A/Bs
+  trim_fwd_ab 300 3 "${WF_CASES:-$SHORT_TRIM_CASES}"
+  trim_bwd_ab 200 "${WFB_CASES:-96:8192:causal,96:8192:full,80:8192:causal}"
   tail -n 12 "$OUT/ab_fwd.log" "$OUT/ab_bwd.log"
 fi
 if [ "$PART" = wi ]; then  # the captured-tensor gradients on the Gluon backward, then wh, wg
