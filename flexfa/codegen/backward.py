@@ -336,9 +336,8 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, gluon: bool = Fa
 
     The contribution is summed over the tile axes the indices do not depend on first
     (``scale[h]``: one atomic per tile; ``bias[q_idx]``: one per row), so atomics stay few.
-    ``gluon``: Gluon's reduce and atomics (relaxed fp32 adds) instead of ``flexfa_grad_add``
-    (the Gluon backward takes no load summed along one axis alone: its atomics would add
-    each register's copy of the sum, runtime.families.gluon_bwd).
+    ``gluon``: Gluon's reduce and atomics (relaxed fp32 adds) instead of ``flexfa_grad_add``;
+    a sum along one axis stays a vector of the sliced layout there.
     """
     if joint is None or not joint.dloads:
         return "pass"
@@ -347,18 +346,23 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, gluon: bool = Fa
     for i, ((load, _), (rows, cols)) in enumerate(zip(joint.dloads, grad_load_axes(joint))):
         slot = load.arg
         contrib = f"{lang}.where(p > 0.0, ds_out * dload{i}, 0.0)"
-        if rows and cols:
-            value = contrib
-        elif rows:
-            value = f"{lang}.reduce({contrib}, 1, flexfa_sum_combine, keep_dims=True)"
-        elif cols:
-            value = f"{lang}.reduce({contrib}, 0, flexfa_sum_combine, keep_dims=True)"
-        else:
-            value = (f"{lang}.reduce({lang}.reduce({contrib}, 1, flexfa_sum_combine), 0, "
-                     f"flexfa_sum_combine)")
         size_names, grad = args[slot].sizes, grad_args[slot]
         offset = " + ".join(f"flexfa_index(load{i}_idx{d}, {size}) * {stride}"
                             for d, (size, stride) in enumerate(zip(size_names, grad.strides)))
+        axis = None if rows == cols else (1 if rows else 0)  # the one axis summed over
+        if axis is None:
+            value = contrib if rows else (
+                f"{lang}.reduce({lang}.reduce({contrib}, 1, flexfa_sum_combine), 0, "
+                f"flexfa_sum_combine)")
+        elif not gluon:
+            value = f"tl.reduce({contrib}, {axis}, flexfa_sum_combine, keep_dims=True)"
+        else:
+            # a vector in the sliced layout (one register per element; a keep_dims tile
+            # repeats it in a thread's registers and Gluon's atomics add every copy), the
+            # offsets (constant along the summed axis) brought to the same layout by a max
+            value = f"gl.reduce({contrib}, {axis}, flexfa_sum_combine)"
+            offset = (f"gl.reduce(({offset}) + (q_idx * 0 + kv_idx * 0), {axis}, "
+                      f"flexfa_max_combine)")
         pointer = f"{grad.ptr} + {offset}" if offset else grad.ptr
         lines.append(f"gl.atomic_add({pointer}, {value}, sem=\"relaxed\")" if gluon
                      else f"flexfa_grad_add({pointer}, {value})")

@@ -58,6 +58,16 @@ def learnable_relative_bias():
     return relative
 
 
+def learnable_axis_biases():
+    """A score_mod adding a learnable row bias row[h, q_idx] and key bias col[kv_idx]
+    (captured [8, 4096] and [4096] tensors: the backward's sums along one tile axis)."""
+    row, col = torch.zeros(8, 4096, requires_grad=True), torch.zeros(4096, requires_grad=True)
+
+    def axis_biases(score, b, h, q_idx, kv_idx):
+        return score + row[h, q_idx] + col[kv_idx]
+    return axis_biases
+
+
 def softcap_mod(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 
@@ -408,6 +418,10 @@ register("bwd_gluon_d256_bf16_softcap_causal_dropout",
 register("bwd_gluon_d256_bf16_relbias_causal",
          gluon_bwd_job(256, "bf16", score_mod=learnable_relative_bias(),
                        mask_mod=causal_mask), archs=(90,))
+# row and key biases: sums along one axis, one atomic add per element (not per register copy)
+register("bwd_gluon_d256_bf16_axisbias_causal",
+         gluon_bwd_job(256, "bf16", score_mod=learnable_axis_biases(), mask_mod=causal_mask),
+         archs=(90,))
 register("bwd_gluon_d192_ev128_bf16_softcap",
          gluon_bwd_job(192, "bf16", score_mod=softcap_mod, head_dim_v=128), archs=(90,))
 register("bwd_gluon_rows_pre_d128_bf16_dlse", gluon_rows_job(PRE, has_dlse=True), archs=(90,))

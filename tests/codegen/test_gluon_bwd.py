@@ -324,16 +324,10 @@ def _row_bias():
 
 
 @pytest.mark.parametrize("E, score_mod, reason", [
-    (128, _learnable_bias, "below E = 256"), (96, _learnable_bias, "below E = 256"),
-    (256, _key_bias, "along one axis"), (192, _key_bias, "along one axis"),
-    (256, _row_bias, "along one axis")])
+    (128, _learnable_bias, "below E = 256"), (96, _learnable_bias, "below E = 256")])
 def test_gluon_backward_refuses_the_captured_tensor_gradients_it_got_wrong(E, score_mod, reason):
     """On the H200 (gpu_2026-12-05) the E <= 128 kernel with captured-tensor gradients passed
-    sm_90's shared memory, and the wide kernel's gradients of a tensor indexed along one axis
-    of the tile alone were wrong (the reduced vector repeats in a thread's registers and
-    Gluon's atomics add each copy; the sm_90 PTX shows two adds to each of a thread's
-    addresses for a key bias, eight for a row bias): under GLUON_BACKWARD=True those calls
-    take the Triton backward."""
+    sm_90's shared memory: under GLUON_BACKWARD=True those calls take the Triton backward."""
     q, k, v = _qkv(E=E)
     call = _call(FORCED, score_mod=score_mod())
     found = why_not_gluon_bwd(SM90, call, q, k, v)
@@ -364,6 +358,28 @@ def test_gluon_backward_takes_captured_tensor_gradients_when_asked(E):
     plain = gluon_bwd_kernel(spec, joint_graph(fixed.score), fixed.score, None)
     assert "HAS_BUFFER_GRADS = tl.constexpr(False)" in plain.source
     assert "gbuf0" not in plain.source
+
+
+@pytest.mark.parametrize("E, score_mod, axis", [
+    (256, _key_bias, 0), (192, _key_bias, 0), (256, _row_bias, 1)])
+def test_gluon_backward_adds_sums_along_one_axis_once(E, score_mod, axis):
+    """A tensor indexed along one axis of the score tile alone (col[kv_idx], row[h, q_idx])
+    on the wide Gluon backward: its sum stays a vector of the reduced (sliced) layout, and
+    the offsets are reduced to that layout too (a keep_dims tile repeats the vector in a
+    thread's registers and Gluon's atomics added every copy: wrong on the H200 before; the
+    sm_90 compile test counts repeated adds)."""
+    q, k, v = _qkv(E=E)
+    call = _call(FORCED, score_mod=score_mod())
+    assert why_not_gluon_bwd(SM90, call, q, k, v) is None
+    assert registry.choose("backward", SM90, call, q, k, v) is GLUON_BWD
+    kernel = gluon_bwd_kernel(gluon_bwd_spec(q, k, call, SM90), joint_graph(call.score),
+                              call.score, call.mask)
+    adds = [line.strip() for line in kernel.source.splitlines() if "gl.atomic_add(gbuf" in line]
+    assert len(adds) == 1, adds
+    assert "keep_dims" not in adds[0]
+    assert f"gl.reduce(gl.where(p > 0.0, ds_out * dload0, 0.0), {axis}, flexfa_sum_combine)" \
+        in adds[0]
+    assert f"{axis}, flexfa_max_combine)" in adds[0]
 
 
 def test_gluon_backward_takes_dropout_and_draws_the_mask_again():

@@ -63,6 +63,9 @@ BWD_WIDE_VARIANTS = ("bwd_gluon_d256_bf16_dense", "bwd_gluon_d256_bf16_causal_ev
                      "bwd_gluon_d256_bf16_causal", "bwd_gluon_d192_ev128_bf16_causal",
                      "bwd_gluon_d256_bf16_softcap_causal_dropout",
                      "bwd_gluon_d256_bf16_gqa_causal", "bwd_gluon_d256_bf16_relbias_causal")
+# row and key biases (sums along one tile axis, their offsets reduced to the sum's layout too):
+# 52 spill bytes, 15 local-memory instructions in the loop at registration (sm_90, Triton 3.6)
+BWD_AXIS_GRAD_VARIANTS = ("bwd_gluon_d256_bf16_axisbias_causal",)
 # Q K^T over E's 32-column slices alone (GLUON_QK_TRIM) and the padded variants they trim
 QK_TRIM_VARIANTS = ("fwd_gluon_d192_ev128_bf16_causal_qk_trim",
                     "fwd_gluon_d96_bf16_softcap_causal_qk_trim", "fwd_gluon_d96_bf16_softcap_causal",
@@ -148,7 +151,7 @@ def started(tmp_path_factory) -> dict:
               "stores": (TMA_STORE_VARIANTS + PERSISTENT_VARIANTS + SINKS_VARIANTS[:1], False),
               "backward": (BWD_VARIANTS + BWD_ROW_VARIANTS + BWD_DROPOUT_VARIANTS, True),
               "dynamic": (DYNAMIC_VARIANTS + SINKS_VARIANTS[1:], True),
-              "wide": (BWD_WIDE_VARIANTS + QK_TRIM_VARIANTS, False)}
+              "wide": (BWD_WIDE_VARIANTS + BWD_AXIS_GRAD_VARIANTS + QK_TRIM_VARIANTS, False)}
     processes = {name: _start(tmp_path_factory.mktemp(f"gluon_{name}"), variants, session)
                  for name, (variants, session) in groups.items()}
     yield processes
@@ -366,7 +369,9 @@ def test_gluon_wide_backward_compiles_for_sm90(wide_rows):
     registers and the worker consumer at 240; no spills, with or without the causal mask, at
     a ragged length or tile multiples, at E = 192 with Ev = 128 too, with dropout, with
     GQA 4 (the producer's head loop, OPAQUE_WALK) and with a learnable relative bias (its
-    gradient's atomics, HAS_BUFFER_GRADS)."""
+    gradient's atomics, HAS_BUFFER_GRADS). With row and key biases (sums along one axis) no
+    thread adds to one address twice (a keep_dims sum did: 16 and 4 repeats, wrong on the
+    H200) and the spills stay within what they were at registration."""
     rows = {name: row for name, row in wide_rows.items() if name in BWD_WIDE_VARIANTS}
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
@@ -375,6 +380,11 @@ def test_gluon_wide_backward_compiles_for_sm90(wide_rows):
         assert ["dec", "24"] in row["setmaxnreg"] and ["inc", "240"] in row["setmaxnreg"], row
         assert row["serialized"] in (False, None), row
         assert row["spills"] in (0, None) and row["loop_spills"] in (0, None), row
+    for name in BWD_AXIS_GRAD_VARIANTS:
+        row = wide_rows[name]
+        assert row["ok"], (name, row["error"])
+        assert row["atomics"] > 0 and row["repeated_atomics"] == 0, row
+        assert (row["spills"] or 0) <= 64 and (row["loop_spills"] or 0) <= 16, row
 
 
 def test_gluon_qk_trim_forward_compiles_for_sm90(wide_rows):

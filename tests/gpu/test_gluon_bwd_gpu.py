@@ -188,15 +188,14 @@ def test_gluon_backward_with_sinks_matches_reference(safe, name):
                                   "gqa_alibi_causal_d256", "causal_d192_ev128", "causal_d192"])
 def test_gluon_backward_captured_tensor_gradients_match_reference(safe, name):
     """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True, head dims
-    padding to 256): three tensors of backward_utils.learnable_mod (a relative bias, a head
-    scale, a 0-d gain) with the case's mask_mod, every gradient against the float64
-    reference, lse's gradient in. (Row and key biases, whose sums along one axis the kernel
-    added more than once, and E <= 128, whose kernel then passed the shared memory, take the
-    Triton backward.)"""
+    padding to 256): the five tensors of backward_utils.learnable_mod (a relative bias, a
+    head scale, a 0-d gain, a row bias row[h, q_idx] and a key bias col[kv_idx]: sums along
+    one axis of the tile) with the case's mask_mod, every gradient against the float64
+    reference, lse's gradient in (without it a row bias's exact gradient is 0). (E <= 128,
+    whose kernel then passed the shared memory, takes the Triton backward.)"""
     q, k, v, _, mask_mod, block_mask = case_inputs(CASES[name], name)
     Hq, Hkv = q.shape[1], k.shape[1]
-    score_mod, buffers = learnable_mod(Hq, q.shape[2], k.shape[2], seed=4, device="cuda",
-                                       vectors=False)
+    score_mod, buffers = learnable_mod(Hq, q.shape[2], k.shape[2], seed=4, device="cuda")
     plans.PLANS.clear()
     check_backward(q, k, v, score_mod, mask_mod, block_mask, enable_gqa=Hq != Hkv,
                    kernel_options=FORCED, buffers=buffers, with_lse=True)

@@ -67,9 +67,9 @@ def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", vectors: boo
     """(score_mod, its learnable captured tensors), one per way a gradient load can depend on
     the score tile: rel[q - kv] (every element), scale[h] (the score times it: one sum a
     tile, its derivative the score), a 0-d gain (times rel: a sum of a full tile) and, with
-    ``vectors``, row[h, q] (a sum over keys) and col[kv] (over queries), which the Gluon
-    backward refuses (runtime.families.gluon_bwd). A row bias's exact gradient is 0 unless
-    lse's is not (softmax ignores a row-wide shift): check it with ``with_lse``."""
+    ``vectors``, row[h, q] (a sum over keys) and col[kv] (over queries). A row bias's exact
+    gradient is 0 unless lse's is not (softmax ignores a row-wide shift): check it with
+    ``with_lse``."""
     generator = torch.Generator().manual_seed(seed)
 
     def leaf(*shape, mean=0.0, std=1.0):

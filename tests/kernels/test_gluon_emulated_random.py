@@ -7,8 +7,8 @@ attention sinks, fp16 and bf16, under random kernel_options of both families (pi
 TMA store, the persistent grids, the static max, ring depths, dQ parts, early dP^T, the
 trims); out, lse and every gradient against the float64 reference
 (kernels/backward_utils.check_backward).
-Where the Gluon backward does not apply (captured-tensor gradients below E = 256 or read
-along one axis of the tile alone, runtime.families.gluon_bwd) the Triton backward runs,
+Where the Gluon backward does not apply (captured-tensor gradients below E = 256,
+runtime.families.gluon_bwd) the Triton backward runs,
 interpreted: the Gluon forward is still the one checked."""
 import os
 

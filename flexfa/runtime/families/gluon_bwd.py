@@ -30,7 +30,7 @@ import contextlib
 import torch
 
 from ...blockmask.density import density_class, visited_share
-from ...codegen.backward import dscore_is_one, grad_load_axes, has_buffer_grads
+from ...codegen.backward import dscore_is_one, has_buffer_grads
 from ...codegen.gluon import trims_columns
 from ...codegen.gluon_bwd import (BLOCK_M, BLOCK_N, BLOCK_N_WIDE, POST, PRE, WIDE_HEAD_DIM, ZERO,
                                   GluonBackwardSpec, RowsSpec, descriptor_blocks,
@@ -273,11 +273,6 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
             return ("captured-tensor gradients run on the Triton backward below E = 256: "
                     "with them the Gluon kernel's shared memory passes sm_90's (233096 of "
                     "232448 bytes on the H200)")
-        if any(rows != cols for rows, cols in grad_load_axes(joint)):
-            return ("captured-tensor gradients indexed along one axis of the score tile "
-                    "alone (row[h, q_idx], col[kv_idx]) run on the Triton backward: the "
-                    "Gluon kernel adds each such sum more than once per thread (its reduced "
-                    "vector repeats in a thread's registers; wrong on the H200)")
     options = call.options
     if options.deterministic:
         return "deterministic=True runs on the Triton backward (the dQ reduce-adds' order " \
