@@ -80,13 +80,15 @@
 # fallback), then (from .vecW, a worktree of the branch vector-grads: carry .vecW) the
 # captured-tensor GPU tests with row and key biases and a fwd+bwd A/B of the Triton and Gluon
 # backward with learnable tensors;
+# wl: with both QK trims on by default, the Gluon option GPU tests (trims, sinks, d192 / d96 /
+# d80), then issue 25's softcap + causal against causal (the project benchmark, 5 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -466,17 +468,26 @@ opaque_walk_ab() {  # opaque_walk_ab LIMIT ROUNDS: the wide backward's GQA produ
 trim_fwd_ab() {  # trim_fwd_ab LIMIT ROUNDS CASES: the Gluon forward with and without GLUON_QK_TRIM
   FLEXFA_AUTOTUNE=0 step ab_fwd "$1" python benchmarks/experiments/options_ab.py \
     "$OUT/ab_fwd.json" --passes fwd --rounds "$2" \
-    --configs 'padded={"BACKEND": "GLUON"};trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
+    --configs 'padded={"BACKEND": "GLUON", "GLUON_QK_TRIM": false};
+      trim={"BACKEND": "GLUON", "GLUON_QK_TRIM": true}' \
     --cases "$3"
 }
 trim_bwd_ab() {  # trim_bwd_ab LIMIT CASES: the Gluon backward with and without GLUON_BWD_QK_TRIM
   FLEXFA_AUTOTUNE=0 step ab_bwd "$1" python benchmarks/experiments/options_ab.py \
     "$OUT/ab_bwd.json" --rounds 3 --configs \
-    'padded={"GLUON_BACKWARD": true};trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
+    'padded={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": false};
+      trim={"GLUON_BACKWARD": true, "GLUON_BWD_QK_TRIM": true}' \
     --cases "$2"
 }
 if [ "$PART" = wg ]; then  # the wide backward's GQA producer against 8ab6f3e, 3 rounds
   opaque_walk_ab "${WG_LIMIT:-200}" 3
+fi
+if [ "$PART" = wl ]; then  # the trims' defaults on the GPU, then softcap + causal / causal
+  option_tests wl 200
+  tail -n 4 "$OUT/gpu_tests.log"
+  step bench 200 python -m flexfa bench --dims 128 --seqs 16384 --variants causal,softcap \
+    --passes fwd --rounds 5 --rep 40 --out "$OUT"
+  tail -n 12 "$OUT/bench.log"
 fi
 if [ "$PART" = wk ]; then  # the twenty-eighth session's first call (see --help)
   step gpu_tests 140 $SHARD/wk -- -m gpu -p no:cacheprovider tests/gpu/test_gluon_bwd_gpu.py \

@@ -90,12 +90,12 @@ class KernelOptions:
     # on softcap forwards on the H200, 5 rounds (docs/gluon.md, "Static max")
     gluon_static_max: bool = True
     # the Gluon forward runs Q K^T over E's 32-column slices only, not the zero columns
-    # padding E to a power of two (where they are fewer: E = 80, 96, 160, 192, 224); off
-    # until measured on the H200
-    gluon_qk_trim: bool = False
+    # padding E to a power of two (where they are fewer: E = 80, 96, 160, 192, 224); None
+    # ('AUTO'): at the head dims where it measured faster (families.gluon.QK_TRIM_MEASURED)
+    gluon_qk_trim: bool | None = None
     # the Gluon backward (its E <= 128 kernel) runs S^T and dP^T over E's 32-column slices
-    # only (E = 80, 96); off until measured on the H200
-    gluon_bwd_qk_trim: bool = False
+    # only (E = 80, 96); None ('AUTO'): there (measured faster at both)
+    gluon_bwd_qk_trim: bool | None = None
     # the Gluon backward's Q/dO ring depth; 0: its default per head dim
     gluon_bwd_stages: int = 0
     # the Gluon backward issues dP^T with S^T (FA3's order); off: 1-5% faster at full and
@@ -254,16 +254,18 @@ SCHEMA = {
                          "the Gluon forward subtracts the score_mod's proven upper bound instead "
                          "of a running row max where its output range is bounded (softcap; "
                          "bf16, no max_scores): True (default) or False"),
-    "GLUON_QK_TRIM": ("gluon_qk_trim", (), _flag,
+    "GLUON_QK_TRIM": ("gluon_qk_trim", (), _auto_flag,
                       "the Gluon forward runs Q K^T over E's 32-column slices only, not the "
                       "zero columns padding E to a power of two (0.75x its work at E = 96 "
-                      "and 80, 0.75x at 192, 0.625x at 160): True or False (default, until "
-                      "measured)"),
-    "GLUON_BWD_QK_TRIM": ("gluon_bwd_qk_trim", (), _flag,
+                      "and 80, 0.75x at 192, 0.625x at 160): True, False or 'AUTO' (default: "
+                      "at E = 80, 96, 160 and 192, measured 0.87-0.99x the padded kernel's "
+                      "time; not at 224, never timed)"),
+    "GLUON_BWD_QK_TRIM": ("gluon_bwd_qk_trim", (), _auto_flag,
                           "the Gluon backward runs S^T = K Q^T and dP^T = V dO^T over E's "
                           "32-column slices only, not the zero columns padding E to 128 (E = 80 "
-                          "and 96: 0.75x those two GEMMs' work): True or False (default, until "
-                          "measured)"),
+                          "and 96: 0.75x those two GEMMs' work): True, False or 'AUTO' "
+                          "(default: on, measured 0.95-1.01x the padded kernel's fwd+bwd "
+                          "time)"),
     "GLUON_BWD_STAGES": ("gluon_bwd_stages", (), _int_in((0, 2, 3, 4), "0 (default), 2, 3 or 4"),
                          "the Gluon backward's Q/dO ring depth (stages that do not fit sm_90's "
                          "shared memory fail before compiling); 0 (default): its choice per "

@@ -239,14 +239,19 @@ def test_wide_backward_without_a_block_mask_from_2048(L, mask_mod, chosen):
 @pytest.mark.parametrize("E, Ev, trimmed", [(96, 96, True), (80, 80, True), (128, 128, False),
                                            (64, 64, False), (192, 128, False), (256, 256, False)])
 def test_gluon_bwd_qk_trim_is_set_only_where_it_trims(E, Ev, trimmed):
-    """GLUON_BWD_QK_TRIM (default off) reaches the E <= 128 kernel's spec where E's 32-column
-    slices are fewer than E_PAD's (80, 96), never the wide kernel's (its module flag is on
-    always), and is in the kernel's key, name and module flags."""
+    """GLUON_BWD_QK_TRIM reaches the E <= 128 kernel's spec where E's 32-column slices are
+    fewer than E_PAD's (80, 96), never the wide kernel's (its module flag is on always), and
+    is in the kernel's key, name and module flags; 'AUTO' (the default) trims wherever it
+    can (measured faster at 80 and 96: wj_2c4a86f)."""
     q, k = (torch.empty(1, 2, 256, E, dtype=torch.bfloat16) for _ in range(2))
-    plain = gluon_bwd_spec(q, k, _call(FORCED), SM90, head_dim_v=Ev)
+    plain = gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_QK_TRIM": False}), SM90,
+                           head_dim_v=Ev)
     chosen = gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_QK_TRIM": True}), SM90,
                             head_dim_v=Ev)
     assert (plain.qk_trim, chosen.qk_trim) == (False, trimmed)
+    assert gluon_bwd_spec(q, k, _call(FORCED), SM90, head_dim_v=Ev) == chosen
+    assert gluon_bwd_spec(q, k, _call({**FORCED, "GLUON_BWD_QK_TRIM": "auto"}), SM90,
+                          head_dim_v=Ev) == chosen
     # the wide kernel's Q K^T runs over E's 32-column slices always (its module flag on)
     assert plain.constexprs(True)["QK_TRIM"] is (E > 128)
     if trimmed:

@@ -218,7 +218,7 @@ def test_gluon_backward_qk_trim_matches_reference(safe, name, options):
     assert all(p.spec.qk_trim for p in gluon_backward_plans(trim, k))
     grad = torch.randn(q.shape[:3] + (v.shape[3],), device="cuda", dtype=q.dtype)
     found = []
-    for opts in ({**FORCED, **options}, trim):
+    for opts in ({**FORCED, **options, "GLUON_BWD_QK_TRIM": False}, trim):
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flexfa.flex_attention(*inputs, score_mod=score_mod, block_mask=block_mask,
                                     enable_gqa=Hq != Hkv, kernel_options=opts)

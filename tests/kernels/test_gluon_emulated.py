@@ -38,7 +38,8 @@ OPTIONS = {"plain": FORCED, "pingpong": {**FORCED, "GLUON_PINGPONG": True},
            "dynamic_group1": {**FORCED, "GLUON_PERSISTENT": "DYNAMIC", "HEAD_GROUP": 1},
            "static_max": {**FORCED, "GLUON_STATIC_MAX": True},
            "running_max": {**FORCED, "GLUON_STATIC_MAX": False},
-           "qk_trim": {**FORCED, "GLUON_QK_TRIM": True}}
+           "qk_trim": {**FORCED, "GLUON_QK_TRIM": True},
+           "padded": {**FORCED, "GLUON_QK_TRIM": False}}
 
 
 def _none(heads, device):
@@ -112,7 +113,8 @@ FORWARD_CASES = ([(name, "plain") for name in CASES]
                  + [(name, "running_max") for name in ("softcap_causal", "softcap_empty_rows")]
                  + [(name, "qk_trim") for name in ("dense_d80", "document_d160",
                                                    "causal_d192_ev128", "dense_d192",
-                                                   "causal_d224", "causal_d256")])
+                                                   "causal_d224", "causal_d256")]
+                 + [(name, "padded") for name in ("dense_d80", "causal_d192_ev128")])
 
 
 def _inputs(name: str):
@@ -141,6 +143,8 @@ def test_gluon_forward_emulated_matches_reference(name, option):
         assert all(p.spec.static_max is None for p in found)
     elif option == "qk_trim":  # set only where E's 32-column slices are fewer than E_PAD's
         assert all(p.spec.qk_trim == (q.shape[3] != 256) for p in found)
+    elif option == "padded":  # Q K^T over E_PAD's columns (the default trims at 80 and 192)
+        assert found and not any(p.spec.qk_trim for p in found)
     elif option != "plain":  # when GEMMs issue and how out is stored, not what is computed
         plain = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                       enable_gqa=gqa, kernel_options=FORCED)
@@ -331,6 +335,8 @@ def test_gluon_wide_backward_emulated_dropout_close_to_one():
     # changes nothing where E fills its power of two, nor in the wide kernel
     ("causal", {"GLUON_BWD_QK_TRIM": True}),
     ("document_d160", {"GLUON_BWD_QK_TRIM": True}),
+    # the padded S^T and dP^T (the default trims at 80 and 96)
+    ("softcap_causal_d96", {"GLUON_BWD_QK_TRIM": False}),
 ])
 def test_gluon_backward_emulated_options(name, options):
     q, k, v, score_mod, mask_mod, block_mask = _inputs(name)
@@ -342,7 +348,7 @@ def test_gluon_backward_emulated_options(name, options):
         assert all(p.spec.stages == options["GLUON_BWD_STAGES"] for p in found)
     if q.shape[3] > 128:
         assert all(not p.spec.early_dp for p in found)
-    trimmed = bool(options.get("GLUON_BWD_QK_TRIM")) and q.shape[3] in (80, 96)
+    trimmed = options.get("GLUON_BWD_QK_TRIM") is not False and q.shape[3] in (80, 96)
     assert found and all(p.spec.qk_trim == trimmed for p in found)
 
 

@@ -244,7 +244,21 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
         persistent=persistent is not False, dynamic=persistent == "DYNAMIC",
         static_max=static_max(q, k, call, return_max), dropout=call.dropout is not None,
         sinks_dtype=call.sinks_dtype,
-        qk_trim=call.options.gluon_qk_trim and trims_columns(E))
+        qk_trim=qk_trim(call.options.gluon_qk_trim, E))
+
+
+# head dims where GLUON_QK_TRIM measured faster than the padded kernel (an H100, 2c4a86f,
+# benchmarks/results/gpu_2026-12-05/wj_2c4a86f: 0.87-0.99x the forward's time at 80, 96,
+# 160 and 192 / 128, causal, full, softcap, ALiBi, documents, S = 2048-16384); 'AUTO' trims
+# there (224, the other head dim it would change, was never timed)
+QK_TRIM_MEASURED = (80, 96, 160, 192)
+
+
+def qk_trim(option: bool | None, E: int) -> bool:
+    """The spec's ``qk_trim`` under kernel_options GLUON_QK_TRIM (None: 'AUTO')."""
+    if not trims_columns(E):
+        return False
+    return E in QK_TRIM_MEASURED if option is None else option
 
 
 def static_max(q, k, call: AttentionCall, return_max: bool) -> float | None:

@@ -306,8 +306,9 @@ def gluon_bwd_spec(q, k, call, target: Target, head_dim_v: int | None = None
         # kernel has no such option (its dP is issued after the mods)
         early_dp=call.options.gluon_bwd_early_dp and call.dropout is None and not wide,
         # S^T and dP^T over E's 32-column slices (the E <= 128 kernel; the wide one runs Q K^T
-        # over E's 32-column slices always)
-        qk_trim=call.options.gluon_bwd_qk_trim and not wide and trims_columns(E))
+        # over E's 32-column slices always); 'AUTO' (None) trims: measured 0.95-1.01x the
+        # padded kernel's fwd+bwd time at 80 and 96 (an H100, gpu_2026-12-05/wj_2c4a86f)
+        qk_trim=call.options.gluon_bwd_qk_trim is not False and not wide and trims_columns(E))
 
 
 @contextlib.contextmanager
