@@ -77,9 +77,9 @@
 # (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds);
 # wj: wf's forward and backward trim A/Bs (GLUON_QK_TRIM, GLUON_BWD_QK_TRIM), never timed;
 # wk: the twenty-seventh session's unrun GPU tests ('AUTO' at the wide dims, the E = 128
-# fallback), then (from .vecW, a worktree of the branch vector-grads: carry .vecW) the
-# captured-tensor GPU tests with row and key biases and a fwd+bwd A/B of the Triton and Gluon
-# backward with learnable tensors;
+# fallback), then (from .vecW, a worktree of the branch vector-grads, merged as ace76f4; to run
+# it again, a worktree of any revision: carry .vecW) the captured-tensor GPU tests with row and
+# key biases and a fwd+bwd A/B of the Triton and Gluon backward with learnable tensors;
 # wl: with both QK trims on by default, the Gluon option GPU tests (trims, sinks, d192 / d96 /
 # d80), then issue 25's softcap + causal against causal (the project benchmark, 5 rounds);
 # each part fits one 10-minute device call; a call returns at
