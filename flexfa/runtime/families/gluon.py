@@ -250,7 +250,8 @@ def gluon_spec(q, k, v, call: AttentionCall, target: Target, return_lse: bool,
 # head dims where GLUON_QK_TRIM measured faster than the padded kernel (an H100, 2c4a86f,
 # benchmarks/results/gpu_2026-12-05/wj_2c4a86f: 0.87-0.99x the forward's time at 80, 96,
 # 160 and 192 / 128, causal, full, softcap, ALiBi, documents, S = 2048-16384); 'AUTO' trims
-# there (224, the other head dim it would change, was never timed)
+# at those E whatever Ev (160 was timed with Ev = 160, 192 with Ev = 128: the trim changes Q
+# K^T alone); 224, the other head dim it would change, was never timed
 QK_TRIM_MEASURED = (80, 96, 160, 192)
 
 
