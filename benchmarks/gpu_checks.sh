@@ -75,7 +75,7 @@
 # wg in one call: the sinks and trim GPU tests, wg's A/B (carry .oldW), then the forward trim
 # A/B on fewer cases (3 rounds); wi: the Gluon backward's captured-tensor gradient GPU tests
 # (after their first run's fixes), wh's GPU tests, then wg's A/B (carry .oldW, 2 rounds);
-# wj: wf's forward and backward trim A/Bs (GLUON_QK_TRIM, GLUON_BWD_QK_TRIM), never timed;
+# wj: wf's forward and backward trim A/Bs (GLUON_QK_TRIM, GLUON_BWD_QK_TRIM; wj_2c4a86f);
 # wk: the twenty-seventh session's unrun GPU tests ('AUTO' at the wide dims, the E = 128
 # fallback), then (from .vecW, a worktree of the branch vector-grads, merged as ace76f4; to run
 # it again, a worktree of any revision: carry .vecW) the captured-tensor GPU tests with row and
@@ -496,8 +496,9 @@ if [ "$PART" = wk ]; then  # the twenty-eighth session's first call (see --help)
   (cd "${VEC_TREE:-.vecW}" && step vec_tests 150 $SHARD/wk_vec -- -m gpu -p no:cacheprovider \
     tests/gpu/test_gluon_bwd_gpu.py -k "captured_tensor")
   tail -n 4 "$OUT/vec_tests.log"
-  FLEXFA_AUTOTUNE=0 step ab_learn 230 python "${VEC_TREE:-.vecW}/benchmarks/experiments/options_ab.py" \
-    "$OUT/ab_learn.json" --rounds 3 --cases \
+  FLEXFA_AUTOTUNE=0 step ab_learn 230 python \
+    "${VEC_TREE:-.vecW}/benchmarks/experiments/options_ab.py" "$OUT/ab_learn.json" \
+    --rounds 3 --cases \
     "${WK_CASES:-256:8192:causal+learn,256:8192:causal+learnv,192/128:8192:causal+learnv}"
   tail -n 6 "$OUT/ab_learn.log"
 fi
