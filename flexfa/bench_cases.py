@@ -42,6 +42,34 @@ def bench_variants(S: int, H: int, device):
             "document": (None, document_causal), "prefix": (None, prefix_lm)}
 
 
+def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", vectors: bool = True,
+                  base=None):
+    """(score_mod, its learnable captured tensors), one per way a gradient load can depend on
+    the score tile: rel[q - kv] (every element), scale[h] (the score times it: one sum a
+    tile, its derivative the score), a 0-d gain (times rel: a sum of a full tile) and, with
+    ``vectors``, row[h, q] (a sum over keys) and col[kv] (over queries); ``base``: a
+    score_mod whose output takes the score's place. A row bias's exact gradient is 0 unless
+    lse's is not (softmax ignores a row-wide shift): check it through lse."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape, mean=0.0, std=1.0):
+        return (mean + std * torch.randn(*shape, generator=generator)).to(device).requires_grad_()
+    rel, scale = leaf(L + S - 1, std=0.5), leaf(Hq, mean=1.0, std=0.3)
+    row, col = leaf(Hq, L), leaf(S)
+    gain = torch.tensor(0.7, device=device, requires_grad=True)
+    base = base or (lambda score, b, h, q_idx, kv_idx: score)
+
+    def full_tiles(score, b, h, q_idx, kv_idx):
+        return base(score, b, h, q_idx, kv_idx) * scale[h] + rel[q_idx - kv_idx + S - 1] * gain
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return full_tiles(score, b, h, q_idx, kv_idx) + row[h, q_idx] + col[kv_idx]
+    if vectors:
+        return learnable, (rel, scale, gain, row, col)
+    return full_tiles, (rel, scale, gain)
+
+
 def split_variant(variant: str, heads: int) -> tuple[str, int, bool, bool]:
     """(base variant, GQA group, dropout, without the mask_mod) of a benchmark variant with
     suffixes: ``+gqaG`` (G query heads per kv head), ``+drop`` (dropout 0.1, a fixed seed),

@@ -5,8 +5,9 @@ E = 192 / Ev = 128, at 256 below S = 4096 and with dropout; whether GLUON_QK_TRI
 For each case ``E[/Ev]:S:variant[+drop][+learn|+learnv]`` (variants of
 ``flexfa.bench_cases.bench_variants``; ``+drop``: with ``dropout_p`` ``--p``; ``+learn``: plus
 learnable captured tensors, a relative bias times a 0-d gain and the score times a head scale,
-``+learnv`` also a row bias row[h, q] and a key bias col[kv], their gradients compared and
-timed too; B = tokens / S, H = 16, bf16), the forward or fwd+bwd
+``+learnv`` also a row bias row[h, q] and a key bias col[kv]: ``bench_cases.learnable_mod``
+over the variant's score_mod, their gradients compared and timed too; B = tokens / S, H = 16,
+bf16), the forward or fwd+bwd
 (``--passes``) under each configuration of ``--configs`` in turn, each round in the reverse
 order of the one before (do_bench medians, the median of the rounds), and the peak extra
 memory of one call. The outputs (and with fwd+bwd the gradients) of every configuration are
@@ -40,27 +41,6 @@ def parse_case(text: str) -> tuple[int, int, int, str, bool, str]:
     return int(E), int(Ev or E), int(S), variant, "drop" in suffixes, (learn or [""])[0]
 
 
-def learnable(score_mod, learn: str, H: int, S: int):
-    """(score_mod plus learnable captured tensors, the tensors): see the module's doc."""
-    import torch
-    generator = torch.Generator().manual_seed(0)
-
-    def leaf(*shape, mean=0.0, std=1.0):
-        return (mean + std * torch.randn(*shape, generator=generator)).cuda().requires_grad_()
-    rel, scale, row, col = leaf(2 * S - 1, std=0.5), leaf(H, mean=1.0, std=0.3), leaf(H, S), leaf(S)
-    gain = torch.tensor(0.7, device="cuda", requires_grad=True)
-    base = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
-
-    def tiles(score, b, h, q_idx, kv_idx):
-        return base(score, b, h, q_idx, kv_idx) * scale[h] + rel[q_idx - kv_idx + S - 1] * gain
-
-    def vectors(score, b, h, q_idx, kv_idx):
-        return tiles(score, b, h, q_idx, kv_idx) + row[h, q_idx] + col[kv_idx]
-    if learn == "learn":
-        return tiles, [rel, scale, gain]
-    return vectors, [rel, scale, gain, row, col]
-
-
 def parse_configs(text: str) -> dict[str, dict]:
     configs = {}
     for item in text.split(";"):
@@ -90,7 +70,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flexfa
-    from flexfa.bench_cases import bench_variants
+    from flexfa.bench_cases import bench_variants, learnable_mod
 
     first = next(iter(configs))
     rows = []
@@ -101,7 +81,9 @@ def main() -> int:
         score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[variant]
         buffers = []
         if learn:
-            score_mod, buffers = learnable(score_mod, learn, args.heads, S)
+            score_mod, buffers = learnable_mod(args.heads, S, S, seed=0, device="cuda",
+                                               vectors=learn == "learnv", base=score_mod)
+            buffers = list(buffers)
         mask = (None if mask_mod is None else
                 flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda"))
         q, k = (torch.randn(B, args.heads, S, E, device="cuda", dtype=torch.bfloat16,

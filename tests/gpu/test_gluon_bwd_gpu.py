@@ -16,10 +16,11 @@ import torch
 
 import flexfa
 from flexfa import mods
+from flexfa.bench_cases import learnable_mod
 from flexfa.runtime import plans
 from flexfa.runtime.families.gluon_bwd import DQ_CHUNKS, dq_slots
 
-from kernels.backward_utils import check_backward, learnable_mod
+from kernels.backward_utils import check_backward
 from gpu.gluon_safety import case_inputs, run_safely
 from kernels.forward_utils import make_qkv
 
@@ -188,7 +189,7 @@ def test_gluon_backward_with_sinks_matches_reference(safe, name):
                                   "gqa_alibi_causal_d256", "causal_d192_ev128", "causal_d192"])
 def test_gluon_backward_captured_tensor_gradients_match_reference(safe, name):
     """Learnable captured tensors on the Gluon backward (GLUON_BACKWARD=True, head dims
-    padding to 256): the five tensors of backward_utils.learnable_mod (a relative bias, a
+    padding to 256): the five tensors of bench_cases.learnable_mod (a relative bias, a
     head scale, a 0-d gain, a row bias row[h, q_idx] and a key bias col[kv_idx]: sums along
     one axis of the tile) with the case's mask_mod, every gradient against the float64
     reference, lse's gradient in (without it a row bias's exact gradient is 0). (E <= 128,

@@ -63,31 +63,6 @@ def reference_run(q, k, v, score_mod=None, mask_mod=None, *, enable_gqa=False, b
     return out.detach(), lse.detach(), grads
 
 
-def learnable_mod(Hq: int, L: int, S: int, seed: int, device="cpu", vectors: bool = True):
-    """(score_mod, its learnable captured tensors), one per way a gradient load can depend on
-    the score tile: rel[q - kv] (every element), scale[h] (the score times it: one sum a
-    tile, its derivative the score), a 0-d gain (times rel: a sum of a full tile) and, with
-    ``vectors``, row[h, q] (a sum over keys) and col[kv] (over queries). A row bias's exact
-    gradient is 0 unless lse's is not (softmax ignores a row-wide shift): check it with
-    ``with_lse``."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def leaf(*shape, mean=0.0, std=1.0):
-        return (mean + std * torch.randn(*shape, generator=generator)).to(device).requires_grad_()
-    rel, scale, row, col = leaf(L + S - 1, std=0.5), leaf(Hq, mean=1.0, std=0.3), leaf(Hq, L), leaf(S)
-    gain = torch.tensor(0.7, device=device, requires_grad=True)
-
-    def learnable(score, b, h, q_idx, kv_idx):
-        return (score * scale[h] + rel[q_idx - kv_idx + S - 1] * gain + row[h, q_idx]
-                + col[kv_idx])
-
-    def full_tiles(score, b, h, q_idx, kv_idx):
-        return score * scale[h] + rel[q_idx - kv_idx + S - 1] * gain
-    if vectors:
-        return learnable, (rel, scale, gain, row, col)
-    return full_tiles, (rel, scale, gain)
-
-
 def check_backward(q, k, v, score_mod=None, mask_mod=None, block_mask=None, *,
                    enable_gqa=False, kernel_options=None, buffers=(), with_lse=False,
                    scale=None, seed=0, fudge=GRAD_FUDGE, sinks=None, dropout=None):

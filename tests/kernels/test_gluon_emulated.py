@@ -14,6 +14,7 @@ import torch
 
 import flexfa
 from flexfa import mods
+from flexfa.bench_cases import learnable_mod
 from flexfa.errors import InputError
 from flexfa.runtime import plans
 
@@ -21,7 +22,7 @@ from gpu.gluon_safety import case_inputs
 from gpu.test_gluon_bwd_gpu import (_alibi_causal, _empty_rows, assert_same_non_finite,
                                     gluon_backward_plans, non_finite_results)
 from gpu.test_gluon_gpu import _empty_prefix
-from kernels.backward_utils import check_backward, learnable_mod
+from kernels.backward_utils import check_backward
 from kernels.forward_utils import check_forward, make_qkv
 
 EMULATE = {"GLUON_EMULATE": True}

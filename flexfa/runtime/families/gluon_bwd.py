@@ -16,8 +16,8 @@ gradients under 'AUTO'). Dropout draws the forward's keep mask again in the cons
 (both templates' DROPOUT); attention sinks need nothing of the kernel (lse holds them) and
 take their gradient from lse and delta after it; captured tensors that want gradients
 (learnable biases) get them under ``GLUON_BACKWARD=True`` from the wide kernel's consumer
-tiles by atomic adds into fp32 accumulators (its HAS_BUFFER_GRADS), where each is read once
-a score or once a tile (``why_not_gluon_bwd`` says what else).
+tiles by atomic adds into fp32 accumulators (its HAS_BUFFER_GRADS; ``why_not_gluon_bwd``
+says what else).
 Memory past the inputs and gradients: the fp32 dQ accumulator of a part of the heads (about
 a quarter: ``DQ_CHUNKS``); the two fp32 rows per query the kernel reads (lse2, delta) live in
 dQ's own memory until the postprocess writes dQ there (``row_buffers``); nothing of size
