@@ -328,15 +328,14 @@ def _row_bias():
     return row_bias
 
 
-@pytest.mark.parametrize("E, score_mod, reason", [
-    (128, _learnable_bias, "below E = 256"), (96, _learnable_bias, "below E = 256")])
-def test_gluon_backward_refuses_the_captured_tensor_gradients_it_got_wrong(E, score_mod, reason):
+@pytest.mark.parametrize("E", [128, 96])
+def test_gluon_backward_refuses_the_captured_tensor_gradients_it_got_wrong(E):
     """On the H200 (gpu_2026-12-05) the E <= 128 kernel with captured-tensor gradients passed
     sm_90's shared memory: under GLUON_BACKWARD=True those calls take the Triton backward."""
     q, k, v = _qkv(E=E)
-    call = _call(FORCED, score_mod=score_mod())
+    call = _call(FORCED, score_mod=_learnable_bias())
     found = why_not_gluon_bwd(SM90, call, q, k, v)
-    assert found is not None and reason in found, found
+    assert found is not None and "below E = 256" in found, found
     assert registry.choose("backward", SM90, call, q, k, v).name == "triton_bwd"
 
 

@@ -8,8 +8,8 @@ TMA store, the persistent grids, the static max, ring depths, dQ parts, early dP
 trims); out, lse and every gradient against the float64 reference
 (kernels/backward_utils.check_backward).
 Where the Gluon backward does not apply (captured-tensor gradients below E = 256,
-runtime.families.gluon_bwd) the Triton backward runs,
-interpreted: the Gluon forward is still the one checked."""
+runtime.families.gluon_bwd) the Triton backward runs, interpreted: the Gluon forward is
+still the one checked."""
 import os
 
 import torch
