@@ -8,6 +8,7 @@ every tile), and "S" where ptxas serialized the kernel's wgmmas (C7514 / C7515).
 cache compiles about 90 kernels (minutes).
 
     python benchmarks/experiments/wide_spills.py [--dims 256,192] [--only dropout] [--no-tma]
+        [--block-m1 32]
 """
 import argparse
 import sys
@@ -39,9 +40,13 @@ def main() -> int:
                         help="pointer loads instead of tensor descriptors (kernel_options "
                              "bwd_USE_TMA=False; past 128 the backward then takes its small "
                              "pointer-load tiles, so the cells compare other tiles too)")
+    parser.add_argument("--block-m1", type=int, default=0,
+                        help="the dK/dV kernel's query rows per step (kernel_options "
+                             "bwd_BLOCK_M1; the other tiles at each cell's default)")
     args = parser.parse_args()
     from flexfa.compile_check import compile_job
     from flexfa.compile_check.jobs import backward_job
+    from flexfa.runtime.families.backward import hopper_candidates
 
     print("E    variant                 "
           "dK/dV even      dK/dV ragged    dQ even         dQ ragged   (bytes / in loops"
@@ -53,10 +58,15 @@ def main() -> int:
             cells = []
             for which in ("dkdv", "dq"):
                 for ragged in (False, True):
+                    config = None
+                    if args.block_m1:  # the cell's default tiles (ragged_default) but BLOCK_M1
+                        masked_256 = dim == 256 and "mask_mod" in mods
+                        config = (args.block_m1,) + hopper_candidates(
+                            256, 128 if dim == 192 else 256, ragged and not masked_256)[0][1:]
                     result = compile_job(name, 90, backward_job(
                         which, dim, "bf16", head_dim_v=128 if dim == 192 else dim,
-                        ragged=ragged, use_tma=False if args.no_tma else None, **mods),
-                        loops=True)
+                        ragged=ragged, use_tma=False if args.no_tma else None,
+                        config=config, **mods), loops=True)
                     serial = " S" if result.wgmma_serialized else ""
                     cells.append(f"{result.spill_bytes} / {result.loop_local_ops}{serial}"
                                  if result.ok else "FAIL")
