@@ -282,9 +282,11 @@ if [ "$PART" = y ]; then  # the chunked-prefill sweep that places BACKEND="AUTO"
   tail -n 70 "$OUT/prefill_sweep.log"; tail -n 18 "$OUT/compiled_model.log"
 fi
 if [ "$PART" = z ]; then  # every GPU test at a session's end, sharded; the timed ones serial
-  T="dispatch_of_a_cached_call or faster_than_bf16"
+  # (and the peak-memory comparison with FlexAttention: its S = 65536 case, run beside seven
+  # other processes on an H100, recorded an error for FlexAttention's whole row, z_c2ff84c)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
   step gpu_all 330 $SHARD/all -- -m gpu -k "not ($T)" tests
-  step timed 90 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
+  step timed 240 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
   # the chunked-prefill default after BACKEND="AUTO" took the Gluon forward for it
   step chunked 60 python benchmarks/decode_bench.py "$OUT/chunked.json" --cases chunked \
     --budget 40

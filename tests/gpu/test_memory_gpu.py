@@ -138,7 +138,9 @@ def test_fwd_bwd_peak_memory_within_flexattention(against_flexattention, case):
     assert flexfa_mib <= 1.10 * found["flexfa_formula_mib"], (
         f"{case}: flexfa's fwd+bwd peak {flexfa_mib} MiB, the O(L + S) formula "
         f"{found['flexfa_formula_mib']} MiB")
-    flex = found["torch_flex"]["fwd_bwd"]
+    # an error of the whole peer (e.g. out of memory building its block mask) or of its pass
+    flex = found["torch_flex"]
+    flex = flex if "error" in flex else flex["fwd_bwd"]
     assert "error" not in flex, f"{case}: FlexAttention did not run: {flex['error']}"
     assert flexfa_mib <= 1.2 * flex["peak_mib"], (
         f"{case}: flexfa's fwd+bwd peak {flexfa_mib} MiB, FlexAttention's {flex['peak_mib']}")
