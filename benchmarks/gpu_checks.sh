@@ -82,13 +82,15 @@
 # key biases and a fwd+bwd A/B of the Triton and Gluon backward with learnable tensors;
 # wl: with both QK trims on by default, the Gluon option GPU tests (trims, sinks, d192 / d96 /
 # d80), then issue 25's softcap + causal against causal (the project benchmark, 5 rounds);
+# wm: the memory GPU tests alone, in one process (z_c2ff84c's failure: FlexAttention's row of
+# the S = 65536 comparison held an error when run beside seven other processes);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -483,6 +485,10 @@ trim_bwd_ab() {  # trim_bwd_ab LIMIT CASES: the Gluon backward with and without 
 }
 if [ "$PART" = wg ]; then  # the wide backward's GQA producer against 8ab6f3e, 3 rounds
   opaque_walk_ab "${WG_LIMIT:-200}" 3
+fi
+if [ "$PART" = wm ]; then  # the peak-memory tests serially (see --help)
+  step memory 300 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py
+  tail -n 6 "$OUT/memory.log"
 fi
 if [ "$PART" = wl ]; then  # the trims' defaults on the GPU, then softcap + causal / causal
   option_tests wl 200
