@@ -46,7 +46,6 @@ def main() -> int:
     args = parser.parse_args()
     from flexfa.compile_check import compile_job
     from flexfa.compile_check.jobs import backward_job
-    from flexfa.runtime.families.backward import hopper_candidates
 
     print("E    variant                 "
           "dK/dV even      dK/dV ragged    dQ even         dQ ragged   (bytes / in loops"
@@ -58,15 +57,10 @@ def main() -> int:
             cells = []
             for which in ("dkdv", "dq"):
                 for ragged in (False, True):
-                    config = None
-                    if args.block_m1:  # the cell's default tiles (ragged_default) but BLOCK_M1
-                        masked_256 = dim == 256 and "mask_mod" in mods
-                        config = (args.block_m1,) + hopper_candidates(
-                            256, 128 if dim == 192 else 256, ragged and not masked_256)[0][1:]
                     result = compile_job(name, 90, backward_job(
                         which, dim, "bf16", head_dim_v=128 if dim == 192 else dim,
                         ragged=ragged, use_tma=False if args.no_tma else None,
-                        config=config, **mods), loops=True)
+                        block_m1=args.block_m1 or None, **mods), loops=True)
                     serial = " S" if result.wgmma_serialized else ""
                     cells.append(f"{result.spill_bytes} / {result.loop_local_ops}{serial}"
                                  if result.ok else "FAIL")

@@ -550,11 +550,13 @@ register("fp8_quantize_d128_bf16_v", quantize_job(128, "bf16", False),
 def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod=None,
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
                  ragged: bool = True, ds: bool = False, dropout: bool = False,
-                 config: tuple | None = None, use_tma: bool | None = None):
+                 config: tuple | None = None, use_tma: bool | None = None,
+                 block_m1: int | None = None):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
     ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
     default GPU tiles (``config``: the backward's tuned-config tuple instead; ``use_tma``:
-    kernel_options USE_TMA), launched as the runtime's backward family launches it; example launch
+    kernel_options USE_TMA; ``block_m1``: kernel_options bwd_BLOCK_M1, the other tiles at their
+    default), launched as the runtime's backward family launches it; example launch
     arguments are tiny CPU tensors of the right dtypes (only their types reach the
     signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
     False: the benchmark's lengths. ``dropout``: the kernels that draw the keep mask again."""
@@ -574,7 +576,9 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         seed = Dropout(0.1, torch.zeros(2, dtype=torch.int64)) if dropout else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic,
-                                                  bwd=PassOptions(use_tma=use_tma)), gqa_group,
+                                                  bwd=PassOptions(use_tma=use_tma,
+                                                                  block_m1=block_m1)),
+                             gqa_group,
                              dropout=seed)
         spec = backward_spec(q, k, v, call, has_dlse=True, target=parse_target(f"cuda:{arch}"),
                              config=config, force_ds=ds)
