@@ -43,17 +43,14 @@ SM90_DEFAULTS = [f"fwd_hopper_{tag}_bf16_softcap_causal" for tag in ("d192_ev128
     "fp8_quantize_d256_fp16_rotate"]
 
 
-# (spill bytes, local-memory instructions in the tile loops) allowed: E = 256's dK/dV walks
-# its partial and full blocks under a guard that keeps its wgmmas unserialized (common.tmpl's
-# flexfa_walk_mask_one_loop); ptxas then spills a value, 1.11-1.12x faster fwd+bwd on the
-# H200 than spill-free and serialized (docs/head-dims.md, "Serialized wgmmas"); at ragged
-# lengths Q and dO come from per-head descriptors without bounds selects, and under a block
-# mask the ragged lengths take the even ones' 8-warp 64-key programs (backward.py's
-# ragged_default), whose bounds-checked tiles spill more (92 bytes, 18 local-memory
-# instructions in the loops) and run 1.43x faster than the 4-warp 32-key ones (12 / 1)
-# with softcap + causal at S = 8100 (fwd+bwd 1.25x, mask_e08f18d)
-SPILL_BUDGET = {"bwd_dkdv_d256_bf16_softcap_causal": (92, 18),
-                "bwd_dkdv_d256_bf16_softcap_causal_even": (36, 1)}
+# (spill bytes, local-memory instructions in the tile loops) allowed: none. E = 256's dK/dV
+# walks its partial and full blocks in one loop under a guard that keeps its wgmmas
+# unserialized (common.tmpl's flexfa_walk_mask_one_loop) and forms dS^T under the mask's
+# branch, so that S^T's and dP^T's GEMMs give each warpgroup half the columns: it spilled
+# 36 bytes (one local-memory instruction a tile) at tile multiples and 92 (18) at ragged
+# lengths before, where under a block mask the ragged lengths take the even ones' 8-warp
+# 64-key programs (backward.py's ragged_default); now neither spills
+SPILL_BUDGET: dict[str, tuple[int, int]] = {}
 
 
 @pytest.mark.parametrize("name", SM90_DEFAULTS)
