@@ -99,10 +99,12 @@ def _causal_window(b, h, q_idx, kv_idx):
     (8192, 96, None, None, "gluon_bwd"),
     (8192, 80, mods.causal, None, "gluon_bwd"),
     (8192, 112, None, None, "gluon_bwd"),          # between them: the same E = 128 kernel
-    # 256: 0.73-0.90x the time dense, 0.96-1.02x causal (wdb_45b05fb); 192 (v's 192) not
-    # measured; sparse at 256 not measured
+    # 256: 0.73-0.90x the time dense (wdb_45b05fb); under a block mask the Triton backward's
+    # split one-loop tiles took 0.81-0.90x the Gluon backward's time (sp_0d1195a); 192 (v's
+    # 192) not measured
     (8192, 256, None, None, "gluon_bwd"),
-    (8192, 256, mods.causal, None, "gluon_bwd"),
+    (8192, 256, mods.causal, None, "triton_bwd"),
+    (8192, 256, mods.causal, FORCED, "gluon_bwd"),
     (8192, 192, mods.causal, None, "triton_bwd"),
     (8192, 256, _causal_window, None, "triton_bwd"),
     (4096, 256, mods.causal, None, "triton_bwd"),
@@ -167,7 +169,8 @@ def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_m
     assert with_sinks.features == {"sinks"}
     plain = registry.choose("backward", SM90, _call(None, block_mask=mask), q, k, v)
     assert registry.choose("backward", SM90, with_sinks, q, k, v) is plain
-    assert (plain is GLUON_BWD) == (L > 4096 and E != 192)
+    # (at 256 under a block mask the Triton backward: sp_0d1195a)
+    assert (plain is GLUON_BWD) == (L > 4096 and E == 128)
     assert registry.choose("forward", SM90, with_sinks, q, k, v) is registry.choose(
         "forward", SM90, _call(None, block_mask=mask), q, k, v)
 
@@ -222,18 +225,23 @@ def test_mla_shape_takes_the_wide_backward_at_ragged_lengths(L, mask_mod, chosen
 @pytest.mark.parametrize("L, mask_mod, chosen", [
     (2048, None, "gluon_bwd"), (4096, None, "gluon_bwd"),       # 0.96x, 0.94x (we_001b317)
     (1024, None, "triton_bwd"),                                 # not measured
-    (4096, mods.causal, "triton_bwd"), (2048, mods.causal, "triton_bwd"),  # 1.03x, 1.10x
-    (8192, mods.causal, "gluon_bwd")])
+    (2048, mods.causal, "triton_bwd"), (4096, mods.causal, "triton_bwd"),
+    (8192, mods.causal, "triton_bwd"), (8100, mods.causal, "triton_bwd"),
+    (16384, mods.prefix_lm(4096), "triton_bwd")])
 def test_wide_backward_without_a_block_mask_from_2048(L, mask_mod, chosen):
     """At E = 256 'AUTO' takes the wide kernel for calls without a block mask from L = S =
-    WIDE_DENSE_MIN_LENGTH (2048), where it measured faster; masked calls from past
-    SHORT_KV (4096) as at the other head dims."""
+    WIDE_DENSE_MIN_LENGTH (2048), where it measured faster, and never under a block mask
+    without dropout: there the Triton backward's one-loop tiles took 0.81-0.90x its time
+    (sp_0d1195a; 2048 and 4096 were slower on the wide kernel before, we_001b317)."""
     q, k, v = (torch.empty(1, 16, L, 256, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
     call = _call(None, block_mask=mask)
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
     if chosen == "triton_bwd":
-        assert "past 4096" in why_not_gluon_bwd(SM90, call, q, k, v)
+        reason = why_not_gluon_bwd(SM90, call, q, k, v)
+        assert ("under a block mask without dropout" if mask_mod else "past 4096") in reason
+    forced = _call(FORCED, block_mask=mask)  # GLUON_BACKWARD=True still runs it
+    assert why_not_gluon_bwd(SM90, forced, q, k, v) is None
 
 
 @pytest.mark.parametrize("E, Ev, trimmed", [(96, 96, True), (80, 80, True), (128, 128, False),

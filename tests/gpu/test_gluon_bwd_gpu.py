@@ -282,20 +282,23 @@ def gluon_backward_plans(options: dict, k) -> list:
     return found
 
 
-@pytest.mark.parametrize("mask_mod, E", [(None, 128), (mods.causal, 128), (mods.causal, 96),
-                                         (None, 256), (mods.causal, 256)])
-def test_default_backward_is_gluon_past_4096(safe, mask_mod, E):
+@pytest.mark.parametrize("mask_mod, E, family", [
+    (None, 128, "gluon_bwd"), (mods.causal, 128, "gluon_bwd"), (mods.causal, 96, "gluon_bwd"),
+    (None, 256, "gluon_bwd"), (mods.causal, 256, "triton_bwd")])
+def test_default_backward_is_gluon_past_4096(safe, mask_mod, E, family):
     """GLUON_BACKWARD's default ('AUTO') takes the Gluon backward for dense and masked calls
     with L and S past 4096 (runtime.families.gluon_bwd.AUTO_CLASSES) at head dims 64, 80 to
-    128 and 256 (its wide kernel): no kernel_options, a ragged length (the bounds-checked
-    code), the accumulator in its default parts (B * Hkv = 4: one pair per part)."""
+    128 and 256 (its wide kernel) without a block mask; at 256 under a block mask the Triton
+    backward (its one-loop dK/dV tiles, faster there): no kernel_options, a ragged length
+    (the bounds-checked code), the accumulator in its default parts (B * Hkv = 4: one pair
+    per part)."""
     from flexfa import create_block_mask
     q, k, v = make_qkv(2, 2, 2, 4160, 4160, E, dtype=torch.bfloat16, device="cuda")
     block_mask = (create_block_mask(mask_mod, None, None, 4160, 4160, device="cuda")
                   if mask_mod else None)
     plans.PLANS.clear()
     check_backward(q, k, v, None, mask_mod, block_mask)
-    assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
+    assert family in [p.family.name for p in plans.PLANS.values()]
 
 
 @pytest.mark.parametrize("E, Ev, L, mask_mod, dropout", [

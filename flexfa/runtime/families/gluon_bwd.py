@@ -195,7 +195,8 @@ def auto_head_dim(E: int, Ev: int) -> bool:
     (benchmarks/results/gpu_2026-12-05): at 256 the time of dense 0.87x at S = 16384, 0.90x
     at 8192, 0.73x at 8100; softcap + causal 0.97x and ALiBi + causal 0.93x at 16384;
     causal 1.00x at 16384, 1.01-1.02x at 8192, 0.96x at 8100 (peak memory 577 MiB against
-    514: dQ's float32 accumulator). E = 192 with Ev = 128 keeps the Triton backward (the
+    514: dQ's float32 accumulator); the masked classes at 256 have gone back to the Triton
+    backward since its dK/dV split dP^T between the warpgroups (why_not_gluon_bwd). E = 192 with Ev = 128 keeps the Triton backward (the
     wide kernel with E padded to 256 took 1.14x the time causal, 1.08x dense at 8192; 1.01x
     and 0.98x at 8100; with its 192-column layout (we_001b317, 3 rounds) 1.09x causal,
     1.04x dense, 1.03x softcap at 8192, 0.98x causal and 0.95x dense at 8100), except with
@@ -230,6 +231,17 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                     f"alike, and E = 192 with Ev = 128 with dropout or at lengths that are "
                     f"not multiples of {MLA_RAGGED} (measured faster there), not E={E}, "
                     f"Ev={Ev}, L={L}, S={S}")
+        # at 256 under a block mask without dropout the Triton backward, whose one-loop dK/dV tiles
+        # give S^T's and dP^T's GEMMs half the columns each warpgroup (bwd_dkdv.tmpl's ONE_LOOP,
+        # since the thirtieth session) and took 0.81-0.90x the Gluon backward's time fwd+bwd on an
+        # H100 (tree_ab.py, 3 rounds, gpu_2026-12-05/sp_0d1195a): causal 0.83x at 8192 and 16384,
+        # 0.90x at 8100, GQA 4 0.82x at 8192, softcap + causal 0.87x, ALiBi + causal 0.83x, prefix
+        # 0.81x at 16384; without a block mask (its old tiles) the Gluon backward stays faster
+        # (dense 0.93x the Triton backward's time at 8192)
+        if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and call.dropout is None \
+                and call.block_mask is not None:
+            return ("GLUON_BACKWARD='AUTO' leaves head dim 256 under a block mask without "
+                    "dropout to the Triton backward (measured faster there)")
         if call.dropout is not None:
             need = DROPOUT_MIN_LENGTH.get(pair)
             if need is None:
