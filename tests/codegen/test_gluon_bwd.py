@@ -178,16 +178,19 @@ def test_gluon_backward_takes_sinks_where_it_takes_the_call_without(L, E, mask_m
 @pytest.mark.parametrize("E, Ev, L, chosen", [
     (256, 256, 8192, "gluon_bwd"),    # 0.79x the Triton backward's time (we_001b317)
     (256, 256, 2048, "gluon_bwd"),    # dense 0.81x
-    (256, 256, 1024, "triton_bwd"),   # not measured
+    (256, 256, 1024, "gluon_bwd"),    # 0.92x (dr_32693bf, H100)
+    (256, 256, 512, "triton_bwd"),    # 1.04x
     (192, 128, 8192, "gluon_bwd"),    # 0.90x
-    (192, 128, 4096, "triton_bwd"),   # not measured
+    (192, 128, 4096, "gluon_bwd"),    # 0.91x
+    (192, 128, 2048, "gluon_bwd"),    # 0.96x
+    (192, 128, 1024, "triton_bwd"),   # not measured
     (256, 128, 8192, "triton_bwd"),   # the same padded pair, not measured
     (160, 128, 8192, "triton_bwd"),   # not measured
 ])
 def test_gluon_backward_with_dropout_at_wide_head_dims(E, Ev, L, chosen):
     """The wide kernel draws the keep mask too: GLUON_BACKWARD=True takes dropout at the
-    head dims padding to 256; 'AUTO' from DROPOUT_MIN_LENGTH of the padded pair on (2048 at
-    256, 8192 at 192 / 128, where it measured faster), below that the Triton backward, and
+    head dims padding to 256; 'AUTO' from DROPOUT_MIN_LENGTH of the padded pair on (1024 at
+    256, 2048 at 192 / 128, where it measured faster), below that the Triton backward, and
     at 192 / 128 without dropout the Triton backward always (faster there)."""
     q, k = (torch.empty(1, 64, L, E, dtype=torch.bfloat16) for _ in range(2))
     v = torch.empty(1, 64, L, Ev, dtype=torch.bfloat16)
@@ -224,13 +227,16 @@ def test_mla_shape_takes_the_wide_backward_at_ragged_lengths(L, mask_mod, chosen
 
 @pytest.mark.parametrize("L, mask_mod, chosen", [
     (2048, None, "gluon_bwd"), (4096, None, "gluon_bwd"),       # 0.96x, 0.94x (we_001b317)
-    (1024, None, "triton_bwd"),                                 # not measured
+    (1024, None, "triton_bwd"), (512, None, "triton_bwd"),     # 1.10x, 1.15x (dr_32693bf)
+    (1000, None, "gluon_bwd"),                                  # ragged: 0.92x
+    (999, None, "triton_bwd"), (1000, mods.causal, "triton_bwd"),  # not measured; masked
     (2048, mods.causal, "triton_bwd"), (4096, mods.causal, "triton_bwd"),
     (8192, mods.causal, "triton_bwd"), (8100, mods.causal, "triton_bwd"),
     (16384, mods.prefix_lm(4096), "triton_bwd")])
 def test_wide_backward_without_a_block_mask_from_2048(L, mask_mod, chosen):
     """At E = 256 'AUTO' takes the wide kernel for calls without a block mask from L = S =
-    WIDE_DENSE_MIN_LENGTH (2048), where it measured faster, and never under a block mask
+    WIDE_DENSE_MIN_LENGTH (2048), or WIDE_DENSE_RAGGED_MIN_LENGTH (1000) at lengths that are
+    not multiples of 128, where it measured faster, and never under a block mask
     without dropout: there the Triton backward's one-loop tiles took 0.81-0.90x its time
     (sp_0d1195a; 2048 and 4096 were slower on the wide kernel before, we_001b317)."""
     q, k, v = (torch.empty(1, 16, L, 256, dtype=torch.bfloat16) for _ in range(3))

@@ -305,13 +305,16 @@ def test_default_backward_is_gluon_past_4096(safe, mask_mod, E, family):
     (192, 128, 4160, mods.causal, None),      # the MLA shape at a ragged length
     (192, 128, 8192, mods.causal, (0.1, 7)),  # the MLA shape with dropout
     (256, 256, 2048, None, None),             # no block mask from 2048
-    (256, 256, 2048, mods.causal, (0.1, 7)),  # dropout from 2048
+    (256, 256, 2048, mods.causal, (0.1, 7)),  # dropout from 2048 ...
+    (256, 256, 1024, mods.causal, (0.1, 7)),  # ... from 1024 since dr_32693bf
+    (192, 128, 2048, mods.causal, (0.1, 7)),  # the MLA shape with dropout from 2048
+    (256, 256, 1000, None, None),             # no block mask at ragged lengths from 1000
 ])
 def test_default_backward_takes_the_wide_kernel_where_measured(safe, E, Ev, L, mask_mod,
                                                                dropout):
     """'AUTO' (no kernel_options) takes the wide Gluon backward where the twenty-seventh
-    session's H200 A/B measured it faster (we_001b317): every gradient against the float64
-    reference there."""
+    session's H200 A/B (we_001b317) and the thirtieth's H100 A/B (dr_32693bf) measured it
+    faster: every gradient against the float64 reference there."""
     from flexfa import create_block_mask
     q, k, v = make_qkv(1, 2, 2, L, L, E, Ev, dtype=torch.bfloat16, device="cuda")
     block_mask = (create_block_mask(mask_mod, None, None, L, L, device="cuda")

@@ -167,14 +167,21 @@ AUTO_CLASSES = frozenset({"dense", "masked"})
 # 8192; E = 64 causal 1.07x at 2048, 0.97x at 4096, 0.95x at 8192, dense 1.06x at 1024.
 # Keyed by the padded (E, Ev) pair. The wide kernel (options_ab.py, 3 rounds,
 # gpu_2026-12-05/we_001b317): 256 causal 0.79x at 8192 and 0.80x at 4096, dense 0.81x at
-# 2048; 192 / 128 causal 0.90x at 8192 (the only length measured there; it is taken with
-# dropout alone: without, the Triton backward was faster at 192 / 128)
-DROPOUT_MIN_LENGTH = {(64, 64): 4096, (128, 128): 2048, (256, 256): 2048, (256, 128): 8192}
+# 2048; 192 / 128 causal 0.90x at 8192 (it is taken with dropout alone: without, the Triton
+# backward was faster at 192 / 128). Thirtieth session, shorter lengths on an H100
+# (options_ab.py, 3 rounds, gpu_2026-12-05/dr_32693bf): 256 causal 0.92x at 1024 and 1.04x
+# at 512, dense 0.94x at 1024; 192 / 128 causal 0.91x at 4096 and 0.96x at 2048, dense
+# 0.88x at 4096
+DROPOUT_MIN_LENGTH = {(64, 64): 4096, (128, 128): 2048, (256, 256): 1024, (256, 128): 2048}
 # (of the pairs padding to 256 / 128 'AUTO' takes 192 / 128 alone: why_not_gluon_bwd)
 # without a block mask the wide kernel from this length (not past SHORT_KV only): dense
 # fwd+bwd at E = 256 0.94x the Triton backward's time at 4096 and 0.96x at 2048 (we_001b317;
 # causal there 1.03x and 1.10x: masked calls keep SHORT_KV)
 WIDE_DENSE_MIN_LENGTH = 2048
+# and at lengths that are not multiples of 128 from this one, where the Triton backward runs
+# its bounds-checked 4-warp 32-key dK/dV programs: dense at S = 1000 0.92x its time (at the
+# tile multiples 1024 and 512 1.10x and 1.15x; dr_32693bf, H100; only 1000 measured ragged)
+WIDE_DENSE_RAGGED_MIN_LENGTH = 1000
 # at E = 192 / Ev = 128 without dropout the wide kernel where L or S is not a multiple of
 # this: there the Triton backward's dK/dV runs its bounds-checked 32-key programs, and the
 # Gluon backward took 0.98x its time causal and 0.95x dense at S = 8100 (at 8192 1.09x and
@@ -252,10 +259,12 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
                         f"and S of at least {need} (measured faster there), not L={L}, S={S}")
         elif min(L, S) <= SHORT_KV and not (
                 pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and found == "dense"
-                and min(L, S) >= WIDE_DENSE_MIN_LENGTH):
+                and min(L, S) >= (WIDE_DENSE_RAGGED_MIN_LENGTH if ragged
+                                  else WIDE_DENSE_MIN_LENGTH)):
             return (f"GLUON_BACKWARD='AUTO' takes it for L and S past {SHORT_KV} (at E = 256 "
-                    f"from {WIDE_DENSE_MIN_LENGTH} without a block mask; measured there), "
-                    f"not L={L}, S={S}")
+                    f"without a block mask from {WIDE_DENSE_MIN_LENGTH}, or from "
+                    f"{WIDE_DENSE_RAGGED_MIN_LENGTH} at lengths that are not multiples of "
+                    f"{MLA_RAGGED}; measured there), not L={L}, S={S}")
         if found not in AUTO_CLASSES:
             if E not in SPARSE_HEAD_DIMS:
                 return (f"GLUON_BACKWARD='AUTO' takes sparse block masks at head dims "
