@@ -2,8 +2,10 @@
 head dims (issue 28: where GLUON_BACKWARD='AUTO' should take the wide Gluon backward, at
 E = 192 / Ev = 128, at 256 below S = 4096 and with dropout; whether GLUON_QK_TRIM pays).
 
-For each case ``E[/Ev]:S:variant[+drop][+learn|+learnv]`` (variants of
-``flexfa.bench_cases.bench_variants``; ``+drop``: with ``dropout_p`` ``--p``; ``+learn``: plus
+For each case ``E[/Ev]:S:variant[+drop][+full][+learn|+learnv]`` (variants of
+``flexfa.bench_cases.bench_variants``; ``+drop``: with ``dropout_p`` ``--p``; ``+full``: a
+variant without a mask_mod under a block mask whose every block is full (the block-mask walk
+on a dense call); ``+learn``: plus
 learnable captured tensors, a relative bias times a 0-d gain and the score times a head scale,
 ``+learnv`` also a row bias row[h, q] and a key bias col[kv]: ``bench_cases.learnable_mod``
 over the variant's score_mod, their gradients compared and timed too; B = tokens / S, H = 16,
@@ -29,16 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 DEFAULT_CONFIGS = 'triton={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}'
 
 
-def parse_case(text: str) -> tuple[int, int, int, str, bool, str]:
-    """(E, Ev, S, variant, dropout, learnable: '', 'learn' or 'learnv') of a case."""
+def parse_case(text: str) -> tuple[int, int, int, str, bool, str, bool]:
+    """(E, Ev, S, variant, dropout, learnable: '', 'learn' or 'learnv', full block mask) of
+    a case."""
     dims, S, variant = text.split(":")
     E, _, Ev = dims.partition("/")
     variant, *suffixes = variant.split("+")
     learn = [x for x in suffixes if x in ("learn", "learnv")]
-    if any(x not in ("drop", "learn", "learnv") for x in suffixes) or len(learn) > 1:
-        raise ValueError(f"case {text!r}: a variant's suffixes are '+drop' and one of "
-                         f"'+learn', '+learnv', not {suffixes}")
-    return int(E), int(Ev or E), int(S), variant, "drop" in suffixes, (learn or [""])[0]
+    if any(x not in ("drop", "full", "learn", "learnv") for x in suffixes) or len(learn) > 1:
+        raise ValueError(f"case {text!r}: a variant's suffixes are '+drop', '+full' and one "
+                         f"of '+learn', '+learnv', not {suffixes}")
+    return (int(E), int(Ev or E), int(S), variant, "drop" in suffixes, (learn or [""])[0],
+            "full" in suffixes)
+
+
+def every_key(b, h, q_idx, kv_idx):  # '+full': every block of the mask is full
+    return q_idx >= 0
 
 
 def parse_configs(text: str) -> dict[str, dict]:
@@ -75,10 +83,14 @@ def main() -> int:
     first = next(iter(configs))
     rows = []
     for case in args.cases.split(","):
-        E, Ev, S, variant, drop, learn = parse_case(case)
+        E, Ev, S, variant, drop, learn, full = parse_case(case)
         dropout = {"dropout_p": args.p, "dropout_seed": 1} if drop else {}
         B = max(1, args.tokens // S)
         score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[variant]
+        if full:
+            if mask_mod is not None:
+                raise ValueError(f"case {case!r}: '+full' is for variants without a mask_mod")
+            mask_mod = every_key
         buffers = []
         if learn:
             score_mod, buffers = learnable_mod(args.heads, S, S, seed=0, device="cuda",
