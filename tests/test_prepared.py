@@ -124,7 +124,8 @@ def test_kernel_options_edited_in_place(monkeypatch):
     out = flexfa.flex_attention(q, k, v, kernel_options=options)
     _check(out, q, k, v)
     assert hits == [False, True, False]
-    assert 16 in {p.spec.block_m for p in plans.PLANS.values()}
+    # (forward plans: a backward plan that an earlier test left in the cache has no block_m)
+    assert 16 in {getattr(p.spec, "block_m", None) for p in plans.PLANS.values()}
     options["BLOCK_M"] = 24
     with pytest.raises(InputError, match="BLOCK_M"):
         flexfa.flex_attention(q, k, v, kernel_options=options)

@@ -25,7 +25,8 @@ from ..runtime.cache import get_module
 from ..runtime.call import AttentionCall, Dropout
 from ..runtime.families.ampere import default_tiles as ampere_tiles
 from ..runtime.families.hopper import COMBINE_LAUNCH as HOPPER_COMBINE_LAUNCH
-from ..runtime.families.backward import BACKWARD, Inputs, backward_spec, joint_graph, step_args
+from ..runtime.families.backward import (BACKWARD, Inputs, backward_spec, full_walk_mask,
+                                         joint_graph, step_args)
 from ..runtime.families.gluon_bwd import keys_per_program
 from ..runtime.decode_inputs import DecodeInputs
 from ..runtime.families.decode import decode_spec
@@ -551,7 +552,7 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
                  head_dim_v=None, gqa_group: int = 1, deterministic: bool = False,
                  ragged: bool = True, ds: bool = False, dropout: bool = False,
                  config: tuple | None = None, use_tma: bool | None = None,
-                 block_m1: int | None = None):
+                 block_m1: int | None = None, full_walk: bool = False):
     """A compile-check builder (arch -> CompileJob) for the ``which`` ("dq" or "dkdv"; with
     ``ds`` (dQ from the stored dS): "delta", "dkdv" or "dq") kernel of these mods at the
     default GPU tiles (``config``: the backward's tuned-config tuple instead; ``use_tma``:
@@ -559,7 +560,9 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
     default), launched as the runtime's backward family launches it; example launch
     arguments are tiny CPU tensors of the right dtypes (only their types reach the
     signature). ``ragged``: lengths that are not tile multiples (the bounds-checked code);
-    False: the benchmark's lengths. ``dropout``: the kernels that draw the keep mask again."""
+    False: the benchmark's lengths. ``dropout``: the kernels that draw the keep mask again.
+    ``full_walk`` (no ``mask_mod``): under the full-block walk's mask (kernel_options
+    BWD_FULL_WALK, ``families.backward.full_walk_mask``)."""
     # launch order: dQ, dK/dV; ds: delta, dK/dV (storing dS), dQ from dS
     order = ("delta", "dkdv", "dq") if ds else ("dq", "dkdv")
     if which not in order:
@@ -573,6 +576,8 @@ def backward_job(which: str, head_dim: int, dtype: str, score_mod=None, mask_mod
         v = torch.zeros(1, hkv, length, head_dim_v or head_dim, dtype=torch_dtype)
         block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu") \
             if mask_mod is not None else None
+        if full_walk:
+            block_mask = full_walk_mask(length, length, torch.device("cpu"))
         seed = Dropout(0.1, torch.zeros(2, dtype=torch.int64)) if dropout else None
         call = AttentionCall(prepare_score_mod(score_mod), prepare_mask(block_mask), block_mask,
                              0.125, KernelOptions(deterministic=deterministic,

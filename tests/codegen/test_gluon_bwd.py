@@ -103,6 +103,7 @@ def _causal_window(b, h, q_idx, kv_idx):
     # split one-loop tiles took 0.81-0.90x the Gluon backward's time (sp_0d1195a); 192 (v's
     # 192) not measured
     (8192, 256, None, None, "gluon_bwd"),
+    (8192, 256, None, {"BWD_FULL_WALK": "AUTO"}, "triton_bwd"),  # the full walk (fw_e9e070a)
     (8192, 256, mods.causal, None, "triton_bwd"),
     (8192, 256, mods.causal, FORCED, "gluon_bwd"),
     (8192, 192, mods.causal, None, "triton_bwd"),
@@ -225,28 +226,39 @@ def test_mla_shape_takes_the_wide_backward_at_ragged_lengths(L, mask_mod, chosen
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
 
 
-@pytest.mark.parametrize("L, mask_mod, chosen", [
-    (2048, None, "gluon_bwd"), (4096, None, "gluon_bwd"),       # 0.96x, 0.94x (we_001b317)
-    (1024, None, "triton_bwd"), (512, None, "triton_bwd"),     # 1.10x, 1.15x (dr_32693bf)
-    (1000, None, "gluon_bwd"),                                  # ragged: 0.92x
-    (999, None, "triton_bwd"), (1000, mods.causal, "triton_bwd"),  # not measured; masked
-    (2048, mods.causal, "triton_bwd"), (4096, mods.causal, "triton_bwd"),
-    (8192, mods.causal, "triton_bwd"), (8100, mods.causal, "triton_bwd"),
-    (16384, mods.prefix_lm(4096), "triton_bwd")])
-def test_wide_backward_without_a_block_mask_from_2048(L, mask_mod, chosen):
-    """At E = 256 'AUTO' takes the wide kernel for calls without a block mask from L = S =
+FULL_WALK = {"BWD_FULL_WALK": "AUTO"}
+
+
+@pytest.mark.parametrize("L, mask_mod, options, chosen", [
+    # without a block mask, by default the unmasked walk's tiles: the wide kernel from 2048,
+    # from 1000 at ragged lengths (0.96x, 0.94x at 2048 and 4096, we_001b317; 0.92x at 1000,
+    # dr_32693bf)
+    (2048, None, None, "gluon_bwd"), (4096, None, None, "gluon_bwd"),
+    (1024, None, None, "triton_bwd"), (512, None, None, "triton_bwd"),
+    (1000, None, None, "gluon_bwd"), (999, None, None, "triton_bwd"),
+    # with the full-block walk (BWD_FULL_WALK 'AUTO'): 0.69-0.87x the wide kernel's time at
+    # 1000-8192 (fw_e9e070a)
+    (2048, None, FULL_WALK, "triton_bwd"), (8192, None, FULL_WALK, "triton_bwd"),
+    (1000, None, FULL_WALK, "triton_bwd"),
+    # under a block mask the Triton backward's one-loop tiles (0.81-0.90x, sp_0d1195a)
+    (1000, mods.causal, None, "triton_bwd"), (2048, mods.causal, None, "triton_bwd"),
+    (8192, mods.causal, None, "triton_bwd"), (8100, mods.causal, FULL_WALK, "triton_bwd"),
+    (16384, mods.prefix_lm(4096), None, "triton_bwd")])
+def test_wide_backward_without_dropout_where_measured(L, mask_mod, options, chosen):
+    """At E = 256 without dropout 'AUTO' takes the Triton backward under a block mask and,
+    with the full-block walk (BWD_FULL_WALK 'AUTO'), without one; with that walk off (the
+    default for now), the wide kernel without a block mask from L = S =
     WIDE_DENSE_MIN_LENGTH (2048), or WIDE_DENSE_RAGGED_MIN_LENGTH (1000) at lengths that are
-    not multiples of 128, where it measured faster, and never under a block mask
-    without dropout: there the Triton backward's one-loop tiles took 0.81-0.90x its time
-    (sp_0d1195a; 2048 and 4096 were slower on the wide kernel before, we_001b317)."""
+    not multiples of 128, where it measured faster than the unmasked walk's tiles."""
     q, k, v = (torch.empty(1, 16, L, 256, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
-    call = _call(None, block_mask=mask)
+    call = _call(options, block_mask=mask)
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
     if chosen == "triton_bwd":
         reason = why_not_gluon_bwd(SM90, call, q, k, v)
-        assert ("under a block mask without dropout" if mask_mod else "past 4096") in reason
-    forced = _call(FORCED, block_mask=mask)  # GLUON_BACKWARD=True still runs it
+        assert ("256 without dropout to the Triton backward" if mask_mod or options
+                else "past 4096") in reason, reason
+    forced = _call({**(options or {}), **FORCED}, block_mask=mask)  # True still runs it
     assert why_not_gluon_bwd(SM90, forced, q, k, v) is None
 
 

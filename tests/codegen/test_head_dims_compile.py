@@ -95,3 +95,20 @@ def test_sm80_and_split_e128_tiles_stay_bounded(name, arch, bound):
                                        ("fwd_hopper_d96_bf16_softcap_causal", 90)])
 def test_other_families_at_wide_dims(name, arch):
     assert _compiled(name, arch).spill_bytes <= 64
+
+
+@pytest.mark.parametrize("variant, ragged", [("dense", False), ("dense", True),
+                                             ("softcap", False)])
+def test_full_walk_splits_the_dkdv_tiles(variant, ragged):
+    """kernel_options BWD_FULL_WALK at 256: under the full walk's mask (every block full,
+    mask_mod ``q_idx >= 0``) the dK/dV kernel keeps its one loop's mask branch and with it
+    S^T and dP^T split between the warpgroups: no spills (the unmasked walk spills 8 and 124
+    bytes dense; with noop_mask as the mask_mod the branch folded away and it spilled 56 and
+    132, five and 29 local-memory instructions a tile)."""
+    from flexfa.compile_check import jobs
+    mods = {"score_mod": jobs.softcap_mod} if variant == "softcap" else {}
+    result = compile_job(f"full walk {variant}", 90, jobs.backward_job(
+        "dkdv", 256, "bf16", ragged=ragged, full_walk=True, **mods), loops=True)
+    assert result.ok, result.error
+    assert (result.spill_bytes, result.loop_local_ops) == (0, 0)
+    assert result.wgmma and not result.wgmma_serialized

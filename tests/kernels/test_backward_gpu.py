@@ -93,14 +93,22 @@ def test_wide_heads_softcap_causal_both_length_kinds(L, E, Ev, monkeypatch):
     assert specs and specs[0].use_tma and specs[0].num_warps == tiles[4], specs[0]
 
 
+@pytest.mark.parametrize("walk", ["AUTO", False])
 @pytest.mark.parametrize("L", [1024, 1000])
 @pytest.mark.parametrize("E,Ev,gqa", [(256, 256, 1), (256, 256, 2), (192, 128, 2)])
-def test_wide_heads_softcap_without_block_mask(L, E, Ev, gqa):
-    # no block mask: at 256 the dK/dV kernel runs the one loop's tile body (bwd_dkdv.tmpl's
-    # ONE_LOOP, ROW_OFFSETS); past 128 the dQ kernel bounds-checks every key tile at ragged
-    # lengths (bwd_dq.tmpl's RAGGED_APART off)
+def test_wide_heads_softcap_without_block_mask(L, E, Ev, gqa, walk):
+    # no block mask: at 256 under BWD_FULL_WALK 'AUTO' through the full-block walk, the dK/dV
+    # kernel's one loop under a block mask; without it (False, the default) the one loop's
+    # tile body over the unmasked walk (bwd_dkdv.tmpl's ONE_LOOP, ROW_OFFSETS); past 128 the dQ
+    # kernel bounds-checks every key tile at ragged lengths (bwd_dq.tmpl's RAGGED_APART off)
+    from flexfa.runtime import plans
     q, k, v = make_qkv(B, H, H // gqa, L, L, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
-    check_backward(q, k, v, mods.softcap(30.0), enable_gqa=gqa > 1, with_lse=True)
+    plans.PLANS.clear()
+    check_backward(q, k, v, mods.softcap(30.0), enable_gqa=gqa > 1, with_lse=True,
+                   kernel_options={"BWD_FULL_WALK": walk, "GLUON_BACKWARD": False})
+    walked = [p.fixed.get("walk") is not None for p in plans.PLANS.values()
+              if p.family.name == "triton_bwd"]
+    assert walked == [walk == "AUTO" and E == 256], walked
 
 
 def test_gqa_ragged_lengths_and_lse_gradient_on_gpu():

@@ -23,7 +23,9 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...blockmask.density import density_class
+from ...blockmask.block_mask import BlockMask
+from ...blockmask.density import density_class, record
+from ...blockmask.validate import capturing, mark_checked
 from ...codegen.backward import (BackwardSpec, backward_kernel, dscore_is_one,
                                  has_buffer_grads, joint_roots, wide_head_dims)
 from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
@@ -35,6 +37,7 @@ from ...memo import BoundedMemo
 from .. import autotune, binding, ds_workspace, plans
 from ..call import AttentionCall
 from ..debug import debug
+from ..pipeline import prepare_mask
 from ..kernels import generated_module
 from ..launch import Step, TrustedDescriptor, cdiv
 from ..registry import KernelFamily, register
@@ -167,6 +170,76 @@ def use_tma(call: AttentionCall, target: Target, *tensors) -> bool:
     if setting is False or (setting is None and not target.is_sm90):
         return False
     return descriptor_layout_ok(*tensors)
+
+
+# BWD_FULL_WALK: a call without a block mask walked through the tables of a mask whose every
+# block is full, so that at padded head dims 256 / 256 (one column block) the dK/dV kernel
+# runs the one loop under a block mask (bwd_dkdv.tmpl's ONE_LOOP), where dS^T is formed under
+# the mask's branch and S^T and dP^T split their columns between the warpgroups; the unmasked
+# walk's tiles compute both in each warpgroup. fwd+bwd on an H100 (options_ab.py, 3 rounds,
+# gpu_2026-12-05/fw_e9e070a, the Triton backward forced, dense): 0.82x the time at S = 8192
+# (20.292 against 24.792 ms) and 0.83x at 2048 (5.248 against 6.330), and 0.87x and 0.69x the
+# Gluon backward's (23.194, 7.616); at 1024 and 1000 3.566 and 3.670 ms against the Gluon
+# backward's 4.466 and 4.501. Those runs made the full masks with create_block_mask (the forward
+# under them too); this walk's own tables (the same counts, index rows broadcast) have run in
+# the interpreter only, so 'AUTO' waits for a GPU run: the option's default is False
+FULL_WALK_BLOCK = 128
+_FULL_WALKS = BoundedMemo(64, "full-block walks")
+
+
+def full_walk(call: AttentionCall, target: Target, q, k, v, grad_out) -> bool:
+    """The call runs through ``full_walk_mask``'s tables (kernel_options BWD_FULL_WALK,
+    False by default): never under a block mask or while a CUDA graph is captured (the
+    tables are made on first use); 'AUTO' where measured faster: sm_90 with tensor
+    descriptors, bf16 / fp16, q's and v's head dims both padding to 256 in one column block
+    (E = 256, 224), no dropout."""
+    if call.block_mask is not None or capturing():
+        return False
+    choice = call.options.bwd_full_walk
+    if choice is not None:
+        return choice
+    return (target.is_sm90 and q.dtype != torch.float32 and call.dropout is None
+            and next_power_of_two(q.shape[3]) == next_power_of_two(v.shape[3]) == 256
+            and head_dim_blocks(q.shape[3])[1] == 0
+            and use_tma(call, target, q, k, v, grad_out))
+
+
+def _every_key(b, h, q_idx, kv_idx):
+    """The full walk's mask_mod: every key (no block is partial, so it never runs). Not
+    noop_mask: a mask that is a constant leaves the one loop's mask branch with two equal
+    arms, which the compiler merges, and with the branch goes the split of S^T and dP^T
+    between the warpgroups (sm_90 compile: 56 bytes of spills, 5 local-memory instructions a
+    tile, where this keeps 0)."""
+    return q_idx >= 0
+
+
+def full_walk_mask(L: int, S: int, device: torch.device) -> BlockMask:
+    """The BlockMask over L x S whose every FULL_WALK_BLOCK block is full, its tables
+    broadcast over batch and heads (an index row of each side, expanded: O(L + S) memory),
+    kept per (L, S, device)."""
+    key = (L, S, device)
+    mask = _FULL_WALKS.get(key)
+    if mask is not None:
+        return mask
+    rows, cols = cdiv(L, FULL_WALK_BLOCK), cdiv(S, FULL_WALK_BLOCK)
+
+    def tables(n: int, m: int) -> tuple:
+        """(empty partial count, indices; full count, indices) of n rows of m blocks."""
+        zeros = torch.zeros(1, 1, n, dtype=torch.int32, device=device)
+        every = torch.arange(m, dtype=torch.int32, device=device).expand(1, 1, n, m)
+        return zeros, every, torch.full((1, 1, n), m, dtype=torch.int32, device=device), every
+    mask = BlockMask((L, S), *tables(rows, cols), *tables(cols, rows),
+                     BLOCK_SIZE=(FULL_WALK_BLOCK, FULL_WALK_BLOCK), mask_mod=_every_key)
+    mark_checked(mask)  # correct by construction
+    record(mask, rows * cols, rows * cols)  # every tile visited (no device read)
+    _FULL_WALKS[key] = mask
+    return mask
+
+
+def with_block_mask(call: AttentionCall, block_mask) -> AttentionCall:
+    """``call`` under ``block_mask`` (its mask_mod traced; the block mask keeps the trace)."""
+    return AttentionCall(call.score, prepare_mask(block_mask), block_mask, call.scale,
+                         call.options, call.gqa_group, call.sinks, call.dropout)
 
 
 _JOINTS = BoundedMemo(1024, "joint graphs")
@@ -440,11 +513,17 @@ class Backward(KernelFamily):
     features = frozenset({"sinks", "dropout"})
 
     def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
-        joint = joint_graph(call.score)
-        config = self.choose_config(call, x, joint, fusable, target)
-        spec = backward_spec(x.q, x.k, x.v, call, has_dlse=x.grad_lse is not None,
+        # the plan is kept under the call's own key; with the full walk it runs the call under
+        # the full mask (``run``), the same mask for every call of this key (L, S, device)
+        walk = full_walk_mask(x.q.shape[2], x.k.shape[2], x.q.device) if full_walk(
+            call, target, x.q, x.k, x.v, x.grad_out) else None
+        inner = call if walk is None else with_block_mask(call, walk)
+        joint = joint_graph(inner.score)
+        config = self.choose_config(inner, x, joint, fusable, target)
+        spec = backward_spec(x.q, x.k, x.v, inner, has_dlse=x.grad_lse is not None,
                              target=target, grad_out=x.grad_out, fusable=fusable, config=config)
-        plan = self.make_plan(spec, call, x, joint)
+        plan = self.make_plan(spec, inner, x, joint)
+        plan.fixed["walk"] = walk
         plans.keep(call, key, plan)
         return self.run(plan, call, x, fusable, need_dkdv)
 
@@ -454,6 +533,9 @@ class Backward(KernelFamily):
                           {"geometry": descriptor_geometry(spec, x)})
 
     def run(self, plan, call, x: Inputs, fusable: bool, need_dkdv: bool):
+        walk = plan.fixed.get("walk")
+        if walk is not None:  # the plan's tables are its full mask's (``full_walk``)
+            call = with_block_mask(call, walk)
         for i, (step, args) in enumerate(zip(plan.steps, step_args(plan, call, x))):
             if i != 1 or need_dkdv:  # the dK/dV kernel is always the second
                 step.launch(args, x.q.device)

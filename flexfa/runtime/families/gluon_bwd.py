@@ -44,7 +44,7 @@ from ..launch import MAX_GRID_Y, Step, cdiv
 from ..registry import KernelFamily, register
 from ..tables import has_full_blocks, mask_blocks
 from ..target import Target
-from .backward import Inputs, int64_nodes_of, joint_graph
+from .backward import Inputs, full_walk, int64_nodes_of, joint_graph
 from .gluon import (SHARED_BYTES, descriptor_kinds, gluon_target, import_gluon,
                     why_not_gluon)
 from .hopper import block_geometry, descriptor_layout_ok
@@ -243,12 +243,15 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         # since the thirtieth session) and took 0.81-0.90x the Gluon backward's time fwd+bwd on an
         # H100 (tree_ab.py, 3 rounds, gpu_2026-12-05/sp_0d1195a): causal 0.83x at 8192 and 16384,
         # 0.90x at 8100, GQA 4 0.82x at 8192, softcap + causal 0.87x, ALiBi + causal 0.83x, prefix
-        # 0.81x at 16384; without a block mask (its old tiles) the Gluon backward stays faster
-        # (dense 0.93x the Triton backward's time at 8192)
-        if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and call.dropout is None \
-                and call.block_mask is not None:
-            return ("GLUON_BACKWARD='AUTO' leaves head dim 256 under a block mask without "
-                    "dropout to the Triton backward (measured faster there)")
+        # 0.81x at 16384; without a block mask the same through the full-block walk
+        # (BWD_FULL_WALK, off by default for now; backward.full_walk: 0.69-0.87x at 1000-8192,
+        # fw_e9e070a), where the unmasked walk's tiles were slower than the Gluon backward
+        # from 2048 (below)
+        if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and call.dropout is None and (
+                call.block_mask is not None or full_walk(call, target, q, k, v, q)):
+            return ("GLUON_BACKWARD='AUTO' leaves head dim 256 without dropout to the Triton "
+                    "backward (under a block mask, or without one through the full-block walk "
+                    "of BWD_FULL_WALK; measured faster there)")
         if call.dropout is not None:
             need = DROPOUT_MIN_LENGTH.get(pair)
             if need is None:
