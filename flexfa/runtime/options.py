@@ -67,6 +67,7 @@ class KernelOptions:
     # "MEMBERS" each member's blocks in turn (the walk before the union; kept for comparison)
     decode_walk: str = "AUTO"
     ds_workspace: bool | None = None  # backward dS workspace (L x S): only when True
+    ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     # the Triton backward walks a call without a block mask through the tables of one whose
     # every block is full (families.backward.full_walk): True wherever there is no block
     # mask, None ('AUTO') where measured faster (sm_90, head dims 256 / 256, no dropout: the
@@ -74,7 +75,6 @@ class KernelOptions:
     # 'AUTO' becomes the default once the walk's own tables have run on a GPU (its kernels
     # ran there under create_block_mask's full masks, docs/head-dims.md)
     bwd_full_walk: bool | None = False
-    ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     # the Gluon backward family (sm_90): True where it applies, False never, None (default)
     # where it measured faster (runtime.families.gluon_bwd.AUTO_CLASSES)
     gluon_backward: bool | None = None

@@ -12,9 +12,10 @@ def problems(draw):
     # 48: q and k in column blocks of 32 and 16 (flexfa.codegen.spec.head_dim_blocks)
     problem = draw_problem(draw, groups=[1, 2], max_len=100, head_dims=[16, 24, 32, 48],
                            head_dims_v=[16, 40], blocks=[16, 32, (32, 64), 64])
-    # kernel tiles must divide the mask's blocks: 16 always does
+    # kernel tiles must divide the mask's blocks: 16 always does. BWD_FULL_WALK: a call
+    # without a mask walks all-full tables (with a mask it changes nothing)
     options = draw(st.sampled_from([None, {"deterministic": True},
-                                    {"BLOCK_M": 16, "BLOCK_N": 16}]))
+                                    {"BLOCK_M": 16, "BLOCK_N": 16}, {"BWD_FULL_WALK": True}]))
     return dict(problem, options=options, with_lse=draw(st.booleans()),
                 seed=draw(st.integers(0, 1000)))
 

@@ -195,20 +195,20 @@ SPARSE_MIN_TILES = 16384
 
 
 def auto_head_dim(E: int, Ev: int) -> bool:
-    """The head dims GLUON_BACKWARD='AUTO' takes (v's alike): 64, and 80 to 128, which all
-    run its E = 128 kernel (TMA's zero fill past E; faster than the Triton backward where
-    measured, at 96 and 80: docs/gluon.md, "Padded head dims in the backward"), and 256
+    """The head dims GLUON_BACKWARD='AUTO' takes (v's alike): 64, and 80 to 128, which all run its
+    E = 128 kernel (TMA's zero fill past E; faster than the Triton backward where measured, at
+    96 and 80: docs/gluon.md, "Padded head dims in the backward"), and 256
     (bwd_gluon_wide.tmpl). fwd+bwd on the H200 against the Triton backward
-    (benchmarks/results/gpu_2026-12-05): at 256 the time of dense 0.87x at S = 16384, 0.90x
-    at 8192, 0.73x at 8100; softcap + causal 0.97x and ALiBi + causal 0.93x at 16384;
-    causal 1.00x at 16384, 1.01-1.02x at 8192, 0.96x at 8100 (peak memory 577 MiB against
-    514: dQ's float32 accumulator); the masked classes at 256 have gone back to the Triton
-    backward since its dK/dV split dP^T between the warpgroups (why_not_gluon_bwd). E = 192 with Ev = 128 keeps the Triton backward (the
-    wide kernel with E padded to 256 took 1.14x the time causal, 1.08x dense at 8192; 1.01x
-    and 0.98x at 8100; with its 192-column layout (we_001b317, 3 rounds) 1.09x causal,
-    1.04x dense, 1.03x softcap at 8192, 0.98x causal and 0.95x dense at 8100), except with
-    dropout (why_not_gluon_bwd, DROPOUT_MIN_LENGTH); others (48, 160, 192 and 256 / 128
-    without dropout, not measured) opt in with GLUON_BACKWARD=True."""
+    (benchmarks/results/gpu_2026-12-05): at 256 the time of dense 0.87x at S = 16384, 0.90x at
+    8192, 0.73x at 8100; softcap + causal 0.97x and ALiBi + causal 0.93x at 16384; causal 1.00x
+    at 16384, 1.01-1.02x at 8192, 0.96x at 8100 (peak memory 577 MiB against 514: dQ's float32
+    accumulator); the masked classes at 256 have gone back to the Triton backward since its
+    dK/dV split dP^T between the warpgroups (why_not_gluon_bwd). E = 192 with Ev = 128 keeps the
+    Triton backward (the wide kernel with E padded to 256 took 1.14x the time causal, 1.08x
+    dense at 8192; 1.01x and 0.98x at 8100; with its 192-column layout (we_001b317, 3 rounds)
+    1.09x causal, 1.04x dense, 1.03x softcap at 8192, 0.98x causal and 0.95x dense at 8100),
+    except with dropout (why_not_gluon_bwd, DROPOUT_MIN_LENGTH); others (48, 160, 192 and 256 /
+    128 without dropout, not measured) opt in with GLUON_BACKWARD=True."""
     return E == Ev and (E == 64 or 80 <= E <= 128 or E == WIDE_HEAD_DIM)
 
 
