@@ -84,13 +84,16 @@
 # d80), then issue 25's softcap + causal against causal (the project benchmark, 5 rounds);
 # wm: the memory GPU tests alone, in one process (z_c2ff84c's failure: FlexAttention's row of
 # the S = 65536 comparison held an error when run beside seven other processes);
+# wn: BWD_FULL_WALK's first GPU run (its own tables): the E = 256 GPU tests without a block
+# mask under 'AUTO' and off, the default-routing GPU tests, then options_ab.py at E = 256
+# dense (S = 8192, 2048, 1000) with the walk ('AUTO'), without it and the Gluon backward;
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -485,6 +488,16 @@ trim_bwd_ab() {  # trim_bwd_ab LIMIT CASES: the Gluon backward with and without 
 }
 if [ "$PART" = wg ]; then  # the wide backward's GQA producer against 8ab6f3e, 3 rounds
   opaque_walk_ab "${WG_LIMIT:-200}" 3
+fi
+if [ "$PART" = wn ]; then  # BWD_FULL_WALK on a GPU (see --help)
+  step walk_tests 330 env FLEXFA_AUTOTUNE=0 python -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py \
+    -k "without_block_mask or default_backward"
+  tail -n 4 "$OUT/walk_tests.log"
+  step walk_ab 200 env FLEXFA_AUTOTUNE=0 python benchmarks/experiments/options_ab.py "$OUT/walk_ab.json" \
+    --configs 'walk={"BWD_FULL_WALK": "AUTO"};nowalk={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}' \
+    --cases 256:8192:full,256:2048:full,256:1000:full --passes fwd+bwd --rounds 3
+  tail -n 6 "$OUT/walk_ab.log"
 fi
 if [ "$PART" = wm ]; then  # the peak-memory tests serially (see --help)
   step memory 300 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py
