@@ -1,7 +1,9 @@
 """CPU (no GPU): where the backward's kernels spill at the wide head dims (issue 28). For E =
-256 and 192 with Ev = 128, every mod class of the table and both length kinds (tile multiples,
-whose sm_90 default is 64 keys x 64 rows on 8 warps, and ragged lengths, 32-key programs on 4
-warps, except at 256 under a block mask: the 64-key ones, backward.py's ragged_default), compiles the dK/dV and dQ kernels for sm_90 at the runtime's default tiles
+256 and 192 with Ev = 128, every mod class of the table (and calls without a mask under
+kernel_options BWD_FULL_WALK) and both length kinds (tile multiples, whose sm_90 default is
+64 keys x 64 rows on 8 warps, and ragged lengths, 32-key programs on 4 warps, except at 256
+under a block mask: the 64-key ones, backward.py's ragged_default), compiles the dK/dV and dQ
+kernels for sm_90 at the runtime's default tiles
 (``flexfa.compile_check.jobs.backward_job``) and prints ``ptxas -v``'s spill store bytes next
 to the local-memory instructions inside the tile loops (``loop_local_ops``: the spills paid on
 every tile), and "S" where ptxas serialized the kernel's wgmmas (C7514 / C7515). A cold Triton
@@ -26,9 +28,14 @@ def variants():
         "document": dict(mask_mod=jobs.document_mask()),
         "ALiBi + causal": dict(score_mod=jobs.slopes_mod(), mask_mod=causal),
         "GQA 4": dict(gqa_group=4),
+        "GQA 4 causal": dict(mask_mod=causal, gqa_group=4),
         "GQA 4 softcap + causal": dict(score_mod=softcap, mask_mod=causal, gqa_group=4),
         "dropout": dict(dropout=True), "dropout + causal": dict(mask_mod=causal, dropout=True),
         "dS workspace, causal": dict(mask_mod=causal, ds=True),
+        # kernel_options BWD_FULL_WALK: no block mask, walked through all-full tables
+        "full walk, dense": dict(full_walk=True),
+        "full walk, softcap": dict(score_mod=softcap, full_walk=True),
+        "full walk, GQA 4": dict(gqa_group=4, full_walk=True),
     }
 
 
