@@ -45,9 +45,6 @@ def parse_case(text: str) -> tuple[int, int, int, str, bool, str, bool]:
             "full" in suffixes)
 
 
-def every_key(b, h, q_idx, kv_idx):  # '+full': every block of the mask is full
-    return q_idx >= 0
-
 
 def parse_configs(text: str) -> dict[str, dict]:
     configs = {}
@@ -79,6 +76,7 @@ def main() -> int:
 
     import flexfa
     from flexfa.bench_cases import bench_variants, learnable_mod
+    from flexfa.runtime.families.backward import every_key  # BWD_FULL_WALK's mask_mod
 
     first = next(iter(configs))
     rows = []

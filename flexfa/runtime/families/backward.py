@@ -204,7 +204,7 @@ def full_walk(call: AttentionCall, target: Target, q, k, v, grad_out) -> bool:
             and use_tma(call, target, q, k, v, grad_out))
 
 
-def _every_key(b, h, q_idx, kv_idx):
+def every_key(b, h, q_idx, kv_idx):
     """The full walk's mask_mod: every key (no block is partial, so it never runs). Not
     noop_mask: a mask that is a constant leaves the one loop's mask branch with two equal
     arms, which the compiler merges, and with the branch goes the split of S^T and dP^T
@@ -229,7 +229,7 @@ def full_walk_mask(L: int, S: int, device: torch.device) -> BlockMask:
         every = torch.arange(m, dtype=torch.int32, device=device).expand(1, 1, n, m)
         return zeros, every, torch.full((1, 1, n), m, dtype=torch.int32, device=device), every
     mask = BlockMask((L, S), *tables(rows, cols), *tables(cols, rows),
-                     BLOCK_SIZE=(FULL_WALK_BLOCK, FULL_WALK_BLOCK), mask_mod=_every_key)
+                     BLOCK_SIZE=(FULL_WALK_BLOCK, FULL_WALK_BLOCK), mask_mod=every_key)
     mark_checked(mask)  # correct by construction
     record(mask, rows * cols, rows * cols)  # every tile visited (no device read)
     _FULL_WALKS[key] = mask

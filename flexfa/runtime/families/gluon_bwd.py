@@ -247,6 +247,7 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         # (BWD_FULL_WALK, off by default for now; backward.full_walk: 0.69-0.87x at 1000-8192,
         # fw_e9e070a), where the unmasked walk's tiles were slower than the Gluon backward
         # from 2048 (below)
+        # (q stands for dO, which the choice does not see; the family decides with dO)
         if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and call.dropout is None and (
                 call.block_mask is not None or full_walk(call, target, q, k, v, q)):
             return ("GLUON_BACKWARD='AUTO' leaves head dim 256 without dropout to the Triton "
