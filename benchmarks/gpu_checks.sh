@@ -87,13 +87,18 @@
 # wn: BWD_FULL_WALK's first GPU run (its own tables): the E = 256 GPU tests without a block
 # mask under 'AUTO' and off, the default-routing GPU tests, then options_ab.py at E = 256
 # dense (S = 8192, 2048, 1000) with the walk ('AUTO'), without it and the Gluon backward;
+# wo: with the walk the default (its GPU tests, the default-routing tests, a broadcast dO's
+# copy), then options_ab.py: the walk at 256 on softcap without a mask, GQA 4, S = 512 and
+# learnable tensors (walk / no walk / the Gluon backward), and a broadcast dO (out.sum()) at
+# 256, 192 / 128 and 128 (copied to dense tiles / pointer-load tiles / the Gluon backward);
+# wp: the head-dim benchmark at 256 and 192 / 128 beside FlexAttention and cuDNN;
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -498,6 +503,26 @@ if [ "$PART" = wn ]; then  # BWD_FULL_WALK on a GPU (see --help)
     --configs 'walk={"BWD_FULL_WALK": "AUTO"};nowalk={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}' \
     --cases 256:8192:full,256:2048:full,256:1000:full --passes fwd+bwd --rounds 3
   tail -n 6 "$OUT/walk_ab.log"
+fi
+if [ "$PART" = wo ]; then  # BWD_FULL_WALK by default, a broadcast dO (see --help)
+  step walk_tests 200 $SHARD/wo -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py -k "without_block_mask or default_backward or broadcast"
+  tail -n 4 "$OUT/walk_tests.log"
+  step walk_ab 200 env FLEXFA_AUTOTUNE=0 python benchmarks/experiments/options_ab.py \
+    "$OUT/walk_ab.json" --passes fwd+bwd --rounds 3 --configs \
+    'walk={};nowalk={"BWD_FULL_WALK": false, "GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}' \
+    --cases 256:8192:softcap+nomask,256:8192:full+gqa4,256:2048:full+gqa4,256:512:full,256:8192:full+learn
+  step bcast_ab 170 env FLEXFA_AUTOTUNE=0 python benchmarks/experiments/options_ab.py \
+    "$OUT/bcast_ab.json" --passes fwd+bwd --rounds 3 --configs \
+    'dense={};pointer={"bwd_USE_TMA": false, "GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}' \
+    --cases 256:8192:full+bcast,256:4096:causal+bcast,192/128:8192:causal+bcast,128:8192:causal+bcast
+  tail -n 8 "$OUT/walk_ab.log"; tail -n 7 "$OUT/bcast_ab.log"
+fi
+if [ "$PART" = wp ]; then  # the head-dim benchmark (issue 28, see --help)
+  FLEXFA_AUTOTUNE=0 step headdim 540 python benchmarks/headdim_bench.py "$OUT/headdim.json" \
+    --dims 256,192/128 --modes causal,full --seqs 8192,8100 --budget 420 \
+    --peers flexfa,flexfa_gluon_bwd,torch_flex,cudnn
+  tail -n 40 "$OUT/headdim.log"
 fi
 if [ "$PART" = wm ]; then  # the peak-memory tests serially (see --help)
   step memory 300 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py

@@ -2,10 +2,12 @@
 head dims (issue 28: where GLUON_BACKWARD='AUTO' should take the wide Gluon backward, at
 E = 192 / Ev = 128, at 256 below S = 4096 and with dropout; whether GLUON_QK_TRIM pays).
 
-For each case ``E[/Ev]:S:variant[+drop][+full][+learn|+learnv]`` (variants of
-``flexfa.bench_cases.bench_variants``; ``+drop``: with ``dropout_p`` ``--p``; ``+full``: a
-variant without a mask_mod under a block mask whose every block is full (the block-mask walk
-on a dense call); ``+learn``: plus
+For each case ``E[/Ev]:S:variant[+drop][+full][+nomask][+gqaN][+bcast][+learn|+learnv]``
+(variants of ``flexfa.bench_cases.bench_variants``; ``+drop``: with ``dropout_p`` ``--p``;
+``+full``: a variant without a mask_mod under a block mask whose every block is full (the
+block-mask walk on a dense call); ``+nomask``: the variant's score_mod without its mask_mod;
+``+gqaN``: H / N key and value heads (``enable_gqa``); ``+bcast``: the upstream gradient of
+``out.sum()`` (ones, broadcast: every stride 0) in place of a dense random one; ``+learn``: plus
 learnable captured tensors, a relative bias times a 0-d gain and the score times a head scale,
 ``+learnv`` also a row bias row[h, q] and a key bias col[kv]: ``bench_cases.learnable_mod``
 over the variant's score_mod, their gradients compared and timed too; B = tokens / S, H = 16,
@@ -31,18 +33,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 DEFAULT_CONFIGS = 'triton={"GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}'
 
 
-def parse_case(text: str) -> tuple[int, int, int, str, bool, str, bool]:
-    """(E, Ev, S, variant, dropout, learnable: '', 'learn' or 'learnv', full block mask) of
-    a case."""
+SUFFIXES = ("drop", "full", "nomask", "bcast", "learn", "learnv")
+
+
+def parse_case(text: str) -> dict:
+    """A case's E, Ev, S, variant, its flags (drop, full, nomask, bcast), learn ('', 'learn'
+    or 'learnv') and gqa (query heads per key head)."""
     dims, S, variant = text.split(":")
     E, _, Ev = dims.partition("/")
     variant, *suffixes = variant.split("+")
     learn = [x for x in suffixes if x in ("learn", "learnv")]
-    if any(x not in ("drop", "full", "learn", "learnv") for x in suffixes) or len(learn) > 1:
-        raise ValueError(f"case {text!r}: a variant's suffixes are '+drop', '+full' and one "
-                         f"of '+learn', '+learnv', not {suffixes}")
-    return (int(E), int(Ev or E), int(S), variant, "drop" in suffixes, (learn or [""])[0],
-            "full" in suffixes)
+    gqa = [x for x in suffixes if x.startswith("gqa") and x[3:].isdigit() and int(x[3:]) > 0]
+    if (any(x not in SUFFIXES and x not in gqa for x in suffixes) or len(learn) > 1
+            or len(gqa) > 1):
+        raise ValueError(f"case {text!r}: a variant's suffixes are '+drop', '+full', "
+                         f"'+nomask', '+bcast', '+gqaN' and one of '+learn', '+learnv', not "
+                         f"{suffixes}")
+    return dict(E=int(E), Ev=int(Ev or E), S=int(S), variant=variant,
+                learn=(learn or [""])[0], gqa=int(gqa[0][3:]) if gqa else 1,
+                **{x: x in suffixes for x in ("drop", "full", "nomask", "bcast")})
 
 
 
@@ -81,11 +90,16 @@ def main() -> int:
     first = next(iter(configs))
     rows = []
     for case in args.cases.split(","):
-        E, Ev, S, variant, drop, learn, full = parse_case(case)
-        dropout = {"dropout_p": args.p, "dropout_seed": 1} if drop else {}
+        c = parse_case(case)
+        E, Ev, S, learn, gqa = c["E"], c["Ev"], c["S"], c["learn"], c["gqa"]
+        dropout = {"dropout_p": args.p, "dropout_seed": 1} if c["drop"] else {}
         B = max(1, args.tokens // S)
-        score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[variant]
-        if full:
+        score_mod, mask_mod = bench_variants(S, args.heads, "cuda")[c["variant"]]
+        if args.heads % gqa:
+            raise ValueError(f"case {case!r}: --heads {args.heads} is not a multiple of {gqa}")
+        if c["nomask"]:
+            mask_mod = None
+        if c["full"]:
             if mask_mod is not None:
                 raise ValueError(f"case {case!r}: '+full' is for variants without a mask_mod")
             mask_mod = every_key
@@ -96,16 +110,20 @@ def main() -> int:
             buffers = list(buffers)
         mask = (None if mask_mod is None else
                 flexfa.create_block_mask(mask_mod, None, None, S, S, device="cuda"))
-        q, k = (torch.randn(B, args.heads, S, E, device="cuda", dtype=torch.bfloat16,
-                            requires_grad=backward) for _ in range(2))
-        v = torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16,
+        q = torch.randn(B, args.heads, S, E, device="cuda", dtype=torch.bfloat16,
                         requires_grad=backward)
-        do = torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, args.heads // gqa, S, E, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=backward)
+        v = torch.randn(B, args.heads // gqa, S, Ev, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=backward)
+        do = (torch.ones((), device="cuda", dtype=torch.bfloat16).expand(B, args.heads, S, Ev)
+              if c["bcast"] else
+              torch.randn(B, args.heads, S, Ev, device="cuda", dtype=torch.bfloat16))
         leaves = [q, k, v, *buffers] if backward else buffers
 
         def step(opts):
             out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask,
-                                        kernel_options=opts, **dropout)
+                                        kernel_options=opts, enable_gqa=gqa > 1, **dropout)
             if backward:
                 out.backward(do)
             return out
@@ -135,7 +153,7 @@ def main() -> int:
                         return_mode="median", grad_to_none=leaves if backward else None))
         med = {label: statistics.median(ts) for label, ts in times.items()}
         rows.append({"case": case, "B": B, "H": args.heads, "passes": args.passes,
-                     "dropout_p": args.p if drop else 0.0, "configs": configs, "ms": med,
+                     "dropout_p": args.p if c["drop"] else 0.0, "configs": configs, "ms": med,
                      "rounds": times, "peak_mib": peak, "rel_err": err,
                      "over_first": {label: med[label] / med[first] for label in configs}})
         print(f"{case:24s} B={B:<2d} " + " ".join(

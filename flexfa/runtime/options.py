@@ -70,11 +70,10 @@ class KernelOptions:
     ds_max_bytes: int | None = None  # its budget (None: 8 GiB, a quarter of the GPU at most)
     # the Triton backward walks a call without a block mask through the tables of one whose
     # every block is full (families.backward.full_walk): True wherever there is no block
-    # mask, None ('AUTO') where measured faster (sm_90, head dims 256 / 256, no dropout: the
-    # dK/dV kernel's one loop with dP^T split between the warpgroups), False (default) never:
-    # 'AUTO' becomes the default once the walk's own tables have run on a GPU (its kernels
-    # ran there under create_block_mask's full masks, docs/head-dims.md)
-    bwd_full_walk: bool | None = False
+    # mask, None ('AUTO', default) where measured faster (sm_90, head dims 256 / 256, no
+    # dropout: the dK/dV kernel's one loop with dP^T split between the warpgroups), False
+    # never
+    bwd_full_walk: bool | None = None
     # the Gluon backward family (sm_90): True where it applies, False never, None (default)
     # where it measured faster (runtime.families.gluon_bwd.AUTO_CLASSES)
     gluon_backward: bool | None = None
@@ -236,9 +235,8 @@ SCHEMA = {
                       "tables of a mask whose every block is full (at head dims padding to 256 "
                       "its dK/dV kernel then splits S^T and dP^T between its warpgroups): "
                       "True (any call without a block mask), 'AUTO' (on sm_90 at padded head "
-                      "dims 256 / 256 without dropout, where the same kernels under a full "
-                      "block mask took 0.82-0.83x the fwd+bwd time on an H100) or False "
-                      "(default, until the walk has run on a GPU)"),
+                      "dims 256 / 256 without dropout, the default: 0.77-0.83x the fwd+bwd "
+                      "time of the unmasked walk on an H200) or False"),
     "DS_WORKSPACE": ("ds_workspace", (), _auto_flag,
                      "backward dQ from a stored dS (memory L x S): True (opt in), False or 'AUTO' "
                      "(default: off)"),

@@ -233,15 +233,15 @@ def test_head_dim_256_takes_64_key_tiles_and_overfull_pins_are_named():
     # E = 128 keeps what ran on the H200, and its third stage does not fit
     assert shared_bytes(128, 128, 128, 2, True) <= SHARED_BYTES < \
         shared_bytes(128, 128, 128, 3, False)
-    # the Gluon backward (bwd_gluon_wide.tmpl) takes it under GLUON_BACKWARD=True; 'AUTO' at
-    # lengths past 4096 only (where it was measured), and not with v's head dim 128; with
-    # the Triton backward's full-block walk (BWD_FULL_WALK 'AUTO') not at 256 without dropout
+    # the Gluon backward (bwd_gluon_wide.tmpl) takes it under GLUON_BACKWARD=True; 'AUTO' not
+    # at 256 without dropout where the Triton backward's full-block walk (BWD_FULL_WALK 'AUTO',
+    # the default) runs, and with that walk off at lengths past 4096 only (where it was
+    # measured), and not with v's head dim 128
     call = _call({**FORCED, "GLUON_BACKWARD": True})
     assert why_not_gluon_bwd(SM90, call, q, k, v) is None
+    assert "full-block walk" in why_not_gluon_bwd(SM90, _call(FORCED), q, k, v)
     assert "GLUON_BACKWARD='AUTO' takes it for L and S past 4096" in why_not_gluon_bwd(
-        SM90, _call(FORCED), q, k, v)
-    assert "full-block walk" in why_not_gluon_bwd(
-        SM90, _call({**FORCED, "BWD_FULL_WALK": "AUTO"}), q, k, v)
+        SM90, _call({**FORCED, "BWD_FULL_WALK": False}), q, k, v)
     q, k = _qkv(L=8192, E=192)[:2]
     v = torch.zeros(1, 2, 8192, 128, dtype=torch.bfloat16)
     assert why_not_gluon_bwd(SM90, call, q, k, v) is None

@@ -102,8 +102,8 @@ def _causal_window(b, h, q_idx, kv_idx):
     # 256: 0.73-0.90x the time dense (wdb_45b05fb); under a block mask the Triton backward's
     # split one-loop tiles took 0.81-0.90x the Gluon backward's time (sp_0d1195a); 192 (v's
     # 192) not measured
-    (8192, 256, None, None, "gluon_bwd"),
-    (8192, 256, None, {"BWD_FULL_WALK": "AUTO"}, "triton_bwd"),  # the full walk (fw_e9e070a)
+    (8192, 256, None, None, "triton_bwd"),  # the full walk (BWD_FULL_WALK, wn_b990bbf) ...
+    (8192, 256, None, {"BWD_FULL_WALK": False}, "gluon_bwd"),  # ... without it
     (8192, 256, mods.causal, None, "triton_bwd"),
     (8192, 256, mods.causal, FORCED, "gluon_bwd"),
     (8192, 192, mods.causal, None, "triton_bwd"),
@@ -226,37 +226,36 @@ def test_mla_shape_takes_the_wide_backward_at_ragged_lengths(L, mask_mod, chosen
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
 
 
-FULL_WALK = {"BWD_FULL_WALK": "AUTO"}
+NO_WALK = {"BWD_FULL_WALK": False}
 
 
 @pytest.mark.parametrize("L, mask_mod, options, chosen", [
-    # without a block mask, by default the unmasked walk's tiles: the wide kernel from 2048,
-    # from 1000 at ragged lengths (0.96x, 0.94x at 2048 and 4096, we_001b317; 0.92x at 1000,
-    # dr_32693bf)
-    (2048, None, None, "gluon_bwd"), (4096, None, None, "gluon_bwd"),
-    (1024, None, None, "triton_bwd"), (512, None, None, "triton_bwd"),
-    (1000, None, None, "gluon_bwd"), (999, None, None, "triton_bwd"),
-    # with the full-block walk (BWD_FULL_WALK 'AUTO'): 0.69-0.87x the wide kernel's time at
-    # 1000-8192 (fw_e9e070a)
-    (2048, None, FULL_WALK, "triton_bwd"), (8192, None, FULL_WALK, "triton_bwd"),
-    (1000, None, FULL_WALK, "triton_bwd"),
+    # by default the full-block walk (BWD_FULL_WALK 'AUTO'): 0.88-0.93x the wide kernel's time
+    # at 1000-8192 (wn_b990bbf)
+    (2048, None, None, "triton_bwd"), (8192, None, None, "triton_bwd"),
+    (1000, None, None, "triton_bwd"), (512, None, None, "triton_bwd"),
+    # with the walk off the unmasked walk's tiles: the wide kernel from 2048, from 1000 at
+    # ragged lengths (0.96x, 0.94x at 2048 and 4096, we_001b317; 0.92x at 1000, dr_32693bf)
+    (2048, None, NO_WALK, "gluon_bwd"), (4096, None, NO_WALK, "gluon_bwd"),
+    (1024, None, NO_WALK, "triton_bwd"), (512, None, NO_WALK, "triton_bwd"),
+    (1000, None, NO_WALK, "gluon_bwd"), (999, None, NO_WALK, "triton_bwd"),
     # under a block mask the Triton backward's one-loop tiles (0.81-0.90x, sp_0d1195a)
     (1000, mods.causal, None, "triton_bwd"), (2048, mods.causal, None, "triton_bwd"),
-    (8192, mods.causal, None, "triton_bwd"), (8100, mods.causal, FULL_WALK, "triton_bwd"),
+    (8192, mods.causal, None, "triton_bwd"), (8100, mods.causal, NO_WALK, "triton_bwd"),
     (16384, mods.prefix_lm(4096), None, "triton_bwd")])
 def test_wide_backward_without_dropout_where_measured(L, mask_mod, options, chosen):
     """At E = 256 without dropout 'AUTO' takes the Triton backward under a block mask and,
-    with the full-block walk (BWD_FULL_WALK 'AUTO'), without one; with that walk off (the
-    default for now), the wide kernel without a block mask from L = S =
-    WIDE_DENSE_MIN_LENGTH (2048), or WIDE_DENSE_RAGGED_MIN_LENGTH (1000) at lengths that are
-    not multiples of 128, where it measured faster than the unmasked walk's tiles."""
+    through the full-block walk (BWD_FULL_WALK 'AUTO', the default), without one; with that
+    walk off, the wide kernel without a block mask from L = S = WIDE_DENSE_MIN_LENGTH (2048),
+    or WIDE_DENSE_RAGGED_MIN_LENGTH (1000) at lengths that are not multiples of 128, where it
+    measured faster than the unmasked walk's tiles."""
     q, k, v = (torch.empty(1, 16, L, 256, dtype=torch.bfloat16) for _ in range(3))
     mask = _mask(L, mask_mod=mask_mod) if mask_mod else None
     call = _call(options, block_mask=mask)
     assert registry.choose("backward", SM90, call, q, k, v).name == chosen
     if chosen == "triton_bwd":
         reason = why_not_gluon_bwd(SM90, call, q, k, v)
-        assert ("256 without dropout to the Triton backward" if mask_mod or options
+        assert ("256 without dropout to the Triton backward" if mask_mod or not options
                 else "past 4096") in reason, reason
     forced = _call({**(options or {}), **FORCED}, block_mask=mask)  # True still runs it
     assert why_not_gluon_bwd(SM90, forced, q, k, v) is None

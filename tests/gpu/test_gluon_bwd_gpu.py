@@ -284,12 +284,12 @@ def gluon_backward_plans(options: dict, k) -> list:
 
 @pytest.mark.parametrize("mask_mod, E, family", [
     (None, 128, "gluon_bwd"), (mods.causal, 128, "gluon_bwd"), (mods.causal, 96, "gluon_bwd"),
-    (None, 256, "gluon_bwd"), (mods.causal, 256, "triton_bwd")])
+    (None, 256, "triton_bwd"), (mods.causal, 256, "triton_bwd")])
 def test_default_backward_is_gluon_past_4096(safe, mask_mod, E, family):
     """GLUON_BACKWARD's default ('AUTO') takes the Gluon backward for dense and masked calls
     with L and S past 4096 (runtime.families.gluon_bwd.AUTO_CLASSES) at head dims 64, 80 to
-    128 and 256 (its wide kernel) without a block mask; at 256 under a block mask the Triton
-    backward (its one-loop dK/dV tiles, faster there): no kernel_options, a ragged length
+    128; at 256 the Triton backward (its one-loop dK/dV tiles under a block mask, or without
+    one through the full-block walk, faster there): no kernel_options, a ragged length
     (the bounds-checked code), the accumulator in its default parts (B * Hkv = 4: one pair
     per part)."""
     from flexfa import create_block_mask
@@ -301,18 +301,19 @@ def test_default_backward_is_gluon_past_4096(safe, mask_mod, E, family):
     assert family in [p.family.name for p in plans.PLANS.values()]
 
 
-@pytest.mark.parametrize("E, Ev, L, mask_mod, dropout", [
-    (192, 128, 4160, mods.causal, None),      # the MLA shape at a ragged length
-    (192, 128, 8192, mods.causal, (0.1, 7)),  # the MLA shape with dropout
-    (256, 256, 2048, None, None),             # no block mask from 2048
-    (256, 256, 2048, mods.causal, (0.1, 7)),  # dropout from 2048 ...
-    (256, 256, 1024, mods.causal, (0.1, 7)),  # ... from 1024 since dr_32693bf
-    (192, 128, 2048, mods.causal, (0.1, 7)),  # the MLA shape with dropout from 2048
-    (256, 256, 1000, None, None),             # no block mask at ragged lengths from 1000
+@pytest.mark.parametrize("E, Ev, L, mask_mod, dropout, options", [
+    (192, 128, 4160, mods.causal, None, None),      # the MLA shape at a ragged length
+    (192, 128, 8192, mods.causal, (0.1, 7), None),  # the MLA shape with dropout
+    (256, 256, 2048, mods.causal, (0.1, 7), None),  # dropout from 2048 ...
+    (256, 256, 1024, mods.causal, (0.1, 7), None),  # ... from 1024 since dr_32693bf
+    (192, 128, 2048, mods.causal, (0.1, 7), None),  # the MLA shape with dropout from 2048
+    # with the full-block walk off: no block mask from 2048, at ragged lengths from 1000
+    (256, 256, 2048, None, None, {"BWD_FULL_WALK": False}),
+    (256, 256, 1000, None, None, {"BWD_FULL_WALK": False}),
 ])
 def test_default_backward_takes_the_wide_kernel_where_measured(safe, E, Ev, L, mask_mod,
-                                                               dropout):
-    """'AUTO' (no kernel_options) takes the wide Gluon backward where the twenty-seventh
+                                                               dropout, options):
+    """'AUTO' (no GLUON_BACKWARD) takes the wide Gluon backward where the twenty-seventh
     session's H200 A/B (we_001b317) and the thirtieth's H100 A/B (dr_32693bf) measured it
     faster: every gradient against the float64 reference there."""
     from flexfa import create_block_mask
@@ -320,7 +321,7 @@ def test_default_backward_takes_the_wide_kernel_where_measured(safe, E, Ev, L, m
     block_mask = (create_block_mask(mask_mod, None, None, L, L, device="cuda")
                   if mask_mod else None)
     plans.PLANS.clear()
-    check_backward(q, k, v, None, mask_mod, block_mask, dropout=dropout)
+    check_backward(q, k, v, None, mask_mod, block_mask, dropout=dropout, kernel_options=options)
     assert "gluon_bwd" in [p.family.name for p in plans.PLANS.values()]
 
 

@@ -1,6 +1,6 @@
 """kernel_options BWD_FULL_WALK: the Triton backward walks a call without a block mask through
 the tables of a mask whose every block is full (``flexfa.runtime.families.backward.full_walk``;
-on sm_90 at head dims padding to 256 by default, where its dK/dV kernel then splits S^T and
+on sm_90 at head dims padding to 256 by default ('AUTO'), where its dK/dV kernel then splits S^T and
 dP^T between the warpgroups). In the interpreter under ``True``: gradients against the float64
 reference (dense, softcap, GQA, ragged lengths, the lse's gradient, a learnable bias, sinks),
 the plan's tables, and where 'AUTO' takes it."""
@@ -61,7 +61,7 @@ def test_full_walk_with_a_learnable_bias_and_sinks():
 
 def test_full_walk_plan_is_cached_with_its_mask():
     """A second call of the same signature runs the cached plan under the same full mask;
-    without the option (off by default) the unmasked walk, to the same gradients."""
+    with the option off the unmasked walk, to the same gradients."""
     plans.PLANS.clear()
     family._FULL_WALKS.clear()
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 192, 192, 32,
@@ -75,7 +75,7 @@ def test_full_walk_plan_is_cached_with_its_mask():
     expected = (q.grad.clone(), k.grad.clone(), v.grad.clone())
     for t in (q, k, v):
         t.grad = None
-    flexfa.flex_attention(q, k, v).sum().backward()  # the unmasked walk: same gradients
+    flexfa.flex_attention(q, k, v, kernel_options={"BWD_FULL_WALK": False}).sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), expected):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert len(_walks()) == 1
@@ -87,9 +87,10 @@ def _call(options=None, block_mask=None, dropout=None) -> AttentionCall:
 
 
 @pytest.mark.parametrize("E, Ev, dtype, options, dropout, masked, taken", [
-    (256, 256, torch.bfloat16, AUTO, False, False, True),    # measured (fw_e9e070a)
+    (256, 256, torch.bfloat16, AUTO, False, False, True),    # measured (wn_b990bbf)
     (224, 224, torch.float16, AUTO, False, False, True),     # one column block of 256
-    (256, 256, torch.bfloat16, None, False, False, False),   # off by default (for now)
+    (256, 256, torch.bfloat16, None, False, False, True),    # 'AUTO' is the default
+    (256, 256, torch.bfloat16, {"BWD_FULL_WALK": False}, False, False, False),
     (256, 256, torch.bfloat16, WALK, True, False, True),     # forced
     (256, 256, torch.bfloat16, AUTO, True, False, False),    # dropout: not measured
     (256, 256, torch.bfloat16, AUTO, False, True, False),    # a block mask of its own
@@ -110,6 +111,51 @@ def test_where_auto_takes_the_full_walk(E, Ev, dtype, options, dropout, masked, 
     assert family.full_walk(call, SM90, q, k, v, q) is taken
     # elsewhere than sm_90 'AUTO' never takes it
     assert not family.full_walk(_call(AUTO), Target("cuda", 8, 0), q, k, v, q)
+
+
+def _broadcast_grad(out: torch.Tensor) -> torch.Tensor:
+    """The upstream gradient of ``out.sum()``: ones, every stride 0."""
+    return torch.ones((), dtype=out.dtype).expand(out.shape)
+
+
+def test_dense_grad_out_where_descriptors_need_it():
+    """The Triton backward copies dO where q, k, v take the descriptors' tiles and dO alone
+    fails their layout check (``out.sum()``'s broadcast ones), nowhere else."""
+    q, k, v = (torch.empty(1, 2, 256, 256, dtype=torch.bfloat16) for _ in range(3))
+
+    def inputs(grad_out, q=q):
+        return family.Inputs(q, k, v, q, None, grad_out, None, q, k, v, {})
+    broadcast = _broadcast_grad(q)
+    assert family.dense_grad_out(_call(), SM90, inputs(broadcast))
+    assert not family.dense_grad_out(_call(), SM90, inputs(torch.empty_like(q)))
+    # no descriptors: not sm_90 by default, USE_TMA off, or q itself fails the check
+    assert not family.dense_grad_out(_call(), Target("cuda", 8, 0), inputs(broadcast))
+    assert not family.dense_grad_out(_call({"USE_TMA": False}), SM90, inputs(broadcast))
+    strided = torch.empty(1, 256, 2, 256, dtype=torch.bfloat16).transpose(1, 2)[..., :200]
+    assert not family.dense_grad_out(_call(), SM90, inputs(broadcast, q=strided))
+
+
+@pytest.mark.parametrize("E, options", [(64, {}), (256, WALK)])
+def test_broadcast_grad_out_takes_the_descriptor_tiles(E, options):
+    """``out.sum().backward()`` under descriptors (USE_TMA forced, as sm_90's default): the
+    plan copies dO and keeps the descriptor tiles, its first and cached calls alike, to the
+    float64 reference's gradients."""
+    plans.PLANS.clear()
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 136, 136, E,
+                                                     dtype=torch.bfloat16, device="cpu"))
+    opts = {"USE_TMA": True, **options}
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref).sum().backward()
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        out = flexfa.flex_attention(q, k, v, kernel_options=opts)
+        assert out.grad_fn is not None
+        out.sum().backward()
+        for got, want in zip((q.grad, k.grad, v.grad), ref):
+            torch.testing.assert_close(got.double(), want.grad, atol=3e-2, rtol=3e-2)
+    (plan,) = [p for p in plans.PLANS.values() if p.family.name == "triton_bwd"]
+    assert plan.fixed["dense_grad_out"] and plan.spec.use_tma
 
 
 def test_bad_option_value_is_named():

@@ -111,6 +111,34 @@ def test_wide_heads_softcap_without_block_mask(L, E, Ev, gqa, walk):
     assert walked and all(w == (walk == "AUTO" and E == 256) for w in walked), walked
 
 
+
+@pytest.mark.parametrize("E, mask_mod", [(256, None), (256, mods.causal), (128, mods.causal)])
+def test_broadcast_grad_out_keeps_the_descriptor_tiles(E, mask_mod):
+    # out.sum().backward(): dO is ones with every stride 0, which the tensor descriptors
+    # cannot read; the Triton backward copies it (backward.dense_grad_out) and keeps the
+    # descriptor tiles (at 256 without a block mask the full-block walk too), every gradient
+    # against SDPA's float64 backward
+    from flexfa.runtime import plans
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 4, 1000, 1000, E,
+                                                     dtype=torch.bfloat16, device="cuda"))
+    block_mask = (create_block_mask(mask_mod, None, None, 1000, 1000, device="cuda")
+                  if mask_mod else None)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=mask_mod is not None
+                                                     ).sum().backward()
+    plans.PLANS.clear()
+    for _ in range(2):  # the plan's first call, then the cached one
+        for t in (q, k, v):
+            t.grad = None
+        flexfa.flex_attention(q, k, v, block_mask=block_mask,
+                              kernel_options={"GLUON_BACKWARD": False}).sum().backward()
+        for got, want in zip((q.grad, k.grad, v.grad), ref):
+            bound = 2e-2 * max(want.grad.abs().max().item(), 1.0)
+            assert (got.double() - want.grad).abs().max().item() <= bound
+    (plan,) = [p for p in plans.PLANS.values() if p.family.name == "triton_bwd"]
+    assert plan.fixed["dense_grad_out"] and plan.spec.use_tma
+    assert (plan.fixed["walk"] is not None) == (mask_mod is None)
+
 def test_gqa_ragged_lengths_and_lse_gradient_on_gpu():
     q, k, v = make_qkv(2, 8, 2, 1000, 1777, 128, dtype=torch.bfloat16, device="cuda")
     block_mask = create_block_mask(mods.sliding_window(300), None, None, 1000, 1777,

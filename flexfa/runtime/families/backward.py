@@ -172,6 +172,17 @@ def use_tma(call: AttentionCall, target: Target, *tensors) -> bool:
     return descriptor_layout_ok(*tensors)
 
 
+def dense_grad_out(call: AttentionCall, target: Target, x: Inputs) -> bool:
+    """Whether the backward copies dO to a dense tensor first: where q, k, v take the tensor
+    descriptors' tiles (``use_tma``) and dO alone fails their layout check, as the broadcast
+    dO of ``out.sum().backward()`` (stride 0) does. Without the copy such a call took the
+    pointer-load tiles, which past head dim 128 are one untuned default (700-2700 bytes of
+    spills at 256, docs/head-dims.md) and which the routing (it sees q, k, v, not dO) did not
+    expect. The Gluon backward copies such a dO too. Costs one tensor of dO's size."""
+    return (use_tma(call, target, x.q, x.k, x.v)
+            and not descriptor_layout_ok(x.grad_out))
+
+
 # BWD_FULL_WALK: a call without a block mask walked through the tables of a mask whose every
 # block is full, so that at padded head dims 256 / 256 (one column block) the dK/dV kernel
 # runs the one loop under a block mask (bwd_dkdv.tmpl's ONE_LOOP), where dS^T is formed under
@@ -180,16 +191,17 @@ def use_tma(call: AttentionCall, target: Target, *tensors) -> bool:
 # gpu_2026-12-05/fw_e9e070a, the Triton backward forced, dense): 0.82x the time at S = 8192
 # (20.292 against 24.792 ms) and 0.83x at 2048 (5.248 against 6.330), and 0.87x and 0.69x the
 # Gluon backward's (23.194, 7.616); at 1024 and 1000 3.566 and 3.670 ms against the Gluon
-# backward's 4.466 and 4.501. Those runs made the full masks with create_block_mask (the forward
-# under them too); this walk's own tables (the same counts, index rows broadcast) have run in
-# the interpreter only, so 'AUTO' waits for a GPU run: the option's default is False
+# backward's 4.466 and 4.501 (those runs made the full masks with create_block_mask). With this
+# walk's own tables on an H200 ('AUTO', gpu_2026-12-05/wn_b990bbf, 3 rounds): 0.82x the
+# unmasked walk's time at 8192 (20.205 against 24.781 ms), 0.83x at 2048, 0.77x at 1000, and
+# 0.89x, 0.88x and 0.93x the Gluon backward's: 'AUTO' is the option's default
 FULL_WALK_BLOCK = 128
 _FULL_WALKS = BoundedMemo(64, "full-block walks")
 
 
 def full_walk(call: AttentionCall, target: Target, q, k, v, grad_out) -> bool:
     """The call runs through ``full_walk_mask``'s tables (kernel_options BWD_FULL_WALK,
-    False by default): never under a block mask or while a CUDA graph is captured (the
+    'AUTO' by default): never under a block mask or while a CUDA graph is captured (the
     tables are made on first use); 'AUTO' where measured faster: sm_90 with tensor
     descriptors, bf16 / fp16, q's and v's head dims both padding to 256 in one column block
     (E = 256, 224), no dropout."""
@@ -514,7 +526,12 @@ class Backward(KernelFamily):
 
     def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
         # the plan is kept under the call's own key; with the full walk it runs the call under
-        # the full mask (``run``), the same mask for every call of this key (L, S, device)
+        # the full mask (``run``), the same mask for every call of this key (L, S, device).
+        # A dO that fails the descriptors' layout check where q, k, v pass it is copied to a
+        # dense one, every call of the key (``run``): the key holds dO's strides
+        dense = dense_grad_out(call, target, x)
+        if dense:
+            x = dataclasses.replace(x, grad_out=x.grad_out.contiguous())
         walk = full_walk_mask(x.q.shape[2], x.k.shape[2], x.q.device) if full_walk(
             call, target, x.q, x.k, x.v, x.grad_out) else None
         inner = call if walk is None else with_block_mask(call, walk)
@@ -524,6 +541,7 @@ class Backward(KernelFamily):
                              target=target, grad_out=x.grad_out, fusable=fusable, config=config)
         plan = self.make_plan(spec, inner, x, joint)
         plan.fixed["walk"] = walk
+        plan.fixed["dense_grad_out"] = dense
         plans.keep(call, key, plan)
         return self.run(plan, call, x, fusable, need_dkdv)
 
@@ -536,6 +554,8 @@ class Backward(KernelFamily):
         walk = plan.fixed.get("walk")
         if walk is not None:  # the plan's tables are its full mask's (``full_walk``)
             call = with_block_mask(call, walk)
+        if plan.fixed.get("dense_grad_out"):  # (``first_call``)
+            x = dataclasses.replace(x, grad_out=x.grad_out.contiguous())
         for i, (step, args) in enumerate(zip(plan.steps, step_args(plan, call, x))):
             if i != 1 or need_dkdv:  # the dK/dV kernel is always the second
                 step.launch(args, x.q.device)

@@ -244,10 +244,11 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
         # H100 (tree_ab.py, 3 rounds, gpu_2026-12-05/sp_0d1195a): causal 0.83x at 8192 and 16384,
         # 0.90x at 8100, GQA 4 0.82x at 8192, softcap + causal 0.87x, ALiBi + causal 0.83x, prefix
         # 0.81x at 16384; without a block mask the same through the full-block walk
-        # (BWD_FULL_WALK, off by default for now; backward.full_walk: 0.69-0.87x at 1000-8192,
-        # fw_e9e070a), where the unmasked walk's tiles were slower than the Gluon backward
-        # from 2048 (below)
-        # (q stands for dO, which the choice does not see; the family decides with dO)
+        # (BWD_FULL_WALK 'AUTO', the default; backward.full_walk: 0.88-0.93x the Gluon
+        # backward's time at 1000-8192 on an H200, wn_b990bbf), where the unmasked walk's tiles
+        # were slower than the Gluon backward from 2048 (below, with the walk off)
+        # (q stands for dO, which the choice does not see: the Triton backward copies a dO
+        # that fails the descriptors' layout check where q, k, v pass it, backward.dense_grad_out)
         if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and call.dropout is None and (
                 call.block_mask is not None or full_walk(call, target, q, k, v, q)):
             return ("GLUON_BACKWARD='AUTO' leaves head dim 256 without dropout to the Triton "
