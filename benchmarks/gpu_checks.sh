@@ -92,13 +92,15 @@
 # learnable tensors (walk / no walk / the Gluon backward), and a broadcast dO (out.sum()) at
 # 256, 192 / 128 and 128 (copied to dense tiles / pointer-load tiles / the Gluon backward);
 # wp: the head-dim benchmark at 256 and 192 / 128 beside FlexAttention and cuDNN;
+# wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
+# in .old (carry it: the commit before), then the full walk at 192 / 128 (options_ab.py);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -523,6 +525,20 @@ if [ "$PART" = wp ]; then  # the head-dim benchmark (issue 28, see --help)
     --dims 256,192/128 --modes causal,full --seqs 8192,8100 --budget 420 \
     --peers flexfa,flexfa_gluon_bwd,torch_flex,cudnn
   tail -n 40 "$OUT/headdim.log"
+fi
+if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)
+  step tests192 130 $SHARD/wq -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    -k "192 or one_loop"
+  tail -n 3 "$OUT/tests192.log"
+  NOGLUON='{"GLUON_BACKWARD": false}'
+  FLEXFA_AUTOTUNE=0 step tree_ab 250 python benchmarks/tree_ab.py --old .old --rounds 3 \
+    --passes fwd+bwd --json "$OUT/tree_ab.json" --old-options "$NOGLUON" --new-options "$NOGLUON" \
+    --cases 192/128:8192:causal,192/128:8192:causal+gqa4,192/128:8192:softcap,192/128:8192:alibi,192/128:16384:document,192/128:4096:causal,192/128:8192:softcap+nomask
+  step walk192 150 env FLEXFA_AUTOTUNE=0 python benchmarks/experiments/options_ab.py \
+    "$OUT/walk192.json" --passes fwd+bwd --rounds 3 --configs \
+    'walk={"BWD_FULL_WALK": true, "GLUON_BACKWARD": false};nowalk={"BWD_FULL_WALK": false, "GLUON_BACKWARD": false};gluon={"GLUON_BACKWARD": true}' \
+    --cases 192/128:8192:full,192/128:4000:full,192/128:4000:softcap+nomask,192/128:2000:full
+  tail -n 10 "$OUT/tree_ab.log"; tail -n 6 "$OUT/walk192.log"
 fi
 if [ "$PART" = wm ]; then  # the peak-memory tests serially (see --help)
   step memory 300 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py

@@ -12,8 +12,9 @@ names (their template hashes differ), so they share one kernel cache and one tun
 (this checkout chooses kernels only through them); ``--old-env NAME=VALUE,...`` /
 ``--new-env ...`` set environment variables while that side runs and is timed (older trees
 read some choices from the environment); with ``--old .`` the same tree under two settings.
-A case's variant may carry ``flexfa.bench_cases.split_variant``'s suffixes (``+gqaG``,
-``+drop``, ``+nomask``: ``256:8192:causal+gqa4``). ``--grid`` times the whole benchmark
+A case's head dim may name v's apart (``192/128:8192:causal``: E = 192, Ev = 128) and its
+variant may carry ``flexfa.bench_cases.split_variant``'s suffixes (``+gqaG``, ``+drop``,
+``+nomask``: ``256:8192:causal+gqa4``). ``--grid`` times the whole benchmark
 grid (``python -m flexfa bench``'s dims, lengths and variants); ``--json PATH`` writes the
 rows. ``--old`` may be given several times (with as many
 ``--old-env``, matched in order, or none): each tree is timed against this checkout in the
@@ -86,11 +87,13 @@ def load_tree(path: str, name: str = "flexfa_old"):
     return module
 
 
-def parse_cases(text: str) -> list[tuple[int, int, str]]:
+def parse_cases(text: str) -> list[tuple[int, int, int, str]]:
+    """(E, Ev, S, variant) of each ``E[/Ev]:S:variant`` case."""
     cases = []
     for item in text.split(","):
-        dim, seq, variant = item.split(":")
-        cases.append((int(dim), int(seq), variant))
+        dims, seq, variant = item.split(":")
+        dim, _, dim_v = dims.partition("/")
+        cases.append((int(dim), int(dim_v or dim), int(seq), variant))
     return cases
 
 
@@ -134,9 +137,9 @@ def main(argv=None) -> int:
         print(f"{label}: {path} {envs[label]}", flush=True)
     trees["new"] = flexfa
     rows = []
-    cases = ([(d, s, v) for d in (64, 128) for s in (2048, 8192, 16384) for v in VARIANTS]
+    cases = ([(d, d, s, v) for d in (64, 128) for s in (2048, 8192, 16384) for v in VARIANTS]
              if args.grid else parse_cases(args.cases))
-    for dim, seq, variant in cases:
+    for dim, dim_v, seq, variant in cases:
         B, H = max(1, args.tokens // seq), args.heads
         base, group, dropout, nomask = split_variant(variant, H)
         score_mod, mask_mod = bench_variants(seq, H, "cuda")[base]
@@ -144,8 +147,9 @@ def main(argv=None) -> int:
         extra = dict(enable_gqa=True) if group > 1 else {}
         if dropout:
             extra.update(dropout_p=0.1, dropout_seed=1234)
-        q, k, v = (torch.randn(B, h, seq, dim, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=True) for h in (H, H // group, H // group))
+        q, k, v = (torch.randn(B, h, seq, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True)
+                   for h, d in ((H, dim), (H // group, dim), (H // group, dim_v)))
         fns = {}
         for label, lib in trees.items():
             mask = (lib.create_block_mask(mask_mod, B, None, seq, seq, device="cuda")
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
                           lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask,
                                                              kernel_options=opts, **extra))()
         for bwd in [p == "fwd+bwd" for p in args.passes.split(",")]:
-            do = torch.randn_like(q)
+            do = torch.randn(*q.shape[:3], dim_v, device="cuda", dtype=q.dtype)
             results = {}
             for label, fn in fns.items():
                 with env_set(envs[label]):
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
                         times[label].append(_time(fn, q, k, v, bwd, args.rep))
             for label in olds:
                 errors = [_relerr(a, b) for a, b in zip(results["new"], results[label])]
-                row = {"dim": dim, "seq": seq, "variant": variant, "old": label,
+                row = {"dim": dim, "dim_v": dim_v, "seq": seq, "variant": variant, "old": label,
                        "pass": "fwd+bwd" if bwd else "fwd",
                        "old_ms": statistics.median(times[label]),
                        "new_ms": statistics.median(times["new"]),
@@ -180,10 +184,11 @@ def main(argv=None) -> int:
                 if args.json:  # after every row: a run cut short keeps what it measured
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)
-    print(f"\n{'E':>4} {'S':>6} {'variant':>8} {'old':>5} {'pass':>8} {'old ms':>8} "
+    print(f"\n{'E':>7} {'S':>6} {'variant':>8} {'old':>5} {'pass':>8} {'old ms':>8} "
           f"{'new ms':>8} {'old/new':>8} {'relerr':>8}")
     for r in rows:
-        print(f"{r['dim']:>4} {r['seq']:>6} {r['variant']:>8} {r['old']:>5} {r['pass']:>8} "
+        dims = f"{r['dim']}" + (f"/{r['dim_v']}" if r["dim_v"] != r["dim"] else "")
+        print(f"{dims:>7} {r['seq']:>6} {r['variant']:>8} {r['old']:>5} {r['pass']:>8} "
               f"{r['old_ms']:8.3f} {r['new_ms']:8.3f} {r['speedup']:8.3f} {r['max_relerr']:8.1e}")
     return 0
 

@@ -55,13 +55,19 @@ def round_order(labels: list[str], r: int) -> list[str]:
     return row[::-1] if r >= n else row
 
 
+def _grad_out(q, v):
+    """A random upstream gradient in out's shape: q's rows, v's head dim."""
+    import torch
+    return torch.randn(*q.shape[:3], v.shape[3], device=q.device, dtype=q.dtype)
+
+
 def _time(fn, q, k, v, bwd: bool, rep: int) -> float:
     import torch
     from triton.testing import do_bench
 
     if not bwd:
         return do_bench(lambda: fn(q, k, v), warmup=WARMUP_MS, rep=rep, return_mode="median")
-    do = torch.randn_like(q)
+    do = _grad_out(q, v)
 
     def step():
         fn(q, k, v).backward(do)
@@ -74,7 +80,7 @@ def _peak_mib(fn, q, k, v, bwd: bool) -> float:
     before it, in MiB: out, the gradients and whatever the implementation keeps or scratches."""
     import torch
 
-    do = torch.randn_like(q)
+    do = _grad_out(q, v)
     for t in (q, k, v):
         t.grad = None
     torch.cuda.synchronize()
@@ -119,7 +125,7 @@ def _check(fa_fn, flex_fn, q, k, v, bwd: bool) -> dict:
 
     result = {}
     outs, grads = [], []
-    do = torch.randn_like(q)
+    do = _grad_out(q, v)
     for fn in (fa_fn, flex_fn):
         for t in (q, k, v):
             t.grad = None

@@ -136,3 +136,10 @@ def test_round_order_balances_places_and_predecessors(n):
     assert pairs == {(a, b): period // n for a in labels for b in labels if a != b}
     assert bench.round_order(labels, period + 1) == orders[1 % period]
     assert bench.round_order([], 3) == []
+
+
+def test_grad_out_takes_out_shape_with_v_head_dim():
+    # E = 192, Ev = 128 (tree_ab.py's 192/128 cases): the upstream gradient is out's shape
+    import torch
+    q, v = torch.zeros(2, 4, 33, 192), torch.zeros(2, 1, 40, 128)
+    assert bench._grad_out(q, v).shape == (2, 4, 33, 128)

@@ -126,10 +126,17 @@ class BackwardSpec:
                     DROPOUT=self.dropout)
 
     def dkdv_constexprs(self, dscore_one: bool) -> dict:
-        # partial and full q blocks in one loop (bwd_dkdv.tmpl): 256 in one column block,
-        # with a block mask that has full blocks; without a block mask (the same tile body)
-        # where a score_mod has a derivative (measured: bwd_dkdv.tmpl's ONE_LOOP)
-        one_loop = (self.column_blocks == (256, 0) and not self.dropout
+        # partial and full q blocks in one loop (bwd_dkdv.tmpl): 256 in one column block, with
+        # a block mask that has full blocks; without a block mask (the same tile body) where a
+        # score_mod has a derivative (measured: bwd_dkdv.tmpl's ONE_LOOP). At 192 (128 + 64)
+        # under a block mask with GQA on 8 warps (the tile multiples' tiles), where the two
+        # loops spilled 20-36 bytes and the one loop none, in the same time (GQA 4 causal S =
+        # 8192 1.000x on an H100); elsewhere at 192 it was no faster under a mask (0.98-1.02x)
+        # and 0.95x without one (softcap), and the 4-warp ragged tiles spilled more in it
+        # (gpu_2026-12-05/wq_SHA, docs/head-dims.md)
+        wide_gqa = (self.column_blocks == (128, 64) and self.num_warps == 8
+                    and self.gqa_group > 1 and self.has_block_mask)
+        one_loop = ((self.column_blocks == (256, 0) or wide_gqa) and not self.dropout
                     and (self.has_full_blocks if self.has_block_mask else not dscore_one))
         # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, or in the one loop; never
         # with dropout

@@ -112,3 +112,19 @@ def test_full_walk_splits_the_dkdv_tiles(variant, ragged):
     assert result.ok, result.error
     assert (result.spill_bytes, result.loop_local_ops) == (0, 0)
     assert result.wgmma and not result.wgmma_serialized
+
+
+@pytest.mark.parametrize("variant", ["GQA 4 causal", "GQA 4 softcap + causal"])
+def test_192_one_loop_splits_the_dkdv_tiles(variant):
+    """E = 192 / Ev = 128 at tile multiples (8 warps, 64 keys): the dK/dV kernel's one loop
+    (bwd_dkdv.tmpl's ONE_LOOP) gives S^T and dP^T half the columns each warpgroup, as at
+    256; in the two loops GQA 4 causal spilled 36 bytes and with a softcap 20."""
+    from flexfa.compile_check import jobs
+    mods = {"score_mod": jobs.softcap_mod} if "softcap" in variant else {}
+    result = compile_job(f"192 {variant}", 90, jobs.backward_job(
+        "dkdv", 192, "bf16", head_dim_v=128, ragged=False, mask_mod=jobs.causal_mask,
+        gqa_group=4,
+        **mods), loops=True)
+    assert result.ok, result.error
+    assert (result.spill_bytes, result.loop_local_ops) == (0, 0)
+    assert result.wgmma and not result.wgmma_serialized

@@ -93,6 +93,19 @@ def test_wide_heads_softcap_causal_both_length_kinds(L, E, Ev, monkeypatch):
     assert specs and specs[0].use_tma and specs[0].num_warps == tiles[4], specs[0]
 
 
+@pytest.mark.parametrize("E,Ev", [(256, 256), (192, 128)])
+def test_wide_heads_gqa_alibi_causal_one_loop(E, Ev, monkeypatch):
+    # GQA 4, ALiBi + causal at a tile multiple: the dK/dV kernel's one loop on 8 warps (at
+    # 192 / 128 since the thirty-first session), every gradient against the float64 reference
+    specs = record_backward_specs(monkeypatch)
+    q, k, v = make_qkv(1, 8, 2, 1024, 1024, E, Ev=Ev, dtype=torch.bfloat16, device="cuda")
+    block_mask = create_block_mask(mods.causal, None, None, 1024, 1024, device="cuda")
+    check_backward(q, k, v, mods.alibi(8, device="cuda"), mods.causal, block_mask,
+                   enable_gqa=True, with_lse=True, kernel_options={"GLUON_BACKWARD": False})
+    assert specs and specs[0].num_warps == 8, specs[0]
+    assert specs[0].dkdv_constexprs(False)["ONE_LOOP"]
+
+
 @pytest.mark.parametrize("walk", ["AUTO", False])
 @pytest.mark.parametrize("L", [1024, 1000])
 @pytest.mark.parametrize("E,Ev,gqa", [(256, 256, 1), (256, 256, 2), (192, 128, 2)])

@@ -66,6 +66,27 @@ def test_backward_one_loop_without_score_mod(spy_specs, gqa):
     assert spec.dkdv_constexprs(True)["ONE_LOOP"]
 
 
+@pytest.mark.parametrize("mask_mod, gqa, one_loop", [
+    (mods.causal, 2, True), (mods.sliding_window(40), 4, True),
+    (mods.causal, 1, False), (None, 2, False)])
+def test_backward_one_loop_at_192_with_gqa(spy_specs, mask_mod, gqa, one_loop):
+    # E = 192 (column blocks 128 + 64) with Ev = 128 on 8 warps (sm_90's tiles at tile
+    # multiples) under a block mask with GQA: the one loop (dS^T formed under the mask's
+    # branch); without GQA or a block mask, or on 4 warps (the ragged lengths' tiles, and the
+    # interpreter's default), the two loops
+    q, k, v = make_qkv(1, 2 * gqa, 2, L, S, 192, 128, dtype=torch.bfloat16, seed=gqa + 7)
+    mask = (create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+            if mask_mod else None)
+    check_backward(q, k, v, mods.softcap(20.0), mask_mod, mask, enable_gqa=gqa > 1,
+                   with_lse=True, kernel_options={"bwd_USE_TMA": True, "bwd_num_warps": 8})
+    (spec,) = spy_specs
+    assert spec.num_warps == 8 and spec.column_blocks == (128, 64)
+    dkdv = spec.dkdv_constexprs(False)
+    assert dkdv["ONE_LOOP"] == one_loop and dkdv["DV_LAST"] and not dkdv["ROW_OFFSETS"]
+    assert not dataclasses.replace(spec, num_warps=4).dkdv_constexprs(False)["ONE_LOOP"]
+    assert not dataclasses.replace(spec, dropout=True).dkdv_constexprs(False)["ONE_LOOP"]
+
+
 @pytest.mark.parametrize("E,Ev,gqa,tma", [(256, 256, 1, True), (256, 256, 2, False),
                                            (192, 128, 2, True)])
 def test_backward_wide_without_block_mask_ragged(spy_specs, E, Ev, gqa, tma):
