@@ -133,7 +133,7 @@ class BackwardSpec:
         # loops spilled 20-36 bytes and the one loop none, in the same time (GQA 4 causal S =
         # 8192 1.000x on an H100); elsewhere at 192 it was no faster under a mask (0.98-1.02x)
         # and 0.95x without one (softcap), and the 4-warp ragged tiles spilled more in it
-        # (gpu_2026-12-05/wq_SHA, docs/head-dims.md)
+        # (gpu_2026-12-05/wq_0903e6a, docs/head-dims.md)
         wide_gqa = (self.column_blocks == (128, 64) and self.num_warps == 8
                     and self.gqa_group > 1 and self.has_block_mask)
         one_loop = ((self.column_blocks == (256, 0) or wide_gqa) and not self.dropout
