@@ -7,7 +7,9 @@ kernels for sm_90 at the runtime's default tiles
 (``flexfa.compile_check.jobs.backward_job``) and prints ``ptxas -v``'s spill store bytes next
 to the local-memory instructions inside the tile loops (``loop_local_ops``: the spills paid on
 every tile), and "S" where ptxas serialized the kernel's wgmmas (C7514 / C7515). A cold Triton
-cache compiles about 90 kernels (minutes).
+cache compiles about 90 kernels (minutes). The rows without a block mask ("dense", "softcap",
+"GQA 4") compile the unmasked walk: at 256 that is kernel_options ``BWD_FULL_WALK=False``,
+as the default ('AUTO') takes the "full walk" rows there (not at 192, and not with dropout).
 
     python benchmarks/experiments/wide_spills.py [--dims 256,192] [--only dropout] [--no-tma]
         [--block-m1 32]
