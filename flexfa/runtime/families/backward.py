@@ -176,9 +176,11 @@ def dense_grad_out(call: AttentionCall, target: Target, x: Inputs) -> bool:
     """Whether the backward copies dO to a dense tensor first: where q, k, v take the tensor
     descriptors' tiles (``use_tma``) and dO alone fails their layout check, as the broadcast
     dO of ``out.sum().backward()`` (stride 0) does. Without the copy such a call took the
-    pointer-load tiles, which past head dim 128 are one untuned default (700-2700 bytes of
-    spills at 256, docs/head-dims.md) and which the routing (it sees q, k, v, not dO) did not
-    expect. The Gluon backward copies such a dO too. Costs one tensor of dO's size."""
+    pointer-load tiles, past head dim 128 one small untuned default (16 x 32 / 32 x 16): fwd+bwd
+    6.99-8.64x the time at 192 / 128 and 256, 1.95x at 128 on an H100
+    (gpu_2026-12-05/wo_b1c2b4e, docs/head-dims.md), and the routing (it sees q, k, v, not dO)
+    did not expect it. The Gluon backward copies such a dO too. Costs one tensor of dO's
+    size."""
     return (use_tma(call, target, x.q, x.k, x.v)
             and not descriptor_layout_ok(x.grad_out))
 
