@@ -123,8 +123,7 @@ def test_192_one_loop_splits_the_dkdv_tiles(variant):
     mods = {"score_mod": jobs.softcap_mod} if "softcap" in variant else {}
     result = compile_job(f"192 {variant}", 90, jobs.backward_job(
         "dkdv", 192, "bf16", head_dim_v=128, ragged=False, mask_mod=jobs.causal_mask,
-        gqa_group=4,
-        **mods), loops=True)
+        gqa_group=4, **mods), loops=True)
     assert result.ok, result.error
     assert (result.spill_bytes, result.loop_local_ops) == (0, 0)
     assert result.wgmma and not result.wgmma_serialized

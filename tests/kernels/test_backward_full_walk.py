@@ -1,9 +1,10 @@
 """kernel_options BWD_FULL_WALK: the Triton backward walks a call without a block mask through
 the tables of a mask whose every block is full (``flexfa.runtime.families.backward.full_walk``;
-on sm_90 at head dims padding to 256 by default ('AUTO'), where its dK/dV kernel then splits S^T and
-dP^T between the warpgroups). In the interpreter under ``True``: gradients against the float64
-reference (dense, softcap, GQA, ragged lengths, the lse's gradient, a learnable bias, sinks),
-the plan's tables, and where 'AUTO' takes it."""
+on sm_90 at head dims padding to 256 by default ('AUTO'), where its dK/dV kernel then splits
+S^T and dP^T between the warpgroups). In the interpreter under ``True``: gradients against the
+float64 reference (dense, softcap, GQA, ragged lengths, the lse's gradient, a learnable bias,
+sinks), the plan's tables, where 'AUTO' takes it, and a broadcast dO copied for the
+descriptors' tiles."""
 import pytest
 import torch
 
