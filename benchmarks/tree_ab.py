@@ -62,7 +62,7 @@ if __name__ == "__main__":  # --help and argument errors before the imports belo
 import torch
 
 import flexfa
-from flexfa.bench import _relerr, _time
+from flexfa.bench import _grad_out, _relerr, _time
 from flexfa.bench_cases import VARIANTS, bench_variants, split_variant
 
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
                           lambda q, k, v: lib.flex_attention(q, k, v, score_mod, mask,
                                                              kernel_options=opts, **extra))()
         for bwd in [p == "fwd+bwd" for p in args.passes.split(",")]:
-            do = torch.randn(*q.shape[:3], dim_v, device="cuda", dtype=q.dtype)
+            do = _grad_out(q, v)
             results = {}
             for label, fn in fns.items():
                 with env_set(envs[label]):
