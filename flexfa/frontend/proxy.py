@@ -408,6 +408,9 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
 
 # ---- operators ----------------------------------------------------------------------------
 
+_BOOL_OPS = {Op.ADD: Op.OR, Op.MUL: Op.AND}
+
+
 def binary_op(op: Op, swap: bool = False):
     def apply(a, b):
         tracer = find_tracer(a, b)
@@ -417,8 +420,11 @@ def binary_op(op: Op, swap: bool = False):
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
             raise tracer.error(f"operator {op.name.lower()} needs bool or int operands, got float",
                                UnsupportedOpError)
-        return result(tracer, ir.binary(op, x, y), (a, b),
-                      lambda nodes: ir.binary(op, *nodes))
+        # torch adds bool tensors as a logical or and multiplies them as a logical and, with a
+        # bool result (True + True is True; Python's bools alone would give 2)
+        op_ = _BOOL_OPS.get(op, op) if x.dtype is y.dtype is DType.BOOL else op
+        return result(tracer, ir.binary(op_, x, y), (a, b),
+                      lambda nodes: ir.binary(op_, *nodes))
     return apply
 
 

@@ -102,6 +102,30 @@ def _div(input, other, *, rounding_mode=None):
     return result(tracer, node, (input, other))
 
 
+def _truth(node: ir.Node) -> ir.Node:
+    """A node's truth value as torch's logical functions read it: nonzero (NaN is true)."""
+    if node.dtype is DType.BOOL:
+        return node
+    return ir.binary(Op.NE, node, ir.const(0.0 if node.dtype is DType.FLOAT else 0))
+
+
+def _logical(op: Op):
+    """torch.logical_and / _or / _xor: on the operands' truth values, a bool (not bitwise on
+    ints: logical_and(2, 1) is True)."""
+    def apply(input, other):
+        tracer = find_tracer(input, other)
+        a, b = (_truth(lift(v, tracer)) for v in (input, other))
+        return Proxy(ir.binary(op, a, b), tracer)
+    return apply
+
+
+def _logical_not(input):
+    """torch.logical_not: True where the operand is zero (not ~ on ints: logical_not(2) is
+    False)."""
+    tracer = find_tracer(input)
+    return Proxy(ir.unary(Op.NOT, _truth(lift(input, tracer))), tracer)
+
+
 def _detach(x):
     """The value without its gradient (straight-through tricks: x + (f(x) - x).detach())."""
     return Proxy(ir.unary(Op.DETACH, x.node), x.tracer, x.storage)
@@ -133,14 +157,14 @@ def _table() -> dict:
         Op.SIGMOID: ["sigmoid", "special.expit", "nn.functional.sigmoid"], Op.SIN: ["sin"],
         Op.COS: ["cos"], Op.TAN: ["tan"], Op.ERF: ["erf", "special.erf"], Op.FLOOR: ["floor"],
         Op.CEIL: ["ceil"], Op.ABS: ["abs", "absolute"], Op.SIGN: ["sign"],
-        Op.NEG: ["neg", "negative"], Op.NOT: ["logical_not", "bitwise_not"],
+        Op.NEG: ["neg", "negative"], Op.NOT: ["bitwise_not"],
     }
     binary = {
         Op.MUL: ["mul", "multiply"], Op.DIV: ["true_divide"], Op.FLOORDIV: ["floor_divide"],
         Op.MOD: ["remainder"], Op.FMOD: ["fmod"], Op.POW: ["pow"], Op.MAX: ["maximum"],
         Op.MIN: ["minimum"], Op.LT: ["lt", "less"], Op.LE: ["le", "less_equal"],
-        Op.EQ: ["eq"], Op.NE: ["ne", "not_equal"], Op.AND: ["logical_and", "bitwise_and"],
-        Op.OR: ["logical_or", "bitwise_or"], Op.XOR: ["logical_xor", "bitwise_xor"],
+        Op.EQ: ["eq"], Op.NE: ["ne", "not_equal"], Op.AND: ["bitwise_and"],
+        Op.OR: ["bitwise_or"], Op.XOR: ["bitwise_xor"],
     }
     table = {}
 
@@ -164,6 +188,9 @@ def _table() -> dict:
             add(name, binary_op(op))
     for name, op in (("gt", Op.LT), ("greater", Op.LT), ("ge", Op.LE), ("greater_equal", Op.LE)):
         add(name, binary_op(op, swap=True))
+    for op, name in ((Op.AND, "logical_and"), (Op.OR, "logical_or"), (Op.XOR, "logical_xor")):
+        add(name, _logical(op))
+    add("logical_not", _logical_not)
     for name in ("add", "sub", "subtract"):
         add(name, _add(-1 if name.startswith("sub") else 1))
     for name in ("div", "divide"):

@@ -91,6 +91,13 @@ _LOGIC = [
     lambda q, kv: torch.gt(q, kv), lambda q, kv: torch.ge(q, kv), lambda q, kv: torch.lt(q, kv),
     lambda q, kv: torch.le(q, kv), lambda q, kv: torch.eq(q % 3, kv % 3), lambda q, kv: torch.ne(q, 4),
     lambda q, kv: (q - kv).bool(), lambda q, kv: torch.where(q > 50, q >= kv, q <= kv),
+    # torch's bool tensors: + is a logical or, * a logical and (True + True is True, not 2)
+    lambda q, kv: (q >= kv) + (kv < 4), lambda q, kv: (q >= kv) * (q - kv < 8),
+    lambda q, kv: torch.add(q > kv, q > 3), lambda q, kv: (q > kv) + True,
+    # torch's logical functions read ints by truth value (logical_and(2, 1) is True)
+    lambda q, kv: torch.logical_and(q % 3, kv % 4), lambda q, kv: torch.logical_or(q % 3, kv - kv),
+    lambda q, kv: torch.logical_not(q % 3), lambda q, kv: torch.logical_xor(q % 2, kv % 3),
+    lambda q, kv: (q % 3).logical_and(kv % 4),
 ]
 
 
@@ -100,6 +107,25 @@ def test_mask_logic(fn):
         return fn(q_idx, kv_idx)
 
     _check(mask)
+
+
+_BOOL_ARITHMETIC = [
+    lambda s, q, kv: s + ((q > kv) + (q > 3)), lambda s, q, kv: s + (q > kv) * (q > 3) + (kv > 5),
+    lambda s, q, kv: s * torch.mul(q > kv, kv > 2), lambda s, q, kv: s + torch.logical_and(q % 3, kv),
+    lambda s, q, kv: s + torch.logical_not(q % 3), lambda s, q, kv: s + torch.logical_or(s, q > kv),
+    lambda s, q, kv: s + torch.logical_xor(s, q % 2),
+]
+
+
+@pytest.mark.parametrize("fn", _BOOL_ARITHMETIC, ids=range(len(_BOOL_ARITHMETIC)))
+def test_bool_arithmetic_and_logical_functions_match_torch(fn):
+    """Sums and products of bools, and torch.logical_* on ints and floats, inside a score_mod:
+    torch's results (bool or, and; truth values), not Python's (True + True == 2) or bitwise
+    ones."""
+    def mod(score, b, h, q_idx, kv_idx):
+        return fn(score, q_idx, kv_idx)
+
+    _check(mod)
 
 
 def test_casts():
