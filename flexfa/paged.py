@@ -11,10 +11,13 @@ with the GPU; ``assign`` writes on the device and can run inside a CUDA graph.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
+from .blockmask.checks import positive_int
 from .decode import flex_decode
-from .errors import InputError
+from .errors import InputError, InputTypeError
 
 __all__ = ["PagedKVCache"]
 
@@ -23,12 +26,15 @@ class PagedKVCache:
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int, num_kv_heads: int,
                  head_dim: int, *, head_dim_v: int | None = None,
                  max_pages_per_seq: int | None = None, dtype=torch.bfloat16, device="cpu"):
-        if page_size < 16 or page_size % 16:
+        func = "PagedKVCache"
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("max_batch_size", max_batch_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("head_dim_v", head_dim_v),
+                            ("max_pages_per_seq", max_pages_per_seq)):
+            if value is not None or name not in ("head_dim_v", "max_pages_per_seq"):
+                positive_int(func, name, value)
+        if page_size % 16:
             raise InputError(f"page_size is {page_size}; the decode kernel needs a multiple of 16")
-        for name, value in (("num_pages", num_pages), ("max_batch_size", max_batch_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if value < 1:
-                raise InputError(f"{name} must be positive, got {value}")
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq or num_pages
         self.k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
@@ -58,6 +64,11 @@ class PagedKVCache:
     def reserve(self, batch_idx: int, seq_len: int) -> None:
         """Give sequence ``batch_idx`` pages for ``seq_len`` keys (pages it has are kept)."""
         pages = self._pages[self._row(batch_idx)]
+        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
+            raise InputTypeError(f"seq_len must be an int, got {type(seq_len).__name__} "
+                                 f"{seq_len!r}")
+        if seq_len < 0:
+            raise InputError(f"seq_len must be >= 0, got {seq_len}")
         needed = -(-seq_len // self.page_size)
         if needed > self.max_pages_per_seq:
             raise InputError(f"seq_len {seq_len} needs {needed} pages; a sequence has at most "
@@ -95,14 +106,29 @@ class PagedKVCache:
         of sequences ``batch_idx`` [B] (device tensors: no synchronisation with
         ``validate=False``, as under CUDA-graph capture; the positions must be reserved).
         Lengths are not changed: ``set_length``, or ``kv_lens`` updated on the device."""
+        for name, tensor, dims in (("batch_idx", batch_idx, 1), ("input_pos", input_pos, 2)):
+            if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or \
+                    tensor.is_complex() or tensor.dtype is torch.bool or tensor.dim() != dims:
+                raise InputTypeError(f"{name} must be a {dims}-D integer tensor, got "
+                                     f"{getattr(tensor, 'dtype', type(tensor).__name__)} of shape "
+                                     f"{tuple(getattr(tensor, 'shape', ()))}")
         B, L = input_pos.shape
-        if tuple(k_val.shape[:3]) != (B, self.k_cache.shape[2], L) or \
-                tuple(v_val.shape[:3]) != (B, self.v_cache.shape[2], L):
-            raise InputError(f"k_val {tuple(k_val.shape)} and v_val {tuple(v_val.shape)} must be "
-                             f"[B={B}, Hkv={self.k_cache.shape[2]}, L={L}, dim]")
+        if tuple(batch_idx.shape) != (B,):
+            raise InputError(f"batch_idx has shape {tuple(batch_idx.shape)} but input_pos "
+                             f"{tuple(input_pos.shape)}; they must be [B] and [B, L]")
+        self._check_values(k_val, v_val, B, L)
         pos = input_pos.long()
-        pages = self.page_table[batch_idx.long()[:, None], pos // self.page_size]
-        if validate and bool(((pages < 0) | (pos < 0)).any()):
+        rows_ = batch_idx.long()
+        if validate:  # before the table is indexed: an index past it fails on the device
+            if bool(((rows_ < 0) | (rows_ >= self.page_table.shape[0])).any()):
+                raise InputError(f"batch_idx {rows_.tolist()} has entries outside the cache's "
+                                 f"sequences 0..{self.page_table.shape[0] - 1}")
+            if bool(((pos < 0) | (pos >= self.max_seq_len)).any()):
+                raise InputError(f"input_pos has positions outside 0..{self.max_seq_len - 1} "
+                                 f"(a sequence holds at most {self.max_seq_len} keys), got "
+                                 f"{int(pos.min())}..{int(pos.max())}")
+        pages = self.page_table[rows_[:, None], pos // self.page_size]
+        if validate and bool((pages < 0).any()):
             raise InputError("assign writes positions outside the pages reserved for their "
                              "sequences: reserve(batch_idx, seq_len) first")
         rows = (pages.long() * self.page_size + pos % self.page_size).flatten()
@@ -111,10 +137,30 @@ class PagedKVCache:
         self.v_cache.view(-1, *self.v_cache.shape[2:])[rows] = \
             v_val.transpose(1, 2).reshape(B * L, *self.v_cache.shape[2:]).to(self.v_cache.dtype)
 
+    def _check_values(self, k_val, v_val, B: int, L: int) -> None:
+        """k_val [B, Hkv, L, E] and v_val [B, Hkv, L, Ev] tensors of this cache's heads and
+        head dims."""
+        Hkv, E, Ev = self.k_cache.shape[2], self.k_cache.shape[3], self.v_cache.shape[3]
+        for name, tensor in (("k_val", k_val), ("v_val", v_val)):
+            if not isinstance(tensor, torch.Tensor):
+                raise InputTypeError(f"{name} must be a torch.Tensor, got "
+                                     f"{type(tensor).__name__}")
+        if tuple(k_val.shape) != (B, Hkv, L, E) or tuple(v_val.shape) != (B, Hkv, L, Ev):
+            raise InputError(f"k_val {tuple(k_val.shape)} and v_val {tuple(v_val.shape)} must be "
+                             f"[B={B}, Hkv={Hkv}, L={L}, E={E}] and [B, Hkv, L, Ev={Ev}] for "
+                             "this cache")
+
     def append(self, k_val: torch.Tensor, v_val: torch.Tensor) -> None:
         """Append ``k_val`` / ``v_val`` [B, Hkv, L, E] to sequences 0..B-1 (reserving pages,
         advancing their lengths): the host knows every position, nothing is read back."""
+        if not isinstance(k_val, torch.Tensor) or k_val.dim() != 4:
+            raise InputError(f"k_val must be a 4-D tensor [B, Hkv, L, E], got "
+                             f"{tuple(getattr(k_val, 'shape', ())) or type(k_val).__name__}")
         B, _, L, _ = k_val.shape
+        self._check_values(k_val, v_val, B, L)  # before any page is reserved
+        if B > len(self._pages):
+            raise InputError(f"k_val has {B} sequences but the cache holds "
+                             f"{len(self._pages)} (max_batch_size)")
         for b in range(B):
             self.reserve(b, self._lens[b] + L)
         device = self.k_cache.device

@@ -176,6 +176,40 @@ def test_paged_kv_cache_generation():
         cache.reserve(0, 16 * 3)
 
 
+def test_paged_kv_cache_bad_arguments_are_input_errors():
+    """PagedKVCache's arguments are checked before anything is indexed or reserved: a
+    sequence or position past the page table (an index past it would fail on the device),
+    values of another head dim, non-int sizes and lengths; an append that fails its shape
+    check reserves nothing."""
+    from flexfa.errors import InputTypeError
+    with pytest.raises(InputTypeError, match="page_size must be an int, got float 16.0"):
+        flexfa.PagedKVCache(4, 16.0, 2, 2, 16)
+    with pytest.raises(InputError, match="max_pages_per_seq must be positive, got "
+                                         "max_pages_per_seq=0"):
+        flexfa.PagedKVCache(4, 16, 2, 2, 16, max_pages_per_seq=0)
+    cache = flexfa.PagedKVCache(4, 16, 2, 2, 16, dtype=torch.float32)
+    with pytest.raises(InputError, match="seq_len must be >= 0, got -5"):
+        cache.reserve(0, -5)
+    with pytest.raises(InputTypeError, match="seq_len must be an int, got float 10.5"):
+        cache.reserve(0, 10.5)
+    cache.reserve(0, 20)
+    k = torch.randn(1, 2, 1, 16)
+    with pytest.raises(InputError, match=r"batch_idx \[5\] has entries outside the cache's "
+                                         r"sequences 0..1"):
+        cache.assign(torch.tensor([5]), torch.tensor([[0]]), k, k)
+    with pytest.raises(InputError, match=r"input_pos has positions outside 0..63 .* got 70..70"):
+        cache.assign(torch.tensor([0]), torch.tensor([[70]]), k, k)
+    with pytest.raises(InputError, match=r"k_val \(1, 2, 1, 8\) .* must be \[B=1, Hkv=2, L=1, "
+                                         r"E=16\]"):
+        cache.assign(torch.tensor([0]), torch.tensor([[3]]), k[..., :8], k[..., :8])
+    with pytest.raises(InputTypeError, match="batch_idx must be a 1-D integer tensor"):
+        cache.assign([0], torch.tensor([[3]]), k, k)
+    free = len(cache._free)
+    with pytest.raises(InputError, match=r"must be \[B=2, Hkv=2, L=1, E=16\]"):
+        cache.append(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
+    assert len(cache._free) == free and cache.length(1) == 0
+
+
 @st.composite
 def decode_problems(draw):
     Hkv = draw(st.integers(1, 2))
