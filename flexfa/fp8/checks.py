@@ -61,6 +61,16 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
                          "False with it")
 
 
+def check_seed(seed) -> int:
+    """The rotation's ``seed``: an int torch's generator takes (-2**63 .. 2**64 - 1)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise InputTypeError(f"seed must be an int, got {type(seed).__name__} {seed!r:.60}")
+    if not -2 ** 63 <= seed < 2 ** 64:
+        raise InputError(f"seed must be in -2**63 .. 2**64 - 1 (torch's generator seeds), got "
+                         f"{seed}")
+    return int(seed)
+
+
 def check_mixed(query, key, value) -> bool:
     """True when all three are FP8 tensors; an error when some are and some are not."""
     tensors = [t for t in (query, key, value) if isinstance(t, torch.Tensor)]
@@ -106,6 +116,11 @@ def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise InputTypeError(f"FP8Inputs.dtype (the output dtype) must be bfloat16 or float16, "
                              f"got {x.dtype}")
+    head_dim = x.head_dim
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or \
+            not 1 <= head_dim <= x.q.shape[3]:
+        raise InputError(f"FP8Inputs.head_dim (the head dim before padding) must be an int in "
+                         f"1..{x.q.shape[3]} (q's head dim), got {head_dim!r}")
     B, Hq, L, _ = x.q.shape
     Hkv, S = x.k.shape[1], x.k.shape[2]
     check_scale("q_scale", x.q_scale, (B, Hq, -(-L // block_q)), x.q.device)

@@ -24,6 +24,16 @@ def test_batch_one_keys_are_shared_by_the_query_batch():
     torch.testing.assert_close(shared, reference, atol=0.1, rtol=0.1)
 
 
+def test_quantize_shares_batch_one_keys_as_flex_attention_fp8_does():
+    """quantize accepts key and value of batch 1 (its shape check is flex_attention's): its
+    FP8Inputs then holds them per query batch entry, which flex_attention_fp8 runs (its
+    k_scale check refused them before)."""
+    q, _, _ = _qkv(3)
+    _, k, v = _qkv(1, seed=1)
+    staged = fp8.flex_attention_fp8(fp8.quantize(q, k, v))
+    assert torch.equal(staged, fp8.flex_attention_fp8(q, k, v))
+
+
 def test_a_key_batch_that_is_neither_one_nor_the_querys_is_named():
     q, _, _ = _qkv(3)
     _, k, v = _qkv(2)

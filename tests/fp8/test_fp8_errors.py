@@ -100,6 +100,31 @@ def test_quantize_rejects_fp8_and_bad_shapes():
         quantize(q, k, v, rotate=1)
 
 
+@pytest.mark.parametrize("seed,error,match", [
+    ("a", InputTypeError, "seed must be an int, got str 'a'"),
+    (1.5, InputTypeError, "seed must be an int, got float 1.5"),
+    (2 ** 70, InputError, "seed must be in -2\\*\\*63 .. 2\\*\\*64 - 1"),
+])
+def test_bad_rotation_seeds(seed, error, match):
+    """The rotation's seed is checked (it was a ValueError from int() or from torch's
+    generator, and a float was truncated)."""
+    with pytest.raises(error, match=match):
+        quantize(*_qkv(), seed=seed)
+    with pytest.raises(error, match=match):
+        flex_attention_fp8(*_qkv(), seed=seed)
+
+
+@pytest.mark.parametrize("head_dim", [0, 33, "32", None])
+def test_fp8inputs_head_dim_out_of_range(head_dim):
+    """A hand-edited FP8Inputs.head_dim (the default scale is 1/sqrt(head_dim)) is named, not a
+    ZeroDivisionError or TypeError from the scale."""
+    x = dataclasses.replace(quantize(*_qkv(), rotate=False), head_dim=head_dim)
+    with pytest.raises(InputError, match=re.escape(
+            f"FP8Inputs.head_dim (the head dim before padding) must be an int in 1..32 (q's "
+            f"head dim), got {head_dim!r}")):
+        flex_attention_fp8(x)
+
+
 def test_tile_that_does_not_divide_the_scale_block():
     x = quantize(*_qkv(), block_size=32)
     with pytest.raises(InputError, match="BLOCK_M=64 must be >= 16 and divide the Q scale block 32"):
