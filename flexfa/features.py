@@ -15,6 +15,7 @@ import numbers
 
 import torch
 
+from .blockmask.checks import resolve_device
 from .errors import InputError, InputTypeError
 from .lazy import lazy_function
 from .runtime.call import OFFSET_LIMIT, SEED_LIMIT, Dropout, seed_tensor
@@ -98,4 +99,5 @@ def dropout_mask(seed, B: int, H: int, L: int, S: int, p: float, device="cpu") -
     for name, value in (("B", B), ("H", H), ("L", L), ("S", S)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise InputError(f"{name} must be a non-negative int, got {value!r}")
-    return keep_mask(seed_tensor(seed_, offset, torch.device(device)), B, H, L, S, p)
+    device = resolve_device("dropout_mask", device)
+    return keep_mask(seed_tensor(seed_, offset, device), B, H, L, S, p)

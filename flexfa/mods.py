@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, check_bool
 
 __all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
            "softcap", "relative_bias", "dilated_window", "global_sliding", "natten_2d",
@@ -81,7 +81,7 @@ def sliding_window(window: int, causal: bool = True):
     ``window - 1`` keys before it); ``causal=False``: ``|q_idx - kv_idx| < window``.
     """
     window = _int_arg("sliding_window", "window", window)
-    if causal:
+    if check_bool("sliding_window: causal", causal):
         def mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
         return _named(mod, f"sliding_window_{window}",
@@ -174,6 +174,7 @@ def global_sliding(window: int, is_global, causal: bool = True, device=None):
     """
     window = _int_arg("global_sliding", "window", window)
     flags = _one_dim("global_sliding", "is_global", is_global, torch.bool, device)
+    causal = check_bool("global_sliding: causal", causal)
     suffix = "" if causal else "_bidirectional"
     if causal:
         def mod(b, h, q_idx, kv_idx):
@@ -223,7 +224,7 @@ def chunked(chunk_size: int, causal: bool = False):
     ``causal=True``, as in Llama 4's chunked layers).
     """
     size = _int_arg("chunked", "chunk_size", chunk_size)
-    if causal:
+    if check_bool("chunked: causal", causal):
         def mod(b, h, q_idx, kv_idx):
             return (q_idx // size == kv_idx // size) & (q_idx >= kv_idx)
         return _named(mod, f"chunked_{size}_causal",

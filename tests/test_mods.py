@@ -9,6 +9,7 @@ from torch.nn.attention.flex_attention import create_mask
 import flexfa
 from flexfa import mods
 from flexfa.frontend import dense_mask, evaluate, index_grids, trace
+from flexfa.errors import InputTypeError
 from flexfa.reference import attention_reference
 
 SHAPES = [(36, 36), (100, 100), (37, 100)]  # L x S, not tile multiples, L != S
@@ -235,9 +236,24 @@ def test_bad_arguments_raise_value_error(make, words):
     lambda: mods.global_sliding(4, torch.zeros(10, dtype=torch.long)),
     lambda: mods.relative_bias([1.0, 2.0]),
     lambda: mods.document([1.5, 2.0]),
+    lambda: mods.sliding_window(4, causal=1),
+    lambda: mods.global_sliding(4, torch.ones(4, dtype=torch.bool), causal="no"),
+    lambda: mods.chunked(4, causal=None),
 ])
 def test_wrong_types_raise_type_error(make):
     with pytest.raises(TypeError):
+        make()
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: mods.sliding_window(4, causal=1), "sliding_window: causal"),
+    (lambda: mods.global_sliding(4, torch.ones(4, dtype=torch.bool), causal="no"),
+     "global_sliding: causal"),
+    (lambda: mods.chunked(4, causal=None), "chunked: causal"),
+])
+def test_causal_flags_must_be_bools(make, name):
+    """causal=1, "no" or None is refused by name (it was read by truthiness: "no" was causal)."""
+    with pytest.raises(InputTypeError, match=f"{name} must be a bool"):
         make()
 
 

@@ -137,10 +137,16 @@ def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
     Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)
     device = resolve_device(func, device)
     traced = mod_fn if isinstance(mod_fn, TracedMod) else trace(mod_fn)
-    with torch.no_grad():
-        if traced.kind == MASK_MOD:
-            return dense_mask(traced, B, H, Q_LEN, KV_LEN, device)
-        b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
-        score = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
-        out = evaluate(traced, score=score, b=b, h=h, q_idx=q, kv_idx=kv, device=device)
-        return ~torch.isneginf(out.expand(B, H, Q_LEN, KV_LEN))
+    try:
+        with torch.no_grad():
+            if traced.kind == MASK_MOD:
+                return dense_mask(traced, B, H, Q_LEN, KV_LEN, device)
+            b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
+            score = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
+            out = evaluate(traced, score=score, b=b, h=h, q_idx=q, kv_idx=kv, device=device)
+            return ~torch.isneginf(out.expand(B, H, Q_LEN, KV_LEN))
+    except (IndexError, RuntimeError) as exc:  # e.g. a captured tensor shorter than Q_LEN
+        raise InputError(
+            f"{func}: evaluating {traced.kind} {traced.name!r} for Q_LEN={Q_LEN}, KV_LEN={KV_LEN} "
+            f"(B={B}, H={H}) failed with {type(exc).__name__}: {exc}; captured tensors must "
+            "cover every b, h, q_idx and kv_idx in range") from exc

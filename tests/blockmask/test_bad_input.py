@@ -90,6 +90,23 @@ def test_captured_tensor_too_short():
         build(mask_mod=doc)
 
 
+def test_create_mask_captured_tensor_too_short():
+    """create_mask names the lengths a captured tensor does not cover, as create_block_mask
+    does (it raised torch's IndexError from the evaluation), for mask_mods and score_mods."""
+    doc = mods.document([30, 40])  # 70 tokens
+    bias = torch.zeros(50)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx]
+
+    with pytest.raises(InputError, match="create_mask: evaluating mask_mod 'document_2' for "
+                                         "Q_LEN=100, KV_LEN=100.*IndexError.*captured tensors"):
+        create_mask(doc, 1, 1, 100, 100, device="cpu")
+    with pytest.raises(InputError, match="create_mask: evaluating score_mod 'biased' for "
+                                         "Q_LEN=64.*IndexError"):
+        create_mask(biased, 1, 1, 64, 8, device="cpu")
+
+
 @pytest.mark.parametrize("mask_shape", [(3, 4, 64, 64), (2, 2, 64, 64), (2, 4, 64, 128)])
 def test_flex_attention_rejects_a_mismatched_mask(mask_shape):
     import flexfa

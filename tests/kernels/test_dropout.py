@@ -254,6 +254,8 @@ def test_bad_dropout_arguments_fail_before_any_launch(monkeypatch):
         flexfa.fp8.flex_attention_fp8(q.bfloat16(), k.bfloat16(), v.bfloat16(), dropout_p=0.1)
     with pytest.raises(InputError, match="dropout_mask needs a seed"):
         flexfa.dropout_mask(None, 1, 1, 4, 4, 0.5)
+    with pytest.raises(InputError, match="dropout_mask: device='bogus' is not a torch device"):
+        flexfa.dropout_mask(1, 1, 1, 4, 4, 0.5, device="bogus")
 
 
 PHILOX_PROBE = '''
