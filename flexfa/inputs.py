@@ -20,6 +20,9 @@ MAX_HEAD_DIM = 256
 # (the backward's and the dense forward's grids; a masked forward puts them on the x axis)
 MAX_CUDA_PROGRAM_ROWS = 65535
 MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+# float32's smallest normal: a scale below it is subnormal in the kernels' float32 (flushed to
+# zero on GPUs; a float64 scalar under the interpreter, which then fails inside Triton)
+MIN_SCALE = torch.finfo(torch.float32).tiny
 _NAMES = ("query", "key", "value")
 
 
@@ -95,6 +98,10 @@ def check_scale(scale, head_dim: int) -> float:
     if abs(scale) > MAX_SCALE:  # the kernels hold scale * log2(e) in float32
         raise InputError(f"scale is {scale}; it must be at most {MAX_SCALE:.3e} in magnitude "
                          "(kernels keep scale * log2(e) in float32)")
+    if 0 < abs(scale) < MIN_SCALE:
+        raise InputError(f"scale is {scale}; a nonzero scale must be at least {MIN_SCALE:.3e} "
+                         "in magnitude (float32's smallest normal number: the kernels hold it "
+                         "in float32); pass 0.0 for scores of 0")
     return float(scale)
 
 
