@@ -6,6 +6,7 @@ only the undecided tiles exactly (exact.py) -> ordered tables (tables.py). No st
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -67,13 +68,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     grid = TileGrid(B, H, Q_LEN, KV_LEN, block[0], block[1], device)
 
     started = time.perf_counter()
-    try:
+    with evaluating(func, traced, B, H, Q_LEN, KV_LEN):
         classes, (undecided, in_full) = tile_classes(traced, grid)
-    except (IndexError, RuntimeError) as exc:  # e.g. a captured tensor shorter than Q_LEN
-        raise InputError(
-            f"{func}: evaluating mask_mod {traced.name!r} for Q_LEN={Q_LEN}, KV_LEN={KV_LEN} "
-            f"(B={B}, H={H}) failed with {type(exc).__name__}: {exc}; captured tensors must "
-            "cover every b, h, q_idx and kv_idx in range") from exc
     tables = ordered_tables(classes, B, H, separate_full_blocks)
     elapsed = time.perf_counter() - started
     log.log(logging.INFO if elapsed > SLOW_BUILD_S else logging.DEBUG,
@@ -137,15 +133,22 @@ def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
     Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)
     device = resolve_device(func, device)
     traced = mod_fn if isinstance(mod_fn, TracedMod) else trace(mod_fn)
+    with evaluating(func, traced, B, H, Q_LEN, KV_LEN), torch.no_grad():
+        if traced.kind == MASK_MOD:
+            return dense_mask(traced, B, H, Q_LEN, KV_LEN, device)
+        b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
+        score = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
+        out = evaluate(traced, score=score, b=b, h=h, q_idx=q, kv_idx=kv, device=device)
+        return ~torch.isneginf(out.expand(B, H, Q_LEN, KV_LEN))
+
+
+@contextlib.contextmanager
+def evaluating(func: str, traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int):
+    """An IndexError or RuntimeError of evaluating ``traced`` over the call's indices (e.g. a
+    captured tensor shorter than Q_LEN) as an InputError that names the mod and the sizes."""
     try:
-        with torch.no_grad():
-            if traced.kind == MASK_MOD:
-                return dense_mask(traced, B, H, Q_LEN, KV_LEN, device)
-            b, h, q, kv = index_grids(B, H, Q_LEN, KV_LEN, device)
-            score = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
-            out = evaluate(traced, score=score, b=b, h=h, q_idx=q, kv_idx=kv, device=device)
-            return ~torch.isneginf(out.expand(B, H, Q_LEN, KV_LEN))
-    except (IndexError, RuntimeError) as exc:  # e.g. a captured tensor shorter than Q_LEN
+        yield
+    except (IndexError, RuntimeError) as exc:
         raise InputError(
             f"{func}: evaluating {traced.kind} {traced.name!r} for Q_LEN={Q_LEN}, KV_LEN={KV_LEN} "
             f"(B={B}, H={H}) failed with {type(exc).__name__}: {exc}; captured tensors must "
