@@ -183,9 +183,11 @@ def check_decode_values(inputs: DecodeInputs, L: int, S: int, num_pages: int | N
         bad = ((inputs.q_offsets < 0) | (ends > limit)).nonzero()
         if len(bad):
             b = int(bad[0, 0])
-            raise InputError(f"q_offsets[{b}] = {int(inputs.q_offsets[b])} puts the {L} query "
-                             f"rows at positions past the sequence's {int(limit[b])} keys "
-                             "(kv_lens, else the cache length)")
+            offset = int(inputs.q_offsets[b])
+            raise InputError(f"q_offsets[{b}] = {offset} is negative" if offset < 0 else
+                             f"q_offsets[{b}] = {offset} puts the {L} query rows at positions "
+                             f"past the sequence's {int(limit[b])} keys (kv_lens, else the "
+                             "cache length)")
     if inputs.paged:
         table, size = inputs.page_table, inputs.page_size
         used = -(-(lens if lens is not None else torch.full((table.shape[0],), S,

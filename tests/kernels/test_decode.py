@@ -301,6 +301,9 @@ def test_bad_inputs_fail_before_launch(monkeypatch):
                                          r"positions past the sequence's 20 keys"):
         flexfa.flex_decode(q, k_cache, v_cache, page_table=table, kv_lens=lens,
                            q_offsets=torch.tensor([20, 0], dtype=torch.int32))
+    with pytest.raises(InputError, match=r"q_offsets\[1\] = -2 is negative"):
+        flexfa.flex_decode(q, k_cache, v_cache, page_table=table, kv_lens=lens,
+                           q_offsets=torch.tensor([0, -2], dtype=torch.int32))
     with pytest.raises(InputError, match=r"kv_lens\[1\] = 33 is outside the cache's 0..32"):
         flexfa.flex_decode(q, k_cache, v_cache, page_table=table,
                            kv_lens=torch.tensor([3, 33], dtype=torch.int32))
