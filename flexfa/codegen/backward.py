@@ -371,8 +371,11 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, gluon: bool = Fa
             offset = (f"gl.reduce(({offset}) + (q_idx * 0 + kv_idx * 0), {axis}, "
                       f"flexfa_max_combine)")
         pointer = f"{grad.ptr} + {offset}" if offset else grad.ptr
+        # the tensor's element count (its accumulator is contiguous): where DETERMINISTIC's
+        # bound words start, after the value words (flexfa_grad_add)
+        count = f"{size_names[0]} * {grad.strides[0]}" if size_names else "1"
         lines.append(f"gl.atomic_add({pointer}, {value}, sem=\"relaxed\")" if gluon
-                     else f"flexfa_grad_add({pointer}, {value})")
+                     else f"flexfa_grad_add({pointer}, {value}, {count})")
     return "\n".join(lines)
 
 

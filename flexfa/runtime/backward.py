@@ -13,7 +13,7 @@ import torch
 from . import families  # noqa: F401  (registers the kernel families)
 from . import plans, registry
 from .call import SINKS_GRAD, AttentionCall
-from .families.backward import FIXED_POINT_SCALE, Inputs, joint_graph
+from .families.backward import BOUND_BITS, FIXED_POINT_SCALE, Inputs, joint_graph
 from .target import target_of
 
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
@@ -43,9 +43,8 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     ``SINKS_GRAD`` (``sinks_grad``)."""
     joint = joint_graph(call.score)
     grad_slots = joint.grad_slots if joint is not None else ()
-    accum = torch.int64 if call.options.deterministic else torch.float32
-    grads = {s: torch.zeros_like(call.score.buffers[s], dtype=accum, memory_format=CONTIGUOUS)
-             for s in grad_slots}
+    accs = accumulators(call, grad_slots)
+    grads = {s: acc[0] for s, acc in accs.items()} if call.options.deterministic else accs
     sinks_need_grad = call.sinks is not None and call.sinks.requires_grad
     delta = torch.empty_like(lse, dtype=torch.float32, memory_format=CONTIGUOUS) \
         if sinks_need_grad else None
@@ -86,12 +85,33 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     buffer_grads = {}
     if sinks_need_grad:
         buffer_grads[SINKS_GRAD] = sinks_grad(call.sinks, lse, delta)
-    for slot, acc in grads.items():
-        value = acc.double() / FIXED_POINT_SCALE if acc.dtype == torch.int64 else acc
-        buffer_grads[slot] = value.to(call.score.buffers[slot].dtype)
+    for slot, acc in accs.items():
+        buffer_grads[slot] = (fixed_point_value(acc) if acc.dtype == torch.int64
+                              else acc).to(call.score.buffers[slot].dtype)
     if not need_dkdv:
         return x.dq, None, None, buffer_grads
     return x.dq, x.dk, x.dv, buffer_grads
+
+
+def accumulators(call: AttentionCall, grad_slots) -> dict:
+    """{slot: the kernels' gradient accumulator}, contiguous in the captured tensor's shape
+    (the kernels bind its pointer and strides): float32, or with ``deterministic=True`` int64
+    ``[2, *shape]``, the value words then the bound words (flexfa_grad_add,
+    ``fixed_point_value``), whose first half the kernels bind."""
+    if not call.options.deterministic:
+        return {s: torch.zeros_like(call.score.buffers[s], dtype=torch.float32,
+                                    memory_format=CONTIGUOUS) for s in grad_slots}
+    return {s: torch.zeros((2, *call.score.buffers[s].shape), dtype=torch.int64,
+                           device=call.score.buffers[s].device) for s in grad_slots}
+
+
+def fixed_point_value(words: torch.Tensor) -> torch.Tensor:
+    """The float64 gradient of a deterministic accumulator (``accumulators``): its value
+    words over 2**32, NaN where the entry's bound word is outside 0 .. BOUND_LIMIT - 1 (the
+    magnitudes added sum to 2**30 or more, where the value may have wrapped)."""
+    value, bound = words.unbind(0)
+    return torch.where(bound >> BOUND_BITS == 0, value.double() / FIXED_POINT_SCALE,
+                       float("nan"))
 
 
 def sinks_grad(sinks, lse, delta) -> torch.Tensor:

@@ -80,6 +80,28 @@ def test_deterministic_is_bitwise_repeatable():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("loss_scale", [2.0 ** 29, 2.0 ** 40])
+def test_deterministic_gradient_past_its_range_is_nan_not_wrapped(loss_scale):
+    """deterministic=True's fixed point holds +-2**31: a captured tensor's gradient entry whose
+    contributions' magnitudes reach 2**30 is NaN (at 2**29 the sum wrapped to a finite value
+    65% off, at 2**40 each tile's contribution saturated), as an overflow a GradScaler skips;
+    an entry well inside the range keeps the default's value."""
+    temp = torch.ones(H, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temp[h]
+
+    q, k, v = make_qkv(B, H, H, 64, 64, E, seed=16)
+    grad_out = torch.randn(B, H, 64, E)
+    grad_out[:, 0] *= loss_scale  # head 0's gradient past the range, head 1's far inside
+    default, det = (flexfa_grads(q, k, v, score_mod, None, buffers=(temp,), grad_out=grad_out,
+                                 kernel_options=options)[3]
+                    for options in (None, {"deterministic": True}))
+    assert abs(default[0]) > 2.0 ** 31 and abs(default[1]) < 2.0 ** 10
+    assert torch.isnan(det[0])
+    assert torch.allclose(det[1], default[1], rtol=1e-5, atol=1e-6)
+
+
 def test_mixed_captured_tensors_only_grad_ones_get_gradients():
     table = torch.randn(H, L, S)  # no grad
     doc = torch.arange(L + S) // 25  # int

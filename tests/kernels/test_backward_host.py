@@ -114,16 +114,18 @@ def _raising(method):
 
 # (kernel launches, what a cached backward may run besides views): allocations of dq, dk,
 # dv and delta (and the dS workspace, with three kernels); a captured tensor's gradient adds
-# its accumulator, its fixed-point conversion (deterministic) and the NaN poisoning (lse <
-# inf, all, where)
+# its accumulator (deterministic: value and bound words, the kernels binding the first),
+# its fixed-point conversion with the bound's check (unbind, >>, ==, where) and the NaN
+# poisoning (lse < inf, all, where)
 EXPECTED = {
     "dense": (2, {"allocation": 4}),
     "sliding": (2, {"allocation": 4}),
     "gqa": (2, {"allocation": 4}),
     "alibi": (2, {"allocation": 4}),
     "ds_workspace": (3, {"allocation": 5}),
-    "learnable_deterministic": (2, {"allocation": 4, "zeros_like": 1, "_to_copy": 2, "div": 1,
-                                    "lt": 1, "all": 1, "where": 1, "scalar_tensor": 1}),
+    "learnable_deterministic": (2, {"allocation": 4, "zeros": 1, "select": 1, "unbind": 1,
+                                    "__rshift__": 1, "eq": 1, "_to_copy": 2, "div": 1,
+                                    "where": 2, "scalar_tensor": 2, "lt": 1, "all": 1}),
     "dropout": (2, {"allocation": 4}),
     "frozen_kv": (1, {"allocation": 2}),
     # the sinks' gradient from lse and delta (sinks_grad), poisoned like the others

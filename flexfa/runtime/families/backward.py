@@ -13,7 +13,9 @@ per class at head dim 64, bounded by the caller's kernel_options.
 
 Captured-tensor gradients are accumulated in float32 with atomics, or, with
 ``deterministic=True``, in int64 fixed point with 32 fraction bits (integer addition is
-associative: bit-identical runs; resolution 2**-32 per tile contribution, range +-2**31).
+associative: bit-identical runs; resolution 2**-32 per tile contribution) beside an int64
+bound on the magnitudes added: an entry whose magnitudes sum to 2**30 or more (where the
+fixed point's range, +-2**31, may have been passed) comes back NaN, never wrapped.
 """
 from __future__ import annotations
 
@@ -45,7 +47,11 @@ from ..tables import broadcast_strides, dummy_table, has_full_blocks, largest_ti
 from ..target import Target
 from .hopper import descriptor_layout_ok, geometry, head_geometry
 
-FIXED_POINT_SCALE = 2.0 ** 32  # must match flexfa_grad_add in bwd_common.tmpl
+# deterministic=True's accumulators (flexfa_grad_add in bwd_common.tmpl): the value in units of
+# 2**-32; a bound on the magnitudes added in units of 2**-12, an entry valid while it lies in
+# 0 .. 2**BOUND_BITS - 1 (magnitudes below 2**30; negative: wrapped)
+FIXED_POINT_SCALE = 2.0 ** 32
+BOUND_BITS = 42
 
 # sm_90 tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages) by padded head dim,
 # measured on the H200 (docs/performance.md); the first is the default, the others are
