@@ -182,6 +182,25 @@ def test_deterministic_is_bitwise_repeatable_on_gpu():
                                    msg=lambda m: f"{name}: {m}")
 
 
+def test_deterministic_gradient_past_its_range_is_nan_on_gpu():
+    """The interpreter test's case on the GPU's int64 atomics: head 0's temperature gradient
+    (scaled by 2**29, past the fixed point's +-2**31) NaN, head 1's the default's."""
+    temp = torch.ones(2, device="cuda", requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temp[h]
+
+    q, k, v = make_qkv(1, 2, 2, L, L, 64, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn(1, 2, L, 64, device="cuda")
+    grad_out[:, 0] *= 2.0 ** 29
+    default, det = (flexfa_grads(q, k, v, score_mod, None, buffers=(temp,), grad_out=grad_out,
+                                 kernel_options=options)[3]
+                    for options in (None, {"deterministic": True}))
+    assert abs(default[0]) > 2.0 ** 31
+    assert torch.isnan(det[0]) and not torch.isnan(det[1])
+    torch.testing.assert_close(det[1], default[1], atol=1e-4, rtol=1e-4)
+
+
 def test_empty_rows_on_gpu():
     late = lambda b, h, q_idx, kv_idx: (q_idx >= 300) & (kv_idx <= q_idx)  # noqa: E731
     q, k, v = make_qkv(1, 4, 4, L, L, 64, dtype=torch.float16, device="cuda")
