@@ -32,6 +32,11 @@ def test_quantize_shares_batch_one_keys_as_flex_attention_fp8_does():
     _, k, v = _qkv(1, seed=1)
     staged = fp8.flex_attention_fp8(fp8.quantize(q, k, v))
     assert torch.equal(staged, fp8.flex_attention_fp8(q, k, v))
+    # the fused quantize kernel (the default on CUDA) reads the shared batch through stride 0
+    expanded = [x.expand(3, -1, -1, -1).contiguous() for x in (k, v)]
+    fused, copied = (fp8.quantize(q, *kv, fused=True) for kv in ((k, v), expanded))
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale"):
+        assert torch.equal(getattr(fused, name).float(), getattr(copied, name).float()), name
 
 
 def test_a_key_batch_that_is_neither_one_nor_the_querys_is_named():
