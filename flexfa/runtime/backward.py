@@ -107,7 +107,7 @@ def accumulators(call: AttentionCall, grad_slots) -> dict:
 
 def fixed_point_value(words: torch.Tensor) -> torch.Tensor:
     """The float64 gradient of a deterministic accumulator (``accumulators``): its value
-    words over 2**32, NaN where the entry's bound word is outside 0 .. BOUND_LIMIT - 1 (the
+    words over 2**32, NaN where the entry's bound word is outside 0 .. 2**BOUND_BITS - 1 (the
     magnitudes added sum to 2**30 or more, where the value may have wrapped)."""
     value, bound = words.unbind(0)
     return torch.where(bound >> BOUND_BITS == 0, value.double() / FIXED_POINT_SCALE,
