@@ -13,7 +13,8 @@ import torch
 from . import families  # noqa: F401  (registers the kernel families)
 from . import plans, registry
 from .call import SINKS_GRAD, AttentionCall
-from .families.backward import BOUND_BITS, FIXED_POINT_SCALE, Inputs, joint_graph
+from .families.backward import (BOUND_BITS, FIXED_POINT_SCALE, REST_SCALE, Inputs,
+                                joint_graph)
 from .target import target_of
 
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
@@ -96,22 +97,23 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
 def accumulators(call: AttentionCall, grad_slots) -> dict:
     """{slot: the kernels' gradient accumulator}, contiguous in the captured tensor's shape
     (the kernels bind its pointer and strides): float32, or with ``deterministic=True`` int64
-    ``[2, *shape]``, the value words then the bound words (flexfa_grad_add,
-    ``fixed_point_value``), whose first half the kernels bind."""
+    ``[3, *shape]``, the value words, their rests and the bound words (flexfa_grad_add,
+    ``fixed_point_value``), whose first third the kernels bind."""
     if not call.options.deterministic:
         return {s: torch.zeros_like(call.score.buffers[s], dtype=torch.float32,
                                     memory_format=CONTIGUOUS) for s in grad_slots}
-    return {s: torch.zeros((2, *call.score.buffers[s].shape), dtype=torch.int64,
+    return {s: torch.zeros((3, *call.score.buffers[s].shape), dtype=torch.int64,
                            device=call.score.buffers[s].device) for s in grad_slots}
 
 
 def fixed_point_value(words: torch.Tensor) -> torch.Tensor:
     """The float64 gradient of a deterministic accumulator (``accumulators``): its value
-    words over 2**32, NaN where the entry's bound word is outside 0 .. 2**BOUND_BITS - 1 (the
-    magnitudes added sum to 2**30 or more, where the value may have wrapped)."""
-    value, bound = words.unbind(0)
-    return torch.where(bound >> BOUND_BITS == 0, value.double() / FIXED_POINT_SCALE,
-                       float("nan"))
+    words over 2**32 plus their rests over 2**62, NaN where the entry's bound word is outside
+    0 .. 2**BOUND_BITS - 1 (the magnitudes added sum to 2**30 or more, or 2**32 terms were
+    nonzero: a word may have wrapped)."""
+    value, rest, bound = words.unbind(0)
+    return torch.where(bound >> BOUND_BITS == 0, value.double() / FIXED_POINT_SCALE
+                       + rest.double() / REST_SCALE, float("nan"))
 
 
 def sinks_grad(sinks, lse, delta) -> torch.Tensor:

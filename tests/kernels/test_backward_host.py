@@ -114,8 +114,8 @@ def _raising(method):
 
 # (kernel launches, what a cached backward may run besides views): allocations of dq, dk,
 # dv and delta (and the dS workspace, with three kernels); a captured tensor's gradient adds
-# its accumulator (deterministic: value and bound words, the kernels binding the first),
-# its fixed-point conversion with the bound's check (unbind, >>, ==, where) and the NaN
+# its accumulator (deterministic: value, rest and bound words, the kernels binding the
+# first), its fixed-point conversion with the bound's check (unbind, >>, ==, where) and the NaN
 # poisoning (lse < inf, all, where)
 EXPECTED = {
     "dense": (2, {"allocation": 4}),
@@ -124,8 +124,9 @@ EXPECTED = {
     "alibi": (2, {"allocation": 4}),
     "ds_workspace": (3, {"allocation": 5}),
     "learnable_deterministic": (2, {"allocation": 4, "zeros": 1, "select": 1, "unbind": 1,
-                                    "__rshift__": 1, "eq": 1, "_to_copy": 2, "div": 1,
-                                    "where": 2, "scalar_tensor": 2, "lt": 1, "all": 1}),
+                                    "__rshift__": 1, "eq": 1, "_to_copy": 3, "div": 2,
+                                    "add": 1, "where": 2, "scalar_tensor": 2, "lt": 1,
+                                    "all": 1}),
     "dropout": (2, {"allocation": 4}),
     "frozen_kv": (1, {"allocation": 2}),
     # the sinks' gradient from lse and delta (sinks_grad), poisoned like the others

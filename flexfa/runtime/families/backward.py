@@ -12,10 +12,10 @@ Q/dO and K/V tiles go through tensor descriptors (TMA) on sm_90 where the layout
 per class at head dim 64, bounded by the caller's kernel_options.
 
 Captured-tensor gradients are accumulated in float32 with atomics, or, with
-``deterministic=True``, in int64 fixed point with 32 fraction bits (integer addition is
-associative: bit-identical runs; resolution 2**-32 per tile contribution) beside an int64
-bound on the magnitudes added: an entry whose magnitudes sum to 2**30 or more (where the
-fixed point's range, +-2**31, may have been passed) comes back NaN, never wrapped.
+``deterministic=True``, in int64 fixed point (integer addition is associative: bit-identical
+runs), two words an entry (units of 2**-32, range +-2**31, and the rest in units of 2**-62),
+beside an int64 bound on the magnitudes added: an entry whose magnitudes sum to 2**30 or
+more (where the range may have been passed) comes back NaN, never wrapped.
 """
 from __future__ import annotations
 
@@ -48,9 +48,11 @@ from ..target import Target
 from .hopper import descriptor_layout_ok, geometry, head_geometry
 
 # deterministic=True's accumulators (flexfa_grad_add in bwd_common.tmpl): the value in units of
-# 2**-32; a bound on the magnitudes added in units of 2**-12, an entry valid while it lies in
-# 0 .. 2**BOUND_BITS - 1 (magnitudes below 2**30; negative: wrapped)
+# 2**-32 and its rest in units of 2**-62; a bound on the magnitudes added in units of 2**-12
+# (and 2**-2 a nonzero term), an entry valid while it lies in 0 .. 2**BOUND_BITS - 1
+# (magnitudes below 2**30, fewer than 2**32 terms; negative: wrapped)
 FIXED_POINT_SCALE = 2.0 ** 32
+REST_SCALE = 2.0 ** 62
 BOUND_BITS = 42
 
 # sm_90 tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages) by padded head dim,
