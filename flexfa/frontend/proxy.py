@@ -234,11 +234,13 @@ _TYPE_NAMES = {f"torch.{name}Tensor": dtype for name, dtype in (
 def convert(tracer: Tracer, node: Node, dtype) -> Proxy:
     """``node`` cast to the torch dtype ``dtype`` as torch does it: float16/bfloat16 round to
     nearest even, int8/uint8/int16/int32 wrap (a float is truncated first, see
-    ``evaluate.narrow``), bool is ``!= 0``; float32/float64/int64 only change the IR dtype."""
+    ``evaluate.narrow``), bool is ``!= 0`` (a bool as it is); float32/float64/int64 only
+    change the IR dtype."""
     if not isinstance(dtype, torch.dtype):
         raise tracer.error(f"expected a torch.dtype, got {type(dtype).__name__} {dtype!r:.40}")
     if dtype is torch.bool:
-        return Proxy(ir.binary(Op.NE, node, ir.const(0)), tracer)
+        return Proxy(node if node.dtype is DType.BOOL else ir.binary(Op.NE, node, ir.const(0)),
+                      tracer)
     if dtype in _WIDE:
         return Proxy(ir.cast(node, _WIDE[dtype]), tracer)
     if dtype in _NARROW_NAMES:

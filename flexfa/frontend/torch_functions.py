@@ -102,19 +102,12 @@ def _div(input, other, *, rounding_mode=None):
     return result(tracer, node, (input, other))
 
 
-def _truth(node: ir.Node) -> ir.Node:
-    """A node's truth value as torch's logical functions read it: nonzero (NaN is true)."""
-    if node.dtype is DType.BOOL:
-        return node
-    return ir.binary(Op.NE, node, ir.const(0.0 if node.dtype is DType.FLOAT else 0))
-
-
 def _logical(op: Op):
-    """torch.logical_and / _or / _xor: on the operands' truth values, a bool (not bitwise on
-    ints: logical_and(2, 1) is True)."""
+    """torch.logical_and / _or / _xor: on the operands' truth values (``.bool()``: nonzero,
+    NaN is true), a bool (not bitwise on ints: logical_and(2, 1) is True)."""
     def apply(input, other):
         tracer = find_tracer(input, other)
-        a, b = (_truth(lift(v, tracer)) for v in (input, other))
+        a, b = (convert(tracer, lift(v, tracer), torch.bool).node for v in (input, other))
         return Proxy(ir.binary(op, a, b), tracer)
     return apply
 
@@ -123,7 +116,7 @@ def _logical_not(input):
     """torch.logical_not: True where the operand is zero (not ~ on ints: logical_not(2) is
     False)."""
     tracer = find_tracer(input)
-    return Proxy(ir.unary(Op.NOT, _truth(lift(input, tracer))), tracer)
+    return Proxy(ir.unary(Op.NOT, convert(tracer, lift(input, tracer), torch.bool).node), tracer)
 
 
 def _detach(x):
