@@ -3,6 +3,7 @@
 Every error flexfa raises on bad input subclasses one of the builtin types a caller would
 catch (ValueError, TypeError, NotImplementedError), so ``except ValueError`` keeps working.
 """
+import numbers
 
 
 class FlexFAError(Exception):
@@ -28,6 +29,16 @@ class InputError(FlexFAError, ValueError):
 
 class InputTypeError(FlexFAError, TypeError):
     """Arguments of the wrong type to a public function."""
+
+
+def check_int(func: str, name: str, value, minimum: int | None = 1) -> int:
+    """``value`` as an int if it is one (not a bool) of at least ``minimum`` (None: any),
+    else an InputTypeError / InputError naming ``func``, ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputTypeError(f"{func}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise InputError(f"{func}: {name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def check_bool(name: str, value) -> bool:

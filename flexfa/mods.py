@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .errors import InputError, InputTypeError, check_bool
+from .errors import InputError, InputTypeError, check_bool, check_int
 
 __all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
            "softcap", "relative_bias", "dilated_window", "global_sliding", "natten_2d",
@@ -24,14 +24,6 @@ __all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_
 
 
 # ---- argument checks -----------------------------------------------------------------------
-
-def _int_arg(func: str, name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputTypeError(f"{func}: {name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise InputError(f"{func}: {name} must be >= {minimum}, got {value}")
-    return int(value)
-
 
 def _positive_float(func: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -80,7 +72,7 @@ def sliding_window(window: int, causal: bool = True):
     causal (default): ``0 <= q_idx - kv_idx < window`` (the query itself and the
     ``window - 1`` keys before it); ``causal=False``: ``|q_idx - kv_idx| < window``.
     """
-    window = _int_arg("sliding_window", "window", window)
+    window = check_int("sliding_window", "window", window)
     if check_bool("sliding_window: causal", causal):
         def mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
@@ -98,7 +90,7 @@ def prefix_lm(prefix_length: int):
 
     keep iff ``kv_idx < prefix_length or q_idx >= kv_idx``.
     """
-    n = _int_arg("prefix_lm", "prefix_length", prefix_length, minimum=0)
+    n = check_int("prefix_lm", "prefix_length", prefix_length, minimum=0)
 
     def mod(b, h, q_idx, kv_idx):
         return (kv_idx < n) | (q_idx >= kv_idx)
@@ -153,8 +145,8 @@ def dilated_window(window: int, dilation: int):
     keep iff ``d = q_idx - kv_idx`` satisfies ``0 <= d < window * dilation`` and
     ``d % dilation == 0``.
     """
-    window = _int_arg("dilated_window", "window", window)
-    dilation = _int_arg("dilated_window", "dilation", dilation)
+    window = check_int("dilated_window", "window", window)
+    dilation = check_int("dilated_window", "dilation", dilation)
     span = window * dilation
 
     def mod(b, h, q_idx, kv_idx):
@@ -172,7 +164,7 @@ def global_sliding(window: int, is_global, causal: bool = True, device=None):
     (``q_idx - kv_idx < window`` or ``is_global[q_idx]`` or ``is_global[kv_idx]``);
     ``causal=False``: keep iff ``|q_idx - kv_idx| < window`` or either token is global.
     """
-    window = _int_arg("global_sliding", "window", window)
+    window = check_int("global_sliding", "window", window)
     flags = _one_dim("global_sliding", "is_global", is_global, torch.bool, device)
     causal = check_bool("global_sliding: causal", causal)
     suffix = "" if causal else "_bidirectional"
@@ -198,9 +190,9 @@ def natten_2d(width: int, height: int, kernel: int):
     ``cx = clamp(qx, r, width-1-r)``, ``cy = clamp(qy, r, height-1-r)``, keep iff
     ``|kx - cx| <= r and |ky - cy| <= r``.
     """
-    width = _int_arg("natten_2d", "width", width)
-    height = _int_arg("natten_2d", "height", height)
-    kernel = _int_arg("natten_2d", "kernel", kernel)
+    width = check_int("natten_2d", "width", width)
+    height = check_int("natten_2d", "height", height)
+    kernel = check_int("natten_2d", "kernel", kernel)
     if kernel % 2 == 0 or kernel > min(width, height):
         raise InputError(f"natten_2d: kernel must be odd and <= min(width, height) = "
                          f"{min(width, height)}, got kernel={kernel}")
@@ -223,7 +215,7 @@ def chunked(chunk_size: int, causal: bool = False):
     keep iff ``q_idx // chunk_size == kv_idx // chunk_size`` (and ``q_idx >= kv_idx`` with
     ``causal=True``, as in Llama 4's chunked layers).
     """
-    size = _int_arg("chunked", "chunk_size", chunk_size)
+    size = check_int("chunked", "chunk_size", chunk_size)
     if check_bool("chunked: causal", causal):
         def mod(b, h, q_idx, kv_idx):
             return (q_idx // size == kv_idx // size) & (q_idx >= kv_idx)
@@ -243,7 +235,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     For ``n`` a power of two, head ``i`` gets ``2 ** (-8 * (i + 1) / n)``; otherwise the
     slopes of the largest power of two ``m < n`` followed by every other slope of ``2 m``.
     """
-    n = _int_arg("alibi", "num_heads", num_heads)
+    n = check_int("alibi", "num_heads", num_heads)
 
     def power_of_two(count):
         return [2.0 ** (-8.0 * (i + 1) / count) for i in range(count)]
@@ -290,7 +282,7 @@ def relative_bias(table: torch.Tensor, offset: int | None = None):
         raise InputError(f"relative_bias: table must be a float tensor of shape [R] or [H, R], "
                          f"got shape {tuple(table.shape)} and dtype {table.dtype}")
     size = table.shape[-1]
-    offset = (size - 1) // 2 if offset is None else _int_arg("relative_bias", "offset", offset, 0)
+    offset = (size - 1) // 2 if offset is None else check_int("relative_bias", "offset", offset, 0)
     last = size - 1
 
     if table.dim() == 1:

@@ -11,13 +11,11 @@ with the GPU; ``assign`` writes on the device and can run inside a CUDA graph.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .blockmask.checks import positive_int
 from .decode import flex_decode
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, check_int
 
 __all__ = ["PagedKVCache"]
 
@@ -64,11 +62,7 @@ class PagedKVCache:
     def reserve(self, batch_idx: int, seq_len: int) -> None:
         """Give sequence ``batch_idx`` pages for ``seq_len`` keys (pages it has are kept)."""
         pages = self._pages[self._row(batch_idx)]
-        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral):
-            raise InputTypeError(f"seq_len must be an int, got {type(seq_len).__name__} "
-                                 f"{seq_len!r}")
-        if seq_len < 0:
-            raise InputError(f"seq_len must be >= 0, got {seq_len}")
+        seq_len = check_int("PagedKVCache.reserve", "seq_len", seq_len, minimum=0)
         needed = -(-seq_len // self.page_size)
         if needed > self.max_pages_per_seq:
             raise InputError(f"seq_len {seq_len} needs {needed} pages; a sequence has at most "

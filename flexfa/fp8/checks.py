@@ -6,7 +6,7 @@ import numbers
 import torch
 
 from ..inputs import check_shapes
-from ..errors import FlexFAError, InputError, InputTypeError, check_bool
+from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int
 from .inputs import FP8_DTYPE, FP8Inputs
 
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
@@ -63,12 +63,11 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
 
 def check_seed(seed) -> int:
     """The rotation's ``seed``: an int torch's generator takes (-2**63 .. 2**64 - 1)."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise InputTypeError(f"seed must be an int, got {type(seed).__name__} {seed!r:.60}")
+    seed = check_int("fp8.quantize", "seed", seed, minimum=None)
     if not -2 ** 63 <= seed < 2 ** 64:
         raise InputError(f"seed must be in -2**63 .. 2**64 - 1 (torch's generator seeds), got "
                          f"{seed}")
-    return int(seed)
+    return seed
 
 
 def check_mixed(query, key, value) -> bool:
