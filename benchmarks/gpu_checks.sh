@@ -92,6 +92,10 @@
 # learnable tensors (walk / no walk / the Gluon backward), and a broadcast dO (out.sum()) at
 # 256, 192 / 128 and 128 (copied to dense tiles / pointer-load tiles / the Gluon backward);
 # wp: the head-dim benchmark at 256 and 192 / 128 beside FlexAttention and cuDNN;
+# ws: (branch dropout-one-loop) dropout at 256 under a block mask in the dK/dV kernel's one
+# loop: its GPU tests (and the Gluon backward's dropout test, which compares with it), then
+# tree_ab.py against main's tree in .old (carry it) with the Triton backward forced on both,
+# the Gluon backward forced as a second column;
 # wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
 # in .old (carry it: the commit before), then the full walk at 192 / 128 (options_ab.py);
 # each part fits one 10-minute device call; a call returns at
@@ -100,7 +104,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|ws|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -525,6 +529,17 @@ if [ "$PART" = wp ]; then  # the head-dim benchmark (issue 28, see --help)
     --dims 256,192/128 --modes causal,full --seqs 8192,8100 --budget 420 \
     --peers flexfa,flexfa_gluon_bwd,torch_flex,cudnn
   tail -n 40 "$OUT/headdim.log"
+fi
+if [ "$PART" = ws ]; then  # dropout in the one loop at 256 (see --help)
+  step tests_drop 200 $SHARD/ws -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py -k "dropout"
+  tail -n 3 "$OUT/tests_drop.log"
+  NOGLUON='{"GLUON_BACKWARD": false}'
+  FLEXFA_AUTOTUNE=0 step tree_ab 330 python benchmarks/tree_ab.py --old .old --old .old \
+    --old-options "$NOGLUON" --old-options '{"GLUON_BACKWARD": true}' --new-options "$NOGLUON" \
+    --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" \
+    --cases 256:512:causal+drop,256:1024:causal+drop,256:2048:causal+drop,256:4096:causal+drop,256:4096:softcap+drop,256:8192:causal+drop+gqa4,256:16384:document+drop
+  tail -n 16 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)
   step tests192 130 $SHARD/wq -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \

@@ -136,12 +136,18 @@ class BackwardSpec:
         # (gpu_2026-12-05/wq_0903e6a, docs/head-dims.md)
         wide_gqa = (self.column_blocks == (128, 64) and self.num_warps == 8
                     and self.gqa_group > 1 and self.has_block_mask)
-        one_loop = ((self.column_blocks == (256, 0) or wide_gqa) and not self.dropout
+        # With dropout at 256 under a block mask too (the keep mask drawn before the mask's
+        # branch, dP^T through it before the branch): sm_90 compile 108-128 bytes of spills,
+        # 25-35 local-memory instructions a tile, where the two loops spill 464-644 and
+        # 113-201 (causal, softcap + causal); at 192 it spilled more (64 bytes against 40)
+        one_loop = ((self.column_blocks == (256, 0) or wide_gqa)
+                    and (not self.dropout
+                         or (self.has_block_mask and self.column_blocks == (256, 0)))
                     and (self.has_full_blocks if self.has_block_mask else not dscore_one))
         # dV's GEMM after dK's (bwd_dkdv.tmpl): split from 256, or in the one loop; never
-        # with dropout
-        dv_last = not self.dropout and (
-            one_loop or (self.column_blocks[1] > 0 and next_power_of_two(self.head_dim) > 128))
+        # with dropout outside it
+        dv_last = one_loop or (not self.dropout and self.column_blocks[1] > 0
+                               and next_power_of_two(self.head_dim) > 128)
         return dict(BLOCK_M=self.block_m1, BLOCK_N=self.block_n1, EVEN_L=self.even_l1,
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, ONE_LOOP=one_loop,

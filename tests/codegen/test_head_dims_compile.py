@@ -127,3 +127,18 @@ def test_192_one_loop_splits_the_dkdv_tiles(variant):
     assert result.ok, result.error
     assert (result.spill_bytes, result.loop_local_ops) == (0, 0)
     assert result.wgmma and not result.wgmma_serialized
+
+
+@pytest.mark.parametrize("score", ["causal", "softcap + causal"])
+def test_dropout_one_loop_at_256_keeps_spills_down(score):
+    """Dropout under a block mask at 256 runs the one loop: sm_90 104-128 bytes of spills and
+    23-35 local-memory instructions a tile, where the two loops spilled 464-644 and 113-201."""
+    from flexfa.compile_check import jobs
+    mods = {"score_mod": jobs.softcap_mod} if "softcap" in score else {}
+    result = compile_job(f"256 dropout {score}", 90, jobs.backward_job(
+        "dkdv", 256, "bf16", ragged=False, mask_mod=jobs.causal_mask, dropout=True, **mods),
+        loops=True)
+    assert result.ok, result.error
+    assert result.spill_bytes <= 160 and result.loop_local_ops <= 40, (
+        result.spill_bytes, result.loop_local_ops)
+    assert result.wgmma and not result.wgmma_serialized

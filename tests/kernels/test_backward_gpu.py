@@ -106,6 +106,21 @@ def test_wide_heads_gqa_alibi_causal_one_loop(E, Ev, monkeypatch):
     assert specs[0].dkdv_constexprs(False)["ONE_LOOP"]
 
 
+@pytest.mark.parametrize("L, score", [(1024, None), (1000, "softcap"), (512, None)])
+def test_wide_heads_dropout_one_loop(L, score, monkeypatch):
+    # dropout 0.2 at 256 under a causal mask on the Triton backward: the dK/dV kernel's one
+    # loop (the keep mask in P's sign bit before the mask's branch), every gradient against
+    # the float64 reference fed the same keep mask
+    specs = record_backward_specs(monkeypatch)
+    q, k, v = make_qkv(1, 4, 2, L, L, 256, dtype=torch.bfloat16, device="cuda")
+    block_mask = create_block_mask(mods.causal, None, None, L, L, device="cuda")
+    score_mod = mods.softcap(30.0) if score else None
+    check_backward(q, k, v, score_mod, mods.causal, block_mask, enable_gqa=True,
+                   with_lse=True, dropout=(0.2, 77), kernel_options={"GLUON_BACKWARD": False})
+    assert specs and specs[0].dropout
+    assert specs[0].dkdv_constexprs(score_mod is None)["ONE_LOOP"]
+
+
 @pytest.mark.parametrize("walk", ["AUTO", False])
 @pytest.mark.parametrize("L", [1024, 1000])
 @pytest.mark.parametrize("E,Ev,gqa", [(256, 256, 1), (256, 256, 2), (192, 128, 2)])

@@ -87,6 +87,27 @@ def test_backward_one_loop_at_192_with_gqa(spy_specs, mask_mod, gqa, one_loop):
     assert not dataclasses.replace(spec, dropout=True).dkdv_constexprs(False)["ONE_LOOP"]
 
 
+@pytest.mark.parametrize("E, Ev, gqa, score_mod, mask_mod, one_loop", [
+    (256, 256, 1, mods.softcap(20.0), mods.causal, True),
+    (256, 256, 2, None, mods.causal, True),                   # dscore = 1: P's absolute value
+    (256, 256, 1, None, mods.sliding_window(40), True),
+    (192, 128, 2, mods.softcap(20.0), mods.causal, False)])  # not at 192 with dropout
+def test_backward_one_loop_with_dropout(spy_specs, E, Ev, gqa, score_mod, mask_mod, one_loop):
+    # dropout under a block mask at 256: the one loop draws the keep mask into P's sign bit
+    # before the mask's branch and takes dP^T through it there, dV from the dropped P last;
+    # every gradient against the float64 reference fed the same keep mask
+    q, k, v = make_qkv(1, 2 * gqa, 2, L, S, E, Ev, dtype=torch.bfloat16, seed=E + gqa)
+    mask = create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    check_backward(q, k, v, score_mod, mask_mod, mask, with_lse=True, enable_gqa=gqa > 1,
+                   dropout=(0.3, 1234),
+                   kernel_options={"bwd_USE_TMA": True, "bwd_num_warps": 8})
+    (spec,) = spy_specs
+    dkdv = spec.dkdv_constexprs(score_mod is None)
+    assert spec.dropout and dkdv["ONE_LOOP"] == one_loop and dkdv["DV_LAST"] == one_loop
+    # without a block mask (the unmasked tile body has no dropout path) never
+    assert not dataclasses.replace(spec, has_block_mask=False).dkdv_constexprs(False)["ONE_LOOP"]
+
+
 @pytest.mark.parametrize("E,Ev,gqa,tma", [(256, 256, 1, True), (256, 256, 2, False),
                                            (192, 128, 2, True)])
 def test_backward_wide_without_block_mask_ragged(spy_specs, E, Ev, gqa, tma):
