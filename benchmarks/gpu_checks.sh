@@ -92,6 +92,9 @@
 # learnable tensors (walk / no walk / the Gluon backward), and a broadcast dO (out.sum()) at
 # 256, 192 / 128 and 128 (copied to dense tiles / pointer-load tiles / the Gluon backward);
 # wp: the head-dim benchmark at 256 and 192 / 128 beside FlexAttention and cuDNN;
+# wt: (branch ragged-one-body) the dK/dV q tiles in one bounds-checked body without a block
+# mask at ragged lengths past head dim 128: the backward GPU tests, then tree_ab.py against
+# main's tree in .old (carry it), the Triton backward forced on both;
 # wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
 # in .old (carry it: the commit before), then the full walk at 192 / 128 (options_ab.py);
 # each part fits one 10-minute device call; a call returns at
@@ -100,7 +103,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wt|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -525,6 +528,17 @@ if [ "$PART" = wp ]; then  # the head-dim benchmark (issue 28, see --help)
     --dims 256,192/128 --modes causal,full --seqs 8192,8100 --budget 420 \
     --peers flexfa,flexfa_gluon_bwd,torch_flex,cudnn
   tail -n 40 "$OUT/headdim.log"
+fi
+if [ "$PART" = wt ]; then  # one ragged body (see --help)
+  step tests_ragged 200 $SHARD/wt -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    -k "without_block_mask or 192 or 256"
+  tail -n 3 "$OUT/tests_ragged.log"
+  NOGLUON='{"GLUON_BACKWARD": false}'
+  FLEXFA_AUTOTUNE=0 step tree_ab 330 python benchmarks/tree_ab.py --old .old \
+    --old-options "$NOGLUON" --new-options "$NOGLUON" --rounds 3 --passes fwd+bwd \
+    --json "$OUT/tree_ab.json" \
+    --cases 192/128:4000:full,192/128:4000:softcap+nomask,192/128:2000:softcap+nomask,192/128:1000:full,192/128:4000:full+gqa4,192/128:8100:full,256:1000:full+drop,256:8192:full
+  tail -n 12 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)
   step tests192 130 $SHARD/wq -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
