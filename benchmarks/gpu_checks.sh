@@ -96,6 +96,13 @@
 # loop: its GPU tests (and the Gluon backward's dropout test, which compares with it), then
 # tree_ab.py against main's tree in .old (carry it) with the Triton backward forced on both,
 # the Gluon backward forced as a second column;
+# wt: (branch ragged-one-body) the dK/dV q tiles in one bounds-checked body without a block
+# mask at ragged lengths past head dim 128: the backward GPU tests, then tree_ab.py against
+# main's tree in .old (carry it), the Triton backward forced on both;
+# wb: (branch both-bodies, ws's and wt's branches merged) their GPU tests and the deterministic
+# captured-tensor gradients' in one sharded run, then one tree_ab.py against main's tree in
+# .old (carry it) over cells of both (Triton backward forced; the Gluon backward forced as a
+# second column);
 # wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
 # in .old (carry it: the commit before), then the full walk at 192 / 128 (options_ab.py);
 # each part fits one 10-minute device call; a call returns at
@@ -104,7 +111,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|ws|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -540,6 +547,29 @@ if [ "$PART" = ws ]; then  # dropout in the one loop at 256 (see --help)
     --rounds 3 --passes fwd+bwd --json "$OUT/tree_ab.json" \
     --cases 256:512:causal+drop,256:1024:causal+drop,256:2048:causal+drop,256:4096:causal+drop,256:4096:softcap+drop,256:8192:causal+drop+gqa4,256:16384:document+drop
   tail -n 16 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wt ]; then  # one ragged body (see --help)
+  step tests_ragged 200 $SHARD/wt -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    -k "without_block_mask or 192 or 256"
+  tail -n 3 "$OUT/tests_ragged.log"
+  NOGLUON='{"GLUON_BACKWARD": false}'
+  FLEXFA_AUTOTUNE=0 step tree_ab 330 python benchmarks/tree_ab.py --old .old \
+    --old-options "$NOGLUON" --new-options "$NOGLUON" --rounds 3 --passes fwd+bwd \
+    --json "$OUT/tree_ab.json" \
+    --cases 192/128:4000:full,192/128:4000:softcap+nomask,192/128:2000:softcap+nomask,192/128:1000:full,192/128:4000:full+gqa4,192/128:8100:full,256:1000:full+drop,256:8192:full
+  tail -n 12 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wb ]; then  # ws and wt in one call (see --help)
+  step tests_both 200 $SHARD/wb -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+    tests/gpu/test_gluon_bwd_gpu.py -k "dropout or without_block_mask or 192 or 256 or deterministic or one_loop"
+  tail -n 3 "$OUT/tests_both.log"
+  NOGLUON='{"GLUON_BACKWARD": false}'
+  FLEXFA_AUTOTUNE=0 step tree_ab 340 python benchmarks/tree_ab.py --old .old --old .old \
+    --old-options "$NOGLUON" --old-options '{"GLUON_BACKWARD": true}' --new-options "$NOGLUON" \
+    --rounds 2 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases "${WB_CASES:-256:512:causal+drop,\
+256:2048:causal+drop,256:4096:softcap+drop,256:8192:causal+drop+gqa4,192/128:4000:full,\
+192/128:2000:softcap+nomask,192/128:1000:full,192/128:8100:full,256:1000:full+drop}"
+  tail -n 22 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)
   step tests192 130 $SHARD/wq -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \

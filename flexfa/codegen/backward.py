@@ -152,7 +152,9 @@ class BackwardSpec:
                     EVEN_S=self.even_s1, DSCORE_IS_ONE=dscore_one, STORE_DS=self.ds_dq,
                     DS_TMA=self.ds_dq and self.use_tma, DV_LAST=dv_last, ONE_LOOP=one_loop,
                     ROW_OFFSETS=one_loop and not self.has_block_mask and self.use_tma,
-                    **self._common())
+                    # without a block mask at a ragged L, past 128 the q tiles in one
+                    # bounds-checked body (bwd_dkdv.tmpl's RAGGED_L_APART)
+                    RAGGED_L_APART=not (self.wide and not self.even_l1), **self._common())
 
     def dq_constexprs(self, dscore_one: bool, has_buffer_grads: bool) -> dict:
         return dict(BLOCK_M=self.block_m2, BLOCK_N=self.block_n2, EVEN_L=self.even_l2,

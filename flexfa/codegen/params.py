@@ -365,7 +365,7 @@ def dkdv_params(tma: bool, ds_tma: bool, buffers: tuple[Param, ...],
                    "HAS_BLOCK_MASK", "HAS_FULL_BLOCKS", "SPARSE_Q", "SPARSE_KV", "EVEN_L",
                    "EVEN_S", "GQA_GROUP", "DSCORE_IS_ONE", "INPUT_PRECISION", "DOT_UPCAST",
                    "USE_TMA", "STORE_DS", "DS_TMA", "DROPOUT", "DV_LAST", "ONE_LOOP",
-                   "ROW_OFFSETS")))
+                   "ROW_OFFSETS", "RAGGED_L_APART")))
 
 
 def delta_params() -> KernelParams:

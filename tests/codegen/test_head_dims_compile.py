@@ -142,3 +142,21 @@ def test_dropout_one_loop_at_256_keeps_spills_down(score):
     assert result.spill_bytes <= 160 and result.loop_local_ops <= 40, (
         result.spill_bytes, result.loop_local_ops)
     assert result.wgmma and not result.wgmma_serialized
+
+
+@pytest.mark.parametrize("dims, variant", [((192, 128), "softcap"), ((192, 128), "dense"),
+                                           ((256, 256), "softcap")])
+def test_ragged_unmasked_dkdv_in_one_body(dims, variant):
+    """Without a block mask at a ragged L past head dim 128 the dK/dV kernel walks every q
+    tile in one bounds-checked body (bwd_dkdv.tmpl's RAGGED_L_APART off): no spills in its
+    loop, 8 bytes outside (with the ragged tile apart 192 / 128 softcap spilled 100 bytes and
+    13 local-memory instructions a tile, dense 56, 256 softcap 80 / 4)."""
+    from flexfa.compile_check import jobs
+    mods = {"score_mod": jobs.softcap_mod} if variant == "softcap" else {}
+    E, Ev = dims
+    result = compile_job(f"{dims} ragged {variant}", 90, jobs.backward_job(
+        "dkdv", E, "bf16", head_dim_v=Ev, ragged=True, **mods), loops=True)
+    assert result.ok, result.error
+    assert result.spill_bytes <= 16 and result.loop_local_ops == 0, (
+        result.spill_bytes, result.loop_local_ops)
+    assert result.mma_sync  # the ragged lengths' 4-warp, 32-key programs

@@ -125,9 +125,13 @@ def test_backward_wide_without_block_mask_ragged(spy_specs, E, Ev, gqa, tma):
     # without a score_mod (dscore = 1) the two-loop body: it measured faster there
     assert not spec.dkdv_constexprs(True)["ONE_LOOP"]
     assert not spec.dq_constexprs(False, False)["RAGGED_APART"]
+    # the q tiles in one bounds-checked body past 128 at a ragged L (RAGGED_L_APART off)
+    assert not dkdv["RAGGED_L_APART"]
+    assert dataclasses.replace(spec, even_l1=True).dkdv_constexprs(False)["RAGGED_L_APART"]
     narrow = dataclasses.replace(spec, head_dim=128, head_dim_v=128)
     assert narrow.dq_constexprs(False, False)["RAGGED_APART"]
     assert not narrow.dkdv_constexprs(False)["ONE_LOOP"]
+    assert narrow.dkdv_constexprs(False)["RAGGED_L_APART"]
 
 
 @pytest.fixture
