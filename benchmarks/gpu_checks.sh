@@ -21,8 +21,9 @@
 # timings after w: Gluon forward options, Gluon backward, chunked prefill on Gluon, the
 # compiled model; y: the chunked-prefill sweep for BACKEND="AUTO", the compiled model's step
 # time, Inductor with CUDA graphs; z: every GPU test, sharded, the timed ones serial at the
-# end; e: the decode benchmark and its picture; f: the compiled decode step with CUDA graphs,
-# the compiled training step; g: the compiled training step's device syncs (its GPU test), CUDA
+# end; za: the GPU tests outside the Gluon forward's file and wb's selection (one cold call),
+# the timed ones left out; e: the decode benchmark and its picture; f: the compiled decode
+# step with CUDA graphs, the compiled training step; g: the compiled training step's device syncs (its GPU test), CUDA
 # graphs replaying edited and new masks, the step times (also with CUDA graphs) with and without
 # the slopes' gradient (examples/compiled_transformer.py --profile for the profile); h: leaves the FA4 wheels' first half in /tmp/fa4 (carry .fa4a, from
 # ../shared/tools/fa4_wheels.sh), then Nsight Compute profiles of the Gluon forward (full,
@@ -100,7 +101,8 @@
 # mask at ragged lengths past head dim 128: the backward GPU tests, then tree_ab.py against
 # main's tree in .old (carry it), the Triton backward forced on both;
 # wb: (branch both-bodies, ws's and wt's branches merged) their GPU tests and the deterministic
-# captured-tensor gradients' in one sharded run, then one tree_ab.py against main's tree in
+# captured-tensor gradients' in one sharded run, the decode and FP8 GPU tests, then one
+# tree_ab.py (cells by priority: a run cut short keeps the rows done) against main's tree in
 # .old (carry it) over cells of both (Triton backward forced; the Gluon backward forced as a
 # second column);
 # wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
@@ -111,7 +113,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -314,6 +316,16 @@ if [ "$PART" = z ]; then  # every GPU test at a session's end, sharded; the time
   step chunked 60 python benchmarks/decode_bench.py "$OUT/chunked.json" --cases chunked \
     --budget 40
   tail -n 4 "$OUT/chunked.log"
+fi
+if [ "$PART" = za ]; then  # what z runs less the Gluon forward's tests and wb's (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  WB="dropout or without_block_mask or 192 or 256 or deterministic or one_loop"
+  step gpu_rest 330 $SHARD/za -- -m gpu -p no:cacheprovider -k "not ($T)" tests \
+    --ignore=tests/gpu/test_gluon_gpu.py --ignore=tests/kernels/test_backward_gpu.py \
+    --ignore=tests/gpu/test_gluon_bwd_gpu.py --ignore=tests/gpu/test_memory_gpu.py
+  step gpu_bwd 200 $SHARD/za_bwd -- -m gpu -p no:cacheprovider -k "not ($T or $WB)" \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py
+  tail -n 3 "$OUT/gpu_rest.log" "$OUT/gpu_bwd.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
   # the split combine changed since b95fe87's run), its picture
@@ -560,15 +572,17 @@ if [ "$PART" = wt ]; then  # one ragged body (see --help)
   tail -n 12 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = wb ]; then  # ws and wt in one call (see --help)
-  step tests_both 200 $SHARD/wb -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+  step tests_both 170 $SHARD/wb -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
     tests/gpu/test_gluon_bwd_gpu.py -k "dropout or without_block_mask or 192 or 256 or deterministic or one_loop"
-  tail -n 3 "$OUT/tests_both.log"
+  step tests_more 70 $SHARD/wb_more -- -m gpu -p no:cacheprovider tests/kernels/test_decode.py \
+    tests/gpu/test_fp8_gpu.py
+  tail -n 3 "$OUT/tests_both.log" "$OUT/tests_more.log"
   NOGLUON='{"GLUON_BACKWARD": false}'
-  FLEXFA_AUTOTUNE=0 step tree_ab 340 python benchmarks/tree_ab.py --old .old --old .old \
+  FLEXFA_AUTOTUNE=0 step tree_ab 320 python benchmarks/tree_ab.py --old .old --old .old \
     --old-options "$NOGLUON" --old-options '{"GLUON_BACKWARD": true}' --new-options "$NOGLUON" \
-    --rounds 2 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases "${WB_CASES:-256:512:causal+drop,\
-256:2048:causal+drop,256:4096:softcap+drop,256:8192:causal+drop+gqa4,192/128:4000:full,\
-192/128:2000:softcap+nomask,192/128:1000:full,192/128:8100:full,256:1000:full+drop}"
+    --rounds 2 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases "${WB_CASES:-192/128:4000:full,\
+256:512:causal+drop,192/128:2000:softcap+nomask,256:1000:full+drop,192/128:1000:full,\
+256:2048:causal+drop,256:4096:softcap+drop,192/128:8100:full,256:8192:causal+drop+gqa4}"
   tail -n 22 "$OUT/tree_ab.log"
 fi
 if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)

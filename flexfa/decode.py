@@ -16,8 +16,8 @@ from .blockmask.validate import check_tables
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
-from .inputs import (check_block_mask_type, check_buffers, check_scale, check_table_shapes,
-                     check_tensors)
+from .inputs import (broadcast_batch, check_block_mask_type, check_buffers, check_scale,
+                     check_table_shapes, check_tensors)
 from .runtime.call import AttentionCall
 from .calls import check_captured_indices
 from .lazy import lazy_function
@@ -37,7 +37,8 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
                 validate: bool = True, sinks=None):
     """Attention of ``query`` [B, Hq, L, E] (L <= 16 new rows per sequence) against a cache.
 
-    The cache is ``key`` [B, Hkv, S, E] / ``value`` [B, Hkv, S, Ev] or, with ``page_table``
+    The cache is ``key`` [B, Hkv, S, E] / ``value`` [B, Hkv, S, Ev] (batch 1: one cache
+    shared by every query, as ``flex_attention`` broadcasts it) or, with ``page_table``
     [B, max_pages] int32, a paged cache [num_pages, page_size, Hkv, E] / [..., Ev] (vLLM's
     layout; ``flexfa.PagedKVCache`` keeps one), where logical key ``i`` of sequence ``b`` is
     row ``i % page_size`` of page ``page_table[b, i // page_size]``; S is then max_pages *
@@ -71,6 +72,8 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
     if workspace is not None and not isinstance(workspace, DecodeWorkspace):
         raise InputTypeError(f"workspace must be a flexfa.DecodeWorkspace or None, got "
                              f"{type(workspace).__name__}")
+    if page_table is None and key.shape[0] == value.shape[0] == 1:
+        key, value = broadcast_batch(query, key, value)  # one cache shared by every query
     inputs = _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
     Hkv, S = kv_geometry(key, inputs)
     B, Hq, L, E = query.shape
@@ -131,7 +134,8 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
     else:
         if key.shape[0] != B or value.shape[0] != B:
             raise InputError(f"key and value have batch sizes {key.shape[0]}, {value.shape[0]} "
-                             f"but query has {B}")
+                             f"but query has {B}; give both the query's batch or both 1 (one "
+                             "cache shared by every query)")
         Hkv = key.shape[1]
         if tuple(value.shape[1:3]) != tuple(key.shape[1:3]):
             raise InputError(f"value has shape {tuple(value.shape)} but key {tuple(key.shape)}; "

@@ -422,6 +422,14 @@ def binary_op(op: Op, swap: bool = False):
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
             raise tracer.error(f"operator {op.name.lower()} needs bool or int operands, got float",
                                UnsupportedOpError)
+        bools = (x.dtype is DType.BOOL) + (y.dtype is DType.BOOL)
+        if bools and op is Op.SUB:  # torch refuses it too (Python's bools would subtract as ints)
+            raise tracer.error("subtraction with a bool value; use ^ or torch.logical_xor for two "
+                               "masks, ~ to invert one", UnsupportedOpError)
+        if bools == 2 and op in (Op.FLOORDIV, Op.MOD, Op.POW):
+            raise tracer.error(f"operator {op.name.lower()} on two bool values (torch refuses "
+                               "it too); cast one with .int() or .float() first",
+                               UnsupportedOpError)
         # torch adds bool tensors as a logical or and multiplies them as a logical and, with a
         # bool result (True + True is True; Python's bools alone would give 2)
         op_ = _BOOL_OPS.get(op, op) if x.dtype is y.dtype is DType.BOOL else op

@@ -3,7 +3,7 @@
 Keys follow torch's ``FlexKernelOptions`` where torch has one; a key may carry a ``fwd_`` or
 ``bwd_`` prefix to apply to one pass only (the prefixed value wins over the bare one).
 Unknown keys and wrong types are an ``InputError`` naming the key. Keys torch documents that
-change nothing in flexfa are accepted and logged once (``HINTS``). The parsed
+change nothing in flexfa are checked alike, accepted and logged once (``HINTS``). The parsed
 ``KernelOptions`` is frozen and hashable: it is part of every plan's key, so two calls that
 differ in an option never share a kernel or a plan. ``docs/kernel-options.md`` is the
 reference.
@@ -301,16 +301,19 @@ SCHEMA = {
                       "in flexfa's emulator (runtime.gluon_emulator: tests and debugging, "
                       "slow), choosing as on sm_90; True or False (default)"),
 }
-# torch's documented keys that change nothing here, with the reason logged once
+# torch's documented keys that change nothing here: their check (a wrong type is still an
+# error, as for flexfa's own keys) and the reason logged once
+_ROCM = _int_in(range(0, 2 ** 31), "a non-negative int (a ROCm option)")
 HINTS = {
-    "PRESCALE_QK": "flexfa folds the scale into the softmax already",
-    "ROWS_GUARANTEED_SAFE": "flexfa's empty-row handling costs nothing to skip",
-    "BLOCKS_ARE_CONTIGUOUS": "flexfa walks the block tables as they are",
-    "WRITE_DQ": "flexfa's captured-tensor gradients are always accumulated in the dQ kernel",
-    "FORCE_USE_FLEX_ATTENTION": "flexfa chooses its decode family itself (BACKEND='AMPERE' "
-                                "or 'HOPPER' avoids it)",
-    "kpack": "a ROCm option", "matrix_instr_nonkdim": "a ROCm option",
-    "waves_per_eu": "a ROCm option",
+    "PRESCALE_QK": (_flag, "flexfa folds the scale into the softmax already"),
+    "ROWS_GUARANTEED_SAFE": (_flag, "flexfa's empty-row handling costs nothing to skip"),
+    "BLOCKS_ARE_CONTIGUOUS": (_flag, "flexfa walks the block tables as they are"),
+    "WRITE_DQ": (_flag, "flexfa's captured-tensor gradients are always accumulated in the dQ "
+                 "kernel"),
+    "FORCE_USE_FLEX_ATTENTION": (_flag, "flexfa chooses its decode family itself "
+                                 "(BACKEND='AMPERE' or 'HOPPER' avoids it)"),
+    "kpack": (_ROCM, "a ROCm option"), "matrix_instr_nonkdim": (_ROCM, "a ROCm option"),
+    "waves_per_eu": (_ROCM, "a ROCm option"),
 }
 _LOGGED: set[str] = set()
 
@@ -382,7 +385,9 @@ def _parse(options: dict) -> KernelOptions:
             raise _unknown(key)
         prefix, base = _split_prefix(key)
         if base in HINTS:
-            _log_once(key, HINTS[base])
+            check, why = HINTS[base]
+            check(key, value)
+            _log_once(key, why)
             continue
         if base not in SCHEMA:
             raise _unknown(key)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from flexfa.frontend import MASK_MOD, SCORE_MOD, evaluate, index_grids, trace
 from flexfa.frontend.ir import DType, Op
+from flexfa.errors import TraceError
 from flexfa.frontend.trace import supported_functions
 
 B, H, L, S = 2, 3, 100, 37
@@ -127,6 +128,28 @@ def test_bool_arithmetic_and_logical_functions_match_torch(fn):
 
     _check(mod)
 
+
+_BOOL_REFUSED = [
+    lambda s, q, kv: s + ((q > kv) - (q > 3)), lambda s, q, kv: s + ((q > kv) - 1),
+    lambda s, q, kv: s - (q > kv), lambda s, q, kv: s + torch.sub(q, q > kv),
+    lambda s, q, kv: s + (q > kv) // (kv > 2), lambda s, q, kv: s + (q > kv) % (kv > 2),
+    lambda s, q, kv: s + (q > kv) ** (kv > 2), lambda s, q, kv: s + (-(q > kv)),
+]
+
+
+@pytest.mark.parametrize("fn", _BOOL_REFUSED, ids=range(len(_BOOL_REFUSED)))
+def test_bool_arithmetic_torch_refuses_is_refused(fn):
+    """Subtracting a bool, and //, %, ** of two bools, raise in torch (they are not Python's
+    int arithmetic there); tracing them is a TraceError, not an int result torch never
+    gives."""
+    def mod(score, b, h, q_idx, kv_idx):
+        return fn(score, q_idx, kv_idx)
+
+    b, h, q, kv = GRIDS
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        mod(SCORE, b, h, q, kv)
+    with pytest.raises(TraceError, match="bool"):
+        trace(mod)
 
 def test_casts():
     def casts(score, b, h, q_idx, kv_idx):

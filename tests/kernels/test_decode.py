@@ -146,6 +146,30 @@ def test_lengths_offsets_and_paged_cache():
     torch.testing.assert_close(paged_lse, lse, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_cache_shared_by_the_batch(device):
+    """key / value of batch 1 serve every query of the batch (parallel samples of one
+    prompt), as flex_attention broadcasts them: read through a batch stride of 0, no copy;
+    the result equals the call on the expanded cache, with per-sequence lengths too. Mixed
+    batches stay an error naming both sizes."""
+    B, Hq, Hkv, L, S, E = 3, 4, 2, 2, 96, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=11, device=device)
+    k1, v1 = k[:1], v[:1]
+    lens = torch.tensor([96, 40, 71], dtype=torch.int32, device=device)
+    score = mods.softcap(5.0)
+    out, lse = flexfa.flex_decode(q, k1, v1, score, kv_lens=lens, return_lse=True)
+    wide = flexfa.flex_decode(q, k1.expand(B, -1, -1, -1).contiguous(),
+                              v1.expand(B, -1, -1, -1).contiguous(), score, kv_lens=lens,
+                              return_lse=True)
+    torch.testing.assert_close(out, wide[0], atol=0, rtol=0)
+    torch.testing.assert_close(lse, wide[1], atol=0, rtol=0)
+    shared = k1.expand(B, -1, -1, -1), v1.expand(B, -1, -1, -1)
+    assert_matches(out.cpu(), lse.cpu(), *reference_rows(q.cpu(), *(t.cpu() for t in shared),
+                                                         score, None, lens.cpu(), lens.cpu() - L),
+                   atol=2e-5 if device == "cpu" else 2e-3)
+    with pytest.raises(InputError, match=r"batch sizes 1, 3 but query has 3; give both"):
+        flexfa.flex_decode(q, k1, v, score)
+
 def test_paged_kv_cache_generation():
     """PagedKVCache: append token by token to sequences of different lengths, attend, erase
     and reuse pages; against the contiguous reference."""

@@ -74,13 +74,24 @@ def test_call_wide_keys():
     assert parse_kernel_options({"GLUON_TMA_STORE": True}).gluon_tma_store
 
 
+def _hint_values(key):
+    """Two valid values of a torch key flexfa ignores, and one of the wrong type."""
+    return (True, False, "yes") if key.isupper() else (2, 16, 1.5)
+
+
 @pytest.mark.parametrize("key", sorted(HINTS))
 def test_torch_hint_keys_are_accepted_and_logged_once(key, fresh_log, caplog):
+    first, second, wrong = _hint_values(key)
     with caplog.at_level(logging.INFO, logger="flexfa"):
-        assert parse_kernel_options({key: True}) == DEFAULT_OPTIONS
-        assert parse_kernel_options({key: False, "BLOCK_N": 16}).fwd.block_n == 16
+        assert parse_kernel_options({key: first}) == DEFAULT_OPTIONS
+        assert parse_kernel_options({key: second, "BLOCK_N": 16}).fwd.block_n == 16
     logged = [r.getMessage() for r in caplog.records if repr(key) in r.getMessage()]
-    assert len(logged) == 1 and "changes nothing here" in logged[0] and HINTS[key] in logged[0]
+    assert len(logged) == 1 and "changes nothing here" in logged[0] and HINTS[key][1] in logged[0]
+    # checked like flexfa's own keys: a wrong type is an error naming the key, not ignored
+    with pytest.raises(InputTypeError, match=key):
+        parse_kernel_options({key: wrong})
+    with pytest.raises(InputTypeError, match=key):
+        parse_kernel_options({f"fwd_{key}": wrong})
 
 
 @pytest.mark.parametrize("backend", ["TRITON_DECODE", "FLASH"])
@@ -180,7 +191,9 @@ def test_parsed_options_are_hashable_values():
     assert a != parse_kernel_options({"BLOCK_M": 32})
     assert a != parse_kernel_options({"BLOCK_M": 32, "fwd_USE_TMA": False})  # the bwd differs
     unhashable = {"BLOCK_M": 32, "USE_TMA": False, "PRESCALE_QK": [1]}  # validated, not memoized
-    assert parse_kernel_options(unhashable) == a
+    for _ in range(2):
+        with pytest.raises(InputTypeError, match="PRESCALE_QK"):
+            parse_kernel_options(unhashable)
 
 
 def test_flexfa_backend_sets_the_default_only(monkeypatch):
