@@ -444,6 +444,47 @@ def union_walks():
         yield made
 
 
+
+def test_union_walk_follows_an_in_place_edit_of_the_mask(union_walks):
+    """The union walk's tables are computed from the mask's contents and kept with the plan:
+    an in-place edit of the mask's tables builds them again (the old union was reused: an
+    output 0.78 off), as the members' walk reads the edited tables itself."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 128, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
+    counts = torch.full((1, Hq, 1), 8, dtype=torch.int32)
+    indices = torch.arange(8, dtype=torch.int32).expand(1, Hq, 1, 8).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
+                                           compute_q_blocks=False)
+    lens = torch.full((B,), S, dtype=torch.int32)
+    for edit in (None, [1, 2, 3, 4], [8, 3, 1, 6]):
+        if edit is not None:
+            counts[0, :, 0] = torch.tensor(edit, dtype=torch.int32)
+        blocks = counts[0, :, 0].clone()
+
+        def kept(b, h, q_idx, kv_idx, blocks=blocks):
+            return kv_idx // 16 < blocks[h]
+        out, lse = flexfa.flex_decode(q, k, v, block_mask=mask, return_lse=True)
+        assert_matches(out, lse, *reference_rows(q, k, v, None, kept, lens, torch.zeros_like(lens)))
+    assert union_walks and all(union_walks)
+
+
+def test_a_capture_walks_the_members(monkeypatch, union_walks):
+    """Inside a CUDA graph capture the union tables (computed on the host from the mask's
+    contents) would replay stale after an edit: 'AUTO' walks the members' blocks there, and
+    DECODE_WALK='UNION' is an error saying so."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 64, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=6)
+    mask = flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 10 + 12 * h, None, Hq,
+                                    L, S, device="cpu", BLOCK_SIZE=16)
+    plain = flexfa.flex_decode(q, k, v, block_mask=mask)
+    assert union_walks == [True]
+    monkeypatch.setattr(decode, "capturing", lambda: True)
+    captured = flexfa.flex_decode(q, k, v, block_mask=mask)
+    assert union_walks == [True, False]
+    torch.testing.assert_close(captured, plain, atol=1e-6, rtol=1e-6)
+    with pytest.raises(InputError, match="DECODE_WALK='UNION' cannot run inside a CUDA graph"):
+        flexfa.flex_decode(q, k, v, block_mask=mask, kernel_options={"DECODE_WALK": "UNION"})
+
 # (G, L, splits, paged): GQA ratios 3 and 4, L in {1, 3}, splits 1..4, paged and contiguous
 UNION_CASES = [(3, 1, 1, False), (3, 3, 2, True), (4, 1, 3, True), (4, 3, 4, False)]
 
