@@ -232,6 +232,44 @@ def test_paged_kv_cache_bad_arguments_are_input_errors():
     with pytest.raises(InputError, match=r"must be \[B=2, Hkv=2, L=1, E=16\]"):
         cache.append(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
     assert len(cache._free) == free and cache.length(1) == 0
+    # an append that runs out of pages for a later sequence reserves none for the earlier
+    with pytest.raises(InputError, match="needs 4 more pages but only 2 of 4 are free"):
+        cache.append(torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16))
+    assert len(cache._free) == free and cache.length(0) == 0
+    cache.append(torch.randn(2, 2, 0, 16), torch.randn(2, 2, 0, 16))  # nothing to append
+    assert len(cache._free) == free and cache.length(0) == 0
+    with pytest.raises(InputTypeError, match="set_length: seq_len must be an int, got float 3.5"):
+        cache.set_length(0, 3.5)
+    with pytest.raises(InputTypeError, match="batch_idx must be an int, got bool True"):
+        cache.reserve(True, 3)
+    with pytest.raises(InputTypeError, match="block_mask must be a BlockMask"):
+        cache.convert_logical_block_mask(3)
+    with pytest.raises(InputError, match="dtype must be torch.float16, torch.bfloat16 or "
+                                         "torch.float32"):
+        flexfa.PagedKVCache(4, 16, 2, 2, 16, dtype=torch.float64)
+    with pytest.raises(InputError, match="head_dim is 1000; flexfa supports 1..256"):
+        flexfa.PagedKVCache(4, 16, 2, 2, 1000)
+
+
+def test_decode_edge_inputs():
+    """An empty batch gives empty results (as flex_attention does), a head dim of 0, a paged
+    cache of 0-key pages and offsets near 2**31 (whose ends wrapped in int32 and passed the
+    check: the kernel then read past the tables) are InputErrors, not a ZeroDivisionError or
+    a crash."""
+    q, k, v = torch.randn(0, 4, 1, 16), torch.randn(0, 2, 64, 16), torch.randn(0, 2, 64, 8)
+    out, lse = flexfa.flex_decode(q, k, v, return_lse=True)
+    assert out.shape == (0, 4, 1, 8) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
+    with pytest.raises(InputError, match="query/key head_dim is 0; flexfa supports 1..256"):
+        flexfa.flex_decode(torch.randn(1, 4, 1, 0), torch.randn(1, 2, 64, 0),
+                           torch.randn(1, 2, 64, 0))
+    with pytest.raises(InputError, match="page_size 0; the decode kernel needs a positive"):
+        flexfa.flex_decode(torch.randn(2, 4, 1, 16), torch.randn(8, 0, 2, 16),
+                           torch.randn(8, 0, 2, 16), page_table=torch.zeros(2, 4, dtype=torch.int32))
+    q, k, v = make_qkv(1, 2, 2, 1, 64, 16)
+    mask = flexfa.create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(InputError, match=r"q_offsets\[0\] = 2147483647 puts the 1 query rows"):
+        flexfa.flex_decode(q, k, v, None, mask, kv_lens=torch.tensor([10], dtype=torch.int32),
+                           q_offsets=torch.tensor([2 ** 31 - 1], dtype=torch.int32))
 
 
 @st.composite
@@ -333,7 +371,7 @@ def test_bad_inputs_fail_before_launch(monkeypatch):
                            kv_lens=torch.tensor([3, 33], dtype=torch.int32))
     with pytest.raises(InputError, match="value cache has shape .* but key cache"):
         flexfa.flex_decode(q, k_cache, torch.zeros(12, 8, 2, 16), page_table=table)
-    with pytest.raises(InputError, match="page_size 8; the decode kernel needs a multiple of 16"):
+    with pytest.raises(InputError, match="page_size 8; the decode kernel needs a positive multiple of 16"):
         flexfa.flex_decode(q, torch.zeros(6, 8, 2, 16), torch.zeros(6, 8, 2, 16),
                            page_table=table)
     with pytest.raises(InputError, match="kv_lens must be int32 of shape"):
