@@ -16,8 +16,8 @@ from .blockmask.validate import check_tables
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
-from .inputs import (broadcast_batch, check_block_mask_type, check_buffers, check_scale,
-                     check_table_shapes, check_tensors)
+from .inputs import (MAX_HEAD_DIM, broadcast_batch, check_block_mask_type, check_buffers,
+                     check_scale, check_table_shapes, check_tensors)
 from .runtime.call import AttentionCall
 from .calls import check_captured_indices
 from .lazy import lazy_function
@@ -95,6 +95,10 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
     check_captured_indices(score, mask, (B, Hq, q_positions, E), S, query.device)
     sinks = check_sinks(sinks, Hq, query.dtype, query.device)
     call = AttentionCall(score, mask, block_mask, scale, options, Hq // Hkv, sinks=sinks)
+    if B == 0:  # nothing to launch: empty results, as flex_attention gives
+        out = query.new_empty(0, Hq, L, value.shape[-1])
+        lse = query.new_empty(0, Hq, L, dtype=torch.float32)
+        return (out, lse) if return_lse else out
     out, lse, _ = run_decode(query, key, value, call, inputs, return_lse)
     return (out, lse) if return_lse else out
 
@@ -128,9 +132,9 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
         if tuple(value.shape[:3]) != (pages, page_size, Hkv):
             raise InputError(f"value cache has shape {tuple(value.shape)} but key cache "
                              f"{tuple(key.shape)}; both are [num_pages, page_size, Hkv, dim]")
-        if page_size % 16:
+        if page_size == 0 or page_size % 16:
             raise InputError(f"the paged cache has page_size {page_size}; the decode kernel "
-                             "needs a multiple of 16")
+                             "needs a positive multiple of 16")
     else:
         if key.shape[0] != B or value.shape[0] != B:
             raise InputError(f"key and value have batch sizes {key.shape[0]}, {value.shape[0]} "
@@ -142,6 +146,9 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
                              "they need the same heads and length")
     if key.shape[3] != E:
         raise InputError(f"key has head_dim {key.shape[3]} but query has {E}")
+    for name, dim in (("query/key", E), ("value", value.shape[3])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise InputError(f"{name} head_dim is {dim}; flexfa supports 1..{MAX_HEAD_DIM}")
     if Hkv == 0 or Hq % Hkv:
         raise InputError(f"query has {Hq} heads but the cache has {Hkv}; query heads must be a "
                          "multiple of kv heads")
@@ -182,7 +189,7 @@ def check_decode_values(inputs: DecodeInputs, L: int, S: int, num_pages: int | N
             b = int(bad[0, 0])
             raise InputError(f"kv_lens[{b}] = {int(lens[b])} is outside the cache's 0..{S} keys")
     if inputs.q_offsets is not None:
-        ends = inputs.q_offsets + L
+        ends = inputs.q_offsets.long() + L  # int64: offsets near 2**31 must not wrap
         limit = lens if lens is not None else torch.full_like(ends, S)
         bad = ((inputs.q_offsets < 0) | (ends > limit)).nonzero()
         if len(bad):

@@ -16,6 +16,7 @@ import torch
 from .blockmask.checks import positive_int
 from .decode import flex_decode
 from .errors import InputError, InputTypeError, check_int
+from .inputs import MAX_HEAD_DIM, check_block_mask_type
 
 __all__ = ["PagedKVCache"]
 
@@ -33,6 +34,12 @@ class PagedKVCache:
                 positive_int(func, name, value)
         if page_size % 16:
             raise InputError(f"page_size is {page_size}; the decode kernel needs a multiple of 16")
+        for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if value is not None and value > MAX_HEAD_DIM:
+                raise InputError(f"{func}: {name} is {value}; flexfa supports 1..{MAX_HEAD_DIM}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise InputError(f"{func}: dtype must be torch.float16, torch.bfloat16 or "
+                             f"torch.float32 (the decode kernel's), got {dtype}")
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq or num_pages
         self.k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
@@ -55,18 +62,16 @@ class PagedKVCache:
         return self.max_pages_per_seq * self.page_size
 
     def _row(self, batch_idx: int) -> int:
+        batch_idx = check_int("PagedKVCache", "batch_idx", batch_idx, minimum=None)
         if not 0 <= batch_idx < len(self._pages):
             raise InputError(f"batch_idx {batch_idx} is outside 0..{len(self._pages) - 1}")
         return batch_idx
 
     def reserve(self, batch_idx: int, seq_len: int) -> None:
         """Give sequence ``batch_idx`` pages for ``seq_len`` keys (pages it has are kept)."""
-        pages = self._pages[self._row(batch_idx)]
-        seq_len = check_int("PagedKVCache.reserve", "seq_len", seq_len, minimum=0)
-        needed = -(-seq_len // self.page_size)
-        if needed > self.max_pages_per_seq:
-            raise InputError(f"seq_len {seq_len} needs {needed} pages; a sequence has at most "
-                             f"{self.max_pages_per_seq} ({self.max_seq_len} keys)")
+        batch_idx = self._row(batch_idx)
+        pages = self._pages[batch_idx]
+        needed = self._pages_for(seq_len, "PagedKVCache.reserve")
         if needed - len(pages) > len(self._free):
             raise InputError(f"seq_len {seq_len} needs {needed - len(pages)} more pages but "
                              f"only {len(self._free)} of {self.num_pages} are free")
@@ -74,6 +79,15 @@ class PagedKVCache:
         if new:
             self.page_table[batch_idx, len(pages):needed] = torch.tensor(new, dtype=torch.int32)
             pages += new
+
+    def _pages_for(self, seq_len: int, func: str) -> int:
+        """The pages ``seq_len`` keys take (an InputError past a sequence's most)."""
+        seq_len = check_int(func, "seq_len", seq_len, minimum=0)
+        needed = -(-seq_len // self.page_size)
+        if needed > self.max_pages_per_seq:
+            raise InputError(f"seq_len {seq_len} needs {needed} pages; a sequence has at most "
+                             f"{self.max_pages_per_seq} ({self.max_seq_len} keys)")
+        return needed
 
     def erase(self, batch_idx: int) -> None:
         """Free sequence ``batch_idx``'s pages and set its length to 0."""
@@ -85,7 +99,9 @@ class PagedKVCache:
 
     def set_length(self, batch_idx: int, seq_len: int) -> None:
         """Sequence ``batch_idx`` has ``seq_len`` keys (within its reserved pages)."""
-        if not 0 <= seq_len <= len(self._pages[self._row(batch_idx)]) * self.page_size:
+        batch_idx = self._row(batch_idx)
+        seq_len = check_int("PagedKVCache.set_length", "seq_len", seq_len, minimum=0)
+        if not seq_len <= len(self._pages[batch_idx]) * self.page_size:
             raise InputError(f"seq_len {seq_len} is past sequence {batch_idx}'s "
                              f"{len(self._pages[batch_idx]) * self.page_size} reserved keys")
         self._lens[batch_idx] = seq_len
@@ -155,6 +171,14 @@ class PagedKVCache:
         if B > len(self._pages):
             raise InputError(f"k_val has {B} sequences but the cache holds "
                              f"{len(self._pages)} (max_batch_size)")
+        if L == 0:
+            return
+        # every sequence's pages counted before any is reserved: a failure changes nothing
+        more = sum(self._pages_for(self._lens[b] + L, "PagedKVCache.append")
+                   - len(self._pages[b]) for b in range(B))
+        if more > len(self._free):
+            raise InputError(f"appending {L} keys to {B} sequences needs {more} more pages but "
+                             f"only {len(self._free)} of {self.num_pages} are free")
         for b in range(B):
             self.reserve(b, self._lens[b] + L)
         device = self.k_cache.device
@@ -167,6 +191,8 @@ class PagedKVCache:
     def convert_logical_block_mask(self, block_mask):
         """The block mask for the paged cache: the same one (the kernel walks logical blocks
         and reads keys through the page table); its key length must be ``max_seq_len``."""
+        if block_mask is not None:
+            check_block_mask_type(block_mask)
         if block_mask is not None and tuple(block_mask.seq_lengths)[1] != self.max_seq_len:
             raise InputError(f"block_mask covers {tuple(block_mask.seq_lengths)[1]} keys but the "
                              f"cache's sequences hold {self.max_seq_len}")

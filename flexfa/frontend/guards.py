@@ -3,9 +3,13 @@
 A mod is ordinary Python. Besides its arguments its trace may depend on closure cells,
 globals, defaults and keyword-only defaults, attributes of ``self`` and of anything else it
 reaches (instances, classes, modules), the items of tuples, lists and dicts, and the code of
-the functions and methods it calls, which reach more. ``guard(fn)`` walks all of that and
+the functions and methods it calls, which reach more; the special methods of the classes it
+reaches count as called (``obj(...)``, ``obj[i]``, operators and an ``nn.Module``'s
+``forward`` run them without naming them; a class the code may call adds ``__init__`` and
+``__new__``). ``guard(fn)`` walks all of that and
 returns a ``Guard`` whose ``fingerprint`` is equal on a later call only if none of it changed:
-scalars and strings by value, tensors (identity, shape, dtype, device, requires_grad), code,
+scalars and strings by value (floats by their bits: ``-0.0`` is not ``0.0``), tensors
+(identity, shape, dtype, device, requires_grad), code,
 classes, modules and library functions by identity, containers and objects by content.
 
 Attributes are read only under the names that the code reached by the walk uses
@@ -173,7 +177,7 @@ class _Walk:
     def value(self, value) -> None:
         cls = type(value)
         if cls in _VALUE_TYPES:
-            self.parts.append(value if cls is not float or value == value else "nan")
+            self.parts.append(value if cls is not float else value.hex())
             self.parts.append(cls)
             return
         if len(self.parts) > MAX_STEPS:
@@ -202,7 +206,7 @@ class _Walk:
                        value.requires_grad)
 
     def number(self, value) -> None:
-        self.parts += (type(value), value)
+        self.parts += (type(value), _exact(value))
 
     def method(self, value: types.MethodType) -> None:
         self.parts.append("method")
@@ -293,10 +297,20 @@ class _Walk:
             self.parts.append(name)
             self.value(found)
 
-    def klass(self, cls: type) -> None:
+    def add_names(self, names) -> None:
+        if not self.names.issuperset(names):
+            self.names.update(names)
+            self.grew = True
+
+    def klass(self, cls: type, constructed: bool = True) -> None:
+        """A class by identity and its entries under the walk's names; the special methods
+        Python calls without their names in the code (``obj(...)``, ``obj[i]``, ``a + obj``,
+        ``len(obj)``...) join the names, and, for a class reached as a value (which the code
+        may call: ``constructed``), ``__init__`` and ``__new__`` too."""
         self.identity(cls)
         if _is_library_type(cls):
             return
+        self.add_names(_implicit_methods(cls, constructed))
         for name in self.ordered:
             for base in cls.__mro__:
                 if name in base.__dict__:
@@ -315,7 +329,9 @@ class _Walk:
             if defined is not None and defined is not getattr(object, hook, None) \
                     and not (is_module and defined is getattr(torch.nn.Module, hook, None)):
                 raise Unguardable(f"{cls.__qualname__} defines {hook}")
-        self.klass(cls)
+        self.klass(cls, constructed=False)
+        if is_module:  # calling it runs its forward and hooks
+            self.add_names(_MODULE_CALL)
         namespace = getattr(obj, "__dict__", None)
         if namespace is None:
             slots = [n for base in cls.__mro__ for n in getattr(base, "__slots__", ())]
@@ -361,6 +377,51 @@ def _cell(cell):
 
 
 _MODULE_CALL = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
+# special methods no mod invokes implicitly while tracing (printing, pickling, copying,
+# attribute stores); construction's are added only for a class the code may call
+_NOT_IMPLICIT = frozenset({"__repr__", "__str__", "__format__", "__del__", "__reduce__",
+                           "__reduce_ex__", "__getstate__", "__setstate__", "__copy__",
+                           "__deepcopy__", "__sizeof__", "__dir__", "__init_subclass__",
+                           "__class_getitem__", "__subclasshook__", "__set_name__",
+                           "__setattr__", "__delattr__", "__init__", "__new__"})
+# class -> (its implicit names, with construction's); weakly keyed: keeps no class alive
+_IMPLICIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _implicit_methods(cls: type, constructed: bool) -> frozenset:
+    """The special methods (``__call__``, ``__getitem__``, ``__add__``...) that ``cls`` or a
+    base outside the libraries defines: Python calls them on operators and calls without
+    naming them in the code, so the walk must read them like named attributes."""
+    try:
+        known = _IMPLICIT.get(cls)
+    except TypeError:  # a metaclass without weak references or hashing
+        known = None
+    if known is None:
+        found = {name for base in cls.__mro__ if not _is_library_type(base)
+                 for name, entry in vars(base).items()
+                 if name.startswith("__") and name.endswith("__") and (
+                     callable(entry) or isinstance(entry, (staticmethod, classmethod, property)))}
+        implicit = frozenset(found - _NOT_IMPLICIT)
+        known = (implicit, implicit | (found & {"__init__", "__new__"}))
+        try:
+            if len(_IMPLICIT) > 4096:
+                _IMPLICIT.clear()
+            _IMPLICIT[cls] = known
+        except TypeError:
+            pass
+    return known[1] if constructed else known[0]
+
+
+def _exact(value):
+    """A number as the fingerprint compares it: floats by their bits (0.0 == -0.0, but
+    ``1 / x`` and ``copysign`` tell them apart)."""
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, complex):
+        return value.real.hex(), value.imag.hex()
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return value, float(value).hex()  # numpy's float32, fractions: the value and its sign
+    return value
 
 
 def guard(fn, names: frozenset = frozenset()) -> Guard | None:

@@ -282,3 +282,99 @@ def test_special_float_state(value):
     first = trace(mod)
     cell[0] = 1.5
     assert trace(mod) is not first
+
+
+class _Scaler:
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, score):
+        return score * self.w
+
+
+class _Config:
+    def __init__(self):
+        self._values = {"w": 2.0}
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+
+class _Offset:
+    def __init__(self, offset):
+        self.offset = offset
+
+    def __add__(self, other):
+        return other + self.offset
+
+
+class _Slope(torch.nn.Module):
+    def __init__(self, slope):
+        super().__init__()
+        self.slope = slope
+
+    def forward(self, score, q_idx, kv_idx):
+        return score + self.slope * (kv_idx - q_idx)
+
+
+class _Made:
+    def __init__(self, score):
+        self.value = score * _MADE_SCALE[0]
+
+
+_MADE_SCALE = [2.0]
+
+
+def test_state_read_by_special_methods_python_calls_implicitly():
+    """obj(s), obj[key], obj + s and an nn.Module called inside a mod run __call__,
+    __getitem__, __add__ and forward without naming them in the mod's code: the state they
+    read is guarded like named attributes (it was not: the old trace came back, a wrong
+    output)."""
+    scaler, config, offset, slope = _Scaler(2.0), _Config(), _Offset(1.0), _Slope(0.5)
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: scaler(score),
+                    lambda: setattr(scaler, "w", -3.0))
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * config["w"],
+                    lambda: config._values.__setitem__("w", -1.0))
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: offset + score,
+                    lambda: setattr(offset, "offset", 4.0))
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: slope(score, q_idx, kv_idx),
+                    lambda: setattr(slope, "slope", -0.25))
+    # a class the mod constructs: its __init__'s state too
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: _Made(score).value,
+                    lambda: _MADE_SCALE.__setitem__(0, 5.0))
+
+
+def test_a_float_sign_is_state():
+    """0.0 == -0.0 in Python, but copysign and 1 / x tell them apart: the guard compares
+    floats by their bits."""
+    import math
+    cell = [0.0]
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * math.copysign(2.0, cell[0])
+    _assert_follows(mod, lambda: cell.__setitem__(0, -0.0))
+    cell[0] = 0.0
+    guarded = guard(mod)
+    cell[0] = -0.0
+    assert guard(mod) != guarded
+
+
+def test_a_module_closed_over_as_self_stays_guarded():
+    """A mod closing over an nn.Module whose __init__ looks names up dynamically
+    (getattr(config, ...)) is still memoized: construction's methods are guarded only for a
+    class the code may call, not for the type of an instance it reads."""
+    class Attention(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.window = getattr(config, "window", 4)
+
+        def mask(self):
+            def mod(b, h, q_idx, kv_idx):
+                return q_idx - kv_idx < self.window
+            return mod
+
+    module = Attention(types.SimpleNamespace(window=3))
+    mod = module.mask()
+    assert guard(mod) is not None
+    assert trace(mod) is trace(mod)
+    _assert_follows(mod, lambda: setattr(module, "window", 6))

@@ -232,6 +232,44 @@ def test_paged_kv_cache_bad_arguments_are_input_errors():
     with pytest.raises(InputError, match=r"must be \[B=2, Hkv=2, L=1, E=16\]"):
         cache.append(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
     assert len(cache._free) == free and cache.length(1) == 0
+    # an append that runs out of pages for a later sequence reserves none for the earlier
+    with pytest.raises(InputError, match="needs 4 more pages but only 2 of 4 are free"):
+        cache.append(torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16))
+    assert len(cache._free) == free and cache.length(0) == 0
+    cache.append(torch.randn(2, 2, 0, 16), torch.randn(2, 2, 0, 16))  # nothing to append
+    assert len(cache._free) == free and cache.length(0) == 0
+    with pytest.raises(InputTypeError, match="set_length: seq_len must be an int, got float 3.5"):
+        cache.set_length(0, 3.5)
+    with pytest.raises(InputTypeError, match="batch_idx must be an int, got bool True"):
+        cache.reserve(True, 3)
+    with pytest.raises(InputTypeError, match="block_mask must be a BlockMask"):
+        cache.convert_logical_block_mask(3)
+    with pytest.raises(InputError, match="dtype must be torch.float16, torch.bfloat16 or "
+                                         "torch.float32"):
+        flexfa.PagedKVCache(4, 16, 2, 2, 16, dtype=torch.float64)
+    with pytest.raises(InputError, match="head_dim is 1000; flexfa supports 1..256"):
+        flexfa.PagedKVCache(4, 16, 2, 2, 1000)
+
+
+def test_decode_edge_inputs():
+    """An empty batch gives empty results (as flex_attention does), a head dim of 0, a paged
+    cache of 0-key pages and offsets near 2**31 (whose ends wrapped in int32 and passed the
+    check: the kernel then read past the tables) are InputErrors, not a ZeroDivisionError or
+    a crash."""
+    q, k, v = torch.randn(0, 4, 1, 16), torch.randn(0, 2, 64, 16), torch.randn(0, 2, 64, 8)
+    out, lse = flexfa.flex_decode(q, k, v, return_lse=True)
+    assert out.shape == (0, 4, 1, 8) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
+    with pytest.raises(InputError, match="query/key head_dim is 0; flexfa supports 1..256"):
+        flexfa.flex_decode(torch.randn(1, 4, 1, 0), torch.randn(1, 2, 64, 0),
+                           torch.randn(1, 2, 64, 0))
+    with pytest.raises(InputError, match="page_size 0; the decode kernel needs a positive"):
+        flexfa.flex_decode(torch.randn(2, 4, 1, 16), torch.randn(8, 0, 2, 16),
+                           torch.randn(8, 0, 2, 16), page_table=torch.zeros(2, 4, dtype=torch.int32))
+    q, k, v = make_qkv(1, 2, 2, 1, 64, 16)
+    mask = flexfa.create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(InputError, match=r"q_offsets\[0\] = 2147483647 puts the 1 query rows"):
+        flexfa.flex_decode(q, k, v, None, mask, kv_lens=torch.tensor([10], dtype=torch.int32),
+                           q_offsets=torch.tensor([2 ** 31 - 1], dtype=torch.int32))
 
 
 @st.composite
@@ -333,7 +371,7 @@ def test_bad_inputs_fail_before_launch(monkeypatch):
                            kv_lens=torch.tensor([3, 33], dtype=torch.int32))
     with pytest.raises(InputError, match="value cache has shape .* but key cache"):
         flexfa.flex_decode(q, k_cache, torch.zeros(12, 8, 2, 16), page_table=table)
-    with pytest.raises(InputError, match="page_size 8; the decode kernel needs a multiple of 16"):
+    with pytest.raises(InputError, match="page_size 8; the decode kernel needs a positive multiple of 16"):
         flexfa.flex_decode(q, torch.zeros(6, 8, 2, 16), torch.zeros(6, 8, 2, 16),
                            page_table=table)
     with pytest.raises(InputError, match="kv_lens must be int32 of shape"):
@@ -443,6 +481,47 @@ def union_walks():
     with kept_plans(lambda plan: plan.spec.union_walk) as made:
         yield made
 
+
+
+def test_union_walk_follows_an_in_place_edit_of_the_mask(union_walks):
+    """The union walk's tables are computed from the mask's contents and kept with the plan:
+    an in-place edit of the mask's tables builds them again (the old union was reused: an
+    output 0.78 off), as the members' walk reads the edited tables itself."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 128, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
+    counts = torch.full((1, Hq, 1), 8, dtype=torch.int32)
+    indices = torch.arange(8, dtype=torch.int32).expand(1, Hq, 1, 8).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
+                                           compute_q_blocks=False)
+    lens = torch.full((B,), S, dtype=torch.int32)
+    for edit in (None, [1, 2, 3, 4], [8, 3, 1, 6]):
+        if edit is not None:
+            counts[0, :, 0] = torch.tensor(edit, dtype=torch.int32)
+        blocks = counts[0, :, 0].clone()
+
+        def kept(b, h, q_idx, kv_idx, blocks=blocks):
+            return kv_idx // 16 < blocks[h]
+        out, lse = flexfa.flex_decode(q, k, v, block_mask=mask, return_lse=True)
+        assert_matches(out, lse, *reference_rows(q, k, v, None, kept, lens, torch.zeros_like(lens)))
+    assert union_walks and all(union_walks)
+
+
+def test_a_capture_walks_the_members(monkeypatch, union_walks):
+    """Inside a CUDA graph capture the union tables (computed on the host from the mask's
+    contents) would replay stale after an edit: 'AUTO' walks the members' blocks there, and
+    DECODE_WALK='UNION' is an error saying so."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 64, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=6)
+    mask = flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 10 + 12 * h, None, Hq,
+                                    L, S, device="cpu", BLOCK_SIZE=16)
+    plain = flexfa.flex_decode(q, k, v, block_mask=mask)
+    assert union_walks == [True]
+    monkeypatch.setattr(decode, "capturing", lambda: True)
+    captured = flexfa.flex_decode(q, k, v, block_mask=mask)
+    assert union_walks == [True, False]
+    torch.testing.assert_close(captured, plain, atol=1e-6, rtol=1e-6)
+    with pytest.raises(InputError, match="DECODE_WALK='UNION' cannot run inside a CUDA graph"):
+        flexfa.flex_decode(q, k, v, block_mask=mask, kernel_options={"DECODE_WALK": "UNION"})
 
 # (G, L, splits, paged): GQA ratios 3 and 4, L in {1, 3}, splits 1..4, paged and contiguous
 UNION_CASES = [(3, 1, 1, False), (3, 3, 2, True), (4, 1, 3, True), (4, 3, 4, False)]

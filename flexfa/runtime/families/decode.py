@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from ...blockmask.union import union_tables
+from ...blockmask.validate import capturing, table_generations
 from ...codegen import decode as decode_codegen
 from ...codegen.decode import OFFSETS_NONE, DecodeSpec, decode_kernel
 from ...codegen.ranges import Domain, mods_int64_nodes
@@ -126,6 +127,16 @@ def union_walk(call: AttentionCall, members: int) -> bool:
     would read the K/V tiles they share again."""
     if call.block_mask is None or call.options.decode_walk == "MEMBERS":
         return False
+    if capturing():
+        # the union tables are derived from the mask's contents on the host (one sync):
+        # a graph would replay them stale after an edit of the mask, so a capture walks the
+        # members' own blocks, which the kernel reads from the tables at each replay
+        if call.options.decode_walk == "UNION":
+            raise InputError("kernel_options DECODE_WALK='UNION' cannot run inside a CUDA graph "
+                             "capture: its tables are computed from the block mask's contents "
+                             "on the host; leave DECODE_WALK unset ('AUTO' walks the members' "
+                             "blocks there) or set it to 'MEMBERS'")
+        return False
     return members > 1 or call.options.decode_walk == "UNION"
 
 
@@ -221,7 +232,8 @@ class DecodeForward(KernelFamily):
                                              {"HKV": Hkv, "SPLITS": splits})))
         plan = plans.Plan(self, spec, tuple(steps),
                           {"splits": splits, "rows": (B * Hkv, call.gqa_group * L)})
-        plans.keep(call, key, plan)
+        if not spec.union_walk or table_generations(call.block_mask)[1] is not None:
+            plans.keep(call, key, plan)  # union tables of unknown contents: built every call
         return self.run(plan, call, q, k, v, return_lse, return_max, inputs)
 
     def run(self, plan, call, q, k, v, return_lse, return_max, inputs: DecodeInputs = NO_INPUTS):
@@ -252,7 +264,13 @@ class DecodeForward(KernelFamily):
 
 def decode_plan_key(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
                     return_max: bool) -> tuple:
-    return ("decode", return_lse, return_max, inputs.key(), *plans.layout_key(q, k, v, call))
+    walk = ()
+    if call.block_mask is not None and call.options.decode_walk != "MEMBERS":
+        # the union walk's tables are computed from the mask's contents: an in-place edit of
+        # the tables (a new contents generation) or a capture needs another plan
+        walk = (capturing(), table_generations(call.block_mask)[1])
+    return ("decode", return_lse, return_max, inputs.key(), *walk,
+            *plans.layout_key(q, k, v, call))
 
 
 def run_decode(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
