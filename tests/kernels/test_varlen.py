@@ -167,6 +167,15 @@ def test_masks_are_kept_per_offsets_tensor():
     cu[1] = 40  # an in-place edit: a new mask
     second = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
     assert second is not first and second.documents.offsets.cu_q.tolist() == [0, 40, 80]
+    # CPU offsets rewritten through a NumPy array sharing their memory (a loader refilling one
+    # buffer) bump no version counter: their contents key the mask too (it was reused stale)
+    buffer = cu.numpy()
+    buffer[1] = 20
+    third = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
+    assert third is not second and third.documents.offsets.cu_q.tolist() == [0, 20, 80]
+    cu.data[1] = 60
+    fourth = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
+    assert fourth.documents.offsets.cu_q.tolist() == [0, 60, 80]
 
 
 @pytest.mark.parametrize("change,error,words", [
