@@ -80,8 +80,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"{func}: score_mod must be callable or None, got "
                              f"{type(score_mod).__name__}")
+    block = block_size_pair(func, BLOCK_SIZE)
+    if block[0] % 16 or block[1] % 16:
+        raise InputError(f"{func}: BLOCK_SIZE must be a multiple of 16 (the kernels' tiles "
+                         f"divide the documents' blocks), got BLOCK_SIZE={BLOCK_SIZE!r}")
     block_mask = packed_block_mask(func, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                   causal, window, block_size_pair(func, BLOCK_SIZE), q.device)
+                                   causal, window, block, q.device)
     offsets = block_mask.documents.offsets
     for name, given, longest in (("max_seqlen_q", max_seqlen_q, offsets.max_q),
                                  ("max_seqlen_k", max_seqlen_k, offsets.max_k)):

@@ -189,6 +189,7 @@ def test_masks_are_kept_per_offsets_tensor():
     ({"cu_seqlens_k": torch.tensor([0.0, 80.0])}, flexfa.InputTypeError, "torch.float32"),
     ({"max_seqlen_q": 40}, flexfa.InputError, "max_seqlen_q is 40 but the longest document"),
     ({"window": -1}, flexfa.InputError, "window must be >= 1"),
+    ({"BLOCK_SIZE": 24}, flexfa.InputError, "BLOCK_SIZE must be a multiple of 16"),
     ({"k": torch.randn(80, 3, E), "v": torch.randn(80, 3, E)}, flexfa.InputError,
      "query has 4 heads but key has 3"),
 ])
