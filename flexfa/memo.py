@@ -20,9 +20,10 @@ CLEARS = 0
 class BoundedMemo:
     """A dict-like LRU memo of at most ``size`` entries (the least recently used go first)."""
 
-    def __init__(self, size: int, name: str = "", register: bool = True):
+    def __init__(self, size: int, name: str = "", register: bool = True, on_evict=None):
         assert size > 0, size
         self.size, self.name = size, name
+        self.on_evict = on_evict  # called with (key, value) of each entry the bound drops
         self._data: OrderedDict = OrderedDict()
         self._lock = threading.RLock()
         if register:  # cleared by clear_all
@@ -50,7 +51,9 @@ class BoundedMemo:
             self._data[key] = value
             self._data.move_to_end(key)
             while len(self._data) > self.size:
-                self._data.popitem(last=False)
+                dropped = self._data.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(*dropped)
 
     def __contains__(self, key) -> bool:
         return key in self._data

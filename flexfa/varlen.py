@@ -80,8 +80,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"{func}: score_mod must be callable or None, got "
                              f"{type(score_mod).__name__}")
+    block = block_size_pair(func, BLOCK_SIZE)
+    if block[0] % 16 or block[1] % 16:
+        raise InputError(f"{func}: BLOCK_SIZE must be a multiple of 16 (the kernels' tiles "
+                         f"divide the documents' blocks), got BLOCK_SIZE={BLOCK_SIZE!r}")
     block_mask = packed_block_mask(func, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                   causal, window, block_size_pair(func, BLOCK_SIZE), q.device)
+                                   causal, window, block, q.device)
     offsets = block_mask.documents.offsets
     for name, given, longest in (("max_seqlen_q", max_seqlen_q, offsets.max_q),
                                  ("max_seqlen_k", max_seqlen_k, offsets.max_k)):
@@ -101,10 +105,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
 def packed_block_mask(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
                       causal: bool, window, block, device) -> BlockMask:
     """The documents' BlockMask, kept per offsets tensors (identity and version counter: an
-    in-place edit builds a new one) for the calls of the same batch."""
+    in-place edit builds a new one) for the calls of the same batch. Offsets on the CPU are
+    also keyed by their contents: a write through a NumPy array sharing their memory (a
+    loader refilling one buffer) bumps no version counter."""
     try:
         versions = (cu_seqlens_q._version, cu_seqlens_k._version)
-    except (AttributeError, RuntimeError):  # not tensors (checked below), inference tensors
+        if cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu":
+            versions += tuple(t.detach().numpy().tobytes() for t in (cu_seqlens_q, cu_seqlens_k))
+    except (AttributeError, RuntimeError, TypeError):  # not tensors (checked below), inference
         versions = None
     key = (versions, id(cu_seqlens_k), total_q, total_k, causal, window, block, device)
     if versions is not None:

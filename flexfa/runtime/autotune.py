@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from .. import config
 from ..blockmask.validate import capturing
+from ..memo import BoundedMemo
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
@@ -64,7 +65,7 @@ SHORT_KV = 4096
 
 _FILE = "autotune.json"
 _LOCK = threading.Lock()
-_MEMO: dict[str, tuple[int, int, int, int]] = {}
+_MEMO = BoundedMemo(4096, "tuned configs")  # key -> (block_m, block_n, warps, stages)
 
 
 def enabled() -> bool:

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from ..codegen.spec import EMULATE
 from ..codegen.versions import build_tag
-from ..memo import clear_all
+from ..memo import BoundedMemo, clear_all
 from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
 from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, untrusted,
                              usable_cache_dir)
@@ -59,7 +60,17 @@ class CacheStats:
 
 
 STATS = CacheStats()
-_MEMO: dict[tuple[str, bool], object] = {}
+MAX_MODULES = 2048  # kernel modules kept imported in this process (least recently used go)
+
+
+def _forget_module(key, module) -> None:
+    """An evicted kernel module leaves sys.modules too (plans holding its kernels keep them
+    alive while they live; the disk cache still has the source)."""
+    if sys.modules.get(module.__name__) is module:
+        del sys.modules[module.__name__]
+
+
+_MEMO = BoundedMemo(MAX_MODULES, "kernel modules", on_evict=_forget_module)
 _LOCK = threading.RLock()
 _DERIVED_MEMOS: list[dict] = []  # per-signature memos built on top of this one
 

@@ -68,6 +68,31 @@ def test_new_closure_values_do_not_regenerate(fresh_cache):
     assert STATS.codegen == 2 and third.shape == first.shape
 
 
+
+def test_loaded_modules_are_bounded(fresh_cache, monkeypatch):
+    """The process keeps at most cache.MAX_MODULES kernel modules (a mod whose float changes
+    every step makes a kernel each step: they were all kept, in sys.modules too); a kernel
+    made again gives the same result without generating its source again."""
+    monkeypatch.setattr(cache._MEMO, "size", 2)
+
+    def kernel_modules():
+        return {n for n in sys.modules if n.startswith("flexfa_kernels.")}
+    before, outs = kernel_modules(), []
+    for step in range(4):
+        temperature = 1.0 + step / 8
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score * temperature
+        outs.append(_run(mod))
+    assert len(cache._MEMO) == 2 and STATS.codegen == 4
+    assert len(kernel_modules() - before) == 2
+    temperature = 1.0
+
+    def again(score, b, h, q_idx, kv_idx):
+        return score * temperature
+    torch.testing.assert_close(_run(again), outs[0], atol=0, rtol=0)
+    assert STATS.codegen == 4
+
 def test_a_second_process_reuses_the_disk_cache(fresh_cache):
     namespace = {}
     exec(compile(SCRIPT, "cache_script", "exec"), namespace)

@@ -167,6 +167,15 @@ def test_masks_are_kept_per_offsets_tensor():
     cu[1] = 40  # an in-place edit: a new mask
     second = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
     assert second is not first and second.documents.offsets.cu_q.tolist() == [0, 40, 80]
+    # CPU offsets rewritten through a NumPy array sharing their memory (a loader refilling one
+    # buffer) bump no version counter: their contents key the mask too (it was reused stale)
+    buffer = cu.numpy()
+    buffer[1] = 20
+    third = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
+    assert third is not second and third.documents.offsets.cu_q.tolist() == [0, 20, 80]
+    cu.data[1] = 60
+    fourth = packed_block_mask("f", cu, cu, 80, 80, True, None, (32, 32), torch.device("cpu"))
+    assert fourth.documents.offsets.cu_q.tolist() == [0, 60, 80]
 
 
 @pytest.mark.parametrize("change,error,words", [
@@ -180,6 +189,7 @@ def test_masks_are_kept_per_offsets_tensor():
     ({"cu_seqlens_k": torch.tensor([0.0, 80.0])}, flexfa.InputTypeError, "torch.float32"),
     ({"max_seqlen_q": 40}, flexfa.InputError, "max_seqlen_q is 40 but the longest document"),
     ({"window": -1}, flexfa.InputError, "window must be >= 1"),
+    ({"BLOCK_SIZE": 24}, flexfa.InputError, "BLOCK_SIZE must be a multiple of 16"),
     ({"k": torch.randn(80, 3, E), "v": torch.randn(80, 3, E)}, flexfa.InputError,
      "query has 4 heads but key has 3"),
 ])
