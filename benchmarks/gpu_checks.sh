@@ -578,7 +578,7 @@ if [ "$PART" = wb ]; then  # ws and wt in one call (see --help)
     tests/gpu/test_fp8_gpu.py
   tail -n 3 "$OUT/tests_both.log" "$OUT/tests_more.log"
   NOGLUON='{"GLUON_BACKWARD": false}'
-  FLEXFA_AUTOTUNE=0 step tree_ab 320 python benchmarks/tree_ab.py --old .old --old .old \
+  FLEXFA_AUTOTUNE=0 step tree_ab "${WB_AB_LIMIT:-320}" python benchmarks/tree_ab.py --old .old --old .old \
     --old-options "$NOGLUON" --old-options '{"GLUON_BACKWARD": true}' --new-options "$NOGLUON" \
     --rounds 2 --passes fwd+bwd --json "$OUT/tree_ab.json" --cases "${WB_CASES:-192/128:4000:full,\
 256:512:causal+drop,192/128:2000:softcap+nomask,256:1000:full+drop,192/128:1000:full,\
