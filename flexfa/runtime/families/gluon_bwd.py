@@ -254,8 +254,22 @@ def why_not_gluon_bwd(target: Target, call, q, k, v) -> str | None:
             return ("GLUON_BACKWARD='AUTO' leaves head dim 256 without dropout to the Triton "
                     "backward (under a block mask, or without one through the full-block walk "
                     "of BWD_FULL_WALK; measured faster there)")
+        # with dropout under a block mask too, since the one loop draws the keep mask (the
+        # thirty-third session): 0.86-0.98x the Gluon backward's time fwd+bwd on an H100
+        # (tree_ab.py, 2-3 rounds, gpu_2026-12-06/wb_38feb86): causal 512 0.86x, 1024 0.91x,
+        # 2048 0.92x, 4096 0.96x, softcap + causal 4096 0.98x, GQA 4 causal 8192 0.95x, the
+        # benchmark's documents at 16384 0.92x
+        if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and call.dropout is not None \
+                and call.block_mask is not None:
+            return ("GLUON_BACKWARD='AUTO' leaves head dim 256 with dropout under a block mask "
+                    "to the Triton backward (its one-loop dK/dV draws the keep mask; measured "
+                    "faster there)")
         if call.dropout is not None:
             need = DROPOUT_MIN_LENGTH.get(pair)
+            if pair == (WIDE_HEAD_DIM, WIDE_HEAD_DIM) and ragged:
+                # without a mask at ragged lengths from 1000, as without dropout: 0.78x the
+                # Triton backward's time dense at S = 1000 (wb_38feb86, H100)
+                need = min(need, WIDE_DENSE_RAGGED_MIN_LENGTH)
             if need is None:
                 return (f"GLUON_BACKWARD='AUTO' takes dropout at padded head dims (E, Ev) "
                         f"{sorted(DROPOUT_MIN_LENGTH)} (measured there), not {pair}")
