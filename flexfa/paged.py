@@ -174,8 +174,8 @@ class PagedKVCache:
         if L == 0:
             return
         # every sequence's pages counted before any is reserved: a failure changes nothing
-        more = sum(self._pages_for(self._lens[b] + L, "PagedKVCache.append")
-                   - len(self._pages[b]) for b in range(B))
+        more = sum(max(0, self._pages_for(self._lens[b] + L, "PagedKVCache.append")
+                       - len(self._pages[b])) for b in range(B))
         if more > len(self._free):
             raise InputError(f"appending {L} keys to {B} sequences needs {more} more pages but "
                              f"only {len(self._free)} of {self.num_pages} are free")

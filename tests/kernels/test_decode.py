@@ -238,6 +238,12 @@ def test_paged_kv_cache_bad_arguments_are_input_errors():
     assert len(cache._free) == free and cache.length(0) == 0
     cache.append(torch.randn(2, 2, 0, 16), torch.randn(2, 2, 0, 16))  # nothing to append
     assert len(cache._free) == free and cache.length(0) == 0
+    # pages a sequence holds beyond its need do not count as free for the others
+    spare = flexfa.PagedKVCache(5, 16, 3, 2, 16, dtype=torch.float32)
+    spare.reserve(0, 64)
+    with pytest.raises(InputError, match="needs 2 more pages but only 1 of 5 are free"):
+        spare.append(torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16))
+    assert len(spare._free) == 1 and spare.page_table[1, 0] == -1
     with pytest.raises(InputTypeError, match="set_length: seq_len must be an int, got float 3.5"):
         cache.set_length(0, 3.5)
     with pytest.raises(InputTypeError, match="batch_idx must be an int, got bool True"):
