@@ -93,14 +93,14 @@
 # learnable tensors (walk / no walk / the Gluon backward), and a broadcast dO (out.sum()) at
 # 256, 192 / 128 and 128 (copied to dense tiles / pointer-load tiles / the Gluon backward);
 # wp: the head-dim benchmark at 256 and 192 / 128 beside FlexAttention and cuDNN;
-# ws: (branch dropout-one-loop) dropout at 256 under a block mask in the dK/dV kernel's one
+# ws: (branch dropout-one-loop, merged since) dropout at 256 under a block mask in the dK/dV kernel's one
 # loop: its GPU tests (and the Gluon backward's dropout test, which compares with it), then
 # tree_ab.py against main's tree in .old (carry it) with the Triton backward forced on both,
 # the Gluon backward forced as a second column;
-# wt: (branch ragged-one-body) the dK/dV q tiles in one bounds-checked body without a block
+# wt: (branch ragged-one-body, merged since) the dK/dV q tiles in one bounds-checked body without a block
 # mask at ragged lengths past head dim 128: the backward GPU tests, then tree_ab.py against
 # main's tree in .old (carry it), the Triton backward forced on both;
-# wb: (branch both-bodies, ws's and wt's branches merged) their GPU tests and the deterministic
+# wb: (branch both-bodies, ws's and wt's branches merged; in main since) their GPU tests and the deterministic
 # captured-tensor gradients' in one sharded run, the decode and FP8 GPU tests, then one
 # tree_ab.py (cells by priority: a run cut short keeps the rows done) against main's tree in
 # .old (carry it) over cells of both (Triton backward forced; the Gluon backward forced as a
