@@ -16,7 +16,7 @@ from .blockmask.validate import check_tables
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
-from .inputs import (MAX_HEAD_DIM, broadcast_batch, check_block_mask_type, check_buffers,
+from .inputs import (broadcast_batch, check_block_mask_type, check_buffers, check_head_dim,
                      check_scale, check_table_shapes, check_tensors)
 from .runtime.call import AttentionCall
 from .calls import check_captured_indices
@@ -146,9 +146,8 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
                              "they need the same heads and length")
     if key.shape[3] != E:
         raise InputError(f"key has head_dim {key.shape[3]} but query has {E}")
-    for name, dim in (("query/key", E), ("value", value.shape[3])):
-        if not 1 <= dim <= MAX_HEAD_DIM:
-            raise InputError(f"{name} head_dim is {dim}; flexfa supports 1..{MAX_HEAD_DIM}")
+    check_head_dim("query/key head_dim", E)
+    check_head_dim("value head_dim", value.shape[3])
     if Hkv == 0 or Hq % Hkv:
         raise InputError(f"query has {Hq} heads but the cache has {Hkv}; query heads must be a "
                          "multiple of kv heads")

@@ -47,6 +47,13 @@ def check_tensors(query, key, value) -> None:
             raise InputError(f"{name} is on {tensor.device} but query is on {query.device}")
 
 
+def check_head_dim(label: str, dim: int) -> None:
+    """An InputError unless ``dim`` is a head dim the kernels take (1..MAX_HEAD_DIM);
+    ``label`` names it in the message."""
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise InputError(f"{label} is {dim}; flexfa supports 1..{MAX_HEAD_DIM}")
+
+
 def check_shapes(query, key, value, enable_gqa: bool) -> None:
     B, Hq, L, E = query.shape
     if key.shape[0] not in (1, B):
@@ -61,9 +68,8 @@ def check_shapes(query, key, value, enable_gqa: bool) -> None:
     if key.shape[3] != E:
         raise InputError(f"key has head_dim {key.shape[3]} but query has {E}; q.k needs equal "
                          "head dims")
-    for name, dim in (("query/key", E), ("value", value.shape[3])):
-        if not 1 <= dim <= MAX_HEAD_DIM:
-            raise InputError(f"{name} head_dim is {dim}; flexfa supports 1..{MAX_HEAD_DIM}")
+    check_head_dim("query/key head_dim", E)
+    check_head_dim("value head_dim", value.shape[3])
     Hkv = key.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise InputError(f"query has {Hq} heads but key has {Hkv}; query heads must be a "

@@ -16,7 +16,7 @@ import torch
 from .blockmask.checks import positive_int
 from .decode import flex_decode
 from .errors import InputError, InputTypeError, check_int
-from .inputs import MAX_HEAD_DIM, check_block_mask_type
+from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
 
 __all__ = ["PagedKVCache"]
 
@@ -35,9 +35,9 @@ class PagedKVCache:
         if page_size % 16:
             raise InputError(f"page_size is {page_size}; the decode kernel needs a multiple of 16")
         for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-            if value is not None and value > MAX_HEAD_DIM:
-                raise InputError(f"{func}: {name} is {value}; flexfa supports 1..{MAX_HEAD_DIM}")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if value is not None:
+                check_head_dim(f"{func}: {name}", value)
+        if dtype not in SUPPORTED_DTYPES:
             raise InputError(f"{func}: dtype must be torch.float16, torch.bfloat16 or "
                              f"torch.float32 (the decode kernel's), got {dtype}")
         self.page_size = page_size
