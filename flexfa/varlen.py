@@ -17,7 +17,7 @@ import torch
 from .api import attend
 from .blockmask.block_mask import BlockMask
 from .blockmask.checks import block_size_pair
-from .blockmask.offsets import check_window
+from .blockmask.offsets import check_layouts, check_window, host_offsets
 from .blockmask.varlen import checked_block_mask
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
@@ -57,6 +57,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     0..i + lk - lq); ``window=w`` keeps
     the keys at distance 0..w-1 before the query's diagonal (causal) or under w on both sides.
     ``max_seqlen_q`` / ``max_seqlen_k``, where given, must be at least the longest document.
+    Offsets of no tokens (last entry 0) give flex_attention's results of an empty side.
     ``score_mod(score, b, h, q_idx, kv_idx)`` sees b = document, q_idx / kv_idx inside it;
     gradients reach q, k, v and the score_mod's captured tensors. ``BLOCK_SIZE`` is the mask's
     tile, ``kernel_options`` as for ``flex_attention``. ``sinks`` ``[Hq]`` (docs/sinks.md: one
@@ -84,9 +85,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     if block[0] % 16 or block[1] % 16:
         raise InputError(f"{func}: BLOCK_SIZE must be a multiple of 16 (the kernels' tiles "
                          f"divide the documents' blocks), got BLOCK_SIZE={BLOCK_SIZE!r}")
-    block_mask = packed_block_mask(func, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                   causal, window, block, q.device)
-    offsets = block_mask.documents.offsets
+    if q.shape[0] and k.shape[0]:
+        block_mask = packed_block_mask(func, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                       causal, window, block, q.device)
+        offsets = block_mask.documents.offsets
+    else:  # no queries or no keys: flex_attention's empty results (out 0, lse -inf or the
+        # head's sink), no mask and nothing launched past the empty forward
+        check_layouts(func, cu_seqlens_q, cu_seqlens_k, q.device)
+        offsets = host_offsets(func, cu_seqlens_q, cu_seqlens_k, q.device, q.shape[0],
+                               k.shape[0], empty_ok=True)
+        block_mask = None
     for name, given, longest in (("max_seqlen_q", max_seqlen_q, offsets.max_q),
                                  ("max_seqlen_k", max_seqlen_k, offsets.max_k)):
         _check_max_seqlen(func, name, given, longest)
@@ -94,8 +102,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     options = parse_kernel_options(kernel_options)
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
-    score = local_score_mod(func, score_mod, block_mask, query.shape[1])
-    call = AttentionCall(score, block_mask.traced_mask, block_mask, scale, options,
+    if block_mask is None:
+        score = mask = None
+    else:
+        score = local_score_mod(func, score_mod, block_mask, query.shape[1])
+        mask = block_mask.traced_mask
+    call = AttentionCall(score, mask, block_mask, scale, options,
                          query.shape[1] // key.shape[1], sinks, dropout)
     out, lse, _ = attend(query, key, value, call, return_lse, False)
     out = out[0].transpose(0, 1)  # [total_q, Hq, Ev], a view

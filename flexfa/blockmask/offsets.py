@@ -75,13 +75,15 @@ def check_layouts(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device) -
 
 
 def host_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
-                 total_q: int | None = None, total_k: int | None = None) -> Offsets:
+                 total_q: int | None = None, total_k: int | None = None,
+                 empty_ok: bool = False) -> Offsets:
     """``Offsets`` of offsets whose layout is checked, their values checked on the host (numpy:
     no torch launches) by the rules of ``varlen_kernels._check``: starting at 0, >= 0,
-    non-decreasing, the last entry the total (``total_q`` / ``total_k`` where given), not 0,
-    within int32. Their int32 copies reach ``device`` in one copy (the caller may reuse its
+    non-decreasing, the last entry the total (``total_q`` / ``total_k`` where given), not 0
+    unless ``empty_ok`` (``varlen_attention`` of no tokens, which launches nothing), within
+    int32. Their int32 copies reach ``device`` in one copy (the caller may reuse its
     offsets tensors; a mask kept per offsets tensor must not hold them)."""
-    checked = [_check_values(func, name, cu, total) for name, cu, total in (
+    checked = [_check_values(func, name, cu, total, empty_ok) for name, cu, total in (
         ("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k))]
     (values_q, last_q, max_q), (values_k, last_k, max_k) = checked
     # one copy; the key offsets 128-byte aligned, as the kernels' every pointer (Triton
@@ -107,7 +109,7 @@ def _values(cu: torch.Tensor):
     return cu.detach().cpu().numpy().astype(numpy.int64, copy=False)
 
 
-def _check_values(func: str, name: str, cu: torch.Tensor, total: int | None):
+def _check_values(func: str, name: str, cu: torch.Tensor, total: int | None, empty_ok: bool):
     """(int64 values, last entry, longest document) of one offsets tensor, or its InputError."""
     values = _values(cu)
     if values.min() < 0:
@@ -129,7 +131,7 @@ def _check_values(func: str, name: str, cu: torch.Tensor, total: int | None):
         raise InputError(
             f"{func}: {name}[-1] is {last} but {tensor} has {total} tokens; the last offset "
             "must equal the total number of packed tokens")
-    if last == 0:
+    if last == 0 and not empty_ok:
         raise InputError(f"{func}: {name} holds no tokens (its last entry is 0): "
                          f"{_shown(values)}")
     if last > INT32_MAX:

@@ -202,6 +202,30 @@ def test_bad_input(change, error, words):
     assert words in str(caught.value)
 
 
+def test_no_tokens_give_flex_attentions_empty_results():
+    """Offsets of no tokens (a batch whose documents are all empty on one side): out 0 and lse
+    -inf (the head's sink with sinks), gradients 0 into q, k, v and the sinks' the rows' count,
+    as flex_attention gives for an empty side; offsets that are not those of no tokens still
+    fail."""
+    none = offsets([0, 0])
+    q, k, v = (t.requires_grad_() for t in packed([3, 4], [0, 0]))
+    sinks = torch.randn(H, requires_grad=True)
+    out, lse = flexfa.varlen_attention(q, k, v, offsets([3, 4]), none, causal=True,
+                                       return_lse=True, sinks=sinks)
+    assert torch.equal(out, torch.zeros(7, H, E))
+    assert torch.equal(lse, sinks.detach()[:, None].expand(H, 7))
+    (out.sum() + lse.sum()).backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == (0, HKV, E)
+    assert torch.equal(sinks.grad, torch.full((H,), 7.0))
+    q, k, v = packed([0, 0], [5, 2])
+    out, lse = flexfa.varlen_attention(q, k, v, none, offsets([5, 2]), return_lse=True)
+    assert out.shape == (0, H, E) and lse.shape == (H, 0)
+    q, k, v = packed([0], [0])
+    assert flexfa.varlen_attention(q, k, v, offsets([0]), offsets([0])).shape == (0, H, E)
+    with pytest.raises(flexfa.InputError, match=r"cu_seqlens_k\[-1\] is 3 but key has 0"):
+        flexfa.varlen_attention(*packed([3], [0]), offsets([3]), offsets([3]))
+
+
 def test_packed_tensors_run_the_hopper_family_in_place():
     """Forced onto the Hopper family (how CI runs it), the packed tensors are read in place
     through strided descriptors, with exactly the result of the same mask on contiguous
