@@ -107,13 +107,17 @@
 # second column);
 # wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
 # in .old (carry it: the commit before), then the full walk at 192 / 128 (options_ab.py);
+# wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
+# tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
+# default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
+# Triton backward forced, 3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -584,6 +588,15 @@ if [ "$PART" = wb ]; then  # ws and wt in one call (see --help)
 256:512:causal+drop,192/128:2000:softcap+nomask,256:1000:full+drop,192/128:1000:full,\
 256:2048:causal+drop,256:4096:softcap+drop,192/128:8100:full,256:8192:causal+drop+gqa4}"
   tail -n 22 "$OUT/tree_ab.log"
+fi
+if [ "$PART" = wr ]; then  # the timed tests; dropout at 256 on 32-row dK/dV tiles (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step timed 240 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
+  FLEXFA_AUTOTUNE=0 step m1_drop 300 python benchmarks/experiments/options_ab.py \
+    "$OUT/m1_drop.json" --passes fwd+bwd --rounds 3 --configs \
+    'm64={"GLUON_BACKWARD": false};m32={"GLUON_BACKWARD": false, "bwd_BLOCK_M1": 32}' \
+    --cases 256:2048:causal+drop,256:8192:causal+drop,256:4000:causal+drop,256:16384:document+drop,256:512:full+drop,256:960:full+drop
+  tail -n 3 "$OUT/timed.log"; tail -n 12 "$OUT/m1_drop.log"
 fi
 if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)
   step tests192 130 $SHARD/wq -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
