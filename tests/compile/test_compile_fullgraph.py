@@ -208,3 +208,30 @@ def test_fp8_attention_is_still_a_graph_break():
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(q, k, v), layer(q, k, v),
                                rtol=0, atol=0)
+
+
+class RelativeBias:
+    table = None  # [2 L - 1], set per length
+
+
+relative = RelativeBias()
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    # the table's centre is read in Python: the trace holds it as a constant
+    return score + relative.table[q_idx - kv_idx + relative.table.shape[0] // 2]
+
+
+def test_a_size_the_trace_read_is_guarded_under_dynamic_shapes():
+    """A mod whose IR holds a captured tensor's size (the centre of a relative-bias table of
+    2 L - 1 entries) compiles again for a new size: the graph ran the first length's IR
+    (a wrong offset) for every later length."""
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, relative_bias)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for length in (32, 48, 40):
+        q, k, v = (t.detach() for t in make_inputs(length, seed=length))
+        relative.table = torch.randn(2 * length - 1, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-5)
