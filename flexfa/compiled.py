@@ -34,8 +34,10 @@ from .eager import in_graph
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
-from .frontend.trace import MASK_MOD, SCORE_MOD, trace_entry
-from .inputs import broadcast_batch, check_aux
+from .frontend.grad import mask_mod_grad_error
+from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
+from .inputs import (broadcast_batch, check_aux, check_block_mask_type, check_scale,
+                     check_shapes, check_tensors)
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
@@ -292,18 +294,35 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     as torch.compile captures it: one ``flexfa::flex_attention`` operator (its autograd
     formula runs the backward operator). The sinks are an operator input (so they get their
     gradient); dropout's seed tensor is drawn here, in the graph, from torch's generator
-    (``prepare_dropout``), so the operator stays functional and the backward reuses it."""
+    (``prepare_dropout``), so the operator stays functional and the backward reuses it.
+    Checks the arguments as the eager call does, before anything reads them: under
+    ``fullgraph=True`` Dynamo reports an error raised here as an "Observed exception" that
+    quotes it, without ``fullgraph`` the call falls back to eager flexfa, which raises it."""
+    check_tensors(query, key, value)
+    enable_gqa = check_bool("enable_gqa", enable_gqa)
+    return_lse = check_bool("return_lse", return_lse)
     aux_lse, aux_max = check_aux(return_aux, return_lse)
+    check_shapes(query, key, value, enable_gqa)
+    if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
+        raise InputTypeError("scale must be a float or None, got Tensor")
+    if scale is not None:
+        scale = check_scale(scale, query.shape[3])
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
     if block_mask is not None:
+        check_block_mask_type(block_mask)
         lengths = tuple(block_mask.seq_lengths)
         if lengths != (query.shape[2], key.shape[2]):
             raise InputError(f"block_mask was built for lengths {lengths} but the inputs have "
                              f"{(query.shape[2], key.shape[2])}")
     mods, score_buffers, mask_buffers, tables, block = _operator_mods(
         score_mod, block_mask, enable_gqa, kernel_options, query.device)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in mask_buffers):
+        # as eager flexfa: the backward operator gives a mask's captured tensors no gradient
+        raise mask_mod_grad_error(mod_name(block_mask.mask_mod), mask_buffers)
     key, value = broadcast_batch(query, key, value)
     out, lse, maxs = torch.ops.flexfa.flex_attention(
         query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block,
