@@ -165,9 +165,14 @@ class TraceEntry:
     def reads_unchanged(self) -> bool:
         for ref, version in self.reads:
             tensor = ref()
-            if tensor is None or tensor._version != version:
-                return False
+            if tensor is None or version is None or tensor._version != version:
+                return False  # (None: an inference tensor, whose edits cannot be told)
         return True
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, None for an inference tensor (it has none)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 # mod -> {(kind, method's function): TraceEntry}, weakly keyed on the mod (a bound method's
@@ -238,7 +243,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
               "q_idx": ir.index(Op.Q_IDX), "kv_idx": ir.index(Op.KV_IDX)}
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
     watched = list(current.tensors) if current is not None else _captured_tensors(fn)
-    versions = [t._version for t in watched]
+    versions = [_version(t) for t in watched]
     reads = _ValueReads({id(t) for t in watched})
     try:
         with reads:
@@ -248,13 +253,13 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     except Exception as exc:
         raise TraceError(f"in mod {name!r}: tracing raised {type(exc).__name__}: {exc}") from exc
     for tensor, version in zip(watched, versions):
-        if tensor._version != version:
+        if _version(tensor) != version:
             raise tracer.error(
                 f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
     raw = _result_node(tracer, result, kind)
     root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))
-    read = tuple((weakref.ref(t), t._version) for t in watched if id(t) in reads.read)
+    read = tuple((weakref.ref(t), _version(t)) for t in watched if id(t) in reads.read)
     sized = tuple(weakref.ref(t) for t in watched if id(t) in reads.sized)
     kept = {id(t) for t in buffers}
     dropped = tuple(t for t in tracer.buffers if id(t) not in kept)
