@@ -34,8 +34,10 @@ from .eager import in_graph
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
-from .frontend.trace import MASK_MOD, SCORE_MOD, trace_entry
-from .inputs import broadcast_batch, check_aux
+from .frontend.grad import mask_mod_grad_error
+from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
+from .inputs import (broadcast_batch, check_aux, check_block_mask_type, check_scale,
+                     check_shapes, check_tensors)
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
@@ -46,7 +48,8 @@ CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: rea
 def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
              enable_gqa: bool, kernel_options) -> tuple:
     """(mods key, paths to the score_mod's captured tensors (then to those its trace removed:
-    ``buffer_paths``' ``unread``), paths to the mask_mod's); runs
+    ``buffer_paths``' ``unread``), paths to the mask_mod's, then for each mod the (path,
+    shape) of the captured tensors whose sizes its trace read: ``sized_paths``); runs
     at Dynamo's trace time on the real objects. Each mod comes as ``unbound`` takes it apart:
     Dynamo hands an assume-constant function only what it can turn into constants."""
     score_mod = _rebound(score_mod, score_class, score_id)
@@ -54,10 +57,11 @@ def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     from .ops import register_mods  # registers the operators (first call inside torch.compile)
-    score = _traced(score_mod, SCORE_MOD)
-    mask = _traced(mask_mod, MASK_MOD)
+    score, score_sized = _traced(score_mod, SCORE_MOD)
+    mask, mask_sized = _traced(mask_mod, MASK_MOD)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
-    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask))
+    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask),
+            sized_paths(score_mod, score_sized), sized_paths(mask_mod, mask_sized))
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
@@ -95,18 +99,20 @@ def _live_object(cls, object_id: int):
     return instance
 
 
-def _traced(mod, kind):
+def _traced(mod, kind) -> tuple:
+    """(the trace of ``mod``, the captured tensors whose sizes Python read while tracing)."""
     if mod is None:
-        return None
+        return None, ()
     if isinstance(mod, TracedMaskMod):
-        return mod.traced
+        return mod.traced, ()
     entry = trace_entry(mod, kind)
     if entry.reads:
         raise InputError(f"the {kind} {entry.traced.name!r} reads the values of captured tensors "
                          "in Python while traced (float(t), if t.sum() > 0): under "
                          "torch.compile its trace could not follow their changes; index them "
                          "with the mod's arguments instead")
-    return entry.traced
+    sized = tuple(t for t in (ref() for ref in entry.sized) if t is not None)
+    return entry.traced, sized
 
 
 def buffer_paths(mod, traced, unread: bool = False) -> tuple:
@@ -122,6 +128,33 @@ def buffer_paths(mod, traced, unread: bool = False) -> tuple:
     tensors = (*traced.buffers, *(traced.dropped if unread else ()))
     if not tensors:
         return ()
+    found = _find_paths(mod, tensors)
+    missing = [s for s in range(len(tensors))
+               if s not in found and (s < read or tensors[s].requires_grad)]
+    if missing:
+        shapes = ", ".join(str(tuple(tensors[s].shape)) for s in missing)
+        what = ("reads captured tensors" if missing[0] < read else
+                "has tensors that require grad in a branch its trace removes (their gradient "
+                "is zeros)")
+        raise InputError(
+            f"the {traced.kind} {traced.name!r} {what} of shape {shapes} that torch.compile "
+            "cannot reach from it (tensors computed inside the mod, or held by an object "
+            "flexfa does not walk); compute them outside the mod and capture them in a "
+            "closure, a global, a functools.partial or a module attribute")
+    return tuple(found[s] for s in range(len(tensors)) if s in found)
+
+
+def sized_paths(mod, tensors) -> tuple:
+    """(path, shape) of each of ``tensors`` (captured tensors whose sizes the trace of ``mod``
+    read, so that its IR may hold them as constants: ``t[q_idx - kv_idx + t.shape[0] // 2]``)
+    that can be reached from ``mod``; ``pin_sizes`` guards them."""
+    found = _find_paths(mod, tensors)
+    return tuple((found[s], tuple(tensors[s].shape)) for s in sorted(found))
+
+
+def _find_paths(mod, tensors) -> dict:
+    """{slot: path} of the ``tensors`` reachable from ``mod`` (by identity, shortest paths);
+    gives the functions on the paths their cell readers."""
     wanted = {id(t): slot for slot, t in enumerate(tensors)}
     found: dict[int, tuple] = {}
     queue = collections.deque([(mod, ())])
@@ -138,19 +171,7 @@ def buffer_paths(mod, traced, unread: bool = False) -> tuple:
                 queue.append((child, (*path, step)))
     for path in found.values():
         _add_cell_readers(mod, path)
-    missing = [s for s in range(len(tensors))
-               if s not in found and (s < read or tensors[s].requires_grad)]
-    if missing:
-        shapes = ", ".join(str(tuple(tensors[s].shape)) for s in missing)
-        what = ("reads captured tensors" if missing[0] < read else
-                "has tensors that require grad in a branch its trace removes (their gradient "
-                "is zeros)")
-        raise InputError(
-            f"the {traced.kind} {traced.name!r} {what} of shape {shapes} that torch.compile "
-            "cannot reach from it (tensors computed inside the mod, or held by an object "
-            "flexfa does not walk); compute them outside the mod and capture them in a "
-            "closure, a global, a functools.partial or a module attribute")
-    return tuple(found[s] for s in range(len(tensors)) if s in found)
+    return found
 
 
 def _children(obj):
@@ -242,6 +263,18 @@ def follow(obj, path: tuple):
     return obj
 
 
+def pin_sizes(mod, sized: tuple) -> None:
+    """Guard the sizes of the captured tensors whose sizes the trace of ``mod`` read (traced by
+    Dynamo: comparing a dynamic size specializes it), so that under dynamic shapes another
+    size compiles again, tracing the mod again, instead of running an IR that holds the old
+    one as a constant."""
+    for path, shape in sized:
+        tensor = follow(mod, path)
+        if tuple(tensor.shape) != shape:  # the graph is traced for this shape only
+            raise AssertionError(f"captured tensor of shape {tuple(tensor.shape)}, traced with "
+                                 f"{shape}")
+
+
 def _guard_mod(mod, kind: str, device: torch.device) -> None:
     """Call ``mod`` on one-element tensors on ``device`` (zero-dim integer indices would be
     read as Python ints; another device than the captured tensors' fails in fake-tensor
@@ -261,18 +294,35 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     as torch.compile captures it: one ``flexfa::flex_attention`` operator (its autograd
     formula runs the backward operator). The sinks are an operator input (so they get their
     gradient); dropout's seed tensor is drawn here, in the graph, from torch's generator
-    (``prepare_dropout``), so the operator stays functional and the backward reuses it."""
+    (``prepare_dropout``), so the operator stays functional and the backward reuses it.
+    Checks the arguments as the eager call does, before anything reads them: under
+    ``fullgraph=True`` Dynamo reports an error raised here as an "Observed exception" that
+    quotes it, without ``fullgraph`` the call falls back to eager flexfa, which raises it."""
+    check_tensors(query, key, value)
+    enable_gqa = check_bool("enable_gqa", enable_gqa)
+    return_lse = check_bool("return_lse", return_lse)
     aux_lse, aux_max = check_aux(return_aux, return_lse)
+    check_shapes(query, key, value, enable_gqa)
+    if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
+        raise InputTypeError("scale must be a float or None, got Tensor")
+    if scale is not None:
+        scale = check_scale(scale, query.shape[3])
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
     if block_mask is not None:
+        check_block_mask_type(block_mask)
         lengths = tuple(block_mask.seq_lengths)
         if lengths != (query.shape[2], key.shape[2]):
             raise InputError(f"block_mask was built for lengths {lengths} but the inputs have "
                              f"{(query.shape[2], key.shape[2])}")
     mods, score_buffers, mask_buffers, tables, block = _operator_mods(
         score_mod, block_mask, enable_gqa, kernel_options, query.device)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in mask_buffers):
+        # as eager flexfa: the backward operator gives a mask's captured tensors no gradient
+        raise mask_mod_grad_error(mod_name(block_mask.mask_mod), mask_buffers)
     key, value = broadcast_batch(query, key, value)
     out, lse, maxs = torch.ops.flexfa.flex_attention(
         query, key, value, mods, scale, aux_max, score_buffers, mask_buffers, tables, block,
@@ -306,10 +356,12 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
     """(mods key, the score_mod's captured tensors, the mask_mod's, the block mask's tables,
     its block size) as the operators take them."""
     mask_mod = None if block_mask is None else block_mask.mask_mod
-    mods, score_paths, mask_paths = describe(*unbound(score_mod), *unbound(mask_mod), enable_gqa,
-                                             kernel_options)
+    mods, score_paths, mask_paths, score_sized, mask_sized = describe(
+        *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options)
     _guard_mod(score_mod, SCORE_MOD, device)
     _guard_mod(mask_mod, MASK_MOD, device)
+    pin_sizes(score_mod, score_sized)
+    pin_sizes(mask_mod, mask_sized)
     score_buffers = [follow(score_mod, p) for p in score_paths]
     mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables, block = [], []
@@ -341,8 +393,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     device = default_device() if device is None else torch.device(device)
-    mods, _, mask_paths = describe(*unbound(None), *unbound(mask_mod), False, None)
+    mods, _, mask_paths, _, mask_sized = describe(*unbound(None), *unbound(mask_mod), False,
+                                                  None)
     _guard_mod(mask_mod, MASK_MOD, device)
+    pin_sizes(mask_mod, mask_sized)
     mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables = torch.ops.flexfa.block_mask_tables(mods, B, H, Q_LEN, KV_LEN, list(block),
                                                 bool(separate_full_blocks), mask_buffers, device)

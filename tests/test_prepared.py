@@ -88,6 +88,29 @@ def test_captured_tensor_edited_in_place_or_restrided(monkeypatch):
     assert hits == [False, True, True, False]
 
 
+def test_inference_mode_tensors_captured_and_edited():
+    """Under torch.inference_mode captured tensors and the mask's tables have no version
+    counter (the trace read it: RuntimeError from torch): repeated calls still see each edit
+    (the tables are checked on every call, so these calls take no prepared entry)."""
+    q, k, v = _qkv()
+    with torch.inference_mode():
+        bias = torch.randn(L)
+        doc = torch.arange(L) // 24
+
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[kv_idx]
+
+        def document(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+
+        mask = flexfa.create_block_mask(document, 1, None, L, L, device="cpu", BLOCK_SIZE=32)
+        for step in range(3):
+            if step == 2:
+                bias.mul_(-2.0)
+            out = flexfa.flex_attention(q, k, v, biased, block_mask=mask)
+            _check(out, q, k, v, biased, document)
+
+
 def test_a_cleared_plan_memo_plans_again(monkeypatch):
     from flexfa.runtime import plans
 

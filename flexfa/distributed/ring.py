@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from ..api import flex_attention
 from ..errors import InputError, InputTypeError, check_bool
-from ..frontend import trace
+from ..frontend import MASK_MOD, trace
+from ..frontend.grad import check_mask_mod_grad
 from .comm import Ring
 from .exchange import EXCHANGES
 from .group import choose_method, resolve_group
@@ -39,6 +40,8 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     (1-D, or with ``mesh_dim``); ``method`` picks the K/V exchange: ``"ring"``,
     ``"allgather"`` or ``"auto"`` (by shard size, ``group.ALLGATHER_MAX_BYTES``).
     """
+    return_lse = check_bool("ring_attention: return_lse", return_lse)
+    _check_mods(score_mod, mask_mod)
     _check_shards(query, key, value, load_balance, enable_gqa)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
@@ -54,6 +57,18 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
+
+
+def _check_mods(score_mod, mask_mod) -> None:
+    """Checked on every rank before any communication, as flex_attention checks them: a
+    mask_mod reading a tensor that requires grad (with grad enabled) would otherwise give it
+    no gradient."""
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None and not callable(mod):
+            raise InputTypeError(f"ring_attention: {name} must be callable or None, got "
+                                 f"{type(mod).__name__}")
+    if mask_mod is not None and torch.is_grad_enabled():
+        check_mask_mod_grad(trace(mask_mod, MASK_MOD))
 
 
 def _check_shards(query, key, value, load_balance, enable_gqa) -> None:

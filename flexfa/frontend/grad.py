@@ -323,10 +323,15 @@ def check_mask_mod_grad(traced: TracedMod) -> None:
     """
     if traced.kind != MASK_MOD:
         return
-    slots = traced.grad_buffers
-    if slots:
-        shapes = ", ".join(f"slot {s} of shape {tuple(traced.buffers[s].shape)}" for s in slots)
-        raise InputError(
-            f"mask_mod {traced.name!r} reads captured tensors that require grad ({shapes}); "
-            "a mask has no gradient: pass tensor.detach() to the mask_mod, or move the "
-            "learnable part into a score_mod")
+    if traced.grad_buffers:
+        raise mask_mod_grad_error(traced.name, traced.buffers)
+
+
+def mask_mod_grad_error(name: str, buffers) -> InputError:
+    """The error of a mask_mod ``name`` whose captured tensors ``buffers`` (by slot) include
+    some that require grad (also raised inside torch.compile: ``flexfa.compiled``)."""
+    shapes = ", ".join(f"slot {s} of shape {tuple(t.shape)}" for s, t in enumerate(buffers)
+                       if t.requires_grad)
+    return InputError(f"mask_mod {name!r} reads captured tensors that require grad ({shapes}); "
+                      "a mask has no gradient: pass tensor.detach() to the mask_mod, or move "
+                      "the learnable part into a score_mod")

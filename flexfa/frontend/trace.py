@@ -158,13 +158,21 @@ class TraceEntry:
     reads: tuple = ()  # (weakref to tensor, its _version when read)
     raw_root: Node | None = None  # the IR as traced, before simplification (debug dumps)
     derived: dict = dataclasses.field(default_factory=dict)
+    # weakrefs to the captured tensors whose sizes Python read while tracing (``t.shape[0]``):
+    # the IR may hold them as constants (the guard covers them; torch.compile pins them)
+    sized: tuple = ()
 
     def reads_unchanged(self) -> bool:
         for ref, version in self.reads:
             tensor = ref()
-            if tensor is None or tensor._version != version:
-                return False
+            if tensor is None or version is None or tensor._version != version:
+                return False  # (None: an inference tensor, whose edits cannot be told)
         return True
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, None for an inference tensor (it has none)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 # mod -> {(kind, method's function): TraceEntry}, weakly keyed on the mod (a bound method's
@@ -197,8 +205,8 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
         expected = mod_kind(fn)
     if kind != expected:
         raise TraceError(f"expected a {kind} but {mod_name(fn)!r} has the arity of a {expected}")
-    traced, reads, raw = _trace_uncached(fn, kind, current)
-    entry = TraceEntry(traced, current, reads, raw)
+    traced, reads, raw, sized = _trace_uncached(fn, kind, current)
+    entry = TraceEntry(traced, current, reads, raw, sized=sized)
     if _reusable(current, traced):
         current.keep()  # its objects held weakly from now on
         TRACE_MEMO.put(owner, key, entry)
@@ -225,16 +233,17 @@ def _reusable(current: Guard | None, traced: TracedMod) -> bool:
             and all(id(t) in captured for t in traced.dropped if t.requires_grad))
 
 
-def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple[TracedMod, tuple, Node]:
+def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     """(the trace of ``fn``, the (weakref, version) of each captured tensor whose values
-    Python read while tracing, the IR before simplification)."""
+    Python read while tracing, the IR before simplification, weakrefs to the captured tensors
+    whose sizes it read)."""
     name = mod_name(fn)
     tracer = Tracer(name)
     leaves = {"score": ir.score(), "b": ir.index(Op.B), "h": ir.index(Op.H),
               "q_idx": ir.index(Op.Q_IDX), "kv_idx": ir.index(Op.KV_IDX)}
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
     watched = list(current.tensors) if current is not None else _captured_tensors(fn)
-    versions = [t._version for t in watched]
+    versions = [_version(t) for t in watched]
     reads = _ValueReads({id(t) for t in watched})
     try:
         with reads:
@@ -244,16 +253,17 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple[TracedMod, tu
     except Exception as exc:
         raise TraceError(f"in mod {name!r}: tracing raised {type(exc).__name__}: {exc}") from exc
     for tensor, version in zip(watched, versions):
-        if tensor._version != version:
+        if _version(tensor) != version:
             raise tracer.error(
                 f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
     raw = _result_node(tracer, result, kind)
     root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))
-    read = tuple((weakref.ref(t), t._version) for t in watched if id(t) in reads.read)
+    read = tuple((weakref.ref(t), _version(t)) for t in watched if id(t) in reads.read)
+    sized = tuple(weakref.ref(t) for t in watched if id(t) in reads.sized)
     kept = {id(t) for t in buffers}
     dropped = tuple(t for t in tracer.buffers if id(t) not in kept)
-    return TracedMod(kind, root, buffers, name, dropped), read, raw
+    return TracedMod(kind, root, buffers, name, dropped), read, raw, sized
 
 
 # tensor methods and properties that read metadata, not values
@@ -262,6 +272,9 @@ _METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "d
                        "__len__", "is_floating_point", "is_complex", "is_contiguous",
                        "element_size", "storage_offset", "grad_fn", "is_leaf", "names",
                        "is_sparse", "is_quantized", "is_meta", "__repr__", "__format__"})
+# those that read sizes (the number of dimensions is fixed under dynamic shapes, and the tracer
+# reads it of every indexed tensor)
+_SIZES = frozenset({"shape", "size", "__len__", "numel", "nelement"})
 
 
 def _function_name(func) -> str:
@@ -274,16 +287,21 @@ def _function_name(func) -> str:
 class _ValueReads(torch.overrides.TorchFunctionMode):
     """Records which watched tensors a torch function touched eagerly while a mod was traced
     (no traced value among its arguments, not a metadata query): their values decided the
-    trace, so the memo also guards their versions."""
+    trace, so the memo also guards their versions. Also records those whose sizes were read
+    (``sized``)."""
 
     def __init__(self, watched: set[int]):
         super().__init__()
         self.watched = watched
         self.read: set[int] = set()
+        self.sized: set[int] = set()
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.watched and _function_name(func) not in _METADATA:
+        name = _function_name(func)
+        if self.watched and name in _SIZES:
+            self.sized.update(id(x) for x in args[:1] if id(x) in self.watched)
+        elif self.watched and name not in _METADATA:
             operands = [*args, *kwargs.values()]
             flat = [x for v in operands for x in (v if isinstance(v, (tuple, list)) else (v,))]
             if not any(isinstance(x, (Proxy, BufferView)) for x in flat):

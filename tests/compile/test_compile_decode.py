@@ -27,7 +27,7 @@ def test_opcheck_decode():
 
     mask = flexfa.create_block_mask(mods.sliding_window(20), None, None, S, S, device="cpu",
                                     BLOCK_SIZE=16)
-    key, score_paths, _ = describe(*unbound(biased), *unbound(mask.mask_mod), True, None)
+    key, score_paths, *_ = describe(*unbound(biased), *unbound(mask.mask_mod), True, None)
     assert score_paths == ((("cell", "bias"),),)
     q, k, v = _inputs()
     lens = torch.tensor([40, 64], dtype=torch.int32)

@@ -65,7 +65,7 @@ def test_dropout_seed_drawn_in_the_graph_from_torch_generator():
 
 
 def test_opcheck_forward_with_sinks_and_bad_feature_inputs():
-    key, _, _ = describe(*unbound(None), *unbound(None), False, None)
+    key, *_ = describe(*unbound(None), *unbound(None), False, None)
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 16, 16, generator=generator) for _ in range(3))
     args = (q.requires_grad_(), k, v, key, None, False, [], [], [], [],

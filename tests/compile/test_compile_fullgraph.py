@@ -208,3 +208,74 @@ def test_fp8_attention_is_still_a_graph_break():
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(q, k, v), layer(q, k, v),
                                rtol=0, atol=0)
+
+
+class RelativeBias:
+    table = None  # [2 L - 1], set per length
+
+
+relative = RelativeBias()
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    # the table's centre is read in Python: the trace holds it as a constant
+    return score + relative.table[q_idx - kv_idx + relative.table.shape[0] // 2]
+
+
+def test_a_size_the_trace_read_is_guarded_under_dynamic_shapes():
+    """A mod whose IR holds a captured tensor's size (the centre of a relative-bias table of
+    2 L - 1 entries) compiles again for a new size: the graph ran the first length's IR
+    (a wrong offset) for every later length."""
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, relative_bias)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for length in (32, 48, 40):
+        q, k, v = (t.detach() for t in make_inputs(length, seed=length))
+        relative.table = torch.randn(2 * length - 1, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def _bad_calls():
+    """(name, function of q, k, v, error message) of calls eager flexfa refuses."""
+    learnable = torch.zeros(40, requires_grad=True)
+
+    def learnable_mask(b, h, q_idx, kv_idx):
+        return (learnable[kv_idx] >= 0) & (q_idx >= kv_idx)
+
+    mask = flexfa.create_block_mask(learnable_mask, None, None, 40, 40, device="cpu",
+                                    BLOCK_SIZE=16)
+    return [
+        ("mask_grad", lambda q, k, v: flexfa.flex_attention(q, k, v, block_mask=mask),
+         "reads captured tensors that require grad"),
+        ("score_mod", lambda q, k, v: flexfa.flex_attention(q, k, v, 3),
+         "score_mod must be callable or None, got int"),
+        ("enable_gqa", lambda q, k, v: flexfa.flex_attention(q, k, v, enable_gqa="yes"),
+         "enable_gqa must be a bool"),
+        ("scale", lambda q, k, v: flexfa.flex_attention(q, k, v, scale=torch.tensor(0.5)),
+         "scale must be a float or None, got Tensor"),
+        ("block_mask", lambda q, k, v: flexfa.flex_attention(q, k, v, block_mask=3),
+         "block_mask must be a BlockMask"),
+        ("3-D", lambda q, k, v: flexfa.flex_attention(q[0], k[0], v[0]),
+         "query must be 4-D"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())),
+                         ids=[c[0] for c in _bad_calls()])
+def test_compiled_calls_refuse_what_eager_refuses(case):
+    """Checked before the operator as eagerly: a mask_mod reading a tensor that requires grad
+    compiled and its tensor got no gradient; a bool given as "yes" was taken as true; the
+    others failed inside Dynamo or fake-tensor propagation with no flexfa message. Without
+    fullgraph the call falls back to eager flexfa's InputError; with it Dynamo's error
+    quotes the message."""
+    _, call, message = _bad_calls()[case]
+    inputs = make_inputs(40, seed=7)
+    with pytest.raises((flexfa.InputError, flexfa.InputTypeError), match=message):
+        call(*inputs)
+    for fullgraph, raised in ((False, (flexfa.InputError, flexfa.InputTypeError)),
+                              (True, Exception)):
+        torch._dynamo.reset()
+        with pytest.raises(raised, match=message):
+            torch.compile(call, backend="aot_eager", fullgraph=fullgraph)(*inputs)

@@ -21,7 +21,7 @@ def _case():
 
     mask = flexfa.create_block_mask(mods.causal, 1, None, 40, 40, device="cpu",
                                     BLOCK_SIZE=32)
-    key, score_paths, mask_paths = describe(*unbound(biased), *unbound(mask.mask_mod), False,
+    key, score_paths, mask_paths, *_ = describe(*unbound(biased), *unbound(mask.mask_mod), False,
                                             None)
     assert score_paths == ((("cell", "bias"),),) and mask_paths == ()
     generator = torch.Generator().manual_seed(0)
@@ -50,7 +50,7 @@ def test_opcheck_forward_and_backward():
 
 
 def test_opcheck_block_mask_tables():
-    key, _, _ = describe(*unbound(None), *unbound(mods.causal), False, None)
+    key, *_ = describe(*unbound(None), *unbound(mods.causal), False, None)
     for separate in (True, False):
         tables = torch.ops.flexfa.block_mask_tables(key, 1, 2, 100, 64, [32, 16], separate, [],
                                                     torch.device("cpu"))

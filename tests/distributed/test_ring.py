@@ -251,6 +251,32 @@ def test_ring_attention_rejects_bad_head_counts_before_communicating():
         ring_attention(q, kv[:, :3], kv[:, :3], enable_gqa=True)  # heads fine: on to the group
 
 
+def test_ring_attention_rejects_bad_mods_before_communicating():
+    """As flex_attention refuses them: a mask_mod reading a tensor that requires grad (its
+    gradient stayed None), mods that are not callable (a TraceError naming 'global_int'),
+    return_lse that is not a bool (taken by its truthiness)."""
+    from flexfa.distributed import ring_attention
+    from flexfa.errors import InputTypeError
+
+    q = torch.zeros(1, 2, 8, 16)
+    learnable = torch.zeros(16, requires_grad=True)
+
+    def learnable_mask(b, h, q_idx, kv_idx):
+        return learnable[kv_idx] >= 0
+
+    with pytest.raises(InputError, match="'learnable_mask' reads captured tensors that "
+                                         "require grad"):
+        ring_attention(q, q, q, mask_mod=learnable_mask)
+    with pytest.raises(InputTypeError, match="score_mod must be callable or None, got int"):
+        ring_attention(q, q, q, 3)
+    with pytest.raises(InputTypeError, match="mask_mod must be callable or None, got int"):
+        ring_attention(q, q, q, mask_mod=3)
+    with pytest.raises(InputTypeError, match="return_lse must be a bool, got str 'y'"):
+        ring_attention(q, q, q, return_lse="y")
+    with torch.no_grad(), pytest.raises(InputError, match="not initialized"):
+        ring_attention(q, q, q, mask_mod=learnable_mask)  # no gradient asked: on to the group
+
+
 def test_method_choice_by_shard_size():
     from flexfa.distributed.group import ALLGATHER_MAX_BYTES, choose_method
 

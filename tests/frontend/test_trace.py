@@ -310,3 +310,26 @@ def test_format_lists_buffers_and_ir():
     assert text.splitlines()[:2] == ["score_mod biased", "buf0: float32[4, 7] requires_grad"]
     assert "buf0[%" in text and text.endswith("return %4")
     assert trace(biased).grad_buffers == (0,)
+
+
+def test_inference_tensors_trace_and_python_reads_trace_again():
+    """Captured tensors made under torch.inference_mode have no version counter (reading it
+    raised RuntimeError from torch): they trace, and a mod whose Python read one's values is
+    traced again on every call, as its edits cannot be told."""
+    with torch.inference_mode():
+        bias = torch.randn(H)
+        flag = torch.tensor(1.0)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    def switched(score, b, h, q_idx, kv_idx):
+        return score * 2 if flag > 0 else score
+
+    _check(biased)
+    assert trace(switched) is not trace(biased)
+    with torch.inference_mode():
+        flag.fill_(-1.0)
+    b, h, q, kv = GRIDS
+    got = evaluate(trace(switched), score=SCORE, b=b, h=h, q_idx=q, kv_idx=kv)
+    torch.testing.assert_close(got, SCORE.expand_as(got))
