@@ -343,14 +343,18 @@ RULES: dict[Op, Callable] = {
 }
 
 
-def apply_rule(node: Node, sources: list[Interval]) -> Interval:
-    """The interval of ``node`` from its sources' intervals; unknown for ops with no rule."""
+def apply_rule(node: Node, sources: list[Interval], nan_unknown: bool = True) -> Interval:
+    """The interval of ``node`` from its sources' intervals; unknown for ops with no rule.
+    ``nan_unknown``: a FLOAT op with a source that may be NaN is unknown there (the block-mask
+    analysis, whose decided comparisons must hold for NaN too); without it the interval bounds
+    the op's values other than NaN (``codegen.ranges``: a NaN score is NaN in the kernel
+    whatever bound it takes)."""
     rule = RULES.get(node.op)
     if rule is None:
         return unknown(node.dtype, sources[0].lo.device if sources else "cpu")
     lo, hi = rule(node, *sources)
     lo, hi = torch.as_tensor(lo, dtype=torch.float64), torch.as_tensor(hi, dtype=torch.float64)
-    if node.dtype is DType.FLOAT:
+    if nan_unknown and node.dtype is DType.FLOAT:
         # a float source with an infinite end may be NaN, which rules can map to finite bounds
         # (min/max with a constant, tanh, exp of -inf, x / inf) while the value stays NaN
         for src, interval in zip(node.src, sources):
