@@ -215,10 +215,14 @@ class BlockMask(TorchBlockMask):
     def __getitem__(self, index) -> "BlockMask":
         """Slice batches, heads and q tiles like a tensor; dims are kept (an int -> size 1)."""
         _no_dq_kv_order_tensor(self, "Slicing")
-        index = index if isinstance(index, tuple) else (index,)
+        index = _expand_ellipsis(index if isinstance(index, tuple) else (index,))
         if len(index) > 3:
             raise InputError(f"BlockMask[...] takes at most 3 indices (batch, head, q tile), "
                              f"got {len(index)}")
+        for i in index:  # they would add a dim to the tables
+            if i is None or isinstance(i, bool):
+                raise InputError(f"BlockMask[...] takes ints, slices, lists or tensors for "
+                                 f"(batch, head, q tile), got {i!r}")
         sizes = self.kv_num_blocks.shape[:3]
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
@@ -328,6 +332,17 @@ class BlockMask(TorchBlockMask):
     def to_png(self, path, limit: int = 4) -> None:
         """Save a picture of the tiles (white empty, orange partial, dark full)."""
         draw.to_png(self, path, limit)
+
+
+def _expand_ellipsis(index: tuple) -> tuple:
+    """``...`` as the full slices it stands for among (batch, head, q tile)."""
+    if sum(i is Ellipsis for i in index) > 1:
+        raise InputError("BlockMask[...] takes at most one '...'")
+    if Ellipsis not in index:
+        return index
+    at = index.index(Ellipsis)
+    missing = max(0, 3 - (len(index) - 1))
+    return (*index[:at], *(slice(None),) * missing, *index[at + 1:])
 
 
 def _keep_dim(index, size: int):

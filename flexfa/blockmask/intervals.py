@@ -13,7 +13,8 @@ Soundness conventions (so that a decided tile is always right):
 - FLOAT bounds are widened after every op by a relative and an absolute slack, because the
   exact evaluation runs in float32 while these bounds are float64.
 - A FLOAT value may be NaN only where its interval has an infinite end, so FLOAT comparisons
-  decide only where both intervals are finite (``NaN < x`` is False, ``NaN != x`` True).
+  decide only where both intervals are finite (``NaN < x`` is False, ``NaN != x`` True), and
+  a FLOAT op with such a source is unknown there (``clamp(NaN, 0, 1)`` is NaN, not in [0, 1]).
 """
 from __future__ import annotations
 
@@ -342,11 +343,22 @@ RULES: dict[Op, Callable] = {
 }
 
 
-def apply_rule(node: Node, sources: list[Interval]) -> Interval:
-    """The interval of ``node`` from its sources' intervals; unknown for ops with no rule."""
+def apply_rule(node: Node, sources: list[Interval], nan_unknown: bool = True) -> Interval:
+    """The interval of ``node`` from its sources' intervals; unknown for ops with no rule.
+    ``nan_unknown``: a FLOAT op with a source that may be NaN is unknown there (the block-mask
+    analysis, whose decided comparisons must hold for NaN too); without it the interval bounds
+    the op's values other than NaN (``codegen.ranges``: a NaN score is NaN in the kernel
+    whatever bound it takes)."""
     rule = RULES.get(node.op)
     if rule is None:
         return unknown(node.dtype, sources[0].lo.device if sources else "cpu")
     lo, hi = rule(node, *sources)
     lo, hi = torch.as_tensor(lo, dtype=torch.float64), torch.as_tensor(hi, dtype=torch.float64)
+    if nan_unknown and node.dtype is DType.FLOAT:
+        # a float source with an infinite end may be NaN, which rules can map to finite bounds
+        # (min/max with a constant, tanh, exp of -inf, x / inf) while the value stays NaN
+        for src, interval in zip(node.src, sources):
+            if src.dtype is DType.FLOAT:
+                lo, hi = _unknown_where(~(torch.isfinite(interval.lo)
+                                          & torch.isfinite(interval.hi)), lo, hi)
     return finish(node.dtype, lo, hi)

@@ -104,7 +104,9 @@ def _interval(node: Node, known: dict, buffer_dtypes, domain: Domain) -> Interva
         return domain.leaf(node.op)
     if node.op is Op.LOAD:
         return _loaded(node, buffer_dtypes[node.arg])
-    return apply_rule(node, [known[s] for s in node.src])
+    # NaN aside: the static max bounds the scores that are not NaN (a NaN one stays NaN), and
+    # a cast of NaN to an int has no value to fit
+    return apply_rule(node, [known[s] for s in node.src], nan_unknown=False)
 
 
 def fits_int32(lo: float, hi: float) -> bool:

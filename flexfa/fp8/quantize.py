@@ -2,7 +2,8 @@
 
 A block is ``block_q`` query rows (or ``block_kv`` key/value rows) of one head; its scale is
 ``amax / 448`` (448: the largest finite e4m3 value), so the block's largest entry lands on
-448. The kernel multiplies the scales back (they are *descales*): ``q = q_fp8 * q_scale``.
+448. ``amax`` is over the block's finite entries; NaN and +-inf entries become e4m3's NaN, so
+they do not change the block's other values. The kernel multiplies the scales back (they are *descales*): ``q = q_fp8 * q_scale``.
 V is stored with the sequence dim contiguous (a transposed layout seen through a
 ``[B, H, S, Ev]`` view), the K-major operand layout Hopper's FP8 wgmma wants for ``P @ V``.
 """
@@ -23,10 +24,13 @@ def output_dtype(input_dtype: torch.dtype) -> torch.dtype:
 
 
 def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Max |x| per block of ``block`` rows: ``[B, H, N, E] -> [B, H, ceil(N / block)]``."""
+    """Max finite |x| per block of ``block`` rows: ``[B, H, N, E] -> [B, H, ceil(N / block)]``.
+    A NaN or inf entry does not count: an inf scale would zero the block's other values and a
+    NaN one (``NaN > 0`` is False) gave scale 1, clamping them to +-448."""
     B, H, N, E = x.shape
     blocks = -(-N // block)
-    padded = torch.nn.functional.pad(x.abs(), (0, 0, 0, blocks * block - N))
+    magnitude = torch.where(torch.isfinite(x), x.abs(), 0.0)
+    padded = torch.nn.functional.pad(magnitude, (0, 0, 0, blocks * block - N))
     return padded.view(B, H, blocks, block * E).amax(dim=-1)
 
 
@@ -37,7 +41,9 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     scaled = x.float() / expand_scales(scale, block, x.shape[2])
-    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    # NaN and +-inf become e4m3's NaN (it has no inf) rather than +-448
+    saturated = torch.where(torch.isfinite(scaled), scaled.clamp(-E4M3_MAX, E4M3_MAX), torch.nan)
+    return saturated.to(FP8_DTYPE)
 
 
 def seq_contiguous_storage(v: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,22 @@ def test_getitem_rejects_bad_index():
         mask[5]
     with pytest.raises(InputError, match="at most 3"):
         mask[0, 0, 0, 0]
+    for index in (None, True, (0, None)):  # they would add a dim to the tables
+        with pytest.raises(InputError, match="ints, slices, lists or tensors"):
+            mask[index]
+
+
+@pytest.mark.parametrize("index,same_as", [
+    ((..., 1), (slice(None), slice(None), 1)), ((0, ...), (0,)), ((0, ..., 1), (0, slice(None), 1)),
+    ((...,), ())])
+def test_getitem_expands_ellipsis(index, same_as):
+    """``...`` stands for the dims it skips (it used to pad at the end: mask[..., 1] sliced
+    the head dim of the count tables and the q tiles of the index tables)."""
+    mask = create_block_mask(ZOO["head_windows"](2, 3, 100, 100), 2, 3, 100, 100, device="cpu",
+                             BLOCK_SIZE=32)
+    ours, expected = mask[index], mask[same_as] if same_as else mask
+    for name in TABLES:
+        assert torch.equal(getattr(ours, name), getattr(expected, name)), name
 
 
 def test_repr_draws_tiles():

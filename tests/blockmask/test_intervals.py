@@ -144,6 +144,32 @@ def test_where(dtype, data):
     assert_inside(apply_rule(node, [ic, ia, ib]), values, dtype)
 
 
+MAYBE_NAN = [(_interval(5.0, math.inf), [5.0, 7.0, math.inf, math.nan]),
+             (_interval(-math.inf, -5.0), [-math.inf, -6.0, -5.0, math.nan])]
+
+
+@pytest.mark.parametrize("op", FLOAT_BINARY)
+@pytest.mark.parametrize("maybe_nan", range(len(MAYBE_NAN)))
+@pytest.mark.parametrize("nan_first", [True, False])
+def test_float_binary_of_a_value_that_may_be_nan(op, maybe_nan, nan_first):
+    """An interval with an infinite end may hold NaN; no rule may give NaN finite bounds
+    (``clamp(x, 0, 10)``, ``1 / x`` with x in [5, inf] are NaN where x is)."""
+    interval, points = MAYBE_NAN[maybe_nan]
+    nan_side = (interval, torch.tensor(points))
+    other = (_interval(2.0, 3.0), torch.tensor([2.0, 3.0]))
+    check_binary(op, DType.FLOAT, *((nan_side, other) if nan_first else (other, nan_side)))
+
+
+@pytest.mark.parametrize("op", FLOAT_UNARY)
+@pytest.mark.parametrize("maybe_nan", range(len(MAYBE_NAN)))
+def test_float_unary_of_a_value_that_may_be_nan(op, maybe_nan):
+    interval, points = MAYBE_NAN[maybe_nan]
+    node = ir.unary(op, _leaf(0, DType.FLOAT, Op.Q_IDX))
+    xs = torch.tensor(points)
+    values = evaluate_node(node, q_idx=torch.arange(len(xs)), buffers=(xs,))
+    assert_inside(apply_rule(node, [interval]), values, node.dtype)
+
+
 def test_decisions_are_tight_on_simple_cases():
     """Soundness alone would pass with 'unknown' everywhere: check the useful answers."""
     q = _leaf(0, DType.INT, Op.Q_IDX)

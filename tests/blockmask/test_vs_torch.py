@@ -88,6 +88,17 @@ def test_without_separate_full_blocks(name):
         assert torch.equal(getattr(flagged, table), getattr(default, table)), table
 
 
+def test_nan_in_a_captured_tensor_is_not_clamped_away():
+    """clamp(NaN, 0, 10) is NaN, so the comparison is False in the NaN column: those tiles are
+    partial, not full (the interval of the clamp must not be [0, 10] there)."""
+    weights = torch.ones(64)
+    weights[5] = float("nan")
+
+    def clamped(b, h, q_idx, kv_idx):
+        return torch.clamp(weights[kv_idx] * q_idx.float(), 0.0, 10.0) > -1.0
+    assert_same_as_torch(clamped, 1, 1, 64, 64, 16)
+
+
 def test_torch_flags_must_be_bools():
     with pytest.raises(TypeError, match="separate_full_blocks must be a bool, got str"):
         create_block_mask(flexfa.mods.causal, None, None, 64, 64, device="cpu",

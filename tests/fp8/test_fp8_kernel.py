@@ -122,6 +122,19 @@ def test_empty_rows_give_zero_and_minus_inf():
     assert torch.isfinite(lse[:, :, 51:]).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_leaves_the_rows_that_do_not_read_it(bad):
+    """Causal queries before a NaN / inf key give what they give without it: quantization keeps
+    the key block's other values (an inf once zeroed them: NaN for every query of the block)."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 64, 32, generator=generator).bfloat16() for _ in range(3))
+    mask = flexfa.create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    clean = flex_attention_fp8(q, k, v, block_mask=mask, block_size=16, rotate=False)
+    k[0, 0, 40, 3] = bad
+    out = flex_attention_fp8(q, k, v, block_mask=mask, block_size=16, rotate=False)
+    assert torch.equal(out[:, :, :40], clean[:, :, :40])
+
+
 def test_bf16_tensors_are_quantized_in_the_call():
     q, k, v = _qkv(seed=5)
     direct = flex_attention_fp8(q, k, v, rotate=True, block_size=64, seed=7)

@@ -80,6 +80,23 @@ def test_zero_blocks_get_scale_one():
     assert x.q_scale[0, 0, 0] == 1.0 and x.q[:, :, :32].float().abs().max() == 0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("fused", [False, True])
+def test_non_finite_entries_become_nan_and_leave_their_block_alone(bad, fused):
+    """A NaN or inf entry is e4m3's NaN; the block's scale comes from its finite entries
+    (an inf scale zeroed the others, a NaN one, 1, clamped them to +-448)."""
+    q, k, v = _inputs(1, 1, 1, 32, 32, 32, 32)
+    k = k * 100  # the block's largest values are far above 448
+    clean = quantize(q, k, v, block_size=16, rotate=False, fused=fused)
+    k[0, 0, 3, 5] = bad
+    x = quantize(q, k, v, block_size=16, rotate=False, fused=fused)
+    assert torch.equal(x.k_scale, clean.k_scale)
+    bits, clean_bits = x.k.view(torch.uint8), clean.k.view(torch.uint8)
+    assert bits[0, 0, 3, 5] == 0x7F  # e4m3's NaN
+    bits[0, 0, 3, 5] = clean_bits[0, 0, 3, 5]
+    assert torch.equal(bits, clean_bits)
+
+
 def test_fp16_and_fp32_inputs_set_the_output_dtype():
     q, k, v = _inputs(1, 1, 1, 40, 40, 32, 32, dtype=torch.float16)
     assert quantize(q, k, v).dtype == torch.float16
