@@ -278,9 +278,12 @@ def relative_bias(table: torch.Tensor, offset: int | None = None):
     if not isinstance(table, torch.Tensor):
         raise InputTypeError(f"relative_bias: table must be a torch.Tensor, got "
                              f"{type(table).__name__}")
-    if table.dim() not in (1, 2) or table.shape[-1] == 0 or not table.dtype.is_floating_point:
-        raise InputError(f"relative_bias: table must be a float tensor of shape [R] or [H, R], "
-                         f"got shape {tuple(table.shape)} and dtype {table.dtype}")
+    if not table.dtype.is_floating_point:
+        raise InputTypeError(f"relative_bias: table must be a float tensor, got dtype "
+                             f"{table.dtype}")
+    if table.dim() not in (1, 2) or table.shape[-1] == 0:
+        raise InputError(f"relative_bias: table must have shape [R] or [H, R] with R >= 1, "
+                         f"got shape {tuple(table.shape)}")
     size = table.shape[-1]
     offset = (size - 1) // 2 if offset is None else check_int("relative_bias", "offset", offset, 0)
     last = size - 1
