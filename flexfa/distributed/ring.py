@@ -52,8 +52,11 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     mods = RingMods(score_mod, mask_mod, q_pos, key.shape[2], batch, heads, block_size)
     kv_pos = [positions(source, ring.world, key.shape[2], load_balance, device)
               for source in range(ring.world)]
-    learned = () if score_mod is None else tuple(
-        t for t in trace(mods.score_mod).buffers if t.requires_grad)
+    # with the tensors the trace removed (read in a branch it proved dead): their gradient is
+    # zeros, as flex_attention gives them (None would make an optimizer skip them)
+    traced = None if score_mod is None else trace(mods.score_mod)
+    learned = () if traced is None else tuple(
+        t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out

@@ -277,6 +277,30 @@ def test_ring_attention_rejects_bad_mods_before_communicating():
         ring_attention(q, q, q, mask_mod=learnable_mask)  # no gradient asked: on to the group
 
 
+def test_a_learnable_tensor_the_trace_removed_gets_zeros():
+    """A score_mod reading a learnable tensor in a branch its trace proves dead: on one rank
+    ring_attention gives it zeros, as flex_attention does (it gave None)."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    gain = torch.ones(HEADS, requires_grad=True)
+
+    def dead_gain(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, score * gain[h], score)
+
+    q = torch.randn(1, HEADS, 16, 16, requires_grad=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        ring_attention(q, q, q, dead_gain).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert gain.grad is not None and torch.equal(gain.grad, torch.zeros(HEADS))
+    want = flexfa.flex_attention(q, q, q, dead_gain)
+    (grad,) = torch.autograd.grad(want.sum(), gain)
+    assert torch.equal(grad, torch.zeros(HEADS))
+
+
 def test_method_choice_by_shard_size():
     from flexfa.distributed.group import ALLGATHER_MAX_BYTES, choose_method
 
