@@ -16,6 +16,8 @@ from ..api import flex_attention
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
+from ..inputs import check_scale, check_shapes, check_tensors
+from ..runtime.options import parse_kernel_options
 from .comm import Ring
 from .exchange import EXCHANGES
 from .group import choose_method, resolve_group
@@ -42,7 +44,7 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     """
     return_lse = check_bool("ring_attention: return_lse", return_lse)
     _check_mods(score_mod, mask_mod)
-    _check_shards(query, key, value, load_balance, enable_gqa)
+    _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
     ring = Ring(group)
@@ -74,7 +76,7 @@ def _check_mods(score_mod, mask_mod) -> None:
         check_mask_mod_grad(trace(mask_mod, MASK_MOD))
 
 
-def _check_shards(query, key, value, load_balance, enable_gqa) -> None:
+def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
@@ -89,6 +91,12 @@ def _check_shards(query, key, value, load_balance, enable_gqa) -> None:
         raise InputTypeError(f"ring_attention: load_balance must be a bool, got "
                              f"{load_balance!r}")
     _check_heads(query.shape[1], key.shape[1], value.shape[1], enable_gqa)
+    # what each step's flex_attention would refuse (dtypes, devices, batch, head dims, scale,
+    # kernel_options), refused before the first K/V transfer is posted
+    check_tensors(query, key, value)
+    check_shapes(query, key, value, enable_gqa)
+    check_scale(scale, query.shape[3])
+    parse_kernel_options(kernel_options)
     if load_balance and query.shape[2] % 2:
         raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
                          f"chunks; its length {query.shape[2]} is odd")

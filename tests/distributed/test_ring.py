@@ -220,6 +220,7 @@ def test_steps_reuse_one_trace_and_one_kernel():
 
 def test_ring_attention_rejects_bad_shards_before_communicating():
     from flexfa.distributed import ring_attention
+    from flexfa.errors import InputTypeError
 
     q = torch.zeros(1, 2, 6, 16)
     with pytest.raises(InputError, match="its length 5 is odd"):
@@ -228,6 +229,15 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q, q[:, :, :4], q[:, :, :4])
     with pytest.raises(InputError, match=r"\[B, H, S_local, E\], got shape \(2, 6, 16\)"):
         ring_attention(q[0], q, q)
+    # what each step's flex_attention refuses, refused before any transfer is posted
+    with pytest.raises(InputTypeError, match="key has dtype torch.float64"):
+        ring_attention(q, q.double(), q)
+    with pytest.raises(InputError, match="key has head_dim 8 but query has 16"):
+        ring_attention(q, q[..., :8], q)
+    with pytest.raises(InputError, match="scale must be finite"):
+        ring_attention(q, q, q, scale=float("nan"))
+    with pytest.raises(InputError, match="NO_SUCH_OPTION"):
+        ring_attention(q, q, q, kernel_options={"NO_SUCH_OPTION": 1})
     with pytest.raises(InputError, match="torch.distributed is not initialized"):
         ring_attention(q, q, q)
 
