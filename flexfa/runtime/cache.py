@@ -37,8 +37,8 @@ from ..codegen.spec import EMULATE
 from ..codegen.versions import build_tag
 from ..memo import BoundedMemo, clear_all
 from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
-from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, untrusted,
-                             usable_cache_dir)
+from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, max_bytes,
+                             untrusted, usable_cache_dir)
 from .debug import debug
 from .loader import forget_source, load_module
 
@@ -151,6 +151,9 @@ def ensure_source(name: str, key: str, generate: Callable[[], str]) -> tuple[Pat
     read-only directory is only read; a directory that cannot be used, or fails a write
     (full, made read-only meanwhile), and a lock held too long by another process send the
     kernel to the private directory, with a warning."""
+    # the settings first: a bad one then fails every call that needs the disk alike, not
+    # once in claiming the directory, once after writing the kernel, and then never
+    max_bytes(), lock_timeout()
     configured = inspect_cache_dir()
     if configured.problem is None:
         try:

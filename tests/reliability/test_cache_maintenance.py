@@ -177,6 +177,21 @@ def _generate(name: str, size: int = 1000):
     return cache.get_module(name, key, True, lambda: f"VALUE = {name!r}\n" + "#" * size + "\n")
 
 
+@pytest.mark.parametrize("variable", ["FLEXFA_CACHE_MAX_BYTES", "FLEXFA_CACHE_LOCK_TIMEOUT"])
+def test_a_bad_cache_setting_fails_every_call_before_anything_is_written(fresh_cache, monkeypatch,
+                                                                         variable):
+    """The bound was first read in claiming the directory (its marker then never written),
+    then after the kernel was written, and a third call succeeded."""
+    monkeypatch.setenv(variable, "1G")
+    for _ in range(3):
+        with pytest.raises(InputError, match=f"{variable}='1G'"):
+            _generate("flexfa_test_bad_setting")
+    assert not list(fresh_cache.glob("flexfa_test_bad_setting.*"))
+    monkeypatch.delenv(variable)
+    assert _generate("flexfa_test_bad_setting").VALUE == "flexfa_test_bad_setting"
+    assert (fresh_cache / cache_files.MARKER).is_file()
+
+
 def test_a_new_build_prunes_the_old_builds_kernels_on_first_use(fresh_cache, monkeypatch):
     fresh_cache.mkdir(mode=0o700)
     (fresh_cache / cache_files.MARKER).write_text(f"flexfa kernel cache\nbuild={OLD_BUILD}\n")
