@@ -107,6 +107,16 @@ def test_clear_command(tmp_path, monkeypatch, capsys):
     assert _tree(tmp_path) == {"thesis.tex", "data/train.bin", cache_files.MARKER}
 
 
+@pytest.mark.parametrize("command", ["size", "clear", "prune"])
+def test_a_cache_path_that_is_a_file_is_an_error(tmp_path, monkeypatch, capsys, command):
+    """It printed "cleared ...: removed 0 files" (exit 0), as for an empty cache."""
+    _write(tmp_path, "notes.txt")
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path / "notes.txt"))
+    assert cli.main([command]) == 1
+    assert "notes.txt is not a directory" in capsys.readouterr().err
+    assert _tree(tmp_path) == {"notes.txt"}
+
+
 def test_cache_help_lists_every_command(capsys):
     assert cli.main(["--help"]) == 0
     text = capsys.readouterr().out
