@@ -103,16 +103,21 @@ def lookup(key: str, length: int = 4) -> tuple[int, ...] | None:
 
 
 def store(key: str, config: tuple[int, ...], timings: dict) -> None:
+    """Keep the winner in memory and in the store; a store that cannot be written (held by
+    another process, full, read-only) costs a warning, never the call that tuned."""
     _MEMO[key] = config
     path = _path()
     try:
         with file_lock(path.with_suffix(".lock")):
             data = _read_all()
             data[key] = list(config)
-            data.setdefault("_timings_ms", {})[key] = timings
+            stored_timings = data.get("_timings_ms")
+            if not isinstance(stored_timings, dict):  # an edited file: start the table again
+                stored_timings = data["_timings_ms"] = {}
+            stored_timings[key] = timings
             write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
-    except TimeoutError as exc:  # another process holds the store: keep the winner in memory
-        warnings.warn(f"flexfa: {exc}; the tuned config of {key} is not stored",
+    except OSError as exc:  # LockTimeout is one too
+        warnings.warn(f"flexfa: {exc}; the tuned config of {key} is kept in this process only",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -13,7 +13,8 @@ Directories (``cache_location``): the configured one when trusted and writable; 
 read-only one is read, and the kernels it lacks are written to a private temporary one;
 anything else is replaced by the private one, with a warning. A file not owned by this user
 (or root), or writable by others, is never imported (it is regenerated with a warning); so
-is one whose header does not match its content.
+is one whose header does not match its content. The text that passed these checks is what
+is imported (``loader.load_module``), never Python's bytecode of the file.
 
 ``get_module(name, key, interpret, generate)`` is the one entry point; ``STATS`` counts what
 happened (tests use it to see that a second call or a second process skips code generation).
@@ -36,10 +37,10 @@ from ..codegen.spec import EMULATE
 from ..codegen.versions import build_tag
 from ..memo import BoundedMemo, clear_all
 from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
-from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, untrusted,
-                             usable_cache_dir)
+from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, max_bytes,
+                             untrusted, usable_cache_dir)
 from .debug import debug
-from .loader import load_module
+from .loader import forget_source, load_module
 
 log = logging.getLogger("flexfa")
 
@@ -64,10 +65,11 @@ MAX_MODULES = 2048  # kernel modules kept imported in this process (least recent
 
 
 def _forget_module(key, module) -> None:
-    """An evicted kernel module leaves sys.modules too (plans holding its kernels keep them
-    alive while they live; the disk cache still has the source)."""
+    """An evicted kernel module leaves sys.modules and linecache too (plans holding its
+    kernels keep them alive while they live; the disk cache still has the source)."""
     if sys.modules.get(module.__name__) is module:
         del sys.modules[module.__name__]
+    forget_source(module.__file__)
 
 
 _MEMO = BoundedMemo(MAX_MODULES, "kernel modules", on_evict=_forget_module)
@@ -143,11 +145,15 @@ def file_lock(path: Path, timeout: float | None = None):
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def ensure_source(name: str, key: str, generate: Callable[[], str]) -> Path:
-    """The path of a valid source file for ``key``, generating it if needed. A trusted
+def ensure_source(name: str, key: str, generate: Callable[[], str]) -> tuple[Path, str]:
+    """The path of a valid source file for ``key``, generating it if needed, and its text as
+    checked (what is then imported: the file is not read again). A trusted
     read-only directory is only read; a directory that cannot be used, or fails a write
     (full, made read-only meanwhile), and a lock held too long by another process send the
     kernel to the private directory, with a warning."""
+    # the settings first: a bad one then fails every call that needs the disk alike, not
+    # once in claiming the directory, once after writing the kernel, and then never
+    max_bytes(), lock_timeout()
     configured = inspect_cache_dir()
     if configured.problem is None:
         try:
@@ -163,28 +169,30 @@ def ensure_source(name: str, key: str, generate: Callable[[], str]) -> Path:
     else:
         if configured.readable:
             path = kernel_path(name, configured.path)
-            if read_source(path, key)[0] is not None:
+            source = read_source(path, key)[0]
+            if source is not None:
                 STATS.disk_hits += 1
-                return path
+                return path, _with_header(key, source)
         fallback = fall_back(configured.path, configured.problem, f" for kernel {name}")
     return _ensure_source_in(fallback, name, key, generate)
 
 
 def _touch(path: Path) -> None:
     """Mark ``path`` as used (its mtime orders pruning), at most once per ``TOUCH_AFTER_S``
-    so that Python's bytecode of it stays valid most of the time."""
+    (not a write per load)."""
     with contextlib.suppress(OSError):
         if time.time() - path.stat().st_mtime > TOUCH_AFTER_S:
             os.utime(path)
 
 
-def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[], str]) -> Path:
+def _ensure_source_in(directory: Path, name: str, key: str,
+                      generate: Callable[[], str]) -> tuple[Path, str]:
     path = kernel_path(name, directory)
     source, problem = read_source(path, key)
     if source is not None:
         STATS.disk_hits += 1
         _touch(path)
-        return path
+        return path, _with_header(key, source)
     if problem is not None:
         warnings.warn(f"flexfa: cached kernel {path} is invalid ({problem}); regenerating it",
                       RuntimeWarning, stacklevel=4)
@@ -192,7 +200,7 @@ def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[
         source, problem_now = read_source(path, key)  # another process may have written it
         if source is not None:
             STATS.disk_hits += 1
-            return path
+            return path, _with_header(key, source)
         source = generate()
         STATS.codegen += 1
         if problem is not None or problem_now is not None:
@@ -201,7 +209,7 @@ def _ensure_source_in(directory: Path, name: str, key: str, generate: Callable[[
         write_atomic(path, text)
     note_written(directory, len(text))
     log.debug("flexfa: generated %s", path)
-    return path
+    return path, text
 
 
 def get_module(name: str, key: str, interpret: bool | str, generate: Callable[[], str]):
@@ -218,12 +226,9 @@ def get_module(name: str, key: str, interpret: bool | str, generate: Callable[[]
         if module is None:
             suffix = {True: "interp", False: "jit", EMULATE: "emu"}[interpret]
             module_name = f"flexfa_kernels.{name}_{suffix}"
-            path = ensure_source(name, key, generate)
-            try:
-                module = _load(path, interpret, module_name)
-            except FileNotFoundError:  # pruned by another process since it was checked
-                path = ensure_source(name, key, generate)
-                module = _load(path, interpret, module_name)
+            # the checked text is what runs (another process may prune the file meanwhile)
+            path, text = ensure_source(name, key, generate)
+            module = _load(path, text, interpret, module_name)
             debug(f"kernel {name}", f"source: {path}")
             _MEMO[memo_key] = module
         else:
@@ -231,17 +236,19 @@ def get_module(name: str, key: str, interpret: bool | str, generate: Callable[[]
     return module
 
 
-def _load(path, interpret: bool | str, module_name: str):
+def _load(path, text: str, interpret: bool | str, module_name: str):
     if interpret == EMULATE:
         from .gluon_emulator import load_emulated
-        return load_emulated(str(path), module_name)
-    return load_module(path, interpret, module_name=module_name)
+        return load_emulated(str(path), module_name, text)
+    return load_module(path, interpret, module_name=module_name, source=text)
 
 
 def clear_memo() -> None:
     """Forget the modules loaded in this process and every memo built on them (the disk
     cache stays)."""
     with _LOCK:
+        for module in _MEMO.values():
+            forget_source(module.__file__)
         _MEMO.clear()
         for memo in _DERIVED_MEMOS:
             memo.clear()

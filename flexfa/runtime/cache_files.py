@@ -3,8 +3,8 @@ size bound and the pruning of another build's kernels.
 
 flexfa writes, in its cache directory, only: the marker ``.flexfa-cache`` (the build that last
 used the directory), kernel sources ``flexfa_*.py`` whose first line is a flexfa header, their
-empty lock files ``flexfa_*.lock``, the bytecode Python writes for them
-(``__pycache__/flexfa_*.pyc``), the autotuning store ``autotune.json`` and ``autotune.lock``,
+empty lock files ``flexfa_*.lock``, the bytecode Python wrote for them before kernels were
+compiled from their checked text (``__pycache__/flexfa_*.pyc``), the autotuning store ``autotune.json`` and ``autotune.lock``,
 and short-lived temporary files (``.flexfa_*.tmp``, ``.autotune.*.tmp``, ``.flexfa-probe.*``).
 Nothing else is ever deleted, symbolic links are never followed or removed, and a directory
 with neither the marker nor a flexfa kernel is refused as "not a flexfa cache".

@@ -75,7 +75,10 @@ def _run(args: argparse.Namespace, directory: Path) -> int:
 
     if args.command == "path":
         print(directory)
-    elif args.command == "size":
+        return 0
+    if directory.exists() and not directory.is_dir():  # not "0 files": it is no cache at all
+        raise ValueError(f"{directory} is not a directory (FLEXFA_CACHE_DIR names a file)")
+    if args.command == "size":
         files, size = cache_size(directory)
         kernels = [f for f in cache_files.flexfa_files(directory) if f.kind == "source"]
         print(f"{directory}: {files} files, {size} bytes; {len(kernels)} flexfa kernels, "

@@ -783,13 +783,15 @@ def _namespaces() -> dict[str, types.ModuleType]:
             "triton.experimental.gluon.language.nvidia.hopper": hopper}
 
 
-def load_emulated(path: str, module_name: str) -> types.ModuleType:
-    """The generated Gluon module at ``path`` (the kernel cache's file) with every kernel an
-    interpreted function over the emulation above. Its ``@triton.jit`` helpers see a
-    triton.language whose ``inline_asm_elementwise`` is the emulator's."""
+def load_emulated(path: str, module_name: str, source: str | None = None) -> types.ModuleType:
+    """The generated Gluon module at ``path`` (the kernel cache's file; ``source``: its text
+    as the cache checked it, default read now) with every kernel an interpreted function over
+    the emulation above. Its ``@triton.jit`` helpers see a triton.language whose
+    ``inline_asm_elementwise`` is the emulator's."""
     check_interpreter_numpy()
-    with open(path) as file:
-        source = file.read()
+    if source is None:
+        with open(path) as file:
+            source = file.read()
     spaces = _namespaces()
     real_import = builtins.__import__
 

@@ -22,6 +22,7 @@ interpreted module is first loaded.
 from __future__ import annotations
 
 import importlib.util
+import linecache
 import re
 import sys
 import threading
@@ -45,25 +46,45 @@ class InterpreterNumpyError(FlexFAError, RuntimeError):
 triton_mode = config.interpret_mode
 
 
-def load_module(path: str | Path, interpret: bool, module_name: str | None = None):
-    """Import the Python file at ``path``; its kernels are interpreted iff ``interpret``."""
+def load_module(path: str | Path, interpret: bool, module_name: str | None = None,
+                source: str | None = None):
+    """Import the Python file at ``path``; its kernels are interpreted iff ``interpret``.
+    ``source``: the file's text as the caller verified it (default: read now). That text is
+    what runs and what ``inspect`` (Triton) reads: Python's bytecode cache is not used, so a
+    damaged or stale ``.pyc`` never runs, and a file pruned after the check does not matter."""
     path = Path(path)
     name = module_name or f"flexfa_generated.{path.stem}_{'interp' if interpret else 'jit'}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None, f"cannot import {path}"
     module = importlib.util.module_from_spec(spec)
+    if source is None:
+        source = path.read_text(encoding="utf-8")
     if interpret:
         check_interpreter_numpy()
+    remember_source(path, source)
+    code = compile(source, str(path), "exec", dont_inherit=True)
     # under the interpreter's lock: executing the module compiles its source and rewrites
     # its functions (Python ASTs), and CPython 3.11 fails ("AST constructor recursion depth
     # mismatch") when two threads build ASTs at once, as a launch does on a kernel's first call
     with INTERPRETER_LOCK, triton_mode(interpret):
-        spec.loader.exec_module(module)
+        exec(code, module.__dict__)
     if interpret:
         _serialize_launches(module)
     # Triton's compiled path looks kernels' modules up by name (for their globals/source)
     sys.modules[name] = module
     return module
+
+
+def remember_source(path: Path, source: str) -> None:
+    """Make ``linecache`` (``inspect.getsource``, which Triton calls when it decorates and
+    first launches a kernel) answer ``source`` for ``path`` without reading the file again
+    (mtime None: ``linecache.checkcache`` keeps the entry)."""
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+
+
+def forget_source(path: str | Path) -> None:
+    """Drop ``remember_source``'s entry (a module no longer kept: its text is not held)."""
+    linecache.cache.pop(str(path), None)
 
 
 def _serialize_launches(module) -> None:

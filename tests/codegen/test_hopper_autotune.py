@@ -2,6 +2,7 @@
 timing again; progress on stderr; pinned options and the interpreter never tune."""
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -86,6 +87,21 @@ def test_corrupt_file_is_ignored(tune_dir):
     assert autotune.lookup("anything") is None
     autotune.tune("k5", CONFIGS, lambda c: 1.0)
     assert autotune.lookup("k5") == CONFIGS[0]
+
+
+def test_a_store_that_cannot_be_written_keeps_the_winner_in_memory(tune_dir, monkeypatch):
+    """Storing happens after every config was timed: a full or read-only store, or a valid
+    JSON file whose timings table is not an object, must not fail the call that tuned."""
+    (tune_dir / "autotune.json").write_text('{"_timings_ms": []}')
+    assert autotune.tune("k7", CONFIGS, lambda c: float(c[2])) == CONFIGS[2]
+    assert json.loads((tune_dir / "autotune.json").read_text())["k7"] == list(CONFIGS[2])
+
+    def disk_full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(autotune, "write_atomic", disk_full)
+    with pytest.warns(RuntimeWarning, match="No space left.*k8 is kept in this process only"):
+        assert autotune.tune("k8", CONFIGS, lambda c: float(c[3])) == CONFIGS[0]
+    assert autotune.tune("k8", CONFIGS, lambda c: pytest.fail("timed again")) == CONFIGS[0]
 
 
 def test_key_separates_density_and_length_classes():

@@ -2,7 +2,10 @@
 directories fall back to a private temporary one with a warning, foreign files never run."""
 import builtins
 import errno
+import importlib.util
+import marshal
 import os
+import pathlib
 import stat
 import subprocess
 import sys
@@ -97,6 +100,34 @@ def test_foreign_file_with_a_valid_checksum_is_never_imported(fresh_cache, forei
         _attend()
     assert not getattr(builtins, "flexfa_foreign_code_ran", False), "foreign code was executed"
     assert path.stat().st_uid == os.geteuid() and "flexfa_foreign" not in path.read_text()
+
+
+def _bytecode_for(path, code_text: str | None = None) -> bytes:
+    """A .pyc that Python accepts for the source at ``path`` (its header names the file's
+    mtime and size): of ``code_text``, or (None) a damaged one, cut after the header."""
+    info = path.stat()
+    header = importlib.util.MAGIC_NUMBER + (0).to_bytes(4, "little") + \
+        (int(info.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + \
+        (info.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    if code_text is None:
+        return header + b"\xe3\x00"
+    return header + marshal.dumps(compile(code_text, str(path), "exec"))
+
+
+@pytest.mark.parametrize("bytecode", ["damaged", "other code"])
+def test_python_bytecode_of_a_kernel_never_runs(fresh_cache, bytecode):
+    """Python's .pyc is valid for a source by its mtime and size alone: a damaged one failed
+    every call, and one of other code ran instead of the checked kernel. The checked text runs."""
+    _attend()
+    path = _only_kernel(fresh_cache)
+    payload = "import builtins\nbuiltins.flexfa_bytecode_ran = True\n"
+    pyc = pathlib.Path(importlib.util.cache_from_source(str(path)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(_bytecode_for(path, None if bytecode == "damaged" else payload))
+    cache.clear_memo()
+    _attend()
+    assert not getattr(builtins, "flexfa_bytecode_ran", False), "bytecode was run"
+    assert STATS.codegen == 1 and STATS.disk_hits == 1
 
 
 def _fallback_run(configured):
