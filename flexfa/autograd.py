@@ -113,8 +113,11 @@ def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:
     """The captured tensors' gradients, NaN where torch's would be: a row whose forward saw a
     +inf or NaN score (lse +inf or NaN) adds 0 in the kernels' scatter-adds, while torch's
     gradient of every captured tensor it read is NaN (no device sync here). ``lse < inf`` is
-    False exactly where lse is +inf or NaN: two small ops instead of four."""
-    if not buffer_grads:
+    False exactly where lse is +inf or NaN: two small ops instead of four. The sinks'
+    gradient is left as it is: it is formed per head from that lse, so it is NaN in the heads
+    of such rows already, and poisoning it would spread their NaN to every other head."""
+    if not buffer_grads or buffer_grads.keys() == {SINKS_GRAD}:
         return buffer_grads
     clean = (lse < float("inf")).all()
-    return {slot: torch.where(clean, grad, float("nan")) for slot, grad in buffer_grads.items()}
+    return {slot: grad if slot == SINKS_GRAD else torch.where(clean, grad, float("nan"))
+            for slot, grad in buffer_grads.items()}
