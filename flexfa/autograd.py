@@ -3,9 +3,10 @@
 The forward runs the generated forward kernel and saves what the backward needs: q, k, v,
 out, lse (float32, natural log) and the score_mod's captured tensors; ``ctx.call`` keeps the
 prepared mods, the block mask, the scale, the kernel options and the optional features (the
-sinks, the dropout seed: the backward draws the same keep mask). The backward runs the
-generated backward kernels (``flexfa.runtime.backward``): P is recomputed tile by tile from
-lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
+sinks, the dropout seed: the backward draws the same keep mask); the backward checks by
+their version counters that the tensors of ``ctx.call`` it reads were not edited since. The
+backward runs the generated backward kernels (``flexfa.runtime.backward``): P is recomputed
+tile by tile from lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
 require grad, into the attention sinks, and through lse when the caller used it
 (``return_lse=True``).
 
