@@ -219,6 +219,8 @@ def test_bad_sinks_fail_before_any_launch(monkeypatch):
         (torch.zeros(HQ, dtype=torch.float64), InputTypeError, "sinks has dtype torch.float64"),
         (torch.zeros(HQ, dtype=torch.int32), InputTypeError, "sinks has dtype torch.int32"),
         (torch.zeros(HQ, device="meta"), InputError, "sinks is on meta but query is on cpu"),
+        (torch.zeros(HQ).to_sparse(), InputError, "sinks has layout torch.sparse_coo"),
+        (torch._neg_view(torch.ones(HQ)), InputError, "sinks is a lazily negated view"),
         ([0.0] * HQ, InputTypeError, "sinks must be a torch.Tensor or None, got list"),
     ]
     for sinks, error, message in cases:
