@@ -16,7 +16,8 @@ from .autograd import FlexAttentionFunction
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .inputs import check_aux, check_block_mask, check_scale, check_shapes, check_tensors
+from .inputs import (check_aux, check_block_mask, check_scale, check_shapes, check_tensors,
+                     readable)
 from .lazy import lazy_function
 from .memo import BoundedMemo
 from .prepared import lookup, record, signature
@@ -49,9 +50,11 @@ _mask_fields = operator.attrgetter(*_MASK_FIELDS)
 
 def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
     """(key, objects) of everything the tensor, shape and block-mask checks read, for plain
-    tensors (None: a tensor subclass, checked every time). The mask enters by the identity of
-    the object and of each table (``objects``), and by its block size and lengths."""
-    if not type(query) is type(key) is type(value) is torch.Tensor:
+    tensors (None: a tensor subclass or one the kernels cannot read as it is, checked every
+    time). The mask enters by the identity of the object and of each table (``objects``), and
+    by its block size and lengths."""
+    if not type(query) is type(key) is type(value) is torch.Tensor or \
+            not readable(query, key, value):
         return None
     if block_mask is None:
         objects, mask_key = (), None

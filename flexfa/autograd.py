@@ -3,9 +3,10 @@
 The forward runs the generated forward kernel and saves what the backward needs: q, k, v,
 out, lse (float32, natural log) and the score_mod's captured tensors; ``ctx.call`` keeps the
 prepared mods, the block mask, the scale, the kernel options and the optional features (the
-sinks, the dropout seed: the backward draws the same keep mask). The backward runs the
-generated backward kernels (``flexfa.runtime.backward``): P is recomputed tile by tile from
-lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
+sinks, the dropout seed: the backward draws the same keep mask); the backward checks by
+their version counters that the tensors of ``ctx.call`` it reads were not edited since. The
+backward runs the generated backward kernels (``flexfa.runtime.backward``): P is recomputed
+tile by tile from lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
 require grad, into the attention sinks, and through lse when the caller used it
 (``return_lse=True``).
 
@@ -17,9 +18,13 @@ silently have no second derivative.
 """
 from __future__ import annotations
 
+import itertools
+import operator
+
 import torch
 
-from .blockmask.validate import check_tables
+from .blockmask.validate import TABLES, check_tables
+from .errors import InputError
 from .lazy import lazy_function
 from .runtime.call import SINKS_GRAD, AttentionCall
 
@@ -52,6 +57,7 @@ class FlexAttentionFunction(torch.autograd.Function):
                                      return_max=return_max)
         ctx.call = call
         ctx.save_for_backward(query, key, value, out, lse, *buffers)
+        ctx.versions = _read_versions(call)
         if maxs is not None:
             ctx.mark_non_differentiable(maxs)
         # unused outputs get None instead of zeros: no lse gradient means no dlse term
@@ -83,6 +89,7 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
     query, key, value, out, lse = ctx.saved_tensors[:5]
     call = ctx.call
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
+    _check_unedited(ctx.versions)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, buffer_grads = run_backward(
@@ -95,6 +102,39 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
     return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
             *(_buffer_grad(ctx, buffer_grads, slot, buffer)
               for slot, buffer in enumerate(buffers)))
+
+
+_TABLE_NAMES = tuple(f"block_mask.{name}" for name in TABLES)
+_tables = operator.attrgetter(*TABLES)
+
+
+def _read_versions(call: AttentionCall) -> list:
+    """(what, tensor, version counter) of the tensors besides q, k, v and the score_mod's
+    captured ones (which autograd saves) that the backward reads: the sinks, the mask_mod's
+    captured tensors and the block mask's tables. Inference tensors have no version counter
+    to check. (No generators: this runs on every call that needs a gradient.)"""
+    reads = [("sinks", call.sinks)]
+    if call.mask is not None:
+        reads += zip(itertools.repeat("a tensor the mask_mod captures"), call.mask.buffers)
+    if call.block_mask is not None:
+        try:
+            reads += zip(_TABLE_NAMES, _tables(call.block_mask))
+        except AttributeError:  # a duck-typed mask without the full or q tables
+            reads += [(f"block_mask.{n}", getattr(call.block_mask, n, None)) for n in TABLES]
+    return [(what, t, t._version) for what, t in reads if t is not None and not t.is_inference()]
+
+
+def _check_unedited(versions: list) -> None:
+    """An InputError if one of ``_read_versions``' tensors was edited in place since the forward (its
+    version counter moved): the backward would silently give the gradients of another
+    forward, where torch's flex_attention, which saves them for backward, raises."""
+    for what, tensor, version in versions:
+        if tensor._version != version:
+            raise InputError(
+                f"{what} (shape {tuple(tensor.shape)}) was edited in place between "
+                "flex_attention's forward and its backward, which reads it; the gradients "
+                "would be those of another forward: edit it after the backward, or pass a "
+                "copy to the forward")
 
 
 def _buffer_grad(ctx, buffer_grads: dict, slot: int, buffer: torch.Tensor):
@@ -113,8 +153,11 @@ def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:
     """The captured tensors' gradients, NaN where torch's would be: a row whose forward saw a
     +inf or NaN score (lse +inf or NaN) adds 0 in the kernels' scatter-adds, while torch's
     gradient of every captured tensor it read is NaN (no device sync here). ``lse < inf`` is
-    False exactly where lse is +inf or NaN: two small ops instead of four."""
-    if not buffer_grads:
+    False exactly where lse is +inf or NaN: two small ops instead of four. The sinks'
+    gradient is left as it is: it is formed per head from that lse, so it is NaN in the heads
+    of such rows already, and poisoning it would spread their NaN to every other head."""
+    if not buffer_grads or buffer_grads.keys() == {SINKS_GRAD}:
         return buffer_grads
     clean = (lse < float("inf")).all()
-    return {slot: torch.where(clean, grad, float("nan")) for slot, grad in buffer_grads.items()}
+    return {slot: grad if slot == SINKS_GRAD else torch.where(clean, grad, float("nan"))
+            for slot, grad in buffer_grads.items()}

@@ -17,6 +17,7 @@ import torch
 
 from .blockmask.checks import resolve_device
 from .errors import InputError, InputTypeError
+from .inputs import check_readable
 from .lazy import lazy_function
 from .runtime.call import OFFSET_LIMIT, SEED_LIMIT, Dropout, seed_tensor
 
@@ -39,6 +40,7 @@ def check_sinks(sinks, heads: int, dtype: torch.dtype, device) -> torch.Tensor |
                              f"query's dtype {dtype}")
     if sinks.device != device:
         raise InputError(f"sinks is on {sinks.device} but query is on {device}")
+    check_readable("sinks", sinks)
     return sinks.contiguous()
 
 

@@ -39,12 +39,32 @@ def check_tensors(query, key, value) -> None:
         if tensor.device.type not in ("cpu", "cuda"):
             raise InputError(f"{name} is on device {tensor.device}; flexfa runs on CUDA "
                              "(compiled kernels) or CPU (Triton interpreter)")
+        check_readable(name, tensor)
     for name, tensor in zip(_NAMES[1:], (key, value)):
         if tensor.dtype != query.dtype:
             raise InputError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; "
                              "query, key and value must share one dtype")
         if tensor.device != query.device:
             raise InputError(f"{name} is on {tensor.device} but query is on {query.device}")
+
+
+def readable(query, key, value) -> bool:
+    """Whether the kernels can read each tensor through its data pointer and strides: a
+    strided layout (not sparse, mkldnn or nested) without the negative bit (a lazily negated
+    view such as ``z.conj().imag``, whose memory holds the values' negations)."""
+    return (query.layout is key.layout is value.layout is torch.strided
+            and not (query.is_neg() or key.is_neg() or value.is_neg()))
+
+
+def check_readable(name: str, tensor: torch.Tensor) -> None:
+    """An InputError naming ``name`` unless the kernels can read ``tensor`` (``readable``)."""
+    if tensor.layout is not torch.strided:
+        raise InputError(f"{name} has layout {tensor.layout}; flexfa's kernels read strided "
+                         "tensors: pass a dense one (.to_dense())")
+    if tensor.is_neg():
+        raise InputError(f"{name} is a lazily negated view (its negative bit is set, as for "
+                         "z.conj().imag): its memory holds the values' negations, which the "
+                         "kernels would read; pass .resolve_neg() of it")
 
 
 def check_head_dim(label: str, dim: int) -> None:
@@ -175,6 +195,8 @@ def check_buffers(traced: TracedMod | None, what: str, device: torch.device) -> 
     if traced is None:
         return
     for slot, tensor in enumerate(traced.buffers):
+        check_readable(f"the captured tensor of shape {tuple(tensor.shape)} that the {what} "
+                       f"{traced.name!r} reads", tensor)
         if tensor.numel() == 0:  # a kernel would read out of bounds: there is no element
             raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
                              f"{tuple(tensor.shape)}, which has no elements")

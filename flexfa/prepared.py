@@ -24,8 +24,9 @@ established everything the entry was derived from:
   autograd); a plan kept in the entry is used only until a memo is cleared
   (``memo.CLEARS``, ``run_forward``).
 
-Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float or
-tensor subclasses take the full path every time. Nothing here keeps a user's object alive:
+Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float,
+tensor subclasses or tensors the kernels cannot read as they are (``inputs.readable``) take
+the full path every time. Nothing here keeps a user's object alive:
 entries hold the score_mod's trace weakly and live under the mask, whose own objects they
 hold.
 """
@@ -40,7 +41,7 @@ from .blockmask.validate import capturing, still_checked, table_state
 from .errors import InputError, InputTypeError
 from .frontend.grad import check_mask_mod_grad
 from .frontend.trace import MASK_MOD, SCORE_MOD, memoized
-from .inputs import broadcast_batch
+from .inputs import broadcast_batch, readable
 from .lazy import lazy_function
 from .memo import MaskedMemo
 from .runtime.call import AttentionCall
@@ -76,6 +77,7 @@ def signature(query, key, value, score_mod, scale, enable_gqa, return_lse, kerne
     """(the memo key of a call, its parsed kernel_options), or None for a call that always
     takes the full path."""
     if (not type(query) is type(key) is type(value) is torch.Tensor
+            or not readable(query, key, value)  # (checked on the full path)
             or return_aux is not None or sinks is not None or dropout_seed is not None
             or type(dropout_p) not in (float, int) or dropout_p != 0
             or type(enable_gqa) is not bool or type(return_lse) is not bool

@@ -54,8 +54,9 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
         sink_column = sinks.to(dtype).view(1, Hq, 1, 1).expand(B, Hq, L, 1)
         scores = torch.cat([scores.expand(B, Hq, L, S), sink_column], dim=-1)
     # empty rows: take the logsumexp of zeros instead of -inf (a NaN-free backward), then
-    # report -inf; their probabilities exp(-inf - finite) are exactly 0
-    has_any = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    # report -inf; their probabilities exp(-inf - finite) are exactly 0. A row is empty only
+    # when every score is -inf: one of NaN or +inf scores is not, its lse NaN or +inf (torch's)
+    has_any = (scores != -math.inf).any(dim=-1, keepdim=True)
     lse = torch.logsumexp(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1,
                           keepdim=True)
     probs = torch.exp(scores - lse)

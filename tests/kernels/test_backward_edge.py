@@ -1,12 +1,14 @@
 """Backward edge cases under the interpreter: rows with nothing to attend, the deterministic
 option, mixed captured tensors, and bad input (grad-requiring mask captures, mods without a
-derivative, backward after a no_grad call)."""
+derivative, backward after a no_grad call, inputs edited between forward and backward)."""
+import re
+
 import pytest
 import torch
 
 import flexfa
 from flexfa import mods
-from flexfa.blockmask import create_block_mask
+from flexfa.blockmask import create_block_mask, validate
 from flexfa.errors import InputError, UnsupportedOpError
 from flexfa.frontend import grad as grad_module
 from flexfa.frontend.ir import Op
@@ -149,6 +151,43 @@ def test_grad_requiring_capture_in_mask_mod_is_an_error():
         flexfa.flex_attention(q.requires_grad_(True), k, v, block_mask=block_mask)
     with torch.no_grad():  # inference is fine
         flexfa.flex_attention(q, k, v, block_mask=block_mask)
+
+
+def _valid_edits():
+    """(name, edit(sinks, document, mask)) of in-place edits, each leaving valid inputs."""
+    def copy_tables(sinks, document, mask):
+        causal = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None,
+                                   L, S, device="cpu", BLOCK_SIZE=16)
+        for name in validate.TABLES:
+            getattr(mask, name).copy_(getattr(causal, name))
+    return [("sinks", lambda sinks, document, mask: sinks.add_(3.0)),
+            ("a tensor the mask_mod captures",
+             lambda sinks, document, mask: document.copy_(torch.arange(S) // 7)),
+            ("block_mask.kv_num_blocks", copy_tables)]
+
+
+@pytest.mark.parametrize("what,edit", _valid_edits(),
+                         ids=[name for name, _ in _valid_edits()])
+def test_an_input_edited_between_forward_and_backward_is_an_error(what, edit):
+    """The backward reads the sinks, the mask_mod's captured tensors and the tables again: one
+    edited in place (to valid values) after the forward would give the gradients of another
+    forward; torch's flex_attention saves them for backward and raises, and so does flexfa
+    (q, k, v and score_mod captures are saved for backward already)."""
+    document = torch.arange(S) // 12
+
+    def same_document(b, h, q_idx, kv_idx):
+        return document[q_idx % S] == document[kv_idx]
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=16)
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+    block_mask = create_block_mask(same_document, None, None, L, S, device="cpu",
+                                   BLOCK_SIZE=16)
+    out = flexfa.flex_attention(q.requires_grad_(True), k, v, block_mask=block_mask,
+                                sinks=sinks)
+    with torch.no_grad():
+        edit(sinks, document, block_mask)
+    with pytest.raises(InputError, match=f"{re.escape(what)} .*edited in place between"):
+        out.sum().backward()
 
 
 def test_mod_without_derivative_names_the_op(monkeypatch):

@@ -33,6 +33,8 @@ BAD = [
     (dict(key=torch.randn(1, 3, 30, 16), value=torch.randn(1, 3, 30, 8)), InputError,
      "query has 4 heads but key has 3"),
     (dict(enable_gqa=False), InputError, "pass enable_gqa=True"),
+    (dict(query=q.to_sparse()), InputError, "query has layout torch.sparse_coo"),
+    (dict(value=torch._neg_view(v)), InputError, "value is a lazily negated view"),
     (dict(query=torch.randn(1, 2, 20, 264), key=torch.randn(1, 2, 30, 264)), InputError,
      "head_dim is 264"),
     (dict(scale="0.1"), InputTypeError, "scale must be a float"),
@@ -93,6 +95,24 @@ def test_captured_tensor_on_another_device_is_rejected():
 
     with pytest.raises(InputError, match="captured tensor of shape \\(4,\\) on meta"):
         call(score_mod=score_mod)
+
+
+def test_a_negated_view_is_refused_after_a_plain_call_of_its_shape():
+    """A tensor with the negative bit (z.conj().imag) holds its values' negations in memory,
+    which the kernels would read: refused, also on a repeated call whose plain tensors of the
+    same shape, strides and dtype were checked before (torch's flex_attention refuses it too)."""
+    negated = torch.randn(1, 2, 30, 8, dtype=torch.complex64).conj().imag
+    call(value=negated.resolve_neg())
+    with pytest.raises(InputError, match="value is a lazily negated view"):
+        call(value=negated)
+    bias = torch._neg_view(torch.randn(4))
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    with pytest.raises(InputError, match=r"captured tensor of shape \(4,\) that the score_mod "
+                                         "'biased' reads is a lazily negated view"):
+        call(score_mod=biased)
 
 
 def test_block_mask_on_another_device_is_rejected():

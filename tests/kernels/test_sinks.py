@@ -169,6 +169,21 @@ def test_sinks_gradient_by_finite_differences():
             assert abs(grad[i].item() - numeric.item()) <= 2e-3 * (1 + abs(numeric.item()))
 
 
+
+def test_a_nan_row_leaves_other_heads_sinks_gradients_finite():
+    """A NaN in one head's query makes that head's rows NaN (lse NaN); the other heads never
+    see it, and their sinks' gradients stay finite, as the reference's (they are not
+    poisoned like a captured tensor's, which any row may read)."""
+    q, k, v = make_qkv(1, 2, 2, 40, 48, 16, seed=7)
+    q[0, 1, 5, 3] = math.nan
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+    (grad,) = torch.autograd.grad(flexfa.flex_attention(q, k, v, sinks=sinks)[:, 0].sum(),
+                                  [sinks])
+    exact = sinks.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(attention_reference(q, k, v, sinks=exact)[:, 0].sum(), [exact])
+    assert torch.isfinite(want[0])
+    torch.testing.assert_close(grad[0], want[0], atol=1e-5, rtol=1e-4)
+
 def test_split_kv_decoding_adds_the_sink_once():
     q, k, v = make_qkv(1, 2, 2, 3, 1100, 16, seed=9)
     sinks = torch.tensor([1.0, 3.0])
@@ -204,6 +219,8 @@ def test_bad_sinks_fail_before_any_launch(monkeypatch):
         (torch.zeros(HQ, dtype=torch.float64), InputTypeError, "sinks has dtype torch.float64"),
         (torch.zeros(HQ, dtype=torch.int32), InputTypeError, "sinks has dtype torch.int32"),
         (torch.zeros(HQ, device="meta"), InputError, "sinks is on meta but query is on cpu"),
+        (torch.zeros(HQ).to_sparse(), InputError, "sinks has layout torch.sparse_coo"),
+        (torch._neg_view(torch.ones(HQ)), InputError, "sinks is a lazily negated view"),
         ([0.0] * HQ, InputTypeError, "sinks must be a torch.Tensor or None, got list"),
     ]
     for sinks, error, message in cases:

@@ -155,6 +155,24 @@ def test_nan_in_a_query_row_stays_in_that_row():
     torch.testing.assert_close(out[keep], reference[keep].float(), atol=1e-5, rtol=1e-5)
 
 
+def test_the_reference_lse_of_nan_and_inf_rows_is_torchs():
+    """A row of NaN scores (a NaN in its query) or of +inf scores is not an empty row: its
+    lse is NaN or +inf in torch's flex_attention, flexfa's and the reference's, not -inf."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+    def inf_row(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx == 2, math.inf, score)
+
+    q, k, v = qkv(L=24, S=40)
+    q[0, 1, 5, 3] = math.nan
+    for score_mod in (None, inf_row):
+        _, want = torch_flex_attention(q, k, v, score_mod=score_mod, return_lse=True)
+        _, got = flexfa.flex_attention(q, k, v, score_mod=score_mod, return_lse=True)
+        _, exact = attention_reference(q, k, v, score_mod, return_lse=True)
+        for lse in (got, exact):
+            torch.testing.assert_close(lse.float(), want, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 def test_nan_in_a_key_reaches_only_rows_that_attend_to_it():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
