@@ -18,12 +18,11 @@ silently have no second derivative.
 """
 from __future__ import annotations
 
-import itertools
 import operator
 
 import torch
 
-from .blockmask.validate import TABLES, check_tables
+from .blockmask.validate import TABLES, check_tables, table_state
 from .errors import InputError
 from .lazy import lazy_function
 from .runtime.call import SINKS_GRAD, AttentionCall
@@ -89,7 +88,7 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
     query, key, value, out, lse = ctx.saved_tensors[:5]
     call = ctx.call
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
-    _check_unedited(ctx.versions)
+    _check_unedited(call.block_mask, ctx.versions)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, buffer_grads = run_backward(
@@ -106,29 +105,48 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
 
 _TABLE_NAMES = tuple(f"block_mask.{name}" for name in TABLES)
 _tables = operator.attrgetter(*TABLES)
+_MASK_TENSOR = "a tensor the mask_mod captures"
 
 
-def _read_versions(call: AttentionCall) -> list:
-    """(what, tensor, version counter) of the tensors besides q, k, v and the score_mod's
-    captured ones (which autograd saves) that the backward reads: the sinks, the mask_mod's
-    captured tensors and the block mask's tables. Inference tensors have no version counter
-    to check. (No generators: this runs on every call that needs a gradient.)"""
-    reads = [("sinks", call.sinks)]
+def _read_versions(call: AttentionCall) -> tuple:
+    """What the backward reads besides q, k, v and the score_mod's captured tensors (which
+    autograd saves), as it is now: (the block mask's ``TableState``, which ``check_tables``
+    replaces whenever a table may have changed, [(what, tensor, version counter)] of the
+    sinks and the mask_mod's captured tensors). A mask without a recorded state (a slotted
+    mask object) or with inference tables lists its tables' versions instead; inference
+    tensors have no version counter to check. (No generators: this runs on every call that
+    needs a gradient.)"""
+    reads = []
+    sinks = call.sinks
+    if sinks is not None and not sinks.is_inference():
+        reads.append(("sinks", sinks, sinks._version))
     if call.mask is not None:
-        reads += zip(itertools.repeat("a tensor the mask_mod captures"), call.mask.buffers)
-    if call.block_mask is not None:
+        for tensor in call.mask.buffers:
+            if not tensor.is_inference():
+                reads.append((_MASK_TENSOR, tensor, tensor._version))
+    mask = call.block_mask
+    state = None if mask is None else table_state(mask)
+    if mask is not None and (state is None or state.versions is None):
+        state = None
         try:
-            reads += zip(_TABLE_NAMES, _tables(call.block_mask))
+            tables = zip(_TABLE_NAMES, _tables(mask))
         except AttributeError:  # a duck-typed mask without the full or q tables
-            reads += [(f"block_mask.{n}", getattr(call.block_mask, n, None)) for n in TABLES]
-    return [(what, t, t._version) for what, t in reads if t is not None and not t.is_inference()]
+            tables = [(f"block_mask.{n}", getattr(mask, n, None)) for n in TABLES]
+        reads += [(what, t, t._version) for what, t in tables
+                  if t is not None and not t.is_inference()]
+    return state, reads
 
 
-def _check_unedited(versions: list) -> None:
-    """An InputError if one of ``_read_versions``' tensors was edited in place since the forward (its
-    version counter moved): the backward would silently give the gradients of another
-    forward, where torch's flex_attention, which saves them for backward, raises."""
-    for what, tensor, version in versions:
+def _check_unedited(block_mask, versions: tuple) -> None:
+    """An InputError if one of ``_read_versions``' tensors was edited in place since the
+    forward (the tables: ``check_tables``, run just before, found them changed and recorded a
+    new state; the others: their version counter moved): the backward would silently give
+    the gradients of another forward, where torch's flex_attention, which saves them for
+    backward, raises."""
+    state, reads = versions
+    if state is not None and table_state(block_mask) is not state:
+        reads = [("a table of block_mask", block_mask.kv_num_blocks, None)]
+    for what, tensor, version in reads:
         if tensor._version != version:
             raise InputError(
                 f"{what} (shape {tuple(tensor.shape)}) was edited in place between "
