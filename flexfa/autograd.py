@@ -168,9 +168,11 @@ def _buffer_grad(ctx, buffer_grads: dict, slot: int, buffer: torch.Tensor):
 
 
 def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:
-    """The captured tensors' gradients, NaN where torch's would be: a row whose forward saw a
-    +inf or NaN score (lse +inf or NaN) adds 0 in the kernels' scatter-adds, while torch's
-    gradient of every captured tensor it read is NaN (no device sync here). ``lse < inf`` is
+    """The captured tensors' gradients, wholly NaN when any row's forward saw a +inf or NaN
+    score (lse +inf or NaN): such a row adds 0 in the kernels' scatter-adds, while torch's
+    gradient is NaN in the entries the row read. NaN everywhere is wider than torch's (whose
+    dk and dv are NaN there too) but never a finite value torch would not give, and needs no
+    device sync here. ``lse < inf`` is
     False exactly where lse is +inf or NaN: two small ops instead of four. The sinks'
     gradient is left as it is: it is formed per head from that lse, so it is NaN in the heads
     of such rows already, and poisoning it would spread their NaN to every other head."""
