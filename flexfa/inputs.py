@@ -61,7 +61,8 @@ def check_readable(name: str, tensor: torch.Tensor) -> None:
     if tensor.layout is not torch.strided:
         raise InputError(f"{name} has layout {tensor.layout}; flexfa's kernels read strided "
                          "tensors: pass a dense one (.to_dense())")
-    if tensor.is_neg():
+    # (Dynamo cannot trace is_neg: under torch.compile the operator checks its real inputs)
+    if not torch.compiler.is_compiling() and tensor.is_neg():
         raise InputError(f"{name} is a lazily negated view (its negative bit is set, as for "
                          "z.conj().imag): its memory holds the values' negations, which the "
                          "kernels would read; pass .resolve_neg() of it")
