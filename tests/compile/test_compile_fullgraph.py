@@ -279,3 +279,20 @@ def test_compiled_calls_refuse_what_eager_refuses(case):
         torch._dynamo.reset()
         with pytest.raises(raised, match=message):
             torch.compile(call, backend="aot_eager", fullgraph=fullgraph)(*inputs)
+
+
+def test_a_negated_view_compiles_to_the_resolved_inputs_result():
+    """Eager flexfa refuses a lazily negated view (its kernels would read the memory, which
+    holds the negations); under torch.compile the check cannot run while Dynamo traces
+    (``is_neg``), and the graph gives the operator the resolved values: the result is that of
+    ``q.resolve_neg()``, in one graph."""
+    q, k, v = make_inputs(40, seed=9)
+    negated = torch.complex(torch.zeros_like(q), -q).conj().imag  # values q, negative bit set
+    assert negated.is_neg() and torch.equal(negated, q)
+    with pytest.raises(flexfa.InputError, match="lazily negated view"):
+        flexfa.flex_attention(negated, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flexfa.flex_attention(q, k, v),
+                             backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(negated, k, v), flexfa.flex_attention(q, k, v),
+                               atol=0, rtol=0)
