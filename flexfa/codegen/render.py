@@ -196,6 +196,8 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # deepest inlined expression (in ops); each op adds at most 3 parentheses
 MAX_INLINE_DEPTH = 16
 
+NEGATIVE_ZERO = "tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)"
+
 # small constant integer exponents render as products (exact, and what the backward expects)
 _MAX_UNROLLED_POWER = 4
 
@@ -207,6 +209,10 @@ def literal(value) -> str:
     if isinstance(value, int):
         return f"({value})" if value < 0 else str(value)
     value = float(value)
+    if value == 0.0 and math.copysign(1.0, value) < 0:
+        # Triton makes every constant equal to 0 a +0.0 (semantic.scalar_constant, compiled
+        # and interpreted alike), which x / -0.0 would show: -0.0 from its bits instead
+        return NEGATIVE_ZERO
     if math.isnan(value):
         return 'float("nan")'
     if math.isinf(value):

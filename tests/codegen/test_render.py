@@ -145,9 +145,17 @@ def test_literals():
     assert literal(float("inf")) == 'float("inf")'
     assert literal(float("-inf")) == 'float("-inf")'
     assert literal(float("nan")) == 'float("nan")'
-    assert literal(-0.0) == "(-0.0)" and literal(-3) == "(-3)" and literal(True) == "True"
+    assert literal(-3) == "(-3)" and literal(True) == "True"
     assert float(eval(literal(1e-30))) == 1e-30
     assert math.isinf(eval(literal(float("-inf")), {"float": float}))
+
+
+def test_negative_zero_constants_keep_their_sign(tmp_path):
+    """Regression: Triton turns every constant equal to 0 into +0.0 (compiled too), so a
+    rendered ``(-0.0)`` made ``x / -0.0`` the opposite infinity."""
+    _check(lambda s, b, h, q, kv: s / -0.0 + 1.0 / torch.where(kv > 0, -0.0, 0.0), tmp_path)
+    _check(lambda s, b, h, q, kv: (s * 0.0 + -0.0) < 0.0, tmp_path)  # the mask path's compare
+    _check(lambda s, b, h, q, kv: (q > kv) / -0.0 < 0.0, tmp_path)
 
 
 def test_unrenderable_op_names_the_op():
