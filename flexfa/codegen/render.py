@@ -279,7 +279,8 @@ def _folds(node: Node, constant: Collection[int]) -> bool:
 
 def _power(node: Node, base: str) -> str | None:
     exponent = node.src[1]
-    if exponent.op is not Op.CONST or float(exponent.arg) != int(exponent.arg):
+    if (exponent.op is not Op.CONST or not math.isfinite(exponent.arg)
+            or float(exponent.arg) != int(exponent.arg)):
         return None
     n = int(exponent.arg)
     if not 1 <= n <= _MAX_UNROLLED_POWER:
