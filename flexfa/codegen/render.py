@@ -118,6 +118,8 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.NOT, BOOL): "({0} == 0)",
     (Op.NOT, INT): "(~{0})",
     (Op.WHERE, None): "tl.where({0}, {1}, {2})",
+    # Triton's unary minus is 0 - x, +0.0 for x = 0.0: a product by -1 gives torch's -0.0
+    (Op.NEG, FLOAT): "({0} * -1.0)",
     (Op.NEG, None): "(-{0})",
     (Op.DETACH, None): "{0}",  # a value is a value: only the derivative graph differs
     (Op.ABS, BOOL): "{0}",

@@ -158,6 +158,13 @@ def test_negative_zero_constants_keep_their_sign(tmp_path):
     _check(lambda s, b, h, q, kv: (q > kv) / -0.0 < 0.0, tmp_path)
 
 
+def test_negation_of_zero_is_negative_zero(tmp_path):
+    """Regression: Triton computes -x as 0 - x, so -(0.0) was +0.0 and 1 / -x the opposite
+    infinity of torch's."""
+    _check(lambda s, b, h, q, kv: 1.0 / -(s * 0.0) + 1.0 / -(q * 0.0) + 1.0 / torch.neg(kv * 0.0),
+           tmp_path)
+
+
 def test_unrenderable_op_names_the_op():
     bad = Node.make(Op.TANH, DType.INT, (index(Op.Q_IDX),))
     with pytest.raises(UnsupportedOpError, match="TANH"):
