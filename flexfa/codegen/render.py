@@ -198,7 +198,8 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # deepest inlined expression (in ops); each op adds at most 3 parentheses
 MAX_INLINE_DEPTH = 16
 
-NEGATIVE_ZERO = "tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)"
+# (a cast of the constant, not tl.full: the Gluon kernels render mods by these rules too)
+NEGATIVE_ZERO = "tl.cast(-2147483648, tl.float32, bitcast=True)"
 
 # small constant integer exponents render as products (exact, and what the backward expects)
 _MAX_UNROLLED_POWER = 4
