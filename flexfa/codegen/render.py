@@ -118,6 +118,8 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.NOT, BOOL): "({0} == 0)",
     (Op.NOT, INT): "(~{0})",
     (Op.WHERE, None): "tl.where({0}, {1}, {2})",
+    # Triton's unary minus is 0 - x, +0.0 for x = 0.0: a product by -1 gives torch's -0.0
+    (Op.NEG, FLOAT): "({0} * -1.0)",
     (Op.NEG, None): "(-{0})",
     (Op.DETACH, None): "{0}",  # a value is a value: only the derivative graph differs
     (Op.ABS, BOOL): "{0}",
@@ -196,6 +198,9 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # deepest inlined expression (in ops); each op adds at most 3 parentheses
 MAX_INLINE_DEPTH = 16
 
+# (a cast of the constant, not tl.full: the Gluon kernels render mods by these rules too)
+NEGATIVE_ZERO = "tl.cast(-2147483648, tl.float32, bitcast=True)"
+
 # small constant integer exponents render as products (exact, and what the backward expects)
 _MAX_UNROLLED_POWER = 4
 
@@ -207,6 +212,10 @@ def literal(value) -> str:
     if isinstance(value, int):
         return f"({value})" if value < 0 else str(value)
     value = float(value)
+    if value == 0.0 and math.copysign(1.0, value) < 0:
+        # Triton makes every constant equal to 0 a +0.0 (semantic.scalar_constant, compiled
+        # and interpreted alike), which x / -0.0 would show: -0.0 from its bits instead
+        return NEGATIVE_ZERO
     if math.isnan(value):
         return 'float("nan")'
     if math.isinf(value):
@@ -273,7 +282,8 @@ def _folds(node: Node, constant: Collection[int]) -> bool:
 
 def _power(node: Node, base: str) -> str | None:
     exponent = node.src[1]
-    if exponent.op is not Op.CONST or float(exponent.arg) != int(exponent.arg):
+    if (exponent.op is not Op.CONST or not math.isfinite(exponent.arg)
+            or float(exponent.arg) != int(exponent.arg)):
         return None
     n = int(exponent.arg)
     if not 1 <= n <= _MAX_UNROLLED_POWER:

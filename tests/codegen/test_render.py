@@ -145,9 +145,24 @@ def test_literals():
     assert literal(float("inf")) == 'float("inf")'
     assert literal(float("-inf")) == 'float("-inf")'
     assert literal(float("nan")) == 'float("nan")'
-    assert literal(-0.0) == "(-0.0)" and literal(-3) == "(-3)" and literal(True) == "True"
+    assert literal(-3) == "(-3)" and literal(True) == "True"
     assert float(eval(literal(1e-30))) == 1e-30
     assert math.isinf(eval(literal(float("-inf")), {"float": float}))
+
+
+def test_negative_zero_constants_keep_their_sign(tmp_path):
+    """Regression: Triton turns every constant equal to 0 into +0.0 (compiled too), so a
+    rendered ``(-0.0)`` made ``x / -0.0`` the opposite infinity."""
+    _check(lambda s, b, h, q, kv: s / -0.0 + 1.0 / torch.where(kv > 0, -0.0, 0.0), tmp_path)
+    _check(lambda s, b, h, q, kv: (s * 0.0 + -0.0) < 0.0, tmp_path)  # the mask path's compare
+    _check(lambda s, b, h, q, kv: (q > kv) / -0.0 < 0.0, tmp_path)
+
+
+def test_negation_of_zero_is_negative_zero(tmp_path):
+    """Regression: Triton computes -x as 0 - x, so -(0.0) was +0.0 and 1 / -x the opposite
+    infinity of torch's."""
+    _check(lambda s, b, h, q, kv: 1.0 / -(s * 0.0) + 1.0 / -(q * 0.0) + 1.0 / torch.neg(kv * 0.0),
+           tmp_path)
 
 
 def test_unrenderable_op_names_the_op():
@@ -160,3 +175,44 @@ def test_missing_leaf_is_an_error():
     traced = trace(lambda s, b, h, q, kv: s + 1.0)
     with pytest.raises(UnsupportedOpError, match="score"):
         render([traced.root], Leaves(score=None))
+
+
+_GLUON_NEGATIVE_ZERO = '''
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from flexfa.codegen.render import NEGATIVE_ZERO
+
+path = sys.argv[1]
+with open(path, "w") as f:
+    f.write("from triton.experimental import gluon\\n"
+            "from triton.experimental.gluon import language as gl\\n"
+            "import triton.language as tl\\n"
+            "@gluon.jit\\n"
+            "def negative_zero(out):\\n"
+            f"    gl.store(out, {NEGATIVE_ZERO})\\n")
+spec = importlib.util.spec_from_file_location("negative_zero_kernel", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+compiled = triton.compile(GluonASTSource(module.negative_zero, {"out": "*fp32"}, {}),
+                          target=GPUTarget("cuda", 90, 32))
+print([line for line in compiled.asm["ptx"].splitlines() if "-2147483648" in line])
+'''
+
+
+def test_negative_zero_literal_compiles_in_gluon_kernels(tmp_path):
+    """The -0.0 literal's text works in the Gluon kernels too, whose mods render through the
+    same rules (``tl.full`` did not compile there): it stores -0.0's bits. In a subprocess:
+    the test session decorated triton.language for the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", _GLUON_NEGATIVE_ZERO,
+                             str(tmp_path / "kernel.py")], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "-2147483648" in result.stdout, result.stdout

@@ -97,6 +97,33 @@ def test_bfloat16_rounds_to_nearest_even_not_toward_zero(tmp_path):
     assert (got == 1 + 2.0 ** -6).all()
 
 
+POW_EDGES = [-0.0, 0.0, -math.inf, math.inf, -1.0, 1.0, -2.0, 0.5, -0.5, math.nan, -3.0, 1e-3]
+POW_MODS = {
+    "score ** kv": lambda s, q, kv: s ** (kv % 7 - 3.0),
+    "score ** half kv": lambda s, q, kv: s ** (kv * 0.5 - 3.0),
+    "score ** 1.5": lambda s, q, kv: s ** 1.5,
+    "score ** -1": lambda s, q, kv: s ** -1,
+    "score ** -1.5": lambda s, q, kv: s ** -1.5,
+    "score ** inf": lambda s, q, kv: s ** torch.where(kv % 2 == 0, math.inf, -math.inf),
+    "-0.0 and -inf ** score": lambda s, q, kv: torch.where(kv % 2 == 0, -0.0, -math.inf) ** s,
+    "-1.0 ** score": lambda s, q, kv: torch.pow(-1.0, s),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POW_MODS))
+def test_float_powers_of_zeros_infinities_and_negative_bases_equal_torch(name, tmp_path):
+    """Regression: flexfa_pow gave pow(-0.0, -1) = +inf, pow(-inf, 1.5) = NaN, pow(-1, inf)
+    = NaN (torch: -inf, +inf, 1), and score ** inf failed to render."""
+    score = torch.tensor(POW_EDGES).repeat(M * N // len(POW_EDGES) + 1)[:M * N].view(M, N)
+    score = score.T.contiguous()  # every base meets every exponent
+    got, _ = _probe_and_eager(POW_MODS[name], tmp_path, score)
+    want = POW_MODS[name](score, Q_IDX.view(M, 1), KV_IDX.view(1, N)).expand(M, N)
+    close = torch.isclose(got, want, rtol=1e-5, atol=0)  # exp2(b * log2|a|) rounds
+    same = close & (got.signbit() == want.signbit()) | (got.isnan() & want.isnan())
+    assert same.all(), (f"{name}: at bases {score[~same][:4].tolist()} the kernel gives "
+                        f"{got[~same][:4].tolist()}, torch {want[~same][:4].tolist()}")
+
+
 # ---- through flex_attention ------------------------------------------------------------------
 
 B, H, L, S, E = 1, 2, 60, 100, 16
