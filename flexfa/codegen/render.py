@@ -291,6 +291,20 @@ def _power(node: Node, base: str) -> str | None:
     return "(" + " * ".join([base] * n) + ")"
 
 
+def _constant_power(node: Node, base: str, exponent_text: str) -> str | None:
+    """A float power by a finite constant exponent (not unrolled): ``flexfa_pow_const``, its
+    cases chosen here."""
+    exponent = node.src[1]
+    if node.dtype is not FLOAT or exponent.op is not Op.CONST:
+        return None
+    b = float(exponent.arg)
+    if not math.isfinite(b):
+        return None
+    integral = b == int(b)
+    odd = integral and int(b) % 2 == 1
+    return f"flexfa_pow_const({base}, {exponent_text}, {b == 0}, {integral}, {odd})"
+
+
 class _Renderer:
     def __init__(self, leaves: Leaves, buffers: Sequence[BufferArgs], prefix: str,
                  fast_math: bool = False, wide: Collection[str] = ()):
@@ -335,6 +349,9 @@ class _Renderer:
             unrolled = _power(node, operands[0])
             if unrolled is not None:
                 return unrolled
+            constant = _constant_power(node, *operands)
+            if constant is not None:
+                return constant
         return _rule(node, self.fast_math, id(node) in self.int64).format(*operands)
 
     def widen(self, source: Node, text: str) -> str:

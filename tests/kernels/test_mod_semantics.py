@@ -104,6 +104,11 @@ POW_MODS = {
     "score ** 1.5": lambda s, q, kv: s ** 1.5,
     "score ** -1": lambda s, q, kv: s ** -1,
     "score ** -1.5": lambda s, q, kv: s ** -1.5,
+    # constant exponents past the unrolled products: flexfa_pow_const's cases
+    "score ** 0": lambda s, q, kv: s ** 0.0,
+    "score ** 5": lambda s, q, kv: s ** 5,
+    "score ** -2": lambda s, q, kv: s ** -2,
+    "score ** 6.0": lambda s, q, kv: s ** 6.0,
     "score ** inf": lambda s, q, kv: s ** torch.where(kv % 2 == 0, math.inf, -math.inf),
     "-0.0 and -inf ** score": lambda s, q, kv: torch.where(kv % 2 == 0, -0.0, -math.inf) ** s,
     "-1.0 ** score": lambda s, q, kv: torch.pow(-1.0, s),
