@@ -300,6 +300,8 @@ def _constant_power(node: Node, base: str, exponent_text: str) -> str | None:
     b = float(exponent.arg)
     if not math.isfinite(b):
         return None
+    if abs(b) == 0.5:  # torch computes these as sqrt and rsqrt: (-inf) ** 0.5 is NaN there
+        return f"tl.sqrt_rn({base})" if b > 0 else f"(1.0 / tl.sqrt_rn({base}))"
     integral = b == int(b)
     odd = integral and int(b) % 2 == 1
     return f"flexfa_pow_const({base}, {exponent_text}, {b == 0}, {integral}, {odd})"

@@ -109,6 +109,9 @@ POW_MODS = {
     "score ** 5": lambda s, q, kv: s ** 5,
     "score ** -2": lambda s, q, kv: s ** -2,
     "score ** 6.0": lambda s, q, kv: s ** 6.0,
+    # torch's sqrt and rsqrt: (-inf) ** 0.5 is NaN, (-0.0) ** 0.5 is -0.0
+    "score ** 0.5": lambda s, q, kv: s ** 0.5,
+    "score ** -0.5": lambda s, q, kv: s ** -0.5,
     "score ** inf": lambda s, q, kv: s ** torch.where(kv % 2 == 0, math.inf, -math.inf),
     "-0.0 and -inf ** score": lambda s, q, kv: torch.where(kv % 2 == 0, -0.0, -math.inf) ** s,
     "-1.0 ** score": lambda s, q, kv: torch.pow(-1.0, s),
