@@ -78,6 +78,13 @@ def _eval_one(node: Node, srcs, leaves, buffers, float_dtype, device):
         else:
             value = buf.reshape(())
         return value.to(target)
+    if op is Op.POW and node.dtype is DType.FLOAT and node.src[1].op is Op.CONST \
+            and abs(float(node.src[1].arg)) == 0.5:
+        # torch computes a tensor to the Python float 0.5 or -0.5 as sqrt and rsqrt ((-inf) **
+        # 0.5 is NaN, (-0.0) ** 0.5 -0.0), as the kernels render it; pow with a tensor exponent
+        # would not
+        base = srcs[0].to(target)
+        return torch.sqrt(base) if float(node.src[1].arg) > 0 else torch.rsqrt(base)
     return apply_op(op, node.dtype, srcs, float_dtype, node.arg)
 
 

@@ -1,6 +1,8 @@
 """Random mods from tests/strategies.py: traced-then-evaluated equals calling the Python function
 on broadcast torch tensors; the dense-mask path chunked by rows equals the unchunked one; and
 the strategies keep their promises (indices in range, moderate finite values)."""
+import math
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,3 +125,18 @@ def test_strategy_knobs(data):
     mask = data.draw(mask_mods(B, H, L, S, max_depth=1, int_dtypes=(torch.int16,)))
     assert all(t.dtype in (torch.int16, torch.bool) or t.dtype.is_floating_point
                for t in mask.captured.values())
+
+
+def test_half_powers_are_torchs_sqrt_and_rsqrt():
+    """A tensor to the Python float 0.5 or -0.5 is sqrt / rsqrt in torch ((-inf) ** 0.5 is NaN,
+    (-0.0) ** 0.5 is -0.0); the evaluator's constant exponent is a tensor, whose pow is not."""
+    score = torch.tensor([-math.inf, -0.0, 0.0, -1.0, 4.0, math.inf, math.nan],
+                         dtype=torch.float64)
+    for exponent in (0.5, -0.5):
+        def mod(s, b, h, q_idx, kv_idx):
+            return s ** exponent
+        got = evaluate_node(trace(mod).root, score=score, b=0, h=0, q_idx=0, kv_idx=0,
+                            float_dtype=torch.float64)
+        want = mod(score, 0, 0, 0, 0)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+        torch.testing.assert_close(got, want, equal_nan=True, atol=0, rtol=0)
