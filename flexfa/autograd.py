@@ -18,11 +18,9 @@ silently have no second derivative.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from .blockmask.validate import TABLES, check_tables, table_state
+from .blockmask.validate import TABLES, check_tables, table_state, tables_of
 from .errors import InputError
 from .lazy import lazy_function
 from .runtime.call import SINKS_GRAD, AttentionCall
@@ -104,7 +102,6 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
 
 
 _TABLE_NAMES = tuple(f"block_mask.{name}" for name in TABLES)
-_tables = operator.attrgetter(*TABLES)
 _MASK_TENSOR = "a tensor the mask_mod captures"
 
 
@@ -128,11 +125,7 @@ def _read_versions(call: AttentionCall) -> tuple:
     state = None if mask is None else table_state(mask)
     if mask is not None and (state is None or state.versions is None):
         state = None
-        try:
-            tables = zip(_TABLE_NAMES, _tables(mask))
-        except AttributeError:  # a duck-typed mask without the full or q tables
-            tables = [(f"block_mask.{n}", getattr(mask, n, None)) for n in TABLES]
-        reads += [(what, t, t._version) for what, t in tables
+        reads += [(what, t, t._version) for what, t in zip(_TABLE_NAMES, tables_of(mask))
                   if t is not None and not t.is_inference()]
     return state, reads
 

@@ -17,7 +17,7 @@ import torch
 from .api import attend
 from .blockmask.block_mask import BlockMask
 from .blockmask.checks import block_size_pair
-from .blockmask.offsets import check_layouts, check_window, host_offsets
+from .blockmask.offsets import check_offsets, check_window
 from .blockmask.varlen import checked_block_mask
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
@@ -91,9 +91,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
         offsets = block_mask.documents.offsets
     else:  # no queries or no keys: flex_attention's empty results (out 0, lse -inf or the
         # head's sink), no mask and nothing launched past the empty forward
-        check_layouts(func, cu_seqlens_q, cu_seqlens_k, q.device)
-        offsets = host_offsets(func, cu_seqlens_q, cu_seqlens_k, q.device, q.shape[0],
-                               k.shape[0], empty_ok=True)
+        offsets = check_offsets(func, cu_seqlens_q, cu_seqlens_k, q.device, q.shape[0],
+                                k.shape[0], empty_ok=True)
         block_mask = None
     for name, given, longest in (("max_seqlen_q", max_seqlen_q, offsets.max_q),
                                  ("max_seqlen_k", max_seqlen_k, offsets.max_k)):

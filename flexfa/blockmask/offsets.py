@@ -52,12 +52,13 @@ class Offsets:
 
 
 def check_offsets(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device,
-                  total_q: int | None = None, total_k: int | None = None) -> Offsets:
+                  total_q: int | None = None, total_k: int | None = None,
+                  empty_ok: bool = False) -> Offsets:
     """``Offsets`` of ``cu_seqlens_q`` / ``cu_seqlens_k`` for tensors on ``device``, checked on
     the host (``check_layouts``, then ``host_offsets``: a device sync for device offsets;
     ``varlen_tables`` checks device offsets in its kernels instead)."""
     check_layouts(func, cu_seqlens_q, cu_seqlens_k, device)
-    return host_offsets(func, cu_seqlens_q, cu_seqlens_k, device, total_q, total_k)
+    return host_offsets(func, cu_seqlens_q, cu_seqlens_k, device, total_q, total_k, empty_ok)
 
 
 def check_layouts(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.device) -> None:

@@ -79,7 +79,8 @@ def _stale_callback(state_ref):
     return stale
 
 
-def _tables(block_mask) -> tuple:
+def tables_of(block_mask) -> tuple:
+    """The mask's tables in ``TABLES`` order (None for those a duck-typed mask lacks)."""
     try:
         return _table_getter(block_mask)
     except AttributeError:  # a duck-typed mask without the full or q tables
@@ -105,7 +106,7 @@ def check_tables(block_mask, L: int, S: int) -> None:
     have not changed since; None (no mask) passes."""
     if block_mask is None:
         return
-    tables = _tables(block_mask)
+    tables = tables_of(block_mask)
     state = getattr(block_mask, _STATE, None)
     geometry = (block_mask.BLOCK_SIZE, L, S)
     if state is not None and state.matches(tables, geometry):
@@ -192,13 +193,13 @@ def checked_now(block_mask) -> bool:
     """Whether the mask's tables were checked for its own lengths and are unchanged since."""
     state = getattr(block_mask, _STATE, None)
     return state is not None and state.matches(
-        _tables(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths))
+        tables_of(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths))
 
 
 def mark_checked(block_mask) -> None:
     """Record ``block_mask``'s tables (built by flexfa, correct by construction) as checked
     for its own lengths, so that its first call needs no check (no device sync)."""
-    _remember(block_mask, _tables(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths),
+    _remember(block_mask, tables_of(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths),
               None)
 
 
@@ -222,7 +223,7 @@ def still_checked(block_mask, state: TableState, L: int, S: int) -> bool:
     """Whether ``state`` is the mask's table state and still matches its tables for lengths
     (L, S): ``check_tables`` would pass without looking at the contents."""
     return (getattr(block_mask, _STATE, None) is state
-            and state.matches(_tables(block_mask), (block_mask.BLOCK_SIZE, L, S)))
+            and state.matches(tables_of(block_mask), (block_mask.BLOCK_SIZE, L, S)))
 
 
 def table_generations(block_mask) -> tuple:
