@@ -107,6 +107,9 @@
 # second column);
 # wq: the one-loop dK/dV at 192 / 128 on 8 warps: its GPU tests, tree_ab.py against the tree
 # in .old (carry it: the commit before), then the full walk at 192 / 128 (options_ab.py);
+# zb: every GPU test outside the backward files and the timed ones, sharded, the file of the
+# Gluon forward included, then the memory tests serially (first call of an end-of-session check);
+# zc: the backward and Gluon backward GPU files, sharded, under one long limit (after zb);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -117,7 +120,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -330,6 +333,20 @@ if [ "$PART" = za ]; then  # what z runs less the Gluon forward's tests and wb's
   step gpu_bwd 200 $SHARD/za_bwd -- -m gpu -p no:cacheprovider -k "not ($T or $WB)" \
     tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py
   tail -n 3 "$OUT/gpu_rest.log" "$OUT/gpu_bwd.log"
+fi
+if [ "$PART" = zb ]; then  # z's first step less the backward files, then memory (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step gpu_fwd 330 $SHARD/zb -- -m gpu -p no:cacheprovider -k "not ($T)" tests \
+    --ignore=tests/kernels/test_backward_gpu.py --ignore=tests/gpu/test_gluon_bwd_gpu.py \
+    --ignore=tests/gpu/test_memory_gpu.py
+  step memory 230 python -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py
+  tail -n 3 "$OUT/gpu_fwd.log" "$OUT/memory.log"
+fi
+if [ "$PART" = zc ]; then  # the backward files of z's first step, timed ones left out (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step gpu_bwd 560 $SHARD/zc -- -m gpu -p no:cacheprovider -k "not ($T)" \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py
+  tail -n 3 "$OUT/gpu_bwd.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
   # the split combine changed since b95fe87's run), its picture

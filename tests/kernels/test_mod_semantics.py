@@ -258,3 +258,38 @@ def test_flex_attention_with_casts_on_the_gpu(name):
     got_grads = torch.autograd.grad(out, gpu, grad_out.half().cuda())
     for got, expected in zip(got_grads, want_grads):
         torch.testing.assert_close(got.double().cpu(), expected.double(), rtol=0, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(POW_MODS))
+def test_float_powers_compiled_for_the_gpu_equal_torch(name, tmp_path):
+    """The pow helpers' special cases and x ** +-0.5's sqrt / rsqrt, compiled: the GPU's
+    lg2 / ex2 and sqrt must keep them where the interpreter does."""
+    score = torch.tensor(POW_EDGES).repeat(M * N // len(POW_EDGES) + 1)[:M * N].view(M, N)
+    score = score.T.contiguous()
+    got = _gpu_probe(_traced(POW_MODS[name]).root, tmp_path, score)
+    want = POW_MODS[name](score, Q_IDX.view(M, 1), KV_IDX.view(1, N)).expand(M, N)
+    close = torch.isclose(got, want, rtol=1e-5, atol=0)
+    same = close & (got.signbit() == want.signbit()) | (got.isnan() & want.isnan())
+    assert same.all(), (f"{name}: at bases {score[~same][:4].tolist()} the GPU gives "
+                        f"{got[~same][:4].tolist()}, torch {want[~same][:4].tolist()}")
+
+
+SIGNED_ZERO_MODS = {
+    "x / -0.0": lambda s, q, kv: s / -0.0 + 1.0 / torch.where(kv > 0, -0.0, 0.0),
+    "1 / -(x * 0)": lambda s, q, kv: 1.0 / -(s * 0.0) + 1.0 / torch.neg(kv * 0.0),
+    "-0.0 compare": lambda s, q, kv: ((s * 0.0 + -0.0) < 0.0) * 1.0 + (1.0 / (s * 0.0 + -0.0)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SIGNED_ZERO_MODS))
+def test_signed_zeros_compiled_for_the_gpu_equal_torch(name, tmp_path):
+    """LLVM folds constants and rewrites x * -1.0: -0.0 literals and negation must keep their
+    sign in the compiled kernel as in the interpreter (1 / -0.0 is -inf)."""
+    score = SCORE.nan_to_num(0.5)
+    got = _gpu_probe(_traced(SIGNED_ZERO_MODS[name]).root, tmp_path, score)
+    want = SIGNED_ZERO_MODS[name](score, Q_IDX.view(M, 1), KV_IDX.view(1, N)).expand(M, N)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert same.all(), (f"{name}: the GPU gives {got[~same][:4].tolist()}, "
+                        f"torch {want[~same][:4].tolist()}")
