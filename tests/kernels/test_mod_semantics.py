@@ -269,7 +269,9 @@ def test_float_powers_compiled_for_the_gpu_equal_torch(name, tmp_path):
     score = score.T.contiguous()
     got = _gpu_probe(_traced(POW_MODS[name]).root, tmp_path, score)
     want = POW_MODS[name](score, Q_IDX.view(M, 1), KV_IDX.view(1, N)).expand(M, N)
-    close = torch.isclose(got, want, rtol=1e-5, atol=0)
+    # the compiled exp2 flushes float32 subnormals to zero (0.001 ** 13.5 is 3.2e-41 in torch)
+    flushed = (want.abs() < torch.finfo(torch.float32).tiny) & (got == 0)
+    close = torch.isclose(got, want, rtol=1e-5, atol=0) | flushed
     same = close & (got.signbit() == want.signbit()) | (got.isnan() & want.isnan())
     assert same.all(), (f"{name}: at bases {score[~same][:4].tolist()} the GPU gives "
                         f"{got[~same][:4].tolist()}, torch {want[~same][:4].tolist()}")
