@@ -140,6 +140,18 @@ def union_walk(call: AttentionCall, members: int) -> bool:
     return members > 1 or call.options.decode_walk == "UNION"
 
 
+def walk_depends(call: AttentionCall, spec: DecodeSpec) -> tuple | None:
+    """``Plan.depends`` of a decode plan: the union walk's tables hold the mask's contents
+    of one generation, outside a capture; the members' walk that a capture takes where the
+    union walk runs outside is for captures only (a plan key has neither)."""
+    if spec.union_walk:
+        return False, table_generations(call.block_mask)[1]
+    if (spec.table_g * spec.qb_span > 1 and call.options.decode_walk != "MEMBERS"
+            and capturing()):
+        return True, None
+    return None
+
+
 def union_args(spec: DecodeSpec, call: AttentionCall, Hkv: int, S: int, device) -> dict:
     """The union tables of the plan's mask (``flexfa.blockmask.union``) as the kernel's
     UNION_* arguments, or dummies without the union walk."""
@@ -231,8 +243,9 @@ class DecodeForward(KernelFamily):
                               binding.Binder(loaded.names(combine),
                                              {"HKV": Hkv, "SPLITS": splits})))
         plan = plans.Plan(self, spec, tuple(steps),
-                          {"splits": splits, "rows": (B * Hkv, call.gqa_group * L)})
-        if not spec.union_walk or table_generations(call.block_mask)[1] is not None:
+                          {"splits": splits, "rows": (B * Hkv, call.gqa_group * L)},
+                          walk_depends(call, spec))
+        if plan.depends != (False, None):
             plans.keep(call, key, plan)  # union tables of unknown contents: built every call
         return self.run(plan, call, q, k, v, return_lse, return_max, inputs)
 
@@ -264,13 +277,8 @@ class DecodeForward(KernelFamily):
 
 def decode_plan_key(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
                     return_max: bool) -> tuple:
-    walk = ()
-    if call.block_mask is not None and call.options.decode_walk != "MEMBERS":
-        # the union walk's tables are computed from the mask's contents: an in-place edit of
-        # the tables (a new contents generation) or a capture needs another plan
-        walk = (capturing(), table_generations(call.block_mask)[1])
-    return ("decode", return_lse, return_max, inputs.key(), *walk,
-            *plans.layout_key(q, k, v, call))
+    # (a union walk's dependence on the mask's contents and on captures: Plan.depends)
+    return ("decode", return_lse, return_max, inputs.key(), *plans.layout_key(q, k, v, call))
 
 
 def run_decode(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
