@@ -558,6 +558,27 @@ def test_a_capture_of_flex_attention_walks_the_members(monkeypatch, union_walks)
     assert torch.equal(again, plain)
 
 
+def test_union_walk_reads_only_the_rows_of_the_call(union_walks):
+    """A mask's tables may have more q rows than the call's positions need (never read, not
+    checked): the union tables are built from the rows the call reads, as the members' walk
+    reads them (they were built from every row: a torch RuntimeError from scatter_ on an
+    unchecked entry past the kv blocks)."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 64, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
+    counts = torch.tensor([[2 + h % 2, 4] for h in range(Hq)], dtype=torch.int32)[None]
+    indices = torch.tensor([[0, 1, 2, 0], [7, 9, 100, -5]], dtype=torch.int32).expand(
+        1, Hq, 2, 4).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
+                                           compute_q_blocks=False)
+
+    def kept(b, h, q_idx, kv_idx):
+        return kv_idx // 16 < 2 + h % 2
+    union = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True)
+    assert union_walks == [True]
+    assert_matches(*union, *attention_reference(q, k, v, None, kept, enable_gqa=True,
+                                                return_lse=True))
+
+
 def test_a_capture_walks_the_members(monkeypatch, union_walks):
     """Inside a CUDA graph capture the union tables (computed on the host from the mask's
     contents) would replay stale after an edit: 'AUTO' walks the members' blocks there, and

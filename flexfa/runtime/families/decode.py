@@ -121,6 +121,12 @@ def q_block_span(q_len: int, sparse_q: int, offsets: int) -> int:
     return 1 if q_len == 1 else cdiv(q_len - 1, sparse_q) + 1
 
 
+def query_positions(offsets: int, q_len: int, S: int) -> int:
+    """The query positions the mods see, and a block mask covers: below S where offsets
+    place the rows, else below q_len."""
+    return q_len if offsets == OFFSETS_NONE else S
+
+
 def union_walk(call: AttentionCall, members: int) -> bool:
     """Whether a block mask is walked as the union of the group's members' blocks (kernel
     option DECODE_WALK): by default where there are several members, each of whose own walk
@@ -153,13 +159,16 @@ def walk_depends(call: AttentionCall, spec: DecodeSpec) -> tuple | None:
 
 
 def union_args(spec: DecodeSpec, call: AttentionCall, Hkv: int, S: int, device) -> dict:
-    """The union tables of the plan's mask (``flexfa.blockmask.union``) as the kernel's
-    UNION_* arguments, or dummies without the union walk."""
+    """The union tables of the plan's mask (``flexfa.blockmask.union``) over the q blocks of
+    the call's query positions as the kernel's UNION_* arguments, or dummies without the
+    union walk."""
     if not spec.union_walk:
         return {"UNION_NUM": dummy_table(device), "UNION_IDX": dummy_table(device),
                 "UNION_STATUS": dummy_table(device, torch.int8), "union_sb": 0,
                 "UNION_NQB": 0, "UNION_W": 0}
     count, blocks, status = union_tables(call.block_mask, Hkv, spec.table_g, spec.qb_span,
+                                         cdiv(query_positions(spec.offsets, spec.q_len, S),
+                                              spec.sparse_q),
                                          cdiv(S, spec.sparse_kv))
     B, _, nqb, width = blocks.shape
     return {"UNION_NUM": count, "UNION_IDX": blocks, "UNION_STATUS": status,
@@ -180,8 +189,7 @@ def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInpu
     rows = call.gqa_group * L
     table_g = table_heads(call)
     qb_span = q_block_span(L, sparse_q, inputs.offsets) if mask is not None else 1
-    # positions the mods see: below S where offsets place the rows, else below L
-    q_positions = L if inputs.offsets == OFFSETS_NONE else S
+    q_positions = query_positions(inputs.offsets, L, S)
     return DecodeSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev,
         block_m=next_power_of_two(rows), block_n=block_n, num_warps=warps, num_stages=stages,
