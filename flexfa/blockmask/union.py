@@ -22,15 +22,18 @@ import torch
 ABSENT, PARTIAL, FULL = 0, 1, 2
 
 
-def block_status(block_mask, kv_blocks: int) -> torch.Tensor:
-    """[B, H, q blocks, kv_blocks] int8: each block's status in each row of the kv tables."""
+def block_status(block_mask, q_blocks: int, kv_blocks: int) -> torch.Tensor:
+    """[B, H, q_blocks, kv_blocks] int8: each block's status in the first q_blocks rows of the
+    kv tables (the rows a call reads, the ones ``check_tables`` checked: a table may have
+    more, whose entries need not be blocks of the call's lengths)."""
     status = None
     pairs = (("kv", PARTIAL), ("full_kv", FULL))
     for name, value in pairs:
         num_blocks = getattr(block_mask, f"{name}_num_blocks", None)
         if num_blocks is None:
             continue
-        indices = getattr(block_mask, f"{name}_indices")
+        num_blocks = num_blocks[:, :, :q_blocks]
+        indices = getattr(block_mask, f"{name}_indices")[:, :, :q_blocks]
         if status is None:  # one slot past the end takes the entries past each row's count
             status = torch.zeros(*indices.shape[:3], kv_blocks + 1, dtype=torch.int8,
                                  device=indices.device)
@@ -41,13 +44,14 @@ def block_status(block_mask, kv_blocks: int) -> torch.Tensor:
     return status[..., :kv_blocks]
 
 
-def union_tables(block_mask, kv_heads: int, table_g: int, qb_span: int, kv_blocks: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def union_tables(block_mask, kv_heads: int, table_g: int, qb_span: int, q_blocks: int,
+                 kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(count [B, Hkv, QB] int32, blocks [B, Hkv, QB, W] int32, status [B, Hkv, QB, W, M]
-    int8), contiguous, B the mask's batch size (1: broadcast). Row (b, h, qb) is the union of
+    int8), contiguous, B the mask's batch size (1: broadcast), QB = q_blocks (the q blocks of
+    the call's query positions). Row (b, h, qb) is the union of
     members m = g * qb_span + j (g < table_g: table head h * table_g + g, or the one shared
     head; j < qb_span: q block qb + j); its first count entries are the blocks, ascending."""
-    status = block_status(block_mask, kv_blocks)
+    status = block_status(block_mask, q_blocks, kv_blocks)
     B, H, QB, KB = status.shape
     heads = status.reshape(B, H // table_g, table_g, QB, KB).expand(B, kv_heads, table_g, QB, KB)
     padded = torch.cat([heads, heads.new_zeros(B, kv_heads, table_g, qb_span - 1, KB)], dim=3)

@@ -5,13 +5,16 @@ launch steps (``flexfa.runtime.launch.Step``) and what the family precomputed fo
 call's tensors (``fixed``). The cache key is the call's layout (shapes, strides, dtypes,
 device, alignment, captured tensors' layout, the block-mask tables' layout) plus its mods,
 options and GQA group: everything a step's kernel is specialized on. Plans that read a block
-mask's tables live under the mask (``MaskedMemo``), so dropping the mask drops them.
+mask's tables live under the mask (``MaskedMemo``), so dropping the mask drops them. A plan
+whose steps also depend on the tables' contents or on whether a CUDA graph is being captured
+(the decode family's union walk) says so in ``depends``; ``find`` passes over it when they
+changed, and the new plan replaces it under the same key.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ..blockmask.validate import table_generations
+from ..blockmask.validate import capturing, table_generations
 from ..memo import MaskedMemo
 from .call import AttentionCall
 from .launch import Step
@@ -25,6 +28,10 @@ class Plan:
     spec: object
     steps: tuple[Step, ...]
     fixed: dict = dataclasses.field(default_factory=dict)
+    # (capturing, contents generation) the plan was made for where its steps depend on more
+    # than its key: values computed from the block mask's table contents of one generation
+    # (None: any), made inside or outside a CUDA graph capture; None: valid for any call
+    depends: tuple | None = None
 
     def __repr__(self) -> str:
         return f"Plan({self.family.name}, {self.steps})"
@@ -44,8 +51,16 @@ def layout_key(q, k, v, call: AttentionCall) -> tuple:
     return key
 
 
+def current(plan: Plan, call: AttentionCall) -> bool:
+    """Whether ``plan`` (found under the call's key; ``plan.depends`` not None) was made for
+    what the call is now."""
+    capture, contents = plan.depends
+    return capture == capturing() and contents in (None, table_generations(call.block_mask)[1])
+
+
 def find(call: AttentionCall, key: tuple) -> Plan | None:
-    return PLANS.get(call.block_mask, key)
+    plan = PLANS.get(call.block_mask, key)
+    return plan if plan is None or plan.depends is None or current(plan, call) else None
 
 
 def keep(call: AttentionCall, key: tuple, plan: Plan) -> Plan:

@@ -34,7 +34,7 @@ def test_union_tables_match_a_brute_force_walk(data):
     span = data.draw(st.integers(1, 3))
     table_g = G if per_head else 1
     kind, mask = random_tables(data.draw, B, Hkv * G if per_head else 1, QB, KB)
-    count, blocks, status = union_tables(mask, Hkv, table_g, span, KB)
+    count, blocks, status = union_tables(mask, Hkv, table_g, span, QB, KB)
     assert count.shape == (B, Hkv, QB) and status.shape[:4] == blocks.shape
     assert status.shape[-1] == table_g * span
     for b in range(B):
@@ -53,3 +53,14 @@ def test_union_tables_match_a_brute_force_walk(data):
                 assert blocks[b, h, qb, :n].tolist() == live
                 assert [status[b, h, qb, u].tolist() for u in range(n)] == [
                     expected[kb] for kb in live]
+
+
+def test_rows_past_the_calls_q_blocks_are_not_read():
+    """Rows of the tables past q_blocks (a call's positions need fewer) are left out: their
+    entries need not be blocks of the call (they were scattered: a RuntimeError)."""
+    kind, mask = random_tables(lambda strategy: 3, 1, 2, 2, 4)
+    mask.kv_indices[:, :, 1] = torch.tensor([7, 100, -5, 4], dtype=torch.int32)
+    count, blocks, status = union_tables(mask, 1, 2, 1, 1, 4)
+    assert count.shape == (1, 1, 1) and status.shape[-1] == 2
+    live = sorted(kb for kb in range(4) if kind[0, :, 0, kb].any())
+    assert blocks[0, 0, 0, :int(count[0, 0, 0])].tolist() == live

@@ -15,7 +15,7 @@ import flexfa
 from flexfa import mods
 from flexfa.errors import InputError
 from flexfa.reference import attention_reference
-from flexfa.runtime import registry
+from flexfa.runtime import plans, registry
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import decode
 from flexfa.runtime.families.ampere import AMPERE
@@ -512,6 +512,73 @@ def test_union_walk_follows_an_in_place_edit_of_the_mask(union_walks):
     assert union_walks and all(union_walks)
 
 
+def test_flex_attention_union_walk_follows_an_in_place_edit(union_walks):
+    """flex_attention's calls the decode family runs take the union walk too, through the
+    generic forward plan key (which has no contents generation) and prepared calls: an
+    in-place edit of the mask's tables builds the union tables again (the old ones were
+    reused: an output 0.74 off)."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 128, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
+    counts = torch.full((1, Hq, 1), 8, dtype=torch.int32)
+    indices = torch.arange(8, dtype=torch.int32).expand(1, Hq, 1, 8).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
+                                           compute_q_blocks=False)
+    for edit in (None, None, [1, 2, 3, 4], None, [8, 3, 1, 6]):
+        if edit is not None:
+            counts[0, :, 0] = torch.tensor(edit, dtype=torch.int32)
+        blocks = counts[0, :, 0].clone()
+
+        def kept(b, h, q_idx, kv_idx, blocks=blocks):
+            return kv_idx // 16 < blocks[h]
+        out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True,
+                                         return_lse=True)
+        assert_matches(out, lse, *attention_reference(q, k, v, None, kept, enable_gqa=True,
+                                                      return_lse=True))
+    assert union_walks == [True, True, True]  # one plan per contents, reused while unedited
+
+
+def test_a_capture_of_flex_attention_walks_the_members(monkeypatch, union_walks):
+    """A union-walk plan made outside a capture is not reused inside one, neither from the plan
+    memo nor from a prepared call's plans (its tables would replay stale after an edit of the
+    mask): flex_attention's capture walks the members, and the eager call after it takes the
+    union walk again."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 64, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=6)
+    mask = flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 10 + 12 * h, None, Hq,
+                                    L, S, device="cpu", BLOCK_SIZE=16)
+    plain = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # the prepared call's plan
+    for module in (decode, plans):
+        monkeypatch.setattr(module, "capturing", lambda: True)
+    captured = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    monkeypatch.undo()
+    again = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    assert union_walks == [True, False]  # the eager call after takes the kept union plan
+    torch.testing.assert_close(captured, plain, atol=1e-6, rtol=1e-6)
+    assert torch.equal(again, plain)
+
+
+def test_union_walk_reads_only_the_rows_of_the_call(union_walks):
+    """A mask's tables may have more q rows than the call's positions need (never read, not
+    checked): the union tables are built from the rows the call reads, as the members' walk
+    reads them (they were built from every row: a torch RuntimeError from scatter_ on an
+    unchecked entry past the kv blocks)."""
+    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 64, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
+    counts = torch.tensor([[2 + h % 2, 4] for h in range(Hq)], dtype=torch.int32)[None]
+    indices = torch.tensor([[0, 1, 2, 0], [7, 9, 100, -5]], dtype=torch.int32).expand(
+        1, Hq, 2, 4).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
+                                           compute_q_blocks=False)
+
+    def kept(b, h, q_idx, kv_idx):
+        return kv_idx // 16 < 2 + h % 2
+    union = flexfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True)
+    assert union_walks == [True]
+    assert_matches(*union, *attention_reference(q, k, v, None, kept, enable_gqa=True,
+                                                return_lse=True))
+
+
 def test_a_capture_walks_the_members(monkeypatch, union_walks):
     """Inside a CUDA graph capture the union tables (computed on the host from the mask's
     contents) would replay stale after an edit: 'AUTO' walks the members' blocks there, and
@@ -522,7 +589,8 @@ def test_a_capture_walks_the_members(monkeypatch, union_walks):
                                     L, S, device="cpu", BLOCK_SIZE=16)
     plain = flexfa.flex_decode(q, k, v, block_mask=mask)
     assert union_walks == [True]
-    monkeypatch.setattr(decode, "capturing", lambda: True)
+    for module in (decode, plans):
+        monkeypatch.setattr(module, "capturing", lambda: True)
     captured = flexfa.flex_decode(q, k, v, block_mask=mask)
     assert union_walks == [True, False]
     torch.testing.assert_close(captured, plain, atol=1e-6, rtol=1e-6)

@@ -121,6 +121,12 @@ def q_block_span(q_len: int, sparse_q: int, offsets: int) -> int:
     return 1 if q_len == 1 else cdiv(q_len - 1, sparse_q) + 1
 
 
+def query_positions(offsets: int, q_len: int, S: int) -> int:
+    """The query positions the mods see, and a block mask covers: below S where offsets
+    place the rows, else below q_len."""
+    return q_len if offsets == OFFSETS_NONE else S
+
+
 def union_walk(call: AttentionCall, members: int) -> bool:
     """Whether a block mask is walked as the union of the group's members' blocks (kernel
     option DECODE_WALK): by default where there are several members, each of whose own walk
@@ -140,14 +146,29 @@ def union_walk(call: AttentionCall, members: int) -> bool:
     return members > 1 or call.options.decode_walk == "UNION"
 
 
+def walk_depends(call: AttentionCall, spec: DecodeSpec) -> tuple | None:
+    """``Plan.depends`` of a decode plan: the union walk's tables hold the mask's contents
+    of one generation, outside a capture; the members' walk that a capture takes where the
+    union walk runs outside is for captures only (a plan key has neither)."""
+    if spec.union_walk:
+        return False, table_generations(call.block_mask)[1]
+    if (spec.table_g * spec.qb_span > 1 and call.options.decode_walk != "MEMBERS"
+            and capturing()):
+        return True, None
+    return None
+
+
 def union_args(spec: DecodeSpec, call: AttentionCall, Hkv: int, S: int, device) -> dict:
-    """The union tables of the plan's mask (``flexfa.blockmask.union``) as the kernel's
-    UNION_* arguments, or dummies without the union walk."""
+    """The union tables of the plan's mask (``flexfa.blockmask.union``) over the q blocks of
+    the call's query positions as the kernel's UNION_* arguments, or dummies without the
+    union walk."""
     if not spec.union_walk:
         return {"UNION_NUM": dummy_table(device), "UNION_IDX": dummy_table(device),
                 "UNION_STATUS": dummy_table(device, torch.int8), "union_sb": 0,
                 "UNION_NQB": 0, "UNION_W": 0}
     count, blocks, status = union_tables(call.block_mask, Hkv, spec.table_g, spec.qb_span,
+                                         cdiv(query_positions(spec.offsets, spec.q_len, S),
+                                              spec.sparse_q),
                                          cdiv(S, spec.sparse_kv))
     B, _, nqb, width = blocks.shape
     return {"UNION_NUM": count, "UNION_IDX": blocks, "UNION_STATUS": status,
@@ -168,8 +189,7 @@ def decode_spec(q, k, v, call: AttentionCall, target: Target, inputs: DecodeInpu
     rows = call.gqa_group * L
     table_g = table_heads(call)
     qb_span = q_block_span(L, sparse_q, inputs.offsets) if mask is not None else 1
-    # positions the mods see: below S where offsets place the rows, else below L
-    q_positions = L if inputs.offsets == OFFSETS_NONE else S
+    q_positions = query_positions(inputs.offsets, L, S)
     return DecodeSpec(
         dtype=DTYPE_NAMES[q.dtype], head_dim=E, head_dim_v=Ev,
         block_m=next_power_of_two(rows), block_n=block_n, num_warps=warps, num_stages=stages,
@@ -231,8 +251,9 @@ class DecodeForward(KernelFamily):
                               binding.Binder(loaded.names(combine),
                                              {"HKV": Hkv, "SPLITS": splits})))
         plan = plans.Plan(self, spec, tuple(steps),
-                          {"splits": splits, "rows": (B * Hkv, call.gqa_group * L)})
-        if not spec.union_walk or table_generations(call.block_mask)[1] is not None:
+                          {"splits": splits, "rows": (B * Hkv, call.gqa_group * L)},
+                          walk_depends(call, spec))
+        if plan.depends != (False, None):
             plans.keep(call, key, plan)  # union tables of unknown contents: built every call
         return self.run(plan, call, q, k, v, return_lse, return_max, inputs)
 
@@ -264,13 +285,8 @@ class DecodeForward(KernelFamily):
 
 def decode_plan_key(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
                     return_max: bool) -> tuple:
-    walk = ()
-    if call.block_mask is not None and call.options.decode_walk != "MEMBERS":
-        # the union walk's tables are computed from the mask's contents: an in-place edit of
-        # the tables (a new contents generation) or a capture needs another plan
-        walk = (capturing(), table_generations(call.block_mask)[1])
-    return ("decode", return_lse, return_max, inputs.key(), *walk,
-            *plans.layout_key(q, k, v, call))
+    # (a union walk's dependence on the mask's contents and on captures: Plan.depends)
+    return ("decode", return_lse, return_max, inputs.key(), *plans.layout_key(q, k, v, call))
 
 
 def run_decode(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
