@@ -231,3 +231,18 @@ def test_learnable_exponent_read_per_head():
 
     q, k, v = make_qkv(B, H, H, L, S, E, seed=11)
     check_backward(q, k, v, relu_power, None, None, buffers=(gamma,), kernel_options=TILES)
+
+
+def test_clamp_between_learnable_bounds_read_per_head():
+    """torch.clamp(score, lo[h], hi[h]): the bounds' gradients, and none for either bound
+    where they are equal and the score below them (head 1), as torch; that case's select took
+    the AND of a tile and the comparison lo[h] == hi[h], which the Triton interpreter fails
+    on (InterpreterError in the forward and the backward)."""
+    low = torch.tensor([-0.5, 0.1], requires_grad=True)
+    high = torch.tensor([0.5, 0.1], requires_grad=True)
+
+    def clamped(score, b, h, q_idx, kv_idx):
+        return torch.clamp(score, min=low[h], max=high[h])
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=12)
+    check_backward(q, k, v, clamped, None, None, buffers=(low, high), kernel_options=TILES)
