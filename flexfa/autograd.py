@@ -65,14 +65,17 @@ class FlexAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max):
         # the engine runs backward in create_graph's mode: without it grad mode is off already
         # (a no_grad block costs a few microseconds on every cached backward)
+        # read once: under non-reentrant activation checkpointing each read recomputes (and
+        # a second read raises CheckpointError)
+        saved = ctx.saved_tensors
         if not torch.is_grad_enabled():
-            return _gradients(ctx, grad_out, grad_lse)
+            return _gradients(ctx, saved, grad_out, grad_lse)
         with torch.no_grad():
-            grads = _gradients(ctx, grad_out, grad_lse)
+            grads = _gradients(ctx, saved, grad_out, grad_lse)
         # gradients that raise DOUBLE_BACKWARD_MESSAGE when differentiated (as torch's
         # once_differentiable does when the incoming gradients require grad); the inputs join
         # the raising node too, so that differentiating with respect to them reaches it
-        inputs = [t for t in ctx.saved_tensors[:3] + ctx.saved_tensors[5:] + (ctx.call.sinks,)
+        inputs = [t for t in saved[:3] + saved[5:] + (ctx.call.sinks,)
                   if t is not None and t.requires_grad]
         raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE,
                                                     len(grads) + len(inputs))
@@ -80,10 +83,10 @@ class FlexAttentionFunction(torch.autograd.Function):
         return raising(*fakes, *inputs)[:len(grads)]
 
 
-def _gradients(ctx, grad_out, grad_lse) -> tuple:
+def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     """The backward's results: (dq, dk, dv, None, None, d sinks or None, *captured-tensor
-    gradients)."""
-    query, key, value, out, lse = ctx.saved_tensors[:5]
+    gradients); ``saved``: ``ctx.saved_tensors``, read once by the caller."""
+    query, key, value, out, lse = saved[:5]
     call = ctx.call
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
     _check_unedited(call.block_mask, ctx.versions)
@@ -95,7 +98,7 @@ def _gradients(ctx, grad_out, grad_lse) -> tuple:
     if not ctx.needs_input_grad[0]:
         dq = None
     buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
-    buffers = ctx.saved_tensors[5:]
+    buffers = saved[5:]
     return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
             *(_buffer_grad(ctx, buffer_grads, slot, buffer)
               for slot, buffer in enumerate(buffers)))

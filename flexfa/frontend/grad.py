@@ -125,8 +125,12 @@ def _pow(node, g):
     # exponent >= 0 (the limit of x**e * log x)
     dbase = _mul(g, _mul(exponent, ir.binary(Op.POW, base, ir.binary(Op.SUB, exponent, _f(1.0)))))
     dbase = _where(ir.binary(Op.EQ, exponent, zero), None, dbase)
-    zero_base = ir.binary(Op.AND, ir.binary(Op.EQ, base, zero), ir.binary(Op.LE, zero, exponent))
-    dexp = _mul(g, _where(zero_base, None, _mul(node, ir.unary(Op.LOG, base))))
+    # two selects, not one on (base == 0) & (0 <= exponent): under the Triton interpreter a
+    # tile's & with a comparison of a float scalar (an exponent read per head, p[h]) fails
+    # (its comparison keeps the float dtype, and the broadcast makes floats of it)
+    dexp = _mul(node, ir.unary(Op.LOG, base))
+    dexp = _mul(g, _where(ir.binary(Op.EQ, base, zero),
+                          _where(ir.binary(Op.LE, zero, exponent), None, dexp), dexp))
     return dbase, dexp
 
 

@@ -40,10 +40,12 @@ def _clamp(x, min=None, max=None):
         for op, bound in zip(sides, bounds):
             node = ir.extremum(op, node, bound, ir.TIES_CLAMP)
         if len(bounds) == 2 and any(b.op is not Op.CONST for b in bounds):
-            # torch gives neither bound a gradient where they are equal and x is below them
+            # torch gives neither bound a gradient where they are equal and x is below them.
+            # Nested wheres, not one on an AND: under the Triton interpreter a tile's & with a
+            # comparison of float scalars (bounds read per head, lo[h] == hi[h]) fails
             low, high = bounds
-            stuck = ir.binary(Op.AND, ir.binary(Op.LT, value, low), ir.binary(Op.EQ, low, high))
-            node = ir.where(stuck, ir.unary(Op.DETACH, node), node)
+            stuck = ir.where(ir.binary(Op.EQ, low, high), ir.unary(Op.DETACH, node), node)
+            node = ir.where(ir.binary(Op.LT, value, low), stuck, node)
         return node
     return result(tracer, build([lift(v, tracer) for v in operands]), operands, build)
 

@@ -218,3 +218,31 @@ def test_one_parameter_read_at_two_index_sets():
 
     q, k, v = make_qkv(B, H, H, L, S, E, seed=10)
     check_backward(q, k, v, score_mod, None, None, buffers=(pos,), kernel_options=TILES)
+
+
+def test_learnable_exponent_read_per_head():
+    """d base**gamma[h] / d gamma is 0 where the base is 0 (torch's convention, relu's zeros
+    here); the derivative's select on that case took the AND of a tile and a comparison of
+    the scalar gamma[h], which the Triton interpreter fails on (InterpreterError)."""
+    gamma = (0.5 + torch.rand(H)).requires_grad_(True)
+
+    def relu_power(score, b, h, q_idx, kv_idx):
+        return score + torch.pow(torch.relu(score), gamma[h])
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=11)
+    check_backward(q, k, v, relu_power, None, None, buffers=(gamma,), kernel_options=TILES)
+
+
+def test_clamp_between_learnable_bounds_read_per_head():
+    """torch.clamp(score, lo[h], hi[h]): the bounds' gradients, and none for either bound
+    where they are equal and the score below them (head 1), as torch; that case's select took
+    the AND of a tile and the comparison lo[h] == hi[h], which the Triton interpreter fails
+    on (InterpreterError in the forward and the backward)."""
+    low = torch.tensor([-0.5, 0.1], requires_grad=True)
+    high = torch.tensor([0.5, 0.1], requires_grad=True)
+
+    def clamped(score, b, h, q_idx, kv_idx):
+        return torch.clamp(score, min=low[h], max=high[h])
+
+    q, k, v = make_qkv(B, H, H, L, S, E, seed=12)
+    check_backward(q, k, v, clamped, None, None, buffers=(low, high), kernel_options=TILES)
