@@ -322,6 +322,8 @@ class BlockMask(TorchBlockMask):
                 f"sparsity={self.sparsity():.2f}%, mask_mod={name})")
 
     def to_string(self, grid_size=(24, 24), limit: int = 2) -> str:
+        """A drawing of the first ``limit`` (b, h) pairs' tiles in at most ``grid_size``
+        (an int or a (rows, columns) pair) cells; ``-1`` draws every tile, as torch's."""
         return draw.to_text(self, grid_size, limit)
 
     def __repr__(self) -> str:

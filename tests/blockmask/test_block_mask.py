@@ -7,7 +7,7 @@ from torch.nn.attention import flex_attention as torch_flex
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import BlockMask, create_block_mask, create_mask
-from flexfa.errors import InputError
+from flexfa.errors import InputError, InputTypeError
 from flexfa.frontend.trace import TracedMod, trace
 
 from .test_vs_torch import TABLES, assert_same_as_torch
@@ -181,3 +181,25 @@ def test_create_mask_of_a_score_mod():
     ours = create_mask(causal_score, None, None, 50, 60, device="cpu")
     theirs = torch_flex.create_mask(causal_score, 1, 1, 50, 60, device="cpu")
     assert ours.shape == (1, 1, 50, 60) and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("grid_size", [-1, (-1, -1), (-1, 4)])
+def test_to_string_minus_one_draws_every_tile(grid_size):
+    """torch's ``to_string(grid_size=-1)`` draws the uncompressed mask (it drew empty,
+    '-16x-16 tiles' cells)."""
+    mask = create_block_mask(mods.causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=16)
+    rows = [line for line in mask.to_string(grid_size).splitlines() if line.startswith("|")]
+    assert len(rows) == 16
+    if grid_size == (-1, 4):  # 16 kv tiles in 4 cells
+        assert rows[0] == "|~~      |" and rows[-1] == "|######~~|"
+    else:
+        assert rows[0] == "|~~" + "  " * 15 + "|" and rows[-1] == "|" + "##" * 15 + "~~|"
+
+
+@pytest.mark.parametrize("grid_size,error", [
+    (0, InputError), ((4, 0), InputError), ((4, -2), InputError), (2.5, InputTypeError),
+    ((4,), InputTypeError), (True, InputTypeError)])
+def test_to_string_rejects_other_grid_sizes(grid_size, error):
+    mask = create_block_mask(mods.causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(error, match="grid_size"):
+        mask.to_string(grid_size)
