@@ -1,5 +1,6 @@
 """The BlockMask object: dense view, sparsity, slicing, drawings, devices, from_kv_blocks,
 the compatibility check flex_attention uses, create_mask."""
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import flex_attention as torch_flex
@@ -53,9 +54,37 @@ def test_getitem_rejects_bad_index():
         mask[5]
     with pytest.raises(InputError, match="at most 3"):
         mask[0, 0, 0, 0]
-    for index in (None, True, (0, None)):  # they would add a dim to the tables
-        with pytest.raises(InputError, match="ints, slices, lists or tensors"):
+    for index in (None, True, (0, None), torch.tensor(True), torch.zeros(1, 1, dtype=torch.long),
+                  ([[0]],)):  # they would add a dim to the tables
+        with pytest.raises(InputError, match="integers, slices, lists or 1-dim tensors"):
             mask[index]
+    with pytest.raises(InputTypeError, match="got float 0.5"):
+        mask[0.5]
+
+
+@pytest.mark.parametrize("as_scalar", [np.int64, torch.tensor], ids=["numpy", "0-dim tensor"])
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_getitem_integer_scalars_keep_their_dim(as_scalar, at):
+    """A numpy integer or a 0-dim tensor indexes as an int does (both dropped the dim: mask[:,
+    np.int64(2)] was a [1, 3] mask whose heads were the batches)."""
+    mask = create_block_mask(ZOO["head_windows"](3, 3, 100, 100), 3, 3, 100, 100, device="cpu",
+                             BLOCK_SIZE=32)
+    index = (slice(None),) * at + (2,)
+    scalar = (slice(None),) * at + (as_scalar(2),)
+    for name in TABLES:
+        assert torch.equal(getattr(mask[scalar], name), getattr(mask[index], name)), name
+    assert mask[scalar].shape == mask[index].shape
+
+
+def test_getitem_indexes_each_dim_on_its_own():
+    """Lists for batch and head pick every (batch, head) pair of them, as slices would (the
+    pairs (0, 1) and (2, 2) made a [1, 2] mask)."""
+    mask = create_block_mask(ZOO["head_windows"](3, 3, 100, 100), 3, 3, 100, 100, device="cpu",
+                             BLOCK_SIZE=32)
+    picked, expected = mask[[0, 2], torch.tensor([1, 2])], mask[0:3:2, 1:3]
+    assert picked.shape == (2, 2, 100, 100)
+    for name in TABLES:
+        assert torch.equal(getattr(picked, name), getattr(expected, name)), name
 
 
 @pytest.mark.parametrize("index,same_as", [
