@@ -120,8 +120,12 @@ def check_scale(scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputTypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(scale):
-        raise InputError(f"scale must be finite, got {scale}")
+    try:
+        finite = math.isfinite(scale)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise InputError(f"scale must be finite, got {str(scale):.40}")
     if abs(scale) > MAX_SCALE:  # the kernels hold scale * log2(e) in float32
         raise InputError(f"scale is {scale}; it must be at most {MAX_SCALE:.3e} in magnitude "
                          "(kernels keep scale * log2(e) in float32)")
