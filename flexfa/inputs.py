@@ -120,8 +120,12 @@ def check_scale(scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputTypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(scale):
-        raise InputError(f"scale must be finite, got {scale}")
+    try:
+        finite = math.isfinite(scale)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise InputError(f"scale must be finite, got {str(scale):.40}")
     if abs(scale) > MAX_SCALE:  # the kernels hold scale * log2(e) in float32
         raise InputError(f"scale is {scale}; it must be at most {MAX_SCALE:.3e} in magnitude "
                          "(kernels keep scale * log2(e) in float32)")
@@ -156,6 +160,16 @@ def check_block_mask_type(block_mask) -> None:
                              f"got {type(block_mask).__name__}")
     if getattr(block_mask, "mask_mod", None) is sliced_mask_mod:  # flexfa's or torch's
         raise InputError(SLICED)
+    # torch's from_kv_blocks keeps 2- or 3-dim tables as given; the kernels index [B, H, ...]
+    for name, dims in (("kv_num_blocks", 3), ("kv_indices", 4)):
+        table = getattr(block_mask, name)
+        if not isinstance(table, torch.Tensor) or table.dim() != dims:
+            found = (f"shape {tuple(table.shape)}" if isinstance(table, torch.Tensor)
+                     else type(table).__name__)
+            raise InputError(f"block_mask.{name} has {found}; flex_attention needs [B, H, "
+                             f"Q_TILES{', KV_TILES' if dims == 4 else ''}] tables: build the "
+                             "mask with flexfa.BlockMask.from_kv_blocks, which adds size-1 "
+                             "batch and head dims to tables without them")
 
 
 def check_block_mask(block_mask, query, key) -> None:

@@ -24,6 +24,7 @@ raises flexfa's errors. Copies (``copy.deepcopy``, pickle) drop flexfa's per-obj
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 import torch.nn.attention.flex_attention as torch_flex
@@ -213,24 +214,22 @@ class BlockMask(TorchBlockMask):
         return 100.0 * (1.0 - computed / self.kv_indices.numel())
 
     def __getitem__(self, index) -> "BlockMask":
-        """Slice batches, heads and q tiles like a tensor; dims are kept (an int -> size 1)."""
+        """Slice batches, heads and q tiles like a tensor; dims are kept (an integer -> size
+        1) and each dim is indexed on its own (``mask[[0, 1], [2, 3]]`` is batches 0 and 1
+        with heads 2 and 3 each, not the (batch, head) pairs)."""
         _no_dq_kv_order_tensor(self, "Slicing")
         index = _expand_ellipsis(index if isinstance(index, tuple) else (index,))
         if len(index) > 3:
             raise InputError(f"BlockMask[...] takes at most 3 indices (batch, head, q tile), "
                              f"got {len(index)}")
-        for i in index:  # they would add a dim to the tables
-            if i is None or isinstance(i, bool):
-                raise InputError(f"BlockMask[...] takes ints, slices, lists or tensors for "
-                                 f"(batch, head, q tile), got {i!r}")
         sizes = self.kv_num_blocks.shape[:3]
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
         full = (None, None) if self.full_kv_num_blocks is None else \
-            (self.full_kv_num_blocks[index], self.full_kv_indices[index])
+            (_take(self.full_kv_num_blocks, index), _take(self.full_kv_indices, index))
         sliced = BlockMask.from_kv_blocks(
-            self.kv_num_blocks[index], self.kv_indices[index], *full, BLOCK_SIZE=self.BLOCK_SIZE,
-            mask_mod=sliced_mask_mod, seq_lengths=self.seq_lengths,
+            _take(self.kv_num_blocks, index), _take(self.kv_indices, index), *full,
+            BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=sliced_mask_mod, seq_lengths=self.seq_lengths,
             compute_q_blocks=self.q_indices is not None)
         return derive.with_dq_metadata(sliced, self)
 
@@ -322,6 +321,8 @@ class BlockMask(TorchBlockMask):
                 f"sparsity={self.sparsity():.2f}%, mask_mod={name})")
 
     def to_string(self, grid_size=(24, 24), limit: int = 2) -> str:
+        """A drawing of the first ``limit`` (b, h) pairs' tiles in at most ``grid_size``
+        (an int or a (rows, columns) pair) cells; ``-1`` draws every tile, as torch's."""
         return draw.to_text(self, grid_size, limit)
 
     def __repr__(self) -> str:
@@ -346,12 +347,36 @@ def _expand_ellipsis(index: tuple) -> tuple:
 
 
 def _keep_dim(index, size: int):
-    if isinstance(index, int) and not isinstance(index, bool):
-        if not -size <= index < size:
-            raise InputError(f"BlockMask index {index} is out of range for a dim of size {size}")
-        index %= size
-        return slice(index, index + 1)
-    return index
+    """One dim's index with that dim kept: an integer (a Python or numpy int, a 0-dim integer
+    tensor; as such they dropped the dim, so the later dims moved up: heads read as batches)
+    becomes a slice of one; slices, lists and 1-dim tensors keep it as they are."""
+    if isinstance(index, torch.Tensor) and index.dim() == 1 or isinstance(index, (slice, list)):
+        return index
+    if index is None or isinstance(index, bool) or (
+            isinstance(index, torch.Tensor) and (index.dim() or index.dtype is torch.bool)):
+        raise InputError(f"BlockMask[...] takes integers, slices, lists or 1-dim tensors for "
+                         f"(batch, head, q tile), got {index!r}")
+    try:
+        index = operator.index(index)
+    except TypeError:
+        raise InputTypeError(f"BlockMask[...] takes integers, slices, lists or 1-dim tensors "
+                             f"for (batch, head, q tile), got {type(index).__name__} "
+                             f"{index!r}") from None
+    if not -size <= index < size:
+        raise InputError(f"BlockMask index {index} is out of range for a dim of size {size}")
+    index %= size
+    return slice(index, index + 1)
+
+
+def _take(table: torch.Tensor, index: tuple) -> torch.Tensor:
+    """``table`` indexed dim by dim (two list or tensor indices together would pick pairs)."""
+    dims = table.dim()
+    for dim, i in enumerate(index):
+        table = table[(slice(None),) * dim + (i,)]
+        if table.dim() != dims:  # a nested list
+            raise InputError(f"BlockMask[...] takes integers, slices, lists or 1-dim tensors "
+                             f"for (batch, head, q tile), got {i!r}")
+    return table
 
 
 def _no_dq_kv_order_tensor(mask: BlockMask, what: str) -> None:

@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from ..errors import InputError, InputTypeError
 from .tables import ordered_to_dense
 
 EMPTY_CHAR, PARTIAL_CHAR, FULL_CHAR = " ", "~", "#"
@@ -34,11 +35,12 @@ def _group_char(group: torch.Tensor) -> str:
 
 
 def to_text(block_mask, grid_size: int | tuple[int, int] = (24, 24), limit: int = 2) -> str:
-    """One drawing per (b, h) for the first ``limit`` of them, at most ``grid_size`` cells."""
+    """One drawing per (b, h) for the first ``limit`` of them, at most ``grid_size`` cells
+    (rows, columns); -1, as torch's ``to_string`` takes it, draws every tile."""
     classes = tile_classes(block_mask)
     B, H, rows, cols = classes.shape
-    max_rows, max_cols = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
-    row_step, col_step = -(-rows // max_rows), -(-cols // max_cols)
+    row_step, col_step = (_step(tiles, cells) for tiles, cells in
+                          zip((rows, cols), _grid_pair(grid_size)))
     drawings = []
     for count, (b, h) in enumerate(itertools.product(range(B), range(H))):
         if count == limit:
@@ -52,6 +54,23 @@ def to_text(block_mask, grid_size: int | tuple[int, int] = (24, 24), limit: int 
             lines.append("|" + "".join(cells) + "|")
         drawings.append("\n".join(lines))
     return "\n".join(drawings)
+
+
+def _grid_pair(grid_size) -> tuple:
+    pair = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+        raise InputTypeError(f"BlockMask.to_string: grid_size must be an int or a (rows, "
+                             f"columns) pair of ints, got {grid_size!r}")
+    if any(n == 0 or n < -1 for n in pair):
+        raise InputError(f"BlockMask.to_string: grid_size must be positive, or -1 for every "
+                         f"tile, got {grid_size!r}")
+    return pair
+
+
+def _step(tiles: int, cells: int) -> int:
+    """Tiles per cell along one axis: at most ``cells`` cells, one tile each for -1."""
+    return 1 if cells == -1 else max(1, -(-tiles // cells))
 
 
 def to_png(block_mask, path, limit: int = 4, dpi: int = 100) -> None:

@@ -1,5 +1,6 @@
 """The BlockMask object: dense view, sparsity, slicing, drawings, devices, from_kv_blocks,
 the compatibility check flex_attention uses, create_mask."""
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import flex_attention as torch_flex
@@ -7,7 +8,7 @@ from torch.nn.attention import flex_attention as torch_flex
 import flexfa
 from flexfa import mods
 from flexfa.blockmask import BlockMask, create_block_mask, create_mask
-from flexfa.errors import InputError
+from flexfa.errors import InputError, InputTypeError
 from flexfa.frontend.trace import TracedMod, trace
 
 from .test_vs_torch import TABLES, assert_same_as_torch
@@ -53,9 +54,37 @@ def test_getitem_rejects_bad_index():
         mask[5]
     with pytest.raises(InputError, match="at most 3"):
         mask[0, 0, 0, 0]
-    for index in (None, True, (0, None)):  # they would add a dim to the tables
-        with pytest.raises(InputError, match="ints, slices, lists or tensors"):
+    for index in (None, True, (0, None), torch.tensor(True), torch.zeros(1, 1, dtype=torch.long),
+                  ([[0]],)):  # they would add a dim to the tables
+        with pytest.raises(InputError, match="integers, slices, lists or 1-dim tensors"):
             mask[index]
+    with pytest.raises(InputTypeError, match="got float 0.5"):
+        mask[0.5]
+
+
+@pytest.mark.parametrize("as_scalar", [np.int64, torch.tensor], ids=["numpy", "0-dim tensor"])
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_getitem_integer_scalars_keep_their_dim(as_scalar, at):
+    """A numpy integer or a 0-dim tensor indexes as an int does (both dropped the dim: mask[:,
+    np.int64(2)] was a [1, 3] mask whose heads were the batches)."""
+    mask = create_block_mask(ZOO["head_windows"](3, 3, 100, 100), 3, 3, 100, 100, device="cpu",
+                             BLOCK_SIZE=32)
+    index = (slice(None),) * at + (2,)
+    scalar = (slice(None),) * at + (as_scalar(2),)
+    for name in TABLES:
+        assert torch.equal(getattr(mask[scalar], name), getattr(mask[index], name)), name
+    assert mask[scalar].shape == mask[index].shape
+
+
+def test_getitem_indexes_each_dim_on_its_own():
+    """Lists for batch and head pick every (batch, head) pair of them, as slices would (the
+    pairs (0, 1) and (2, 2) made a [1, 2] mask)."""
+    mask = create_block_mask(ZOO["head_windows"](3, 3, 100, 100), 3, 3, 100, 100, device="cpu",
+                             BLOCK_SIZE=32)
+    picked, expected = mask[[0, 2], torch.tensor([1, 2])], mask[0:3:2, 1:3]
+    assert picked.shape == (2, 2, 100, 100)
+    for name in TABLES:
+        assert torch.equal(getattr(picked, name), getattr(expected, name)), name
 
 
 @pytest.mark.parametrize("index,same_as", [
@@ -181,3 +210,25 @@ def test_create_mask_of_a_score_mod():
     ours = create_mask(causal_score, None, None, 50, 60, device="cpu")
     theirs = torch_flex.create_mask(causal_score, 1, 1, 50, 60, device="cpu")
     assert ours.shape == (1, 1, 50, 60) and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("grid_size", [-1, (-1, -1), (-1, 4)])
+def test_to_string_minus_one_draws_every_tile(grid_size):
+    """torch's ``to_string(grid_size=-1)`` draws the uncompressed mask (it drew empty,
+    '-16x-16 tiles' cells)."""
+    mask = create_block_mask(mods.causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=16)
+    rows = [line for line in mask.to_string(grid_size).splitlines() if line.startswith("|")]
+    assert len(rows) == 16
+    if grid_size == (-1, 4):  # 16 kv tiles in 4 cells
+        assert rows[0] == "|~~      |" and rows[-1] == "|######~~|"
+    else:
+        assert rows[0] == "|~~" + "  " * 15 + "|" and rows[-1] == "|" + "##" * 15 + "~~|"
+
+
+@pytest.mark.parametrize("grid_size,error", [
+    (0, InputError), ((4, 0), InputError), ((4, -2), InputError), (2.5, InputTypeError),
+    ((4,), InputTypeError), (True, InputTypeError)])
+def test_to_string_rejects_other_grid_sizes(grid_size, error):
+    mask = create_block_mask(mods.causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(error, match="grid_size"):
+        mask.to_string(grid_size)

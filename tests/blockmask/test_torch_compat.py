@@ -150,6 +150,26 @@ def test_from_kv_blocks_pads_with_minus_one_as_torch(dims):
                                flexfa.flex_attention(q, k, v, block_mask=clean))
 
 
+@pytest.mark.parametrize("dims", [2, 3])
+def test_torchs_mask_with_tables_of_fewer_dims_is_an_error(dims):
+    """torch's from_kv_blocks keeps 2- or 3-dim tables as given: flex_attention says so and
+    points at flexfa's from_kv_blocks (it failed unpacking the batch and head of a 1-dim
+    kv_num_blocks, and read a 2-dim one's q tiles as heads)."""
+    num_blocks = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    indices = torch.arange(4, dtype=torch.int32).expand(4, 4).contiguous()
+    for _ in range(dims - 2):
+        num_blocks, indices = num_blocks[None], indices[None]
+    q, k, v = torch.randn(3, 1, 2, 64, 16).unbind()
+    theirs = torch_flex.BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=16)
+    with pytest.raises(flexfa.InputError, match=r"kv_num_blocks has shape .*BlockMask.from_kv_blocks"):
+        flexfa.flex_attention(q, k, v, block_mask=theirs)
+    mine = BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=16)
+    tiles = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx // 16 >= kv_idx // 16,
+                              None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    torch.testing.assert_close(flexfa.flex_attention(q, k, v, block_mask=mine),
+                               flexfa.flex_attention(q, k, v, block_mask=tiles))
+
+
 def test_from_kv_blocks_takes_torchs_arguments():
     reference = torch_mask(mods.causal, 1, 2, 64, 64, compute_dq_write_order=True)
     signature = inspect.signature(torch_flex.BlockMask.from_kv_blocks).parameters
