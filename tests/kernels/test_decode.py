@@ -638,3 +638,19 @@ def test_union_walk_of_per_head_windows(case, union_walks):
     partial_only.kv_indices = reversed_rows(partial_only.kv_num_blocks, partial_only.kv_indices)
     torch.testing.assert_close(run(partial_only, "AUTO", 1), union, atol=1e-5, rtol=1e-5)
     assert union_walks == [True, False, True, False, True]
+
+
+@pytest.mark.parametrize("walk", ["UNION", "MEMBERS"])
+def test_empty_sequence_with_a_whole_q_block_of_rows(walk):
+    """kv_lens[b] = 0 with L = 16 rows and 16-row mask blocks puts the rows at -16..-1: the
+    first q block was -16 // 16 = -1, so the walks read table row -1 (the previous head's
+    last row, or memory before the table; the interpreter cannot see it, a GPU may fault).
+    Rows at negative positions take q block 0 now, as rows -15..-1 did."""
+    B, Hq, Hkv, L, S = 2, 4, 2, 16, 64
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, 16, seed=11)
+    lens = torch.tensor([0, 40], dtype=torch.int32)
+    mask = flexfa.create_block_mask(mods.causal, None, Hq, S, S, device="cpu", BLOCK_SIZE=16)
+    out, lse = flexfa.flex_decode(q, k, v, None, mask, kv_lens=lens, return_lse=True,
+                                  kernel_options={"DECODE_WALK": walk})
+    assert_matches(out, lse, *reference_rows(q, k, v, None, mods.causal, lens, lens - L))
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
