@@ -106,9 +106,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     dtype), one more term of each row's softmax denominator with no value; lse includes it,
     a row with nothing to attend gets out 0 and lse = its sink; gradients flow into it.
     ``dropout_p`` (flexfa's, as SDPA's; docs/dropout.md): drop each attention probability
-    with this probability and scale the kept ones by 1 / (1 - p); lse is unaffected; applied
-    whenever p > 0 (pass ``p if module.training else 0.0``). ``dropout_seed``: an int or a
-    (seed, offset) pair; None draws one from torch's generator of the query's device.
+    with this probability and scale the kept ones by 1 / keep rate (about 1 / (1 - p)); lse
+    is unaffected; applied whenever p > 0 (pass ``p if module.training else 0.0``).
+    ``dropout_seed``: an int or a (seed, offset) pair; None draws one from torch's generator
+    of the query's device.
     """
     if torch.compiler.is_compiling():  # traced by torch.compile: the flexfa:: operators
         out, lse, maxs, aux_lse = compiled.attention(query, key, value, score_mod, block_mask,

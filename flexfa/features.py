@@ -6,8 +6,10 @@ Attention sinks (GPT-OSS): ``sinks`` [Hq] holds one learnable logit per query he
 every row's softmax denominator as a term without a value:
 ``out = sum_j exp(s_j - m) v_j / (exp(sink_h - m) + sum_j exp(s_j - m))``; lse includes it.
 Dropout: each attention probability is dropped with probability ``dropout_p`` and the kept
-ones are scaled by ``1 / (1 - dropout_p)`` before ``P @ V``; lse is unaffected. The keep mask
-is a pure function of (seed, offset, b, h, q, k) (``flexfa.runtime.dropout``).
+ones are scaled by the inverse of the keep rate (``1 / (1 - dropout_p)`` with 1 - p rounded
+to a multiple of 2**-16: ``flexfa.runtime.dropout.scale``) before ``P @ V``; lse is
+unaffected. The keep mask is a pure function of (seed, offset, b, h, q, k)
+(``flexfa.runtime.dropout``).
 """
 from __future__ import annotations
 

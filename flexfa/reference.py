@@ -13,6 +13,7 @@ import torch
 
 from .errors import InputError
 from .frontend import dense_mask, evaluate, index_grids, trace
+from .runtime.dropout import scale as dropout_scale
 
 
 def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
@@ -29,7 +30,8 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     ``sinks`` [Hq]: per-head logits that join each row's softmax as a column without a value
     (lse includes them; an empty row gets out 0 and lse = its sink); differentiable.
     ``dropout_mask`` (bool [B, Hq, L, S], e.g. ``flexfa.dropout_mask``) with ``dropout_p``:
-    the probabilities are multiplied by mask / (1 - p) before ``@ v``; lse is unaffected.
+    the probabilities are multiplied by mask / (the keep rate: 1 - p rounded to a multiple of
+    2**-16, ``flexfa.runtime.dropout.scale``) before ``@ v``; lse is unaffected.
     """
     B, Hq, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -63,7 +65,7 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     if sinks is not None:
         probs = probs[..., :S]
     if dropout_mask is not None:
-        probs = probs * dropout_mask.to(dtype) / (1.0 - dropout_p)
+        probs = probs * dropout_mask.to(dtype) * dropout_scale(dropout_p)
     out = probs @ v
     results = [out]
     if return_lse:

@@ -380,7 +380,8 @@ def feature_params(sinks_dtype: str, dropout: bool) -> tuple[Param, ...]:
     """The parameters of a kernel's optional features, present only where the kernel has
     them: attention sinks (``SINKS``, one logit per query head, element type
     ``sinks_dtype``; "" for none) and dropout (``DROPOUT_SEED``: int64 [seed, offset];
-    ``dropout_threshold``: round(p * 2**16); ``dropout_scale``: 1 / (1 - p))."""
+    ``dropout_threshold``: round(p * 2**16); ``dropout_scale``: 1 / the keep rate,
+    ``runtime.dropout.scale``)."""
     params = tensors(sinks_dtype, "SINKS") if sinks_dtype else ()
     if dropout:
         params += tensors("i64", "DROPOUT_SEED") + ints("dropout_threshold") + (

@@ -13,7 +13,7 @@ import torch
 import flexfa
 from flexfa.errors import InputError, InputTypeError
 from flexfa.reference import attention_reference
-from flexfa.runtime import launch
+from flexfa.runtime import dropout, launch
 from kernels.backward_utils import record_backward_specs
 from kernels.forward_utils import TEMPLATES, make_qkv
 from reference import assert_close_to_reference
@@ -80,8 +80,36 @@ def test_keep_rate_of_the_kernel():
     sigma = math.sqrt(p * (1 - p) / (2 * rows * keys))
     assert abs(kept - (1 - p)) < 5 * sigma, f"kernel keep rate {kept}"
     mask = flexfa.dropout_mask(99, 1, 2, rows, keys, p)
-    torch.testing.assert_close(out[..., 0].double(), mask.double().mean(-1) / (1 - p),
+    torch.testing.assert_close(out[..., 0].double(), mask.double().mean(-1) / keep_rate(p),
                                atol=1e-5, rtol=1e-5)
+
+
+def keep_rate(p):
+    """What a 16-bit threshold keeps: 1 - p rounded to a multiple of 2**-16, at least 2**-16."""
+    return max(2 ** 16 - round(p * 2 ** 16), 1) / 2 ** 16
+
+
+@pytest.mark.parametrize("p", [0.999, 0.9995])
+def test_kept_values_are_scaled_by_the_inverse_keep_rate(p):
+    """Regression: kept probabilities were scaled by 1 / (1 - p) while the threshold keeps
+    1 - p rounded to 2**-16 steps: the output's expectation was 1.007 x (p = 0.999), 1.07 x
+    (0.9999), 1.5e7 x (1 - 1e-12) the output without dropout. q = k = 0, v = 1: each row's
+    out is its kept fraction times the scale."""
+    rows, keys = 32, 256
+    q, k = torch.zeros(1, 2, rows, 16), torch.zeros(1, 2, keys, 16)
+    v = torch.ones(1, 2, keys, 16)
+    out = flexfa.flex_attention(q, k, v, dropout_p=p, dropout_seed=5)
+    mask = flexfa.dropout_mask(5, 1, 2, rows, keys, p)
+    assert mask.any()
+    torch.testing.assert_close(out[..., 0].double(), mask.double().mean(-1) / keep_rate(p),
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_scale_is_the_inverse_of_the_keep_rate_at_every_p():
+    """With the mask's keep rate (test_keep_rate_of_the_mask) this makes dropout unbiased:
+    at p = 1 - 1e-5 the keep rate rounds to 2**-16 and 1 / (1 - p) made E[out] 1.53 x."""
+    for p in (0.0, 0.1, 0.25, 0.5, 0.9, 0.999, 0.9999, 1 - 1e-5, 1 - 1e-12):
+        assert dropout.scale(p) * keep_rate(p) == pytest.approx(1.0, rel=1e-15), p
 
 
 def late_causal(b, h, q_idx, kv_idx):
