@@ -307,6 +307,14 @@ def _constant_power(node: Node, base: str, exponent_text: str) -> str | None:
     return f"flexfa_pow_const({base}, {exponent_text}, {b == 0}, {integral}, {odd})"
 
 
+_LOGICAL = frozenset({Op.AND, Op.OR, Op.XOR, Op.MAX, Op.MIN})  # bool operands: &, |, ^
+_COMPARISONS = frozenset({Op.LT, Op.LE, Op.EQ, Op.NE})
+
+
+def _float_comparison(node: Node) -> bool:
+    return node.op in _COMPARISONS and any(s.dtype is FLOAT for s in node.src)
+
+
 class _Renderer:
     def __init__(self, leaves: Leaves, buffers: Sequence[BufferArgs], prefix: str,
                  fast_math: bool = False, wide: Collection[str] = ()):
@@ -354,6 +362,11 @@ class _Renderer:
             constant = _constant_power(node, *operands)
             if constant is not None:
                 return constant
+        if node.dtype is BOOL and op in _LOGICAL:
+            # the Triton interpreter holds a comparison of float scalars (w[h] > 0) in a float
+            # array, which &, | and ^ refuse; != 0 makes it a bool there (compiled: nothing)
+            operands = [f"({text} != 0)" if _float_comparison(s) else text
+                        for s, text in zip(node.src, operands)]
         return _rule(node, self.fast_math, id(node) in self.int64).format(*operands)
 
     def widen(self, source: Node, text: str) -> str:

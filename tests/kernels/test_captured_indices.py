@@ -142,3 +142,24 @@ def test_check_agrees_with_torch_indexing(a, c, d, size, q_len, kv_len):
     except InputError:
         raises = True
     assert raises == torch_raises
+
+
+def test_logical_ops_of_float_comparisons_read_per_head():
+    """Regression: under the Triton interpreter a comparison of float scalars (w[h] > 0) is a
+    float array, so `&`, `|` and `^` with a tile failed (InterpreterError) in score_mods,
+    mask_mods and their derivatives; rendered as `(... != 0)` they run."""
+    w = torch.tensor([0.3, -0.2])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx >= kv_idx) & (w[h] > 0) | (w[h] * score > 1.0), score,
+                           score * 2.0)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((q_idx >= kv_idx) & (w[h] > 0)) ^ (w[h] < -0.1)
+
+    q, k, v = make_qkv(1, 2, 2, 40, 56, 16)
+    mask = create_block_mask(mask_mod, None, 2, 40, 56, device="cpu", BLOCK_SIZE=16)
+    out, lse = flexfa.flex_attention(q, k, v, score_mod, block_mask=mask, return_lse=True)
+    exact, eager = reference_pair(q, k, v, score_mod, mask_mod)
+    assert_close_to_reference(out, exact[0], eager[0])
+    assert_close_to_reference(lse, exact[1], eager[1], name="lse")
