@@ -112,6 +112,10 @@ def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
         if tensor.device != x.q.device:
             raise InputError(f"FP8Inputs.{name[0]} is on {tensor.device} but q is on {x.q.device}")
     check_shapes(x.q, x.k, x.v, enable_gqa)
+    if x.k.shape[0] != x.q.shape[0]:  # the kernel indexes k and v with q's batch index
+        raise InputError(f"FP8Inputs.k and .v have batch size {x.k.shape[0]} but q has "
+                         f"{x.q.shape[0]}; an FP8Inputs holds k and v per batch entry (quantize "
+                         "them expanded to q's batch, as flexfa.fp8.quantize does)")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise InputTypeError(f"FP8Inputs.dtype (the output dtype) must be bfloat16 or float16, "
                              f"got {x.dtype}")

@@ -37,6 +37,18 @@ def test_captured_tensor_requiring_grad():
         flex_attention_fp8(q, k, v, score_mod=head_bias)
 
 
+def test_fp8inputs_with_keys_of_batch_one():
+    """k and v of batch 1 under a query of batch 2 (scales expanded to pass the shape check)
+    are named: the kernel indexed them with the query's batch index, past the tensor's end
+    (garbage on a CPU, an out-of-bounds read on a GPU)."""
+    q, k, v = _qkv()
+    x = quantize(q.expand(2, -1, -1, -1), k, v)
+    one = quantize(q, k, v)
+    shared = dataclasses.replace(x, k=one.k, v=one.v)
+    with pytest.raises(InputError, match="FP8Inputs.k and .v have batch size 1 but q has 2"):
+        flex_attention_fp8(shared)
+
+
 def test_mixing_fp8_and_bf16():
     q, k, v = _qkv()
     with pytest.raises(InputError, match="mix FP8.*key torch.float8_e4m3fn"):
