@@ -19,6 +19,7 @@ from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from .checks import check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad
 from .quantize import FP8Inputs, quantize
 
+_TENSORS = ("q", "k", "v", "q_scale", "k_scale", "v_scale")
 run_fp8_forward = lazy_function("flexfa.runtime.forward", "run_fp8_forward")  # loads Triton
 
 
@@ -85,7 +86,11 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     check_buffers(score, "score_mod", x.q.device)
     check_buffers(mask, "mask_mod", x.q.device)
     check_captured_indices(score, mask, x.q.shape, x.k.shape[2], x.q.device)
-    check_no_grad((("sinks", sinks),), score.buffers if score is not None else ())
+    # an FP8Inputs built by hand may hold tensors that require grad; a mask's captured tensors
+    # are refused as flex_attention refuses them (no gradient would reach any of them)
+    named = [("sinks", sinks), *((f"FP8Inputs.{n}", getattr(x, n)) for n in _TENSORS)]
+    named += [("a mask_mod captured tensor", t) for t in (mask.buffers if mask is not None else ())]
+    check_no_grad(named, score.buffers if score is not None else ())
     sinks = check_sinks(sinks, x.q.shape[1], x.dtype, x.q.device)
     call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),
                          x.q.shape[1] // x.k.shape[1], sinks)

@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 
+import flexfa
 from flexfa.errors import InputError, InputTypeError
 from flexfa.fp8 import FP8UnsupportedError, flex_attention_fp8, quantize
 from flexfa.fp8.checks import check_fp8_device
@@ -35,6 +36,30 @@ def test_captured_tensor_requiring_grad():
 
     with pytest.raises(FP8UnsupportedError, match="captured tensor requires grad"):
         flex_attention_fp8(q, k, v, score_mod=head_bias)
+
+
+def test_fp8inputs_tensors_requiring_grad():
+    """A hand-built FP8Inputs whose scales (or values) require grad is refused like bf16 inputs
+    that do (the output had no grad_fn: the gradient was silently lost)."""
+    x = quantize(*_qkv())
+    learned = dataclasses.replace(x, q_scale=x.q_scale.clone().requires_grad_(True))
+    with pytest.raises(FP8UnsupportedError, match="FP8Inputs.q_scale requires grad"):
+        flex_attention_fp8(learned)
+    with torch.no_grad():
+        assert flex_attention_fp8(learned).shape == x.q.shape
+
+
+def test_mask_captured_tensor_requiring_grad():
+    """As flex_attention, a mask_mod's captured tensor that requires grad is an error."""
+    q, k, v = _qkv()
+    keep = torch.ones(40, requires_grad=True)
+
+    def gate(b, h, q_idx, kv_idx):
+        return keep[kv_idx] > 0
+
+    mask = flexfa.create_block_mask(gate, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(FP8UnsupportedError, match="a mask_mod captured tensor requires grad"):
+        flex_attention_fp8(q, k, v, block_mask=mask, block_size=16)
 
 
 def test_fp8inputs_with_keys_of_batch_one():
