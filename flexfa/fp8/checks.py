@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from ..inputs import check_shapes
+from ..inputs import check_readable, check_shapes
 from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int
 from .inputs import FP8_DTYPE, FP8Inputs
 
@@ -52,6 +52,9 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
                              f"{tuple(tensor.shape)}")
         if tensor.device != q.device:
             raise InputError(f"{name} is on {tensor.device} but query is on {q.device}")
+        if tensor.dtype != q.dtype:  # as flex_attention: no dtype is picked among them
+            raise InputError(f"{name} has dtype {tensor.dtype} but query has {q.dtype}; query, "
+                             "key and value must share one dtype")
     check_shapes(q, k, v, enable_gqa=True)
     for name, flag in (("rotate", rotate), ("per_tensor", per_tensor), ("fused", fused)):
         if not (name == "fused" and flag is None):
@@ -94,6 +97,7 @@ def check_scale(name: str, scale, want: tuple[int, ...], device) -> None:
         raise InputTypeError(f"{name} has dtype {scale.dtype}; scales must be float32")
     if scale.device != device:
         raise InputError(f"{name} is on {scale.device} but query is on {device}")
+    check_readable(name, scale)
 
 
 def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
@@ -111,6 +115,7 @@ def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
                 "torch.float8_e4m3fn only (e5m2 and other FP8 formats are not supported)")
         if tensor.device != x.q.device:
             raise InputError(f"FP8Inputs.{name[0]} is on {tensor.device} but q is on {x.q.device}")
+        check_readable(f"FP8Inputs.{name[0]}", tensor)
     check_shapes(x.q, x.k, x.v, enable_gqa)
     if x.k.shape[0] != x.q.shape[0]:  # the kernel indexes k and v with q's batch index
         raise InputError(f"FP8Inputs.k and .v have batch size {x.k.shape[0]} but q has "

@@ -62,6 +62,17 @@ def test_mask_captured_tensor_requiring_grad():
         flex_attention_fp8(q, k, v, block_mask=mask, block_size=16)
 
 
+def test_mixing_bf16_and_fp16():
+    """Which dtype would the output take? flex_attention refuses the mix; so do these (the
+    output silently took value's dtype)."""
+    q, k, v = _qkv()
+    for args in ((q, k.half(), v), (q, k, v.half())):
+        with pytest.raises(InputError, match="has dtype torch.float16 but query has torch.bfloat16"):
+            flex_attention_fp8(*args)
+        with pytest.raises(InputError, match="must share one dtype"):
+            quantize(*args)
+
+
 def test_fp8inputs_with_keys_of_batch_one():
     """k and v of batch 1 under a query of batch 2 (scales expanded to pass the shape check)
     are named: the kernel indexed them with the query's batch index, past the tensor's end
@@ -72,6 +83,12 @@ def test_fp8inputs_with_keys_of_batch_one():
     shared = dataclasses.replace(x, k=one.k, v=one.v)
     with pytest.raises(InputError, match="FP8Inputs.k and .v have batch size 1 but q has 2"):
         flex_attention_fp8(shared)
+
+
+def test_sparse_scales():
+    x = quantize(*_qkv())
+    with pytest.raises(InputError, match="k_scale has layout torch.sparse_coo"):
+        flex_attention_fp8(dataclasses.replace(x, k_scale=x.k_scale.to_sparse()))
 
 
 def test_mixing_fp8_and_bf16():
