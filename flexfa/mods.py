@@ -46,8 +46,11 @@ def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.
 
 
 def _number_name(value: float) -> str:
-    """30.0 -> '30', 2.5 -> '2p5': identifier-safe numbers for mod names."""
+    """30.0 -> '30', 2.5 -> '2p5': identifier-safe numbers for mod names, exact (the shortest
+    repr, where six significant digits would round: 30.0000001 is not 30)."""
     text = f"{value:g}"
+    if float(text) != value:
+        text = repr(value)
     return text.replace(".", "p").replace("-", "m").replace("+", "")
 
 
@@ -97,13 +100,8 @@ def prefix_lm(prefix_length: int):
     return _named(mod, f"prefix_lm_{n}", f"keep iff kv_idx < {n} or q_idx >= kv_idx")
 
 
-def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
-    """The int32 document id of every token of a packed sequence.
-
-    Accepts cu_seqlens (offsets: starts with 0, non-decreasing, e.g. ``[0, 3, 7, 10]``) or a
-    list of document lengths (all > 0, e.g. ``[3, 4, 3]``); both give
-    ``[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]``.
-    """
+def _document_lengths(offsets_or_lengths) -> torch.Tensor:
+    """int64 lengths of the documents, from cu_seqlens or lengths (see ``document_ids``)."""
     values = _one_dim("document", "offsets_or_lengths", offsets_or_lengths, torch.int64, "cpu")
     if values[0].item() == 0 and values.numel() >= 2:  # cu_seqlens
         lengths = values.diff()
@@ -117,6 +115,20 @@ def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
                              f"0), got {values.tolist()}")
     if lengths.sum().item() == 0:
         raise InputError(f"document: the documents hold no tokens: {values.tolist()}")
+    return lengths
+
+
+def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
+    """The int32 document id of every token of a packed sequence.
+
+    Accepts cu_seqlens (offsets: starts with 0, non-decreasing, e.g. ``[0, 3, 7, 10]``) or a
+    list of document lengths (all > 0, e.g. ``[3, 4, 3]``); both give
+    ``[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]``.
+    """
+    return _ids(_document_lengths(offsets_or_lengths), device)
+
+
+def _ids(lengths: torch.Tensor, device) -> torch.Tensor:
     ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     return ids.to(device=device, dtype=torch.int32)
 
@@ -129,8 +141,9 @@ def document(offsets_or_lengths, device=None):
     (see ``document_ids``). Q_LEN and KV_LEN must not exceed ``len(doc_ids)``. Combine with
     ``causal`` through ``and_masks`` for packed causal language modelling.
     """
-    doc_ids = document_ids(offsets_or_lengths, device)
-    count = int(doc_ids[-1].item()) + 1
+    lengths = _document_lengths(offsets_or_lengths)
+    doc_ids = _ids(lengths, device)
+    count = lengths.numel()  # empty documents of cu_seqlens count too, wherever they are
 
     def mod(b, h, q_idx, kv_idx):
         return doc_ids[q_idx] == doc_ids[kv_idx]
@@ -281,8 +294,8 @@ def relative_bias(table: torch.Tensor, offset: int | None = None):
     if not table.dtype.is_floating_point:
         raise InputTypeError(f"relative_bias: table must be a float tensor, got dtype "
                              f"{table.dtype}")
-    if table.dim() not in (1, 2) or table.shape[-1] == 0:
-        raise InputError(f"relative_bias: table must have shape [R] or [H, R] with R >= 1, "
+    if table.dim() not in (1, 2) or table.numel() == 0:
+        raise InputError(f"relative_bias: table must have shape [R] or [H, R] with H, R >= 1, "
                          f"got shape {tuple(table.shape)}")
     size = table.shape[-1]
     offset = (size - 1) // 2 if offset is None else check_int("relative_bias", "offset", offset, 0)
@@ -296,6 +309,8 @@ def relative_bias(table: torch.Tensor, offset: int | None = None):
         def mod(score, b, h, q_idx, kv_idx):
             return score + table[h, torch.clamp(q_idx - kv_idx + offset, 0, last)]
         name = f"relative_bias_{table.shape[0]}x{size}"
+    if offset != (size - 1) // 2:  # one name per formula: the default offset goes unsaid
+        name += f"_offset{offset}"
     per_head = "[h, " if table.dim() == 2 else "["
     return _named(mod, name, f"score + table{per_head}clamp(q_idx - kv_idx + {offset}, 0, {last})]",
                   table=table, offset=offset)

@@ -223,6 +223,7 @@ def test_relative_bias_per_head_and_gradient():
     (lambda: mods.softcap(-1.0), "cap"),
     (lambda: mods.softcap(float("inf")), "cap"),
     (lambda: mods.relative_bias(torch.zeros(2, 3, 4)), "shape"),
+    (lambda: mods.relative_bias(torch.zeros(0, 5)), "H, R >= 1"),  # was an error at the call
 ])
 def test_bad_arguments_raise_value_error(make, words):
     with pytest.raises(ValueError, match=words):
@@ -271,6 +272,23 @@ def test_every_factory_names_and_documents_its_mod():
     assert math.isclose(float(mods.alibi(8).slopes[0]), 0.5)
 
 
+def test_names_differ_whenever_the_formula_does():
+    """Six significant digits named softcap(30.0) and softcap(30.0000001) alike (and
+    1234567.0 / 1234567.5); relative_bias's offset was not in its name; a trailing empty
+    document of cu_seqlens was not counted."""
+    table = torch.zeros(9)
+    pairs = [(mods.softcap(30.0), mods.softcap(30.0000001)),
+             (mods.softcap(1234567.0), mods.softcap(1234567.5)),
+             (mods.relative_bias(table), mods.relative_bias(table, offset=0))]
+    for one, other in pairs:
+        assert one.__name__ != other.__name__ and other.__name__.isidentifier(), other.__name__
+    assert mods.softcap(30.0).__name__ == "softcap_30"
+    assert mods.relative_bias(table, offset=4).__name__ == "relative_bias_9"
+    assert mods.relative_bias(table, offset=0).__name__ == "relative_bias_9_offset0"
+    assert [mods.document(d).__name__ for d in ([0, 3, 3], [0, 0, 3], [3, 4])] == \
+        ["document_2", "document_2", "document_2"]
+
+
 # ---- through the kernels -----------------------------------------------------------------------
 
 KERNEL_CASES = [
@@ -293,3 +311,36 @@ def test_ready_mods_run_through_flex_attention(score_mod, mask_mod):
     out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     want = attention_reference(q, k, v, score_mod, mask_mod)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
+
+
+def test_factories_one_after_another_and_captured_tensors_edited_in_place():
+    """Kernels are cached by the mods' structure: each factory call, and each in-place edit of
+    a tensor a mod captured, gives that call's own result."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+
+    def check(score_mod=None, mask_mod=None):
+        block_mask = None if mask_mod is None else flexfa.create_block_mask(
+            mask_mod, None, None, 70, 70, device="cpu", BLOCK_SIZE=32)
+        out = flexfa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        want = attention_reference(q, k, v, score_mod, mask_mod)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
+
+    for window in (8, 16, 8):
+        check(mask_mod=mods.sliding_window(window))
+    documents = mods.document([10, 30, 30])
+    check(mask_mod=documents)
+    documents.doc_ids.copy_(mods.document_ids([35, 35]))
+    check(mask_mod=documents)
+    flags = torch.zeros(70, dtype=torch.bool)
+    window = mods.global_sliding(4, flags)
+    check(mask_mod=window)
+    window.is_global[40] = True
+    check(mask_mod=window)
+    alibi = mods.alibi(2)
+    check(score_mod=alibi)
+    alibi.slopes.mul_(4)
+    check(score_mod=alibi)
+    bias = mods.relative_bias(torch.randn(2, 139))
+    check(score_mod=bias)
+    bias.table.mul_(3)
+    check(score_mod=bias)
