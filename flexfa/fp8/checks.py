@@ -124,6 +124,7 @@ def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise InputTypeError(f"FP8Inputs.dtype (the output dtype) must be bfloat16 or float16, "
                              f"got {x.dtype}")
+    check_bool("FP8Inputs.positive_scales", x.positive_scales)  # truthiness would fold q.k
     head_dim = x.head_dim
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or \
             not 1 <= head_dim <= x.q.shape[3]:

@@ -85,6 +85,15 @@ def test_fp8inputs_with_keys_of_batch_one():
         flex_attention_fp8(shared)
 
 
+def test_positive_scales_must_be_a_bool():
+    """positive_scales decides whether the kernel folds the descales into exp2's FMA (wrong
+    for descales <= 0): "no" or 0 was read by truthiness."""
+    x = quantize(*_qkv())
+    for flag in ("no", 1, None):
+        with pytest.raises(InputTypeError, match="FP8Inputs.positive_scales must be a bool"):
+            flex_attention_fp8(dataclasses.replace(x, positive_scales=flag))
+
+
 def test_sparse_scales():
     x = quantize(*_qkv())
     with pytest.raises(InputError, match="k_scale has layout torch.sparse_coo"):
