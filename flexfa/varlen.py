@@ -174,8 +174,9 @@ def local_score_mod(func: str, score_mod, block_mask: BlockMask, heads: int) -> 
     if localized is None:
         localized = _LOCALIZED[memo_key] = _localize(traced.root, len(traced.buffers))
     root, fields = localized
+    # dropped: the tensors simplification removed get flex_attention's zero gradient
     return TracedMod(SCORE_MOD, root, traced.buffers + tuple(getattr(tokens, f) for f in fields),
-                     f"{traced.name}_varlen")
+                     f"{traced.name}_varlen", traced.dropped)
 
 
 def _localize(root: ir.Node, slots: int) -> tuple[ir.Node, tuple[str, ...]]:

@@ -136,6 +136,22 @@ def test_gradients_equal_the_reference():
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_tensor_read_in_a_dead_branch_gets_zero_gradient():
+    """A learnable tensor the score_mod reads only in a branch the trace proves dead gets
+    zeros, as from flex_attention (None would make an optimizer skip it)."""
+    lengths = [17, 0, 40]
+    q, k, v = packed(lengths, lengths)
+    q.requires_grad_()
+    dead, live = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, score + dead[b], score + live[b])
+    flexfa.varlen_attention(q, k, v, offsets(lengths), offsets(lengths), causal=True,
+                            score_mod=bias, BLOCK_SIZE=32).sum().backward()
+    assert dead.grad is not None and torch.equal(dead.grad, torch.zeros(3))
+    assert live.grad is not None and q.grad is not None
+
+
 def test_new_lengths_need_no_new_trace_or_kernel(monkeypatch):
     """Lengths are data: after a first call, new lengths with the same total (and a total of
     the same tile evenness under the same power of two) trace nothing and load no kernel."""
