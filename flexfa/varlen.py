@@ -155,27 +155,68 @@ _LOCAL = ((Op.B, "doc_q", Op.Q_IDX), (Op.Q_IDX, "pos_q", Op.Q_IDX),
           (Op.KV_IDX, "pos_k", Op.KV_IDX))
 # (IR root, buffer count) -> (localized root, TokenTensors field of each added slot)
 _LOCALIZED = BoundedMemo(256, "varlen score_mods")
+# a mask's Documents -> {(score_mod trace's id, query heads, its captured tensors' versions):
+# weakref to the trace}: score_mods whose reads were checked document by document
+_PER_DOCUMENT = OwnedMemo(owners=64, per_owner=8, name="varlen per-document index checks")
 
 
 def local_score_mod(func: str, score_mod, block_mask: BlockMask, heads: int) -> TracedMod | None:
     """The traced ``score_mod`` with b, q_idx and kv_idx replaced by the document, and the
     positions inside it, of the packed token (reads of the mask's per-token tensors). Its own
-    captured-tensor reads are checked over the documents' index ranges (b < documents,
-    q_idx < longest query document, kv_idx < longest key document)."""
+    captured-tensor reads are checked in every document (``_check_reads``)."""
     traced = prepare_score_mod(score_mod)
     if traced is None:
         return None
     offsets, tokens = block_mask.documents.offsets, block_mask.documents.tokens
     check_buffers(traced, "score_mod", offsets.device)
-    check_captured_indices(traced, None, (offsets.documents, heads, offsets.max_q),
-                           offsets.max_k, offsets.device)
+    _check_reads(func, traced, block_mask.documents, heads)
     memo_key = (traced.root, len(traced.buffers))
     localized = _LOCALIZED.get(memo_key)
     if localized is None:
         localized = _LOCALIZED[memo_key] = _localize(traced.root, len(traced.buffers))
     root, fields = localized
+    # dropped: the tensors simplification removed get flex_attention's zero gradient
     return TracedMod(SCORE_MOD, root, traced.buffers + tuple(getattr(tokens, f) for f in fields),
-                     f"{traced.name}_varlen")
+                     f"{traced.name}_varlen", traced.dropped)
+
+
+def _check_reads(func: str, traced: TracedMod, documents, heads: int) -> None:
+    """The score_mod's captured-tensor reads in range for every document (``b``, and q_idx /
+    kv_idx inside it), as torch would find them calling it on each document alone. First
+    over b < documents, q_idx < longest query document, kv_idx < longest key document (one
+    memoized check); only where that fails, document by document (``bias[cu[b] + q_idx]``
+    with a packed per-token tensor is in range in every document but not for the longest
+    length at the last document), once per mask, heads and captured tensors' versions."""
+    offsets = documents.offsets
+    try:
+        check_captured_indices(traced, None, (offsets.documents, heads, offsets.max_q),
+                               offsets.max_k, offsets.device)
+        return
+    except InputError:
+        pass
+    try:
+        versions = (id(traced), heads, tuple(t._version for t in traced.buffers))
+    except RuntimeError:  # an inference tensor has no version counter: checked every call
+        versions = None
+    found = None if versions is None else _PER_DOCUMENT.get(documents, versions)
+    if found is not None and found() is traced:
+        return
+    # one host read of the offsets (a device sync for CUDA ones), on this path only
+    starts_q, starts_k = offsets.cu_q.tolist(), offsets.cu_k.tolist()
+    for doc in range(offsets.documents):
+        lq, lk = starts_q[doc + 1] - starts_q[doc], starts_k[doc + 1] - starts_k[doc]
+        if lq == 0 or lk == 0:  # no score to compute: nothing is read
+            continue
+        root = ir.rewrite(traced.root, lambda n: ir.const(doc, DType.INT) if n.op is Op.B else n)
+        try:
+            check_captured_indices(TracedMod(SCORE_MOD, root, traced.buffers, traced.name),
+                                   None, (1, heads, lq), lk, offsets.device)
+        except InputError as error:  # (checked with b fixed: name it, not its range 0..0)
+            message = str(error).replace("for b < 1,", f"for b = {doc},")
+            raise InputError(f"{func}: in document {doc} ({lq} queries, {lk} keys) "
+                             f"{message}") from None
+    if versions is not None:
+        _PER_DOCUMENT.put(documents, versions, weakref.ref(traced))
 
 
 def _localize(root: ir.Node, slots: int) -> tuple[ir.Node, tuple[str, ...]]:

@@ -60,6 +60,15 @@ def unshard(shards, load_balance: bool = True, dim: int = -2) -> torch.Tensor:
     world = len(shards)
     if world == 0:
         raise InputError("unshard: shards is empty")
+    if not isinstance(load_balance, bool):
+        raise InputTypeError(f"unshard: load_balance must be a bool, got {load_balance!r}")
+    # shard_sequence cuts equal shards (two equal chunks each with load_balance): other
+    # lengths would be put back in a wrong order without an error
+    lengths = [shard.shape[dim] for shard in shards]
+    if len(set(lengths)) > 1 or (load_balance and lengths[0] % 2):
+        raise InputError(f"unshard: the shards must have one length along dim {dim}"
+                         f"{', an even one with load_balance=True' if load_balance else ''}; "
+                         f"got lengths {lengths}")
     if not load_balance:
         return torch.cat(shards, dim=dim)
     pieces = [None] * (2 * world)

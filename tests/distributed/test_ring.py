@@ -193,6 +193,18 @@ def test_shard_rejects_lengths_that_do_not_split():
         shard_sequence(torch.zeros(1, 1, 8, 2), 2, 2, load_balance=False)
 
 
+@pytest.mark.parametrize("lengths,load_balance", [((5, 5), True), ((4, 6), False),
+                                                  ((4, 6), True)])
+def test_unshard_rejects_shards_shard_sequence_cannot_cut(lengths, load_balance):
+    """Shards of unequal lengths, or odd ones with load balancing, were put back in a wrong
+    order without an error ([0, 1, 2, 0, 1, 2, 3, 4, 3, 4] from two shards of 5)."""
+    shards = [torch.arange(n) for n in lengths]
+    with pytest.raises(InputError) as caught:
+        unshard(shards, load_balance, dim=0)
+    assert "one length along dim 0" in str(caught.value)
+    assert f"got lengths {list(lengths)}" in str(caught.value)
+
+
 def test_steps_reuse_one_trace_and_one_kernel():
     """Moving the mods to another kv shard rewrites the captured positions in place: the trace
     and the kernel of the first step serve the next (no retrace, no new kernel source)."""

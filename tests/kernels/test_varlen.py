@@ -136,6 +136,52 @@ def test_gradients_equal_the_reference():
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_tensor_read_in_a_dead_branch_gets_zero_gradient():
+    """A learnable tensor the score_mod reads only in a branch the trace proves dead gets
+    zeros, as from flex_attention (None would make an optimizer skip it)."""
+    lengths = [17, 0, 40]
+    q, k, v = packed(lengths, lengths)
+    q.requires_grad_()
+    dead, live = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx < q_idx, score + dead[b], score + live[b])
+    flexfa.varlen_attention(q, k, v, offsets(lengths), offsets(lengths), causal=True,
+                            score_mod=bias, BLOCK_SIZE=32).sum().backward()
+    assert dead.grad is not None and torch.equal(dead.grad, torch.zeros(3))
+    assert live.grad is not None and q.grad is not None
+
+
+def test_reads_in_range_in_every_document_are_accepted():
+    """A per-token tensor in the packed layout read at ``cu[b] + q_idx`` is in range in every
+    document, though not for the longest document's length at the last one (it was refused);
+    a read past it names the document; a memoized check does not hide more heads."""
+    lengths = [40, 5, 17]
+    cu = offsets(lengths)
+    starts = cu.long()
+    q, k, v = packed(lengths, lengths)
+    token_bias = torch.randn(H, sum(lengths))
+
+    def packed_bias(score, b, h, q_idx, kv_idx):
+        return score + token_bias[h, starts[b] + q_idx]
+    for _ in range(2):  # the second call takes the memoized per-document check
+        check_against_reference(lengths, lengths, True, None, packed_bias)
+    short = token_bias[:, :-1]
+
+    def short_bias(score, b, h, q_idx, kv_idx):
+        return score + short[h, starts[b] + q_idx]
+    with pytest.raises(flexfa.InputError, match=r"in document 2 \(17 queries, 17 keys\).*"
+                                                r"indices 45..61 .*for b = 2, h < 4"):
+        flexfa.varlen_attention(q, k, v, cu, cu, score_mod=short_bias)
+    two_heads = token_bias[:2]
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + two_heads[h, starts[b] + q_idx]
+    flexfa.varlen_attention(q[:, :2], k, v, cu, cu, score_mod=per_head)
+    with pytest.raises(flexfa.InputError, match=r"in document 0 .*\(size 2\), for b = 0, h < 4"):
+        flexfa.varlen_attention(q, k, v, cu, cu, score_mod=per_head)
+
+
 def test_new_lengths_need_no_new_trace_or_kernel(monkeypatch):
     """Lengths are data: after a first call, new lengths with the same total (and a total of
     the same tile evenness under the same power of two) trace nothing and load no kernel."""
