@@ -110,6 +110,10 @@
 # zb: every GPU test outside the backward files and the timed ones, sharded, the file of the
 # Gluon forward included, then the memory tests serially (first call of an end-of-session check);
 # zc: the backward and Gluon backward GPU files, sharded, under one long limit (after zb);
+# zd: the backward and Gluon backward GPU files with the decode, feature (dropout, sinks),
+# mod-semantics, FP8 and varlen GPU tests, sharded under one limit (the fixes
+# of the thirty-fifth session's audits: dropout's scale, the decode walk's first q block,
+# backward reading saved tensors once, logical ops of float comparisons);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -120,7 +124,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -347,6 +351,14 @@ if [ "$PART" = zc ]; then  # the backward files of z's first step, timed ones le
   step gpu_bwd 560 $SHARD/zc -- -m gpu -p no:cacheprovider -k "not ($T)" \
     tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py
   tail -n 3 "$OUT/gpu_bwd.log"
+fi
+if [ "$PART" = zd ]; then  # the thirty-fifth session's fixes (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step gpu_zd 570 $SHARD/zd -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py \
+    tests/kernels/test_decode.py tests/gpu/test_features_gpu.py tests/kernels/test_mod_semantics.py \
+    tests/gpu/test_fp8_gpu.py tests/blockmask/test_varlen.py
+  tail -n 14 "$OUT/gpu_zd.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
   # the split combine changed since b95fe87's run), its picture
