@@ -266,12 +266,13 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     return TracedMod(kind, root, buffers, name, dropped), read, raw, sized
 
 
-# tensor methods and properties that read metadata, not values
+# tensor methods and properties that read metadata, not values (printing reads values:
+# ``float(f"{t}")`` is a read like ``float(t)``)
 _METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "stride",
                        "numel", "nelement", "requires_grad", "is_cuda", "is_cpu", "layout",
                        "__len__", "is_floating_point", "is_complex", "is_contiguous",
                        "element_size", "storage_offset", "grad_fn", "is_leaf", "names",
-                       "is_sparse", "is_quantized", "is_meta", "__repr__", "__format__"})
+                       "is_sparse", "is_quantized", "is_meta"})
 # those that read sizes (the number of dimensions is fixed under dynamic shapes, and the tracer
 # reads it of every indexed tensor)
 _SIZES = frozenset({"shape", "size", "__len__", "numel", "nelement"})

@@ -196,6 +196,16 @@ def test_captured_tensor_values_read_while_tracing():
     _assert_follows(mod, lambda: flag.mul_(-1))
 
 
+def test_captured_tensor_values_read_by_printing_it():
+    """Formatting a tensor reads its values: float(f"{t}") was taken for a metadata query,
+    so an in-place change gave the old trace."""
+    scale = torch.tensor(2.0)
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * float(f"{scale}"),
+                    lambda: scale.fill_(5.0))
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * len(repr(scale)),
+                    lambda: scale.fill_(-15.0))
+
+
 def test_captured_tensor_read_in_kernel_needs_no_retrace():
     """A tensor the kernel reads (``bias[q_idx]``) keeps the trace: its new values are read
     at launch. A replaced tensor object retraces."""
