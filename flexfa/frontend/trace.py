@@ -244,7 +244,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
     watched = list(current.tensors) if current is not None else _captured_tensors(fn)
     versions = [_version(t) for t in watched]
-    reads = _ValueReads({id(t) for t in watched})
+    reads = _ValueReads({id(t) for t in watched}, tracer)
     try:
         with reads:
             result = fn(*args)
@@ -285,21 +285,34 @@ def _function_name(func) -> str:
     return name
 
 
+# torch functions that draw from a random generator
+_RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like",
+                     "randint_like", "bernoulli", "bernoulli_", "multinomial", "normal",
+                     "normal_", "poisson", "binomial", "uniform_", "random_", "exponential_",
+                     "geometric_", "cauchy_", "log_normal_"})
+
+
 class _ValueReads(torch.overrides.TorchFunctionMode):
     """Records which watched tensors a torch function touched eagerly while a mod was traced
     (no traced value among its arguments, not a metadata query): their values decided the
     trace, so the memo also guards their versions. Also records those whose sizes were read
-    (``sized``)."""
+    (``sized``). Refuses random draws: a trace holds one draw as a constant, which the memo
+    would give every later call (torch's flex_attention refuses them too, under vmap)."""
 
-    def __init__(self, watched: set[int]):
+    def __init__(self, watched: set[int], tracer: Tracer):
         super().__init__()
-        self.watched = watched
+        self.watched, self.tracer = watched, tracer
         self.read: set[int] = set()
         self.sized: set[int] = set()
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _function_name(func)
+        if name in _RANDOM:
+            raise self.tracer.error(
+                f"{name}(...) draws random numbers; a mod must give the same result on every "
+                "call (torch's flex_attention refuses random operations too): draw them "
+                "outside the mod and capture the tensor")
         if self.watched and name in _SIZES:
             self.sized.update(id(x) for x in args[:1] if id(x) in self.watched)
         elif self.watched and name not in _METADATA:
