@@ -242,9 +242,8 @@ class _Walk:
             self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
                            value.requires_grad)
             return
-        handler = _HANDLERS.get(cls)
-        if handler is None:
-            handler = _handler(cls)
+        known = _HANDLERS.get(id(cls))
+        handler = known[1] if known is not None and known[0]() is cls else _handler(cls)
         handler(self, value)
 
     def tensor(self, value: torch.Tensor) -> None:
@@ -458,7 +457,9 @@ _DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.enum_member),
              (_BUILTINS, _Walk.builtin), ((staticmethod, classmethod), _Walk.wrapped),
              ((property, types.DynamicClassAttribute), _Walk.property_),
              (_TUPLE_FIELD, _Walk.identity))
-_HANDLERS: dict[type, object] = {}
+# id(type) -> (weak reference to the type, its handler): a class held here would keep its
+# methods' closures, and the tensors they capture, alive after the mod is dropped
+_HANDLERS: dict[int, tuple] = {}
 
 
 def _handler(cls: type):
@@ -468,7 +469,7 @@ def _handler(cls: type):
         handler = functools.partial(_Walk.subclassed, handler=handler)
     if len(_HANDLERS) > 4096:
         _HANDLERS.clear()
-    _HANDLERS[cls] = handler
+    _HANDLERS[id(cls)] = (weakref.ref(cls), handler)
     return handler
 
 

@@ -255,6 +255,24 @@ def test_dropping_a_mod_drops_its_trace_and_captured_tensors():
     assert len(TRACE_MEMO) < count
 
 
+def test_dropping_a_mod_of_a_class_made_per_call_drops_its_captured_tensors():
+    """The guard's cache of handlers per type held the class of every object it walked, and
+    so the class's methods, their closures and the tensors they capture (a mod made by a
+    factory that defines its class inside lived on after the mod was dropped)."""
+    def make():
+        bias = torch.randn(8)
+
+        class Biased:
+            def mod(self, score, b, h, q_idx, kv_idx):
+                return score + bias[q_idx]
+        return Biased().mod, weakref.ref(bias)
+    mod, ref = make()
+    trace(mod)
+    del mod
+    gc.collect(), gc.collect()  # the second frees the class, a cycle the first released
+    assert ref() is None
+
+
 def test_a_kept_guard_holds_no_object_and_dies_with_one():
     """A kept guard names classes, modules and library functions by id and holds them weakly:
     once one dies (and a new object may take its id) the guard equals no guard."""
