@@ -424,6 +424,21 @@ def _refuse_lookup_hooks(cls: type, allowed: type | None = None) -> None:
     ``allowed``'s: nn.Module finds parameters, buffers and submodules, which are walked),
     or by a C method of its own base as ``__getattr__`` (an attribute dict's
     ``__getattr__ = dict.__getitem__`` reads the items, which the walk reads)."""
+    known = _HOOKS.get((id(cls), allowed))
+    if known is None or known[0]() is not cls:
+        if len(_HOOKS) > 4096:
+            _HOOKS.clear()
+        known = _HOOKS[id(cls), allowed] = (weakref.ref(cls), _lookup_hook(cls, allowed))
+    if known[1] is not None:
+        raise Unguardable(known[1])
+
+
+# (id(type), allowed) -> (weak reference to the type, why it is refused or None)
+_HOOKS: dict[tuple, tuple] = {}
+
+
+def _lookup_hook(cls: type, allowed: type | None) -> str | None:
+    """Why ``_refuse_lookup_hooks`` refuses ``cls``, or None."""
     for hook in ("__getattr__", "__getattribute__"):
         defined = next((base.__dict__[hook] for base in cls.__mro__ if hook in base.__dict__),
                        None)
@@ -433,7 +448,8 @@ def _refuse_lookup_hooks(cls: type, allowed: type | None = None) -> None:
             else None
         if owner in _GENERIC_LOOKUP or (hook == "__getattr__" and owner in cls.__mro__):
             continue
-        raise Unguardable(f"{cls.__qualname__} defines {hook}")
+        return f"{cls.__qualname__} defines {hook}"
+    return None
 
 
 # C types whose attribute lookup is Python's generic one (a module's also runs its
