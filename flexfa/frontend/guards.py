@@ -6,7 +6,10 @@ reaches (instances, classes, modules), the items of tuples, lists and dicts, and
 the functions and methods it calls, which reach more; the special methods of the classes it
 reaches count as called (``obj(...)``, ``obj[i]``, operators and an ``nn.Module``'s
 ``forward`` run them without naming them; a class the code may call adds ``__init__`` and
-``__new__``). ``guard(fn)`` walks all of that and
+``__new__``); a class's metaclass, a module's ``__getattr__``, the modules the code imports
+itself (``import cfg`` inside a mod), and the class and attributes of a user's subclass of a
+type walked by value (a float subclass, a dict subclass, an enum). ``guard(fn)`` walks all of
+that and
 returns a ``Guard`` whose ``fingerprint`` is equal on a later call only if none of it changed:
 scalars and strings by value (floats by their bits: ``-0.0`` is not ``0.0``), tensors
 (identity, shape, dtype, device, requires_grad), code,
@@ -19,8 +22,9 @@ repeats until the names are stable; ``Guard.names`` seeds the next call's walk.
 
 What the walk cannot see through makes the mod unguarded (``guard`` returns None) and it is
 traced again on every call, never reused stale: objects of C types it does not know,
-dynamic lookups (``getattr``, ``vars``, ``eval``, ``globals``... anywhere in the reached code),
-custom ``__getattr__``/``__getattribute__``, and more than ``MAX_STEPS`` values.
+dynamic lookups (``getattr``, ``vars``, ``eval``, ``globals``, ``import_module``... anywhere in
+the reached code), relative imports, custom ``__getattr__``/``__getattribute__`` (of a class or
+its metaclass), and more than ``MAX_STEPS`` values.
 A kept guard (``Guard.keep``: the trace memo's) holds the objects it compares by identity by
 weak reference where possible, so it never keeps a mod's objects alive; comparing two guards
 is one tuple comparison (ids, values, types) and a flag that the kept one's objects live.
@@ -28,10 +32,13 @@ is one tuple comparison (ids, values, types) and a flag that the kept one's obje
 from __future__ import annotations
 
 import builtins
+import collections
+import dis
 import enum
 import functools
 import numbers
 import operator
+import sys
 import types
 import weakref
 
@@ -44,7 +51,8 @@ LIBRARIES = ("torch", "math", "cmath", "numpy", "triton", "builtins", "functools
              "numbers", "typing", "collections", "enum", "abc", "itertools", "sympy")
 # names whose use means attributes may be read by computed names: not guardable
 DYNAMIC_NAMES = frozenset({"getattr", "hasattr", "vars", "eval", "exec", "globals", "locals",
-                           "__dict__", "__getattribute__", "attrgetter", "compile"})
+                           "__dict__", "__getattribute__", "attrgetter", "compile",
+                           "__import__", "import_module"})
 _MISSING = object()
 _ABSENT = ("absent",)
 
@@ -111,24 +119,49 @@ def _is_library_type(cls: type) -> bool:
     return is_library_name(getattr(cls, "__module__", "") or "")
 
 
-_CODE_NAMES: dict[int, tuple] = {}
+_CODE_NAMES: dict[int, tuple] = {}  # id -> (code, names, imports)
 
 
-def code_names(code: types.CodeType) -> frozenset:
-    """Names and string constants of ``code`` and of the code nested in it."""
+def _code_facts(code: types.CodeType) -> tuple:
+    """(names and string constants, modules imported: (name, level) pairs) of ``code`` and of
+    the code nested in it."""
     known = _CODE_NAMES.get(id(code))
     if known is not None and known[0] is code:
-        return known[1]
+        return known[1:]
     names = set(code.co_names)
+    imports = {(ins.argval, level) for ins, level in _import_levels(code)}
     for const in code.co_consts:
         if isinstance(const, str) and const.isidentifier():
             names.add(const)
         elif isinstance(const, types.CodeType):
-            names |= code_names(const)
+            nested_names, nested_imports = _code_facts(const)
+            names |= nested_names
+            imports.update(nested_imports)
     if len(_CODE_NAMES) > 4096:
         _CODE_NAMES.clear()
-    _CODE_NAMES[id(code)] = (code, frozenset(names))
-    return _CODE_NAMES[id(code)][1]
+    _CODE_NAMES[id(code)] = (code, frozenset(names), tuple(sorted(imports, key=repr)))
+    return _CODE_NAMES[id(code)][1:]
+
+
+_IMPORT_NAME = dis.opmap["IMPORT_NAME"]
+
+
+def _import_levels(code: types.CodeType):
+    """(IMPORT_NAME instruction, its relative level) pairs of ``code`` (not of nested code);
+    the level is the constant the compiler loads two instructions before."""
+    if _IMPORT_NAME not in code.co_code[::2]:
+        return
+    before: list = [None, None]
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME":
+            level = before[0].argval if before[0] is not None else None
+            yield ins, level if type(level) is int else None
+        before = [before[1], ins]
+
+
+def code_names(code: types.CodeType) -> frozenset:
+    """Names and string constants of ``code`` and of the code nested in it."""
+    return _code_facts(code)[0]
 
 
 # compared by value
@@ -157,6 +190,7 @@ class _Walk:
         self.keep: list = []  # objects whose ids are in ``seen``: alive for the walk
         self.tensors: list = []
         self.identities: list = []  # objects the fingerprint names by id
+        self.metaclasses: list = []  # user metaclasses walked (as a class's, not as values)
         self.grew = False
 
     def identity(self, obj) -> None:
@@ -164,15 +198,29 @@ class _Walk:
         self.identities.append(obj)
 
     def add_code(self, code: types.CodeType) -> frozenset:
-        """Record ``code`` and add its names to the walk's; returns them."""
-        names = code_names(code)
+        """Record ``code`` and add its names to the walk's; returns them. The modules it
+        imports (``import cfg`` inside a mod: no global names them) are walked too."""
+        names, imports = _code_facts(code)
         if not names.isdisjoint(DYNAMIC_NAMES):
             raise Unguardable(f"code {code.co_name!r} looks attributes up dynamically")
         if not names <= self.names:
             self.names |= names
             self.grew = True
         self.parts.append(code)
+        for name, level in imports:
+            self.imported(name, level)
         return names
+
+    def imported(self, name: str, level) -> None:
+        """A module the code imports (and its top package, which ``import a.b`` binds), as
+        ``sys.modules`` holds it now; a relative or not yet loaded one cannot be told."""
+        if level != 0:
+            raise Unguardable(f"a relative import of {name!r}")
+        for module in dict.fromkeys((name.partition(".")[0], name)):
+            found = sys.modules.get(module)
+            if found is None:
+                raise Unguardable(f"an import of {module!r}, not loaded yet")
+            self.value(found)
 
     def value(self, value) -> None:
         cls = type(value)
@@ -194,9 +242,8 @@ class _Walk:
             self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
                            value.requires_grad)
             return
-        handler = _HANDLERS.get(cls)
-        if handler is None:
-            handler = _handler(cls)
+        known = _HANDLERS.get(id(cls))
+        handler = known[1] if known is not None and known[0]() is cls else _handler(cls)
         handler(self, value)
 
     def tensor(self, value: torch.Tensor) -> None:
@@ -207,6 +254,11 @@ class _Walk:
 
     def number(self, value) -> None:
         self.parts += (type(value), _exact(value))
+
+    def enum_member(self, value: enum.Enum) -> None:
+        """A member by its class and name, and its value's contents (which may be mutable)."""
+        self.parts += (type(value), value._name_)
+        self.value(value._value_)
 
     def method(self, value: types.MethodType) -> None:
         self.parts.append("method")
@@ -224,7 +276,10 @@ class _Walk:
             self.parts.append(value)  # modules live as long as the process: held, compared
             return
         self.identity(value)
-        self.attributes(value, vars(value))
+        namespace = vars(value)
+        if "__getattr__" in namespace:  # a missing attribute is its result (PEP 562)
+            self.add_names(("__getattr__",))
+        self.attributes(value, namespace)
 
     def builtin(self, value) -> None:
         owner = getattr(value, "__self__", None)
@@ -310,6 +365,11 @@ class _Walk:
         self.identity(cls)
         if _is_library_type(cls):
             return
+        meta = type(cls)  # ``cls.name`` also finds the metaclass's entries and hooks
+        if meta is not type and not _is_library_type(meta) and meta not in self.metaclasses:
+            self.metaclasses.append(meta)
+            _refuse_lookup_hooks(meta)
+            self.klass(meta, constructed=False)
         self.add_names(_implicit_methods(cls, constructed))
         for name in self.ordered:
             for base in cls.__mro__:
@@ -324,45 +384,108 @@ class _Walk:
         is_module = isinstance(obj, torch.nn.Module)
         if _is_library_type(cls) and not is_module:
             raise Unguardable(f"an object of type {cls.__module__}.{cls.__qualname__}")
-        for hook in ("__getattr__", "__getattribute__"):
-            defined = getattr(cls, hook, None)
-            if defined is not None and defined is not getattr(object, hook, None) \
-                    and not (is_module and defined is getattr(torch.nn.Module, hook, None)):
-                raise Unguardable(f"{cls.__qualname__} defines {hook}")
-        self.klass(cls, constructed=False)
         if is_module:  # calling it runs its forward and hooks
             self.add_names(_MODULE_CALL)
+        namespace = self.object_state(obj, is_module)
+        if namespace is None:
+            raise Unguardable(f"an object of type {cls.__qualname__} without attributes")
+        if is_module:  # parameters, buffers and submodules live in their own dicts
+            for table in ("_parameters", "_buffers", "_modules"):
+                self.attributes(obj, namespace.get(table) or {})
+
+    def object_state(self, obj, is_module: bool = False) -> dict | None:
+        """What an object's attribute reads and special methods may see beyond its value: its
+        class's entries and its own attributes (``__dict__`` or slots) under the walk's names.
+        Returns its attributes, None if it has no attribute storage."""
+        cls = type(obj)
+        _refuse_lookup_hooks(cls, torch.nn.Module if is_module else None)
+        self.klass(cls, constructed=False)
         namespace = getattr(obj, "__dict__", None)
         if namespace is None:
             slots = [n for base in cls.__mro__ for n in getattr(base, "__slots__", ())]
             if not slots:
-                raise Unguardable(f"an object of type {cls.__qualname__} without attributes")
+                return None
             namespace = {n: getattr(obj, n, _ABSENT) for n in slots if n in self.names}
         self.attributes(obj, namespace)
-        if is_module:  # parameters, buffers and submodules live in their own dicts
-            for table in ("_parameters", "_buffers", "_modules"):
-                self.attributes(obj, namespace.get(table) or {})
+        return namespace
+
+    def subclassed(self, value, handler) -> None:
+        """A value of a user's subclass of a type the walk knows (a float, dict or tuple
+        subclass, an enum, a module whose class was replaced): its value as the base type's,
+        then its class and attributes as an object's (``x.offset`` on a float subclass, a
+        dict subclass's ``__getitem__``, an enum's methods)."""
+        handler(self, value)
+        self.object_state(value)
+
+
+def _refuse_lookup_hooks(cls: type, allowed: type | None = None) -> None:
+    """Unguardable if ``cls`` computes attributes by name (``__getattr__``,
+    ``__getattribute__``) other than as the types the walk knows do (their C lookups, and
+    ``allowed``'s: nn.Module finds parameters, buffers and submodules, which are walked),
+    or by a C method of its own base as ``__getattr__`` (an attribute dict's
+    ``__getattr__ = dict.__getitem__`` reads the items, which the walk reads)."""
+    known = _HOOKS.get((id(cls), allowed))
+    if known is None or known[0]() is not cls:
+        if len(_HOOKS) > 4096:
+            _HOOKS.clear()
+        known = _HOOKS[id(cls), allowed] = (weakref.ref(cls), _lookup_hook(cls, allowed))
+    if known[1] is not None:
+        raise Unguardable(known[1])
+
+
+# (id(type), allowed) -> (weak reference to the type, why it is refused or None)
+_HOOKS: dict[tuple, tuple] = {}
+
+
+def _lookup_hook(cls: type, allowed: type | None) -> str | None:
+    """Why ``_refuse_lookup_hooks`` refuses ``cls``, or None."""
+    for hook in ("__getattr__", "__getattribute__"):
+        defined = next((base.__dict__[hook] for base in cls.__mro__ if hook in base.__dict__),
+                       None)
+        if defined is None or (allowed is not None and defined is allowed.__dict__.get(hook)):
+            continue
+        owner = getattr(defined, "__objclass__", None) if isinstance(defined, _BUILTINS) \
+            else None
+        if owner in _GENERIC_LOOKUP or (hook == "__getattr__" and owner in cls.__mro__):
+            continue
+        return f"{cls.__qualname__} defines {hook}"
+    return None
+
+
+# C types whose attribute lookup is Python's generic one (a module's also runs its
+# ``__getattr__``, which the walk reads): a user's subclass may inherit it
+_GENERIC_LOOKUP = frozenset({object, type, int, float, complex, str, bytes, tuple, list, dict,
+                             set, frozenset, types.ModuleType, functools.partial,
+                             torch._C.TensorBase})
 
 
 _BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
              types.MethodDescriptorType, types.MethodWrapperType,
              types.ClassMethodDescriptorType)
+# a namedtuple's field accessor: reads an item, which the walk reads
+_TUPLE_FIELD = type(collections.namedtuple("_Pair", "first").first)
 # (base type, handler) in the order they are tried; _handler caches the answer per type
-_DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.number), (numbers.Number, _Walk.number),
+_DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.enum_member),
+             (numbers.Number, _Walk.number),
              (types.FunctionType, _Walk.function), (types.MethodType, _Walk.method),
              (functools.partial, _Walk.partial), ((tuple, list, set, frozenset), _Walk.items),
              (dict, _Walk.mapping), (types.ModuleType, _Walk.module), (type, _Walk.klass),
              (_BUILTINS, _Walk.builtin), ((staticmethod, classmethod), _Walk.wrapped),
-             (property, _Walk.property_))
-_HANDLERS: dict[type, object] = {}
+             ((property, types.DynamicClassAttribute), _Walk.property_),
+             (_TUPLE_FIELD, _Walk.identity))
+# id(type) -> (weak reference to the type, its handler): a class held here would keep its
+# methods' closures, and the tensors they capture, alive after the mod is dropped
+_HANDLERS: dict[int, tuple] = {}
 
 
 def _handler(cls: type):
     """The walk's handler for values of type ``cls`` (instances of anything else: objects)."""
     handler = next((h for base, h in _DISPATCH if issubclass(cls, base)), _Walk.instance)
+    if handler not in (_Walk.instance, _Walk.klass) and not _is_library_type(cls):
+        handler = functools.partial(_Walk.subclassed, handler=handler)
     if len(_HANDLERS) > 4096:
         _HANDLERS.clear()
-    _HANDLERS[cls] = handler
+    _HANDLERS[id(cls)] = (weakref.ref(cls), handler)
     return handler
 
 

@@ -244,7 +244,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
     watched = list(current.tensors) if current is not None else _captured_tensors(fn)
     versions = [_version(t) for t in watched]
-    reads = _ValueReads({id(t) for t in watched})
+    reads = _ValueReads({id(t) for t in watched}, tracer)
     try:
         with reads:
             result = fn(*args)
@@ -266,12 +266,13 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     return TracedMod(kind, root, buffers, name, dropped), read, raw, sized
 
 
-# tensor methods and properties that read metadata, not values
+# tensor methods and properties that read metadata, not values (printing reads values:
+# ``float(f"{t}")`` is a read like ``float(t)``)
 _METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "stride",
                        "numel", "nelement", "requires_grad", "is_cuda", "is_cpu", "layout",
                        "__len__", "is_floating_point", "is_complex", "is_contiguous",
                        "element_size", "storage_offset", "grad_fn", "is_leaf", "names",
-                       "is_sparse", "is_quantized", "is_meta", "__repr__", "__format__"})
+                       "is_sparse", "is_quantized", "is_meta"})
 # those that read sizes (the number of dimensions is fixed under dynamic shapes, and the tracer
 # reads it of every indexed tensor)
 _SIZES = frozenset({"shape", "size", "__len__", "numel", "nelement"})
@@ -284,21 +285,34 @@ def _function_name(func) -> str:
     return name
 
 
+# torch functions that draw from a random generator
+_RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like",
+                     "randint_like", "bernoulli", "bernoulli_", "multinomial", "normal",
+                     "normal_", "poisson", "binomial", "uniform_", "random_", "exponential_",
+                     "geometric_", "cauchy_", "log_normal_"})
+
+
 class _ValueReads(torch.overrides.TorchFunctionMode):
     """Records which watched tensors a torch function touched eagerly while a mod was traced
     (no traced value among its arguments, not a metadata query): their values decided the
     trace, so the memo also guards their versions. Also records those whose sizes were read
-    (``sized``)."""
+    (``sized``). Refuses random draws: a trace holds one draw as a constant, which the memo
+    would give every later call (torch's flex_attention refuses them too, under vmap)."""
 
-    def __init__(self, watched: set[int]):
+    def __init__(self, watched: set[int], tracer: Tracer):
         super().__init__()
-        self.watched = watched
+        self.watched, self.tracer = watched, tracer
         self.read: set[int] = set()
         self.sized: set[int] = set()
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _function_name(func)
+        if name in _RANDOM:
+            raise self.tracer.error(
+                f"{name}(...) draws random numbers; a mod must give the same result on every "
+                "call (torch's flex_attention refuses random operations too): draw them "
+                "outside the mod and capture the tensor")
         if self.watched and name in _SIZES:
             self.sized.update(id(x) for x in args[:1] if id(x) in self.watched)
         elif self.watched and name not in _METADATA:

@@ -1,6 +1,7 @@
 """Every bad input to trace gets an early flexfa error of the right type whose message names
 the mod and the problem."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -307,6 +308,30 @@ def test_error_inside_a_mod_is_wrapped_with_its_name():
     with pytest.raises(TraceError, match=r"in mod 'broken': tracing raised KeyError") as info:
         trace(broken)
     assert isinstance(info.value.__cause__, KeyError)
+
+
+RANDOM_MODS = [
+    lambda score, b, h, q_idx, kv_idx: score + torch.randn(()),
+    lambda score, b, h, q_idx, kv_idx: score * torch.rand(()).item(),
+    lambda score, b, h, q_idx, kv_idx: score * torch.rand_like(score),
+    lambda score, b, h, q_idx, kv_idx: score + torch.empty(()).uniform_(),
+    lambda score, b, h, q_idx, kv_idx: score + torch.distributions.Normal(0.0, 1.0).sample(),
+]
+
+
+@pytest.mark.parametrize("mod", RANDOM_MODS)
+def test_random_draws_are_refused(mod):
+    """A draw in a mod became a constant of its trace, which the memo gave every later call
+    (score * torch.rand(()).item() added the same number for ever); torch's flex_attention
+    refuses random operations in a mod (vmap's randomness='error'), and so does flexfa."""
+    with pytest.raises(TraceError, match=r"draws random numbers; a mod must give the same "
+                                         r"result on every call"):
+        trace(mod)
+    from torch.nn.attention.flex_attention import flex_attention
+    q = torch.randn(1, 1, 8, 16)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="random operation"):
+        warnings.simplefilter("ignore")  # torch's one-time "use torch.compile" warning
+        flex_attention(q, q, q, score_mod=mod)
 
 
 def test_flexfa_inside_a_custom_autograd_function_still_traces():

@@ -4,9 +4,12 @@ Each test traces a mod, changes one piece of state the mod reads, and traces aga
 second trace must equal a fresh trace of the mod under the new state (before the guards, each
 of these returned the first trace).
 """
+import collections
 import dataclasses
+import enum
 import functools
 import gc
+import sys
 import types
 import weakref
 
@@ -193,6 +196,16 @@ def test_captured_tensor_values_read_while_tracing():
     _assert_follows(mod, lambda: flag.mul_(-1))
 
 
+def test_captured_tensor_values_read_by_printing_it():
+    """Formatting a tensor reads its values: float(f"{t}") was taken for a metadata query,
+    so an in-place change gave the old trace."""
+    scale = torch.tensor(2.0)
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * float(f"{scale}"),
+                    lambda: scale.fill_(5.0))
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * len(repr(scale)),
+                    lambda: scale.fill_(-15.0))
+
+
 def test_captured_tensor_read_in_kernel_needs_no_retrace():
     """A tensor the kernel reads (``bias[q_idx]``) keeps the trace: its new values are read
     at launch. A replaced tensor object retraces."""
@@ -240,6 +253,24 @@ def test_dropping_a_mod_drops_its_trace_and_captured_tensors():
     gc.collect()
     assert ref() is None
     assert len(TRACE_MEMO) < count
+
+
+def test_dropping_a_mod_of_a_class_made_per_call_drops_its_captured_tensors():
+    """The guard's cache of handlers per type held the class of every object it walked, and
+    so the class's methods, their closures and the tensors they capture (a mod made by a
+    factory that defines its class inside lived on after the mod was dropped)."""
+    def make():
+        bias = torch.randn(8)
+
+        class Biased:
+            def mod(self, score, b, h, q_idx, kv_idx):
+                return score + bias[q_idx]
+        return Biased().mod, weakref.ref(bias)
+    mod, ref = make()
+    trace(mod)
+    del mod
+    gc.collect(), gc.collect()  # the second frees the class, a cycle the first released
+    assert ref() is None
 
 
 def test_a_kept_guard_holds_no_object_and_dies_with_one():
@@ -378,3 +409,140 @@ def test_a_module_closed_over_as_self_stays_guarded():
     assert guard(mod) is not None
     assert trace(mod) is trace(mod)
     _assert_follows(mod, lambda: setattr(module, "window", 6))
+
+
+_SUBCLASS_SCALE = [2.0]
+
+
+class _Tagged(float):
+    """A float that carries an attribute."""
+
+
+class _Window(list):
+    """A list that carries an attribute."""
+
+
+class _ScaledDict(dict):
+    def __getitem__(self, key):
+        return dict.__getitem__(self, key) * _SUBCLASS_SCALE[0]
+
+
+class _Mode(enum.Enum):
+    SCALED = 1
+    TABLE = [2.0]  # a mutable value
+
+    def apply(self, score):
+        return score * _SUBCLASS_SCALE[0]
+
+
+class _Pair(collections.namedtuple("_Pair", "low high")):
+    @property
+    def width(self):
+        return self.high - self.low + _SUBCLASS_SCALE[0]
+
+
+class _WindowModule(types.ModuleType):
+    """A module whose class was replaced to give it a property."""
+
+    @property
+    def window(self):
+        return self.base + int(_SUBCLASS_SCALE[0])
+
+
+def test_state_of_subclasses_of_numbers_containers_enums_and_modules():
+    """A user's subclass of a type the guard walks by value (float, list, dict, tuple, an
+    enum, a module) also has a class and attributes: an attribute set on the value, a
+    __getitem__ or method reading a global, an enum member's mutable value. Each came back
+    stale: only the base type's value was fingerprinted."""
+    _SUBCLASS_SCALE[0] = 2.0
+    tagged = _Tagged(2.0)
+    tagged.offset = 1.0
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * tagged + tagged.offset,
+                    lambda: setattr(tagged, "offset", 7.0))
+    window = _Window([0])
+    window.size = 2
+    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window.size,
+                    lambda: setattr(window, "size", 5))
+    scaled = _ScaledDict(w=1.0)
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * scaled["w"],
+                    lambda: _SUBCLASS_SCALE.__setitem__(0, 3.0))
+    mode = _Mode.SCALED
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: mode.apply(score),
+                    lambda: _SUBCLASS_SCALE.__setitem__(0, 5.0))
+    table = _Mode.TABLE
+    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * table.value[0],
+                    lambda: table.value.__setitem__(0, -1.0))
+    pair = _Pair(0, 1)
+    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < pair.width,
+                    lambda: _SUBCLASS_SCALE.__setitem__(0, 4.0))
+    module = types.ModuleType("flexfa_test_window_module")
+    module.base = 1
+    module.__class__ = _WindowModule
+    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < module.window,
+                    lambda: _SUBCLASS_SCALE.__setitem__(0, 2.0))
+
+
+def test_common_subclasses_stay_guarded():
+    """Namedtuple fields, an attribute dict (__getattr__ = dict.__getitem__) and enum values
+    are read without a retrace per call."""
+    Config = collections.namedtuple("Config", "window")
+    config, attrs, mode = Config(2), _AttrDict(window=2), _Mode.SCALED
+    mods = [lambda b, h, q_idx, kv_idx: q_idx - kv_idx < config.window,
+            lambda b, h, q_idx, kv_idx: q_idx - kv_idx < attrs.window,
+            lambda b, h, q_idx, kv_idx: q_idx - kv_idx < mode.value]
+    for mod in mods:
+        assert guard(mod) is not None
+        assert trace(mod) is trace(mod)
+    _assert_follows(mods[1], lambda: attrs.__setitem__("window", 5))
+
+
+class _AttrDict(dict):
+    __getattr__ = dict.__getitem__
+
+
+_CLASS_CONFIG = {"window": 2}
+
+
+class _PropertyMeta(type):
+    @property
+    def window(cls):
+        return _CLASS_CONFIG["window"]
+
+
+class _LookupMeta(type):
+    def __getattr__(cls, name):
+        return _CLASS_CONFIG[name]
+
+
+def test_class_attributes_a_metaclass_provides():
+    """Cls.window found on the metaclass (a property, or its __getattr__) reads what the
+    metaclass reads; the class's own entries were walked, not its metaclass's (stale)."""
+    by_property = _PropertyMeta("ByProperty", (), {})
+    by_lookup = _LookupMeta("ByLookup", (), {})
+    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < by_property.window,
+                    lambda: _CLASS_CONFIG.__setitem__("window", 5))
+    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < by_lookup.window,
+                    lambda: _CLASS_CONFIG.__setitem__("window", 1))
+
+
+def test_module_getattr_and_modules_imported_inside_the_mod(monkeypatch):
+    """A module attribute its __getattr__ makes (PEP 562), and a module the mod imports
+    itself (no global names it): both came back stale."""
+    lazy = types.ModuleType("flexfa_test_lazy_config")
+    exec("_VALUES = {'window': 2}\ndef __getattr__(name):\n    return _VALUES[name]\n",
+         vars(lazy))
+    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < lazy.window,
+                    lambda: lazy._VALUES.__setitem__("window", 5))
+    config = types.ModuleType("flexfa_test_imported_config")
+    config.WINDOW = 2
+    monkeypatch.setitem(sys.modules, config.__name__, config)
+
+    def imports(b, h, q_idx, kv_idx):
+        import flexfa_test_imported_config
+        return q_idx - kv_idx < flexfa_test_imported_config.WINDOW
+
+    def imports_from(b, h, q_idx, kv_idx):
+        from flexfa_test_imported_config import WINDOW
+        return q_idx - kv_idx < WINDOW
+    _assert_follows(imports, lambda: setattr(config, "WINDOW", 5))
+    _assert_follows(imports_from, lambda: setattr(config, "WINDOW", 1))
