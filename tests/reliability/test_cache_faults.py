@@ -294,3 +294,26 @@ def test_clean_directory_gives_no_warning(fresh_cache, recwarn):
     out = _attend()
     assert STATS.codegen == 1 and STATS.disk_hits == 1 and torch.isfinite(out).all()
     assert not [w for w in recwarn if "flexfa" in str(w.message)]
+
+
+def test_a_relative_cache_dir_does_not_follow_the_current_directory(fresh_cache, monkeypatch):
+    """FLEXFA_CACHE_DIR=cache was read against the current directory at every call: after
+    an os.chdir the next kernel went to another directory (and a second process started
+    elsewhere with the same setting shared nothing). It is taken from the directory flexfa
+    was imported in."""
+    from flexfa import config
+    start, elsewhere = fresh_cache.parent / "start", fresh_cache.parent / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setattr(config, "_START_DIRECTORY", str(start), raising=False)
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", "cache")
+    monkeypatch.chdir(elsewhere)
+    assert config.cache_dir() == start / "cache"
+    _attend()
+    monkeypatch.chdir(fresh_cache.parent)
+    q, k, v = qkv(L=24, S=24, E=32)  # a second kernel, after a chdir
+    assert_matches_reference(flexfa.flex_attention(q, k, v), q, k, v)
+    assert len(list((start / "cache").glob("flexfa_fwd_*.py"))) == 2
+    assert not (elsewhere / "cache").exists() and not (fresh_cache.parent / "cache").exists()
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", "~/x/../flexfa")  # the user's: not relative
+    assert config.cache_dir() == pathlib.Path.home() / "flexfa"
