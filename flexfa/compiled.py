@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import operator
 import types
 
 import torch
@@ -356,6 +357,13 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
     """(mods key, the score_mod's captured tensors, the mask_mod's, the block mask's tables,
     its block size) as the operators take them."""
     mask_mod = None if block_mask is None else block_mask.mask_mod
+    if isinstance(kernel_options, dict):
+        # every item read here, so that Dynamo guards on the keys too (as ``describe``'s
+        # argument the dict had guards on its values only: a key added to it, or a dict
+        # passed in with one more key, ran the options compiled first), and ints specialized
+        # (an int that changed between calls becomes symbolic, which ``describe`` cannot take)
+        kernel_options = {name: operator.index(value) if type(value) is int else value
+                          for name, value in kernel_options.items()}
     mods, score_paths, mask_paths, score_sized, mask_sized = describe(
         *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options)
     _guard_mod(score_mod, SCORE_MOD, device)

@@ -30,10 +30,28 @@ DEFAULT_LOCK_TIMEOUT_S = 30.0  # generating a source takes well under a second
 _OFF = ("", "0", "false", "no", "off")
 
 
+def _working_directory() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # removed from under the process
+        return None
+
+
+# a relative FLEXFA_CACHE_DIR is taken from here: the directory the process was in when it
+# imported flexfa (where a command line setting the variable was run)
+_START_DIRECTORY = _working_directory()
+
+
 def cache_dir() -> Path:
-    """flexfa's disk cache: ``$FLEXFA_CACHE_DIR``, else ``~/.cache/flexfa``."""
+    """flexfa's disk cache: ``$FLEXFA_CACHE_DIR``, else ``~/.cache/flexfa``; absolute. A
+    relative value is taken from the directory the process was in when it imported flexfa,
+    not from the current one: a kernel generated after an ``os.chdir`` goes where the kernels
+    before it went (the paths of imported kernels, and other processes' locks, name it)."""
     configured = os.environ.get("FLEXFA_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "flexfa"
+    if not configured:
+        return Path.home() / ".cache" / "flexfa"
+    path = Path(configured).expanduser()
+    return Path(os.path.normpath(Path(_START_DIRECTORY or os.getcwd()) / path))
 
 
 def _positive(name: str, default: float, kind: type) -> float:

@@ -1,10 +1,13 @@
-"""Autotuning the forward tiles per (template, target, head dims, dtype, mask density class,
+"""Autotuning the forward tiles per (template, GPU, head dims, dtype, mask density class,
 short or long kv length).
 
 A small pruned config space per head dim is timed on the caller's own inputs the first time a
 class is met; the winner goes into ``<cache dir>/autotune.json`` (atomic write under a lock),
-so a new process reuses it without timing anything. A progress line goes to stderr while
-tuning. Nothing is tuned under the interpreter (CPU tensors get fixed small tiles), when the
+so a new process reuses it without timing anything. The GPU in the key is the one timed
+(``device_tag``: its architecture, name and SM count), not only its architecture: an H100's
+winners were measured at its clocks, memory bandwidth and SM count and need not be an H200's
+(both sm_90). Winners stored under the architecture alone (older stores) are never looked up.
+A progress line goes to stderr while tuning. Nothing is tuned under the interpreter (CPU tensors get fixed small tiles), when the
 caller pins tiles through ``kernel_options``, or with ``FLEXFA_AUTOTUNE=0``.
 """
 from __future__ import annotations
@@ -15,6 +18,8 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+
+import torch
 
 from .. import config
 from ..blockmask.validate import capturing
@@ -72,10 +77,22 @@ def enabled() -> bool:
     return config.autotune_enabled()
 
 
-def tune_key(template: str, target: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,
+def device_tag(target, device) -> str:
+    """The tuned GPU as a tune key names it: ``cuda:90/NVIDIA H200/132sm`` (architecture,
+    name, SM count: what sets the winner besides the call's class); CPU tensors (tests faking
+    a target: nothing is timed on them) by ``target`` alone."""
+    if device.type != "cuda":
+        return target.name
+    props = torch.cuda.get_device_properties(device)
+    name = props.name.replace("|", "/")  # "|" separates the key's fields
+    return f"{target.name}/{name}/{props.multi_processor_count}sm"
+
+
+def tune_key(template: str, device: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,
              density: str, kv_len: int) -> str:
+    """The key of a stored winner; ``device``: ``device_tag``'s."""
     length = "short" if kv_len <= SHORT_KV else "long"
-    return f"{template}|{target}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}|{length}"
+    return f"{template}|{device}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}|{length}"
 
 
 def _path():

@@ -10,13 +10,17 @@ read-only mode) and in fact (a probe file, which also catches read-only mounts).
 read-only directory is still read: its valid kernels are imported, and the kernels it lacks
 are written to a private fallback. An untrusted or missing-and-uncreatable directory is not
 used at all. The fallback is one directory from ``tempfile.mkdtemp`` (0o700) per process,
-removed when the process exits; ``warnings.warn`` says why it is used.
+removed when the process exits; ``warnings.warn`` says why it is used. A forked child (a
+DataLoader worker) makes its own on first need, never writing into its parent's, which goes
+when the parent exits, maybe while the child still runs; the child's goes at its exit
+(``atexit``, and multiprocessing's exit for its children, which skip ``atexit``).
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import logging
+import multiprocessing.util
 import os
 import shutil
 import stat
@@ -31,6 +35,17 @@ log = logging.getLogger("flexfa")
 
 _FALLBACK: list[Path] = []  # this process's private temporary cache, created on first need
 _LOCK = threading.Lock()
+
+
+def _forget_parents_fallback() -> None:
+    """In a forked child: no private directory yet (the parent's is the parent's), and a
+    lock no other thread of the parent can still hold."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _FALLBACK.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_fallback)
 
 
 def cache_dir() -> Path:
@@ -98,22 +113,21 @@ def directory_problem(directory: Path) -> str | None:
 
 
 def fallback_dir() -> Path:
-    """This process's private temporary cache directory (0o700), created once."""
+    """This process's private temporary cache directory (0o700), created once (again if
+    something removed it meanwhile)."""
     with _LOCK:
-        if not _FALLBACK:
+        if not _FALLBACK or not _FALLBACK[0].is_dir():
             path = Path(tempfile.mkdtemp(prefix="flexfa-cache-"))
             atexit.register(_remove, path, os.getpid())
-            _FALLBACK.append(path)
+            # a multiprocessing child ends in os._exit, after its finalizers, not atexit's
+            multiprocessing.util.Finalize(None, _remove, (path, os.getpid()), exitpriority=0)
+            _FALLBACK[:] = [path]
         return _FALLBACK[0]
 
 
 def _remove(path: Path, creator: int) -> None:
     if os.getpid() == creator:  # a forked child exiting must not remove its parent's cache
         shutil.rmtree(path, ignore_errors=True)
-
-
-def is_fallback(directory: Path) -> bool:
-    return bool(_FALLBACK) and directory == _FALLBACK[0]
 
 
 def fall_back(directory: Path, problem: str, what: str = "") -> Path:

@@ -2,7 +2,8 @@
 
 Keys follow torch's ``FlexKernelOptions`` where torch has one; a key may carry a ``fwd_`` or
 ``bwd_`` prefix to apply to one pass only (the prefixed value wins over the bare one).
-Unknown keys and wrong types are an ``InputError`` naming the key. Keys torch documents that
+Unknown keys and wrong types are an ``InputError`` naming the key; a value None is the key's
+default, as if the key were absent. Keys torch documents that
 change nothing in flexfa are checked alike, accepted and logged once (``HINTS``). The parsed
 ``KernelOptions`` is frozen and hashable: it is part of every plan's key, so two calls that
 differ in an option never share a kernel or a plan. ``docs/kernel-options.md`` is the
@@ -143,10 +144,8 @@ def _flag(key: str, value) -> bool:
 
 
 def _flag_or(word: str):
-    """True, False, ``word`` (any case), or "AUTO" / None for flexfa's choice (None)."""
+    """True, False, ``word`` (any case), or "AUTO" for flexfa's choice (None)."""
     def check(key: str, value) -> bool | str | None:
-        if value is None:
-            return None
         if isinstance(value, str):
             if value.upper() not in (word, "AUTO"):
                 raise InputError(f"kernel_options[{key!r}] must be True, False, {word!r} or "
@@ -160,8 +159,8 @@ def _flag_or(word: str):
 
 
 def _auto_flag(key: str, value) -> bool | None:
-    """True, False, or "AUTO" / None for flexfa's choice."""
-    if value is None or (isinstance(value, str) and value.upper() == "AUTO"):
+    """True, False, or "AUTO" for flexfa's choice (None)."""
+    if isinstance(value, str) and value.upper() == "AUTO":
         return None
     if not isinstance(value, bool):
         raise InputTypeError(f"kernel_options[{key!r}] must be True, False or 'AUTO', got "
@@ -386,8 +385,9 @@ def _parse(options: dict) -> KernelOptions:
         prefix, base = _split_prefix(key)
         if base in HINTS:
             check, why = HINTS[base]
-            check(key, value)
-            _log_once(key, why)
+            if value is not None:
+                check(key, value)
+                _log_once(key, why)
             continue
         if base not in SCHEMA:
             raise _unknown(key)
@@ -396,6 +396,8 @@ def _parse(options: dict) -> KernelOptions:
             where = "the whole call" if not scope else f"the {scope[0]} pass only"
             raise InputError(f"kernel_options[{key!r}]: {base} applies to {where}; write "
                              f"{(scope[0] + '_' + base) if scope else base!r}")
+        if value is None:  # the default, as if the key were absent ({"SPLIT_KV": args.split})
+            continue
         checked = check(key, value)
         if not scope:
             call[field] = checked

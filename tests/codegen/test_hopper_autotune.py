@@ -288,3 +288,64 @@ def test_backward_never_tunes_where_it_must_not(tune_dir, monkeypatch):
     monkeypatch.delenv("FLEXFA_AUTOTUNE")
     with pytest.raises(pytest.fail.Exception, match="tuned"):
         choose()  # the same call tunes when nothing forbids it
+
+
+class _OnGpu:
+    """A stand-in for a CUDA tensor (no GPU here): what choosing tiles reads of one."""
+
+    def __init__(self, shape, index: int, dtype=torch.bfloat16):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cuda", index)
+
+
+@pytest.fixture
+def two_sm90_gpus(monkeypatch):
+    """cuda:0 an H100, cuda:1 an H200, cuda:2 an H200 slice of fewer SMs: all sm_90."""
+    from types import SimpleNamespace
+    gpus = [SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132),
+            SimpleNamespace(name="NVIDIA H200", multi_processor_count=132),
+            SimpleNamespace(name="NVIDIA H200", multi_processor_count=66)]
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: gpus[torch.device(device).index])
+    return gpus
+
+
+def test_winners_are_kept_per_gpu_not_per_architecture(tune_dir, two_sm90_gpus, monkeypatch):
+    """An H100's stored winner served an H200 (both keyed 'cuda:90'): the key names the GPU
+    (name and SM count); a store written under the architecture alone is not looked up."""
+    tags = [autotune.device_tag(SM90, torch.device("cuda", i)) for i in range(3)]
+    assert len(set(tags)) == 3 and all(t.startswith("cuda:90/") for t in tags)
+    assert autotune.device_tag(SM90, torch.device("cpu")) == "cuda:90"  # nothing timed there
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    keys, real_tune = [], autotune.tune
+
+    def tune(key, candidates, time_config, *label):
+        keys.append(key)
+        return real_tune(key, candidates, lambda c: times[c])
+    monkeypatch.setattr(autotune, "tune", tune)
+    candidates = hopper._candidates(128, None, None)
+    times = {c: 1.0 + i for i, c in enumerate(reversed(candidates))}  # the last is fastest
+    old_key = autotune.tune_key(hopper.HOPPER_TEMPLATE, "cuda:90", 128, 128, "bf16", "dense", 2048)
+    (tune_dir / "autotune.json").write_text(json.dumps({old_key: list(candidates[1])}))
+    q = _OnGpu((1, 2, 2048, 128), 0)
+    assert _choose(q, _call(), SM90) == candidates[-1]  # tuned, not the old store's entry
+    times = {c: 1.0 + i for i, c in enumerate(candidates)}  # the first is fastest
+    for index in (1, 2):
+        assert _choose(_OnGpu(q.shape, index), _call(), SM90) == candidates[0]
+    assert _choose(q, _call(), SM90) == candidates[-1]  # the H100's own winner, kept
+    assert [k.split("|")[1] for k in keys] == [*tags, tags[0]]
+    stored = json.loads((tune_dir / "autotune.json").read_text())
+    assert stored[old_key] == list(candidates[1])  # left as it was
+    assert [stored[k] for k in keys[:3]] == [list(candidates[-1]), *[list(candidates[0])] * 2]
+
+
+def test_backward_winners_are_kept_per_gpu(two_sm90_gpus, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    keys = []
+    monkeypatch.setattr(autotune, "tune", lambda key, candidates, *a: keys.append(key)
+                        or candidates[0])
+    for index in range(3):
+        q = _OnGpu((1, 2, 2048, 64), index)
+        x = backward.Inputs(q, q, q, q, None, q, None, q, q, q, {})
+        backward.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    assert [k.split("|")[1] for k in keys] == [
+        autotune.device_tag(SM90, torch.device("cuda", i)) for i in range(3)]

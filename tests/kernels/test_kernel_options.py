@@ -11,7 +11,8 @@ import flexfa
 from flexfa.errors import InputError, InputTypeError
 from flexfa.memo import BoundedMemo
 from flexfa.runtime import options as options_module
-from flexfa.runtime.options import DEFAULT_OPTIONS, HINTS, KernelOptions, parse_kernel_options
+from flexfa.runtime.options import (DEFAULT_OPTIONS, HINTS, SCHEMA, KernelOptions,
+                                    parse_kernel_options)
 
 
 @pytest.fixture
@@ -29,6 +30,26 @@ def test_defaults():
     assert not DEFAULT_OPTIONS.fwd.pins_tiles and not DEFAULT_OPTIONS.bwd.pins_tiles
     parsed = parse_kernel_options({"BLOCK_M": 32})
     assert parse_kernel_options(parsed) is parsed  # already parsed: taken as it is
+
+
+def test_none_is_the_default_of_every_key(fresh_log, caplog):
+    """{"SPLIT_KV": None} was an InputTypeError (USE_TMA, DS_WORKSPACE took None): a value None
+    is the key's default, as if the key were absent, for every key and prefix."""
+    keys = [*SCHEMA, *HINTS]
+    keys += [f"{p}_{k}" for k in SCHEMA for p in SCHEMA[k][1]]
+    with caplog.at_level("INFO", logger="flexfa"):
+        assert parse_kernel_options({k: None for k in keys}) == DEFAULT_OPTIONS
+        for key in keys:
+            assert parse_kernel_options({key: None}) == DEFAULT_OPTIONS, key
+    assert not caplog.records  # a hint key set to None changes nothing worth a line either
+    assert parse_kernel_options({"BLOCK_M": 64, "bwd_BLOCK_M": None}).bwd.block_m == 64
+    with pytest.raises(InputError, match="unknown key 'SPLITKV'"):
+        parse_kernel_options({"SPLITKV": None})
+    with pytest.raises(InputError, match=r"SPLIT_KV applies to the whole call"):
+        parse_kernel_options({"fwd_SPLIT_KV": None})
+    q, k, v = _qkv()
+    want = flexfa.flex_attention(q, k, v)
+    assert torch.equal(flexfa.flex_attention(q, k, v, kernel_options={"SPLIT_KV": None}), want)
 
 
 def test_bare_keys_apply_to_both_passes_and_prefixed_ones_win():

@@ -220,6 +220,33 @@ def test_kernel_options_are_part_of_the_plan_key():
         assert forward_plan_key(q, k, v, _call(options), False, False) != key, options
 
 
+# a value other than the default of every kernel_options key
+NOT_DEFAULT = {
+    "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16,
+    "num_warps": 2, "num_stages": 2, "maxnreg": 128, "USE_TMA": True, "BACKEND": "HOPPER",
+    "deterministic": True, "fp32_precision": "tf32", "SPLIT_KV": 2, "DECODE_WALK": "MEMBERS",
+    "BWD_FULL_WALK": True, "DS_WORKSPACE": True, "DS_MAX_BYTES": 2 ** 20,
+    "GLUON_BACKWARD": False, "GLUON_PINGPONG": True, "GLUON_TMA_STORE": True,
+    "GLUON_PERSISTENT": "DYNAMIC", "HEAD_GROUP": 2, "GLUON_STATIC_MAX": False,
+    "GLUON_QK_TRIM": False, "GLUON_BWD_QK_TRIM": False, "GLUON_BWD_STAGES": 2,
+    "GLUON_BWD_EARLY_DP": True, "GLUON_BWD_DQ_CHUNKS": 2, "GLUON_BWD_OVERLAP": False,
+    "GLUON_EMULATE": True}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_DEFAULT))
+def test_every_option_is_part_of_the_plan_keys(name):
+    """Changing one option, and only it, never finds the plan of another value, whatever
+    family the option concerns: the layout key (``plans.layout_key``, which the forward's,
+    the backward's and the FP8 forward's plan keys extend) holds the parsed options."""
+    from flexfa.runtime.options import SCHEMA
+    assert set(NOT_DEFAULT) == set(SCHEMA)  # a new key gets a value here
+    q, k, v = _bf16()
+    options = {name: NOT_DEFAULT[name]}
+    assert parse_kernel_options(options) != parse_kernel_options(None)
+    assert forward_plan_key(q, k, v, _call(options), False, False) != \
+        forward_plan_key(q, k, v, _call(), False, False)
+
+
 def test_a_repeated_backward_runs_the_plan(monkeypatch):
     spy = _Spy(monkeypatch, BACKWARD)
     q, k, v = make_qkv(1, 2, 2, 40, 40, 16, seed=4)

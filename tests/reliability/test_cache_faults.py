@@ -294,3 +294,64 @@ def test_clean_directory_gives_no_warning(fresh_cache, recwarn):
     out = _attend()
     assert STATS.codegen == 1 and STATS.disk_hits == 1 and torch.isfinite(out).all()
     assert not [w for w in recwarn if "flexfa" in str(w.message)]
+
+
+def test_a_relative_cache_dir_does_not_follow_the_current_directory(fresh_cache, monkeypatch):
+    """FLEXFA_CACHE_DIR=cache was read against the current directory at every call: after
+    an os.chdir the next kernel went to another directory (and a second process started
+    elsewhere with the same setting shared nothing). It is taken from the directory flexfa
+    was imported in."""
+    from flexfa import config
+    start, elsewhere = fresh_cache.parent / "start", fresh_cache.parent / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setattr(config, "_START_DIRECTORY", str(start), raising=False)
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", "cache")
+    monkeypatch.chdir(elsewhere)
+    assert config.cache_dir() == start / "cache"
+    _attend()
+    monkeypatch.chdir(fresh_cache.parent)
+    q, k, v = qkv(L=24, S=24, E=32)  # a second kernel, after a chdir
+    assert_matches_reference(flexfa.flex_attention(q, k, v), q, k, v)
+    assert len(list((start / "cache").glob("flexfa_fwd_*.py"))) == 2
+    assert not (elsewhere / "cache").exists() and not (fresh_cache.parent / "cache").exists()
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", "~/x/../flexfa")  # the user's: not relative
+    assert config.cache_dir() == pathlib.Path.home() / "flexfa"
+
+
+def _forked_child(start, results):
+    """Wait until the parent's private directory is gone, then generate a new kernel."""
+    torch.set_num_threads(1)  # as a DataLoader worker: the parent's OpenMP pool is not forked
+    start.wait(60)
+    try:
+        q, k, v = qkv(L=40, S=40, E=16)  # a kernel the parent never made
+        with pytest.warns(RuntimeWarning, match="read-only"):
+            out = flexfa.flex_attention(q, k, v)
+        assert_matches_reference(out, q, k, v)
+        results.put(("ok", str(cache_location.fallback_dir())))
+    except BaseException as exc:  # reported to the parent, which fails the test
+        results.put(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_forked_child_writes_kernels_after_its_parent_removed_its_directory(fresh_cache):
+    """The private directory is removed when the process that made it exits; a forked child
+    (a DataLoader worker) kept writing to it, so a new kernel failed there (FileNotFoundError
+    on its lock file) once the parent was gone. A child makes its own, removed when it exits."""
+    import multiprocessing
+    fresh_cache.mkdir(mode=0o500)
+    try:
+        _fallback_run(fresh_cache)
+        parents = cache_location.fallback_dir()
+        context = multiprocessing.get_context("fork")
+        start, results = context.Event(), context.Queue()
+        child = context.Process(target=_forked_child, args=(start, results))
+        child.start()
+        cache_location._remove(parents, os.getpid())  # what the parent's exit does
+        start.set()
+        status, detail = results.get(timeout=120)
+        child.join(60)
+    finally:
+        fresh_cache.chmod(0o700)
+    assert status == "ok", detail
+    assert child.exitcode == 0 and pathlib.Path(detail) != parents
+    assert not pathlib.Path(detail).exists(), "the child's private directory outlived it"

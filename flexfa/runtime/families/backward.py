@@ -593,7 +593,7 @@ class Backward(KernelFamily):
         family = "bwd_dropout" if call.dropout else "bwd"
         family += "_ragged" if ragged and wide else ""
         family += "_split" if split_head_dim(q.shape[3], target) else ""
-        key = autotune.tune_key(family, target.name,
+        key = autotune.tune_key(family, autotune.device_tag(target, q.device),
                                 max(e_pad, ev_pad), ev_pad,
                                 DTYPE_NAMES[q.dtype], density_class(call.block_mask),
                                 k.shape[2])

@@ -367,7 +367,7 @@ class HopperForward(KernelFamily):
             return pinned.apply(candidates[0])
         # dropout's Philox makes a different kernel: its own winners
         key = autotune.tune_key(HOPPER_TEMPLATE + ("_dropout" if call.dropout else ""),
-                                target.name, e_pad, ev_pad,
+                                autotune.device_tag(target, q.device), e_pad, ev_pad,
                                 DTYPE_NAMES[q.dtype], density_class(call.block_mask),
                                 k.shape[2])
 
