@@ -111,9 +111,10 @@
 # Gluon forward included, then the memory tests serially (first call of an end-of-session check);
 # zc: the backward and Gluon backward GPU files, sharded, under one long limit (after zb);
 # zd: the backward and Gluon backward GPU files with the decode, feature (dropout, sinks),
-# mod-semantics, FP8 and varlen GPU tests, sharded under one limit (the fixes
+# mod-semantics, FP8, varlen, Hopper (autotune) and torch.compile GPU tests, sharded (the fixes
 # of the thirty-fifth session's audits: dropout's scale, the decode walk's first q block,
-# backward reading saved tensors once, logical ops of float comparisons);
+# backward reading saved tensors once, logical ops of float comparisons, autotune keys, compiled
+# kernel_options);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -357,7 +358,8 @@ if [ "$PART" = zd ]; then  # the thirty-fifth session's fixes (see --help)
   step gpu_zd 570 $SHARD/zd -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
     tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py \
     tests/kernels/test_decode.py tests/gpu/test_features_gpu.py tests/kernels/test_mod_semantics.py \
-    tests/gpu/test_fp8_gpu.py tests/blockmask/test_varlen.py
+    tests/gpu/test_fp8_gpu.py tests/blockmask/test_varlen.py tests/gpu/test_hopper_gpu.py \
+    tests/gpu/test_compile_gpu.py
   tail -n 14 "$OUT/gpu_zd.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
