@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
+
 KV_TAG, DKV_TAG = 0, 8
 
 
@@ -18,6 +20,9 @@ class Ring:
     def __init__(self, group=None):
         self.group = group
         self.rank = dist.get_rank(group)
+        if self.rank < 0:  # torch's answer for a process outside the group
+            raise InputError("ring_attention: this process is not a member of group; call "
+                             "ring_attention on the group's ranks only")
         self.world = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) \
             if group is not None else (self.rank + 1) % self.world

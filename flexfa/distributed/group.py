@@ -39,6 +39,10 @@ def resolve_group(group, mesh_dim):
     if mesh_dim is not None:
         raise InputError(f"ring_attention: mesh_dim={mesh_dim!r} needs group to be a "
                          f"DeviceMesh, got {type(group).__name__}")
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise InputError("ring_attention: this process is not a member of group "
+                         "(torch.distributed.new_group gave it GroupMember.NON_GROUP_MEMBER); "
+                         "call ring_attention on the group's ranks only")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise InputTypeError(f"ring_attention: group must be a ProcessGroup, a DeviceMesh or "
                              f"None, got {type(group).__name__}")

@@ -347,3 +347,18 @@ def test_group_rejects_mesh_dim_without_a_mesh_and_other_types():
         resolve_group(None, 0)
     with pytest.raises(InputTypeError, match="ProcessGroup, a DeviceMesh or None, got int"):
         resolve_group(3, None)
+
+
+def test_a_process_outside_the_group_is_told_so(monkeypatch):
+    """A rank that is not in ``group`` (new_group gives it NON_GROUP_MEMBER, get_rank -1)
+    would wait on transfers no one sends, or compute with rank -1: an InputError first."""
+    import torch.distributed as dist
+
+    from flexfa.distributed.comm import Ring
+    from flexfa.distributed.group import resolve_group
+
+    with pytest.raises(InputError, match="not a member of group"):
+        resolve_group(dist.GroupMember.NON_GROUP_MEMBER, None)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: -1)
+    with pytest.raises(InputError, match="not a member of group"):
+        Ring(None)
