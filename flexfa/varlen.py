@@ -101,8 +101,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     options = parse_kernel_options(kernel_options)
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
-    if block_mask is None:
-        score = mask = None
+    if block_mask is None:  # nothing is scored; the score_mod's learnable tensors get zeros
+        mask = None
+        score = prepare_score_mod(score_mod)
+        check_buffers(score, "score_mod", query.device)
     else:
         score = local_score_mod(func, score_mod, block_mask, query.shape[1])
         mask = block_mask.traced_mask

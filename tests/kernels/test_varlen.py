@@ -266,6 +266,12 @@ def test_no_tokens_give_flex_attentions_empty_results():
     q, k, v = packed([0, 0], [5, 2])
     out, lse = flexfa.varlen_attention(q, k, v, none, offsets([5, 2]), return_lse=True)
     assert out.shape == (0, H, E) and lse.shape == (H, 0)
+    # a score_mod's learnable tensor gets zeros, as from flex_attention (it got None)
+    bias = torch.zeros(H, requires_grad=True)
+    flexfa.varlen_attention(*(t.requires_grad_() for t in packed([0, 0], [5, 2])), none,
+                            offsets([5, 2]), score_mod=lambda s, b, h, qi, ki: s + bias[h]
+                            ).sum().backward()
+    assert torch.equal(bias.grad, torch.zeros(H))
     q, k, v = packed([0], [0])
     assert flexfa.varlen_attention(q, k, v, offsets([0]), offsets([0])).shape == (0, H, E)
     with pytest.raises(flexfa.InputError, match=r"cu_seqlens_k\[-1\] is 3 but key has 0"):
