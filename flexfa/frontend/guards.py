@@ -165,8 +165,9 @@ def code_names(code: types.CodeType) -> frozenset:
 
 
 # compared by value
-_VALUE_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype,
-                          torch.device, torch.layout, torch.memory_format})
+_VALUE_TYPES = frozenset({type(None), type(NotImplemented), type(Ellipsis), bool, int, float,
+                          complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                          torch.memory_format})
 
 
 _ORDERED: dict[frozenset, list] = {}  # names -> sorted (a repeated walk reuses its names)
@@ -462,8 +463,11 @@ _GENERIC_LOOKUP = frozenset({object, type, int, float, complex, str, bytes, tupl
 _BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
              types.MethodDescriptorType, types.MethodWrapperType,
              types.ClassMethodDescriptorType)
-# a namedtuple's field accessor: reads an item, which the walk reads
-_TUPLE_FIELD = type(collections.namedtuple("_Pair", "first").first)
+# a namedtuple's field accessor (reads an item), a __slots__ entry's (reads the slot) and a
+# class's __dict__ / __weakref__ accessors: C code whose reads the walk reads as the object's
+# state (code naming __dict__ is unguardable anyway)
+_ACCESSORS = (type(collections.namedtuple("_Pair", "first").first), types.MemberDescriptorType,
+              types.GetSetDescriptorType)
 # (base type, handler) in the order they are tried; _handler caches the answer per type
 _DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.enum_member),
              (numbers.Number, _Walk.number),
@@ -472,7 +476,7 @@ _DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.enum_member),
              (dict, _Walk.mapping), (types.ModuleType, _Walk.module), (type, _Walk.klass),
              (_BUILTINS, _Walk.builtin), ((staticmethod, classmethod), _Walk.wrapped),
              ((property, types.DynamicClassAttribute), _Walk.property_),
-             (_TUPLE_FIELD, _Walk.identity))
+             (_ACCESSORS, _Walk.identity))
 # id(type) -> (weak reference to the type, its handler): a class held here would keep its
 # methods' closures, and the tensors they capture, alive after the mod is dropped
 _HANDLERS: dict[int, tuple] = {}

@@ -546,3 +546,35 @@ def test_module_getattr_and_modules_imported_inside_the_mod(monkeypatch):
         return q_idx - kv_idx < WINDOW
     _assert_follows(imports, lambda: setattr(config, "WINDOW", 5))
     _assert_follows(imports_from, lambda: setattr(config, "WINDOW", 1))
+
+
+class _Slotted:
+    __slots__ = ("window",)
+
+    def __init__(self, window):
+        self.window = window
+
+
+def test_dataclass_and_slots_configs_are_guarded_not_retraced():
+    """A dataclass config (plain, slots=True, frozen) and a __slots__ object were unguarded,
+    so every call traced the mod again (milliseconds): the dataclass' generated __eq__ names
+    NotImplemented, and the walk met the classes' __dict__ / slot accessors (C descriptors).
+    Guarded now, and a change of their state still gives the new trace."""
+    @dataclasses.dataclass
+    class Plain:
+        window: int = 2
+
+    @dataclasses.dataclass(slots=True)
+    class Slots:
+        window: int = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        window: int = 2
+    holders = {"plain": Plain(), "slots": Slots(), "frozen": Frozen(), "__slots__": _Slotted(2)}
+    for name, holder in holders.items():
+        def mask(b, h, q_idx, kv_idx, holder=holder):
+            return q_idx - kv_idx < holder.window
+        assert guard(mask) is not None, name
+        assert trace(mask) is trace(mask), name
+        _assert_follows(mask, lambda holder=holder: object.__setattr__(holder, "window", 5))
