@@ -488,18 +488,24 @@ def union_walks():
         yield made
 
 
+def editable_mask_call():
+    """(q, k, v, counts, mask): one query row over 128 keys, 4 query heads on one kv head,
+    and a mask of 8 16-key blocks per head whose counts a test edits in place."""
+    Hq, S = 4, 128
+    q, k, v = make_qkv(1, Hq, 1, 1, S, 16, seed=5)
+    counts = torch.full((1, Hq, 1), 8, dtype=torch.int32)
+    indices = torch.arange(8, dtype=torch.int32).expand(1, Hq, 1, 8).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(1, S),
+                                           compute_q_blocks=False)
+    return q, k, v, counts, mask
+
 
 def test_union_walk_follows_an_in_place_edit_of_the_mask(union_walks):
     """The union walk's tables are computed from the mask's contents and kept with the plan:
     an in-place edit of the mask's tables builds them again (the old union was reused: an
     output 0.78 off), as the members' walk reads the edited tables itself."""
-    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 128, 16
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
-    counts = torch.full((1, Hq, 1), 8, dtype=torch.int32)
-    indices = torch.arange(8, dtype=torch.int32).expand(1, Hq, 1, 8).contiguous()
-    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
-                                           compute_q_blocks=False)
-    lens = torch.full((B,), S, dtype=torch.int32)
+    q, k, v, counts, mask = editable_mask_call()
+    lens = torch.full((1,), 128, dtype=torch.int32)
     for edit in (None, [1, 2, 3, 4], [8, 3, 1, 6]):
         if edit is not None:
             counts[0, :, 0] = torch.tensor(edit, dtype=torch.int32)
@@ -517,12 +523,7 @@ def test_flex_attention_union_walk_follows_an_in_place_edit(union_walks):
     generic forward plan key (which has no contents generation) and prepared calls: an
     in-place edit of the mask's tables builds the union tables again (the old ones were
     reused: an output 0.74 off)."""
-    B, Hq, Hkv, L, S, E = 1, 4, 1, 1, 128, 16
-    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=5)
-    counts = torch.full((1, Hq, 1), 8, dtype=torch.int32)
-    indices = torch.arange(8, dtype=torch.int32).expand(1, Hq, 1, 8).contiguous()
-    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, seq_lengths=(L, S),
-                                           compute_q_blocks=False)
+    q, k, v, counts, mask = editable_mask_call()
     for edit in (None, None, [1, 2, 3, 4], None, [8, 3, 1, 6]):
         if edit is not None:
             counts[0, :, 0] = torch.tensor(edit, dtype=torch.int32)
