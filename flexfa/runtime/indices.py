@@ -22,7 +22,6 @@ one dict lookup.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
@@ -32,6 +31,7 @@ from ..errors import InputError
 from ..frontend.evaluate import evaluate_node
 from ..frontend.ir import Node, Op
 from ..frontend.trace import TracedMod
+from ..memo import OwnedMemo
 
 _CHUNK = 1 << 22  # index values evaluated at once
 _MAX_MEMO = 1024
@@ -124,8 +124,10 @@ def _static(mod: TracedMod, domain: Domain, device) -> tuple[_OutOfRange | None,
 
 
 _STATIC: dict[tuple, tuple] = {}
-# mod -> {(domain, read): versions of the tensors its index read when it was last checked}
-_CHECKED_VALUES: "weakref.WeakKeyDictionary[TracedMod, dict]" = weakref.WeakKeyDictionary()
+# mod -> {(domain, read): versions of the tensors its index read when it was last checked},
+# weakly keyed on the mod and bounded per mod: a mod kept for a run of varying lengths meets
+# a new domain per length
+_CHECKED_VALUES = OwnedMemo(owners=1024, per_owner=256, name="captured-value index checks")
 
 
 def check_captured_indices(score: TracedMod | None, mask: TracedMod | None,
@@ -171,18 +173,17 @@ def _check_mod(mod: TracedMod, q_shape, kv_len: int, device) -> None:
 
 
 def _check_values(mod: TracedMod, reads: tuple[_Read, ...], domain: Domain) -> None:
-    checked = _CHECKED_VALUES.setdefault(mod, {})
     for read in reads:
         slots = sorted({n.arg for n in read.index.toposort() if n.op is Op.LOAD})
         versions = _versions([mod.buffers[slot] for slot in slots])
-        if versions is not None and checked.get((domain, read)) == versions:
+        if versions is not None and _CHECKED_VALUES.get(mod, (domain, read)) == versions:
             continue
         device = mod.buffers[slots[0]].device
         lo, hi = _exact_range(read.index, mod.buffers, domain, device)
         if not _in_range(read, lo, hi):
             shape = tuple(mod.buffers[read.load.arg].shape)
             raise _error(mod, _OutOfRange(read, shape, lo, hi), domain)
-        checked[(domain, read)] = versions
+        _CHECKED_VALUES.put(mod, (domain, read), versions)
 
 
 def _versions(tensors) -> tuple[int, ...] | None:

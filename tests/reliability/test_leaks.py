@@ -155,3 +155,23 @@ def test_an_id_reused_by_a_new_mask_never_hits_an_old_entry():
         assert memo.get(mask, "plan") is None
         memo.put(mask, "plan", id(mask))
         del mask
+
+
+
+def test_value_checks_of_a_long_lived_mod_are_bounded(monkeypatch):
+    """A mod indexing by captured values (``bias[idx[kv_idx]]``) is checked on those values
+    once per call domain (batch, heads, lengths) and read, and the outcome kept: a mod kept
+    for a training run of varying lengths must not keep one record per length ever seen.
+    The records are bounded: after many other lengths the first one is checked again."""
+    from flexfa.runtime import indices
+    idx = torch.arange(1024)
+    bias = torch.randn(1024)
+    traced = flexfa.trace(lambda score, b, h, q_idx, kv_idx: score + bias[idx[kv_idx]])
+    evaluated = []
+    exact_range = indices._exact_range
+    monkeypatch.setattr(indices, "_exact_range",
+                        lambda *args: evaluated.append(args[2]) or exact_range(*args))
+    cpu = torch.device("cpu")
+    for kv_len in (*range(1, 1001), 1):
+        indices.check_captured_indices(traced, None, (1, 1, 1), kv_len, cpu)
+    assert len(evaluated) == 1001  # the first length's record was dropped by the bound
