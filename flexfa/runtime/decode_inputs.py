@@ -3,6 +3,7 @@ stays cheap): the per-call inputs, the preallocated workspace and the key geomet
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -52,18 +53,24 @@ class DecodeWorkspace:
     captures: the same addresses on every replay."""
 
     def __init__(self):
-        self.plan = None
+        # the plan whose buffers these are, by weak reference: a plan binds its block mask's
+        # tables, which a workspace kept for a decode loop would keep alive after the mask
+        self.plan = _no_plan
         self.out = self.lse = self.maxs = None
         self.parts = self.part_lse = self.part_max = None
 
     def buffers(self, plan, q, v, return_lse: bool, return_max: bool) -> tuple:
-        if self.plan is not plan or (return_lse and self.lse is None) or (
+        if self.plan() is not plan or (return_lse and self.lse is None) or (
                 return_max and self.maxs is None):
             self.out, self.lse, self.maxs = allocate_outputs(q, v, True, return_max)
             self.parts, self.part_lse, self.part_max = split_workspaces(plan, v)
-            self.plan = plan
+            self.plan = weakref.ref(plan)
         return (self.out, self.lse if return_lse else None, self.maxs if return_max else None,
                 self.parts, self.part_lse, self.part_max)
+
+
+def _no_plan():
+    return None
 
 
 def split_workspaces(plan, v) -> tuple:

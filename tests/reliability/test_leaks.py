@@ -175,3 +175,22 @@ def test_value_checks_of_a_long_lived_mod_are_bounded(monkeypatch):
     for kv_len in (*range(1, 1001), 1):
         indices.check_captured_indices(traced, None, (1, 1, 1), kv_len, cpu)
     assert len(evaluated) == 1001  # the first length's record was dropped by the bound
+
+
+def test_a_kept_decode_workspace_keeps_no_dropped_mask_tables():
+    """A DecodeWorkspace lives as long as the decode loop (CUDA graphs replay its buffers);
+    the block masks of its calls come and go. It recognises its plan by identity only, so it
+    must not keep the plan, whose launch binds the mask's tables, alive."""
+    workspace = flexfa.DecodeWorkspace()
+    k, v = torch.randn(1, 1, L, 16), torch.randn(1, 1, L, 16)
+    query = torch.randn(1, 2, 1, 16)
+    doc = torch.arange(L) // 20
+    block_mask = flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: doc[kv_idx] <= doc[q_idx],
+                                          None, None, 1, L, device="cpu", BLOCK_SIZE=16)
+    for _ in range(2):  # the second call finds the plan and the workspace's buffers
+        out = flexfa.flex_decode(query, k, v, block_mask=block_mask, workspace=workspace)
+    assert out is workspace.out
+    refs = [weakref.ref(x) for x in (block_mask, block_mask.kv_indices, doc)]
+    del block_mask, doc
+    gc.collect()
+    assert all(r() is None for r in refs)
