@@ -194,3 +194,44 @@ def test_a_kept_decode_workspace_keeps_no_dropped_mask_tables():
     del block_mask, doc
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def _cache_sizes() -> dict:
+    """len() of every memo and of every container a flexfa module holds at module level."""
+    import sys
+    from flexfa import memo
+    sizes = {f"memo {m.name} {id(m)}": len(m) for m in list(memo._ALL)}
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("flexfa."):
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, (dict, set, list, weakref.WeakKeyDictionary,
+                                  weakref.WeakValueDictionary)) and not name.startswith("__"):
+                sizes[f"{module.__name__}.{name}"] = len(value)
+    return sizes
+
+
+def test_thousands_of_distinct_mods_masks_and_offsets_grow_no_cache():
+    """Distinct objects per step (a new closure over new tensors, a new mask, new offsets):
+    every memo stays within its bound and no module-level container grows with the steps."""
+    from flexfa import memo, varlen
+    from flexfa.runtime import indices
+    cpu, steps = torch.device("cpu"), 2000
+    before = _cache_sizes()
+    for step in range(steps):
+        bias, index = torch.randn(16), torch.arange(16)
+        traced = flexfa.trace(lambda score, b, h, q_idx, kv_idx: score + bias[index[kv_idx]])
+        indices.check_captured_indices(traced, None, (1, 1, 16), 16, cpu)
+        doc = torch.arange(16) // (1 + step % 7)
+        flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx], None,
+                                 None, 16, 16, device="cpu", BLOCK_SIZE=16)
+        offsets = torch.tensor([0, 1 + step % 15, 16], dtype=torch.int32)
+        varlen.packed_block_mask("varlen_attention", offsets, offsets.clone(), 16, 16, True,
+                                 None, (16, 16), cpu)
+    gc.collect()
+    for m in list(memo._ALL):
+        bound = m.size if isinstance(m, BoundedMemo) else m._owners.size * m.per_owner
+        assert len(m) <= bound, m
+    grown = {name: (before.get(name, 0), size) for name, size in _cache_sizes().items()
+             if size - before.get(name, 0) >= steps // 4}
+    assert not grown, grown
