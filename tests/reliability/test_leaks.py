@@ -235,3 +235,115 @@ def test_thousands_of_distinct_mods_masks_and_offsets_grow_no_cache():
     grown = {name: (before.get(name, 0), size) for name, size in _cache_sizes().items()
              if size - before.get(name, 0) >= steps // 4}
     assert not grown, grown
+
+
+# ---- each API path, run twice (the second through the memos), keeps none of its objects ----
+
+def _document_mask(length: int, block: int, heads=None):
+    doc = torch.arange(length) // 20
+    mask = flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: doc[kv_idx] <= doc[q_idx],
+                                    None, heads, length, length, device="cpu",
+                                    BLOCK_SIZE=block)
+    return mask, doc
+
+
+def _create_block_mask_only():
+    mask, doc = _document_mask(L, 32)
+    return mask, doc, mask.kv_indices, mask.mask_mod
+
+
+def _paged_decode_union_walk():
+    cache = flexfa.PagedKVCache(8, 16, 2, 1, 16, max_pages_per_seq=4, dtype=torch.float32)
+    for row in range(2):
+        cache.reserve(row, L)
+    mask, doc = _document_mask(L, 16, heads=2)  # two query heads per kv head: a union walk
+    bias = torch.randn(L)
+    kv_lens = torch.tensor([40, 50], dtype=torch.int32)
+    for _ in range(2):
+        flexfa.flex_decode(torch.randn(2, 2, 2, 16), cache.k_cache, cache.v_cache,
+                           lambda score, b, h, q_idx, kv_idx: score + bias[kv_idx], mask,
+                           kv_lens=kv_lens, page_table=cache.page_table,
+                           kernel_options={"DECODE_WALK": "UNION"})
+    return cache, cache.k_cache, cache.page_table, kv_lens, mask, mask.kv_indices, doc, bias
+
+
+def _varlen_per_token_score_mod():
+    offsets = torch.tensor([0, 20, L], dtype=torch.int32)
+    q, k, v = (torch.randn(L, 2, 16, requires_grad=True) for _ in range(3))
+    per_token = torch.randn(L, requires_grad=True)
+    for _ in range(2):
+        flexfa.varlen_attention(q, k, v, offsets, offsets.clone(), causal=True, BLOCK_SIZE=16,
+                                score_mod=lambda score, b, h, q_idx, kv_idx:
+                                score + per_token[kv_idx]).sum().backward()
+    return offsets, per_token, q
+
+
+def _prepared_bound_method():
+    class Bias:
+        def __init__(self):
+            self.table = torch.randn(L)
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.table[kv_idx]
+    bias = Bias()
+    mask, doc = _document_mask(L, 32)
+    q, k, v = _inputs(False)
+    for _ in range(3):  # the later calls take the prepared entry
+        flexfa.flex_attention(q, k, v, bias.score_mod, mask)
+    return bias, bias.table, mask, doc
+
+
+def _dropout_and_sinks():
+    q, k, v = _inputs(True)
+    sinks, bias = torch.randn(2, requires_grad=True), torch.randn(L, requires_grad=True)
+    for _ in range(2):
+        flexfa.flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score + bias[kv_idx],
+                              sinks=sinks, dropout_p=0.25).sum().backward()
+    return sinks, bias, q
+
+
+def _under_torch_compile():
+    bias = torch.randn(2, requires_grad=True)
+    doc = torch.arange(L) // 20
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def layer(q, k, v):
+        mask = flexfa.create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+        return flexfa.flex_attention(q, k, v, score_mod, mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager")
+    q, k, v = _inputs(True)
+    for _ in range(2):
+        compiled(q, k, v).sum().backward()
+    del compiled
+    torch._dynamo.reset()  # Dynamo's own code cache holds the frame's guards
+    return bias, doc, score_mod, mask_mod, q
+
+
+def _fp8_quantize():
+    q, k, v = _inputs(False)
+    quantized = flexfa.fp8.quantize(q, k, v, block_size=32)
+    return q, quantized, quantized.q, quantized.q_scale
+
+
+def _ring_shards():
+    from flexfa.distributed import shard_sequence, unshard
+    x = torch.randn(1, 2, L, 16)
+    shards = [shard_sequence(x, rank, 2) for rank in range(2)]
+    return x, unshard(shards), *shards
+
+
+@pytest.mark.parametrize("path", [_create_block_mask_only, _paged_decode_union_walk,
+                                  _varlen_per_token_score_mod, _prepared_bound_method,
+                                  _dropout_and_sinks, _under_torch_compile, _fp8_quantize,
+                                  _ring_shards], ids=lambda path: path.__name__.strip("_"))
+def test_each_path_releases_its_objects(path):
+    refs = [weakref.ref(x) for x in path()]
+    gc.collect()
+    alive = [type(r()).__name__ for r in refs if r() is not None]
+    assert not alive, alive
