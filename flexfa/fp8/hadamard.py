@@ -29,7 +29,7 @@ def padded_dim(head_dim: int, minimum: int = 32) -> int:
     return d
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)  # d x d floats: hadamard_matrix(8192) alone is 256 MB
 def _sylvester(d: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < d:
