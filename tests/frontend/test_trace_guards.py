@@ -10,6 +10,7 @@ import enum
 import functools
 import gc
 import sys
+import threading
 import types
 import weakref
 
@@ -578,3 +579,33 @@ def test_dataclass_and_slots_configs_are_guarded_not_retraced():
         assert guard(mask) is not None, name
         assert trace(mask) is trace(mask), name
         _assert_follows(mask, lambda holder=holder: object.__setattr__(holder, "window", 5))
+
+
+def test_threads_walking_more_code_than_the_memo_keeps_do_not_fail():
+    """The memo of code objects' names is emptied when full; a thread reading back its own
+    entry after another emptied it raised KeyError out of the guard (every traced call)."""
+    from flexfa.frontend.guards import code_names
+
+    codes = [compile(f"lambda: a{i} + b", "<mods>", "eval").co_consts[0] for i in range(4500)]
+    errors = []
+
+    def walk(start: int) -> None:
+        try:
+            for _ in range(12):  # past the bound about a dozen times
+                for code in codes[start:] + codes[:start]:
+                    code_names(code)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=walk, args=(500 * i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert not errors, errors[:3]
+    assert code_names(codes[7]) >= {"a7", "b"}
