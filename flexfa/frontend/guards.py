@@ -341,7 +341,9 @@ class _Walk:
         if len(value) > MAX_ITEMS:
             raise Unguardable(f"a dict of {len(value)} items")
         self.parts += (type(value), len(value))
-        for key, item in value.items():
+        # a copy first (one C call): walking the items runs Python code, during which another
+        # thread may add or remove a key, which stops a dict's own iteration with RuntimeError
+        for key, item in list(value.items()):
             self.value(key)
             self.value(item)
 
