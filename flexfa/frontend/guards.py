@@ -137,10 +137,11 @@ def _code_facts(code: types.CodeType) -> tuple:
             nested_names, nested_imports = _code_facts(const)
             names |= nested_names
             imports.update(nested_imports)
+    facts = frozenset(names), tuple(sorted(imports, key=repr))
     if len(_CODE_NAMES) > 4096:
         _CODE_NAMES.clear()
-    _CODE_NAMES[id(code)] = (code, frozenset(names), tuple(sorted(imports, key=repr)))
-    return _CODE_NAMES[id(code)][1:]
+    _CODE_NAMES[id(code)] = (code, *facts)
+    return facts  # (not read back: another thread may clear the memo meanwhile)
 
 
 _IMPORT_NAME = dis.opmap["IMPORT_NAME"]
@@ -340,7 +341,9 @@ class _Walk:
         if len(value) > MAX_ITEMS:
             raise Unguardable(f"a dict of {len(value)} items")
         self.parts += (type(value), len(value))
-        for key, item in value.items():
+        # a copy first (one C call): walking the items runs Python code, during which another
+        # thread may add or remove a key, which stops a dict's own iteration with RuntimeError
+        for key, item in list(value.items()):
             self.value(key)
             self.value(item)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import threading
 import weakref
 
 
@@ -122,6 +123,10 @@ class Node:
 
     __slots__ = ("op", "dtype", "src", "arg", "key", "__weakref__")
     _table: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
+    # a miss is filled under the lock: two threads building one structure at once (the first
+    # traces of two mods) must get one node, since equal structure is tested by identity
+    # (``id(ir.score())`` finds the score_mod's gradient)
+    _make_lock = threading.RLock()
 
     op: Op
     dtype: DType
@@ -141,6 +146,14 @@ class Node:
         node = cls._table.get(table_key)
         if node is not None:
             return node
+        with cls._make_lock:
+            node = cls._table.get(table_key)
+            if node is None:
+                node = cls._table[table_key] = cls._new(op, dtype, src, arg)
+        return node
+
+    @classmethod
+    def _new(cls, op: Op, dtype: DType, src: tuple["Node", ...], arg: object) -> "Node":
         node = object.__new__(cls)
         object.__setattr__(node, "op", op)
         object.__setattr__(node, "dtype", dtype)
@@ -151,7 +164,6 @@ class Node:
         for s in src:
             digest.update(s.key.encode())
         object.__setattr__(node, "key", digest.hexdigest())
-        cls._table[table_key] = node
         return node
 
     def __setattr__(self, name, value):

@@ -253,13 +253,16 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     except Exception as exc:
         raise TraceError(f"in mod {name!r}: tracing raised {type(exc).__name__}: {exc}") from exc
     for tensor, version in zip(watched, versions):
-        if _version(tensor) != version:
+        # (another thread, a training loop's optimizer step, may edit it meanwhile: that is
+        # no error of the mod; the memo then holds the versions read before, so it is stale)
+        if _version(tensor) != version and reads.mutated:
             raise tracer.error(
                 f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
     raw = _result_node(tracer, result, kind)
     root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))
-    read = tuple((weakref.ref(t), _version(t)) for t in watched if id(t) in reads.read)
+    read = tuple((weakref.ref(t), version) for t, version in zip(watched, versions)
+                 if id(t) in reads.read)
     sized = tuple(weakref.ref(t) for t in watched if id(t) in reads.sized)
     kept = {id(t) for t in buffers}
     dropped = tuple(t for t in tracer.buffers if id(t) not in kept)
@@ -296,18 +299,23 @@ class _ValueReads(torch.overrides.TorchFunctionMode):
     """Records which watched tensors a torch function touched eagerly while a mod was traced
     (no traced value among its arguments, not a metadata query): their values decided the
     trace, so the memo also guards their versions. Also records those whose sizes were read
-    (``sized``). Refuses random draws: a trace holds one draw as a constant, which the memo
-    would give every later call (torch's flex_attention refuses them too, under vmap)."""
+    (``sized``), and whether the mod called an in-place function (``mutated``: torch
+    function modes are per thread, so another thread's edits are not seen). Refuses random
+    draws: a trace holds one draw as a constant, which the memo would give every later call
+    (torch's flex_attention refuses them too, under vmap)."""
 
     def __init__(self, watched: set[int], tracer: Tracer):
         super().__init__()
         self.watched, self.tracer = watched, tracer
         self.read: set[int] = set()
         self.sized: set[int] = set()
+        self.mutated = False
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _function_name(func)
+        if not self.mutated and _in_place(name, kwargs):
+            self.mutated = True
         if name in _RANDOM:
             raise self.tracer.error(
                 f"{name}(...) draws random numbers; a mod must give the same result on every "
@@ -321,6 +329,14 @@ class _ValueReads(torch.overrides.TorchFunctionMode):
             if not any(isinstance(x, (Proxy, BufferView)) for x in flat):
                 self.read.update(id(x) for x in flat if id(x) in self.watched)
         return func(*args, **kwargs)
+
+
+def _in_place(name: str, kwargs: dict) -> bool:
+    """Whether a torch function of this name (``add_``, ``aten::add_.Tensor``,
+    ``__setitem__``) or with an ``out=`` argument writes into a tensor."""
+    base = name.partition(".")[0]
+    return ((base.endswith("_") and not base.endswith("__")) or base == "__setitem__"
+            or kwargs.get("out") is not None)
 
 
 def _drop_unused_buffers(root: Node, buffers: tuple) -> tuple[Node, tuple]:

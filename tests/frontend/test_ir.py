@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -36,6 +37,34 @@ def test_equal_structure_is_the_same_object():
     assert len({ir.const(1), ir.const(1.0), ir.const(True)}) == 3
     assert ir.const(0.0) is not ir.const(-0.0)
     assert ir.const(float("nan")) is ir.const(float("nan"))
+
+
+def test_threads_building_one_structure_at_once_get_one_node():
+    """Hash-consing holds across threads: when several build a structure no one holds yet
+    (the first traces of two mods both make the score leaf), all get one object. Two copies
+    made ``id(ir.score())`` miss one trace's score leaf: its score_mod got a zero gradient."""
+    threads, rounds = 8, 5000
+    barrier = threading.Barrier(threads)
+    built = [[None] * threads for _ in range(rounds)]
+    base = 0.5 + id(built)  # values no other test holds a node of
+
+    def build(i):
+        for r in range(rounds):
+            barrier.wait()
+            built[r][i] = Node.make(Op.CONST, DType.FLOAT, (), base + r)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=build, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(previous)
+    split = [r for r, nodes in enumerate(built) if len({id(n) for n in nodes}) > 1]
+    assert not split, f"{len(split)} of {rounds} rounds built several nodes for one structure"
 
 
 def test_key_differs_with_structure_and_is_stable_across_processes():

@@ -333,3 +333,41 @@ def test_inference_tensors_trace_and_python_reads_trace_again():
     b, h, q, kv = GRIDS
     got = evaluate(trace(switched), score=SCORE, b=b, h=h, q_idx=q, kv_idx=kv)
     torch.testing.assert_close(got, SCORE.expand_as(got))
+
+
+def _in_another_thread(edit) -> None:
+    """Run ``edit`` in another thread and wait: what a training thread's optimizer step does
+    to a captured parameter while this thread traces (here at a chosen point of the trace)."""
+    import threading
+
+    worker = threading.Thread(target=edit)
+    worker.start()
+    worker.join()
+
+
+def test_a_captured_tensor_edited_by_another_thread_while_tracing_is_no_error():
+    """The in-place check is the mod's own writes: another thread editing a captured tensor
+    during the trace (an optimizer step) raised 'the mod modified the captured tensor'. A
+    value Python read before that edit leaves the memo stale, so the next call traces again."""
+    scale = torch.tensor(2.0)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        factor = float(scale)  # read by Python: the trace holds 2.0
+        _in_another_thread(lambda: scale.add_(1.0))
+        return score * factor
+
+    first = trace(mod)
+    assert [n.arg for n in first.root.toposort() if n.op is Op.CONST] == [2.0]
+    second = trace(mod)  # scale is 3.0 now (and 4.0 after this trace's own edit)
+    assert [n.arg for n in second.root.toposort() if n.op is Op.CONST] == [3.0]
+
+
+def test_the_mods_own_edit_of_a_captured_view_is_still_refused():
+    bias = torch.zeros(4, 16)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        bias[0].add_(1.0)  # a view: its version counter is the captured tensor's
+        return score
+
+    with pytest.raises(TraceError, match=r"modified the captured tensor of shape \(4, 16\)"):
+        trace(mod)

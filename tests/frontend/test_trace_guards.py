@@ -10,6 +10,7 @@ import enum
 import functools
 import gc
 import sys
+import threading
 import types
 import weakref
 
@@ -578,3 +579,72 @@ def test_dataclass_and_slots_configs_are_guarded_not_retraced():
         assert guard(mask) is not None, name
         assert trace(mask) is trace(mask), name
         _assert_follows(mask, lambda holder=holder: object.__setattr__(holder, "window", 5))
+
+
+def test_threads_walking_more_code_than_the_memo_keeps_do_not_fail():
+    """The memo of code objects' names is emptied when full; a thread reading back its own
+    entry after another emptied it raised KeyError out of the guard (every traced call)."""
+    from flexfa.frontend.guards import code_names
+
+    codes = [compile(f"lambda: a{i} + b", "<mods>", "eval").co_consts[0] for i in range(4500)]
+    errors = []
+
+    def walk(start: int) -> None:
+        try:
+            for _ in range(12):  # past the bound about a dozen times
+                for code in codes[start:] + codes[:start]:
+                    code_names(code)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=walk, args=(500 * i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert not errors, errors[:3]
+    assert code_names(codes[7]) >= {"a7", "b"}
+
+
+_SETTINGS = {"scale": 2.0}
+
+
+def test_a_dict_another_thread_edits_does_not_fail_the_guard():
+    """The guard walks a dict the mod reads (here a module global) while another thread adds
+    and removes keys of it: the walk reads a copy, never the dict's own iteration, which
+    raised RuntimeError out of the call ("dictionary keys changed during iteration")."""
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * _SETTINGS["scale"]
+
+    stop, errors = threading.Event(), []
+
+    def edit() -> None:
+        i = 0
+        while not stop.is_set():
+            _SETTINGS[f"k{i % 50}"] = i
+            _SETTINGS.pop(f"k{(i + 25) % 50}", None)
+            i += 1
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    editor = threading.Thread(target=edit)
+    editor.start()
+    try:
+        for _ in range(20000):
+            try:
+                guard(mod)
+            except RuntimeError as exc:  # reported below
+                errors.append(exc)
+    finally:
+        stop.set()
+        editor.join()
+        sys.setswitchinterval(previous)
+        for name in [n for n in _SETTINGS if n != "scale"]:
+            del _SETTINGS[name]
+    assert not errors, f"{len(errors)} walks failed: {errors[0]!r}"
+    assert guard(mod) is not None
