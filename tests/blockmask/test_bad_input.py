@@ -159,3 +159,23 @@ def test_block_far_longer_than_the_sequence(block, mask_mod, monkeypatch):
                            for j in range(0, 40, kv_block)] for i in range(0, 40, q_block)])
     assert torch.equal(mask.to_dense().bool(), tiles.expand(1, 2, *tiles.shape))
     assert mask.full_kv_num_blocks.sum() == 0  # a tile holding padding is never full
+
+
+@pytest.mark.parametrize("table", ["full_kv_indices", "q_num_blocks", "q_indices",
+                                   "full_q_num_blocks", "kv_num_blocks"])
+@pytest.mark.parametrize("bad", ["flattened", "sparse"])
+def test_flex_attention_names_a_malformed_table(table, bad):
+    """Every table of a hand-made BlockMask is checked for its dims and layout (a 1-dim full
+    or q table failed with IndexError in the shape check, a sparse one with torch's
+    NotImplementedError in the table validation)."""
+    from flexfa import BlockMask, flex_attention
+    mask = build(H=2, Q_LEN=40, KV_LEN=40, BLOCK_SIZE=16)
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    tables = {n: getattr(mask, n) for n in names}
+    tables[table] = tables[table].flatten() if bad == "flattened" else tables[table].to_sparse()
+    odd = BlockMask((40, 40), *tables.values(), BLOCK_SIZE=(16, 16), mask_mod=mods.causal)
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(InputError, match=f"block_mask.{table} has "
+                                         f"{'shape' if bad == 'flattened' else 'layout'}"):
+        flex_attention(q, q, q, block_mask=odd)
