@@ -24,6 +24,8 @@ MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 # zero on GPUs; a float64 scalar under the interpreter, which then fails inside Triton)
 MIN_SCALE = torch.finfo(torch.float32).tiny
 _NAMES = ("query", "key", "value")
+_TABLE_DIMS = tuple((f"{prefix}{side}_{kind}", dims) for prefix in ("", "full_")
+                    for side in ("kv", "q") for kind, dims in (("num_blocks", 3), ("indices", 4)))
 
 
 def check_tensors(query, key, value) -> None:
@@ -161,13 +163,20 @@ def check_block_mask_type(block_mask) -> None:
     if getattr(block_mask, "mask_mod", None) is sliced_mask_mod:  # flexfa's or torch's
         raise InputError(SLICED)
     # torch's from_kv_blocks keeps 2- or 3-dim tables as given; the kernels index [B, H, ...]
-    for name, dims in (("kv_num_blocks", 3), ("kv_indices", 4)):
-        table = getattr(block_mask, name)
+    # (the full and q tables may be None; a sparse table has no memory the kernels can read)
+    for name, dims in _TABLE_DIMS:
+        table = getattr(block_mask, name, None)
+        if table is None and name not in ("kv_num_blocks", "kv_indices"):
+            continue
+        if isinstance(table, torch.Tensor) and table.layout is not torch.strided:
+            raise InputError(f"block_mask.{name} has layout {table.layout}; the kernels read "
+                             "strided tables: pass dense ones (.to_dense())")
         if not isinstance(table, torch.Tensor) or table.dim() != dims:
             found = (f"shape {tuple(table.shape)}" if isinstance(table, torch.Tensor)
                      else type(table).__name__)
+            rows, cols = ("KV_TILES", "Q_TILES") if "q_" in name else ("Q_TILES", "KV_TILES")
             raise InputError(f"block_mask.{name} has {found}; flex_attention needs [B, H, "
-                             f"Q_TILES{', KV_TILES' if dims == 4 else ''}] tables: build the "
+                             f"{rows}{f', {cols}' if dims == 4 else ''}] tables: build the "
                              "mask with flexfa.BlockMask.from_kv_blocks, which adds size-1 "
                              "batch and head dims to tables without them")
 

@@ -50,6 +50,16 @@ class TileGrid:
     def kv_tiles(self) -> int:
         return -(-self.KV_LEN // self.KV_BLOCK)
 
+    @property
+    def q_span(self) -> int:
+        """Offsets inside a q tile that can hold a position: a block longer than the sequence
+        (one tile) holds Q_LEN, the rest is padding (BLOCK_SIZE=2**30 for 40 positions)."""
+        return min(self.Q_BLOCK, self.Q_LEN)
+
+    @property
+    def kv_span(self) -> int:
+        return min(self.KV_BLOCK, self.KV_LEN)
+
     def batch_shape(self, deps: frozenset) -> tuple[int, int]:
         """Leading sizes of a value with these dependencies (size 1 = same for every b / h)."""
         return (self.B if "b" in deps else 1, self.H if "h" in deps else 1)
@@ -186,13 +196,18 @@ def _rows(value: Interval, start: int, stop: int) -> Interval:
 
 
 def _per_tile_min_max(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max over consecutive groups of ``block`` along the last dim (last may be short)."""
+    """Min and max over consecutive groups of ``block`` along the last dim (last may be short).
+    The short last group is reduced on its own, not padded: a block far longer than the
+    sequence (BLOCK_SIZE=2**30 for 40 positions) would allocate the whole block."""
     count = values.shape[-1]
-    pad = -count % block
-    if pad:  # repeat the last value: it changes neither min nor max
-        values = torch.cat([values, values[..., -1:].expand(*values.shape[:-1], pad)], -1)
-    tiles = values.reshape(*values.shape[:-1], -1, block)
-    return tiles.amin(-1), tiles.amax(-1)
+    whole = count - count % block
+    tiles = values[..., :whole].reshape(*values.shape[:-1], -1, block)
+    lo, hi = tiles.amin(-1), tiles.amax(-1)
+    if whole < count:
+        rest = values[..., whole:]
+        lo = torch.cat([lo, rest.amin(-1, keepdim=True)], -1)
+        hi = torch.cat([hi, rest.amax(-1, keepdim=True)], -1)
+    return lo, hi
 
 
 def _finish_values(dtype: DType, lo: torch.Tensor, hi: torch.Tensor) -> Interval:

@@ -7,6 +7,10 @@ import torch
 
 from ..errors import InputError, InputTypeError
 
+# the block tables, page tables and sequence lengths are int32 (as torch's): a size, length or
+# block past it cannot be indexed (it failed after minutes of building tables, or in torch)
+MAX_SIZE = 2 ** 31 - 1
+
 
 def _is_int(value) -> bool:
     # a plain int first: the ABC check costs about 1 us, paid on every call that builds a mask
@@ -25,6 +29,9 @@ def block_size_pair(func: str, value) -> tuple[int, int]:
                              f"got {type(value).__name__} {value!r}")
     if min(pair) <= 0:
         raise InputError(f"{func}: BLOCK_SIZE must be positive, got BLOCK_SIZE={value!r}")
+    if max(pair) > MAX_SIZE:
+        raise InputError(f"{func}: BLOCK_SIZE must be at most {MAX_SIZE} (int32), got "
+                         f"BLOCK_SIZE={value!r}")
     return int(pair[0]), int(pair[1])
 
 
@@ -33,6 +40,8 @@ def positive_int(func: str, name: str, value) -> int:
         raise InputTypeError(f"{func}: {name} must be an int, got {type(value).__name__} {value!r}")
     if value <= 0:
         raise InputError(f"{func}: {name} must be positive, got {name}={value}")
+    if value > MAX_SIZE:
+        raise InputError(f"{func}: {name} must be at most {MAX_SIZE} (int32), got {name}={value}")
     return int(value)
 
 
@@ -55,7 +64,7 @@ def resolve_device(func: str, device) -> torch.device:
         return default_device()
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:  # (ValueError: an int past int64)
         raise InputError(f"{func}: device={device!r} is not a torch device ({exc})") from None
     if device.type not in ("cpu", "cuda"):
         raise InputError(f"{func}: device={str(device)!r} is not supported; block masks are "

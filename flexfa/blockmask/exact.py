@@ -41,8 +41,8 @@ def settle_undecided(traced: TracedMod, grid: TileGrid, classes: torch.Tensor,
                          for i in range(0, coords.shape[0], per_chunk)])
     classes[coords[partial].unbind(1)] = PARTIAL
     rest = coords[~partial]
-    tile_elements = grid.Q_BLOCK * grid.KV_BLOCK
-    per_chunk = max(1, max_elements // tile_elements)
+    tile_elements = grid.Q_BLOCK * grid.KV_BLOCK  # (a tile with padding is never FULL)
+    per_chunk = max(1, max_elements // (grid.q_span * grid.kv_span))
     started = last_report = time.perf_counter()
     for first in range(0, rest.shape[0], per_chunk):
         chunk = rest[first:first + per_chunk]
@@ -59,12 +59,14 @@ def settle_undecided(traced: TracedMod, grid: TileGrid, classes: torch.Tensor,
 
 
 def _probe_points(grid: TileGrid, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Offsets (q, kv) inside a tile of the points on its diagonal and anti-diagonal."""
-    count = max(grid.Q_BLOCK, grid.KV_BLOCK)
+    """Offsets (q, kv) inside a tile of the points on its diagonal and anti-diagonal (of the
+    part of it that can hold positions)."""
+    q_span, kv_span = grid.q_span, grid.kv_span
+    count = max(q_span, kv_span)
     step = torch.arange(count, device=device)
-    q = step * grid.Q_BLOCK // count
-    kv = step * grid.KV_BLOCK // count
-    return torch.cat([q, q]).view(1, -1), torch.cat([kv, grid.KV_BLOCK - 1 - kv]).view(1, -1)
+    q = step * q_span // count
+    kv = step * kv_span // count
+    return torch.cat([q, q]).view(1, -1), torch.cat([kv, kv_span - 1 - kv]).view(1, -1)
 
 
 def _surely_partial(traced: TracedMod, grid: TileGrid, chunk: torch.Tensor,
@@ -87,8 +89,9 @@ def _kept_per_tile(traced: TracedMod, grid: TileGrid, chunk: torch.Tensor) -> to
     device = chunk.device
     n = chunk.shape[0]
     b, h, q_tile, kv_tile = (c.view(n, 1, 1) for c in chunk.unbind(1))
-    q = q_tile * grid.Q_BLOCK + torch.arange(grid.Q_BLOCK, device=device).view(1, -1, 1)
-    kv = kv_tile * grid.KV_BLOCK + torch.arange(grid.KV_BLOCK, device=device).view(1, 1, -1)
+    # (offsets past a span are padding, masked: evaluating them would only cost memory)
+    q = q_tile * grid.Q_BLOCK + torch.arange(grid.q_span, device=device).view(1, -1, 1)
+    kv = kv_tile * grid.KV_BLOCK + torch.arange(grid.kv_span, device=device).view(1, 1, -1)
     kept, _ = _evaluate(traced, grid, b, h, q, kv)
     return kept.sum((1, 2))
 

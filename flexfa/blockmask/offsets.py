@@ -147,6 +147,9 @@ def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
                              f"got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
         raise InputTypeError(f"{func}: {name} must hold int32 or int64 offsets, got {cu.dtype}")
+    if cu.layout is not torch.strided:  # (numpy, which reads the values, takes no other)
+        raise InputError(f"{func}: {name} has layout {cu.layout}; pass a dense tensor "
+                         "(.to_dense())")
     if cu.dim() != 1 or cu.numel() < 2:
         raise InputError(f"{func}: {name} must be 1-D with at least 2 entries (0 and the total), "
                          f"got shape {tuple(cu.shape)}")
@@ -168,7 +171,9 @@ def check_window(func: str, window) -> int | None:
                              f"{type(window).__name__} {window!r}")
     if window < 1:
         raise InputError(f"{func}: window must be >= 1 (keys per query), got {window}")
-    return int(window)
+    # positions are int32: a window past INT32_MAX keeps what INT32_MAX keeps (every key of
+    # the document on the allowed side), and one past int64 would overflow in torch
+    return min(int(window), INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)

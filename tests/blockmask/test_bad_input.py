@@ -74,6 +74,8 @@ def test_cuda_without_cuda():
 def test_bad_device_name():
     with pytest.raises(InputError, match="not a torch device"):
         build(device="gpu0")
+    with pytest.raises(InputError, match="device=1180591620717411303424 is not a torch device"):
+        build(device=2 ** 70)  # (torch's ValueError of an int past int64 escaped)
     with pytest.raises(InputError, match="'meta' is not supported.*'cpu' or 'cuda'"):
         build(device="meta")
 
@@ -115,3 +117,65 @@ def test_flex_attention_rejects_a_mismatched_mask(mask_shape):
     B, H, L, S = mask_shape
     with pytest.raises(InputError, match=rf"B={B}, H={H}, Q_LEN={L}, KV_LEN={S}.*B=2, H=4"):
         flexfa.flex_attention(q, k, v, block_mask=mask)
+
+
+@pytest.mark.parametrize("name,value", [("Q_LEN", 2 ** 31), ("KV_LEN", 2 ** 70), ("B", 2 ** 40),
+                                        ("H", 2 ** 31), ("BLOCK_SIZE", 2 ** 31),
+                                        ("BLOCK_SIZE", (16, 2 ** 70))])
+def test_sizes_past_int32(name, value):
+    """Sizes the int32 tables cannot index are refused at once: Q_LEN=2**40 built tables for
+    minutes until memory ran out, B=2**70 failed inside torch's expand."""
+    with pytest.raises(InputError, match=f"{name} must be at most 2147483647") as info:
+        build(**{name: value})
+    assert repr(value) in str(info.value)
+    if name != "BLOCK_SIZE":
+        sizes = {**dict(B=1, H=1, Q_LEN=8, KV_LEN=8, device="cpu"), name: value}
+        with pytest.raises(InputError, match=f"{name} must be at most 2147483647"):
+            create_mask(mods.causal, **sizes)
+
+
+@pytest.mark.parametrize("block", [2 ** 12, (2 ** 12, 16), (16, 2 ** 12), (2 ** 12, 40)])
+@pytest.mark.parametrize("mask_mod", [mods.causal, mods.sliding_window(7),
+                                      lambda b, h, q, kv: (q * 7 + kv * 3) % 5 != 0],
+                         ids=["causal", "window", "scattered"])
+def test_block_far_longer_than_the_sequence(block, mask_mod, monkeypatch):
+    """A BLOCK_SIZE far past the lengths evaluates only the positions inside them: the
+    padding of the one tile was evaluated too (BLOCK_SIZE=2**30 for 40 positions tried to
+    allocate gigabytes; here 2**12 x 2**12 mask values for a 40 x 40 mask)."""
+    from flexfa.blockmask import exact
+    evaluated = []
+
+    def counting(*args, **kwargs):
+        value = evaluate_node(*args, **kwargs)
+        evaluated.append(value.numel())
+        return value
+    evaluate_node = exact.evaluate_node
+    monkeypatch.setattr(exact, "evaluate_node", counting)
+    mask = create_block_mask(mask_mod, 1, 2, 40, 40, device="cpu", BLOCK_SIZE=block)
+    assert max(evaluated, default=0) <= 2 * 40 * 40
+    dense = create_mask(mask_mod, 1, 2, 40, 40, device="cpu")
+    q_block, kv_block = mask.BLOCK_SIZE
+    tiles = torch.tensor([[dense[..., i:i + q_block, j:j + kv_block].any().item()
+                           for j in range(0, 40, kv_block)] for i in range(0, 40, q_block)])
+    assert torch.equal(mask.to_dense().bool(), tiles.expand(1, 2, *tiles.shape))
+    assert mask.full_kv_num_blocks.sum() == 0  # a tile holding padding is never full
+
+
+@pytest.mark.parametrize("table", ["full_kv_indices", "q_num_blocks", "q_indices",
+                                   "full_q_num_blocks", "kv_num_blocks"])
+@pytest.mark.parametrize("bad", ["flattened", "sparse"])
+def test_flex_attention_names_a_malformed_table(table, bad):
+    """Every table of a hand-made BlockMask is checked for its dims and layout (a 1-dim full
+    or q table failed with IndexError in the shape check, a sparse one with torch's
+    NotImplementedError in the table validation)."""
+    from flexfa import BlockMask, flex_attention
+    mask = build(H=2, Q_LEN=40, KV_LEN=40, BLOCK_SIZE=16)
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    tables = {n: getattr(mask, n) for n in names}
+    tables[table] = tables[table].flatten() if bad == "flattened" else tables[table].to_sparse()
+    odd = BlockMask((40, 40), *tables.values(), BLOCK_SIZE=(16, 16), mask_mod=mods.causal)
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(InputError, match=f"block_mask.{table} has "
+                                         f"{'shape' if bad == 'flattened' else 'layout'}"):
+        flex_attention(q, q, q, block_mask=odd)

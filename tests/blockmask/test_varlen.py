@@ -180,8 +180,29 @@ def test_table_kernels_on_the_gpu_equal_torch_and_compile_once():
     ((torch.tensor([0, 9]),), {"window": 0}, flexfa.InputError, "window must be >= 1"),
     ((torch.tensor([0, 9]),), {"window": 2.5}, flexfa.InputTypeError, "window must be an int"),
     ((torch.tensor([0, 9]),), {"causal": 1}, flexfa.InputTypeError, "causal must be a bool"),
+    # (numpy's TypeError for a sparse tensor escaped)
+    ((torch.tensor([0, 9]).to_sparse(),), {}, flexfa.InputError,
+     "cu_seqlens_q has layout torch.sparse_coo"),
+    ((torch.tensor([0, 9]), torch.tensor([0, 9]).to_sparse()), {}, flexfa.InputError,
+     "cu_seqlens_k has layout torch.sparse_coo"),
 ])
 def test_bad_offsets(args, kwargs, error, words):
     with pytest.raises(error) as caught:
         flexfa.varlen_block_mask(*args, **kwargs)
     assert words in str(caught.value)
+
+
+@pytest.mark.parametrize("window", [2 ** 31, 2 ** 40, 2 ** 70])
+def test_window_past_int32_keeps_every_key(window):
+    """A window past the int32 positions is no limit: the mask equals the one of a window as
+    long as the documents. 2**40 gave an empty mask (int32 overflow in the table kernels), so
+    varlen_attention returned zeros silently; 2**70 failed with OverflowError in torch."""
+    cu = torch.tensor([0, 10, 40], dtype=torch.int32)
+    mask = flexfa.varlen_block_mask(cu, causal=True, window=window, BLOCK_SIZE=16)
+    same = flexfa.varlen_block_mask(cu, causal=True, window=40, BLOCK_SIZE=16)
+    assert torch.equal(mask.to_dense(), same.to_dense())
+    assert torch.equal(flexfa.create_mask(mask.mask_mod, 1, 1, 40, 40, device="cpu"),
+                       flexfa.create_mask(same.mask_mod, 1, 1, 40, 40, device="cpu"))
+    q = torch.randn(40, 1, 16)
+    assert torch.equal(flexfa.varlen_attention(q, q, q, cu, cu, causal=True, window=window),
+                       flexfa.varlen_attention(q, q, q, cu, cu, causal=True))

@@ -15,8 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 import flexfa
-from flexfa.distributed import shard_sequence, unshard
-from flexfa.errors import InputError
+from flexfa.distributed import positions, shard_sequence, unshard
+from flexfa.errors import InputError, InputTypeError
 from reference import assert_close_to_reference, reference_attention
 from .ring_cases import CASES, HEADS, LENGTH, heads, inputs, mods
 from .ring_workers import result_name, run_rank
@@ -362,3 +362,43 @@ def test_a_process_outside_the_group_is_told_so(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: -1)
     with pytest.raises(InputError, match="not a member of group"):
         Ring(None)
+
+
+X8 = torch.arange(16.0).reshape(1, 1, 8, 2)
+BAD_SHARDING_CALLS = [
+    # positions returned wrong rows without an error: 4 for a shard of 5 rows, negative or
+    # past-the-end positions for a rank out of range, a truthy string taken for load_balance
+    (lambda: positions(0, 2, 5, True), InputError, "local_length=5 is odd"),
+    (lambda: positions(-1, 2, 8, True), InputError, "rank must be in 0..world-1"),
+    (lambda: positions(2, 2, 8, False), InputError, "rank must be in 0..world-1"),
+    (lambda: positions(0, 0, 8, False), InputError, "rank must be in 0..world-1"),
+    (lambda: positions(0, 2, 8, "no"), InputTypeError, "load_balance must be a bool"),
+    (lambda: positions(0.0, 2, 8, True), InputTypeError, "rank must be an int"),
+    (lambda: positions(0, True, 8, True), InputTypeError, "world must be an int"),
+    (lambda: positions(0, 2, -1, False), InputError, "local_length must be >= 0"),
+    (lambda: positions(0, 2, 8.0, False), InputTypeError, "local_length must be an int"),
+    # a bad dim or shard failed inside Python's tuple indexing or torch
+    (lambda: shard_sequence(X8, 0, 2, True, dim=None), InputTypeError, "dim must be an int"),
+    (lambda: shard_sequence(X8, 0, 2, True, dim=4), InputError, "dim=4 is out of range"),
+    (lambda: shard_sequence(X8, 0, 2, True, dim=2 ** 70), InputError, "out of range"),
+    (lambda: shard_sequence(X8[0, 0, 0, 0], 0, 2, True), InputError, "out of range"),
+    (lambda: unshard([X8, X8], True, dim=1.5), InputTypeError, "dim must be an int"),
+    (lambda: unshard([X8, X8], True, dim=-5), InputError, "dim=-5 is out of range"),
+    (lambda: unshard(None), InputTypeError, "shards must be a list"),
+    (lambda: unshard(X8), InputTypeError, "shards must be a list"),
+    (lambda: unshard(["ab", "cd"]), InputTypeError, "shards[0] must be a tensor"),
+    (lambda: unshard([X8, X8[0]]), InputError, "shards[1] has 3 dims"),
+]
+
+
+@pytest.mark.parametrize("call,error,words", BAD_SHARDING_CALLS,
+                         ids=[f"{i}-{case[2]}" for i, case in enumerate(BAD_SHARDING_CALLS)])
+def test_sharding_helpers_refuse_bad_arguments(call, error, words):
+    with pytest.raises(error) as caught:
+        call()
+    assert words in str(caught.value)
+
+
+def test_positions_of_a_valid_layout():
+    assert positions(1, 2, 4, True).tolist() == [2, 3, 4, 5]
+    assert positions(1, 2, 3, False).tolist() == [3, 4, 5]
