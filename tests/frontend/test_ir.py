@@ -8,6 +8,7 @@ import pytest
 
 from flexfa.frontend import ir, trace
 from flexfa.frontend.ir import DType, Node, Op
+from threads import run_in_threads
 
 # builds _example() in a fresh interpreter from ir.py alone (no torch import: fast)
 _KEY_SCRIPT = """
@@ -53,16 +54,7 @@ def test_threads_building_one_structure_at_once_get_one_node():
             barrier.wait()
             built[r][i] = Node.make(Op.CONST, DType.FLOAT, (), base + r)
 
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        workers = [threading.Thread(target=build, args=(i,)) for i in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-    finally:
-        sys.setswitchinterval(previous)
+    run_in_threads(build, [(i,) for i in range(threads)])
     split = [r for r, nodes in enumerate(built) if len({id(n) for n in nodes}) > 1]
     assert not split, f"{len(split)} of {rounds} rounds built several nodes for one structure"
 

@@ -21,6 +21,7 @@ from hypothesis import given, strategies as st
 from flexfa.frontend import evaluate, index_grids
 from flexfa.frontend.guards import guard
 from flexfa.frontend.trace import TRACE_MEMO, trace, trace_entry
+from threads import run_in_threads
 
 GRID = index_grids(1, 1, 8, 8)
 
@@ -597,16 +598,7 @@ def test_threads_walking_more_code_than_the_memo_keeps_do_not_fail():
         except Exception as exc:  # reported below
             errors.append(exc)
 
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=walk, args=(500 * i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(previous)
+    run_in_threads(walk, [(500 * i,) for i in range(8)])
     assert not errors, errors[:3]
     assert code_names(codes[7]) >= {"a7", "b"}
 

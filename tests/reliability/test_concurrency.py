@@ -9,6 +9,7 @@ import torch
 
 import flexfa
 from flexfa.runtime import cache
+from threads import run_in_threads
 from .inputs import assert_matches_reference, qkv
 from .workers import attend_once
 
@@ -137,16 +138,7 @@ def test_threads_running_backward_get_their_own_gradients(fresh_cache):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(biases))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(previous)
+    run_in_threads(work, [(i,) for i in range(len(biases))], switch_interval=1e-4)
     assert not errors, errors[0]
     for i, want in enumerate(expected):
         for got, ref in zip(results[i], want):
