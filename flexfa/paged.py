@@ -15,7 +15,7 @@ import torch
 
 from .blockmask.checks import positive_int
 from .decode import flex_decode
-from .errors import InputError, InputTypeError, check_int
+from .errors import InputError, InputTypeError, check_bool, check_int
 from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
 
 __all__ = ["PagedKVCache"]
@@ -116,6 +116,7 @@ class PagedKVCache:
         of sequences ``batch_idx`` [B] (device tensors: no synchronisation with
         ``validate=False``, as under CUDA-graph capture; the positions must be reserved).
         Lengths are not changed: ``set_length``, or ``kv_lens`` updated on the device."""
+        validate = check_bool("PagedKVCache.assign: validate", validate)  # None skipped checks
         for name, tensor, dims in (("batch_idx", batch_idx, 1), ("input_pos", input_pos, 2)):
             if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or \
                     tensor.is_complex() or tensor.dtype is torch.bool or tensor.dim() != dims:

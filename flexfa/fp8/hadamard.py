@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, check_int
 
 
 def is_power_of_two(n: int) -> bool:
@@ -103,6 +103,11 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 def unrotate(x: torch.Tensor, signs: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:
     """The inverse of ``rotate`` (``x @ R.T``), cut back to ``head_dim`` channels."""
     d = signs.shape[0]
+    if head_dim is not None:  # (a negative one sliced from the end: the wrong width)
+        head_dim = check_int("unrotate", "head_dim", head_dim, 1)
+        if head_dim > d:
+            raise InputError(f"unrotate: head_dim={head_dim} is larger than the rotation's "
+                             f"{d} signs")
     h = hadamard_matrix(d, x.device) * signs[:, None].to(x.device)
     out = (x.float() @ h.T) * (1.0 / math.sqrt(d))
     return out if head_dim is None else out[..., :head_dim]

@@ -59,6 +59,11 @@ def test_unrotate_inverts_rotate_and_cuts_padding():
     back = unrotate(rotate(x, signs), signs, head_dim=48)
     assert back.shape == x.shape
     assert torch.allclose(back, x, atol=1e-5)
+    # head_dim=-1 sliced 63 channels from the end's side
+    with pytest.raises(InputError, match="head_dim must be >= 1, got -1"):
+        unrotate(rotate(x, signs), signs, head_dim=-1)
+    with pytest.raises(InputError, match="head_dim=65 is larger than the rotation's 64"):
+        unrotate(rotate(x, signs), signs, head_dim=65)
 
 
 def test_padding():

@@ -228,6 +228,8 @@ def test_paged_kv_cache_bad_arguments_are_input_errors():
         cache.assign(torch.tensor([0]), torch.tensor([[3]]), k[..., :8], k[..., :8])
     with pytest.raises(InputTypeError, match="batch_idx must be a 1-D integer tensor"):
         cache.assign([0], torch.tensor([[3]]), k, k)
+    with pytest.raises(InputTypeError, match="validate must be a bool, got NoneType"):
+        cache.assign(torch.tensor([5]), torch.tensor([[0]]), k, k, validate=None)  # skipped
     free = len(cache._free)
     with pytest.raises(InputError, match=r"must be \[B=2, Hkv=2, L=1, E=16\]"):
         cache.append(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16))
