@@ -16,6 +16,7 @@ import numbers
 
 import torch
 
+from .blockmask.checks import resolve_device
 from .errors import InputError, InputTypeError, check_bool, check_int
 
 __all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
@@ -33,7 +34,14 @@ def _positive_float(func: str, name: str, value) -> float:
     return float(value)
 
 
+def _device(func: str, device) -> torch.device | None:
+    """``device`` checked as a torch device (None: the CPU, where tensors are made by default;
+    create_block_mask's None is the accelerator)."""
+    return None if device is None else resolve_device(func, device)
+
+
 def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.Tensor:
+    device = _device(func, device)
     tensor = torch.as_tensor(values, device=device)
     if tensor.dim() != 1 or tensor.numel() == 0:
         raise InputError(f"{func}: {name} must be a non-empty 1-d sequence, got shape "
@@ -130,7 +138,7 @@ def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
 
 def _ids(lengths: torch.Tensor, device) -> torch.Tensor:
     ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    return ids.to(device=device, dtype=torch.int32)
+    return ids.to(device=_device("document", device), dtype=torch.int32)
 
 
 def document(offsets_or_lengths, device=None):
@@ -242,6 +250,9 @@ def chunked(chunk_size: int, causal: bool = False):
 
 # ---- score_mods ----------------------------------------------------------------------------
 
+MAX_HEADS = 2 ** 20  # alibi's slopes are a Python list first
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The standard ALiBi slopes (Press et al.), float32 ``[num_heads]``.
 
@@ -249,6 +260,8 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     slopes of the largest power of two ``m < n`` followed by every other slope of ``2 m``.
     """
     n = check_int("alibi", "num_heads", num_heads)
+    if n > MAX_HEADS:  # (a list of 2**40 slopes was built until memory ran out)
+        raise InputError(f"alibi: num_heads must be at most {MAX_HEADS}, got {n}")
 
     def power_of_two(count):
         return [2.0 ** (-8.0 * (i + 1) / count) for i in range(count)]
@@ -262,7 +275,7 @@ def alibi(num_heads: int, device=None):
 
     On the causal part this is the paper's ``score + slopes[h] * (kv_idx - q_idx)``.
     """
-    slopes = alibi_slopes(num_heads).to(device)
+    slopes = alibi_slopes(num_heads).to(_device("alibi", device))
 
     def mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * abs(q_idx - kv_idx)

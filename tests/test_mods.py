@@ -224,6 +224,11 @@ def test_relative_bias_per_head_and_gradient():
     (lambda: mods.softcap(float("inf")), "cap"),
     (lambda: mods.relative_bias(torch.zeros(2, 3, 4)), "shape"),
     (lambda: mods.relative_bias(torch.zeros(0, 5)), "H, R >= 1"),  # was an error at the call
+    # a list of 2**40 slopes was built until memory ran out; devices failed inside torch
+    (lambda: mods.alibi(2 ** 40), "num_heads must be at most"),
+    (lambda: mods.alibi(4, device="nope"), "alibi: device='nope' is not a torch device"),
+    (lambda: mods.document([0, 3, 5], device="nope"), "document: device='nope'"),
+    (lambda: mods.global_sliding(4, [True], device=7.5), "global_sliding: device=7.5"),
 ])
 def test_bad_arguments_raise_value_error(make, words):
     with pytest.raises(ValueError, match=words):

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..errors import InputError, check_bool
+from ..errors import InputError, InputTypeError, check_bool
 from ..frontend.evaluate import dense_mask, evaluate, index_grids
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from ..eager import outside_compile
@@ -34,6 +34,9 @@ def _trace_mask(func: str, mask_mod) -> TracedMod:
         if mask_mod.kind != MASK_MOD:
             raise InputError(f"{func}: expected a traced mask_mod, got a traced {mask_mod.kind}")
         return mask_mod
+    if not callable(mask_mod):
+        raise InputTypeError(f"{func}: mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, "
+                             f"got {type(mask_mod).__name__} {mask_mod!r:.60}")
     return trace(mask_mod, MASK_MOD)  # TraceError on wrong arity or a non-bool result
 
 

@@ -59,7 +59,8 @@ def test_non_bool_result():
 
 
 def test_not_callable():
-    with pytest.raises(TraceError, match="callable"):
+    # names the argument (the TraceError "a mod must be callable" named none)
+    with pytest.raises(InputTypeError, match="create_block_mask: mask_mod must be callable"):
         build(mask_mod="causal")
 
 
