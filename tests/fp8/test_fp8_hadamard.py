@@ -74,3 +74,12 @@ def test_padding():
     assert pad_head_dim(x, 48) is x
     with pytest.raises(InputError, match="larger than"):
         rotate(torch.ones(1, 1, 2, 80), random_signs(64))
+
+
+def test_the_matrices_cache_is_bounded():
+    """It kept every size asked for (hadamard_matrix(8192) alone is 256 MB) for good."""
+    from flexfa.fp8 import hadamard
+
+    for power in range(1, 12):
+        hadamard_matrix(2 ** power)
+    assert hadamard._sylvester.cache_info().currsize <= 8
