@@ -29,6 +29,7 @@ from .inputs import check_buffers, check_scale, check_shapes, check_tensors
 from .memo import BoundedMemo, OwnedMemo
 from .calls import check_captured_indices
 from .runtime.call import AttentionCall
+from .runtime.indices import versions_of
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_score_mod
 from .scores import check_score_range
@@ -196,10 +197,8 @@ def _check_reads(func: str, traced: TracedMod, documents, heads: int) -> None:
         return
     except InputError:
         pass
-    try:
-        versions = (id(traced), heads, tuple(t._version for t in traced.buffers))
-    except RuntimeError:  # an inference tensor has no version counter: checked every call
-        versions = None
+    buffer_versions = versions_of(traced.buffers)  # (None for inference tensors: every call)
+    versions = None if buffer_versions is None else (id(traced), heads, buffer_versions)
     found = None if versions is None else _PER_DOCUMENT.get(documents, versions)
     if found is not None and found() is traced:
         return

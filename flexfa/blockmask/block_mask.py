@@ -346,6 +346,9 @@ def _expand_ellipsis(index: tuple) -> tuple:
     return (*index[:at], *(slice(None),) * missing, *index[at + 1:])
 
 
+_INDICES = "BlockMask[...] takes integers, slices, lists or 1-dim tensors for (batch, head, q tile)"
+
+
 def _keep_dim(index, size: int):
     """One dim's index with that dim kept: an integer (a Python or numpy int, a 0-dim integer
     tensor; as such they dropped the dim, so the later dims moved up: heads read as batches)
@@ -354,14 +357,11 @@ def _keep_dim(index, size: int):
         return index
     if index is None or isinstance(index, bool) or (
             isinstance(index, torch.Tensor) and (index.dim() or index.dtype is torch.bool)):
-        raise InputError(f"BlockMask[...] takes integers, slices, lists or 1-dim tensors for "
-                         f"(batch, head, q tile), got {index!r}")
+        raise InputError(f"{_INDICES}, got {index!r}")
     try:
         index = operator.index(index)
     except TypeError:
-        raise InputTypeError(f"BlockMask[...] takes integers, slices, lists or 1-dim tensors "
-                             f"for (batch, head, q tile), got {type(index).__name__} "
-                             f"{index!r}") from None
+        raise InputTypeError(f"{_INDICES}, got {type(index).__name__} {index!r}") from None
     if not -size <= index < size:
         raise InputError(f"BlockMask index {index} is out of range for a dim of size {size}")
     index %= size
@@ -374,8 +374,7 @@ def _take(table: torch.Tensor, index: tuple) -> torch.Tensor:
     for dim, i in enumerate(index):
         table = table[(slice(None),) * dim + (i,)]
         if table.dim() != dims:  # a nested list
-            raise InputError(f"BlockMask[...] takes integers, slices, lists or 1-dim tensors "
-                             f"for (batch, head, q tile), got {i!r}")
+            raise InputError(f"{_INDICES}, got {i!r}")
     return table
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from .group import NOT_A_MEMBER
 
 KV_TAG, DKV_TAG = 0, 8
 
@@ -21,8 +22,7 @@ class Ring:
         self.group = group
         self.rank = dist.get_rank(group)
         if self.rank < 0:  # torch's answer for a process outside the group
-            raise InputError("ring_attention: this process is not a member of group; call "
-                             "ring_attention on the group's ranks only")
+            raise InputError(NOT_A_MEMBER)
         self.world = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) \
             if group is not None else (self.rank + 1) % self.world

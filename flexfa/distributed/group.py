@@ -24,6 +24,8 @@ from ..errors import InputError, InputTypeError
 # about as much as moving the bytes, and the gathered copy (W shards) stays small
 ALLGATHER_MAX_BYTES = 4 << 20
 METHODS = ("auto", "ring", "allgather")
+NOT_A_MEMBER = ("ring_attention: this process is not a member of group; call ring_attention on "
+                "the group's ranks only")
 
 
 def resolve_group(group, mesh_dim):
@@ -39,10 +41,8 @@ def resolve_group(group, mesh_dim):
     if mesh_dim is not None:
         raise InputError(f"ring_attention: mesh_dim={mesh_dim!r} needs group to be a "
                          f"DeviceMesh, got {type(group).__name__}")
-    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise InputError("ring_attention: this process is not a member of group "
-                         "(torch.distributed.new_group gave it GroupMember.NON_GROUP_MEMBER); "
-                         "call ring_attention on the group's ranks only")
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # new_group's
+        raise InputError(NOT_A_MEMBER)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise InputTypeError(f"ring_attention: group must be a ProcessGroup, a DeviceMesh or "
                              f"None, got {type(group).__name__}")

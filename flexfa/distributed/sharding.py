@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InputError, InputTypeError, check_int
+from ..errors import InputError, InputTypeError, check_bool, check_int
 
 
 def check_layout(func: str, rank, world, length: int, load_balance) -> None:
@@ -27,8 +27,7 @@ def _check_ranks(func: str, rank, world, load_balance) -> int:
     rank, world = check_int(func, "rank", rank, None), check_int(func, "world", world, None)
     if world < 1 or not 0 <= rank < world:
         raise InputError(f"{func}: rank must be in 0..world-1, got rank={rank}, world={world}")
-    if not isinstance(load_balance, bool):
-        raise InputTypeError(f"{func}: load_balance must be a bool, got {load_balance!r}")
+    load_balance = check_bool(f"{func}: load_balance", load_balance)
     return 2 * world if load_balance else world
 
 
@@ -49,9 +48,9 @@ def positions(rank: int, world: int, local_length: int, load_balance: bool,
               device=None) -> torch.Tensor:
     """int64 [local_length]: the global position of each local row of rank ``rank``."""
     # (a length or rank out of range would give positions that are not this rank's rows)
-    chunks = _check_ranks("positions", rank, world, load_balance)
+    _check_ranks("positions", rank, world, load_balance)
     local_length = check_int("positions", "local_length", local_length, 0)
-    if local_length * world % chunks:
+    if load_balance and local_length % 2:
         raise InputError(f"positions: with load_balance=True a shard holds two equal chunks; "
                          f"local_length={local_length} is odd")
     ids = chunk_ids(rank, world, load_balance)
@@ -85,8 +84,7 @@ def unshard(shards, load_balance: bool = True, dim: int = -2) -> torch.Tensor:
     world = len(shards)
     if world == 0:
         raise InputError("unshard: shards is empty")
-    if not isinstance(load_balance, bool):
-        raise InputTypeError(f"unshard: load_balance must be a bool, got {load_balance!r}")
+    check_bool("unshard: load_balance", load_balance)
     # shard_sequence cuts equal shards (two equal chunks each with load_balance): other
     # lengths would be put back in a wrong order without an error
     for rank, shard in enumerate(shards):

@@ -7,8 +7,9 @@ so a new process reuses it without timing anything. The GPU in the key is the on
 (``device_tag``: its architecture, name and SM count), not only its architecture: an H100's
 winners were measured at its clocks, memory bandwidth and SM count and need not be an H200's
 (both sm_90). Winners stored under the architecture alone (older stores) are never looked up.
-A progress line goes to stderr while tuning. Nothing is tuned under the interpreter (CPU tensors get fixed small tiles), when the
-caller pins tiles through ``kernel_options``, or with ``FLEXFA_AUTOTUNE=0``.
+A progress line goes to stderr while tuning. Nothing is tuned under the interpreter (CPU
+tensors get fixed small tiles), when the caller pins tiles through ``kernel_options``, or
+with ``FLEXFA_AUTOTUNE=0``.
 """
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def _check_mod(mod: TracedMod, q_shape, kv_len: int, device) -> None:
 def _check_values(mod: TracedMod, reads: tuple[_Read, ...], domain: Domain) -> None:
     for read in reads:
         slots = sorted({n.arg for n in read.index.toposort() if n.op is Op.LOAD})
-        versions = _versions([mod.buffers[slot] for slot in slots])
+        versions = versions_of([mod.buffers[slot] for slot in slots])
         if versions is not None and _CHECKED_VALUES.get(mod, (domain, read)) == versions:
             continue
         device = mod.buffers[slots[0]].device
@@ -186,7 +186,7 @@ def _check_values(mod: TracedMod, reads: tuple[_Read, ...], domain: Domain) -> N
         _CHECKED_VALUES.put(mod, (domain, read), versions)
 
 
-def _versions(tensors) -> tuple[int, ...] | None:
+def versions_of(tensors) -> tuple[int, ...] | None:
     """The tensors' version counters (None for inference tensors, which have none)."""
     try:
         return tuple(t._version for t in tensors)
