@@ -429,16 +429,25 @@ def _refuse_lookup_hooks(cls: type, allowed: type | None = None) -> None:
     or by a C method of its own base as ``__getattr__`` (an attribute dict's
     ``__getattr__ = dict.__getitem__`` reads the items, which the walk reads)."""
     known = _HOOKS.get((id(cls), allowed))
-    if known is None or known[0]() is not cls:
-        if len(_HOOKS) > 4096:
-            _HOOKS.clear()
-        known = _HOOKS[id(cls), allowed] = (weakref.ref(cls), _lookup_hook(cls, allowed))
-    if known[1] is not None:
-        raise Unguardable(known[1])
+    reason = known[1] if known is not None and known[0]() is cls else \
+        _keep_per_type(_HOOKS, (id(cls), allowed), cls, _lookup_hook(cls, allowed))
+    if reason is not None:
+        raise Unguardable(reason)
 
 
 # (id(type), allowed) -> (weak reference to the type, why it is refused or None)
 _HOOKS: dict[tuple, tuple] = {}
+
+
+def _keep_per_type(table: dict, key, cls: type, value):
+    """``value`` kept in ``table`` (``_HOOKS``, ``_HANDLERS``) under ``key``, which holds
+    ``id(cls)``, beside a weak reference to ``cls`` that tells a reused id apart: a type held
+    here would keep its methods' closures, and the tensors they capture, alive after the mod
+    is dropped. The table is emptied past 4096 entries. Returns ``value``."""
+    if len(table) > 4096:
+        table.clear()
+    table[key] = (weakref.ref(cls), value)
+    return value
 
 
 def _lookup_hook(cls: type, allowed: type | None) -> str | None:
@@ -480,8 +489,7 @@ _DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.enum_member),
              (_BUILTINS, _Walk.builtin), ((staticmethod, classmethod), _Walk.wrapped),
              ((property, types.DynamicClassAttribute), _Walk.property_),
              (_ACCESSORS, _Walk.identity))
-# id(type) -> (weak reference to the type, its handler): a class held here would keep its
-# methods' closures, and the tensors they capture, alive after the mod is dropped
+# id(type) -> (weak reference to the type, its handler): see _keep_per_type
 _HANDLERS: dict[int, tuple] = {}
 
 
@@ -490,10 +498,7 @@ def _handler(cls: type):
     handler = next((h for base, h in _DISPATCH if issubclass(cls, base)), _Walk.instance)
     if handler not in (_Walk.instance, _Walk.klass) and not _is_library_type(cls):
         handler = functools.partial(_Walk.subclassed, handler=handler)
-    if len(_HANDLERS) > 4096:
-        _HANDLERS.clear()
-    _HANDLERS[id(cls)] = (weakref.ref(cls), handler)
-    return handler
+    return _keep_per_type(_HANDLERS, id(cls), cls, handler)
 
 
 _cell_contents = operator.attrgetter("cell_contents")
