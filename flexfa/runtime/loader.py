@@ -14,10 +14,10 @@ Compiled launches are not affected.
 
 The interpreter computes with numpy. numpy 2.4 made an error of the array-to-scalar conversion
 Triton 3.6's interpreter does for every program id (deprecated since numpy 1.25: one
-DeprecationWarning per program, filtered around interpreted launches), so there interpreted
-kernels need numpy < 2.4; flexfa is tested with numpy < 2.3 (the ``interpret`` and ``test``
-extras). numpy is not a dependency of flexfa itself, so its version is checked where an
-interpreted module is first loaded.
+DeprecationWarning per program, ignored where Triton's interpreter issues it), so there
+interpreted kernels need numpy < 2.4; flexfa is tested with numpy < 2.3 (the ``interpret``
+and ``test`` extras). numpy is not a dependency of flexfa itself, so its version is checked
+where an interpreted module is first loaded.
 """
 from __future__ import annotations
 
@@ -100,14 +100,30 @@ def _serialize_launches(module) -> None:
 
 def serialized(run):
     """``run`` (an interpreted kernel's launch) holding ``INTERPRETER_LOCK``, the numpy
-    scalar-conversion warnings filtered."""
+    scalar-conversion warnings of Triton's interpreter filtered."""
     def locked_run(*args, **kwargs):
-        # catch_warnings changes process-wide state: safe here because launches hold the lock
-        with INTERPRETER_LOCK, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SCALAR_CONVERSION,
-                                    category=DeprecationWarning)
+        ignore_scalar_conversion()
+        with INTERPRETER_LOCK:
             return run(*args, **kwargs)
     return locked_run
+
+
+# this message, as a DeprecationWarning, from Triton's interpreter module only (the entry
+# warnings.filterwarnings makes of it)
+_IGNORED = ("ignore", re.compile(re.escape(_SCALAR_CONVERSION), re.I), DeprecationWarning,
+            re.compile(r"triton\.runtime\.interpreter\Z"), 0)
+
+
+def ignore_scalar_conversion() -> None:
+    """Put the narrow filter of the interpreter's scalar-conversion warning first in the
+    process's filters where it is not (a ``catch_warnings`` reset drops it, pytest's per test
+    or a user's; a filter added since goes before it). Moved, never swapped:
+    ``warnings.catch_warnings`` around each launch saved and restored the whole process-wide
+    list, so a filter another thread added during a launch was lost when the launch returned."""
+    if warnings.filters[:1] != [_IGNORED]:
+        warnings.filterwarnings("ignore", message=re.escape(_SCALAR_CONVERSION),
+                                category=DeprecationWarning,
+                                module=r"triton\.runtime\.interpreter\Z")
 
 
 def _release(version: str) -> tuple[int, int]:

@@ -104,3 +104,32 @@ def test_missing_numpy_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy raises ImportError
     with pytest.raises(loader.InterpreterNumpyError, match="numpy is not installed"):
         loader.check_interpreter_numpy()
+
+
+def test_a_filter_added_during_a_launch_outlives_it():
+    """Another thread's filter added while a launch runs stays (catch_warnings around each
+    launch restored the process's list as it was before the launch, dropping it)."""
+    def run():
+        warnings.filterwarnings("error", message="flexfa test marker")
+        return "ran"
+
+    with warnings.catch_warnings():
+        assert loader.serialized(run)() == "ran"
+        assert any(entry[1] is not None and entry[1].pattern == "flexfa test marker"
+                   for entry in warnings.filters)
+
+
+def test_the_interpreters_warning_is_ignored_before_filters_added_since():
+    """A filter put first after an earlier launch (here: always show) does not bring the
+    interpreter's warning back; the same warning from another module is still shown."""
+    def warn_from(module):
+        warnings.warn_explicit(loader._SCALAR_CONVERSION, DeprecationWarning, "x.py", 1,
+                               module=module, registry={})
+
+    with warnings.catch_warnings(record=True) as caught:
+        loader.serialized(lambda: None)()
+        warnings.simplefilter("always")
+        loader.serialized(lambda: warn_from("triton.runtime.interpreter"))()
+        assert caught == []
+        warn_from("user_code")
+        assert len(_scalar_conversions(caught)) == 1
