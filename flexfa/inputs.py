@@ -70,6 +70,15 @@ def check_readable(name: str, tensor: torch.Tensor) -> None:
                          "kernels would read; pass .resolve_neg() of it")
 
 
+def requiring_grad(named) -> list[str]:
+    """The names of the tensors in ``named`` ((name, tensor or None) pairs) that require
+    grad, where grad mode is on (else none): what a forward-only entry point must refuse, as
+    its output would silently carry no gradient to them."""
+    if not torch.is_grad_enabled():
+        return []
+    return [name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def check_head_dim(label: str, dim: int) -> None:
     """An InputError unless ``dim`` is a head dim the kernels take (1..MAX_HEAD_DIM);
     ``label`` names it in the message."""
