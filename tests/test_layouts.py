@@ -9,11 +9,17 @@ the kernels see the same values.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 import flexfa
 from flexfa.errors import InputError
+from flexfa.runtime.layout import HEAD_OFFSET_LIMIT, int32_addressable, int32_addressable_inputs
 from reference import assert_close_to_reference, reference_pair
 
 B, H, L, S, E = 2, 2, 20, 12, 8
@@ -98,3 +104,87 @@ def test_flex_decode_refuses_inputs_that_require_grad(needing):
     want = flexfa.flex_attention(*(t.detach() for t in args[:3]), head_bias,
                                  sinks=tensors["sinks"].detach())
     torch.testing.assert_close(out, want.detach(), atol=1e-5, rtol=1e-5)
+
+
+# ---- offsets inside a head past int32 ---------------------------------------------------------
+
+# 17 rows 2**27 elements apart: the last row's offset is 2**31, which wraps in int32 (the
+# kernels read 4 GiB before the tensor: a segfault under the interpreter, elsewhere on a GPU).
+# The views share one 4 GiB float16 storage that is never written but for their rows, so
+# only those pages are backed; the contiguous call is the reference, bit for bit.
+_WIDE_ROWS = textwrap.dedent("""
+    import torch, flexfa
+    from flexfa.runtime.families.fp8 import quantize_rows
+    from flexfa.runtime.layout import output_like
+    rows, stride, E = 17, 2 ** 27, 8
+    try:
+        storage = torch.empty((rows - 1) * stride + 5 * E, dtype=torch.float16)
+    except (RuntimeError, MemoryError):
+        print("no memory"); raise SystemExit
+    def wide(slot):  # [1, 1, rows, E], rows `stride` apart, its own columns of the storage
+        t = storage.as_strided((1, 1, rows, E), (0, 0, stride, 1), slot * E)
+        return t.copy_(torch.randn(1, 1, rows, E, dtype=torch.float16))
+    q, k, v, grad_out = (wide(slot) for slot in range(4))
+    def check(name, got, want):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    def attention(*tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors[:3]]
+        out = flexfa.flex_attention(*leaves)
+        assert out.stride() == output_like(tensors[0], E).stride()  # torch's layout
+        return (out, *torch.autograd.grad(out, leaves, tensors[3]))
+    dense = [t.contiguous() for t in (q, k, v, grad_out)]
+    check("flex_attention", attention(q, k, v, grad_out), attention(*dense))
+    check("flex_attention, grad_out", attention(*dense[:3], grad_out), attention(*dense))
+    check("flex_decode", [flexfa.flex_decode(q[:, :, :4], k, v)],
+          [flexfa.flex_decode(*(t.contiguous() for t in (q[:, :, :4], k, v)))])
+    def quantized(x):
+        out = torch.empty(1, 1, rows, E, dtype=torch.float8_e4m3fn)
+        return quantize_rows(x, 16, None, out), out.view(torch.uint8)
+    check("fp8 quantize", quantized(q), quantized(q.contiguous()))
+    print("ok")
+""")
+
+
+def test_offsets_inside_a_head_past_int32_give_the_contiguous_results(tmp_path):
+    """q, k, v, grad_out (and flex_decode's cache, the FP8 quantizer's input) whose rows lie
+    2**27 elements apart: the kernels get contiguous copies (run in a subprocess: the
+    unfixed kernels crash it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(flexfa.__file__)),
+                      os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", _WIDE_ROWS], capture_output=True, text=True,
+                            env=env, timeout=600)
+    if result.stdout.strip() == "no memory":
+        pytest.skip("no 4 GiB of address space for the storage")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (
+        result.returncode, result.stderr[-2000:])
+
+
+def _meta(shape, strides):
+    return torch.empty_strided(shape, strides, dtype=torch.bfloat16, device="meta")
+
+
+def test_which_layouts_need_the_copy():
+    """The check reads shapes and strides only (meta tensors of real sizes): a [B, L, H, E]
+    layout seen as [B, H, L, E] needs it at L * H * E >= 2**31, a contiguous one or an
+    expanded one (stride 0) of the same shape does not; a head of 2**31 elements or more is
+    an InputError even contiguous; the output laid out as the query's counts too."""
+    B, H, L, E = 1, 32, 2 ** 19, 128
+    bshd = _meta((B, H, L, E), (L * H * E, E, H * E, 1))
+    assert int32_addressable(bshd, "query") is not bshd
+    half = bshd[:, :, :L - 1]  # one row less: 2**31 - 4096 elements
+    assert int32_addressable(half, "query") is half
+    contiguous = _meta((B, H, L, E), (H * L * E, L * E, E, 1))
+    expanded = _meta((B, H, L, E), (0, 0, 0, 1))
+    assert int32_addressable(contiguous, "query") is contiguous
+    assert int32_addressable(expanded, "query") is expanded
+    assert int32_addressable_inputs(contiguous, contiguous, contiguous) is None
+    narrow = int32_addressable_inputs(bshd, contiguous, expanded)
+    assert narrow[0].is_contiguous() and narrow[1] is contiguous and narrow[2] is expanded
+    # a query that fits whose output (Ev = 2 E, rows H * Ev apart) does not
+    q = _meta((B, H, L // 2, E), (L // 2 * H * E, E, H * E, 1))
+    v = _meta((B, H, 16, 2 * E), (0, 0, 0, 1))
+    assert int32_addressable(q, "query") is q
+    assert int32_addressable_inputs(q, v[..., :E], v)[0].is_contiguous()
+    with pytest.raises(InputError, match=r"key has 16777216 rows of 128 per head"):
+        int32_addressable(_meta((1, 1, HEAD_OFFSET_LIMIT // E, E), (0, 0, E, 1)), "key")
