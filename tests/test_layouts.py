@@ -188,3 +188,40 @@ def test_which_layouts_need_the_copy():
     assert int32_addressable_inputs(q, v[..., :E], v)[0].is_contiguous()
     with pytest.raises(InputError, match=r"key has 16777216 rows of 128 per head"):
         int32_addressable(_meta((1, 1, HEAD_OFFSET_LIMIT // E, E), (0, 0, E, 1)), "key")
+
+
+# ---- torch.autocast ---------------------------------------------------------------------------
+
+def torch_flex_attention(*args, **kwargs):
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+    with warnings.catch_warnings():  # "called without torch.compile": expected here
+        warnings.simplefilter("ignore")
+        return torch_flex(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_query_key_value_as_torch_does(dtype):
+    """torch's flex_attention casts q, k, v to the autocast dtype (its Autocast rule): out in
+    that dtype, mixed input dtypes taken; flexfa computed in float32 (out float32) and
+    refused a bf16 query with float32 key and value. The casts carry the gradients back to
+    the float32 leaves."""
+    generator = torch.Generator().manual_seed(2)
+    leaves = [torch.randn(shape, generator=generator, requires_grad=True)
+              for shape in ((1, 2, L, E), (1, 2, S, E), (1, 2, S, E))]
+    grad_out = torch.randn(1, 2, L, E, generator=generator).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        out = flexfa.flex_attention(*leaves)
+        mixed = flexfa.flex_attention(leaves[0].to(dtype), *leaves[1:])
+        want_torch = torch_flex_attention(*(t.detach() for t in leaves))
+    assert out.dtype == want_torch.dtype == dtype
+    torch.testing.assert_close(out, want_torch, atol=2e-2, rtol=2e-2)
+    got = torch.autograd.grad(out, leaves, grad_out)
+    cast = [t.detach().to(dtype).requires_grad_() for t in leaves]
+    want = flexfa.flex_attention(*cast)
+    assert torch.equal(out, want) and torch.equal(mixed, want)
+    for g, w in zip(got, torch.autograd.grad(want, cast, grad_out)):
+        assert g.dtype == torch.float32 and torch.equal(g, w.float())
+    with torch.autocast("cpu", dtype=dtype, enabled=False):
+        assert flexfa.flex_attention(*leaves).dtype == torch.float32
