@@ -37,8 +37,8 @@ from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
-from .inputs import (broadcast_batch, check_aux, check_block_mask_type, check_scale,
-                     check_shapes, check_tensors)
+from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask_type,
+                     check_scale, check_shapes, check_tensors)
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
@@ -299,6 +299,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     Checks the arguments as the eager call does, before anything reads them: under
     ``fullgraph=True`` Dynamo reports an error raised here as an "Observed exception" that
     quotes it, without ``fullgraph`` the call falls back to eager flexfa, which raises it."""
+    query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
     return_lse = check_bool("return_lse", return_lse)

@@ -225,3 +225,19 @@ def test_autocast_casts_query_key_value_as_torch_does(dtype):
         assert g.dtype == torch.float32 and torch.equal(g, w.float())
     with torch.autocast("cpu", dtype=dtype, enabled=False):
         assert flexfa.flex_attention(*leaves).dtype == torch.float32
+
+
+def test_autocast_inside_torch_compile():
+    """The flexfa::flex_attention operator has no autocast rule of its own: the compiled
+    call casts q, k, v as the eager one does, gradients included."""
+    generator = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(shape, generator=generator, requires_grad=True)
+              for shape in ((1, 2, L, E), (1, 2, S, E), (1, 2, S, E))]
+    compiled = torch.compile(flexfa.flex_attention, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(*leaves)
+        want = flexfa.flex_attention(*leaves)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    grads = torch.autograd.grad(got.float().sum(), leaves)
+    for g, w in zip(grads, torch.autograd.grad(want.float().sum(), leaves)):
+        assert g.dtype == torch.float32 and torch.equal(g, w)
