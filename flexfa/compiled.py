@@ -37,6 +37,7 @@ from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
+from .decode import check_no_grad as check_decode_no_grad
 from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask_type,
                      check_scale, check_shapes, check_tensors)
 from .blockmask.validate import TABLES
@@ -347,6 +348,7 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
                          "with mode='reduce-overhead'); pass workspace=None")
     mods, score_buffers, mask_buffers, tables, block = _operator_mods(
         score_mod, block_mask, True, kernel_options, query.device)
+    check_decode_no_grad(query, key, value, sinks, score_buffers, mask_buffers)
     lengths = [] if block_mask is None else list(block_mask.seq_lengths)
     out, lse = torch.ops.flexfa.flex_decode(
         query, key, value, mods, scale, score_buffers, mask_buffers, tables, block, lengths,

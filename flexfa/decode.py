@@ -28,7 +28,8 @@ from .runtime.pipeline import prepare_mask, prepare_score_mod
 
 run_decode = lazy_function("flexfa.runtime.families.decode", "run_decode")  # loads Triton
 
-__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values", "decode_call"]
+__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values", "check_no_grad",
+           "decode_call"]
 
 
 @outside_compile
@@ -93,7 +94,8 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
         block_mask, mask = runnable, runnable.traced_mask
     check_buffers(score, "score_mod", query.device)
     check_buffers(mask, "mask_mod", query.device)
-    _check_no_grad(query, key, value, sinks, score, mask)
+    check_no_grad(query, key, value, sinks, score.buffers if score else (),
+                  mask.buffers if mask else ())
     check_captured_indices(score, mask, (B, Hq, q_positions, E), S, query.device)
     sinks = check_sinks(sinks, Hq, query.dtype, query.device)
     call = AttentionCall(score, mask, block_mask, scale, options, Hq // Hkv, sinks=sinks)
@@ -105,12 +107,12 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
     return (out, lse) if return_lse else out
 
 
-def _check_no_grad(query, key, value, sinks, score, mask) -> None:
+def check_no_grad(query, key, value, sinks, score_buffers, mask_buffers) -> None:
     """flex_decode has no backward: an InputError for inputs that require grad, whose
     gradient the output would silently not carry (as flexfa.fp8's forward refuses them)."""
     named = [("query", query), ("key", key), ("value", value), ("sinks", sinks)]
-    for what, traced in (("score_mod", score), ("mask_mod", mask)):
-        named += [(f"a {what} captured tensor", t) for t in (traced.buffers if traced else ())]
+    named += [("a score_mod captured tensor", t) for t in score_buffers]
+    named += [("a mask_mod captured tensor", t) for t in mask_buffers]
     needing = requiring_grad(named)
     if needing:
         raise InputError(f"flex_decode is inference only (it has no backward), but "

@@ -241,3 +241,15 @@ def test_autocast_inside_torch_compile():
     grads = torch.autograd.grad(got.float().sum(), leaves)
     for g, w in zip(grads, torch.autograd.grad(want.float().sum(), leaves)):
         assert g.dtype == torch.float32 and torch.equal(g, w)
+
+
+def test_flex_decode_inside_torch_compile_refuses_inputs_that_require_grad():
+    """As the eager call: the flexfa::flex_decode operator has no autograd formula (the
+    compile failed with torch's "no autograd formula" error)."""
+    q = torch.randn(1, 2, 3, E, requires_grad=True)
+    k, v = torch.randn(1, 2, S, E), torch.randn(1, 2, S, E)
+    compiled = torch.compile(flexfa.flex_decode, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="flex_decode is inference only.*query requires grad"):
+        compiled(q, k, v)
+    with torch.no_grad():
+        assert torch.equal(compiled(q, k, v), flexfa.flex_decode(q.detach(), k, v))
