@@ -5,7 +5,8 @@ Layouts the kernels read through strides (slices with storage offsets, a last di
 contiguous call's values, and their gradients must reach the tensor the view was made of
 (autograd sums an expanded input's). References: the float64 reference for gradients (torch's
 eager flex_attention has no CPU backward), bitwise equality with the contiguous call where
-the kernels see the same values.
+the kernels see the same values. Also: forward-only entry points refusing inputs that require
+grad, offsets inside a head past int32 (layouts whose rows lie far apart), torch.autocast.
 """
 from __future__ import annotations
 
