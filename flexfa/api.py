@@ -16,8 +16,8 @@ from .autograd import FlexAttentionFunction
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .inputs import (check_aux, check_block_mask, check_scale, check_shapes, check_tensors,
-                     readable)
+from .inputs import (autocast_inputs, check_aux, check_block_mask, check_scale, check_shapes,
+                     check_tensors, readable)
 from .lazy import lazy_function
 from .memo import BoundedMemo
 from .prepared import lookup, record, signature
@@ -91,7 +91,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     """Attention with a score_mod and a block mask, as one fused kernel generated for them.
 
     query ``[B, Hq, L, E]``, key ``[B, Hkv, S, E]``, value ``[B, Hkv, S, Ev]`` (fp16, bf16 or
-    fp32, one device) -> out ``[B, Hq, L, Ev]`` in query's dtype; with ``return_lse`` also
+    fp32, one device; under ``torch.autocast`` cast to its dtype first, as torch casts them)
+    -> out ``[B, Hq, L, Ev]`` in query's dtype; with ``return_lse`` also
     lse ``[B, Hq, L]`` float32 (natural log; -inf for a row that attends to nothing, whose
     output is 0). ``return_aux=AuxRequest(lse=..., max_scores=...)`` (torch's newer form)
     returns ``(out, AuxOutput(lse, max_scores))``, each None unless requested; max_scores
@@ -117,6 +118,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                                      kernel_options, return_aux, sinks,
                                                      dropout_p, dropout_seed)
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
+    query, key, value = autocast_inputs(query, key, value)
     prepared = signature(query, key, value, score_mod, scale, enable_gqa, return_lse,
                          kernel_options, return_aux, sinks, dropout_p, dropout_seed)
     score = None  # the score_mod's trace, where the lookup made it

@@ -37,8 +37,9 @@ from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
-from .inputs import (broadcast_batch, check_aux, check_block_mask_type, check_scale,
-                     check_shapes, check_tensors)
+from .decode import check_no_grad as check_decode_no_grad
+from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask_type,
+                     check_scale, check_shapes, check_tensors)
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
@@ -299,6 +300,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     Checks the arguments as the eager call does, before anything reads them: under
     ``fullgraph=True`` Dynamo reports an error raised here as an "Observed exception" that
     quotes it, without ``fullgraph`` the call falls back to eager flexfa, which raises it."""
+    query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
     return_lse = check_bool("return_lse", return_lse)
@@ -346,6 +348,7 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
                          "with mode='reduce-overhead'); pass workspace=None")
     mods, score_buffers, mask_buffers, tables, block = _operator_mods(
         score_mod, block_mask, True, kernel_options, query.device)
+    check_decode_no_grad(query, key, value, sinks, score_buffers, mask_buffers)
     lengths = [] if block_mask is None else list(block_mask.seq_lengths)
     out, lse = torch.ops.flexfa.flex_decode(
         query, key, value, mods, scale, score_buffers, mask_buffers, tables, block, lengths,

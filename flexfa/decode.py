@@ -5,7 +5,8 @@ family, ``flexfa.runtime.families.decode``).
 Shapes, dtypes and devices are checked on every call (no host synchronisation). The values of
 ``kv_lens``, ``q_offsets`` and the page table are checked too with ``validate=True`` (the
 default: one synchronisation); a serving loop whose ``PagedKVCache`` keeps them right passes
-``validate=False``, which a CUDA-graph capture needs. Inference only: no gradient.
+``validate=False``, which a CUDA-graph capture needs. Inference only: under grad mode, inputs
+that require grad are refused (the output would carry them no gradient).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
 from .inputs import (broadcast_batch, check_block_mask_type, check_buffers, check_head_dim,
-                     check_scale, check_table_shapes, check_tensors)
+                     check_scale, check_table_shapes, check_tensors, requiring_grad)
 from .runtime.call import AttentionCall
 from .calls import check_captured_indices
 from .lazy import lazy_function
@@ -27,7 +28,8 @@ from .runtime.pipeline import prepare_mask, prepare_score_mod
 
 run_decode = lazy_function("flexfa.runtime.families.decode", "run_decode")  # loads Triton
 
-__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values", "decode_call"]
+__all__ = ["flex_decode", "DecodeWorkspace", "check_decode_values", "check_no_grad",
+           "decode_call"]
 
 
 @outside_compile
@@ -92,6 +94,8 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
         block_mask, mask = runnable, runnable.traced_mask
     check_buffers(score, "score_mod", query.device)
     check_buffers(mask, "mask_mod", query.device)
+    check_no_grad(query, key, value, sinks, score.buffers if score else (),
+                  mask.buffers if mask else ())
     check_captured_indices(score, mask, (B, Hq, q_positions, E), S, query.device)
     sinks = check_sinks(sinks, Hq, query.dtype, query.device)
     call = AttentionCall(score, mask, block_mask, scale, options, Hq // Hkv, sinks=sinks)
@@ -101,6 +105,20 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
         return (out, lse) if return_lse else out
     out, lse, _ = run_decode(query, key, value, call, inputs, return_lse)
     return (out, lse) if return_lse else out
+
+
+def check_no_grad(query, key, value, sinks, score_buffers, mask_buffers) -> None:
+    """flex_decode has no backward: an InputError for inputs that require grad, whose
+    gradient the output would silently not carry (as flexfa.fp8's forward refuses them)."""
+    named = [("query", query), ("key", key), ("value", value), ("sinks", sinks)]
+    named += [("a score_mod captured tensor", t) for t in score_buffers]
+    named += [("a mask_mod captured tensor", t) for t in mask_buffers]
+    needing = requiring_grad(named)
+    if needing:
+        raise InputError(f"flex_decode is inference only (it has no backward), but "
+                         f"{', '.join(needing)} requires grad; run it under torch.no_grad() / "
+                         "torch.inference_mode(), detach the inputs, or use "
+                         "flexfa.flex_attention, which has gradients")
 
 
 def _int32_rows(name: str, tensor, shape: tuple, device) -> None:

@@ -50,6 +50,22 @@ def check_tensors(query, key, value) -> None:
             raise InputError(f"{name} is on {tensor.device} but query is on {query.device}")
 
 
+def autocast_inputs(query, key, value) -> tuple:
+    """(query, key, value) as torch's flex_attention computes them under ``torch.autocast``
+    (its Autocast rule): each floating-point tensor on the autocast's device type, float64
+    excepted, cast to the autocast dtype (out comes in it; the casts carry the gradients
+    back); unchanged without an active autocast (one check)."""
+    if not torch._C._is_any_autocast_enabled() or not isinstance(query, torch.Tensor):
+        return query, key, value
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.device.type == device and t.dtype is not torch.float64 else t
+                 for t in (query, key, value))
+
+
 def readable(query, key, value) -> bool:
     """Whether the kernels can read each tensor through its data pointer and strides: a
     strided layout (not sparse, mkldnn or nested) without the negative bit (a lazily negated
@@ -68,6 +84,15 @@ def check_readable(name: str, tensor: torch.Tensor) -> None:
         raise InputError(f"{name} is a lazily negated view (its negative bit is set, as for "
                          "z.conj().imag): its memory holds the values' negations, which the "
                          "kernels would read; pass .resolve_neg() of it")
+
+
+def requiring_grad(named) -> list[str]:
+    """The names of the tensors in ``named`` ((name, tensor or None) pairs) that require
+    grad, where grad mode is on (else none): what a forward-only entry point must refuse, as
+    its output would silently carry no gradient to them."""
+    if not torch.is_grad_enabled():
+        return []
+    return [name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def check_head_dim(label: str, dim: int) -> None:

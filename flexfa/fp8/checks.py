@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from ..inputs import check_readable, check_shapes
+from ..inputs import check_readable, check_shapes, requiring_grad
 from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int
 from .inputs import FP8_DTYPE, FP8Inputs
 
@@ -154,10 +154,7 @@ def check_fp8_device(device: torch.device) -> None:
 
 def check_no_grad(tensors, buffers) -> None:
     """The FP8 path has no backward: refuse inputs or captured tensors that require grad."""
-    if not torch.is_grad_enabled():
-        return
-    needing = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
-    needing += ["a score_mod captured tensor" for t in buffers if t.requires_grad]
+    needing = requiring_grad([*tensors, *(("a score_mod captured tensor", t) for t in buffers)])
     if needing:
         raise FP8UnsupportedError(
             f"FP8 attention is forward-only, but {', '.join(needing)} requires grad; run it "

@@ -15,6 +15,7 @@ from . import plans, registry
 from .call import SINKS_GRAD, AttentionCall
 from .families.backward import (BOUND_BITS, FIXED_POINT_SCALE, REST_SCALE, Inputs,
                                 joint_graph)
+from .layout import int32_addressable
 from .target import target_of
 
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
@@ -42,6 +43,9 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     are then None. The dQ kernel always runs: it also produces the captured-tensor
     gradients. With attention sinks that require grad, the buffer gradients hold theirs under
     ``SINKS_GRAD`` (``sinks_grad``)."""
+    # copies where an offset inside a head would pass the kernels' int32 (rare huge layouts)
+    q, k, v, out, grad_out = (int32_addressable(t, name) for t, name in (
+        (q, "query"), (k, "key"), (v, "value"), (out, "the output"), (grad_out, "grad_out")))
     joint = joint_graph(call.score)
     grad_slots = joint.grad_slots if joint is not None else ()
     accs = accumulators(call, grad_slots)

@@ -11,7 +11,8 @@ from .. import memo
 from . import families  # noqa: F401  (registers the kernel families)
 from . import plans, registry
 from .call import AttentionCall
-from .outputs import empty_outputs
+from .layout import int32_addressable_inputs, output_like
+from .outputs import empty_outputs, out_strides
 from .target import target_of
 
 __all__ = ["AttentionCall", "run_forward", "run_fp8_forward", "forward_plan_key"]
@@ -33,6 +34,23 @@ def run_forward(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool
             plan = found[1]
             if plan.depends is None or plans.current(plan, call):  # (no call: the hot path)
                 return plan.family.run(plan, call, q, k, v, return_lse, return_max)
+    narrow = int32_addressable_inputs(q, k, v)
+    if narrow is not None:  # copies the kernels can address (never kept: not the hot path)
+        out, lse, maxs = _run(*narrow, call, return_lse, return_max, None)
+        return _in_layout_of(q, out), lse, maxs
+    return _run(q, k, v, call, return_lse, return_max, kept)
+
+
+def _in_layout_of(q, out):
+    """``out`` (computed from a copy of ``q``) laid out as ``q``'s output is (torch's)."""
+    if out.stride() == tuple(out_strides(q, out)):
+        return out
+    return output_like(q, out.shape[3]).copy_(out)
+
+
+def _run(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool, kept):
+    """``run_forward`` past its prepared plans: the plan of the call's key, made where there is
+    none (``kept``: the prepared call's plans, which take it; None: not kept)."""
     key = forward_plan_key(q, k, v, call, return_lse, return_max)
     plan = plans.find(call, key)
     if plan is not None:

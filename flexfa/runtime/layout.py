@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+
 
 def fill_order(strides) -> list[int]:
     """The dimensions from innermost to outermost by stride; equal strides keep the later
@@ -66,3 +68,55 @@ def output_like(query: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None 
     return torch.empty_strided(shape, strides,
                                dtype=query.dtype if dtype is None else dtype,
                                device=query.device if device is None else device)
+
+
+# the kernels add a head's base offset in int64 (``flexfa_head_base``) but its rows' and
+# columns' offsets (row * row stride + column * column stride) in int32
+HEAD_OFFSET_LIMIT = 2 ** 31
+
+
+def _head_fits(rows: int, cols: int, row_stride: int, col_stride: int) -> bool:
+    return rows * abs(row_stride) + cols * abs(col_stride) < HEAD_OFFSET_LIMIT
+
+
+def _check_rows(what: str, rows: int, cols: int) -> None:
+    if rows * cols >= HEAD_OFFSET_LIMIT:
+        raise InputError(f"{what} has {rows} rows of {cols} per head: {rows * cols} elements, "
+                         f"past the kernels' int32 offsets inside a head (at most "
+                         f"{HEAD_OFFSET_LIMIT - 1})")
+
+
+def int32_addressable(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor`` [B, H, n, D], or a contiguous copy of it where an offset inside one head
+    would pass int32 (an int32 product wraps: the kernels would read or write elsewhere).
+    Only a layout whose rows lie far apart does: a [B, L, H, E] tensor seen as [B, H, L, E]
+    (rows H * E apart) at L * H * E >= 2**31, e.g. L = 512Ki, H = 32, E = 128. The copy's
+    rows are D apart; where even they pass int32 (n * D >= 2**31), an InputError names
+    ``what``."""
+    if tensor.untyped_storage().nbytes() < HEAD_OFFSET_LIMIT:  # (the common case, fast)
+        return tensor  # its elements lie within fewer than 2**31 elements of each other
+    n, d = tensor.shape[2], tensor.shape[3]
+    if _head_fits(n, d, tensor.stride(2), tensor.stride(3)):
+        return tensor
+    _check_rows(what, n, d)
+    return tensor.contiguous()
+
+
+def int32_addressable_inputs(q, k, v) -> tuple | None:
+    """(q, k, v) with ``int32_addressable`` copies, the query copied too where the output
+    laid out as its own (``output_like``) would pass int32 inside a head (then the output is
+    contiguous); None where every offset fits already (the common case, told apart by the
+    sizes of the tensors' storages and of the output alone)."""
+    B, H, L, _ = q.shape
+    Ev = v.shape[3]
+    limit = HEAD_OFFSET_LIMIT
+    if (q.untyped_storage().nbytes() < limit and k.untyped_storage().nbytes() < limit
+            and v.untyped_storage().nbytes() < limit and B * H * L * Ev < limit):
+        return None  # (``int32_addressable``'s fast test of each, and the output's size)
+    narrow = [int32_addressable(t, name) for t, name in ((q, "query"), (k, "key"), (v, "value"))]
+    if B * H * L * Ev >= limit:  # (else every offset in the output fits)
+        strides = output_strides((B, H, L, Ev), narrow[0].stride())
+        if not _head_fits(L, Ev, strides[2], strides[3]):
+            _check_rows("the output", L, Ev)
+            narrow[0] = narrow[0].contiguous()
+    return None if all(a is b for a, b in zip(narrow, (q, k, v))) else tuple(narrow)

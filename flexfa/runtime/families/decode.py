@@ -36,6 +36,7 @@ from ..decode_inputs import (MAX_Q_LEN, NO_INPUTS, OFFSETS, DecodeInputs, kv_geo
                              split_workspaces)
 from ..kernels import generated_module
 from ..launch import Step, cdiv
+from ..layout import int32_addressable
 from ..outputs import allocate_outputs, present_or, stat_args
 from ..registry import KernelFamily, register
 from ..tables import dummy_table, largest_tile, mask_blocks
@@ -292,6 +293,8 @@ def decode_plan_key(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_l
 def run_decode(q, k, v, call: AttentionCall, inputs: DecodeInputs, return_lse: bool,
                return_max: bool = False) -> tuple:
     """(out, lse or None, row max or None) of a validated ``flex_decode`` call."""
+    if not inputs.paged:  # (a paged cache's offsets inside a page are small)
+        k, v = int32_addressable(k, "key"), int32_addressable(v, "value")
     key = decode_plan_key(q, k, v, call, inputs, return_lse, return_max)
     plan = plans.find(call, key)
     if plan is not None:

@@ -17,7 +17,7 @@ from .. import autotune, binding, plans
 from ..call import AttentionCall
 from ..kernels import ModeSpec, generated_module
 from ..launch import Step, cdiv
-from ..layout import output_like
+from ..layout import int32_addressable, output_like
 from ..outputs import forward_grid, head_group, out_strides
 from ..registry import KernelFamily, register
 from ..tables import mask_blocks
@@ -166,6 +166,7 @@ def quantize_rows(x: torch.Tensor, block: int, signed_h: torch.Tensor | None,
     ``[B, H, nb]``."""
     B, H, N, _ = x.shape
     scale = torch.empty(B, H, cdiv(N, block), dtype=torch.float32, device=x.device)
+    x = int32_addressable(x, "the tensor to quantize")  # (a copy where its rows lie far apart)
     if scale.numel() == 0:
         return scale
     interpret = x.device.type == "cpu"
