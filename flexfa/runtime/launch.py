@@ -24,6 +24,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..errors import InputError
+
 _MAX_DESCRIPTORS = 16  # encoded TMA descriptors kept per descriptor argument of a plan
 
 
@@ -177,6 +179,30 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# CUDA's largest grid: 2**31 - 1 programs along x, 65535 along y and z (a launch past them
+# fails inside Triton with an invalid-argument error; the interpreter would run it)
+GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
+
+
+def check_grid(kernel, grid) -> None:
+    """An InputError where ``grid`` (a tuple of program counts) passes CUDA's limits, on
+    every device alike: a call's batch * heads or q tiles lie along y or z in most kernels."""
+    if not isinstance(grid, tuple):
+        return
+    for axis, (count, limit) in enumerate(zip(grid, GRID_LIMITS)):
+        if count > limit:
+            raise InputError(
+                f"this call needs a launch grid of {tuple(grid)} programs for "
+                f"{_kernel_name(kernel)}, {count} along {'xyz'[axis]}, past CUDA's {limit} "
+                "there (the grids put batch * heads, or the query tiles, along y): split the "
+                "batch or the heads over calls")
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(kernel, "__name__", None) or getattr(
+        getattr(kernel, "fn", None), "__name__", "kernel")
+
+
 class Step:
     """One kernel launch of a plan: the kernel, its grid, constexprs and launch options.
 
@@ -187,6 +213,7 @@ class Step:
     __slots__ = ("kernel", "grid", "constexprs", "options", "binder", "direct", "launched")
 
     def __init__(self, kernel, grid: tuple, constexprs: dict, options: dict, binder=None):
+        check_grid(kernel, grid)
         self.kernel, self.grid = kernel, grid
         self.constexprs, self.options = constexprs, options
         self.binder = binder  # the kernel's arguments by name (flexfa.runtime.binding)
@@ -202,7 +229,10 @@ class Step:
         """Launch with the bound ``args``; ``stream``: a torch.cuda.Stream to launch on (None:
         the current stream; the launch does not make it current: no stream context per
         launch where a call launches on two streams in turn)."""
-        grid = self.grid if grid is None else grid
+        if grid is None:
+            grid = self.grid
+        else:
+            check_grid(self.kernel, grid)
         if device.type != "cuda":
             self.kernel[grid](*args, **self.constexprs, **self.options)
             self.launched = True
@@ -218,6 +248,4 @@ class Step:
         self.launched = True
 
     def __repr__(self) -> str:
-        name = getattr(self.kernel, "__name__", None) or getattr(
-            getattr(self.kernel, "fn", None), "__name__", "kernel")
-        return f"Step({name}, grid={self.grid})"
+        return f"Step({_kernel_name(self.kernel)}, grid={self.grid})"

@@ -156,3 +156,23 @@ def test_return_aux_gives_lse_as_return_lse_does():
     assert torch.equal(grad, ref_grad) and grad.abs().sum() > 0
     out, aux = call(return_aux=AuxRequest())
     assert aux == AuxOutput(lse=None, max_scores=None) and torch.equal(out, ref_out.detach())
+
+
+def test_a_grid_past_cudas_limits_is_refused_before_any_launch():
+    """batch * heads lies along a grid's y in the kernels (CUDA: at most 65535 there): past
+    it the launch failed inside Triton on a GPU; now an InputError on every device."""
+    many = torch.randn(1, 1, 17, 16).expand(1, 65536, 17, 16)  # (17 rows: not decode's grid)
+    with pytest.raises(InputError, match=r"65536 along y, past CUDA's 65535"):
+        flexfa.flex_attention(many, many, many)
+
+
+@pytest.mark.parametrize("grid, fails", [
+    ((2 ** 31 - 1, 65535, 65535), False), ((2 ** 31, 1), True), ((1, 65536), True),
+    ((1, 1, 65536), True), ((70000,), False)])
+def test_launch_grid_limits(grid, fails):
+    from flexfa.runtime.launch import check_grid
+    if fails:
+        with pytest.raises(InputError, match="past CUDA's"):
+            check_grid(None, grid)
+    else:
+        check_grid(None, grid)
