@@ -165,6 +165,28 @@ def test_traced_mask_is_kept_and_follows_mask_mod():
     assert mask.traced_mask.name == "prefix_lm_3"
 
 
+_REACH = 20  # read by _within_reach as a global: rebinding it changes the mask_mod
+
+
+def _within_reach(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= _REACH
+
+
+def test_a_mask_mod_whose_state_changed_is_traced_again(monkeypatch):
+    """The mask_mod reads a global that is rebound after the first call: the mask (all its
+    tiles partial) must apply the mod as it is now, as torch calls its mask_mod again and as a
+    new BlockMask around the same tables does; it kept the first call's trace."""
+    mask = create_block_mask(_within_reach, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16,
+                             separate_full_blocks=False)
+    q, k, v = torch.randn(3, 1, 1, 64, 16).unbind(0)
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    monkeypatch.setitem(globals(), "_REACH", 5)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    narrow = (torch.arange(64)[:, None] - torch.arange(64)).abs() <= 5
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=narrow)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_traced_mod_accepted():
     traced = trace(mods.sliding_window(20))
     mask = create_block_mask(traced, 1, 1, 100, 100, device="cpu", BLOCK_SIZE=16)
