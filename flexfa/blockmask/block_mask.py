@@ -216,7 +216,7 @@ class BlockMask(TorchBlockMask):
         computed = int(self.kv_num_blocks.sum())
         if self.full_kv_num_blocks is not None:
             computed += int(self.full_kv_num_blocks.sum())
-        return 100.0 * (1.0 - computed / self.kv_indices.numel())
+        return 100.0 * (1.0 - computed / max(1, self.kv_indices.numel()))  # (an empty slice)
 
     def __getitem__(self, index) -> "BlockMask":
         """Slice batches, heads and q tiles like a tensor; dims are kept (an integer -> size

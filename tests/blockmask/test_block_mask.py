@@ -48,6 +48,17 @@ def test_getitem_matches_torch(index):
         ours._check_compatible(*ours.kv_num_blocks.shape[:2], 200, 200)
 
 
+@pytest.mark.parametrize("index", [(slice(None), slice(None), slice(3, 1)), slice(5, None)])
+def test_empty_slices_have_torchs_table_shapes_and_print(index):
+    """No q tiles (or no batches): the q counts were [B, H, KV_TILES, 0] (the cumulative
+    count's last column of no columns), and printing divided by zero tiles."""
+    ours = create_block_mask(mods.causal, 2, 1, 64, 64, device="cpu", BLOCK_SIZE=16)[index]
+    theirs = torch_mask(mods.causal, 2, 1, 64, 64, block=16)[index]
+    for name in TABLES:
+        assert getattr(ours, name).shape == getattr(theirs, name).shape, name
+    assert "BlockMask(shape=" in repr(ours)
+
+
 def test_getitem_rejects_bad_index():
     mask = create_block_mask(mods.causal, 2, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
     with pytest.raises(InputError, match="out of range"):
