@@ -51,9 +51,10 @@ class TableState:
     """The tables a mask had when they were last checked: their ids (kept valid by weakref
     callbacks: a table that dies marks the state stale, so its id cannot be taken by a new
     table), versions, views (``views``: shape, strides, dtype, device) and geometry
-    (BLOCK_SIZE, L, S). ``layout`` changes when a table is replaced or its view changes and
-    ``contents`` whenever a table may have changed: memos of what the runtime derives from
-    the tables key on them (``table_generations``)."""
+    (BLOCK_SIZE, L, S). ``layout`` changes when a table is replaced, its view changes or the
+    geometry does (plans fix the block size) and ``contents`` whenever a table may have
+    changed: memos of what the runtime derives from the tables key on them
+    (``table_generations``)."""
 
     __slots__ = ("ids", "versions", "views", "geometry", "layout", "contents", "live", "refs",
                  "__weakref__")
@@ -214,7 +215,7 @@ def _remember(block_mask, tables, geometry, state) -> None:
     _record_checked(tables, geometry)
     views = _views(tables)
     same = (state is not None and state.live and state.ids == tuple(map(id, tables))
-            and state.views == views)
+            and state.views == views and state.geometry == geometry)
     layout = state.layout if same else next(_GENERATION)
     try:
         setattr(block_mask, _STATE, TableState(tables, _versions(tables), views, geometry,

@@ -233,6 +233,27 @@ def test_tables_reshaped_in_place_by_set_are_read_with_their_new_strides():
     assert_close_to_reference(out, exact, eager)
 
 
+def _same_tile_of_64(b, h, q_idx, kv_idx):
+    return q_idx // 64 == kv_idx // 64
+
+
+def test_a_block_size_assigned_after_a_call_is_used_by_the_next_call():
+    """Tables of 4 x 4 diagonal tiles of 32 (each q tile attends its own kv tile), then
+    ``BLOCK_SIZE = (64, 64)``: the first 2 x 2 of the same tables, tiles of 64. The launch plan
+    of the first call (specialized on the block size) was taken again."""
+    rows = torch.arange(4, dtype=torch.int32).view(1, 1, 4, 1).expand(1, 1, 4, 4).contiguous()
+    none = torch.zeros(1, 1, 4, dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(none, rows, torch.ones_like(none), rows, BLOCK_SIZE=32,
+                                    seq_lengths=(128, 128))
+    q, k, v = qkv(Hq=1, Hkv=1, L=128, S=128)
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    mask.BLOCK_SIZE = (64, 64)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    exact = attention_reference(q, k, v, mask_mod=_same_tile_of_64)
+    eager = attention_reference(q, k, v, mask_mod=_same_tile_of_64, dtype=torch.float32)
+    assert_close_to_reference(out, exact, eager)
+
+
 def test_tables_are_checked_once_per_state(monkeypatch):
     """flexfa's own masks need no check; a torch mask is checked on its first call, again
     after an in-place edit (also through a view) or a replaced table, not otherwise."""
