@@ -16,7 +16,7 @@ established everything the entry was derived from:
   value the mod reads) and must be the entry's trace object;
 - the block mask's tables must still be in the state the entry recorded (``still_checked``:
   the same table objects, version counters and geometry; else the full path checks their
-  contents again); its prepared mask_mod (traced again when ``mask_mod`` was replaced) must
+  contents again); its prepared mask_mod (looked up under its guard, as the score_mod's) must
   be the entry's, its lengths the entry's;
 - the captured tensors of both mods have the recorded shapes, strides, alignment and device;
 - the checks that read values on every call still run (captured tensors indexed by captured

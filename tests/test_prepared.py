@@ -211,7 +211,9 @@ def _functions_entered():
 def test_a_cached_call_enters_few_functions(case):
     """The cached call's Python work, in flexfa functions entered (a timing would depend on
     the machine): 60 dense, 83 causal, 109 with a captured tensor and 84 with requires_grad
-    before prepared calls; 21, 27, 47 and 30 with them."""
+    before prepared calls; 21, 27, 47 and 30 with them; 21, 43, 68 and 48 since the mask_mod's
+    trace is looked up under its guard on every call, as the score_mod's is (a mod whose
+    state changed is traced again)."""
     q, k, v = _qkv()
     bias = torch.randn(L, L)
 
@@ -225,6 +227,6 @@ def test_a_cached_call_enters_few_functions(case):
             "grad": lambda: flexfa.flex_attention(*grads, block_mask=mask)}[case]
     for _ in range(3):
         call()
-    bound = {"dense": 25, "causal": 31, "captured": 54, "grad": 35}[case]
+    bound = {"dense": 25, "causal": 43, "captured": 68, "grad": 48}[case]
     entered = _functions_entered()(call, os.path.dirname(flexfa.__file__), calls=1)
     assert entered <= bound, f"{case}: a cached call entered {entered} flexfa functions"

@@ -12,7 +12,8 @@ B and H of size 1 broadcast over every batch / head:
   transposed tables, per kv tile, for the backward pass (None after
   ``from_kv_blocks(compute_q_blocks=False)``: the backward then transposes the kv tables).
 - ``BLOCK_SIZE`` ``(q, kv)``, ``seq_lengths`` ``(Q_LEN, KV_LEN)``, ``mask_mod`` the user's
-  function, and ``traced_mask`` its traced IR (a ``TracedMod``) for the kernel generator.
+  function, and ``traced_mask`` its traced IR (a ``TracedMod``) for the kernel generator,
+  looked up under the mod's guard on each use.
 - ``dq_write_order``, ``dq_write_order_full``, ``dq_kv_order``, ``dq_kv_order_spt``: torch's
   metadata for its deterministic block-sparse dQ, carried for torch (flexfa's dQ has one
   writer per tile and does not read them).
@@ -168,15 +169,19 @@ class BlockMask(TorchBlockMask):
 
     @property
     def traced_mask(self) -> TracedMod:
-        """The traced IR of ``mask_mod`` (traced again only if ``mask_mod`` was replaced)."""
-        if self._traced is None or self._traced[0] is not self.mask_mod:
-            mod = self.mask_mod
-            self._traced = (mod, mod.traced if isinstance(mod, TracedMaskMod)
-                            else trace(mod, MASK_MOD))
-        return self._traced[1]
+        """The traced IR of ``mask_mod``: the trace the mask was built with while that mod is
+        its mask_mod (``traced_mask=``, a ``TracedMaskMod``'s), else looked up on every use as
+        a score_mod's is (``trace``: memoized under a guard of every Python value the mod
+        reads), so that a mod whose state changed since (a global it reads rebound, a closure
+        cell, ``self.window = 24``) is traced again, as torch calls its mask_mod again."""
+        mod = self.mask_mod
+        if self._traced is not None and self._traced[0] is mod:
+            return self._traced[1]
+        return mod.traced if isinstance(mod, TracedMaskMod) else trace(mod, MASK_MOD)
 
     def _kept_trace(self) -> TracedMod | None:
-        """The trace of the current mask_mod if it was traced already (for derived masks)."""
+        """The trace the mask was built with, while its mask_mod is the same (for derived
+        masks)."""
         return self._traced[1] if self._traced and self._traced[0] is self.mask_mod else None
 
     # ---- shape and contents ---------------------------------------------------------------
@@ -211,7 +216,7 @@ class BlockMask(TorchBlockMask):
         computed = int(self.kv_num_blocks.sum())
         if self.full_kv_num_blocks is not None:
             computed += int(self.full_kv_num_blocks.sum())
-        return 100.0 * (1.0 - computed / self.kv_indices.numel())
+        return 100.0 * (1.0 - computed / max(1, self.kv_indices.numel()))  # (an empty slice)
 
     def __getitem__(self, index) -> "BlockMask":
         """Slice batches, heads and q tiles like a tensor; dims are kept (an integer -> size

@@ -79,9 +79,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
             "block mask %s: %d x %d tiles, %d undecided by intervals, %d of them evaluated "
             "element by element, %.2f s", traced.name, grid.q_tiles, grid.kv_tiles, undecided,
             in_full, elapsed)
+    # a plain mod's trace is not pinned: each use looks it up under the mod's guard
     user_mod = TracedMaskMod(traced) if isinstance(mask_mod, TracedMod) else mask_mod
-    mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block, mask_mod=user_mod,
-                     traced_mask=traced)
+    mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block, mask_mod=user_mod)
     if compute_dq_write_order:
         mask.dq_write_order, mask.dq_write_order_full = dq_write_order(mask, dq_kv_order)
         mask.dq_kv_order_spt = dq_kv_order

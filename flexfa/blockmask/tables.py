@@ -15,7 +15,9 @@ def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num_blocks, indices)`` of a 0/1 (or bool) grid, both int32 and contiguous."""
     ones = dense.contiguous().bool()
     ones_through = torch.cumsum(ones, dim=-1, dtype=torch.int32)  # inclusive prefix sum
-    num_blocks = ones_through[..., -1:].clone()
+    # (a grid without columns, an empty slice's transposed, has rows of none)
+    num_blocks = ones_through[..., -1:].clone() if ones.shape[-1] else \
+        torch.zeros(*ones.shape[:-1], 1, dtype=torch.int32, device=dense.device)
     col = torch.arange(ones.shape[-1], dtype=torch.int32, device=dense.device)
     # a zero goes after all ones, at its rank among the zeros; a one at its rank among ones
     zero_position = (col - ones_through).add_(num_blocks)

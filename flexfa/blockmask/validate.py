@@ -50,16 +50,18 @@ _table_getter = operator.attrgetter(*TABLES)
 class TableState:
     """The tables a mask had when they were last checked: their ids (kept valid by weakref
     callbacks: a table that dies marks the state stale, so its id cannot be taken by a new
-    table), versions and geometry (BLOCK_SIZE, L, S). ``layout`` changes when a table is
-    replaced and ``contents`` whenever a table may have changed: memos of what the runtime
-    derives from the tables key on them (``table_generations``)."""
+    table), versions, views (``views``: shape, strides, dtype, device) and geometry
+    (BLOCK_SIZE, L, S). ``layout`` changes when a table is replaced, its view changes or the
+    geometry does (plans fix the block size) and ``contents`` whenever a table may have
+    changed: memos of what the runtime derives from the tables key on them
+    (``table_generations``)."""
 
-    __slots__ = ("ids", "versions", "geometry", "layout", "contents", "live", "refs",
+    __slots__ = ("ids", "versions", "views", "geometry", "layout", "contents", "live", "refs",
                  "__weakref__")
 
-    def __init__(self, tables, versions, geometry, layout: int):
+    def __init__(self, tables, versions, views, geometry, layout: int):
         self.ids, self.versions, self.geometry = tuple(map(id, tables)), versions, geometry
-        self.layout = layout
+        self.views, self.layout = views, layout
         self.contents = next(_GENERATION) if versions is not None else None
         self.live = True
         stale = _stale_callback(weakref.ref(self))
@@ -203,12 +205,21 @@ def mark_checked(block_mask) -> None:
               None)
 
 
+def _views(tables) -> tuple:
+    """Each table's shape, strides, dtype and device: what plans fix besides the objects
+    (``set_`` or ``resize_`` changes them in place, the table staying the same object)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tables)
+
+
 def _remember(block_mask, tables, geometry, state) -> None:
     _record_checked(tables, geometry)
-    same = state is not None and state.live and state.ids == tuple(map(id, tables))
+    views = _views(tables)
+    same = (state is not None and state.live and state.ids == tuple(map(id, tables))
+            and state.views == views and state.geometry == geometry)
     layout = state.layout if same else next(_GENERATION)
     try:
-        setattr(block_mask, _STATE, TableState(tables, _versions(tables), geometry, layout))
+        setattr(block_mask, _STATE, TableState(tables, _versions(tables), views, geometry,
+                                               layout))
     except AttributeError:  # a frozen or slotted mask object: checked on every call
         pass
 

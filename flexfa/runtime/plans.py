@@ -66,3 +66,21 @@ def find(call: AttentionCall, key: tuple) -> Plan | None:
 def keep(call: AttentionCall, key: tuple, plan: Plan) -> Plan:
     PLANS.put(call.block_mask, key, plan)
     return plan
+
+
+def q_tables_depends(block_mask) -> tuple | None:
+    """``Plan.depends`` of a plan whose steps fix the q side's tables (dK/dV): a mask without
+    its own q tables has them transposed from the kv tables' contents when the plan is made
+    (``tables.mask_tables``); None where the mask has them (or there is no mask)."""
+    if block_mask is None or getattr(block_mask, "q_num_blocks", None) is not None:
+        return None
+    return capturing(), table_generations(block_mask)[1]
+
+
+def keep_backward(call: AttentionCall, key: tuple, plan: Plan) -> Plan:
+    """``keep`` a backward plan (``depends``: ``q_tables_depends``) unless its transposed
+    tables cannot be told apart from a later call's: made inside a CUDA graph capture (memory
+    only that graph fills) or from tables whose edits go unseen (inference tensors)."""
+    if plan.depends is None or plan.depends[0] is False and plan.depends[1] is not None:
+        keep(call, key, plan)
+    return plan

@@ -48,6 +48,17 @@ def test_getitem_matches_torch(index):
         ours._check_compatible(*ours.kv_num_blocks.shape[:2], 200, 200)
 
 
+@pytest.mark.parametrize("index", [(slice(None), slice(None), slice(3, 1)), slice(5, None)])
+def test_empty_slices_have_torchs_table_shapes_and_print(index):
+    """No q tiles (or no batches): the q counts were [B, H, KV_TILES, 0] (the cumulative
+    count's last column of no columns), and printing divided by zero tiles."""
+    ours = create_block_mask(mods.causal, 2, 1, 64, 64, device="cpu", BLOCK_SIZE=16)[index]
+    theirs = torch_mask(mods.causal, 2, 1, 64, 64, block=16)[index]
+    for name in TABLES:
+        assert getattr(ours, name).shape == getattr(theirs, name).shape, name
+    assert "BlockMask(shape=" in repr(ours)
+
+
 def test_getitem_rejects_bad_index():
     mask = create_block_mask(mods.causal, 2, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
     with pytest.raises(InputError, match="out of range"):
@@ -163,6 +174,28 @@ def test_traced_mask_is_kept_and_follows_mask_mod():
     assert isinstance(mask.traced_mask, TracedMod) and mask.traced_mask.name == "causal"
     mask.mask_mod = mods.prefix_lm(3)
     assert mask.traced_mask.name == "prefix_lm_3"
+
+
+_REACH = 20  # read by _within_reach as a global: rebinding it changes the mask_mod
+
+
+def _within_reach(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= _REACH
+
+
+def test_a_mask_mod_whose_state_changed_is_traced_again(monkeypatch):
+    """The mask_mod reads a global that is rebound after the first call: the mask (all its
+    tiles partial) must apply the mod as it is now, as torch calls its mask_mod again and as a
+    new BlockMask around the same tables does; it kept the first call's trace."""
+    mask = create_block_mask(_within_reach, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16,
+                             separate_full_blocks=False)
+    q, k, v = torch.randn(3, 1, 1, 64, 16).unbind(0)
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    monkeypatch.setitem(globals(), "_REACH", 5)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    narrow = (torch.arange(64)[:, None] - torch.arange(64)).abs() <= 5
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=narrow)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_traced_mod_accepted():

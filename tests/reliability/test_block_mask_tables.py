@@ -192,6 +192,68 @@ def test_a_replaced_table_is_used_by_the_next_call(template, device):
     assert_close_to_reference(out, exact, eager)
 
 
+def test_an_in_place_edit_of_a_mask_without_q_tables_reaches_the_backward():
+    """A mask from ``from_kv_blocks(compute_q_blocks=False)``: dK/dV walk q tables transposed
+    from the kv tables. After kv tables edited in place (mask_mod unchanged), the backward's
+    cached plan held the first call's transposed tables: dK and dV of the old mask."""
+    lower, _ = _tile_mask(lambda i, j: i >= j)
+    upper, upper_mod = _tile_mask(lambda i, j: i <= j)
+    kv_tables = TABLES[:4]
+    mask = BlockMask.from_kv_blocks(*(getattr(lower, n).clone() for n in kv_tables),
+                                    BLOCK_SIZE=16, seq_lengths=(L, S), compute_q_blocks=False)
+    q, k, v = (t.requires_grad_() for t in qkv(Hq=1, Hkv=1, L=L, S=S))
+    flexfa.flex_attention(q, k, v, block_mask=mask).sum().backward()
+    for name in kv_tables:
+        getattr(mask, name).copy_(getattr(upper, name))
+    q.grad = k.grad = v.grad = None
+    flexfa.flex_attention(q, k, v, block_mask=mask).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_reference(*ref, mask_mod=upper_mod).sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in ref)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def _by_batch(b, h, q_idx, kv_idx):  # batch 1 drops the first 40 keys
+    return (kv_idx <= q_idx) & ((b == 0) | (kv_idx >= 40))
+
+
+def test_tables_reshaped_in_place_by_set_are_read_with_their_new_strides():
+    """Tables built for B=1 (broadcast), then ``set_`` in place to tables of two batches:
+    the same objects, so the launch plan of the first call (which fixes the tables' strides,
+    0 along the broadcast batch) was taken again, and batch 1 read batch 0's tables."""
+    mask = flexfa.create_block_mask(_by_batch, None, 1, L, S, device="cpu", BLOCK_SIZE=16)
+    two = flexfa.create_block_mask(_by_batch, 2, 1, L, S, device="cpu", BLOCK_SIZE=16)
+    q, k, v = qkv(B=2, Hq=1, Hkv=1, L=L, S=S)
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    for name in TABLES:
+        getattr(mask, name).set_(getattr(two, name).clone())
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    exact = attention_reference(q, k, v, mask_mod=_by_batch)
+    eager = attention_reference(q, k, v, mask_mod=_by_batch, dtype=torch.float32)
+    assert_close_to_reference(out, exact, eager)
+
+
+def _same_tile_of_64(b, h, q_idx, kv_idx):
+    return q_idx // 64 == kv_idx // 64
+
+
+def test_a_block_size_assigned_after_a_call_is_used_by_the_next_call():
+    """Tables of 4 x 4 diagonal tiles of 32 (each q tile attends its own kv tile), then
+    ``BLOCK_SIZE = (64, 64)``: the first 2 x 2 of the same tables, tiles of 64. The launch plan
+    of the first call (specialized on the block size) was taken again."""
+    rows = torch.arange(4, dtype=torch.int32).view(1, 1, 4, 1).expand(1, 1, 4, 4).contiguous()
+    none = torch.zeros(1, 1, 4, dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(none, rows, torch.ones_like(none), rows, BLOCK_SIZE=32,
+                                    seq_lengths=(128, 128))
+    q, k, v = qkv(Hq=1, Hkv=1, L=128, S=128)
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    mask.BLOCK_SIZE = (64, 64)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    exact = attention_reference(q, k, v, mask_mod=_same_tile_of_64)
+    eager = attention_reference(q, k, v, mask_mod=_same_tile_of_64, dtype=torch.float32)
+    assert_close_to_reference(out, exact, eager)
+
+
 def test_tables_are_checked_once_per_state(monkeypatch):
     """flexfa's own masks need no check; a torch mask is checked on its first call, again
     after an in-place edit (also through a view) or a replaced table, not otherwise."""

@@ -552,7 +552,8 @@ class Backward(KernelFamily):
         plan = self.make_plan(spec, inner, x, joint)
         plan.fixed["walk"] = walk
         plan.fixed["dense_grad_out"] = dense
-        plans.keep(call, key, plan)
+        plan.depends = plans.q_tables_depends(inner.block_mask)
+        plans.keep_backward(call, key, plan)
         return self.run(plan, call, x, fusable, need_dkdv)
 
     def make_plan(self, spec, call, x: Inputs, joint) -> plans.Plan:

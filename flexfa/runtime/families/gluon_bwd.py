@@ -481,7 +481,8 @@ class GluonBackward(KernelFamily):
 
     def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
         plan = self.make_plan(call, x, target)
-        plans.keep(call, key, plan)
+        plan.depends = plans.q_tables_depends(call.block_mask)
+        plans.keep_backward(call, key, plan)
         return self.run(plan, call, x, fusable, need_dkdv)
 
     def make_plan(self, call, x: Inputs, target: Target) -> plans.Plan:
