@@ -71,7 +71,11 @@ def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.
     if dtype is not torch.bool and (tensor.dtype.is_floating_point or tensor.dtype.is_complex
                                     or tensor.dtype is torch.bool):
         raise InputTypeError(f"{func}: {name} must hold integers, got {tensor.dtype}")
-    return tensor.to(dtype)
+    converted = tensor.to(dtype)
+    if tensor.dtype is torch.uint64 and (converted < 0).any():  # wrapped, read as negative
+        raise InputError(f"{func}: {name} holds uint64 values past int64: "
+                         f"{_shown(tensor)}")
+    return converted
 
 
 def _number_name(value: float) -> str:

@@ -263,6 +263,8 @@ def test_wrong_types_raise_type_error(make):
      "offsets_or_lengths must hold integers, got torch.complex64"),
     (lambda: mods.document(torch.tensor([0, 3], device="meta")), InputError,
      "offsets_or_lengths is a meta tensor"),
+    (lambda: mods.document(torch.tensor([0, 2 ** 63], dtype=torch.uint64)), InputError,
+     r"holds uint64 values past int64: \[0, 9223372036854775808\]"),  # was read as negative
     (lambda: mods.global_sliding(4, None), InputTypeError,
      "global_sliding: is_global must be a 1-d sequence of bools"),
     # past int32 no position reaches: an allocation of 2**62 tokens, or torch's overflow

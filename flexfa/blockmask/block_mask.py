@@ -84,6 +84,14 @@ class BlockMask(TorchBlockMask):
                      full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
         if dq_write_order_full is not None and dq_write_order is None:
             raise InputError("BlockMask: dq_write_order_full needs dq_write_order")
+        for name, value in (("dq_write_order", dq_write_order),
+                            ("dq_write_order_full", dq_write_order_full),
+                            ("dq_kv_order", dq_kv_order)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise InputTypeError(f"BlockMask: {name} must be a tensor or None, got "
+                                     f"{type(value).__name__}")
+        if dq_kv_order_spt is not None:
+            dq_kv_order_spt = check_bool("BlockMask: dq_kv_order_spt", dq_kv_order_spt)
         if kv_indices.dim() < 2:  # as torch's
             raise InputError(f"BlockMask: kv_indices must have at least 2 dims ([B, H,] "
                              f"Q_TILES, KV_TILES), got shape {tuple(kv_indices.shape)}")
@@ -119,7 +127,9 @@ class BlockMask(TorchBlockMask):
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise InputError(f"{func}: full_kv_num_blocks and full_kv_indices must be given "
                              "together or both omitted")
-        if dq_kv_order is not None and not isinstance(dq_kv_order, (bool, torch.Tensor)):
+        if is_bool(dq_kv_order):
+            dq_kv_order = bool(dq_kv_order)
+        elif dq_kv_order is not None and not isinstance(dq_kv_order, torch.Tensor):
             raise InputTypeError(f"{func}: dq_kv_order must be a bool, a tensor or None, got "
                                  f"{type(dq_kv_order).__name__}")
         kv_num_blocks, kv_indices = _table_pair(func, "kv", kv_num_blocks, kv_indices)
@@ -258,6 +268,11 @@ class BlockMask(TorchBlockMask):
 
     def to(self, device) -> "BlockMask":
         """A copy whose tables live on ``device`` (the mask_mod and its trace are shared)."""
+        try:  # (a dtype or a number went on to Tensor.to: int32 tables turned float)
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InputError(f"BlockMask.to: device={device!r} is not a torch device "
+                             f"({exc})") from None
         tables = [None if t is None else t.to(device) for t in (getattr(self, n) for n in _TABLES)]
         dq = {n: None if getattr(self, n) is None else getattr(self, n).to(device)
               for n in _DQ_TENSORS}
@@ -360,7 +375,7 @@ def _keep_dim(index, size: int):
     becomes a slice of one; slices, lists and 1-dim tensors keep it as they are."""
     if isinstance(index, torch.Tensor) and index.dim() == 1 or isinstance(index, (slice, list)):
         return index
-    if index is None or isinstance(index, bool) or (
+    if index is None or is_bool(index) or (  # (np.True_ was read as index 1)
             isinstance(index, torch.Tensor) and (index.dim() or index.dtype is torch.bool)):
         raise InputError(f"{_INDICES}, got {index!r}")
     try:

@@ -301,6 +301,29 @@ def test_constructor_checks_the_rest():
         BlockMask.from_kv_blocks(*tables[:4], BLOCK_SIZE=16, compute_q_blocks="no")
     with pytest.raises(flexfa.InputError, match="kv_indices must have at least 2 dims"):
         BlockMask((64, 64), tables[0].flatten(), tables[1].flatten(), *(None,) * 6)
+    with pytest.raises(flexfa.InputTypeError, match="dq_write_order must be a tensor or None"):
+        BlockMask((64, 64), *tables, BLOCK_SIZE=16, dq_write_order=[0])
+    with pytest.raises(flexfa.InputTypeError, match="dq_kv_order_spt must be a bool"):
+        BlockMask((64, 64), *tables, BLOCK_SIZE=16, dq_kv_order_spt="yes")
+
+
+def test_numpy_bools_are_bools():
+    """np.True_ as a BlockMask index was read as index 1 (batch 1 of two, silently), and
+    dq_kv_order=np.True_ was refused as 'got bool'."""
+    numpy = pytest.importorskip("numpy")
+    mask = ours(mods.causal, 2, 1, 64, 64)
+    with pytest.raises(flexfa.InputError, match="BlockMask\\[...\\] takes integers.*got np.True_"):
+        mask[numpy.True_]
+    built = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=16,
+                                     dq_kv_order=numpy.True_)
+    assert built.dq_kv_order_spt is True
+
+
+@pytest.mark.parametrize("device", ["nope", 5.5, torch.float32])
+def test_to_takes_devices_only(device):
+    """BlockMask.to(torch.float32) (or 5.5) passed it on to Tensor.to: float tables."""
+    with pytest.raises(flexfa.InputError, match="BlockMask.to: device=.* is not a torch device"):
+        ours(mods.causal, 1, 1, 64, 64).to(device)
 
 
 # ---- copies -------------------------------------------------------------------------------
