@@ -55,6 +55,8 @@ def is_bool(value) -> bool:
 def check_bool(name: str, value) -> bool:
     """``value`` as a Python bool if it is a bool (numpy's too), else an InputTypeError naming
     ``name`` and the value (no truthiness: 1, "no" or None are refused)."""
+    if type(value) is bool:  # the common case first: checked on every flex_attention call
+        return value
     if not is_bool(value):
         raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
