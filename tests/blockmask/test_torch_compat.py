@@ -317,6 +317,9 @@ def test_numpy_bools_are_bools():
     built = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=16,
                                      dq_kv_order=numpy.True_)
     assert built.dq_kv_order_spt is True
+    created = ours(mods.causal, 1, 1, 64, 64, compute_dq_write_order=numpy.True_,
+                   dq_kv_order=numpy.True_)
+    assert created.dq_kv_order_spt is True and created.dq_write_order is not None
 
 
 @pytest.mark.parametrize("device", ["nope", 5.5, torch.float32])
