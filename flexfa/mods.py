@@ -304,6 +304,7 @@ def chunked(chunk_size: int, causal: bool = False):
 
 # ---- score_mods ----------------------------------------------------------------------------
 
+_FLOAT32 = torch.finfo(torch.float32)
 MAX_HEADS = 2 ** 20  # alibi's slopes are a Python list first
 
 
@@ -340,6 +341,12 @@ def alibi(num_heads: int, device=None):
 def softcap(cap: float):
     """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``."""
     cap = _positive_float("softcap", "cap", cap)
+    # the scores are float32 (in the kernels and in torch's): a cap past its range is inf
+    # there (inf * tanh(s / inf) is NaN: every output NaN), one below it flushes to 0
+    if not _FLOAT32.tiny <= cap <= _FLOAT32.max:
+        raise InputError(f"softcap: cap must be within float32's normal range "
+                         f"({_FLOAT32.tiny:g} .. {_FLOAT32.max:g}): the scores are float32, "
+                         f"got {cap:g}")
 
     def mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)

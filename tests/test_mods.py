@@ -289,6 +289,10 @@ def test_wrong_types_raise_type_error(make):
     (lambda: mods.chunked(2 ** 63), InputError, "chunked: chunk_size must be at most"),
     (lambda: mods.relative_bias(torch.zeros(5), offset=2 ** 63 - 1), InputError,
      "relative_bias: offset must be at most"),
+    # a cap past float32 is inf in the float32 scores: every output was NaN (torch's too)
+    (lambda: mods.softcap(1e39), InputError, "softcap: cap must be within float32's normal "
+                                             r"range \(1.17549e-38 .. 3.40282e\+38\).*got 1e\+39"),
+    (lambda: mods.softcap(1e-300), InputError, "softcap: cap must be within float32's"),
 ])
 def test_bad_offsets_and_sizes_fail_at_the_factory(make, error, message):
     with pytest.raises(error, match=message):
