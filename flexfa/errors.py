@@ -60,3 +60,10 @@ def check_bool(name: str, value) -> bool:
     if not is_bool(value):
         raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def shown(values, limit: int = 12) -> str:
+    """A tensor's or array's values for an error message: all of them, or the first ``limit``
+    and the count."""
+    values = values.tolist()
+    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} entries)"

@@ -17,8 +17,7 @@ import numbers
 import torch
 
 from .blockmask.checks import MAX_SIZE, resolve_device
-from .blockmask.offsets import _shown
-from .errors import InputError, InputTypeError, check_bool, check_int
+from .errors import InputError, InputTypeError, check_bool, check_int, shown
 
 __all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
            "softcap", "relative_bias", "dilated_window", "global_sliding", "natten_2d",
@@ -74,7 +73,7 @@ def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.
     converted = tensor.to(dtype)
     if tensor.dtype is torch.uint64 and (converted < 0).any():  # wrapped, read as negative
         raise InputError(f"{func}: {name} holds uint64 values past int64: "
-                         f"{_shown(tensor)}")
+                         f"{shown(tensor)}")
     return converted
 
 
@@ -136,27 +135,27 @@ def prefix_lm(prefix_length: int):
 def _document_lengths(offsets_or_lengths) -> torch.Tensor:
     """int64 lengths of the documents, from cu_seqlens or lengths (see ``document_ids``)."""
     values = _one_dim("document", "offsets_or_lengths", offsets_or_lengths, torch.int64, "cpu")
-    shown = _shown(values)
+    listed = shown(values)
     if values.max().item() > MAX_SIZE:  # (and their sum fits int64: it is checked below)
         raise InputError(f"document: offsets_or_lengths must be at most {MAX_SIZE} (2**31 - 1: "
-                         f"positions are int32), got {shown}")
+                         f"positions are int32), got {listed}")
     if values[0].item() == 0 and values.numel() >= 2:  # cu_seqlens
         lengths = values.diff()
         if (lengths < 0).any():
             raise InputError(f"document: offsets (cu_seqlens) must be non-decreasing, got "
-                             f"{shown}")
+                             f"{listed}")
         _refuse_token_ids(values, lengths)
     else:
         lengths = values
         if (lengths <= 0).any():
             raise InputError(f"document: lengths must all be > 0 (or pass offsets starting at "
-                             f"0), got {shown}")
+                             f"0), got {listed}")
     total = lengths.sum().item()
     if total == 0:
-        raise InputError(f"document: the documents hold no tokens: {shown}")
+        raise InputError(f"document: the documents hold no tokens: {listed}")
     if total > MAX_SIZE:
         raise InputError(f"document: the documents hold {total} tokens; at most {MAX_SIZE} "
-                         f"(2**31 - 1: positions are int32), got {shown}")
+                         f"(2**31 - 1: positions are int32), got {listed}")
     return lengths
 
 
@@ -171,12 +170,12 @@ def _refuse_token_ids(values: torch.Tensor, lengths: torch.Tensor) -> None:
     per_id = torch.bincount(values)
     per_id = per_id[per_id > 0]
     raise InputError(
-        f"document: offsets_or_lengths {_shown(values)} starts at 0, so it is read as offsets "
+        f"document: offsets_or_lengths {shown(values)} starts at 0, so it is read as offsets "
         f"(cu_seqlens), but it looks like per-token document ids (non-decreasing in steps of "
         f"0 and 1, with repeats; as offsets it is {lengths.numel()} documents of 0 or 1 tokens, "
         f"{int(lengths.sum())} tokens). document() takes offsets or lengths, not ids: for these "
-        f"ids pass the lengths {_shown(per_id)} or the offsets "
-        f"{_shown(torch.cat([per_id.new_zeros(1), per_id.cumsum(0)]))}")
+        f"ids pass the lengths {shown(per_id)} or the offsets "
+        f"{shown(torch.cat([per_id.new_zeros(1), per_id.cumsum(0)]))}")
 
 
 def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
