@@ -4,6 +4,7 @@ Every error flexfa raises on bad input subclasses one of the builtin types a cal
 catch (ValueError, TypeError, NotImplementedError), so ``except ValueError`` keeps working.
 """
 import numbers
+import sys
 
 
 class FlexFAError(Exception):
@@ -41,9 +42,28 @@ def check_int(func: str, name: str, value, minimum: int | None = 1) -> int:
     return int(value)
 
 
+def is_bool(value) -> bool:
+    """True for a Python bool or a numpy bool (``np.bool_``, what indexing a numpy bool array
+    gives; it is no int, so no int option takes it either). numpy is looked up, not imported:
+    it is no dependency of flexfa, and a numpy bool exists only where numpy was imported."""
+    if type(value) is bool:
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.bool_)
+
+
 def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool, else an InputTypeError naming ``name`` and the value (no
-    truthiness: 1, "no" or None are refused)."""
-    if not isinstance(value, bool):
+    """``value`` as a Python bool if it is a bool (numpy's too), else an InputTypeError naming
+    ``name`` and the value (no truthiness: 1, "no" or None are refused)."""
+    if type(value) is bool:  # the common case first: checked on every flex_attention call
+        return value
+    if not is_bool(value):
         raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
+    return bool(value)
+
+
+def shown(values, limit: int = 12) -> str:
+    """A tensor's or array's values for an error message: all of them, or the first ``limit``
+    and the count."""
+    values = values.tolist()
+    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} entries)"

@@ -13,13 +13,14 @@ unaffected. The keep mask is a pure function of (seed, offset, b, h, q, k)
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
 from .blockmask.checks import resolve_device
-from .errors import InputError, InputTypeError
-from .inputs import check_readable
+from .errors import InputError, InputTypeError, check_int
+from .inputs import MAX_CUDA_PROGRAM_ROWS, check_readable
 from .lazy import lazy_function
 from .runtime.call import OFFSET_LIMIT, SEED_LIMIT, Dropout, seed_tensor
 
@@ -100,8 +101,30 @@ def dropout_mask(seed, B: int, H: int, L: int, S: int, p: float, device="cpu") -
     seed_, offset = _seed_and_offset(seed)
     if seed_ is None:
         raise InputError("dropout_mask needs a seed: an int or a (seed, offset) pair")
-    for name, value in (("B", B), ("H", H), ("L", L), ("S", S)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise InputError(f"{name} must be a non-negative int, got {value!r}")
+    B, H, L, S = (check_int("dropout_mask", name, value, 0)
+                  for name, value in (("B", B), ("H", H), ("L", L), ("S", S)))
     device = resolve_device("dropout_mask", device)
+    _check_mask_sizes(B, H, L, S, device)
     return keep_mask(seed_tensor(seed_, offset, device), B, H, L, S, p)
+
+
+# the mask kernel's query and key indices are int32 and run a tile (up to 64) past the last
+# one: a length within this many of 2**31 wraps them negative, past the bounds check, and the
+# kernel writes before the mask's memory
+MAX_MASK_LENGTH = 2 ** 31 - 64
+
+
+def _check_mask_sizes(B: int, H: int, L: int, S: int, device: torch.device) -> None:
+    """Sizes the mask kernel can index and torch can allocate (errors that were torch's
+    overflow, or a kernel writing out of bounds), before anything is allocated."""
+    for name, value in (("L", L), ("S", S)):
+        if value > MAX_MASK_LENGTH:
+            raise InputError(f"dropout_mask: {name} must be at most {MAX_MASK_LENGTH} (2**31 - "
+                             f"64: the kernel's indices are int32), got {name}={value}")
+    if math.prod(n for n in (B, H, L, S) if n) >= 2 ** 63:  # (torch's check skips no 0)
+        raise InputError(f"dropout_mask: the mask [B={B}, H={H}, L={L}, S={S}] has sizes whose "
+                         "product is past int64 (torch's largest tensor)")
+    if device.type == "cuda" and L * S and B * H > MAX_CUDA_PROGRAM_ROWS:
+        raise InputError(f"dropout_mask: B * H = {B * H} (batch, head) pairs; the CUDA kernel "
+                         f"runs them on a grid axis of at most {MAX_CUDA_PROGRAM_ROWS}, as "
+                         "flex_attention does")

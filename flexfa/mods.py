@@ -16,8 +16,8 @@ import numbers
 
 import torch
 
-from .blockmask.checks import resolve_device
-from .errors import InputError, InputTypeError, check_bool, check_int
+from .blockmask.checks import MAX_SIZE, resolve_device
+from .errors import InputError, InputTypeError, check_bool, check_int, shown
 
 __all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
            "softcap", "relative_bias", "dilated_window", "global_sliding", "natten_2d",
@@ -34,6 +34,17 @@ def _positive_float(func: str, name: str, value) -> float:
     return float(value)
 
 
+def _position(func: str, name: str, value, minimum: int = 1) -> int:
+    """An int compared with positions (a window, a prefix, a chunk): positions are int32,
+    sequences at most MAX_SIZE long, so a larger one changes nothing, and one past int64
+    failed in torch or in the kernel generator when the mod ran."""
+    value = check_int(func, name, value, minimum)
+    if value > MAX_SIZE:
+        raise InputError(f"{func}: {name} must be at most {MAX_SIZE} (2**31 - 1: positions are "
+                         f"int32, no sequence is longer), got {value}")
+    return value
+
+
 def _device(func: str, device) -> torch.device | None:
     """``device`` checked as a torch device (None: the CPU, where tensors are made by default;
     create_block_mask's None is the accelerator)."""
@@ -42,15 +53,28 @@ def _device(func: str, device) -> torch.device | None:
 
 def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.Tensor:
     device = _device(func, device)
-    tensor = torch.as_tensor(values, device=device)
+    kind = "bools" if dtype is torch.bool else "ints"
+    if isinstance(values, torch.Tensor) and values.device.type == "meta":
+        raise InputError(f"{func}: {name} is a meta tensor (it has no values); pass it on the "
+                         "CPU or a GPU")
+    try:  # (a str, None, a list of str, an int past int64 failed inside torch)
+        tensor = torch.as_tensor(values, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InputTypeError(f"{func}: {name} must be a 1-d sequence of {kind}, got "
+                             f"{type(values).__name__} {values!r:.80} ({exc})") from None
     if tensor.dim() != 1 or tensor.numel() == 0:
         raise InputError(f"{func}: {name} must be a non-empty 1-d sequence, got shape "
                          f"{tuple(tensor.shape)}")
     if dtype is torch.bool and tensor.dtype is not torch.bool:
         raise InputTypeError(f"{func}: {name} must be bool (True = global token), got {tensor.dtype}")
-    if dtype is not torch.bool and (tensor.dtype.is_floating_point or tensor.dtype is torch.bool):
+    if dtype is not torch.bool and (tensor.dtype.is_floating_point or tensor.dtype.is_complex
+                                    or tensor.dtype is torch.bool):
         raise InputTypeError(f"{func}: {name} must hold integers, got {tensor.dtype}")
-    return tensor.to(dtype)
+    converted = tensor.to(dtype)
+    if tensor.dtype is torch.uint64 and (converted < 0).any():  # wrapped, read as negative
+        raise InputError(f"{func}: {name} holds uint64 values past int64: "
+                         f"{shown(tensor)}")
+    return converted
 
 
 def _number_name(value: float) -> str:
@@ -83,7 +107,7 @@ def sliding_window(window: int, causal: bool = True):
     causal (default): ``0 <= q_idx - kv_idx < window`` (the query itself and the
     ``window - 1`` keys before it); ``causal=False``: ``|q_idx - kv_idx| < window``.
     """
-    window = check_int("sliding_window", "window", window)
+    window = _position("sliding_window", "window", window)
     if check_bool("sliding_window: causal", causal):
         def mod(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
@@ -101,7 +125,7 @@ def prefix_lm(prefix_length: int):
 
     keep iff ``kv_idx < prefix_length or q_idx >= kv_idx``.
     """
-    n = check_int("prefix_lm", "prefix_length", prefix_length, minimum=0)
+    n = _position("prefix_lm", "prefix_length", prefix_length, minimum=0)
 
     def mod(b, h, q_idx, kv_idx):
         return (kv_idx < n) | (q_idx >= kv_idx)
@@ -111,19 +135,47 @@ def prefix_lm(prefix_length: int):
 def _document_lengths(offsets_or_lengths) -> torch.Tensor:
     """int64 lengths of the documents, from cu_seqlens or lengths (see ``document_ids``)."""
     values = _one_dim("document", "offsets_or_lengths", offsets_or_lengths, torch.int64, "cpu")
+    listed = shown(values)
+    if values.max().item() > MAX_SIZE:  # (and their sum fits int64: it is checked below)
+        raise InputError(f"document: offsets_or_lengths must be at most {MAX_SIZE} (2**31 - 1: "
+                         f"positions are int32), got {listed}")
     if values[0].item() == 0 and values.numel() >= 2:  # cu_seqlens
         lengths = values.diff()
         if (lengths < 0).any():
             raise InputError(f"document: offsets (cu_seqlens) must be non-decreasing, got "
-                             f"{values.tolist()}")
+                             f"{listed}")
+        _refuse_token_ids(values, lengths)
     else:
         lengths = values
         if (lengths <= 0).any():
             raise InputError(f"document: lengths must all be > 0 (or pass offsets starting at "
-                             f"0), got {values.tolist()}")
-    if lengths.sum().item() == 0:
-        raise InputError(f"document: the documents hold no tokens: {values.tolist()}")
+                             f"0), got {listed}")
+    total = lengths.sum().item()
+    if total == 0:
+        raise InputError(f"document: the documents hold no tokens: {listed}")
+    if total > MAX_SIZE:
+        raise InputError(f"document: the documents hold {total} tokens; at most {MAX_SIZE} "
+                         f"(2**31 - 1: positions are int32), got {listed}")
     return lengths
+
+
+def _refuse_token_ids(values: torch.Tensor, lengths: torch.Tensor) -> None:
+    """An InputError for offsets that look like per-token document ids ([0, 0, 0, 1, 1, 2]):
+    read as cu_seqlens they are documents of 0 and 1 tokens, fewer tokens than the ids, and
+    the mask failed later with an index out of bounds that did not say why. (Real offsets
+    with empty documents step by more than 1 somewhere; the same mask without the empty
+    documents is still accepted: [0, 1, 2].)"""
+    if not ((lengths == 0).any() and (lengths <= 1).all()):
+        return
+    per_id = torch.bincount(values)
+    per_id = per_id[per_id > 0]
+    raise InputError(
+        f"document: offsets_or_lengths {shown(values)} starts at 0, so it is read as offsets "
+        f"(cu_seqlens), but it looks like per-token document ids (non-decreasing in steps of "
+        f"0 and 1, with repeats; as offsets it is {lengths.numel()} documents of 0 or 1 tokens, "
+        f"{int(lengths.sum())} tokens). document() takes offsets or lengths, not ids: for these "
+        f"ids pass the lengths {shown(per_id)} or the offsets "
+        f"{shown(torch.cat([per_id.new_zeros(1), per_id.cumsum(0)]))}")
 
 
 def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
@@ -131,7 +183,8 @@ def document_ids(offsets_or_lengths, device=None) -> torch.Tensor:
 
     Accepts cu_seqlens (offsets: starts with 0, non-decreasing, e.g. ``[0, 3, 7, 10]``) or a
     list of document lengths (all > 0, e.g. ``[3, 4, 3]``); both give
-    ``[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]``.
+    ``[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]``. Per-token ids given instead (``[0, 0, 0, 1, 1, 2]``:
+    from 0 in steps of 0 and 1) are refused, naming the lengths they stand for.
     """
     return _ids(_document_lengths(offsets_or_lengths), device)
 
@@ -166,8 +219,8 @@ def dilated_window(window: int, dilation: int):
     keep iff ``d = q_idx - kv_idx`` satisfies ``0 <= d < window * dilation`` and
     ``d % dilation == 0``.
     """
-    window = check_int("dilated_window", "window", window)
-    dilation = check_int("dilated_window", "dilation", dilation)
+    window = _position("dilated_window", "window", window)
+    dilation = _position("dilated_window", "dilation", dilation)
     span = window * dilation
 
     def mod(b, h, q_idx, kv_idx):
@@ -185,7 +238,7 @@ def global_sliding(window: int, is_global, causal: bool = True, device=None):
     (``q_idx - kv_idx < window`` or ``is_global[q_idx]`` or ``is_global[kv_idx]``);
     ``causal=False``: keep iff ``|q_idx - kv_idx| < window`` or either token is global.
     """
-    window = check_int("global_sliding", "window", window)
+    window = _position("global_sliding", "window", window)
     flags = _one_dim("global_sliding", "is_global", is_global, torch.bool, device)
     causal = check_bool("global_sliding: causal", causal)
     suffix = "" if causal else "_bidirectional"
@@ -211,8 +264,8 @@ def natten_2d(width: int, height: int, kernel: int):
     ``cx = clamp(qx, r, width-1-r)``, ``cy = clamp(qy, r, height-1-r)``, keep iff
     ``|kx - cx| <= r and |ky - cy| <= r``.
     """
-    width = check_int("natten_2d", "width", width)
-    height = check_int("natten_2d", "height", height)
+    width = _position("natten_2d", "width", width)
+    height = _position("natten_2d", "height", height)
     kernel = check_int("natten_2d", "kernel", kernel)
     if kernel % 2 == 0 or kernel > min(width, height):
         raise InputError(f"natten_2d: kernel must be odd and <= min(width, height) = "
@@ -236,7 +289,7 @@ def chunked(chunk_size: int, causal: bool = False):
     keep iff ``q_idx // chunk_size == kv_idx // chunk_size`` (and ``q_idx >= kv_idx`` with
     ``causal=True``, as in Llama 4's chunked layers).
     """
-    size = check_int("chunked", "chunk_size", chunk_size)
+    size = _position("chunked", "chunk_size", chunk_size)
     if check_bool("chunked: causal", causal):
         def mod(b, h, q_idx, kv_idx):
             return (q_idx // size == kv_idx // size) & (q_idx >= kv_idx)
@@ -250,6 +303,7 @@ def chunked(chunk_size: int, causal: bool = False):
 
 # ---- score_mods ----------------------------------------------------------------------------
 
+_FLOAT32 = torch.finfo(torch.float32)
 MAX_HEADS = 2 ** 20  # alibi's slopes are a Python list first
 
 
@@ -286,6 +340,12 @@ def alibi(num_heads: int, device=None):
 def softcap(cap: float):
     """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``."""
     cap = _positive_float("softcap", "cap", cap)
+    # the scores are float32 (in the kernels and in torch's): a cap past its range is inf
+    # there (inf * tanh(s / inf) is NaN: every output NaN), one below it flushes to 0
+    if not _FLOAT32.tiny <= cap <= _FLOAT32.max:
+        raise InputError(f"softcap: cap must be within float32's normal range "
+                         f"({_FLOAT32.tiny:g} .. {_FLOAT32.max:g}): the scores are float32, "
+                         f"got {cap:g}")
 
     def mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
@@ -311,7 +371,7 @@ def relative_bias(table: torch.Tensor, offset: int | None = None):
         raise InputError(f"relative_bias: table must have shape [R] or [H, R] with H, R >= 1, "
                          f"got shape {tuple(table.shape)}")
     size = table.shape[-1]
-    offset = (size - 1) // 2 if offset is None else check_int("relative_bias", "offset", offset, 0)
+    offset = (size - 1) // 2 if offset is None else _position("relative_bias", "offset", offset, 0)
     last = size - 1
 
     if table.dim() == 1:

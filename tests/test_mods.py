@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import create_mask
 import flexfa
 from flexfa import mods
 from flexfa.frontend import dense_mask, evaluate, index_grids, trace
-from flexfa.errors import InputTypeError
+from flexfa.errors import InputError, InputTypeError
 from flexfa.reference import attention_reference
 
 SHAPES = [(36, 36), (100, 100), (37, 100)]  # L x S, not tile multiples, L != S
@@ -249,6 +249,73 @@ def test_bad_arguments_raise_value_error(make, words):
 def test_wrong_types_raise_type_error(make):
     with pytest.raises(TypeError):
         make()
+
+
+@pytest.mark.parametrize("make,error,message", [
+    # offsets that are no sequence of ints failed inside torch (a str, None, a list of str, an
+    # int past int64) or were cast (complex), a meta tensor failed reading its values
+    (lambda: mods.document("abc"), InputTypeError,
+     "document: offsets_or_lengths must be a 1-d sequence of ints, got str 'abc'"),
+    (lambda: mods.document(None), InputTypeError, "offsets_or_lengths must be a 1-d sequence"),
+    (lambda: mods.document(["0", "3"]), InputTypeError, "offsets_or_lengths must be a 1-d"),
+    (lambda: mods.document([0, 2 ** 64]), InputTypeError, "offsets_or_lengths must be a 1-d"),
+    (lambda: mods.document(torch.tensor([0, 3], dtype=torch.complex64)), InputTypeError,
+     "offsets_or_lengths must hold integers, got torch.complex64"),
+    (lambda: mods.document(torch.tensor([0, 3], device="meta")), InputError,
+     "offsets_or_lengths is a meta tensor"),
+    (lambda: mods.document(torch.tensor([0, 2 ** 63], dtype=torch.uint64)), InputError,
+     r"holds uint64 values past int64: \[0, 9223372036854775808\]"),  # was read as negative
+    (lambda: mods.global_sliding(4, None), InputTypeError,
+     "global_sliding: is_global must be a 1-d sequence of bools"),
+    # past int32 no position reaches: an allocation of 2**62 tokens, or torch's overflow
+    (lambda: mods.document([0, 2 ** 62]), InputError,
+     r"offsets_or_lengths must be at most 2147483647 .*\[0, 4611686018427387904\]"),
+    # per-token ids were read as offsets of empty and 1-token documents: the mask failed
+    # later with an index out of bounds that did not say why
+    (lambda: mods.document([0, 0, 0, 1, 1, 2]), InputError,
+     r"looks like per-token document ids .* pass the lengths \[3, 2, 1\] or the offsets "
+     r"\[0, 3, 5, 6\]"),
+    (lambda: mods.document(torch.tensor([0, 0, 1, 1, 1, 2])), InputError,
+     r"read as offsets \(cu_seqlens\), but it looks like per-token document ids"),
+    # ints past int64 failed in torch when the mod ran, ones past int32 reach no position
+    (lambda: mods.sliding_window(2 ** 63), InputError,
+     "sliding_window: window must be at most 2147483647 .*got 9223372036854775808"),
+    (lambda: mods.sliding_window(2 ** 31, causal=False), InputError, "window must be at most"),
+    (lambda: mods.prefix_lm(2 ** 70), InputError, "prefix_lm: prefix_length must be at most"),
+    (lambda: mods.dilated_window(2 ** 40, 2), InputError, "dilated_window: window must be at"),
+    (lambda: mods.dilated_window(2, 2 ** 63), InputError, "dilated_window: dilation must be at"),
+    (lambda: mods.global_sliding(2 ** 63, [True]), InputError, "global_sliding: window must be"),
+    (lambda: mods.natten_2d(2 ** 40, 8, 3), InputError, "natten_2d: width must be at most"),
+    (lambda: mods.chunked(2 ** 63), InputError, "chunked: chunk_size must be at most"),
+    (lambda: mods.relative_bias(torch.zeros(5), offset=2 ** 63 - 1), InputError,
+     "relative_bias: offset must be at most"),
+    # a cap past float32 is inf in the float32 scores: every output was NaN (torch's too)
+    (lambda: mods.softcap(1e39), InputError, "softcap: cap must be within float32's normal "
+                                             r"range \(1.17549e-38 .. 3.40282e\+38\).*got 1e\+39"),
+    (lambda: mods.softcap(1e-300), InputError, "softcap: cap must be within float32's"),
+])
+def test_bad_offsets_and_sizes_fail_at_the_factory(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_documents_past_the_longest_sequence_are_refused(monkeypatch):
+    """[2**31 - 1, 2] built 2**31 ids (16 GiB) for a mask no kernel can index (a smaller
+    bound stands in for int32's here)."""
+    monkeypatch.setattr(mods, "MAX_SIZE", 100)
+    with pytest.raises(InputError, match="the documents hold 120 tokens; at most 100"):
+        mods.document([60, 60])
+    assert mods.document([0, 60, 100]).doc_ids.numel() == 100
+
+
+def test_offsets_with_empty_documents_are_still_offsets():
+    """Only offsets stepping by 0 and 1 alone read as per-token ids: real cu_seqlens with
+    empty documents (padding) and the largest sizes are accepted."""
+    assert mods.document([0, 3, 3, 7]).doc_ids.tolist() == [0, 0, 0, 2, 2, 2, 2]
+    assert mods.document([0, 1, 2]).doc_ids.tolist() == [0, 1]
+    assert mods.sliding_window(2 ** 31 - 1).__name__ == "sliding_window_2147483647"
+    numpy = pytest.importorskip("numpy")
+    assert mods.sliding_window(numpy.int64(4), causal=numpy.True_).__name__ == "sliding_window_4"
 
 
 @pytest.mark.parametrize("make,name", [

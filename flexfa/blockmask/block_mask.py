@@ -31,12 +31,12 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, check_bool, is_bool
 from ..frontend.combinators import noop_mask
 from ..frontend.evaluate import evaluate
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from . import derive, draw
-from .checks import block_size_pair, positive_int
+from .checks import MAX_SIZE, block_size_pair, positive_int
 from .tables import ordered_to_dense, transpose_ordered
 from .validate import check_contents, checked_now, mark_checked
 
@@ -85,15 +85,26 @@ class BlockMask(TorchBlockMask):
                      full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
         if dq_write_order_full is not None and dq_write_order is None:
             raise InputError("BlockMask: dq_write_order_full needs dq_write_order")
-        self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
+        for name, value in (("dq_write_order", dq_write_order),
+                            ("dq_write_order_full", dq_write_order_full),
+                            ("dq_kv_order", dq_kv_order)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise InputTypeError(f"BlockMask: {name} must be a tensor or None, got "
+                                     f"{type(value).__name__}")
+        if dq_kv_order_spt is not None:
+            dq_kv_order_spt = check_bool("BlockMask: dq_kv_order_spt", dq_kv_order_spt)
+        if kv_indices.dim() < 2:  # as torch's
+            raise InputError(f"BlockMask: kv_indices must have at least 2 dims ([B, H,] "
+                             f"Q_TILES, KV_TILES), got shape {tuple(kv_indices.shape)}")
+        self.BLOCK_SIZE = block_size_pair("BlockMask", BLOCK_SIZE)
+        self.seq_lengths = _seq_lengths("BlockMask", seq_lengths, kv_indices, self.BLOCK_SIZE)
         self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
         self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
         self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
         self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
         self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
-        self.BLOCK_SIZE = block_size_pair("BlockMask", BLOCK_SIZE)
-        self.mask_mod = noop_mask if mask_mod is None else mask_mod
+        self.mask_mod = noop_mask if mask_mod is None else _mask_mod("BlockMask", mask_mod)
         self._traced = (self.mask_mod, traced_mask) if traced_mask is not None else None
 
     @classmethod
@@ -111,10 +122,15 @@ class BlockMask(TorchBlockMask):
         """
         func = "BlockMask.from_kv_blocks"
         block = block_size_pair(func, BLOCK_SIZE)
+        compute_q_blocks = check_bool(f"{func}: compute_q_blocks", compute_q_blocks)
+        if mask_mod is not None:
+            _mask_mod(func, mask_mod)
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise InputError(f"{func}: full_kv_num_blocks and full_kv_indices must be given "
                              "together or both omitted")
-        if dq_kv_order is not None and not isinstance(dq_kv_order, (bool, torch.Tensor)):
+        if is_bool(dq_kv_order):
+            dq_kv_order = bool(dq_kv_order)
+        elif dq_kv_order is not None and not isinstance(dq_kv_order, torch.Tensor):
             raise InputTypeError(f"{func}: dq_kv_order must be a bool, a tensor or None, got "
                                  f"{type(dq_kv_order).__name__}")
         kv_num_blocks, kv_indices = _table_pair(func, "kv", kv_num_blocks, kv_indices)
@@ -126,8 +142,7 @@ class BlockMask(TorchBlockMask):
                                  f"{tuple(full_kv_indices.shape[2:])} but kv_indices has "
                                  f"{tuple(kv_indices.shape[2:])}")
         rows, cols = kv_indices.shape[-2:]
-        if seq_lengths is None:
-            seq_lengths = (rows * block[0], cols * block[1])
+        seq_lengths = _seq_lengths(func, seq_lengths, kv_indices, block)
         # the rows and tiles both the tables and the lengths have (a table too small for the
         # lengths is an error when the mask is used, where the lengths are the call's)
         covered = (min(int(seq_lengths[0]), rows * block[0]),
@@ -258,6 +273,11 @@ class BlockMask(TorchBlockMask):
 
     def to(self, device) -> "BlockMask":
         """A copy whose tables live on ``device`` (the mask_mod and its trace are shared)."""
+        try:  # (a dtype or a number went on to Tensor.to: int32 tables turned float)
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InputError(f"BlockMask.to: device={device!r} is not a torch device "
+                             f"({exc})") from None
         tables = [None if t is None else t.to(device) for t in (getattr(self, n) for n in _TABLES)]
         dq = {n: None if getattr(self, n) is None else getattr(self, n).to(device)
               for n in _DQ_TENSORS}
@@ -360,7 +380,7 @@ def _keep_dim(index, size: int):
     becomes a slice of one; slices, lists and 1-dim tensors keep it as they are."""
     if isinstance(index, torch.Tensor) and index.dim() == 1 or isinstance(index, (slice, list)):
         return index
-    if index is None or isinstance(index, bool) or (
+    if index is None or is_bool(index) or (  # (np.True_ was read as index 1)
             isinstance(index, torch.Tensor) and (index.dim() or index.dtype is torch.bool)):
         raise InputError(f"{_INDICES}, got {index!r}")
     try:
@@ -405,6 +425,34 @@ def _check_pairs(func: str, *tables) -> None:
             raise InputError(f"{func}: {pair}_num_blocks and {pair}_indices must be given "
                              f"together or both be None, got {pair}_num_blocks="
                              f"{_given(num_blocks)}, {pair}_indices={_given(indices)}")
+
+
+def _seq_lengths(func: str, seq_lengths, kv_indices: torch.Tensor,
+                 block: tuple[int, int]) -> tuple[int, int]:
+    """``(Q_LEN, KV_LEN)`` as ints in 0..MAX_SIZE; None: the tables' tiles times the block
+    size, as torch's ``from_kv_blocks`` derives them (its constructor kept None, and its
+    use failed later; flexfa's failed inside Python, and a float or a bool was truncated)."""
+    if seq_lengths is None:
+        return (kv_indices.shape[-2] * block[0], kv_indices.shape[-1] * block[1])
+    try:  # (operator.index: ints of any kind, 0-d int tensors; no float, no bool)
+        pair = tuple(seq_lengths)
+        lengths = tuple(operator.index(n) for n in pair if not is_bool(n))
+    except TypeError:
+        pair = lengths = ()
+    if len(pair) != 2 or len(lengths) != 2:
+        raise InputTypeError(f"{func}: seq_lengths must be a (Q_LEN, KV_LEN) pair of ints or "
+                             f"None, got {type(seq_lengths).__name__} {seq_lengths!r:.80}")
+    if not all(0 <= n <= MAX_SIZE for n in lengths):
+        raise InputError(f"{func}: seq_lengths must be in 0..{MAX_SIZE} (int32), got "
+                         f"{lengths}")
+    return lengths
+
+
+def _mask_mod(func: str, mask_mod):
+    if not callable(mask_mod):
+        raise InputTypeError(f"{func}: mask_mod must be a function (b, h, q_idx, kv_idx) or "
+                             f"None, got {type(mask_mod).__name__} {mask_mod!r:.60}")
+    return mask_mod
 
 
 def _given(table) -> str:

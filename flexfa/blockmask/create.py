@@ -59,10 +59,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     ``_compile`` changes nothing (flexfa never materializes the mask: nothing to compile).
     """
     func = "create_block_mask"
-    for name, flag in (("_compile", _compile), ("separate_full_blocks", separate_full_blocks),
-                       ("compute_dq_write_order", compute_dq_write_order),
-                       ("dq_kv_order", dq_kv_order)):
-        check_bool(f"{func}: {name}", flag)
+    # (Python bools from here on: a numpy bool is one, and dq_kv_order goes on the mask)
+    _compile, separate_full_blocks, compute_dq_write_order, dq_kv_order = (
+        check_bool(f"{func}: {name}", flag) for name, flag in (
+            ("_compile", _compile), ("separate_full_blocks", separate_full_blocks),
+            ("compute_dq_write_order", compute_dq_write_order), ("dq_kv_order", dq_kv_order)))
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     Q_LEN, KV_LEN = positive_int(func, "Q_LEN", Q_LEN), positive_int(func, "KV_LEN", KV_LEN)

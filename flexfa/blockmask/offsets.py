@@ -18,7 +18,7 @@ import numbers
 import numpy
 import torch
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, shown
 
 MIN_PADDED = 128  # the shortest padded per-token tensor
 PAD_DOC_Q, PAD_DOC_K = -1, -2  # documents of padded positions: they never match
@@ -103,7 +103,7 @@ def raise_bad_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None
     entry and the values; device syncs, on the error path only)."""
     host_offsets(func, cu_seqlens_q, cu_seqlens_k, torch.device("cpu"), total_q, total_k)
     raise AssertionError(f"{func}: the device checks flagged offsets the host's accept: "
-                         f"{_shown(_values(cu_seqlens_q))}, {_shown(_values(cu_seqlens_k))}")
+                         f"{shown(_values(cu_seqlens_q))}, {shown(_values(cu_seqlens_k))}")
 
 
 def _values(cu: torch.Tensor):
@@ -116,16 +116,16 @@ def _check_values(func: str, name: str, cu: torch.Tensor, total: int | None, emp
     if values.min() < 0:
         at = int(numpy.argmax(values < 0))
         raise InputError(f"{func}: {name}[{at}] is {values[at]}; offsets must be >= 0, "
-                         f"got {_shown(values)}")
+                         f"got {shown(values)}")
     if values[0] != 0:
         raise InputError(f"{func}: {name}[0] is {values[0]}; offsets start at 0, got "
-                         f"{_shown(values)}")
+                         f"{shown(values)}")
     lengths = numpy.diff(values)
     if (lengths < 0).any():
         bad = int(numpy.argmax(lengths < 0))
         raise InputError(
             f"{func}: {name} decreases at index {bad + 1} ({values[bad]} -> {values[bad + 1]}); "
-            f"offsets must be sorted (non-decreasing), got {_shown(values)}")
+            f"offsets must be sorted (non-decreasing), got {shown(values)}")
     last = int(values[-1])
     if total is not None and last != total:
         tensor = "query" if name.endswith("q") else "key"
@@ -134,7 +134,7 @@ def _check_values(func: str, name: str, cu: torch.Tensor, total: int | None, emp
             "must equal the total number of packed tokens")
     if last == 0 and not empty_ok:
         raise InputError(f"{func}: {name} holds no tokens (its last entry is 0): "
-                         f"{_shown(values)}")
+                         f"{shown(values)}")
     if last > INT32_MAX:
         raise InputError(f"{func}: {name}[-1] is {last}; offsets must fit in int32 (at most "
                          f"{INT32_MAX})")
@@ -156,11 +156,6 @@ def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
     if cu.device.type != "cpu" and cu.device != device:
         raise InputError(f"{func}: {name} is on {cu.device} but the attention runs on {device}; "
                          f"pass offsets on {device} or on the CPU")
-
-
-def _shown(values, limit: int = 12) -> str:
-    values = values.tolist()
-    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} entries)"
 
 
 def check_window(func: str, window) -> int | None:

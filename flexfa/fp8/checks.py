@@ -64,15 +64,6 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
                          "False with it")
 
 
-def check_seed(seed) -> int:
-    """The rotation's ``seed``: an int torch's generator takes (-2**63 .. 2**64 - 1)."""
-    seed = check_int("fp8.quantize", "seed", seed, minimum=None)
-    if not -2 ** 63 <= seed < 2 ** 64:
-        raise InputError(f"seed must be in -2**63 .. 2**64 - 1 (torch's generator seeds), got "
-                         f"{seed}")
-    return seed
-
-
 def check_mixed(query, key, value) -> bool:
     """True when all three are FP8 tensors; an error when some are and some are not."""
     tensors = [t for t in (query, key, value) if isinstance(t, torch.Tensor)]

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..errors import InputError, check_int
+from ..errors import InputError, InputTypeError, check_int
 
 
 def is_power_of_two(n: int) -> bool:
@@ -47,7 +47,15 @@ def hadamard_matrix(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
     device (no host-to-device copy per call): treat it as read-only."""
     if not is_power_of_two(d):
         raise InputError(f"a Hadamard matrix needs a power-of-two size, got d={d}")
-    return _on_device(d, torch.device(device or "cpu"), dtype)
+    return _on_device(d, _device("hadamard_matrix", device), dtype)
+
+
+def _device(func: str, device) -> torch.device:
+    """``device`` as a torch.device (None: the CPU; 0 is cuda:0, not a falsy None)."""
+    try:
+        return torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InputError(f"{func}: device={device!r} is not a torch device ({exc})") from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,10 +64,23 @@ def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
     return (1.0 - 2.0 * bits.to(torch.float32)).to(device)
 
 
+def check_seed(seed, func: str = "fp8.quantize") -> int:
+    """The rotation's ``seed``: an int torch's generator takes (-2**63 .. 2**64 - 1)."""
+    seed = check_int(func, "seed", seed, minimum=None)
+    if not -2 ** 63 <= seed < 2 ** 64:
+        raise InputError(f"{func}: seed must be in -2**63 .. 2**64 - 1 (torch's generator "
+                         f"seeds), got {seed}")
+    return seed
+
+
 def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
-    """A reproducible +-1 float32 vector of length d (the same for Q and K of one call);
-    cached per (d, seed, device): treat it as read-only."""
-    return _signs(d, int(seed), torch.device(device or "cpu"))
+    """A reproducible +-1 float32 vector of length d, a power of two (the rotation's size;
+    the same for Q and K of one call); cached per (d, seed, device): treat it as read-only."""
+    d = check_int("random_signs", "d", d)
+    if not is_power_of_two(d):  # (rotate takes no other length)
+        raise InputError(f"random_signs: d must be a power of two (the Hadamard rotation's "
+                         f"size; pad the head dim with padded_dim), got d={d}")
+    return _signs(d, check_seed(seed, "random_signs"), _device("random_signs", device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,7 +91,7 @@ def _signed(d: int, seed: int, device: torch.device) -> torch.Tensor:
 def signed_hadamard(d: int, seed: int = 0, device=None) -> torch.Tensor:
     """``diag(random_signs(d, seed)) @ H`` (entries +-1), cached: the fused quantization
     kernel's rotation matrix before its 1/sqrt(d)."""
-    return _signed(d, int(seed), torch.device(device or "cpu"))
+    return _signed(d, int(seed), _device("signed_hadamard", device))
 
 
 def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
@@ -86,15 +107,48 @@ def pad_head_dim(x: torch.Tensor, d: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, d - x.shape[-1]))
 
 
+def _check_rotation(func: str, x, signs) -> int:
+    """The rotation's size d: ``x`` a real floating-point tensor of at least one dim,
+    ``signs`` a 1-D floating-point tensor of d = a power of two entries, each +1 or -1
+    (other values make R no rotation: unrotate would not invert rotate). Reading the signs
+    syncs a GPU: the public helpers check, quantize's own calls (random_signs') do not."""
+    for name, value in (("x", x), ("signs", signs)):
+        if not isinstance(value, torch.Tensor):
+            raise InputTypeError(f"{func}: {name} must be a torch.Tensor, got "
+                                 f"{type(value).__name__}")
+        if not value.dtype.is_floating_point:  # (complex: x.float() dropped the imaginary part)
+            raise InputTypeError(f"{func}: {name} must be a floating-point tensor, got dtype "
+                                 f"{value.dtype}")
+    if x.dim() == 0:
+        raise InputError(f"{func}: x must have at least one dim (the head dim, last), got a "
+                         "0-d tensor")
+    if signs.dim() != 1 or not is_power_of_two(signs.numel()):
+        raise InputError(f"{func}: signs must be 1-D with a power-of-two length (from "
+                         f"random_signs), got shape {tuple(signs.shape)}")
+    if signs.device.type == "meta" and x.device.type != "meta":
+        raise InputError(f"{func}: signs is a meta tensor (no values) but x is on {x.device}")
+    if signs.device.type != "meta" and not bool(((signs == 1) | (signs == -1)).all()):
+        raise InputError(f"{func}: signs must all be +1 or -1 (from random_signs), got "
+                         f"{signs.tolist()[:8]}{'...' if signs.numel() > 8 else ''}")
+    return signs.shape[0]
+
+
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """``x @ R`` in float32 along the last dim (zero-padded to ``len(signs)`` first).
+    """``x @ R`` in float32 along the last dim (zero-padded to ``len(signs)`` first)."""
+    _check_rotation("rotate", x, signs)
+    return rotate_unchecked(x, signs)
+
+
+def rotate_unchecked(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``rotate`` of arguments known good (quantize's: random_signs' signs).
 
     One matmul with the +-1 matrix is exact in float32 up to the accumulation's rounding and
     runs on tensor cores on GPUs (the Walsh-Hadamard butterflies would be log2(d) passes).
     """
     d = signs.shape[0]
     if x.shape[-1] > d:
-        raise InputError(f"head dim {x.shape[-1]} is larger than the rotation's {d} signs")
+        raise InputError(f"rotate: head dim {x.shape[-1]} is larger than the rotation's {d} "
+                         "signs")
     x = pad_head_dim(x.float(), d)
     h = hadamard_matrix(d, x.device) * signs[:, None].to(x.device)
     return (x @ h) * (1.0 / math.sqrt(d))
@@ -102,7 +156,10 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:
     """The inverse of ``rotate`` (``x @ R.T``), cut back to ``head_dim`` channels."""
-    d = signs.shape[0]
+    d = _check_rotation("unrotate", x, signs)
+    if x.shape[-1] != d:
+        raise InputError(f"unrotate: x has head dim {x.shape[-1]} but the rotation has {d} "
+                         "signs; unrotate takes rotate's output (padded to the signs' length)")
     if head_dim is not None:  # (a negative one sliced from the end: the wrong width)
         head_dim = check_int("unrotate", "head_dim", head_dim, 1)
         if head_dim > d:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..inputs import broadcast_batch
-from .hadamard import padded_dim, random_signs, signed_hadamard
-from .hadamard import rotate as hadamard_rotate
+from .hadamard import check_seed, padded_dim, random_signs, signed_hadamard
+from .hadamard import rotate_unchecked as hadamard_rotate
 from .inputs import E4M3_MAX, FP8_DTYPE, FP8Inputs, expand_scales
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "FP8Inputs", "output_dtype", "quantize"]
@@ -79,7 +79,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size=128,
     the default on CUDA, not available with ``per_tensor``) instead of torch operations
     (the default on CPU; ``fused=True`` runs the kernel under the interpreter).
     """
-    from .checks import check_quantize_inputs, check_seed
+    from .checks import check_quantize_inputs
     check_quantize_inputs(q, k, v, rotate, per_tensor, fused)
     seed = check_seed(seed)
     if k.shape[0] == 1 < q.shape[0]:  # key/value shared by the query's batch, as

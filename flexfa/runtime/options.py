@@ -17,7 +17,7 @@ import logging
 import numbers
 
 from .. import config
-from ..errors import InputError, InputTypeError, check_bool
+from ..errors import InputError, InputTypeError, check_bool, is_bool
 from ..memo import BoundedMemo
 
 log = logging.getLogger("flexfa")
@@ -151,10 +151,10 @@ def _flag_or(word: str):
                 raise InputError(f"kernel_options[{key!r}] must be True, False, {word!r} or "
                                  f"'AUTO', got {value!r}")
             return word if value.upper() == word else None
-        if not isinstance(value, bool):
+        if not is_bool(value):
             raise InputTypeError(f"kernel_options[{key!r}] must be True, False, {word!r} or "
                                  f"'AUTO', got {type(value).__name__} {value!r}")
-        return value
+        return bool(value)
     return check
 
 
@@ -162,10 +162,10 @@ def _auto_flag(key: str, value) -> bool | None:
     """True, False, or "AUTO" for flexfa's choice (None)."""
     if isinstance(value, str) and value.upper() == "AUTO":
         return None
-    if not isinstance(value, bool):
+    if not is_bool(value):
         raise InputTypeError(f"kernel_options[{key!r}] must be True, False or 'AUTO', got "
                              f"{type(value).__name__} {value!r}")
-    return value
+    return bool(value)
 
 
 def _choice(choices):
@@ -193,9 +193,16 @@ def _positive_int(key: str, value) -> int:
 
 
 def _precision(key: str, value) -> str:
+    # lower case only, as torch.backends.cuda.matmul.fp32_precision ('IEEE' is an error there)
+    if not isinstance(value, str):
+        raise InputTypeError(f"kernel_options[{key!r}] must be 'ieee' or 'tf32', got "
+                             f"{type(value).__name__} {value!r}")
     if value not in ("ieee", "tf32"):
-        raise InputError(f"kernel_options[{key!r}] must be 'ieee' or 'tf32', got {value!r}")
-    return value
+        case = (" (lower case, as torch.backends.cuda.matmul.fp32_precision takes them)"
+                if value.lower() in ("ieee", "tf32") else "")
+        raise InputError(f"kernel_options[{key!r}] must be 'ieee' or 'tf32'{case}, got "
+                         f"{value!r}")
+    return str(value)
 
 
 _TILE = _int_in(TILES, "a power of two, 16..256")

@@ -252,6 +252,83 @@ def test_constructor_checks_its_arguments():
     assert rebuilt.BLOCK_SIZE == (16, 16) and rebuilt.mask_mod is mods.causal
 
 
+def test_constructor_without_lengths_derives_them_as_torch():
+    """seq_lengths=None failed inside Python ('NoneType' is not subscriptable); torch's
+    from_kv_blocks derives the tiles times the block size, as flexfa's now does in both."""
+    mask = ours(mods.causal, 1, 1, 100, 60, block=(32, 16))
+    tables = [getattr(mask, name) for name in TABLES]
+    rebuilt = BlockMask(None, *tables, BLOCK_SIZE=(32, 16), mask_mod=mods.causal)
+    theirs = torch_flex.BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices,
+                                                 BLOCK_SIZE=(32, 16))
+    assert rebuilt.seq_lengths == tuple(theirs.seq_lengths) == (128, 64)
+    assert BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices,
+                                    BLOCK_SIZE=(32, 16)).seq_lengths == (128, 64)
+
+
+@pytest.mark.parametrize("seq_lengths, error, message", [
+    (64, flexfa.InputTypeError, "seq_lengths must be a \\(Q_LEN, KV_LEN\\) pair of ints or None, "
+                                "got int 64"),
+    ((64,), flexfa.InputTypeError, "pair of ints or None, got tuple \\(64,\\)"),
+    ((64, 64, 64), flexfa.InputTypeError, "pair of ints"),  # was cut to its first two
+    ("ab", flexfa.InputTypeError, "pair of ints or None, got str 'ab'"),
+    ((64.5, 64), flexfa.InputTypeError, "pair of ints"),  # was truncated to 64
+    ((True, 64), flexfa.InputTypeError, "pair of ints"),  # was read as 1
+    (torch.tensor([64.0, 64.0]), flexfa.InputTypeError, "pair of ints"),
+    ((-1, 64), flexfa.InputError, "seq_lengths must be in 0..2147483647"),
+    ((2 ** 40, 64), flexfa.InputError, "seq_lengths must be in 0..2147483647"),
+])
+@pytest.mark.parametrize("build", ["constructor", "from_kv_blocks"])
+def test_bad_seq_lengths_are_named(seq_lengths, error, message, build):
+    mask = ours(mods.causal, 1, 1, 64, 64)
+    tables = [getattr(mask, name) for name in TABLES]
+    with pytest.raises(error, match=message):
+        if build == "constructor":
+            BlockMask(seq_lengths, *tables, BLOCK_SIZE=16)
+        else:
+            BlockMask.from_kv_blocks(*tables[:4], BLOCK_SIZE=16, seq_lengths=seq_lengths)
+
+
+def test_constructor_checks_the_rest():
+    """A mask_mod that is no function, compute_q_blocks of no bool and 1-D tables were taken
+    (the mask failed when used; torch refuses 1-D tables too)."""
+    mask = ours(mods.causal, 1, 1, 64, 64)
+    tables = [getattr(mask, name) for name in TABLES]
+    with pytest.raises(flexfa.InputTypeError, match="BlockMask: mask_mod must be a function"):
+        BlockMask((64, 64), *tables, BLOCK_SIZE=16, mask_mod=5)
+    with pytest.raises(flexfa.InputTypeError, match="from_kv_blocks: mask_mod must be a function"):
+        BlockMask.from_kv_blocks(*tables[:4], BLOCK_SIZE=16, mask_mod="causal")
+    with pytest.raises(flexfa.InputTypeError, match="compute_q_blocks must be a bool"):
+        BlockMask.from_kv_blocks(*tables[:4], BLOCK_SIZE=16, compute_q_blocks="no")
+    with pytest.raises(flexfa.InputError, match="kv_indices must have at least 2 dims"):
+        BlockMask((64, 64), tables[0].flatten(), tables[1].flatten(), *(None,) * 6)
+    with pytest.raises(flexfa.InputTypeError, match="dq_write_order must be a tensor or None"):
+        BlockMask((64, 64), *tables, BLOCK_SIZE=16, dq_write_order=[0])
+    with pytest.raises(flexfa.InputTypeError, match="dq_kv_order_spt must be a bool"):
+        BlockMask((64, 64), *tables, BLOCK_SIZE=16, dq_kv_order_spt="yes")
+
+
+def test_numpy_bools_are_bools():
+    """np.True_ as a BlockMask index was read as index 1 (batch 1 of two, silently), and
+    dq_kv_order=np.True_ was refused as 'got bool'."""
+    numpy = pytest.importorskip("numpy")
+    mask = ours(mods.causal, 2, 1, 64, 64)
+    with pytest.raises(flexfa.InputError, match="BlockMask\\[...\\] takes integers.*got np.True_"):
+        mask[numpy.True_]
+    built = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=16,
+                                     dq_kv_order=numpy.True_)
+    assert built.dq_kv_order_spt is True
+    created = ours(mods.causal, 1, 1, 64, 64, compute_dq_write_order=numpy.True_,
+                   dq_kv_order=numpy.True_)
+    assert created.dq_kv_order_spt is True and created.dq_write_order is not None
+
+
+@pytest.mark.parametrize("device", ["nope", 5.5, torch.float32])
+def test_to_takes_devices_only(device):
+    """BlockMask.to(torch.float32) (or 5.5) passed it on to Tensor.to: float tables."""
+    with pytest.raises(flexfa.InputError, match="BlockMask.to: device=.* is not a torch device"):
+        ours(mods.causal, 1, 1, 64, 64).to(device)
+
+
 # ---- copies -------------------------------------------------------------------------------
 
 class HoldsAMask(torch.nn.Module):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from flexfa.errors import InputError
+from flexfa.errors import InputError, InputTypeError
 from flexfa.fp8.hadamard import (hadamard_matrix, pad_head_dim, padded_dim, random_signs,
                                  rotate, rotation_matrix, unrotate)
 
@@ -83,3 +83,61 @@ def test_the_matrices_cache_is_bounded():
     for power in range(1, 12):
         hadamard_matrix(2 ** power)
     assert hadamard._sylvester.cache_info().currsize <= 8
+
+
+_SIGNS = random_signs(64)
+_X = torch.randn(2, 3, 64)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    # random_signs: d and seed are ints (a float, a bool or a str went to torch), d a power of
+    # two (48 made signs no rotation takes), the seed one torch's generator takes
+    (lambda: random_signs(64.0), InputTypeError, "random_signs: d must be an int, got float"),
+    (lambda: random_signs(True), InputTypeError, "random_signs: d must be an int, got bool"),
+    (lambda: random_signs("64"), InputTypeError, "random_signs: d must be an int, got str"),
+    (lambda: random_signs(0), InputError, "random_signs: d must be >= 1, got 0"),
+    (lambda: random_signs(-1), InputError, "random_signs: d must be >= 1, got -1"),
+    (lambda: random_signs(48), InputError, "random_signs: d must be a power of two.*d=48"),
+    (lambda: random_signs(64, seed=1.5), InputTypeError, "random_signs: seed must be an int"),
+    (lambda: random_signs(64, seed=True), InputTypeError, "random_signs: seed must be an int"),
+    (lambda: random_signs(64, seed=None), InputTypeError, "random_signs: seed must be an int"),
+    (lambda: random_signs(64, seed=2 ** 64), InputError, r"random_signs: seed must be in -2\*\*63"),
+    (lambda: random_signs(64, device="nope"), InputError,
+     "random_signs: device='nope' is not a torch device"),
+    # rotate / unrotate: tensors (a list failed with AttributeError), real floating point (a
+    # complex x lost its imaginary part, int signs passed), signs 1-D of +-1 (2-D signs were
+    # read as 1 sign, a 0-d x or signs an IndexError, other values a silent non-rotation)
+    (lambda: rotate([[1.0] * 64], _SIGNS), InputTypeError, "rotate: x must be a torch.Tensor, got list"),
+    (lambda: rotate(_X, [1.0] * 64), InputTypeError, "rotate: signs must be a torch.Tensor, got list"),
+    (lambda: rotate(_X.to(torch.complex64), _SIGNS), InputTypeError,
+     "rotate: x must be a floating-point tensor, got dtype torch.complex64"),
+    (lambda: rotate(_X.long(), _SIGNS), InputTypeError, "rotate: x must be a floating-point"),
+    (lambda: rotate(_X.bool(), _SIGNS), InputTypeError, "rotate: x must be a floating-point"),
+    (lambda: rotate(_X, _SIGNS.long()), InputTypeError,
+     "rotate: signs must be a floating-point tensor, got dtype torch.int64"),
+    (lambda: rotate(_X, _SIGNS.bool()), InputTypeError, "rotate: signs must be a floating-point"),
+    (lambda: rotate(torch.tensor(1.0), _SIGNS), InputError, "rotate: x must have at least one dim"),
+    (lambda: rotate(_X, _SIGNS[None]), InputError, r"rotate: signs must be 1-D .*shape \(1, 64\)"),
+    (lambda: rotate(_X, torch.tensor(1.0)), InputError, r"rotate: signs must be 1-D .*shape \(\)"),
+    (lambda: rotate(_X[..., :48], torch.ones(48)), InputError, r"power-of-two length .*\(48,\)"),
+    (lambda: rotate(_X, 2 * _SIGNS), InputError, "rotate: signs must all be \\+1 or -1"),
+    (lambda: rotate(_X, torch.full((64,), float("nan"))), InputError, "must all be \\+1 or -1"),
+    (lambda: rotate(_X, _SIGNS.to("meta")), InputError, "signs is a meta tensor"),
+    (lambda: unrotate([[1.0] * 64], _SIGNS), InputTypeError, "unrotate: x must be a torch.Tensor"),
+    (lambda: unrotate(_X, _SIGNS[None]), InputError, "unrotate: signs must be 1-D"),
+    (lambda: unrotate(_X.long(), _SIGNS), InputTypeError, "unrotate: x must be a floating-point"),
+    (lambda: unrotate(_X[..., :32], _SIGNS), InputError,
+     "unrotate: x has head dim 32 but the rotation has 64 signs"),
+])
+def test_bad_arguments_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_device_zero_is_not_the_cpu():
+    """``device or "cpu"`` read device=0 (cuda:0) as None: the signs came back on the CPU."""
+    if torch.cuda.is_available():
+        assert random_signs(64, device=0).device == torch.device("cuda", 0)
+    else:  # torch has no device 0 here
+        with pytest.raises(InputError, match="random_signs: device=0 is not a torch device"):
+            random_signs(64, device=0)

@@ -302,6 +302,9 @@ def test_scale_fold_needs_positive_descales_a_positive_scale_and_no_score_mod():
     assert not fold(x, prepare_score_mod(lambda s, b, h, i, j: s * 2.0))
     assert not fold(x, scale=-0.125) and not fold(x, scale=0.0)
     assert not fold(dataclasses.replace(x, positive_scales=False))
+    # a numpy bool is a bool (check_bool); the spec holds Python's, as every other call's
+    numpy = pytest.importorskip("numpy")
+    assert fold(dataclasses.replace(x, positive_scales=numpy.True_)) is True
 
 
 @pytest.mark.parametrize("mask_mod", [None, mods.causal])

@@ -258,10 +258,12 @@ def test_seeds_decide_the_mask():
     assert not torch.equal(drawn, again)
 
 
+def _no_launch(*args, **kwargs):
+    raise AssertionError("a kernel was launched")
+
+
 def test_bad_dropout_arguments_fail_before_any_launch(monkeypatch):
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a kernel was launched")
-    monkeypatch.setattr(launch.Step, "launch", no_launch)
+    monkeypatch.setattr(launch.Step, "launch", _no_launch)
     q, k, v = make_qkv(1, 2, 2, 16, 16, 16)
     cases = [
         (dict(dropout_p=1.0), InputError, r"dropout_p must be in \[0, 1\), got 1.0"),
@@ -284,6 +286,34 @@ def test_bad_dropout_arguments_fail_before_any_launch(monkeypatch):
         flexfa.dropout_mask(None, 1, 1, 4, 4, 0.5)
     with pytest.raises(InputError, match="dropout_mask: device='bogus' is not a torch device"):
         flexfa.dropout_mask(1, 1, 1, 4, 4, 0.5, device="bogus")
+
+
+@pytest.mark.parametrize("sizes, error, message", [
+    # int32 query / key indices wrap past 2**31 - 64 (the kernel wrote before the mask);
+    # with S = 0 nothing ran and no error came
+    ((1, 1, 2 ** 31, 0), InputError, "dropout_mask: L must be at most 2147483584 .*L=2147483648"),
+    ((1, 1, 0, 2 ** 31 - 63), InputError, "dropout_mask: S must be at most 2147483584"),
+    # past int64: torch's overflow error, after the checks above had passed
+    ((2 ** 62, 4, 1, 1), InputError, "sizes whose product is past int64"),
+    ((2 ** 40, 2 ** 40, 0, 4), InputError, "sizes whose product is past int64"),
+    ((1, 1, 4.0, 4), InputTypeError, "dropout_mask: L must be an int, got float 4.0"),
+    ((1, True, 4, 4), InputTypeError, "dropout_mask: H must be an int, got bool True"),
+    ((1, 1, -1, 4), InputError, "dropout_mask: L must be >= 0, got -1"),
+])
+def test_dropout_mask_checks_its_sizes(sizes, error, message, monkeypatch):
+    monkeypatch.setattr(launch.Step, "launch", _no_launch)
+    with pytest.raises(error, match=message):
+        flexfa.dropout_mask(1, *sizes, 0.5)
+
+
+def test_dropout_mask_checks_the_cuda_grid():
+    """(batch, head) pairs go on a CUDA grid axis of at most 65535, as flex_attention's."""
+    from flexfa.features import _check_mask_sizes
+
+    with pytest.raises(InputError, match="B \\* H = 65536 .* at most 65535"):
+        _check_mask_sizes(1, 65536, 1, 1, torch.device("cuda"))
+    _check_mask_sizes(1, 65536, 1, 1, torch.device("cpu"))
+    _check_mask_sizes(1, 65536, 0, 1, torch.device("cuda"))  # nothing to launch
 
 
 PHILOX_PROBE = '''

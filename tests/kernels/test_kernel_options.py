@@ -177,6 +177,11 @@ def test_a_prefix_on_a_key_of_the_other_pass_names_the_right_spelling(key, right
     ({"SPLIT_KV": "many"}, InputTypeError, r"\['SPLIT_KV'\] must be an int or 'AUTO', got str 'many'"),
     ({"fp32_precision": "bf16"}, InputError, r"\['fp32_precision'\] must be 'ieee' or 'tf32', "
                                              "got 'bf16'"),
+    # torch's fp32_precision strings are lower case ('IEEE' is an error there too)
+    ({"fp32_precision": "IEEE"}, InputError, r"\['fp32_precision'\] must be 'ieee' or 'tf32' "
+                                             r"\(lower case, .*got 'IEEE'"),
+    ({"fp32_precision": "Tf32"}, InputError, r"\(lower case, .*got 'Tf32'"),
+    ({"fp32_precision": 1}, InputTypeError, r"\['fp32_precision'\] .* got int 1"),
     ({"BACKEND": "CUTLASS"}, InputError, r"\['BACKEND'\] must be one of \['AUTO', 'TRITON', "
                                          r"'AMPERE', 'HOPPER'.*got 'CUTLASS'"),
     ({"BACKEND": 1}, InputError, r"\['BACKEND'\] must be one of .* got 1"),
@@ -185,6 +190,22 @@ def test_a_prefix_on_a_key_of_the_other_pass_names_the_right_spelling(key, right
 def test_wrong_values_name_the_key_and_the_value(options, error, message):
     with pytest.raises(error, match=message):
         parse_kernel_options(options)
+
+
+def test_numpy_bools_are_bools_and_not_ints():
+    """A numpy bool (what indexing a numpy bool array gives) was refused where a bool is
+    taken; it is still no int, and a numpy int is still no bool."""
+    numpy = pytest.importorskip("numpy")
+    parsed = parse_kernel_options({"deterministic": numpy.bool_(True), "USE_TMA": numpy.False_,
+                                   "GLUON_PERSISTENT": numpy.True_, "DS_WORKSPACE": numpy.True_,
+                                   "PRESCALE_QK": numpy.True_})
+    assert parsed == parse_kernel_options({"deterministic": True, "USE_TMA": False,
+                                           "GLUON_PERSISTENT": True, "DS_WORKSPACE": True})
+    assert type(parsed.deterministic) is bool and type(parsed.fwd.use_tma) is bool
+    for options in ({"BLOCK_M": numpy.True_}, {"SPLIT_KV": numpy.True_},
+                    {"deterministic": numpy.int64(1)}, {"USE_TMA": numpy.int64(0)}):
+        with pytest.raises(InputTypeError, match=r"must be (an int|a bool|True, False)"):
+            parse_kernel_options(options)
 
 
 def test_not_a_dict():

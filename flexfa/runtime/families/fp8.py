@@ -112,7 +112,7 @@ def fp8_spec(x, call: AttentionCall, target: Target, return_lse: bool) -> FP8Ker
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group, target=target.name, use_tma=tma,
-        fold_qk_scale=call.score is None and call.scale > 0 and x.positive_scales,
+        fold_qk_scale=call.score is None and call.scale > 0 and bool(x.positive_scales),
         wide_ints=int64_nodes(x.q, x.k, call), sinks_dtype=call.sinks_dtype)
 
 
