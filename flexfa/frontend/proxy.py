@@ -405,7 +405,11 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
             f"captured tensor of shape {tuple(tensor.shape)} indexed with {len(nodes)} indices")
     if len(nodes) < tensor.dim():
         return BufferView(tensor, tuple(nodes), tracer)
-    return Proxy(_finish_load(tracer, tensor, tuple(nodes)), tracer)
+    # an element of a narrow integer tensor is held in its dtype, as torch's is (t8[i] + 100
+    # wraps in int8); float16 / bfloat16 elements are read as float32 (docs/mods.md)
+    narrow_int = tensor.dtype in _NARROW_NAMES and _kind(tensor.dtype) is DType.INT
+    return Proxy(_finish_load(tracer, tensor, tuple(nodes)), tracer,
+                 tensor.dtype if narrow_int else None)
 
 
 # ---- operators ----------------------------------------------------------------------------

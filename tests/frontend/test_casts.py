@@ -169,3 +169,29 @@ def test_narrow_float_to_int_follows_the_cpu():
     for name, dtype in (("int32", torch.int32), ("int16", torch.int16), ("int8", torch.int8),
                         ("uint8", torch.uint8)):
         assert narrow(values, name).tolist() == values.to(dtype).tolist(), name
+
+
+# captured tables of narrow integer types: torch keeps an element in the table's dtype, so
+# arithmetic on it wraps there (the values sit on the wrapping edges of every type)
+NARROW_TABLES = {dtype: torch.tensor(values, dtype=dtype) for dtype, values in (
+    (torch.int8, [100, -100, 127, -128]), (torch.uint8, [200, 0, 255, 7]),
+    (torch.int16, [30000, -30000, 32767, -32768]),
+    (torch.int32, [2 ** 30, -2 ** 30, 2 ** 31 - 1, -2 ** 31]))}
+
+
+@pytest.mark.parametrize("dtype", list(NARROW_TABLES), ids=str)
+def test_arithmetic_on_a_captured_narrow_int_element_wraps_as_torch(dtype):
+    """Regression: elements of captured int8 / uint8 / int16 / int32 tensors were computed on
+    as int64, so t8[q_idx] + t8[kv_idx] did not wrap where torch's does."""
+    table = NARROW_TABLES[dtype]
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return (table[q_idx] + table[kv_idx]) * 3 - table[kv_idx] - 100 + (-table[q_idx])
+
+    for q in range(4):
+        for kv in range(4):
+            want, got = _eager_and_traced(mod, q=q, kv=kv)
+            _assert_same(want, got, f"{dtype} at q={q}, kv={kv}")
+    seen = {}
+    trace(lambda score, b, h, q_idx, kv_idx: seen.update(dtype=table[q_idx].dtype) or score)
+    assert seen["dtype"] is dtype
