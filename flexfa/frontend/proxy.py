@@ -442,6 +442,34 @@ def binary_op(op: Op, swap: bool = False):
     return apply
 
 
+def shift_op(left: bool, swap: bool = False):
+    """``x << n`` and ``x >> n`` on ints as torch computes them:
+    ``x * 2 ** n`` wrapping like torch's shift (a count outside 0..63 gives 0), and
+    ``x // 2 ** n``, floor division being the arithmetic shift (a count outside 0..62 gives
+    the sign: -1 or 0)."""
+    symbol = "<<" if left else ">>"
+
+    def apply(a, b):
+        tracer = find_tracer(a, b)
+        if swap:
+            a, b = b, a
+        x, n = lift(a, tracer), lift(b, tracer)
+        if DType.INT is not x.dtype or DType.INT is not n.dtype:
+            raise tracer.error(f"operator {symbol} needs int operands, got {x.dtype.value} "
+                               f"and {n.dtype.value} (torch refuses it too)", UnsupportedOpError)
+        if left:  # 2 ** n wraps to -2**63 at 63 and to 0 from 64, is 0 below 0, as torch's
+            node = ir.binary(Op.MUL, x, ir.binary(Op.POW, ir.const(2), n))
+        else:
+            inside = ir.binary(Op.AND, ir.binary(Op.LE, ir.const(0), n),
+                               ir.binary(Op.LT, n, ir.const(63)))
+            count = ir.where(inside, n, ir.const(0))  # no division by 2 ** 63 or by 0
+            sign = ir.where(ir.binary(Op.LT, x, ir.const(0)), ir.const(-1), ir.const(0))
+            node = ir.where(inside, ir.binary(Op.FLOORDIV, x, ir.binary(Op.POW, ir.const(2),
+                                                                         count)), sign)
+        return result(tracer, node, (a, b))
+    return apply
+
+
 def unary_op(op: Op):
     def apply(a):
         tracer = find_tracer(a)
@@ -468,6 +496,8 @@ DUNDERS = {
     "__and__": binary_op(Op.AND), "__rand__": binary_op(Op.AND, swap=True),
     "__or__": binary_op(Op.OR), "__ror__": binary_op(Op.OR, swap=True),
     "__xor__": binary_op(Op.XOR), "__rxor__": binary_op(Op.XOR, swap=True),
+    "__lshift__": shift_op(left=True), "__rlshift__": shift_op(left=True, swap=True),
+    "__rshift__": shift_op(left=False), "__rrshift__": shift_op(left=False, swap=True),
     "__neg__": unary_op(Op.NEG), "__abs__": unary_op(Op.ABS), "__invert__": unary_op(Op.NOT),
     "__pos__": lambda a: a,
 }
