@@ -417,10 +417,24 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
 _BOOL_OPS = {Op.ADD: Op.OR, Op.MUL: Op.AND}
 
 
+def _lift_pair(tracer: Tracer, a, b, op: Op | None = None) -> tuple[Node, Node]:
+    """The nodes of two operands; a Python int beside a value held in a narrow int type
+    (int8, ...) wrapped into that type first where the op computes in it, as torch converts
+    it (t8 // 200 divides by -56, t8 == 128 compares with -128; t8 / 200 is float math)."""
+    x, y = lift(a, tracer), lift(b, tracer)
+    int_math = op is not Op.DIV and DType.FLOAT not in (x.dtype, y.dtype)
+    storage = _storage((a, b), DType.INT) if int_math else None
+    if storage is None:
+        return x, y
+    return tuple(ir.narrow(n, _NARROW_NAMES[storage])
+                 if n.dtype is DType.INT and not isinstance(v, (Proxy, torch.Tensor)) else n
+                 for v, n in ((a, x), (b, y)))
+
+
 def binary_op(op: Op, swap: bool = False):
     def apply(a, b):
         tracer = find_tracer(a, b)
-        x, y = lift(a, tracer), lift(b, tracer)
+        x, y = _lift_pair(tracer, a, b, op)
         if swap:
             x, y = y, x
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
@@ -453,7 +467,7 @@ def shift_op(left: bool, swap: bool = False):
         tracer = find_tracer(a, b)
         if swap:
             a, b = b, a
-        x, n = lift(a, tracer), lift(b, tracer)
+        x, n = _lift_pair(tracer, a, b)
         if DType.INT is not x.dtype or DType.INT is not n.dtype:
             raise tracer.error(f"operator {symbol} needs int operands, got {x.dtype.value} "
                                f"and {n.dtype.value} (torch refuses it too)", UnsupportedOpError)

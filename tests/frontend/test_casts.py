@@ -120,6 +120,11 @@ ARITHMETIC = {
     "silu(half)": lambda s, q, kv: torch.nn.functional.silu(s.half()),
     "to(other)": lambda s, q, kv: s.to(q.to(torch.int16)) + 40000,
     "detach(int8)+1": lambda s, q, kv: q.to(torch.int8).detach() + 127,
+    # a Python int beside a narrow int is wrapped into its type first (200 is -56 in int8)
+    "char//200": lambda s, q, kv: q.char() // 200, "char%-200": lambda s, q, kv: q.char() % -200,
+    "char==128": lambda s, q, kv: q.char() == 128, "short<40000": lambda s, q, kv: q.short() < 40000,
+    "1000//char": lambda s, q, kv: 1000 // (q.char() | 1), "byte>=300": lambda s, q, kv: q.byte() >= 300,
+    "char<<260": lambda s, q, kv: q.char() << 260, "char/200": lambda s, q, kv: q.char() / 200,
 }
 
 
