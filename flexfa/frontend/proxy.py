@@ -417,18 +417,26 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
 _BOOL_OPS = {Op.ADD: Op.OR, Op.MUL: Op.AND}
 
 
+# the ops whose torch CPU kernels convert a Python number to a float16 / bfloat16 operand's
+# type before computing (mul, true and floor division keep it in float32 instead)
+_ROUNDS_NUMBER = frozenset({Op.ADD, Op.SUB, Op.LT, Op.LE, Op.EQ, Op.NE, Op.MOD, Op.FMOD, Op.POW})
+
+
 def _lift_pair(tracer: Tracer, a, b, op: Op | None = None) -> tuple[Node, Node]:
-    """The nodes of two operands; a Python int beside a value held in a narrow int type
-    (int8, ...) wrapped into that type first where the op computes in it, as torch converts
-    it (t8 // 200 divides by -56, t8 == 128 compares with -128; t8 / 200 is float math)."""
+    """The nodes of two operands, a Python number converted to the narrow type of the other
+    operand first, as torch converts it: wrapped into an int type (t8 // 200 divides by -56,
+    t8 == 128 compares with -128; not for t8 / 200, float math), rounded to float16 /
+    bfloat16 by the ops that do (``_ROUNDS_NUMBER``: h == 2049.0 is True at 2048)."""
     x, y = lift(a, tracer), lift(b, tracer)
-    int_math = op is not Op.DIV and DType.FLOAT not in (x.dtype, y.dtype)
-    storage = _storage((a, b), DType.INT) if int_math else None
+    if DType.FLOAT in (x.dtype, y.dtype):
+        storage = _storage((a, b), DType.FLOAT) if op in _ROUNDS_NUMBER else None
+    else:
+        storage = _storage((a, b), DType.INT) if op is not Op.DIV else None
     if storage is None:
         return x, y
     return tuple(ir.narrow(n, _NARROW_NAMES[storage])
-                 if n.dtype is DType.INT and not isinstance(v, (Proxy, torch.Tensor)) else n
-                 for v, n in ((a, x), (b, y)))
+                 if n.dtype is not DType.BOOL and not isinstance(v, (Proxy, torch.Tensor))
+                 else n for v, n in ((a, x), (b, y)))
 
 
 def binary_op(op: Op, swap: bool = False):

@@ -125,12 +125,22 @@ ARITHMETIC = {
     "char==128": lambda s, q, kv: q.char() == 128, "short<40000": lambda s, q, kv: q.short() < 40000,
     "1000//char": lambda s, q, kv: 1000 // (q.char() | 1), "byte>=300": lambda s, q, kv: q.byte() >= 300,
     "char<<260": lambda s, q, kv: q.char() << 260, "char/200": lambda s, q, kv: q.char() / 200,
+    # and a Python number beside a float16 / bfloat16 is rounded to it by +, -, comparisons,
+    # %, fmod and ** (not by *, / and //)
+    "half==2049": lambda s, q, kv: s.half() == 2049.0, "half<2049": lambda s, q, kv: s.half() < 2049,
+    "half-2047.1": lambda s, q, kv: s.half() - 2047.1, "0.9+half": lambda s, q, kv: 0.9 + s.half(),
+    "half%2047.1": lambda s, q, kv: s.half() % 2047.1,
+    "fmod(half)": lambda s, q, kv: torch.fmod(s.half(), 1024.3),
+    "half**1.0001": lambda s, q, kv: s.abs().half() ** 1.0001,
+    "half*1.0005": lambda s, q, kv: s.half() * 1.0005, "half/0.9995": lambda s, q, kv: s.half() / 0.9995,
+    "half//1024.3": lambda s, q, kv: s.half() // 1024.3,
+    "bf16-255.1": lambda s, q, kv: s.bfloat16() - 255.1, "bf16>=257": lambda s, q, kv: s.bfloat16() >= 257.0,
 }
 
 
 @pytest.mark.parametrize("name", sorted(ARITHMETIC))
-@given(score=st.one_of(st.sampled_from(FLOAT_EDGES), st.floats(-1e4, 1e4, width=32)),
-       q=INTS, kv=INTS)
+@given(score=st.one_of(st.sampled_from(FLOAT_EDGES + [2048.0, 256.0, 2049.0]),
+                      st.floats(-1e4, 1e4, width=32)), q=INTS, kv=INTS)
 def test_arithmetic_after_a_cast_matches_torch(name, score, q, kv):
     fn = ARITHMETIC[name]
     want, got = _eager_and_traced(lambda s, b, h, q_idx, kv_idx: fn(s, q_idx, kv_idx),
@@ -200,3 +210,17 @@ def test_arithmetic_on_a_captured_narrow_int_element_wraps_as_torch(dtype):
     seen = {}
     trace(lambda score, b, h, q_idx, kv_idx: seen.update(dtype=table[q_idx].dtype) or score)
     assert seen["dtype"] is dtype
+
+
+@pytest.mark.parametrize("name,score", [
+    ("half==2049", 2048.0), ("half<2049", 2048.0), ("half-2047.1", 2048.0),
+    ("0.9+half", 2048.0), ("half%2047.1", 2048.0), ("fmod(half)", 2048.0),
+    ("half*1.0005", 2048.0), ("half//1024.3", 2048.0), ("bf16-255.1", 256.0),
+    ("bf16>=257", 256.0), ("char//200", 0.0), ("char==128", 0.0)])
+def test_python_numbers_meet_narrow_values_as_in_torch(name, score):
+    """Regression: Python numbers were not converted to the narrow operand's type (at 2048,
+    float16 h == 2049.0 is True in torch: 2049.0 rounds to 2048; int8 -128 // 200 is 2)."""
+    fn = ARITHMETIC[name]
+    want, got = _eager_and_traced(lambda s, b, h, q_idx, kv_idx: fn(s, q_idx, kv_idx),
+                                  score=score, q=128)
+    _assert_same(want, got, f"{name} at score={score!r}")
