@@ -456,6 +456,11 @@ def binary_op(op: Op, swap: bool = False):
             raise tracer.error(f"operator {op.name.lower()} on two bool values (torch refuses "
                                "it too); cast one with .int() or .float() first",
                                UnsupportedOpError)
+        if (op is Op.POW and not swap and x.dtype is DType.INT and isinstance(b, numbers.Integral)
+                and not isinstance(b, bool) and b < 0):
+            raise tracer.error(f"an integer to the power {b}: torch raises \"Integers to "
+                               "negative integer powers are not allowed\"; use a float "
+                               f"(x.float() ** {b})", UnsupportedOpError)
         # torch adds bool tensors as a logical or and multiplies them as a logical and, with a
         # bool result (True + True is True; Python's bools alone would give 2)
         op_ = _BOOL_OPS.get(op, op) if x.dtype is y.dtype is DType.BOOL else op

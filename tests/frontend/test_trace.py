@@ -97,6 +97,15 @@ def test_shifts_of_floats_and_bools_are_refused_as_in_torch(fn):
         trace(lambda score, b, h, q_idx, kv_idx: fn(score, q_idx))
 
 
+@pytest.mark.parametrize("fn", [lambda q: q ** -1, lambda q: torch.pow(q - 3, -2),
+                                lambda q: q.pow(-1)])
+def test_int_to_a_negative_python_int_is_refused_as_in_torch(fn):
+    with pytest.raises(RuntimeError, match="Integers to negative integer powers"):
+        fn(torch.tensor(2))
+    with pytest.raises(TraceError, match="Integers to negative integer powers are not allowed"):
+        trace(lambda score, b, h, q_idx, kv_idx: score + fn(q_idx))
+
+
 _LOGIC = [
     lambda q, kv: (q >= kv) & (q - kv < 10), lambda q, kv: (q < kv) | (kv == 3),
     lambda q, kv: (q > kv) ^ (q % 2 == 0), lambda q, kv: ~(q <= kv), lambda q, kv: q != kv,
