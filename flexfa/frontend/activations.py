@@ -97,10 +97,14 @@ def hardswish(x: Node) -> Node:
 
 def elu(x: Node, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0) -> Node:
     """torch's elu family: x * scale above 0, expm1(x * input_scale) * alpha * scale at and
-    below 0 (so the gradient at 0 is the negative branch's)."""
+    below 0 (so the gradient at 0 is the negative branch's). The expm1 branch sees 0 where it
+    is not taken: above about 88 / input_scale its derivative would overflow, and the zero
+    gradient of the branch not taken times inf is a NaN where torch's gradient is scale."""
     x = _float(x)
-    negative = _b(Op.MUL, _u(Op.EXPM1, _b(Op.MUL, x, _f(input_scale))), _f(alpha * scale))
-    return _where(_b(Op.LE, x, _f(0.0)), negative, _b(Op.MUL, x, _f(scale)))
+    at_or_below = _b(Op.LE, x, _f(0.0))
+    safe = _where(at_or_below, x, _f(0.0))
+    negative = _b(Op.MUL, _u(Op.EXPM1, _b(Op.MUL, safe, _f(input_scale))), _f(alpha * scale))
+    return _where(at_or_below, negative, _b(Op.MUL, x, _f(scale)))
 
 
 def selu(x: Node) -> Node:

@@ -92,4 +92,4 @@ def unsupported(tracer, func) -> TraceError:
     return tracer.error(
         f"torch function {name} is not supported in mods; supported: "
         + ", ".join(supported_functions()) + "; operators + - * / // % ** < <= == != >= > "
-        "& | ^ ~ and abs()", UnsupportedOpError)
+        "& | ^ ~ << >> and abs()", UnsupportedOpError)

@@ -405,7 +405,11 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
             f"captured tensor of shape {tuple(tensor.shape)} indexed with {len(nodes)} indices")
     if len(nodes) < tensor.dim():
         return BufferView(tensor, tuple(nodes), tracer)
-    return Proxy(_finish_load(tracer, tensor, tuple(nodes)), tracer)
+    # an element of a narrow integer tensor is held in its dtype, as torch's is (t8[i] + 100
+    # wraps in int8); float16 / bfloat16 elements are read as float32 (docs/mods.md)
+    narrow_int = tensor.dtype in _NARROW_NAMES and _kind(tensor.dtype) is DType.INT
+    return Proxy(_finish_load(tracer, tensor, tuple(nodes)), tracer,
+                 tensor.dtype if narrow_int else None)
 
 
 # ---- operators ----------------------------------------------------------------------------
@@ -413,10 +417,32 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
 _BOOL_OPS = {Op.ADD: Op.OR, Op.MUL: Op.AND}
 
 
+# the ops whose torch CPU kernels convert a Python number to a float16 / bfloat16 operand's
+# type before computing (mul, true and floor division keep it in float32 instead)
+_ROUNDS_NUMBER = frozenset({Op.ADD, Op.SUB, Op.LT, Op.LE, Op.EQ, Op.NE, Op.MOD, Op.FMOD, Op.POW})
+
+
+def _lift_pair(tracer: Tracer, a, b, op: Op | None = None) -> tuple[Node, Node]:
+    """The nodes of two operands, a Python number converted to the narrow type of the other
+    operand first, as torch converts it: wrapped into an int type (t8 // 200 divides by -56,
+    t8 == 128 compares with -128; not for t8 / 200, float math), rounded to float16 /
+    bfloat16 by the ops that do (``_ROUNDS_NUMBER``: h == 2049.0 is True at 2048)."""
+    x, y = lift(a, tracer), lift(b, tracer)
+    if DType.FLOAT in (x.dtype, y.dtype):
+        storage = _storage((a, b), DType.FLOAT) if op in _ROUNDS_NUMBER else None
+    else:
+        storage = _storage((a, b), DType.INT) if op is not Op.DIV else None
+    if storage is None:
+        return x, y
+    return tuple(ir.narrow(n, _NARROW_NAMES[storage])
+                 if n.dtype is not DType.BOOL and not isinstance(v, (Proxy, torch.Tensor))
+                 else n for v, n in ((a, x), (b, y)))
+
+
 def binary_op(op: Op, swap: bool = False):
     def apply(a, b):
         tracer = find_tracer(a, b)
-        x, y = lift(a, tracer), lift(b, tracer)
+        x, y = _lift_pair(tracer, a, b, op)
         if swap:
             x, y = y, x
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
@@ -430,11 +456,44 @@ def binary_op(op: Op, swap: bool = False):
             raise tracer.error(f"operator {op.name.lower()} on two bool values (torch refuses "
                                "it too); cast one with .int() or .float() first",
                                UnsupportedOpError)
+        if (op is Op.POW and not swap and x.dtype is DType.INT and isinstance(b, numbers.Integral)
+                and not isinstance(b, bool) and b < 0):
+            raise tracer.error(f"an integer to the power {b}: torch raises \"Integers to "
+                               "negative integer powers are not allowed\"; use a float "
+                               f"(x.float() ** {b})", UnsupportedOpError)
         # torch adds bool tensors as a logical or and multiplies them as a logical and, with a
         # bool result (True + True is True; Python's bools alone would give 2)
         op_ = _BOOL_OPS.get(op, op) if x.dtype is y.dtype is DType.BOOL else op
         return result(tracer, ir.binary(op_, x, y), (a, b),
                       lambda nodes: ir.binary(op_, *nodes))
+    return apply
+
+
+def shift_op(left: bool, swap: bool = False):
+    """``x << n`` and ``x >> n`` on ints as torch computes them:
+    ``x * 2 ** n`` wrapping like torch's shift (a count outside 0..63 gives 0), and
+    ``x // 2 ** n``, floor division being the arithmetic shift (a count outside 0..62 gives
+    the sign: -1 or 0)."""
+    symbol = "<<" if left else ">>"
+
+    def apply(a, b):
+        tracer = find_tracer(a, b)
+        if swap:
+            a, b = b, a
+        x, n = _lift_pair(tracer, a, b)
+        if DType.INT is not x.dtype or DType.INT is not n.dtype:
+            raise tracer.error(f"operator {symbol} needs int operands, got {x.dtype.value} "
+                               f"and {n.dtype.value} (torch refuses it too)", UnsupportedOpError)
+        if left:  # 2 ** n wraps to -2**63 at 63 and to 0 from 64, is 0 below 0, as torch's
+            node = ir.binary(Op.MUL, x, ir.binary(Op.POW, ir.const(2), n))
+        else:
+            inside = ir.binary(Op.AND, ir.binary(Op.LE, ir.const(0), n),
+                               ir.binary(Op.LT, n, ir.const(63)))
+            count = ir.where(inside, n, ir.const(0))  # no division by 2 ** 63 or by 0
+            sign = ir.where(ir.binary(Op.LT, x, ir.const(0)), ir.const(-1), ir.const(0))
+            node = ir.where(inside, ir.binary(Op.FLOORDIV, x, ir.binary(Op.POW, ir.const(2),
+                                                                         count)), sign)
+        return result(tracer, node, (a, b))
     return apply
 
 
@@ -464,6 +523,8 @@ DUNDERS = {
     "__and__": binary_op(Op.AND), "__rand__": binary_op(Op.AND, swap=True),
     "__or__": binary_op(Op.OR), "__ror__": binary_op(Op.OR, swap=True),
     "__xor__": binary_op(Op.XOR), "__rxor__": binary_op(Op.XOR, swap=True),
+    "__lshift__": shift_op(left=True), "__rlshift__": shift_op(left=True, swap=True),
+    "__rshift__": shift_op(left=False), "__rrshift__": shift_op(left=False, swap=True),
     "__neg__": unary_op(Op.NEG), "__abs__": unary_op(Op.ABS), "__invert__": unary_op(Op.NOT),
     "__pos__": lambda a: a,
 }

@@ -13,7 +13,8 @@ import torch
 from . import activations, ir
 from .ir import DType, Op
 from .proxy import (CAST_METHODS, DUNDERS, SETITEM_MESSAGE, TORCH_FUNCTIONS, Proxy, binary_op,
-                    convert, find_tracer, index_buffer, lift, reduction_error, result, unary_op)
+                    convert, find_tracer, index_buffer, lift, reduction_error, result, shift_op,
+                    unary_op)
 
 
 def _where(cond, a, b):
@@ -186,6 +187,8 @@ def _table() -> dict:
     for op, name in ((Op.AND, "logical_and"), (Op.OR, "logical_or"), (Op.XOR, "logical_xor")):
         add(name, _logical(op))
     add("logical_not", _logical_not)
+    add("bitwise_left_shift", shift_op(left=True))
+    add("bitwise_right_shift", shift_op(left=False))
     for name in ("add", "sub", "subtract"):
         add(name, _add(-1 if name.startswith("sub") else 1))
     for name in ("div", "divide"):

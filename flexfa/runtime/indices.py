@@ -18,6 +18,11 @@ kv_idx < S): each index must lie in -n..n-1 for a dimension of size n, as in tor
 
 Steps 1 and 2 are memoized by the mods' structure and the lengths, so a repeated call costs
 one dict lookup.
+
+Integer ``//`` and ``%`` (and ``torch.fmod``, ``div(rounding_mode=...)``) by a traced divisor
+are checked the same way: torch raises ZeroDivisionError wherever the divisor is 0 (in a
+``torch.where`` branch not taken too), where a kernel would compute garbage. The interval rules
+prove most divisors nonzero; the others are evaluated exactly.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from ..codegen.ranges import Domain, value_ranges
 from ..codegen.render import leaf_ops
 from ..errors import InputError
 from ..frontend.evaluate import evaluate_node
-from ..frontend.ir import Node, Op
+from ..frontend.ir import DType, Node, Op
 from ..frontend.trace import TracedMod
 from ..memo import OwnedMemo
 
@@ -39,7 +44,8 @@ _MAX_MEMO = 1024
 
 @dataclasses.dataclass(frozen=True)
 class _Read:
-    """One dimension of one captured-tensor read: ``tensor[..., index, ...]``."""
+    """One dimension of one captured-tensor read: ``tensor[..., index, ...]``; or, with
+    ``size`` 0, the divisor ``index`` of the integer division ``load``, which must not be 0."""
 
     load: Node
     dim: int
@@ -60,19 +66,33 @@ class _OutOfRange:
     hi: int
 
 
+_DIVISIONS = (Op.FLOORDIV, Op.MOD, Op.FMOD)
+
+
 def _reads(mod: TracedMod) -> list[_Read]:
-    """Every dimension of every read, inner reads (those an index reads) first."""
-    return [_Read(node, dim, index, mod.buffer_specs[node.arg][0][dim])
-            for node in mod.root.toposort() if node.op is Op.LOAD
-            for dim, index in enumerate(node.src)]
+    """Every dimension of every read, inner reads (those an index reads) first, and every
+    integer divisor that is not a constant (a constant 0 is refused when rendering)."""
+    reads = []
+    for node in mod.root.toposort():
+        if node.op is Op.LOAD:
+            reads += [_Read(node, dim, index, mod.buffer_specs[node.arg][0][dim])
+                      for dim, index in enumerate(node.src)]
+        elif node.op in _DIVISIONS and node.dtype is DType.INT and node.src[1].op is not Op.CONST:
+            reads.append(_Read(node, 1, node.src[1], 0))
+    return reads
 
 
-def _in_range(read: _Read, lo: float, hi: float) -> bool:
+def _in_range(read: _Read, lo: float, hi: float, zero: bool | None = None) -> bool:
+    """Whether values from ``lo`` to ``hi`` are a valid index (a nonzero divisor: ``zero``,
+    whether 0 is among them, decides where it is known)."""
+    if read.size == 0:
+        return not zero if zero is not None else not lo <= 0 <= hi
     return -read.size <= lo and hi <= read.size - 1
 
 
-def _exact_range(index: Node, buffers, domain: Domain, device) -> tuple[int, int]:
-    """(min, max) of ``index`` over the domain's values of the leaves it reads."""
+def _exact_range(index: Node, buffers, domain: Domain, device) -> tuple[int, int, bool]:
+    """(min, max, whether 0 occurs) of ``index`` over the domain's values of the leaves it
+    reads."""
     sizes = {Op.B: domain.batch, Op.H: domain.heads, Op.Q_IDX: domain.q_len,
              Op.KV_IDX: domain.kv_len}
     used = [op for op in sizes if op in leaf_ops(index)]
@@ -82,7 +102,7 @@ def _exact_range(index: Node, buffers, domain: Domain, device) -> tuple[int, int
         others *= sizes[op] if op is not longest else 1
     step = max(1, _CHUNK // others)
     total = sizes[longest] if longest is not None else 1
-    lows, highs = [], []
+    lows, highs, zeros = [], [], []
     for start in range(0, total, step):
         grids = {}
         for axis, op in enumerate(sizes):
@@ -98,16 +118,21 @@ def _exact_range(index: Node, buffers, domain: Domain, device) -> tuple[int, int
         low, high = torch.aminmax(values.reshape(-1))
         lows.append(low)
         highs.append(high)
-    return int(torch.stack(lows).min()), int(torch.stack(highs).max())
+        zeros.append((values == 0).any())
+    return (int(torch.stack(lows).min()), int(torch.stack(highs).max()),
+            bool(torch.stack(zeros).any()))
 
 
 def _static(mod: TracedMod, domain: Domain, device) -> tuple[_OutOfRange | None, tuple]:
     """(the first read out of range or None, the reads whose index reads tensor values)."""
+    reads = _reads(mod)
+    if not reads:
+        return None, ()
     dtypes = tuple(dtype for _, dtype in mod.buffer_specs)
     coarse = value_ranges([mod.root], dtypes, domain.rounded())
     ranges = None
     from_values = []
-    for read in _reads(mod):
+    for read in reads:
         if _in_range(read, *coarse[read.index]):
             continue
         if ranges is None:
@@ -117,9 +142,9 @@ def _static(mod: TracedMod, domain: Domain, device) -> tuple[_OutOfRange | None,
         if read.reads_values:
             from_values.append(read)
             continue
-        lo, hi = _exact_range(read.index, (), domain, device)
-        if not _in_range(read, lo, hi):
-            return _OutOfRange(read, mod.buffer_specs[read.load.arg][0], lo, hi), ()
+        lo, hi, zero = _exact_range(read.index, (), domain, device)
+        if not _in_range(read, lo, hi, zero):
+            return _OutOfRange(read, _shape(mod, read), lo, hi), ()
     return None, tuple(from_values)
 
 
@@ -134,11 +159,11 @@ def check_captured_indices(score: TracedMod | None, mask: TracedMod | None,
                            q_shape: tuple[int, ...], kv_len: int, device) -> None:
     """Raise an InputError naming the mod, the tensor's shape, the dimension and the index
     range when a read of a captured tensor leaves it for some b < B, h < Hq, q_idx < L,
-    kv_idx < kv_len, where ``q_shape`` is the query's [B, Hq, L, E] (see the module
-    docstring)."""
-    if score is not None and score.buffers:
+    kv_idx < kv_len, where ``q_shape`` is the query's [B, Hq, L, E], or when an integer
+    divisor is 0 there (see the module docstring)."""
+    if score is not None:
         _check_mod(score, q_shape, kv_len, device)
-    if mask is not None and mask.buffers:
+    if mask is not None:
         _check_mod(mask, q_shape, kv_len, device)
 
 
@@ -179,10 +204,9 @@ def _check_values(mod: TracedMod, reads: tuple[_Read, ...], domain: Domain) -> N
         if versions is not None and _CHECKED_VALUES.get(mod, (domain, read)) == versions:
             continue
         device = mod.buffers[slots[0]].device
-        lo, hi = _exact_range(read.index, mod.buffers, domain, device)
-        if not _in_range(read, lo, hi):
-            shape = tuple(mod.buffers[read.load.arg].shape)
-            raise _error(mod, _OutOfRange(read, shape, lo, hi), domain)
+        lo, hi, zero = _exact_range(read.index, mod.buffers, domain, device)
+        if not _in_range(read, lo, hi, zero):
+            raise _error(mod, _OutOfRange(read, _shape(mod, read), lo, hi), domain)
         _CHECKED_VALUES.put(mod, (domain, read), versions)
 
 
@@ -194,11 +218,22 @@ def versions_of(tensors) -> tuple[int, ...] | None:
         return None
 
 
+def _shape(mod: TracedMod, read: _Read) -> tuple[int, ...]:
+    return () if read.size == 0 else tuple(mod.buffer_specs[read.load.arg][0])
+
+
 def _error(mod: TracedMod, bad: _OutOfRange, domain: Domain) -> InputError:
     size = bad.read.size
+    where = (f"b < {domain.batch}, h < {domain.heads}, q_idx < {domain.q_len}, kv_idx < "
+             f"{domain.kv_len}")
+    if size == 0:
+        symbol = {Op.FLOORDIV: "//", Op.MOD: "%", Op.FMOD: "torch.fmod"}[bad.read.load.op]
+        return InputError(
+            f"the {mod.kind} {mod.name!r} divides integers ({symbol}) by a divisor that is 0 "
+            f"for some {where} (its values: {bad.lo}..{bad.hi}); torch raises "
+            "ZeroDivisionError for it, in a torch.where branch not taken too: keep the "
+            "divisor nonzero (e.g. torch.clamp(d, min=1))")
     return InputError(
         f"the {mod.kind} {mod.name!r} reads a captured tensor of shape {bad.shape} at indices "
-        f"{bad.lo}..{bad.hi} in dimension {bad.read.dim} (size {size}), for b < "
-        f"{domain.batch}, h < {domain.heads}, q_idx < {domain.q_len}, kv_idx < "
-        f"{domain.kv_len}; indices must lie in {-size}..{size - 1} (torch raises IndexError "
-        "for this read)")
+        f"{bad.lo}..{bad.hi} in dimension {bad.read.dim} (size {size}), for {where}; "
+        f"indices must lie in {-size}..{size - 1} (torch raises IndexError for this read)")

@@ -33,7 +33,7 @@ UNARY = {
     "abs": torch.abs, "sign": torch.sign, "F.leaky_relu": F.leaky_relu,
     "F.leaky_relu(0.2)": lambda s: F.leaky_relu(s, 0.2), "F.elu": F.elu,
     "F.elu(0.5)": lambda s: F.elu(s, alpha=0.5), "F.selu": F.selu, "torch.selu": torch.selu,
-    "F.celu(2)": lambda s: F.celu(s, 2.0), "F.silu": F.silu, "F.gelu": F.gelu,
+    "F.celu(2)": lambda s: F.celu(s, 2.0), "F.celu(0.1)": lambda s: F.celu(s, 0.1), "F.silu": F.silu, "F.gelu": F.gelu,
     "F.gelu(tanh)": lambda s: F.gelu(s, approximate="tanh"), "F.softplus": F.softplus,
     "F.softplus(2,10)": lambda s: F.softplus(s, 2.0, 10.0), "F.logsigmoid": F.logsigmoid,
     "F.mish": F.mish, "F.hardsigmoid": F.hardsigmoid, "F.hardswish": F.hardswish,

@@ -120,12 +120,27 @@ ARITHMETIC = {
     "silu(half)": lambda s, q, kv: torch.nn.functional.silu(s.half()),
     "to(other)": lambda s, q, kv: s.to(q.to(torch.int16)) + 40000,
     "detach(int8)+1": lambda s, q, kv: q.to(torch.int8).detach() + 127,
+    # a Python int beside a narrow int is wrapped into its type first (200 is -56 in int8)
+    "char//200": lambda s, q, kv: q.char() // 200, "char%-200": lambda s, q, kv: q.char() % -200,
+    "char==128": lambda s, q, kv: q.char() == 128, "short<40000": lambda s, q, kv: q.short() < 40000,
+    "1000//char": lambda s, q, kv: 1000 // (q.char() | 1), "byte>=300": lambda s, q, kv: q.byte() >= 300,
+    "char<<260": lambda s, q, kv: q.char() << 260, "char/200": lambda s, q, kv: q.char() / 200,
+    # and a Python number beside a float16 / bfloat16 is rounded to it by +, -, comparisons,
+    # %, fmod and ** (not by *, / and //)
+    "half==2049": lambda s, q, kv: s.half() == 2049.0, "half<2049": lambda s, q, kv: s.half() < 2049,
+    "half-2047.1": lambda s, q, kv: s.half() - 2047.1, "0.9+half": lambda s, q, kv: 0.9 + s.half(),
+    "half%2047.1": lambda s, q, kv: s.half() % 2047.1,
+    "fmod(half)": lambda s, q, kv: torch.fmod(s.half(), 1024.3),
+    "half**1.0001": lambda s, q, kv: s.abs().half() ** 1.0001,
+    "half*1.0005": lambda s, q, kv: s.half() * 1.0005, "half/0.9995": lambda s, q, kv: s.half() / 0.9995,
+    "half//1024.3": lambda s, q, kv: s.half() // 1024.3,
+    "bf16-255.1": lambda s, q, kv: s.bfloat16() - 255.1, "bf16>=257": lambda s, q, kv: s.bfloat16() >= 257.0,
 }
 
 
 @pytest.mark.parametrize("name", sorted(ARITHMETIC))
-@given(score=st.one_of(st.sampled_from(FLOAT_EDGES), st.floats(-1e4, 1e4, width=32)),
-       q=INTS, kv=INTS)
+@given(score=st.one_of(st.sampled_from(FLOAT_EDGES + [2048.0, 256.0, 2049.0]),
+                      st.floats(-1e4, 1e4, width=32)), q=INTS, kv=INTS)
 def test_arithmetic_after_a_cast_matches_torch(name, score, q, kv):
     fn = ARITHMETIC[name]
     want, got = _eager_and_traced(lambda s, b, h, q_idx, kv_idx: fn(s, q_idx, kv_idx),
@@ -169,3 +184,43 @@ def test_narrow_float_to_int_follows_the_cpu():
     for name, dtype in (("int32", torch.int32), ("int16", torch.int16), ("int8", torch.int8),
                         ("uint8", torch.uint8)):
         assert narrow(values, name).tolist() == values.to(dtype).tolist(), name
+
+
+# captured tables of narrow integer types: torch keeps an element in the table's dtype, so
+# arithmetic on it wraps there (the values sit on the wrapping edges of every type)
+NARROW_TABLES = {dtype: torch.tensor(values, dtype=dtype) for dtype, values in (
+    (torch.int8, [100, -100, 127, -128]), (torch.uint8, [200, 0, 255, 7]),
+    (torch.int16, [30000, -30000, 32767, -32768]),
+    (torch.int32, [2 ** 30, -2 ** 30, 2 ** 31 - 1, -2 ** 31]))}
+
+
+@pytest.mark.parametrize("dtype", list(NARROW_TABLES), ids=str)
+def test_arithmetic_on_a_captured_narrow_int_element_wraps_as_torch(dtype):
+    """Regression: elements of captured int8 / uint8 / int16 / int32 tensors were computed on
+    as int64, so t8[q_idx] + t8[kv_idx] did not wrap where torch's does."""
+    table = NARROW_TABLES[dtype]
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return (table[q_idx] + table[kv_idx]) * 3 - table[kv_idx] - 100 + (-table[q_idx])
+
+    for q in range(4):
+        for kv in range(4):
+            want, got = _eager_and_traced(mod, q=q, kv=kv)
+            _assert_same(want, got, f"{dtype} at q={q}, kv={kv}")
+    seen = {}
+    trace(lambda score, b, h, q_idx, kv_idx: seen.update(dtype=table[q_idx].dtype) or score)
+    assert seen["dtype"] is dtype
+
+
+@pytest.mark.parametrize("name,score", [
+    ("half==2049", 2048.0), ("half<2049", 2048.0), ("half-2047.1", 2048.0),
+    ("0.9+half", 2048.0), ("half%2047.1", 2048.0), ("fmod(half)", 2048.0),
+    ("half*1.0005", 2048.0), ("half//1024.3", 2048.0), ("bf16-255.1", 256.0),
+    ("bf16>=257", 256.0), ("char//200", 0.0), ("char==128", 0.0)])
+def test_python_numbers_meet_narrow_values_as_in_torch(name, score):
+    """Regression: Python numbers were not converted to the narrow operand's type (at 2048,
+    float16 h == 2049.0 is True in torch: 2049.0 rounds to 2048; int8 -128 // 200 is 2)."""
+    fn = ARITHMETIC[name]
+    want, got = _eager_and_traced(lambda s, b, h, q_idx, kv_idx: fn(s, q_idx, kv_idx),
+                                  score=score, q=128)
+    _assert_same(want, got, f"{name} at score={score!r}")

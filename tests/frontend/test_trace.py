@@ -73,6 +73,12 @@ _INDEX_MATH = [
     lambda q, kv: q & kv, lambda q, kv: q | kv, lambda q, kv: q ^ kv, lambda q, kv: ~q,
     lambda q, kv: torch.bitwise_and(q, 6), lambda q, kv: q / (kv + 1), lambda q, kv: q // 2 * 2,
     lambda q, kv: torch.where(q > kv, q, kv), lambda q, kv: torch.clamp(q - kv, 0, 10),
+    # shifts as torch's: counts below 0 and from 64 (63 for >>) give 0 (the sign for >>)
+    lambda q, kv: q << 3, lambda q, kv: (q - kv) >> 2, lambda q, kv: (q - kv) << (kv - 20),
+    lambda q, kv: (q - 50) >> (kv + 30), lambda q, kv: (q + 1) << (kv + 30) >> 40,
+    lambda q, kv: 1 << kv, lambda q, kv: -(2 ** 40) >> kv, lambda q, kv: (q + 3) << 63,
+    lambda q, kv: (q - kv) >> 63, lambda q, kv: torch.bitwise_left_shift(q, kv % 8),
+    lambda q, kv: (q - kv).bitwise_right_shift(3), lambda q, kv: q.to(torch.int8) << 3,
 ]
 
 
@@ -82,6 +88,22 @@ def test_index_math_follows_python_semantics(fn):
         return score + fn(q_idx, kv_idx)
 
     _check(mod)
+
+
+@pytest.mark.parametrize("fn", [lambda s, q: s << 2, lambda s, q: q >> s,
+                                lambda s, q: (q > 3) << 1, lambda s, q: q >> (q > 3)])
+def test_shifts_of_floats_and_bools_are_refused_as_in_torch(fn):
+    with pytest.raises(TraceError, match="operator (<<|>>) needs int operands, got"):
+        trace(lambda score, b, h, q_idx, kv_idx: fn(score, q_idx))
+
+
+@pytest.mark.parametrize("fn", [lambda q: q ** -1, lambda q: torch.pow(q - 3, -2),
+                                lambda q: q.pow(-1)])
+def test_int_to_a_negative_python_int_is_refused_as_in_torch(fn):
+    with pytest.raises(RuntimeError, match="Integers to negative integer powers"):
+        fn(torch.tensor(2))
+    with pytest.raises(TraceError, match="Integers to negative integer powers are not allowed"):
+        trace(lambda score, b, h, q_idx, kv_idx: score + fn(q_idx))
 
 
 _LOGIC = [

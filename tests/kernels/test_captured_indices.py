@@ -101,6 +101,39 @@ def test_indices_read_from_captured_values_are_checked_when_they_change():
     _run_and_compare(in_document_position)
 
 
+@pytest.mark.parametrize("divide", [
+    lambda q, kv: q % kv, lambda q, kv: q // (kv - 5), lambda q, kv: torch.fmod(q, kv - 39),
+    lambda q, kv: torch.div(q, kv, rounding_mode="trunc"),
+    lambda q, kv: torch.where(kv > 0, q // kv, 0),  # torch divides in both branches
+    lambda q, kv: q // ((q - kv) % 7),  # 0 on a diagonal the intervals cannot see
+], ids=["mod", "floordiv", "fmod", "trunc", "where", "exact"])
+def test_integer_division_by_zero_raises_as_in_torch(divide):
+    """Regression: the kernels computed garbage where torch raises ZeroDivisionError."""
+    def divides(score, b, h, q_idx, kv_idx):
+        return score + 0.1 * divide(q_idx, kv_idx)
+
+    q, k, v = make_qkv(1, 2, 2, L, S, 16)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        reference_pair(q, k, v, divides)
+    with pytest.raises(InputError, match=r"score_mod 'divides' divides integers .* by a "
+                                         r"divisor that is 0 for some b < 1, h < 2"):
+        flexfa.flex_attention(q, k, v, divides)
+
+
+def test_nonzero_divisors_run_and_divisors_read_from_values_are_checked_when_they_change():
+    _run_and_compare(lambda score, b, h, q_idx, kv_idx: score + (q_idx // (2 * kv_idx - 51)))
+    _run_and_compare(lambda score, b, h, q_idx, kv_idx: score + q_idx % ((q_idx - kv_idx) ** 2 + 1))
+    period = torch.full((S,), 3)
+
+    def periodic(score, b, h, q_idx, kv_idx):
+        return score - 0.1 * (q_idx % period[kv_idx])
+
+    _run_and_compare(periodic)
+    period[5] = 0  # in place: the trace is the same, the values are not
+    with pytest.raises(InputError, match=r"divisor that is 0 .* \(its values: 0\.\.3\)"):
+        _run_and_compare(periodic)
+
+
 def test_repeated_calls_reuse_the_check(monkeypatch):
     bias = torch.randn(S)
 

@@ -159,7 +159,17 @@ SEMANTIC_MODS = {
         _index_bias(q_idx, kv_idx).to(torch.bfloat16).float() - _index_bias(q_idx, kv_idx)),
     "int8": lambda score, b, h, q_idx, kv_idx: score + 0.01 * (
         (q_idx * 7 + kv_idx).to(torch.int8) - (q_idx * 7 + kv_idx)),
+    # an element of a captured int8 tensor stays int8: the sum wraps (regression: int64)
+    "int8 table": lambda score, b, h, q_idx, kv_idx: score + 0.01 * (
+        TABLE_INT8[q_idx % 4] + TABLE_INT8[kv_idx % 4]),
+    # shifts as torch's, int64 ones (the hash leaves int32) included
+    "shifts": lambda score, b, h, q_idx, kv_idx: score + 0.5 * (
+        (((q_idx * 1000003) << 13) ^ (kv_idx << 40) ^ ((q_idx - kv_idx) >> 2)) % 7),
+    # expm1 overflows in float32 above score 0.02 * 88.7: the branch not taken must not make
+    # the gradient NaN (regression)
+    "celu": lambda score, b, h, q_idx, kv_idx: F.celu(score, 0.02),
 }
+TABLE_INT8 = torch.tensor([100, -100, 127, 90], dtype=torch.int8)
 
 
 @pytest.mark.parametrize("name", sorted(SEMANTIC_MODS))
