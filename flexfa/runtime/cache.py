@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -41,7 +40,7 @@ from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
 from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, max_bytes,
                              untrusted, usable_cache_dir)
 from .debug import debug
-from .loader import forget_source, load_module
+from .loader import load_module, unload
 
 log = logging.getLogger("flexfa")
 
@@ -66,22 +65,14 @@ MAX_MODULES = 2048  # kernel modules kept imported in this process (least recent
 
 
 def _forget_module(key, module) -> None:
-    """An evicted kernel module leaves sys.modules and linecache too (plans holding its
-    kernels keep them alive while they live; the disk cache still has the source)."""
-    if sys.modules.get(module.__name__) is module:
-        del sys.modules[module.__name__]
-    forget_source(module.__file__)
+    """An evicted kernel module leaves sys.modules and linecache too (``loader.unload``;
+    plans holding its kernels keep them alive while they live, and they run without its
+    text; the disk cache still has the source)."""
+    unload(module)
 
 
 _MEMO = BoundedMemo(MAX_MODULES, "kernel modules", on_evict=_forget_module)
 _LOCK = threading.RLock()
-_DERIVED_MEMOS: list[dict] = []  # per-signature memos built on top of this one
-
-
-def register_memo(memo: dict) -> dict:
-    """Register a memo of things derived from loaded modules, cleared with ``clear_memo``."""
-    _DERIVED_MEMOS.append(memo)
-    return memo
 
 
 def kernel_path(name: str, directory: Path | None = None) -> Path:
@@ -275,8 +266,6 @@ def clear_memo() -> None:
     cache stays)."""
     with _LOCK:
         for module in _MEMO.values():
-            forget_source(module.__file__)
+            unload(module)
         _MEMO.clear()
-        for memo in _DERIVED_MEMOS:
-            memo.clear()
         clear_all()
