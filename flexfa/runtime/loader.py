@@ -111,9 +111,10 @@ def keep_rewritten(module) -> None:
                 value.rewrite = functools.partial(_same, value.rewrite())
         # the kernels' entries, and those of the functions the module itself replaced by
         # their rewritten copies (codegen.template's _INTERPRETED_CALLS)
+        # (a copy: a launch outside the lock, as the varlen table kernels', may add entries)
         rewritten = InterpretedFunction.rewritten_fn
-        for fn in [f for f in rewritten if getattr(f, "__globals__", None) is namespace]:
-            del rewritten[fn]
+        for fn in [f for f in list(rewritten) if getattr(f, "__globals__", None) is namespace]:
+            rewritten.pop(fn, None)
 
 
 def _same(value):
