@@ -11,9 +11,10 @@ keeps the compiled binaries. ``cache_files`` bounds the directory's size.
 
 Directories (``cache_location``): the configured one when trusted and writable; a trusted
 read-only one is read, and the kernels it lacks are written to a private temporary one;
-anything else is replaced by the private one, with a warning. A file not owned by this user
-(or root), or writable by others, is never imported (it is regenerated with a warning); so
-is one whose header does not match its content. The text that passed these checks is what
+anything else is replaced by the private one, with a warning; where no directory takes a
+kernel (every disk full), its source is generated in memory, with a warning. A file not
+owned by this user (or root), or writable by others, is never imported (it is regenerated
+with a warning); so is one whose header does not match its content. The text that passed these checks is what
 is imported (``loader.load_module``), never Python's bytecode of the file.
 
 ``get_module(name, key, interpret, generate)`` is the one entry point; ``STATS`` counts what
@@ -26,7 +27,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -40,7 +40,7 @@ from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
 from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, max_bytes,
                              untrusted, usable_cache_dir)
 from .debug import debug
-from .loader import forget_source, load_module
+from .loader import load_module, unload
 
 log = logging.getLogger("flexfa")
 
@@ -65,22 +65,14 @@ MAX_MODULES = 2048  # kernel modules kept imported in this process (least recent
 
 
 def _forget_module(key, module) -> None:
-    """An evicted kernel module leaves sys.modules and linecache too (plans holding its
-    kernels keep them alive while they live; the disk cache still has the source)."""
-    if sys.modules.get(module.__name__) is module:
-        del sys.modules[module.__name__]
-    forget_source(module.__file__)
+    """An evicted kernel module leaves sys.modules and linecache too (``loader.unload``;
+    plans holding its kernels keep them alive while they live, and they run without its
+    text; the disk cache still has the source)."""
+    unload(module)
 
 
 _MEMO = BoundedMemo(MAX_MODULES, "kernel modules", on_evict=_forget_module)
 _LOCK = threading.RLock()
-_DERIVED_MEMOS: list[dict] = []  # per-signature memos built on top of this one
-
-
-def register_memo(memo: dict) -> dict:
-    """Register a memo of things derived from loaded modules, cleared with ``clear_memo``."""
-    _DERIVED_MEMOS.append(memo)
-    return memo
 
 
 def kernel_path(name: str, directory: Path | None = None) -> Path:
@@ -155,26 +147,53 @@ def ensure_source(name: str, key: str, generate: Callable[[], str]) -> tuple[Pat
     # once in claiming the directory, once after writing the kernel, and then never
     max_bytes(), lock_timeout()
     configured = inspect_cache_dir()
-    if configured.problem is None:
-        try:
-            claim(configured.path)
-            return _ensure_source_in(configured.path, name, key, generate)
-        except LockTimeout as exc:
-            fallback = fallback_dir()
-            warnings.warn(f"flexfa: {exc}; generating kernel {name} privately in {fallback} "
-                          "(FLEXFA_CACHE_LOCK_TIMEOUT sets the wait)", RuntimeWarning,
-                          stacklevel=3)
-        except OSError as exc:
-            fallback = fall_back(configured.path, f"failed a write ({exc})")
-    else:
-        if configured.readable:
-            path = kernel_path(name, configured.path)
-            source = read_source(path, key)[0]
-            if source is not None:
-                STATS.disk_hits += 1
-                return path, _with_header(key, source)
-        fallback = fall_back(configured.path, configured.problem, f" for kernel {name}")
-    return _ensure_source_in(fallback, name, key, generate)
+    generate = _once(generate)  # a failed write sends the same text to the next directory
+    try:
+        if configured.problem is None:
+            try:
+                claim(configured.path)
+                return _ensure_source_in(configured.path, name, key, generate)
+            except LockTimeout as exc:
+                fallback = fallback_dir()
+                warnings.warn(f"flexfa: {exc}; generating kernel {name} privately in "
+                              f"{fallback} (FLEXFA_CACHE_LOCK_TIMEOUT sets the wait)",
+                              RuntimeWarning, stacklevel=3)
+            except OSError as exc:
+                fallback = fall_back(configured.path, f"failed a write ({exc})")
+        else:
+            if configured.readable:
+                path = kernel_path(name, configured.path)
+                source = read_source(path, key)[0]
+                if source is not None:
+                    STATS.disk_hits += 1
+                    return path, _with_header(key, source)
+            fallback = fall_back(configured.path, configured.problem, f" for kernel {name}")
+        return _ensure_source_in(fallback, name, key, generate)
+    except OSError as exc:  # the private directory cannot be made or written either
+        return _unwritten(kernel_path(name, configured.path), name, key, generate, exc)
+
+
+def _unwritten(path: Path, name: str, key: str, generate: Callable[[], str],
+               exc: OSError) -> tuple[Path, str]:
+    """``path`` (not written) and the source generated in memory, for when no directory
+    takes it (every disk full, no writable temporary directory): the call still runs (the
+    loader imports the text, and ``inspect`` reads it from ``linecache``), and the kernel is
+    generated again in each process, or after its module leaves this process's memo."""
+    warnings.warn(f"flexfa: no cache directory could take kernel {name} ({exc}); it is "
+                  "generated in memory for this process only", RuntimeWarning, stacklevel=4)
+    return path, _with_header(key, generate())
+
+
+def _once(generate: Callable[[], str]) -> Callable[[], str]:
+    """``generate`` called at most once (counted in ``STATS.codegen``), its text kept."""
+    made: list[str] = []
+
+    def generate_once() -> str:
+        if not made:
+            made.append(generate())
+            STATS.codegen += 1
+        return made[0]
+    return generate_once
 
 
 def _touch(path: Path) -> None:
@@ -202,7 +221,6 @@ def _ensure_source_in(directory: Path, name: str, key: str,
             STATS.disk_hits += 1
             return path, _with_header(key, source)
         source = generate()
-        STATS.codegen += 1
         if problem is not None or problem_now is not None:
             STATS.regenerated += 1
         text = _with_header(key, source)
@@ -248,8 +266,6 @@ def clear_memo() -> None:
     cache stays)."""
     with _LOCK:
         for module in _MEMO.values():
-            forget_source(module.__file__)
+            unload(module)
         _MEMO.clear()
-        for memo in _DERIVED_MEMOS:
-            memo.clear()
         clear_all()

@@ -55,7 +55,7 @@ from triton.runtime import interpreter as interp
 
 from ..codegen.template import INTERPRETED_FLAGS
 from ..config import interpret_mode
-from .loader import INTERPRETER_LOCK, check_interpreter_numpy, serialized
+from .loader import INTERPRETER_LOCK, check_interpreter_numpy, keep_rewritten, serialized
 
 # seconds a partition may wait for another's progress before the emulation gives up (a
 # partition computing a tile between two barrier operations takes well under a second)
@@ -832,6 +832,7 @@ def load_emulated(path: str, module_name: str, source: str | None = None) -> typ
     # what is left of the interpreted functions are the kernels (the module made the others
     # plain functions): their launches hold the interpreter's lock and hand the kernel its
     # tensor descriptors as Descriptors
+    keep_rewritten(module)
     for value in list(vars(module).values()):
         if isinstance(value, interp.InterpretedFunction) and "run" not in vars(value):
             value.run = _launch(value.run)

@@ -21,6 +21,7 @@ where an interpreted module is first loaded.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import linecache
 import re
@@ -69,6 +70,7 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
     with INTERPRETER_LOCK, triton_mode(interpret):
         exec(code, module.__dict__)
     if interpret:
+        keep_rewritten(module)
         _serialize_launches(module)
     # Triton's compiled path looks kernels' modules up by name (for their globals/source)
     sys.modules[name] = module
@@ -76,15 +78,47 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
 
 
 def remember_source(path: Path, source: str) -> None:
-    """Make ``linecache`` (``inspect.getsource``, which Triton calls when it decorates and
-    first launches a kernel) answer ``source`` for ``path`` without reading the file again
-    (mtime None: ``linecache.checkcache`` keeps the entry)."""
+    """Make ``linecache`` (``inspect.getsource``, which Triton calls when it decorates a
+    kernel and when its interpreter rewrites one) answer ``source`` for ``path`` without reading the file again
+    (mtime None: ``linecache.checkcache`` keeps the entry; ``unload`` drops it)."""
     linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
 
 
-def forget_source(path: str | Path) -> None:
-    """Drop ``remember_source``'s entry (a module no longer kept: its text is not held)."""
-    linecache.cache.pop(str(path), None)
+def unload(module) -> None:
+    """Drop what importing ``module`` left outside it: its ``sys.modules`` entry and its
+    ``linecache`` text (its interpreted kernels were rewritten at import: ``keep_rewritten``;
+    nothing reads the text again)."""
+    if sys.modules.get(module.__name__) is module:
+        del sys.modules[module.__name__]
+    linecache.cache.pop(str(module.__file__), None)
+
+
+def keep_rewritten(module) -> None:
+    """Rewrite each interpreted kernel of ``module`` now, keeping the copy on the kernel's
+    own InterpretedFunction, and take every function of ``module`` out of Triton's
+    interpreter's process-wide ``InterpretedFunction.rewritten_fn``: that dict, keyed by
+    function, holds each function's globals (its whole module) for the life of the process,
+    whatever bound the kernel memo has; held by the module's own objects, the copies go with
+    it. Rewriting reads the source (``inspect``, from ``linecache``), registered by the
+    loader: done now, a kernel never needs it again (``unload`` drops it)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    namespace = vars(module)
+    with INTERPRETER_LOCK:  # a launch rewrites, then reads the entry back
+        for value in list(namespace.values()):
+            if isinstance(value, InterpretedFunction) and "rewrite" not in vars(value) \
+                    and getattr(value.fn, "__globals__", None) is namespace:
+                value.rewrite = functools.partial(_same, value.rewrite())
+        # the kernels' entries, and those of the functions the module itself replaced by
+        # their rewritten copies (codegen.template's _INTERPRETED_CALLS)
+        # (a copy: a launch outside the lock, as the varlen table kernels', may add entries)
+        rewritten = InterpretedFunction.rewritten_fn
+        for fn in [f for f in list(rewritten) if getattr(f, "__globals__", None) is namespace]:
+            rewritten.pop(fn, None)
+
+
+def _same(value):
+    return value
 
 
 def _serialize_launches(module) -> None:

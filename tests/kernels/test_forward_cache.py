@@ -1,11 +1,13 @@
 """The kernel cache: memo, disk, second process, corruption, concurrency, FLEXFA_DEBUG."""
 import contextlib
+import gc
 import logging
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import pytest
 import torch
@@ -92,6 +94,37 @@ def test_loaded_modules_are_bounded(fresh_cache, monkeypatch):
         return score * temperature
     torch.testing.assert_close(_run(again), outs[0], atol=0, rtol=0)
     assert STATS.codegen == 4
+
+
+def test_a_dropped_kernel_module_is_released(fresh_cache, monkeypatch):
+    """A kernel module the memo drops (its bound, clear_memo) is freed once nothing uses it:
+    Triton's interpreter kept a rewritten copy of every function it ran in a process-wide
+    dict, holding each module's globals for the life of the process whatever the memo's
+    bound. A plan still holding a dropped module's kernel runs it again, its file gone."""
+    from triton.runtime.interpreter import InterpretedFunction
+    monkeypatch.setattr(cache._MEMO, "size", 1)
+    q, k, v = make_qkv(1, 1, 1, 20, 24, 16)
+    def scaled(scale):
+        return lambda score, b, h, q_idx, kv_idx: score * scale
+    modules, mods, outs = [], [scaled(0.625), scaled(0.375)], []
+    for mod in mods:
+        outs.append(flexfa.flex_attention(q, k, v, score_mod=mod))
+        modules.append(cache._MEMO.values()[-1])
+    assert len(cache._MEMO) == 1  # the first module was dropped by the bound
+    assert not [fn for fn in InterpretedFunction.rewritten_fn
+                if getattr(fn, "__globals__", None) in [vars(m) for m in modules]]
+    for path in fresh_cache.glob("flexfa_*.py"):
+        path.unlink()
+    again = flexfa.flex_attention(q, k, v, score_mod=mods[0])  # the kept plan
+    torch.testing.assert_close(again, outs[0], atol=0, rtol=0)
+    assert STATS.codegen == 2
+    refs = [weakref.ref(vars(m)[name]) for m in modules for name in ("flexfa_max2", m.__name__
+                                                                    .split(".")[1][:-7])]
+    del modules, mods, mod
+    cache.clear_memo()  # every memo: the plans and prepared calls holding kernels too
+    gc.collect()
+    assert not [ref() for ref in refs if ref() is not None]
+
 
 def test_a_second_process_reuses_the_disk_cache(fresh_cache):
     namespace = {}

@@ -274,6 +274,30 @@ def test_failed_write_falls_back(fresh_cache, monkeypatch):
     assert "failed a write" in _fallback_run(fresh_cache)
 
 
+@pytest.mark.parametrize("fault", ["every write fails", "no temporary directory"])
+def test_no_usable_directory_still_runs_the_kernel(fresh_cache, monkeypatch, fault):
+    """Neither the configured directory nor a private one takes the kernel (every disk full;
+    a read-only cache with no temporary directory): the call raised OSError; now the source
+    is generated in memory, with a warning, and the call is correct."""
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if fault == "every write fails":
+        monkeypatch.setattr(cache, "write_atomic", refuse)
+    else:
+        fresh_cache.mkdir(mode=0o500)
+        monkeypatch.setattr(cache_location.tempfile, "mkdtemp", refuse)
+    try:
+        for _ in range(2):  # again after the memo is cleared: generated again, not found
+            with pytest.warns(RuntimeWarning, match="generated in memory"):
+                _attend()
+            cache.clear_memo()
+    finally:
+        fresh_cache.chmod(0o700)
+    assert STATS.codegen == 2 and STATS.disk_hits == 0
+    assert not list(fresh_cache.glob("flexfa_*.py"))
+
+
 def test_fallback_is_shared_by_later_kernels(fresh_cache):
     """A second kernel of the same process goes to the same fallback directory."""
     fresh_cache.mkdir(mode=0o500)
