@@ -42,7 +42,7 @@ def _interpreter_line() -> str:
 
 def _numpy_line() -> str:
     """numpy's version and whether Triton's interpreter can use it."""
-    from .runtime.loader import check_interpreter_numpy
+    from .loader import check_interpreter_numpy
 
     version = _version("numpy")
     if version.startswith("not available"):

@@ -2,7 +2,7 @@
 
 frontend <- blockmask <- codegen <- runtime <- api (flex_attention, autograd, fp8) <- the
 package's public names <- tools (bench, demo, info, the CLI, compile checks); errors, memo,
-config and the version sit below them all.
+config, the kernel loader and the version sit below them all.
 Every import counts, at module level or inside a function.
 """
 import ast
@@ -13,7 +13,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "flexfa"
 
 LAYERS = {
-    "flexfa.errors": 0, "flexfa.memo": 0, "flexfa.config": 0, "flexfa.eager": 0, "flexfa.lazy": 0,
+    "flexfa.errors": 0, "flexfa.memo": 0, "flexfa.config": 0, "flexfa.eager": 0,
+    "flexfa.loader": 0, "flexfa.lazy": 0,
     "flexfa.frontend": 1, "flexfa.blockmask": 2, "flexfa.codegen": 3, "flexfa.runtime": 4,
     "flexfa.api": 5, "flexfa.autograd": 5, "flexfa.fp8": 5, "flexfa.mods": 5,
     "flexfa.reference": 5, "flexfa.scores": 5, "flexfa.inputs": 5, "flexfa.decode": 5,

@@ -17,14 +17,12 @@ whose shapes need the totals (``device_offsets``: three). Each call makes one al
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-from .. import config
+from ..loader import INTERPRETER_LOCK, load_module
 from ..memo import BoundedMemo
 from .offsets import (PAD_DOC_Q, PAD_DOC_K, Offsets, TokenTensors, padded_length,
                       raise_bad_offsets)
@@ -38,16 +36,16 @@ _MODULES: dict[bool, object] = {}
 
 
 def kernels(interpret: bool):
-    """``varlen_kernels.py`` imported with Triton's interpreter (``interpret``) or compiled."""
+    """``varlen_kernels.py`` imported with Triton's interpreter (``interpret``) or compiled
+    (``loader.load_module``: interpreted launches hold ``INTERPRETER_LOCK``, as every other
+    kernel's; the interpreter's program ids are process-wide)."""
     module = _MODULES.get(interpret)
     if module is None:
-        name = f"flexfa_varlen_kernels_{'interp' if interpret else 'jit'}"
-        spec = importlib.util.spec_from_file_location(name, KERNELS)
-        module = importlib.util.module_from_spec(spec)
-        with config.interpret_mode(interpret):  # Triton reads it at decoration time
-            spec.loader.exec_module(module)
-        sys.modules[name] = module  # compiled kernels look their module up by name
-        _MODULES[interpret] = module
+        with INTERPRETER_LOCK:  # (one module per mode, whichever thread loads it first)
+            module = _MODULES.get(interpret)
+            if module is None:
+                name = f"flexfa_varlen_kernels_{'interp' if interpret else 'jit'}"
+                module = _MODULES[interpret] = load_module(KERNELS, interpret, name)
     return module
 
 

@@ -40,7 +40,7 @@ from .cache_files import HEADER_PREFIX, claim, note_written, write_atomic
 from .cache_location import (fall_back, fallback_dir, inspect_cache_dir, lock_timeout, max_bytes,
                              untrusted, usable_cache_dir)
 from .debug import debug
-from .loader import load_module, unload
+from ..loader import load_module, unload
 
 log = logging.getLogger("flexfa")
 

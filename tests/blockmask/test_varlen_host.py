@@ -267,3 +267,17 @@ def test_cuda_launches_after_the_first_skip_tritons_binding(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
     varlen_tables.launch(kernel, 2, (cu, 3, out), {"B": True, "A": 4}, (cu,), cuda)
     assert len(kernel.jit_launches) == 5 and len(compiled.runs) == 1
+
+
+
+def test_interpreted_table_kernels_launch_under_the_interpreter_lock():
+    """The table kernels' module is loaded as every kernel module is (``flexfa.loader``):
+    each interpreted launch holds INTERPRETER_LOCK (the interpreter's program ids are
+    process-wide: a varlen call beside another thread's CPU attention read each other's)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = varlen_tables.kernels(True)
+    kernels = [v for v in vars(module).values() if isinstance(v, InterpretedFunction)]
+    assert kernels
+    for kernel in kernels:
+        assert kernel.run.__qualname__ == "serialized.<locals>.locked_run", kernel

@@ -8,7 +8,7 @@ import torch
 from flexfa.codegen.render import Leaves, buffer_args, needs_tile_broadcast, render
 from flexfa.codegen.template import load_template
 from flexfa.frontend.ir import DType, Node
-from flexfa.runtime.loader import load_module
+from flexfa.loader import load_module
 
 _KERNEL = '''
 import triton

@@ -338,7 +338,7 @@ def test_wide_multiply_philox_is_philox(tmp_path):
     """flexfa_philox's WIDE form (each 32 x 32 product as one 64-bit multiply, the Gluon
     forward's at BLOCK_N 128) gives the four-multiply form's words, and Philox4x32-10's."""
     from flexfa.codegen.template import load_template
-    from flexfa.runtime.loader import load_module
+    from flexfa.loader import load_module
 
     path = tmp_path / "philox_probe.py"
     path.write_text(PHILOX_PROBE.format(helpers=load_template("helpers.tmpl")))

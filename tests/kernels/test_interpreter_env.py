@@ -10,7 +10,7 @@ import torch
 import triton
 
 import flexfa
-from flexfa.runtime import loader
+from flexfa import loader
 
 # range() over a program id calls the interpreter's tensor.__index__, int() of a 1-element
 # numpy array: deprecated since numpy 1.25, so one DeprecationWarning per program

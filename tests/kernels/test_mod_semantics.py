@@ -13,7 +13,7 @@ import flexfa
 from flexfa.compile_check import compile_job
 from flexfa.compile_check.jobs import forward_job
 from flexfa.frontend import evaluate, trace
-from flexfa.runtime.loader import load_module
+from flexfa.loader import load_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
 from render_probe import probe_source, run_probe  # noqa: E402

@@ -30,8 +30,8 @@ import threading
 import warnings
 from pathlib import Path
 
-from .. import config
-from ..errors import FlexFAError
+from . import config
+from .errors import FlexFAError
 
 INTERPRETER_LOCK = threading.RLock()
 NUMPY_TESTED_BELOW = (2, 3)  # the interpret/test extras pin numpy<2.3
@@ -79,8 +79,9 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
 
 def remember_source(path: Path, source: str) -> None:
     """Make ``linecache`` (``inspect.getsource``, which Triton calls when it decorates a
-    kernel and when its interpreter rewrites one) answer ``source`` for ``path`` without reading the file again
-    (mtime None: ``linecache.checkcache`` keeps the entry; ``unload`` drops it)."""
+    kernel and when its interpreter rewrites one) answer ``source`` for ``path`` without
+    reading the file again (mtime None: ``linecache.checkcache`` keeps the entry; ``unload``
+    drops it)."""
     linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
 
 
@@ -111,7 +112,7 @@ def keep_rewritten(module) -> None:
                 value.rewrite = functools.partial(_same, value.rewrite())
         # the kernels' entries, and those of the functions the module itself replaced by
         # their rewritten copies (codegen.template's _INTERPRETED_CALLS)
-        # (a copy: a launch outside the lock, as the varlen table kernels', may add entries)
+        # (a copy: an interpreted kernel of another library may add entries meanwhile)
         rewritten = InterpretedFunction.rewritten_fn
         for fn in [f for f in list(rewritten) if getattr(f, "__globals__", None) is namespace]:
             rewritten.pop(fn, None)
