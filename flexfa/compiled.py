@@ -71,12 +71,14 @@ describe._dynamo_marked_constant = True
 
 def unbound(mod) -> tuple:
     """(function, class, id) of ``mod`` as ``describe`` takes it (traced by Dynamo): a
-    function or partial is itself; a bound method is its function and its instance's class and
-    id; another object (an ``nn.Module``, a callable instance) is its class and id. torch
-    2.11's Dynamo turns an ``nn.Module`` or other object into no constant (2.13 does, with an
-    identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an object from outside the
-    compiled code into constants on both, guarding on the object's identity."""
-    if mod is None or isinstance(mod, (types.FunctionType, functools.partial)):
+    function is itself; a bound method is its function and its instance's class and id;
+    another object (an ``nn.Module``, a callable instance, a ``functools.partial``) is its
+    class and id. torch 2.11's Dynamo turns an ``nn.Module`` or other object into no constant
+    (2.13 does, with an identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an
+    object from outside the compiled code into constants on both, guarding on the object's
+    identity. A partial goes by identity too: as itself it is a constant only while its bound
+    values are (a bound tensor never is, nor a number Dynamo made symbolic after it changed)."""
+    if mod is None or isinstance(mod, types.FunctionType):
         return mod, None, None
     if isinstance(mod, types.MethodType):
         return mod.__func__, type(mod.__self__), id(mod.__self__)
@@ -94,9 +96,21 @@ def _rebound(function, cls, object_id):
 def _live_object(cls, object_id: int):
     """The object ``id(obj) == object_id``. Safe only while the object is alive, as it is
     here: ``describe`` runs while Dynamo traces the frame that holds it, a few bytecodes
-    after Dynamo took its id (its variable holds the object)."""
+    after Dynamo took its id (its variable holds the object). An object made inside the
+    compiled function has no Python object yet: Dynamo's ``id`` is then that of its stand-in
+    (a VariableTracker, alive on the traced frame's stack), which is a constant only where
+    all it holds is (a partial of constants)."""
     instance = ctypes.cast(object_id, ctypes.py_object).value
-    assert type(instance) is cls, f"object {object_id:#x} is a {type(instance)}, not {cls}"
+    if type(instance) is cls:
+        return instance
+    try:
+        instance = instance.as_python_constant()
+    except Exception:  # any failure of the stand-in's conversion: no object to trace
+        instance = None
+    if type(instance) is not cls:
+        raise InputError(f"a mod of type {cls.__qualname__} made inside the compiled function "
+                         "has no Python object while torch.compile traces it; make it outside "
+                         "(an argument, a global, a module attribute)")
     return instance
 
 

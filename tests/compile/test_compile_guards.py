@@ -1,0 +1,100 @@
+"""What a compiled call must see again when it changes between calls: the mod given as a
+``functools.partial`` (its bound numbers, tensors and function), and mods made inside the
+compiled function (a partial of constants works; an object has no Python object to trace and
+is refused by name). Each compiled result equals eager flexfa's on the same call."""
+import functools
+
+import pytest
+import torch
+
+import flexfa
+
+from compile_utils import make_inputs
+
+
+def _biased(score, b, h, q_idx, kv_idx, slope):
+    return score + slope * (q_idx - kv_idx)
+
+
+def _slope_first(slope, score, b, h, q_idx, kv_idx):
+    return score + slope * (q_idx - kv_idx)
+
+
+def _per_head(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (q_idx - kv_idx)
+
+
+def _scaled(score, b, h, q_idx, kv_idx, slope):
+    return score * slope
+
+
+def _given(q, k, v, mod):
+    return flexfa.flex_attention(q, k, v, mod)
+
+
+def _partials():
+    """(name, the partials passed one per call) of partials whose bound values change."""
+    return [
+        ("float", [functools.partial(_biased, slope=s) for s in (0.1, 0.5, -0.3)]),
+        ("int", [functools.partial(_biased, slope=s) for s in (1, 2, 3)]),
+        ("positional", [functools.partial(_slope_first, s) for s in (0.2, -0.2)]),
+        ("tensor", [functools.partial(_per_head, slopes=torch.tensor([s, -s]))
+                    for s in (0.1, 0.5)]),
+        ("function", [functools.partial(f, slope=0.7) for f in (_biased, _scaled)]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_partials())), ids=[c[0] for c in _partials()])
+def test_a_partial_with_other_bound_values_gives_the_new_result(case):
+    """A partial's bound number that changed between calls became symbolic in the recompiled
+    frame and a bound tensor is no constant at all: both stopped Dynamo with
+    "assume_constant_result argument conversion failed". Partials now go by identity (as an
+    nn.Module does) and their bound values are guarded."""
+    _, partials = _partials()[case]
+    q, k, v = (t.detach() for t in make_inputs(40, seed=1))
+    torch._dynamo.reset()
+    compiled = torch.compile(_given, backend="aot_eager", fullgraph=True)
+    for mod in partials:
+        torch.testing.assert_close(compiled(q, k, v, mod), _given(q, k, v, mod), rtol=0, atol=0)
+
+
+def test_a_partial_over_a_learnable_tensor_reads_it_fresh_and_gets_its_gradient():
+    slopes = torch.tensor([0.1, -0.2], requires_grad=True)
+    mod = functools.partial(_per_head, slopes=slopes)
+    inputs = make_inputs(40, seed=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(_given, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        results = []
+        for fn in (compiled, _given):
+            out = fn(*inputs, mod)
+            out.sum().backward()
+            results.append((out.detach(), slopes.grad))
+            slopes.grad = None
+        torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+        assert results[1][1].abs().sum() > 0
+        with torch.no_grad():
+            slopes.mul_(3.0)  # changed in place: the next call reads the new values
+
+
+def test_mods_made_inside_the_compiled_function():
+    """A partial of constants made inside the compiled function is traced as before; a
+    callable object made there has no Python object while Dynamo traces: a flexfa error
+    that says so (it was an AssertionError about a VariableTracker)."""
+    class Scaled:
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score * 0.5
+
+    def with_partial(q, k, v):
+        return flexfa.flex_attention(q, k, v, functools.partial(_biased, slope=0.3))
+
+    def with_object(q, k, v):
+        return flexfa.flex_attention(q, k, v, Scaled())
+
+    q, k, v = (t.detach() for t in make_inputs(40, seed=3))
+    torch._dynamo.reset()
+    torch.testing.assert_close(
+        torch.compile(with_partial, backend="aot_eager", fullgraph=True)(q, k, v),
+        with_partial(q, k, v), rtol=0, atol=0)
+    with pytest.raises(Exception, match="Scaled made inside the compiled function"):
+        torch.compile(with_object, backend="aot_eager", fullgraph=True)(q, k, v)
