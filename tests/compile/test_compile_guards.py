@@ -96,5 +96,5 @@ def test_mods_made_inside_the_compiled_function():
     torch.testing.assert_close(
         torch.compile(with_partial, backend="aot_eager", fullgraph=True)(q, k, v),
         with_partial(q, k, v), rtol=0, atol=0)
-    with pytest.raises(Exception, match="Scaled made inside the compiled function"):
+    with pytest.raises(flexfa.InputError, match="Scaled made inside the compiled function"):
         torch.compile(with_object, backend="aot_eager", fullgraph=True)(q, k, v)
