@@ -98,3 +98,63 @@ def test_mods_made_inside_the_compiled_function():
         with_partial(q, k, v), rtol=0, atol=0)
     with pytest.raises(flexfa.InputError, match="Scaled made inside the compiled function"):
         torch.compile(with_object, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+class _Window:
+    size = 10  # the Python state a mask_mod reads
+
+
+def _windowed(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() < _Window.size
+
+
+_DOCUMENTS = {"ids": torch.arange(64) // 20}
+
+
+def _document(b, h, q_idx, kv_idx):
+    return _DOCUMENTS["ids"][q_idx] == _DOCUMENTS["ids"][kv_idx]
+
+
+def _masked(q, k, v, block_mask):
+    return flexfa.flex_attention(q, k, v, block_mask=block_mask)
+
+
+def _mask(mask_mod):
+    return flexfa.create_block_mask(mask_mod, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+
+
+def test_a_mask_built_outside_runs_as_built_as_eagerly(monkeypatch):
+    """A flexfa BlockMask keeps the trace of its mask_mod (docs/blockmask.md): after the
+    mod's Python state changed (a window) or a tensor it captures was replaced, eager flexfa
+    runs the mask as built, but the compiled call traced the mod again and ran its new state
+    and new tensor on the old tables (an output 1.7 off). A mask built after the change runs
+    its own state; a compile that starts after the change cannot see the mask's trace and
+    says so."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(_Window, "size", 10)
+    monkeypatch.setitem(_DOCUMENTS, "ids", torch.arange(64) // 20)
+    q, k, v = (t.detach() for t in make_inputs(64, seed=5))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_masked, backend="aot_eager", fullgraph=True)
+    windowed, document = _mask(_windowed), _mask(_document)
+    before = _masked(q, k, v, windowed)
+    for block_mask in (windowed, document):  # compiled before the change
+        torch.testing.assert_close(compiled(q, k, v, block_mask), _masked(q, k, v, block_mask),
+                                   rtol=0, atol=0)
+    _Window.size = 5
+    _DOCUMENTS["ids"] = torch.arange(64) // 30
+    for block_mask in (windowed, document, _mask(_windowed), _mask(_document)):
+        torch.testing.assert_close(compiled(q, k, v, block_mask), _masked(q, k, v, block_mask),
+                                   rtol=0, atol=0)
+    assert torch.equal(_masked(q, k, v, windowed), before)
+    for step in range(2):  # a new mask per step over a new tensor: no new graph
+        _DOCUMENTS["ids"] = torch.arange(64) // (20 + step)
+        block_mask = _mask(_document)
+        torch.testing.assert_close(compiled(q, k, v, block_mask), _masked(q, k, v, block_mask),
+                                   rtol=0, atol=0)
+    # one per mask_mod, and one for the window of 5
+    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]
+    torch._dynamo.reset()
+    with pytest.raises(flexfa.InputError, match="no longer traces to the mask it was built"):
+        torch.compile(_masked, backend="aot_eager", fullgraph=True)(q, k, v, windowed)
