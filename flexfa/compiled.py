@@ -78,8 +78,11 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
             "the mask as built, which torch.compile cannot trace again; build the mask again "
             "after such a change")
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
-    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask),
-            sized_paths(score_mod, score_sized), sized_paths(mask_mod, mask_sized))
+    mask_paths = mask_sizes = ()  # a snapshot's tensors are read from it, not from the mod
+    if mask_snapshot is None:
+        mask_paths, mask_sizes = buffer_paths(mask_mod, mask), sized_paths(mask_mod, mask_sized)
+    return (key, buffer_paths(score_mod, score, unread=True), mask_paths,
+            sized_paths(score_mod, score_sized), mask_sizes)
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
