@@ -329,10 +329,16 @@ def follow(obj, path: tuple):
             obj = getattr(obj, arg)
         elif kind == "item":
             obj = obj[arg]
-        elif kind == "cell":
-            obj = getattr(obj, CELL_READERS)[arg]()
         else:
-            obj = obj.__globals__[arg]
+            try:  # Dynamo has neither for a function defined inside the compiled function
+                found = getattr(obj, CELL_READERS) if kind == "cell" else obj.__globals__
+            except AttributeError:
+                raise InputError(
+                    f"a mod defined inside the compiled function reads {arg!r} through its "
+                    f"{'closure' if kind == 'cell' else 'globals'}, which torch.compile does not "
+                    "let flexfa follow there; define the mod outside the compiled function (a "
+                    "module-level function, a factory's closure, a module's method)") from None
+            obj = found[arg]() if kind == "cell" else found[arg]
     return obj
 
 

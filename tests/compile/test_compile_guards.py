@@ -12,6 +12,9 @@ import flexfa
 from compile_utils import make_inputs
 
 
+_SLOPES = torch.tensor([0.5, -0.5])
+
+
 def _biased(score, b, h, q_idx, kv_idx, slope):
     return score + slope * (q_idx - kv_idx)
 
@@ -79,8 +82,9 @@ def test_a_partial_over_a_learnable_tensor_reads_it_fresh_and_gets_its_gradient(
 
 def test_mods_made_inside_the_compiled_function():
     """A partial of constants made inside the compiled function is traced as before; a
-    callable object made there has no Python object while Dynamo traces: a flexfa error
-    that says so (it was an AssertionError about a VariableTracker)."""
+    callable object made there has no Python object while Dynamo traces, and a function
+    defined there no globals: flexfa errors that say so (an AssertionError about a
+    VariableTracker, Dynamo's "Observed exception")."""
     class Scaled:
         def __call__(self, score, b, h, q_idx, kv_idx):
             return score * 0.5
@@ -91,6 +95,11 @@ def test_mods_made_inside_the_compiled_function():
     def with_object(q, k, v):
         return flexfa.flex_attention(q, k, v, Scaled())
 
+    def with_function(q, k, v):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + _SLOPES[h]
+        return flexfa.flex_attention(q, k, v, biased)
+
     q, k, v = (t.detach() for t in make_inputs(40, seed=3))
     torch._dynamo.reset()
     torch.testing.assert_close(
@@ -98,6 +107,13 @@ def test_mods_made_inside_the_compiled_function():
         with_partial(q, k, v), rtol=0, atol=0)
     with pytest.raises(flexfa.InputError, match="Scaled made inside the compiled function"):
         torch.compile(with_object, backend="aot_eager", fullgraph=True)(q, k, v)
+    # a function defined there reading a global tensor: Dynamo has no __globals__ for it (an
+    # "Observed exception" about an AttributeError); without fullgraph it runs eagerly
+    with pytest.raises(flexfa.InputError, match="reads '_SLOPES' through its globals"):
+        torch.compile(with_function, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(with_function, backend="aot_eager")(q, k, v),
+                               with_function(q, k, v), rtol=0, atol=0)
 
 
 class _Window:
