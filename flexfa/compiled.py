@@ -32,13 +32,13 @@ import torch
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
-from .errors import InputError, InputTypeError, check_bool
+from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
-from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask_type,
+from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask,
                      check_scale, check_shapes, check_tensors)
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
@@ -48,12 +48,23 @@ CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: rea
 
 
 def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
-             enable_gqa: bool, kernel_options) -> tuple:
+             enable_gqa: bool, kernel_options, mask_snapshot: str | None = None) -> tuple:
     """(mods key, paths to the score_mod's captured tensors (then to those its trace removed:
     ``buffer_paths``' ``unread``), paths to the mask_mod's, then for each mod the (path,
     shape) of the captured tensors whose sizes its trace read: ``sized_paths``); runs
     at Dynamo's trace time on the real objects. Each mod comes as ``unbound`` takes it apart:
-    Dynamo hands an assume-constant function only what it can turn into constants."""
+    Dynamo hands an assume-constant function only what it can turn into constants.
+    ``mask_snapshot``: the IR key of the trace a flexfa BlockMask kept of its mask_mod when it
+    was built, which the mask_mod must still trace to (``_mask_snapshot``)."""
+    try:
+        return _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
+                          enable_gqa, kernel_options, mask_snapshot)
+    except FlexFAError as error:  # raised here, outside Dynamo's tracing: passed as it is
+        raise_through(type(error), str(error))
+
+
+def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
+               enable_gqa: bool, kernel_options, mask_snapshot) -> tuple:
     score_mod = _rebound(score_mod, score_class, score_id)
     mask_mod = _rebound(mask_mod, mask_class, mask_id)
     if score_mod is not None and not callable(score_mod):
@@ -61,23 +72,72 @@ def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     from .ops import register_mods  # registers the operators (first call inside torch.compile)
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
+    if mask_snapshot is not None and mask.root.key != mask_snapshot:
+        raise InputError(
+            f"the block_mask's mask_mod {mask.name!r} no longer traces to the mask it was built "
+            "from (a Python value it reads changed since create_block_mask): eager flexfa runs "
+            "the mask as built, which torch.compile cannot trace again; build the mask again "
+            "after such a change")
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
-    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask),
-            sized_paths(score_mod, score_sized), sized_paths(mask_mod, mask_sized))
+    mask_paths = mask_sizes = ()  # a snapshot's tensors are read from it, not from the mod
+    if mask_snapshot is None:
+        mask_paths, mask_sizes = buffer_paths(mask_mod, mask), sized_paths(mask_mod, mask_sized)
+    return (key, buffer_paths(score_mod, score, unread=True), mask_paths,
+            sized_paths(score_mod, score_sized), mask_sizes)
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
 describe._dynamo_marked_constant = True
 
 
+def raise_through(error_type: type, message: str):
+    """Raise ``error_type(message)`` (a flexfa error) so that torch.compile passes it to the
+    caller as that error, where Dynamo would report one raised in traced code as
+    ``Unsupported: Observed exception`` (``fullgraph=True``) and one raised in ``describe``
+    as an ``InternalTorchDynamoError``. Dynamo runs this function without tracing it (an
+    assume-constant function) and re-raises its ``Unsupported`` errors as they are: the error
+    is also one (``_raised_through``), which without ``fullgraph`` is a graph break, so the
+    call runs eagerly and raises eager flexfa's error."""
+    raise _raised_through(error_type)(message) from None
+
+
+raise_through._dynamo_marked_constant = True
+
+
+@functools.lru_cache(maxsize=64)
+def _raised_through(error_type: type) -> type:
+    """``error_type`` that is also Dynamo's ``Unsupported``, under the same name."""
+    from torch._dynamo.exc import Unsupported  # loaded: this runs inside torch.compile
+
+    def __init__(self, message):
+        Unsupported.__init__(self, message)  # (its other arguments differ between releases)
+    return type(error_type.__name__, (error_type, Unsupported),
+                {"__init__": __init__, "__module__": error_type.__module__,
+                 "__qualname__": error_type.__qualname__, "__doc__": error_type.__doc__})
+
+
+def _raised_as_eagerly(fn):
+    """``fn`` (a function traced by Dynamo) raising flexfa's errors through ``raise_through``:
+    the same type and message as eagerly, ``fullgraph=True`` included."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FlexFAError as error:
+            raise_through(type(error), error.args[0])
+    return traced
+
+
 def unbound(mod) -> tuple:
     """(function, class, id) of ``mod`` as ``describe`` takes it (traced by Dynamo): a
-    function or partial is itself; a bound method is its function and its instance's class and
-    id; another object (an ``nn.Module``, a callable instance) is its class and id. torch
-    2.11's Dynamo turns an ``nn.Module`` or other object into no constant (2.13 does, with an
-    identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an object from outside the
-    compiled code into constants on both, guarding on the object's identity."""
-    if mod is None or isinstance(mod, (types.FunctionType, functools.partial)):
+    function is itself; a bound method is its function and its instance's class and id;
+    another object (an ``nn.Module``, a callable instance, a ``functools.partial``) is its
+    class and id. torch 2.11's Dynamo turns an ``nn.Module`` or other object into no constant
+    (2.13 does, with an identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an
+    object from outside the compiled code into constants on both, guarding on the object's
+    identity. A partial goes by identity too: as itself it is a constant only while its bound
+    values are (a bound tensor never is, nor a number Dynamo made symbolic after it changed)."""
+    if mod is None or isinstance(mod, types.FunctionType):
         return mod, None, None
     if isinstance(mod, types.MethodType):
         return mod.__func__, type(mod.__self__), id(mod.__self__)
@@ -95,9 +155,21 @@ def _rebound(function, cls, object_id):
 def _live_object(cls, object_id: int):
     """The object ``id(obj) == object_id``. Safe only while the object is alive, as it is
     here: ``describe`` runs while Dynamo traces the frame that holds it, a few bytecodes
-    after Dynamo took its id (its variable holds the object)."""
+    after Dynamo took its id (its variable holds the object). An object made inside the
+    compiled function has no Python object yet: Dynamo's ``id`` is then that of its stand-in
+    (a VariableTracker, alive on the traced frame's stack), which is a constant only where
+    all it holds is (a partial of constants)."""
     instance = ctypes.cast(object_id, ctypes.py_object).value
-    assert type(instance) is cls, f"object {object_id:#x} is a {type(instance)}, not {cls}"
+    if type(instance) is cls:
+        return instance
+    try:
+        instance = instance.as_python_constant()
+    except Exception:  # any failure of the stand-in's conversion: no object to trace
+        instance = None
+    if type(instance) is not cls:
+        raise InputError(f"a mod of type {cls.__qualname__} made inside the compiled function "
+                         "has no Python object while torch.compile traces it; make it outside "
+                         "(an argument, a global, a module attribute)")
     return instance
 
 
@@ -258,10 +330,16 @@ def follow(obj, path: tuple):
             obj = getattr(obj, arg)
         elif kind == "item":
             obj = obj[arg]
-        elif kind == "cell":
-            obj = getattr(obj, CELL_READERS)[arg]()
         else:
-            obj = obj.__globals__[arg]
+            try:  # Dynamo has neither for a function defined inside the compiled function
+                found = getattr(obj, CELL_READERS) if kind == "cell" else obj.__globals__
+            except AttributeError:
+                raise InputError(
+                    f"a mod defined inside the compiled function reads {arg!r} through its "
+                    f"{'closure' if kind == 'cell' else 'globals'}, which torch.compile does not "
+                    "let flexfa follow there; define the mod outside the compiled function (a "
+                    "module-level function, a factory's closure, a module's method)") from None
+            obj = found[arg]() if kind == "cell" else found[arg]
     return obj
 
 
@@ -290,6 +368,7 @@ def _guard_mod(mod, kind: str, device: torch.device) -> None:
         mod(index, index, index, index)
 
 
+@_raised_as_eagerly
 def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
               kernel_options, return_aux, sinks=None, dropout_p=0.0, dropout_seed=None) -> tuple:
     """(out, lse, max scores or None, whether return_aux asks for lse) of ``flex_attention``
@@ -297,9 +376,8 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     formula runs the backward operator). The sinks are an operator input (so they get their
     gradient); dropout's seed tensor is drawn here, in the graph, from torch's generator
     (``prepare_dropout``), so the operator stays functional and the backward reuses it.
-    Checks the arguments as the eager call does, before anything reads them: under
-    ``fullgraph=True`` Dynamo reports an error raised here as an "Observed exception" that
-    quotes it, without ``fullgraph`` the call falls back to eager flexfa, which raises it."""
+    Checks the arguments as the eager call does, before anything reads them; an error
+    reaches the caller as eager flexfa's (``_raised_as_eagerly``)."""
     query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
@@ -315,12 +393,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
-    if block_mask is not None:
-        check_block_mask_type(block_mask)
-        lengths = tuple(block_mask.seq_lengths)
-        if lengths != (query.shape[2], key.shape[2]):
-            raise InputError(f"block_mask was built for lengths {lengths} but the inputs have "
-                             f"{(query.shape[2], key.shape[2])}")
+    check_block_mask(block_mask, query, key)
     mods, score_buffers, mask_buffers, tables, block = _operator_mods(
         score_mod, block_mask, enable_gqa, kernel_options, query.device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in mask_buffers):
@@ -334,6 +407,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
 
 
 @in_graph("flex_decode")
+@_raised_as_eagerly
 def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, *, kv_lens=None,
                 q_offsets=None, page_table=None, return_lse=False, kernel_options=None,
                 workspace=None, validate=True, sinks=None):
@@ -360,6 +434,7 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
     """(mods key, the score_mod's captured tensors, the mask_mod's, the block mask's tables,
     its block size) as the operators take them."""
     mask_mod = None if block_mask is None else block_mask.mask_mod
+    snapshot = _mask_snapshot(block_mask)
     if isinstance(kernel_options, dict):
         # every item read here, so that Dynamo guards on the keys too (as ``describe``'s
         # argument the dict had guards on its values only: a key added to it, or a dict
@@ -368,18 +443,31 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         kernel_options = {name: operator.index(value) if type(value) is int else value
                           for name, value in kernel_options.items()}
     mods, score_paths, mask_paths, score_sized, mask_sized = describe(
-        *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options)
+        *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options,
+        None if snapshot is None else snapshot.root.key)
     _guard_mod(score_mod, SCORE_MOD, device)
-    _guard_mod(mask_mod, MASK_MOD, device)
     pin_sizes(score_mod, score_sized)
-    pin_sizes(mask_mod, mask_sized)
     score_buffers = [follow(score_mod, p) for p in score_paths]
-    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    if snapshot is None:
+        _guard_mod(mask_mod, MASK_MOD, device)
+        pin_sizes(mask_mod, mask_sized)
+        mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    else:  # the mask as built, as eagerly: its trace's tensors, its IR key guarded
+        mask_buffers = list(snapshot.buffers)
     tables, block = [], []
     if block_mask is not None:
         tables = [getattr(block_mask, n) for n in TABLES]
         block = list(block_mask.BLOCK_SIZE)
     return mods, score_buffers, mask_buffers, tables, block
+
+
+def _mask_snapshot(block_mask):
+    """The trace a flexfa BlockMask kept of its mask_mod when it was built (None for torch's
+    masks, masks built in the compiled function, and after ``mask_mod`` was replaced), which
+    eager flexfa runs however the mod's Python state changed since (docs/blockmask.md)."""
+    if isinstance(block_mask, BlockMask):
+        return block_mask._kept_trace()
+    return None
 
 
 def tables_of(tables: list, separate_full_blocks: bool) -> list:
@@ -392,6 +480,7 @@ def tables_of(tables: list, separate_full_blocks: bool) -> list:
 
 
 @in_graph("create_block_mask")
+@_raised_as_eagerly
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
                       _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
                       dq_kv_order=True) -> BlockMask:
