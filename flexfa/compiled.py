@@ -48,23 +48,21 @@ CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: rea
 
 
 def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
-             enable_gqa: bool, kernel_options, mask_snapshot: str | None = None) -> tuple:
+             enable_gqa: bool, kernel_options) -> tuple:
     """(mods key, paths to the score_mod's captured tensors (then to those its trace removed:
     ``buffer_paths``' ``unread``), paths to the mask_mod's, then for each mod the (path,
     shape) of the captured tensors whose sizes its trace read: ``sized_paths``); runs
     at Dynamo's trace time on the real objects. Each mod comes as ``unbound`` takes it apart:
-    Dynamo hands an assume-constant function only what it can turn into constants.
-    ``mask_snapshot``: the IR key of the trace a flexfa BlockMask kept of its mask_mod when it
-    was built, which the mask_mod must still trace to (``_mask_snapshot``)."""
+    Dynamo hands an assume-constant function only what it can turn into constants."""
     try:
         return _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
-                          enable_gqa, kernel_options, mask_snapshot)
+                          enable_gqa, kernel_options)
     except FlexFAError as error:  # raised here, outside Dynamo's tracing: passed as it is
         raise_through(type(error), str(error))
 
 
 def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
-               enable_gqa: bool, kernel_options, mask_snapshot) -> tuple:
+               enable_gqa: bool, kernel_options) -> tuple:
     score_mod = _rebound(score_mod, score_class, score_id)
     mask_mod = _rebound(mask_mod, mask_class, mask_id)
     if score_mod is not None and not callable(score_mod):
@@ -72,18 +70,9 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     from .ops import register_mods  # registers the operators (first call inside torch.compile)
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
-    if mask_snapshot is not None and mask.root.key != mask_snapshot:
-        raise InputError(
-            f"the block_mask's mask_mod {mask.name!r} no longer traces to the mask it was built "
-            "from (a Python value it reads changed since create_block_mask): eager flexfa runs "
-            "the mask as built, which torch.compile cannot trace again; build the mask again "
-            "after such a change")
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
-    mask_paths = mask_sizes = ()  # a snapshot's tensors are read from it, not from the mod
-    if mask_snapshot is None:
-        mask_paths, mask_sizes = buffer_paths(mask_mod, mask), sized_paths(mask_mod, mask_sized)
-    return (key, buffer_paths(score_mod, score, unread=True), mask_paths,
-            sized_paths(score_mod, score_sized), mask_sizes)
+    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask),
+            sized_paths(score_mod, score_sized), sized_paths(mask_mod, mask_sized))
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
@@ -434,7 +423,6 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
     """(mods key, the score_mod's captured tensors, the mask_mod's, the block mask's tables,
     its block size) as the operators take them."""
     mask_mod = None if block_mask is None else block_mask.mask_mod
-    snapshot = _mask_snapshot(block_mask)
     if isinstance(kernel_options, dict):
         # every item read here, so that Dynamo guards on the keys too (as ``describe``'s
         # argument the dict had guards on its values only: a key added to it, or a dict
@@ -443,31 +431,18 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         kernel_options = {name: operator.index(value) if type(value) is int else value
                           for name, value in kernel_options.items()}
     mods, score_paths, mask_paths, score_sized, mask_sized = describe(
-        *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options,
-        None if snapshot is None else snapshot.root.key)
+        *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options)
     _guard_mod(score_mod, SCORE_MOD, device)
+    _guard_mod(mask_mod, MASK_MOD, device)
     pin_sizes(score_mod, score_sized)
+    pin_sizes(mask_mod, mask_sized)
     score_buffers = [follow(score_mod, p) for p in score_paths]
-    if snapshot is None:
-        _guard_mod(mask_mod, MASK_MOD, device)
-        pin_sizes(mask_mod, mask_sized)
-        mask_buffers = [follow(mask_mod, p) for p in mask_paths]
-    else:  # the mask as built, as eagerly: its trace's tensors, its IR key guarded
-        mask_buffers = list(snapshot.buffers)
+    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
     tables, block = [], []
     if block_mask is not None:
         tables = [getattr(block_mask, n) for n in TABLES]
         block = list(block_mask.BLOCK_SIZE)
     return mods, score_buffers, mask_buffers, tables, block
-
-
-def _mask_snapshot(block_mask):
-    """The trace a flexfa BlockMask kept of its mask_mod when it was built (None for torch's
-    masks, masks built in the compiled function, and after ``mask_mod`` was replaced), which
-    eager flexfa runs however the mod's Python state changed since (docs/blockmask.md)."""
-    if isinstance(block_mask, BlockMask):
-        return block_mask._kept_trace()
-    return None
 
 
 def tables_of(tables: list, separate_full_blocks: bool) -> list:
