@@ -32,13 +32,13 @@ import torch
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
-from .errors import InputError, InputTypeError, check_bool
+from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .frontend.guards import code_names, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
-from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask_type,
+from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask,
                      check_scale, check_shapes, check_tensors)
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
@@ -54,6 +54,15 @@ def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     shape) of the captured tensors whose sizes its trace read: ``sized_paths``); runs
     at Dynamo's trace time on the real objects. Each mod comes as ``unbound`` takes it apart:
     Dynamo hands an assume-constant function only what it can turn into constants."""
+    try:
+        return _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
+                          enable_gqa, kernel_options)
+    except FlexFAError as error:  # raised here, outside Dynamo's tracing: passed as it is
+        raise_through(type(error), str(error))
+
+
+def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
+               enable_gqa: bool, kernel_options) -> tuple:
     score_mod = _rebound(score_mod, score_class, score_id)
     mask_mod = _rebound(mask_mod, mask_class, mask_id)
     if score_mod is not None and not callable(score_mod):
@@ -70,14 +79,54 @@ def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
 describe._dynamo_marked_constant = True
 
 
+def raise_through(error_type: type, message: str):
+    """Raise ``error_type(message)`` (a flexfa error) so that torch.compile passes it to the
+    caller as that error, where Dynamo would report one raised in traced code as
+    ``Unsupported: Observed exception`` (``fullgraph=True``) and one raised in ``describe``
+    as an ``InternalTorchDynamoError``. Dynamo runs this function without tracing it (an
+    assume-constant function) and re-raises its ``Unsupported`` errors as they are: the error
+    is also one (``_raised_through``), which without ``fullgraph`` is a graph break, so the
+    call runs eagerly and raises eager flexfa's error."""
+    raise _raised_through(error_type)(message) from None
+
+
+raise_through._dynamo_marked_constant = True
+
+
+@functools.lru_cache(maxsize=64)
+def _raised_through(error_type: type) -> type:
+    """``error_type`` that is also Dynamo's ``Unsupported``, under the same name."""
+    from torch._dynamo.exc import Unsupported  # loaded: this runs inside torch.compile
+
+    def __init__(self, message):
+        Unsupported.__init__(self, message)  # (its other arguments differ between releases)
+    return type(error_type.__name__, (error_type, Unsupported),
+                {"__init__": __init__, "__module__": error_type.__module__,
+                 "__qualname__": error_type.__qualname__, "__doc__": error_type.__doc__})
+
+
+def _raised_as_eagerly(fn):
+    """``fn`` (a function traced by Dynamo) raising flexfa's errors through ``raise_through``:
+    the same type and message as eagerly, ``fullgraph=True`` included."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FlexFAError as error:
+            raise_through(type(error), error.args[0])
+    return traced
+
+
 def unbound(mod) -> tuple:
     """(function, class, id) of ``mod`` as ``describe`` takes it (traced by Dynamo): a
-    function or partial is itself; a bound method is its function and its instance's class and
-    id; another object (an ``nn.Module``, a callable instance) is its class and id. torch
-    2.11's Dynamo turns an ``nn.Module`` or other object into no constant (2.13 does, with an
-    identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an object from outside the
-    compiled code into constants on both, guarding on the object's identity."""
-    if mod is None or isinstance(mod, (types.FunctionType, functools.partial)):
+    function is itself; a bound method is its function and its instance's class and id;
+    another object (an ``nn.Module``, a callable instance, a ``functools.partial``) is its
+    class and id. torch 2.11's Dynamo turns an ``nn.Module`` or other object into no constant
+    (2.13 does, with an identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an
+    object from outside the compiled code into constants on both, guarding on the object's
+    identity. A partial goes by identity too: as itself it is a constant only while its bound
+    values are (a bound tensor never is, nor a number Dynamo made symbolic after it changed)."""
+    if mod is None or isinstance(mod, types.FunctionType):
         return mod, None, None
     if isinstance(mod, types.MethodType):
         return mod.__func__, type(mod.__self__), id(mod.__self__)
@@ -95,9 +144,21 @@ def _rebound(function, cls, object_id):
 def _live_object(cls, object_id: int):
     """The object ``id(obj) == object_id``. Safe only while the object is alive, as it is
     here: ``describe`` runs while Dynamo traces the frame that holds it, a few bytecodes
-    after Dynamo took its id (its variable holds the object)."""
+    after Dynamo took its id (its variable holds the object). An object made inside the
+    compiled function has no Python object yet: Dynamo's ``id`` is then that of its stand-in
+    (a VariableTracker, alive on the traced frame's stack), which is a constant only where
+    all it holds is (a partial of constants)."""
     instance = ctypes.cast(object_id, ctypes.py_object).value
-    assert type(instance) is cls, f"object {object_id:#x} is a {type(instance)}, not {cls}"
+    if type(instance) is cls:
+        return instance
+    try:
+        instance = instance.as_python_constant()
+    except Exception:  # any failure of the stand-in's conversion: no object to trace
+        instance = None
+    if type(instance) is not cls:
+        raise InputError(f"a mod of type {cls.__qualname__} made inside the compiled function "
+                         "has no Python object while torch.compile traces it; make it outside "
+                         "(an argument, a global, a module attribute)")
     return instance
 
 
@@ -258,10 +319,16 @@ def follow(obj, path: tuple):
             obj = getattr(obj, arg)
         elif kind == "item":
             obj = obj[arg]
-        elif kind == "cell":
-            obj = getattr(obj, CELL_READERS)[arg]()
         else:
-            obj = obj.__globals__[arg]
+            try:  # Dynamo has neither for a function defined inside the compiled function
+                found = getattr(obj, CELL_READERS) if kind == "cell" else obj.__globals__
+            except AttributeError:
+                raise InputError(
+                    f"a mod defined inside the compiled function reads {arg!r} through its "
+                    f"{'closure' if kind == 'cell' else 'globals'}, which torch.compile does not "
+                    "let flexfa follow there; define the mod outside the compiled function (a "
+                    "module-level function, a factory's closure, a module's method)") from None
+            obj = found[arg]() if kind == "cell" else found[arg]
     return obj
 
 
@@ -290,6 +357,7 @@ def _guard_mod(mod, kind: str, device: torch.device) -> None:
         mod(index, index, index, index)
 
 
+@_raised_as_eagerly
 def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
               kernel_options, return_aux, sinks=None, dropout_p=0.0, dropout_seed=None) -> tuple:
     """(out, lse, max scores or None, whether return_aux asks for lse) of ``flex_attention``
@@ -297,9 +365,8 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     formula runs the backward operator). The sinks are an operator input (so they get their
     gradient); dropout's seed tensor is drawn here, in the graph, from torch's generator
     (``prepare_dropout``), so the operator stays functional and the backward reuses it.
-    Checks the arguments as the eager call does, before anything reads them: under
-    ``fullgraph=True`` Dynamo reports an error raised here as an "Observed exception" that
-    quotes it, without ``fullgraph`` the call falls back to eager flexfa, which raises it."""
+    Checks the arguments as the eager call does, before anything reads them; an error
+    reaches the caller as eager flexfa's (``_raised_as_eagerly``)."""
     query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)
     enable_gqa = check_bool("enable_gqa", enable_gqa)
@@ -315,12 +382,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
-    if block_mask is not None:
-        check_block_mask_type(block_mask)
-        lengths = tuple(block_mask.seq_lengths)
-        if lengths != (query.shape[2], key.shape[2]):
-            raise InputError(f"block_mask was built for lengths {lengths} but the inputs have "
-                             f"{(query.shape[2], key.shape[2])}")
+    check_block_mask(block_mask, query, key)
     mods, score_buffers, mask_buffers, tables, block = _operator_mods(
         score_mod, block_mask, enable_gqa, kernel_options, query.device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in mask_buffers):
@@ -334,6 +396,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
 
 
 @in_graph("flex_decode")
+@_raised_as_eagerly
 def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, *, kv_lens=None,
                 q_offsets=None, page_table=None, return_lse=False, kernel_options=None,
                 workspace=None, validate=True, sinks=None):
@@ -392,6 +455,7 @@ def tables_of(tables: list, separate_full_blocks: bool) -> list:
 
 
 @in_graph("create_block_mask")
+@_raised_as_eagerly
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128,
                       _compile=False, separate_full_blocks=True, compute_dq_write_order=False,
                       dq_kv_order=True) -> BlockMask:

@@ -80,5 +80,5 @@ def test_workspace_refused_inside_compile():
         return flexfa.flex_decode(q, k, v, workspace=flexfa.DecodeWorkspace())
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="workspace is not supported inside torch.compile"):
+    with pytest.raises(flexfa.InputError, match="workspace is not supported inside torch.compile"):
         torch.compile(step, backend="aot_eager", fullgraph=True)(q)

@@ -144,7 +144,7 @@ def test_captured_tensors_without_a_differentiable_read_get_zero_gradients():
     # a tensor that requires grad in a removed branch and that the graph cannot reach (made
     # inside the mod): its zero gradient cannot be given, so the call is refused
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="requires? grad in a branch its trace removes"):
+    with pytest.raises(flexfa.InputError, match="requires? grad in a branch its trace removes"):
         torch.compile(lambda q, k, v: flexfa.flex_attention(q, k, v, computed),
                       backend="aot_eager", fullgraph=True)(*inputs)
     for mod, param in ((removed, t), (floored, bias), (inner, None)):
@@ -246,6 +246,10 @@ def _bad_calls():
 
     mask = flexfa.create_block_mask(learnable_mask, None, None, 40, 40, device="cpu",
                                     BLOCK_SIZE=16)
+    short = flexfa.create_block_mask(mods.causal, None, None, 32, 32, device="cpu",
+                                     BLOCK_SIZE=16)
+    sliced = flexfa.create_block_mask(mods.causal, None, 2, 40, 40, device="cpu",
+                                      BLOCK_SIZE=16)[:, :1]
     return [
         ("mask_grad", lambda q, k, v: flexfa.flex_attention(q, k, v, block_mask=mask),
          "reads captured tensors that require grad"),
@@ -259,6 +263,19 @@ def _bad_calls():
          "block_mask must be a BlockMask"),
         ("3-D", lambda q, k, v: flexfa.flex_attention(q[0], k[0], v[0]),
          "query must be 4-D"),
+        # raised while describe traces the mods and options (Dynamo does not trace it)
+        ("kernel_options", lambda q, k, v: flexfa.flex_attention(q, k, v,
+                                                                  kernel_options={"NOPE": 1}),
+         "kernel_options has an unknown key 'NOPE'"),
+        ("mask_lengths", lambda q, k, v: flexfa.flex_attention(q, k, v, block_mask=short),
+         r"block_mask was built for \(B=1, H=1, Q_LEN=32, KV_LEN=32\) but flex_attention "
+         r"got \(B=1, H=2, Q_LEN=40, KV_LEN=40\)"),
+        ("sliced_mask", lambda q, k, v: flexfa.flex_attention(q, k, v, block_mask=sliced),
+         "block_mask was sliced with"),
+        ("create_block_mask", lambda q, k, v: flexfa.create_block_mask(
+            mods.causal, 0, None, 40, 40, device="cpu"), "B must be positive, got B=0"),
+        ("flex_decode", lambda q, k, v: flexfa.flex_decode(q[:, :, :1], k, v, return_lse="x"),
+         "return_lse must be a bool, got str 'x'"),
     ]
 
 
@@ -267,17 +284,18 @@ def _bad_calls():
 def test_compiled_calls_refuse_what_eager_refuses(case):
     """Checked before the operator as eagerly: a mask_mod reading a tensor that requires grad
     compiled and its tensor got no gradient; a bool given as "yes" was taken as true; the
-    others failed inside Dynamo or fake-tensor propagation with no flexfa message. Without
-    fullgraph the call falls back to eager flexfa's InputError; with it Dynamo's error
-    quotes the message."""
+    others failed inside Dynamo or fake-tensor propagation with no flexfa message. With and
+    without fullgraph the error is eager flexfa's type and message (fullgraph=True raised
+    Dynamo's "Unsupported: Observed exception", or an InternalTorchDynamoError for errors of
+    the mods' trace and the options; a mask of other B, H or a sliced one had other messages
+    than eagerly, or none)."""
     _, call, message = _bad_calls()[case]
     inputs = make_inputs(40, seed=7)
-    with pytest.raises((flexfa.InputError, flexfa.InputTypeError), match=message):
+    with pytest.raises(flexfa.FlexFAError, match=message) as eager:
         call(*inputs)
-    for fullgraph, raised in ((False, (flexfa.InputError, flexfa.InputTypeError)),
-                              (True, Exception)):
+    for fullgraph in (False, True):
         torch._dynamo.reset()
-        with pytest.raises(raised, match=message):
+        with pytest.raises(eager.type, match=message):
             torch.compile(call, backend="aot_eager", fullgraph=fullgraph)(*inputs)
 
 

@@ -67,5 +67,5 @@ def test_options_passed_in_are_the_calls(ran):
                     {"DS_MAX_BYTES": 2 ** 41, "deterministic": True}, None):
         layer(*q_k_v, options)
         assert ran[-1] == parse_kernel_options(options), options
-    with pytest.raises(Exception, match=r"InputError: kernel_options\['BLOCK_M'\] = 24 is not"):
+    with pytest.raises(InputError, match=r"kernel_options\[.BLOCK_M.\] = 24 is not"):
         layer(*q_k_v, {"BLOCK_M": 24})

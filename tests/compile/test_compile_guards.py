@@ -1,0 +1,183 @@
+"""What a compiled call must see again when it changes between calls: the mod given as a
+``functools.partial`` (its bound numbers, tensors and function), and mods made inside the
+compiled function (a partial of constants works; an object has no Python object to trace and
+is refused by name), and a block mask's mask_mod whose Python state changed after the mask
+was built (run as it is now, as torch does). Each compiled result equals eager flexfa's on the
+same call."""
+import functools
+
+import pytest
+import torch
+
+import flexfa
+
+from compile_utils import make_inputs
+
+
+_SLOPES = torch.tensor([0.5, -0.5])
+
+
+def _biased(score, b, h, q_idx, kv_idx, slope):
+    return score + slope * (q_idx - kv_idx)
+
+
+def _slope_first(slope, score, b, h, q_idx, kv_idx):
+    return score + slope * (q_idx - kv_idx)
+
+
+def _per_head(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (q_idx - kv_idx)
+
+
+def _scaled(score, b, h, q_idx, kv_idx, slope):
+    return score * slope
+
+
+def _given(q, k, v, mod):
+    return flexfa.flex_attention(q, k, v, mod)
+
+
+def _partials():
+    """(name, the partials passed one per call) of partials whose bound values change."""
+    return [
+        ("float", [functools.partial(_biased, slope=s) for s in (0.1, 0.5, -0.3)]),
+        ("int", [functools.partial(_biased, slope=s) for s in (1, 2, 3)]),
+        ("positional", [functools.partial(_slope_first, s) for s in (0.2, -0.2)]),
+        ("tensor", [functools.partial(_per_head, slopes=torch.tensor([s, -s]))
+                    for s in (0.1, 0.5)]),
+        ("function", [functools.partial(f, slope=0.7) for f in (_biased, _scaled)]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_partials())), ids=[c[0] for c in _partials()])
+def test_a_partial_with_other_bound_values_gives_the_new_result(case):
+    """A partial's bound number that changed between calls became symbolic in the recompiled
+    frame and a bound tensor is no constant at all: both stopped Dynamo with
+    "assume_constant_result argument conversion failed". Partials now go by identity (as an
+    nn.Module does) and their bound values are guarded."""
+    _, partials = _partials()[case]
+    q, k, v = (t.detach() for t in make_inputs(40, seed=1))
+    torch._dynamo.reset()
+    compiled = torch.compile(_given, backend="aot_eager", fullgraph=True)
+    for mod in partials:
+        torch.testing.assert_close(compiled(q, k, v, mod), _given(q, k, v, mod), rtol=0, atol=0)
+
+
+def test_a_partial_over_a_learnable_tensor_reads_it_fresh_and_gets_its_gradient():
+    slopes = torch.tensor([0.1, -0.2], requires_grad=True)
+    mod = functools.partial(_per_head, slopes=slopes)
+    inputs = make_inputs(40, seed=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(_given, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        results = []
+        for fn in (compiled, _given):
+            out = fn(*inputs, mod)
+            out.sum().backward()
+            results.append((out.detach(), slopes.grad))
+            slopes.grad = None
+        torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+        assert results[1][1].abs().sum() > 0
+        with torch.no_grad():
+            slopes.mul_(3.0)  # changed in place: the next call reads the new values
+
+
+def test_mods_made_inside_the_compiled_function():
+    """A partial of constants made inside the compiled function is traced as before; a
+    callable object made there has no Python object while Dynamo traces, and a function
+    defined there no globals: flexfa errors that say so (an AssertionError about a
+    VariableTracker, Dynamo's "Observed exception")."""
+    class Scaled:
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score * 0.5
+
+    def with_partial(q, k, v):
+        return flexfa.flex_attention(q, k, v, functools.partial(_biased, slope=0.3))
+
+    def with_object(q, k, v):
+        return flexfa.flex_attention(q, k, v, Scaled())
+
+    def with_function(q, k, v):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + _SLOPES[h]
+        return flexfa.flex_attention(q, k, v, biased)
+
+    q, k, v = (t.detach() for t in make_inputs(40, seed=3))
+    torch._dynamo.reset()
+    torch.testing.assert_close(
+        torch.compile(with_partial, backend="aot_eager", fullgraph=True)(q, k, v),
+        with_partial(q, k, v), rtol=0, atol=0)
+    with pytest.raises(flexfa.InputError, match="Scaled made inside the compiled function"):
+        torch.compile(with_object, backend="aot_eager", fullgraph=True)(q, k, v)
+    # a function defined there reading a global tensor: Dynamo has no __globals__ for it (an
+    # "Observed exception" about an AttributeError); without fullgraph it runs eagerly
+    with pytest.raises(flexfa.InputError, match="reads '_SLOPES' through its globals"):
+        torch.compile(with_function, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(with_function, backend="aot_eager")(q, k, v),
+                               with_function(q, k, v), rtol=0, atol=0)
+
+
+
+class _Window:
+    size = 10  # the Python state a mask_mod reads
+
+
+def _windowed(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() < _Window.size
+
+
+def _closed_window(size):
+    def windowed(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < size
+
+    def resize(new):
+        nonlocal size
+        size = new
+    return windowed, resize
+
+
+_DOCUMENTS = {"ids": torch.arange(64) // 20}
+
+
+def _document(b, h, q_idx, kv_idx):
+    return _DOCUMENTS["ids"][q_idx] == _DOCUMENTS["ids"][kv_idx]
+
+
+def _masked(q, k, v, block_mask):
+    return flexfa.flex_attention(q, k, v, block_mask=block_mask)
+
+
+def test_a_mask_mod_whose_state_changed_runs_its_new_state_compiled_as_eagerly(monkeypatch):
+    """torch's semantics (BlockMask.traced_mask): a mask built before its mask_mod's Python
+    state changed (a window in a class attribute or a closure cell, a captured tensor
+    rebound) applies the mod as it is now on its old tables, eagerly and compiled, whether
+    the graph was compiled before the change or after it. The new masks are within the old
+    tables' partial blocks (no full block changes), so the float64 reference of the new mod
+    is the expected result; it differs from the old one."""
+    from flexfa.reference import attention_reference
+    monkeypatch.setattr(_Window, "size", 10)
+    monkeypatch.setitem(_DOCUMENTS, "ids", torch.arange(64) // 20)
+    closed, resize = _closed_window(10)
+
+    def rebind_documents(step):  # the documents move by 4: pairs only in the old partial blocks
+        _DOCUMENTS["ids"] = (torch.arange(64) + 4 * step) // 20
+    cases = [(_windowed, lambda step: setattr(_Window, "size", 10 - 3 * step)),
+             (closed, lambda step: resize(10 - 3 * step)), (_document, rebind_documents)]
+    q, k, v = (t.detach() for t in make_inputs(64, seed=5))
+    for mod, change in cases:
+        block_mask = flexfa.create_block_mask(mod, None, None, 64, 64, BLOCK_SIZE=16)
+        before = _masked(q, k, v, block_mask)
+        for compile_first in (True, False):  # a graph compiled before the change, or after
+            change(0)
+            torch._dynamo.reset()
+            compiled = torch.compile(_masked, backend="aot_eager", fullgraph=True)
+            if compile_first:
+                torch.testing.assert_close(compiled(q, k, v, block_mask), before,
+                                           rtol=0, atol=0)
+            change(1)
+            got = compiled(q, k, v, block_mask)
+            torch.testing.assert_close(got, _masked(q, k, v, block_mask), rtol=0, atol=0)
+            want = attention_reference(q, k, v, mask_mod=mod).to(got.dtype)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert (got - before).abs().max() > 0.1, mod
