@@ -213,7 +213,8 @@ def test_a_cached_call_enters_few_functions(case):
     the machine): 60 dense, 83 causal, 109 with a captured tensor and 84 with requires_grad
     before prepared calls; 21, 27, 47 and 30 with them; 21, 43, 68 and 48 since the mask_mod's
     trace is looked up under its guard on every call, as the score_mod's is (a mod whose
-    state changed is traced again)."""
+    state changed is traced again); 46, 71 and 51 with the autocast check and, on the CPU,
+    the interpreter's warning filter and its kept rewritten kernels (one call each)."""
     q, k, v = _qkv()
     bias = torch.randn(L, L)
 
@@ -227,6 +228,6 @@ def test_a_cached_call_enters_few_functions(case):
             "grad": lambda: flexfa.flex_attention(*grads, block_mask=mask)}[case]
     for _ in range(3):
         call()
-    bound = {"dense": 25, "causal": 43, "captured": 68, "grad": 48}[case]
+    bound = {"dense": 25, "causal": 46, "captured": 71, "grad": 51}[case]
     entered = _functions_entered()(call, os.path.dirname(flexfa.__file__), calls=1)
     assert entered <= bound, f"{case}: a cached call entered {entered} flexfa functions"
