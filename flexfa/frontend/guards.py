@@ -576,3 +576,95 @@ def guard(fn, names: frozenset = frozenset()) -> Guard | None:
             return Guard(tuple(walk.parts), names, tuple(walk.tensors), walk.identities)
         names = frozenset(walk.names)
     return None
+
+
+# ---- pins: the guard of a plain function that reaches only identities, checked cheaply ----
+#
+# A function with no defaults or attributes, no imports, whose closure cells and global names
+# hold only values the walk compares by identity (library modules and functions, builtins,
+# immutable scalars, strings) or tensors (identity and metadata), has a fingerprint that
+# changes only if one of those bindings does. ``pins`` records the bindings and
+# ``pins_hold`` compares them (a few identity tests: ``causal``, a softcap, a mod over a
+# captured table), so the trace memo need not walk such a mod on every call. Anything else
+# (methods, partials, objects, containers, user functions or modules) takes the full guard.
+
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _pin(value):
+    """(what a later binding must be, or its tensor's weak reference and metadata) for a
+    value the walk compares by identity or as a tensor; None for any other value."""
+    cls = type(value)
+    if cls is torch.Tensor:
+        return (weakref.ref(value), value.shape, value.dtype, value.device, value.requires_grad)
+    if cls in _SCALARS:
+        return (value,)
+    if cls is types.ModuleType and is_library_name(value.__name__):
+        return (value,)
+    if cls is types.FunctionType and is_library_name(value.__module__ or ""):
+        return (value,)
+    if cls is types.BuiltinFunctionType:
+        owner = getattr(value, "__self__", None)
+        if owner is None or isinstance(owner, types.ModuleType):
+            return (value,)
+    return None
+
+
+def _pinned(value, pin) -> bool:
+    if len(pin) == 1:
+        return value is pin[0]
+    return (pin[0]() is value and value.shape == pin[1] and value.dtype is pin[2]
+            and value.device == pin[3] and value.requires_grad == pin[4])
+
+
+def pins(fn) -> tuple | None:
+    """The bindings ``fn``'s guard depends on, where it is a plain function whose every
+    binding ``_pin`` takes (else None: the full guard). Taken before the trace it serves and
+    kept only if ``pins_hold`` still after (the state did not change meanwhile)."""
+    if type(fn) is not types.FunctionType or fn.__defaults__ is not None or \
+            fn.__kwdefaults__ is not None or fn.__dict__ or is_library_name(fn.__module__ or ""):
+        return None
+    names, imports = _code_facts(fn.__code__)
+    if imports or not names.isdisjoint(DYNAMIC_NAMES):
+        return None
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            pin = _pin(cell.cell_contents)
+        except ValueError:  # an empty cell
+            return None
+        if pin is None:
+            return None
+        cells.append(pin)
+    globals_, bound = fn.__globals__, []
+    for name in names:
+        found = globals_.get(name, _MISSING)
+        pin = (_MISSING, _BUILTIN_NAMES.get(name, _MISSING)) if found is _MISSING else _pin(found)
+        if pin is None:
+            return None
+        bound.append((name, pin))
+    return fn.__code__, tuple(cells), tuple(bound)
+
+
+def pins_hold(fn, pinned: tuple) -> bool:
+    """Whether every binding ``pins`` recorded for ``fn`` is still the same (then its full
+    guard would compare equal)."""
+    code, cells, bound = pinned
+    if fn.__code__ is not code or fn.__defaults__ is not None or \
+            fn.__kwdefaults__ is not None or fn.__dict__:
+        return False
+    for cell, pin in zip(fn.__closure__ or (), cells):
+        try:
+            if not _pinned(cell.cell_contents, pin):
+                return False
+        except ValueError:
+            return False
+    globals_ = fn.__globals__
+    for name, pin in bound:
+        found = globals_.get(name, _MISSING)
+        if pin[0] is _MISSING:
+            if found is not _MISSING or _BUILTIN_NAMES.get(name, _MISSING) is not pin[1]:
+                return False
+        elif found is _MISSING or not _pinned(found, pin):
+            return False
+    return True

@@ -18,7 +18,7 @@ from ..errors import TraceError
 from . import ir
 from . import torch_functions  # noqa: F401  (registers the torch-function handlers)
 from ..memo import OwnedMemo
-from .guards import Guard, guard
+from .guards import Guard, guard, pins, pins_hold
 from .ir import DType, Node, Op
 from .proxy import BufferView, Proxy, Tracer, lift, supported_functions
 from .simplify import simplify
@@ -161,6 +161,8 @@ class TraceEntry:
     # weakrefs to the captured tensors whose sizes Python read while tracing (``t.shape[0]``):
     # the IR may hold them as constants (the guard covers them; torch.compile pins them)
     sized: tuple = ()
+    # a plain function's bindings (``guards.pins``), checked instead of its guard where set
+    pins: tuple | None = None
 
     def reads_unchanged(self) -> bool:
         for ref, version in self.reads:
@@ -196,6 +198,9 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
         expected = kind = mod_kind(fn)
     owner, key = _owner_and_key(fn, kind)
     entry = TRACE_MEMO.get(owner, key)
+    if entry is not None and entry.pins is not None and pins_hold(fn, entry.pins) and \
+            (not entry.reads or entry.reads_unchanged()):
+        return entry  # (a plain function's bindings unchanged: its guard would be equal)
     names = frozenset() if entry is None or entry.guard is None else entry.guard.names
     current = guard(fn, names)
     if (entry is not None and current is not None and current == entry.guard
@@ -205,10 +210,13 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
         expected = mod_kind(fn)
     if kind != expected:
         raise TraceError(f"expected a {kind} but {mod_name(fn)!r} has the arity of a {expected}")
+    pinned = pins(fn) if current is not None else None  # (taken before the trace)
     traced, reads, raw, sized = _trace_uncached(fn, kind, current)
     entry = TraceEntry(traced, current, reads, raw, sized=sized)
     if _reusable(current, traced):
         current.keep()  # its objects held weakly from now on
+        if pinned is not None and pins_hold(fn, pinned) and guard(fn, current.names) == current:
+            entry.pins = pinned  # (the state did not change while tracing)
         TRACE_MEMO.put(owner, key, entry)
     return entry
 

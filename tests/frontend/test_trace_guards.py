@@ -640,3 +640,92 @@ def test_a_dict_another_thread_edits_does_not_fail_the_guard():
             del _SETTINGS[name]
     assert not errors, f"{len(errors)} walks failed: {errors[0]!r}"
     assert guard(mod) is not None
+
+
+# ---- the pinned fast path (guards.pins): plain functions reaching only identities ----------
+
+PIN_WINDOW = 2
+PIN_TABLE = torch.tensor([0.0, 1.0, 2.0, 3.0])
+
+
+def _pinned_mods():
+    """Plain functions whose trace the memo checks by pins, each with a change of state."""
+    window = 3
+
+    def closure(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window
+
+    def change_closure():
+        nonlocal window
+        window = 5
+
+    def global_scalar(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < PIN_WINDOW
+
+    def change_global():
+        globals()["PIN_WINDOW"] = 4
+
+    def global_tensor(score, b, h, q_idx, kv_idx):
+        return score + PIN_TABLE[q_idx % 4]
+
+    def rebind_tensor():
+        globals()["PIN_TABLE"] = torch.tensor([5.0, 1.0, 2.0, 3.0])
+
+    def resize_tensor():  # the same object, another shape: shapes may be constants in a trace
+        PIN_TABLE.resize_(2).copy_(torch.tensor([7.0, 8.0]))
+
+    def code_swap(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 2
+
+    def other(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 6
+
+    def swap_code():
+        code_swap.__code__ = other.__code__
+
+    def shadowed(b, h, q_idx, kv_idx):
+        return abs(q_idx - kv_idx) < 2
+
+    def shadow_builtin():  # a global of the builtin's name now answers the lookup
+        globals()["abs"] = lambda x: x + 3
+
+    return [(closure, change_closure), (global_scalar, change_global),
+            (global_tensor, rebind_tensor), (code_swap, swap_code), (shadowed, shadow_builtin),
+            (lambda s, b, h, q, k: s * PIN_TABLE.shape[0], resize_tensor)]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_pinned_plain_functions_follow_their_state(index):
+    """Each mod is traced twice first: the second lookup is served by its pins (checked);
+    after the change the lookup gives the new behaviour, as a fresh trace."""
+    saved = dict(PIN_WINDOW=PIN_WINDOW, PIN_TABLE=PIN_TABLE.clone())
+    fn, change = _pinned_mods()[index]
+    try:
+        trace(fn)
+        assert trace_entry(fn).pins is not None, "the mod should be served by its pins"
+        _assert_follows(fn, change)
+    finally:
+        globals().update(saved)
+        globals().pop("abs", None)
+
+
+def test_pins_are_not_taken_for_state_beyond_identities():
+    """Methods, partials, defaults, user functions or objects in globals take the full guard."""
+    from flexfa.frontend.guards import pins
+
+    def with_default(b, h, q_idx, kv_idx, w=2):
+        return q_idx - kv_idx < w
+
+    def calls_user_function(b, h, q_idx, kv_idx):
+        return with_default(b, h, q_idx, kv_idx)
+
+    config = {"w": 2}
+
+    def reads_dict(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < config["w"]
+
+    assert pins(with_default) is None
+    assert pins(calls_user_function) is None
+    assert pins(reads_dict) is None
+    assert pins(Window().mask) is None
+    assert pins(functools.partial(with_default, w=3)) is None

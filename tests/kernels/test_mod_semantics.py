@@ -150,6 +150,16 @@ def _index_bias(q_idx, kv_idx):
     return (q_idx * 37 + kv_idx * 11) * 1.25  # whole numbers: exact in float32 and float64
 
 
+TABLE_INT8 = torch.tensor([100, -100, 127, 90], dtype=torch.int8)
+
+
+def _int8_table_mod(table):
+    """A mod reading ``table`` (int8) twice; the GPU test makes it again over a GPU copy."""
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + 0.01 * (table[q_idx % 4] + table[kv_idx % 4])
+    return mod
+
+
 SEMANTIC_MODS = {
     # each adds what rounding/wrapping changes (0 if the cast were a no-op): errors of up to
     # a float16 ulp of 4500 (2), a bfloat16 ulp of 4500 (16, * 0.1) and int8 wraps (~256)
@@ -160,8 +170,7 @@ SEMANTIC_MODS = {
     "int8": lambda score, b, h, q_idx, kv_idx: score + 0.01 * (
         (q_idx * 7 + kv_idx).to(torch.int8) - (q_idx * 7 + kv_idx)),
     # an element of a captured int8 tensor stays int8: the sum wraps (regression: int64)
-    "int8 table": lambda score, b, h, q_idx, kv_idx: score + 0.01 * (
-        TABLE_INT8[q_idx % 4] + TABLE_INT8[kv_idx % 4]),
+    "int8 table": _int8_table_mod(TABLE_INT8),
     # shifts as torch's, int64 ones (the hash leaves int32) included
     "shifts": lambda score, b, h, q_idx, kv_idx: score + 0.5 * (
         (((q_idx * 1000003) << 13) ^ (kv_idx << 40) ^ ((q_idx - kv_idx) >> 2)) % 7),
@@ -169,7 +178,6 @@ SEMANTIC_MODS = {
     # the gradient NaN (regression)
     "celu": lambda score, b, h, q_idx, kv_idx: F.celu(score, 0.02),
 }
-TABLE_INT8 = torch.tensor([100, -100, 127, 90], dtype=torch.int8)
 
 
 @pytest.mark.parametrize("name", sorted(SEMANTIC_MODS))
@@ -263,6 +271,8 @@ def test_flex_attention_with_casts_on_the_gpu(name):
     grad_out = torch.randn(want.shape, generator=generator)
     want_grads = torch.autograd.grad(want, exact, grad_out.double())
     gpu = [t.cuda().requires_grad_(True) for t in inputs]
+    if name == "int8 table":  # its captured table on the GPU too
+        score_mod = _int8_table_mod(TABLE_INT8.cuda())
     out = flexfa.flex_attention(*gpu, score_mod=score_mod)
     torch.testing.assert_close(out.double().cpu(), want.detach(), rtol=0, atol=1e-2)
     got_grads = torch.autograd.grad(out, gpu, grad_out.half().cuda())
