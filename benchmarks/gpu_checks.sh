@@ -115,10 +115,10 @@
 # of the thirty-fifth session's audits: dropout's scale, the decode walk's first q block,
 # backward reading saved tensors once, logical ops of float comparisons, autotune keys, compiled
 # kernel_options);
-# ze: the thirty-sixth session's fixes: the CPU tests of torch.compile, layouts and block masks
-# on the GPU machine's torch (Dynamo differs from the development machine's), beside the
-# backward, Gluon backward, decode, feature, FP8, compile, varlen and mod-semantics GPU tests,
-# sharded; then the timed GPU tests (the dispatch test's alternating rounds among them);
+# ze: the thirty-sixth session's fixes: the backward, Gluon backward, decode, feature, FP8,
+# compile, varlen and mod-semantics GPU tests, sharded (six of eight shards took 300-350 s:
+# give it a whole call); then the timed GPU tests (the dispatch test's alternating rounds
+# among them). (The CPU tests cannot run there: its numpy 2.5 fails Triton 3.6's interpreter);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -367,16 +367,13 @@ if [ "$PART" = zd ]; then  # the thirty-fifth session's fixes (see --help)
   tail -n 14 "$OUT/gpu_zd.log"
 fi
 if [ "$PART" = ze ]; then  # the thirty-sixth session's fixes (see --help)
-  step compile_cpu 420 python -m pytest -q -p no:cacheprovider -rfE tests/compile \
-    tests/test_layouts.py tests/blockmask/test_block_mask.py &
   T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
-  step gpu_ze "${ZE_LIMIT:-380}" $SHARD/ze -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
+  step gpu_ze "${ZE_LIMIT:-450}" $SHARD/ze -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
     tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py \
     tests/kernels/test_decode.py tests/gpu/test_features_gpu.py tests/gpu/test_fp8_gpu.py \
     tests/gpu/test_compile_gpu.py tests/blockmask/test_varlen.py tests/kernels/test_mod_semantics.py
-  wait
   step timed 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
-  tail -n 6 "$OUT/compile_cpu.log" "$OUT/gpu_ze.log" "$OUT/timed.log"
+  tail -n 6 "$OUT/gpu_ze.log" "$OUT/timed.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
   # the split combine changed since b95fe87's run), its picture
