@@ -260,7 +260,7 @@ def result(tracer: Tracer, node: Node, operands, rebuild=None) -> Proxy:
     which widen each other only within the result's kind (float16 + float32 is float32). A
     tensor operand of a lower kind is converted to the result's dtype before the op (float16
     + an int 65535 is inf): ``rebuild(nodes)`` makes the op again from such converted nodes."""
-    storage = _storage(operands, node.dtype)
+    storage = narrow_storage(operands, node.dtype)
     if storage is None:
         return Proxy(node, tracer)
     name = _NARROW_NAMES[storage]
@@ -273,7 +273,7 @@ def result(tracer: Tracer, node: Node, operands, rebuild=None) -> Proxy:
     return Proxy(ir.narrow(node, name), tracer, storage)
 
 
-def _storage(operands, dtype: DType) -> torch.dtype | None:
+def narrow_storage(operands, dtype: DType) -> torch.dtype | None:
     """torch's result dtype for ``operands`` when it is narrower than flexfa's own."""
     if dtype is DType.BOOL:
         return None
@@ -422,16 +422,16 @@ _BOOL_OPS = {Op.ADD: Op.OR, Op.MUL: Op.AND}
 _ROUNDS_NUMBER = frozenset({Op.ADD, Op.SUB, Op.LT, Op.LE, Op.EQ, Op.NE, Op.MOD, Op.FMOD, Op.POW})
 
 
-def _lift_pair(tracer: Tracer, a, b, op: Op | None = None) -> tuple[Node, Node]:
+def lift_pair(tracer: Tracer, a, b, op: Op | None = None) -> tuple[Node, Node]:
     """The nodes of two operands, a Python number converted to the narrow type of the other
     operand first, as torch converts it: wrapped into an int type (t8 // 200 divides by -56,
     t8 == 128 compares with -128; not for t8 / 200, float math), rounded to float16 /
     bfloat16 by the ops that do (``_ROUNDS_NUMBER``: h == 2049.0 is True at 2048)."""
     x, y = lift(a, tracer), lift(b, tracer)
     if DType.FLOAT in (x.dtype, y.dtype):
-        storage = _storage((a, b), DType.FLOAT) if op in _ROUNDS_NUMBER else None
+        storage = narrow_storage((a, b), DType.FLOAT) if op in _ROUNDS_NUMBER else None
     else:
-        storage = _storage((a, b), DType.INT) if op is not Op.DIV else None
+        storage = narrow_storage((a, b), DType.INT) if op is not Op.DIV else None
     if storage is None:
         return x, y
     return tuple(ir.narrow(n, _NARROW_NAMES[storage])
@@ -442,7 +442,7 @@ def _lift_pair(tracer: Tracer, a, b, op: Op | None = None) -> tuple[Node, Node]:
 def binary_op(op: Op, swap: bool = False):
     def apply(a, b):
         tracer = find_tracer(a, b)
-        x, y = _lift_pair(tracer, a, b, op)
+        x, y = lift_pair(tracer, a, b, op)
         if swap:
             x, y = y, x
         if op in (Op.AND, Op.OR, Op.XOR) and DType.FLOAT in (x.dtype, y.dtype):
@@ -480,7 +480,7 @@ def shift_op(left: bool, swap: bool = False):
         tracer = find_tracer(a, b)
         if swap:
             a, b = b, a
-        x, n = _lift_pair(tracer, a, b)
+        x, n = lift_pair(tracer, a, b)
         if DType.INT is not x.dtype or DType.INT is not n.dtype:
             raise tracer.error(f"operator {symbol} needs int operands, got {x.dtype.value} "
                                f"and {n.dtype.value} (torch refuses it too)", UnsupportedOpError)

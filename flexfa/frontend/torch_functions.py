@@ -13,12 +13,31 @@ import torch
 from . import activations, ir
 from .ir import DType, Op
 from .proxy import (CAST_METHODS, DUNDERS, SETITEM_MESSAGE, TORCH_FUNCTIONS, Proxy, binary_op,
-                    convert, find_tracer, index_buffer, lift, reduction_error, result, shift_op,
-                    unary_op)
+                    convert, find_tracer, index_buffer, lift, lift_pair, narrow_storage,
+                    reduction_error, result, shift_op, unary_op)
+
+
+def _check_numbers_fit(tracer, name: str, operands) -> None:
+    """torch.where and torch.clamp convert a Python int beside a narrow int value (int8,
+    uint8, int16, int32) to that type and raise where it does not fit ("value cannot be
+    converted to type int8_t without overflow"); the kernels would wrap it (300 as 44)."""
+    storage = narrow_storage(operands, DType.INT)
+    if storage is None:
+        return
+    info = torch.iinfo(storage)
+    low = -info.max if info.min == 0 else info.min  # (c10's check: uint8 takes -255..255)
+    for value in operands:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and \
+                not low <= value <= info.max:
+            raise tracer.error(
+                f"torch.{name} of the number {value} beside a {storage} value: torch raises "
+                f"\"value cannot be converted to type {storage} without overflow\"; widen the "
+                "value first (e.g. .int() or .long())")
 
 
 def _where(cond, a, b):
     tracer = find_tracer(cond, a, b)
+    _check_numbers_fit(tracer, "where", (a, b))
     c = lift(cond, tracer)
     if c.dtype is not DType.BOOL:
         raise tracer.error(f"torch.where needs a bool condition, got {c.dtype.value}")
@@ -34,6 +53,7 @@ def _clamp(x, min=None, max=None):
         raise tracer.error("torch.clamp needs min or max (both are None), as in torch")
     sides = [op for op, bound in ((Op.MAX, min), (Op.MIN, max)) if bound is not None]
     operands = [x] + [bound for bound in (min, max) if bound is not None]
+    _check_numbers_fit(tracer, "clamp", operands)
 
     def build(nodes):
         value, *bounds = nodes
@@ -48,7 +68,10 @@ def _clamp(x, min=None, max=None):
             stuck = ir.where(ir.binary(Op.EQ, low, high), ir.unary(Op.DETACH, node), node)
             node = ir.where(ir.binary(Op.LT, value, low), stuck, node)
         return node
-    return result(tracer, build([lift(v, tracer) for v in operands]), operands, build)
+    # a number bound beside a narrow int is converted to its type first, as torch converts it
+    # (uint8: max=-255 is 1)
+    nodes = [lift(x, tracer)] + [lift_pair(tracer, x, bound)[1] for bound in operands[1:]]
+    return result(tracer, build(nodes), operands, build)
 
 
 def _max_or_min(op: Op, name: str):

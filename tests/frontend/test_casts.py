@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexfa.errors import UnsupportedOpError
+from flexfa.errors import TraceError, UnsupportedOpError
 from flexfa.frontend import Op, evaluate, trace
 from flexfa.frontend.evaluate import narrow
 
@@ -224,3 +224,39 @@ def test_python_numbers_meet_narrow_values_as_in_torch(name, score):
     want, got = _eager_and_traced(lambda s, b, h, q_idx, kv_idx: fn(s, q_idx, kv_idx),
                                   score=score, q=128)
     _assert_same(want, got, f"{name} at score={score!r}")
+
+
+@pytest.mark.parametrize("dtype", list(NARROW_TABLES), ids=str)
+@pytest.mark.parametrize("form", ["where", "where left", "clamp max", "clamp min"])
+def test_where_and_clamp_refuse_numbers_a_narrow_int_cannot_hold_as_torch(dtype, form):
+    """torch.where and torch.clamp raise where a Python int does not fit the narrow int value
+    beside it (torch: "value cannot be converted to type int8_t without overflow"); the
+    kernels wrapped it (300 as 44 in int8). A number that fits still traces."""
+    table = NARROW_TABLES[dtype]
+    info = torch.iinfo(dtype)
+    forms = {
+        "where": lambda t, n, q, k: torch.where(q > k, t, n),
+        "where left": lambda t, n, q, k: torch.where(q > k, n, t),
+        "clamp max": lambda t, n, q, k: torch.clamp(t, max=n),
+        "clamp min": lambda t, n, q, k: torch.clamp(t, min=n)}
+    fn = forms[form]
+    low = -info.max if info.min == 0 else info.min  # (uint8: -1 is taken, as 255)
+    for number, fits in ((info.max + 1, False), (low - 1, False), (info.max, True),
+                         (low, True)):
+        with torch.no_grad():
+            eager_fits = True
+            try:
+                fn(table, number, torch.tensor(1), torch.tensor(0))
+            except RuntimeError:
+                eager_fits = False
+        assert eager_fits is fits, (number, "torch's behaviour changed")
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + fn(table[q_idx % 4], number, q_idx, kv_idx)
+        if fits:
+            for q, kv in ((1, 0), (0, 1)):
+                want, got = _eager_and_traced(mod, q=q, kv=kv)
+                _assert_same(want, got, f"{form} {dtype} {number} at q={q}")
+        else:
+            with pytest.raises(TraceError, match="value cannot be converted"):
+                trace(mod)
