@@ -729,3 +729,29 @@ def test_pins_are_not_taken_for_state_beyond_identities():
     assert pins(reads_dict) is None
     assert pins(Window().mask) is None
     assert pins(functools.partial(with_default, w=3)) is None
+
+
+PIN_SCALE = 1.0
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.5, 2, -3, "table", "other table"]),
+                min_size=2, max_size=6))
+def test_any_sequence_of_a_pinned_global(values):
+    """A plain function over a global (served by its pins between changes) follows any
+    sequence of rebindings: floats of equal value and other sign, ints, tensors."""
+    tables = {"table": torch.tensor(2.0, dtype=torch.float64),
+              "other table": torch.tensor(-0.5, dtype=torch.float64)}  # 0-d: read as values
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * PIN_SCALE
+
+    try:
+        for value in values:
+            globals()["PIN_SCALE"] = tables.get(value, value) if isinstance(value, str) else value
+            got = _values(trace(mod))
+            assert torch.equal(got, torch.ones(1, 1, 8, 8, dtype=torch.float64) * PIN_SCALE)
+            if isinstance(value, float):  # the sign of a zero is state too
+                assert torch.equal(torch.signbit(got), torch.signbit(torch.tensor(value)).expand(
+                    got.shape))
+    finally:
+        globals()["PIN_SCALE"] = 1.0
