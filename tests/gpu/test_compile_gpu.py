@@ -115,3 +115,48 @@ def test_compiled_training_step_has_no_device_sync(tmp_path):
     assert eager["syncs"] == compiled["syncs"] == 0, (eager["syncs"], compiled["syncs"])
     assert max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"])) < 2e-2
     assert compiled["graphs"] == 1
+
+
+REFUSALS = """
+import torch
+import flexfa
+
+q = torch.randn(1, 2, 40, 16, device="cuda", dtype=torch.float16)
+calls = {  # name: (call, the start of eager's message)
+    "kernel_options": (lambda q: flexfa.flex_attention(q, q, q, kernel_options={"NOPE": 1}),
+                       "kernel_options has an unknown key 'NOPE'"),
+    "scale": (lambda q: flexfa.flex_attention(q, q, q, scale=torch.tensor(0.5)),
+              "scale must be a float or None, got Tensor"),
+    "enable_gqa": (lambda q: flexfa.flex_attention(q, q, q, enable_gqa="yes"),
+                   "enable_gqa must be a bool"),
+    "3-D": (lambda q: flexfa.flex_attention(q[0], q[0], q[0]), "query must be 4-D"),
+    "flex_decode": (lambda q: flexfa.flex_decode(q[:, :, :1], q, q, return_lse="x"),
+                    "return_lse must be a bool, got str 'x'"),
+}
+for name, (call, message) in calls.items():
+    try:
+        call(q)
+        raise AssertionError(f"{name}: eager flexfa accepted it")
+    except flexfa.FlexFAError as error:
+        eager = error
+    assert str(eager).startswith(message), (name, eager)
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        try:
+            torch.compile(call, backend="aot_eager", fullgraph=fullgraph)(q)
+            raise AssertionError(f"{name}: compiled flexfa accepted it")
+        except flexfa.FlexFAError as error:
+            assert type(error).__name__ == type(eager).__name__, (name, repr(error))
+            assert isinstance(error, type(eager)) and str(error).startswith(message), (name, error)
+print("refused as eagerly:", len(calls))
+"""
+
+
+def test_compiled_refusals_are_eager_errors_under_this_torch():
+    """flexfa's errors under torch.compile, fullgraph=True included, are eager flexfa's type and
+    message (``compiled.raise_through`` builds its error class from Dynamo's ``Unsupported``,
+    whose constructor differs between torch releases: the CPU tests run torch 2.13, this
+    machine's torch may be another)."""
+    result = _run(["-c", REFUSALS])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "refused as eagerly: 5" in result.stdout
