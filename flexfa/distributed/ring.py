@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import flex_attention
+from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
@@ -44,7 +45,8 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     """
     return_lse = check_bool("ring_attention: return_lse", return_lse)
     _check_mods(score_mod, mask_mod)
-    _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options)
+    _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
+                  block_size)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
     ring = Ring(group)
@@ -76,7 +78,8 @@ def _check_mods(score_mod, mask_mod) -> None:
         check_mask_mod_grad(trace(mask_mod, MASK_MOD))
 
 
-def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options) -> None:
+def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
+                  block_size) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
@@ -97,6 +100,8 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
     check_shapes(query, key, value, enable_gqa)
     check_scale(scale, query.shape[3])
     parse_kernel_options(kernel_options)
+    # (the steps' create_block_mask refused it only after the first K/V transfer was posted)
+    block_size_pair("ring_attention", block_size, "block_size")
     if load_balance and query.shape[2] % 2:
         raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
                          f"chunks; its length {query.shape[2]} is odd")
