@@ -250,6 +250,13 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q, q, q, scale=float("nan"))
     with pytest.raises(InputError, match="NO_SUCH_OPTION"):
         ring_attention(q, q, q, kernel_options={"NO_SUCH_OPTION": 1})
+    # the steps' block masks refused it inside the first step, naming create_block_mask's
+    # BLOCK_SIZE, after the first K/V transfer was posted
+    with pytest.raises(InputError, match="ring_attention: block_size must be positive, got "
+                                         "block_size=0"):
+        ring_attention(q, q, q, block_size=0)
+    with pytest.raises(InputTypeError, match="ring_attention: block_size must be an int"):
+        ring_attention(q, q, q, block_size=None)
     with pytest.raises(InputError, match="torch.distributed is not initialized"):
         ring_attention(q, q, q)
 
@@ -321,6 +328,28 @@ def test_a_learnable_tensor_the_trace_removed_gets_zeros():
     want = flexfa.flex_attention(q, q, q, dead_gain)
     (grad,) = torch.autograd.grad(want.sum(), gain)
     assert torch.equal(grad, torch.zeros(HEADS))
+
+
+def test_an_empty_sequence_gives_empty_results_with_a_mask_mod():
+    """Shards of no rows give flex_attention's empty results with a mask_mod too (the steps'
+    create_block_mask refused Q_LEN=0), and zero-size gradients."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    q = torch.randn(2, HEADS, 0, 16, requires_grad=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        out, lse = ring_attention(q, q, q, mask_mod=causal, return_lse=True)
+        out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    want, want_lse = flexfa.flex_attention(q, q, q, return_lse=True)
+    assert out.shape == want.shape and lse.shape == want_lse.shape == (2, HEADS, 0)
+    assert q.grad is not None and q.grad.shape == q.shape
 
 
 def test_method_choice_by_shard_size():
