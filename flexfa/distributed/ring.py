@@ -90,9 +90,8 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
     if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
         raise InputError(f"ring_attention: query, key and value shards must have one length; "
                          f"got {query.shape[2]}, {key.shape[2]}, {value.shape[2]}")
-    if not isinstance(load_balance, bool):
-        raise InputTypeError(f"ring_attention: load_balance must be a bool, got "
-                             f"{load_balance!r}")
+    # (numpy's bools too, as shard_sequence and positions take them)
+    check_bool("ring_attention: load_balance", load_balance)
     _check_heads(query.shape[1], key.shape[1], value.shape[1], enable_gqa)
     # what each step's flex_attention would refuse (dtypes, devices, batch, head dims, scale,
     # kernel_options), refused before the first K/V transfer is posted

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -257,8 +258,13 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q, q, q, block_size=0)
     with pytest.raises(InputTypeError, match="ring_attention: block_size must be an int"):
         ring_attention(q, q, q, block_size=None)
+    with pytest.raises(InputTypeError, match="load_balance must be a bool, got int 1"):
+        ring_attention(q, q, q, load_balance=1)
     with pytest.raises(InputError, match="torch.distributed is not initialized"):
         ring_attention(q, q, q)
+    # a numpy bool is a bool, as shard_sequence takes it (it was refused here)
+    with pytest.raises(InputError, match="torch.distributed is not initialized"):
+        ring_attention(q, q, q, load_balance=np.True_)
 
 
 def test_ring_attention_rejects_bad_head_counts_before_communicating():
