@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import flex_attention
+from ..autograd import not_differentiable
 from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
@@ -161,32 +162,46 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        plan, ring = ctx.plan, ctx.plan.ring
-        query, key, value, out, lse, *learned = ctx.saved_tensors
-        grad_out = grad_out.float()
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
-        # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below
-        row_dot = (grad_out * out.float()).sum(-1)
-        dq = torch.zeros_like(query, dtype=torch.float32)
-        d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
-        exchange = EXCHANGES[plan.method](ring)
-        for step, kv in enumerate(exchange.shards([key, value])):
-            runs, mask = plan.steps[step]
-            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
-            if runs:
-                plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
-                grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
-                                    row_dot)
-                dq += grads[0]
-                for acc, g in zip(dkv + d_learned, grads[1:]):
-                    if g is not None:
-                        acc += g
-            exchange.add_grads(step, dkv)
-        dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
-        for g in d_learned:
-            dist.all_reduce(g, group=ring.group)
-        return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
-                *(g.to(t.dtype) for g, t in zip(d_learned, learned)))
+        saved = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+        # create_graph=True: the steps' gradients have no derivative (flex_attention's
+        # backward kernels have none); ones that raise when differentiated, not constants
+        # that would silently drop a gradient penalty's term
+        with torch.no_grad():
+            grads = _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+        query, key, value, _, _, *learned = saved
+        return (None, *not_differentiable(grads[1:], (query, key, value, *learned)))
+
+
+def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
+    """_RingAttention's gradients: (None for the plan, dq, dk, dv, *d_learned)."""
+    ring = plan.ring
+    query, key, value, out, lse, *learned = saved
+    grad_out = grad_out.float()
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
+    # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below
+    row_dot = (grad_out * out.float()).sum(-1)
+    dq = torch.zeros_like(query, dtype=torch.float32)
+    d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
+    exchange = EXCHANGES[plan.method](ring)
+    for step, kv in enumerate(exchange.shards([key, value])):
+        runs, mask = plan.steps[step]
+        dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+        if runs:
+            plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
+            grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
+                                row_dot)
+            dq += grads[0]
+            for acc, g in zip(dkv + d_learned, grads[1:]):
+                if g is not None:
+                    acc += g
+        exchange.add_grads(step, dkv)
+    dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
+    for g in d_learned:
+        dist.all_reduce(g, group=ring.group)
+    return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            *(g.to(t.dtype) for g, t in zip(d_learned, learned)))
 
 
 def _step_grads(plan: _Plan, query, kv, mask, learned, lse, grad_out, grad_lse, row_dot):

@@ -358,6 +358,35 @@ def test_an_empty_sequence_gives_empty_results_with_a_mask_mod():
     assert q.grad is not None and q.grad.shape == q.shape
 
 
+def test_a_gradient_penalty_raises_instead_of_losing_its_term():
+    """Gradients taken with create_graph=True raise when differentiated, as flex_attention's
+    do; they were constants, so a gradient penalty added to a loss silently added nothing to
+    its gradients. First-order gradients are unchanged."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    bias = torch.linspace(-1, 1, 16).requires_grad_()
+
+    def add_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    q, k, v = (torch.randn(1, HEADS, 16, 16, requires_grad=True) for _ in range(3))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        out = ring_attention(q, k, v, add_bias)
+        plain = torch.autograd.grad(out.square().sum(), (q, k, v, bias), retain_graph=True)
+        graphed = torch.autograd.grad(out.square().sum(), (q, k, v, bias), create_graph=True)
+        for a, b in zip(plain, graphed):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+        for grad in graphed:  # a penalty on any of them, beside a loss that needs no penalty
+            loss = out.sum() + grad.square().sum()
+            with pytest.raises(RuntimeError, match="does not support double backward"):
+                loss.backward(retain_graph=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_method_choice_by_shard_size():
     from flexfa.distributed.group import ALLGATHER_MAX_BYTES, choose_method
 
