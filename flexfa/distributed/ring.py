@@ -18,7 +18,7 @@ from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
-from ..inputs import check_scale, check_shapes, check_tensors
+from ..inputs import autocast_inputs, check_scale, check_shapes, check_tensors
 from ..runtime.options import parse_kernel_options
 from .comm import Ring
 from .exchange import EXCHANGES
@@ -46,6 +46,9 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     """
     return_lse = check_bool("ring_attention: return_lse", return_lse)
     _check_mods(score_mod, mask_mod)
+    # under torch.autocast, as flex_attention (torch's rule): out comes in the autocast dtype,
+    # and the backward's recompute (which runs outside the autocast) sees the forward's inputs
+    query, key, value = autocast_inputs(query, key, value)
     _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
                   block_size)
     group = resolve_group(group, mesh_dim)

@@ -387,6 +387,38 @@ def test_a_gradient_penalty_raises_instead_of_losing_its_term():
         dist.destroy_process_group()
 
 
+def test_under_autocast_as_flex_attention():
+    """Under torch.autocast the shards are cast as flex_attention casts its inputs: out comes
+    in the autocast dtype (it was float32), and the backward recomputes the steps from the
+    forward's bfloat16 inputs (it recomputed them in float32, outside the autocast)."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    full = [torch.randn(1, HEADS, 32, 16) for _ in range(3)]
+    ring_inputs = [t.clone().requires_grad_() for t in full]
+    flex_inputs = [t.clone().requires_grad_() for t in full]
+    mask = flexfa.create_block_mask(causal, None, None, 32, 32, device="cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ring_attention(*ring_inputs, mask_mod=causal)
+            want = flexfa.flex_attention(*flex_inputs, block_mask=mask)
+        grad_out = torch.randn(out.shape)
+        out.float().backward(grad_out)
+    finally:
+        dist.destroy_process_group()
+    want.float().backward(grad_out)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for got, expected in zip(ring_inputs, flex_inputs):
+        assert got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=1e-6)
+
+
 def test_method_choice_by_shard_size():
     from flexfa.distributed.group import ALLGATHER_MAX_BYTES, choose_method
 
