@@ -336,16 +336,17 @@ def test_a_learnable_tensor_the_trace_removed_gets_zeros():
     assert torch.equal(grad, torch.zeros(HEADS))
 
 
-def test_an_empty_sequence_gives_empty_results_with_a_mask_mod():
-    """Shards of no rows give flex_attention's empty results with a mask_mod too (the steps'
-    create_block_mask refused Q_LEN=0), and zero-size gradients."""
+@pytest.mark.parametrize("batch, rows", [(2, 0), (0, 16)])
+def test_an_empty_sequence_gives_empty_results_with_a_mask_mod(batch, rows):
+    """Shards of no rows, or of no batch, give flex_attention's empty results with a mask_mod
+    too (the steps' create_block_mask refused Q_LEN=0 and B=0), and zero-size gradients."""
     import torch.distributed as dist
     from flexfa.distributed import ring_attention
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    q = torch.randn(2, HEADS, 0, 16, requires_grad=True)
+    q = torch.randn(batch, HEADS, rows, 16, requires_grad=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1)
     try:
@@ -354,7 +355,7 @@ def test_an_empty_sequence_gives_empty_results_with_a_mask_mod():
     finally:
         dist.destroy_process_group()
     want, want_lse = flexfa.flex_attention(q, q, q, return_lse=True)
-    assert out.shape == want.shape and lse.shape == want_lse.shape == (2, HEADS, 0)
+    assert out.shape == want.shape and lse.shape == want_lse.shape == (batch, HEADS, rows)
     assert q.grad is not None and q.grad.shape == q.shape
 
 
