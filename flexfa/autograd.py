@@ -72,15 +72,20 @@ class FlexAttentionFunction(torch.autograd.Function):
             return _gradients(ctx, saved, grad_out, grad_lse)
         with torch.no_grad():
             grads = _gradients(ctx, saved, grad_out, grad_lse)
-        # gradients that raise DOUBLE_BACKWARD_MESSAGE when differentiated (as torch's
-        # once_differentiable does when the incoming gradients require grad); the inputs join
-        # the raising node too, so that differentiating with respect to them reaches it
-        inputs = [t for t in saved[:3] + saved[5:] + (ctx.call.sinks,)
-                  if t is not None and t.requires_grad]
-        raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE,
-                                                    len(grads) + len(inputs))
-        fakes = (None if g is None else g.detach().requires_grad_() for g in grads)
-        return raising(*fakes, *inputs)[:len(grads)]
+        return not_differentiable(grads, saved[:3] + saved[5:] + (ctx.call.sinks,))
+
+
+def not_differentiable(grads, inputs) -> tuple:
+    """``grads`` (a backward's, run with create_graph=True) as gradients that raise
+    DOUBLE_BACKWARD_MESSAGE when differentiated, as torch's once_differentiable does when the
+    incoming gradients require grad (and only then); ``inputs`` (the Function's, those that
+    require grad) join the raising node too, so that differentiating with respect to them
+    reaches it."""
+    inputs = [t for t in inputs if t is not None and t.requires_grad]
+    raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE,
+                                                len(grads) + len(inputs))
+    fakes = (None if g is None else g.detach().requires_grad_() for g in grads)
+    return raising(*fakes, *inputs)[:len(grads)]
 
 
 def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:

@@ -54,31 +54,32 @@ def check_no_dropout(dropout_p, where: str) -> None:
                          f"dropout_p={dropout_p!r}; use flexfa.flex_attention for training")
 
 
-def check_dropout_p(dropout_p) -> float:
-    """``dropout_p`` as a float in [0, 1)."""
+def check_dropout_p(dropout_p, name: str = "dropout_p") -> float:
+    """``dropout_p`` as a float in [0, 1); ``name``: the argument as the caller calls it."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise InputTypeError(f"dropout_p must be a float in [0, 1), got "
+        raise InputTypeError(f"{name} must be a float in [0, 1), got "
                              f"{type(dropout_p).__name__} {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:  # also refuses NaN
-        raise InputError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise InputError(f"{name} must be in [0, 1), got {dropout_p!r}")
     return p
 
 
-def _seed_and_offset(dropout_seed) -> tuple[int | None, int]:
-    """(seed, offset) from ``dropout_seed``: None, an int seed, or a (seed, offset) pair."""
+def _seed_and_offset(dropout_seed, name: str = "dropout_seed") -> tuple[int | None, int]:
+    """(seed, offset) from ``dropout_seed``: None, an int seed, or a (seed, offset) pair;
+    ``name``: the argument as the caller calls it."""
     if dropout_seed is None:
         return None, 0
     pair = dropout_seed if isinstance(dropout_seed, tuple) else (dropout_seed, 0)
     if len(pair) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
                                  for x in pair):
-        raise InputTypeError(f"dropout_seed must be None, an int or a (seed, offset) pair of "
+        raise InputTypeError(f"{name} must be None, an int or a (seed, offset) pair of "
                              f"ints, got {dropout_seed!r}")
     seed, offset = (int(x) for x in pair)
     if not 0 <= seed < SEED_LIMIT:
-        raise InputError(f"dropout_seed's seed must be in [0, 2**63), got {seed}")
+        raise InputError(f"{name}'s seed must be in [0, 2**63), got {seed}")
     if not 0 <= offset < OFFSET_LIMIT:
-        raise InputError(f"dropout_seed's offset must be in [0, 2**32), got {offset}")
+        raise InputError(f"{name}'s offset must be in [0, 2**32), got {offset}")
     return seed, offset
 
 
@@ -97,8 +98,8 @@ def dropout_mask(seed, B: int, H: int, L: int, S: int, p: float, device="cpu") -
     keeps the probability of (batch, query head, query, key), drawn by the same kernel
     helpers. ``seed``: an int or a (seed, offset) pair. Writes L x S bytes: for references
     and tests at small sizes."""
-    p = check_dropout_p(p)
-    seed_, offset = _seed_and_offset(seed)
+    p = check_dropout_p(p, "dropout_mask: p")
+    seed_, offset = _seed_and_offset(seed, "dropout_mask: seed")
     if seed_ is None:
         raise InputError("dropout_mask needs a seed: an int or a (seed, offset) pair")
     B, H, L, S = (check_int("dropout_mask", name, value, 0)

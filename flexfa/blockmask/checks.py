@@ -18,20 +18,20 @@ def _is_int(value) -> bool:
                                   not isinstance(value, bool))
 
 
-def block_size_pair(func: str, value) -> tuple[int, int]:
+def block_size_pair(func: str, value, name: str = "BLOCK_SIZE") -> tuple[int, int]:
     """``BLOCK_SIZE`` as ``(q, kv)``: a positive int or a pair of them, as torch accepts
     (e.g. ``(1, 64)`` for decoding). The kernels' tiles are powers of two from 16 up: a mask
     whose blocks they cannot tile runs through an equivalent mask of coarser blocks
-    (``flexfa.blockmask.coarsen``)."""
+    (``flexfa.blockmask.coarsen``). ``name``: the argument as the caller calls it."""
     pair = (value, value) if _is_int(value) else value
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_int(v) for v in pair):
-        raise InputTypeError(f"{func}: BLOCK_SIZE must be an int or a (q, kv) pair of ints, "
+        raise InputTypeError(f"{func}: {name} must be an int or a (q, kv) pair of ints, "
                              f"got {type(value).__name__} {value!r}")
     if min(pair) <= 0:
-        raise InputError(f"{func}: BLOCK_SIZE must be positive, got BLOCK_SIZE={value!r}")
+        raise InputError(f"{func}: {name} must be positive, got {name}={value!r}")
     if max(pair) > MAX_SIZE:
-        raise InputError(f"{func}: BLOCK_SIZE must be at most {MAX_SIZE} (int32), got "
-                         f"BLOCK_SIZE={value!r}")
+        raise InputError(f"{func}: {name} must be at most {MAX_SIZE} (int32), got "
+                         f"{name}={value!r}")
     return int(pair[0]), int(pair[1])
 
 

@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..api import flex_attention
+from ..autograd import not_differentiable
+from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
-from ..inputs import check_scale, check_shapes, check_tensors
+from ..inputs import autocast_inputs, check_scale, check_shapes, check_tensors
 from ..runtime.options import parse_kernel_options
 from .comm import Ring
 from .exchange import EXCHANGES
@@ -44,7 +46,11 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     """
     return_lse = check_bool("ring_attention: return_lse", return_lse)
     _check_mods(score_mod, mask_mod)
-    _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options)
+    # under torch.autocast, as flex_attention (torch's rule): out comes in the autocast dtype,
+    # and the backward's recompute (which runs outside the autocast) sees the forward's inputs
+    query, key, value = autocast_inputs(query, key, value)
+    _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
+                  block_size)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
     ring = Ring(group)
@@ -76,7 +82,8 @@ def _check_mods(score_mod, mask_mod) -> None:
         check_mask_mod_grad(trace(mask_mod, MASK_MOD))
 
 
-def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options) -> None:
+def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
+                  block_size) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
@@ -87,9 +94,8 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
     if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
         raise InputError(f"ring_attention: query, key and value shards must have one length; "
                          f"got {query.shape[2]}, {key.shape[2]}, {value.shape[2]}")
-    if not isinstance(load_balance, bool):
-        raise InputTypeError(f"ring_attention: load_balance must be a bool, got "
-                             f"{load_balance!r}")
+    # (numpy's bools too, as shard_sequence and positions take them)
+    check_bool("ring_attention: load_balance", load_balance)
     _check_heads(query.shape[1], key.shape[1], value.shape[1], enable_gqa)
     # what each step's flex_attention would refuse (dtypes, devices, batch, head dims, scale,
     # kernel_options), refused before the first K/V transfer is posted
@@ -97,6 +103,8 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
     check_shapes(query, key, value, enable_gqa)
     check_scale(scale, query.shape[3])
     parse_kernel_options(kernel_options)
+    # (the steps' create_block_mask refused it only after the first K/V transfer was posted)
+    block_size_pair("ring_attention", block_size, "block_size")
     if load_balance and query.shape[2] % 2:
         raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
                          f"chunks; its length {query.shape[2]} is odd")
@@ -157,32 +165,46 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        plan, ring = ctx.plan, ctx.plan.ring
-        query, key, value, out, lse, *learned = ctx.saved_tensors
-        grad_out = grad_out.float()
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
-        # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below
-        row_dot = (grad_out * out.float()).sum(-1)
-        dq = torch.zeros_like(query, dtype=torch.float32)
-        d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
-        exchange = EXCHANGES[plan.method](ring)
-        for step, kv in enumerate(exchange.shards([key, value])):
-            runs, mask = plan.steps[step]
-            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
-            if runs:
-                plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
-                grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
-                                    row_dot)
-                dq += grads[0]
-                for acc, g in zip(dkv + d_learned, grads[1:]):
-                    if g is not None:
-                        acc += g
-            exchange.add_grads(step, dkv)
-        dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
-        for g in d_learned:
-            dist.all_reduce(g, group=ring.group)
-        return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
-                *(g.to(t.dtype) for g, t in zip(d_learned, learned)))
+        saved = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+        # create_graph=True: the steps' gradients have no derivative (flex_attention's
+        # backward kernels have none); ones that raise when differentiated, not constants
+        # that would silently drop a gradient penalty's term
+        with torch.no_grad():
+            grads = _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+        query, key, value, _, _, *learned = saved
+        return (None, *not_differentiable(grads[1:], (query, key, value, *learned)))
+
+
+def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
+    """_RingAttention's gradients: (None for the plan, dq, dk, dv, *d_learned)."""
+    ring = plan.ring
+    query, key, value, out, lse, *learned = saved
+    grad_out = grad_out.float()
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
+    # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below
+    row_dot = (grad_out * out.float()).sum(-1)
+    dq = torch.zeros_like(query, dtype=torch.float32)
+    d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
+    exchange = EXCHANGES[plan.method](ring)
+    for step, kv in enumerate(exchange.shards([key, value])):
+        runs, mask = plan.steps[step]
+        dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+        if runs:
+            plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
+            grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
+                                row_dot)
+            dq += grads[0]
+            for acc, g in zip(dkv + d_learned, grads[1:]):
+                if g is not None:
+                    acc += g
+        exchange.add_grads(step, dkv)
+    dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
+    for g in d_learned:
+        dist.all_reduce(g, group=ring.group)
+    return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            *(g.to(t.dtype) for g, t in zip(d_learned, learned)))
 
 
 def _step_grads(plan: _Plan, query, kv, mask, learned, lse, grad_out, grad_lse, row_dot):

@@ -52,6 +52,8 @@ class RingMods:
         if self.mask_mod is None:
             return True, None
         batch, heads, q_length, kv_length = self.shape
+        if not (batch and q_length and kv_length):  # nothing to score (and create_block_mask
+            return False, None  # refuses sizes of 0): flex_attention's empty results
         mask = create_block_mask(self.mask_mod, batch, heads, q_length, kv_length,
                                  device=self.q_pos.device, BLOCK_SIZE=self.block_size)
         return has_blocks(mask), mask

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -250,8 +251,20 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q, q, q, scale=float("nan"))
     with pytest.raises(InputError, match="NO_SUCH_OPTION"):
         ring_attention(q, q, q, kernel_options={"NO_SUCH_OPTION": 1})
+    # the steps' block masks refused it inside the first step, naming create_block_mask's
+    # BLOCK_SIZE, after the first K/V transfer was posted
+    with pytest.raises(InputError, match="ring_attention: block_size must be positive, got "
+                                         "block_size=0"):
+        ring_attention(q, q, q, block_size=0)
+    with pytest.raises(InputTypeError, match="ring_attention: block_size must be an int"):
+        ring_attention(q, q, q, block_size=None)
+    with pytest.raises(InputTypeError, match="load_balance must be a bool, got int 1"):
+        ring_attention(q, q, q, load_balance=1)
     with pytest.raises(InputError, match="torch.distributed is not initialized"):
         ring_attention(q, q, q)
+    # a numpy bool is a bool, as shard_sequence takes it (it was refused here)
+    with pytest.raises(InputError, match="torch.distributed is not initialized"):
+        ring_attention(q, q, q, load_balance=np.True_)
 
 
 def test_ring_attention_rejects_bad_head_counts_before_communicating():
@@ -321,6 +334,90 @@ def test_a_learnable_tensor_the_trace_removed_gets_zeros():
     want = flexfa.flex_attention(q, q, q, dead_gain)
     (grad,) = torch.autograd.grad(want.sum(), gain)
     assert torch.equal(grad, torch.zeros(HEADS))
+
+
+@pytest.mark.parametrize("batch, rows", [(2, 0), (0, 16)])
+def test_an_empty_sequence_gives_empty_results_with_a_mask_mod(batch, rows):
+    """Shards of no rows, or of no batch, give flex_attention's empty results with a mask_mod
+    too (the steps' create_block_mask refused Q_LEN=0 and B=0), and zero-size gradients."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    q = torch.randn(batch, HEADS, rows, 16, requires_grad=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        out, lse = ring_attention(q, q, q, mask_mod=causal, return_lse=True)
+        out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    want, want_lse = flexfa.flex_attention(q, q, q, return_lse=True)
+    assert out.shape == want.shape and lse.shape == want_lse.shape == (batch, HEADS, rows)
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_a_gradient_penalty_raises_instead_of_losing_its_term():
+    """Gradients taken with create_graph=True raise when differentiated, as flex_attention's
+    do; they were constants, so a gradient penalty added to a loss silently added nothing to
+    its gradients. First-order gradients are unchanged."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    bias = torch.linspace(-1, 1, 16).requires_grad_()
+
+    def add_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    q, k, v = (torch.randn(1, HEADS, 16, 16, requires_grad=True) for _ in range(3))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        out = ring_attention(q, k, v, add_bias)
+        plain = torch.autograd.grad(out.square().sum(), (q, k, v, bias), retain_graph=True)
+        graphed = torch.autograd.grad(out.square().sum(), (q, k, v, bias), create_graph=True)
+        for a, b in zip(plain, graphed):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+        for grad in graphed:  # a penalty on any of them, beside a loss that needs no penalty
+            loss = out.sum() + grad.square().sum()
+            with pytest.raises(RuntimeError, match="does not support double backward"):
+                loss.backward(retain_graph=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_autocast_as_flex_attention():
+    """Under torch.autocast the shards are cast as flex_attention casts its inputs: out comes
+    in the autocast dtype (it was float32), and the backward recomputes the steps from the
+    forward's bfloat16 inputs (it recomputed them in float32, outside the autocast)."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    full = [torch.randn(1, HEADS, 32, 16) for _ in range(3)]
+    ring_inputs = [t.clone().requires_grad_() for t in full]
+    flex_inputs = [t.clone().requires_grad_() for t in full]
+    mask = flexfa.create_block_mask(causal, None, None, 32, 32, device="cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ring_attention(*ring_inputs, mask_mod=causal)
+            want = flexfa.flex_attention(*flex_inputs, block_mask=mask)
+        grad_out = torch.randn(out.shape)
+        out.float().backward(grad_out)
+    finally:
+        dist.destroy_process_group()
+    want.float().backward(grad_out)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for got, expected in zip(ring_inputs, flex_inputs):
+        assert got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=1e-6)
 
 
 def test_method_choice_by_shard_size():

@@ -284,6 +284,14 @@ def test_bad_dropout_arguments_fail_before_any_launch(monkeypatch):
         flexfa.fp8.flex_attention_fp8(q.bfloat16(), k.bfloat16(), v.bfloat16(), dropout_p=0.1)
     with pytest.raises(InputError, match="dropout_mask needs a seed"):
         flexfa.dropout_mask(None, 1, 1, 4, 4, 0.5)
+    # dropout_mask's own arguments are named (the errors said dropout_seed and dropout_p)
+    with pytest.raises(InputTypeError, match=r"dropout_mask: seed must be None, an int or a "
+                                             r"\(seed, offset\) pair of ints, got \(1, 2, 3\)"):
+        flexfa.dropout_mask((1, 2, 3), 1, 1, 4, 4, 0.5)
+    with pytest.raises(InputError, match=r"dropout_mask: seed's offset must be in \[0, 2\*\*32\)"):
+        flexfa.dropout_mask((1, 2 ** 32), 1, 1, 4, 4, 0.5)
+    with pytest.raises(InputError, match=r"dropout_mask: p must be in \[0, 1\), got 1.0"):
+        flexfa.dropout_mask(1, 1, 1, 4, 4, 1.0)
     with pytest.raises(InputError, match="dropout_mask: device='bogus' is not a torch device"):
         flexfa.dropout_mask(1, 1, 1, 4, 4, 0.5, device="bogus")
 
