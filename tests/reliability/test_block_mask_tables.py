@@ -233,6 +233,28 @@ def test_tables_reshaped_in_place_by_set_are_read_with_their_new_strides():
     assert_close_to_reference(out, exact, eager)
 
 
+@pytest.mark.parametrize("change", ["batch", "width"])
+def test_tables_reshaped_in_place_by_set_are_checked_against_the_call_again(change):
+    """A call's shape and block-mask checks are skipped for a signature that passed them, the
+    same table objects included: tables ``set_`` in place to 3 batches for a call of 2 (or to
+    fewer columns than the tiles of S) went unchecked where a new mask is refused (3 batches
+    for a call of 3 that had passed with 1 read past the tables: a crash)."""
+    q, k, v = qkv(B=2, Hq=1, Hkv=1, L=L, S=S)
+    mask = flexfa.create_block_mask(_band, 1, 1, L, S, device="cpu", BLOCK_SIZE=16)
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    if change == "batch":
+        three = flexfa.create_block_mask(_band, 3, 1, L, S, device="cpu", BLOCK_SIZE=16)
+        for name in TABLES:
+            getattr(mask, name).set_(getattr(three, name).clone())
+        message = "built for \\(B=3"
+    else:  # the band lists at most 6 of the 7 kv tiles a row: the contents still pass
+        for name in ("kv_indices", "full_kv_indices"):
+            getattr(mask, name).set_(getattr(mask, name)[..., :6].clone())
+        message = "7 x 6 tiles"
+    with pytest.raises(flexfa.errors.InputError, match=message):
+        flexfa.flex_attention(q, k, v, block_mask=mask)
+
+
 def _same_tile_of_64(b, h, q_idx, kv_idx):
     return q_idx // 64 == kv_idx // 64
 
