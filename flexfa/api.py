@@ -46,13 +46,17 @@ _VALIDATED = BoundedMemo(256, "validated signatures")
 _MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "mask_mod")
 _mask_fields = operator.attrgetter(*_MASK_FIELDS)
+# the tables whose shapes check_block_mask reads (B, H and the tiles; check_tables, run
+# whenever a table changed, checks the other tables' shapes against these). A table cannot
+# move to another device in place.
+_shaped_fields = operator.itemgetter(0, 1, 3, 5, 7)
 
 
 def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
     """(key, objects) of everything the tensor, shape and block-mask checks read, for plain
     tensors (None: a tensor subclass or one the kernels cannot read as it is, checked every
     time). The mask enters by the identity of the object and of each table (``objects``), and
-    by its block size and lengths."""
+    by its block size, lengths and tables' shapes."""
     if not type(query) is type(key) is type(value) is torch.Tensor or \
             not readable(query, key, value):
         return None
@@ -64,8 +68,12 @@ def _validation_key(query, key, value, block_mask, enable_gqa) -> tuple | None:
         except AttributeError:  # a duck-typed mask without some of the tables
             fields = tuple(getattr(block_mask, n, None) for n in _MASK_FIELDS)
         objects = (block_mask, *fields)
+        try:  # shapes too: ``set_`` / ``resize_`` change them in place (the same objects)
+            shapes = [None if t is None else t.shape for t in _shaped_fields(fields)]
+        except AttributeError:  # a table that is not a tensor: refused by the check
+            return None
         mask_key = (tuple(map(id, objects)), getattr(block_mask, "BLOCK_SIZE", None),
-                    getattr(block_mask, "seq_lengths", None))
+                    getattr(block_mask, "seq_lengths", None), tuple(shapes))
     key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
             query.device, key.device, value.device, enable_gqa, mask_key)
     return key_, objects

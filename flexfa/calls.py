@@ -29,11 +29,11 @@ def attention_call(query, key, value, score: TracedMod | None, block_mask, scale
     the mask the kernels can tile (``runnable_block_mask``), the captured tensors' devices
     and index ranges. key and value come back broadcast over the query's batch. ``sinks``
     (checked: ``flexfa.features.check_sinks``) and ``dropout`` are the call's features."""
-    check_tables(block_mask, query.shape[2], key.shape[2])  # contents, again after any edit
+    past = check_tables(block_mask, query.shape[2], key.shape[2])  # again after any edit
     key, value = broadcast_batch(query, key, value)
     check_score_range(query, key, scale)  # only for an enormous scale
     mask = prepare_mask(block_mask)
-    runnable = runnable_block_mask(block_mask, mask)
+    runnable = runnable_block_mask(block_mask, mask, past)
     if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
         block_mask, mask = runnable, runnable.traced_mask
     if mask is not None and grad_enabled:

@@ -83,13 +83,13 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     q_positions = S if inputs.offsets else L  # the block mask's q length
-    _check_block_mask(block_mask, query, B, Hq, q_positions, S)
+    past = _check_block_mask(block_mask, query, B, Hq, q_positions, S)
     if validate:
         check_decode_values(inputs, L, S, key.shape[0] if inputs.paged else None)
     options = parse_kernel_options(kernel_options)
     score = traced_score if traced_score is not None else prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)
-    runnable = runnable_block_mask(block_mask, mask)
+    runnable = runnable_block_mask(block_mask, mask, past)
     if runnable is not block_mask:
         block_mask, mask = runnable, runnable.traced_mask
     check_buffers(score, "score_mod", query.device)
@@ -175,9 +175,10 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
     return DecodeInputs(kv_lens, q_offsets, page_table, page_size, workspace)
 
 
-def _check_block_mask(block_mask, query, B: int, Hq: int, q_len: int, S: int) -> None:
+def _check_block_mask(block_mask, query, B: int, Hq: int, q_len: int, S: int) -> bool | None:
+    """Raise InputError unless the mask fits the call; else ``check_tables``' result."""
     if block_mask is None:
-        return
+        return False
     check_block_mask_type(block_mask)
     mask_B, mask_H = block_mask.kv_num_blocks.shape[:2]
     lengths = tuple(getattr(block_mask, "seq_lengths", (q_len, S)))
@@ -189,7 +190,7 @@ def _check_block_mask(block_mask, query, B: int, Hq: int, q_len: int, S: int) ->
         raise InputError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
                          f"{query.device}")
     check_table_shapes(block_mask, q_len, S)
-    check_tables(block_mask, q_len, S)
+    return check_tables(block_mask, q_len, S)
 
 
 def check_decode_values(inputs: DecodeInputs, L: int, S: int, num_pages: int | None) -> None:

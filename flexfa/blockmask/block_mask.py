@@ -38,7 +38,7 @@ from ..frontend.trace import MASK_MOD, TracedMod, trace
 from . import derive, draw
 from .checks import MAX_SIZE, block_size_pair, positive_int
 from .tables import ordered_to_dense, transpose_ordered
-from .validate import check_contents, checked_now, mark_checked
+from .validate import check_contents, checked_past, mark_checked
 
 _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -147,9 +147,9 @@ class BlockMask(TorchBlockMask):
         # lengths is an error when the mask is used, where the lengths are the call's)
         covered = (min(int(seq_lengths[0]), rows * block[0]),
                    min(int(seq_lengths[1]), cols * block[1]))
-        check_contents({"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
-                        "full_kv_num_blocks": full_kv_num_blocks,
-                        "full_kv_indices": full_kv_indices}, (*block, *covered), f"{func}: ")
+        kv_tables = {"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices,
+                     "full_kv_num_blocks": full_kv_num_blocks, "full_kv_indices": full_kv_indices}
+        past = check_contents(kv_tables, (*block, *covered), f"{func}: ")
         q_tables = (None,) * 4
         if compute_q_blocks:
             q_tables = (*transpose_ordered(kv_num_blocks, kv_indices),
@@ -160,8 +160,8 @@ class BlockMask(TorchBlockMask):
                    dq_write_order=dq_write_order, dq_write_order_full=dq_write_order_full,
                    dq_kv_order=dq_kv_order if isinstance(dq_kv_order, torch.Tensor) else None,
                    dq_kv_order_spt=dq_kv_order if isinstance(dq_kv_order, bool) else None)
-        if covered == mask.seq_lengths:
-            mark_checked(mask)  # the q tables are the checked kv tables transposed
+        if covered == mask.seq_lengths:  # the q tables are the checked kv tables transposed
+            mark_checked(mask, past)
         return mask
 
     @classmethod
@@ -284,8 +284,9 @@ class BlockMask(TorchBlockMask):
         moved = BlockMask(self.seq_lengths, *tables, BLOCK_SIZE=self.BLOCK_SIZE,
                           mask_mod=self.mask_mod, traced_mask=self._kept_trace(), **dq,
                           dq_kv_order_spt=self.dq_kv_order_spt)
-        if checked_now(self):
-            mark_checked(moved)  # copies of checked, unchanged tables
+        past = checked_past(self)
+        if past is not None:
+            mark_checked(moved, past)  # copies of checked, unchanged tables
         return moved
 
     # ---- copies ---------------------------------------------------------------------------
@@ -304,8 +305,9 @@ class BlockMask(TorchBlockMask):
         """``new`` with the copied attributes ``state``; flexfa's caches are not copied."""
         new.__dict__.update(state)
         new._traced = self._traced if self._traced and new.mask_mod is self._traced[0] else None
-        if checked_now(self):
-            mark_checked(new)  # the same or copied tables, checked and unchanged
+        past = checked_past(self)
+        if past is not None:
+            mark_checked(new, past)  # the same or copied tables, checked and unchanged
         return new
 
     def __getstate__(self) -> dict:

@@ -11,9 +11,13 @@ decoding, 24, 100) have no tile. Such a mask runs through a mask of blocks ``lcm
   original block of the element, read from a captured ``[B, H, Q_TILES, KV_TILES]`` tensor:
   a full original block skips the mask_mod and an empty one is skipped, as torch does.
 
-The coarse mask is kept on the original (``_flexfa_coarse``) for its tables' contents and
-mask_mod, so repeated calls reuse it (and its kernels, plans and checks); it holds nothing
-that refers back to the original.
+Tables that list tiles past the lengths (torch's ``_adjust`` leaves some; its kernels mask
+their positions, so they add nothing) run as a copy without them (``clipped``): the kernels
+read a listed tile without bounds checks.
+
+The mask the kernels run is kept on the original (``_flexfa_coarse``) for its tables'
+contents and mask_mod, so repeated calls reuse it (and its kernels, plans and checks); it
+holds nothing that refers back to the original.
 """
 from __future__ import annotations
 
@@ -34,14 +38,16 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _MEMO = "_flexfa_coarse"
 
 
-def runnable_block_mask(block_mask, traced: TracedMod | None):
-    """``block_mask`` itself if the kernels can tile its blocks, else the equivalent mask of
-    coarser blocks (see the module docstring). ``traced``: the mask's prepared mask_mod.
-    Call after the tables were checked for the call's lengths (``check_tables``)."""
+def runnable_block_mask(block_mask, traced: TracedMod | None, past: bool | None = False):
+    """``block_mask`` itself if the kernels can tile its blocks and it lists no tile past its
+    lengths, else the equivalent mask of coarser blocks, or without those tiles (see the
+    module docstring). ``traced``: the mask's prepared mask_mod; ``past``: ``check_tables``'
+    result for the call's lengths (None: unknown), which it must be called after."""
     if block_mask is None:
         return None
     block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
-    if block_q % TILE == 0 and block_kv % TILE == 0:
+    tiled = block_q % TILE == 0 and block_kv % TILE == 0
+    if tiled and past is False:
         return block_mask
     # None: tables may change unseen; or a CUDA graph records the coarsening (its ops replay
     # with the tables' contents then) where a memo would bake in today's
@@ -49,13 +55,30 @@ def runnable_block_mask(block_mask, traced: TracedMod | None):
     memo = getattr(block_mask, _MEMO, None)
     if memo is not None and contents is not None and memo[0] == contents and memo[1] is traced:
         return memo[2]
-    coarse = coarsened(block_mask, traced)
+    # (coarsening drops the tiles past the lengths too)
+    coarse = clipped(block_mask, traced) if tiled else coarsened(block_mask, traced)
     if contents is not None:
         try:
             setattr(block_mask, _MEMO, (contents, traced, coarse))
         except AttributeError:  # a frozen or slotted mask object: built on every call
             pass
     return coarse
+
+
+def clipped(block_mask, traced: TracedMod) -> BlockMask:
+    """``block_mask`` (whose mask_mod is ``traced``) without the tiles past its lengths, the
+    same attention (their positions are masked): all eight tables rebuilt over the lengths'
+    tiles, in ascending order."""
+    L, S = (int(n) for n in block_mask.seq_lengths)
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    grids = [block_classes(block_mask, -(-L // block_q), -(-S // block_kv)) == klass
+             for klass in (PARTIAL, FULL)]
+    tables = [t for grid in grids for t in dense_to_ordered(grid)]
+    tables += [t for grid in grids for t in dense_to_ordered(grid.transpose(-2, -1))]
+    mask = BlockMask((L, S), *tables, BLOCK_SIZE=(block_q, block_kv),
+                     mask_mod=TracedMaskMod(traced), traced_mask=traced)
+    mark_checked(mask)  # built from checked tables, over the lengths
+    return mask
 
 
 def coarsened(block_mask, traced: TracedMod) -> BlockMask:
@@ -79,13 +102,14 @@ def coarsened(block_mask, traced: TracedMod) -> BlockMask:
 
 def block_classes(block_mask, rows: int, cols: int) -> torch.Tensor:
     """int32 ``[B, H, rows, cols]``: EMPTY, PARTIAL or FULL per block of the first rows x
-    cols blocks (the tables cover them: checked before)."""
-    width = block_mask.kv_indices.shape[-1]
-    classes = ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, width)
+    cols blocks (the tables cover them: checked before; listed blocks past them dropped)."""
+    classes = ordered_to_dense(block_mask.kv_num_blocks[..., :rows],
+                               block_mask.kv_indices[..., :rows, :], cols)
     if getattr(block_mask, "full_kv_num_blocks", None) is not None:
-        full = ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, width)
+        full = ordered_to_dense(block_mask.full_kv_num_blocks[..., :rows],
+                                block_mask.full_kv_indices[..., :rows, :], cols)
         classes = torch.maximum(classes, FULL * full)
-    return classes[..., :rows, :cols].contiguous()
+    return classes
 
 
 def _coarse_grids(classes: torch.Tensor, per_q: int, per_kv: int, rows: int,

@@ -5,20 +5,23 @@ program's walk from it).
 
 Counting the visited tiles reads the tables back to the host: a device sync, which in the
 middle of a step stalls the host behind the GPU. The class and share are therefore kept on
-the mask object and, for masks rebuilt around the same tables (compiled graphs make one per
-call, around autograd's saved aliases of the tables in the backward), by the count tables'
-storage signature (storages, views, version counters: an in-place edit counts again).
+the mask object, with the contents generation of its tables as last checked (an in-place edit
+or a replaced table, once ``check_tables`` saw it, counts again), and, for masks rebuilt
+around the same tables (compiled graphs make one per call, around autograd's saved aliases of
+the tables in the backward), by the count tables' storage signature (storages, views, version
+counters).
 ``create_block_mask`` records them where it already reads the tiles' classes, so a new
 mask's first call reads nothing. While a CUDA graph is captured nothing is read: the class
 is "masked", the share unknown (None), and neither is kept.
 """
 from __future__ import annotations
 
-from .validate import StorageRecords, capturing, storage_signature
+from .validate import StorageRecords, capturing, storage_signature, table_generations
 
 SPARSE_BELOW = 0.3  # visited share under which a mask is "sparse"
 _ON_MASK = "_flexfa_density_class"
 _SHARE_ON_MASK = "_flexfa_visited_share"
+_CONTENTS_ON_MASK = "_flexfa_density_contents"  # the tables' contents generation they are of
 # the count tables' storage signature -> (their class, their visited share)
 _BY_STORAGE = StorageRecords(256, "density classes")
 
@@ -54,7 +57,8 @@ def _known(block_mask) -> tuple[str, float] | None:
     """(class, share) of a mask: kept on it, by its tables' storages, or read (one
     device-to-host read); None while capturing a CUDA graph, when it was not known."""
     cached = getattr(block_mask, _ON_MASK, None), getattr(block_mask, _SHARE_ON_MASK, None)
-    if None not in cached:
+    if None not in cached and getattr(block_mask, _CONTENTS_ON_MASK, None) == \
+            table_generations(block_mask)[1]:
         return cached
     counts = _count_tables(block_mask)
     found = storage_signature(counts)
@@ -75,6 +79,7 @@ def _keep(block_mask, result: tuple[str, float], found) -> None:
     try:
         setattr(block_mask, _ON_MASK, result[0])
         setattr(block_mask, _SHARE_ON_MASK, result[1])
+        setattr(block_mask, _CONTENTS_ON_MASK, table_generations(block_mask)[1])
     except AttributeError:  # a frozen or slotted mask object
         pass
     if found is not None:  # else inference tensors: edits unseen, nothing kept by storage

@@ -29,10 +29,11 @@ def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
     """The int32 0/1 grid ``[..., ROWS, cols]``: ones where a row's first ``num_blocks``
-    indices point."""
+    indices point; listed indices of ``cols`` and up (tiles past the lengths, which torch's
+    ``_adjust`` leaves listed and its kernels mask) are dropped."""
     listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
-    # unlisted entries go to a spare column that is dropped afterwards
-    target = torch.where(listed, indices.long(), cols)
+    # unlisted entries and tiles past the lengths go to a spare column dropped afterwards
+    target = torch.where(listed & (indices < cols), indices.long(), cols)
     dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.int32, device=indices.device)
     dense.scatter_(-1, target, 1)
     return dense[..., :cols].contiguous()

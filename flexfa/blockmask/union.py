@@ -9,8 +9,9 @@ mask_mod, FULL: do not), so the kernel reads each K/V tile once and gives each r
 member's status.
 
 The union is built from a dense status grid, so it assumes nothing about the order of a
-table's entries (torch-built masks need not be sorted): only what ``check_tables`` checks (the
-listed blocks are in range, none twice, none both partial and full). Members whose q block
+table's entries (torch-built masks need not be sorted): only what ``check_tables`` checks and
+``runnable_block_mask`` ensures (the listed blocks are in range, none twice, none both partial
+and full). Members whose q block
 lies past the mask's last one are absent. Built once per mask and plan (the decode family
 keeps it in the plan, which lives under the mask); its size is about G * span / 4 of the
 mask's index tables (one byte per member and block).

@@ -8,12 +8,18 @@ unless, in the rows the kernels read (the q tiles of L in the kv tables, the kv 
 the q tables):
 
 - each row's count (``*_num_blocks``) is in 0..(the row's width of ``*_indices``);
-- the first count entries of a row are tile indices of the other length (kv tiles of S in the
-  kv tables, q tiles of L in the q tables), none twice; entries past the count are never read
-  (torch pads them);
+- the first count entries of a row are tile indices (not negative), none of the other
+  length's tiles (kv tiles of S in the kv tables, q tiles of L in the q tables) twice; entries
+  past the count are never read (torch pads them);
 - no tile is both partial and full;
 - the q tables list the kv tables' (q tile, kv tile) pairs, transposed: the forward walks the
   kv tables, the backward the q tables.
+
+A listed index past the length's tiles is no fault: torch's ``_adjust`` leaves such tiles
+listed where it crops a mask (its recount keeps a row's first entries), and torch's kernels
+mask their positions, so they add nothing. The check reports whether the tables list any
+(``check_tables``' result); the kernels, which read a listed tile without bounds checks, then
+run a copy of the tables without them (``coarsen.runnable_block_mask``).
 
 The outcome is kept on the mask object with each table's identity and version counter,
 which every in-place edit bumps (views share it): a later call with unchanged tables
@@ -54,14 +60,15 @@ class TableState:
     (BLOCK_SIZE, L, S). ``layout`` changes when a table is replaced, its view changes or the
     geometry does (plans fix the block size) and ``contents`` whenever a table may have
     changed: memos of what the runtime derives from the tables key on them
-    (``table_generations``)."""
+    (``table_generations``). ``past``: whether they list tiles past the lengths (None:
+    unknown, checked inside a CUDA graph capture)."""
 
     __slots__ = ("ids", "versions", "views", "geometry", "layout", "contents", "live", "refs",
-                 "__weakref__")
+                 "past", "__weakref__")
 
-    def __init__(self, tables, versions, views, geometry, layout: int):
+    def __init__(self, tables, versions, views, geometry, layout: int, past: bool | None):
         self.ids, self.versions, self.geometry = tuple(map(id, tables)), versions, geometry
-        self.views, self.layout = views, layout
+        self.views, self.layout, self.past = views, layout, past
         self.contents = next(_GENERATION) if versions is not None else None
         self.live = True
         stale = _stale_callback(weakref.ref(self))
@@ -102,23 +109,26 @@ def _versions(tables) -> list | None:
         return None
 
 
-def check_tables(block_mask, L: int, S: int) -> None:
+def check_tables(block_mask, L: int, S: int) -> bool | None:
     """Raise InputError unless ``block_mask``'s tables are safe and consistent for lengths
-    (L, S) (the module docstring lists the rules). Cheap when they were checked before and
-    have not changed since; None (no mask) passes."""
+    (L, S) (the module docstring lists the rules); else whether they list tiles past the
+    lengths (None: unknown, inside a CUDA graph capture). Cheap when they were checked before
+    and have not changed since; None (no mask) passes."""
     if block_mask is None:
-        return
+        return False
     tables = tables_of(block_mask)
     state = getattr(block_mask, _STATE, None)
     geometry = (block_mask.BLOCK_SIZE, L, S)
     if state is not None and state.matches(tables, geometry):
-        return
-    if not _checked_before(tables, geometry):
+        return state.past
+    past = _checked_before(tables, geometry)
+    if past is None:
         block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
-        check_contents(dict(zip(TABLES, tables)), (block_q, block_kv, int(L), int(S)))
-        if _capturing(block_mask.kv_num_blocks):  # a device-side assert, run at replay:
-            return  # nothing is proven yet, so nothing is remembered
-    _remember(block_mask, tables, geometry, state)
+        past = check_contents(dict(zip(TABLES, tables)), (block_q, block_kv, int(L), int(S)))
+        if past is None:  # a device-side assert, run at replay:
+            return None  # nothing is proven yet, so nothing is remembered
+    _remember(block_mask, tables, geometry, state, past)
+    return past
 
 
 class StorageRecords:
@@ -178,31 +188,36 @@ def _storage_key(tables, geometry):
     return (tuple(int(b) for b in block_size), int(L), int(S), found[0]), found[1]
 
 
-def _record_checked(tables, geometry) -> None:
+def _record_checked(tables, geometry, past: bool | None) -> None:
     found = _storage_key(tables, geometry)
-    if found is not None:
-        _CHECKED.put(found[0], found[1], True)
+    if found is not None and past is not None:
+        _CHECKED.put(found[0], found[1], past)
 
 
-def _checked_before(tables, geometry) -> bool:
-    """Whether tables with these storages, views and versions passed a check for
-    ``geometry``, their storages still alive (a freed storage's address may be reused)."""
+def _checked_before(tables, geometry) -> bool | None:
+    """Whether tables with these storages, views and versions that passed a check for
+    ``geometry`` list tiles past the lengths; None: no such check, or their storages died
+    since (a freed storage's address may be reused)."""
     found = _storage_key(tables, geometry)
-    return found is not None and _CHECKED.get(found[0], False)
+    return None if found is None else _CHECKED.get(found[0])
 
 
-def checked_now(block_mask) -> bool:
-    """Whether the mask's tables were checked for its own lengths and are unchanged since."""
+def checked_past(block_mask) -> bool | None:
+    """None unless the mask's tables were checked for its own lengths and are unchanged
+    since; then whether they list tiles past the lengths (``TableState.past``)."""
     state = getattr(block_mask, _STATE, None)
-    return state is not None and state.matches(
-        tables_of(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths))
+    if state is not None and state.matches(
+            tables_of(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths)):
+        return state.past
+    return None
 
 
-def mark_checked(block_mask) -> None:
-    """Record ``block_mask``'s tables (built by flexfa, correct by construction) as checked
-    for its own lengths, so that its first call needs no check (no device sync)."""
+def mark_checked(block_mask, past: bool | None = False) -> None:
+    """Record ``block_mask``'s tables (built by flexfa, correct by construction, or copies of
+    checked ones) as checked for its own lengths, so that its first call needs no check (no
+    device sync); ``past``: whether they list tiles past the lengths (None: unknown)."""
     _remember(block_mask, tables_of(block_mask), (block_mask.BLOCK_SIZE, *block_mask.seq_lengths),
-              None)
+              None, past)
 
 
 def _views(tables) -> tuple:
@@ -211,15 +226,15 @@ def _views(tables) -> tuple:
     return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tables)
 
 
-def _remember(block_mask, tables, geometry, state) -> None:
-    _record_checked(tables, geometry)
+def _remember(block_mask, tables, geometry, state, past: bool | None) -> None:
+    _record_checked(tables, geometry, past)
     views = _views(tables)
     same = (state is not None and state.live and state.ids == tuple(map(id, tables))
             and state.views == views and state.geometry == geometry)
     layout = state.layout if same else next(_GENERATION)
     try:
         setattr(block_mask, _STATE, TableState(tables, _versions(tables), views, geometry,
-                                               layout))
+                                               layout, past))
     except AttributeError:  # a frozen or slotted mask object: checked on every call
         pass
 
@@ -250,13 +265,14 @@ def table_generations(block_mask) -> tuple:
 
 # ---- the checks -----------------------------------------------------------------------------
 
-def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") -> None:
+def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") -> bool | None:
     """Raise InputError unless ``tables`` (name -> tensor or None; absent pairs are skipped)
-    obey the module's rules for ``geometry`` (block_q, block_kv, L, S). One device sync when
-    they do; ``where`` prefixes the table names in messages."""
+    obey the module's rules for ``geometry`` (block_q, block_kv, L, S); else whether they list
+    tiles past the lengths (None: unknown, inside a CUDA graph capture, where a fault is a
+    device-side assert). One device sync; ``where`` prefixes the table names in messages."""
     block_q, block_kv, L, S = geometry
     q_tiles, kv_tiles = -(-L // block_q), -(-S // block_kv)
-    grids, faults = {}, []
+    grids, faults, past = {}, [], []
     for pair, rows, tiles, what in (("kv", q_tiles, kv_tiles, f"the kv tiles of S={S}"),
                                     ("full_kv", q_tiles, kv_tiles, f"the kv tiles of S={S}"),
                                     ("q", kv_tiles, q_tiles, f"the q tiles of L={L}"),
@@ -265,7 +281,8 @@ def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") ->
         if num_blocks is None or indices is None:
             continue
         _check_layout(where, pair, num_blocks, indices, tables["kv_num_blocks"], rows)
-        grids[pair] = _listed_tiles(where, pair, num_blocks, indices, rows, tiles, what, faults)
+        grids[pair] = _listed_tiles(where, pair, num_blocks, indices, rows, tiles, what, faults,
+                                    past)
     for kv, q in (("kv", "q"), ("full_kv", "full_q")):
         if kv in grids and q in grids:
             differ = grids[kv] != grids[q].transpose(-2, -1)
@@ -275,17 +292,18 @@ def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") ->
             f"{where}kv_indices and {where}full_kv_indices both list kv tile {at[3]} of q tile "
             f"{at[2]} (batch {at[0]}, head {at[1]}); a tile is either partial or full")))
     if not faults:
-        return
-    found = torch.stack([bad.any() for bad, _ in faults])
+        return False
+    found = torch.stack([bad.any() for bad, _ in faults] + [listed.any() for listed in past])
     if _capturing(found):  # no sync inside a CUDA graph: a device-side assert instead
-        torch._assert_async(~found.any(), f"flexfa: {where}* tables are inconsistent (checked "
-                            "during CUDA graph capture; outside a capture the message names "
-                            "the table and tile)")
-        return
+        torch._assert_async(~found[:len(faults)].any(), f"flexfa: {where}* tables are "
+                            "inconsistent (checked during CUDA graph capture; outside a capture "
+                            "the message names the table and tile)")
+        return None
     found = found.tolist()  # the one sync
     for (bad, message), hit in zip(faults, found):
         if hit:
             raise InputError(message(tuple(bad.nonzero()[0].tolist())))
+    return any(found[len(faults):])
 
 
 def _capturing(tensor) -> bool:
@@ -322,16 +340,18 @@ def _check_layout(where: str, pair: str, num_blocks, indices, kv_num_blocks, row
 
 
 def _listed_tiles(where: str, pair: str, num_blocks, indices, rows: int, tiles: int, what: str,
-                  faults: list) -> torch.Tensor:
+                  faults: list, past: list) -> torch.Tensor:
     """The bool grid ``[B, H, rows, tiles]`` of the tiles that the first ``rows`` rows of a
     table pair list; appends to ``faults`` (bad entries, message of the first) a count outside
-    0..width, a listed index outside 0..tiles-1 and a tile listed twice in a row."""
+    0..width, a negative listed index and a tile listed twice in a row, and to ``past`` the
+    listed entries past the tiles."""
     num_blocks, indices = num_blocks[..., :rows], indices[..., :rows, :].long()
     width = indices.shape[-1]
     listed = torch.arange(width, device=indices.device) < num_blocks.unsqueeze(-1)
-    bad_index = listed & ((indices < 0) | (indices >= tiles))
-    # listed, in-range entries add 1 to their tile; the rest go to a spare column
-    target = torch.where(listed & ~bad_index, indices, tiles)
+    bad_index = listed & (indices < 0)
+    past.append(listed & (indices >= tiles))
+    # listed entries of a tile add 1 to it; the rest go to a spare column
+    target = torch.where(listed & (indices >= 0) & (indices < tiles), indices, tiles)
     counts = torch.zeros(*indices.shape[:-1], tiles + 1, dtype=torch.int32,
                          device=indices.device)
     counts.scatter_add_(-1, target, torch.ones_like(target, dtype=torch.int32))
@@ -342,8 +362,8 @@ def _listed_tiles(where: str, pair: str, num_blocks, indices, rows: int, tiles: 
             f"0..{width} (the columns of {pair}_indices)")),
         (bad_index, lambda at: (
             f"{where}{pair}_indices{list(at)} is {int(indices[at])}; the first "
-            f"{pair}_num_blocks entries of a row must be tile indices in 0..{tiles - 1} "
-            f"({what}; entries past the count are not read)")),
+            f"{pair}_num_blocks entries of a row must be tile indices, 0 and up ({what} are "
+            f"0..{tiles - 1}; tiles past them are skipped, entries past the count not read)")),
         (counts > 1, lambda at: (
             f"{where}{pair}_indices{list(at[:3])} lists tile {at[3]} {int(counts[at])} times; "
             "a row lists each tile at most once"))]

@@ -78,9 +78,9 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     check_block_mask(block_mask, x.q, x.k)
-    check_tables(block_mask, x.q.shape[2], x.k.shape[2])
+    past = check_tables(block_mask, x.q.shape[2], x.k.shape[2])
     score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
-    runnable = runnable_block_mask(block_mask, mask)
+    runnable = runnable_block_mask(block_mask, mask, past)
     if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
         block_mask, mask = runnable, runnable.traced_mask
     check_buffers(score, "score_mod", x.q.device)

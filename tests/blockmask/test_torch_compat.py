@@ -18,8 +18,9 @@ from flexfa import mods
 from flexfa.blockmask import BlockMask, create_block_mask
 from flexfa.blockmask.block_mask import TracedMaskMod
 from flexfa.blockmask.checks import default_device
-from flexfa.blockmask.validate import checked_now
+from flexfa.blockmask.validate import checked_past
 from flexfa.frontend.trace import trace
+from flexfa.reference import attention_reference
 
 from .test_vs_torch import TABLES, assert_same_as_torch
 from .zoo import ZOO
@@ -117,6 +118,63 @@ def test_adjust_crops_exactly_where_torchs_count_fails():
     q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
     torch.testing.assert_close(flexfa.flex_attention(q, k, v, block_mask=cropped),
                                flexfa.flex_attention(q, k, v, block_mask=fresh))
+
+
+def _band(width):
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= width
+    return band
+
+
+@pytest.mark.parametrize("width,block,lengths", [
+    (70, 32, (100, 130)), (70, 32, (130, 100)), (30, 24, (100, 130)), (40, 16, (64, 96))])
+def test_torchs_adjust_leaves_tiles_past_the_lengths_which_add_nothing(width, block, lengths):
+    """torch's _adjust recounts a cropped row by its entries' values: where a row's partial
+    tiles skip its full ones, a tile past the new keys stays listed (kv_indices lists tile 5
+    of S=130's 0..4 at block 32). torch's kernels mask its positions; flexfa refused the mask
+    (an InputError) and now runs it without that tile: outputs are torch's (eager, which
+    follows the mask_mod; torch has no CPU backward: gradients against the float64
+    reference) whether the block is tiled (32), coarsened (24) or the lengths are block
+    multiples (torch's GPU kernels read past K there)."""
+    L, S = lengths
+    cropped = torch_mask(_band(width), 1, 1, 256, 256, block=block)._adjust(L, S)
+    listed = torch.arange(cropped.kv_indices.shape[-1]) < cropped.kv_num_blocks[..., None]
+    assert int(cropped.kv_indices[listed].max()) >= -(-S // block)  # a tile past S is listed
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (L, S, S))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's eager flex_attention warns
+        expected = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(),
+                                             block_mask=cropped)
+    exact = attention_reference(q, k, v, mask_mod=_band(width))
+    grads = torch.autograd.grad(exact.sum(), (q, k, v))
+    ours_mask = BlockMask.from_kv_blocks(  # torch's from_kv_blocks takes the same tables
+        cropped.kv_num_blocks, cropped.kv_indices, cropped.full_kv_num_blocks,
+        cropped.full_kv_indices, BLOCK_SIZE=block, mask_mod=cropped.mask_mod,
+        seq_lengths=lengths)
+    for mask in (cropped, ours_mask, cropped):  # (the third call: the kept derived mask)
+        out = flexfa.flex_attention(q, k, v, block_mask=mask)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+        for mine, theirs in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads):
+            torch.testing.assert_close(mine, theirs.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_tile_edited_in_place_past_the_lengths_adds_nothing():
+    """An entry edited to a tile past S after a call: the next call skips it (as torch's
+    kernels mask it), and an edit back runs the mask itself again."""
+    mask = ours(_band(20), 1, 1, 100, 100)  # 7 kv tiles of 16, the last ragged
+    q, k, v = (torch.randn(1, 2, 100, 16) for _ in range(3))
+    flexfa.flex_attention(q, k, v, block_mask=mask)
+    row, column = 0, int(mask.kv_num_blocks[0, 0, 0]) - 1  # q tile 0's last partial tile
+    dropped = mask.kv_indices[0, 0, row, column].item()
+    mask.kv_indices[0, 0, row, column] = 7
+    mask.q_num_blocks[0, 0, dropped] -= 1  # q tile 0 is the first listed: drop it
+    mask.q_indices[0, 0, dropped] = mask.q_indices[0, 0, dropped].roll(-1).clone()
+
+    def without_it(b, h, q_idx, kv_idx):
+        return _band(20)(b, h, q_idx, kv_idx) & ~((q_idx < 16) & (kv_idx // 16 == dropped))
+    torch.testing.assert_close(flexfa.flex_attention(q, k, v, block_mask=mask),
+                               flexfa.flex_attention(q, k, v, block_mask=ours(
+                                   without_it, 1, 1, 100, 100)))
 
 
 def test_adjust_keeps_the_trace_and_checks_lengths():
@@ -347,7 +405,7 @@ def test_deepcopy_of_a_used_mask_and_of_a_model_holding_it():
     for copied in (copy.deepcopy(mask), copy.deepcopy(HoldsAMask(mask)).mask):
         assert type(copied) is BlockMask and copied.kv_indices is not mask.kv_indices
         assert copied.mask_mod is mask.mask_mod and copied.traced_mask is mask.traced_mask
-        assert checked_now(copied)
+        assert checked_past(copied) is False  # checked, unchanged, no tile past the lengths
         for name in TABLES:
             assert torch.equal(getattr(copied, name), getattr(mask, name))
         torch.testing.assert_close(flexfa.flex_attention(q, q, q, block_mask=copied), expected)

@@ -12,7 +12,9 @@ import torch
 
 import flexfa
 from flexfa import BlockMask, mods
+from flexfa.blockmask import density
 from flexfa.blockmask.density import density_class
+from flexfa.blockmask.validate import check_tables
 from flexfa.runtime import autotune
 from flexfa.runtime.call import AttentionCall
 from flexfa.runtime.families import backward, hopper
@@ -151,6 +153,20 @@ def test_density_class_is_read_once_per_tables(monkeypatch):
         with pytest.raises(pytest.fail.Exception, match="a table was read"):
             density_class(reads)  # new tables (clones): read once
     assert density_class(reads) == "masked"
+
+
+def test_density_class_follows_in_place_edits_of_a_checked_mask():
+    """The class kept on a mask is of its tables' contents as last checked: after an in-place
+    edit (seen by the next call's table check) it is counted again (it stayed "masked" for a
+    mask edited down to nothing, the tuning key and head order of a dense mask)."""
+    mask = flexfa.create_block_mask(mods.causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    check_tables(mask, 256, 256)
+    assert density_class(mask) == "masked"  # 10 of 16 tiles
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        getattr(mask, name).zero_()
+    check_tables(mask, 256, 256)  # what the next call does first
+    assert density_class(mask) == "sparse"
+    assert density.visited_share(mask) == 0.0
 
 
 def _call(options=KernelOptions()):
