@@ -13,14 +13,12 @@ only what belongs to the process:
 | ``FLEXFA_AUTOTUNE`` | on | time candidate tiles on a GPU the first time a class is met |
 | ``FLEXFA_BACKEND`` | ``AUTO`` | the default of ``kernel_options["BACKEND"]`` |
 
-``TRITON_INTERPRET`` is Triton's own switch; flexfa sets it only while importing a generated
-module (``interpret_mode``), since Triton reads it when a kernel is decorated.
+``TRITON_INTERPRET`` is Triton's own switch; flexfa never sets it: a generated module is
+imported with the mode it needs on its own thread only (``loader.interpret_mode``).
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from pathlib import Path
 
 from .errors import InputError
@@ -105,21 +103,3 @@ def environment(name: str, default: str | None = None) -> str | None:
     """A variable that tools (benchmarks, their output folder ``OUT``) read; never one that
     chooses a kernel."""
     return os.environ.get(name, default)
-
-
-_ENV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def interpret_mode(interpret: bool):
-    """Set ``TRITON_INTERPRET`` for the block (Triton reads it when a kernel is decorated)."""
-    with _ENV_LOCK:
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-        try:
-            yield
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old

@@ -32,11 +32,12 @@ def _gpu_lines() -> list[str]:
 
 
 def _interpreter_line() -> str:
-    """flexfa interprets kernels for CPU tensors whatever ``TRITON_INTERPRET`` says (it sets the
-    variable itself while loading each kernel), so the line says both."""
+    """flexfa interprets kernels for CPU tensors whatever ``TRITON_INTERPRET`` says (it sets
+    Triton's mode itself while loading each kernel, on the loading thread only), so the line
+    says both."""
     value = config.triton_interpret()
     here = "unset" if value is None else f"TRITON_INTERPRET={value}"
-    return (f"interpret:  kernels for CPU tensors (flexfa sets TRITON_INTERPRET per kernel; "
+    return (f"interpret:  kernels for CPU tensors (flexfa sets the mode per kernel; "
             f"this environment: {here})")
 
 

@@ -1,9 +1,12 @@
 """Importing generated kernel sources as modules, interpreted or compiled.
 
 Triton decides at decoration time whether ``@triton.jit`` makes an interpreted function
-(``TRITON_INTERPRET=1``) or a compiled one, so a module is imported with that variable set
-for the duration of the import: CPU tensors get an interpreted copy, CUDA tensors a compiled
-one, from the same file, and the two copies live side by side under different module names.
+(``TRITON_INTERPRET=1``, read through ``triton.knobs.runtime.interpret``) or a compiled one,
+so a module is imported with that mode set (``interpret_mode``): CPU tensors get an
+interpreted copy, CUDA tensors a compiled one, from the same file, and the two copies live
+side by side under different module names. The mode is set for the importing thread only:
+setting the variable switched the whole process, so another thread decorating (or compiling)
+a kernel of its own during the import got the other mode.
 
 Interpreted launches are serialized by ``INTERPRETER_LOCK``: Triton's interpreter keeps the
 current program id in one process-wide builder and patches ``triton.language`` while a kernel
@@ -21,6 +24,7 @@ where an interpreted module is first loaded.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import linecache
@@ -30,7 +34,6 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import config
 from .errors import FlexFAError
 
 INTERPRETER_LOCK = threading.RLock()
@@ -43,8 +46,50 @@ class InterpreterNumpyError(FlexFAError, RuntimeError):
     """The installed numpy cannot run Triton's CPU interpreter."""
 
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated: set for the import only
-triton_mode = config.interpret_mode
+_MODE = threading.local()  # .interpret: this thread's mode inside interpret_mode, else absent
+_MODE_INSTALL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def interpret_mode(interpret: bool):
+    """Triton's interpreter setting as ``interpret`` for this thread, for the block (Triton
+    reads it when a kernel is decorated, and where a constexpr function is called); other
+    threads see the process's setting all along."""
+    _install_thread_mode()
+    outer = getattr(_MODE, "interpret", None)
+    _MODE.interpret = bool(interpret)
+    try:
+        yield
+    finally:
+        _MODE.interpret = outer
+
+
+def _install_thread_mode() -> None:
+    """Make Triton's ``knobs.runtime.interpret`` answer this thread's ``interpret_mode`` where
+    one is set, and what it answered before (the environment, or a value set on the knob)
+    elsewhere: the knob's descriptor is replaced by a subclass, once."""
+    from triton import knobs
+
+    knob_class = type(knobs.runtime)
+    if getattr(vars(knob_class)["interpret"], "per_thread", False):
+        return
+    with _MODE_INSTALL_LOCK:
+        knob = vars(knob_class)["interpret"]
+        if not getattr(knob, "per_thread", False):
+            knob_class.interpret = _per_thread(knobs.env_bool, knob)
+
+
+def _per_thread(env_bool: type, knob):
+    class PerThread(env_bool):
+        per_thread = True
+
+        def __get__(self, obj, objclass=None):
+            mode = getattr(_MODE, "interpret", None)
+            return super().__get__(obj, objclass) if mode is None or obj is None else mode
+
+    replaced = PerThread(knob.key, knob.default)
+    replaced.name = knob.name  # the attribute a value set on the knob is kept under
+    return replaced
 
 
 def load_module(path: str | Path, interpret: bool, module_name: str | None = None,
@@ -67,7 +112,7 @@ def load_module(path: str | Path, interpret: bool, module_name: str | None = Non
     # under the interpreter's lock: executing the module compiles its source and rewrites
     # its functions (Python ASTs), and CPython 3.11 fails ("AST constructor recursion depth
     # mismatch") when two threads build ASTs at once, as a launch does on a kernel's first call
-    with INTERPRETER_LOCK, triton_mode(interpret):
+    with INTERPRETER_LOCK, interpret_mode(interpret):
         exec(code, module.__dict__)
     if interpret:
         keep_rewritten(module)

@@ -75,13 +75,17 @@ class Guard:
     def __init__(self, fingerprint: tuple, names: frozenset, tensors: tuple, identities: list):
         self.fingerprint = fingerprint
         self.names = names
-        self.tensors = tensors  # every tensor reached (trace's in-place and reuse checks)
+        self.tensors = tensors  # every tensor reached (the trace's checks), until kept
         self._held = identities
         self._live = True
 
     def keep(self) -> "Guard":
         """This guard, from now on holding the objects it names by weak reference where they
-        allow one (builtins and code objects of some kinds are held; they own no user data)."""
+        allow one (builtins and code objects of some kinds are held; they own no user data).
+        ``tensors`` served the trace's checks and is emptied: a kept guard held every tensor
+        its walk reached (one read as a number, ``float(self.t)``, or one of a branch not
+        taken), so a tensor the mod's state let go of stayed alive until its next call."""
+        self.tensors = ()
         me = weakref.ref(self)
 
         def dead(_) -> None:

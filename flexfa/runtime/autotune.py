@@ -7,6 +7,12 @@ so a new process reuses it without timing anything. The GPU in the key is the on
 (``device_tag``: its architecture, name and SM count), not only its architecture: an H100's
 winners were measured at its clocks, memory bandwidth and SM count and need not be an H200's
 (both sm_90). Winners stored under the architecture alone (older stores) are never looked up.
+The key ends with the toolchain (``toolchain``: the flexfa, Triton and torch versions): a
+winner timed with another Triton's code generation is timed again, not reused; the store keeps
+the entries of the last ``KEPT_TOOLCHAINS`` toolchains that stored one. It is the package
+versions, not the sources' hash of the kernel cache key: the committed tuning file
+(benchmarks/results/tuning/autotune.json) serves every commit of one release and toolchain,
+and a stored winner is used only while it is one of the current candidates.
 A progress line goes to stderr while tuning. Nothing is tuned under the interpreter (CPU
 tensors get fixed small tiles), when the caller pins tiles through ``kernel_options``, or
 with ``FLEXFA_AUTOTUNE=0``.
@@ -21,10 +27,12 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import triton
 
 from .. import config
 from ..blockmask.validate import capturing
 from ..memo import BoundedMemo
+from ..version import __version__
 from .cache import file_lock, write_atomic
 from .cache_location import usable_cache_dir
 
@@ -68,6 +76,9 @@ def hopper_configs(head_dim_pad: int, head_dim_v_pad: int) -> tuple[tuple[int, .
 MIN_TUNED_WORK = 2 ** 28
 # kv lengths up to this are tuned apart from longer ones (short rows favour other tiles)
 SHORT_KV = 4096
+# the store keeps the winners of this many toolchains, the most recently stored (a bound, and
+# room for a few virtual environments sharing one cache directory)
+KEPT_TOOLCHAINS = 4
 
 _FILE = "autotune.json"
 _LOCK = threading.Lock()
@@ -89,11 +100,23 @@ def device_tag(target, device) -> str:
     return f"{target.name}/{name}/{props.multi_processor_count}sm"
 
 
+def toolchain() -> str:
+    """The versions a timing depends on besides the GPU and the call's class, as a tune key's
+    last field: ``flexfa=0.1.0,triton=3.6.0,torch=2.11.0+cu130``."""
+    return f"flexfa={__version__},triton={triton.__version__},torch={torch.__version__}"
+
+
+def _toolchain_of(key: str) -> str | None:
+    last = key.rpartition("|")[2]
+    return last if last.startswith("flexfa=") else None
+
+
 def tune_key(template: str, device: str, head_dim_pad: int, head_dim_v_pad: int, dtype: str,
              density: str, kv_len: int) -> str:
     """The key of a stored winner; ``device``: ``device_tag``'s."""
     length = "short" if kv_len <= SHORT_KV else "long"
-    return f"{template}|{device}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}|{length}"
+    return (f"{template}|{device}|e{head_dim_pad}|ev{head_dim_v_pad}|{dtype}|{density}|{length}"
+            f"|{toolchain()}")
 
 
 def _path():
@@ -133,10 +156,24 @@ def store(key: str, config: tuple[int, ...], timings: dict) -> None:
             if not isinstance(stored_timings, dict):  # an edited file: start the table again
                 stored_timings = data["_timings_ms"] = {}
             stored_timings[key] = timings
+            _keep_recent_toolchains(data, _toolchain_of(key))
             write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
     except OSError as exc:  # LockTimeout is one too
         warnings.warn(f"flexfa: {exc}; the tuned config of {key} is kept in this process only",
                       RuntimeWarning, stacklevel=3)
+
+
+def _keep_recent_toolchains(data: dict, current: str | None) -> None:
+    """Drop the entries of all but the ``KEPT_TOOLCHAINS`` toolchains that stored last
+    (``_toolchains`` lists them, the latest last); keys without one (older stores) stay."""
+    listed = data.get("_toolchains")
+    order = [t for t in listed if isinstance(t, str)] if isinstance(listed, list) else []
+    if current is not None:
+        order = [t for t in order if t != current] + [current]
+    kept = data["_toolchains"] = order[-KEPT_TOOLCHAINS:]
+    for key in [k for k in data if _toolchain_of(k) not in (None, *kept)]:
+        del data[key]
+        data["_timings_ms"].pop(key, None)
 
 
 def forward_label(config) -> str:

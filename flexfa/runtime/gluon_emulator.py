@@ -54,8 +54,8 @@ import triton.language as tl
 from triton.runtime import interpreter as interp
 
 from ..codegen.template import INTERPRETED_FLAGS
-from ..config import interpret_mode
-from ..loader import INTERPRETER_LOCK, check_interpreter_numpy, keep_rewritten, serialized
+from ..loader import (INTERPRETER_LOCK, check_interpreter_numpy, interpret_mode, keep_rewritten,
+                      serialized)
 
 # seconds a partition may wait for another's progress before the emulation gives up (a
 # partition computing a tile between two barrier operations takes well under a second)

@@ -274,7 +274,7 @@ def test_backward_tuning_picks_the_fastest_tiles_and_stores_them(tune_dir, monke
     got = backward.BACKWARD.choose_config(_call(), x, None, True, SM90)
     assert got == fastest and timed == candidates
     stored = json.loads((tune_dir / "autotune.json").read_text())
-    key = "bwd|cuda:90|e64|ev64|bf16|dense|short"
+    key = f"bwd|cuda:90|e64|ev64|bf16|dense|short|{autotune.toolchain()}"
     assert stored[key] == list(fastest)
     assert set(stored["_timings_ms"][key]) == {backward._label(c) for c in candidates}
     timed.clear()
@@ -365,3 +365,65 @@ def test_backward_winners_are_kept_per_gpu(two_sm90_gpus, monkeypatch):
         backward.BACKWARD.choose_config(_call(), x, None, True, SM90)
     assert [k.split("|")[1] for k in keys] == [
         autotune.device_tag(SM90, torch.device("cuda", i)) for i in range(3)]
+
+
+def test_a_winner_timed_with_another_toolchain_is_timed_again(tune_dir, two_sm90_gpus,
+                                                              monkeypatch):
+    """A winner stored by another Triton (or torch, or flexfa) was reused after an upgrade:
+    the key ends with the toolchain, so it is timed again and both winners are kept."""
+    import triton
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    candidates = hopper._candidates(128, None, None)
+    q = _OnGpu((1, 2, 2048, 128), 1)
+    with monkeypatch.context() as m:
+        m.setattr(triton, "__version__", "3.5.0")
+        m.setattr(autotune, "tune", _timing(autotune.tune, candidates[::-1]))
+        assert _choose(q, _call(), SM90) == candidates[-1]
+    monkeypatch.setattr(autotune, "tune", _timing(autotune.tune, candidates))
+    assert _choose(q, _call(), SM90) == candidates[0]  # timed again, not the 3.5.0 winner
+    stored = json.loads((tune_dir / "autotune.json").read_text())
+    assert sorted(autotune._toolchain_of(k) or k for k in stored) == sorted([
+        "_timings_ms", "_toolchains", autotune.toolchain(),
+        autotune.toolchain().replace(f"triton={triton.__version__}", "triton=3.5.0")])
+
+
+def _timing(real_tune, fastest_first):
+    """``autotune.tune`` timing ``fastest_first[i]`` at i ms."""
+    return lambda key, candidates, *rest: real_tune(
+        key, candidates, lambda config: float(fastest_first.index(config)))
+
+
+def test_the_store_keeps_the_latest_toolchains(tune_dir):
+    """The store is bounded: a new toolchain drops the entries of the oldest beyond
+    KEPT_TOOLCHAINS; keys without a toolchain (older stores) are left as they were."""
+    (tune_dir / "autotune.json").write_text(json.dumps({"fwd|cuda:90|e64": [1, 2, 3, 4]}))
+    versions = [f"flexfa=0.1.0,triton=3.{minor}.0,torch=2.11.0" for minor in range(6)]
+    for version in versions + [versions[1]]:  # 1 again: now the latest, 2 the oldest
+        autotune.clear_memo()  # as a new process: 1's winner, dropped, is timed again
+        autotune.tune(f"fwd|cuda:90|e128|{version}", CONFIGS, lambda c: float(c[2]))
+    stored = json.loads((tune_dir / "autotune.json").read_text())
+    kept = [versions[i] for i in (3, 4, 5, 1)]
+    assert stored["_toolchains"] == kept
+    assert sorted(stored) == sorted(["_timings_ms", "_toolchains", "fwd|cuda:90|e64",
+                                     *(f"fwd|cuda:90|e128|{v}" for v in kept)])
+    assert sorted(stored["_timings_ms"]) == [f"fwd|cuda:90|e128|{v}" for v in sorted(kept)]
+
+
+def test_the_committed_tuning_file_is_in_the_current_key_format():
+    """benchmarks/results/tuning/autotune.json serves the benchmark runs of its toolchain: its
+    keys are what tune_key makes for an H200 under that toolchain (a key format change that
+    leaves the file behind makes every benchmark run tune again)."""
+    from pathlib import Path
+    path = Path(__file__).parents[2] / "benchmarks" / "results" / "tuning" / "autotune.json"
+    stored = json.loads(path.read_text())
+    assert len(stored["_toolchains"]) == 1
+    winners = [key for key in stored if not key.startswith("_")]
+    assert winners and sorted(stored["_timings_ms"]) == sorted(winners)
+    for key in winners:
+        template, device, e, ev, dtype, density, length, tools = key.split("|")
+        kv_len = autotune.SHORT_KV * (1 if length == "short" else 2)
+        made = autotune.tune_key(template, device, int(e[1:]), int(ev[2:]), dtype, density,
+                                 kv_len)
+        assert made.rpartition("|")[0] == key.rpartition("|")[0]
+        assert device == "cuda:90/NVIDIA H200/132sm" and tools == stored["_toolchains"][0]
+        assert isinstance(stored[key], list) and all(isinstance(x, int) for x in stored[key])

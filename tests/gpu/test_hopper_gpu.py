@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.runtime import plans
+from flexfa.runtime import autotune, plans
 from flexfa.runtime.families.hopper import HOPPER
 
 pytestmark = pytest.mark.gpu
@@ -155,7 +155,8 @@ torch.cuda.synchronize()
     assert first.returncode == 0, first.stderr
     # the key names the GPU timed (autotune.device_tag), not only its architecture
     props = torch.cuda.get_device_properties(0)
-    key = f"fwd_hopper|cuda:90/{props.name}/{props.multi_processor_count}sm|e64|ev64|bf16|dense|short"
+    key = (f"fwd_hopper|cuda:90/{props.name}/{props.multi_processor_count}sm|e64|ev64|bf16|dense"
+           f"|short|{autotune.toolchain()}")
     assert f"flexfa: tuned {key}" in first.stderr
     stored = json.loads((tmp_path / "autotune.json").read_text())
     assert key in stored and "fwd_hopper|cuda:90|e64|ev64|bf16|dense|short" not in stored

@@ -10,7 +10,7 @@ import torch
 import triton
 
 import flexfa
-from flexfa import loader
+from flexfa import config, loader
 
 # range() over a program id calls the interpreter's tensor.__index__, int() of a 1-element
 # numpy array: deprecated since numpy 1.25, so one DeprecationWarning per program
@@ -133,3 +133,38 @@ def test_the_interpreters_warning_is_ignored_before_filters_added_since():
         assert caught == []
         warn_from("user_code")
         assert len(_scalar_conversions(caught)) == 1
+
+
+def _identity(x):
+    return x
+
+
+@pytest.mark.parametrize("process_interprets", [True, False])
+def test_loading_a_module_sets_the_mode_for_its_own_thread_only(tmp_path, monkeypatch,
+                                                                process_interprets):
+    """flexfa loaded a module with TRITON_INTERPRET switched for the whole process: a kernel
+    another thread decorated meanwhile got the loader's mode, not the process's."""
+    import threading
+
+    from triton.runtime.interpreter import InterpretedFunction
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if process_interprets else "0")
+    loading, decorated = threading.Event(), threading.Event()
+
+    def other_thread():
+        loading.wait(10)
+        kernels.append(triton.jit(_identity))
+        decorated.set()
+
+    kernels = []
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    def exec_while_the_other_thread_decorates(code, namespace):
+        loading.set()
+        assert decorated.wait(10)  # the other thread decorates in the middle of the import
+        exec(code, namespace)
+    monkeypatch.setattr(loader, "exec", exec_while_the_other_thread_decorates, raising=False)
+    module = _load(tmp_path, f"mode_{process_interprets}", interpret=not process_interprets)
+    thread.join(10)
+    assert isinstance(kernels[0], InterpretedFunction) == process_interprets
+    assert isinstance(module.count_kernel, InterpretedFunction) != process_interprets
+    assert config.triton_interpret() == ("1" if process_interprets else "0")

@@ -55,6 +55,27 @@ def test_dropping_mods_and_masks_releases_their_tensors(grad, hopper):
     assert all(x is None for x in alive), [type(x).__name__ for x in alive if x is not None]
 
 
+def test_a_kept_trace_holds_no_tensor_it_does_not_read():
+    """The trace memo's guard held every tensor its walk reached: one the mod read as a number
+    (``float(self.temperature)``, a constant of the trace) or one of a branch it did not take
+    stayed alive after the mod let go of it, until the mod's next call."""
+    class Mod:
+        def __init__(self):
+            self.temperature, self.bias, self.use_bias = torch.tensor(2.0), torch.randn(L), False
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            score = score / float(self.temperature)
+            return score + self.bias[kv_idx] if self.use_bias else score
+    mod = Mod()
+    q = _inputs(False)[0]
+    expected = flexfa.flex_attention(q, q, q, score_mod=mod.score_mod)
+    refs = [weakref.ref(mod.temperature), weakref.ref(mod.bias)]
+    mod.temperature, mod.bias = torch.tensor(2.0), torch.randn(L)
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]
+    torch.testing.assert_close(flexfa.flex_attention(q, q, q, score_mod=mod.score_mod), expected)
+
+
 def test_a_compiled_step_keeps_no_mask_or_table_alive():
     """The operators' BlockMask made from a graph's tables (found again by their storages),
     the table-check record and the density class kept by storage hold no table: a mask

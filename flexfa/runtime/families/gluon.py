@@ -26,8 +26,8 @@ from ...codegen.gluon import (CONSUMER_ROWS, CONSUMERS, GLUON_TEMPLATE, MAX_REGI
                               gluon_kernel, trims_columns)
 from ...codegen.ranges import Domain, static_score_max
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
-from ...config import interpret_mode
 from ...errors import InputError
+from ...loader import interpret_mode
 from .. import binding, plans
 from ..autotune import SHORT_KV
 from ..call import AttentionCall
