@@ -51,11 +51,16 @@ def hadamard_matrix(d: int, device=None, dtype=torch.float32) -> torch.Tensor:
 
 
 def _device(func: str, device) -> torch.device:
-    """``device`` as a torch.device (None: the CPU; 0 is cuda:0, not a falsy None)."""
+    """``device`` as a torch.device (None: the CPU; 0 is cuda:0, not a falsy None), "cuda"
+    with the current device's index: the caches key on it, and a tensor made for "cuda" lives
+    on the device current at the first call (another device's call got that one's)."""
     try:
-        return torch.device("cpu" if device is None else device)
+        device = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise InputError(f"{func}: device={device!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @functools.lru_cache(maxsize=64)

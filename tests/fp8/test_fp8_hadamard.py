@@ -141,3 +141,18 @@ def test_device_zero_is_not_the_cpu():
     else:  # torch has no device 0 here
         with pytest.raises(InputError, match="random_signs: device=0 is not a torch device"):
             random_signs(64, device=0)
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch):
+    """The matrices and signs are cached per device: "cuda" was one key for every device, so
+    a call made while another GPU was current got the first one's tensor (on the wrong
+    device). It now names the current device (checked here without a GPU by patching torch's
+    current device; the caches' keys are what _device returns)."""
+    from flexfa.fp8 import hadamard
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for index in (0, 3, 1):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda index=index: index)
+        for device in ("cuda", torch.device("cuda")):
+            assert hadamard._device("hadamard_matrix", device) == torch.device("cuda", index)
+    assert hadamard._device("hadamard_matrix", "cuda:2") == torch.device("cuda", 2)
+    assert hadamard._device("hadamard_matrix", None) == torch.device("cpu")
