@@ -119,6 +119,9 @@
 # compile, varlen and mod-semantics GPU tests, sharded (six of eight shards took 300-350 s:
 # give it a whole call); then the timed GPU tests (the dispatch test's alternating rounds
 # among them). (The CPU tests cannot run there: its numpy 2.5 fails Triton 3.6's interpreter);
+# zf: the thirty-seventh session's fixes (sinks of +inf in every forward, captured-tensor
+# gradients of rows that saw a +inf or NaN score, cropped masks): the backward, Gluon backward,
+# Gluon forward, decode, feature, FP8 and mod-semantics GPU tests, sharded (ZF_LIMIT, default 470);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -129,7 +132,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -374,6 +377,14 @@ if [ "$PART" = ze ]; then  # the thirty-sixth session's fixes (see --help)
     tests/gpu/test_compile_gpu.py tests/blockmask/test_varlen.py tests/kernels/test_mod_semantics.py
   step timed 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
   tail -n 6 "$OUT/gpu_ze.log" "$OUT/timed.log"
+fi
+if [ "$PART" = zf ]; then  # the thirty-seventh session's fixes (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step gpu_zf "${ZF_LIMIT:-470}" $SHARD/zf -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py tests/gpu/test_gluon_gpu.py \
+    tests/kernels/test_decode.py tests/gpu/test_features_gpu.py tests/gpu/test_fp8_gpu.py \
+    tests/kernels/test_mod_semantics.py
+  tail -n 6 "$OUT/gpu_zf.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
   # the split combine changed since b95fe87's run), its picture
