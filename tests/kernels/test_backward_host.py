@@ -115,8 +115,7 @@ def _raising(method):
 # (kernel launches, what a cached backward may run besides views): allocations of dq, dk,
 # dv and delta (and the dS workspace, with three kernels); a captured tensor's gradient adds
 # its accumulator (deterministic: value, rest and bound words, the kernels binding the
-# first), its fixed-point conversion with the bound's check (unbind, >>, ==, where) and the NaN
-# poisoning (lse < inf, all, where)
+# first) and its fixed-point conversion with the bound's check (unbind, >>, ==, where)
 EXPECTED = {
     "dense": (2, {"allocation": 4}),
     "sliding": (2, {"allocation": 4}),
@@ -125,8 +124,7 @@ EXPECTED = {
     "ds_workspace": (3, {"allocation": 5}),
     "learnable_deterministic": (2, {"allocation": 4, "zeros": 1, "select": 1, "unbind": 1,
                                     "__rshift__": 1, "eq": 1, "_to_copy": 3, "div": 2,
-                                    "add": 1, "where": 2, "scalar_tensor": 2, "lt": 1,
-                                    "all": 1}),
+                                    "add": 1, "where": 1, "scalar_tensor": 1}),
     "dropout": (2, {"allocation": 4}),
     "frozen_kv": (1, {"allocation": 2}),
     # the sinks' gradient from lse and delta (sinks_grad), not poisoned (NaN per head already)
