@@ -127,9 +127,10 @@ EXPECTED = {
                                     "add": 1, "where": 1, "scalar_tensor": 1}),
     "dropout": (2, {"allocation": 4}),
     "frozen_kv": (1, {"allocation": 2}),
-    # the sinks' gradient from lse and delta (sinks_grad), not poisoned (NaN per head already)
-    "sinks": (2, {"allocation": 4, "clamp": 1, "sub": 1, "exp": 1, "mul": 1, "sum": 1,
-                  "neg": 1}),
+    # the lse of +inf sinks' heads (sink_limit_lse: ==, clamp, where) and the sinks'
+    # gradient from lse and delta (sinks_grad)
+    "sinks": (2, {"allocation": 4, "eq": 1, "clamp": 2, "where": 1, "sub": 1, "exp": 1,
+                  "nan_to_num": 1, "mul": 1, "sum": 1, "neg": 1}),
 }
 
 
