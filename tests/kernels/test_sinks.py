@@ -127,6 +127,25 @@ def test_a_sink_of_plus_infinity_takes_every_row_of_its_head(path):
     assert out[:, :, 5].isnan().all() and exact[0][:, :, 5].isnan().all()
 
 
+@pytest.mark.parametrize("path", ["fp8", "gluon_emulated"])
+def test_fp8_and_gluon_forwards_fold_a_sink_of_plus_infinity(path):
+    """The FP8 kernel (its l_i carries 2**P_SHIFT) and the Gluon forward (emulated) fold a
+    +inf sink as the others: out 0 and lse +inf in its head, the other head as without it."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, seed=12)
+    sinks = torch.tensor([math.inf, 0.5])
+    if path == "fp8":
+        x = flexfa.fp8.quantize(q, k, v)
+        out, lse = flexfa.fp8.flex_attention_fp8(x, return_lse=True, sinks=sinks)
+        _, plain = flexfa.fp8.flex_attention_fp8(x, return_lse=True)
+    else:
+        options = {"GLUON_EMULATE": True, "BACKEND": "GLUON"}
+        out, lse = flexfa.flex_attention(q, k, v, return_lse=True, sinks=sinks,
+                                         kernel_options=options)
+        _, plain = flexfa.flex_attention(q, k, v, return_lse=True, kernel_options=options)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and (lse[:, 0] == math.inf).all()
+    torch.testing.assert_close(lse[:, 1], torch.logaddexp(plain[:, 1], sinks[1]))
+
+
 def test_gradients_with_a_sink_of_plus_infinity_are_the_limits():
     """Regression: a +inf sink's rows (lse +inf) were read as rows that saw a +inf score:
     NaN dq for every row of its head, and NaN in every captured tensor's gradient. They give
