@@ -102,7 +102,6 @@ def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
         need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
     if not ctx.needs_input_grad[0]:
         dq = None
-    buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
     buffers = saved[5:]
     return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
             *(_buffer_grad(ctx, buffer_grads, slot, buffer)
@@ -166,19 +165,3 @@ def _buffer_grad(ctx, buffer_grads: dict, slot: int, buffer: torch.Tensor):
     if grad is None and ctx.needs_input_grad[6 + slot]:
         grad = torch.zeros_like(buffer)
     return grad
-
-
-def poisoned_buffer_grads(lse, buffer_grads: dict) -> dict:
-    """The captured tensors' gradients, wholly NaN when any row's forward saw a +inf or NaN
-    score (lse +inf or NaN): such a row adds 0 in the kernels' scatter-adds, while torch's
-    gradient is NaN in the entries the row read. NaN everywhere is wider than torch's (whose
-    dk and dv are NaN there too) but never a finite value torch would not give, and needs no
-    device sync here. ``lse < inf`` is
-    False exactly where lse is +inf or NaN: two small ops instead of four. The sinks'
-    gradient is left as it is: it is formed per head from that lse, so it is NaN in the heads
-    of such rows already, and poisoning it would spread their NaN to every other head."""
-    if not buffer_grads or buffer_grads.keys() == {SINKS_GRAD}:
-        return buffer_grads
-    clean = (lse < float("inf")).all()
-    return {slot: grad if slot == SINKS_GRAD else torch.where(clean, grad, float("nan"))
-            for slot, grad in buffer_grads.items()}

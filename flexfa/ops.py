@@ -22,8 +22,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from .autograd import (DOUBLE_BACKWARD_MESSAGE, joint_graph, poisoned_buffer_grads, run_backward,
-                       run_forward)
+from .autograd import DOUBLE_BACKWARD_MESSAGE, joint_graph, run_backward, run_forward
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.create import create_block_mask
 from .blockmask.validate import TABLES, StorageRecords, storage_signature
@@ -299,7 +298,6 @@ def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: T
                              dropout=_dropout(dropout_p, dropout_seed))
     dq, dk, dv, buffer_grads = run_backward(query, key, value, out, lse, grad_out, grad_lse,
                                             call, need_dkdv=need_dkdv)
-    buffer_grads = poisoned_buffer_grads(lse, buffer_grads)
     empty = query.new_empty(0)
     return (dq if need_dq else empty.clone(), dk if need_dkdv else empty.clone(),
             dv if need_dkdv else empty.clone(),

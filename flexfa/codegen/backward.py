@@ -360,7 +360,12 @@ def buffer_grad_code(joint: JointGraph | None, args, grad_args, gluon: bool = Fa
     lines = []
     for i, ((load, _), (rows, cols)) in enumerate(zip(joint.dloads, grad_load_axes(joint))):
         slot = load.arg
-        contrib = f"{lang}.where(p > 0.0, ds_out * dload{i}, 0.0)"
+        # 0 where P is (an inf or NaN dload there stays out); the dQ kernel's NaN P of a row
+        # that saw a +inf or NaN score (bwd_dq.tmpl) goes in: NaN in the entries it read.
+        # Gluon's kernel keeps p > 0 (its gradients are poisoned whole after it when a row saw
+        # one: runtime.families.gluon_bwd.poison_buffer_grads)
+        contrib = (f"gl.where(p > 0.0, ds_out * dload{i}, 0.0)" if gluon
+                   else f"tl.where(p == 0.0, 0.0, ds_out * dload{i})")
         size_names, grad = args[slot].sizes, grad_args[slot]
         offset = " + ".join(f"flexfa_index(load{i}_idx{d}, {size}) * {stride}"
                             for d, (size, stride) in enumerate(zip(size_names, grad.strides)))

@@ -6,6 +6,8 @@ else lists ``supported_functions()``, or says that a reduction has nothing to re
 """
 from __future__ import annotations
 
+import functools
+import math
 import numbers
 
 import torch
@@ -17,22 +19,33 @@ from .proxy import (CAST_METHODS, DUNDERS, SETITEM_MESSAGE, TORCH_FUNCTIONS, Pro
                     reduction_error, result, shift_op, unary_op)
 
 
-def _check_numbers_fit(tracer, name: str, operands) -> None:
+def _check_numbers_fit(tracer, name: str, operands, floats: bool = False) -> None:
     """torch.where and torch.clamp convert a Python int beside a narrow int value (int8,
     uint8, int16, int32) to that type and raise where it does not fit ("value cannot be
-    converted to type int8_t without overflow"); the kernels would wrap it (300 as 44)."""
+    converted to type int8_t without overflow"); the kernels would wrap it (300 as 44).
+    With ``floats`` (torch.clamp) a finite number past a float value's range (float16,
+    bfloat16, float32: 1e5, 1e39) raises too, as in torch's eager mods (torch.where rounds
+    it to inf instead)."""
     storage = narrow_storage(operands, DType.INT)
-    if storage is None:
+    kind, infinite = numbers.Integral, ""
+    if storage is not None:
+        info = torch.iinfo(storage)
+        low, high = (-info.max if info.min == 0 else info.min), info.max  # (c10: uint8 -255..)
+    elif floats and (kinds := [v.dtype for v in operands if isinstance(v, (Proxy, torch.Tensor))
+                               and v.dtype.is_floating_point]):
+        storage = functools.reduce(torch.promote_types, kinds)
+        kind, high, infinite = numbers.Real, torch.finfo(storage).max, " or +-inf"
+        low = -high
+    else:
         return
-    info = torch.iinfo(storage)
-    low = -info.max if info.min == 0 else info.min  # (c10's check: uint8 takes -255..255)
     for value in operands:
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and \
-                not low <= value <= info.max:
+        if isinstance(value, kind) and not isinstance(value, bool) and not low <= value <= high \
+                and (isinstance(value, numbers.Integral) or math.isfinite(value)):
             raise tracer.error(
                 f"torch.{name} of the number {value} beside a {storage} value: torch raises "
                 f"\"value cannot be converted to type {storage} without overflow\"; widen the "
-                "value first (e.g. .int() or .long())")
+                "value first (e.g. .int(), .long() or .float()) or use a bound within "
+                f"{low:g}..{high:g}{infinite}")
 
 
 def _where(cond, a, b):
@@ -53,7 +66,7 @@ def _clamp(x, min=None, max=None):
         raise tracer.error("torch.clamp needs min or max (both are None), as in torch")
     sides = [op for op, bound in ((Op.MAX, min), (Op.MIN, max)) if bound is not None]
     operands = [x] + [bound for bound in (min, max) if bound is not None]
-    _check_numbers_fit(tracer, "clamp", operands)
+    _check_numbers_fit(tracer, "clamp", operands, floats=True)
 
     def build(nodes):
         value, *bounds = nodes

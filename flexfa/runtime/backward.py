@@ -21,6 +21,7 @@ from .target import target_of
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
 
 CONTIGUOUS = torch.contiguous_format  # the gradients' layout, whatever q, k, v's
+SINK_LIMIT_LSE = 2.0 ** 100  # sink_limit_lse: finite in log2 units too (exp2(score - it) = 0)
 
 
 def _key(x: Inputs, call: AttentionCall, fusable: bool) -> tuple:
@@ -58,7 +59,8 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     # with real ones, whose strides it fixes
     dk, dv = (torch.empty_like(k, memory_format=CONTIGUOUS),
               torch.empty_like(v, memory_format=CONTIGUOUS)) if need_dkdv else (None, None)
-    x = Inputs(q, k, v, out, lse, grad_out, grad_lse, torch.empty_like(q, memory_format=CONTIGUOUS),
+    x = Inputs(q, k, v, out, lse if call.sinks is None else sink_limit_lse(call.sinks, lse),
+               grad_out, grad_lse, torch.empty_like(q, memory_format=CONTIGUOUS),
                dk, dv, grads, delta)
     if q.numel() and k.numel():
         # the dS workspace only where no captured tensor needs a gradient and dK/dV are
@@ -120,6 +122,17 @@ def fixed_point_value(words: torch.Tensor) -> torch.Tensor:
                        + rest.double() / REST_SCALE, float("nan"))
 
 
+def sink_limit_lse(sinks, lse) -> torch.Tensor:
+    """The lse the kernels read with attention sinks: in the heads whose sink is +inf, where
+    the sink takes all the probability (out 0, lse +inf: the limit), lse becomes
+    ``SINK_LIMIT_LSE``, past any finite score, so those rows give the limit's gradients (P
+    is 0: nothing into q, k, v or captured tensors) instead of reading as rows that saw a
+    +inf score (flexfa_poisoned_rows: NaN). A NaN lse stays NaN; beside a +inf score the
+    row's NaN output makes its delta, and so its gradients, NaN."""
+    return torch.where(sinks.detach().view(1, -1, 1) == float("inf"),
+                       lse.clamp(max=SINK_LIMIT_LSE), lse)
+
+
 def sinks_grad(sinks, lse, delta) -> torch.Tensor:
     """d loss / d sink_h = -sum over batches and rows of p_sink * delta, where p_sink =
     exp(sink_h - lse) is the sink's share of the row's softmax and delta = rowsum(dO * O)
@@ -127,7 +140,11 @@ def sinks_grad(sinks, lse, delta) -> torch.Tensor:
     p_sink * (0 - delta), and d lse / d sink = p_sink adds the dlse term. Rows with lse -inf
     give 0: the sink is one of the row's scores, so lse >= sink and lse is -inf only where
     the sink is; lse clamped to the lowest finite float makes their exponent -inf - (finite)
-    (one op where a test for -inf and a select took three) and changes no other row."""
+    (one op where a test for -inf and a select took three) and changes no other row. A sink
+    of +inf has p_sink 1, the limit (exp(inf - inf) is NaN): d sink = the sum of its rows'
+    dlse, their out being 0. p_sink is NaN only there or where lse is NaN, whose rows' delta
+    is NaN (their out is): NaN to 1 is one op and keeps those NaN."""
     lowest = torch.finfo(torch.float32).min
-    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse.clamp(min=lowest))
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1)
+                       - lse.clamp(min=lowest)).nan_to_num(nan=1.0)
     return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)

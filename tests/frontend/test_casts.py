@@ -260,3 +260,48 @@ def test_where_and_clamp_refuse_numbers_a_narrow_int_cannot_hold_as_torch(dtype,
         else:
             with pytest.raises(TraceError, match="value cannot be converted"):
                 trace(mod)
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16"])
+@pytest.mark.parametrize("form", ["clamp max", "clamp min", "clamp_max", "clip", "method"])
+def test_clamp_refuses_numbers_past_a_half_values_range_as_torch(cast, form):
+    """Regression: torch.clamp of a float16 / bfloat16 value with a finite bound past the
+    type's range (1e5 beside float16) raises in torch ("value cannot be converted to type
+    c10::Half without overflow"); flexfa computed it. Bounds within the range, +-inf and
+    NaN still trace and equal torch; torch.where rounds such a number to inf, as flexfa."""
+    dtype = "float16" if cast == "half" else cast
+    top = torch.finfo(getattr(torch, dtype)).max
+    forms = {
+        "clamp max": lambda x, n: torch.clamp(x, max=n),
+        "clamp min": lambda x, n: torch.clamp(x, min=-n),
+        "clamp_max": lambda x, n: torch.clamp_max(x, n),
+        "clip": lambda x, n: torch.clip(x, -n, n),
+        "method": lambda x, n: x.clamp(max=n)}
+    fn = forms[form]
+    cases = [(top, True), (top * (1 + 2 ** -20), False), (1e39, False), (math.inf, True),
+             (math.nan, True)] + ([(int(top) + 1, False)] if cast == "half" else [])
+    for number, fits in cases:
+        with torch.no_grad():
+            eager_fits = True
+            try:
+                fn(getattr(torch.tensor(1.0), cast)(), number)
+            except RuntimeError:
+                eager_fits = False
+        assert eager_fits is fits, (number, "torch's behaviour changed")
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return fn(getattr(score, cast)(), number)
+        if fits:
+            for score in (3.0, 7e4, -7e4, math.inf, -3e38):
+                want, got = _eager_and_traced(mod, score=score)
+                _assert_same(want, got, f"{form} {cast} {number} at {score}")
+        else:
+            with pytest.raises(TraceError, match=f"beside a torch.{dtype} value.*cannot be conv"):
+                trace(mod)
+    # torch.where takes the number (rounded to inf); a float32 value takes 1e5, not 1e39
+    for mod in (lambda s, b, h, q, kv: torch.where(q > kv, 1e39, getattr(s, cast)()),
+                lambda s, b, h, q, kv: torch.clamp(s, max=1e5)):
+        want, got = _eager_and_traced(mod, score=7e4, q=1)
+        _assert_same(want, got, f"{cast} where / float32 clamp")
+    with pytest.raises(TraceError, match="beside a torch.float32 value.*cannot be conv"):
+        trace(lambda s, b, h, q, kv: torch.clamp(s, max=1e39))

@@ -292,6 +292,23 @@ def test_gluon_backward_emulated_captured_tensor_gradients(name, dropout):
     assert _families() == ["gluon", "gluon_bwd"]
 
 
+def test_gluon_backward_emulated_captured_gradients_of_a_poisoned_call_are_nan():
+    """The wide kernel's captured-tensor gradients cannot tell a +inf row's entries from
+    masked ones (runtime.families.gluon_bwd.poison_buffer_grads): a row with a +inf score
+    makes them wholly NaN (never finite where torch's are NaN); without one they are finite."""
+    q, k, v, _, _, block_mask = _inputs("causal_d256")
+    bias = torch.zeros(q.shape[2], requires_grad=True)
+    for row, finite in ((None, True), (5, False)):
+        def biased(score, b, h, q_idx, kv_idx):
+            return torch.where(q_idx == (-1 if row is None else row), float("inf"),
+                               score + bias[q_idx])
+        plans.PLANS.clear()
+        out = flexfa.flex_attention(q, k, v, biased, block_mask, kernel_options=BACKWARD)
+        (grad,) = torch.autograd.grad(out.float().sum(), [bias])
+        assert "gluon_bwd" in _families()
+        assert bool(grad.isfinite().all()) is finite and bool(grad.isnan().all()) is not finite
+
+
 @pytest.mark.parametrize("name", ["gqa_causal", "causal_d256"])
 def test_gluon_emulated_sinks_with_dropout(name):
     """Sinks and dropout together on both Gluon families: the keep mask drops keys'

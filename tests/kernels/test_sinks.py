@@ -91,6 +91,83 @@ def test_a_sink_of_minus_infinity_changes_nothing():
     assert (lse[:, :, :20] == -math.inf).all()
 
 
+# every forward path that folds a sink: the Ampere-class and Hopper kernels, the Hopper
+# split-KV combine, the decode kernel (at most 16 rows) and its combine
+SINK_PATHS = {"ampere": (40, torch.float32, TEMPLATES["ampere"]),
+              "hopper": (40, torch.bfloat16, TEMPLATES["hopper"]),
+              "hopper_split": (40, torch.bfloat16, SPLIT_HOPPER),
+              "decode": (12, torch.float32, None), "decode_split": (12, torch.float32,
+                                                                    {"SPLIT_KV": 2})}
+
+
+@pytest.mark.parametrize("path", sorted(SINK_PATHS))
+def test_a_sink_of_plus_infinity_takes_every_row_of_its_head(path):
+    """Regression: a sink of +inf gave NaN rows in the kernels that fold the sink in their
+    epilogue (exp2(inf - inf) for its own term) and out 0 in the split-KV combines and the
+    float64 reference. It takes all the probability: out 0 and lse +inf (the limit), the
+    other heads untouched; a +inf score beside it keeps its row NaN, as the reference."""
+    q_len, dtype, options = SINK_PATHS[path]
+    q, k, v = make_qkv(1, 2, 2, q_len, 48, 16, dtype=dtype, seed=6)
+    sinks = torch.tensor([math.inf, 0.5])
+
+    def inf_at_row_5(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx == 5) & (kv_idx == 0), math.inf, score)
+
+    def window_without_row_3(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 30) & (q_idx != 3)
+    mask = block_mask_of(window_without_row_3, q_len, 48)
+    out, lse = flexfa.flex_attention(q, k, v, inf_at_row_5, mask, return_lse=True,
+                                     sinks=sinks, kernel_options=options)
+    exact, eager = reference_pair(q, k, v, sinks, window_without_row_3, inf_at_row_5)
+    assert_close_to_reference(out[:, 1], exact[0][:, 1], eager[0][:, 1])
+    assert_close_to_reference(lse[:, 1], exact[1][:, 1], eager[1][:, 1], name="lse")
+    rows = [r for r in range(q_len) if r != 5]
+    assert torch.equal(out[:, 0, rows], torch.zeros_like(out[:, 0, rows]))
+    assert (lse[:, 0] == math.inf).all()
+    assert out[:, :, 5].isnan().all() and exact[0][:, :, 5].isnan().all()
+
+
+@pytest.mark.parametrize("path", ["fp8", "gluon_emulated"])
+def test_fp8_and_gluon_forwards_fold_a_sink_of_plus_infinity(path):
+    """The FP8 kernel (its l_i carries 2**P_SHIFT) and the Gluon forward (emulated) fold a
+    +inf sink as the others: out 0 and lse +inf in its head, the other head as without it."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, dtype=torch.bfloat16, seed=12)
+    sinks = torch.tensor([math.inf, 0.5])
+    if path == "fp8":
+        x = flexfa.fp8.quantize(q, k, v)
+        out, lse = flexfa.fp8.flex_attention_fp8(x, return_lse=True, sinks=sinks)
+        _, plain = flexfa.fp8.flex_attention_fp8(x, return_lse=True)
+    else:
+        options = {"GLUON_EMULATE": True, "BACKEND": "GLUON"}
+        out, lse = flexfa.flex_attention(q, k, v, return_lse=True, sinks=sinks,
+                                         kernel_options=options)
+        _, plain = flexfa.flex_attention(q, k, v, return_lse=True, kernel_options=options)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and (lse[:, 0] == math.inf).all()
+    torch.testing.assert_close(lse[:, 1], torch.logaddexp(plain[:, 1], sinks[1]))
+
+
+def test_gradients_with_a_sink_of_plus_infinity_are_the_limits():
+    """Regression: a +inf sink's rows (lse +inf) were read as rows that saw a +inf score:
+    NaN dq for every row of its head, and NaN in every captured tensor's gradient. They give
+    the limit's gradients, those of the float64 reference at a sink of 1e4 (where every
+    exp(score - lse) is exactly 0 and d lse / d sink exactly 1): nothing into q, k, v or a
+    learnable bias from that head, d sink = the sum of its rows' dlse."""
+    q, k, v = make_qkv(B, HQ, HKV, L, S, E, seed=8)
+    bias = torch.randn(HQ, L, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx]
+    sinks = make_sinks()
+    sinks[0] = math.inf
+    got, _, _ = flexfa_and_reference_grads(q, k, v, sinks, [bias], late_causal, biased, None)
+    sinks[0] = 1e4
+    _, want, _ = flexfa_and_reference_grads(q, k, v, sinks, [bias], late_causal, biased, None)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks", "dbias"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4, msg=name)
+    assert (got[0][:, 0] == 0).all() and (got[4][0] == 0).all()
+
+
 def test_rows_of_a_fully_masked_head_hold_the_sink():
     q, k, v = make_qkv(1, HQ, HQ, 40, 56, 16, seed=4)
     sinks = make_sinks()
@@ -262,10 +339,11 @@ def test_calls_without_sinks_keep_their_kernels():
 @settings(max_examples=6)
 @given(q_len=st.integers(1, 70), kv_len=st.integers(1, 70), group=st.sampled_from([1, 2]),
        window=st.integers(0, 40), sink_values=st.lists(
-           st.one_of(st.floats(-30.0, 30.0), st.just(-math.inf)), min_size=2, max_size=2),
+           st.one_of(st.floats(-30.0, 30.0), st.sampled_from([-math.inf, math.inf])),
+           min_size=2, max_size=2),
        dropout=st.sampled_from([0.0, 0.5]))
 def test_random_shapes_windows_and_sinks(q_len, kv_len, group, window, sink_values, dropout):
-    """Sliding windows that leave some rows empty, sinks from -inf to large, with and without
+    """Sliding windows that leave some rows empty, sinks from -inf to +inf, with and without
     dropout, GQA or not: out and lse against the float64 reference."""
     hq = 2 * group
     q, k, v = make_qkv(1, hq, 2, q_len, kv_len, 16, seed=q_len * 71 + kv_len)

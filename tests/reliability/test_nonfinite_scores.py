@@ -17,6 +17,7 @@ from torch.nn.attention.flex_attention import (AuxRequest, _create_empty_block_m
                                                flex_attention as torch_flex_attention)
 
 import flexfa
+from flexfa.reference import attention_reference
 from .inputs import qkv
 
 L, S, SCALE = 24, 40, 0.25
@@ -160,6 +161,43 @@ def test_gradient_of_a_captured_tensor_read_by_a_nan_row_is_nan(device):
     out.sum().backward()
     assert torch.isnan(out[0, 0, 3]).all() and torch.isfinite(out[0, 0, :3]).all()
     assert torch.isnan(bias.grad).all()
+
+
+@pytest.mark.parametrize("options", [None, {"deterministic": True}], ids=["atomic", "fixed"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_captured_tensor_entries_a_nan_row_did_not_read_keep_their_gradient(device, options):
+    """Regression: any row with a +inf or NaN score made every captured tensor's gradient
+    wholly NaN. As torch's (autograd of the float64 reference), only the entries such a row
+    read are NaN: head 0's row 5 (NaN score) reads row bias 5, key biases 0..5 (causal) and
+    head 0's scale; head 1's row 9 (+inf) row bias 9, key biases 0..9 and head 1's scale;
+    head 2 is clean. Entries masked from them stay finite too."""
+    extra = torch.zeros(3, L, S)
+    extra[0, 5, 2], extra[1, 9, 4] = math.nan, INF
+
+    def biased_by(row_bias, key_bias, scale, extra):
+        def biased(score, b, h, q_idx, kv_idx):
+            return (score * scale[h] + row_bias[q_idx] + key_bias[kv_idx]
+                    + extra[h, q_idx, kv_idx])
+        return biased
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    leaves = [torch.randn(n, device=device).requires_grad_() for n in (L, S, 3)]
+    (q, k, v), _ = _inputs(device, L=L, S=S)
+    q, k, v = (t.expand(1, 3, -1, -1).contiguous() for t in (q, k, v))
+    mask = flexfa.create_block_mask(causal, None, None, L, S, device=device, BLOCK_SIZE=16)
+    out = flexfa.flex_attention(q, k, v, biased_by(*leaves, extra.to(device)), mask,
+                                scale=SCALE, kernel_options=options)
+    got = torch.autograd.grad(out.sum(), leaves)
+    exact = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(attention_reference(
+        *(t.detach().cpu() for t in (q, k, v)), biased_by(*exact, extra), causal,
+        scale=SCALE).sum(), exact)
+    for name, ours, theirs in zip(("row bias", "key bias", "scale"), got, want):
+        _assert_same(name, ours, theirs, 1e-4)
+    assert want[0].isnan().nonzero().flatten().tolist() == [5, 9]
+    assert want[1].isnan().nonzero().flatten().tolist() == list(range(10))
+    assert want[2].isnan().tolist() == [True, True, False]
 
 
 @pytest.mark.parametrize("backend", ["AMPERE", "DECODE"])

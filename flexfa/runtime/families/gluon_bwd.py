@@ -584,6 +584,19 @@ class GluonBackward(KernelFamily):
         if x.delta is not None:  # the caller wants delta (the sinks' gradient; row_buffers
             # then keeps delta out of dQ, whose postprocess overwrites it)
             x.delta.copy_(delta[:, :L].reshape(x.delta.shape))
+        if x.grads:
+            poison_buffer_grads(x.lse, x.grads)
+
+
+def poison_buffer_grads(lse: torch.Tensor, grads: dict) -> None:
+    """The wide kernel's captured-tensor gradients, made wholly NaN when any row's forward
+    saw a +inf or NaN score (lse +inf or NaN), where torch's are NaN in the entries such a
+    row read: the kernel's tiles cannot tell a +inf row's entries from masked ones (P is 0
+    at both, its delta NaN at both; the Triton dQ kernel, which has the mask there, gives
+    torch's entries). Wider than torch's, never finite where it is NaN; no device sync."""
+    poisoned = ~(lse < float("inf")).all()
+    for acc in grads.values():
+        acc.masked_fill_(poisoned, float("nan"))
 
 
 GLUON_BWD = register(GluonBackward())
