@@ -383,7 +383,7 @@ if [ "$PART" = zf ]; then  # the thirty-seventh session's fixes (see --help)
   step gpu_zf "${ZF_LIMIT:-470}" $SHARD/zf -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
     tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py tests/gpu/test_gluon_gpu.py \
     tests/kernels/test_decode.py tests/gpu/test_features_gpu.py tests/gpu/test_fp8_gpu.py \
-    tests/kernels/test_mod_semantics.py
+    tests/kernels/test_mod_semantics.py tests/reliability/test_nonfinite_scores.py
   tail -n 6 "$OUT/gpu_zf.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:

@@ -79,3 +79,50 @@ def test_torchs_cropped_masks_listing_tiles_past_the_lengths(width, block, lengt
     torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert (g.double() - w).abs().max().item() <= 0.12 * max(w.abs().max().item(), 1.0), name
+
+
+@pytest.mark.parametrize("backend", ["AMPERE", "HOPPER", "GLUON", "DECODE", "FP8"])
+def test_a_sink_of_plus_infinity_takes_its_heads_rows_on_the_gpu(backend):
+    """Every forward that folds a sink in its epilogue gave NaN rows for a sink of +inf
+    (exp2(inf - inf)); the limit is out 0 and lse +inf in that head, the other heads as
+    without it (tests/kernels/test_sinks.py in the interpreter and the Gluon emulator)."""
+    rows = 8 if backend == "DECODE" else 256
+    q = torch.randn(1, 2, rows, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sinks = torch.tensor([float("inf"), 0.5], device="cuda")
+    if backend == "FP8":
+        x = flexfa.fp8.quantize(q, k, v)
+        out, lse = flexfa.fp8.flex_attention_fp8(x, return_lse=True, sinks=sinks)
+        _, plain = flexfa.fp8.flex_attention_fp8(x, return_lse=True)
+    else:
+        options = {"BACKEND": backend}
+        out, lse = flexfa.flex_attention(q, k, v, return_lse=True, sinks=sinks,
+                                         kernel_options=options)
+        _, plain = flexfa.flex_attention(q, k, v, return_lse=True, kernel_options=options)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])), backend
+    assert (lse[:, 0] == float("inf")).all(), backend
+    torch.testing.assert_close(lse[:, 1], torch.logaddexp(plain[:, 1], sinks[1]))
+
+
+def test_gradients_with_a_sink_of_plus_infinity_on_the_gpu():
+    """The backward of a +inf sink's head gives the limit's gradients (those at a sink of 1e4,
+    where exp(score - lse) is 0 in float32): nothing into q, k, v or a learnable bias from
+    that head (dq and the bias gradient were NaN), d sink = the sum of its rows' dlse."""
+    L, E = 300, 64
+    q, k, v = (torch.randn(1, 2, L, E, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    bias = torch.randn(2, L, device="cuda", requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx]
+    grad = torch.randn(1, 2, L, E, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for sink in (float("inf"), 1e4):
+        sinks = torch.tensor([sink, 0.5], device="cuda", requires_grad=True)
+        out, lse = flexfa.flex_attention(q, k, v, biased, return_lse=True, sinks=sinks)
+        results.append(torch.autograd.grad((out.float() * grad).sum() + lse.sum(),
+                                           (q, k, v, sinks, bias)))
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks", "dbias"), *results):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=name)
+    assert (results[0][0][:, 0] == 0).all() and (results[0][4][0] == 0).all()
