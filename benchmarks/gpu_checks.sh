@@ -122,6 +122,8 @@
 # zf: the thirty-seventh session's fixes (sinks of +inf in every forward, captured-tensor
 # gradients of rows that saw a +inf or NaN score, cropped masks): the backward, Gluon backward,
 # Gluon forward, decode, feature, FP8 and mod-semantics GPU tests, sharded (ZF_LIMIT, default 470);
+# zg: zf's last files alone (zf_26dd619 was cut at its limit before them): the feature
+# (sinks of +inf, cropped masks) and non-finite score GPU tests, then the FP8 and decode ones;
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -132,7 +134,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -385,6 +387,12 @@ if [ "$PART" = zf ]; then  # the thirty-seventh session's fixes (see --help)
     tests/kernels/test_decode.py tests/gpu/test_features_gpu.py tests/gpu/test_fp8_gpu.py \
     tests/kernels/test_mod_semantics.py tests/reliability/test_nonfinite_scores.py
   tail -n 6 "$OUT/gpu_zf.log"
+fi
+if [ "$PART" = zg ]; then  # zf's last files (see --help)
+  step gpu_zg "${ZG_LIMIT:-180}" $SHARD/zg -- -m gpu -p no:cacheprovider -rfE \
+    tests/gpu/test_features_gpu.py tests/reliability/test_nonfinite_scores.py \
+    tests/gpu/test_fp8_gpu.py tests/kernels/test_decode.py
+  tail -n 12 "$OUT/gpu_zg.log"
 fi
 if [ "$PART" = e ]; then  # the decode benchmark at the current commit (issue 24's targets:
   # the split combine changed since b95fe87's run), its picture
