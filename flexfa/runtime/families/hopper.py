@@ -16,7 +16,6 @@ slices combined by their lse in one kernel of the module (``<name>_combine``).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -373,9 +372,8 @@ class HopperForward(KernelFamily):
 
         def time_config(config) -> float:
             plan = self.make_plan(q, k, v, call, target, config, return_lse, False)
-            return triton.testing.do_bench(
-                lambda: self.launch(plan, call, q, k, v, out, lse, None),
-                warmup=5, rep=25, return_mode="median")
+            return autotune.time_ms(lambda: self.launch(plan, call, q, k, v, out, lse, None),
+                                    q.device)
         return autotune.tune(key, candidates, time_config)
 
 
