@@ -281,3 +281,20 @@ def test_interpreted_table_kernels_launch_under_the_interpreter_lock():
     assert kernels
     for kernel in kernels:
         assert kernel.run.__qualname__ == "serialized.<locals>.locked_run", kernel
+
+
+def test_a_mask_of_cuda_offsets_is_refused_while_capturing(monkeypatch):
+    """Inside a CUDA graph capture the host read of the offsets (or their copy to the GPU)
+    failed deep in torch and broke the capture: a clear error names what to do instead.
+    CPU masks need no device: they still build (the capture simulated, as in
+    tests/reliability/test_capture.py)."""
+    from flexfa.blockmask import varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "capturing", lambda: True, raising=False)
+    cu, cuda = torch.tensor([0, 5, 9], dtype=torch.int32), torch.device("cuda", 0)
+    with pytest.raises(flexfa.InputError, match="CUDA graph is being captured.*before capturing"):
+        checked_block_mask("varlen_block_mask", cu, cu, cuda, (None, None), True, None,
+                           (16, 16))
+    mask = checked_block_mask("varlen_block_mask", cu, cu, torch.device("cpu"), (None, None),
+                              True, None, (16, 16))
+    assert mask.seq_lengths == (9, 9)
