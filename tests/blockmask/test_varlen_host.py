@@ -298,3 +298,20 @@ def test_a_mask_of_cuda_offsets_is_refused_while_capturing(monkeypatch):
     mask = checked_block_mask("varlen_block_mask", cu, cu, torch.device("cpu"), (None, None),
                               True, None, (16, 16))
     assert mask.seq_lengths == (9, 9)
+
+
+def test_table_launches_make_the_offsets_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device: ``on_device`` makes the offsets' GPU
+    current for the launches (fakes: no GPU here) and is nothing where it is already
+    current or for CPU tensors."""
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or
+                        contextlib.nullcontext())
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        with varlen_tables.on_device(device):
+            pass
+    assert entered == []
+    with varlen_tables.on_device(torch.device("cuda", 1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]

@@ -231,3 +231,35 @@ def test_triton_launches_on_a_given_stream_with_that_stream_current(encoded, mon
         assert [call[3] for call in recorder.calls] == [99, 77, 99]
     finally:
         _allocation._allocator.reset(token)
+
+
+def test_a_step_launches_on_its_device_and_stream(monkeypatch):
+    """A plan's step on CUDA (fakes: no GPU here): its first launch (Triton's, which
+    compiles) runs with the step's device and the given stream current; later launches go
+    direct on that stream while the device is current, through Triton again while another
+    is."""
+    contexts, direct = [], []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contexts.append(device) or
+                        contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contexts.append(stream) or
+                        contextlib.nullcontext())
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(launch, "direct_state", lambda *a: "state")
+    monkeypatch.setattr(launch, "launch_direct", lambda state, grid, index, args, stream=None:
+                        direct.append((state, index, stream)))
+    monkeypatch.setattr(launch, "ensure_allocator", lambda: None)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: "compiled"
+    gpu, side = torch.device("cuda", 1), types.SimpleNamespace(cuda_stream=99)
+    step = launch.Step(Kernel(), (4,), {}, {})
+    step.launch([1], gpu, stream=side)
+    assert contexts == [gpu, side] and direct == []
+    current[0] = 1
+    step.launch([1], gpu, stream=side)
+    assert direct == [("state", 1, side)] and len(contexts) == 2
+    current[0] = 0
+    step.launch([1], gpu)
+    assert contexts[2:] == [gpu] and len(direct) == 1
