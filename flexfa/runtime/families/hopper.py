@@ -259,7 +259,8 @@ class HopperForward(KernelFamily):
         if not (descriptor_layout_ok(q, k, v) or strided_ok(q, k, v)):
             return (f"it needs fp16/bf16 q, k, v with head dims 8..{MAX_HEAD_DIM} and 16-byte "
                     "aligned rows, each a [B * H * len, dim] matrix or strided with heads in "
-                    "whole rows or side by side at power-of-two head dims")
+                    "whole rows or side by side at power-of-two head dims, of fewer than 2**31 "
+                    "rows (tensor descriptors' int32 coordinates)")
         return None
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
