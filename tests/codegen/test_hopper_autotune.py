@@ -455,8 +455,8 @@ def test_configs_are_timed_on_the_tensors_gpu(tune_dir, two_sm90_gpus, cuda_curr
     cuda:1 while cuda:0 was current timed cuda:0's cache flushes, and stored a winner of
     noise under cuda:1's GPU. Every config is now timed with the tensors' device current."""
     monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
-    monkeypatch.setattr(hopper.HopperForward, "make_plan", lambda self, *a, **kw: None)
-    monkeypatch.setattr(hopper.HopperForward, "launch", staticmethod(lambda *a: None))
+    monkeypatch.setattr(HOPPER, "make_plan", lambda *a, **kw: None)
+    monkeypatch.setattr(HOPPER, "launch", lambda *a: None)
     current_while_timed = []
     monkeypatch.setattr(autotune.triton.testing, "do_bench", lambda fn, **kw: (
         fn(), current_while_timed.append(torch.cuda.current_device()))[0] or 1.0)
