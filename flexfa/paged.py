@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .blockmask.checks import positive_int
+from .blockmask.validate import capturing
 from .decode import flex_decode
 from .errors import InputError, InputTypeError, check_bool, check_int
 from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
@@ -130,6 +131,10 @@ class PagedKVCache:
         self._check_values(k_val, v_val, B, L)
         pos = input_pos.long()
         rows_ = batch_idx.long()
+        if validate and capturing():  # its reads below are device syncs, which break a capture
+            raise InputError("PagedKVCache.assign cannot check batch_idx and input_pos while a "
+                             "CUDA graph is being captured; pass validate=False (check them "
+                             "before capturing)")
         if validate:  # before the table is indexed: an index past it fails on the device
             if bool(((rows_ < 0) | (rows_ >= self.page_table.shape[0])).any()):
                 raise InputError(f"batch_idx {rows_.tolist()} has entries outside the cache's "

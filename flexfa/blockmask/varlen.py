@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from ..errors import check_bool
+from ..errors import InputError, check_bool
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from ..memo import BoundedMemo
 from .analysis import FULL, PARTIAL
@@ -37,7 +37,7 @@ from .checks import block_size_pair, positive_int, resolve_device
 from .create import ordered_tables
 from .offsets import (Offsets, TokenTensors, check_layouts, check_window, host_offsets,
                       token_tensors)
-from .validate import mark_checked
+from .validate import capturing, mark_checked
 from .varlen_tables import checked_kernel_tables, device_offsets, kernel_tables
 
 
@@ -89,6 +89,14 @@ def checked_block_mask(func: str, cu_seqlens_q, cu_seqlens_k, device: torch.devi
     ``device`` with tables from the kernels (``kernels``: default on CUDA) by the kernels,
     with one device sync (``varlen_tables``)."""
     check_layouts(func, cu_seqlens_q, cu_seqlens_k, device)
+    if capturing() and "cuda" in (device.type, cu_seqlens_q.device.type,
+                                  cu_seqlens_k.device.type):
+        raise InputError(
+            f"{func}: a CUDA graph is being captured; the documents' block mask is sized from "
+            "the offsets on the host (a device sync or a host-to-device copy, which a capture "
+            "cannot record): build it before capturing (flexfa.varlen_block_mask, then "
+            "flex_attention with it), or capture varlen_attention with the offsets tensors of "
+            "an earlier call, unchanged since (their mask is kept)")
     if kernels is None:
         kernels = device.type == "cuda"
     if not (kernels and cu_seqlens_q.device == device == cu_seqlens_k.device):

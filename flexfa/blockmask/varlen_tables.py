@@ -75,7 +75,7 @@ def device_offsets(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int | None,
     cu_q, cu_k, device = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), cu_seqlens_q.device
     documents = cu_q.numel() - 1
     stats, copy_q, copy_k = _allocate(((2 * STATS,), (documents + 1,), (documents + 1,)), device)
-    with _current(device):
+    with on_device(device):
         launch(kernels(device.type != "cuda").varlen_check, 2, (
             cu_q, cu_k, documents, _given(total_q), _given(total_k), stats, copy_q, copy_k),
             {"CHUNK": TOKENS}, (cu_q, cu_k), device)
@@ -117,7 +117,7 @@ def _launch(cu_q, cu_k, total_q: int, total_k: int, causal: bool, window: int | 
                   "CHUNK": CHUNK, "TOKENS": TOKENS, "CAUSAL": causal,
                   "WINDOW": window is not None, "PAD_DOC_Q": PAD_DOC_Q, "PAD_DOC_K": PAD_DOC_K,
                   "CHECK": check}
-    with _current(device):
+    with on_device(device):
         launch(module.varlen_rows, grid, (
             cu_q, cu_k, documents, documents.bit_length(), total_q, total_k, window or 1,
             *tables[:4], classes, q_tiles, kv_tiles, tokens.doc_q, tokens.pos_q, tokens.diag,
@@ -199,8 +199,9 @@ def _unset(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
-def _current(device: torch.device):
-    """Triton launches on the current CUDA device: make ``device`` current where it is not."""
+def on_device(device: torch.device):
+    """Triton launches (and times, ``triton.testing.do_bench``) on the current CUDA device:
+    a context making ``device`` current where it is not; nothing for CPU tensors."""
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)

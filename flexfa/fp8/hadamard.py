@@ -63,10 +63,14 @@ def _device(func: str, device) -> torch.device:
     return device
 
 
+def _host_signs(d: int, seed: int) -> torch.Tensor:
+    bits = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed))
+    return 1.0 - 2.0 * bits.to(torch.float32)
+
+
 @functools.lru_cache(maxsize=64)
 def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
-    bits = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed))
-    return (1.0 - 2.0 * bits.to(torch.float32)).to(device)
+    return _host_signs(d, seed).to(device)
 
 
 def check_seed(seed, func: str = "fp8.quantize") -> int:
@@ -90,7 +94,10 @@ def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _signed(d: int, seed: int, device: torch.device) -> torch.Tensor:
-    return (hadamard_matrix(d, device) * random_signs(d, seed, device)[:, None]).contiguous()
+    # made on the host and copied, as every cached tensor here: computed on the GPU from the
+    # cached matrix and signs inside a CUDA graph capture, it would be a recorded kernel's
+    # output, unwritten until a replay, and cached so for every later call
+    return (_sylvester(d) * _host_signs(d, seed)[:, None]).to(device)
 
 
 def signed_hadamard(d: int, seed: int = 0, device=None) -> torch.Tensor:

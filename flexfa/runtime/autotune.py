@@ -31,6 +31,7 @@ import triton
 
 from .. import config
 from ..blockmask.validate import capturing
+from ..blockmask.varlen_tables import on_device
 from ..memo import BoundedMemo
 from ..version import __version__
 from .cache import file_lock, write_atomic
@@ -212,6 +213,14 @@ def tune(key: str, configs, time_config: Callable[[tuple], float],
               file=sys.stderr, flush=True)
         store(key, tuple(best), timings)
         return tuple(best)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """The median time of ``fn``, launching on ``device``, in ms. ``do_bench`` records its
+    events on, and synchronizes, the current device: with another GPU current it timed that
+    idle GPU's cache flushes, not ``fn``, and stored a winner of noise."""
+    with on_device(device):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 def clear_memo() -> None:

@@ -99,11 +99,16 @@ def bands_of(block_mask, L: int, S: int, sparse_q: int, sparse_kv: int, device) 
     (``table_generations``: an in-place edit changes the bands) and the geometry. Raises
     InputError while a CUDA graph is being recorded: the workspace's size and bands are read
     from the tables on the host, and a replay with other tables would overrun it."""
-    if block_mask is not None and capturing():
-        raise InputError("kernel_options DS_WORKSPACE=True cannot run inside a CUDA graph "
-                         "capture (torch.cuda.graph, torch.compile mode='reduce-overhead'): "
-                         "its workspace is sized from the block mask's contents on the host, "
-                         "which a replay does not re-read; leave DS_WORKSPACE unset there")
+    if capturing():
+        if block_mask is not None:
+            raise InputError("kernel_options DS_WORKSPACE=True cannot run inside a CUDA graph "
+                             "capture (torch.cuda.graph, torch.compile mode='reduce-overhead'): "
+                             "its workspace is sized from the block mask's contents on the "
+                             "host, which a replay does not re-read; leave DS_WORKSPACE unset "
+                             "there")
+        # recorded, not memoized: the graph's kernels write it at each replay, not before
+        # (a memo of it would serve a later call unwritten memory)
+        return bands(None, L, S, sparse_q, sparse_kv, device)
     contents = table_generations(block_mask)[1] if block_mask is not None else 0
     if contents is None:  # tables whose edits cannot be seen: computed every time
         return bands(block_mask, L, S, sparse_q, sparse_kv, device)

@@ -135,10 +135,10 @@ def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list
     compiled = state.compiled
     grid = (*grid, 1, 1)[:3]  # the C launcher takes exactly three grid dims
     hooks = triton.knobs.runtime
-    stream = (torch._C._cuda_getCurrentRawStream(device_index) if stream is None
-              else stream.cuda_stream)
+    raw = (torch._C._cuda_getCurrentRawStream(device_index) if stream is None
+           else stream.cuda_stream)
     if state.c_launch is not None and _no_hooks(hooks):
-        final = [*grid, stream, compiled.function, *state.prefix]
+        final = [*grid, raw, compiled.function, *state.prefix]
         start = 0
         for position, meta, cache in state.descriptors:
             final += args[start:position]
@@ -153,9 +153,13 @@ def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list
     args = [*args, *state.tail]
     if getattr(getattr(compiled, "_run", None), "global_scratch_size", 1):
         ensure_allocator()
-    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *args),
-                 hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+    # with the launch's stream current: Triton's launcher takes scratch memory from the
+    # allocator, torch memory of the current stream freed as the launch returns; on another
+    # stream than the kernel's, that memory could be handed out again while the kernel runs
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        compiled.run(*grid, raw, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, raw, *args),
+                     hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
 
 class TrustedDescriptor(TensorDescriptor):

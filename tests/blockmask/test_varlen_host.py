@@ -281,3 +281,37 @@ def test_interpreted_table_kernels_launch_under_the_interpreter_lock():
     assert kernels
     for kernel in kernels:
         assert kernel.run.__qualname__ == "serialized.<locals>.locked_run", kernel
+
+
+def test_a_mask_of_cuda_offsets_is_refused_while_capturing(monkeypatch):
+    """Inside a CUDA graph capture the host read of the offsets (or their copy to the GPU)
+    failed deep in torch and broke the capture: a clear error names what to do instead.
+    CPU masks need no device: they still build (the capture simulated, as in
+    tests/reliability/test_capture.py)."""
+    from flexfa.blockmask import varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "capturing", lambda: True, raising=False)
+    cu, cuda = torch.tensor([0, 5, 9], dtype=torch.int32), torch.device("cuda", 0)
+    with pytest.raises(flexfa.InputError, match="CUDA graph is being captured.*before capturing"):
+        checked_block_mask("varlen_block_mask", cu, cu, cuda, (None, None), True, None,
+                           (16, 16))
+    mask = checked_block_mask("varlen_block_mask", cu, cu, torch.device("cpu"), (None, None),
+                              True, None, (16, 16))
+    assert mask.seq_lengths == (9, 9)
+
+
+def test_table_launches_make_the_offsets_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device: ``on_device`` makes the offsets' GPU
+    current for the launches (fakes: no GPU here) and is nothing where it is already
+    current or for CPU tensors."""
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or
+                        contextlib.nullcontext())
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        with varlen_tables.on_device(device):
+            pass
+    assert entered == []
+    with varlen_tables.on_device(torch.device("cuda", 1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]

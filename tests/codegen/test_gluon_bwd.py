@@ -607,6 +607,38 @@ def test_part_streams_off_cuda_are_the_current_stream():
             pass
 
 
+def test_part_streams_on_cuda_fork_from_and_join_the_current_stream(monkeypatch):
+    """Two slots on a GPU (streams faked: no GPU here): the side stream starts after what
+    the device's current stream queued, and the current stream waits for it on the way out,
+    an error inside the block too (a part launched on the side stream is never left
+    running unjoined); one slot makes no stream."""
+    events = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits {other.name}")
+    made = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: FakeStream(f"main:{device.index}"))
+    monkeypatch.setattr(torch.cuda, "Stream",
+                        lambda device: made.append(device) or FakeStream(f"side:{device.index}"))
+    gpu = torch.device("cuda", 1)
+    with part_streams(gpu, 2) as streams:
+        assert [s.name for s in streams] == ["main:1", "side:1"]
+        assert events == ["side:1 waits main:1"]
+    assert events[1:] == ["main:1 waits side:1"] and made == [gpu]
+    with pytest.raises(RuntimeError, match="a launch failed"):
+        with part_streams(gpu, 2):
+            raise RuntimeError("a launch failed")
+    assert events[2:] == ["side:1 waits main:1", "main:1 waits side:1"]
+    with part_streams(gpu, 1) as streams:
+        assert streams == [None]
+    assert len(made) == 2
+
+
 def test_postprocess_writes_each_part_to_its_heads_under_the_interpreter():
     """Parts of (batches, heads) through a part-sized accumulator: every dQ row comes from
     the part holding its (batch, head), at the part's first batch and head."""

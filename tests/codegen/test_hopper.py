@@ -225,6 +225,28 @@ def test_hopper_needs_aligned_rows_flat_or_strided(make, flat, strided):
     assert (HOPPER.why_not(Target("cuda", 9, 0), _call(), t, t, t) is None) is strided
 
 
+def test_matrices_past_int32_rows_take_the_pointer_kernels():
+    """Tensor descriptors take int32 coordinates: a [B * H * n, d] view of 2**31 rows (q of
+    32 GiB at d = 8) ran the Hopper family, whose heads' first rows (off_bh * L) wrapped to
+    other rows. Such layouts now fail the check (meta tensors: nothing allocated), flat and
+    strided alike, one row less passes."""
+    def flat(batch):
+        return torch.empty(batch, 1, 2 ** 20, 8, dtype=torch.bfloat16, device="meta")
+
+    def side_by_side(batch):  # [B, n, H, d] seen as [B, H, n, d]: B * n rows of H * d
+        return torch.empty(batch, 2 ** 20, 2, 16, dtype=torch.bfloat16,
+                           device="meta").transpose(1, 2)
+    sm90 = Target("cuda", 9, 0)
+    for make in (flat, side_by_side):
+        below, past = make(2047), make(2048)
+        assert hopper.strided_ok(below, below, below)
+        assert not hopper.strided_ok(past, past, past)
+        assert HOPPER.why_not(sm90, _call(), below, below, below) is None
+        assert "fewer than 2**31 rows" in HOPPER.why_not(sm90, _call(), past, past, past)
+    assert hopper.descriptor_layout_ok(flat(2047), flat(2047), flat(2047))
+    assert not hopper.descriptor_layout_ok(flat(2048), flat(2047), flat(2047))
+
+
 def test_hopper_is_chosen_on_sm90_only_and_when_forced():
     t = torch.randn(1, 2, 64, 32, dtype=torch.float16)
     sm90, sm80, sm100 = Target("cuda", 9, 0), Target("cuda", 8, 0), Target("cuda", 10, 0)

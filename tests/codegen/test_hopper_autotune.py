@@ -268,7 +268,7 @@ def test_backward_tuning_picks_the_fastest_tiles_and_stores_them(tune_dir, monke
                       spec.num_warps, spec.num_stages))
         return timed[-1]
     monkeypatch.setattr(backward.Backward, "make_plan", fake_plan)
-    monkeypatch.setattr(backward.triton.testing, "do_bench",
+    monkeypatch.setattr(autotune.triton.testing, "do_bench",
                         lambda fn, **kw: 1.0 if timed[-1] == fastest else 2.0)
     x = _backward_inputs()
     got = backward.BACKWARD.choose_config(_call(), x, None, True, SM90)
@@ -427,3 +427,50 @@ def test_the_committed_tuning_file_is_in_the_current_key_format():
         assert made.rpartition("|")[0] == key.rpartition("|")[0]
         assert device == "cuda:90/NVIDIA H200/132sm" and tools == stored["_toolchains"][0]
         assert isinstance(stored[key], list) and all(isinstance(x, int) for x in stored[key])
+
+
+@pytest.fixture
+def cuda_current(monkeypatch):
+    """torch's current CUDA device faked (no GPU here): cuda:0 is current, and
+    ``torch.cuda.device(d)`` makes d current while its block runs."""
+    current = [0]
+
+    class Device:
+        def __init__(self, device):
+            self.index, self.before = torch.device(device).index, None
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    return current
+
+
+def test_configs_are_timed_on_the_tensors_gpu(tune_dir, two_sm90_gpus, cuda_current,
+                                             monkeypatch):
+    """do_bench records its events on, and synchronizes, the current device: a call on
+    cuda:1 while cuda:0 was current timed cuda:0's cache flushes, and stored a winner of
+    noise under cuda:1's GPU. Every config is now timed with the tensors' device current."""
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.setattr(HOPPER, "make_plan", lambda *a, **kw: None)
+    monkeypatch.setattr(HOPPER, "launch", lambda *a: None)
+    current_while_timed = []
+    monkeypatch.setattr(autotune.triton.testing, "do_bench", lambda fn, **kw: (
+        fn(), current_while_timed.append(torch.cuda.current_device()))[0] or 1.0)
+    candidates = hopper._candidates(128, None, None)
+    assert _choose(_OnGpu((1, 2, 2048, 128), 1), _call(), SM90) in candidates
+    assert current_while_timed == [1] * len(candidates)
+    assert cuda_current == [0]  # the caller's device is current again
+
+
+def test_backward_configs_are_timed_on_the_tensors_device(tune_dir, monkeypatch):
+    monkeypatch.setattr(autotune, "MIN_TUNED_WORK", 0)
+    monkeypatch.setattr(backward.Backward, "make_plan", lambda self, *a: None)
+    devices = []
+    monkeypatch.setattr(autotune, "time_ms", lambda fn, device: devices.append(device) or 1.0)
+    x = _backward_inputs()
+    backward.BACKWARD.choose_config(_call(), x, None, True, SM90)
+    assert devices == [x.q.device] * len(backward.HOPPER_BACKWARD_CANDIDATES[64])

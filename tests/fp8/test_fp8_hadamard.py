@@ -156,3 +156,32 @@ def test_cuda_without_an_index_is_the_current_device(monkeypatch):
             assert hadamard._device("hadamard_matrix", device) == torch.device("cuda", index)
     assert hadamard._device("hadamard_matrix", "cuda:2") == torch.device("cuda", 2)
     assert hadamard._device("hadamard_matrix", None) == torch.device("cpu")
+
+
+def test_cached_device_tensors_are_host_copies():
+    """Each cached device tensor is made on the host and copied (inside a CUDA graph
+    capture a copy from pageable memory is refused by torch, where a kernel's output would
+    be recorded, left unwritten until a replay, and cached): the fused quantization's signed
+    matrix was multiplied on the device from the cached matrix and signs. Seen on the meta
+    device, which records the ops a device would run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flexfa.fp8 import hadamard
+
+    class DeviceOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            if any(t.device.type == "meta" for t in tensors):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    hadamard_matrix(64, "meta"), random_signs(64, 5, "meta")  # cached first, as quantize's
+    with DeviceOps() as seen:
+        signed = hadamard.signed_hadamard(64, 5, "meta")
+    assert signed.device.type == "meta" and signed.shape == (64, 64)
+    assert seen.ops == []  # made on the host, then copied: nothing run on the device
+    expected = hadamard_matrix(64) * random_signs(64, 5)[:, None]
+    assert torch.equal(hadamard.signed_hadamard(64, 5), expected)

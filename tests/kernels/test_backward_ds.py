@@ -296,6 +296,25 @@ def test_blocks_inside_a_band_that_the_mask_skips_are_never_read(monkeypatch):
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
+def test_gpu_budget_is_capped_by_the_free_memory_of_the_calls_gpu(monkeypatch):
+    """On a GPU (memory queries faked: no GPU here) the budget is DS_MAX_BYTES, else the
+    default at most a quarter of the GPU, and never more than half of what the call's GPU
+    has free now."""
+    gib = 1 << 30
+    memory = {0: (60 * gib, 80 * gib), 1: (2 * gib, 16 * gib)}  # (free, total) per GPU
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: memory[device.index])
+
+    def budget(index, options=None):
+        call = AttentionCall(None, None, None, 0.1, parse_kernel_options(options), 1)
+        return ds_workspace.budget(call, torch.device("cuda", index))
+    assert budget(0) == ds_workspace.DEFAULT_MAX_BYTES  # 8 GiB < 80 / 4 and < 60 / 2
+    assert budget(1) == gib  # half of the 2 GiB free (a quarter of 16 is 4)
+    memory[1] = (16 * gib, 16 * gib)
+    assert budget(1) == 4 * gib  # a quarter of the GPU
+    assert budget(0, {"DS_MAX_BYTES": 40 * gib}) == 30 * gib  # even when asked for more
+    assert budget(0, {"DS_MAX_BYTES": 12345}) == 12345
+
+
 def test_default_budget_keeps_long_contexts_lean():
     """The default budget (8 GiB) admits the benchmark's E = 128 S = 16384 workspaces (causal
     4.3 GB, dense 8 GiB) and keeps causal S = 65536 with 8 heads (tests/gpu/test_memory_gpu.py,

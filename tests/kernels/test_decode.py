@@ -200,6 +200,35 @@ def test_paged_kv_cache_generation():
         cache.reserve(0, 16 * 3)
 
 
+def test_value_checks_inside_a_capture(monkeypatch):
+    """Inside a CUDA graph capture (simulated: the modules' ``capturing``) the value checks'
+    host reads would break the capture: flex_decode with kv_lens and PagedKVCache.assign
+    refuse validate=True with an error saying so (assign failed deep in torch), and a call
+    with no values to check runs (it was refused too, unlike torch's in a capture)."""
+    import flexfa.decode as decode_api
+    import flexfa.paged as paged_api
+
+    monkeypatch.setattr(decode_api, "capturing", lambda: True, raising=False)
+    monkeypatch.setattr(paged_api, "capturing", lambda: True, raising=False)
+    B, Hq, Hkv, S, E = 2, 2, 1, 32, 16
+    q, k, v = make_qkv(B, Hq, Hkv, 1, S, E, seed=3)
+    plain = flexfa.flex_decode(q, k, v)
+    torch.testing.assert_close(plain.double(), attention_reference(q, k, v, None,
+                                                                   enable_gqa=True),
+                               atol=2e-5, rtol=2e-5)
+    lens = torch.tensor([S, 7], dtype=torch.int32)
+    with pytest.raises(InputError, match="CUDA graph is being captured; pass validate=False"):
+        flexfa.flex_decode(q, k, v, kv_lens=lens)
+    flexfa.flex_decode(q, k, v, kv_lens=lens, validate=False)
+    cache = flexfa.PagedKVCache(4, 16, B, Hkv, E, dtype=torch.float32)
+    cache.reserve(0, 16)
+    rows, pos, kv = torch.tensor([0]), torch.arange(3)[None], torch.randn(1, Hkv, 3, E)
+    with pytest.raises(InputError, match="CUDA graph is being captured; pass validate=False"):
+        cache.assign(rows, pos, kv, kv)
+    cache.assign(rows, pos, kv, kv, validate=False)
+    assert torch.equal(cache.k_cache[cache.page_table[0, 0], :3], kv[0].transpose(0, 1))
+
+
 def test_paged_kv_cache_bad_arguments_are_input_errors():
     """PagedKVCache's arguments are checked before anything is indexed or reserved: a
     sequence or position past the page table (an index past it would fail on the device),

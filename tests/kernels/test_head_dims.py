@@ -259,7 +259,7 @@ def test_sm90_backward_tunes_the_wide_candidates(tmp_path, monkeypatch):
         timed.append((spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2,
                       spec.num_warps, spec.num_stages, dq["num_warps"], dq["num_stages"]))
     monkeypatch.setattr(backward_family.Backward, "make_plan", fake_plan)
-    monkeypatch.setattr(backward_family.triton.testing, "do_bench",
+    monkeypatch.setattr(autotune.triton.testing, "do_bench",
                         lambda fn, **kw: 1.0 if timed[-1] == candidates[1] else 2.0)
     q = torch.randn(1, 2, 128, 256, dtype=torch.bfloat16)
     x = backward_family.Inputs(q, q.clone(), q.clone(), q.clone(), torch.zeros(1, 2, 128),

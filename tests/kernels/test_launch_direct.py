@@ -8,6 +8,7 @@ launcher wherever its assumptions do not hold.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -193,3 +194,72 @@ def test_a_launch_thread_gets_an_allocator_and_a_users_stays():
     assert isinstance(found["before"], _allocation.NullAllocator)
     assert not isinstance(found["after"], _allocation.NullAllocator)
     assert found["user"] is user_allocator
+
+
+def test_triton_launches_on_a_given_stream_with_that_stream_current(encoded, monkeypatch):
+    """A launch on a given stream (the Gluon backward's side stream) that takes Triton's
+    launcher (scratch memory, hooks) ran with the caller's stream current: the scratch
+    memory Triton's launcher takes from the allocator (torch memory of the current stream,
+    freed as the launch returns) could be handed out again there while the kernel ran on
+    the other stream. Both launch paths pass the given stream to the kernel."""
+    from triton.runtime import _allocation
+
+    current = ["main"]
+
+    @contextlib.contextmanager
+    def stream_context(stream):
+        before, current[0] = current[0], stream
+        try:
+            yield
+        finally:
+            current[0] = before
+    monkeypatch.setattr(torch.cuda, "stream", stream_context)
+    allocated_on = []
+    token = _allocation._allocator.set(lambda size, alignment, stream: (
+        allocated_on.append(current[0]), torch.empty(size, dtype=torch.int8))[1])
+    try:
+        side = types.SimpleNamespace(cuda_stream=99)
+        q, k, out = torch.randn(128, 64), torch.randn(256, 64), torch.randn(128, 64)
+        recorder = _Recorder()
+        scratch = _state(_fake_compiled(recorder, scratch=256))
+        launch.launch_direct(scratch, (3, 2), 0, _args(q, k, out), side)
+        assert allocated_on == [side] and current == ["main"]
+        launch.launch_direct(scratch, (3, 2), 0, _args(q, k, out))  # the current stream
+        assert allocated_on == [side, "main"]
+        direct = _state(_fake_compiled(recorder))
+        launch.launch_direct(direct, (3, 2), 0, _args(q, k, out), side)
+        assert [call[3] for call in recorder.calls] == [99, 77, 99]
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def test_a_step_launches_on_its_device_and_stream(monkeypatch):
+    """A plan's step on CUDA (fakes: no GPU here): its first launch (Triton's, which
+    compiles) runs with the step's device and the given stream current; later launches go
+    direct on that stream while the device is current, through Triton again while another
+    is."""
+    contexts, direct = [], []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contexts.append(device) or
+                        contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contexts.append(stream) or
+                        contextlib.nullcontext())
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(launch, "direct_state", lambda *a: "state")
+    monkeypatch.setattr(launch, "launch_direct", lambda state, grid, index, args, stream=None:
+                        direct.append((state, index, stream)))
+    monkeypatch.setattr(launch, "ensure_allocator", lambda: None)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: "compiled"
+    gpu, side = torch.device("cuda", 1), types.SimpleNamespace(cuda_stream=99)
+    step = launch.Step(Kernel(), (4,), {}, {})
+    step.launch([1], gpu, stream=side)
+    assert contexts == [gpu, side] and direct == []
+    current[0] = 1
+    step.launch([1], gpu, stream=side)
+    assert direct == [("state", 1, side)] and len(contexts) == 2
+    current[0] = 0
+    step.launch([1], gpu)
+    assert contexts[2:] == [gpu] and len(direct) == 1

@@ -48,6 +48,30 @@ def test_targets():
     assert target_of(torch.device("cpu")) is INTERPRETER
 
 
+def test_a_cuda_tensors_target_is_its_own_gpus(monkeypatch):
+    """No GPU here: torch's capability query is faked, cuda:0 an A100 (8.0) and cuda:1 an
+    H100 (9.0), cuda:1 current. A tensor's device names its GPU whatever is current; "cuda"
+    without an index is the current one; each GPU is asked once."""
+    from flexfa.runtime import target as target_module
+
+    asked, current = [], [1]
+    capabilities = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda index: asked.append(index) or capabilities[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    target_module._cuda_target.cache_clear()
+    try:
+        assert target_of(torch.device("cuda", 0)) == SM80
+        assert target_of(torch.device("cuda", 1)) == SM90
+        assert target_of(torch.device("cuda")) == SM90
+        current[0] = 0
+        assert target_of(torch.device("cuda")) == SM80
+        assert target_of(torch.device("cuda", 1)).is_sm90
+        assert asked == [0, 1]
+    finally:
+        target_module._cuda_target.cache_clear()
+
+
 def test_registered_families():
     # in order of preference; the Gluon forward only in the classes where it measured faster,
     # the Gluon backward only with GLUON_BACKWARD=True

@@ -62,6 +62,22 @@ def test_ds_workspace_is_refused_while_capturing(monkeypatch):
         ds_workspace.bands_of(mask, L, L, 16, 16, torch.device("cpu"))
 
 
+def test_dense_ds_bands_made_while_capturing_are_not_kept(monkeypatch):
+    """Without a block mask the dS workspace's bands are device tensors made from the sizes:
+    made inside a capture they are a recorded kernel's output, written at each replay, not
+    before; kept in the memo they served a later call (outside the capture, before a replay)
+    unwritten memory. They are made again on each call inside a capture, and kept outside."""
+    cpu = torch.device("cpu")
+    args = (None, 2 * L + 3, L, 16, 16, cpu)  # a geometry not met before in this process
+    monkeypatch.setattr(ds_workspace, "capturing", lambda: True)
+    inside = [ds_workspace.bands_of(*args) for _ in range(2)]
+    assert inside[0][0] is not inside[1][0] and torch.equal(inside[0][0], inside[1][0])
+    monkeypatch.setattr(ds_workspace, "capturing", lambda: False)
+    outside = ds_workspace.bands_of(*args)
+    assert outside[0] is not inside[0][0] and torch.equal(outside[0], inside[0][0])
+    assert ds_workspace.bands_of(*args)[0] is outside[0]  # kept outside a capture
+
+
 def test_nothing_is_tuned_while_capturing(monkeypatch, tmp_path):
     """A key not tuned yet takes the first config inside a capture (timing would synchronize)
     and stores nothing: the next call outside a capture tunes it."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...blockmask.block_mask import BlockMask
@@ -608,8 +607,8 @@ class Backward(KernelFamily):
             spec = backward_spec(q, k, v, call, has_dlse=x.grad_lse is not None, target=target,
                                  grad_out=timed.grad_out, fusable=fusable, config=config)
             plan = self.make_plan(spec, call, timed, joint)
-            return triton.testing.do_bench(lambda: self.run(plan, call, timed, fusable, True),
-                                           warmup=5, rep=25, return_mode="median")
+            return autotune.time_ms(lambda: self.run(plan, call, timed, fusable, True),
+                                    q.device)
         return autotune.tune(key, candidates, time_config, _label)
 
 

@@ -171,7 +171,7 @@ def why_not_gluon(target: Target, call: AttentionCall, q, k, v, blocks: tuple[in
                 f"{tuple(call.block_mask.BLOCK_SIZE)}")
     if not descriptor_layout_ok(q, k, v):
         return ("it needs fp16/bf16 q, k, v, each a [B * H * len, dim] matrix with 16-byte "
-                "aligned rows")
+                "aligned rows, of fewer than 2**31 rows")
     return None
 
 

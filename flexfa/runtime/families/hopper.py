@@ -16,7 +16,6 @@ slices combined by their lse in one kernel of the module (``<name>_combine``).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -49,11 +48,20 @@ MAX_AUTO_SPLITS = 4
 COMBINE_LAUNCH = {"num_warps": 8, "num_stages": 1}  # 128 rows x 128 columns of float32
 
 
+# tensor descriptors take int32 coordinates (Triton's descriptor loads and stores, and TMA's
+# own): a matrix of more rows than this (a [B * H * n, d] view of q with B * H * n >= 2**31,
+# 32 GiB at d = 8) is out of their reach: its heads' first rows (off_bh * L in the kernels)
+# wrapped to other rows, silently. Such calls take the pointer kernels (int64 head bases)
+MAX_DESCRIPTOR_ROWS = 2 ** 31 - 1
+
+
 def _flat_rows(t: torch.Tensor) -> bool:
-    """[B, H, n, d] is a [B * H * n, d] matrix with 16-byte aligned rows."""
+    """[B, H, n, d] is a [B * H * n, d] matrix with 16-byte aligned rows, within
+    ``MAX_DESCRIPTOR_ROWS``."""
     B, H, n, _ = t.shape
     row = t.stride(2)
-    return (t.stride(3) == 1 and (row * t.element_size()) % 16 == 0
+    return (B * H * n <= MAX_DESCRIPTOR_ROWS and t.stride(3) == 1
+            and (row * t.element_size()) % 16 == 0
             and t.data_ptr() % 16 == 0 and (H == 1 or t.stride(1) == n * row)
             and (B == 1 or t.stride(0) == H * n * row))
 
@@ -130,7 +138,8 @@ def _steps(t: torch.Tensor) -> list[tuple[int, int, int]] | None:
 def strided_layout_ok(t: torch.Tensor) -> bool:
     """``t`` (fp16/bf16 [B, H, n, d]) reads as one matrix with each (b, h) at its origin
     (see above): aligned base and rows, head steps in whole rows without gaps or as column
-    offsets that fit a row, a power-of-two d where heads sit side by side."""
+    offsets that fit a row, a power-of-two d where heads sit side by side, at most
+    ``MAX_DESCRIPTOR_ROWS`` rows."""
     B, H, n, d = t.shape
     row = t.stride(2)
     if t.stride(3) != 1 or row <= 0 or (row * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -146,7 +155,7 @@ def strided_layout_ok(t: torch.Tensor) -> bool:
         if rows > span:
             return False
         span += (size - 1) * rows
-    return True
+    return span <= MAX_DESCRIPTOR_ROWS  # (span: the matrix's rows, strided_geometry's)
 
 
 def strided_geometry(t: torch.Tensor, block_rows: int, cols_pad: int) -> tuple:
@@ -250,7 +259,8 @@ class HopperForward(KernelFamily):
         if not (descriptor_layout_ok(q, k, v) or strided_ok(q, k, v)):
             return (f"it needs fp16/bf16 q, k, v with head dims 8..{MAX_HEAD_DIM} and 16-byte "
                     "aligned rows, each a [B * H * len, dim] matrix or strided with heads in "
-                    "whole rows or side by side at power-of-two head dims")
+                    "whole rows or side by side at power-of-two head dims, of fewer than 2**31 "
+                    "rows (tensor descriptors' int32 coordinates)")
         return None
 
     def first_call(self, key, target: Target, call, q, k, v, return_lse, return_max):
@@ -373,9 +383,8 @@ class HopperForward(KernelFamily):
 
         def time_config(config) -> float:
             plan = self.make_plan(q, k, v, call, target, config, return_lse, False)
-            return triton.testing.do_bench(
-                lambda: self.launch(plan, call, q, k, v, out, lse, None),
-                warmup=5, rep=25, return_mode="median")
+            return autotune.time_ms(lambda: self.launch(plan, call, q, k, v, out, lse, None),
+                                    q.device)
         return autotune.tune(key, candidates, time_config)
 
 
