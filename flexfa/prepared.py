@@ -24,11 +24,11 @@ established everything the entry was derived from:
   autograd); a plan kept in the entry is used only until a memo is cleared
   (``memo.CLEARS``, ``run_forward``).
 
-Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float,
-tensor subclasses or tensors the kernels cannot read as they are (``inputs.readable``) take
-the full path every time. Nothing here keeps a user's object alive:
-entries hold the score_mod's trace weakly and live under the mask, whose own objects they
-hold.
+Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float or is
+zero (the key's -0.0 equals 0.0), tensor subclasses or tensors the kernels cannot read as they
+are (``inputs.readable``) take the full path every time. Nothing here keeps a user's object
+alive: entries hold the score_mod's trace weakly and live under the mask, whose own objects
+they hold.
 """
 from __future__ import annotations
 
@@ -150,8 +150,10 @@ def record(signature_, query, key, score_mod, block_mask, call: AttentionCall) -
     """Keep the entry of a call that took the full path (``call``: its AttentionCall) and
     give the call its plan memo. Not for mods traced on every call (their state cannot be
     guarded): a lookup would trace them twice."""
-    if signature_ is None or abs(call.scale) > CHECKED_SCALE or call.sinks is not None \
-            or call.dropout is not None or call.options is not signature_[1]:
+    # (a zero scale: -0.0 == 0.0 in the key, but a score_mod may tell them apart: 1 / score)
+    if signature_ is None or abs(call.scale) > CHECKED_SCALE or call.scale == 0.0 \
+            or call.sinks is not None or call.dropout is not None \
+            or call.options is not signature_[1]:
         return
     if capturing():  # what a capture computes exists only once the graph replays
         return
