@@ -18,7 +18,8 @@ established everything the entry was derived from:
   the same table objects, version counters and geometry; else the full path checks their
   contents again); its prepared mask_mod (looked up under its guard, as the score_mod's) must
   be the entry's, its lengths the entry's;
-- the captured tensors of both mods have the recorded shapes, strides, alignment and device;
+- the captured tensors of both mods have the recorded shapes, strides, alignment, device and
+  negative bit;
 - the checks that read values on every call still run (captured tensors indexed by captured
   tensor values: ``reads_values``; a mask_mod reading tensors that require grad under
   autograd); a plan kept in the entry is used only until a memo is cleared
@@ -102,8 +103,9 @@ def signature(query, key, value, score_mod, scale, enable_gqa, return_lse, kerne
 
 
 def buffer_layout(score, mask) -> tuple:
-    """Shape, strides, alignment and device of the captured tensors of both mods."""
-    return tuple((t.shape, t.stride(), t.data_ptr() % 16, t.device)
+    """Shape, strides, alignment, device and negative bit of the captured tensors of both mods
+    (``t.data = z.conj().imag`` sets the bit keeping all else: the full path refuses it)."""
+    return tuple((t.shape, t.stride(), t.data_ptr() % 16, t.device, t.is_neg())
                  for traced in (score, mask) if traced is not None for t in traced.buffers)
 
 
