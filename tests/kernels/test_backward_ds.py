@@ -17,6 +17,7 @@ from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, check_ragged_gqa_alibi_causal, record_backward_specs
 from forward_utils import make_qkv
+from specialization import specialization_spy
 
 DS = {"DS_WORKSPACE": True}
 SM80, SM90 = Target("cuda", 8, 0), Target("cuda", 9, 0)
@@ -319,17 +320,6 @@ def test_default_budget_keeps_long_contexts_lean():
     assert workspace(8, 65536, mask) > 4 * budget
 
 
-def _specialization(value, unspecialized: bool):
-    """What Triton's launcher specializes a kernel argument on (a GPU compiles a kernel per
-    value of it): an int equal to 1 (a constant) or divisible by 16, a tensor's dtype and
-    16-byte alignment; ``unspecialized``: a ``do_not_specialize`` parameter."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool) or not isinstance(value, int) or unspecialized:
-        return None
-    return "one" if value == 1 else value % 16 == 0
-
-
 def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(monkeypatch):
     """On a GPU a plan's steps launch their first launch's compiled kernel directly
     (``launch.Step``), so no argument Triton specializes on may change between its launches:
@@ -337,18 +327,7 @@ def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(
     plan (1 slot per head, then 3: a kernel compiled for the constant 1 would overlap the
     heads' workspace regions). The interpreter specializes nothing: this records what a GPU
     would, and the gradients after the edit against the reference."""
-    from flexfa.runtime import launch
-
-    first, changed, real = {}, [], launch.Step.launch
-
-    def spy(step, args, device, grid=None, stream=None):
-        kernel = step.kernel  # (the interpreter's: names and do_not_specialize as given)
-        kept = set(kernel.kwargs.get("do_not_specialize") or ())
-        seen = tuple(_specialization(a, n in kept) for n, a in zip(kernel.arg_names, args))
-        known = first.setdefault((id(step), id(kernel)), seen)
-        changed.extend(n for n, a, b in zip(kernel.arg_names, known, seen) if a != b)
-        return real(step, args, device, grid, stream)
-    monkeypatch.setattr(launch.Step, "launch", spy)
+    launched, changed = specialization_spy(monkeypatch)
     L, block = 96, 32
     q, k, v = make_qkv(1, 2, 2, L, L, 16, seed=3)
     kv_num_blocks = torch.tensor([[[1, 0, 0]]], dtype=torch.int32)  # block (0, 0) alone
@@ -370,4 +349,4 @@ def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(
     mask.q_indices.copy_(kv_indices)
     call()  # the plan of the calls before: the same upstream gradient's layout
     check_backward(q, k, v, None, same_block, mask, kernel_options=DS)
-    assert first and not changed, f"specialized otherwise than at the first launch: {changed}"
+    assert launched and not changed, f"specialized otherwise than at first: {changed}"
