@@ -18,17 +18,18 @@ established everything the entry was derived from:
   the same table objects, version counters and geometry; else the full path checks their
   contents again); its prepared mask_mod (looked up under its guard, as the score_mod's) must
   be the entry's, its lengths the entry's;
-- the captured tensors of both mods have the recorded shapes, strides, alignment and device;
+- the captured tensors of both mods have the recorded shapes, strides, alignment, device and
+  negative bit;
 - the checks that read values on every call still run (captured tensors indexed by captured
   tensor values: ``reads_values``; a mask_mod reading tensors that require grad under
   autograd); a plan kept in the entry is used only until a memo is cleared
   (``memo.CLEARS``, ``run_forward``).
 
-Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float,
-tensor subclasses or tensors the kernels cannot read as they are (``inputs.readable``) take
-the full path every time. Nothing here keeps a user's object alive:
-entries hold the score_mod's trace weakly and live under the mask, whose own objects they
-hold.
+Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float or is
+zero (the key's -0.0 equals 0.0), tensor subclasses or tensors the kernels cannot read as they
+are (``inputs.readable``) take the full path every time. Nothing here keeps a user's object
+alive: entries hold the score_mod's trace weakly and live under the mask, whose own objects
+they hold.
 """
 from __future__ import annotations
 
@@ -102,8 +103,9 @@ def signature(query, key, value, score_mod, scale, enable_gqa, return_lse, kerne
 
 
 def buffer_layout(score, mask) -> tuple:
-    """Shape, strides, alignment and device of the captured tensors of both mods."""
-    return tuple((t.shape, t.stride(), t.data_ptr() % 16, t.device)
+    """Shape, strides, alignment, device and negative bit of the captured tensors of both mods
+    (``t.data = z.conj().imag`` sets the bit keeping all else: the full path refuses it)."""
+    return tuple((t.shape, t.stride(), t.data_ptr() % 16, t.device, t.is_neg())
                  for traced in (score, mask) if traced is not None for t in traced.buffers)
 
 
@@ -150,8 +152,10 @@ def record(signature_, query, key, score_mod, block_mask, call: AttentionCall) -
     """Keep the entry of a call that took the full path (``call``: its AttentionCall) and
     give the call its plan memo. Not for mods traced on every call (their state cannot be
     guarded): a lookup would trace them twice."""
-    if signature_ is None or abs(call.scale) > CHECKED_SCALE or call.sinks is not None \
-            or call.dropout is not None or call.options is not signature_[1]:
+    # (a zero scale: -0.0 == 0.0 in the key, but a score_mod may tell them apart: 1 / score)
+    if signature_ is None or abs(call.scale) > CHECKED_SCALE or call.scale == 0.0 \
+            or call.sinks is not None or call.dropout is not None \
+            or call.options is not signature_[1]:
         return
     if capturing():  # what a capture computes exists only once the graph replays
         return

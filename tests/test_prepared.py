@@ -4,6 +4,7 @@ result with the float64 reference of the new state. Also: the entry keeps nothin
 a cached call's Python work stays small (counted in functions entered, not timed)."""
 import gc
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -15,6 +16,7 @@ import torch
 
 import flexfa
 from flexfa import prepared
+from flexfa.errors import InputError
 from tests.reference import assert_close_to_reference, reference_pair
 
 trace_module = sys.modules["flexfa.frontend.trace"]  # flexfa.frontend.trace is the function
@@ -88,6 +90,46 @@ def test_captured_tensor_edited_in_place_or_restrided(monkeypatch):
     assert hits == [False, True, True, False]
 
 
+
+@pytest.mark.parametrize("first", [0.0, -0.0], ids=["positive_first", "negative_first"])
+def test_a_zero_scale_keeps_its_sign(first, monkeypatch):
+    """-0.0 == 0.0 (and hashes alike) in a signature, but a score_mod can tell the scores'
+    signs apart (1 / score): a call must run with its own zero. Checked on the call the
+    kernels get: Triton's interpreter reads a float argument 0.0 of either sign as +0.0
+    (a GPU passes the sign)."""
+    scales, attend = [], flexfa.api.attend
+
+    def spy(query, key, value, call, *args):
+        scales.append(math.copysign(1.0, call.scale))
+        return attend(query, key, value, call, *args)
+    monkeypatch.setattr(flexfa.api, "attend", spy)
+    q, k, v = _qkv()
+
+    def signed(score, b, h, q_idx, kv_idx):
+        return torch.where(1.0 / score > 0, score + 0.25 * kv_idx, score)
+    for scale in (first, first, -first):
+        flexfa.flex_attention(q, k, v, signed, scale=scale)
+    assert scales == [math.copysign(1.0, s) for s in (first, first, -first)]
+
+
+def test_a_captured_tensor_made_a_negated_view_through_data_is_refused(monkeypatch):
+    """``bias.data = z.conj().imag`` keeps the tensor's identity, shape, strides, dtype and
+    version but sets its negative bit (its memory holds the negated values): the call
+    after it must be refused as a first call with such a tensor is, not read negated."""
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+    bias = torch.randn(L, dtype=torch.complex64).imag  # strides (2,), as the view below's
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    for _ in range(2):
+        out = flexfa.flex_attention(q, k, v, biased)
+    _check(out, q, k, v, biased)
+    bias.data = torch.randn(L, dtype=torch.complex64).conj().imag
+    with pytest.raises(InputError, match="negated view"):
+        flexfa.flex_attention(q, k, v, biased)
+    assert hits == [False, True, False]
+
 def test_inference_mode_tensors_captured_and_edited():
     """Under torch.inference_mode captured tensors and the mask's tables have no version
     counter (the trace read it: RuntimeError from torch): repeated calls still see each edit
@@ -135,7 +177,6 @@ def test_the_default_backend_is_part_of_the_entry(monkeypatch):
 
 
 def test_kernel_options_edited_in_place(monkeypatch):
-    from flexfa.errors import InputError
     from flexfa.runtime import plans
 
     hits = _prepared_hits(monkeypatch)

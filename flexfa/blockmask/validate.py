@@ -56,7 +56,7 @@ _table_getter = operator.attrgetter(*TABLES)
 class TableState:
     """The tables a mask had when they were last checked: their ids (kept valid by weakref
     callbacks: a table that dies marks the state stale, so its id cannot be taken by a new
-    table), versions, views (``views``: shape, strides, dtype, device) and geometry
+    table), versions, views (``views``: shape, strides, dtype, device, alignment) and geometry
     (BLOCK_SIZE, L, S). ``layout`` changes when a table is replaced, its view changes or the
     geometry does (plans fix the block size) and ``contents`` whenever a table may have
     changed: memos of what the runtime derives from the tables key on them
@@ -221,9 +221,11 @@ def mark_checked(block_mask, past: bool | None = False) -> None:
 
 
 def _views(tables) -> tuple:
-    """Each table's shape, strides, dtype and device: what plans fix besides the objects
-    (``set_`` or ``resize_`` changes them in place, the table staying the same object)."""
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tables)
+    """Each table's shape, strides, dtype, device and 16-byte alignment: what plans fix
+    besides the objects (``set_`` or ``resize_`` changes them in place, the table staying the
+    same object; a cached plan launches the kernel its first call compiled for them)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device,
+                                         t.data_ptr() % 16 == 0) for t in tables)
 
 
 def _remember(block_mask, tables, geometry, state, past: bool | None) -> None:

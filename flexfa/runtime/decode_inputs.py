@@ -37,10 +37,15 @@ class DecodeInputs:
         return OFFSETS_FROM_LENS if self.kv_lens is not None else OFFSETS_NONE
 
     def key(self) -> tuple:
-        """What of these inputs a plan specializes on."""
+        """What of these inputs a plan specializes on (their 16-byte alignment too: a cached
+        plan launches the kernel its first call compiled for it)."""
         table = self.page_table
-        return (self.offsets, self.kv_lens is not None, self.page_size,
-                None if table is None else (table.shape, table.stride()))
+        return (self.offsets, self.page_size, _aligned(self.kv_lens), _aligned(self.q_offsets),
+                None if table is None else (table.shape, table.stride(), _aligned(table)))
+
+
+def _aligned(tensor: torch.Tensor | None) -> bool | None:
+    return None if tensor is None else tensor.data_ptr() % 16 == 0
 
 
 NO_INPUTS = DecodeInputs()

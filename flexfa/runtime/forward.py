@@ -69,6 +69,7 @@ def run_fp8_forward(x, call: AttentionCall, return_lse: bool):
     forward on quantized inputs ``x`` (``flexfa.fp8.quantize``)."""
     key = ("fp8", return_lse, x.dtype, x.block_q, x.block_kv, x.positive_scales,
            x.q_scale.stride(), x.k_scale.stride(), x.v_scale.stride(),
+           plans.aligned(x.q_scale, x.k_scale, x.v_scale),
            *plans.layout_key(x.q, x.k, x.v, call))
     plan = plans.find(call, key)
     if plan is not None:

@@ -13,6 +13,7 @@ import flexfa
 from flexfa import mods
 from flexfa.fp8 import flex_attention_fp8, quantize
 from reference import reference_attention
+from specialization import specialization_spy
 
 B, H, L, S, E = 1, 2, 100, 232, 64
 
@@ -324,3 +325,24 @@ def test_descales_of_any_sign_without_the_fold(mask_mod):
     got, got_lse = flex_attention_fp8(flipped, block_mask=block_mask, return_lse=True)
     assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0)
     assert torch.allclose(got_lse, want_lse, atol=1e-5)
+
+
+def test_descales_at_other_alignments_get_their_own_plan(monkeypatch):
+    """Descale tensors at an address that is not 16-byte aligned (views into a larger
+    buffer) must not reuse a plan whose GPU kernel was compiled for aligned ones
+    (``tests/specialization.py``); the result is the same."""
+    import dataclasses
+
+    launched, changed = specialization_spy(monkeypatch)
+    x = quantize(*_qkv(L=64, S=64, E=32))
+
+    def unaligned(t):
+        buffer = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        buffer[1:] = t.flatten()
+        return buffer[1:].view(t.shape)
+    out = [flex_attention_fp8(x) for _ in range(2)]
+    moved = dataclasses.replace(x, q_scale=unaligned(x.q_scale), k_scale=unaligned(x.k_scale),
+                                v_scale=unaligned(x.v_scale))
+    assert moved.q_scale.data_ptr() % 16 and moved.q_scale.stride() == x.q_scale.stride()
+    torch.testing.assert_close(flex_attention_fp8(moved), out[0], atol=0, rtol=0)
+    assert launched and not changed, f"specialized otherwise than at first: {changed}"

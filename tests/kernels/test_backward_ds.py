@@ -6,8 +6,9 @@ tensor descriptors (``bwd_USE_TMA=True`` here) or pointers."""
 import pytest
 import torch
 
+import flexfa
 from flexfa import mods
-from flexfa.blockmask import create_block_mask
+from flexfa.blockmask import BlockMask, create_block_mask
 from flexfa.errors import InputError, InputTypeError
 from flexfa.runtime import ds_workspace
 from flexfa.runtime.call import AttentionCall
@@ -16,6 +17,7 @@ from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward, check_ragged_gqa_alibi_causal, record_backward_specs
 from forward_utils import make_qkv
+from specialization import specialization_spy
 
 DS = {"DS_WORKSPACE": True}
 SM80, SM90 = Target("cuda", 8, 0), Target("cuda", 9, 0)
@@ -335,3 +337,35 @@ def test_default_budget_keeps_long_contexts_lean():
     assert workspace(16, 16384, mask) <= budget and workspace(16, 16384, None) <= budget
     mask = create_block_mask(mods.causal, None, None, 65536, 65536, device="cpu")
     assert workspace(8, 65536, mask) > 4 * budget
+
+
+def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(monkeypatch):
+    """On a GPU a plan's steps launch their first launch's compiled kernel directly
+    (``launch.Step``), so no argument Triton specializes on may change between its launches:
+    MAX_SLOTS follows the tables' contents, which an in-place edit changes under the same
+    plan (1 slot per head, then 3: a kernel compiled for the constant 1 would overlap the
+    heads' workspace regions). The interpreter specializes nothing: this records what a GPU
+    would, and the gradients after the edit against the reference."""
+    launched, changed = specialization_spy(monkeypatch)
+    L, block = 96, 32
+    q, k, v = make_qkv(1, 2, 2, L, L, 16, seed=3)
+    kv_num_blocks = torch.tensor([[[1, 0, 0]]], dtype=torch.int32)  # block (0, 0) alone
+    kv_indices = torch.zeros(1, 1, 3, 3, dtype=torch.int32)
+
+    def same_block(b, h, q_idx, kv_idx):
+        return q_idx // block == kv_idx // block
+    mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block,
+                                    mask_mod=same_block)
+
+    def call() -> None:
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        flexfa.flex_attention(*inputs, block_mask=mask, kernel_options=DS).sum().backward()
+    call()
+    call()
+    kv_num_blocks.fill_(1)  # the diagonal blocks, the mask_mod's own
+    kv_indices[0, 0, :, 0] = torch.arange(3)
+    mask.q_num_blocks.copy_(kv_num_blocks)
+    mask.q_indices.copy_(kv_indices)
+    call()  # the plan of the calls before: the same upstream gradient's layout
+    check_backward(q, k, v, None, same_block, mask, kernel_options=DS)
+    assert launched and not changed, f"specialized otherwise than at first: {changed}"

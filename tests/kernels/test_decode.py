@@ -24,6 +24,7 @@ from flexfa.runtime.options import parse_kernel_options
 from flexfa.runtime.target import INTERPRETER, Target
 from backward_utils import check_backward
 from forward_utils import check_forward, dense_block_mask, kept_plans, make_qkv
+from specialization import specialization_spy
 from strategies import mask_mods, score_mods
 
 
@@ -686,3 +687,25 @@ def test_empty_sequence_with_a_whole_q_block_of_rows(walk):
                                   kernel_options={"DECODE_WALK": walk})
     assert_matches(out, lse, *reference_rows(q, k, v, None, mods.causal, lens, lens - L))
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+
+
+def test_per_call_tensors_at_other_alignments_get_their_own_plan(monkeypatch):
+    """kv_lens, q_offsets and the page table are a call's own tensors: one at an address that
+    is not 16-byte aligned (a view into a larger buffer) must not reuse a plan whose GPU
+    kernel was compiled for aligned ones (``tests/specialization.py``)."""
+    launched, changed = specialization_spy(monkeypatch)
+    B, Hq, Hkv, L, S, E = 2, 2, 2, 1, 64, 16
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, E, seed=9)
+    lens = torch.tensor([40, 64], dtype=torch.int32)
+    offsets = torch.tensor([3, 20], dtype=torch.int32)
+
+    def unaligned(t):
+        buffer = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        buffer[1:] = t
+        return buffer[1:]
+    for kv_lens, q_offsets in ((lens, offsets), (lens, offsets), (unaligned(lens), offsets),
+                               (lens, unaligned(offsets))):
+        out, lse = flexfa.flex_decode(q, k, v, kv_lens=kv_lens, q_offsets=q_offsets,
+                                      return_lse=True)
+        assert_matches(out, lse, *reference_rows(q, k, v, None, None, lens, offsets))
+    assert launched and not changed, f"specialized otherwise than at first: {changed}"

@@ -15,7 +15,8 @@ import torch
 import flexfa
 from flexfa.runtime import cache
 from flexfa.runtime.cache import STATS
-from forward_utils import make_qkv
+from forward_utils import check_forward, make_qkv
+from specialization import specialization_spy
 
 # one script, run in this process and in a subprocess: the same mod gives the same kernel
 SCRIPT = textwrap.dedent("""
@@ -243,3 +244,24 @@ def test_direct_launch_keys_and_reuse(monkeypatch):
     other_call = AttentionCall(None, prepare_mask(other_mask), other_mask, 0.1,
                                KernelOptions(), 1)
     assert plans.find(other_call, key) is None  # another mask object
+
+
+def test_a_table_set_to_an_unaligned_address_gets_its_own_plan(monkeypatch):
+    """``kv_indices.set_(...)`` at an address that is not 16-byte aligned keeps the table
+    object, its shape, strides and dtype: the plans of the aligned table (whose GPU kernel
+    was compiled for an aligned pointer, ``tests/specialization.py``) must not serve it."""
+    launched, changed = specialization_spy(monkeypatch)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, seed=5)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    mask = flexfa.create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
+    for _ in range(2):
+        check_forward(q, k, v, None, causal, mask)
+    table = mask.kv_indices
+    moved = torch.zeros(table.numel() + 1, dtype=table.dtype)
+    moved[1:] = table.flatten()
+    table.set_(moved.untyped_storage(), 1, table.shape, table.stride())
+    assert table.data_ptr() % 16
+    check_forward(q, k, v, None, causal, mask)
+    assert launched and not changed, f"specialized otherwise than at first: {changed}"
