@@ -25,7 +25,7 @@ established everything the entry was derived from:
   autograd); a plan kept in the entry is used only until a memo is cleared
   (``memo.CLEARS``, ``run_forward``).
 
-Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a float or is
+Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a real number or is
 zero (the key's -0.0 equals 0.0), tensor subclasses or tensors the kernels cannot read as they
 are (``inputs.readable``) take the full path every time. Nothing here keeps a user's object
 alive: entries hold the score_mod's trace weakly and live under the mask, whose own objects
@@ -33,6 +33,7 @@ they hold.
 """
 from __future__ import annotations
 
+import numbers
 import types
 import weakref
 
@@ -83,9 +84,16 @@ def signature(query, key, value, score_mod, scale, enable_gqa, return_lse, kerne
             or type(dropout_p) not in (float, int) or dropout_p != 0
             or type(enable_gqa) is not bool or type(return_lse) is not bool
             or (kernel_options is not None and type(kernel_options) is not dict)
-            or (scale is not None and type(scale) is not float)
             or (score_mod is not None and not callable(score_mod))):
         return None
+    if scale is not None and type(scale) is not float:
+        # an int or a NumPy number: keyed as the float the call runs with (check_scale's)
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            return None
+        try:
+            scale = float(scale)
+        except OverflowError:  # an int past float's range: the full path refuses it
+            return None
     try:  # memoized: equal dicts give one object (FLEXFA_BACKEND, the default, included)
         options = parse_kernel_options(kernel_options)
     except (InputError, InputTypeError):  # the full path raises it after its earlier checks

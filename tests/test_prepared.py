@@ -112,6 +112,34 @@ def test_a_zero_scale_keeps_its_sign(first, monkeypatch):
     assert scales == [math.copysign(1.0, s) for s in (first, first, -first)]
 
 
+def test_int_and_numpy_scales_are_served_as_the_float_they_run_with(monkeypatch):
+    """An int or NumPy scale took the full path on every call (twice a float's host cost);
+    it is keyed as the float check_scale makes of it: a later call of an equal float, int or
+    NumPy scale is served by the entry, a different value is not, and every result is the
+    float scale's. A bool, a 0-d tensor or an int past float's range still take the full
+    path, which refuses them."""
+    import numpy as np
+
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+    expected = {}
+    for scale in (0.25, np.float64(0.25), np.float32(0.25), 2, np.int64(2), 2.0,
+                  np.float32(0.1)):
+        out = flexfa.flex_attention(q, k, v, scale=scale)
+        value = float(scale)
+        if value in expected:
+            assert torch.equal(out, expected[value]), scale
+        else:
+            expected[value] = out
+            (ref, _), (eager, _) = reference_pair(q, k, v, None, None, scale=value)
+            assert_close_to_reference(out, ref, eager)
+    # (the first of each value takes the full path; np.float32(0.1) is not 0.1)
+    assert hits == [False, True, True, False, True, True, False], hits
+    for bad in (True, torch.tensor(0.5), 10 ** 400):
+        with pytest.raises((InputError, flexfa.InputTypeError), match="scale"):
+            flexfa.flex_attention(q, k, v, scale=bad)
+
+
 def test_a_captured_tensor_made_a_negated_view_through_data_is_refused(monkeypatch):
     """``bias.data = z.conj().imag`` keeps the tensor's identity, shape, strides, dtype and
     version but sets its negative bit (its memory holds the negated values): the call
