@@ -134,8 +134,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         found, score = lookup(prepared, query, key, value, score_mod, block_mask)
         if found is not None:
             call, key, value = found
-            out, lse, _ = attend(query, key, value, call, return_lse, False)
-            return (out, lse) if return_lse else out
+            if return_aux is None:
+                out, lse, _ = attend(query, key, value, call, return_lse, False)
+                return (out, lse) if return_lse else out
+            aux_lse, aux_max = return_aux  # torch's AuxRequest of two bools (signature's)
+            out, lse, maxs = attend(query, key, value, call, aux_lse, aux_max)
+            return _result(out, lse, maxs, False, return_aux, aux_lse)
     signature_ = _validation_key(query, key, value, block_mask, enable_gqa)
     checked = False  # the tensor, shape and block-mask checks passed for this signature before
     if signature_ is not None:

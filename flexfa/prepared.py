@@ -25,11 +25,11 @@ established everything the entry was derived from:
   autograd); a plan kept in the entry is used only until a memo is cleared
   (``memo.CLEARS``, ``run_forward``).
 
-Calls with return_aux, sinks, dropout, an enormous scale, a scale that is not a real number or is
-zero (the key's -0.0 equals 0.0), tensor subclasses or tensors the kernels cannot read as they
-are (``inputs.readable``) take the full path every time. Nothing here keeps a user's object
-alive: entries hold the score_mod's trace weakly and live under the mask, whose own objects
-they hold.
+Calls with sinks, dropout, a ``return_aux`` other than torch's ``AuxRequest`` of two bools,
+an enormous scale, a scale that is not a real number or is zero (the key's -0.0 equals 0.0),
+tensor subclasses or tensors the kernels cannot read as they are (``inputs.readable``) take
+the full path every time. Nothing here keeps a user's object alive: entries hold the
+score_mod's trace weakly and live under the mask, whose own objects they hold.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import types
 import weakref
 
 import torch
+from torch.nn.attention.flex_attention import AuxRequest  # (torch's: the fast path takes no other)
 
 from .blockmask.validate import capturing, still_checked, table_state
 from .errors import InputError, InputTypeError
@@ -80,11 +81,14 @@ def signature(query, key, value, score_mod, scale, enable_gqa, return_lse, kerne
     takes the full path."""
     if (not type(query) is type(key) is type(value) is torch.Tensor
             or not readable(query, key, value)  # (checked on the full path)
-            or return_aux is not None or sinks is not None or dropout_seed is not None
+            or sinks is not None or dropout_seed is not None
             or type(dropout_p) not in (float, int) or dropout_p != 0
             or type(enable_gqa) is not bool or type(return_lse) is not bool
             or (kernel_options is not None and type(kernel_options) is not dict)
             or (score_mod is not None and not callable(score_mod))):
+        return None
+    aux = (False, False) if return_aux is None else aux_request(return_aux, return_lse)
+    if aux is None:
         return None
     if scale is not None and type(scale) is not float:
         # an int or a NumPy number: keyed as the float the call runs with (check_scale's)
@@ -107,7 +111,17 @@ def signature(query, key, value, score_mod, scale, enable_gqa, return_lse, kerne
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(),
             query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
             query.data_ptr() % 16, key.data_ptr() % 16, value.data_ptr() % 16, mod, scale,
-            enable_gqa, return_lse, id(options)), options
+            enable_gqa, return_lse, aux, id(options)), options
+
+
+def aux_request(return_aux, return_lse) -> tuple | None:
+    """(lse, max_scores) of a ``return_aux`` (not None) a repeated call may take as it is:
+    torch's own ``AuxRequest`` of two bools beside ``return_lse=False``; else None (the full
+    path checks it, or refuses it)."""
+    if type(return_aux) is not AuxRequest or return_lse is not False:
+        return None
+    lse, max_scores = return_aux
+    return (lse, max_scores) if type(lse) is bool and type(max_scores) is bool else None
 
 
 def buffer_layout(score, mask) -> tuple:

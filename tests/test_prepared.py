@@ -140,6 +140,43 @@ def test_int_and_numpy_scales_are_served_as_the_float_they_run_with(monkeypatch)
             flexfa.flex_attention(q, k, v, scale=bad)
 
 
+def test_return_aux_calls_are_served_with_what_they_request(monkeypatch):
+    """torch's newer ``return_aux=AuxRequest(...)`` took the full path on every call (twice
+    the host cost of ``return_lse``): a repeated request is served by the entry, each with the
+    outputs it asks for, equal to the full path's; a look-alike request class or one beside
+    ``return_lse=True`` still takes the full path (which reads or refuses it)."""
+    from collections import namedtuple
+
+    hits = _prepared_hits(monkeypatch)
+    q, k, v = _qkv()
+    want_out, want_lse = flexfa.flex_attention(q, k, v, causal_score, return_lse=True)
+    requests = [flexfa.AuxRequest(lse=True), flexfa.AuxRequest(max_scores=True),
+                flexfa.AuxRequest(lse=True, max_scores=True), flexfa.AuxRequest()]
+    seen_max = None
+    for request in requests * 2:
+        out, aux = flexfa.flex_attention(q, k, v, causal_score, return_aux=request)
+        assert torch.equal(out, want_out)
+        assert (aux.lse is None) == (not request.lse)
+        if request.lse:
+            assert torch.equal(aux.lse, want_lse)
+        assert (aux.max_scores is None) == (not request.max_scores)
+        if request.max_scores:
+            seen_max = aux.max_scores if seen_max is None else seen_max
+            assert torch.equal(aux.max_scores, seen_max)
+    # (the return_lse call and each request's first call take the full path: their keys differ)
+    assert hits == [False] * 5 + [True] * 4, hits
+    LookAlike = namedtuple("LookAlike", ["lse", "max_scores"])
+    out, aux = flexfa.flex_attention(q, k, v, causal_score, return_aux=LookAlike(True, False))
+    assert torch.equal(aux.lse, want_lse) and len(hits) == 9  # the full path, no lookup
+    with pytest.raises(InputError, match="return_lse and return_aux"):
+        flexfa.flex_attention(q, k, v, causal_score, return_lse=True,
+                              return_aux=flexfa.AuxRequest(lse=True))
+
+
+def causal_score(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx >= kv_idx, score, -float("inf"))
+
+
 def test_a_captured_tensor_made_a_negated_view_through_data_is_refused(monkeypatch):
     """``bias.data = z.conj().imag`` keeps the tensor's identity, shape, strides, dtype and
     version but sets its negative bit (its memory holds the negated values): the call
