@@ -1,6 +1,8 @@
 """Argument checks shared by create_block_mask, create_mask and BlockMask."""
 from __future__ import annotations
 
+import contextlib
+
 import numbers
 
 import torch
@@ -57,6 +59,22 @@ def default_device() -> torch.device:
     current = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     cuda = current is not None and current.type == "cuda" and torch.cuda.is_available()
     return torch.device("cuda" if cuda else "cpu")
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" is the current GPU (where a tensor made for "cuda"
+    lands), so that what is cached or built per device tells GPUs apart."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def on_device(device: torch.device):
+    """Triton launches (and times, ``triton.testing.do_bench``) on the current CUDA device:
+    a context making ``device`` current where it is not; nothing for CPU tensors."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def resolve_device(func: str, device) -> torch.device:

@@ -33,7 +33,7 @@ from ..frontend.trace import MASK_MOD, TracedMod, trace
 from ..memo import BoundedMemo
 from .analysis import FULL, PARTIAL
 from .block_mask import BlockMask
-from .checks import block_size_pair, positive_int, resolve_device
+from .checks import block_size_pair, indexed, positive_int, resolve_device
 from .create import ordered_tables
 from .offsets import (Offsets, TokenTensors, check_layouts, check_window, host_offsets,
                       token_tensors)
@@ -74,9 +74,7 @@ def varlen_block_mask(cu_seqlens_q, cu_seqlens_k=None, causal=False, window=None
               for name, n in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN))]
     if device is None:
         device = getattr(cu_seqlens_q, "device", torch.device("cpu"))
-    device = resolve_device(func, device)
-    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as q's
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed(resolve_device(func, device))  # "cuda": the current device, as q's
     return checked_block_mask(func, cu_seqlens_q, cu_seqlens_k, device, totals, causal, window,
                               block)
 

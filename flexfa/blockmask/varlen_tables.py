@@ -16,7 +16,6 @@ whose shapes need the totals (``device_offsets``: three). Each call makes one al
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from ..loader import INTERPRETER_LOCK, load_module
 from ..memo import BoundedMemo
+from .checks import on_device
 from .offsets import (PAD_DOC_Q, PAD_DOC_K, Offsets, TokenTensors, padded_length,
                       raise_bad_offsets)
 
@@ -197,14 +197,6 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, offsets: tuple,
 def _unset(hook) -> bool:
     """No launch hook: None or (Triton 3.6) an empty HookChain."""
     return hook is None or getattr(hook, "calls", None) == []
-
-
-def on_device(device: torch.device):
-    """Triton launches (and times, ``triton.testing.do_bench``) on the current CUDA device:
-    a context making ``device`` current where it is not; nothing for CPU tensors."""
-    if device.type != "cuda" or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 def _power_of_two(n: int) -> int:

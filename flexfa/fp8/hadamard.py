@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..blockmask.checks import indexed
 from ..errors import InputError, InputTypeError, check_int
 
 
@@ -58,9 +59,7 @@ def _device(func: str, device) -> torch.device:
         device = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise InputError(f"{func}: device={device!r} is not a torch device ({exc})") from None
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    return indexed(device)
 
 
 def _host_signs(d: int, seed: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import triton
 
 from .. import config
 from ..blockmask.validate import capturing
-from ..blockmask.varlen_tables import on_device
+from ..blockmask.checks import on_device
 from ..memo import BoundedMemo
 from ..version import __version__
 from .cache import file_lock, write_atomic

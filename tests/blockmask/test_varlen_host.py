@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from triton.runtime import interpreter
 
 import flexfa
-from flexfa.blockmask import varlen_tables
+from flexfa.blockmask import checks, varlen_tables
 from flexfa.blockmask.offsets import check_offsets
 from flexfa.blockmask.validate import TABLES
 from flexfa.blockmask.varlen import checked_block_mask, document_block_mask
@@ -301,7 +301,7 @@ def test_a_mask_of_cuda_offsets_is_refused_while_capturing(monkeypatch):
 
 
 def test_table_launches_make_the_offsets_gpu_current(monkeypatch):
-    """Triton launches on the current CUDA device: ``on_device`` makes the offsets' GPU
+    """Triton launches on the current CUDA device: ``checks.on_device`` makes the offsets' GPU
     current for the launches (fakes: no GPU here) and is nothing where it is already
     current or for CPU tensors."""
     entered = []
@@ -309,9 +309,9 @@ def test_table_launches_make_the_offsets_gpu_current(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or
                         contextlib.nullcontext())
     for device in (torch.device("cuda", 0), torch.device("cpu")):
-        with varlen_tables.on_device(device):
+        with checks.on_device(device):
             pass
     assert entered == []
-    with varlen_tables.on_device(torch.device("cuda", 1)):
+    with checks.on_device(torch.device("cuda", 1)):
         pass
     assert entered == [torch.device("cuda", 1)]
