@@ -30,6 +30,7 @@ from ..frontend.ir import DType, Op
 from ..frontend.simplify import simplify
 from ..frontend.trace import MASK_MOD, TracedMod
 from .block_mask import BlockMask, TracedMaskMod
+from .create import ordered_tables
 from .tables import dense_to_ordered, ordered_to_dense
 from .validate import capturing, mark_checked, table_generations
 
@@ -71,11 +72,9 @@ def clipped(block_mask, traced: TracedMod) -> BlockMask:
     tiles, in ascending order."""
     L, S = (int(n) for n in block_mask.seq_lengths)
     block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
-    grids = [block_classes(block_mask, -(-L // block_q), -(-S // block_kv)) == klass
-             for klass in (PARTIAL, FULL)]
-    tables = [t for grid in grids for t in dense_to_ordered(grid)]
-    tables += [t for grid in grids for t in dense_to_ordered(grid.transpose(-2, -1))]
-    mask = BlockMask((L, S), *tables, BLOCK_SIZE=(block_q, block_kv),
+    classes = block_classes(block_mask, -(-L // block_q), -(-S // block_kv))
+    mask = BlockMask((L, S), *ordered_tables(classes, *classes.shape[:2]),
+                     BLOCK_SIZE=(block_q, block_kv),
                      mask_mod=TracedMaskMod(traced), traced_mask=traced)
     mark_checked(mask)  # built from checked tables, over the lengths
     return mask
