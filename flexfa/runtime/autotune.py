@@ -30,8 +30,8 @@ import torch
 import triton
 
 from .. import config
-from ..blockmask.validate import capturing
 from ..blockmask.checks import on_device
+from ..blockmask.validate import capturing
 from ..memo import BoundedMemo
 from ..version import __version__
 from .cache import file_lock, write_atomic
