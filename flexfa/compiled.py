@@ -15,9 +15,9 @@ object Dynamo cannot take ``cell_contents`` of once it has inlined ``fn``, and t
 called once on one-element tensors (dead code in the graph) so that Dynamo guards on every Python
 value they read (``self.window``), as it would for torch's FlexAttention.
 
-Mods must exist outside the compiled code (module-level functions, closures made outside,
-bound methods, ``nn.Module``s): a function defined inside the compiled function has no
-Python object at trace time; ``describe`` cannot see it and Dynamo stops with an error.
+A mod made inside the compiled code (a ``def`` there, a closure a factory returns there, a
+``functools.partial``) has no Python object at trace time: ``flexfa.made_inside`` rebuilds it
+from Dynamo's values for ``describe`` and hands the traced code the values its paths start at.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
 from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask,
                      check_scale, check_shapes, check_tensors)
+from .made_inside import MADE_INSIDE, SLOT, Inside, made_inside
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
@@ -63,16 +64,25 @@ def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
 
 def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
                enable_gqa: bool, kernel_options) -> tuple:
-    score_mod = _rebound(score_mod, score_class, score_id)
-    mask_mod = _rebound(mask_mod, mask_class, mask_id)
+    score_inside = Inside(*score_id) if score_class == MADE_INSIDE else None
+    mask_inside = Inside(*mask_id) if mask_class == MADE_INSIDE else None
+    score_mod = score_inside.function if score_inside else _rebound(score_mod, score_class,
+                                                                     score_id)
+    mask_mod = mask_inside.function if mask_inside else _rebound(mask_mod, mask_class, mask_id)
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     from .ops import register_mods  # registers the operators (first call inside torch.compile)
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
-    return (key, buffer_paths(score_mod, score, unread=True), buffer_paths(mask_mod, mask),
-            sized_paths(score_mod, score_sized), sized_paths(mask_mod, mask_sized))
+    described = (key, buffer_paths(score_mod, score, unread=True, inside=score_inside),
+                 buffer_paths(mask_mod, mask, inside=mask_inside),
+                 sized_paths(score_mod, score_sized, score_inside),
+                 sized_paths(mask_mod, mask_sized, mask_inside))
+    for inside in (score_inside, mask_inside):
+        if inside is not None:
+            inside.export()  # (after every path is rewritten: the slots are complete)
+    return described
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
@@ -120,12 +130,11 @@ def _raised_as_eagerly(fn):
 def unbound(mod) -> tuple:
     """(function, class, id) of ``mod`` as ``describe`` takes it (traced by Dynamo): a
     function is itself; a bound method is its function and its instance's class and id;
-    another object (an ``nn.Module``, a callable instance, a ``functools.partial``) is its
-    class and id. torch 2.11's Dynamo turns an ``nn.Module`` or other object into no constant
-    (2.13 does, with an identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an
-    object from outside the compiled code into constants on both, guarding on the object's
-    identity. A partial goes by identity too: as itself it is a constant only while its bound
-    values are (a bound tensor never is, nor a number Dynamo made symbolic after it changed)."""
+    another object (an ``nn.Module``, a callable instance) is its class and id. torch 2.11's
+    Dynamo turns an ``nn.Module`` or other object into no constant (2.13 does, with an
+    identity guard), but it folds ``id(obj)`` and ``type(obj)`` of an object from outside the
+    compiled code into constants on both, guarding on the object's identity. Mods made inside
+    the compiled code and partials never come here (``flexfa.made_inside``)."""
     if mod is None or isinstance(mod, types.FunctionType):
         return mod, None, None
     if isinstance(mod, types.MethodType):
@@ -144,10 +153,9 @@ def _rebound(function, cls, object_id):
 def _live_object(cls, object_id: int):
     """The object ``id(obj) == object_id``. Safe only while the object is alive, as it is
     here: ``describe`` runs while Dynamo traces the frame that holds it, a few bytecodes
-    after Dynamo took its id (its variable holds the object). An object made inside the
-    compiled function has no Python object yet: Dynamo's ``id`` is then that of its stand-in
-    (a VariableTracker, alive on the traced frame's stack), which is a constant only where
-    all it holds is (a partial of constants)."""
+    after Dynamo took its id (its variable holds the object). Objects made inside the
+    compiled function go through ``flexfa.made_inside`` (Dynamo's ``id`` of one is a
+    stand-in's); one that still comes here is refused unless its stand-in converts."""
     instance = ctypes.cast(object_id, ctypes.py_object).value
     if type(instance) is cls:
         return instance
@@ -178,7 +186,7 @@ def _traced(mod, kind) -> tuple:
     return entry.traced, sized
 
 
-def buffer_paths(mod, traced, unread: bool = False) -> tuple:
+def buffer_paths(mod, traced, unread: bool = False, inside: Inside | None = None) -> tuple:
     """The path from ``mod`` to each of ``traced``'s captured tensors, by identity: tuples of
     steps ``("attr", name)``, ``("item", key)``, ``("cell", free variable)``, ``("global", name)``.
     ``unread``: then the paths of the captured tensors the trace removed
@@ -191,7 +199,7 @@ def buffer_paths(mod, traced, unread: bool = False) -> tuple:
     tensors = (*traced.buffers, *(traced.dropped if unread else ()))
     if not tensors:
         return ()
-    found = _find_paths(mod, tensors)
+    found = _find_paths(mod, tensors, inside)
     missing = [s for s in range(len(tensors))
                if s not in found and (s < read or tensors[s].requires_grad)]
     if missing:
@@ -207,17 +215,18 @@ def buffer_paths(mod, traced, unread: bool = False) -> tuple:
     return tuple(found[s] for s in range(len(tensors)) if s in found)
 
 
-def sized_paths(mod, tensors) -> tuple:
+def sized_paths(mod, tensors, inside: Inside | None = None) -> tuple:
     """(path, shape) of each of ``tensors`` (captured tensors whose sizes the trace of ``mod``
     read, so that its IR may hold them as constants: ``t[q_idx - kv_idx + t.shape[0] // 2]``)
     that can be reached from ``mod``; ``pin_sizes`` guards them."""
-    found = _find_paths(mod, tensors)
+    found = _find_paths(mod, tensors, inside)
     return tuple((found[s], tuple(tensors[s].shape)) for s in sorted(found))
 
 
-def _find_paths(mod, tensors) -> dict:
+def _find_paths(mod, tensors, inside: Inside | None = None) -> dict:
     """{slot: path} of the ``tensors`` reachable from ``mod`` (by identity, shortest paths);
-    gives the functions on the paths their cell readers."""
+    gives the functions on the paths their cell readers. For a mod made inside the compiled
+    function, the paths start at the Dynamo values ``inside`` hands the traced code."""
     wanted = {id(t): slot for slot, t in enumerate(tensors)}
     found: dict[int, tuple] = {}
     queue = collections.deque([(mod, ())])
@@ -234,6 +243,8 @@ def _find_paths(mod, tensors) -> dict:
                 queue.append((child, (*path, step)))
     for path in found.values():
         _add_cell_readers(mod, path)
+    if inside is not None:
+        found = {slot: inside.rewrite(path) for slot, path in found.items()}
     return found
 
 
@@ -312,10 +323,13 @@ def _step(obj, kind: str, arg):
     return obj.__globals__[arg]
 
 
-def follow(obj, path: tuple):
-    """The object at ``path`` from ``obj`` (traced by Dynamo: each step is guarded)."""
+def follow(obj, path: tuple, cells: tuple = ()):
+    """The object at ``path`` from ``obj`` (traced by Dynamo: each step is guarded); a path
+    of a mod made inside the compiled function starts at one of ``cells`` (``Inside``)."""
     for kind, arg in path:
-        if kind == "attr":
+        if kind == SLOT:
+            obj = cells[arg]
+        elif kind == "attr":
             obj = getattr(obj, arg)
         elif kind == "item":
             obj = obj[arg]
@@ -332,16 +346,17 @@ def follow(obj, path: tuple):
     return obj
 
 
-def pin_sizes(mod, sized: tuple) -> None:
+def pin_sizes(mod, sized: tuple, cells: tuple = ()) -> None:
     """Guard the sizes of the captured tensors whose sizes the trace of ``mod`` read (traced by
     Dynamo: comparing a dynamic size specializes it), so that under dynamic shapes another
     size compiles again, tracing the mod again, instead of running an IR that holds the old
     one as a constant."""
     for path, shape in sized:
-        tensor = follow(mod, path)
-        if tuple(tensor.shape) != shape:  # the graph is traced for this shape only
+        tensor = follow(mod, path, cells)
+        # (size by size: torch 2.11's Dynamo fails on != of a shape tuple and a constant one)
+        if tensor.dim() != len(shape) or any(tensor.shape[d] != n for d, n in enumerate(shape)):
             raise AssertionError(f"captured tensor of shape {tuple(tensor.shape)}, traced with "
-                                 f"{shape}")
+                                 f"{shape}")  # the graph is traced for this shape only
 
 
 def _guard_mod(mod, kind: str, device: torch.device) -> None:
@@ -430,14 +445,19 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         # (an int that changed between calls becomes symbolic, which ``describe`` cannot take)
         kernel_options = {name: operator.index(value) if type(value) is int else value
                           for name, value in kernel_options.items()}
+    score_cells = mask_cells = ()  # (set by describe for mods made inside: made_inside.py)
+    score_parts = ((None, MADE_INSIDE, ("score_mod", "score_cells"))
+                   if made_inside("score_mod") else unbound(score_mod))
+    mask_parts = ((None, MADE_INSIDE, ("mask_mod", "mask_cells"))
+                  if made_inside("mask_mod") else unbound(mask_mod))
     mods, score_paths, mask_paths, score_sized, mask_sized = describe(
-        *unbound(score_mod), *unbound(mask_mod), enable_gqa, kernel_options)
+        *score_parts, *mask_parts, enable_gqa, kernel_options)
     _guard_mod(score_mod, SCORE_MOD, device)
     _guard_mod(mask_mod, MASK_MOD, device)
-    pin_sizes(score_mod, score_sized)
-    pin_sizes(mask_mod, mask_sized)
-    score_buffers = [follow(score_mod, p) for p in score_paths]
-    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    pin_sizes(score_mod, score_sized, score_cells)
+    pin_sizes(mask_mod, mask_sized, mask_cells)
+    score_buffers = [follow(score_mod, p, score_cells) for p in score_paths]
+    mask_buffers = [follow(mask_mod, p, mask_cells) for p in mask_paths]
     tables, block = [], []
     if block_mask is not None:
         tables = [getattr(block_mask, n) for n in TABLES]
@@ -468,11 +488,13 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     block = block_size_pair(func, BLOCK_SIZE)
     B, H = batch_size(func, "B", B), batch_size(func, "H", H)
     device = default_device() if device is None else torch.device(device)
-    mods, _, mask_paths, _, mask_sized = describe(*unbound(None), *unbound(mask_mod), False,
-                                                  None)
+    mask_cells = ()  # (set by describe for a mask_mod made inside: made_inside.py)
+    mask_parts = ((None, MADE_INSIDE, ("mask_mod", "mask_cells"))
+                  if made_inside("mask_mod") else unbound(mask_mod))
+    mods, _, mask_paths, _, mask_sized = describe(*unbound(None), *mask_parts, False, None)
     _guard_mod(mask_mod, MASK_MOD, device)
-    pin_sizes(mask_mod, mask_sized)
-    mask_buffers = [follow(mask_mod, p) for p in mask_paths]
+    pin_sizes(mask_mod, mask_sized, mask_cells)
+    mask_buffers = [follow(mask_mod, p, mask_cells) for p in mask_paths]
     tables = torch.ops.flexfa.block_mask_tables(mods, B, H, Q_LEN, KV_LEN, list(block),
                                                 bool(separate_full_blocks), mask_buffers, device)
     return BlockMask.from_graph((Q_LEN, KV_LEN), tables_of(tables, separate_full_blocks), block,

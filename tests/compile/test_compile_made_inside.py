@@ -1,0 +1,194 @@
+"""Mods defined inside the compiled function (``def`` in ``forward``, a factory such as
+``flexfa.mods.alibi`` called there) under ``torch.compile(fullgraph=True)``: Dynamo has no
+Python function for them, and until flexfa.made_inside one that closed over a tensor, a
+module or a nested helper stopped Dynamo with ``ClosureConversionError`` (torch's
+FlexAttention takes them). Each compiled result and gradient equals eager flexfa's on the
+same call, captured tensors are read afresh on every run, and a changed Python value
+compiles again."""
+import pytest
+import torch
+
+import flexfa
+from flexfa import mods
+
+from compile_utils import assert_same, make_inputs, run_step
+
+GLOBAL_BIAS = torch.tensor([0.25, -0.5])
+
+
+def _compiled(fn, **options):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aot_eager", fullgraph=True, **options)
+
+
+def _frames() -> int:
+    """Frames Dynamo compiled so far (recompiles included)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_a_closure_over_a_learnable_argument_gets_its_gradient_and_fresh_values():
+    def layer(q, k, v, bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[h] * (q_idx - kv_idx)
+        return flexfa.flex_attention(q, k, v, biased) * 2
+
+    bias = torch.tensor([0.1, -0.2], requires_grad=True)
+    inputs = make_inputs(40, seed=1)
+    compiled = _compiled(layer)
+    for step in range(2):
+        assert_same(run_step(lambda *a: compiled(*a, bias), inputs, [bias]),
+                    run_step(lambda *a: layer(*a, bias), inputs, [bias]))
+        with torch.no_grad():
+            bias.mul_(-3.0)  # changed in place: read afresh by the same graph
+    graphs = _frames()
+    other = torch.tensor([0.4, 0.3], requires_grad=True)  # another tensor of the same shape
+    assert_same(run_step(lambda *a: compiled(*a, other), inputs, [other]),
+                run_step(lambda *a: layer(*a, other), inputs, [other]))
+    assert _frames() == graphs
+
+
+class _Relative(torch.nn.Module):
+    """Mods defined in forward over the module (a learnable table, a window in Python)."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.linspace(-0.5, 0.5, 79))
+        self.window = window
+
+    def forward(self, q, k, v):
+        def relative(score, b, h, q_idx, kv_idx):
+            return score + self.table[q_idx - kv_idx + 39]
+
+        def banded(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx).abs() < self.window
+
+        mask = flexfa.create_block_mask(banded, None, None, q.shape[2], k.shape[2],
+                                        device=q.device, BLOCK_SIZE=16)
+        return flexfa.flex_attention(q, k, v, relative, mask)
+
+
+def test_methods_state_in_a_mod_defined_in_forward():
+    """A closure over ``self``: the parameter is an operator input with its gradient, the
+    window a guarded Python value (changed: compiled again, the new mask)."""
+    model = _Relative(window=12)
+    compiled = _compiled(model)
+    inputs = make_inputs(40, seed=2)
+    narrow = run_step(compiled, inputs, [model.table])
+    assert_same(narrow, run_step(model, inputs, [model.table]))
+    model.window = 30
+    wide = run_step(compiled, inputs, [model.table])
+    assert_same(wide, run_step(model, inputs, [model.table]))
+    assert not torch.allclose(narrow[0], wide[0], rtol=1e-3, atol=1e-3)
+
+
+def test_a_tensor_computed_in_the_graph_a_helper_and_a_global():
+    """A cell holding a graph intermediate (its gradient flows back to what it was computed
+    from), one holding a nested helper that closes over a tensor, and a global tensor read by
+    a mod defined there (refused with an InputError before)."""
+    def layer(q, k, v, slopes):
+        doubled = slopes * 2.0
+
+        def distance(h, q_idx, kv_idx):
+            return (q_idx - kv_idx) * doubled[h]
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + distance(h, q_idx, kv_idx) + GLOBAL_BIAS[h] - doubled[1 - h]
+        return flexfa.flex_attention(q, k, v, mod)
+
+    slopes = torch.tensor([0.05, -0.1], requires_grad=True)
+    inputs = make_inputs(40, seed=3)
+    assert_same(run_step(lambda *a: _compiled(layer)(*a, slopes), inputs, [slopes]),
+                run_step(lambda *a: layer(*a, slopes), inputs, [slopes]))
+
+
+def test_a_ready_mod_built_inside_the_compiled_function():
+    """``mods.alibi(H)`` called in the compiled function (its slopes made in the graph) and a
+    document mask over a local tensor of ids, built there."""
+    def layer(q, k, v, ids):
+        def same_document(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+        mask = flexfa.create_block_mask(same_document, None, None, q.shape[2], k.shape[2],
+                                        device=q.device, BLOCK_SIZE=16)
+        return flexfa.flex_attention(q, k, v, mods.alibi(q.shape[1]), mask)
+
+    inputs = make_inputs(48, seed=4)
+    compiled = _compiled(layer)
+    for ids in (torch.arange(48) // 20, torch.arange(48) // 7):  # new contents, same graph
+        assert_same(run_step(lambda *a: compiled(*a, ids), inputs, [inputs[0]]),
+                    run_step(lambda *a: layer(*a, ids), inputs, [inputs[0]]))
+
+
+def test_dynamic_lengths_with_a_mask_defined_inside():
+    def layer(q, k, v, ids):
+        def same_document(b, h, q_idx, kv_idx):
+            return ids[q_idx] == ids[kv_idx]
+        mask = flexfa.create_block_mask(same_document, None, None, q.shape[2], k.shape[2],
+                                        device=q.device, BLOCK_SIZE=16)
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+
+    compiled = _compiled(layer, dynamic=True)
+    for length in (40, 56):
+        inputs = make_inputs(length, seed=length)
+        ids = torch.arange(length) // 13
+        assert_same(run_step(lambda *a: compiled(*a, ids), inputs, [inputs[0]]),
+                    run_step(lambda *a: layer(*a, ids), inputs, [inputs[0]]))
+
+
+def test_decode_with_a_mod_defined_inside():
+    def step(q, k, v, bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[h]
+        return flexfa.flex_decode(q, k, v, biased)
+
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 1, 16, generator=generator)
+    k, v = (torch.randn(1, 2, 40, 16, generator=generator) for _ in range(2))
+    bias = torch.tensor([0.3, -0.3])
+    compiled = _compiled(step)
+    torch.testing.assert_close(compiled(q, k, v, bias), step(q, k, v, bias), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_what_cannot_be_followed_is_refused_by_name():
+    """An object made inside the compiled function in a mod's cell has no state flexfa can
+    read at trace time; a mod reading a captured tensor's value in Python is refused as one
+    defined outside."""
+    class Holder:
+        def __init__(self, bias):
+            self.bias = bias
+
+    def with_object(q, k, v, bias):
+        holder = Holder(bias)
+
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + holder.bias[h]
+        return flexfa.flex_attention(q, k, v, biased)
+
+    def with_read(q, k, v, bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + float(bias[0])
+        return flexfa.flex_attention(q, k, v, biased)
+
+    class Scaled:
+        factor = 1.0  # the class's default, which the instance made below overrides
+
+        def __init__(self, factor):
+            self.factor = factor
+
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score * self.factor
+
+    def with_callable(q, k, v):
+        return flexfa.flex_attention(q, k, v, Scaled(0.5))
+
+    q, k, v = (t.detach() for t in make_inputs(40, seed=6))
+    bias = torch.tensor([0.1, 0.2])
+    with pytest.raises(flexfa.InputError, match="closes over 'holder'"):
+        _compiled(with_object)(q, k, v, bias)
+    # (torch 2.11's id() of it was an empty stand-in of its class: traced with factor 1.0)
+    with pytest.raises(flexfa.InputError, match="Scaled made inside the compiled function"):
+        _compiled(with_callable)(q, k, v)
+    with pytest.raises(flexfa.InputError, match="Scaled made inside the compiled function"):
+        _compiled(lambda q, k, v: flexfa.flex_attention(q, k, v, Scaled(0.5).__call__))(q, k, v)
+    with pytest.raises(Exception):  # Dynamo or flexfa: never a silent constant
+        _compiled(with_read)(q, k, v, bias)
