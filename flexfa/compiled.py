@@ -71,10 +71,13 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     mask_mod = mask_inside.function if mask_inside else _rebound(mask_mod, mask_class, mask_id)
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
-    from .ops import register_mods  # registers the operators (first call inside torch.compile)
+    from .ops import class_pins, register_mods, watched  # (registers the operators: first call)
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
+    # the class attributes the mods read, checked on every run (ops.check_unchanged): torch
+    # 2.11's Dynamo does not guard them
+    key = watched(key, class_pins(score_mod) + class_pins(mask_mod))
     described = (key, buffer_paths(score_mod, score, unread=True, inside=score_inside),
                  buffer_paths(mask_mod, mask, inside=mask_inside),
                  sized_paths(score_mod, score_sized, score_inside),

@@ -16,7 +16,10 @@ data alive; it is bounded, and a key that fell out of it raises an error that sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import itertools
+import types
 import weakref
 
 import torch
@@ -30,14 +33,15 @@ from .calls import attention_call
 from .decode import decode_call
 from .errors import InputError
 from .features import check_sinks
-from .frontend.trace import TracedMod
+from .frontend.guards import code_names, exact, is_library_name
+from .frontend.trace import TracedMod, mod_name
 from .inputs import check_block_mask, check_shapes, check_tensors
 from .memo import BoundedMemo, keep_on_owner
 from .runtime.call import SINKS_GRAD, Dropout
 from .runtime.layout import output_like
 from .runtime.options import KernelOptions
 
-__all__ = ["ModsEntry", "register_mods", "mods_entry"]
+__all__ = ["ModsEntry", "register_mods", "mods_entry", "watched", "class_pins", "check_unchanged"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -104,12 +108,106 @@ def register_mods(score: TracedMod | None, mask: TracedMod | None, options: Kern
 
 
 def mods_entry(key: str) -> ModsEntry:
+    """The entry of ``register_mods``' key (a ``watched`` key's watch left out)."""
+    key = key.partition(_WATCH)[0]
     entry = _REGISTRY.get(key)
     if entry is None:
         raise InputError(f"flexfa: the compiled graph's mods {key!r} are no longer registered "
                          f"(more than {_REGISTRY.size} mods were compiled since); call "
                          "torch._dynamo.reset() and compile again")
     return entry
+
+
+# ---- class attributes torch.compile may not guard ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClassPin:
+    """A number or string a mod's code read from a class it names (``Config.window``), as
+    the graph's trace saw it; the class held weakly."""
+
+    ref: object  # weakref.ref to the class
+    name: str
+    value: object  # guards.exact of the value
+    mod: str  # the mod's name, for the error
+
+
+_WATCH = "@"  # between a key and its pins' number
+_NO_ATTRIBUTE = object()
+_PINS = BoundedMemo(4096, "compiled mods' class pins", register=False)
+_PIN_NUMBERS = itertools.count()
+
+
+def watched(key: str, pins: tuple) -> str:
+    """``key`` with a number under which the operators find ``pins`` (``check_unchanged``)."""
+    if not pins:
+        return key
+    number = str(next(_PIN_NUMBERS))
+    _PINS[number] = pins
+    return f"{key}{_WATCH}{number}"
+
+
+def check_unchanged(key: str) -> None:
+    """Raise where a class attribute a graph's mod read has changed since: torch 2.11's Dynamo
+    folds a number read from a class (``Config.window``) into the graph with no guard, so the
+    graph would run the old mod (2.13 guards it and compiles again before the graph runs)."""
+    _, _, number = key.partition(_WATCH)
+    if not number:
+        return
+    pins = _PINS.get(number)
+    if pins is None:
+        raise InputError(f"flexfa: the compiled graph's mods {key!r} are no longer registered "
+                         f"(more than {_PINS.size} graphs were compiled since); call "
+                         "torch._dynamo.reset() and compile again")
+    for pin in pins:
+        cls = pin.ref()
+        if cls is not None and exact(getattr(cls, pin.name, _NO_ATTRIBUTE)) != pin.value:
+            raise InputError(
+                f"the mod {pin.mod!r} reads {cls.__qualname__}.{pin.name}, which changed since "
+                "torch.compile traced it, and this torch's Dynamo does not guard class "
+                "attributes: the compiled graph would run the old mod. Call "
+                "torch._dynamo.reset() after changing it, or read it through an instance "
+                "(self.window), a global or a closure, which Dynamo guards")
+
+
+def class_pins(mod) -> tuple:
+    """The ClassPins of what ``mod``'s code reads from the classes it names (its globals and
+    closure cells; a bound method's function, a partial's, a callable object's ``__call__``
+    and ``forward``): numbers, bools and strings, the values Dynamo folds unguarded."""
+    functions = []
+    while isinstance(mod, functools.partial):
+        mod = mod.func
+    if isinstance(mod, types.MethodType):
+        mod = mod.__func__
+    if isinstance(mod, types.FunctionType):
+        functions.append(mod)
+    elif mod is not None:
+        functions += [f for f in (getattr(type(mod), n, None) for n in ("__call__", "forward"))
+                      if isinstance(f, types.FunctionType)]
+    pins = []
+    for function in functions:
+        names = code_names(function.__code__)
+        reached = [function.__globals__.get(n) for n in names]
+        reached += [c.cell_contents for c in function.__closure__ or () if _filled(c)]
+        for cls in {id(c): c for c in reached if isinstance(c, type)}.values():
+            if is_library_name(cls.__module__ or ""):
+                continue
+            for name in sorted(names):
+                value = getattr(cls, name, _NO_ATTRIBUTE)
+                if type(value) in (bool, int, float, str):
+                    try:
+                        ref = weakref.ref(cls)
+                    except TypeError:
+                        continue
+                    pins.append(ClassPin(ref, name, exact(value), mod_name(function)))
+    return tuple(pins)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 # ---- block masks rebuilt from a graph's tables ---------------------------------------------
@@ -202,6 +300,7 @@ def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, mods: str, scal
     """(out in the query's dimension order, lse [B, Hq, L] float32, the rows' max scores
     [B, Hq, L] float32 or an empty tensor when ``return_max`` is False). ``sinks``: [Hq]
     sink logits or None; ``dropout_seed``: int64 [seed, offset], read when dropout_p > 0."""
+    check_unchanged(mods)
     call, key, value = _call(query, key, value, mods, scale, score_buffers, mask_buffers, tables,
                              block_size, sinks=sinks, dropout=_dropout(dropout_p, dropout_seed))
     out, lse, maxs = run_forward(query, key, value, call, return_lse=True, return_max=return_max)
@@ -340,6 +439,7 @@ def flex_decode_op(query: Tensor, key: Tensor, value: Tensor, mods: str, scale: 
     """(out [B, Hq, L, Ev] in the query's dimension order, lse [B, Hq, L] float32) of
     ``flex_decode`` with the registered mods; ``mask_lengths`` are the block mask's own
     (positions x cache length). Inference only: no autograd formula."""
+    check_unchanged(mods)
     entry = mods_entry(mods)
     score = entry.score.with_buffers(score_buffers) if entry.score else None
     block_mask = _block_mask(mods, entry, mask_buffers, tables, block_size, tuple(mask_lengths))
@@ -363,6 +463,7 @@ def block_mask_tables_op(mods: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
                          mask_buffers: list[Tensor], device: torch.device) -> list[Tensor]:
     """The tables of ``create_block_mask`` (kv, full kv, q, full q; without the full ones when
     ``separate_full_blocks`` is False) of the registered mask_mod reading ``mask_buffers``."""
+    check_unchanged(mods)
     traced = mods_entry(mods).mask.with_buffers(mask_buffers)
     mask = create_block_mask(traced, B, H, Q_LEN, KV_LEN, device=device,
                              BLOCK_SIZE=tuple(block_size),

@@ -259,7 +259,7 @@ class _Walk:
                        value.requires_grad)
 
     def number(self, value) -> None:
-        self.parts += (type(value), _exact(value))
+        self.parts += (type(value), exact(value))
 
     def enum_member(self, value: enum.Enum) -> None:
         """A member by its class and name, and its value's contents (which may be mutable)."""
@@ -551,7 +551,7 @@ def _implicit_methods(cls: type, constructed: bool) -> frozenset:
     return known[1] if constructed else known[0]
 
 
-def _exact(value):
+def exact(value):
     """A number as the fingerprint compares it: floats by their bits (0.0 == -0.0, but
     ``1 / x`` and ``copysign`` tell them apart)."""
     if isinstance(value, float):

@@ -149,13 +149,31 @@ def _masked(q, k, v, block_mask):
     return flexfa.flex_attention(q, k, v, block_mask=block_mask)
 
 
+class _Probe:
+    value = 1
+
+
+def _dynamo_guards_class_attributes() -> bool:
+    """Whether this torch's Dynamo guards a number read from a class attribute (2.13 does,
+    2.11 folds it into the graph unguarded)."""
+    compiled = torch.compile(lambda x: x * _Probe.value, backend="eager", fullgraph=True)
+    try:
+        compiled(torch.ones(1))
+        _Probe.value = 2
+        return compiled(torch.ones(1)).item() == 2.0
+    finally:
+        _Probe.value = 1
+
+
 def test_a_mask_mod_whose_state_changed_runs_its_new_state_compiled_as_eagerly(monkeypatch):
     """torch's semantics (BlockMask.traced_mask): a mask built before its mask_mod's Python
     state changed (a window in a class attribute or a closure cell, a captured tensor
     rebound) applies the mod as it is now on its old tables, eagerly and compiled, whether
     the graph was compiled before the change or after it. The new masks are within the old
     tables' partial blocks (no full block changes), so the float64 reference of the new mod
-    is the expected result; it differs from the old one."""
+    is the expected result; it differs from the old one. Where Dynamo does not guard the
+    class attribute (torch 2.11) the graph compiled before the change is refused by flexfa's
+    operator instead of running the old mod silently."""
     from flexfa.reference import attention_reference
     monkeypatch.setattr(_Window, "size", 10)
     monkeypatch.setitem(_DOCUMENTS, "ids", torch.arange(64) // 20)
@@ -177,6 +195,12 @@ def test_a_mask_mod_whose_state_changed_runs_its_new_state_compiled_as_eagerly(m
                 torch.testing.assert_close(compiled(q, k, v, block_mask), before,
                                            rtol=0, atol=0)
             change(1)
+            if compile_first and mod is _windowed and not _dynamo_guards_class_attributes():
+                # torch 2.11: no guard, the graph would run the old mod; flexfa's operator
+                # finds the mod's trace changed (ops.check_unchanged) and refuses
+                with pytest.raises(flexfa.InputError, match="reads _Window.size, which changed since"):
+                    compiled(q, k, v, block_mask)
+                continue
             got = compiled(q, k, v, block_mask)
             torch.testing.assert_close(got, _masked(q, k, v, block_mask), rtol=0, atol=0)
             want = attention_reference(q, k, v, mask_mod=mod).to(got.dtype)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import weakref
 
+import pytest
 import torch
 
 import flexfa
@@ -82,6 +83,38 @@ def test_registry_keeps_no_captured_tensor_alive():
     del bias
     gc.collect()
     assert ref() is None
+
+
+class _Limit:
+    value = 20  # a class attribute, which torch 2.11's Dynamo reads unguarded
+
+
+def _below_limit(b, h, q_idx, kv_idx):
+    return kv_idx < _Limit.value
+
+
+def test_operators_refuse_a_mod_whose_trace_changed_since_the_graph(monkeypatch):
+    """A graph's operators check that each mod from outside still traces to the graph's IR
+    (ops.check_unchanged): where Dynamo installed no guard for a value the mod reads, the
+    graph would otherwise run the old mod (torch 2.11 and class attributes:
+    tests/compile/test_compile_guards.py runs it compiled)."""
+    key, *_ = describe(*unbound(None), *unbound(_below_limit), False, None)
+    cpu = torch.device("cpu")
+    tables = torch.ops.flexfa.block_mask_tables(key, 1, 1, 40, 40, [16, 16], True, [], cpu)
+    q, k, v = (t.detach() for t in _case()[2:5])
+    args = (q, k, v, key, None, False, [], [], tables, [16, 16])
+    before = torch.ops.flexfa.flex_attention(*args)[0]
+    monkeypatch.setattr(_Limit, "value", 30)
+    for call in (lambda: torch.ops.flexfa.flex_attention(*args),
+                 lambda: torch.ops.flexfa.block_mask_tables(key, 1, 1, 40, 40, [16, 16], True,
+                                                            [], cpu),
+                 lambda: torch.ops.flexfa.flex_decode(q[:, :, :1], k, v, key, None, [], [],
+                                                      tables, [16, 16], [40, 40], None, None,
+                                                      None, None, True)):
+        with pytest.raises(flexfa.InputError, match="reads _Limit.value, which changed since"):
+            call()
+    monkeypatch.setattr(_Limit, "value", 20)  # the traced state again: runs
+    assert torch.equal(torch.ops.flexfa.flex_attention(*args)[0], before)
 
 
 def test_import_does_not_load_dynamo_or_triton():
