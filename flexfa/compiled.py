@@ -34,7 +34,7 @@ from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .frontend.guards import code_names, is_library_name
+from .frontend.guards import code_names, filled, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
@@ -262,7 +262,7 @@ def _children(obj):
         if is_library_name(obj.__module__ or ""):
             return []
         cells = [(("cell", n), c.cell_contents)
-                 for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or ()) if _filled(c)]
+                 for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or ()) if filled(c)]
         names = [(("global", n), obj.__globals__[n]) for n in sorted(code_names(obj.__code__))
                  if n in obj.__globals__]
         return cells + names
@@ -281,14 +281,6 @@ def _children(obj):
             children += [(("attr", n), v) for n, v in namespace.get(table, {}).items()
                          if v is not None]
     return children
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _add_cell_readers(mod, path: tuple) -> None:

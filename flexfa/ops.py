@@ -33,7 +33,7 @@ from .calls import attention_call
 from .decode import decode_call
 from .errors import InputError
 from .features import check_sinks
-from .frontend.guards import code_names, exact, is_library_name
+from .frontend.guards import code_names, exact, filled, is_library_name
 from .frontend.trace import TracedMod, mod_name
 from .inputs import check_block_mask, check_shapes, check_tensors
 from .memo import BoundedMemo, keep_on_owner
@@ -187,7 +187,7 @@ def class_pins(mod) -> tuple:
     for function in functions:
         names = code_names(function.__code__)
         reached = [function.__globals__.get(n) for n in names]
-        reached += [c.cell_contents for c in function.__closure__ or () if _filled(c)]
+        reached += [c.cell_contents for c in function.__closure__ or () if filled(c)]
         for cls in {id(c): c for c in reached if isinstance(c, type)}.values():
             if is_library_name(cls.__module__ or ""):
                 continue
@@ -200,14 +200,6 @@ def class_pins(mod) -> tuple:
                         continue
                     pins.append(ClassPin(ref, name, exact(value), mod_name(function)))
     return tuple(pins)
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 # ---- block masks rebuilt from a graph's tables ---------------------------------------------

@@ -515,6 +515,11 @@ def _cell(cell):
         return _ABSENT
 
 
+def filled(cell) -> bool:
+    """Whether a closure cell holds a value (a variable assigned later has an empty one)."""
+    return _cell(cell) is not _ABSENT
+
+
 _MODULE_CALL = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
 # special methods no mod invokes implicitly while tracing (printing, pickling, copying,
 # attribute stores); construction's are added only for a class the code may call
