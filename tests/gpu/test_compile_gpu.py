@@ -160,3 +160,84 @@ def test_compiled_refusals_are_eager_errors_under_this_torch():
     result = _run(["-c", REFUSALS])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "refused as eagerly: 5" in result.stdout
+
+
+MADE_INSIDE = """
+import torch
+import flexfa
+from flexfa import mods
+
+torch.manual_seed(0)
+B, H, L, E = 1, 4, 512, 64
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2 * L - 1, device="cuda"))
+
+    def forward(self, q, k, v, ids):
+        def relative(score, b, h, q_idx, kv_idx):  # defined here, over self
+            return score + self.table[q_idx - kv_idx + L - 1]
+
+        def same_document(b, h, q_idx, kv_idx):  # over a local tensor
+            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+        mask = flexfa.create_block_mask(same_document, None, None, L, L, device="cuda")
+        alibi = mods.alibi(H)  # a factory called inside
+        return flexfa.flex_attention(q, k, v, relative, mask) + \\
+            flexfa.flex_attention(q, k, v, alibi, mask)
+
+
+layer = Layer()
+q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+compiled = torch.compile(layer, fullgraph=True)
+for ids in (torch.arange(L, device="cuda") // 100, torch.arange(L, device="cuda") // 37):
+    results = []
+    for fn in (layer, compiled):
+        out = fn(q, k, v, ids)
+        out.float().sum().backward()
+        results.append((out.detach().float(), q.grad.float(), layer.table.grad.clone()))
+        q.grad = k.grad = v.grad = layer.table.grad = None
+    for name, got, want in zip(("out", "dq", "dtable"), results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=name)
+print("made inside: compiled and eager agree")
+
+
+class Config:
+    window = 64
+
+
+def banded(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() < Config.window
+
+
+def windowed(q, k, v):
+    mask = flexfa.create_block_mask(banded, None, None, L, L, device="cuda")
+    return flexfa.flex_attention(q, k, v, block_mask=mask)
+
+
+q, k, v = (t.detach() for t in (q, k, v))
+compiled = torch.compile(windowed, fullgraph=True)
+compiled(q, k, v)
+Config.window = 200
+try:
+    got = compiled(q, k, v)
+except flexfa.InputError as error:  # torch 2.11: no guard on Config.window, flexfa refuses
+    assert "reads Config.window, which changed since" in str(error), error
+    print("class attribute: refused")
+else:  # a torch whose Dynamo guards it compiled again
+    torch.testing.assert_close(got.float(), windowed(q, k, v).float(), rtol=2e-2, atol=2e-2)
+    print("class attribute: compiled again")
+"""
+
+
+def test_mods_made_inside_and_class_attributes_under_this_torch():
+    """Mods defined inside the compiled function (flexfa.made_inside: over self, over a local
+    tensor, mods.alibi(H) called there) with Inductor on the GPU, outputs and gradients equal
+    to eager; a class attribute a mod reads, changed after compiling: compiled again or, on a
+    torch whose Dynamo does not guard it (2.11), refused by the operator, never the old mod."""
+    result = _run(["-c", MADE_INSIDE])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "made inside: compiled and eager agree" in result.stdout
+    assert "class attribute: " in result.stdout
