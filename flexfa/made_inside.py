@@ -78,7 +78,13 @@ def _is_made_inside(value) -> bool:
     if isinstance(value, LazyVariableTracker):
         value = value.realize()
     return (_is_nested(value) or isinstance(value, FunctoolsPartialVariable)
-            or _is_new_object(value) or _is_new_object(getattr(value, "obj", None)))
+            or _is_new_object(value) or _is_new_object(_method_owner(value)))
+
+
+def _method_owner(value):
+    """The instance of a bound method's Dynamo value (None for anything else)."""
+    from torch._dynamo.variables import UserMethodVariable
+    return value.obj if isinstance(value, UserMethodVariable) else None
 
 
 def _is_new_object(value) -> bool:
@@ -113,7 +119,7 @@ class Inside:
         self.rebuilt: dict[int, tuple] = {}
         self.globals: dict[str, object] = {}  # global name: its Dynamo value
         value = _local(self.tx, name).realize()
-        owner = getattr(value, "obj", None)  # a bound method's instance
+        owner = _method_owner(value)
         if _is_new_object(owner) or _is_new_object(value):
             value = owner if _is_new_object(owner) else value
             raise InputError(f"a mod of type {value.python_type().__qualname__} made inside "
