@@ -8,7 +8,9 @@ graph, a module of the frame). ``describe`` cannot be handed such a function as 
 ``__closure__``. So these mods take another route, at trace time, through the translator
 running the caller's frame (``_caller_tx``):
 
-- ``made_inside(name)``: whether the caller's local ``name`` is such a function;
+- ``made_inside(name)``: whether the caller's local ``name`` is such a function, or a
+  ``functools.partial`` (any: torch 2.11's ``id()`` of one is a stand-in's), or a callable
+  object made there (refused: it has no state Dynamo can give at trace time);
 - ``Inside(name, cells_name)``: rebuilds it as a real function from its code, its globals and
   its cells' real values (a captured tensor's real value, the module a method reads, a nested
   helper rebuilt in turn), which flexfa's tracer traces as any other mod; the path to each
@@ -17,9 +19,11 @@ running the caller's frame (``_caller_tx``):
   operator takes the graph's own tensors, read afresh on every run.
 
 Dynamo's translator, values and side effects are internals of torch; what is used here is
-the same on torch 2.11 and 2.13 (``tests/compile/test_compile_made_inside.py``). Anything else
-in such a cell (an object made inside the compiled function, a lambda over a generator) is
-refused with an InputError that names the free variable.
+the same on torch 2.11 and 2.13 (``tests/compile/test_compile_made_inside.py``). On a torch
+where they differ, ``made_inside`` answers False (mods from outside work as before) and
+``Inside`` raises an InputError that says so. Anything else in such a cell (an object made
+inside the compiled function, a lambda over a generator) is refused with an InputError that
+names the free variable.
 """
 from __future__ import annotations
 
@@ -97,8 +101,11 @@ def _is_new_object(value) -> bool:
 def made_inside(name: str) -> bool:
     """Whether the caller's local ``name`` holds a mod made inside the compiled code (runs at
     Dynamo's trace time; a constant in the graph)."""
-    tx = _caller_tx()
-    return tx is not None and _is_made_inside(_local(tx, name))
+    try:
+        tx = _caller_tx()
+        return tx is not None and _is_made_inside(_local(tx, name))
+    except Exception:  # (another torch's Dynamo internals: the mod goes the usual way)
+        return False
 
 
 # what torch._dynamo.assume_constant_result sets, without importing Dynamo at import time
@@ -111,6 +118,16 @@ class Inside:
     the values ``export`` hands to the traced code."""
 
     def __init__(self, name: str, cells_name: str):
+        try:
+            self._rebuild(name, cells_name)
+        except InputError:
+            raise
+        except Exception as error:  # (another torch's Dynamo internals)
+            raise InputError(f"flexfa could not rebuild the mod made inside the compiled "
+                             f"function with this torch's Dynamo ({type(error).__name__}: "
+                             f"{error}); define it outside the compiled function") from None
+
+    def _rebuild(self, name: str, cells_name: str) -> None:
         self.tx = _caller_tx()
         self.cells_name = cells_name
         self.slots: list = []  # Dynamo values the rewritten paths start at

@@ -192,3 +192,17 @@ def test_what_cannot_be_followed_is_refused_by_name():
         _compiled(lambda q, k, v: flexfa.flex_attention(q, k, v, Scaled(0.5).__call__))(q, k, v)
     with pytest.raises(Exception):  # Dynamo or flexfa: never a silent constant
         _compiled(with_read)(q, k, v, bias)
+
+
+def test_another_dynamo_leaves_mods_from_outside_working(monkeypatch):
+    """made_inside reads Dynamo's internals; where they differ (simulated: reading a local
+    fails) it answers False and a mod from outside compiles as before."""
+    import flexfa.made_inside as made_inside
+
+    def broken(tx, name):
+        raise AttributeError("symbolic_locals")
+    monkeypatch.setattr(made_inside, "_local", broken)
+    q, k, v = (t.detach() for t in make_inputs(40, seed=7))
+    capped = mods.softcap(20.0)  # made outside
+    layer = lambda q, k, v: flexfa.flex_attention(q, k, v, capped)  # noqa: E731
+    torch.testing.assert_close(_compiled(layer)(q, k, v), layer(q, k, v), rtol=0, atol=0)
