@@ -119,9 +119,13 @@ def test_a_ready_mod_built_inside_the_compiled_function():
 
 
 def test_dynamic_lengths_with_a_mask_defined_inside():
+    """Symbolic lengths: a closure over a number computed from one (a symbolic int to Dynamo)
+    is specialized, with a guard, as the trace's constant."""
     def layer(q, k, v, ids):
+        window = q.shape[2] // 3
+
         def same_document(b, h, q_idx, kv_idx):
-            return ids[q_idx] == ids[kv_idx]
+            return (ids[q_idx] == ids[kv_idx]) & ((q_idx - kv_idx).abs() < window)
         mask = flexfa.create_block_mask(same_document, None, None, q.shape[2], k.shape[2],
                                         device=q.device, BLOCK_SIZE=16)
         return flexfa.flex_attention(q, k, v, block_mask=mask)
