@@ -185,11 +185,13 @@ def class_pins(mod) -> tuple:
                       if isinstance(f, types.FunctionType)]
     pins = []
     for function in functions:
+        if _is_ours(function.__module__ or ""):  # (torch's, flexfa's own: nothing to pin)
+            continue
         names = code_names(function.__code__)
         reached = [function.__globals__.get(n) for n in names]
         reached += [c.cell_contents for c in function.__closure__ or () if filled(c)]
         for cls in {id(c): c for c in reached if isinstance(c, type)}.values():
-            if is_library_name(cls.__module__ or ""):
+            if _is_ours(cls.__module__ or ""):
                 continue
             for name in sorted(names):
                 value = getattr(cls, name, _NO_ATTRIBUTE)
@@ -200,6 +202,11 @@ def class_pins(mod) -> tuple:
                         continue
                     pins.append(ClassPin(ref, name, exact(value), mod_name(function)))
     return tuple(pins)
+
+
+def _is_ours(module: str) -> bool:
+    """A library's module or flexfa's, whose classes' attributes no mod changes."""
+    return is_library_name(module) or module == "flexfa" or module.startswith("flexfa.")
 
 
 # ---- block masks rebuilt from a graph's tables ---------------------------------------------
