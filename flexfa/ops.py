@@ -16,6 +16,7 @@ data alive; it is bounded, and a key that fell out of it raises an error that sa
 from __future__ import annotations
 
 import dataclasses
+import dis
 import functools
 import hashlib
 import itertools
@@ -33,7 +34,7 @@ from .calls import attention_call
 from .decode import decode_call
 from .errors import InputError
 from .features import check_sinks
-from .frontend.guards import code_names, exact, filled, is_library_name
+from .frontend.guards import exact, filled, is_library_name
 from .frontend.trace import TracedMod, mod_name
 from .inputs import check_block_mask, check_shapes, check_tensors
 from .memo import BoundedMemo, keep_on_owner
@@ -170,38 +171,54 @@ def check_unchanged(key: str) -> None:
 
 
 def class_pins(mod) -> tuple:
-    """The ClassPins of what ``mod``'s code reads from the classes it names (its globals and
-    closure cells; a bound method's function, a partial's, a callable object's ``__call__``
-    and ``forward``): numbers, bools and strings, the values Dynamo folds unguarded."""
-    functions = []
+    """The ClassPins of the attributes ``mod``'s code reads straight from a class it names
+    (``Config.window``: an attribute load right after the load of a global or closure
+    variable that holds a class; code nested in it included, its globals only), for a
+    function, a bound method's, a partial's, a callable object's ``__call__`` and ``forward``:
+    numbers, bools and strings, the values torch 2.11's Dynamo folds unguarded."""
     while isinstance(mod, functools.partial):
         mod = mod.func
     if isinstance(mod, types.MethodType):
         mod = mod.__func__
     if isinstance(mod, types.FunctionType):
-        functions.append(mod)
-    elif mod is not None:
-        functions += [f for f in (getattr(type(mod), n, None) for n in ("__call__", "forward"))
-                      if isinstance(f, types.FunctionType)]
-    pins = []
+        functions = [mod]
+    else:
+        functions = [f for f in (getattr(type(mod), n, None) for n in ("__call__", "forward"))
+                     if isinstance(f, types.FunctionType)] if mod is not None else []
+    pins = {}
     for function in functions:
         if _is_ours(function.__module__ or ""):  # (torch's, flexfa's own: nothing to pin)
             continue
-        names = code_names(function.__code__)
-        reached = [function.__globals__.get(n) for n in names]
-        reached += [c.cell_contents for c in function.__closure__ or () if filled(c)]
-        for cls in {id(c): c for c in reached if isinstance(c, type)}.values():
-            if _is_ours(cls.__module__ or ""):
+        cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+        for owner, name in _class_attribute_loads(function.__code__):
+            cell = cells.get(owner)
+            cls = (cell.cell_contents if cell is not None and filled(cell)
+                   else function.__globals__.get(owner))
+            if not isinstance(cls, type) or _is_ours(cls.__module__ or ""):
                 continue
-            for name in sorted(names):
-                value = getattr(cls, name, _NO_ATTRIBUTE)
-                if type(value) in (bool, int, float, str):
-                    try:
-                        ref = weakref.ref(cls)
-                    except TypeError:
-                        continue
-                    pins.append(ClassPin(ref, name, exact(value), mod_name(function)))
-    return tuple(pins)
+            value = getattr(cls, name, _NO_ATTRIBUTE)
+            if type(value) in (bool, int, float, str) and (id(cls), name) not in pins:
+                try:
+                    ref = weakref.ref(cls)
+                except TypeError:
+                    continue
+                pins[id(cls), name] = ClassPin(ref, name, exact(value), mod_name(function))
+    return tuple(pins.values())
+
+
+def _class_attribute_loads(code: types.CodeType, nested: bool = False):
+    """(variable, attribute) of each ``variable.attribute`` load in ``code`` (a global or, at
+    the top level, a closure variable), and in the code nested in it."""
+    previous = None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_ATTR" and previous is not None and (
+                previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                or (previous.opname == "LOAD_DEREF" and not nested)):
+            yield previous.argval, ins.argval
+        previous = ins
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _class_attribute_loads(const, nested=True)
 
 
 def _is_ours(module: str) -> bool:

@@ -117,6 +117,32 @@ def test_operators_refuse_a_mod_whose_trace_changed_since_the_graph(monkeypatch)
     assert torch.equal(torch.ops.flexfa.flex_attention(*args)[0], before)
 
 
+class _Config:
+    window, step, label = 8, 0, "x"
+
+
+def test_class_pins_are_the_attributes_read_from_a_class():
+    """Only ``Class.attribute`` loads are pinned (a name the code uses otherwise is not, so a
+    changed attribute the mod never reads refuses nothing), through a closure too, and in
+    code nested in the mod."""
+    from flexfa.ops import class_pins
+
+    def windowed(b, h, q_idx, kv_idx):
+        step = 4  # a local of the same name as an attribute of _Config: not pinned
+        return (q_idx - kv_idx).abs() < _Config.window + step
+
+    def factory(config):
+        def labelled(b, h, q_idx, kv_idx):
+            name = (lambda: _Config.label)()  # nested code: its globals
+            return (q_idx - kv_idx).abs() < config.window + len(name)
+        return labelled
+
+    assert [(p.ref(), p.name, p.value) for p in class_pins(windowed)] == [(_Config, "window", 8)]
+    got = {(p.ref(), p.name) for p in class_pins(factory(_Config))}
+    assert got == {(_Config, "window"), (_Config, "label")}
+    assert class_pins(flexfa.mods.causal) == () and class_pins(None) == ()
+
+
 def test_import_does_not_load_dynamo_or_triton():
     code = "import flexfa, sys; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
