@@ -11,7 +11,9 @@ without the tensors: ``ModsEntry``) is registered under a string key, derived fr
 traces' keys and the options, that the graph passes to the operators. The captured tensors
 and the block mask's tables are operator inputs: Dynamo guards on them and every run reads
 their current contents. Nothing registered holds a tensor, so the registry keeps no user
-data alive; it is bounded, and a key that fell out of it raises an error that says so.
+data alive; it is bounded, and a key that fell out of it raises an error that says so. A key
+may end in ``@n``: the class attributes its mods read (``class_pins``), which the operators
+check on every run where Dynamo does not guard them (``check_unchanged``: torch 2.11).
 """
 from __future__ import annotations
 
