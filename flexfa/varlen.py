@@ -25,7 +25,7 @@ from .features import check_sinks, prepare_dropout
 from .frontend import ir
 from .frontend.ir import DType, Op
 from .frontend.trace import SCORE_MOD, TracedMod
-from .inputs import check_buffers, check_scale, check_shapes, check_tensors
+from .inputs import autocast_inputs, check_buffers, check_scale, check_shapes, check_tensors
 from .memo import BoundedMemo, OwnedMemo
 from .calls import check_captured_indices
 from .runtime.call import AttentionCall
@@ -65,14 +65,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     logit per head in every query's softmax) and ``dropout_p`` / ``dropout_seed``
     (docs/dropout.md) as ``flex_attention``'s; the keep mask is the packed call's,
     ``flexfa.dropout_mask(seed, 1, Hq, total_q, total_k, p)[0]`` at the packed positions.
+    Under ``torch.autocast`` q, k and v are cast to its dtype first, as ``flex_attention``'s.
     """
     func = "varlen_attention"
     for name, tensor in zip(_NAMES, (q, k, v)):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
             raise InputError(f"{func}: {name} must be 3-D [total_tokens, heads, head_dim], got "
                              f"shape {tuple(tensor.shape)}")
-    query, key, value = (t.unsqueeze(0).transpose(1, 2) if isinstance(t, torch.Tensor) else t
-                         for t in (q, k, v))
+    query, key, value = autocast_inputs(*(t.unsqueeze(0).transpose(1, 2)
+                                          if isinstance(t, torch.Tensor) else t
+                                          for t in (q, k, v)))  # (as flex_attention)
     check_tensors(query, key, value)
     check_shapes(query, key, value, enable_gqa=True)
     causal = check_bool(f"{func}: causal", causal)

@@ -362,3 +362,21 @@ def test_sinks_and_dropout_per_document():
                                 sinks=torch.zeros(3))
     with pytest.raises(flexfa.InputError, match=r"dropout_p must be in \[0, 1\)"):
         flexfa.varlen_attention(q, k, v, offsets(q_lengths), offsets(k_lengths), dropout_p=1.0)
+
+
+def test_autocast_casts_the_inputs_as_flex_attention():
+    """Under torch.autocast varlen_attention computes in the autocast's dtype (q, k, v cast
+    first, the casts carrying the gradients back), as flex_attention does; it ran float32
+    before."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(40, 2, 16, generator=generator, requires_grad=True)
+               for _ in range(3))
+    offsets = torch.tensor([0, 17, 40], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flexfa.varlen_attention(q, k, v, offsets, offsets, causal=True)
+    want = flexfa.varlen_attention(*(t.detach().bfloat16() for t in (q, k, v)), offsets,
+                                   offsets, causal=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
