@@ -112,6 +112,18 @@ def made_inside(name: str) -> bool:
 made_inside._dynamo_marked_constant = True
 
 
+def _flattened(partial):
+    """A partial's Dynamo value with a partial as its function merged into one, as
+    ``functools.partial`` merges them (its args first, keywords updated by the outer's), so
+    that the rebuilt partial's ``args`` and ``keywords`` line up with the value's."""
+    from torch._dynamo.variables.functions import FunctoolsPartialVariable
+    while isinstance(partial.func.realize(), FunctoolsPartialVariable):
+        inner = partial.func.realize()
+        partial = FunctoolsPartialVariable(inner.func, [*inner.args, *partial.args],
+                                           {**inner.keywords, **partial.keywords})
+    return partial
+
+
 class Inside:
     """A mod made inside the compiled function, rebuilt for flexfa's tracer (see the module
     docstring). ``function`` is the real mod; ``rewrite`` turns a path from it into one from
@@ -175,6 +187,7 @@ class Inside:
         if _is_nested(value):
             return self._function(value)
         if isinstance(value, FunctoolsPartialVariable):
+            value = _flattened(value)  # (as functools.partial flattens a partial of a partial)
             partial = functools.partial(self._real(name, value.func),
                                         *(self._real(name, a) for a in value.args),
                                         **{k: self._real(name, v) for k, v in value.keywords.items()})

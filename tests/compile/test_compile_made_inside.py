@@ -118,6 +118,26 @@ def test_a_ready_mod_built_inside_the_compiled_function():
                     run_step(lambda *a: layer(*a, ids), inputs, [inputs[0]]))
 
 
+def _two_biases(first, second, score, b, h, q_idx, kv_idx, *, scale):
+    return score + (first[h] - 2.0 * second[h]) * scale
+
+
+def test_a_partial_of_a_partial_made_inside_reads_each_bound_tensor():
+    """functools.partial merges a partial of a partial (its args first): the rebuilt one's
+    args must line up with Dynamo's, or a bound tensor's path would reach the other one."""
+    import functools
+
+    def layer(q, k, v, first, second):
+        inner = functools.partial(_two_biases, first, scale=0.5)
+        return flexfa.flex_attention(q, k, v, functools.partial(inner, second, scale=0.25))
+
+    first = torch.tensor([0.3, -0.1], requires_grad=True)
+    second = torch.tensor([-0.2, 0.4], requires_grad=True)
+    inputs = make_inputs(40, seed=8)
+    assert_same(run_step(lambda *a: _compiled(layer)(*a, first, second), inputs, [first, second]),
+                run_step(lambda *a: layer(*a, first, second), inputs, [first, second]))
+
+
 def test_dynamic_lengths_with_a_mask_defined_inside():
     """Symbolic lengths: a closure over a number computed from one (a symbolic int to Dynamo)
     is specialized, with a guard, as the trace's constant."""
