@@ -40,7 +40,7 @@ from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
 from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask,
                      check_scale, check_shapes, check_tensors)
-from .made_inside import MADE_INSIDE, SLOT, Inside, made_inside
+from .made_inside import MADE_INSIDE, SLOT, Inside, made_inside, pending_assignments
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
 
@@ -74,6 +74,10 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     from .ops import class_pins, register_mods, watched  # (registers the operators: first call)
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
+    pending = pending_assignments()
+    if pending:
+        _refuse_pending(score_mod, score, pending)
+        _refuse_pending(mask_mod, mask, pending)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
     # the class attributes the mods read, checked on every run (ops.check_unchanged): torch
     # 2.11's Dynamo does not guard them
@@ -187,6 +191,42 @@ def _traced(mod, kind) -> tuple:
                          "with the mod's arguments instead")
     sized = tuple(t for t in (ref() for ref in entry.sized) if t is not None)
     return entry.traced, sized
+
+
+def _refuse_pending(mod, traced, pending: dict) -> None:
+    """Refuse a mod that reads an attribute the compiled code assigned before this call
+    (``self.window = 4`` then a mask over ``self.window``): its trace saw the old value, which
+    the real object still holds until the graph ends (a tensor assigned so is no problem: the
+    operator takes the one Dynamo follows, the new one)."""
+    if mod is None or traced is None:
+        return
+    names, reached = set(), []
+    queue, seen = collections.deque([mod]), {id(mod)}
+    while queue and len(seen) < MAX_VISITS:
+        obj = queue.popleft()
+        if isinstance(obj, types.FunctionType):
+            names |= code_names(obj.__code__)
+        if id(obj) in pending:
+            reached.append(obj)
+        for _, child in _children(obj):
+            if id(child) not in seen and not isinstance(child, torch.Tensor):
+                seen.add(id(child))
+                queue.append(child)
+    grown = True
+    while grown:  # the names of the methods the mod calls on those objects (self.banded())
+        methods = [getattr(type(obj), n, None) for obj in reached for n in sorted(names)]
+        more = set().union(*(code_names(m.__code__) for m in methods
+                             if isinstance(m, types.FunctionType)))
+        grown, names = not more <= names, names | more
+    for obj in reached:
+        for name, value in pending[id(obj)][1].items():
+            if name in names and not value.is_tensor():
+                raise InputError(
+                    f"the {traced.kind} {traced.name!r} reads {type(obj).__name__}.{name}, which "
+                    "the compiled function assigned before this call: torch.compile applies "
+                    "that assignment after the graph, so flexfa would trace the old value; "
+                    "assign it outside the compiled function, or pass the value in a closure "
+                    "or an argument")
 
 
 def buffer_paths(mod, traced, unread: bool = False, inside: Inside | None = None) -> tuple:

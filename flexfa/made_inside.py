@@ -112,6 +112,31 @@ def made_inside(name: str) -> bool:
 made_inside._dynamo_marked_constant = True
 
 
+def pending_assignments() -> dict:
+    """{id(object): (object, {attribute: Dynamo value})} of the attributes the compiled code
+    assigned so far on objects from outside it (``self.window = 4`` in ``forward``): Dynamo
+    applies them only after the graph, so the real objects still hold the old values while
+    flexfa traces a mod. Empty outside Dynamo's tracing or where its internals differ."""
+    try:
+        tx = _caller_tx()
+        if tx is None:
+            return {}
+        from torch._dynamo.variables import NNModuleVariable, UserDefinedObjectVariable
+        pending = {}
+        for value, assigned in tx.output.side_effects.store_attr_mutations.items():
+            if isinstance(value, NNModuleVariable):
+                obj = tx.output.get_submodule(value.module_key)
+            elif isinstance(value, UserDefinedObjectVariable) and value.source is not None:
+                obj = value.value
+            else:
+                continue
+            if assigned:
+                pending[id(obj)] = (obj, dict(assigned))
+        return pending
+    except Exception:  # (another torch's Dynamo internals: nothing known)
+        return {}
+
+
 def _flattened(partial):
     """A partial's Dynamo value with a partial as its function merged into one, as
     ``functools.partial`` merges them (its args first, keywords updated by the outer's), so

@@ -230,3 +230,40 @@ def test_another_dynamo_leaves_mods_from_outside_working(monkeypatch):
     capped = mods.softcap(20.0)  # made outside
     layer = lambda q, k, v: flexfa.flex_attention(q, k, v, capped)  # noqa: E731
     torch.testing.assert_close(_compiled(layer)(q, k, v), layer(q, k, v), rtol=0, atol=0)
+
+
+class _Assigning(torch.nn.Module):
+    """forward assigns attributes the mask reads: a number (refused), a tensor (works)."""
+
+    def __init__(self):
+        super().__init__()
+        self.window, self.ids = 40, torch.zeros(64, dtype=torch.long)
+
+    def banded(self, b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx).abs() < self.window) & (self.ids[q_idx] == self.ids[kv_idx])
+
+    def forward(self, q, k, v, window, ids, inside):
+        if window is not None:
+            self.window = window
+        self.ids = ids
+        if inside:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return self.banded(b, h, q_idx, kv_idx)
+        else:
+            mask_mod = self.banded
+        mask = flexfa.create_block_mask(mask_mod, None, None, 64, 64, device="cpu",
+                                        BLOCK_SIZE=16)
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["method", "defined_inside"])
+def test_an_attribute_assigned_in_forward_before_the_call(inside):
+    """Dynamo applies ``self.window = 4`` in forward only after the graph, so a mod's trace
+    saw the old window: the compiled result differed from eager's silently. Such a number is
+    refused now; a tensor assigned so is read as the new one (its path is Dynamo's)."""
+    q, k, v = (t.detach() for t in make_inputs(64, seed=9))
+    ids = torch.arange(64) // 20
+    with pytest.raises(flexfa.InputError, match="reads _Assigning.window, which the compiled"):
+        _compiled(_Assigning())(q, k, v, 4, ids, inside)
+    torch.testing.assert_close(_compiled(_Assigning())(q, k, v, None, ids, inside),
+                               _Assigning()(q, k, v, None, ids, inside), rtol=0, atol=0)
