@@ -138,6 +138,7 @@ _WATCH = "@"  # between a key and its pins' number
 _NO_ATTRIBUTE = object()
 _PINS = BoundedMemo(4096, "compiled mods' class pins", register=False)
 _PIN_NUMBERS = itertools.count()
+_MAX_PINNED_FUNCTIONS = 64  # functions class_pins reads per mod (the mod and its helpers)
 
 
 def watched(key: str, pins: tuple) -> str:
@@ -176,8 +177,9 @@ def class_pins(mod) -> tuple:
     """The ClassPins of the attributes ``mod``'s code reads straight from a class it names
     (``Config.window``: an attribute load right after the load of a global or closure
     variable that holds a class; code nested in it included, its globals only), for a
-    function, a bound method's, a partial's, a callable object's ``__call__`` and ``forward``:
-    numbers, bools and strings, the values torch 2.11's Dynamo folds unguarded."""
+    function, a bound method's, a partial's, a callable object's ``__call__`` and ``forward``,
+    and the plain functions they name (helpers, up to 64 functions): numbers, bools and
+    strings, the values torch 2.11's Dynamo folds unguarded."""
     while isinstance(mod, functools.partial):
         mod = mod.func
     if isinstance(mod, types.MethodType):
@@ -187,11 +189,16 @@ def class_pins(mod) -> tuple:
     else:
         functions = [f for f in (getattr(type(mod), n, None) for n in ("__call__", "forward"))
                      if isinstance(f, types.FunctionType)] if mod is not None else []
-    pins = {}
-    for function in functions:
+    pins, seen = {}, {id(f) for f in functions}
+    while functions and len(seen) <= _MAX_PINNED_FUNCTIONS:
+        function = functions.pop()
         if _is_ours(function.__module__ or ""):  # (torch's, flexfa's own: nothing to pin)
             continue
         cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+        for helper in _called_functions(function, cells):  # the user functions it names
+            if id(helper) not in seen:
+                seen.add(id(helper))
+                functions.append(helper)
         for owner, name in _class_attribute_loads(function.__code__):
             cell = cells.get(owner)
             cls = (cell.cell_contents if cell is not None and filled(cell)
@@ -206,6 +213,20 @@ def class_pins(mod) -> tuple:
                     continue
                 pins[id(cls), name] = ClassPin(ref, name, exact(value), mod_name(function))
     return tuple(pins.values())
+
+
+def _called_functions(function: types.FunctionType, cells: dict) -> list:
+    """The plain functions ``function``'s code names through its globals or closure cells
+    (helpers a mod calls: their ``Class.attribute`` loads are the mod's too)."""
+    found = []
+    for name in function.__code__.co_names:
+        value = function.__globals__.get(name)
+        if isinstance(value, types.FunctionType):
+            found.append(value)
+    for cell in cells.values():
+        if filled(cell) and isinstance(cell.cell_contents, types.FunctionType):
+            found.append(cell.cell_contents)
+    return found
 
 
 def _class_attribute_loads(code: types.CodeType, nested: bool = False):

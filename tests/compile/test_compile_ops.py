@@ -141,6 +141,16 @@ def test_class_pins_are_the_attributes_read_from_a_class():
     got = {(p.ref(), p.name) for p in class_pins(factory(_Config))}
     assert got == {(_Config, "window"), (_Config, "label")}
     assert class_pins(flexfa.mods.causal) == () and class_pins(None) == ()
+    # a helper the mod calls: its loads count (torch 2.11 folds them into the graph too)
+    assert [(p.ref(), p.name) for p in class_pins(_through_a_helper)] == [(_Config, "step")]
+
+
+def _helper_step(q_idx):
+    return q_idx + _Config.step
+
+
+def _through_a_helper(b, h, q_idx, kv_idx):
+    return _helper_step(q_idx) >= kv_idx
 
 
 def test_import_does_not_load_dynamo_or_triton():
