@@ -201,17 +201,11 @@ def _refuse_pending(mod, traced, pending: dict) -> None:
     if mod is None or traced is None:
         return
     names, reached = set(), []
-    queue, seen = collections.deque([mod]), {id(mod)}
-    while queue and len(seen) < MAX_VISITS:
-        obj = queue.popleft()
+    for obj, _ in _reachable(mod):
         if isinstance(obj, types.FunctionType):
             names |= code_names(obj.__code__)
         if id(obj) in pending:
             reached.append(obj)
-        for _, child in _children(obj):
-            if id(child) not in seen and not isinstance(child, torch.Tensor):
-                seen.add(id(child))
-                queue.append(child)
     grown = True
     while grown:  # the names of the methods the mod calls on those objects (self.banded())
         methods = [getattr(type(obj), n, None) for obj in reached for n in sorted(names)]
@@ -272,23 +266,34 @@ def _find_paths(mod, tensors, inside: Inside | None = None) -> dict:
     function, the paths start at the Dynamo values ``inside`` hands the traced code."""
     wanted = {id(t): slot for slot, t in enumerate(tensors)}
     found: dict[int, tuple] = {}
-    queue = collections.deque([(mod, ())])
-    seen = {id(mod)}
-    while queue and len(found) < len(wanted) and len(seen) < MAX_VISITS:
-        obj, path = queue.popleft()
-        for step, child in _children(obj):
-            if isinstance(child, torch.Tensor):
-                slot = wanted.get(id(child))
-                if slot is not None and slot not in found:
-                    found[slot] = (*path, step)
-            elif id(child) not in seen:
-                seen.add(id(child))
-                queue.append((child, (*path, step)))
+    for obj, path in _reachable(mod):
+        slot = wanted.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        if slot is not None and slot not in found:
+            found[slot] = path
+            if len(found) == len(wanted):
+                break
     for path in found.values():
         _add_cell_readers(mod, path)
     if inside is not None:
         found = {slot: inside.rewrite(path) for slot, path in found.items()}
     return found
+
+
+def _reachable(mod):
+    """(object, path) of what paths from ``mod`` reach, breadth first (so each first met by a
+    shortest path): every tensor met (not walked into) and every other object once, until
+    MAX_VISITS objects were seen."""
+    queue, seen = collections.deque([(mod, ())]), {id(mod)}
+    yield mod, ()
+    while queue and len(seen) < MAX_VISITS:
+        obj, path = queue.popleft()
+        for step, child in _children(obj):
+            if isinstance(child, torch.Tensor):
+                yield child, (*path, step)
+            elif id(child) not in seen:
+                seen.add(id(child))
+                yield child, (*path, step)
+                queue.append((child, (*path, step)))
 
 
 def _children(obj):
