@@ -459,6 +459,7 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     (inference only). ``kv_lens``, ``q_offsets`` and the page table are operator inputs, so
     new contents need no recompile; the output comes from the graph's allocator (under CUDA
     graphs, their pool), not from a ``DecodeWorkspace``."""
+    query, key, value = autocast_inputs(query, key, value)
     return_lse, validate = check_bool("return_lse", return_lse), check_bool("validate", validate)
     if workspace is not None:
         raise InputError("flex_decode: workspace is not supported inside torch.compile (the "

@@ -17,8 +17,9 @@ from .blockmask.validate import capturing, check_tables
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
-from .inputs import (broadcast_batch, check_block_mask_type, check_buffers, check_head_dim,
-                     check_scale, check_table_shapes, check_tensors, requiring_grad)
+from .inputs import (autocast_inputs, broadcast_batch, check_block_mask_type, check_buffers,
+                     check_head_dim, check_scale, check_table_shapes, check_tensors,
+                     requiring_grad)
 from .runtime.call import AttentionCall
 from .calls import check_captured_indices
 from .lazy import lazy_function
@@ -57,9 +58,12 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     ``workspace`` the workspace's tensors, overwritten by the next call with it.
     ``kernel_options``: those of ``flex_attention`` (``SPLIT_KV`` fixes the split count).
     ``sinks`` [Hq]: attention sinks, as ``flex_attention``'s (docs/sinks.md); lse includes them.
-    Inside ``torch.compile`` a call is captured as the ``flexfa::flex_decode`` operator
+    Under ``torch.autocast`` query, key and value are cast to its dtype first, as
+    ``flex_attention``'s (a cache in another dtype is copied each call: keep it in the
+    autocast dtype). Inside ``torch.compile`` a call is captured as the ``flexfa::flex_decode`` operator
     (``flexfa.compiled``; no ``workspace`` there).
     """
+    query, key, value = autocast_inputs(query, key, value)
     return decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offsets,
                        page_table, return_lse, kernel_options, workspace, validate, sinks)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import flexfa
+from flexfa import mods
 from flexfa.errors import InputError
 from flexfa.runtime.layout import HEAD_OFFSET_LIMIT, int32_addressable, int32_addressable_inputs
 from reference import assert_close_to_reference, reference_pair
@@ -242,6 +243,36 @@ def test_autocast_inside_torch_compile():
     grads = torch.autograd.grad(got.float().sum(), leaves)
     for g, w in zip(grads, torch.autograd.grad(want.float().sum(), leaves)):
         assert g.dtype == torch.float32 and torch.equal(g, w)
+
+
+def test_flex_decode_follows_autocast_as_flex_attention():
+    """flex_decode casts query, key and value to the autocast dtype as flex_attention does:
+    it ran float32 under a bf16 autocast, and refused a float32 query (computed outside the
+    autocast) against a bf16 cache with a dtype error. Eager, compiled and through a
+    PagedKVCache; outside the autocast, float32 again."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(B, H, 3, E, generator=generator)
+    k, v = (torch.randn(B, H, S, E, generator=generator) for _ in range(2))
+    lens = torch.tensor([S, 7], dtype=torch.int32)
+    want = flexfa.flex_decode(*(t.bfloat16() for t in (q, k, v)), mods.alibi(H), kv_lens=lens)
+    compiled = torch.compile(flexfa.flex_decode, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = flexfa.flex_decode(q, k, v, mods.alibi(H), kv_lens=lens)
+        mixed = flexfa.flex_decode(q, k.bfloat16(), v.bfloat16(), mods.alibi(H), kv_lens=lens)
+        got_compiled = compiled(q, k, v, mods.alibi(H), kv_lens=lens)
+    assert got.dtype == mixed.dtype == got_compiled.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(mixed, want)
+    assert torch.equal(got_compiled, want)
+    cache = flexfa.PagedKVCache(num_pages=2, page_size=16, max_batch_size=B, num_kv_heads=H,
+                                head_dim=E, dtype=torch.bfloat16)
+    cache.append(k[:, :, :7], v[:, :, :7])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        paged = cache.attend(q)
+    assert paged.dtype == torch.bfloat16
+    assert torch.equal(paged, flexfa.flex_decode(q.bfloat16(), k[:, :, :7].bfloat16(),
+                                                  v[:, :, :7].bfloat16()))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert flexfa.flex_decode(q, k, v).dtype == torch.float32
 
 
 def test_flex_decode_inside_torch_compile_refuses_inputs_that_require_grad():
