@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import inspect
 import operator
 import types
 
@@ -81,7 +82,8 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
     # the class attributes the mods read, checked on every run (ops.check_unchanged): torch
     # 2.11's Dynamo does not guard them
-    key = watched(key, class_pins(score_mod) + class_pins(mask_mod))
+    key = watched(key, class_pins(score_mod, functions_run(score_mod)[0])
+                  + class_pins(mask_mod, functions_run(mask_mod)[0]))
     described = (key, buffer_paths(score_mod, score, unread=True, inside=score_inside),
                  buffer_paths(mask_mod, mask, inside=mask_inside),
                  sized_paths(score_mod, score_sized, score_inside),
@@ -200,18 +202,8 @@ def _refuse_pending(mod, traced, pending: dict) -> None:
     operator takes the one Dynamo follows, the new one)."""
     if mod is None or traced is None:
         return
-    names, reached = set(), []
-    for obj, _ in _reachable(mod):
-        if isinstance(obj, types.FunctionType):
-            names |= code_names(obj.__code__)
-        if id(obj) in pending:
-            reached.append(obj)
-    grown = True
-    while grown:  # the names of the methods the mod calls on those objects (self.banded())
-        methods = [getattr(type(obj), n, None) for obj in reached for n in sorted(names)]
-        more = set().union(*(code_names(m.__code__) for m in methods
-                             if isinstance(m, types.FunctionType)))
-        grown, names = not more <= names, names | more
+    _, names, objects = functions_run(mod)
+    reached = [obj for obj in objects if id(obj) in pending]
     for obj in reached:
         for name, value in pending[id(obj)][1].items():
             if name in names and not value.is_tensor():
@@ -294,6 +286,71 @@ def _reachable(mod):
                 seen.add(id(child))
                 yield child, (*path, step)
                 queue.append((child, (*path, step)))
+
+
+MAX_RUN_FUNCTIONS = 64  # user functions functions_run collects per mod
+
+
+def functions_run(mod) -> tuple[list, frozenset, list]:
+    """(the user functions ``mod`` may run, the names their code uses, every other object
+    met): the functions on paths from ``mod`` (its own code, a callable object's ``__call__``
+    and ``forward``, closures, globals, partials' functions) and the methods, static and
+    class methods and property getters of the objects, classes and modules met under the
+    names that code uses (``self.helper.near(...)`` runs ``Helper.near``), to a fixed point:
+    at most ``MAX_RUN_FUNCTIONS`` functions and ``MAX_VISITS`` objects. A superset of what a
+    call runs (a method of a name the code uses on another object counts too)."""
+    functions, names, objects = [], set(), []
+    if mod is None:
+        return functions, frozenset(), objects
+    seen, queue = set(), collections.deque()
+    owners: dict[int, object] = {}  # id -> class or module whose namespace methods come from
+    looked: set[tuple[int, str]] = set()
+
+    def method(owner, name: str):
+        if (id(owner), name) in looked:
+            return
+        looked.add((id(owner), name))
+        found = (owner.__dict__.get(name) if isinstance(owner, types.ModuleType)
+                 else inspect.getattr_static(owner, name, None))
+        if isinstance(found, (staticmethod, classmethod)):
+            found = found.__func__
+        elif isinstance(found, property):
+            found = found.fget
+        if isinstance(found, types.FunctionType):
+            visit(found)
+
+    def visit(obj) -> None:
+        if isinstance(obj, torch.Tensor) or id(obj) in seen or len(seen) >= MAX_VISITS:
+            return
+        seen.add(id(obj))
+        queue.append(obj)
+        if isinstance(obj, types.FunctionType):
+            if is_library_name(obj.__module__ or "") or len(functions) >= MAX_RUN_FUNCTIONS:
+                return
+            functions.append(obj)
+            new = code_names(obj.__code__) - names
+            names.update(new)
+            for owner in list(owners.values()):
+                for name in sorted(new):
+                    method(owner, name)
+            return
+        objects.append(obj)
+        owner = obj if isinstance(obj, (type, types.ModuleType)) else type(obj)
+        module = owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__
+        if is_library_name(module or "") or id(owner) in owners:
+            return
+        owners[id(owner)] = owner
+        for name in sorted(names):
+            method(owner, name)
+
+    visit(mod)
+    if not isinstance(mod, (types.FunctionType, types.MethodType, functools.partial)):
+        for name in ("__call__", "forward"):  # a callable object runs these unnamed
+            method(type(mod), name)
+    while queue:
+        for _, child in _children(queue.popleft()):
+            visit(child)
+    return functions, frozenset(names), objects
 
 
 def _children(obj):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import dis
-import functools
 import hashlib
 import itertools
 import types
@@ -132,13 +131,13 @@ class ClassPin:
     name: str
     value: object  # guards.exact of the value
     mod: str  # the mod's name, for the error
+    where: str  # the function that reads it (the mod's own or one it calls), for the error
 
 
 _WATCH = "@"  # between a key and its pins' number
 _NO_ATTRIBUTE = object()
 _PINS = BoundedMemo(4096, "compiled mods' class pins", register=False)
 _PIN_NUMBERS = itertools.count()
-_MAX_PINNED_FUNCTIONS = 64  # functions class_pins reads per mod (the mod and its helpers)
 
 
 def watched(key: str, pins: tuple) -> str:
@@ -166,39 +165,25 @@ def check_unchanged(key: str) -> None:
         cls = pin.ref()
         if cls is not None and exact(getattr(cls, pin.name, _NO_ATTRIBUTE)) != pin.value:
             raise InputError(
-                f"the mod {pin.mod!r} reads {cls.__qualname__}.{pin.name}, which changed since "
+                f"the mod {pin.mod!r} reads {cls.__qualname__}.{pin.name}"
+                f"{'' if pin.where == pin.mod else f' (in {pin.where!r})'}, which changed since "
                 "torch.compile traced it, and this torch's Dynamo does not guard class "
                 "attributes: the compiled graph would run the old mod. Call "
                 "torch._dynamo.reset() after changing it, or read it through an instance "
                 "(self.window), a global or a closure, which Dynamo guards")
 
 
-def class_pins(mod) -> tuple:
-    """The ClassPins of the attributes ``mod``'s code reads straight from a class it names
-    (``Config.window``: an attribute load right after the load of a global or closure
-    variable that holds a class; code nested in it included, its globals only), for a
-    function, a bound method's, a partial's, a callable object's ``__call__`` and ``forward``,
-    and the plain functions they name (helpers, up to 64 functions): numbers, bools and
-    strings, the values torch 2.11's Dynamo folds unguarded."""
-    while isinstance(mod, functools.partial):
-        mod = mod.func
-    if isinstance(mod, types.MethodType):
-        mod = mod.__func__
-    if isinstance(mod, types.FunctionType):
-        functions = [mod]
-    else:
-        functions = [f for f in (getattr(type(mod), n, None) for n in ("__call__", "forward"))
-                     if isinstance(f, types.FunctionType)] if mod is not None else []
-    pins, seen = {}, {id(f) for f in functions}
-    while functions and len(seen) <= _MAX_PINNED_FUNCTIONS:
-        function = functions.pop()
+def class_pins(mod, functions) -> tuple:
+    """The ClassPins of the attributes ``functions``' code (a mod's and what it may run:
+    ``compiled.functions_run``) reads straight from a class it names (``Config.window``: an
+    attribute load right after the load of a global or closure variable that holds a class;
+    code nested in it included, its globals only): numbers, bools and strings, the values
+    torch 2.11's Dynamo folds unguarded; ``mod`` names them in the error."""
+    pins, name_of_mod = {}, mod_name(mod)
+    for function in functions:
         if _is_ours(function.__module__ or ""):  # (torch's, flexfa's own: nothing to pin)
             continue
         cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
-        for helper in _called_functions(function, cells):  # the user functions it names
-            if id(helper) not in seen:
-                seen.add(id(helper))
-                functions.append(helper)
         for owner, name in _class_attribute_loads(function.__code__):
             cell = cells.get(owner)
             cls = (cell.cell_contents if cell is not None and filled(cell)
@@ -211,22 +196,9 @@ def class_pins(mod) -> tuple:
                     ref = weakref.ref(cls)
                 except TypeError:
                     continue
-                pins[id(cls), name] = ClassPin(ref, name, exact(value), mod_name(function))
+                pins[id(cls), name] = ClassPin(ref, name, exact(value), name_of_mod,
+                                               mod_name(function))
     return tuple(pins.values())
-
-
-def _called_functions(function: types.FunctionType, cells: dict) -> list:
-    """The plain functions ``function``'s code names through its globals or closure cells
-    (helpers a mod calls: their ``Class.attribute`` loads are the mod's too)."""
-    found = []
-    for name in function.__code__.co_names:
-        value = function.__globals__.get(name)
-        if isinstance(value, types.FunctionType):
-            found.append(value)
-    for cell in cells.values():
-        if filled(cell) and isinstance(cell.cell_contents, types.FunctionType):
-            found.append(cell.cell_contents)
-    return found
 
 
 def _class_attribute_loads(code: types.CodeType, nested: bool = False):

@@ -206,3 +206,47 @@ def test_a_mask_mod_whose_state_changed_runs_its_new_state_compiled_as_eagerly(m
             want = attention_reference(q, k, v, mask_mod=mod).to(got.dtype)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert (got - before).abs().max() > 0.1, mod
+
+
+class _Band:
+    width = 4
+
+
+class _BandHelper:
+    def near(self, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= _Band.width
+
+
+class _HelpedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.helper = _BandHelper()
+
+    def score(self, score, b, h, q_idx, kv_idx):
+        return torch.where(self.helper.near(q_idx, kv_idx), score, score - 5.0)
+
+    def forward(self, q, k, v):
+        return flexfa.flex_attention(q, k, v, score_mod=self.score)
+
+
+def test_a_class_attribute_read_in_a_method_of_another_object(monkeypatch):
+    """A score_mod calling a method of another object (``self.helper.near``) that reads a
+    class attribute: after the attribute changed the compiled model runs the new mod (torch
+    2.13 guards it and compiles again) or is refused (torch 2.11 folds it unguarded; flexfa's
+    operator checks it): under 2.11 it ran the old mod silently (compiled and eager differed
+    by 1.4)."""
+    monkeypatch.setattr(_Band, "width", 4)
+    q, k, v = (t.detach() for t in make_inputs(32, seed=6))
+    model = _HelpedModel()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    before = compiled(q, k, v)
+    torch.testing.assert_close(before, model(q, k, v), rtol=0, atol=0)
+    _Band.width = 20
+    if not _dynamo_guards_class_attributes():
+        with pytest.raises(flexfa.InputError, match=r"reads _Band.width \(in 'near'\), which"):
+            compiled(q, k, v)
+        return
+    got = compiled(q, k, v)
+    torch.testing.assert_close(got, model(q, k, v), rtol=0, atol=0)
+    assert (got - before).abs().max() > 0.1

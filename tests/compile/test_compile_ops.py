@@ -3,6 +3,7 @@ registration, AOT dispatch), the registry holding no tensors, and import cost.""
 import gc
 import subprocess
 import sys
+import types
 import weakref
 
 import pytest
@@ -121,12 +122,17 @@ class _Config:
     window, step, label = 8, 0, "x"
 
 
+def pinned(mod) -> tuple:
+    """The class pins the compiled operators check for ``mod``."""
+    from flexfa.compiled import functions_run
+    from flexfa.ops import class_pins
+    return class_pins(mod, functions_run(mod)[0])
+
+
 def test_class_pins_are_the_attributes_read_from_a_class():
     """Only ``Class.attribute`` loads are pinned (a name the code uses otherwise is not, so a
     changed attribute the mod never reads refuses nothing), through a closure too, and in
     code nested in the mod."""
-    from flexfa.ops import class_pins
-
     def windowed(b, h, q_idx, kv_idx):
         step = 4  # a local of the same name as an attribute of _Config: not pinned
         return (q_idx - kv_idx).abs() < _Config.window + step
@@ -137,12 +143,12 @@ def test_class_pins_are_the_attributes_read_from_a_class():
             return (q_idx - kv_idx).abs() < config.window + len(name)
         return labelled
 
-    assert [(p.ref(), p.name, p.value) for p in class_pins(windowed)] == [(_Config, "window", 8)]
-    got = {(p.ref(), p.name) for p in class_pins(factory(_Config))}
+    assert [(p.ref(), p.name, p.value) for p in pinned(windowed)] == [(_Config, "window", 8)]
+    got = {(p.ref(), p.name) for p in pinned(factory(_Config))}
     assert got == {(_Config, "window"), (_Config, "label")}
-    assert class_pins(flexfa.mods.causal) == () and class_pins(None) == ()
+    assert pinned(flexfa.mods.causal) == () and pinned(None) == ()
     # a helper the mod calls: its loads count (torch 2.11 folds them into the graph too)
-    assert [(p.ref(), p.name) for p in class_pins(_through_a_helper)] == [(_Config, "step")]
+    assert [(p.ref(), p.name) for p in pinned(_through_a_helper)] == [(_Config, "step")]
 
 
 def _helper_step(q_idx):
@@ -151,6 +157,52 @@ def _helper_step(q_idx):
 
 def _through_a_helper(b, h, q_idx, kv_idx):
     return _helper_step(q_idx) >= kv_idx
+
+
+class _Near:
+    def near(self, q_idx, kv_idx):  # a method of another object the mod calls
+        return (q_idx - kv_idx).abs() <= _Config.window
+
+    def unused(self, q_idx):  # a method the mod never names: not pinned
+        return q_idx < _Config.label
+
+    @staticmethod
+    def shifted(q_idx):
+        return q_idx + _Config.step
+
+
+class _Bands(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.helper = _Near()
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return self.helper.near(_Near.shifted(q_idx), kv_idx) & self.lower(q_idx, kv_idx)
+
+    @property
+    def lower(self):
+        return _lower
+
+
+def _lower(q_idx, kv_idx):
+    return kv_idx <= q_idx + _Limit.value
+
+
+def test_class_pins_follow_methods_of_other_objects_and_modules():
+    """torch 2.11's Dynamo folds a class attribute read in a method of another object the mod
+    calls (``self.helper.near(...)`` reading ``Config.window``) unguarded too: compiled and
+    eager differed silently after a change (probe under 2.11). The pins follow methods,
+    static methods, property getters and the functions they return, and a module's
+    functions, named by the code that runs; a method of a name no code uses is not pinned."""
+    got = {(p.ref(), p.name, p.where) for p in pinned(_Bands().mask)}
+    assert got == {(_Config, "window", "near"), (_Config, "step", "shifted"),
+                   (_Limit, "value", "_lower")}
+    helpers = types.ModuleType("user_helpers")
+    exec("class Cfg:\n    band = 3\n\ndef band(q, k):\n    return (q - k).abs() < Cfg.band\n",
+         helpers.__dict__)
+    with_module = lambda b, h, q_idx, kv_idx: helpers.band(q_idx, kv_idx)
+    assert [(p.ref(), p.name, p.mod) for p in pinned(with_module)] == [
+        (helpers.Cfg, "band", "<lambda>")]
 
 
 def test_import_does_not_load_dynamo_or_triton():
