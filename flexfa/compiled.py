@@ -196,23 +196,51 @@ def _traced(mod, kind) -> tuple:
 
 
 def _refuse_pending(mod, traced, pending: dict) -> None:
-    """Refuse a mod that reads an attribute the compiled code assigned before this call
-    (``self.window = 4`` then a mask over ``self.window``): its trace saw the old value, which
-    the real object still holds until the graph ends (a tensor assigned so is no problem: the
-    operator takes the one Dynamo follows, the new one)."""
-    if mod is None or traced is None:
+    """Refuse a mod that reads what the compiled code changed before this call
+    (``made_inside.pending_assignments``): an attribute assigned (``self.window = 4`` then a
+    mask over ``self.window``), a global or closure variable assigned, a container changed in
+    place (``cfg["w"] = 9``). Its trace saw the old value, which the real object still holds
+    until the graph ends. An attribute, global or cell assigned a tensor is no problem: the
+    operator takes the one Dynamo follows, the new one."""
+    if mod is None or traced is None or not pending:
         return
-    _, names, objects = functions_run(mod)
-    reached = [obj for obj in objects if id(obj) in pending]
-    for obj in reached:
-        for name, value in pending[id(obj)][1].items():
-            if name in names and not value.is_tensor():
+    functions, names, objects = functions_run(mod)
+    # (object, what a changed name of it is called in the error, the names read of it,
+    # whether a tensor assigned there is followed: an attribute's is, through Dynamo's
+    # getattr; a global's or a cell's path reads the real dict or cell, the old tensor)
+    where = [(obj, lambda name, obj=obj: f"{_named(obj)}.{name}", names, True)
+             for obj in objects]
+    for function in functions:
+        where.append((function.__globals__, lambda name: f"the global {name!r}",
+                      code_names(function.__code__), False))
+        where += [(cell, lambda _, free=free, function=function:
+                   f"the closure variable {free!r} of {function.__name__!r}", {"cell_contents"},
+                   False)
+                  for free, cell in zip(function.__code__.co_freevars, function.__closure__ or ())]
+    for obj, what, used, follows_tensors in where:
+        obj_pending = pending.get(id(obj))
+        if obj_pending is None:
+            continue
+        if obj_pending[1] is None:
+            raise InputError(
+                f"the {traced.kind} {traced.name!r} reads a {type(obj).__name__} that the "
+                "compiled function changed in place before this call: torch.compile applies "
+                "that change after the graph, so flexfa would trace the old contents; change "
+                "it outside the compiled function, or pass the value in a closure or an "
+                "argument")
+        for name, value in obj_pending[1].items():
+            if name in used and not (follows_tensors and value.is_tensor()):
                 raise InputError(
-                    f"the {traced.kind} {traced.name!r} reads {type(obj).__name__}.{name}, which "
+                    f"the {traced.kind} {traced.name!r} reads {what(name)}, which "
                     "the compiled function assigned before this call: torch.compile applies "
                     "that assignment after the graph, so flexfa would trace the old value; "
                     "assign it outside the compiled function, or pass the value in a closure "
                     "or an argument")
+
+
+def _named(obj) -> str:
+    """A module's name, else the object's type's."""
+    return obj.__name__ if isinstance(obj, types.ModuleType) else type(obj).__name__
 
 
 def buffer_paths(mod, traced, unread: bool = False, inside: Inside | None = None) -> tuple:
@@ -292,21 +320,24 @@ MAX_RUN_FUNCTIONS = 64  # user functions functions_run collects per mod
 
 
 def functions_run(mod) -> tuple[list, frozenset, list]:
-    """(the user functions ``mod`` may run, the names their code uses, every other object
-    met): the functions on paths from ``mod`` (its own code, a callable object's ``__call__``
-    and ``forward``, closures, globals, partials' functions) and the methods, static and
+    """(the user functions ``mod`` may run, the names their code uses, the other objects it
+    may read): from ``mod`` (its own code, a callable object's ``__call__`` and ``forward``,
+    a bound method's object, a partial's function and arguments) through closures, the
+    globals and the attributes its code names (an object's attribute, dicts included, is
+    taken once some code uses its name), items of containers, and the methods, static and
     class methods and property getters of the objects, classes and modules met under the
     names that code uses (``self.helper.near(...)`` runs ``Helper.near``), to a fixed point:
     at most ``MAX_RUN_FUNCTIONS`` functions and ``MAX_VISITS`` objects. A superset of what a
-    call runs (a method of a name the code uses on another object counts too)."""
+    call runs and reads (a method of a name the code uses on another object counts too)."""
     functions, names, objects = [], set(), []
     if mod is None:
         return functions, frozenset(), objects
     seen, queue = set(), collections.deque()
     owners: dict[int, object] = {}  # id -> class or module whose namespace methods come from
     looked: set[tuple[int, str]] = set()
+    deferred = collections.defaultdict(list)  # attribute name -> values not yet taken
 
-    def method(owner, name: str):
+    def method(owner, name: str) -> None:
         if (id(owner), name) in looked:
             return
         looked.add((id(owner), name))
@@ -328,11 +359,13 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             if is_library_name(obj.__module__ or "") or len(functions) >= MAX_RUN_FUNCTIONS:
                 return
             functions.append(obj)
-            new = code_names(obj.__code__) - names
+            new = sorted(code_names(obj.__code__) - names)
             names.update(new)
-            for owner in list(owners.values()):
-                for name in sorted(new):
+            for name in new:
+                for owner in list(owners.values()):
                     method(owner, name)
+                for value in deferred.pop(name, ()):
+                    visit(value)
             return
         objects.append(obj)
         owner = obj if isinstance(obj, (type, types.ModuleType)) else type(obj)
@@ -348,13 +381,19 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         for name in ("__call__", "forward"):  # a callable object runs these unnamed
             method(type(mod), name)
     while queue:
-        for _, child in _children(queue.popleft()):
-            visit(child)
+        obj = queue.popleft()
+        named = not isinstance(obj, (types.MethodType, functools.partial))
+        for (kind, arg), child in _children(obj, dicts=True):
+            if named and kind == "attr" and arg not in names:
+                deferred[arg].append(child)  # taken if some code uses the name
+            else:
+                visit(child)
     return functions, frozenset(names), objects
 
 
-def _children(obj):
-    """(step, value) pairs of what a path may go through from ``obj``."""
+def _children(obj, dicts: bool = False):
+    """(step, value) pairs of what a path may go through from ``obj`` (with ``dicts``, an
+    object's attributes that hold dicts too)."""
     if isinstance(obj, types.MethodType):
         return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
     if isinstance(obj, functools.partial):
@@ -377,7 +416,7 @@ def _children(obj):
             return []
     namespace = getattr(obj, "__dict__", None) or {}
     children = [(("attr", n), v) for n, v in namespace.items() if not n.startswith("__")
-                and not isinstance(v, (dict, type(None)))]
+                and v is not None and (dicts or not isinstance(v, dict))]
     if isinstance(obj, torch.nn.Module):
         for table in ("_parameters", "_buffers", "_modules"):
             children += [(("attr", n), v) for n, v in namespace.get(table, {}).items()

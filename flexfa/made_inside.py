@@ -113,28 +113,63 @@ made_inside._dynamo_marked_constant = True
 
 
 def pending_assignments() -> dict:
-    """{id(object): (object, {attribute: Dynamo value})} of the attributes the compiled code
-    assigned so far on objects from outside it (``self.window = 4`` in ``forward``): Dynamo
-    applies them only after the graph, so the real objects still hold the old values while
-    flexfa traces a mod. Empty outside Dynamo's tracing or where its internals differ."""
+    """{id(object): (object, {name: Dynamo value} or None)} of what the compiled code changed
+    so far in objects from outside it, which Dynamo applies only after the graph (the real
+    objects hold the old values while flexfa traces a mod): attributes assigned
+    (``self.window = 4`` in ``forward``), globals assigned (``global W; W = 4``, or
+    ``module.W = 4``: under the module's globals dict, their names), a closure cell assigned
+    (``nonlocal w``: under the cell, name ``cell_contents``), and containers changed in place
+    (``cfg["w"] = 9``, ``lst.append(x)``, a dict subclass's items: None, any item). Empty
+    outside Dynamo's tracing or where its internals differ."""
     try:
         tx = _caller_tx()
         if tx is None:
             return {}
-        from torch._dynamo.variables import NNModuleVariable, UserDefinedObjectVariable
-        pending = {}
-        for value, assigned in tx.output.side_effects.store_attr_mutations.items():
-            if isinstance(value, NNModuleVariable):
-                obj = tx.output.get_submodule(value.module_key)
-            elif isinstance(value, UserDefinedObjectVariable) and value.source is not None:
-                obj = value.value
-            else:
-                continue
-            if assigned:
-                pending[id(obj)] = (obj, dict(assigned))
-        return pending
+        return _pending(tx)
     except Exception:  # (another torch's Dynamo internals: nothing known)
         return {}
+
+
+def _pending(tx) -> dict:
+    from torch._dynamo.variables import (NNModuleVariable, PythonModuleVariable,
+                                         UserDefinedObjectVariable)
+    from torch._dynamo.variables.misc import CellVariable, NewGlobalVariable
+    side_effects = tx.output.side_effects
+    pending = {}
+
+    def add(obj, assigned) -> None:
+        old = pending.get(id(obj), (obj, {}))[1]
+        pending[id(obj)] = (obj, None if assigned is None or old is None
+                            else {**old, **assigned})
+
+    for value, assigned in side_effects.store_attr_mutations.items():
+        if not assigned:
+            continue
+        if isinstance(value, NNModuleVariable):
+            add(tx.output.get_submodule(value.module_key), dict(assigned))
+        elif isinstance(value, NewGlobalVariable):  # the root frame's globals
+            add(tx.output.global_scope, dict(assigned))
+        elif isinstance(value, PythonModuleVariable):  # (read as module.W or as a global)
+            add(value.value, dict(assigned))
+            add(vars(value.value), dict(assigned))
+        elif isinstance(value, UserDefinedObjectVariable) and value.source is not None:
+            add(value.value, dict(assigned))
+    alive = {id(obj): obj for obj in side_effects.keepalive}  # the tracked real objects
+    for key, value in side_effects.id_to_variable.items():
+        obj = alive.get(key)
+        kind = type(value.mutation_type).__name__
+        if obj is None or kind not in ("AttributeMutationExisting", "ValueMutationExisting"):
+            continue  # (made inside the compiled code: rebuilt from Dynamo's values)
+        assigned = side_effects.store_attr_mutations.get(value)
+        if isinstance(value, CellVariable) and assigned:
+            add(obj, dict(assigned))
+        elif kind == "ValueMutationExisting" and side_effects.is_modified(value):
+            add(obj, None)
+        elif isinstance(value, UserDefinedObjectVariable):  # a dict or list subclass's items
+            modified = getattr(value, "is_base_vt_modified", None)  # (not in torch 2.11)
+            if modified is not None and modified(side_effects):
+                add(obj, None)
+    return pending
 
 
 def _flattened(partial):

@@ -267,3 +267,112 @@ def test_an_attribute_assigned_in_forward_before_the_call(inside):
         _compiled(_Assigning())(q, k, v, 4, ids, inside)
     torch.testing.assert_close(_compiled(_Assigning())(q, k, v, None, ids, inside),
                                _Assigning()(q, k, v, None, ids, inside), rtol=0, atol=0)
+
+
+_SETTINGS = {"window": 4}
+_WINDOWS = [4]
+_WINDOW = 4
+_SHIFT = torch.zeros(64)
+
+
+def _by_dict(score, b, h, q_idx, kv_idx):
+    return torch.where((q_idx - kv_idx).abs() <= _SETTINGS["window"], score, score - 5.0)
+
+
+def _by_list(score, b, h, q_idx, kv_idx):
+    return torch.where((q_idx - kv_idx).abs() <= _WINDOWS[0], score, score - 5.0)
+
+
+def _by_global(score, b, h, q_idx, kv_idx):
+    return torch.where((q_idx - kv_idx).abs() <= _WINDOW, score, score - 5.0)
+
+
+def _by_global_tensor(score, b, h, q_idx, kv_idx):
+    return score + _SHIFT[kv_idx]
+
+
+class _Changing(torch.nn.Module):
+    """forward changes, before the call, what the score_mod reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.settings, self.log = {"window": 4}, []
+
+    def by_own_dict(self, score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx - kv_idx).abs() <= self.settings["window"], score, score - 5.0)
+
+    def plain(self, score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx - kv_idx).abs() <= 3, score, score - 5.0)
+
+    def forward(self, q, k, v, case):
+        global _WINDOW, _SHIFT
+        if case == "dict item":
+            _SETTINGS["window"] = 9
+            score_mod = _by_dict
+        elif case == "list item":
+            _WINDOWS[0] = 9
+            score_mod = _by_list
+        elif case == "global":
+            _WINDOW = 9
+            score_mod = _by_global
+        elif case == "own dict":
+            self.settings["window"] = 9
+            score_mod = self.by_own_dict
+        elif case == "made inside over a global dict":
+            _SETTINGS["window"] = 9
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return _by_dict(score, b, h, q_idx, kv_idx)
+        elif case == "global tensor":
+            _SHIFT = torch.linspace(-1.0, 1.0, 64)
+            score_mod = _by_global_tensor
+        else:  # a list the mod never reads: works
+            self.log.append(len(self.log))
+            score_mod = self.plain
+        return flexfa.flex_attention(q, k, v, score_mod)
+
+
+def _unchanged(module: _Changing) -> None:
+    global _WINDOW, _SHIFT
+    _SETTINGS["window"], _WINDOWS[0], _WINDOW, _SHIFT = 4, 4, 4, torch.zeros(64)
+    module.settings["window"] = 4
+    module.log.clear()
+
+
+def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
+    """A dict or list item, a global, a module's dict changed in the compiled function before
+    the call: Dynamo applies the change after the graph, so the mod's trace read the old
+    value and compiled differed from eager by up to 1.2 with no error (as for an attribute
+    assigned so, which was refused since the thirty-eighth session). Refused now, naming what
+    changed, a global rebound to a tensor too (the operator would read the old one: 0.41
+    apart); a list the mod never reads still works."""
+    q, k, v = (t.detach() for t in make_inputs(64, seed=10))
+    module = _Changing()
+    refused = {"dict item": "reads a dict that the compiled function changed in place",
+               "list item": "reads a list that the compiled function changed in place",
+               "global": "reads the global '_WINDOW', which the compiled function assigned",
+               "own dict": "reads a dict that the compiled function changed in place",
+               "made inside over a global dict": "reads a dict that the compiled function",
+               # (a global's path reads the real globals: it would take the old tensor)
+               "global tensor": "reads the global '_SHIFT', which the compiled function"}
+    for case, message in refused.items():
+        _unchanged(module)
+        with pytest.raises(flexfa.InputError, match=message):
+            _compiled(module)(q, k, v, case)
+    window = 4
+
+    def by_cell(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx - kv_idx).abs() <= window, score, score - 5.0)
+
+    def step(q, k, v):
+        nonlocal window
+        window = 9
+        return flexfa.flex_attention(q, k, v, by_cell)
+    with pytest.raises(flexfa.InputError, match="reads the closure variable 'window' of 'by_cell'"):
+        _compiled(step)(q, k, v)
+    for case in ("unread list",):
+        _unchanged(module)
+        got = _compiled(module)(q, k, v, case)
+        _unchanged(module)
+        torch.testing.assert_close(got, module(q, k, v, case), rtol=0, atol=1e-6)
+    _unchanged(module)
