@@ -183,7 +183,7 @@ class Layer(torch.nn.Module):
         def same_document(b, h, q_idx, kv_idx):  # over a local tensor
             return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
         mask = flexfa.create_block_mask(same_document, None, None, L, L, device="cuda")
-        alibi = mods.alibi(H)  # a factory called inside
+        alibi = mods.alibi(H, device="cuda")  # a factory called inside
         return flexfa.flex_attention(q, k, v, relative, mask) + \\
             flexfa.flex_attention(q, k, v, alibi, mask)
 
