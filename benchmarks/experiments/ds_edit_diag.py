@@ -2,6 +2,20 @@
 import torch, flexfa
 from flexfa.blockmask import BlockMask
 from flexfa.reference import attention_reference
+from flexfa.runtime import plans
+_keep = plans.keep_backward
+
+
+def _spy(call, key, plan):  # which backward family and spec each new plan has
+    spec = plan.spec
+    print(f"  new plan {type(plan.family).__name__} ds_dq={getattr(spec, 'ds_dq', None)} "
+          f"tiles={getattr(spec, 'block_m1', None)}x{getattr(spec, 'block_n1', None)}/"
+          f"{getattr(spec, 'block_m2', None)}x{getattr(spec, 'block_n2', None)} "
+          f"tma={getattr(spec, 'use_tma', None)}", flush=True)
+    return _keep(call, key, plan)
+
+
+plans.keep_backward = _spy
 L, block = 384, 128
 def same_block(b, h, q_idx, kv_idx):
     return q_idx // block == kv_idx // block
@@ -37,3 +51,6 @@ mask.q_num_blocks.copy_(n); mask.q_indices.copy_(idx)
 print("q tables", mask.q_num_blocks.tolist(), mask.q_indices[0,0,:,0].tolist(), "full", None if mask.full_kv_num_blocks is None else mask.full_kv_num_blocks.tolist())
 report("edited, DS_WORKSPACE", mask, {"DS_WORKSPACE": True})
 report("edited, default", mask, None)
+report("edited tables in a new BlockMask, DS", BlockMask.from_kv_blocks(
+    n.clone(), idx.clone(), BLOCK_SIZE=block, mask_mod=same_block), {"DS_WORKSPACE": True})
+report("edited again (same plan), DS", mask, {"DS_WORKSPACE": True})
