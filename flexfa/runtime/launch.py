@@ -10,9 +10,11 @@ does after its binding. The Hopper forward's plans, the Ampere forward's direct 
 Where Triton's CUDA launcher has the layout this module was written against (Triton 3.6: a C
 ``launch`` function, on sm_90 wrapped by a Python function that encodes each tensor
 descriptor into a TMA descriptor on every call), ``launch_direct`` calls the C function itself
-and keeps each encoded TMA descriptor per base address: the plan's key fixes the descriptor's
-shape, strides and block, so the same address gives the same 128-byte descriptor, which the
-launch copies by value; without launch hooks (a profiler's) it passes no launch metadata.
+and keeps each encoded TMA descriptor per base address with the shape and strides it was
+encoded for (the plan's key fixes the block, and most descriptors' shapes, but not the dS
+workspace's rows, which follow the tables' contents), so the same address, shape and strides
+give the same 128-byte descriptor, which the launch copies by value; without launch hooks (a
+profiler's) it passes no launch metadata.
 Anything else (another layout, hooks, scratch memory) takes Triton's own launcher.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ class DirectState:
     compiled: object
     tail: tuple
     c_launch: object = None
-    descriptors: tuple = ()  # (argument position, metadata, {key: encoded descriptor})
+    # (argument position, metadata, {base address: (shape, strides, encoded descriptor)})
+    descriptors: tuple = ()
     prefix: tuple = ()  # (cooperative grid, PDL, global scratch, profile scratch, metadata)
 
 
@@ -92,16 +95,16 @@ def _known_c_arguments() -> bool:
 
 def _encoded(desc: TensorDescriptor, meta: dict, cache: dict) -> list:
     """[TMA descriptor, *shape, *strides] of ``desc``, as Triton's launcher expands it; cached
-    by base address alone: a state belongs to one plan, whose key fixes the descriptor's
-    shape, strides and block."""
+    by base address with the shape and strides it was encoded for (``launch_direct`` reuses
+    an entry only for the same ones: a plan's key fixes the block, not every descriptor's
+    shape: the dS workspace's rows follow the tables' contents, and a larger workspace may
+    come back at the address of the last one)."""
     from triton.backends.nvidia import driver
 
-    key = desc.base.data_ptr()
-    expanded = cache.get(key)
-    if expanded is None:
-        if len(cache) >= _MAX_DESCRIPTORS:
-            cache.clear()
-        expanded = cache[key] = driver.make_tensordesc_arg(desc, meta)
+    expanded = driver.make_tensordesc_arg(desc, meta)
+    if len(cache) >= _MAX_DESCRIPTORS:
+        cache.clear()
+    cache[desc.base.data_ptr()] = (desc.shape[:], desc.strides[:], expanded)
     return expanded
 
 
@@ -143,8 +146,9 @@ def launch_direct(state: DirectState, grid: tuple, device_index: int, args: list
         for position, meta, cache in state.descriptors:
             final += args[start:position]
             desc = args[position]
-            expanded = cache.get(desc.base.data_ptr())  # the common case, without a call
-            final += expanded if expanded is not None else _encoded(desc, meta, cache)
+            entry = cache.get(desc.base.data_ptr())  # the common case, without a call
+            final += (entry[2] if entry is not None and entry[0] == desc.shape
+                      and entry[1] == desc.strides else _encoded(desc, meta, cache))
             start = position + 1
         final += args[start:]
         final += state.tail

@@ -119,6 +119,34 @@ def test_a_descriptor_is_encoded_once_per_base_address(encoded):
     assert recorder.calls[-1] == _triton_args(other, k, out)
 
 
+def test_a_descriptor_of_another_shape_at_the_same_address_is_encoded_again(encoded):
+    """The dS workspace's rows follow the block mask's contents, which a plan's key does not
+    fix: after an in-place table edit the larger workspace came back from the caching
+    allocator at the last one's address, and the descriptor cached by address alone kept
+    the old row count: the TMA loads past it read zeros and the stores were dropped (dQ rows
+    of zeros on the H100, tests/gpu/test_cached_plans_gpu.py). Shape and strides are part of
+    what an entry is reused for."""
+    storage = torch.randn(256, 64)
+    small, large = storage[:128], storage  # one base address, 128 then 256 rows
+    k, out = torch.randn(128, 64), torch.randn(128, 64)
+    recorder = _Recorder()
+    state = _state(_fake_compiled(recorder))
+    encoded.clear()
+    launch.launch_direct(state, (3, 2), 0, _args(small, k, out))
+    launch.launch_direct(state, (3, 2), 0, _args(large, k, out))
+    assert encoded == [storage.data_ptr(), k.data_ptr(), storage.data_ptr()]
+    assert recorder.calls[-1] == _triton_args(large, k, out)
+    strided = [TensorDescriptor(storage, [128, 64], [128, 1], [64, 64]),
+               *_args(small, k, out)[1:]]
+    encoded.clear()
+    launch.launch_direct(state, (3, 2), 0, strided)  # the same address and shape, other strides
+    launch.launch_direct(state, (3, 2), 0, strided)  # the same again: the cached entry
+    assert encoded == [storage.data_ptr()]
+    call = recorder.calls[-1]
+    at = call.index(("tma", storage.data_ptr(), 3))
+    assert call[at + 1:at + 5] == (128, 64, 128, 1)
+
+
 def test_the_descriptor_cache_is_bounded(encoded):
     recorder = _Recorder()
     state = _state(_fake_compiled(recorder))
