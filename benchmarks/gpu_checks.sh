@@ -124,6 +124,10 @@
 # Gluon forward, decode, feature, FP8 and mod-semantics GPU tests, sharded (ZF_LIMIT, default 470);
 # zg: zf's last files alone (zf_26dd619 was cut at its limit before them): the feature
 # (sinks of +inf, cropped masks) and non-finite score GPU tests, then the FP8 and decode ones;
+# zh: the thirty-ninth session's fixes: experiments/ds_edit_diag.py (the dS workspace after an
+# in-place table edit) on the tree in .oldds (carry it) then on this one, the cached-plan and
+# compile GPU tests, then the backward and Gluon backward GPU files, sharded (ZH_LIMIT,
+# default 360);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -134,7 +138,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -379,6 +383,20 @@ if [ "$PART" = ze ]; then  # the thirty-sixth session's fixes (see --help)
     tests/gpu/test_compile_gpu.py tests/blockmask/test_varlen.py tests/kernels/test_mod_semantics.py
   step timed 120 python -m pytest -m gpu -q -rfE -p no:cacheprovider -k "$T" tests
   tail -n 6 "$OUT/gpu_ze.log" "$OUT/timed.log"
+fi
+if [ "$PART" = zh ]; then  # the thirty-ninth session's fixes (see --help)
+  if [ -d .oldds ]; then
+    (cd .oldds && step ds_old 120 python ../benchmarks/experiments/ds_edit_diag.py)
+    tail -n 14 "$OUT/ds_old.log"
+  fi
+  step ds_new 120 python benchmarks/experiments/ds_edit_diag.py
+  tail -n 14 "$OUT/ds_new.log"
+  step gpu_fixes 200 python -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/gpu/test_cached_plans_gpu.py tests/gpu/test_compile_gpu.py
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step gpu_bwd "${ZH_LIMIT:-360}" $SHARD/zh -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py
+  tail -n 4 "$OUT/gpu_fixes.log" "$OUT/gpu_bwd.log"
 fi
 if [ "$PART" = zf ]; then  # the thirty-seventh session's fixes (see --help)
   T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
