@@ -131,9 +131,13 @@ def pending_assignments() -> dict:
 
 
 def _pending(tx) -> dict:
-    from torch._dynamo.variables import (NNModuleVariable, PythonModuleVariable,
-                                         UserDefinedObjectVariable)
-    from torch._dynamo.variables.misc import CellVariable, NewGlobalVariable
+    from torch._dynamo import variables
+    from torch._dynamo.variables import NNModuleVariable, UserDefinedObjectVariable
+    from torch._dynamo.variables.misc import CellVariable
+
+    # (each a class of torch 2.11's and 2.13's Dynamo; an absent one matches nothing)
+    NewGlobalVariable = getattr(variables.misc, "NewGlobalVariable", ())
+    PythonModuleVariable = getattr(variables, "PythonModuleVariable", ())
     side_effects = tx.output.side_effects
     pending = {}
 
