@@ -60,8 +60,8 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     ``sinks`` [Hq]: attention sinks, as ``flex_attention``'s (docs/sinks.md); lse includes them.
     Under ``torch.autocast`` query, key and value are cast to its dtype first, as
     ``flex_attention``'s (a cache in another dtype is copied each call: keep it in the
-    autocast dtype). Inside ``torch.compile`` a call is captured as the ``flexfa::flex_decode`` operator
-    (``flexfa.compiled``; no ``workspace`` there).
+    autocast dtype). Inside ``torch.compile`` a call is captured as the
+    ``flexfa::flex_decode`` operator (``flexfa.compiled``; no ``workspace`` there).
     """
     query, key, value = autocast_inputs(query, key, value)
     return decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offsets,

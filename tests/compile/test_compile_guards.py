@@ -244,7 +244,8 @@ def test_a_class_attribute_read_in_a_method_of_another_object(monkeypatch):
     torch.testing.assert_close(before, model(q, k, v), rtol=0, atol=0)
     _Band.width = 20
     if not _dynamo_guards_class_attributes():
-        with pytest.raises(flexfa.InputError, match=r"reads _Band.width \(in 'near'\), which"):
+        with pytest.raises(flexfa.InputError,
+                           match=r"reads _Band.width \(in 'near'\), which"):
             compiled(q, k, v)
         return
     got = compiled(q, k, v)
