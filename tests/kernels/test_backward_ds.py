@@ -339,7 +339,9 @@ def test_default_budget_keeps_long_contexts_lean():
     assert workspace(8, 65536, mask) > 4 * budget
 
 
-def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(monkeypatch):
+@pytest.mark.parametrize("tma", [False, True])
+def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(monkeypatch,
+                                                                                 tma):
     """On a GPU a plan's steps launch their first launch's compiled kernel directly
     (``launch.Step``), so no argument Triton specializes on may change between its launches:
     MAX_SLOTS follows the tables' contents, which an in-place edit changes under the same
@@ -357,9 +359,11 @@ def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(
     mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block,
                                     mask_mod=same_block)
 
+    options = {**DS, "bwd_USE_TMA": tma}  # (with TMA: the workspace's descriptors)
+
     def call() -> None:
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        flexfa.flex_attention(*inputs, block_mask=mask, kernel_options=DS).sum().backward()
+        flexfa.flex_attention(*inputs, block_mask=mask, kernel_options=options).sum().backward()
     call()
     call()
     kv_num_blocks.fill_(1)  # the diagonal blocks, the mask_mod's own
@@ -367,5 +371,5 @@ def test_a_plan_launches_as_its_first_launch_was_specialized_after_a_table_edit(
     mask.q_num_blocks.copy_(kv_num_blocks)
     mask.q_indices.copy_(kv_indices)
     call()  # the plan of the calls before: the same upstream gradient's layout
-    check_backward(q, k, v, None, same_block, mask, kernel_options=DS)
+    check_backward(q, k, v, None, same_block, mask, kernel_options=options)
     assert launched and not changed, f"specialized otherwise than at first: {changed}"
