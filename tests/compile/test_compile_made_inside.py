@@ -5,6 +5,9 @@ module or a nested helper stopped Dynamo with ``ClosureConversionError`` (torch'
 FlexAttention takes them). Each compiled result and gradient equals eager flexfa's on the
 same call, captured tensors are read afresh on every run, and a changed Python value
 compiles again."""
+import sys
+import types
+
 import pytest
 import torch
 
@@ -273,6 +276,9 @@ _SETTINGS = {"window": 4}
 _WINDOWS = [4]
 _WINDOW = 4
 _SHIFT = torch.zeros(64)
+_CONFIG = types.ModuleType("flexfa_test_window_config")  # a module the mods read from
+_CONFIG.window = 4
+sys.modules[_CONFIG.__name__] = _CONFIG
 
 
 def _by_dict(score, b, h, q_idx, kv_idx):
@@ -285,6 +291,10 @@ def _by_list(score, b, h, q_idx, kv_idx):
 
 def _by_global(score, b, h, q_idx, kv_idx):
     return torch.where((q_idx - kv_idx).abs() <= _WINDOW, score, score - 5.0)
+
+
+def _by_module(score, b, h, q_idx, kv_idx):
+    return torch.where((q_idx - kv_idx).abs() <= _CONFIG.window, score, score - 5.0)
 
 
 def _by_global_tensor(score, b, h, q_idx, kv_idx):
@@ -323,6 +333,9 @@ class _Changing(torch.nn.Module):
 
             def score_mod(score, b, h, q_idx, kv_idx):
                 return _by_dict(score, b, h, q_idx, kv_idx)
+        elif case == "module attribute":
+            _CONFIG.window = 9
+            score_mod = _by_module
         elif case == "global tensor":
             _SHIFT = torch.linspace(-1.0, 1.0, 64)
             score_mod = _by_global_tensor
@@ -335,14 +348,16 @@ class _Changing(torch.nn.Module):
 def _unchanged(module: _Changing) -> None:
     global _WINDOW, _SHIFT
     _SETTINGS["window"], _WINDOWS[0], _WINDOW, _SHIFT = 4, 4, 4, torch.zeros(64)
+    _CONFIG.window = 4
     module.settings["window"] = 4
     module.log.clear()
 
 
 def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
-    """A dict or list item, a global, a module's dict changed in the compiled function before
-    the call: Dynamo applies the change after the graph, so the mod's trace read the old
-    value and compiled differed from eager by up to 1.2 with no error (as for an attribute
+    """A dict or list item, a global, a module's attribute, a closure variable changed in the
+    compiled function before the call: Dynamo applies the change after the graph, so the
+    mod's trace read the old value and compiled differed from eager by up to 1.2 with no
+    error (as for an attribute
     assigned so, which was refused since the thirty-eighth session). Refused now, naming what
     changed, a global rebound to a tensor too (the operator would read the old one: 0.41
     apart); a list the mod never reads still works."""
@@ -352,6 +367,7 @@ def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
                "list item": "reads a list that the compiled function changed in place",
                "global": "reads the global '_WINDOW', which the compiled function assigned",
                "own dict": "reads a dict that the compiled function changed in place",
+               "module attribute": "reads flexfa_test_window_config.window, which the",
                "made inside over a global dict": "reads a dict that the compiled function",
                # (a global's path reads the real globals: it would take the old tensor)
                "global tensor": "reads the global '_SHIFT', which the compiled function"}
@@ -370,9 +386,8 @@ def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
         return flexfa.flex_attention(q, k, v, by_cell)
     with pytest.raises(flexfa.InputError, match="reads the closure variable 'window' of 'by_cell'"):
         _compiled(step)(q, k, v)
-    for case in ("unread list",):
-        _unchanged(module)
-        got = _compiled(module)(q, k, v, case)
-        _unchanged(module)
-        torch.testing.assert_close(got, module(q, k, v, case), rtol=0, atol=1e-6)
+    _unchanged(module)
+    got = _compiled(module)(q, k, v, "unread list")
+    _unchanged(module)
+    torch.testing.assert_close(got, module(q, k, v, "unread list"), rtol=0, atol=1e-6)
     _unchanged(module)
