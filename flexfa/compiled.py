@@ -11,7 +11,10 @@ the path from each mod to each of its captured tensors. Dynamo then follows thos
 Dynamo sees them: guarded, lifted as graph inputs, read fresh on every run. A closure cell is
 read by calling a one-line function that closes over the same cell (``CELL_READERS`` on the
 function): Dynamo reads cells only through free variables (``fn.__closure__[i]`` becomes a cell
-object Dynamo cannot take ``cell_contents`` of once it has inlined ``fn``, and the reverse). The mods are also
+object Dynamo cannot take ``cell_contents`` of once it has inlined ``fn``, and the reverse). A
+global is read by a one-line function of the same globals (``GLOBAL_READERS``), so that a
+global the compiled code assigned before the call reads as Dynamo's new value (through
+``fn.__globals__`` it read the real module's old one). The mods are also
 called once on one-element tensors (dead code in the graph) so that Dynamo guards on every Python
 value they read (``self.window``), as it would for torch's FlexAttention.
 
@@ -47,6 +50,7 @@ from .runtime.options import parse_kernel_options
 
 MAX_VISITS = 4096  # objects a path search visits
 CELL_READERS = "_flexfa_cell_readers"  # function attribute: {free variable: reader}
+GLOBAL_READERS = "_flexfa_global_readers"  # function attribute: {global name: reader}
 
 
 def describe(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
@@ -201,23 +205,20 @@ def _refuse_pending(mod, traced, pending: dict) -> None:
     mask over ``self.window``), a global or closure variable assigned, a container changed in
     place (``cfg["w"] = 9``). Its trace saw the old value, which the real object still holds
     until the graph ends. An attribute, global or cell assigned a tensor is no problem: the
-    operator takes the one Dynamo follows, the new one."""
+    operator takes the one Dynamo follows, the new one (``follow`` reads a global through a
+    reader function, as a cell: Dynamo's pending store, not the real module's old value)."""
     if mod is None or traced is None or not pending:
         return
     functions, names, objects = functions_run(mod)
-    # (object, what a changed name of it is called in the error, the names read of it,
-    # whether a tensor assigned there is followed: an attribute's is, through Dynamo's
-    # getattr; a global's or a cell's path reads the real dict or cell, the old tensor)
-    where = [(obj, lambda name, obj=obj: f"{_named(obj)}.{name}", names, True)
-             for obj in objects]
+    # (object, what a changed name of it is called in the error, the names read of it)
+    where = [(obj, lambda name, obj=obj: f"{_named(obj)}.{name}", names) for obj in objects]
     for function in functions:
         where.append((function.__globals__, lambda name: f"the global {name!r}",
-                      code_names(function.__code__), False))
+                      code_names(function.__code__)))
         where += [(cell, lambda _, free=free, function=function:
-                   f"the closure variable {free!r} of {function.__name__!r}", {"cell_contents"},
-                   False)
+                   f"the closure variable {free!r} of {function.__name__!r}", {"cell_contents"})
                   for free, cell in zip(function.__code__.co_freevars, function.__closure__ or ())]
-    for obj, what, used, follows_tensors in where:
+    for obj, what, used in where:
         obj_pending = pending.get(id(obj))
         if obj_pending is None:
             continue
@@ -229,7 +230,7 @@ def _refuse_pending(mod, traced, pending: dict) -> None:
                 "it outside the compiled function, or pass the value in a closure or an "
                 "argument")
         for name, value in obj_pending[1].items():
-            if name in used and not (follows_tensors and value.is_tensor()):
+            if name in used and not value.is_tensor():
                 raise InputError(
                     f"the {traced.kind} {traced.name!r} reads {what(name)}, which "
                     "the compiled function assigned before this call: torch.compile applies "
@@ -411,7 +412,10 @@ def _children(obj, dicts: bool = False):
         return [(("item", i), v) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         return [(("item", k), v) for k, v in obj.items() if isinstance(k, (str, int))]
-    if isinstance(obj, (type, types.ModuleType)) or is_library_name(type(obj).__module__ or ""):
+    if isinstance(obj, types.ModuleType):  # a user module's tensors (config.TABLE)
+        return [] if is_library_name(obj.__name__) else [
+            (("attr", n), v) for n, v in vars(obj).items() if isinstance(v, torch.Tensor)]
+    if isinstance(obj, type) or is_library_name(type(obj).__module__ or ""):
         if not isinstance(obj, torch.nn.Module):
             return []
     namespace = getattr(obj, "__dict__", None) or {}
@@ -435,7 +439,18 @@ def _add_cell_readers(mod, path: tuple) -> None:
                 cell = obj.__closure__[obj.__code__.co_freevars.index(arg)]
                 readers[arg] = types.FunctionType(_reader_code(arg), globals(), f"read_{arg}",
                                                   None, (cell,))
+        elif kind == "global":
+            readers = obj.__dict__.setdefault(GLOBAL_READERS, {})
+            if arg not in readers:
+                readers[arg] = types.FunctionType(_global_reader_code(arg), obj.__globals__,
+                                                  f"read_{arg}")
         obj = _step(obj, kind, arg)
+
+
+@functools.lru_cache(maxsize=256)
+def _global_reader_code(name: str) -> types.CodeType:
+    """The code of ``lambda: name`` with ``name`` a global."""
+    return compile(f"lambda: {name}", "<flexfa global reader>", "eval").co_consts[0]
 
 
 @functools.lru_cache(maxsize=256)
@@ -471,14 +486,14 @@ def follow(obj, path: tuple, cells: tuple = ()):
             obj = obj[arg]
         else:
             try:  # Dynamo has neither for a function defined inside the compiled function
-                found = getattr(obj, CELL_READERS) if kind == "cell" else obj.__globals__
+                found = getattr(obj, CELL_READERS if kind == "cell" else GLOBAL_READERS)
             except AttributeError:
                 raise InputError(
                     f"a mod defined inside the compiled function reads {arg!r} through its "
                     f"{'closure' if kind == 'cell' else 'globals'}, which torch.compile does not "
                     "let flexfa follow there; define the mod outside the compiled function (a "
                     "module-level function, a factory's closure, a module's method)") from None
-            obj = found[arg]() if kind == "cell" else found[arg]
+            obj = found[arg]()
     return obj
 
 

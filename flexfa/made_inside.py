@@ -332,6 +332,9 @@ class Inside:
                 f"a mod defined inside the compiled function reads the global {name!r} of "
                 "another module than the compiled function's, which flexfa cannot follow "
                 "there; capture it in a closure or define the mod outside the compiled function")
+        if name in root.symbolic_globals:  # assigned in the compiled code: its new value
+            variable = root.output.side_effects[root.symbolic_globals[name]]
+            return root.output.side_effects.load_global(variable, name)
         return VariableBuilder(self.tx, GlobalSource(name))(function_value.f_globals[name])
 
     def export(self) -> None:

@@ -336,9 +336,14 @@ class _Changing(torch.nn.Module):
         elif case == "module attribute":
             _CONFIG.window = 9
             score_mod = _by_module
-        elif case == "global tensor":
+        elif case == "global tensor":  # followed: the operator reads the new tensor
             _SHIFT = torch.linspace(-1.0, 1.0, 64)
             score_mod = _by_global_tensor
+        elif case == "global tensor, made inside":
+            _SHIFT = torch.linspace(-1.0, 1.0, 64)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + _SHIFT[kv_idx]
         else:  # a list the mod never reads: works
             self.log.append(len(self.log))
             score_mod = self.plain
@@ -359,8 +364,9 @@ def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
     mod's trace read the old value and compiled differed from eager by up to 1.2 with no
     error (as for an attribute
     assigned so, which was refused since the thirty-eighth session). Refused now, naming what
-    changed, a global rebound to a tensor too (the operator would read the old one: 0.41
-    apart); a list the mod never reads still works."""
+    changed. A global rebound to a tensor there is followed (the operator reads the new
+    tensor; it read the old one, 0.41 apart, and a mod made inside did too), and a list the
+    mod never reads may change."""
     q, k, v = (t.detach() for t in make_inputs(64, seed=10))
     module = _Changing()
     refused = {"dict item": "reads a dict that the compiled function changed in place",
@@ -368,9 +374,7 @@ def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
                "global": "reads the global '_WINDOW', which the compiled function assigned",
                "own dict": "reads a dict that the compiled function changed in place",
                "module attribute": "reads flexfa_test_window_config.window, which the",
-               "made inside over a global dict": "reads a dict that the compiled function",
-               # (a global's path reads the real globals: it would take the old tensor)
-               "global tensor": "reads the global '_SHIFT', which the compiled function"}
+               "made inside over a global dict": "reads a dict that the compiled function"}
     for case, message in refused.items():
         _unchanged(module)
         with pytest.raises(flexfa.InputError, match=message):
@@ -386,8 +390,61 @@ def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
         return flexfa.flex_attention(q, k, v, by_cell)
     with pytest.raises(flexfa.InputError, match="reads the closure variable 'window' of 'by_cell'"):
         _compiled(step)(q, k, v)
+    shift = torch.zeros(64)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + shift[kv_idx]
+
+    def shifting(q, k, v, new):
+        nonlocal shift
+        shift = new  # a tensor: followed
+        return flexfa.flex_attention(q, k, v, shifted)
+    new = torch.linspace(-1.0, 1.0, 64)
+    got = _compiled(shifting)(q, k, v, new)
+    shift = torch.zeros(64)
+    torch.testing.assert_close(got, shifting(q, k, v, new), rtol=0, atol=1e-6)
+    for case in ("global tensor", "global tensor, made inside", "unread list"):
+        _unchanged(module)
+        got = _compiled(module)(q, k, v, case)
+        _unchanged(module)
+        want = module(q, k, v, case)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        if case != "unread list":  # (the new tensor changes the result)
+            _unchanged(module)
+            assert (want - module(q, k, v, "unread list")).abs().max() > 0.1
     _unchanged(module)
-    got = _compiled(module)(q, k, v, "unread list")
-    _unchanged(module)
-    torch.testing.assert_close(got, module(q, k, v, "unread list"), rtol=0, atol=1e-6)
-    _unchanged(module)
+
+
+def _by_module_tensor(score, b, h, q_idx, kv_idx):
+    return score + _CONFIG.shift[kv_idx]
+
+
+def test_a_tensor_read_through_a_module_attribute():
+    """A mod reading a tensor as a module's attribute (``config.SHIFT[kv_idx]``) was refused
+    under torch.compile ("cannot reach": the path search did not enter modules); now its path
+    goes through the module: outputs and the tensor's gradient equal eager's, a tensor
+    rebound outside between calls or assigned in the compiled function before the call is
+    the one read."""
+    q, k, v = (t.detach() for t in make_inputs(64, seed=11))
+
+    def attend(q, k, v, new=None):
+        if new is not None:
+            _CONFIG.shift = new
+        return flexfa.flex_attention(q, k, v, _by_module_tensor)
+    compiled = _compiled(attend)
+    try:
+        for step in range(2):
+            _CONFIG.shift = torch.linspace(-1.0, 1.0, 64).mul(step + 1).requires_grad_()
+            got = compiled(q, k, v)
+            got_grad, = torch.autograd.grad(got.sum(), _CONFIG.shift)
+            want = attend(q, k, v)
+            want_grad, = torch.autograd.grad(want.sum(), _CONFIG.shift)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-6)
+        new = torch.linspace(1.0, -1.0, 64)
+        _CONFIG.shift = torch.zeros(64)
+        got = compiled(q, k, v, new)
+        _CONFIG.shift = torch.zeros(64)
+        torch.testing.assert_close(got, attend(q, k, v, new), rtol=0, atol=1e-6)
+    finally:
+        del _CONFIG.shift
