@@ -79,15 +79,15 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     from .ops import class_pins, register_mods, watched  # (registers the operators: first call)
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
+    score_run, mask_run = functions_run(score_mod), functions_run(mask_mod)
     pending = pending_assignments()
     if pending:
-        _refuse_pending(score_mod, score, pending)
-        _refuse_pending(mask_mod, mask, pending)
+        _refuse_pending(score, score_run, pending)
+        _refuse_pending(mask, mask_run, pending)
     key = register_mods(score, mask, parse_kernel_options(kernel_options), bool(enable_gqa))
     # the class attributes the mods read, checked on every run (ops.check_unchanged): torch
     # 2.11's Dynamo does not guard them
-    key = watched(key, class_pins(score_mod, functions_run(score_mod)[0])
-                  + class_pins(mask_mod, functions_run(mask_mod)[0]))
+    key = watched(key, class_pins(score_mod, score_run[0]) + class_pins(mask_mod, mask_run[0]))
     described = (key, buffer_paths(score_mod, score, unread=True, inside=score_inside),
                  buffer_paths(mask_mod, mask, inside=mask_inside),
                  sized_paths(score_mod, score_sized, score_inside),
@@ -199,17 +199,18 @@ def _traced(mod, kind) -> tuple:
     return entry.traced, sized
 
 
-def _refuse_pending(mod, traced, pending: dict) -> None:
+def _refuse_pending(traced, run: tuple, pending: dict) -> None:
     """Refuse a mod that reads what the compiled code changed before this call
     (``made_inside.pending_assignments``): an attribute assigned (``self.window = 4`` then a
     mask over ``self.window``), a global or closure variable assigned, a container changed in
     place (``cfg["w"] = 9``). Its trace saw the old value, which the real object still holds
     until the graph ends. An attribute, global or cell assigned a tensor is no problem: the
     operator takes the one Dynamo follows, the new one (``follow`` reads a global through a
-    reader function, as a cell: Dynamo's pending store, not the real module's old value)."""
-    if mod is None or traced is None or not pending:
+    reader function, as a cell: Dynamo's pending store, not the real module's old value).
+    ``run``: ``functions_run`` of the mod."""
+    if traced is None or not pending:
         return
-    functions, names, objects = functions_run(mod)
+    functions, names, objects = run
     # (object, what a changed name of it is called in the error, the names read of it)
     where = [(obj, lambda name, obj=obj: f"{_named(obj)}.{name}", names) for obj in objects]
     for function in functions:
