@@ -241,8 +241,10 @@ def _refuse_pending(traced, run: tuple, pending: dict) -> None:
 
 
 def _named(obj) -> str:
-    """A module's name, else the object's type's."""
-    return obj.__name__ if isinstance(obj, types.ModuleType) else type(obj).__name__
+    """A module's name, a class's own, else the object's type's."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    return obj.__qualname__ if isinstance(obj, type) else type(obj).__name__
 
 
 def buffer_paths(mod, traced, unread: bool = False, inside: Inside | None = None) -> tuple:
@@ -318,7 +320,9 @@ def _reachable(mod):
                 queue.append((child, (*path, step)))
 
 
-MAX_RUN_FUNCTIONS = 64  # user functions functions_run collects per mod
+MAX_RUN_FUNCTIONS = 256  # user functions functions_run collects per mod
+MAX_RUN_VISITS = 1 << 16  # objects it visits (once per mod and trace; scalars not counted)
+_UNCHANGING = (int, float, complex, str, bytes, type(None))  # no attributes a mod could change
 
 
 def functions_run(mod) -> tuple[list, frozenset, list]:
@@ -329,8 +333,10 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     taken once some code uses its name), items of containers, and the methods, static and
     class methods and property getters of the objects, classes and modules met under the
     names that code uses (``self.helper.near(...)`` runs ``Helper.near``), to a fixed point:
-    at most ``MAX_RUN_FUNCTIONS`` functions and ``MAX_VISITS`` objects. A superset of what a
-    call runs and reads (a method of a name the code uses on another object counts too)."""
+    a class's attributes (its objects' too) under used names, to a fixed point. A superset
+    of what a call runs and reads (a method of a name the code uses on another object counts
+    too). A mod reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS``
+    objects is an InputError: what it reads past them could not be checked."""
     functions, names, objects = [], set(), []
     if mod is None:
         return functions, frozenset(), objects
@@ -353,13 +359,17 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             visit(found)
 
     def visit(obj) -> None:
-        if isinstance(obj, torch.Tensor) or id(obj) in seen or len(seen) >= MAX_VISITS:
+        if isinstance(obj, (torch.Tensor, *_UNCHANGING)) or id(obj) in seen:
             return
+        if len(seen) >= MAX_RUN_VISITS:
+            _too_much(mod, f"{MAX_RUN_VISITS} objects")
         seen.add(id(obj))
         queue.append(obj)
         if isinstance(obj, types.FunctionType):
-            if is_library_name(obj.__module__ or "") or len(functions) >= MAX_RUN_FUNCTIONS:
+            if is_library_name(obj.__module__ or ""):
                 return
+            if len(functions) >= MAX_RUN_FUNCTIONS:
+                _too_much(mod, f"{MAX_RUN_FUNCTIONS} functions")
             functions.append(obj)
             new = sorted(code_names(obj.__code__) - names)
             names.update(new)
@@ -377,6 +387,8 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         owners[id(owner)] = owner
         for name in sorted(names):
             method(owner, name)
+        if owner is not obj and isinstance(owner, type):
+            visit(owner)  # its class's attributes too (self.table, a class attribute)
 
     visit(mod)
     if not isinstance(mod, (types.FunctionType, types.MethodType, functools.partial)):
@@ -385,7 +397,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     while queue:
         obj = queue.popleft()
         named = not isinstance(obj, (types.MethodType, functools.partial))
-        for (kind, arg), child in _children(obj, dicts=True):
+        for (kind, arg), child in _children(obj, reads=True):
             if named and kind == "attr" and arg not in names:
                 deferred[arg].append(child)  # taken if some code uses the name
             else:
@@ -393,9 +405,19 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     return functions, frozenset(names), objects
 
 
-def _children(obj, dicts: bool = False):
-    """(step, value) pairs of what a path may go through from ``obj`` (with ``dicts``, an
-    object's attributes that hold dicts too)."""
+def _too_much(mod, what: str):
+    raise InputError(
+        f"the mod {mod_name(mod)!r} reaches more than {what} through its code, closures, "
+        "globals and attributes: under torch.compile flexfa checks that none of what it reads "
+        "changed unseen (class attributes, values the compiled function assigned before the "
+        "call), and cannot check past that; give the mod only what it needs (a closure over "
+        "the few values it reads), or call flexfa.flex_attention outside torch.compile")
+
+
+def _children(obj, reads: bool = False):
+    """(step, value) pairs of what a path may go through from ``obj``; with ``reads`` (the
+    walk of what a mod may read, ``functions_run``) also an object's attributes that hold
+    dicts, its ``__slots__`` attributes and a user class's attributes."""
     if isinstance(obj, types.MethodType):
         return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
     if isinstance(obj, functools.partial):
@@ -416,16 +438,48 @@ def _children(obj, dicts: bool = False):
     if isinstance(obj, types.ModuleType):  # a user module's tensors (config.TABLE)
         return [] if is_library_name(obj.__name__) else [
             (("attr", n), v) for n, v in vars(obj).items() if isinstance(v, torch.Tensor)]
-    if isinstance(obj, type) or is_library_name(type(obj).__module__ or ""):
-        if not isinstance(obj, torch.nn.Module):
-            return []
+    if isinstance(obj, type):  # with ``reads``: a user class's attributes (Config.table[...])
+        return _class_children(obj) if reads else []
+    if is_library_name(type(obj).__module__ or "") and not isinstance(obj, torch.nn.Module):
+        return []
     namespace = getattr(obj, "__dict__", None) or {}
     children = [(("attr", n), v) for n, v in namespace.items() if not n.startswith("__")
-                and v is not None and (dicts or not isinstance(v, dict))]
+                and v is not None and (reads or not isinstance(v, dict))]
+    if reads:
+        children += _slot_children(obj)
     if isinstance(obj, torch.nn.Module):
         for table in ("_parameters", "_buffers", "_modules"):
             children += [(("attr", n), v) for n, v in namespace.get(table, {}).items()
                          if v is not None]
+    return children
+
+
+def _class_children(cls: type) -> list:
+    """(step, value) of the attributes a user class holds or inherits from a user class (the
+    first definition along the method resolution order), none of a library's class."""
+    children, taken = [], set()
+    for klass in cls.__mro__:
+        if is_library_name(klass.__module__ or ""):
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("__") and value is not None and name not in taken:
+                taken.add(name)
+                children.append((("attr", name), value))
+    return children
+
+
+def _slot_children(obj) -> list:
+    """(step, value) of ``obj``'s ``__slots__`` attributes that are set (a user class's)."""
+    children = []
+    for klass in type(obj).__mro__:
+        if is_library_name(klass.__module__ or ""):
+            continue
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if not name.startswith("__"):
+                value = getattr(obj, name, None)
+                if value is not None:
+                    children.append((("attr", name), value))
     return children
 
 

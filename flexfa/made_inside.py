@@ -116,7 +116,7 @@ def pending_assignments() -> dict:
     """{id(object): (object, {name: Dynamo value} or None)} of what the compiled code changed
     so far in objects from outside it, which Dynamo applies only after the graph (the real
     objects hold the old values while flexfa traces a mod): attributes assigned
-    (``self.window = 4`` in ``forward``), globals assigned (``global W; W = 4``, or
+    (``self.window = 4`` in ``forward``, ``Config.window = 4`` of a class), globals assigned (``global W; W = 4``, or
     ``module.W = 4``: under the module's globals dict, their names), a closure cell assigned
     (``nonlocal w``: under the cell, name ``cell_contents``), and containers changed in place
     (``cfg["w"] = 9``, ``lst.append(x)``, a dict subclass's items: None, any item). Empty
@@ -132,7 +132,8 @@ def pending_assignments() -> dict:
 
 def _pending(tx) -> dict:
     from torch._dynamo import variables
-    from torch._dynamo.variables import NNModuleVariable, UserDefinedObjectVariable
+    from torch._dynamo.variables import (NNModuleVariable, UserDefinedClassVariable,
+                                         UserDefinedObjectVariable)
     from torch._dynamo.variables.misc import CellVariable
 
     # (each a class of torch 2.11's and 2.13's Dynamo; an absent one matches nothing)
@@ -156,7 +157,8 @@ def _pending(tx) -> dict:
         elif isinstance(value, PythonModuleVariable):  # (read as module.W or as a global)
             add(value.value, dict(assigned))
             add(vars(value.value), dict(assigned))
-        elif isinstance(value, UserDefinedObjectVariable) and value.source is not None:
+        elif isinstance(value, (UserDefinedObjectVariable, UserDefinedClassVariable)) \
+                and value.source is not None:  # an object's or a class's (Config.window = 9)
             add(value.value, dict(assigned))
     alive = {id(obj): obj for obj in side_effects.keepalive}  # the tracked real objects
     for key, value in side_effects.id_to_variable.items():

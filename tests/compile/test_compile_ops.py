@@ -205,6 +205,34 @@ def test_class_pins_follow_methods_of_other_objects_and_modules():
         (helpers.Cfg, "band", "<lambda>")]
 
 
+def test_a_mod_reaching_more_than_the_walk_checks_is_refused(monkeypatch):
+    """What a mod may run is walked for its class pins and the compiled function's pending
+    changes; past the walk's limits it stopped silently, so a class attribute read by a
+    function past the 64th was neither pinned nor checked. Past them now the walk is an
+    InputError (limits lowered here); scalars are not counted, and a class's attributes
+    under the names the code uses are walked (``_Config.window`` of ``_Near.near``)."""
+    from flexfa import compiled
+    chain = {"_Config": _Config, "__name__": "user_chain"}
+    exec("def f0(q, k):\n    return (q - k).abs() <= _Config.window\n"
+         + "".join(f"def f{i}(q, k):\n    return f{i - 1}(q, k)\n" for i in range(1, 6)),
+         chain)
+    top = chain["f5"]
+    mask = lambda b, h, q_idx, kv_idx: top(q_idx, kv_idx)
+    assert [(p.ref(), p.name, p.where) for p in pinned(mask)] == [(_Config, "window", "f0")]
+    monkeypatch.setattr(compiled, "MAX_RUN_FUNCTIONS", 4)
+    with pytest.raises(flexfa.InputError, match="reaches more than 4 functions"):
+        pinned(mask)
+    monkeypatch.setattr(compiled, "MAX_RUN_FUNCTIONS", 256)
+    table = [float(i) for i in range(100)]  # scalars: not counted
+    scaled = lambda score, b, h, q_idx, kv_idx: score * table[3]
+    monkeypatch.setattr(compiled, "MAX_RUN_VISITS", 8)
+    assert pinned(scaled) == ()
+    nested = [[i] for i in range(10)]
+    listed = lambda score, b, h, q_idx, kv_idx: score * nested[3][0]
+    with pytest.raises(flexfa.InputError, match="reaches more than 8 objects"):
+        pinned(listed)
+
+
 def test_import_does_not_load_dynamo_or_triton():
     code = "import flexfa, sys; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
