@@ -126,8 +126,25 @@ def pending_assignments() -> dict:
         if tx is None:
             return {}
         return _pending(tx)
-    except Exception:  # (another torch's Dynamo internals: nothing known)
+    except Exception as error:  # (another torch's Dynamo internals: nothing known)
+        _warn_unchecked(f"{type(error).__name__}: {error}")
         return {}
+
+
+_WARNED = []  # [True] once _warn_unchecked has warned
+
+
+def _warn_unchecked(why: str) -> None:
+    """Say once a process that the pending changes could not be read (not silently)."""
+    import warnings
+    if _WARNED:
+        return
+    _WARNED.append(True)
+    warnings.warn(f"flexfa could not read what this torch's Dynamo applies after the graph "
+                  f"({why}): a value the compiled function assigns before a flexfa call, "
+                  "which a mod reads, is not refused and the mod's trace sees the old one; "
+                  "assign such values outside the compiled function", RuntimeWarning,
+                  stacklevel=3)
 
 
 def _pending(tx) -> dict:

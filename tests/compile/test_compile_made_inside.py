@@ -8,6 +8,7 @@ compiles again."""
 import re
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -518,3 +519,20 @@ def test_a_tensor_read_through_a_module_attribute():
         torch.testing.assert_close(got, attend(q, k, v, new), rtol=0, atol=1e-6)
     finally:
         del _CONFIG.shift
+
+
+def test_unreadable_pending_changes_warn(monkeypatch):
+    """Where Dynamo's internals differ (another torch), what the compiled function changed
+    before the call cannot be read: said once with a RuntimeWarning, not silently."""
+    from flexfa import made_inside
+
+    def broken(tx):
+        raise AttributeError("no side_effects here")
+    monkeypatch.setattr(made_inside, "_pending", broken)
+    monkeypatch.setattr(made_inside, "_caller_tx", lambda: object())
+    monkeypatch.setattr(made_inside, "_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="could not read what this torch's Dynamo"):
+        assert made_inside.pending_assignments() == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert made_inside.pending_assignments() == {}  # once
