@@ -57,6 +57,50 @@ _MISSING = object()
 _ABSENT = ("absent",)
 
 
+def _autocast_state() -> tuple:
+    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in ("cpu", "cuda"))
+
+
+def _cuda_device():
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+# torch's global state a mod may read by calling these (``if torch.is_grad_enabled(): ...``):
+# no captured value holds it, so where the reached code names one, the trace memo compares
+# its value (``torch_state``) besides the guard
+STATE_READERS = {
+    "is_grad_enabled": torch.is_grad_enabled,
+    "is_inference_mode_enabled": torch.is_inference_mode_enabled,
+    "are_deterministic_algorithms_enabled": torch.are_deterministic_algorithms_enabled,
+    "is_deterministic_algorithms_warn_only_enabled":
+        torch.is_deterministic_algorithms_warn_only_enabled,
+    "get_default_dtype": torch.get_default_dtype,
+    "get_default_device": getattr(torch, "get_default_device", lambda: None),
+    "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+    "is_anomaly_enabled": torch.is_anomaly_enabled,
+    "is_warn_always_enabled": torch.is_warn_always_enabled,
+    "get_num_threads": torch.get_num_threads,
+    "current_device": _cuda_device,
+    **dict.fromkeys(("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",
+                     "get_autocast_cpu_dtype", "get_autocast_gpu_dtype",
+                     "is_autocast_cache_enabled"), _autocast_state),
+}
+
+
+def torch_state(names) -> tuple:
+    """(name, value) of the torch global state ``STATE_READERS`` reads under ``names`` (the
+    names a mod's reached code uses; usually none: an empty tuple)."""
+    if names.isdisjoint(STATE_READERS):
+        return ()
+    return tuple((name, STATE_READERS[name]()) for name in sorted(names & STATE_READERS.keys()))
+
+
+def torch_state_holds(state: tuple) -> bool:
+    """Whether each value ``torch_state`` read is still the same."""
+    return all(STATE_READERS[name]() == value for name, value in state)
+
+
 class Unguardable(Exception):
     """The walk met state it cannot fingerprint."""
 

@@ -18,7 +18,7 @@ from ..errors import TraceError
 from . import ir
 from . import torch_functions  # noqa: F401  (registers the torch-function handlers)
 from ..memo import OwnedMemo
-from .guards import Guard, guard, pins, pins_hold
+from .guards import Guard, guard, pins, pins_hold, torch_state, torch_state_holds
 from .ir import DType, Node, Op
 from .proxy import BufferView, Proxy, Tracer, lift, supported_functions
 from .simplify import simplify
@@ -163,6 +163,9 @@ class TraceEntry:
     sized: tuple = ()
     # a plain function's bindings (``guards.pins``), checked instead of its guard where set
     pins: tuple | None = None
+    # (name, value) of torch's global state its code may read (``guards.torch_state``:
+    # ``torch.is_grad_enabled()``), compared besides the guard; usually empty
+    state: tuple = ()
 
     def reads_unchanged(self) -> bool:
         for ref, version in self.reads:
@@ -199,20 +202,23 @@ def trace_entry(fn, kind: str | None = None) -> TraceEntry:
     owner, key = _owner_and_key(fn, kind)
     entry = TRACE_MEMO.get(owner, key)
     if entry is not None and entry.pins is not None and pins_hold(fn, entry.pins) and \
-            (not entry.reads or entry.reads_unchanged()):
+            (not entry.reads or entry.reads_unchanged()) and \
+            (not entry.state or torch_state_holds(entry.state)):
         return entry  # (a plain function's bindings unchanged: its guard would be equal)
     names = frozenset() if entry is None or entry.guard is None else entry.guard.names
     current = guard(fn, names)
     if (entry is not None and current is not None and current == entry.guard
-            and (not entry.reads or entry.reads_unchanged())):
+            and (not entry.reads or entry.reads_unchanged())
+            and (not entry.state or torch_state_holds(entry.state))):
         return entry
     if expected is None:
         expected = mod_kind(fn)
     if kind != expected:
         raise TraceError(f"expected a {kind} but {mod_name(fn)!r} has the arity of a {expected}")
     pinned = pins(fn) if current is not None else None  # (taken before the trace)
+    state = torch_state(current.names) if current is not None else ()
     traced, reads, raw, sized = _trace_uncached(fn, kind, current)
-    entry = TraceEntry(traced, current, reads, raw, sized=sized)
+    entry = TraceEntry(traced, current, reads, raw, sized=sized, state=state)
     if _reusable(current, traced):
         current.keep()  # its objects held weakly from now on
         if pinned is not None and pins_hold(fn, pinned) and guard(fn, current.names) == current:

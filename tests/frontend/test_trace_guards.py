@@ -755,3 +755,52 @@ def test_any_sequence_of_a_pinned_global(values):
                     got.shape))
     finally:
         globals()["PIN_SCALE"] = 1.0
+
+
+def _grad_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (2 if torch.is_grad_enabled() else 5)
+
+
+def _dtype_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (2 if torch.get_default_dtype() is torch.float32 else 5)
+
+
+def _deterministic_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (5 if torch.are_deterministic_algorithms_enabled() else 2)
+
+
+def _helper_reads_grad_mode():
+    return torch.is_grad_enabled()
+
+
+class _GradWindow:
+    def mask(self, b, h, q_idx, kv_idx):  # through a helper function (the full guard)
+        return q_idx - kv_idx < (2 if _helper_reads_grad_mode() else 5)
+
+
+def test_torch_global_state_a_mod_reads():
+    """A mod reading torch's global state (grad mode, the default dtype, deterministic
+    algorithms) got the trace of the state it was first traced under, as its guard and pins
+    hold no such value: eager and compiled flexfa ran the old mod (1.64 apart in a probe).
+    The trace memo compares those values now where the reached code names their reader."""
+    def set_grad():
+        torch.set_grad_enabled(False)
+    try:
+        _assert_follows(_grad_window, set_grad)
+        torch.set_grad_enabled(True)
+        assert torch.equal(_values(trace(_grad_window)), _values(trace(_grad_window)))
+        _assert_follows(_GradWindow().mask, set_grad)
+    finally:
+        torch.set_grad_enabled(True)
+    before = torch.get_default_dtype()
+    try:
+        _assert_follows(_dtype_window, lambda: torch.set_default_dtype(torch.float64))
+    finally:
+        torch.set_default_dtype(before)
+    try:
+        _assert_follows(_deterministic_window,
+                        lambda: torch.use_deterministic_algorithms(True, warn_only=True))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert trace_entry(_grad_window).state == (("is_grad_enabled", True),)
+    assert trace_entry(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).state == ()
