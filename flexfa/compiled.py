@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import enum
 import functools
 import inspect
 import operator
 import types
+import weakref
 
 import torch
 
@@ -38,7 +40,7 @@ from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .frontend.guards import code_names, filled, is_library_name
+from .frontend.guards import DYNAMIC_NAMES, code_names, filled, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
@@ -211,11 +213,17 @@ def _refuse_pending(traced, run: tuple, pending: dict) -> None:
     if traced is None or not pending:
         return
     functions, names, objects = run
+    if any(obj is UNFOLLOWED for obj in objects):
+        raise InputError(
+            f"the {traced.kind} {traced.name!r} reads through a weakref.proxy, whose object "
+            "flexfa cannot follow, and the compiled function changed values before this call "
+            "that torch.compile applies only after the graph; read the object itself, or "
+            "make those changes outside the compiled function")
     # (object, what a changed name of it is called in the error, the names read of it)
     where = [(obj, lambda name, obj=obj: f"{_named(obj)}.{name}", names) for obj in objects]
     for function in functions:
         where.append((function.__globals__, lambda name: f"the global {name!r}",
-                      code_names(function.__code__)))
+                      names if names is EVERY_NAME else code_names(function.__code__)))
         where += [(cell, lambda _, free=free, function=function:
                    f"the closure variable {free!r} of {function.__name__!r}", {"cell_contents"})
                   for free, cell in zip(function.__code__.co_freevars, function.__closure__ or ())]
@@ -231,6 +239,13 @@ def _refuse_pending(traced, run: tuple, pending: dict) -> None:
                 "it outside the compiled function, or pass the value in a closure or an "
                 "argument")
         for name, value in obj_pending[1].items():
+            if name in used and value.is_tensor() and not _holds_tensor(obj, name):
+                raise InputError(
+                    f"the {traced.kind} {traced.name!r} reads {what(name)}, to which the "
+                    "compiled function assigned a tensor before this call where it held a "
+                    "number or other object: the mod's trace holds the old value, and "
+                    "torch.compile applies the assignment after the graph; assign it outside "
+                    "the compiled function, or give it a tensor from the start")
             if name in used and not value.is_tensor():
                 raise InputError(
                     f"the {traced.kind} {traced.name!r} reads {what(name)}, which "
@@ -238,6 +253,16 @@ def _refuse_pending(traced, run: tuple, pending: dict) -> None:
                     "that assignment after the graph, so flexfa would trace the old value; "
                     "assign it outside the compiled function, or pass the value in a closure "
                     "or an argument")
+
+
+def _holds_tensor(obj, name: str) -> bool:
+    """Whether ``obj``'s ``name`` (a dict's item: globals; else an attribute, a cell's
+    ``cell_contents``) holds a tensor now (before Dynamo applies its pending assignment)."""
+    try:
+        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    except Exception:  # (a property that fails outside its call: not a tensor)
+        return False
+    return isinstance(value, torch.Tensor)
 
 
 def _named(obj) -> str:
@@ -325,18 +350,38 @@ MAX_RUN_VISITS = 1 << 16  # objects it visits (once per mod and trace; scalars n
 _UNCHANGING = (int, float, complex, str, bytes, type(None))  # no attributes a mod could change
 
 
+class _EveryName(frozenset):
+    """The names of a walk whose code looks attributes up by computed names (``getattr``,
+    ``vars``, ``__dict__``...): every name may be read."""
+
+    def __contains__(self, name) -> bool:
+        return True
+
+
+EVERY_NAME = _EveryName()
+# stands in ``functions_run``'s objects for a weakref.proxy reached: its target is unknown
+UNFOLLOWED = object()
+# the special methods Python runs on an attribute lookup without naming them
+_LOOKUP_HOOKS = ("__getattr__", "__getattribute__")
+
+
 def functions_run(mod) -> tuple[list, frozenset, list]:
     """(the user functions ``mod`` may run, the names their code uses, the other objects it
     may read): from ``mod`` (its own code, a callable object's ``__call__`` and ``forward``,
     a bound method's object, a partial's function and arguments) through closures, the
     globals and the attributes its code names (an object's attribute, dicts included, is
-    taken once some code uses its name), items of containers, and the methods, static and
-    class methods and property getters of the objects, classes and modules met under the
-    names that code uses (``self.helper.near(...)`` runs ``Helper.near``), to a fixed point:
-    a class's attributes (its objects' too) under used names, to a fixed point. A superset
-    of what a call runs and reads (a method of a name the code uses on another object counts
-    too). A mod reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS``
-    objects is an InputError: what it reads past them could not be checked."""
+    taken once some code uses its name), items of containers, a user class's attributes
+    (its objects' class's too), an enum member's value, the state of ``collections``'
+    containers (a ChainMap's maps), and the methods, static and class methods, property
+    getters, descriptors' ``__get__`` and lookup hooks (``__getattr__``, a module's too) of
+    the objects, classes and modules met under the names that code uses
+    (``self.helper.near(...)`` runs ``Helper.near``), to a fixed point. A superset of what a
+    call runs and reads (a method of a name the code uses on another object counts too).
+    Where some code reached looks attributes up by computed names (``guards.DYNAMIC_NAMES``:
+    ``getattr(cfg, name)``, a ``__getattr__`` alias map) every attribute is taken and the
+    names are ``EVERY_NAME``; a weakref.proxy met adds ``UNFOLLOWED`` to the objects. A mod
+    reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS`` objects is an
+    InputError: what it reads past them could not be checked."""
     functions, names, objects = [], set(), []
     if mod is None:
         return functions, frozenset(), objects
@@ -344,6 +389,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     owners: dict[int, object] = {}  # id -> class or module whose namespace methods come from
     looked: set[tuple[int, str]] = set()
     deferred = collections.defaultdict(list)  # attribute name -> values not yet taken
+    every = []  # [True] once some code looks attributes up by computed names
 
     def method(owner, name: str) -> None:
         if (id(owner), name) in looked:
@@ -355,15 +401,25 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             found = found.__func__
         elif isinstance(found, property):
             found = found.fget
+        elif found is not None and not isinstance(found, types.FunctionType) and \
+                hasattr(type(found), "__get__") and \
+                not is_library_name(type(found).__module__ or ""):
+            visit(found)  # a descriptor: its __get__ runs on the lookup
+            found = inspect.getattr_static(type(found), "__get__", None)
         if isinstance(found, types.FunctionType):
             visit(found)
 
     def visit(obj) -> None:
+        if type(obj).__module__ == "numpy" and _is_numpy_value(obj):
+            _numpy_read(mod, obj)
         if isinstance(obj, (torch.Tensor, *_UNCHANGING)) or id(obj) in seen:
             return
         if len(seen) >= MAX_RUN_VISITS:
             _too_much(mod, f"{MAX_RUN_VISITS} objects")
         seen.add(id(obj))
+        if isinstance(obj, weakref.ProxyTypes):
+            objects.append(UNFOLLOWED)
+            return
         queue.append(obj)
         if isinstance(obj, types.FunctionType):
             if is_library_name(obj.__module__ or ""):
@@ -371,7 +427,14 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             if len(functions) >= MAX_RUN_FUNCTIONS:
                 _too_much(mod, f"{MAX_RUN_FUNCTIONS} functions")
             functions.append(obj)
-            new = sorted(code_names(obj.__code__) - names)
+            used = code_names(obj.__code__)
+            if not every and not used.isdisjoint(DYNAMIC_NAMES):
+                every.append(True)
+                for values in list(deferred.values()):
+                    for value in values:
+                        visit(value)
+                deferred.clear()
+            new = sorted(used - names)
             names.update(new)
             for name in new:
                 for owner in list(owners.values()):
@@ -385,7 +448,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         if is_library_name(module or "") or id(owner) in owners:
             return
         owners[id(owner)] = owner
-        for name in sorted(names):
+        for name in (*sorted(names), *_LOOKUP_HOOKS):
             method(owner, name)
         if owner is not obj and isinstance(owner, type):
             visit(owner)  # its class's attributes too (self.table, a class attribute)
@@ -396,13 +459,30 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             method(type(mod), name)
     while queue:
         obj = queue.popleft()
-        named = not isinstance(obj, (types.MethodType, functools.partial))
+        named = not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
         for (kind, arg), child in _children(obj, reads=True):
-            if named and kind == "attr" and arg not in names:
+            if named and not every and kind == "attr" and arg not in names:
                 deferred[arg].append(child)  # taken if some code uses the name
             else:
                 visit(child)
-    return functions, frozenset(names), objects
+    return functions, EVERY_NAME if every else frozenset(names), objects
+
+
+def _is_numpy_value(obj) -> bool:
+    import numpy  # (an object of numpy's exists: loaded)
+    return isinstance(obj, (numpy.ndarray, numpy.generic))
+
+
+def _numpy_read(mod, value):
+    """Refuse a mod reading a NumPy array or scalar under torch.compile: Dynamo passes it to
+    the graph as an input without guarding its value, while the mod's trace holds the value
+    as a constant, so a changed one (``W[0] = 9``, or a global ``np.int64`` rebound) was run
+    stale."""
+    raise InputError(
+        f"the mod {mod_name(mod)!r} reads a NumPy {type(value).__name__} ({value!r:.40}): "
+        "torch.compile does not guard NumPy values, so flexfa could not see it change; use "
+        "a Python number (float(x), int(x)) or a tensor, or call flexfa.flex_attention "
+        "outside torch.compile")
 
 
 def _too_much(mod, what: str):
@@ -441,6 +521,8 @@ def _children(obj, reads: bool = False):
     if isinstance(obj, type):  # with ``reads``: a user class's attributes (Config.table[...])
         return _class_children(obj) if reads else []
     if is_library_name(type(obj).__module__ or "") and not isinstance(obj, torch.nn.Module):
+        if reads and type(obj).__module__ == "collections":  # a ChainMap's maps, a UserDict's
+            return [(("item", n), v) for n, v in getattr(obj, "__dict__", {}).items()]
         return []
     namespace = getattr(obj, "__dict__", None) or {}
     children = [(("attr", n), v) for n, v in namespace.items() if not n.startswith("__")

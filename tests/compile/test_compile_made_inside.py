@@ -5,13 +5,18 @@ module or a nested helper stopped Dynamo with ``ClosureConversionError`` (torch'
 FlexAttention takes them). Each compiled result and gradient equals eager flexfa's on the
 same call, captured tensors are read afresh on every run, and a changed Python value
 compiles again."""
+import collections
+import enum
 import re
 import sys
 import types
 import warnings
+import weakref
 
+import numpy as np
 import pytest
 import torch
+from numpy import sqrt as np_sqrt
 
 import flexfa
 from flexfa import mods
@@ -367,6 +372,9 @@ class _Changing(torch.nn.Module, _Shared):
         elif case == "global":
             _WINDOW = 9
             score_mod = _by_global
+        elif case == "global number to a tensor":
+            _WINDOW = torch.tensor(9)
+            score_mod = _by_global
         elif case == "own dict":
             self.settings["window"] = 9
             score_mod = self.by_own_dict
@@ -425,14 +433,18 @@ def test_what_forward_changed_before_the_call_is_refused_not_read_stale():
     1.2 with no error (as for an attribute
     assigned so, which was refused since the thirty-eighth session; until the fortieth a
     class's attribute read in a function the mod calls, 1.95 apart, and a dict held by a
-    class or in an object's ``__slots__``, 1.59-1.96 apart, were not). Refused now, naming what changed. A global rebound to a tensor there is followed (the operator reads the new
-    tensor; it read the old one, 0.41 apart, and a mod made inside did too), and a list the
-    mod never reads may change."""
+    class or in an object's ``__slots__``, 1.59-1.96 apart, and a number rebound to a tensor,
+    traced as the number, 1.64 apart, were not). Refused now, naming what changed. A global
+    tensor rebound to another tensor there is followed (the operator reads the new tensor; it
+    read the old one, 0.41 apart, and a mod made inside did too), and a list the mod never
+    reads may change."""
     q, k, v = (t.detach() for t in make_inputs(64, seed=10))
     module = _Changing()
     refused = {"dict item": "reads a dict that the compiled function changed in place",
                "list item": "reads a list that the compiled function changed in place",
                "global": "reads the global '_WINDOW', which the compiled function assigned",
+               "global number to a tensor": "reads the global '_WINDOW', to which the "
+                                            "compiled function assigned a tensor",
                "own dict": "reads a dict that the compiled function changed in place",
                "module attribute": "reads flexfa_test_window_config.window, which the",
                "made inside over a global dict": "reads a dict that the compiled function",
@@ -536,3 +548,118 @@ def test_unreadable_pending_changes_warn(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert made_inside.pending_assignments() == {}  # once
+
+
+_NP_WINDOW = np.array([4])
+_NP_SCALE = np.float64(1.0)
+
+
+def _by_numpy_array(score, b, h, q_idx, kv_idx):
+    return torch.where((q_idx - kv_idx).abs() <= _NP_WINDOW[0], score, score - 5.0)
+
+
+def _by_numpy_scalar(score, b, h, q_idx, kv_idx):
+    return score * _NP_SCALE + np_sqrt(4.0)
+
+
+def test_a_mod_reading_numpy_values_is_refused():
+    """Dynamo passes a NumPy array or scalar to the graph as an input without guarding its
+    value, while the mod's trace held it as a constant: after ``_NP_WINDOW[0] = 9`` or a
+    rebound ``np.float64`` global the compiled call ran the old mod (1.3-1.9 apart, no
+    error). Refused now; a NumPy function (``np.sqrt`` on Python numbers) is no value."""
+    q, k, v = (t.detach() for t in make_inputs(64, seed=12))
+    for mod, what in ((_by_numpy_array, "ndarray"), (_by_numpy_scalar, "float64")):
+        with pytest.raises(flexfa.InputError, match=f"reads a NumPy {what}"):
+            _compiled(lambda q, k, v: flexfa.flex_attention(q, k, v, mod))(q, k, v)
+    plain = lambda score, b, h, q_idx, kv_idx: score + np_sqrt(4.0)
+    got = _compiled(lambda q, k, v: flexfa.flex_attention(q, k, v, plain))(q, k, v)
+    torch.testing.assert_close(got, flexfa.flex_attention(q, k, v, plain), rtol=0, atol=1e-6)
+
+
+class _Aliased:
+    """A config whose ``window`` is another attribute's alias (Hugging Face's attribute_map)."""
+    attribute_map = {"window": "sliding_window"}
+
+    def __init__(self):
+        self.sliding_window = 4
+
+    def __getattr__(self, name):
+        if name in type(self).attribute_map:
+            return getattr(self, type(self).attribute_map[name])
+        raise AttributeError(name)
+
+
+class _Alias:
+    def __get__(self, obj, owner=None):
+        return obj.sliding
+
+
+class _Described:
+    window = _Alias()
+
+    def __init__(self):
+        self.sliding = 4
+
+
+class _Member(enum.Enum):
+    WINDOW = {"size": 4}
+
+
+_NAME = "size"
+
+
+class _Named:
+    size = 4
+
+
+def _indirect_cases():
+    """case -> (the window's reader, the change forward makes, a part of the refusal)."""
+    aliased, described, named = _Aliased(), _Described(), _Named()
+    chained = collections.ChainMap({"size": 4})
+    target = _Named()
+    proxy = weakref.proxy(target)
+    return {
+        "computed name": (lambda: getattr(named, _NAME), lambda: setattr(named, "size", 9),
+                          "reads _Named.size, which the compiled function assigned"),
+        "__getattr__ alias": (lambda: aliased.window,
+                              lambda: setattr(aliased, "sliding_window", 9),
+                              "reads _Aliased.sliding_window, which the compiled"),
+        "descriptor": (lambda: described.window, lambda: setattr(described, "sliding", 9),
+                       "reads _Described.sliding, which the compiled function"),
+        "ChainMap": (lambda: chained["size"], lambda: chained.__setitem__("size", 9),
+                     "reads a dict that the compiled function changed in place"),
+        "enum value": (lambda: _Member.WINDOW.value["size"],
+                       lambda: _Member.WINDOW.value.__setitem__("size", 9),
+                       "reads a dict that the compiled function changed in place"),
+        "weakref.proxy": (lambda: proxy.size, lambda: setattr(target, "size", 9),
+                          "reads through a weakref.proxy"),
+    }, (target,)
+
+
+@pytest.mark.parametrize("case", ["computed name", "__getattr__ alias", "descriptor",
+                                  "ChainMap", "enum value", "weakref.proxy"])
+def test_what_forward_changed_read_indirectly_is_refused(case):
+    """A value forward changed before the call that the mod reads under another name than its
+    code's (a computed name, a ``__getattr__`` alias map as Hugging Face configs have, a
+    descriptor's ``__get__``) or through a library object the walk did not enter (a ChainMap,
+    an enum member's value, a weakref.proxy): compiled ran the old mod, 1.64 apart, with no
+    error. Refused now."""
+    q, k, v = (t.detach() for t in make_inputs(64, seed=13))
+    cases, _alive = _indirect_cases()
+    read, change, message = cases[case]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx - kv_idx).abs() <= read(), score, score - 5.0)
+
+    def step(q, k, v):
+        change()
+        return flexfa.flex_attention(q, k, v, score_mod)
+    try:
+        got = _compiled(step)(q, k, v)
+    except flexfa.InputError as error:
+        assert re.search(message, str(error)), error
+    else:  # torch 2.11's Dynamo drops the change to an enum member's value: nothing is stale
+        assert case == "enum value" and _Member.WINDOW.value["size"] == 4
+        torch.testing.assert_close(got, flexfa.flex_attention(q, k, v, score_mod), rtol=0,
+                                   atol=1e-6)
+    _Member.WINDOW.value["size"] = 4
