@@ -26,6 +26,7 @@ from .lazy import lazy_function
 from .runtime.decode_inputs import MAX_Q_LEN, DecodeInputs, DecodeWorkspace, kv_geometry
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_mask, prepare_score_mod
+from .scores import check_score_range
 
 run_decode = lazy_function("flexfa.runtime.families.decode", "run_decode")  # loads Triton
 
@@ -84,6 +85,7 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
     Hkv, S = kv_geometry(key, inputs)
     B, Hq, L, E = query.shape
     scale = check_scale(scale, E)
+    check_score_range(query, key, scale)  # only for an enormous scale, as flex_attention
     if score_mod is not None and not callable(score_mod):
         raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     q_positions = S if inputs.offsets else L  # the block mask's q length

@@ -155,7 +155,8 @@ def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
                          f"got shape {tuple(cu.shape)}")
     if cu.device.type != "cpu" and cu.device != device:
         raise InputError(f"{func}: {name} is on {cu.device} but the attention runs on {device}; "
-                         f"pass offsets on {device} or on the CPU")
+                         + (f"pass offsets on {device} or on the CPU"
+                            if torch.device(device).type != "cpu" else "pass offsets on the CPU"))
 
 
 def check_window(func: str, window) -> int | None:

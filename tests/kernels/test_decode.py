@@ -689,6 +689,28 @@ def test_empty_sequence_with_a_whole_q_block_of_rows(walk):
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
 
 
+def _chunks_of_16(b, h, q_idx, kv_idx):
+    return (q_idx // 16) == (kv_idx // 16)  # bidirectional chunks: q block 0's is full
+
+
+@pytest.mark.parametrize("walk", ["UNION", "MEMBERS"])
+def test_rows_at_negative_positions_apply_the_mask_in_full_blocks(walk):
+    """Rows at negative positions (kv_lens[b] < L, no q_offsets) read q block 0's tables,
+    whose full blocks are full for rows 0.. only: the walks skipped the mask_mod there, so
+    rows -2 and -1 attended keys their mask refuses (out 1.17 off, lse finite, an audit's
+    probe); the mask_mod decides for them now."""
+    B, Hq, Hkv, L, S = 2, 2, 1, 4, 48
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, 16, seed=12)
+    lens = torch.tensor([2, 30], dtype=torch.int32)
+    mask = flexfa.create_block_mask(_chunks_of_16, None, None, S, S, device="cpu",
+                                    BLOCK_SIZE=16)
+    assert int(mask.full_kv_num_blocks[0, 0, 0]) == 1
+    out, lse = flexfa.flex_decode(q, k, v, None, mask, kv_lens=lens, return_lse=True,
+                                  kernel_options={"DECODE_WALK": walk})
+    assert_matches(out, lse, *reference_rows(q, k, v, None, _chunks_of_16, lens, lens - L))
+    assert torch.isneginf(lse[0, :, :2]).all() and (out[0, :, :2] == 0).all()
+
+
 def test_per_call_tensors_at_other_alignments_get_their_own_plan(monkeypatch):
     """kv_lens, q_offsets and the page table are a call's own tensors: one at an address that
     is not 16-byte aligned (a view into a larger buffer) must not reuse a plan whose GPU

@@ -260,9 +260,13 @@ def test_an_enormous_scale_is_an_input_error(scale):
     """torch accepts scale=1e37 (its eager path returns a one-hot softmax); flexfa's kernels
     cannot resolve such scores on a GPU (flexfa.scores), so the call is refused up front."""
     q, k, v = qkv(B=1, Hq=1, Hkv=1, L=L, S=S)
-    with pytest.raises(flexfa.InputError, match=re.escape(f"scale={scale:g} with these inputs "
-                                                          "allows scores q.k * scale up to")):
+    message = re.escape(f"scale={scale:g} with these inputs allows scores q.k * scale up to")
+    with pytest.raises(flexfa.InputError, match=message):
         flexfa.flex_attention(q, k, v, scale=scale)
+    # flex_decode runs the same softmax: refused as well (it ran such calls until the
+    # fortieth session; an audit found it)
+    with pytest.raises(flexfa.InputError, match=message):
+        flexfa.flex_decode(q[:, :, :1], k, v, scale=scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
