@@ -16,7 +16,8 @@ from ..runtime.call import AttentionCall
 from ..calls import check_captured_indices
 from ..runtime.options import parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
-from .checks import check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad
+from .checks import (check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad,
+                     check_positive_scales)
 from .quantize import FP8Inputs, quantize
 
 _TENSORS = ("q", "k", "v", "q_scale", "k_scale", "v_scale")
@@ -52,6 +53,16 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
 
 
 @outside_compile
+def _standard(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a contiguous tensor's standard strides (a copy only where they differ)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return t if t.stride() == tuple(reversed(strides)) else \
+        t.clone(memory_format=torch.contiguous_format)
+
+
 def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=None, scale=None,
                        rotate=True, block_size=128, enable_gqa=False, return_lse=False,
                        kernel_options=None, seed=0, *, sinks=None, dropout_p=0.0):
@@ -94,7 +105,10 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     sinks = check_sinks(sinks, x.q.shape[1], x.dtype, x.q.device)
     call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),
                          x.q.shape[1] // x.k.shape[1], sinks)
-    x = dataclasses.replace(x, **{n: getattr(x, n).contiguous()
+    check_positive_scales(x)
+    # the kernel reads K's and V's scales with one set of strides: standard ones (contiguous()
+    # keeps a size-1 dimension's stride as it is)
+    x = dataclasses.replace(x, **{n: _standard(getattr(x, n))
                                   for n in ("q_scale", "k_scale", "v_scale")})
     out, lse = run_fp8_forward(x, call, return_lse)
     return (out, lse) if return_lse else out

@@ -22,6 +22,9 @@ def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
+MAX_BLOCK = 1 << 16  # rows of one scale block (2**31 overflowed the kernel's int32 offsets)
+
+
 def check_block_size(block_size) -> tuple[int, int]:
     """``block_size`` (int or (block_q, block_kv)) -> (block_q, block_kv), powers of two >= 16."""
     pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
@@ -30,9 +33,10 @@ def check_block_size(block_size) -> tuple[int, int]:
         raise InputTypeError(f"block_size must be an int or a pair of ints (block_q, block_kv), "
                              f"got {block_size!r}")
     for b in pair:
-        if b < 16 or b & (b - 1):
-            raise InputError(f"block_size {tuple(pair)}: each must be a power of two >= 16 (the "
-                             f"kernel's tiles divide the scale blocks), got {b}")
+        if b < 16 or b & (b - 1) or b > MAX_BLOCK:
+            raise InputError(f"block_size {tuple(pair)}: each must be a power of two from 16 "
+                             f"to {MAX_BLOCK} (the kernel's tiles divide the scale blocks), "
+                             f"got {b}")
     return int(pair[0]), int(pair[1])
 
 
@@ -126,6 +130,24 @@ def check_fp8_inputs(x: FP8Inputs, enable_gqa: bool) -> None:
     check_scale("q_scale", x.q_scale, (B, Hq, -(-L // block_q)), x.q.device)
     for name in ("k_scale", "v_scale"):
         check_scale(name, getattr(x, name), (B, Hkv, -(-S // block_kv)), x.q.device)
+
+
+def check_positive_scales(x: FP8Inputs) -> None:
+    """With ``positive_scales`` the kernel folds the descales into exp2's FMA, exact only for
+    descales > 0: those ``quantize`` wrote pass unchecked (``FP8Inputs.scales_as_written``);
+    others are checked here (one host synchronisation), as a negative or non-finite one gave
+    a wrong result with no error."""
+    if not x.positive_scales or x.scales_as_written():
+        return
+    for name in ("q_scale", "k_scale", "v_scale"):
+        scale = getattr(x, name)
+        if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
+            bad = scale[~((scale > 0) & torch.isfinite(scale))].flatten()[0].item()
+            raise InputError(
+                f"FP8Inputs.positive_scales is True but {name} holds {bad!r}; the kernel folds "
+                "descales into the softmax's exponent only where every one is finite and > 0: "
+                "pass positive_scales=False (dataclasses.replace(x, positive_scales=False)) "
+                "for descales of any sign")
 
 
 def check_fp8_device(device: torch.device) -> None:

@@ -81,13 +81,17 @@ def check_seed(seed, func: str = "fp8.quantize") -> int:
     return seed
 
 
+MAX_ROTATION = 1 << 16  # a rotation's size (head dims stop far below; 2**40 asked for 8 TB)
+
+
 def random_signs(d: int, seed: int = 0, device=None) -> torch.Tensor:
     """A reproducible +-1 float32 vector of length d, a power of two (the rotation's size;
     the same for Q and K of one call); cached per (d, seed, device): treat it as read-only."""
     d = check_int("random_signs", "d", d)
-    if not is_power_of_two(d):  # (rotate takes no other length)
-        raise InputError(f"random_signs: d must be a power of two (the Hadamard rotation's "
-                         f"size; pad the head dim with padded_dim), got d={d}")
+    if not is_power_of_two(d) or d > MAX_ROTATION:  # (rotate takes no other length)
+        raise InputError(f"random_signs: d must be a power of two up to {MAX_ROTATION} (the "
+                         f"Hadamard rotation's size; pad the head dim with padded_dim), got "
+                         f"d={d}")
     return _signs(d, check_seed(seed, "random_signs"), _device("random_signs", device))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -32,6 +33,16 @@ class FP8Inputs:
     # exact for descales of any sign. Replacing the scales of quantize's output by others
     # that are not all > 0 needs ``positive_scales=False`` too.
     positive_scales: bool = False
+    # (weak reference, version) of each descale as ``quantize`` wrote it: while the three are
+    # those tensors, unedited, ``positive_scales`` needs no check (``scales_as_written``);
+    # replaced or edited ones are checked once per call (a host synchronisation)
+    written: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+    def scales_as_written(self) -> bool:
+        """Whether q_scale, k_scale and v_scale are the tensors ``quantize`` wrote, unedited."""
+        scales = (self.q_scale, self.k_scale, self.v_scale)
+        return len(self.written) == 3 and all(
+            ref() is t and t._version == version for (ref, version), t in zip(self.written, scales))
 
     def dequantize(self, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 (q, k, v): descaled, and with ``unrotate`` back in the original basis with
@@ -44,6 +55,11 @@ class FP8Inputs:
         if self.signs is not None and unrotate:
             q, k = (hadamard_unrotate(x, self.signs, self.head_dim) for x in (q, k))
         return q, k, v
+
+
+def written(scales) -> tuple:
+    """``FP8Inputs.written`` of the descales ``quantize`` just wrote."""
+    return tuple((weakref.ref(t), t._version) for t in scales)
 
 
 def expand_scales(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from ..inputs import broadcast_batch
 from .hadamard import check_seed, padded_dim, random_signs, signed_hadamard
 from .hadamard import rotate_unchecked as hadamard_rotate
-from .inputs import E4M3_MAX, FP8_DTYPE, FP8Inputs, expand_scales
+from .inputs import E4M3_MAX, FP8_DTYPE, FP8Inputs, expand_scales, written
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "FP8Inputs", "output_dtype", "quantize"]
 
@@ -103,7 +103,7 @@ def _quantize_fused(q, k, v, block_q, block_kv, signs, seed) -> FP8Inputs:
               ((q, block_q, rotation, q8), (k, block_kv, rotation, k8), (v, block_kv, None, v8))]
     return FP8Inputs(q8, k8, v8, *scales, block_q=block_q, block_kv=block_kv,
                      head_dim=q.shape[-1], dtype=output_dtype(v.dtype), signs=signs,
-                     positive_scales=True)
+                     positive_scales=True, written=written(scales))
 
 
 def _quantize_torch(q, k, v, block_q, block_kv, signs, per_tensor) -> FP8Inputs:
@@ -120,5 +120,5 @@ def _quantize_torch(q, k, v, block_q, block_kv, signs, per_tensor) -> FP8Inputs:
                                                        (block_q, block_kv, block_kv)))
     return FP8Inputs(q8, k8, _seq_contiguous(v8), *scales, block_q=block_q, block_kv=block_kv,
                      head_dim=head_dim, dtype=output_dtype(v.dtype), signs=signs,
-                     positive_scales=True)
+                     positive_scales=True, written=written(scales))
 

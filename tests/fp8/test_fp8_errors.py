@@ -147,10 +147,18 @@ def test_scales_of_the_wrong_dtype():
         flex_attention_fp8(dataclasses.replace(x, k_scale=x.k_scale.half()))
 
 
-@pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64"])
+@pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64", 2 ** 17, (16, 2 ** 40)])
 def test_bad_block_sizes(block_size):
+    """Past 2**16 rows a block was accepted: 2**31 overflowed the kernel's int32 offsets
+    (an interpreter error), 2**40 asked the allocator for terabytes."""
     with pytest.raises((InputError, InputTypeError), match="block_size"):
         quantize(*_qkv(), block_size=block_size)
+
+
+def test_an_enormous_rotation_is_an_input_error():
+    from flexfa.fp8 import random_signs
+    with pytest.raises(InputError, match="a power of two up to 65536"):
+        random_signs(2 ** 40)
 
 
 def test_quantize_rejects_fp8_and_bad_shapes():

@@ -327,6 +327,44 @@ def test_descales_of_any_sign_without_the_fold(mask_mod):
     assert torch.allclose(got_lse, want_lse, atol=1e-5)
 
 
+def test_replaced_descales_that_break_positive_scales_are_refused():
+    """quantize's output with a descale replaced or edited but positive_scales left True: a
+    negative descale gave a wrong result (0.17 relative) and a NaN one NaN rows, with no
+    error (an audit's probe). Descales quantize wrote pass unchecked; others are checked
+    (one host synchronisation) and refused unless every one is finite and > 0."""
+    import dataclasses
+
+    q, k, v = _qkv(L=64, S=64)
+    x = quantize(q, k, v)
+    assert x.scales_as_written()
+    flipped = dataclasses.replace(x, k=(-x.k.float()).to(x.k.dtype), k_scale=-x.k_scale)
+    assert not flipped.scales_as_written()
+    with pytest.raises(flexfa.InputError, match="positive_scales is True but k_scale holds -"):
+        flex_attention_fp8(flipped)
+    edited = quantize(q, k, v)
+    edited.v_scale[0, 0, 0] = float("nan")
+    with pytest.raises(flexfa.InputError, match="v_scale holds nan"):
+        flex_attention_fp8(edited)
+    # positive ones replaced: checked, and run with the fold
+    doubled = dataclasses.replace(x, k=(x.k.float() / 2).to(x.k.dtype), k_scale=x.k_scale * 2)
+    torch.testing.assert_close(flex_attention_fp8(doubled).float(),
+                               flex_attention_fp8(x).float(), atol=2e-2, rtol=0)
+
+
+def test_descales_with_any_strides_of_size_one_dimensions():
+    """A contiguous descale whose size-1 dimension has an unusual stride (as_strided) failed
+    an assertion (K's and V's scales must share strides); such scales are copied to standard
+    strides now."""
+    import dataclasses
+
+    x = quantize(*_qkv(L=40, S=40, E=32), block_size=64)  # one scale block: [B, H, 1]
+    odd = torch.zeros(64).as_strided(x.k_scale.shape, (x.k_scale.shape[1], 1, 7))
+    odd.copy_(x.k_scale)
+    assert odd.is_contiguous() and odd.stride() != x.v_scale.stride()
+    torch.testing.assert_close(flex_attention_fp8(dataclasses.replace(x, k_scale=odd)),
+                               flex_attention_fp8(x), atol=0, rtol=0)
+
+
 def test_descales_at_other_alignments_get_their_own_plan(monkeypatch):
     """Descale tensors at an address that is not 16-byte aligned (views into a larger
     buffer) must not reuse a plan whose GPU kernel was compiled for aligned ones
