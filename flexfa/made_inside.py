@@ -116,11 +116,12 @@ def pending_assignments() -> dict:
     """{id(object): (object, {name: Dynamo value} or None)} of what the compiled code changed
     so far in objects from outside it, which Dynamo applies only after the graph (the real
     objects hold the old values while flexfa traces a mod): attributes assigned
-    (``self.window = 4`` in ``forward``, ``Config.window = 4`` of a class), globals assigned (``global W; W = 4``, or
-    ``module.W = 4``: under the module's globals dict, their names), a closure cell assigned
-    (``nonlocal w``: under the cell, name ``cell_contents``), and containers changed in place
-    (``cfg["w"] = 9``, ``lst.append(x)``, a dict subclass's items: None, any item). Empty
-    outside Dynamo's tracing or where its internals differ."""
+    (``self.window = 4`` in ``forward``, ``Config.window = 4`` of a class), globals assigned
+    (``global W; W = 4``, or ``module.W = 4``: under the module's globals dict, their names),
+    a closure cell assigned (``nonlocal w``: under the cell, name ``cell_contents``), and
+    containers changed in place (``cfg["w"] = 9``, ``lst.append(x)``, a dict subclass's
+    items: None, any item). Empty outside Dynamo's tracing; where its internals differ, empty
+    with a RuntimeWarning (once)."""
     try:
         tx = _caller_tx()
         if tx is None:

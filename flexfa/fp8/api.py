@@ -52,7 +52,6 @@ def _inputs(query, key, value, rotate, block_size, seed) -> FP8Inputs:
     return quantize(query, key, value, block_size=block_size, rotate=rotate, seed=seed)
 
 
-@outside_compile
 def _standard(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a contiguous tensor's standard strides (a copy only where they differ)."""
     strides, step = [], 1
@@ -63,6 +62,7 @@ def _standard(t: torch.Tensor) -> torch.Tensor:
         t.clone(memory_format=torch.contiguous_format)
 
 
+@outside_compile
 def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=None, scale=None,
                        rotate=True, block_size=128, enable_gqa=False, return_lse=False,
                        kernel_options=None, seed=0, *, sinks=None, dropout_p=0.0):

@@ -147,7 +147,8 @@ def test_scales_of_the_wrong_dtype():
         flex_attention_fp8(dataclasses.replace(x, k_scale=x.k_scale.half()))
 
 
-@pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64", 2 ** 17, (16, 2 ** 40)])
+@pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64", 2 ** 17,
+                                        (16, 2 ** 40)])
 def test_bad_block_sizes(block_size):
     """Past 2**16 rows a block was accepted: 2**31 overflowed the kernel's int32 offsets
     (an interpreter error), 2**40 asked the allocator for terabytes."""
