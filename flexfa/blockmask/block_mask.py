@@ -278,6 +278,9 @@ class BlockMask(TorchBlockMask):
         except (RuntimeError, TypeError, ValueError) as exc:
             raise InputError(f"BlockMask.to: device={device!r} is not a torch device "
                              f"({exc})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():  # (torch's AssertionError)
+            raise InputError(f"BlockMask.to: device={str(device)!r} but CUDA is not available "
+                             "on this machine")
         tables = [None if t is None else t.to(device) for t in (getattr(self, n) for n in _TABLES)]
         dq = {n: None if getattr(self, n) is None else getattr(self, n).to(device)
               for n in _DQ_TENSORS}
@@ -474,7 +477,17 @@ def _table_pair(func: str, name: str, num_blocks, indices):
         raise InputError(f"{func}: {name}_num_blocks has shape {tuple(num_blocks.shape)} but "
                          f"{name}_indices has {tuple(indices.shape)}; expected "
                          f"{tuple(indices.shape[:-1])}")
+    for label, value in ((f"{name}_num_blocks", num_blocks), (f"{name}_indices", indices)):
+        if value.dtype not in _NARROW_INTS and value.numel():  # would wrap in the int32 cast
+            low, high = int(value.min()), int(value.max())
+            if low < -2 ** 31 or high >= 2 ** 31:
+                raise InputError(f"{func}: {label} holds {high if high >= 2 ** 31 else low}, "
+                                 "past the int32 range of the tables (it would wrap to another "
+                                 "entry)")
     while indices.dim() < 4:
         indices, num_blocks = indices.unsqueeze(0), num_blocks.unsqueeze(0)
     return (num_blocks.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous())
+
+
+_NARROW_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32)
 

@@ -96,7 +96,8 @@ def _buffer_dtype(tracer: Tracer, tensor: torch.Tensor) -> DType:
         return DType.BOOL
     if tensor.dtype in _FLOAT_TORCH:
         return DType.FLOAT
-    if not tensor.dtype.is_floating_point and not tensor.dtype.is_complex:
+    if not tensor.dtype.is_floating_point and not tensor.dtype.is_complex and \
+            not tensor.is_quantized:  # (qint8's dtype is neither: it failed deep inside)
         return DType.INT
     raise tracer.error(f"captured tensor of dtype {tensor.dtype} is not supported "
                        "(use bool, an integer type, float16, bfloat16, float32 or float64)")

@@ -167,6 +167,15 @@ def test_from_kv_blocks_checks_tables():
         BlockMask.from_kv_blocks(num.float(), idx)
     with pytest.raises(InputError, match="BLOCK_SIZE"):
         BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=0)
+    # int64 entries past int32 wrapped in the tables' cast: index 2**32 + 1 became tile 1 (a
+    # full tile the row attended; an audit's probe), a count of 2**32 + 1 became 1
+    wide = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
+    wide[0, 0, 0, 0] = 2 ** 32 + 1
+    with pytest.raises(InputError, match="full_kv_indices holds 4294967297, past the int32"):
+        BlockMask.from_kv_blocks(num, idx, torch.ones(1, 1, 4, dtype=torch.int64), wide,
+                                 BLOCK_SIZE=16)
+    with pytest.raises(InputError, match="kv_num_blocks holds 4294967297"):
+        BlockMask.from_kv_blocks(torch.tensor([2 ** 32 + 1, 1, 1, 1]), idx[0, 0], BLOCK_SIZE=16)
 
 
 def test_traced_mask_is_kept_and_follows_mask_mod():

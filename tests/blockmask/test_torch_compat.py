@@ -387,6 +387,13 @@ def test_to_takes_devices_only(device):
         ours(mods.causal, 1, 1, 64, 64).to(device)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_to_cuda_without_cuda_is_an_input_error():
+    """It was torch's AssertionError ("Torch not compiled with CUDA enabled")."""
+    with pytest.raises(flexfa.InputError, match="BlockMask.to: device='cuda' but CUDA is not"):
+        ours(mods.causal, 1, 1, 64, 64).to("cuda")
+
+
 # ---- copies -------------------------------------------------------------------------------
 
 class HoldsAMask(torch.nn.Module):

@@ -139,6 +139,10 @@ def complex_buffer(score, b, h, q_idx, kv_idx):
     return score + COMPLEX[q_idx]
 
 
+def quantized_buffer(score, b, h, q_idx, kv_idx):  # (a RuntimeError deep inside before)
+    return score + QUANTIZED[q_idx]
+
+
 def bitwise_on_float(score, b, h, q_idx, kv_idx):
     return score & 1
 
@@ -194,6 +198,7 @@ def custom_autograd_function(score, b, h, q_idx, kv_idx):
 
 
 COMPLEX = torch.zeros(4, dtype=torch.complex64)
+QUANTIZED = torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)
 
 CASES = [  # (mod, exception type, regex the message must match)
     (control_flow, TraceError, r"in mod 'control_flow': Python control flow .* torch\.where"),
@@ -245,6 +250,8 @@ CASES = [  # (mod, exception type, regex the message must match)
                                r"a value; index it"),
     (complex_buffer, TraceError, r"'complex_buffer': captured tensor of dtype torch\.complex64 "
                                  r"is not supported"),
+    (quantized_buffer, TraceError, r"'quantized_buffer': captured tensor of dtype torch\.qint8 "
+                                   r"is not supported"),
     (bitwise_on_float, UnsupportedOpError, r"'bitwise_on_float': operator and needs bool or int "
                                            r"operands, got float"),
     (where_float_condition, TraceError, r"'where_float_condition': torch\.where needs a bool "
