@@ -30,6 +30,7 @@ import enum
 import functools
 import inspect
 import operator
+import sys
 import types
 import weakref
 
@@ -409,8 +410,11 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         if isinstance(found, types.FunctionType):
             visit(found)
 
+    numpy = sys.modules.get("numpy")  # (a NumPy value exists only once it is loaded)
+    numpy_values = () if numpy is None else (numpy.ndarray, numpy.generic)
+
     def visit(obj) -> None:
-        if type(obj).__module__ == "numpy" and _is_numpy_value(obj):
+        if isinstance(obj, numpy_values):
             _numpy_read(mod, obj)
         if isinstance(obj, (torch.Tensor, *_UNCHANGING)) or id(obj) in seen:
             return
@@ -466,11 +470,6 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             else:
                 visit(child)
     return functions, EVERY_NAME if every else frozenset(names), objects
-
-
-def _is_numpy_value(obj) -> bool:
-    import numpy  # (an object of numpy's exists: loaded)
-    return isinstance(obj, (numpy.ndarray, numpy.generic))
 
 
 def _numpy_read(mod, value):
