@@ -379,8 +379,8 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     (``self.helper.near(...)`` runs ``Helper.near``), to a fixed point. A superset of what a
     call runs and reads (a method of a name the code uses on another object counts too).
     Where some code reached looks attributes up by computed names (``guards.DYNAMIC_NAMES``:
-    ``getattr(cfg, name)``, a ``__getattr__`` alias map) every attribute is taken and the
-    names are ``EVERY_NAME``; a weakref.proxy met adds ``UNFOLLOWED`` to the objects. A mod
+    ``getattr(cfg, name)``, a ``__getattr__`` alias map) every attribute but functions is
+    taken and the names are ``EVERY_NAME``; a weakref.proxy met adds ``UNFOLLOWED`` to the objects. A mod
     reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS`` objects is an
     InputError: what it reads past them could not be checked."""
     functions, names, objects = [], set(), []
@@ -434,10 +434,11 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             used = code_names(obj.__code__)
             if not every and not used.isdisjoint(DYNAMIC_NAMES):
                 every.append(True)
-                for values in list(deferred.values()):
+                for name, values in list(deferred.items()):  # (code stays taken by name)
+                    deferred[name] = [value for value in values if _is_code(value)]
                     for value in values:
-                        visit(value)
-                deferred.clear()
+                        if not _is_code(value):
+                            visit(value)
             new = sorted(used - names)
             names.update(new)
             for name in new:
@@ -465,11 +466,17 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         obj = queue.popleft()
         named = not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
         for (kind, arg), child in _children(obj, reads=True):
-            if named and not every and kind == "attr" and arg not in names:
+            if named and kind == "attr" and arg not in names and (not every or _is_code(child)):
                 deferred[arg].append(child)  # taken if some code uses the name
             else:
                 visit(child)
     return functions, EVERY_NAME if every else frozenset(names), objects
+
+
+def _is_code(value) -> bool:
+    """A function or method wrapper: what a class holds to be called by its name (taken by
+    name even where other attributes are taken whole: a class's unused methods stay out)."""
+    return isinstance(value, (types.FunctionType, staticmethod, classmethod, property))
 
 
 def _numpy_read(mod, value):

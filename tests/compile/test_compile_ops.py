@@ -233,6 +233,29 @@ def test_a_mod_reaching_more_than_the_walk_checks_is_refused(monkeypatch):
         pinned(listed)
 
 
+def test_a_lookup_hook_takes_every_attribute_but_not_every_method(monkeypatch):
+    """Where reached code looks names up dynamically (a ``__getattr__`` alias map, as Hugging
+    Face configs have) the walk takes every attribute of what it reaches, but a class's
+    methods still only under names its code uses: taking them all counted a config class's
+    hundreds of methods against the walk's limit and refused the mod."""
+    from flexfa import compiled
+    namespace = {"__name__": "user_config"}
+    exec("class Config:\n"
+         "    aliases = {'window': 'sliding_window'}\n"
+         "    def __init__(self):\n"
+         "        self.sliding_window, self.extra = 4, {'x': 1}\n"
+         "    def __getattr__(self, name):\n"
+         "        return getattr(self, type(self).aliases[name])\n"
+         + "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(20)), namespace)
+    config = namespace["Config"]()
+    mask = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= config.window
+    monkeypatch.setattr(compiled, "MAX_RUN_FUNCTIONS", 8)
+    functions, names, objects = compiled.functions_run(mask)
+    assert [f.__name__ for f in functions] == ["<lambda>", "__getattr__"]
+    assert names is compiled.EVERY_NAME and "sliding_window" in names
+    assert any(obj is config.extra for obj in objects)  # an attribute no code names
+
+
 def test_import_does_not_load_dynamo_or_triton():
     code = "import flexfa, sys; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
