@@ -380,9 +380,9 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     call runs and reads (a method of a name the code uses on another object counts too).
     Where some code reached looks attributes up by computed names (``guards.DYNAMIC_NAMES``:
     ``getattr(cfg, name)``, a ``__getattr__`` alias map) every attribute but functions is
-    taken and the names are ``EVERY_NAME``; a weakref.proxy met adds ``UNFOLLOWED`` to the objects. A mod
-    reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS`` objects is an
-    InputError: what it reads past them could not be checked."""
+    taken and the names are ``EVERY_NAME``; a weakref.proxy met adds ``UNFOLLOWED`` to the
+    objects. A mod reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS``
+    objects is an InputError: what it reads past them could not be checked."""
     functions, names, objects = [], set(), []
     if mod is None:
         return functions, frozenset(), objects
