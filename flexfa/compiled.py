@@ -240,20 +240,23 @@ def _refuse_pending(traced, run: tuple, pending: dict) -> None:
                 "it outside the compiled function, or pass the value in a closure or an "
                 "argument")
         for name, value in obj_pending[1].items():
-            if name in used and value.is_tensor() and not _holds_tensor(obj, name):
+            if name not in used:
+                continue
+            if value.is_tensor():
+                if _holds_tensor(obj, name):
+                    continue  # followed: the operator reads the tensor Dynamo holds now
                 raise InputError(
                     f"the {traced.kind} {traced.name!r} reads {what(name)}, to which the "
                     "compiled function assigned a tensor before this call where it held a "
                     "number or other object: the mod's trace holds the old value, and "
                     "torch.compile applies the assignment after the graph; assign it outside "
                     "the compiled function, or give it a tensor from the start")
-            if name in used and not value.is_tensor():
-                raise InputError(
-                    f"the {traced.kind} {traced.name!r} reads {what(name)}, which "
-                    "the compiled function assigned before this call: torch.compile applies "
-                    "that assignment after the graph, so flexfa would trace the old value; "
-                    "assign it outside the compiled function, or pass the value in a closure "
-                    "or an argument")
+            raise InputError(
+                f"the {traced.kind} {traced.name!r} reads {what(name)}, which "
+                "the compiled function assigned before this call: torch.compile applies "
+                "that assignment after the graph, so flexfa would trace the old value; "
+                "assign it outside the compiled function, or pass the value in a closure "
+                "or an argument")
 
 
 def _holds_tensor(obj, name: str) -> bool:
@@ -542,13 +545,16 @@ def _children(obj, reads: bool = False):
     return children
 
 
+def _user_classes(cls: type):
+    """The classes of ``cls``'s method resolution order that are not a library's."""
+    return (klass for klass in cls.__mro__ if not is_library_name(klass.__module__ or ""))
+
+
 def _class_children(cls: type) -> list:
     """(step, value) of the attributes a user class holds or inherits from a user class (the
     first definition along the method resolution order), none of a library's class."""
     children, taken = [], set()
-    for klass in cls.__mro__:
-        if is_library_name(klass.__module__ or ""):
-            continue
+    for klass in _user_classes(cls):
         for name, value in vars(klass).items():
             if not name.startswith("__") and value is not None and name not in taken:
                 taken.add(name)
@@ -559,9 +565,7 @@ def _class_children(cls: type) -> list:
 def _slot_children(obj) -> list:
     """(step, value) of ``obj``'s ``__slots__`` attributes that are set (a user class's)."""
     children = []
-    for klass in type(obj).__mro__:
-        if is_library_name(klass.__module__ or ""):
-            continue
+    for klass in _user_classes(type(obj)):
         slots = vars(klass).get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             if not name.startswith("__"):

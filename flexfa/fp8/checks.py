@@ -141,8 +141,9 @@ def check_positive_scales(x: FP8Inputs) -> None:
         return
     for name in ("q_scale", "k_scale", "v_scale"):
         scale = getattr(x, name)
-        if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
-            bad = scale[~((scale > 0) & torch.isfinite(scale))].flatten()[0].item()
+        good = (scale > 0) & torch.isfinite(scale)
+        if not bool(good.all()):  # (True for no elements)
+            bad = scale[~good].flatten()[0].item()
             raise InputError(
                 f"FP8Inputs.positive_scales is True but {name} holds {bad!r}; the kernel folds "
                 "descales into the softmax's exponent only where every one is finite and > 0: "
