@@ -132,13 +132,18 @@
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
 # Triton backward forced, 3 rounds);
+# wv: dropout at E = 192 / Ev = 128 on the dK/dV kernel's 32-row tiles (kernel_options
+# bwd_BLOCK_M1 32: spill-free in the sm_90 compile, where the 64-row defaults spill 84-244
+# bytes with causal or at ragged lengths) against the defaults, where 'AUTO' leaves dropout
+# to the Triton backward (below L = S = 2048, sparse masks; options_ab.py, Triton backward
+# forced, 3 rounds);
 # each part fits one 10-minute device call; a call returns at
 # most 8 files, so past 8 in $OUT the logs and shards/ travel packed as logs.tgz)
 # Writes $OUT/manifest.json (commit, GPU, versions, command, date) first.
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -678,6 +683,14 @@ if [ "$PART" = wr ]; then  # the timed tests; dropout at 256 on 32-row dK/dV til
     'm64={"GLUON_BACKWARD": false};m32={"GLUON_BACKWARD": false, "bwd_BLOCK_M1": 32}' \
     --cases 256:2048:causal+drop,256:8192:causal+drop,256:4000:causal+drop,256:16384:document+drop,256:512:full+drop,256:960:full+drop
   tail -n 3 "$OUT/timed.log"; tail -n 12 "$OUT/m1_drop.log"
+fi
+if [ "$PART" = wv ]; then  # dropout at 192 / 128 on 32-row dK/dV tiles (see --help)
+  FLEXFA_AUTOTUNE=0 step m1_drop192 520 python benchmarks/experiments/options_ab.py \
+    "$OUT/m1_drop192.json" --passes fwd+bwd --rounds 3 --configs \
+    'm64={"GLUON_BACKWARD": false};m32={"GLUON_BACKWARD": false, "bwd_BLOCK_M1": 32}' \
+    --cases "${WV_CASES:-192/128:1000:causal+drop,192/128:1024:causal+drop,192/128:1000:full+drop,\
+192/128:512:full+drop,192/128:2000:causal+drop,192/128:16384:document+drop,192/128:8100:document+drop}"
+  tail -n 14 "$OUT/m1_drop192.log"
 fi
 if [ "$PART" = wq ]; then  # 192 / 128's one loop (see --help)
   step tests192 130 $SHARD/wq -- -m gpu -p no:cacheprovider tests/kernels/test_backward_gpu.py \
