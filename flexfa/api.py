@@ -17,7 +17,8 @@ from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .inputs import (autocast_inputs, check_aux, check_block_mask, check_scale, check_shapes,
-                     check_tensors, readable)
+                     check_tensors, dual_level_open, readable, refuse_tangents,
+                     refuse_transforms)
 from .lazy import lazy_function
 from .memo import BoundedMemo
 from .prepared import lookup, record, signature
@@ -126,6 +127,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                                      kernel_options, return_aux, sinks,
                                                      dropout_p, dropout_seed)
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
+    refuse_transforms("flex_attention")  # (torch.func's wrapped tensors fail the host code)
     query, key, value = autocast_inputs(query, key, value)
     prepared = signature(query, key, value, score_mod, scale, enable_gqa, return_lse,
                          kernel_options, return_aux, sinks, dropout_p, dropout_seed)
@@ -176,13 +178,19 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
 
 
-def attend(query, key, value, call, return_lse: bool, return_max: bool):
+def attend(query, key, value, call, return_lse: bool, return_max: bool,
+           func: str = "flex_attention"):
     """(out, lse or None, row max or None) of a validated call: through the autograd Function
-    when a gradient is needed (lse is then always computed), else the forward alone."""
+    when a gradient is needed (lse is then always computed), else the forward alone; ``func``
+    names the entry point in errors (an input with a forward-mode tangent is refused)."""
     buffers = call.score.buffers if call.score is not None else ()
     # (captured tensors the trace dropped that require grad: their gradient is zeros)
     dropped = tuple(t for t in call.score.dropped if t.requires_grad) if call.score else ()
     sinks = call.sinks
+    if dual_level_open():
+        refuse_tangents(func, (("query", query), ("key", key), ("value", value),
+                               ("sinks", sinks), *((f"score_mod's captured tensor {n}", t)
+                                                   for n, t in enumerate(buffers))))
     if torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)

@@ -1,10 +1,13 @@
 """``FlexAttentionFunction``: flex_attention as a ``torch.autograd.Function``.
 
 The forward runs the generated forward kernel and saves what the backward needs: q, k, v,
-out, lse (float32, natural log) and the score_mod's captured tensors; ``ctx.call`` keeps the
-prepared mods, the block mask, the scale, the kernel options and the optional features (the
-sinks, the dropout seed: the backward draws the same keep mask); the backward checks by
-their version counters that the tensors of ``ctx.call`` it reads were not edited since. The
+out, lse (float32, natural log), the dropout seed (the backward draws the same keep mask) and
+the score_mod's captured tensors; the backward reads those as autograd unpacks them (under
+saved-tensor hooks, ``save_on_cpu`` offloading, copies of the forward's values; under
+non-reentrant activation checkpointing, the recomputation's). ``ctx.call`` keeps the
+prepared mods, the block mask, the scale, the kernel options and the sinks; the backward
+checks by their version counters that the tensors of ``ctx.call`` it reads besides the saved
+ones were not edited since. The
 backward runs the generated backward kernels (``flexfa.runtime.backward``): P is recomputed
 tile by tile from lse, never stored. Gradients flow into q, k, v, into the score_mod's captured tensors that
 require grad, into the attention sinks, and through lse when the caller used it
@@ -14,16 +17,23 @@ The backward is not differentiable. A backward run with ``create_graph=True`` re
 gradients that raise when they are differentiated in turn (a gradient penalty, a
 Hessian-vector product): torch's ``once_differentiable`` raises only when the incoming
 gradient requires grad, which ``out.sum()``'s does not, and else returns gradients that
-silently have no second derivative.
+silently have no second derivative. Differentiating them with respect to the incoming
+gradients (the double-backward form of a Jacobian-vector product) raises too.
+
+torch.func's transforms (vmap, grad, jvp, ...) and forward-mode AD (dual tensors) are refused
+with an InputError: the kernels have neither batching rules nor tangents.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from .blockmask.validate import TABLES, check_tables, table_state, tables_of
 from .errors import InputError
+from .inputs import refuse_transforms
 from .lazy import lazy_function
-from .runtime.call import SINKS_GRAD, AttentionCall
+from .runtime.call import SINKS_GRAD, AttentionCall, Dropout
 
 # the runtime (and Triton) load on the first call
 run_forward = lazy_function("flexfa.runtime.forward", "run_forward")
@@ -37,7 +47,6 @@ DOUBLE_BACKWARD_MESSAGE = (
     "derivative. First-order gradients work: call loss.backward() or "
     "torch.autograd.grad(loss, inputs) without create_graph=True, or detach the gradients "
     "before building a loss on them")
-
 
 class FlexAttentionFunction(torch.autograd.Function):
     """apply(query, key, value, call: AttentionCall, return_max: bool, sinks or None,
@@ -53,8 +62,13 @@ class FlexAttentionFunction(torch.autograd.Function):
         out, lse, maxs = run_forward(query, key, value, call, return_lse=True,
                                      return_max=return_max)
         ctx.call = call
-        ctx.save_for_backward(query, key, value, out, lse, *buffers)
+        # the seed as a saved tensor: a recomputation (non-reentrant checkpointing without
+        # the RNG's state restored) draws another one with the out and lse it recomputes
+        seed = call.dropout.seed if call.dropout is not None else None
+        ctx.save_for_backward(query, key, value, out, lse, seed, *buffers)
         ctx.versions = _read_versions(call)
+        ctx.buffer_versions = tuple(None if t.is_inference() else t._version
+                                    for t in (call.score.buffers if call.score else ()))
         if maxs is not None:
             ctx.mark_non_differentiable(maxs)
         # unused outputs get None instead of zeros: no lse gradient means no dlse term
@@ -68,11 +82,14 @@ class FlexAttentionFunction(torch.autograd.Function):
         # read once: under non-reentrant activation checkpointing each read recomputes (and
         # a second read raises CheckpointError)
         saved = ctx.saved_tensors
+        refuse_transforms("flex_attention", (grad_out, grad_lse))  # (batched gradients)
         if not torch.is_grad_enabled():
             return _gradients(ctx, saved, grad_out, grad_lse)
         with torch.no_grad():
             grads = _gradients(ctx, saved, grad_out, grad_lse)
-        return not_differentiable(grads, saved[:3] + saved[5:] + (ctx.call.sinks,))
+        # the incoming gradients too: d(dq)/d(grad_out) is a Jacobian-vector product
+        return not_differentiable(grads, saved[:3] + saved[6:]
+                                  + (ctx.call.sinks, grad_out, grad_lse))
 
 
 def not_differentiable(grads, inputs) -> tuple:
@@ -91,8 +108,9 @@ def not_differentiable(grads, inputs) -> tuple:
 def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     """The backward's results: (dq, dk, dv, None, None, d sinks or None, *captured-tensor
     gradients); ``saved``: ``ctx.saved_tensors``, read once by the caller."""
-    query, key, value, out, lse = saved[:5]
-    call = ctx.call
+    query, key, value, out, lse, seed = saved[:6]
+    buffers = saved[6:]
+    call = _as_saved(ctx.call, seed, buffers, ctx.buffer_versions)
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
     _check_unedited(call.block_mask, ctx.versions)
     if grad_out is None:
@@ -102,10 +120,48 @@ def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
         need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
     if not ctx.needs_input_grad[0]:
         dq = None
-    buffers = saved[5:]
     return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
             *(_buffer_grad(ctx, buffer_grads, slot, buffer)
               for slot, buffer in enumerate(buffers)))
+
+
+def _as_saved(call: AttentionCall, seed, buffers: tuple, versions: tuple) -> AttentionCall:
+    """``call`` with the dropout seed and the score_mod's captured tensors as autograd
+    unpacked them, where they are other objects than the call's own: under saved-tensor hooks
+    copies of the forward's values (the call's own tensors may have been edited since, which
+    torch's version check does not see there), under non-reentrant checkpointing without the
+    RNG's state restored the recomputation's seed, drawn with the out and lse the backward
+    reads. A replaced captured tensor keeps the requires_grad of the call's (which slots get
+    gradients). An InputError where an unpacked captured tensor shares the call's tensor's
+    memory and that was edited in place since the forward (``versions``: its version counter
+    then): a hook that keeps the tensor itself (``save_on_cpu`` of a CPU tensor), where
+    torch checks nothing and the backward would read the new values."""
+    score, dropout = call.score, call.dropout
+    if score is not None and score.buffers:
+        own = score.buffers
+        for s, o, version in zip(buffers, own, versions):
+            if version is not None and o._version != version and _same_memory(s, o):
+                raise InputError(
+                    f"a tensor the score_mod captures (shape {tuple(o.shape)}) was edited in "
+                    "place between flex_attention's forward and its backward, which reads it "
+                    "(saved-tensor hooks kept the tensor itself, so torch's own check did not "
+                    "run); the gradients would be those of another forward: edit it after the "
+                    "backward, or pass a copy to the forward")
+        if any(s is not o for s, o in zip(buffers, own)):
+            score = dataclasses.replace(score, buffers=tuple(
+                s if s is o or s.requires_grad == o.requires_grad
+                else s.detach().requires_grad_(o.requires_grad)
+                for s, o in zip(buffers, own)))
+    if dropout is not None and seed is not dropout.seed:
+        dropout = Dropout(dropout.p, seed)
+    if score is call.score and dropout is call.dropout:
+        return call
+    return call.replaced(score, dropout)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.device == b.device and a.untyped_storage().data_ptr()
+                      == b.untyped_storage().data_ptr())
 
 
 _TABLE_NAMES = tuple(f"block_mask.{name}" for name in TABLES)

@@ -19,7 +19,7 @@ from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
 from .inputs import (autocast_inputs, broadcast_batch, check_block_mask_type, check_buffers,
                      check_head_dim, check_scale, check_table_shapes, check_tensors,
-                     requiring_grad)
+                     dual_level_open, refuse_tangents, refuse_transforms, requiring_grad)
 from .runtime.call import AttentionCall
 from .calls import check_captured_indices
 from .lazy import lazy_function
@@ -73,6 +73,7 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
                 return_lse, kernel_options, workspace, validate, sinks, traced_score=None):
     """``flex_decode`` of a call; ``traced_score`` (the ``flexfa::flex_decode`` operator's)
     is a score_mod traced already, used instead of ``score_mod``."""
+    refuse_transforms("flex_decode")
     validate = check_bool("validate", validate)
     return_lse = check_bool("return_lse", return_lse)
     check_tensors(query, key, value)
@@ -119,6 +120,8 @@ def check_no_grad(query, key, value, sinks, score_buffers, mask_buffers) -> None
     named = [("query", query), ("key", key), ("value", value), ("sinks", sinks)]
     named += [("a score_mod captured tensor", t) for t in score_buffers]
     named += [("a mask_mod captured tensor", t) for t in mask_buffers]
+    if dual_level_open():
+        refuse_tangents("flex_decode", named)
     needing = requiring_grad(named)
     if needing:
         raise InputError(f"flex_decode is inference only (it has no backward), but "

@@ -9,6 +9,7 @@ import math
 import numbers
 
 import torch
+from torch.autograd import forward_ad
 
 from .blockmask.block_mask import SLICED, sliced_mask_mod
 from .errors import InputError, InputTypeError, check_bool
@@ -84,6 +85,43 @@ def check_readable(name: str, tensor: torch.Tensor) -> None:
         raise InputError(f"{name} is a lazily negated view (its negative bit is set, as for "
                          "z.conj().imag): its memory holds the values' negations, which the "
                          "kernels would read; pass .resolve_neg() of it")
+
+
+TRANSFORMS_MESSAGE = (
+    "flexfa.{func} does not support torch.func's transforms (vmap, grad, jvp, jacrev, ...), "
+    "nor batched gradients (is_grads_batched=True, jacobian(vectorize=True)) that use them: "
+    "its kernels have no batching rule. Call it outside the transform (a batch dimension in "
+    "q, k, v instead of vmap; torch.autograd.grad instead of torch.func.grad)")
+FORWARD_AD_MESSAGE = (
+    "flexfa.{func} does not support forward-mode AD: its {what} is a dual tensor "
+    "(torch.autograd.forward_ad), and flexfa's kernels compute no tangent; use reverse mode "
+    "(backward / torch.autograd.grad)")
+
+
+def refuse_transforms(func: str, tensors=()) -> None:
+    """An InputError under torch.func's transforms, or where one of ``tensors`` is batched
+    by the older vmap of batched gradients (``is_grads_batched=True``, no transform active):
+    their tensors have no storage the host code and the kernels could read (they failed deep
+    inside with torch's storage errors); ``func`` names the entry point."""
+    batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    if torch._C._are_functorch_transforms_active() or (batched is not None and any(
+            t is not None and batched(t) for t in tensors)):
+        raise InputError(TRANSFORMS_MESSAGE.format(func=func))
+
+
+def dual_level_open() -> bool:
+    """Whether a dual level of forward-mode AD is open (``forward_ad.dual_level``)."""
+    return getattr(forward_ad, "_current_level", -1) >= 0
+
+
+def refuse_tangents(func: str, named) -> None:
+    """An InputError where one of ``named``'s (name, tensor or None) pairs is a dual tensor
+    with a tangent (callers ask ``dual_level_open`` first): entry point ``func``'s forward
+    would drop it silently."""
+    for what, tensor in named:
+        if isinstance(tensor, torch.Tensor) and \
+                forward_ad.unpack_dual(tensor).tangent is not None:
+            raise InputError(FORWARD_AD_MESSAGE.format(func=func, what=what))
 
 
 def requiring_grad(named) -> list[str]:

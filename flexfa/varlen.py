@@ -25,7 +25,8 @@ from .features import check_sinks, prepare_dropout
 from .frontend import ir
 from .frontend.ir import DType, Op
 from .frontend.trace import SCORE_MOD, TracedMod
-from .inputs import autocast_inputs, check_buffers, check_scale, check_shapes, check_tensors
+from .inputs import (autocast_inputs, check_buffers, check_scale, check_shapes, check_tensors,
+                     refuse_transforms)
 from .memo import BoundedMemo, OwnedMemo
 from .calls import check_captured_indices
 from .runtime.call import AttentionCall
@@ -68,6 +69,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     Under ``torch.autocast`` q, k and v are cast to its dtype first, as ``flex_attention``'s.
     """
     func = "varlen_attention"
+    refuse_transforms(func)
     for name, tensor in zip(_NAMES, (q, k, v)):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
             raise InputError(f"{func}: {name} must be 3-D [total_tokens, heads, head_dim], got "
@@ -113,7 +115,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
         mask = block_mask.traced_mask
     call = AttentionCall(score, mask, block_mask, scale, options,
                          query.shape[1] // key.shape[1], sinks, dropout)
-    out, lse, _ = attend(query, key, value, call, return_lse, False)
+    out, lse, _ = attend(query, key, value, call, return_lse, False, func)
     out = out[0].transpose(0, 1)  # [total_q, Hq, Ev], a view
     return (out, lse[0]) if return_lse else out
 

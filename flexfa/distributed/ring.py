@@ -18,7 +18,8 @@ from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
-from ..inputs import autocast_inputs, check_scale, check_shapes, check_tensors
+from ..inputs import (autocast_inputs, check_scale, check_shapes, check_tensors, dual_level_open,
+                      refuse_tangents, refuse_transforms)
 from ..runtime.options import parse_kernel_options
 from .comm import Ring
 from .exchange import EXCHANGES
@@ -44,6 +45,7 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     (1-D, or with ``mesh_dim``); ``method`` picks the K/V exchange: ``"ring"``,
     ``"allgather"`` or ``"auto"`` (by shard size, ``group.ALLGATHER_MAX_BYTES``).
     """
+    refuse_transforms("ring_attention")
     return_lse = check_bool("ring_attention: return_lse", return_lse)
     _check_mods(score_mod, mask_mod)
     # under torch.autocast, as flex_attention (torch's rule): out comes in the autocast dtype,
@@ -63,6 +65,10 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     # with the tensors the trace removed (read in a branch it proved dead): their gradient is
     # zeros, as flex_attention gives them (None would make an optimizer skip them)
     traced = None if score_mod is None else trace(mods.score_mod)
+    if dual_level_open():
+        refuse_tangents("ring_attention", (("query", query), ("key", key), ("value", value),
+                                           *(("score_mod's captured tensor", t) for t in (
+                                               traced.buffers if traced else ()))))
     learned = () if traced is None else tuple(
         t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)

@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 
-from ..inputs import broadcast_batch, check_block_mask, check_buffers, check_scale
+from ..inputs import (broadcast_batch, check_block_mask, check_buffers, check_scale,
+                      refuse_transforms)
 from ..blockmask.coarsen import runnable_block_mask
 from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
@@ -79,6 +80,7 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     dtype; no gradient here). ``dropout_p`` > 0 is an InputError: no dropout in this
     forward-only path.
     """
+    refuse_transforms("fp8.flex_attention_fp8")
     check_no_dropout(dropout_p, "flex_attention_fp8")
     x = _inputs(query, key, value, rotate, block_size, seed)
     enable_gqa = check_bool("enable_gqa", enable_gqa)

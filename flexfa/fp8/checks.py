@@ -5,7 +5,8 @@ import numbers
 
 import torch
 
-from ..inputs import check_readable, check_shapes, requiring_grad
+from ..inputs import (check_readable, check_shapes, dual_level_open, refuse_tangents,
+                      requiring_grad)
 from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int
 from .inputs import FP8_DTYPE, FP8Inputs
 
@@ -168,7 +169,10 @@ def check_fp8_device(device: torch.device) -> None:
 
 def check_no_grad(tensors, buffers) -> None:
     """The FP8 path has no backward: refuse inputs or captured tensors that require grad."""
-    needing = requiring_grad([*tensors, *(("a score_mod captured tensor", t) for t in buffers)])
+    named = [*tensors, *(("a score_mod captured tensor", t) for t in buffers)]
+    if dual_level_open():
+        refuse_tangents("fp8.flex_attention_fp8", named)
+    needing = requiring_grad(named)
     if needing:
         raise FP8UnsupportedError(
             f"FP8 attention is forward-only, but {', '.join(needing)} requires grad; run it "

@@ -75,6 +75,14 @@ class AttentionCall:
                                                   ("dropout", self.dropout))
                          if value is not None)
 
+    def replaced(self, score: TracedMod | None, dropout: Dropout | None) -> AttentionCall:
+        """This call with another score_mod trace and dropout (the backward's: its saved
+        captured tensors and seed, flexfa.autograd)."""
+        call = AttentionCall(score, self.mask, self.block_mask, self.scale, self.options,
+                             self.gqa_group, self.sinks, dropout)
+        call.plans = self.plans
+        return call
+
     @property
     def sinks_dtype(self) -> str:
         """The sinks' element type as kernels name it ("fp32", "bf16", "fp16"; "" without)."""

@@ -83,3 +83,20 @@ def test_message_says_how_to_get_first_order_gradients():
     assert "flex_attention" in DOUBLE_BACKWARD_MESSAGE
     for words in ("gradient penalty", "higher-order", "loss.backward()", "detach"):
         assert words in DOUBLE_BACKWARD_MESSAGE
+
+
+def test_differentiating_with_respect_to_the_incoming_gradient_raises():
+    """The double-backward form of a Jacobian-vector product differentiates the gradients with
+    respect to grad_outputs: that path reached no raising node (the incoming gradient was not
+    among its inputs), so functional.jvp silently returned zeros."""
+    q, k, v = _inputs()
+    out = flexfa.flex_attention(q, k, v)
+    grad_out = torch.zeros_like(out, requires_grad=True)
+    (dq,) = torch.autograd.grad(out, q, grad_out, create_graph=True)
+    with pytest.raises(RuntimeError, match=MATCH):
+        torch.autograd.grad((dq * torch.randn_like(dq)).sum() + grad_out.sum(), grad_out)
+    q = q.detach()
+    with pytest.raises(RuntimeError, match=MATCH):
+        torch.autograd.functional.jvp(lambda x: flexfa.flex_attention(x, k.detach(),
+                                                                      v.detach()),
+                                      q, torch.randn_like(q))
