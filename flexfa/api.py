@@ -10,6 +10,7 @@ import operator
 import weakref
 
 import torch
+from torch.autograd import forward_ad
 
 from . import compiled
 from .autograd import FlexAttentionFunction
@@ -17,8 +18,7 @@ from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
 from .inputs import (autocast_inputs, check_aux, check_block_mask, check_scale, check_shapes,
-                     check_tensors, dual_level_open, readable, refuse_tangents,
-                     refuse_transforms)
+                     check_tensors, readable, refuse_tangents, refuse_transforms)
 from .lazy import lazy_function
 from .memo import BoundedMemo
 from .prepared import lookup, record, signature
@@ -127,7 +127,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                                      kernel_options, return_aux, sinks,
                                                      dropout_p, dropout_seed)
         return _result(out, lse, maxs, return_lse, return_aux, aux_lse)
-    refuse_transforms("flex_attention")  # (torch.func's wrapped tensors fail the host code)
+    if torch._C._are_functorch_transforms_active():  # (their wrapped tensors: no storage)
+        refuse_transforms("flex_attention")
     query, key, value = autocast_inputs(query, key, value)
     prepared = signature(query, key, value, score_mod, scale, enable_gqa, return_lse,
                          kernel_options, return_aux, sinks, dropout_p, dropout_seed)
@@ -187,7 +188,7 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool,
     # (captured tensors the trace dropped that require grad: their gradient is zeros)
     dropped = tuple(t for t in call.score.dropped if t.requires_grad) if call.score else ()
     sinks = call.sinks
-    if dual_level_open():
+    if getattr(forward_ad, "_current_level", -1) >= 0:  # (inputs.dual_level_open)
         refuse_tangents(func, (("query", query), ("key", key), ("value", value),
                                ("sinks", sinks), *((f"score_mod's captured tensor {n}", t)
                                                    for n, t in enumerate(buffers))))

@@ -67,8 +67,8 @@ class FlexAttentionFunction(torch.autograd.Function):
         seed = call.dropout.seed if call.dropout is not None else None
         ctx.save_for_backward(query, key, value, out, lse, seed, *buffers)
         ctx.versions = _read_versions(call)
-        ctx.buffer_versions = tuple(None if t.is_inference() else t._version
-                                    for t in (call.score.buffers if call.score else ()))
+        ctx.buffer_versions = () if call.score is None else tuple(
+            None if t.is_inference() else t._version for t in call.score.buffers)
         if maxs is not None:
             ctx.mark_non_differentiable(maxs)
         # unused outputs get None instead of zeros: no lse gradient means no dlse term
