@@ -34,16 +34,23 @@ def _close(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
-def test_saved_tensor_hooks_that_copy_give_the_forwards_gradients():
-    """Under hooks (save_on_cpu offloading copies a GPU tensor) the backward reads the saved
-    copies: the call's own captured tensor, edited in place after the forward (an optimizer
-    step), gave dq 0.35 and the bias gradient 0.27 off before, since the backward read it."""
-    q, k, v = make_qkv(B, H, H, L, L, E)
-    table = torch.nn.Parameter(torch.randn(H, 2 * L - 1) * 0.5)
-    weights = torch.randn(B, H, L, E)
+# (save_on_cpu keeps a CPU tensor itself: the next test)
+@pytest.mark.parametrize("hooks, device", [
+    ("clone", "cpu"), pytest.param("clone", "cuda", marks=pytest.mark.gpu),
+    pytest.param("save_on_cpu", "cuda", marks=pytest.mark.gpu)])
+def test_saved_tensor_hooks_that_copy_give_the_forwards_gradients(hooks, device):
+    """Under hooks that copy (save_on_cpu offloading of a GPU tensor) the backward reads the
+    saved copies: the call's own captured tensor, edited in place after the forward (an
+    optimizer step), gave dq 0.35 and the bias gradient 0.27 off before, since the backward
+    read it."""
+    q, k, v = make_qkv(B, H, H, L, L, E, device=device)
+    table = torch.nn.Parameter(torch.randn(H, 2 * L - 1, device=device) * 0.5)
+    weights = torch.randn(B, H, L, E, device=device)
     want_q, want_table = _reference_grads(table, q, k, v, weights)
     q.requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+    saving = (torch.autograd.graph.save_on_cpu() if hooks == "save_on_cpu" else
+              torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t))
+    with saving:
         out = flexfa.flex_attention(q, k, v, score_mod=_relative(table))
     with torch.no_grad():
         table.mul_(0.5)
