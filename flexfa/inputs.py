@@ -24,6 +24,8 @@ MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 # float32's smallest normal: a scale below it is subnormal in the kernels' float32 (flushed to
 # zero on GPUs; a float64 scalar under the interpreter, which then fails inside Triton)
 MIN_SCALE = torch.finfo(torch.float32).tiny
+# (as text once: Dynamo does not format a float constant inside a traced f-string everywhere)
+_MAX_SCALE_TEXT, _MIN_SCALE_TEXT = f"{MAX_SCALE:.3e}", f"{MIN_SCALE:.3e}"
 _NAMES = ("query", "key", "value")
 _TABLE_DIMS = tuple((f"{prefix}{side}_{kind}", dims) for prefix in ("", "full_")
                     for side in ("kv", "q") for kind, dims in (("num_blocks", 3), ("indices", 4)))
@@ -185,17 +187,17 @@ def check_scale(scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputTypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    try:
-        finite = math.isfinite(scale)
-    except OverflowError:  # an int past float's range
-        finite = False
-    if not finite:
-        raise InputError(f"scale must be finite, got {str(scale):.40}")
+    # comparisons, not math.isfinite: under torch.compile a float argument Dynamo made dynamic
+    # is symbolic, which comparisons trace (as guards) and math.isfinite and str() do not
+    shown = "a float traced by torch.compile" if torch.compiler.is_compiling() else \
+        f"{str(scale):.40}"
+    if scale != scale or scale == math.inf or scale == -math.inf:
+        raise InputError(f"scale must be finite, got {shown}")
     if abs(scale) > MAX_SCALE:  # the kernels hold scale * log2(e) in float32
-        raise InputError(f"scale is {scale}; it must be at most {MAX_SCALE:.3e} in magnitude "
-                         "(kernels keep scale * log2(e) in float32)")
+        raise InputError(f"scale is {shown}; it must be at most {_MAX_SCALE_TEXT} in "
+                         "magnitude (kernels keep scale * log2(e) in float32)")
     if 0 < abs(scale) < MIN_SCALE:
-        raise InputError(f"scale is {scale}; a nonzero scale must be at least {MIN_SCALE:.3e} "
+        raise InputError(f"scale is {shown}; a nonzero scale must be at least {_MIN_SCALE_TEXT} "
                          "in magnitude (float32's smallest normal number: the kernels hold it "
                          "in float32); pass 0.0 for scores of 0")
     return float(scale)

@@ -37,7 +37,7 @@ from .errors import InputError
 from .features import check_sinks
 from .frontend.guards import exact, filled, is_library_name
 from .frontend.trace import TracedMod, mod_name
-from .inputs import check_block_mask, check_shapes, check_tensors
+from .inputs import check_block_mask, check_scale, check_shapes, check_tensors
 from .memo import BoundedMemo, keep_on_owner
 from .runtime.call import SINKS_GRAD, Dropout
 from .runtime.layout import output_like
@@ -293,7 +293,8 @@ def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tabl
     block_mask = _block_mask(mods, entry, mask_buffers, tables, block_size,
                              (query.shape[2], key.shape[2]))
     check_block_mask(block_mask, query, key)
-    scale = scale if scale is not None else query.shape[3] ** -0.5
+    # (checked here too: a scale that was symbolic in the graph reaches the operator unchecked)
+    scale = check_scale(scale, query.shape[3])
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call, key, value = attention_call(query, key, value, score, block_mask, scale,
                                       entry.options, grad_enabled, sinks, dropout)
@@ -414,7 +415,8 @@ def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: T
             buffer_grads[SINKS_GRAD] if need_dsinks else empty.clone(),
             # zeros where no score depends on the tensor differentiably (score + t.floor()):
             # the kernels compute no gradient there, torch's is zeros
-            [buffer_grads[s] if s in buffer_grads else torch.zeros_like(score_buffers[s])
+            [buffer_grads[s] if s in buffer_grads else
+             torch.zeros_like(score_buffers[s], memory_format=torch.contiguous_format)
              for s in grad_slots])
 
 
@@ -422,12 +424,14 @@ def flex_attention_backward_op(query: Tensor, key: Tensor, value: Tensor, out: T
 def _(query, key, value, out, lse, grad_out, grad_lse, mods, scale, score_buffers, mask_buffers,
       tables, block_size, grad_slots, need_dq, need_dkdv, sinks=None, need_dsinks=False,
       dropout_p=0.0, dropout_seed=None):
-    # run_backward allocates dq, dk and dv contiguous
+    # run_backward allocates dq, dk, dv and the captured tensors' gradients contiguous (a
+    # fake gradient in a transposed captured tensor's strides made Inductor's size asserts
+    # fail, or without them read the real one in the wrong order)
     return (query.new_empty(query.shape) if need_dq else query.new_empty(0),
             key.new_empty(key.shape) if need_dkdv else query.new_empty(0),
             value.new_empty(value.shape) if need_dkdv else query.new_empty(0),
             sinks.new_empty(sinks.shape) if need_dsinks else query.new_empty(0),
-            [torch.empty_like(score_buffers[s]) for s in grad_slots])
+            [score_buffers[s].new_empty(score_buffers[s].shape) for s in grad_slots])
 
 
 def _double_backward(ctx, *grads):

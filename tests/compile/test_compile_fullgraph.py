@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 import flexfa
 from flexfa import BlockMask, mods
+from flexfa.errors import InputError
 
 # pytest puts this folder on sys.path (it has no __init__.py)
 from compile_utils import assert_same, make_inputs, run_step
@@ -195,6 +196,53 @@ def test_inductor_cpu_fullgraph_equals_eager():
     inputs = make_inputs(64, seed=3)
     assert_same(run_step(compiled, inputs, [model.slopes]),
                 run_step(model, inputs, [model.slopes]))
+
+
+def test_inductor_gradient_of_a_transposed_captured_tensor():
+    """A captured tensor that requires grad and is dense but not contiguous (a T5-style
+    [buckets, heads] embedding's weight read as .t()): the backward operator's fake kernel
+    gave its gradient the tensor's strides where the kernels return it contiguous, so
+    Inductor's generated backward failed its size asserts (and without them read the
+    gradient transposed: 18.4 off)."""
+    pytest.importorskip("torch._inductor")
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        pytest.skip("Inductor's CPU backend compiles C++: no C++ compiler on PATH")
+    length = 32
+    embedding = torch.nn.Embedding(2 * length - 1, 2)
+
+    def layer(q, k, v):
+        table = embedding.weight.t()
+
+        def relative(score, b, h, q_idx, kv_idx):
+            return score + table[h, q_idx - kv_idx + length - 1]
+        return flexfa.flex_attention(q, k, v, relative)
+
+    torch._dynamo.reset()
+    inputs = make_inputs(length, seed=7)
+    assert_same(run_step(torch.compile(layer, fullgraph=True), inputs, [embedding.weight]),
+                run_step(layer, inputs, [embedding.weight]))
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_float_scale_argument_that_changes(dynamic):
+    """A scale passed as a float argument of the compiled function that changes between calls
+    (Dynamo makes it symbolic from the second value, or from the first with dynamic=True):
+    the scale check's math.isfinite could not be traced, an Unsupported error under
+    fullgraph=True. Out-of-range values stay InputErrors."""
+    q, k, v = (t.detach() for t in make_inputs(32, seed=8))
+
+    def layer(q, k, v, scale):
+        return flexfa.flex_attention(q, k, v, scale=scale)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for scale in (0.25, 0.3, 0.35):
+        torch.testing.assert_close(compiled(q, k, v, scale), layer(q, k, v, scale),
+                                   rtol=0, atol=0)
+    for scale, match in ((float("inf"), "finite"), (float("nan"), "finite"),
+                         (1e-50, "at least"), (1e39, "at most")):
+        with pytest.raises(InputError, match=match):
+            compiled(q, k, v, scale)
 
 
 def test_fp8_attention_is_still_a_graph_break():
