@@ -72,8 +72,35 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     learned = () if traced is None else tuple(
         t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
+    plan.watched = _captured(score_mod, mask_mod)
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
+
+
+def _captured(score_mod, mask_mod) -> list:
+    """(what, tensor) of the captured tensors of the user's mods: the backward recomputes each
+    step with them as they are then, so it checks that none was edited in place since the
+    forward (``_check_unedited``)."""
+    named = []
+    for what, mod, kind in (("score_mod", score_mod, None), ("mask_mod", mask_mod, MASK_MOD)):
+        if mod is not None:
+            traced = trace(mod) if kind is None else trace(mod, kind)
+            named += [(f"a tensor the {what} captures", t) for t in traced.buffers
+                      if not t.is_inference()]
+    return named
+
+
+def _check_unedited(watched) -> None:
+    """An InputError where one of the ``(what, tensor, version)`` of ``watched`` was edited in
+    place since the forward: the recomputed steps would give the gradients of another
+    forward (silently: 5-523 apart in a probe), where flex_attention's backward raises."""
+    for what, tensor, version in watched:
+        if tensor._version != version:
+            raise InputError(
+                f"ring_attention: {what} (shape {tuple(tensor.shape)}) was edited in place "
+                "between the forward and the backward, which recomputes the ring's steps with "
+                "it; the gradients would be those of another forward: edit it after the "
+                "backward, or pass a copy to the forward")
 
 
 def _check_mods(score_mod, mask_mod) -> None:
@@ -144,6 +171,7 @@ class _Plan:
         self.ring, self.mods, self.kv_pos, self.method = ring, mods, kv_pos, method
         self.scale, self.kernel_options, self.enable_gqa = scale, kernel_options, enable_gqa
         self.steps: list[tuple[bool, object]] = []
+        self.watched: list = []  # (what, tensor): the mods' captured tensors (_captured)
 
     def attend(self, query, key, value, mask):
         return flex_attention(query, key, value, score_mod=self.mods.score_mod, block_mask=mask,
@@ -166,12 +194,14 @@ class _RingAttention(torch.autograd.Function):
                 merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
         out = out.to(query.dtype)
         ctx.plan = plan
+        ctx.watched = [(what, t, t._version) for what, t in plan.watched]
         ctx.save_for_backward(query, key, value, out, lse, *learned)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
+        _check_unedited(ctx.watched)
         if not torch.is_grad_enabled():
             return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
         # create_graph=True: the steps' gradients have no derivative (flex_attention's

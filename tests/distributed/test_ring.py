@@ -388,6 +388,38 @@ def test_a_gradient_penalty_raises_instead_of_losing_its_term():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("edited", ["score_mod", "mask_mod"])
+def test_a_captured_tensor_edited_before_the_backward_is_refused(edited):
+    """The backward recomputes the ring's steps with the mods' captured tensors as they are
+    then: a table of the score_mod (no gradient, so not saved) or the mask_mod's document ids
+    edited in place between the forward and the backward gave the gradients of another
+    forward (dq 523 and 5.4 apart in the probe), where flex_attention's backward raises."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    length = 32
+    table = torch.randn(2 * length)
+    docs = torch.tensor([0] * 10 + [1] * 22)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + length]
+
+    def same_document(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    q, k, v = (torch.randn(1, HEADS, length, 16, requires_grad=True) for _ in range(3))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        out = ring_attention(q, k, v, relative, same_document, load_balance=False)
+        ring_attention(q, k, v, relative, same_document, load_balance=False).sum().backward()
+        (table if edited == "score_mod" else docs).add_(1)
+        with pytest.raises(InputError, match=f"the {edited} captures .* edited in place"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_under_autocast_as_flex_attention():
     """Under torch.autocast the shards are cast as flex_attention casts its inputs: out comes
     in the autocast dtype (it was float32), and the backward recomputes the steps from the
