@@ -48,6 +48,7 @@ DOUBLE_BACKWARD_MESSAGE = (
     "torch.autograd.grad(loss, inputs) without create_graph=True, or detach the gradients "
     "before building a loss on them")
 
+
 class FlexAttentionFunction(torch.autograd.Function):
     """apply(query, key, value, call: AttentionCall, return_max: bool, sinks or None,
     *score_mod_buffers, *dropped) -> (out, lse, row max or None); ``sinks`` is ``call.sinks``

@@ -293,7 +293,8 @@ def _call(query, key, value, mods: str, scale, score_buffers, mask_buffers, tabl
     block_mask = _block_mask(mods, entry, mask_buffers, tables, block_size,
                              (query.shape[2], key.shape[2]))
     check_block_mask(block_mask, query, key)
-    # (checked here too: a scale that was symbolic in the graph reaches the operator unchecked)
+    # (as flex_attention checks it, the default 1/sqrt(E) as eager's; a scale Dynamo made
+    # symbolic was checked in the graph by guards, here by its value)
     scale = check_scale(scale, query.shape[3])
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     call, key, value = attention_call(query, key, value, score, block_mask, scale,
