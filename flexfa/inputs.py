@@ -77,13 +77,27 @@ def readable(query, key, value) -> bool:
             and not (query.is_neg() or key.is_neg() or value.is_neg()))
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
 def check_readable(name: str, tensor: torch.Tensor) -> None:
     """An InputError naming ``name`` unless the kernels can read ``tensor`` (``readable``)."""
     if tensor.layout is not torch.strided:
         raise InputError(f"{name} has layout {tensor.layout}; flexfa's kernels read strided "
                          "tensors: pass a dense one (.to_dense())")
-    # (Dynamo cannot trace is_neg: under torch.compile the operator checks its real inputs)
-    if not torch.compiler.is_compiling() and tensor.is_neg():
+    if torch.compiler.is_compiling():
+        return  # (Dynamo cannot trace these: the operator checks its real inputs)
+    if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        # a wrapper subclass (DTensor, FakeTensor, TwoTensor, MaskedTensor): no storage of its
+        # own the kernels could read (they failed inside Triton on it)
+        hint = {"DTensor": "pass .to_local() (this rank's shard) or .full_tensor()",
+                "FakeTensor": "call flex_attention under torch.compile, whose operator has a "
+                              "fake implementation, or with real tensors"}.get(
+            type(tensor).__name__, "pass a plain tensor")
+        raise InputTypeError(f"{name} is a {type(tensor).__name__}, a tensor subclass that "
+                             f"dispatches its own operations; flexfa's kernels read plain "
+                             f"tensors' memory: {hint}")
+    if tensor.is_neg():
         raise InputError(f"{name} is a lazily negated view (its negative bit is set, as for "
                          "z.conj().imag): its memory holds the values' negations, which the "
                          "kernels would read; pass .resolve_neg() of it")

@@ -307,8 +307,9 @@ _FLOAT32 = torch.finfo(torch.float32)
 MAX_HEADS = 2 ** 20  # alibi's slopes are a Python list first
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The standard ALiBi slopes (Press et al.), float32 ``[num_heads]``.
+def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
+    """The standard ALiBi slopes (Press et al.), float32 ``[num_heads]`` on ``device`` (None:
+    torch's default device).
 
     For ``n`` a power of two, head ``i`` gets ``2 ** (-8 * (i + 1) / n)``; otherwise the
     slopes of the largest power of two ``m < n`` followed by every other slope of ``2 m``.
@@ -321,7 +322,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         return [2.0 ** (-8.0 * (i + 1) / count) for i in range(count)]
     m = 2 ** int(math.floor(math.log2(n)))
     slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: n - m]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
 def alibi(num_heads: int, device=None):
@@ -329,7 +330,8 @@ def alibi(num_heads: int, device=None):
 
     On the causal part this is the paper's ``score + slopes[h] * (kv_idx - q_idx)``.
     """
-    slopes = alibi_slopes(num_heads).to(_device("alibi", device))
+    # (made on the device asked for: on torch's default device first, a meta default failed)
+    slopes = alibi_slopes(num_heads, _device("alibi", device))
 
     def mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * abs(q_idx - kv_idx)

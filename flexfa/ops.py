@@ -114,9 +114,12 @@ def mods_entry(key: str) -> ModsEntry:
     key = key.partition(_WATCH)[0]
     entry = _REGISTRY.get(key)
     if entry is None:
-        raise InputError(f"flexfa: the compiled graph's mods {key!r} are no longer registered "
-                         f"(more than {_REGISTRY.size} mods were compiled since); call "
-                         "torch._dynamo.reset() and compile again")
+        raise InputError(f"flexfa: the graph's mods {key!r} are not registered in this "
+                         f"process: more than {_REGISTRY.size} mods were compiled since (call "
+                         "torch._dynamo.reset() and compile again), or the graph was traced in "
+                         "another process (a torch.export program loaded from a file: flexfa's "
+                         "operators name their mods by a key of the process that traced them "
+                         "and cannot be saved; export again in this process)")
     return entry
 
 

@@ -59,6 +59,13 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     ``_compile`` changes nothing (flexfa never materializes the mask: nothing to compile).
     """
     func = "create_block_mask"
+    if not torch.compiler.is_compiling() and \
+            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        # (its tensors would be fake: the mask_mod's evaluation failed with a message blaming
+        # captured tensors)
+        raise InputError(f"{func} evaluates the mask_mod on real indices and cannot run under "
+                         "FakeTensorMode; build the mask outside the mode (or under "
+                         "torch.compile)")
     # (Python bools from here on: a numpy bool is one, and dq_kv_order goes on the mask)
     _compile, separate_full_blocks, compute_dq_write_order, dq_kv_order = (
         check_bool(f"{func}: {name}", flag) for name, flag in (
@@ -72,7 +79,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     grid = TileGrid(B, H, Q_LEN, KV_LEN, block[0], block[1], device)
 
     started = time.perf_counter()
-    with evaluating(func, traced, B, H, Q_LEN, KV_LEN):
+    # (on the mask's device whatever torch's default device is: index tensors made on the
+    # default one met the mask's and failed)
+    with evaluating(func, traced, B, H, Q_LEN, KV_LEN), torch.device(device):
         classes, (undecided, in_full) = tile_classes(traced, grid)
     tables = ordered_tables(classes, B, H, separate_full_blocks)
     elapsed = time.perf_counter() - started

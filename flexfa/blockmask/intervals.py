@@ -184,7 +184,8 @@ def _decidable(node: Node, a: Interval, b: Interval) -> torch.Tensor | bool:
 def _as_bool(node, a, b, surely_true, maybe_true):
     decidable = _decidable(node, a, b)
     lo = (surely_true & decidable).to(torch.float64)
-    hi = (maybe_true | ~torch.as_tensor(decidable)).to(torch.float64)
+    # (a bool decidable stays a bool: as a tensor it went to torch's default device)
+    hi = (maybe_true if decidable is True else maybe_true | ~decidable).to(torch.float64)
     return lo, hi
 
 

@@ -84,10 +84,12 @@ def value_ranges(roots: Sequence[Node], buffer_dtypes: Sequence[torch.dtype], do
     if ranges is not None:
         return ranges
     intervals: dict[Node, Interval] = {}
-    for root in roots:
-        for node in root.toposort():
-            if node not in intervals:
-                intervals[node] = _interval(node, intervals, buffer_dtypes, domain)
+    with torch.device("cpu"):  # host scalars, whatever torch's default device (a meta one
+        # failed at float() below)
+        for root in roots:
+            for node in root.toposort():
+                if node not in intervals:
+                    intervals[node] = _interval(node, intervals, buffer_dtypes, domain)
     ranges = {node: (float(i.lo), float(i.hi)) for node, i in intervals.items()}
     if len(_MEMO) >= _MAX_MEMO:
         _MEMO.clear()

@@ -18,7 +18,7 @@ def seed_tensor(seed: int | None, offset: int, device) -> torch.Tensor:
     default generator of that device (``torch.manual_seed`` makes them reproducible)."""
     if seed is None:
         return torch.randint(0, SEED_LIMIT - 1, (2,), dtype=torch.int64, device=device)
-    return torch.tensor([seed, offset], dtype=torch.int64).to(device)
+    return torch.tensor([seed, offset], dtype=torch.int64, device=device)
 
 
 class Dropout:

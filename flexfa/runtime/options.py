@@ -16,6 +16,8 @@ import difflib
 import logging
 import numbers
 
+import torch
+
 from .. import config
 from ..errors import InputError, InputTypeError, check_bool, is_bool
 from ..memo import BoundedMemo
@@ -358,31 +360,36 @@ def parse_kernel_options(options) -> KernelOptions:
     seen before (same items, same FLEXFA_BACKEND) costs one lookup."""
     if isinstance(options, KernelOptions):
         return options
+    # torch.use_deterministic_algorithms(True) asks every op for its deterministic algorithm:
+    # the ``deterministic`` option then (_parse; it was ignored)
+    strict = torch.are_deterministic_algorithms_enabled()
     if not options and (options is None or type(options) is dict):
         options = {}  # the common call: the memo below without building its key's frozenset
-        memo_key = (config.default_backend(),)
+        memo_key = (config.default_backend(), strict)
         parsed = _PARSED.get(memo_key)
         if parsed is None:
-            parsed = _PARSED[memo_key] = _parse(options)
+            parsed = _PARSED[memo_key] = _parse(options, strict)
         return parsed
     if not isinstance(options, dict):
         raise InputTypeError(f"kernel_options must be a dict or None, got "
                              f"{type(options).__name__} {options!r:.60}")
     try:
         # with the values' types: True == 1 and 32 == 32.0 hash alike, and only one is valid
-        memo_key = (config.default_backend(),
+        memo_key = (config.default_backend(), strict,
                     frozenset((k, type(v), v) for k, v in options.items()))
     except TypeError:  # an unhashable value: validated below, not memoized
         memo_key = None
     parsed = _PARSED.get(memo_key) if memo_key is not None else None
     if parsed is None:
-        parsed = _parse(options)
+        parsed = _parse(options, strict)
         if memo_key is not None:
             _PARSED[memo_key] = parsed
     return parsed
 
 
-def _parse(options: dict) -> KernelOptions:
+def _parse(options: dict, strict: bool = False) -> KernelOptions:
+    """``options`` validated; ``strict``: torch's deterministic algorithms are on, so
+    ``deterministic`` is True whatever the dict says."""
     call: dict = {}
     passes: dict = {"fwd": {}, "bwd": {}}
     prefixed: set = set()
@@ -421,6 +428,8 @@ def _parse(options: dict) -> KernelOptions:
         call["backend"] = _default_backend()
     if call["backend"] == "TRITON":
         call["backend"] = "AUTO"  # every flexfa kernel is a Triton kernel
+    if strict:
+        call["deterministic"] = True
     return KernelOptions(fwd=PassOptions(**passes["fwd"]), bwd=PassOptions(**passes["bwd"]),
                          **call)
 
