@@ -66,7 +66,11 @@ class FlexAttentionFunction(torch.autograd.Function):
         # the seed as a saved tensor: a recomputation (non-reentrant checkpointing without
         # the RNG's state restored) draws another one with the out and lse it recomputes
         seed = call.dropout.seed if call.dropout is not None else None
-        ctx.save_for_backward(query, key, value, out, lse, seed, *buffers)
+        # inference tensors cannot be saved (torch raises), nor edited outside inference mode:
+        # a captured one is kept on ctx (it failed the forward of a call that needed grad)
+        ctx.inference = {n: t for n, t in enumerate(buffers) if t.is_inference()}
+        ctx.save_for_backward(query, key, value, out, lse, seed, *(
+            None if n in ctx.inference else t for n, t in enumerate(buffers)))
         ctx.versions = _read_versions(call)
         ctx.buffer_versions = () if call.score is None else tuple(
             None if t.is_inference() else t._version for t in call.score.buffers)
@@ -111,6 +115,8 @@ def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     gradients); ``saved``: ``ctx.saved_tensors``, read once by the caller."""
     query, key, value, out, lse, seed = saved[:6]
     buffers = saved[6:]
+    if ctx.inference:
+        buffers = tuple(ctx.inference.get(n, t) for n, t in enumerate(buffers))
     call = _as_saved(ctx.call, seed, buffers, ctx.buffer_versions)
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
     _check_unedited(call.block_mask, ctx.versions)

@@ -94,3 +94,24 @@ def test_an_operator_call_with_mods_of_another_process_says_so():
     from flexfa.ops import mods_entry
     with pytest.raises(InputError, match="traced in another process"):
         mods_entry("0123456789abcdef0123456789abcdef")
+
+
+def test_a_captured_tensor_made_in_inference_mode():
+    """A score_mod reading a table made under torch.inference_mode (needing no gradient) in a
+    call that needs one: the forward saved every captured tensor for the backward, which
+    torch refuses for inference tensors ("cannot be saved for backward")."""
+    from flexfa.reference import attention_reference
+    q, k, v = qkv()
+    with torch.inference_mode():
+        table = torch.linspace(-1, 1, 56)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    q.requires_grad_()
+    (dq,) = torch.autograd.grad(flexfa.flex_attention(q, k, v, biased).square().sum(), q)
+    q64 = q.detach().double().requires_grad_()
+    clone = table.clone()
+    attention_reference(q64, k.double(), v.double(),
+                        lambda s, b, h, i, j: s + clone.double()[j]).square().sum().backward()
+    torch.testing.assert_close(dq.double(), q64.grad, rtol=1e-4, atol=1e-4)
