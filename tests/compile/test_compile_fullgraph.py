@@ -198,17 +198,19 @@ def test_inductor_cpu_fullgraph_equals_eager():
                 run_step(model, inputs, [model.slopes]))
 
 
-def test_inductor_gradient_of_a_transposed_captured_tensor():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_gradient_of_a_transposed_captured_tensor(device):
     """A captured tensor that requires grad and is dense but not contiguous (a T5-style
     [buckets, heads] embedding's weight read as .t()): the backward operator's fake kernel
     gave its gradient the tensor's strides where the kernels return it contiguous, so
     Inductor's generated backward failed its size asserts (and without them read the
     gradient transposed: 18.4 off)."""
     pytest.importorskip("torch._inductor")
-    if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+    if device == "cpu" and not any(shutil.which(c) for c in (
+            os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
         pytest.skip("Inductor's CPU backend compiles C++: no C++ compiler on PATH")
     length = 32
-    embedding = torch.nn.Embedding(2 * length - 1, 2)
+    embedding = torch.nn.Embedding(2 * length - 1, 2, device=device)
 
     def layer(q, k, v):
         table = embedding.weight.t()
@@ -218,7 +220,7 @@ def test_inductor_gradient_of_a_transposed_captured_tensor():
         return flexfa.flex_attention(q, k, v, relative)
 
     torch._dynamo.reset()
-    inputs = make_inputs(length, seed=7)
+    inputs = [t.detach().to(device).requires_grad_() for t in make_inputs(length, seed=7)]
     assert_same(run_step(torch.compile(layer, fullgraph=True), inputs, [embedding.weight]),
                 run_step(layer, inputs, [embedding.weight]))
 

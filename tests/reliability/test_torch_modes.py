@@ -39,12 +39,14 @@ def test_fake_tensors_and_fake_mode_are_refused():
         flexfa.flex_attention(*(FakeTensorMode().from_tensor(q) for _ in range(3)))
 
 
-def test_deterministic_algorithms_take_the_deterministic_path():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_deterministic_algorithms_take_the_deterministic_path(device):
     """torch.use_deterministic_algorithms(True) was ignored: the captured tensor's gradient
     came from the float32 atomics (on a GPU their order varies between runs). Under the flag
-    every call takes kernel_options deterministic's path, a call cached before it too."""
-    q, k, v = (t.requires_grad_() for t in qkv(B=2, L=64, S=64))
-    bias = (torch.linspace(-1, 1, 2 * 128).view(2, 128) * 0.3).requires_grad_()
+    every call takes kernel_options deterministic's path, a call cached before it too (and
+    on a GPU nothing flexfa runs meets torch's refusal of nondeterministic operations)."""
+    q, k, v = (t.to(device).requires_grad_() for t in qkv(B=2, L=64, S=64))
+    bias = (torch.linspace(-1, 1, 2 * 128, device=device).view(2, 128) * 0.3).requires_grad_()
 
     def biased(score, b, h, q_idx, kv_idx):
         return score + bias[h, q_idx - kv_idx + 64] * torch.tanh(score)
