@@ -261,6 +261,8 @@ def result(tracer: Tracer, node: Node, operands, rebuild=None) -> Proxy:
     which widen each other only within the result's kind (float16 + float32 is float32). A
     tensor operand of a lower kind is converted to the result's dtype before the op (float16
     + an int 65535 is inf): ``rebuild(nodes)`` makes the op again from such converted nodes."""
+    if node.dtype is DType.BOOL:
+        return Proxy(_compared_narrow(tracer, node, operands, rebuild), tracer)
     storage = narrow_storage(operands, node.dtype)
     if storage is None:
         return Proxy(node, tracer)
@@ -272,6 +274,30 @@ def result(tracer: Tracer, node: Node, operands, rebuild=None) -> Proxy:
         if any(lower):
             node = rebuild([ir.narrow(n, name) if low else n for n, low in zip(nodes, lower)])
     return Proxy(ir.narrow(node, name), tracer, storage)
+
+
+def _compared_narrow(tracer: Tracer, node: Node, operands, rebuild) -> Node:
+    """A comparison ``node`` as torch computes it where a float operand is float16 or
+    bfloat16: in that dtype, so an int operand (a tensor or a Python number) and a Python
+    float are converted to it first (``(kv_idx + 2049).half() == kv_idx + 2049`` is True,
+    2049 being 2048 in float16; compared as float32 it was False)."""
+    if rebuild is None or node.op not in _COMPARISONS:
+        return node
+    floats = [v.dtype for v in operands if isinstance(v, (Proxy, torch.Tensor))
+              and _kind(v.dtype) is DType.FLOAT]
+    storage = functools.reduce(torch.promote_types, floats) if floats else None
+    if storage not in (torch.float16, torch.bfloat16):
+        return node
+    name = _NARROW_NAMES[storage]
+    nodes = [lift(v, tracer) for v in operands]
+    lower = [not isinstance(v, (Proxy, torch.Tensor)) or _kind(v.dtype) is not DType.FLOAT
+             for v in operands]
+    if not any(low and n.dtype is not DType.BOOL for n, low in zip(nodes, lower)):
+        return node
+    return rebuild([ir.narrow(n, name) if low else n for n, low in zip(nodes, lower)])
+
+
+_COMPARISONS = (Op.LT, Op.LE, Op.EQ, Op.NE)
 
 
 def narrow_storage(operands, dtype: DType) -> torch.dtype | None:
@@ -466,7 +492,7 @@ def binary_op(op: Op, swap: bool = False):
         # bool result (True + True is True; Python's bools alone would give 2)
         op_ = _BOOL_OPS.get(op, op) if x.dtype is y.dtype is DType.BOOL else op
         return result(tracer, ir.binary(op_, x, y), (a, b),
-                      lambda nodes: ir.binary(op_, *nodes))
+                      lambda nodes: ir.binary(op_, *(nodes[::-1] if swap else nodes)))
     return apply
 
 
@@ -481,10 +507,13 @@ def shift_op(left: bool, swap: bool = False):
         tracer = find_tracer(a, b)
         if swap:
             a, b = b, a
+        # a Python bool beside an int tensor is the int 0 or 1 to torch (True << kv_idx)
+        a, b = (int(v) if isinstance(v, bool) else v for v in (a, b))
         x, n = lift_pair(tracer, a, b)
         if DType.INT is not x.dtype or DType.INT is not n.dtype:
             raise tracer.error(f"operator {symbol} needs int operands, got {x.dtype.value} "
-                               f"and {n.dtype.value} (torch refuses it too)", UnsupportedOpError)
+                               f"and {n.dtype.value} (torch.compile refuses it too); cast a "
+                               "bool value with .long() first", UnsupportedOpError)
         if left:  # 2 ** n wraps to -2**63 at 63 and to 0 from 64, is 0 below 0, as torch's
             node = ir.binary(Op.MUL, x, ir.binary(Op.POW, ir.const(2), n))
         else:

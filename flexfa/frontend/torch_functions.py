@@ -232,6 +232,9 @@ def _table() -> dict:
     add("max", _max_or_min(Op.MAX, "max"))
     add("min", _max_or_min(Op.MIN, "min"))
     add("where", _where)
+    # x.where(condition, y) is torch.where(condition, x, y): the method's first argument is
+    # the value (registered with torch.where's handler, x was read as the condition)
+    table[torch.Tensor.where] = lambda self, condition, other: _where(condition, self, other)
     add("clamp", _clamp)
     add("clip", _clamp)
     add("clamp_min", lambda x, min: _clamp(x, min=min))

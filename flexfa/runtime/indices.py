@@ -142,6 +142,8 @@ def _static(mod: TracedMod, domain: Domain, device) -> tuple[_OutOfRange | None,
         if read.reads_values:
             from_values.append(read)
             continue
+        if Op.SCORE in leaf_ops(read.index):  # (its values are known in the kernel only)
+            raise _score_dependent(mod, read)
         lo, hi, zero = _exact_range(read.index, (), domain, device)
         if not _in_range(read, lo, hi, zero):
             return _OutOfRange(read, _shape(mod, read), lo, hi), ()
@@ -220,6 +222,22 @@ def versions_of(tensors) -> tuple[int, ...] | None:
 
 def _shape(mod: TracedMod, read: _Read) -> tuple[int, ...]:
     return () if read.size == 0 else tuple(mod.buffer_specs[read.load.arg][0])
+
+
+def _score_dependent(mod: TracedMod, read: _Read) -> InputError:
+    """A read whose index (or integer divisor) is computed from the score and not proven in
+    range by its interval: nothing can check it before the launch (the check's exact
+    evaluation failed with a bare ValueError needing a value for score)."""
+    if read.size == 0:
+        return InputError(
+            f"the {mod.kind} {mod.name!r} divides integers by a divisor computed from score, "
+            "which can be 0 as far as flexfa can tell before the launch (torch raises "
+            "ZeroDivisionError there); keep it nonzero (e.g. torch.clamp(d, min=1))")
+    return InputError(
+        f"the {mod.kind} {mod.name!r} reads a captured tensor of shape {_shape(mod, read)} at "
+        f"an index computed from score in dimension {read.dim} (size {read.size}), whose "
+        "range flexfa cannot check before the launch (a read out of range would read other "
+        f"memory); bound it, e.g. with .clamp({-read.size}, {read.size - 1}) or % {read.size}")
 
 
 def _error(mod: TracedMod, bad: _OutOfRange, domain: Domain) -> InputError:
