@@ -322,7 +322,7 @@ def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
         return [2.0 ** (-8.0 * (i + 1) / count) for i in range(count)]
     m = 2 ** int(math.floor(math.log2(n)))
     slopes = power_of_two(m) + power_of_two(2 * m)[0::2][: n - m]
-    return torch.tensor(slopes, dtype=torch.float32, device=device)
+    return torch.tensor(slopes, dtype=torch.float32, device=_device("alibi_slopes", device))
 
 
 def alibi(num_heads: int, device=None):

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .blockmask.checks import positive_int
+from .blockmask.checks import positive_int, resolve_device
 from .blockmask.validate import capturing
 from .decode import flex_decode
 from .errors import InputError, InputTypeError, check_bool, check_int
 from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
+
+MAX_SEQUENCES = 2 ** 20  # a cache's sequences (max_batch_size)
 
 __all__ = ["PagedKVCache"]
 
@@ -41,6 +43,14 @@ class PagedKVCache:
         if dtype not in SUPPORTED_DTYPES:
             raise InputError(f"{func}: dtype must be torch.float16, torch.bfloat16 or "
                              f"torch.float32 (the decode kernel's), got {dtype}")
+        device = resolve_device(func, device)  # (torch's own errors before)
+        # (bounds before allocating: 2**30 sequences took a minute and 16 GB of host lists)
+        if max_batch_size > MAX_SEQUENCES:
+            raise InputError(f"{func}: max_batch_size is {max_batch_size}; at most "
+                             f"{MAX_SEQUENCES} sequences")
+        if num_pages * page_size >= 2 ** 31:
+            raise InputError(f"{func}: num_pages * page_size is {num_pages * page_size} rows; "
+                             "the page table's int32 entries address fewer than 2**31")
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq or num_pages
         self.k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
@@ -143,6 +153,11 @@ class PagedKVCache:
                 raise InputError(f"input_pos has positions outside 0..{self.max_seq_len - 1} "
                                  f"(a sequence holds at most {self.max_seq_len} keys), got "
                                  f"{int(pos.min())}..{int(pos.max())}")
+            # one write per (sequence, position): which of two writes wins is undefined on a GPU
+            slots = (rows_[:, None] * self.max_seq_len + pos).flatten()
+            if slots.numel() and int(torch.unique(slots).numel()) != slots.numel():
+                raise InputError("assign writes one (batch_idx, input_pos) position twice; "
+                                 "which value a GPU keeps is undefined: write each once")
         pages = self.page_table[rows_[:, None], pos // self.page_size]
         if validate and bool((pages < 0).any()):
             raise InputError("assign writes positions outside the pages reserved for their "
@@ -161,6 +176,15 @@ class PagedKVCache:
             if not isinstance(tensor, torch.Tensor):
                 raise InputTypeError(f"{name} must be a torch.Tensor, got "
                                      f"{type(tensor).__name__}")
+            # (a value of another kind was cast into the cache silently, a meta one wrote
+            # nothing: the cache kept its zeros)
+            if tensor.dtype not in SUPPORTED_DTYPES:
+                raise InputTypeError(f"{name} has dtype {tensor.dtype}; the cache takes "
+                                     "float16, bfloat16 or float32 values (cast to its "
+                                     f"{self.k_cache.dtype})")
+            if tensor.device != self.k_cache.device:
+                raise InputError(f"{name} is on {tensor.device} but the cache is on "
+                                 f"{self.k_cache.device}")
         if tuple(k_val.shape) != (B, Hkv, L, E) or tuple(v_val.shape) != (B, Hkv, L, Ev):
             raise InputError(f"k_val {tuple(k_val.shape)} and v_val {tuple(v_val.shape)} must be "
                              f"[B={B}, Hkv={Hkv}, L={L}, E={E}] and [B, Hkv, L, Ev={Ev}] for "
@@ -177,7 +201,7 @@ class PagedKVCache:
         if B > len(self._pages):
             raise InputError(f"k_val has {B} sequences but the cache holds "
                              f"{len(self._pages)} (max_batch_size)")
-        if L == 0:
+        if L == 0 or B == 0:  # (B = 0 failed inside, blaming input_pos)
             return
         # every sequence's pages counted before any is reserved: a failure changes nothing
         more = sum(max(0, self._pages_for(self._lens[b] + L, "PagedKVCache.append")
@@ -207,6 +231,13 @@ class PagedKVCache:
     def attend(self, query, score_mod=None, block_mask=None, **kwargs):
         """``flex_decode`` of ``query`` [B, Hq, L, E] against sequences 0..B-1 of the cache,
         the queries at the end of each sequence (``q_offsets`` in kwargs to place them)."""
+        if not isinstance(query, torch.Tensor) or query.dim() != 4:
+            got = tuple(getattr(query, "shape", ())) or type(query).__name__
+            raise InputTypeError(f"PagedKVCache.attend: query must be a 4-D tensor [B, Hq, L, "
+                                 f"E], got {got}")
         B = query.shape[0]
+        if B > self.page_table.shape[0]:
+            raise InputError(f"PagedKVCache.attend: query has {B} sequences but the cache holds "
+                             f"{self.page_table.shape[0]} (max_batch_size)")
         return flex_decode(query, self.k_cache, self.v_cache, score_mod, block_mask,
                            page_table=self.page_table[:B], kv_lens=self.kv_lens[:B], **kwargs)

@@ -25,6 +25,7 @@ raises flexfa's errors. Copies (``copy.deepcopy``, pickle) drop flexfa's per-obj
 from __future__ import annotations
 
 import copy
+import numbers
 import operator
 
 import torch
@@ -105,6 +106,10 @@ class BlockMask(TorchBlockMask):
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
         self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
         self.mask_mod = noop_mask if mask_mod is None else _mask_mod("BlockMask", mask_mod)
+        if traced_mask is not None and (not isinstance(traced_mask, TracedMod)
+                                        or traced_mask.kind != MASK_MOD):
+            raise InputTypeError(f"BlockMask: traced_mask must be a mask_mod's TracedMod or "
+                                 f"None, got {type(traced_mask).__name__}")
         self._traced = (self.mask_mod, traced_mask) if traced_mask is not None else None
 
     @classmethod
@@ -128,6 +133,12 @@ class BlockMask(TorchBlockMask):
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise InputError(f"{func}: full_kv_num_blocks and full_kv_indices must be given "
                              "together or both omitted")
+        for name, table in (("kv_num_blocks", kv_num_blocks), ("kv_indices", kv_indices),
+                            ("full_kv_num_blocks", full_kv_num_blocks),
+                            ("full_kv_indices", full_kv_indices)):
+            if isinstance(table, torch.Tensor) and table.device.type not in ("cpu", "cuda"):
+                raise InputError(f"{func}: {name} is on {table.device}; flexfa runs on 'cpu' "
+                                 "or 'cuda'")  # (meta tables failed inside the table check)
         if is_bool(dq_kv_order):
             dq_kv_order = bool(dq_kv_order)
         elif dq_kv_order is not None and not isinstance(dq_kv_order, torch.Tensor):
@@ -281,6 +292,9 @@ class BlockMask(TorchBlockMask):
         if device.type == "cuda" and not torch.cuda.is_available():  # (torch's AssertionError)
             raise InputError(f"BlockMask.to: device={str(device)!r} but CUDA is not available "
                              "on this machine")
+        if device.type not in ("cpu", "cuda"):
+            raise InputError(f"BlockMask.to: device={str(device)!r} is not supported; flexfa "
+                             "runs on 'cpu' or 'cuda'")
         tables = [None if t is None else t.to(device) for t in (getattr(self, n) for n in _TABLES)]
         dq = {n: None if getattr(self, n) is None else getattr(self, n).to(device)
               for n in _DQ_TENSORS}
@@ -383,7 +397,19 @@ def _keep_dim(index, size: int):
     """One dim's index with that dim kept: an integer (a Python or numpy int, a 0-dim integer
     tensor; as such they dropped the dim, so the later dims moved up: heads read as batches)
     becomes a slice of one; slices, lists and 1-dim tensors keep it as they are."""
-    if isinstance(index, torch.Tensor) and index.dim() == 1 or isinstance(index, (slice, list)):
+    if isinstance(index, slice):
+        for part in ("start", "stop", "step"):
+            value = getattr(index, part)
+            if value is not None and (is_bool(value) or not isinstance(
+                    value, (numbers.Integral, torch.Tensor))):
+                raise InputTypeError(f"{_INDICES}: a slice's {part} must be an int, got "
+                                     f"{value!r}")
+        if index.step is not None and int(index.step) <= 0:
+            raise InputError(f"{_INDICES}: a slice's step must be positive (as torch's), got "
+                             f"{index.step}")
+        return index
+    if isinstance(index, torch.Tensor) and index.dim() == 1 or isinstance(index, list):
+        _check_entries(index, size)
         return index
     if index is None or is_bool(index) or (  # (np.True_ was read as index 1)
             isinstance(index, torch.Tensor) and (index.dim() or index.dtype is torch.bool)):
@@ -396,6 +422,29 @@ def _keep_dim(index, size: int):
         raise InputError(f"BlockMask index {index} is out of range for a dim of size {size}")
     index %= size
     return slice(index, index + 1)
+
+
+def _check_entries(index, size: int) -> None:
+    """A list or 1-dim tensor index of a dim of ``size``: integers in range or a bool mask of
+    its length (torch's IndexError and TypeError before; 0.5 in a list read as 0)."""
+    try:
+        values = torch.as_tensor(index)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise InputTypeError(f"{_INDICES}, got {index!r:.60}") from None
+    if values.numel() == 0:
+        return
+    if values.dim() != 1:
+        raise InputError(f"{_INDICES}, got {index!r:.60}")
+    if values.dtype is torch.bool:
+        if len(values) != size:
+            raise InputError(f"a bool BlockMask index of length {len(values)} for a dim of "
+                             f"size {size}")
+        return
+    if values.dtype.is_floating_point or values.dtype.is_complex:
+        raise InputTypeError(f"{_INDICES}, got {values.dtype} entries {index!r:.60}")
+    if not bool(((values >= -size) & (values < size)).all()):
+        raise InputError(f"BlockMask index {index!r:.60} has entries out of range for a dim of "
+                         f"size {size}")
 
 
 def _take(table: torch.Tensor, index: tuple) -> torch.Tensor:

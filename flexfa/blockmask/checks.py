@@ -85,8 +85,8 @@ def resolve_device(func: str, device) -> torch.device:
     except (RuntimeError, TypeError, ValueError) as exc:  # (ValueError: an int past int64)
         raise InputError(f"{func}: device={device!r} is not a torch device ({exc})") from None
     if device.type not in ("cpu", "cuda"):
-        raise InputError(f"{func}: device={str(device)!r} is not supported; block masks are "
-                         "built on 'cpu' or 'cuda'")
+        raise InputError(f"{func}: device={str(device)!r} is not supported; flexfa runs on "
+                         "'cpu' or 'cuda'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"{func}: device={str(device)!r} but CUDA is not available on this "
                          "machine; pass device='cpu'")

@@ -7,10 +7,12 @@ empty, ``~~`` anything else.
 from __future__ import annotations
 
 import itertools
+import numbers
+import os
 
 import torch
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, is_bool
 from .tables import ordered_to_dense
 
 EMPTY_CHAR, PARTIAL_CHAR, FULL_CHAR = " ", "~", "#"
@@ -34,9 +36,18 @@ def _group_char(group: torch.Tensor) -> str:
     return PARTIAL_CHAR
 
 
+def _limit(func: str, limit) -> int:
+    """How many (b, h) pairs to draw: a positive int (anything else drew every pair, or
+    failed inside matplotlib)."""
+    if is_bool(limit) or not isinstance(limit, numbers.Integral) or limit < 1:
+        raise InputError(f"BlockMask.{func}: limit must be a positive int, got {limit!r:.40}")
+    return int(limit)
+
+
 def to_text(block_mask, grid_size: int | tuple[int, int] = (24, 24), limit: int = 2) -> str:
     """One drawing per (b, h) for the first ``limit`` of them, at most ``grid_size`` cells
     (rows, columns); -1, as torch's ``to_string`` takes it, draws every tile."""
+    limit = _limit("to_string", limit)
     classes = tile_classes(block_mask)
     B, H, rows, cols = classes.shape
     row_step, col_step = (_step(tiles, cells) for tiles, cells in
@@ -75,6 +86,10 @@ def _step(tiles: int, cells: int) -> int:
 
 def to_png(block_mask, path, limit: int = 4, dpi: int = 100) -> None:
     """Save the tile classes of the first ``limit`` (b, h) pairs as one PNG image."""
+    limit = _limit("to_png", limit)
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputTypeError(f"BlockMask.to_png: path must be a str or os.PathLike, got "
+                             f"{type(path).__name__}")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import ListedColormap

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..blockmask.checks import resolve_device
 from ..errors import InputError, InputTypeError, check_bool, check_int
 
 
@@ -53,6 +54,10 @@ def positions(rank: int, world: int, local_length: int, load_balance: bool,
     if load_balance and local_length % 2:
         raise InputError(f"positions: with load_balance=True a shard holds two equal chunks; "
                          f"local_length={local_length} is odd")
+    device = resolve_device("positions", "cpu" if device is None else device)
+    if local_length * world >= 2 ** 63:  # (int64 positions)
+        raise InputError(f"positions: local_length * world is {local_length * world}; the "
+                         "global positions are int64")
     ids = chunk_ids(rank, world, load_balance)
     chunk = local_length // len(ids)
     return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in ids])
@@ -95,6 +100,14 @@ def unshard(shards, load_balance: bool = True, dim: int = -2) -> torch.Tensor:
             raise InputError(f"unshard: shards[{rank}] has {shard.dim()} dims but shards[0] "
                              f"has {shards[0].dim()}")
     dim = _check_dim("unshard", dim, shards[0].dim())
+    first = shards[0]
+    for rank, shard in enumerate(shards):  # (torch.cat failed inside, or promoted dtypes)
+        others = [n for n in range(first.dim()) if n != dim % first.dim()]
+        if [shard.shape[n] for n in others] != [first.shape[n] for n in others] or \
+                shard.dtype != first.dtype or shard.device != first.device:
+            raise InputError(f"unshard: shards[{rank}] is {shard.dtype} {tuple(shard.shape)} on "
+                             f"{shard.device} but shards[0] {first.dtype} {tuple(first.shape)} "
+                             f"on {first.device}; they may differ along dim {dim} only")
     lengths = [shard.shape[dim] for shard in shards]
     if len(set(lengths)) > 1 or (load_balance and lengths[0] % 2):
         raise InputError(f"unshard: the shards must have one length along dim {dim}"

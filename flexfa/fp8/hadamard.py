@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..blockmask.checks import indexed
+from ..blockmask.checks import indexed, resolve_device
 from ..errors import InputError, InputTypeError, check_int
 
 
@@ -59,6 +59,8 @@ def _device(func: str, device) -> torch.device:
         device = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise InputError(f"{func}: device={device!r} is not a torch device ({exc})") from None
+    if device.type != "meta":  # (meta: the device tests record the ops a device would run on)
+        resolve_device(func, device)  # CUDA without CUDA, another kind: InputErrors
     return indexed(device)
 
 

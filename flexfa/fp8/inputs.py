@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from ..errors import check_bool
 from .hadamard import unrotate as hadamard_unrotate
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -49,6 +50,7 @@ class FP8Inputs:
         the padding removed; without it, q and k stay rotated and padded, the basis the kernel
         computes q.k in (quantization error leaks into padded channels, so only there is
         q.k exactly the kernel's)."""
+        unrotate = check_bool("FP8Inputs.dequantize: unrotate", unrotate)
         q = descale(self.q, self.q_scale, self.block_q)
         k = descale(self.k, self.k_scale, self.block_kv)
         v = descale(self.v, self.v_scale, self.block_kv)
