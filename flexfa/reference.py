@@ -8,10 +8,11 @@ computation is differentiable in q, k, v and in captured tensors that require gr
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, InputTypeError, check_bool
 from .frontend import dense_mask, evaluate, index_grids, trace
 from .runtime.dropout import scale as dropout_scale
 
@@ -33,6 +34,7 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     the probabilities are multiplied by mask / (the keep rate: 1 - p rounded to a multiple of
     2**-16, ``flexfa.runtime.dropout.scale``) before ``@ v``; lse is unaffected.
     """
+    _check_inputs(query, key, value, scale, enable_gqa, sinks, dropout_mask, dropout_p)
     B, Hq, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     if Hq != Hkv:
@@ -73,6 +75,40 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     if return_max:
         results.append(row_max)
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _check_inputs(query, key, value, scale, enable_gqa, sinks, dropout_mask, dropout_p):
+    """The reference's arguments as flex_attention checks them (float64 allowed): it
+    broadcast a key batch of 3 against a query batch of 1, read a float dropout mask as
+    weights and ran p > 0 without a mask, all silently, and crashed inside torch on others."""
+    func = "attention_reference"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+            raise InputTypeError(f"{func}: {name} must be a 4-D float tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} of shape "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+    B, Hq, L, E = query.shape
+    if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B) or key.shape[1] != \
+            value.shape[1] or key.shape[2] != value.shape[2] or key.shape[3] != E:
+        raise InputError(f"{func}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} must be [B, Hq, L, E], [B or 1, Hkv, S, E] and "
+                         "[B or 1, Hkv, S, Ev]")
+    check_bool(f"{func}: enable_gqa", enable_gqa)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise InputError(f"{func}: scale must be a finite number or None, got {scale!r:.40}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (Hq,)):
+        raise InputError(f"{func}: sinks must be a tensor of shape ({Hq},), got "
+                         f"{tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
+    if not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
+        raise InputError(f"{func}: dropout_p must be in [0, 1), got {dropout_p!r:.40}")
+    if dropout_mask is None and dropout_p > 0:
+        raise InputError(f"{func}: dropout_p={dropout_p} needs the call's keep mask as "
+                         "dropout_mask (flexfa.dropout_mask(seed, B, H, L, S, p))")
+    if dropout_mask is not None and (not isinstance(dropout_mask, torch.Tensor)
+                                     or dropout_mask.dtype is not torch.bool):
+        raise InputTypeError(f"{func}: dropout_mask must be a bool tensor (flexfa.dropout_mask), "
+                             f"got {getattr(dropout_mask, 'dtype', type(dropout_mask).__name__)}")
 
 
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:

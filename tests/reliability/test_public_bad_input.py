@@ -94,3 +94,20 @@ def test_dequantize_takes_a_bool():
     x = torch.randn(1, 1, 32, 16).bfloat16()
     with pytest.raises(InputTypeError, match="unrotate"):
         quantize(x, x, x).dequantize(unrotate="no")
+
+
+def test_the_reference_checks_its_arguments():
+    """It broadcast a key batch of 3 against a query batch of 1, ran p > 0 without a keep
+    mask and multiplied a float mask in, all silently; crashed inside torch on others."""
+    from flexfa.reference import attention_reference
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(3, 2, 8, 16)
+    for kwargs, error in ((dict(key=k, value=k), InputError),
+                          (dict(dropout_p=0.5), InputError),
+                          (dict(dropout_p=0.5, dropout_mask=torch.ones(1, 2, 8, 8)),
+                           InputTypeError),
+                          (dict(scale=float("nan")), InputError),
+                          (dict(sinks=torch.zeros(3)), InputError),
+                          (dict(query="q"), InputTypeError)):
+        args = dict(query=q, key=q, value=q) | kwargs
+        with pytest.raises(error):
+            attention_reference(args.pop("query"), args.pop("key"), args.pop("value"), **args)
