@@ -49,6 +49,9 @@ DOUBLE_BACKWARD_MESSAGE = (
     "before building a loss on them")
 
 
+_NOTHING: dict = {}  # (read only)
+
+
 class FlexAttentionFunction(torch.autograd.Function):
     """apply(query, key, value, call: AttentionCall, return_max: bool, sinks or None,
     *score_mod_buffers, *dropped) -> (out, lse, row max or None); ``sinks`` is ``call.sinks``
@@ -68,9 +71,11 @@ class FlexAttentionFunction(torch.autograd.Function):
         seed = call.dropout.seed if call.dropout is not None else None
         # inference tensors cannot be saved (torch raises), nor edited outside inference mode:
         # a captured one is kept on ctx (it failed the forward of a call that needed grad)
-        ctx.inference = {n: t for n, t in enumerate(buffers) if t.is_inference()}
-        ctx.save_for_backward(query, key, value, out, lse, seed, *(
-            None if n in ctx.inference else t for n, t in enumerate(buffers)))
+        ctx.inference = {n: t for n, t in enumerate(buffers) if t.is_inference()} \
+            if buffers else _NOTHING  # (no comprehension entered by a call without any)
+        if ctx.inference:
+            buffers = [None if n in ctx.inference else t for n, t in enumerate(buffers)]
+        ctx.save_for_backward(query, key, value, out, lse, seed, *buffers)
         ctx.versions = _read_versions(call)
         ctx.buffer_versions = () if call.score is None else tuple(
             None if t.is_inference() else t._version for t in call.score.buffers)
