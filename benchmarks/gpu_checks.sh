@@ -128,6 +128,11 @@
 # in-place table edit) on the tree in .oldds (carry it) then on this one, the cached-plan and
 # compile GPU tests, then the backward and Gluon backward GPU files, sharded (ZH_LIMIT,
 # default 360);
+# zi: the forty-first session's fixes never run on a GPU: the torch-mode tests (deterministic
+# algorithms on CUDA), autograd modes (save_on_cpu offloading), torch.compile fullgraph and
+# GPU tests (Inductor with a transposed captured tensor), mod semantics (narrow comparisons),
+# decode (paged-cache checks) and the backward's deterministic / captured / dropout GPU tests,
+# sharded (ZI_LIMIT, default 400);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -143,7 +148,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -683,6 +688,15 @@ if [ "$PART" = wr ]; then  # the timed tests; dropout at 256 on 32-row dK/dV til
     'm64={"GLUON_BACKWARD": false};m32={"GLUON_BACKWARD": false, "bwd_BLOCK_M1": 32}' \
     --cases 256:2048:causal+drop,256:8192:causal+drop,256:4000:causal+drop,256:16384:document+drop,256:512:full+drop,256:960:full+drop
   tail -n 3 "$OUT/timed.log"; tail -n 12 "$OUT/m1_drop.log"
+fi
+if [ "$PART" = zi ]; then  # the forty-first session's fixes on a GPU (see --help)
+  step gpu_tests "${ZI_LIMIT:-400}" $SHARD/zi -- -m gpu -p no:cacheprovider \
+    tests/reliability/test_torch_modes.py tests/kernels/test_autograd_modes.py \
+    tests/compile/test_compile_fullgraph.py tests/gpu/test_compile_gpu.py \
+    tests/kernels/test_mod_semantics.py tests/kernels/test_decode.py \
+    tests/gpu/test_features_gpu.py tests/kernels/test_backward_gpu.py \
+    -k "deterministic or captured or dropout or transposed or hooks or semantic or signed or compile or paged or graph"
+  tail -n 4 "$OUT/gpu_tests.log"
 fi
 if [ "$PART" = wv ]; then  # dropout at 192 / 128 on 32-row dK/dV tiles (see --help)
   FLEXFA_AUTOTUNE=0 step m1_drop192 520 python benchmarks/experiments/options_ab.py \
