@@ -214,13 +214,20 @@ def _check_unedited(block_mask, versions: tuple) -> None:
     state, reads = versions
     if state is not None and table_state(block_mask) is not state:
         reads = [("a table of block_mask", block_mask.kv_num_blocks, None)]
+    check_versions(reads)
+
+
+def check_versions(reads, prefix: str = "",
+                   between: str = "flex_attention's forward and its backward, which reads it"
+                   ) -> None:
+    """An InputError naming the first ``(what, tensor, version)`` of ``reads`` whose version
+    counter moved: edited in place ``between`` two points (``prefix``: the entry point)."""
     for what, tensor, version in reads:
         if tensor._version != version:
             raise InputError(
-                f"{what} (shape {tuple(tensor.shape)}) was edited in place between "
-                "flex_attention's forward and its backward, which reads it; the gradients "
-                "would be those of another forward: edit it after the backward, or pass a "
-                "copy to the forward")
+                f"{prefix}{what} (shape {tuple(tensor.shape)}) was edited in place between "
+                f"{between}; the gradients would be those of another forward: edit it after "
+                "the backward, or pass a copy to the forward")
 
 
 def _buffer_grad(ctx, buffer_grads: dict, slot: int, buffer: torch.Tensor):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import flex_attention
-from ..autograd import not_differentiable
+from ..autograd import check_versions, not_differentiable
 from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
@@ -94,13 +94,8 @@ def _check_unedited(watched) -> None:
     """An InputError where one of the ``(what, tensor, version)`` of ``watched`` was edited in
     place since the forward: the recomputed steps would give the gradients of another
     forward (silently: 5-523 apart in a probe), where flex_attention's backward raises."""
-    for what, tensor, version in watched:
-        if tensor._version != version:
-            raise InputError(
-                f"ring_attention: {what} (shape {tuple(tensor.shape)}) was edited in place "
-                "between the forward and the backward, which recomputes the ring's steps with "
-                "it; the gradients would be those of another forward: edit it after the "
-                "backward, or pass a copy to the forward")
+    check_versions(watched, "ring_attention: ", "the forward and the backward, which "
+                   "recomputes the ring's steps with it")
 
 
 def _check_mods(score_mod, mask_mod) -> None:
