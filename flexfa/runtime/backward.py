@@ -21,7 +21,10 @@ from .target import target_of
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
 
 CONTIGUOUS = torch.contiguous_format  # the gradients' layout, whatever q, k, v's
-SINK_LIMIT_LSE = 2.0 ** 100  # sink_limit_lse: finite in log2 units too (exp2(score - it) = 0)
+# sink_limit_lse: the largest float32 whose base-2 value (times float32 log2(e), as the kernels
+# convert lse) is finite, 2.3586574e38: past every score the kernels resolve (2**100 was
+# not: a finite score past it gave inf * 0 = NaN gradients in a +inf sink's rows)
+SINK_LIMIT_LSE = float.fromhex("0x1.62e42ep+127")
 
 
 def _key(x: Inputs, call: AttentionCall, fusable: bool) -> tuple:

@@ -168,6 +168,25 @@ def test_gradients_with_a_sink_of_plus_infinity_are_the_limits():
     assert (got[0][:, 0] == 0).all() and (got[4][0] == 0).all()
 
 
+@pytest.mark.parametrize("big", [1e31, 2e38])
+def test_a_plus_infinity_sinks_gradients_stay_the_limits_beside_enormous_finite_scores(big):
+    """Regression: the backward read a +inf sink's rows with lse clamped to 2**100, so a
+    finite score past 1.27e30 (inside the range the interpreter resolves, docs/training.md)
+    gave exp2(score - 2**100) = inf and NaN dq, dk and dv (inf * 0). Its rows' gradients are
+    the limit's: zero, as at ordinary scores."""
+    q, k, v = make_qkv(1, 1, 1, 16, 16, 16, seed=2)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def one_enormous_key(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx == 2, big, score)
+    out, lse = flexfa.flex_attention(*inputs, one_enormous_key, return_lse=True,
+                                     sinks=torch.tensor([math.inf]))
+    assert (out == 0).all() and (lse == math.inf).all()
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for name, grad in zip("qkv", torch.autograd.grad((out * grad_out).sum(), inputs)):
+        assert (grad == 0).all(), f"d{name}: {grad.isnan().sum().item()} NaN"
+
+
 def test_rows_of_a_fully_masked_head_hold_the_sink():
     q, k, v = make_qkv(1, HQ, HQ, 40, 56, 16, seed=4)
     sinks = make_sinks()
