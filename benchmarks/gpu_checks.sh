@@ -132,7 +132,8 @@
 # algorithms on CUDA), autograd modes (save_on_cpu offloading), torch.compile fullgraph and
 # GPU tests (Inductor with a transposed captured tensor), mod semantics (narrow comparisons),
 # decode (paged-cache checks) and the backward's deterministic / captured / dropout GPU tests,
-# sharded (ZI_LIMIT, default 400);
+# FlopCounterMode on a CUDA training step (its backward on autograd's device thread), sharded
+# (ZI_LIMIT, default 400);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -695,7 +696,8 @@ if [ "$PART" = zi ]; then  # the forty-first session's fixes on a GPU (see --hel
     tests/compile/test_compile_fullgraph.py tests/gpu/test_compile_gpu.py \
     tests/kernels/test_mod_semantics.py tests/kernels/test_decode.py \
     tests/gpu/test_features_gpu.py tests/kernels/test_backward_gpu.py \
-    -k "deterministic or captured or dropout or transposed or hooks or semantic or signed or compile or paged or graph"
+    tests/reliability/test_flop_counter.py \
+    -k "deterministic or captured or dropout or transposed or hooks or semantic or signed or compile or paged or graph or training_step"
   tail -n 4 "$OUT/gpu_tests.log"
 fi
 if [ "$PART" = wv ]; then  # dropout at 192 / 128 on 32-row dK/dV tiles (see --help)

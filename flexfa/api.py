@@ -17,6 +17,7 @@ from .autograd import FlexAttentionFunction
 from .calls import attention_call
 from .errors import InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
+from .flops import count as count_flops
 from .inputs import (autocast_inputs, check_aux, check_block_mask, check_scale, check_shapes,
                      check_tensors, readable, refuse_tangents, refuse_transforms)
 from .lazy import lazy_function
@@ -192,6 +193,8 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool,
         refuse_tangents(func, (("query", query), ("key", key), ("value", value),
                                ("sinks", sinks), *((f"score_mod's captured tensor {n}", t)
                                                    for n, t in enumerate(buffers))))
+    if torch._C._len_torch_dispatch_stack():  # a FlopCounterMode counts it (flexfa.flops)
+        count_flops(query, key.shape[2], value.shape[3], call.block_mask)
     if torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)

@@ -31,6 +31,7 @@ import torch
 
 from .blockmask.validate import TABLES, check_tables, table_state, tables_of
 from .errors import InputError
+from .flops import count as count_flops
 from .inputs import refuse_transforms
 from .lazy import lazy_function
 from .runtime.call import SINKS_GRAD, AttentionCall, Dropout
@@ -127,6 +128,8 @@ def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     _check_unedited(call.block_mask, ctx.versions)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    if torch._C._len_torch_dispatch_stack():  # a FlopCounterMode counts it (flexfa.flops)
+        count_flops(query, key.shape[2], value.shape[3], call.block_mask, backward=True)
     dq, dk, dv, buffer_grads = run_backward(
         query, key, value, out, lse, grad_out, grad_lse, call,
         need_dkdv=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])

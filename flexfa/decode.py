@@ -17,6 +17,7 @@ from .blockmask.validate import capturing, check_tables
 from .eager import outside_compile
 from .errors import InputError, InputTypeError, check_bool
 from .features import check_sinks
+from .flops import count as count_flops
 from .inputs import (autocast_inputs, broadcast_batch, check_block_mask_type, check_buffers,
                      check_head_dim, check_scale, check_table_shapes, check_tensors,
                      dual_level_open, refuse_tangents, refuse_transforms, requiring_grad)
@@ -110,6 +111,8 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
         out = query.new_empty(0, Hq, L, value.shape[-1])
         lse = query.new_empty(0, Hq, L, dtype=torch.float32)
         return (out, lse) if return_lse else out
+    if torch._C._len_torch_dispatch_stack():  # a FlopCounterMode counts it (flexfa.flops)
+        count_flops(query, S, value.shape[-1])
     out, lse, _ = run_decode(query, key, value, call, inputs, return_lse)
     return (out, lse) if return_lse else out
 

@@ -26,6 +26,7 @@ import weakref
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from .autograd import DOUBLE_BACKWARD_MESSAGE, joint_graph, run_backward, run_forward
 from .blockmask.block_mask import BlockMask, TracedMaskMod
@@ -35,6 +36,7 @@ from .calls import attention_call
 from .decode import decode_call
 from .errors import InputError
 from .features import check_sinks
+from .flops import attention_flops
 from .frontend.guards import exact, filled, is_library_name
 from .frontend.trace import TracedMod, mod_name
 from .inputs import check_block_mask, check_scale, check_shapes, check_tensors
@@ -472,6 +474,30 @@ def _(query, key, value, mods, scale, score_buffers, mask_buffers, tables, block
       mask_lengths, kv_lens, q_offsets, page_table, sinks, validate):
     B, Hq, L, _ = query.shape
     return output_like(query, value.shape[-1]), query.new_empty(B, Hq, L, dtype=torch.float32)
+
+
+# ---- FLOP counts (torch.utils.flop_counter.FlopCounterMode): as eager calls count them, and
+# as torch counts its flex_attention operators (flexfa.flops)
+
+@register_flop_formula(torch.ops.flexfa.flex_attention, get_raw=True)
+def _forward_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    B, Hq, L, E = query.shape
+    return attention_flops(B * Hq, L * key.shape[2], E, value.shape[3], backward=False)
+
+
+@register_flop_formula(torch.ops.flexfa.flex_attention_backward, get_raw=True)
+def _backward_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    B, Hq, L, E = query.shape
+    return attention_flops(B * Hq, L * key.shape[2], E, value.shape[3], backward=True)
+
+
+@register_flop_formula(torch.ops.flexfa.flex_decode, get_raw=True)
+def _decode_flops(query, key, value, mods, scale, score_buffers, mask_buffers, tables,
+                  block_size, mask_lengths, kv_lens, q_offsets, page_table, *args, out_val=None,
+                  **kwargs) -> int:
+    B, Hq, L, E = query.shape
+    S = key.shape[2] if page_table is None else page_table.shape[1] * key.shape[1]
+    return attention_flops(B * Hq, L * S, E, value.shape[-1], backward=False)
 
 
 # ---- block masks --------------------------------------------------------------------------

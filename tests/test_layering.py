@@ -19,7 +19,7 @@ LAYERS = {
     "flexfa.api": 5, "flexfa.autograd": 5, "flexfa.fp8": 5, "flexfa.mods": 5,
     "flexfa.reference": 5, "flexfa.scores": 5, "flexfa.inputs": 5, "flexfa.decode": 5,
     "flexfa.paged": 5, "flexfa.calls": 5, "flexfa.ops": 5, "flexfa.compiled": 5,
-    "flexfa.made_inside": 5,
+    "flexfa.made_inside": 5, "flexfa.flops": 5,
     "flexfa.features": 5, "flexfa.distributed": 5, "flexfa.prepared": 5,
     "flexfa": 6,  # the package's __init__: the public names
     "flexfa.bench": 7, "flexfa.demo": 7, "flexfa.info": 7, "flexfa.__main__": 7,

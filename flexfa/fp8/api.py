@@ -12,6 +12,7 @@ from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
 from ..eager import outside_compile
 from ..features import check_no_dropout, check_sinks
+from ..flops import count as count_flops
 from ..lazy import lazy_function
 from ..runtime.call import AttentionCall
 from ..calls import check_captured_indices
@@ -112,6 +113,8 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     # keeps a size-1 dimension's stride as it is)
     x = dataclasses.replace(x, **{n: _standard(getattr(x, n))
                                   for n in ("q_scale", "k_scale", "v_scale")})
+    if torch._C._len_torch_dispatch_stack():  # a FlopCounterMode counts it (flexfa.flops)
+        count_flops(x.q, x.k.shape[2], x.v.shape[3], block_mask, head_dim=x.head_dim)
     out, lse = run_fp8_forward(x, call, return_lse)
     return (out, lse) if return_lse else out
 
