@@ -265,10 +265,13 @@ class BlockMask(TorchBlockMask):
         return derive.with_dq_metadata(sliced, self)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
-        """This mask cropped to (or extended over) lengths ``(new_q_len, new_kv_len)``, as
-        torch's ``_adjust`` (which torch's length-mismatch error suggests): the tiles past
-        the new lengths are dropped, the upper left corner is kept, the mask_mod is the same;
-        right only for masks whose corner is the mask of the new lengths (causal is)."""
+        """This mask cropped to lengths ``(new_q_len, new_kv_len)``, as torch's ``_adjust``
+        (which torch's length-mismatch error suggests): the tiles past the new lengths are
+        dropped, the upper left corner is kept, the mask_mod is the same; right only for
+        masks whose corner is the mask of the new lengths (causal is). Longer lengths keep
+        the tables and take the new lengths, as torch's do, but the tables then lack the new
+        tiles: attention refuses such a mask (an InputError naming both tile counts); build
+        the mask for those lengths instead."""
         _no_dq_kv_order_tensor(self, "Adjusting")
         func = "BlockMask._adjust"
         lengths = (positive_int(func, "new_q_len", new_q_len),
