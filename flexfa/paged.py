@@ -8,6 +8,15 @@ sequence's key count. The decode kernel translates addresses through the table p
 so mods and block masks stay in logical positions: ``convert_logical_block_mask`` has nothing
 to convert. Pages are handed out on the host (a free list), so reserving never synchronises
 with the GPU; ``assign`` writes on the device and can run inside a CUDA graph.
+
+The host keeps a copy of the lengths, which ``append`` and ``length`` read. It is right
+while only this cache's methods write ``kv_lens``; once ``kv_lens`` is changed on the device
+(an in-place update, as a decode step with ``assign`` does, seen by its version counter) or
+one of the cache's calls runs inside a CUDA-graph capture (whose replays change it unseen),
+the cache reads the lengths back from the device for each of those calls (a
+synchronisation). Until the forty-second session the stale copy made ``append`` write over
+the last tokens and shrink ``kv_lens``. A write the version counter cannot see (``.data``,
+a kernel of one's own) needs ``sync_lengths()`` before the next ``append``.
 """
 from __future__ import annotations
 
@@ -61,7 +70,9 @@ class PagedKVCache:
                                      dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self._pages: list[list[int]] = [[] for _ in range(max_batch_size)]
-        self._lens = [0] * max_batch_size  # host copy of kv_lens
+        self._lens = [0] * max_batch_size  # host copy of kv_lens (_host_lens)
+        self._lens_version = self.kv_lens._version  # kv_lens's when _lens was last right
+        self._device_lengths = False  # kv_lens is changed on the device: read it back
         self._free = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -115,11 +126,36 @@ class PagedKVCache:
         if not seq_len <= len(self._pages[batch_idx]) * self.page_size:
             raise InputError(f"seq_len {seq_len} is past sequence {batch_idx}'s "
                              f"{len(self._pages[batch_idx]) * self.page_size} reserved keys")
+        if self.kv_lens._version != self._lens_version:  # (changed on the device before:
+            self._device_lengths = True  # the other sequences' copies are stale)
         self._lens[batch_idx] = seq_len
         self.kv_lens[batch_idx] = seq_len
+        self._lens_version = self.kv_lens._version
 
     def length(self, batch_idx: int) -> int:
-        return self._lens[self._row(batch_idx)]
+        return self._host_lens()[self._row(batch_idx)]
+
+    def sync_lengths(self) -> None:
+        """Read ``kv_lens`` back from the device into the host's copy (one synchronisation),
+        and keep doing so before each ``append`` / ``length``: for writes to ``kv_lens`` its
+        version counter does not see (through ``.data``, a kernel of one's own)."""
+        self._device_lengths = True
+        self._host_lens()
+
+    def _host_lens(self) -> list[int]:
+        """The lengths on the host: the kept copy while only this cache's methods wrote
+        ``kv_lens``, else read back from the device (see the module docstring)."""
+        if not self._device_lengths and self.kv_lens._version != self._lens_version:
+            self._device_lengths = True
+        if self._device_lengths:
+            if capturing():
+                raise InputError("PagedKVCache: the sequences' lengths are kept on the device "
+                                 "(kv_lens was changed there) and cannot be read while a CUDA "
+                                 "graph is being captured; call append / length / set_length "
+                                 "outside the capture")
+            self._lens = self.kv_lens.tolist()
+            self._lens_version = self.kv_lens._version
+        return self._lens
 
     def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,
                v_val: torch.Tensor, validate: bool = True) -> None:
@@ -139,6 +175,8 @@ class PagedKVCache:
             raise InputError(f"batch_idx has shape {tuple(batch_idx.shape)} but input_pos "
                              f"{tuple(input_pos.shape)}; they must be [B] and [B, L]")
         self._check_values(k_val, v_val, B, L)
+        if capturing():  # replays may advance kv_lens unseen (a decode step's += 1)
+            self._device_lengths = True
         pos = input_pos.long()
         rows_ = batch_idx.long()
         if validate and capturing():  # its reads below are device syncs, which break a capture
@@ -203,20 +241,20 @@ class PagedKVCache:
                              f"{len(self._pages)} (max_batch_size)")
         if L == 0 or B == 0:  # (B = 0 failed inside, blaming input_pos)
             return
+        lens = list(self._host_lens()[:B])
         # every sequence's pages counted before any is reserved: a failure changes nothing
-        more = sum(max(0, self._pages_for(self._lens[b] + L, "PagedKVCache.append")
+        more = sum(max(0, self._pages_for(lens[b] + L, "PagedKVCache.append")
                        - len(self._pages[b])) for b in range(B))
         if more > len(self._free):
             raise InputError(f"appending {L} keys to {B} sequences needs {more} more pages but "
                              f"only {len(self._free)} of {self.num_pages} are free")
         for b in range(B):
-            self.reserve(b, self._lens[b] + L)
+            self.reserve(b, lens[b] + L)
         device = self.k_cache.device
-        pos = torch.tensor([[self._lens[b] + i for i in range(L)] for b in range(B)],
-                           device=device)
+        pos = torch.tensor([[lens[b] + i for i in range(L)] for b in range(B)], device=device)
         self.assign(torch.arange(B, device=device), pos, k_val, v_val, validate=False)
         for b in range(B):
-            self.set_length(b, self._lens[b] + L)
+            self.set_length(b, lens[b] + L)
 
     def convert_logical_block_mask(self, block_mask):
         """The block mask for the paged cache: the same one (the kernel walks logical blocks
@@ -236,6 +274,8 @@ class PagedKVCache:
             raise InputTypeError(f"PagedKVCache.attend: query must be a 4-D tensor [B, Hq, L, "
                                  f"E], got {got}")
         B = query.shape[0]
+        if capturing():  # replays may advance kv_lens unseen (a decode step's += 1)
+            self._device_lengths = True
         if B > self.page_table.shape[0]:
             raise InputError(f"PagedKVCache.attend: query has {B} sequences but the cache holds "
                              f"{self.page_table.shape[0]} (max_batch_size)")

@@ -134,7 +134,11 @@ def _classed_mask_mod(traced: TracedMod, classes: torch.Tensor, block_q: int,
         return ir.index(op) if size > 1 else ir.const(0)
 
     def block(op: Op, size: int) -> ir.Node:
-        return ir.binary(Op.FLOORDIV, ir.index(op), ir.const(size))
+        # (a decode row at a negative position, kv_lens < L, reads q block 0's classes, as
+        # the kernels read its tables there: -1 // size read the last block's, wrapped)
+        at = ir.extremum(Op.MAX, ir.index(op), ir.const(0), ir.TIES_NONE) \
+            if op is Op.Q_IDX else ir.index(op)
+        return ir.binary(Op.FLOORDIV, at, ir.const(size))
 
     slot = len(traced.buffers)
     klass = ir.load(slot, (index(Op.B, classes.shape[0]), index(Op.H, classes.shape[1]),

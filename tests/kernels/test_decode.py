@@ -201,6 +201,51 @@ def test_paged_kv_cache_generation():
         cache.reserve(0, 16 * 3)
 
 
+def test_paged_lengths_advanced_on_the_device_are_seen_by_append_and_length(monkeypatch):
+    """Regression: a decode step as examples/decode_paged.py takes it (``assign`` at
+    ``kv_lens``, then ``kv_lens += 1`` on the device) left the host's copy of the lengths
+    stale: a later ``append`` wrote over the step's token and shrank kv_lens (7 for 8),
+    ``length`` said 5. Each is read back from the device once kv_lens changed there; a
+    capture's replays change it unseen, so a call of the cache inside a capture does the
+    same; ``sync_lengths`` for writes the version counter misses."""
+    import flexfa.paged as paged_api
+    Hkv, E = 1, 16
+    cache = flexfa.PagedKVCache(4, 16, 2, Hkv, E, dtype=torch.float32)
+    first = torch.randn(2, Hkv, 5, E)
+    cache.append(first, first)
+    cache.reserve(0, 16)
+    step = torch.randn(1, Hkv, 1, E)
+    cache.assign(torch.tensor([0]), cache.kv_lens[:1, None].long(), step, step, validate=False)
+    cache.kv_lens[:1] += 1
+    assert cache.length(0) == 6 and cache.length(1) == 5
+    more = torch.randn(2, Hkv, 2, E)
+    cache.append(more, more)
+    assert cache.kv_lens.tolist() == [8, 7]
+    page = int(cache.page_table[0, 0])
+    assert torch.equal(cache.k_cache[page, 5], step[0, :, 0])
+    assert torch.equal(cache.k_cache[page, 6:8], more[0].transpose(0, 1))
+    # a fresh cache whose device step is a (simulated) CUDA graph: the capture runs the
+    # cache's calls once; each replay advances kv_lens without a version change
+    cache = flexfa.PagedKVCache(4, 16, 1, Hkv, E, dtype=torch.float32)
+    cache.append(first[:1], first[:1])
+    cache.reserve(0, 32)
+    monkeypatch.setattr(paged_api, "capturing", lambda: True)
+    cache.assign(torch.tensor([0]), cache.kv_lens[:1, None].long(), step, step, validate=False)
+    monkeypatch.setattr(paged_api, "capturing", lambda: False)
+    version = cache.kv_lens._version
+    cache.kv_lens.data += 3  # three replays: no version change
+    assert cache.kv_lens._version == version and cache.length(0) == 8
+    # a write the version counter misses, on a cache no capture saw: sync_lengths
+    other = flexfa.PagedKVCache(4, 16, 1, Hkv, E, dtype=torch.float32)
+    other.append(first[:1], first[:1])
+    other.reserve(0, 16)
+    other.kv_lens.data += 2
+    other.sync_lengths()
+    assert other.length(0) == 7
+    other.append(more[:1], more[:1])
+    assert other.kv_lens.tolist() == [9]
+
+
 def test_value_checks_inside_a_capture(monkeypatch):
     """Inside a CUDA graph capture (simulated: the modules' ``capturing``) the value checks'
     host reads would break the capture: flex_decode with kv_lens and PagedKVCache.assign
@@ -713,6 +758,22 @@ def test_rows_at_negative_positions_apply_the_mask_in_full_blocks(walk, device):
                                              _chunks_of_16, lens, lens - L),
                    atol=2e-5 if device == "cpu" else 2e-3)
     assert torch.isneginf(lse[0, :, :2]).all() and (out[0, :, :2] == 0).all()
+
+
+@pytest.mark.parametrize("block", [16, 24])
+def test_rows_at_negative_positions_under_a_coarsened_mask(block):
+    """Regression: a mask of blocks the kernels cannot tile (24) runs as a coarser mask whose
+    mask_mod reads the original blocks' classes at q_idx // 24: -1 for a row at a negative
+    position, the last q block's classes (empty here), so rows -2 and -1 lost every key (out
+    0, lse -inf) where the 16-block mask gave the reference. They read q block 0's classes
+    now, as the kernels read its tables."""
+    window = mods.sliding_window(5, causal=False)
+    q, k, v = make_qkv(1, 1, 1, 4, 64, 16, seed=13)
+    lens = torch.tensor([2], dtype=torch.int32)
+    mask = flexfa.create_block_mask(window, None, None, 64, 64, device="cpu", BLOCK_SIZE=block)
+    out, lse = flexfa.flex_decode(q, k, v, None, mask, kv_lens=lens, return_lse=True)
+    assert torch.isfinite(lse).all()
+    assert_matches(out, lse, *reference_rows(q, k, v, None, window, lens, lens - 4))
 
 
 def test_per_call_tensors_at_other_alignments_get_their_own_plan(monkeypatch):
