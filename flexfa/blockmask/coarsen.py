@@ -96,7 +96,18 @@ def coarsened(block_mask, traced: TracedMod) -> BlockMask:
     mask = BlockMask((L, S), *tables, BLOCK_SIZE=(coarse_q, coarse_kv),
                      mask_mod=TracedMaskMod(mod), traced_mask=mod)
     mark_checked(mask)  # built from checked tables
+    mask._flexfa_given_block = (block_q, block_kv)  # (block_size_text: errors name it)
     return mask
+
+
+def block_size_text(block_mask) -> str:
+    """The BLOCK_SIZE a user gave ``block_mask``, for errors about the mask the kernels run
+    (``runnable_block_mask``'s): a coarsened one names both."""
+    given = getattr(block_mask, "_flexfa_given_block", None)
+    run = tuple(int(b) for b in block_mask.BLOCK_SIZE)
+    if given is None:
+        return f"BLOCK_SIZE {run}"
+    return f"BLOCK_SIZE {given} (run as {run}, its blocks' least multiple of {TILE})"
 
 
 def block_classes(block_mask, rows: int, cols: int) -> torch.Tensor:

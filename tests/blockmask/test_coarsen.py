@@ -124,3 +124,20 @@ def test_blocks_the_kernels_tile_are_used_as_they_are():
     for block in (16, 48, 96, 512):
         mask = create_block_mask(mods.causal, 1, 1, 100, 100, device="cpu", BLOCK_SIZE=block)
         assert runnable_block_mask(mask, mask.traced_mask) is mask
+
+
+def test_a_tile_error_names_the_block_size_the_user_gave():
+    """Regression: a kernel tile that does not divide a coarsened mask's blocks was reported
+    with the coarse BLOCK_SIZE ((48, 48) for a mask built with 24), which the user never
+    gave; the error names both now, in the forward's and the decode kernel's checks."""
+    q, k, v = make_qkv(1, 1, 1, 64, 64, 16, seed=1)
+    mask = create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=24)
+    with pytest.raises(flexfa.InputError,
+                       match=r"BLOCK_SIZE \(24, 24\) \(run as \(48, 48\).*BLOCK_N=32 must divide"):
+        flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BLOCK_N": 32})
+    with pytest.raises(flexfa.InputError, match=r"BLOCK_SIZE \(24, 24\) \(run as \(48, 48\)"):
+        flexfa.flex_decode(q[:, :, :1], k, v, block_mask=mask, kernel_options={"BLOCK_N": 32},
+                           kv_lens=torch.tensor([64], dtype=torch.int32))
+    tiled = create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    with pytest.raises(flexfa.InputError, match=r"has BLOCK_SIZE \(32, 32\); kernel tile"):
+        flexfa.flex_attention(q, k, v, block_mask=tiled, kernel_options={"BLOCK_N": 64})

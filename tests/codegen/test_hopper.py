@@ -208,6 +208,7 @@ def _bf16(*shape):
     (lambda: torch.randn(2, 64, 2, 32, dtype=torch.float16).transpose(1, 2), False, True),
     (lambda: _bf16(100, 3, 4, 64)[:, 1].transpose(0, 1).unsqueeze(0), False, True),  # fused qkv
     (lambda: _bf16(1, 64, 2, 48).transpose(1, 2), False, False),  # side by side, E != E_PAD
+    (lambda: _bf16(1, 64, 2, 8).transpose(1, 2), False, False),  # 8: E_PAD 16, E != E_PAD
     (lambda: _bf16(1, 2, 100, 48)[:, :, :64], False, False),  # a gap after each head's rows
     (lambda: _bf16(1, 2, 100, 48)[:, :1, :64], True, True),
     (lambda: _bf16(3, 2, 100, 48)[1:].transpose(0, 1), False, True),  # heads, then batches
@@ -223,6 +224,14 @@ def test_hopper_needs_aligned_rows_flat_or_strided(make, flat, strided):
     assert hopper.descriptor_layout_ok(t, t, t) is flat
     assert hopper.strided_ok(t, t, t) is strided
     assert (HOPPER.why_not(Target("cuda", 9, 0), _call(), t, t, t) is None) is strided
+
+
+def test_the_refusal_of_heads_side_by_side_states_the_head_dim_rule():
+    """An audit's find: heads side by side at E = 8 (a power of two) were refused with a
+    message asking for power-of-two head dims; the rule is E == E_PAD, 16 or more."""
+    t = _bf16(1, 64, 2, 8).transpose(1, 2)
+    assert "power-of-two head dims of 16 or more" in HOPPER.why_not(
+        Target("cuda", 9, 0), _call(), t, t, t)
 
 
 def test_matrices_past_int32_rows_take_the_pointer_kernels():

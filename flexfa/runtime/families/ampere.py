@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from ...blockmask.coarsen import block_size_text
 from ...codegen.forward import forward_kernel
 from ...codegen.ranges import Domain, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
@@ -62,7 +63,7 @@ def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: Target,
         for key, tile, block in (("BLOCK_M", block_m, sparse_q), ("BLOCK_N", block_n, sparse_kv)):
             if tile < 16 or block % tile:
                 raise InputError(
-                    f"block_mask has BLOCK_SIZE {call.block_mask.BLOCK_SIZE}; kernel tile {key}="
+                    f"block_mask has {block_size_text(call.block_mask)}; kernel tile {key}="
                     f"{tile} must divide {block} and be >= 16 (build the mask with a "
                     "BLOCK_SIZE that is a multiple of 16, or pass a smaller kernel_options "
                     f"{key!r})")

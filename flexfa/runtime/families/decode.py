@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from ...blockmask.coarsen import block_size_text
 from ...blockmask.union import union_tables
 from ...blockmask.validate import capturing, table_generations
 from ...codegen import decode as decode_codegen
@@ -78,7 +79,7 @@ def choose_block_n(call: AttentionCall, inputs: DecodeInputs, head_dim_pad: int,
     block_n, warps, stages = default_tiles(head_dim_pad, dtype, target,
                                            next_power_of_two(call.gqa_group * q_len))
     options = call.options.fwd
-    limits = [(f"block_mask BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}",
+    limits = [(f"block_mask {block_size_text(call.block_mask)}",
                mask_blocks(call.block_mask)[1])] if call.block_mask is not None else []
     if inputs.paged:
         limits.append((f"page size {inputs.page_size}", inputs.page_size))

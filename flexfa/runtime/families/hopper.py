@@ -118,7 +118,7 @@ def block_geometry(t: torch.Tensor, block: list[int]) -> tuple[list[int], list[i
 # head) or zero fill, never a gap between them (uninitialized memory, perhaps NaN, times a
 # masked p of 0 is NaN): the row steps must tile the rows without gaps. A column block is
 # E_PAD wide: with heads side by side it would read the next head's columns past d, so there
-# d must be a power of two (E == E_PAD).
+# d must be a power of two of 16 or more (E == E_PAD; next_power_of_two(8) is 16).
 
 
 def _steps(t: torch.Tensor) -> list[tuple[int, int, int]] | None:
@@ -138,7 +138,7 @@ def _steps(t: torch.Tensor) -> list[tuple[int, int, int]] | None:
 def strided_layout_ok(t: torch.Tensor) -> bool:
     """``t`` (fp16/bf16 [B, H, n, d]) reads as one matrix with each (b, h) at its origin
     (see above): aligned base and rows, head steps in whole rows without gaps or as column
-    offsets that fit a row, a power-of-two d where heads sit side by side, at most
+    offsets that fit a row, a power-of-two d >= 16 where heads sit side by side, at most
     ``MAX_DESCRIPTOR_ROWS`` rows."""
     B, H, n, d = t.shape
     row = t.stride(2)
@@ -259,7 +259,8 @@ class HopperForward(KernelFamily):
         if not (descriptor_layout_ok(q, k, v) or strided_ok(q, k, v)):
             return (f"it needs fp16/bf16 q, k, v with head dims 8..{MAX_HEAD_DIM} and 16-byte "
                     "aligned rows, each a [B * H * len, dim] matrix or strided with heads in "
-                    "whole rows or side by side at power-of-two head dims, of fewer than 2**31 "
+                    "whole rows or side by side at power-of-two head dims of 16 or more (a "
+                    "tile's columns are the head dim padded to one), of fewer than 2**31 "
                     "rows (tensor descriptors' int32 coordinates)")
         return None
 
