@@ -170,3 +170,13 @@ def test_a_mode_made_before_flexfas_first_count_counts_it():
     assert done.returncode == 0, done.stderr[-2000:]
     want = 2 * 2 * 32 * 32 * (16 + 16) + 2 * 2 * 32 * 32 * (3 * 16 + 2 * 16)
     assert int(done.stdout.split()[-1]) == want
+
+
+def test_the_fp8_forward_counts_the_unpadded_head_dim():
+    """The rotation pads E = 16 to 32 columns of e4m3; the count is the call's, at E = 16."""
+    q, k, v = (t.detach().to(torch.bfloat16) for t in inputs())
+    x = flexfa.fp8.quantize(q, k, v)
+    assert x.q.shape[3] > E
+    with FlopCounterMode(display=False) as mode:
+        flexfa.fp8.flex_attention_fp8(x, enable_gqa=True)
+    assert counts(mode) == {"flexfa.attention_forward": forward_flops(B * HQ, L * S)}
