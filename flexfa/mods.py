@@ -19,9 +19,9 @@ import torch
 from .blockmask.checks import MAX_SIZE, resolve_device
 from .errors import InputError, InputTypeError, check_bool, check_int, shown
 
-__all__ = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "alibi_slopes",
-           "softcap", "relative_bias", "dilated_window", "global_sliding", "natten_2d",
-           "chunked"]
+__all__ = ["causal", "sliding_window", "prefix_lm", "document", "document_ids", "alibi",
+           "alibi_slopes", "softcap", "relative_bias", "dilated_window", "global_sliding",
+           "natten_2d", "chunked"]
 
 
 # ---- argument checks -----------------------------------------------------------------------
@@ -314,9 +314,9 @@ def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     For ``n`` a power of two, head ``i`` gets ``2 ** (-8 * (i + 1) / n)``; otherwise the
     slopes of the largest power of two ``m < n`` followed by every other slope of ``2 m``.
     """
-    n = check_int("alibi", "num_heads", num_heads)
+    n = check_int("alibi_slopes", "num_heads", num_heads)
     if n > MAX_HEADS:  # (a list of 2**40 slopes was built until memory ran out)
-        raise InputError(f"alibi: num_heads must be at most {MAX_HEADS}, got {n}")
+        raise InputError(f"alibi_slopes: num_heads must be at most {MAX_HEADS}, got {n}")
 
     def power_of_two(count):
         return [2.0 ** (-8.0 * (i + 1) / count) for i in range(count)]
@@ -335,8 +335,14 @@ def alibi(num_heads: int, device=None):
 
     def mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * abs(q_idx - kv_idx)
+    n = slopes.numel()
+    if n & (n - 1) == 0:
+        rule = f"2^(-8(i+1)/{n})"
+    else:  # (the paper's rule for other counts: alibi_slopes)
+        power = 1 << (n.bit_length() - 1)
+        rule = f"2^(-8(i+1)/{power}) for i < {power}, then every other slope of {2 * power}"
     return _named(mod, f"alibi_{num_heads}", "score - slopes[h] * |q_idx - kv_idx| "
-                  f"({num_heads} heads, slopes 2^(-8(i+1)/n))", slopes=slopes)
+                  f"({num_heads} heads, slopes {rule})", slopes=slopes)
 
 
 def softcap(cap: float):

@@ -162,6 +162,18 @@ def test_alibi_slopes_standard_values():
     assert len(mods.alibi_slopes(12)) == 12
 
 
+def test_alibi_names_its_slopes_rule_and_slopes_errors_name_alibi_slopes():
+    """An audit's finds: alibi(6)'s docstring gave 2^(-8(i+1)/n) for every head count (not
+    the slopes it uses past a power of two), and alibi_slopes' errors said "alibi:"; and
+    document_ids, public and documented, was missing from __all__."""
+    assert "2^(-8(i+1)/8)" in mods.alibi(8).__doc__
+    six = mods.alibi(6).__doc__
+    assert "2^(-8(i+1)/4) for i < 4, then every other slope of 8" in six
+    with pytest.raises(InputError, match=r"^alibi_slopes: num_heads must be >= 1"):
+        mods.alibi_slopes(0)
+    assert "document_ids" in mods.__all__
+
+
 @pytest.mark.parametrize("heads", [1, 4, 6])
 def test_alibi(heads):
     mod = mods.alibi(heads)
