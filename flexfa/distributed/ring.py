@@ -72,22 +72,42 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     learned = () if traced is None else tuple(
         t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
-    plan.watched = _captured(score_mod, mask_mod)
+    plan.watched, plan.traces = _captured(score_mod, mask_mod)
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
 
 
-def _captured(score_mod, mask_mod) -> list:
-    """(what, tensor) of the captured tensors of the user's mods: the backward recomputes each
-    step with them as they are then, so it checks that none was edited in place since the
-    forward (``_check_unedited``)."""
-    named = []
+def _captured(score_mod, mask_mod) -> tuple[list, list]:
+    """(what, tensor) of the captured tensors of the user's mods, and (what, mod, kind, trace)
+    of the mods: the backward recomputes each step with the mods as they are then, so it
+    checks that none of those tensors was edited in place (``_check_unedited``) and that each
+    mod still traces to the same code reading the same tensors (``_check_same_mods``)."""
+    named, traces = [], []
     for what, mod, kind in (("score_mod", score_mod, None), ("mask_mod", mask_mod, MASK_MOD)):
         if mod is not None:
             traced = trace(mod) if kind is None else trace(mod, kind)
             named += [(f"a tensor the {what} captures", t) for t in traced.buffers
                       if not t.is_inference()]
-    return named
+            traces.append((what, mod, kind, traced))
+    return named, traces
+
+
+def _check_same_mods(traces) -> None:
+    """An InputError where a mod of ``traces`` (``_captured``'s) traces otherwise than in the
+    forward or reads other tensors: a Python value it reads changed (a schedule in a dict or
+    attribute, ``self.window``) or a captured name was rebound to another tensor. The
+    recomputed steps would give another forward's gradients (silently: 5 to 4.5e4 apart in
+    an audit's probe), where flex_attention's backward keeps the forward's mods."""
+    for what, mod, kind, before in traces:
+        now = trace(mod) if kind is None else trace(mod, kind)
+        if now.key != before.key or len(now.buffers) != len(before.buffers) or any(
+                a is not b for a, b in zip(now.buffers, before.buffers)):
+            raise InputError(
+                f"ring_attention: the {what} changed between the forward and the backward (a "
+                "Python value it reads, or a tensor it captures rebound to another); the "
+                "backward recomputes the ring's steps with the mods as they are then, which "
+                "would give another forward's gradients. Change the mods' state only after "
+                "backward()")
 
 
 def _check_unedited(watched) -> None:
@@ -167,6 +187,7 @@ class _Plan:
         self.scale, self.kernel_options, self.enable_gqa = scale, kernel_options, enable_gqa
         self.steps: list[tuple[bool, object]] = []
         self.watched: list = []  # (what, tensor): the mods' captured tensors (_captured)
+        self.traces: list = []  # (what, mod, kind, trace) of the user's mods (_captured)
 
     def attend(self, query, key, value, mask):
         return flex_attention(query, key, value, score_mod=self.mods.score_mod, block_mask=mask,
@@ -197,6 +218,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
         _check_unedited(ctx.watched)
+        _check_same_mods(ctx.plan.traces)
         if not torch.is_grad_enabled():
             return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
         # create_graph=True: the steps' gradients have no derivative (flex_attention's

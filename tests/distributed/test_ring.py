@@ -420,6 +420,43 @@ def test_a_captured_tensor_edited_before_the_backward_is_refused(edited):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("changed", ["score_mod", "mask_mod"])
+def test_a_mods_state_changed_before_the_backward_is_refused(changed):
+    """Regression (an audit's find): a Python value a mod reads (a schedule in a dict)
+    changed, or a captured name rebound to another tensor, between the forward and the
+    backward: the recomputed steps traced the mods again and gave another forward's
+    gradients (4.5e4 and 5 apart in the probe; flex_attention keeps the forward's mods).
+    An InputError now; an unchanged state still runs."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    length = 32
+    config = {"temperature": 1.0}
+    state = {"docs": torch.tensor([0] * 10 + [1] * 22)}
+
+    def tempered(score, b, h, q_idx, kv_idx):
+        return score * config["temperature"]
+
+    def same_document(b, h, q_idx, kv_idx):
+        docs = state["docs"]
+        return docs[q_idx] == docs[kv_idx]
+
+    q, k, v = (torch.randn(1, HEADS, length, 16, requires_grad=True) for _ in range(3))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        ring_attention(q, k, v, tempered, same_document, load_balance=False).sum().backward()
+        out = ring_attention(q, k, v, tempered, same_document, load_balance=False)
+        if changed == "score_mod":
+            config["temperature"] = 3.0
+        else:
+            state["docs"] = torch.zeros(length, dtype=torch.long)
+        with pytest.raises(InputError, match=f"the {changed} changed between the forward"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_under_autocast_as_flex_attention():
     """Under torch.autocast the shards are cast as flex_attention casts its inputs: out comes
     in the autocast dtype (it was float32), and the backward recomputes the steps from the
