@@ -70,12 +70,14 @@ class FlexAttentionFunction(torch.autograd.Function):
         # the seed as a saved tensor: a recomputation (non-reentrant checkpointing without
         # the RNG's state restored) draws another one with the out and lse it recomputes
         seed = call.dropout.seed if call.dropout is not None else None
-        # inference tensors cannot be saved (torch raises), nor edited outside inference mode:
-        # a captured one is kept on ctx (it failed the forward of a call that needed grad)
-        ctx.inference = {n: t for n, t in enumerate(buffers) if t.is_inference()} \
-            if buffers else _NOTHING  # (no comprehension entered by a call without any)
+        # inference tensors cannot be saved (torch raises) and have no version counter (an
+        # edit inside inference mode before the backward went unseen: the gradients of
+        # another forward): a copy of each captured one is kept on ctx for the backward
+        ctx.inference = _inference_copies(buffers) if buffers else _NOTHING
         if ctx.inference:
             buffers = [None if n in ctx.inference else t for n, t in enumerate(buffers)]
+        mask_buffers = call.mask.buffers if call.mask is not None else ()
+        ctx.mask_inference = _inference_copies(mask_buffers) if mask_buffers else _NOTHING
         ctx.save_for_backward(query, key, value, out, lse, seed, *buffers)
         ctx.versions = _read_versions(call)
         ctx.buffer_versions = () if call.score is None else tuple(
@@ -124,6 +126,11 @@ def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     if ctx.inference:
         buffers = tuple(ctx.inference.get(n, t) for n, t in enumerate(buffers))
     call = _as_saved(ctx.call, seed, buffers, ctx.buffer_versions)
+    if ctx.mask_inference:  # the forward's copies of the mask_mod's inference tensors
+        mask = call.mask
+        call = call.replaced(call.score, call.dropout, dataclasses.replace(
+            mask, buffers=tuple(ctx.mask_inference.get(n, t)
+                                for n, t in enumerate(mask.buffers))))
     check_tables(call.block_mask, query.shape[2], key.shape[2])  # edited since the forward?
     _check_unedited(call.block_mask, ctx.versions)
     if grad_out is None:
@@ -138,6 +145,12 @@ def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     return (dq, dk, dv, None, None, buffer_grads.get(SINKS_GRAD),
             *(_buffer_grad(ctx, buffer_grads, slot, buffer)
               for slot, buffer in enumerate(buffers)))
+
+
+def _inference_copies(tensors) -> dict:
+    """{index: a copy} of the inference tensors among ``tensors`` (none: ``_NOTHING``)."""
+    copies = {n: t.clone() for n, t in enumerate(tensors) if t.is_inference()}
+    return copies or _NOTHING
 
 
 def _as_saved(call: AttentionCall, seed, buffers: tuple, versions: tuple) -> AttentionCall:

@@ -86,8 +86,9 @@ def _captured(score_mod, mask_mod) -> tuple[list, list]:
     for what, mod, kind in (("score_mod", score_mod, None), ("mask_mod", mask_mod, MASK_MOD)):
         if mod is not None:
             traced = trace(mod) if kind is None else trace(mod, kind)
-            named += [(f"a tensor the {what} captures", t) for t in traced.buffers
-                      if not t.is_inference()]
+            # (an inference tensor has no version counter: a copy is compared instead)
+            named += [(f"a tensor the {what} captures", t, t.clone() if t.is_inference()
+                       else None) for t in traced.buffers]
             traces.append((what, mod, kind, traced))
     return named, traces
 
@@ -186,7 +187,7 @@ class _Plan:
         self.ring, self.mods, self.kv_pos, self.method = ring, mods, kv_pos, method
         self.scale, self.kernel_options, self.enable_gqa = scale, kernel_options, enable_gqa
         self.steps: list[tuple[bool, object]] = []
-        self.watched: list = []  # (what, tensor): the mods' captured tensors (_captured)
+        self.watched: list = []  # (what, tensor, copy): the mods' captured tensors (_captured)
         self.traces: list = []  # (what, mod, kind, trace) of the user's mods (_captured)
 
     def attend(self, query, key, value, mask):
@@ -210,7 +211,8 @@ class _RingAttention(torch.autograd.Function):
                 merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
         out = out.to(query.dtype)
         ctx.plan = plan
-        ctx.watched = [(what, t, t._version) for what, t in plan.watched]
+        ctx.watched = [(what, t, t._version) for what, t, copy in plan.watched if copy is None]
+        ctx.copies = [(what, t, copy) for what, t, copy in plan.watched if copy is not None]
         ctx.save_for_backward(query, key, value, out, lse, *learned)
         return out, lse
 
@@ -218,6 +220,13 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
         _check_unedited(ctx.watched)
+        for what, tensor, copy in ctx.copies:  # inference tensors (no version counter)
+            if not torch.equal(tensor, copy):
+                raise InputError(f"ring_attention: {what} (an inference tensor, shape "
+                                 f"{tuple(tensor.shape)}) was edited between the forward and "
+                                 "the backward, which recomputes the ring's steps with it; the "
+                                 "gradients would be those of another forward: edit it after "
+                                 "the backward")
         _check_same_mods(ctx.plan.traces)
         if not torch.is_grad_enabled():
             return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)

@@ -75,11 +75,12 @@ class AttentionCall:
                                                   ("dropout", self.dropout))
                          if value is not None)
 
-    def replaced(self, score: TracedMod | None, dropout: Dropout | None) -> AttentionCall:
+    def replaced(self, score: TracedMod | None, dropout: Dropout | None,
+                 mask: TracedMod | None = None) -> AttentionCall:
         """This call with another score_mod trace and dropout (the backward's: its saved
-        captured tensors and seed, flexfa.autograd)."""
-        call = AttentionCall(score, self.mask, self.block_mask, self.scale, self.options,
-                             self.gqa_group, self.sinks, dropout)
+        captured tensors and seed, flexfa.autograd), and mask_mod trace where given."""
+        call = AttentionCall(score, self.mask if mask is None else mask, self.block_mask,
+                             self.scale, self.options, self.gqa_group, self.sinks, dropout)
         call.plans = self.plans
         return call
 

@@ -457,6 +457,35 @@ def test_a_mods_state_changed_before_the_backward_is_refused(changed):
         dist.destroy_process_group()
 
 
+def test_an_inference_tensor_edited_before_the_backward_is_refused():
+    """An inference tensor has no version counter: a score_mod table made under
+    inference_mode and edited inside it between the forward and the backward went unseen by
+    the version check, and the recomputed steps gave another forward's gradients. The
+    forward keeps a copy and the backward compares."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    length = 32
+    with torch.inference_mode():
+        table = torch.randn(length)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    q, k, v = (torch.randn(1, HEADS, length, 16, requires_grad=True) for _ in range(3))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        ring_attention(q, k, v, biased, load_balance=False).sum().backward()
+        out = ring_attention(q, k, v, biased, load_balance=False)
+        with torch.inference_mode():
+            table.add_(1.0)
+        with pytest.raises(InputError, match="an inference tensor, shape .* was edited"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_under_autocast_as_flex_attention():
     """Under torch.autocast the shards are cast as flex_attention casts its inputs: out comes
     in the autocast dtype (it was float32), and the backward recomputes the steps from the

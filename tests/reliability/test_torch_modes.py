@@ -117,3 +117,43 @@ def test_a_captured_tensor_made_in_inference_mode():
     attention_reference(q64, k.double(), v.double(),
                         lambda s, b, h, i, j: s + clone.double()[j]).square().sum().backward()
     torch.testing.assert_close(dq.double(), q64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mod", ["score_mod", "mask_mod"])
+def test_an_inference_tensor_edited_before_the_backward_does_not_change_the_gradients(mod):
+    """Regression (an audit's find): a captured tensor made under inference_mode has no
+    version counter, so editing it in place inside inference_mode between the forward and
+    the backward went unseen and the backward read the new values (another forward's
+    gradients). The backward reads a copy the forward kept: the gradients of the forward."""
+    q, k, v = qkv()
+    with torch.inference_mode():
+        table = torch.linspace(-1, 1, 56)
+        docs = torch.tensor([0] * 20 + [1] * 36)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    def same_document(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+    score_mod, mask_mod = (biased, None) if mod == "score_mod" else (None, same_document)
+    grad_out = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(1))
+
+    def gradients(edit):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        mask = None if mask_mod is None else flexfa.create_block_mask(
+            mask_mod, None, None, 40, 56, device="cpu", BLOCK_SIZE=16)
+        out = flexfa.flex_attention(*inputs, score_mod, mask)
+        with torch.inference_mode():
+            saved = (table.clone(), docs.clone())
+            edit()
+        grads = torch.autograd.grad((out * grad_out).sum(), inputs)
+        with torch.inference_mode():
+            table.copy_(saved[0])
+            docs.copy_(saved[1])
+        return grads
+
+    unedited = gradients(lambda: None)
+    edited = gradients(lambda: table.add_(5.0).mul_(3.0) if mod == "score_mod"
+                       else docs.zero_())
+    for a, b in zip(unedited, edited):
+        assert torch.equal(a, b)
