@@ -93,8 +93,10 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     key = watched(key, class_pins(score_mod, score_run[0]) + class_pins(mask_mod, mask_run[0]))
     described = (key, buffer_paths(score_mod, score, unread=True, inside=score_inside),
                  buffer_paths(mask_mod, mask, inside=mask_inside),
-                 sized_paths(score_mod, score_sized, score_inside),
-                 sized_paths(mask_mod, mask_sized, mask_inside))
+                 sized_paths(score_mod, score_sized, score_inside)
+                 + number_paths(score_mod, score_run[1], score_inside),
+                 sized_paths(mask_mod, mask_sized, mask_inside)
+                 + number_paths(mask_mod, mask_run[1], mask_inside))
     for inside in (score_inside, mask_inside):
         if inside is not None:
             inside.export()  # (after every path is rewritten: the slots are complete)
@@ -311,6 +313,47 @@ def sized_paths(mod, tensors, inside: Inside | None = None) -> tuple:
     that can be reached from ``mod``; ``pin_sizes`` guards them."""
     found = _find_paths(mod, tensors, inside)
     return tuple((found[s], tuple(tensors[s].shape)) for s in sorted(found))
+
+
+MAX_PINNED = 4096  # Python numbers number_paths pins per mod
+
+
+def number_paths(mod, names, inside: Inside | None = None) -> tuple:
+    """(path, value) of the Python ints and floats (not bools) ``mod`` may read: in its
+    closures and globals, in attributes its code names (``functions_run``'s ``names``) and in
+    the items of containers met there. Their values are in the mod's trace as constants;
+    ``pin_sizes`` compares each with its value in the traced code, which under Dynamo's
+    automatic dynamic shapes specializes an int that changed between calls (it became
+    symbolic at the recompile, and without the comparison every later value ran the trace
+    of that recompile's value, silently). A superset of what the mod reads: an unread number
+    beside a read one (another item of a dict the mod reads) compiles again when it
+    changes."""
+    if mod is None:
+        return ()
+    found, seen = [], {id(mod)}
+    queue = collections.deque([(mod, ())])
+    while queue and len(seen) < MAX_VISITS:
+        obj, path = queue.popleft()
+        named = not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
+        for step, child in _children(obj, reads=True):
+            if named and step[0] == "attr" and step[1] not in names:
+                continue
+            if type(child) in (int, float):
+                if child == child:  # (a NaN equals nothing: not pinned)
+                    found.append(((*path, step), child))
+            elif not isinstance(child, (torch.Tensor, *_UNCHANGING)) and id(child) not in seen:
+                seen.add(id(child))
+                queue.append((child, (*path, step)))
+    if len(found) > MAX_PINNED:
+        raise InputError(
+            f"the mod {mod_name(mod)!r} may read {len(found)} Python numbers (its closures, "
+            f"globals, the attributes it names and their containers' items); torch.compile's "
+            f"guards on them are limited to {MAX_PINNED}: hold them in a tensor")
+    for path, _ in found:
+        _add_cell_readers(mod, path)
+    if inside is not None:
+        found = [(inside.rewrite(path), value) for path, value in found]
+    return tuple(found)
 
 
 def _find_paths(mod, tensors, inside: Inside | None = None) -> dict:
@@ -645,11 +688,17 @@ def follow(obj, path: tuple, cells: tuple = ()):
 
 
 def pin_sizes(mod, sized: tuple, cells: tuple = ()) -> None:
-    """Guard the sizes of the captured tensors whose sizes the trace of ``mod`` read (traced by
-    Dynamo: comparing a dynamic size specializes it), so that under dynamic shapes another
-    size compiles again, tracing the mod again, instead of running an IR that holds the old
-    one as a constant."""
+    """Guard the sizes of the captured tensors whose sizes the trace of ``mod`` read, and the
+    Python numbers it may read (``number_paths``: a number's entry holds it where a tensor's
+    holds a shape), traced by Dynamo: comparing a dynamic size or int specializes it, so that
+    under dynamic shapes another size or value compiles again, tracing the mod again, instead
+    of running an IR that holds the old one as a constant."""
     for path, shape in sized:
+        if not isinstance(shape, tuple):
+            if follow(mod, path, cells) != shape:
+                raise AssertionError(f"a number the mod reads is not {shape!r}, the value it "
+                                     "was traced with")  # the graph is traced for this one
+            continue
         tensor = follow(mod, path, cells)
         # (size by size: torch 2.11's Dynamo fails on != of a shape tuple and a constant one)
         if tensor.dim() != len(shape) or any(tensor.shape[d] != n for d, n in enumerate(shape)):

@@ -350,12 +350,17 @@ class BlockMask(TorchBlockMask):
                 or self.seq_lengths != (Q_LEN, KV_LEN)):
             longer = (mask_B in (1, B) and mask_H in (1, H) and self.seq_lengths[0] >= Q_LEN
                       and self.seq_lengths[1] >= KV_LEN)
+            # (int(): under torch.compile's dynamic shapes the sizes are symbolic, which Dynamo
+            # cannot format into a message; int() makes them the call's values)
+            mask_B, mask_H, B, H, Q_LEN, KV_LEN = (int(n) for n in (mask_B, mask_H, B, H, Q_LEN,
+                                                                   KV_LEN))
+            lengths = tuple(int(n) for n in self.seq_lengths)
             crop = (f", or crop this one with block_mask._adjust({Q_LEN}, {KV_LEN}) (right "
                     "where its upper left corner is the mask of those lengths, as for causal)"
                     if longer else "")
             raise InputError(
-                f"block_mask was built for (B={mask_B}, H={mask_H}, Q_LEN={self.seq_lengths[0]}, "
-                f"KV_LEN={self.seq_lengths[1]}) but flex_attention got (B={B}, H={H}, "
+                f"block_mask was built for (B={mask_B}, H={mask_H}, Q_LEN={lengths[0]}, "
+                f"KV_LEN={lengths[1]}) but flex_attention got (B={B}, H={H}, "
                 f"Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); the mask's B and H must equal the call's or "
                 "be 1, and its lengths must match: build it with create_block_mask(mask_mod, "
                 f"{B}, {H}, {Q_LEN}, {KV_LEN}, ...){crop}")

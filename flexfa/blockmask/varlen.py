@@ -28,6 +28,7 @@ import dataclasses
 
 import torch
 
+from ..eager import outside_compile
 from ..errors import InputError, check_bool
 from ..frontend.trace import MASK_MOD, TracedMod, trace
 from ..memo import BoundedMemo
@@ -52,6 +53,7 @@ class Documents:
     window: int | None
 
 
+@outside_compile  # (a graph break inside torch.compile: Dynamo traced its internals and failed)
 def varlen_block_mask(cu_seqlens_q, cu_seqlens_k=None, causal=False, window=None, *,
                       Q_LEN=None, KV_LEN=None, BLOCK_SIZE=128, device=None) -> BlockMask:
     """The BlockMask ``[1, 1, Q_LEN, KV_LEN]`` of packed documents: a query attends to keys of

@@ -251,3 +251,71 @@ def test_a_class_attribute_read_in_a_method_of_another_object(monkeypatch):
     got = compiled(q, k, v)
     torch.testing.assert_close(got, model(q, k, v), rtol=0, atol=0)
     assert (got - before).abs().max() > 0.1
+
+
+class _Config:
+    def __init__(self, window):
+        self.window = window
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("holder", ["cell", "list", "dict", "attribute", "mask"])
+def test_an_int_the_mod_reads_is_seen_at_every_change(holder, dynamic):
+    """Regression (an audit's find): an int a mod reads that changed between calls compiled
+    again once, but Dynamo's automatic dynamic shapes made it symbolic at that recompile, and
+    every later value (with dynamic=True: every value after the first) ran the trace of that
+    recompile's value: 0.7-2.6 off eager, silently. Each value compiles again now."""
+    torch._dynamo.reset()
+    window, box, cfg, config = 4, [4], {"w": 4}, _Config(4)
+    read = {"cell": lambda: window, "list": lambda: box[0], "dict": lambda: cfg["w"],
+            "attribute": lambda: config.window}
+
+    def bias(score, b, h, q_idx, kv_idx):
+        if holder == "cell":
+            w = window
+        elif holder == "list":
+            w = box[0]
+        elif holder == "dict":
+            w = cfg["w"]
+        else:
+            w = config.window
+        return score - 0.1 * w * (q_idx - kv_idx).abs()
+
+    def masked(q, k, v, mask):
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+
+    def scored(q, k, v):
+        return flexfa.flex_attention(q, k, v, bias)
+    step = masked if holder == "mask" else scored
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=dynamic)
+    q, k, v = (t.detach() for t in make_inputs(32))
+    with torch.no_grad():
+        for w in (4, 12, 30, 2):
+            window, box[0], cfg["w"], config.window = w, w, w, w
+            if holder == "mask":
+                args = (q, k, v, flexfa.create_block_mask(flexfa.mods.sliding_window(w), None,
+                                                          None, 32, 32, device="cpu",
+                                                          BLOCK_SIZE=16))
+            else:
+                assert read[holder]() == w
+                args = (q, k, v)
+            torch.testing.assert_close(compiled(*args), step(*args), rtol=1e-5, atol=1e-5,
+                                       msg=f"{holder} = {w}")
+    torch._dynamo.reset()
+
+
+def test_a_mask_for_other_lengths_is_flexfas_error_under_dynamic_shapes():
+    """Regression (an audit's find): under dynamic=True the mismatch message's sizes were
+    symbolic and Dynamo failed building it ("BUILD_STRING type error") instead of raising
+    flexfa's InputError, which it raises eagerly and in a static compile."""
+    torch._dynamo.reset()
+    mask = flexfa.create_block_mask(flexfa.mods.causal, None, None, 32, 32, device="cpu",
+                                    BLOCK_SIZE=16)
+
+    def step(q, k, v):
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+    q, k, v = (t.detach() for t in make_inputs(48))
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    with pytest.raises(flexfa.InputError, match=r"built for .*Q_LEN=32.* got .*Q_LEN=48"):
+        compiled(q, k, v)
+    torch._dynamo.reset()
