@@ -33,6 +33,11 @@ MAX_SEQUENCES = 2 ** 20  # a cache's sequences (max_batch_size)
 __all__ = ["PagedKVCache"]
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter (None for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 class PagedKVCache:
     def __init__(self, num_pages: int, page_size: int, max_batch_size: int, num_kv_heads: int,
                  head_dim: int, *, head_dim_v: int | None = None,
@@ -71,8 +76,10 @@ class PagedKVCache:
         self.kv_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self._pages: list[list[int]] = [[] for _ in range(max_batch_size)]
         self._lens = [0] * max_batch_size  # host copy of kv_lens (_host_lens)
-        self._lens_version = self.kv_lens._version  # kv_lens's when _lens was last right
-        self._device_lengths = False  # kv_lens is changed on the device: read it back
+        self._lens_version = _version(self.kv_lens)  # kv_lens's when _lens was last right
+        # kv_lens is changed on the device: read it back (made under inference_mode, it has
+        # no version counter: read back from the start)
+        self._device_lengths = self.kv_lens.is_inference()
         self._free = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -126,11 +133,11 @@ class PagedKVCache:
         if not seq_len <= len(self._pages[batch_idx]) * self.page_size:
             raise InputError(f"seq_len {seq_len} is past sequence {batch_idx}'s "
                              f"{len(self._pages[batch_idx]) * self.page_size} reserved keys")
-        if self.kv_lens._version != self._lens_version:  # (changed on the device before:
+        if _version(self.kv_lens) != self._lens_version:  # (changed on the device before:
             self._device_lengths = True  # the other sequences' copies are stale)
         self._lens[batch_idx] = seq_len
         self.kv_lens[batch_idx] = seq_len
-        self._lens_version = self.kv_lens._version
+        self._lens_version = _version(self.kv_lens)
 
     def length(self, batch_idx: int) -> int:
         return self._host_lens()[self._row(batch_idx)]
@@ -145,7 +152,7 @@ class PagedKVCache:
     def _host_lens(self) -> list[int]:
         """The lengths on the host: the kept copy while only this cache's methods wrote
         ``kv_lens``, else read back from the device (see the module docstring)."""
-        if not self._device_lengths and self.kv_lens._version != self._lens_version:
+        if not self._device_lengths and _version(self.kv_lens) != self._lens_version:
             self._device_lengths = True
         if self._device_lengths:
             if capturing():
@@ -154,7 +161,7 @@ class PagedKVCache:
                                  "graph is being captured; call append / length / set_length "
                                  "outside the capture")
             self._lens = self.kv_lens.tolist()
-            self._lens_version = self.kv_lens._version
+            self._lens_version = _version(self.kv_lens)
         return self._lens
 
     def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,

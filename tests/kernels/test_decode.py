@@ -244,6 +244,15 @@ def test_paged_lengths_advanced_on_the_device_are_seen_by_append_and_length(monk
     assert other.length(0) == 7
     other.append(more[:1], more[:1])
     assert other.kv_lens.tolist() == [9]
+    # a cache made under inference_mode (as a server makes it): kv_lens has no version
+    # counter, so the lengths are read back from the start
+    with torch.inference_mode():
+        served = flexfa.PagedKVCache(4, 16, 1, Hkv, E, dtype=torch.float32)
+        served.append(first[:1], first[:1])
+        served.kv_lens[:1] += 1
+        assert served.length(0) == 6
+        served.append(more[:1], more[:1])
+        assert served.kv_lens.tolist() == [8]
 
 
 def test_value_checks_inside_a_capture(monkeypatch):
