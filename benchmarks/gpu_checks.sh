@@ -134,6 +134,10 @@
 # decode (paged-cache checks) and the backward's deterministic / captured / dropout GPU tests,
 # FlopCounterMode on a CUDA training step (its backward on autograd's device thread), sharded
 # (ZI_LIMIT, default 400);
+# zj: the forty-second session's changes on a GPU: the decode CUDA-graph test (a paged cache's
+# lengths after the replays), the decode and FlopCounterMode GPU cases, the Inductor
+# fullgraph GPU tests (whose traces now pin the numbers the mods read), sharded (ZJ_LIMIT,
+# default 300);
 # wr: the timed GPU tests (z's second step), then dropout at 256 on the dK/dV kernel's 32-row
 # tiles (kernel_options bwd_BLOCK_M1, spill-free in the sm_90 compile) against its 64-row
 # default (which spills 104-128 bytes) where the Triton backward runs it (options_ab.py,
@@ -149,7 +153,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi|zj) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -690,6 +694,14 @@ if [ "$PART" = wr ]; then  # the timed tests; dropout at 256 on 32-row dK/dV til
     --cases 256:2048:causal+drop,256:8192:causal+drop,256:4000:causal+drop,256:16384:document+drop,256:512:full+drop,256:960:full+drop
   tail -n 3 "$OUT/timed.log"; tail -n 12 "$OUT/m1_drop.log"
 fi
+if [ "$PART" = zj ]; then  # the forty-second session's changes on a GPU (see --help)
+  step gpu_tests "${ZJ_LIMIT:-300}" $SHARD/zj -- -m gpu -p no:cacheprovider \
+    tests/kernels/test_decode.py tests/reliability/test_flop_counter.py \
+    tests/reliability/test_torch_modes.py tests/gpu/test_compile_gpu.py \
+    tests/compile/test_compile_fullgraph.py
+  tail -n 4 "$OUT/gpu_tests.log"
+fi
+
 if [ "$PART" = zi ]; then  # the forty-first session's fixes on a GPU (see --help)
   step gpu_tests "${ZI_LIMIT:-400}" $SHARD/zi -- -m gpu -p no:cacheprovider \
     tests/reliability/test_torch_modes.py tests/kernels/test_autograd_modes.py \

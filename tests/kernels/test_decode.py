@@ -543,6 +543,16 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         expected = cache.attend(q, mods.softcap(30.0))
         torch.testing.assert_close(out, expected)
+    # the replays advanced kv_lens on the device: append and length read it back (the host's
+    # copy said 1000, and append wrote over the replays' tokens)
+    assert [cache.length(b) for b in range(B)] == [1003] * B
+    extra = torch.randn(B, Hkv, 1, E, device=device, dtype=torch.bfloat16)
+    cache.append(extra, extra.clone())
+    assert cache.kv_lens[:B].tolist() == [1004] * B
+    page = int(cache.page_table[0, 1003 // 64])
+    assert torch.equal(cache.k_cache[page, 1003 % 64], extra[0, :, 0])
+    assert torch.equal(cache.k_cache[int(cache.page_table[0, 1002 // 64]), 1002 % 64],
+                       new_k[0, :, 0])
 
 
 def to_pages(k, v, page, seed):
