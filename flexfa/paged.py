@@ -133,8 +133,7 @@ class PagedKVCache:
         if not seq_len <= len(self._pages[batch_idx]) * self.page_size:
             raise InputError(f"seq_len {seq_len} is past sequence {batch_idx}'s "
                              f"{len(self._pages[batch_idx]) * self.page_size} reserved keys")
-        if _version(self.kv_lens) != self._lens_version:  # (changed on the device before:
-            self._device_lengths = True  # the other sequences' copies are stale)
+        self._see_device_writes()  # (before this write: the other sequences' copies)
         self._lens[batch_idx] = seq_len
         self.kv_lens[batch_idx] = seq_len
         self._lens_version = _version(self.kv_lens)
@@ -149,11 +148,16 @@ class PagedKVCache:
         self._device_lengths = True
         self._host_lens()
 
+    def _see_device_writes(self) -> None:
+        """Once ``kv_lens`` changed since the host's copy was last right (its version
+        counter), the lengths are read back from the device from then on."""
+        if _version(self.kv_lens) != self._lens_version:
+            self._device_lengths = True
+
     def _host_lens(self) -> list[int]:
         """The lengths on the host: the kept copy while only this cache's methods wrote
         ``kv_lens``, else read back from the device (see the module docstring)."""
-        if not self._device_lengths and _version(self.kv_lens) != self._lens_version:
-            self._device_lengths = True
+        self._see_device_writes()
         if self._device_lengths:
             if capturing():
                 raise InputError("PagedKVCache: the sequences' lengths are kept on the device "
