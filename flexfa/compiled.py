@@ -330,20 +330,8 @@ def number_paths(mod, names, inside: Inside | None = None) -> tuple:
     changes."""
     if mod is None:
         return ()
-    found, seen = [], {id(mod)}
-    queue = collections.deque([(mod, ())])
-    while queue and len(seen) < MAX_VISITS:
-        obj, path = queue.popleft()
-        named = not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
-        for step, child in _children(obj, reads=True):
-            if named and step[0] == "attr" and step[1] not in names:
-                continue
-            if type(child) in (int, float):
-                if child == child:  # (a NaN equals nothing: not pinned)
-                    found.append(((*path, step), child))
-            elif not isinstance(child, (torch.Tensor, *_UNCHANGING)) and id(child) not in seen:
-                seen.add(id(child))
-                queue.append((child, (*path, step)))
+    found = [(path, obj) for obj, path in _reachable(mod, names)
+             if type(obj) in (int, float) and obj == obj]  # (a NaN equals nothing: not pinned)
     if len(found) > MAX_PINNED:
         raise InputError(
             f"the mod {mod_name(mod)!r} may read {len(found)} Python numbers (its closures, "
@@ -375,18 +363,25 @@ def _find_paths(mod, tensors, inside: Inside | None = None) -> dict:
     return found
 
 
-def _reachable(mod):
+def _reachable(mod, names=None):
     """(object, path) of what paths from ``mod`` reach, breadth first (so each first met by a
-    shortest path): every tensor met (not walked into) and every other object once, until
-    MAX_VISITS objects were seen."""
+    shortest path): every tensor met (not walked into), every Python number at each path
+    met (equal ones may be one object), and every other object once, until MAX_VISITS
+    objects were seen. ``names`` (``functions_run``'s: the walk of what a mod may read, for
+    ``number_paths``): ``_children``' reads and, of an object's attributes (not a bound
+    method's, a partial's or an enum member's), only those under these names."""
+    reads = names is not None
     queue, seen = collections.deque([(mod, ())]), {id(mod)}
     yield mod, ()
     while queue and len(seen) < MAX_VISITS:
         obj, path = queue.popleft()
-        for step, child in _children(obj):
-            if isinstance(child, torch.Tensor):
+        named = reads and not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
+        for step, child in _children(obj, reads):
+            if named and step[0] == "attr" and step[1] not in names:
+                continue
+            if isinstance(child, (torch.Tensor, int, float)):
                 yield child, (*path, step)
-            elif id(child) not in seen:
+            elif not isinstance(child, _UNCHANGING) and id(child) not in seen:
                 seen.add(id(child))
                 yield child, (*path, step)
                 queue.append((child, (*path, step)))
