@@ -111,12 +111,21 @@ def _check_same_mods(traces) -> None:
                 "backward()")
 
 
-def _check_unedited(watched) -> None:
+def _check_unedited(watched, copies) -> None:
     """An InputError where one of the ``(what, tensor, version)`` of ``watched`` was edited in
-    place since the forward: the recomputed steps would give the gradients of another
-    forward (silently: 5-523 apart in a probe), where flex_attention's backward raises."""
+    place since the forward, or one of the ``(what, tensor, copy)`` of ``copies`` (inference
+    tensors: no version counter) differs from its copy: the recomputed steps would give the
+    gradients of another forward (silently: 5-523 apart in a probe), where flex_attention's
+    backward raises."""
     check_versions(watched, "ring_attention: ", "the forward and the backward, which "
                    "recomputes the ring's steps with it")
+    for what, tensor, copy in copies:
+        if not torch.equal(tensor, copy):
+            raise InputError(f"ring_attention: {what} (an inference tensor, shape "
+                             f"{tuple(tensor.shape)}) was edited between the forward and "
+                             "the backward, which recomputes the ring's steps with it; the "
+                             "gradients would be those of another forward: edit it after "
+                             "the backward")
 
 
 def _check_mods(score_mod, mask_mod) -> None:
@@ -219,14 +228,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
-        _check_unedited(ctx.watched)
-        for what, tensor, copy in ctx.copies:  # inference tensors (no version counter)
-            if not torch.equal(tensor, copy):
-                raise InputError(f"ring_attention: {what} (an inference tensor, shape "
-                                 f"{tuple(tensor.shape)}) was edited between the forward and "
-                                 "the backward, which recomputes the ring's steps with it; the "
-                                 "gradients would be those of another forward: edit it after "
-                                 "the backward")
+        _check_unedited(ctx.watched, ctx.copies)
         _check_same_mods(ctx.plan.traces)
         if not torch.is_grad_enabled():
             return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
