@@ -35,6 +35,7 @@ from .flops import count as count_flops
 from .inputs import refuse_transforms
 from .lazy import lazy_function
 from .runtime.call import SINKS_GRAD, AttentionCall, Dropout
+from .runtime.layout import memory_values
 
 # the runtime (and Triton) load on the first call
 run_forward = lazy_function("flexfa.runtime.forward", "run_forward")
@@ -175,6 +176,7 @@ def _as_saved(call: AttentionCall, seed, buffers: tuple, versions: tuple) -> Att
                     "(saved-tensor hooks kept the tensor itself, so torch's own check did not "
                     "run); the gradients would be those of another forward: edit it after the "
                     "backward, or pass a copy to the forward")
+        buffers = tuple(memory_values(s) for s in buffers)  # (hooks' negated views)
         if any(s is not o for s, o in zip(buffers, own)):
             score = dataclasses.replace(score, buffers=tuple(
                 s if s is o or s.requires_grad == o.requires_grad

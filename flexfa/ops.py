@@ -42,7 +42,7 @@ from .frontend.trace import TracedMod, mod_name
 from .inputs import check_block_mask, check_scale, check_shapes, check_tensors
 from .memo import BoundedMemo, keep_on_owner
 from .runtime.call import SINKS_GRAD, Dropout
-from .runtime.layout import output_like
+from .runtime.layout import memory_values, output_like
 from .runtime.options import KernelOptions
 
 __all__ = ["ModsEntry", "register_mods", "mods_entry", "watched", "class_pins", "check_unchanged"]
@@ -365,12 +365,13 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     saved = ctx.saved_tensors
     query, key, value, out, lse = saved[:5]
     n_score, n_mask, present, has_sinks, n_optional = ctx.counts
-    score_buffers = list(saved[5:5 + n_score])
-    mask_buffers = list(saved[5 + n_score:5 + n_score + n_mask])
+    # (saved-tensor hooks may unpack negated views: the kernels read memory)
+    score_buffers = [memory_values(t) for t in saved[5:5 + n_score]]
+    mask_buffers = [memory_values(t) for t in saved[5 + n_score:5 + n_score + n_mask]]
     rest = iter(saved[5 + n_score + n_mask:len(saved) - n_optional])
     tables = [next(rest) if p else None for p in present]
     optional = iter(saved[len(saved) - n_optional:])
-    sinks = next(optional) if has_sinks else None
+    sinks = memory_values(next(optional)) if has_sinks else None
     seed = next(optional, None)  # present when dropout_p > 0
     if grad_out is None:
         grad_out = torch.zeros_like(out)

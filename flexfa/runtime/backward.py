@@ -15,7 +15,7 @@ from . import plans, registry
 from .call import SINKS_GRAD, AttentionCall
 from .families.backward import (BOUND_BITS, FIXED_POINT_SCALE, REST_SCALE, Inputs,
                                 joint_graph)
-from .layout import int32_addressable
+from .layout import int32_addressable, memory_values
 from .target import target_of
 
 __all__ = ["run_backward", "joint_graph", "SINKS_GRAD"]
@@ -47,6 +47,9 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     are then None. The dQ kernel always runs: it also produces the captured-tensor
     gradients. With attention sinks that require grad, the buffer gradients hold theirs under
     ``SINKS_GRAD`` (``sinks_grad``)."""
+    # autograd's incoming gradients and the unpacked saved tensors as the kernels read them
+    q, k, v, out, lse, grad_out, grad_lse = (memory_values(t) for t in (
+        q, k, v, out, lse, grad_out, grad_lse))
     # copies where an offset inside a head would pass the kernels' int32 (rare huge layouts)
     q, k, v, out, grad_out = (int32_addressable(t, name) for t, name in (
         (q, "query"), (k, "key"), (v, "value"), (out, "the output"), (grad_out, "grad_out")))

@@ -86,6 +86,20 @@ def _check_rows(what: str, rows: int, cols: int) -> None:
                          f"{HEAD_OFFSET_LIMIT - 1})")
 
 
+def memory_values(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor`` as a tensor whose memory holds its values, for what the kernels read through
+    data pointers: a lazily negated view (the negative bit: its memory holds the negations)
+    resolved, an efficient zero tensor (autograd's zero gradient, which has no memory) made
+    real zeros; else ``tensor`` itself. For what autograd hands a backward, which the
+    forward's checks never saw: the incoming gradients (a loss through ``.conj()`` hands
+    negated views) and what saved-tensor hooks unpacked."""
+    if tensor is None:
+        return None
+    if tensor._is_zerotensor():
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor.resolve_neg() if tensor.is_neg() else tensor
+
+
 def int32_addressable(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """``tensor`` [B, H, n, D], or a contiguous copy of it where an offset inside one head
     would pass int32 (an int32 product wraps: the kernels would read or write elsewhere).

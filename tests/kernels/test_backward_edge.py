@@ -354,3 +354,79 @@ def test_one_key_rows_pass_on_the_interpreters_truncating_bf16_cast():
     q, k, v = (torch.randn(2, 2, 1, 48, generator=gen).to(torch.bfloat16) for _ in range(3))
     dv = check_backward(q, k, v)[2]
     assert dv.abs().max() > 1.28  # where one ulp exceeds the fixed floor
+
+
+def _grads_of(loss_of, tensors):
+    for t in tensors:
+        t.grad = None
+    loss_of().backward()
+    return [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_negated_view_handed_in_as_the_gradient_is_read_as_its_values(compiled):
+    """A loss through ``.conj()`` hands the backward a lazily negated grad_out (its memory
+    holds the negations); the kernels read memory, so every gradient came out negated."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, 24, 20, E, seed=21))
+    bias = torch.randn(20, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    def attend(q, k, v):
+        return flexfa.flex_attention(q, k, v, biased, return_lse=True)
+
+    call = torch.compile(attend, backend="aot_eager", fullgraph=True) if compiled else attend
+    w = torch.randn(B, H, 24, E, dtype=torch.complex64)
+    y = torch.randn(B, H, 24, E)
+    seen = []
+
+    def through_conj():
+        out, lse = call(q, k, v)
+        out.register_hook(lambda g: seen.append(g.is_neg()))
+        return (torch.complex(y, out).conj() * w).real.sum() + (lse * lse).sum()
+
+    def plain():  # the same loss's gradient: d/d out of Re(conj(y + i out) w) = Im(w)
+        out, lse = attend(q, k, v)
+        return (out * w.imag).sum() + (lse * lse).sum()
+
+    got = _grads_of(through_conj, (q, k, v, bias))
+    assert seen == [True]  # (what the test is about: autograd handed a negated view)
+    for a, b in zip(got, _grads_of(plain, (q, k, v, bias))):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_negated_view_as_lses_gradient_and_a_zero_tensor_gradient():
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, 24, 20, E, seed=22))
+    out, lse = flexfa.flex_attention(q, k, v, return_lse=True)
+    g = torch.randn(B, H, 24)
+    got = torch.autograd.grad(lse, (q, k), torch._neg_view(-g), retain_graph=True)
+    for a, b in zip(got, torch.autograd.grad(lse, (q, k), g, retain_graph=True)):
+        torch.testing.assert_close(a, b)
+    # autograd's efficient zero tensor (no memory): zero gradients, as torch's SDPA gives
+    zero = torch._efficientzerotensor(B, H, 24, E)
+    for a in torch.autograd.grad(out, (q, k, v), zero):
+        assert torch.count_nonzero(a) == 0
+
+
+def test_saved_tensor_hooks_that_unpack_negated_views():
+    """An unpack hook may hand back an equal-valued lazily negated view (``_neg_view(-t)``)
+    of q, k, v, out, lse, a captured tensor: read as values, not as memory (1.5e4 off)."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, 24, 20, E, seed=23))
+    bias = torch.randn(20, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    def loss():
+        return flexfa.flex_attention(q, k, v, biased, sinks=sinks).square().sum()
+
+    def hooked():
+        negated = lambda t: torch._neg_view(-t) if t.is_floating_point() else t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, negated):
+            return loss()
+
+    for a, b in zip(_grads_of(hooked, (q, k, v, bias, sinks)),
+                    _grads_of(loss, (q, k, v, bias, sinks))):
+        torch.testing.assert_close(a, b)
