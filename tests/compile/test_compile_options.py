@@ -69,3 +69,24 @@ def test_options_passed_in_are_the_calls(ran):
         assert ran[-1] == parse_kernel_options(options), options
     with pytest.raises(InputError, match=r"kernel_options\[.BLOCK_M.\] = 24 is not"):
         layer(*q_k_v, {"BLOCK_M": 24})
+
+
+def _from_shapes(q, k, v):
+    # bools computed from the shapes: SymBools under dynamic shapes
+    return flexfa.flex_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1],
+                                 kernel_options={"deterministic": q.shape[2] > 40})
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_bools_computed_from_symbolic_shapes(ran, dynamic):
+    """enable_gqa and a bool option computed from the shapes are SymBools under dynamic
+    shapes; they reached an assume-constant function, which Dynamo failed inside
+    ("assume_constant_result argument conversion failed"). Each value compiles its graph."""
+    compiled = torch.compile(_from_shapes, backend="eager", fullgraph=True, dynamic=dynamic)
+    generator = torch.Generator().manual_seed(1)
+    for hq, hkv, length in ((4, 2, 32), (4, 1, 32), (2, 2, 48), (4, 4, 56), (4, 2, 24)):
+        q = torch.randn(1, hq, length, 16, generator=generator)
+        k, v = (torch.randn(1, hkv, length, 16, generator=generator) for _ in range(2))
+        out = compiled(q, k, v)
+        assert ran[-1].deterministic == (length > 40)
+        torch.testing.assert_close(out, _from_shapes(q, k, v))
