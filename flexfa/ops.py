@@ -384,10 +384,12 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     by_slot.update((s, torch.zeros_like(score_buffers[s])) for s in ctx.zero_slots)
     buffer_grads = [by_slot.get(s) for s in range(n_score)]
     # an empty list argument (block_size without a block mask) is a list in the inputs'
-    # structure, a non-empty one of ints a leaf: its gradient mirrors that; a call may leave
-    # out trailing arguments at their defaults (needs_input_grad has the call's structure)
+    # structure, a non-empty one of ints a leaf, and so is a list of tables holding a None (a
+    # mask without full-block tables): its gradient mirrors that; a call may leave out
+    # trailing arguments at their defaults (needs_input_grad has the call's structure)
     grads = (dq if need_dq else None, dk if need_dkdv else None, dv if need_dkdv else None,
-             None, None, None, buffer_grads, [None] * n_mask, [None] * len(present),
+             None, None, None, buffer_grads, [None] * n_mask,
+             [None] * len(present) if all(present) else None,
              None if ctx.block_size else [], dsinks if need_dsinks else None, None, None)
     return grads[:len(ctx.needs_input_grad)]
 

@@ -78,3 +78,28 @@ def test_opcheck_forward_with_sinks_and_bad_feature_inputs():
     with pytest.raises(InputError, match="sinks has shape"):
         torch.ops.flexfa.flex_attention(q, k, v, key, None, False, [], [], [], [],
                                         torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("made", ["separate_full_blocks=False", "from_kv_blocks"])
+def test_gradients_through_a_mask_without_full_block_tables(backend, made):
+    """A block mask without full-block tables hands the operator a list of tables holding
+    Nones: its backward's gradient for that list had another structure, and torch's custom-op
+    autograd failed ('Expected the return from backward to be of the same structure')."""
+    if made == "from_kv_blocks":
+        mask = flexfa.BlockMask.from_kv_blocks(
+            torch.tensor([[[1, 2]]], dtype=torch.int32),
+            torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32),
+            BLOCK_SIZE=16, mask_mod=mods.causal, seq_lengths=(32, 32))
+    else:
+        mask = flexfa.create_block_mask(mods.causal, None, None, 32, 32, device="cpu",
+                                        BLOCK_SIZE=16, separate_full_blocks=False)
+    assert mask.full_kv_num_blocks is None
+
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+
+    torch._dynamo.reset()
+    tensors = make_inputs(32, seed=3)
+    got = run_step(torch.compile(layer, backend=backend, fullgraph=True), tensors, [])
+    assert_same(got, run_step(layer, tensors, []))
