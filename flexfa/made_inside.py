@@ -251,8 +251,9 @@ class Inside:
                       for i, cell in enumerate(value.closure.items if value.closure else ()))
         function = types.FunctionType(code, value.f_globals, code.co_name, None, cells or None)
         function.__qualname__ = getattr(code, "co_qualname", code.co_name)
-        if value.defaults is not None:
-            function.__defaults__ = value.defaults.as_python_constant()
+        if value.defaults is not None:  # (each as a cell's value: a symbolic int specialized)
+            function.__defaults__ = tuple(self._real(f"{code.co_name}'s default argument", d)
+                                          for d in value.defaults.items)
         if value.kwdefaults is not None:
             function.__kwdefaults__ = value.kwdefaults.as_python_constant()
         return self._keep(function, value)
@@ -265,6 +266,7 @@ class Inside:
         """The Python object behind a Dynamo value of a cell (``name`` for errors)."""
         from torch._dynamo.variables import (NNModuleVariable, SymNodeVariable,
                                              UserDefinedObjectVariable, UserFunctionVariable)
+        from torch._dynamo.variables.dicts import ConstDictVariable
         from torch._dynamo.variables.functions import FunctoolsPartialVariable
         from torch._dynamo.variables.lists import BaseListVariable
         value = value.realize()
@@ -291,6 +293,10 @@ class Inside:
         if isinstance(value, BaseListVariable) and value.python_type() in (list, tuple):
             items = value.python_type()(self._real(name, item) for item in value.items)
             return self._keep(items, value.items)
+        if isinstance(value, ConstDictVariable) and value.python_type() is dict:
+            values = value.keys_as_python_constant()  # {key: Dynamo value} (keys guarded)
+            return self._keep({key: self._real(name, item) for key, item in values.items()},
+                              values)
         try:
             return value.as_python_constant()
         except Exception:  # any value Dynamo cannot give as a Python object

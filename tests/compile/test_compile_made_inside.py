@@ -6,6 +6,7 @@ FlexAttention takes them). Each compiled result and gradient equals eager flexfa
 same call, captured tensors are read afresh on every run, and a changed Python value
 compiles again."""
 import collections
+import functools
 import enum
 import re
 import sys
@@ -663,3 +664,46 @@ def test_what_forward_changed_read_indirectly_is_refused(case):
         torch.testing.assert_close(got, flexfa.flex_attention(q, k, v, score_mod), rtol=0,
                                    atol=1e-6)
     _Member.WINDOW.value["size"] = 4
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_default_argument_binding_a_number_of_the_frame(dynamic):
+    """``lambda ..., w=w: ...`` made inside: the default's Dynamo value was taken as a
+    constant, which a symbolic int is not (from its second value on, or at once with
+    dynamic=True): an InputError blaming torch's Dynamo. Now it is specialized as a cell's
+    number is, and each value runs its own trace."""
+    def layer(q, k, v, w):
+        near = lambda s, b, h, q_idx, kv_idx, w=w: s - 0.05 * w * (q_idx - kv_idx).abs()  # noqa: E731
+        return flexfa.flex_attention(q, k, v, near)
+
+    compiled = _compiled(layer, dynamic=dynamic)
+    q, k, v = make_inputs(32, seed=4)
+    for w in (2, 3, 7):
+        torch.testing.assert_close(compiled(q, k, v, w), layer(q, k, v, w))
+
+
+def _dict_biased(score, b, h, q_idx, kv_idx, cfg):
+    return score * cfg["t"] + cfg["bias"][h] - 0.05 * cfg["w"] * (q_idx - kv_idx).abs()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_partial_binding_a_dict_of_numbers_and_a_tensor(dynamic):
+    """A functools.partial (from outside: partials take the made-inside route) binding a dict
+    was refused as 'a mod defined inside the compiled function closes over score_mod'. Its
+    numbers now compile again when they change, its tensor is read afresh and gets its
+    gradient."""
+    bias = torch.tensor([0.25, -0.5], requires_grad=True)
+    cfg = {"t": 1.0, "w": 3, "bias": bias}
+    mod = functools.partial(_dict_biased, cfg=cfg)
+
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, mod)
+
+    compiled = _compiled(layer, dynamic=dynamic)
+    inputs = make_inputs(32, seed=5)
+    for t, w in ((1.0, 3), (0.5, 3), (0.5, 5)):
+        cfg["t"], cfg["w"] = t, w
+        assert_same(run_step(compiled, inputs, [bias]), run_step(layer, inputs, [bias]))
+    with torch.no_grad():
+        bias.mul_(-3.0)  # read afresh, not the value traced
+    assert_same(run_step(compiled, inputs, [bias]), run_step(layer, inputs, [bias]))
