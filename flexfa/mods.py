@@ -29,8 +29,11 @@ __all__ = ["causal", "sliding_window", "prefix_lm", "document", "document_ids", 
 def _positive_float(func: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputTypeError(f"{func}: {name} must be a number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise InputError(f"{func}: {name} must be a finite number > 0, got {value}")
+    # comparisons, not math.isfinite (as inputs.check_scale): a float torch.compile made
+    # symbolic traces them (guards), not math.isfinite
+    if not (value > 0 and value != math.inf):  # (NaN compares False)
+        shown = "a number traced by torch.compile" if torch.compiler.is_compiling() else value
+        raise InputError(f"{func}: {name} must be a finite number > 0, got {shown}")
     return float(value)
 
 
@@ -350,13 +353,17 @@ def softcap(cap: float):
     cap = _positive_float("softcap", "cap", cap)
     # the scores are float32 (in the kernels and in torch's): a cap past its range is inf
     # there (inf * tanh(s / inf) is NaN: every output NaN), one below it flushes to 0
+    # (under torch.compile the cap may be a symbolic float: compared, never formatted)
+    compiling = torch.compiler.is_compiling()
     if not _FLOAT32.tiny <= cap <= _FLOAT32.max:
         raise InputError(f"softcap: cap must be within float32's normal range "
                          f"({_FLOAT32.tiny:g} .. {_FLOAT32.max:g}): the scores are float32, "
-                         f"got {cap:g}")
+                         f"got {'a number traced by torch.compile' if compiling else cap}")
 
     def mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
+    if compiling:
+        return _named(mod, "softcap", "cap * tanh(score / cap)")
     return _named(mod, f"softcap_{_number_name(cap)}", f"{cap:g} * tanh(score / {cap:g})")
 
 

@@ -707,3 +707,22 @@ def test_a_partial_binding_a_dict_of_numbers_and_a_tensor(dynamic):
     with torch.no_grad():
         bias.mul_(-3.0)  # read afresh, not the value traced
     assert_same(run_step(compiled, inputs, [bias]), run_step(layer, inputs, [bias]))
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_softcap_of_a_symbolic_cap_and_masks_combined_inside(dynamic):
+    """mods.softcap(cap) of a float Dynamo made symbolic stopped Dynamo (math.isfinite and
+    the name's formatting of a symbolic float), and and_masks / or_masks of a mask made inside
+    stopped it too (inspect.signature of a function Dynamo has no Python object for)."""
+    documents = mods.document([10, 10, 12])  # (its lengths are read on the host: outside)
+
+    def layer(q, k, v, cap, w):
+        near = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < w) & (q_idx >= kv_idx)  # noqa: E731
+        keep = flexfa.or_masks(flexfa.and_masks(documents, near), mods.sliding_window(1))
+        mask = flexfa.create_block_mask(keep, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+        return flexfa.flex_attention(q, k, v, mods.softcap(cap), block_mask=mask)
+
+    compiled = _compiled(layer, dynamic=dynamic)
+    q, k, v = (t.detach() * 4 for t in make_inputs(32, seed=6))
+    for cap, w in ((20.0, 3), (5.0, 3), (5.0, 7)):
+        torch.testing.assert_close(compiled(q, k, v, cap, w), layer(q, k, v, cap, w))
