@@ -85,15 +85,39 @@ STATE_READERS = {
     **dict.fromkeys(("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",
                      "get_autocast_cpu_dtype", "get_autocast_gpu_dtype",
                      "is_autocast_cache_enabled"), _autocast_state),
+    "initial_seed": torch.initial_seed,
+    "is_anomaly_check_nan_enabled": torch.is_anomaly_check_nan_enabled,
+    # a compiled call's mods are traced while Dynamo runs (``compiled.describe``): a mod
+    # branching on these gets one trace eagerly and another compiled
+    "is_compiling": torch.compiler.is_compiling,
+    "is_dynamo_compiling": torch.compiler.is_dynamo_compiling,
+    "is_exporting": torch.compiler.is_exporting,
+    "is_tracing": torch.jit.is_tracing,
 }
+# names of torch functions that read the default dtype and device without naming them
+# (``torch.finfo()``, a factory without dtype=): where the reached code names one, those two
+# are compared as for their readers
+_IMPLICIT_READERS = dict.fromkeys(
+    ("finfo", "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "full", "empty",
+     "arange", "linspace", "logspace", "eye"), ("get_default_dtype", "get_default_device"))
+# id(a reader function) -> its name: the walk adds the name where it meets the function
+# under another one (``from torch import is_grad_enabled as grad_on``)
+_READER_IDS = {id(getattr(torch, name)): name for name in STATE_READERS if hasattr(torch, name)}
+_READER_IDS.update({id(STATE_READERS[name]): name for name in (
+    "is_compiling", "is_dynamo_compiling", "is_exporting", "is_tracing")})
+_READER_IDS[id(torch.cuda.current_device)] = "current_device"
+_READER_IDS[id(torch.finfo)] = "finfo"
 
 
 def torch_state(names) -> tuple:
     """(name, value) of the torch global state ``STATE_READERS`` reads under ``names`` (the
-    names a mod's reached code uses; usually none: an empty tuple)."""
-    if names.isdisjoint(STATE_READERS):
+    names a mod's reached code uses, with those of the readers the walk met under other
+    names; usually none: an empty tuple)."""
+    if names.isdisjoint(STATE_READERS) and names.isdisjoint(_IMPLICIT_READERS):
         return ()
-    return tuple((name, STATE_READERS[name]()) for name in sorted(names & STATE_READERS.keys()))
+    wanted = (names & STATE_READERS.keys()).union(
+        *(_IMPLICIT_READERS[name] for name in names & _IMPLICIT_READERS.keys()))
+    return tuple((name, STATE_READERS[name]()) for name in sorted(wanted))
 
 
 def torch_state_holds(state: tuple) -> bool:
@@ -336,6 +360,15 @@ class _Walk:
         if owner is not None and not isinstance(owner, (types.ModuleType, type)):
             raise Unguardable(f"a method bound to a {type(owner).__name__}")
         self.parts.append(value)  # library code: held, compared by identity
+        self.reader(value)
+
+    def reader(self, value) -> None:
+        """A torch function that reads global state (``STATE_READERS``), met under any name:
+        its own name joins the walk's, so that ``torch_state`` compares the state."""
+        name = _READER_IDS.get(id(value))
+        if name is not None and name not in self.names:
+            self.names.add(name)
+            self.grew = True
 
     def wrapped(self, value) -> None:  # staticmethod, classmethod
         self.parts.append(type(value))
@@ -349,6 +382,7 @@ class _Walk:
     def function(self, fn: types.FunctionType) -> None:
         if is_library_name(fn.__module__ or ""):
             self.identity(fn)
+            self.reader(fn)
             return
         names = self.add_code(fn.__code__)
         if fn.__closure__:

@@ -319,3 +319,28 @@ def test_a_mask_for_other_lengths_is_flexfas_error_under_dynamic_shapes():
     with pytest.raises(flexfa.InputError, match=r"built for .*Q_LEN=32.* got .*Q_LEN=48"):
         compiled(q, k, v)
     torch._dynamo.reset()
+
+
+def _tripled_when_compiling(score, b, h, q_idx, kv_idx):
+    return score * 3.0 if torch.compiler.is_compiling() else score
+
+
+def _tripled(score, b, h, q_idx, kv_idx):
+    return score * 3.0
+
+
+@pytest.mark.parametrize("eager_first", [True, False])
+def test_a_mod_branching_on_is_compiling_gets_each_trace(eager_first):
+    """Eager and compiled calls shared one trace memo entry with no compile-mode key: a mod
+    branching on torch.compiler.is_compiling() ran whichever trace came first (2.16 off in an
+    audit's probe)."""
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, _tripled_when_compiling)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    q, k, v = (t.detach() for t in make_inputs(32, seed=7))
+    plain, tripled = flexfa.flex_attention(q, k, v), flexfa.flex_attention(q, k, v, _tripled)
+    calls = [(layer, plain), (compiled, tripled)]
+    for fn, want in (calls if eager_first else calls[::-1]) * 2:
+        torch.testing.assert_close(fn(q, k, v), want)

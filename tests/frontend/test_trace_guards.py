@@ -778,6 +778,39 @@ class _GradWindow:
         return q_idx - kv_idx < (2 if _helper_reads_grad_mode() else 5)
 
 
+from torch import is_grad_enabled as _grad_on  # noqa: E402  (a reader under another name)
+
+
+def _renamed_grad_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (2 if _grad_on() else 5)
+
+
+def _finfo_window(b, h, q_idx, kv_idx):  # torch.finfo() reads the default dtype
+    return q_idx - kv_idx < (5 if torch.finfo().bits == 64 else 2)
+
+
+def _compiling_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (5 if torch.compiler.is_compiling() else 2)
+
+
+def test_torch_global_state_read_under_another_name_or_implicitly():
+    """A reader imported under another name, and torch.finfo() (the default dtype, unnamed),
+    kept the trace of the first state (0.86 and 1.15 off in an audit's probes): the walk
+    adds a reader's own name where it meets the function, and factories and finfo count as
+    reading the default dtype and device. torch.compiler.is_compiling() is state too: eager
+    and compiled calls shared one trace, whichever came first."""
+    try:
+        _assert_follows(_renamed_grad_window, lambda: torch.set_grad_enabled(False))
+    finally:
+        torch.set_grad_enabled(True)
+    before = torch.get_default_dtype()
+    try:
+        _assert_follows(_finfo_window, lambda: torch.set_default_dtype(torch.float64))
+    finally:
+        torch.set_default_dtype(before)
+    assert ("is_compiling", False) in trace_entry(_compiling_window).state
+
+
 def test_torch_global_state_a_mod_reads():
     """A mod reading torch's global state (grad mode, the default dtype, deterministic
     algorithms) got the trace of the state it was first traced under, as its guard and pins
