@@ -778,6 +778,21 @@ class _GradWindow:
         return q_idx - kv_idx < (2 if _helper_reads_grad_mode() else 5)
 
 
+def _assert_follows_grad_off(fn):
+    try:
+        _assert_follows(fn, lambda: torch.set_grad_enabled(False))
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _assert_follows_float64(fn):
+    before = torch.get_default_dtype()
+    try:
+        _assert_follows(fn, lambda: torch.set_default_dtype(torch.float64))
+    finally:
+        torch.set_default_dtype(before)
+
+
 from torch import is_grad_enabled as _grad_on  # noqa: E402  (a reader under another name)
 
 
@@ -799,15 +814,8 @@ def test_torch_global_state_read_under_another_name_or_implicitly():
     adds a reader's own name where it meets the function, and factories and finfo count as
     reading the default dtype and device. torch.compiler.is_compiling() is state too: eager
     and compiled calls shared one trace, whichever came first."""
-    try:
-        _assert_follows(_renamed_grad_window, lambda: torch.set_grad_enabled(False))
-    finally:
-        torch.set_grad_enabled(True)
-    before = torch.get_default_dtype()
-    try:
-        _assert_follows(_finfo_window, lambda: torch.set_default_dtype(torch.float64))
-    finally:
-        torch.set_default_dtype(before)
+    _assert_follows_grad_off(_renamed_grad_window)
+    _assert_follows_float64(_finfo_window)
     assert ("is_compiling", False) in trace_entry(_compiling_window).state
 
 
@@ -825,11 +833,7 @@ def test_torch_global_state_a_mod_reads():
         _assert_follows(_GradWindow().mask, set_grad)
     finally:
         torch.set_grad_enabled(True)
-    before = torch.get_default_dtype()
-    try:
-        _assert_follows(_dtype_window, lambda: torch.set_default_dtype(torch.float64))
-    finally:
-        torch.set_default_dtype(before)
+    _assert_follows_float64(_dtype_window)
     try:
         _assert_follows(_deterministic_window,
                         lambda: torch.use_deterministic_algorithms(True, warn_only=True))
