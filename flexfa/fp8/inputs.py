@@ -60,7 +60,10 @@ class FP8Inputs:
 
 
 def written(scales) -> tuple:
-    """``FP8Inputs.written`` of the descales ``quantize`` just wrote."""
+    """``FP8Inputs.written`` of the descales ``quantize`` just wrote; none for inference
+    tensors (no version counter to tell an edit: such descales are checked on every call)."""
+    if any(t.is_inference() for t in scales):
+        return ()
     return tuple((weakref.ref(t), t._version) for t in scales)
 
 

@@ -31,7 +31,9 @@ def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
     blocks = -(-N // block)
     magnitude = torch.where(torch.isfinite(x), x.abs(), 0.0)
     padded = torch.nn.functional.pad(magnitude, (0, 0, 0, blocks * block - N))
-    return padded.view(B, H, blocks, block * E).amax(dim=-1)
+    # (reshape: a [B, L, H, E] input seen as [B, H, L, E] keeps its strides through where
+    # and a zero-width pad, which view cannot regroup)
+    return padded.reshape(B, H, blocks, block * E).amax(dim=-1)
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:

@@ -138,3 +138,34 @@ def test_one_tensor_as_q_k_and_v():
     for fused in (False, True):
         quantized = quantize(x, x, x, rotate=True, fused=fused)
         assert torch.allclose(quantized.dequantize()[2], x.float(), rtol=HALF_ULP, atol=1e-3)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_a_blhe_layout_at_a_multiple_of_the_block(per_tensor):
+    """[B, L, H, E] tensors seen as [B, H, L, E] at lengths that are multiples of the scale
+    block failed inside torch ('view size is not compatible'; the torch path: the CPU's
+    default and every per_tensor call). They quantize as their contiguous copies do."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+               for t in _inputs(1, 2, 2, 128, 64, 32, 32))
+    assert not q.is_contiguous()
+    block = None if per_tensor else 64
+    options = {"per_tensor": True} if per_tensor else {"block_size": block}
+    a = quantize(q, k, v, rotate=False, **options)
+    b = quantize(q.contiguous(), k.contiguous(), v.contiguous(), rotate=False, **options)
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale"):
+        assert torch.equal(getattr(a, name).float(), getattr(b, name).float()), name
+
+
+def test_quantize_and_attend_under_inference_mode():
+    """Descales made under inference_mode have no version counter: quantize failed reading it
+    ('Inference tensors do not track version counter'); such descales are checked on every
+    call instead of passing as written."""
+    from flexfa.fp8 import flex_attention_fp8
+    q, k, v = _inputs(1, 2, 2, 64, 64, 32, 32)
+    with torch.no_grad():
+        want = flex_attention_fp8(q, k, v)
+    with torch.inference_mode():
+        quantized = quantize(q, k, v)
+        assert quantized.written == () and not quantized.scales_as_written()
+        got = flex_attention_fp8(q, k, v)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
