@@ -134,6 +134,9 @@
 # decode (paged-cache checks) and the backward's deterministic / captured / dropout GPU tests,
 # FlopCounterMode on a CUDA training step (its backward on autograd's device thread), sharded
 # (ZI_LIMIT, default 400);
+# zk: the forty-third session's changes on a GPU: the backward and Gluon backward GPU files
+# (the backward reads negated and zero-tensor gradients and unpacked tensors as values), the
+# compile and FP8 GPU tests, sharded (ZK_LIMIT, default 420);
 # zj: the forty-second session's changes on a GPU: the decode CUDA-graph test (a paged cache's
 # lengths after the replays), the decode and FlopCounterMode GPU cases, the Inductor
 # fullgraph GPU tests (whose traces now pin the numbers the mods read), sharded (ZJ_LIMIT,
@@ -153,7 +156,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi|zj) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi|zj|zk) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -693,6 +696,13 @@ if [ "$PART" = wr ]; then  # the timed tests; dropout at 256 on 32-row dK/dV til
     'm64={"GLUON_BACKWARD": false};m32={"GLUON_BACKWARD": false, "bwd_BLOCK_M1": 32}' \
     --cases 256:2048:causal+drop,256:8192:causal+drop,256:4000:causal+drop,256:16384:document+drop,256:512:full+drop,256:960:full+drop
   tail -n 3 "$OUT/timed.log"; tail -n 12 "$OUT/m1_drop.log"
+fi
+if [ "$PART" = zk ]; then  # the forty-third session's changes on a GPU (see --help)
+  T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
+  step gpu_tests "${ZK_LIMIT:-420}" $SHARD/zk -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
+    tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py \
+    tests/gpu/test_compile_gpu.py tests/gpu/test_fp8_gpu.py
+  tail -n 6 "$OUT/gpu_tests.log"
 fi
 if [ "$PART" = zj ]; then  # the forty-second session's changes on a GPU (see --help)
   step gpu_tests "${ZJ_LIMIT:-300}" $SHARD/zj -- -m gpu -p no:cacheprovider \

@@ -268,3 +268,21 @@ def test_direct_launches_of_a_cached_backward_match_the_first_call():
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between the JIT and the direct launch"
 
+
+
+def test_negated_and_zero_tensor_incoming_gradients_on_gpu():
+    """A lazily negated grad_out (a loss through .conj()) and autograd's efficient zero tensor
+    are read as their values on the GPU kernels too (runtime.layout.memory_values)."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 4, 300, 260, 64, dtype=torch.bfloat16,
+                                                       seed=31, device="cuda"))
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=create_block_mask(
+        mods.causal, None, None, 300, 260, device="cuda"), return_lse=True)
+    g, gl = torch.randn_like(out), torch.randn_like(lse)
+    want = torch.autograd.grad((out, lse), (q, k, v), (g, gl), retain_graph=True)
+    got = torch.autograd.grad((out, lse), (q, k, v),
+                              (torch._neg_view(-g), torch._neg_view(-gl)), retain_graph=True)
+    for a, b in zip(got, want):  # (not bitwise: atomics may order the sums otherwise)
+        torch.testing.assert_close(a, b)
+    for a in torch.autograd.grad(out, (q, k, v), torch._efficientzerotensor(
+            out.shape, dtype=out.dtype, device="cuda")):
+        assert torch.count_nonzero(a) == 0
