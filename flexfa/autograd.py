@@ -26,6 +26,7 @@ with an InputError: the kernels have neither batching rules nor tangents.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -97,10 +98,13 @@ class FlexAttentionFunction(torch.autograd.Function):
         # a second read raises CheckpointError)
         saved = ctx.saved_tensors
         refuse_transforms("flex_attention", (grad_out, grad_lse))  # (batched gradients)
+        # compiled autograd has Dynamo trace this backward (an eager forward's, or one of a
+        # graph break): the kernels run as they are, outside its graph
+        gradients = _opaque_gradients() if torch.compiler.is_compiling() else _gradients
         if not torch.is_grad_enabled():
-            return _gradients(ctx, saved, grad_out, grad_lse)
+            return gradients(ctx, saved, grad_out, grad_lse)
         with torch.no_grad():
-            grads = _gradients(ctx, saved, grad_out, grad_lse)
+            grads = gradients(ctx, saved, grad_out, grad_lse)
         # the incoming gradients too: d(dq)/d(grad_out) is a Jacobian-vector product
         return not_differentiable(grads, saved[:3] + saved[6:]
                                   + (ctx.call.sinks, grad_out, grad_lse))
@@ -117,6 +121,13 @@ def not_differentiable(grads, inputs) -> tuple:
                                                 len(grads) + len(inputs))
     fakes = (None if g is None else g.detach().requires_grad_() for g in grads)
     return raising(*fakes, *inputs)[:len(grads)]
+
+
+@functools.lru_cache(maxsize=1)
+def _opaque_gradients():
+    """``_gradients`` that Dynamo runs without tracing it (made on first use: decorating at
+    import would load Dynamo with flexfa)."""
+    return torch.compiler.disable(_gradients)
 
 
 def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:

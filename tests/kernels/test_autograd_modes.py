@@ -137,3 +137,30 @@ def test_torch_func_transforms_are_refused_before_any_work():
     out = flexfa.flex_attention(q, k, v)
     with pytest.raises(InputError, match="torch.func's transforms"):
         torch.autograd.grad(out, q, torch.randn(3, *out.shape), is_grads_batched=True)
+
+
+def test_compiled_autograd_over_an_eager_forward():
+    """Compiled autograd has Dynamo trace the backward of an eager call (or of a graph break
+    such as varlen_attention's): Dynamo went down into the kernel launch and failed inside
+    Triton (a fake uint64 tensor). The kernels run outside its graph now, and the gradients
+    are the eager backward's."""
+    from torch._dynamo import compiled_autograd
+    table = (0.1 * torch.randn(H, 2 * L - 1)).requires_grad_()
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, L, L, E, seed=41))
+    weights = torch.randn(B, H, L, E)
+
+    def grads(compiled: bool):
+        for t in (q, k, v, table, sinks):
+            t.grad = None
+        out = flexfa.flex_attention(q, k, v, _relative(table), sinks=sinks)
+        torch._dynamo.reset()
+        if compiled:
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                (out * weights).sum().backward()
+        else:
+            (out * weights).sum().backward()
+        return [t.grad.clone() for t in (q, k, v, table, sinks)]
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want)
