@@ -303,8 +303,22 @@ def buffer_paths(mod, traced, unread: bool = False, inside: Inside | None = None
             f"the {traced.kind} {traced.name!r} {what} of shape {shapes} that torch.compile "
             "cannot reach from it (tensors computed inside the mod, or held by an object "
             "flexfa does not walk); compute them outside the mod and capture them in a "
-            "closure, a global, a functools.partial or a module attribute")
+            f"closure, a global, a functools.partial or a module attribute{_parametrized(mod)}")
     return tuple(found[s] for s in range(len(tensors)) if s in found)
+
+
+def _parametrized(mod) -> str:
+    """A hint naming the parametrized attributes of the modules ``mod`` reaches
+    (``torch.nn.utils.parametrize``: each read computes a new tensor), or ''."""
+    from torch.nn.utils import parametrize
+    names = [f"{type(obj).__name__}.{name}" for obj, _ in _reachable(mod)
+             if isinstance(obj, torch.nn.Module) and parametrize.is_parametrized(obj)
+             for name in obj.parametrizations]
+    if not names:
+        return ""
+    return (f"; {', '.join(names)} is parametrized (torch.nn.utils.parametrize): each read "
+            "computes a new tensor, so read it in forward (bias = self.bias) and define the "
+            "mod there, capturing that tensor")
 
 
 def sized_paths(mod, tensors, inside: Inside | None = None) -> tuple:

@@ -11,6 +11,9 @@ import pathlib
 import pytest
 import torch
 
+import flexfa
+from flexfa.errors import InputError
+
 PROBE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "compile_probe.py"
 
 
@@ -47,3 +50,48 @@ def test_module_mods_compile_whole_with_torch_2_11_conversion(case, monkeypatch)
     assert [check for _, check, _, _ in rows] == ["graph breaks", "equal to eager",
                                                   "after a change"], rows
     assert all(passed for _, _, passed, _ in rows), rows
+
+
+class _Tanh(torch.nn.Module):
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+class _ParametrizedBias(torch.nn.Module):
+    def __init__(self, in_forward: bool):
+        super().__init__()
+        self.bias = torch.nn.Parameter(0.5 * torch.randn(2, 63))
+        self.in_forward = in_forward
+
+    def score(self, s, b, h, i, j):
+        return s + self.bias[h, i - j + 31]
+
+    def forward(self, q, k, v):
+        if not self.in_forward:
+            return flexfa.flex_attention(q, k, v, self.score)
+        bias = self.bias  # (a parametrized read: computed once, in the graph)
+
+        def score(s, b, h, i, j):
+            return s + bias[h, i - j + 31]
+        return flexfa.flex_attention(q, k, v, score)
+
+
+def test_a_parametrized_parameter_is_named_with_the_way_out():
+    """A parametrized attribute (torch.nn.utils.parametrize) computes a new tensor on each
+    read, which no path from the mod reaches: the refusal said to capture it in a module
+    attribute (it is one); it names the parametrization now, and its way out (read it in
+    forward, define the mod there) compiles with the eager gradients."""
+    from torch.nn.utils import parametrize
+    from compile_utils import assert_same, make_inputs, run_step
+    for in_forward in (False, True):
+        layer = _ParametrizedBias(in_forward)
+        parametrize.register_parametrization(layer, "bias", _Tanh())
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        inputs = make_inputs(32, seed=8)
+        if not in_forward:
+            with pytest.raises(InputError, match=r"bias is parametrized .*read it in forward"):
+                compiled(*inputs)
+            continue
+        original = layer.parametrizations.bias.original
+        assert_same(run_step(compiled, inputs, [original]), run_step(layer, inputs, [original]))
