@@ -237,7 +237,8 @@ def global_sliding(window: int, is_global, causal: bool = True, device=None):
     """Sliding window plus global tokens (Longformer style).
 
     ``is_global`` is a bool per token (exposed as ``mod.is_global``): global tokens see every
-    key and every query sees them. causal (default): keep iff ``q_idx >= kv_idx`` and
+    key and every query sees them (causal: every earlier key, every later query). causal
+    (default): keep iff ``q_idx >= kv_idx`` and
     (``q_idx - kv_idx < window`` or ``is_global[q_idx]`` or ``is_global[kv_idx]``);
     ``causal=False``: keep iff ``|q_idx - kv_idx| < window`` or either token is global.
     """
