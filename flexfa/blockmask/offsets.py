@@ -172,6 +172,14 @@ def check_window(func: str, window) -> int | None:
     return min(int(window), INT32_MAX)
 
 
+def window_reach(window: int | None, total_q: int, total_k: int) -> int | None:
+    """``window`` for the tables' int32 arithmetic on key indices (``diagonal + window``,
+    ``diagonal - (window - 1)``, the diagonal within ``[-total_q, total_k]``): at most
+    ``total_q + total_k + 1``, which already keeps every key of a row's document on the
+    allowed side (a window near INT32_MAX wrapped there: tiles of kept keys dropped)."""
+    return None if window is None else min(window, total_q + total_k + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenTensors:
     """Per packed token, padded to ``padded_length``: ``doc_q`` / ``doc_k`` the document (padding

@@ -37,7 +37,7 @@ from .block_mask import BlockMask
 from .checks import block_size_pair, indexed, positive_int, resolve_device
 from .create import ordered_tables
 from .offsets import (Offsets, TokenTensors, check_layouts, check_window, host_offsets,
-                      token_tensors)
+                      token_tensors, window_reach)
 from .validate import capturing, mark_checked
 from .varlen_tables import checked_kernel_tables, device_offsets, kernel_tables
 
@@ -138,7 +138,8 @@ def torch_tables(offsets: Offsets, causal: bool, window: int | None,
     q_tiles = -(-offsets.total_q // block_q)
     kv_tiles = -(-offsets.total_k // block_kv)
     tokens, row_docs, row_diag = token_tensors(offsets, q_tiles * block_q)
-    lo, hi = _key_ranges(offsets, row_docs, row_diag, causal, window)
+    lo, hi = _key_ranges(offsets, row_docs, row_diag, causal,
+                         window_reach(window, offsets.total_q, offsets.total_k))
     classes = _tile_classes(lo, hi, q_tiles, kv_tiles, block, offsets.total_k)
     return tokens, ordered_tables(classes, 1, 1)
 

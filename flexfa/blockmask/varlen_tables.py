@@ -25,7 +25,7 @@ from ..loader import INTERPRETER_LOCK, load_module
 from ..memo import BoundedMemo
 from .checks import on_device
 from .offsets import (PAD_DOC_Q, PAD_DOC_K, Offsets, TokenTensors, padded_length,
-                      raise_bad_offsets)
+                      raise_bad_offsets, window_reach)
 
 KERNELS = Path(__file__).with_name("varlen_kernels.py")
 CHUNK = 64  # kv tiles (q tiles) one program classifies at a time
@@ -119,7 +119,8 @@ def _launch(cu_q, cu_k, total_q: int, total_k: int, causal: bool, window: int | 
                   "CHECK": check}
     with on_device(device):
         launch(module.varlen_rows, grid, (
-            cu_q, cu_k, documents, documents.bit_length(), total_q, total_k, window or 1,
+            cu_q, cu_k, documents, documents.bit_length(), total_q, total_k,
+            window_reach(window, total_q, total_k) or 1,
             *tables[:4], classes, q_tiles, kv_tiles, tokens.doc_q, tokens.pos_q, tokens.diag,
             q_length, tokens.doc_k, tokens.pos_k, k_length, *checks), constexprs,
             (cu_q, cu_k), device)

@@ -192,17 +192,22 @@ def test_bad_offsets(args, kwargs, error, words):
     assert words in str(caught.value)
 
 
-@pytest.mark.parametrize("window", [2 ** 31, 2 ** 40, 2 ** 70])
-def test_window_past_int32_keeps_every_key(window):
-    """A window past the int32 positions is no limit: the mask equals the one of a window as
-    long as the documents. 2**40 gave an empty mask (int32 overflow in the table kernels), so
-    varlen_attention returned zeros silently; 2**70 failed with OverflowError in torch."""
-    cu = torch.tensor([0, 10, 40], dtype=torch.int32)
-    mask = flexfa.varlen_block_mask(cu, causal=True, window=window, BLOCK_SIZE=16)
-    same = flexfa.varlen_block_mask(cu, causal=True, window=40, BLOCK_SIZE=16)
-    assert torch.equal(mask.to_dense(), same.to_dense())
-    assert torch.equal(flexfa.create_mask(mask.mask_mod, 1, 1, 40, 40, device="cpu"),
-                       flexfa.create_mask(same.mask_mod, 1, 1, 40, 40, device="cpu"))
-    q = torch.randn(40, 1, 16)
-    assert torch.equal(flexfa.varlen_attention(q, q, q, cu, cu, causal=True, window=window),
-                       flexfa.varlen_attention(q, q, q, cu, cu, causal=True))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [2 ** 31 - 30, 2 ** 31 - 1, 2 ** 31, 2 ** 40, 2 ** 70])
+def test_window_past_int32_keeps_every_key(window, causal):
+    """A window past the int32 positions is no limit: the mask equals the one without a
+    window. 2**40 gave an empty mask (int32 overflow in the table kernels), so
+    varlen_attention returned zeros silently; 2**70 failed with OverflowError in torch; and
+    without causal a window near INT32_MAX still wrapped in the tables' key ranges
+    (diagonal + window): tiles of kept keys dropped, 24 of 40 rows out 0 and lse -inf."""
+    for cu_q, cu_k in (([0, 10, 40], [0, 10, 40]), ([0, 30, 40], [0, 10, 25])):
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+        mask = flexfa.varlen_block_mask(cu_q, cu_k, causal=causal, window=window, BLOCK_SIZE=16)
+        same = flexfa.varlen_block_mask(cu_q, cu_k, causal=causal, BLOCK_SIZE=16)
+        assert torch.equal(mask.to_dense(), same.to_dense())
+        lengths = [(cu[1:] - cu[:-1]).tolist() for cu in (cu_q, cu_k)]
+        assert_kernels_equal_torch(*lengths, causal, min(window, 2 ** 31 - 1), 16)
+        q, k = torch.randn(int(cu_q[-1]), 1, 16), torch.randn(int(cu_k[-1]), 1, 16)
+        assert torch.equal(flexfa.varlen_attention(q, k, k, cu_q, cu_k, causal=causal,
+                                                   window=window),
+                           flexfa.varlen_attention(q, k, k, cu_q, cu_k, causal=causal))
