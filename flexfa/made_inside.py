@@ -252,8 +252,9 @@ class Inside:
         function = types.FunctionType(code, value.f_globals, code.co_name, None, cells or None)
         function.__qualname__ = getattr(code, "co_qualname", code.co_name)
         if value.defaults is not None:  # (each as a cell's value: a symbolic int specialized)
-            function.__defaults__ = tuple(self._real(f"{code.co_name}'s default argument", d)
-                                          for d in value.defaults.items)
+            items = getattr(value.defaults, "items", None)  # (a tuple's Dynamo value)
+            function.__defaults__ = value.defaults.as_python_constant() if items is None else \
+                tuple(self._real(f"{code.co_name}'s default argument", d) for d in items)
         if value.kwdefaults is not None:
             function.__kwdefaults__ = value.kwdefaults.as_python_constant()
         return self._keep(function, value)
