@@ -136,7 +136,7 @@
 # (ZI_LIMIT, default 400);
 # zk: the forty-third session's changes on a GPU: the backward and Gluon backward GPU files
 # (the backward reads negated and zero-tensor gradients and unpacked tensors as values), the
-# compile and FP8 GPU tests, sharded (ZK_LIMIT, default 420);
+# compile, FP8, varlen and autograd-modes GPU tests, sharded (ZK_LIMIT, default 420);
 # zj: the forty-second session's changes on a GPU: the decode CUDA-graph test (a paged cache's
 # lengths after the replays), the decode and FlopCounterMode GPU cases, the Inductor
 # fullgraph GPU tests (whose traces now pin the numbers the mods read), sharded (ZJ_LIMIT,
@@ -701,7 +701,8 @@ if [ "$PART" = zk ]; then  # the forty-third session's changes on a GPU (see --h
   T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
   step gpu_tests "${ZK_LIMIT:-420}" $SHARD/zk -- -m gpu -p no:cacheprovider -rfE -k "not ($T)" \
     tests/kernels/test_backward_gpu.py tests/gpu/test_gluon_bwd_gpu.py \
-    tests/gpu/test_compile_gpu.py tests/gpu/test_fp8_gpu.py
+    tests/gpu/test_compile_gpu.py tests/gpu/test_fp8_gpu.py tests/blockmask/test_varlen.py \
+    tests/kernels/test_autograd_modes.py tests/kernels/test_varlen.py
   tail -n 6 "$OUT/gpu_tests.log"
 fi
 if [ "$PART" = zj ]; then  # the forty-second session's changes on a GPU (see --help)

@@ -149,6 +149,20 @@ def test_table_kernels_on_edge_documents(q_lengths, k_lengths, causal, window, b
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_table_kernels_on_the_gpu_with_a_window_near_int32(causal):
+    """The CUDA table kernels take the capped window too (offsets.window_reach): a window at
+    INT32_MAX keeps what no window keeps."""
+    for q_lengths, k_lengths in (([10, 30], [10, 30]), ([30, 10], [10, 15])):
+        assert_kernels_equal_torch(q_lengths, k_lengths, causal, 2 ** 31 - 1, 16, "cuda")
+        cu_q, cu_k = (offsets(lengths).cuda() for lengths in (q_lengths, k_lengths))
+        mask = flexfa.varlen_block_mask(cu_q, cu_k, causal=causal, window=2 ** 31 - 1,
+                                        BLOCK_SIZE=16)
+        same = flexfa.varlen_block_mask(cu_q, cu_k, causal=causal, BLOCK_SIZE=16)
+        assert torch.equal(mask.to_dense(), same.to_dense())
+
+
+@pytest.mark.gpu
 def test_table_kernels_on_the_gpu_equal_torch_and_compile_once():
     """CUDA offsets take the kernels: the issue's 16 documents over 32k tokens, then new
     lengths (and new document counts) without a new compile."""
