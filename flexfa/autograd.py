@@ -35,6 +35,7 @@ from .errors import InputError
 from .flops import count as count_flops
 from .inputs import refuse_transforms
 from .lazy import lazy_function
+from .memo import version_of
 from .runtime.call import SINKS_GRAD, AttentionCall, Dropout
 from .runtime.layout import memory_values
 
@@ -83,7 +84,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse, seed, *buffers)
         ctx.versions = _read_versions(call)
         ctx.buffer_versions = () if call.score is None else tuple(
-            None if t.is_inference() else t._version for t in call.score.buffers)
+            version_of(t) for t in call.score.buffers)
         if maxs is not None:
             ctx.mark_non_differentiable(maxs)
         # unused outputs get None instead of zeros: no lse gradient means no dlse term

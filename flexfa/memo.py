@@ -223,3 +223,10 @@ class MaskedMemo:
     def clear(self) -> None:
         self.dense.clear()
         self.masked.clear()
+
+
+def version_of(tensor) -> int | None:
+    """``tensor``'s version counter (bumped by each in-place edit), the key of what a cache
+    derived from its values; None for an inference tensor, which has none (its edits cannot
+    be told: whoever keeps this must treat None as never unchanged)."""
+    return None if tensor.is_inference() else tensor._version

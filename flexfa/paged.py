@@ -27,15 +27,11 @@ from .blockmask.validate import capturing
 from .decode import flex_decode
 from .errors import InputError, InputTypeError, check_bool, check_int
 from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
+from .memo import version_of
 
 MAX_SEQUENCES = 2 ** 20  # a cache's sequences (max_batch_size)
 
 __all__ = ["PagedKVCache"]
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """``tensor``'s version counter (None for an inference tensor, which has none)."""
-    return None if tensor.is_inference() else tensor._version
 
 
 class PagedKVCache:
@@ -76,7 +72,7 @@ class PagedKVCache:
         self.kv_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self._pages: list[list[int]] = [[] for _ in range(max_batch_size)]
         self._lens = [0] * max_batch_size  # host copy of kv_lens (_host_lens)
-        self._lens_version = _version(self.kv_lens)  # kv_lens's when _lens was last right
+        self._lens_version = version_of(self.kv_lens)  # kv_lens's when _lens was last right
         # kv_lens is changed on the device: read it back (made under inference_mode, it has
         # no version counter: read back from the start)
         self._device_lengths = self.kv_lens.is_inference()
@@ -136,7 +132,7 @@ class PagedKVCache:
         self._see_device_writes()  # (before this write: the other sequences' copies)
         self._lens[batch_idx] = seq_len
         self.kv_lens[batch_idx] = seq_len
-        self._lens_version = _version(self.kv_lens)
+        self._lens_version = version_of(self.kv_lens)
 
     def length(self, batch_idx: int) -> int:
         return self._host_lens()[self._row(batch_idx)]
@@ -151,7 +147,7 @@ class PagedKVCache:
     def _see_device_writes(self) -> None:
         """Once ``kv_lens`` changed since the host's copy was last right (its version
         counter), the lengths are read back from the device from then on."""
-        if _version(self.kv_lens) != self._lens_version:
+        if version_of(self.kv_lens) != self._lens_version:
             self._device_lengths = True
 
     def _host_lens(self) -> list[int]:
@@ -165,7 +161,7 @@ class PagedKVCache:
                                  "graph is being captured; call append / length / set_length "
                                  "outside the capture")
             self._lens = self.kv_lens.tolist()
-            self._lens_version = _version(self.kv_lens)
+            self._lens_version = version_of(self.kv_lens)
         return self._lens
 
     def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,

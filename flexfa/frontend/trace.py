@@ -17,7 +17,7 @@ import torch
 from ..errors import TraceError
 from . import ir
 from . import torch_functions  # noqa: F401  (registers the torch-function handlers)
-from ..memo import OwnedMemo
+from ..memo import OwnedMemo, version_of
 from .guards import Guard, guard, pins, pins_hold, torch_state, torch_state_holds
 from .ir import DType, Node, Op
 from .proxy import BufferView, Proxy, Tracer, lift, supported_functions
@@ -175,11 +175,6 @@ class TraceEntry:
         return True
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter, None for an inference tensor (it has none)."""
-    return None if tensor.is_inference() else tensor._version
-
-
 # mod -> {(kind, method's function): TraceEntry}, weakly keyed on the mod (a bound method's
 # instance): dropping the mod drops its traces and the captured tensors they hold
 TRACE_MEMO = OwnedMemo(owners=1024, per_owner=8, name="traces")
@@ -257,7 +252,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
               "q_idx": ir.index(Op.Q_IDX), "kv_idx": ir.index(Op.KV_IDX)}
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
     watched = list(current.tensors) if current is not None else _captured_tensors(fn)
-    versions = [_version(t) for t in watched]
+    versions = [version_of(t) for t in watched]
     reads = _ValueReads({id(t) for t in watched}, tracer)
     try:
         with reads:
@@ -269,7 +264,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     for tensor, version in zip(watched, versions):
         # (another thread, a training loop's optimizer step, may edit it meanwhile: that is
         # no error of the mod; the memo then holds the versions read before, so it is stale)
-        if _version(tensor) != version and reads.mutated:
+        if version_of(tensor) != version and reads.mutated:
             raise tracer.error(
                 f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
