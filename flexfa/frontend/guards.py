@@ -106,7 +106,6 @@ _READER_IDS = {id(getattr(torch, name)): name for name in STATE_READERS if hasat
 _READER_IDS.update({id(STATE_READERS[name]): name for name in (
     "is_compiling", "is_dynamo_compiling", "is_exporting", "is_tracing")})
 _READER_IDS[id(torch.cuda.current_device)] = "current_device"
-_READER_IDS[id(torch.finfo)] = "finfo"
 
 
 def torch_state(names) -> tuple:
