@@ -740,8 +740,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     reaches the caller as eager flexfa's (``_raised_as_eagerly``)."""
     query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)
-    # (a branch, where bool() keeps a SymBool symbolic: a guard on its value)
-    enable_gqa = True if check_bool("enable_gqa", enable_gqa) else False
+    enable_gqa = check_bool("enable_gqa", enable_gqa)  # (a SymBool: specialized there)
     return_lse = check_bool("return_lse", return_lse)
     aux_lse, aux_max = check_aux(return_aux, return_lse)
     check_shapes(query, key, value, enable_gqa)
@@ -801,7 +800,7 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         # argument the dict had guards on its values only: a key added to it, or a dict
         # passed in with one more key, ran the options compiled first), and ints specialized
         # (an int that changed between calls becomes symbolic, which ``describe`` cannot take)
-        # (bools by a branch: bool() would keep a SymBool symbolic)
+        # (bools by a branch, as check_bool: bool() would keep a SymBool symbolic)
         kernel_options = {name: operator.index(value) if type(value) is int else
                           (True if value else False) if type(value) is bool else value
                           for name, value in kernel_options.items()}

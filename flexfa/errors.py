@@ -56,7 +56,9 @@ def check_bool(name: str, value) -> bool:
     """``value`` as a Python bool if it is a bool (numpy's too), else an InputTypeError naming
     ``name`` and the value (no truthiness: 1, "no" or None are refused)."""
     if type(value) is bool:  # the common case first: checked on every flex_attention call
-        return value
+        # (a branch, not ``value``: under torch.compile a bool computed from symbolic shapes
+        # is a SymBool, which Dynamo reports as a bool; the branch guards on its value)
+        return True if value else False
     if not is_bool(value):
         raise InputTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
