@@ -26,7 +26,6 @@ with an InputError: the kernels have neither batching rules nor tangents.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -101,7 +100,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         refuse_transforms("flex_attention", (grad_out, grad_lse))  # (batched gradients)
         # compiled autograd has Dynamo trace this backward (an eager forward's, or one of a
         # graph break): the kernels run as they are, outside its graph
-        gradients = _opaque_gradients() if torch.compiler.is_compiling() else _gradients
+        gradients = outside_dynamo(_gradients) if torch.compiler.is_compiling() else _gradients
         if not torch.is_grad_enabled():
             return gradients(ctx, saved, grad_out, grad_lse)
         with torch.no_grad():
@@ -124,11 +123,17 @@ def not_differentiable(grads, inputs) -> tuple:
     return raising(*fakes, *inputs)[:len(grads)]
 
 
-@functools.lru_cache(maxsize=1)
-def _opaque_gradients():
-    """``_gradients`` that Dynamo runs without tracing it (made on first use: decorating at
+_OUTSIDE: dict = {}  # backward body -> its Dynamo-disabled twin (two module functions)
+
+
+def outside_dynamo(function):
+    """``function`` (a backward's module-level body) as one Dynamo runs without tracing it,
+    for compiled autograd tracing an eager call's backward (made on first use: decorating at
     import would load Dynamo with flexfa)."""
-    return torch.compiler.disable(_gradients)
+    made = _OUTSIDE.get(function)
+    if made is None:
+        made = _OUTSIDE[function] = torch.compiler.disable(function)
+    return made
 
 
 def _gradients(ctx, saved: tuple, grad_out, grad_lse) -> tuple:

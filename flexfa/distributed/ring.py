@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import flex_attention
-from ..autograd import check_versions, not_differentiable
+from ..autograd import check_versions, not_differentiable, outside_dynamo
 from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool
 from ..frontend import MASK_MOD, trace
@@ -227,18 +227,25 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        saved = ctx.saved_tensors
-        _check_unedited(ctx.watched, ctx.copies)
-        _check_same_mods(ctx.plan.traces)
-        if not torch.is_grad_enabled():
-            return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
-        # create_graph=True: the steps' gradients have no derivative (flex_attention's
-        # backward kernels have none); ones that raise when differentiated, not constants
-        # that would silently drop a gradient penalty's term
-        with torch.no_grad():
-            grads = _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
-        query, key, value, _, _, *learned = saved
-        return (None, *not_differentiable(grads[1:], (query, key, value, *learned)))
+        # compiled autograd has Dynamo trace this backward (of an eager forward): the
+        # checks, the steps' recomputation and the exchanges run outside its graph
+        run = outside_dynamo(_backward) if torch.compiler.is_compiling() else _backward
+        return run(ctx, ctx.saved_tensors, grad_out, grad_lse)
+
+
+def _backward(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
+    """_RingAttention.backward's results; ``saved``: ``ctx.saved_tensors``, read once."""
+    _check_unedited(ctx.watched, ctx.copies)
+    _check_same_mods(ctx.plan.traces)
+    if not torch.is_grad_enabled():
+        return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+    # create_graph=True: the steps' gradients have no derivative (flex_attention's
+    # backward kernels have none); ones that raise when differentiated, not constants
+    # that would silently drop a gradient penalty's term
+    with torch.no_grad():
+        grads = _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+    query, key, value, _, _, *learned = saved
+    return (None, *not_differentiable(grads[1:], (query, key, value, *learned)))
 
 
 def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
