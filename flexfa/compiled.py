@@ -41,7 +41,7 @@ from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .frontend.guards import DYNAMIC_NAMES, code_names, filled, is_library_name
+from .frontend.guards import DYNAMIC_NAMES, code_names, filled, global_names, is_library_name
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
@@ -569,8 +569,8 @@ def _children(obj, reads: bool = False):
             return []
         cells = [(("cell", n), c.cell_contents)
                  for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or ()) if filled(c)]
-        names = [(("global", n), obj.__globals__[n]) for n in sorted(code_names(obj.__code__))
-                 if n in obj.__globals__]
+        names = [(("global", n), obj.__globals__[n])
+                 for n in sorted(global_names(obj.__code__)) if n in obj.__globals__]
         return cells + names
     if isinstance(obj, (tuple, list)):
         return [(("item", i), v) for i, v in enumerate(obj)]

@@ -190,31 +190,39 @@ def _is_library_type(cls: type) -> bool:
     return is_library_name(getattr(cls, "__module__", "") or "")
 
 
-_CODE_NAMES: dict[int, tuple] = {}  # id -> (code, names, imports)
+_CODE_NAMES: dict[int, tuple] = {}  # id -> (code, names, imports, global names)
 
 
 def _code_facts(code: types.CodeType) -> tuple:
-    """(names and string constants, modules imported: (name, level) pairs) of ``code`` and of
-    the code nested in it."""
+    """(names and string constants, modules imported: (name, level) pairs, the names looked
+    up as globals or imported) of ``code`` and of the code nested in it."""
     known = _CODE_NAMES.get(id(code))
     if known is not None and known[0] is code:
         return known[1:]
     names = set(code.co_names)
     imports = {(ins.argval, level) for ins, level in _import_levels(code)}
+    loaded = {ins.argval.partition(".")[0] for ins in dis.get_instructions(code)
+              if ins.opcode in _GLOBAL_OPS and isinstance(ins.argval, str)}
     for const in code.co_consts:
         if isinstance(const, str) and const.isidentifier():
             names.add(const)
         elif isinstance(const, types.CodeType):
-            nested_names, nested_imports = _code_facts(const)
+            nested_names, nested_imports, nested_loaded = _code_facts(const)
             names |= nested_names
             imports.update(nested_imports)
-    facts = frozenset(names), tuple(sorted(imports, key=repr))
+            loaded |= nested_loaded
+    facts = frozenset(names), tuple(sorted(imports, key=repr)), frozenset(loaded)
     if len(_CODE_NAMES) > 4096:
         _CODE_NAMES.clear()
     _CODE_NAMES[id(code)] = (code, *facts)
     return facts  # (not read back: another thread may clear the memo meanwhile)
 
 
+# the instructions that name a global (or a module's name an import binds)
+_GLOBAL_OPS = frozenset(op for name, op in dis.opmap.items()
+                        if "GLOBAL" in name or name in (
+                            "LOAD_NAME", "STORE_NAME", "DELETE_NAME", "IMPORT_NAME",
+                            "IMPORT_FROM", "LOAD_FROM_DICT_OR_GLOBALS"))
 _IMPORT_NAME = dis.opmap["IMPORT_NAME"]
 
 
@@ -234,6 +242,14 @@ def _import_levels(code: types.CodeType):
 def code_names(code: types.CodeType) -> frozenset:
     """Names and string constants of ``code`` and of the code nested in it."""
     return _code_facts(code)[0]
+
+
+def global_names(code: types.CodeType) -> frozenset:
+    """The globals ``code`` (and the code nested in it) may read: the names it looks up as
+    globals or imports, or every name and string constant (``code_names``) where it looks
+    names up by computed strings (``globals()[name]``, ``eval``: ``DYNAMIC_NAMES``)."""
+    names, _, loaded = _code_facts(code)
+    return loaded if names.isdisjoint(DYNAMIC_NAMES) else names
 
 
 # compared by value
@@ -273,7 +289,7 @@ class _Walk:
     def add_code(self, code: types.CodeType) -> frozenset:
         """Record ``code`` and add its names to the walk's; returns them. The modules it
         imports (``import cfg`` inside a mod: no global names them) are walked too."""
-        names, imports = _code_facts(code)
+        names, imports, _ = _code_facts(code)
         if not names.isdisjoint(DYNAMIC_NAMES):
             raise Unguardable(f"code {code.co_name!r} looks attributes up dynamically")
         if not names <= self.names:
@@ -710,7 +726,7 @@ def pins(fn) -> tuple | None:
     if type(fn) is not types.FunctionType or fn.__defaults__ is not None or \
             fn.__kwdefaults__ is not None or fn.__dict__ or is_library_name(fn.__module__ or ""):
         return None
-    names, imports = _code_facts(fn.__code__)
+    names, imports, _ = _code_facts(fn.__code__)
     if imports or not names.isdisjoint(DYNAMIC_NAMES):
         return None
     cells = []

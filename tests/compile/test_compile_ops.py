@@ -256,6 +256,35 @@ def test_a_lookup_hook_takes_every_attribute_but_not_every_method(monkeypatch):
     assert any(obj is config.extra for obj in objects)  # an attribute no code names
 
 
+def test_an_attribute_named_like_a_global_function_is_not_a_global(monkeypatch):
+    """The walk of what a mod may run took every name in its code as a possible global: a
+    mod reading ``self.cfg.t`` in a module with a global function ``t`` walked ``t`` and all
+    it calls, and past the limit the compiled call was refused, though the mod reads one
+    number. Globals are the names the code looks up as globals (or imports); names looked
+    up by computed strings still take every name."""
+    from flexfa import compiled
+    namespace = {"__name__": "user_layers"}
+    exec("def helper(x):\n    return x\n"
+         "def t(x):\n    return helper(x)\n"
+         "class Cfg:\n    t = 0.5\n"
+         "cfg = Cfg()\n"
+         "def scaled(score, b, h, q_idx, kv_idx):\n    return score * cfg.t\n"
+         "def looked_up(score, b, h, q_idx, kv_idx):\n    return score * globals()['t'](1)\n"
+         "def imported(score, b, h, q_idx, kv_idx):\n"
+         "    from math import pi\n    return score * pi\n"
+         "def by_global(score, b, h, q_idx, kv_idx):\n"
+         "    return score * [lambda: t(1) for _ in '.'][0]()\n", namespace)
+    monkeypatch.setattr(compiled, "MAX_RUN_FUNCTIONS", 2)
+    functions, names, objects = compiled.functions_run(namespace["scaled"])
+    assert [f.__name__ for f in functions] == ["scaled"]
+    assert "t" in names and any(obj is namespace["cfg"] for obj in objects)
+    monkeypatch.setattr(compiled, "MAX_RUN_FUNCTIONS", 8)
+    for name in ("looked_up", "by_global"):  # by a computed name; in nested code
+        functions = compiled.functions_run(namespace[name])[0]
+        assert {"t", "helper"} <= {f.__name__ for f in functions}, name
+    assert "math" in compiled.global_names(namespace["imported"].__code__)
+
+
 def test_import_does_not_load_dynamo_or_triton():
     code = "import flexfa, sys; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
