@@ -41,7 +41,8 @@ from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .frontend.guards import DYNAMIC_NAMES, code_names, filled, global_names, is_library_name
+from .frontend.guards import (DYNAMIC_NAMES, code_names, filled, global_names, is_library_name,
+                              library_function)
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
@@ -199,7 +200,7 @@ def _traced(mod, kind) -> tuple:
         raise InputError(f"the {kind} {entry.traced.name!r} reads the values of captured tensors "
                          "in Python while traced (float(t), if t.sum() > 0): under "
                          "torch.compile its trace could not follow their changes; index them "
-                         "with the mod's arguments instead")
+                         f"with the mod's arguments instead{_parametrized(mod)}")
     sized = tuple(t for t in (ref() for ref in entry.sized) if t is not None)
     return entry.traced, sized
 
@@ -344,8 +345,17 @@ def number_paths(mod, names, inside: Inside | None = None) -> tuple:
     changes."""
     if mod is None:
         return ()
-    found = [(path, obj) for obj, path in _reachable(mod, names)
-             if type(obj) in (int, float) and obj == obj]  # (a NaN equals nothing: not pinned)
+    found = []
+    for obj, path in _reachable(mod, names):
+        if type(obj) in (int, float) and obj == obj:  # (a NaN equals nothing: not pinned)
+            found.append((path, obj))
+        elif isinstance(obj, torch.Tensor) and obj.__dict__ and \
+                any(n in names for n in obj.__dict__):  # (names may be EVERY_NAME)
+            raise InputError(
+                f"the mod {mod_name(mod)!r} may read Python attributes set on a captured tensor "
+                f"({', '.join(sorted(n for n in obj.__dict__ if n in names))}), which "
+                "torch.compile does not guard: a changed value would run the old one; hold "
+                "the value in a closure, a module attribute or a tensor")
     if len(found) > MAX_PINNED:
         raise InputError(
             f"the mod {mod_name(mod)!r} may read {len(found)} Python numbers (its closures, "
@@ -481,8 +491,8 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             return
         queue.append(obj)
         if isinstance(obj, types.FunctionType):
-            if is_library_name(obj.__module__ or ""):
-                return
+            if library_function(obj):
+                return  # (its closure's values are walked: _children)
             if len(functions) >= MAX_RUN_FUNCTIONS:
                 _too_much(mod, f"{MAX_RUN_FUNCTIONS} functions")
             functions.append(obj)
@@ -565,10 +575,10 @@ def _children(obj, reads: bool = False):
         return [(("attr", "func"), obj.func), (("attr", "args"), obj.args),
                 (("attr", "keywords"), obj.keywords)]
     if isinstance(obj, types.FunctionType):
-        if is_library_name(obj.__module__ or ""):
-            return []
         cells = [(("cell", n), c.cell_contents)
                  for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or ()) if filled(c)]
+        if library_function(obj):  # (torch's and_masks: the user's masks in its closure)
+            return cells
         names = [(("global", n), obj.__globals__[n])
                  for n in sorted(global_names(obj.__code__)) if n in obj.__globals__]
         return cells + names

@@ -86,6 +86,7 @@ STATE_READERS = {
                      "get_autocast_cpu_dtype", "get_autocast_gpu_dtype",
                      "is_autocast_cache_enabled"), _autocast_state),
     "initial_seed": torch.initial_seed,
+    "get_deterministic_debug_mode": torch.get_deterministic_debug_mode,
     "is_anomaly_check_nan_enabled": torch.is_anomaly_check_nan_enabled,
     # a compiled call's mods are traced while Dynamo runs (``compiled.describe``): a mod
     # branching on these gets one trace eagerly and another compiled
@@ -98,14 +99,18 @@ STATE_READERS = {
 # (``torch.finfo()``, a factory without dtype=): where the reached code names one, those two
 # are compared as for their readers
 _IMPLICIT_READERS = dict.fromkeys(
-    ("finfo", "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "full", "empty",
-     "arange", "linspace", "logspace", "eye"), ("get_default_dtype", "get_default_device"))
+    ("finfo", "tensor", "as_tensor", "asarray", "scalar_tensor", "zeros", "ones", "full",
+     "empty", "empty_strided", "arange", "range", "linspace", "logspace", "eye", "Tensor",
+     "hann_window", "hamming_window", "bartlett_window", "blackman_window", "kaiser_window"),
+    ("get_default_dtype", "get_default_device"))
 # id(a reader function) -> its name: the walk adds the name where it meets the function
 # under another one (``from torch import is_grad_enabled as grad_on``)
 _READER_IDS = {id(getattr(torch, name)): name for name in STATE_READERS if hasattr(torch, name)}
 _READER_IDS.update({id(STATE_READERS[name]): name for name in (
     "is_compiling", "is_dynamo_compiling", "is_exporting", "is_tracing")})
 _READER_IDS[id(torch.cuda.current_device)] = "current_device"
+_READER_IDS.update({id(getattr(torch, name)): name for name in _IMPLICIT_READERS
+                    if hasattr(torch, name)})  # (``from torch import finfo as fi``)
 
 
 def torch_state(names) -> tuple:
@@ -176,6 +181,11 @@ class Guard:
 
 
 _BUILTIN_NAMES = vars(builtins)
+# modules whose C functions give another answer each call (``time.time_ns()``,
+# ``os.urandom(4)``, ``datetime.now()``): a mod calling one is traced again on every call
+_IMPURE_MODULES = frozenset({"time", "os", "posix", "nt", "random", "_random", "secrets",
+                             "uuid", "_uuid", "datetime", "_datetime", "_thread", "threading",
+                             "select", "socket", "_socket", "resource", "gc", "sys"})
 _LIBRARY_MODULES = frozenset({"torch", "math", "numpy", "triton", "torch.nn.functional",
                               "torch.special", "operator", "functools"})
 
@@ -183,6 +193,13 @@ _LIBRARY_MODULES = frozenset({"torch", "math", "numpy", "triton", "torch.nn.func
 @functools.lru_cache(maxsize=4096)
 def is_library_name(module: str) -> bool:
     return module.partition(".")[0] in LIBRARIES
+
+
+def library_function(fn: types.FunctionType) -> bool:
+    """Whether ``fn``'s code is a library's: by the module whose globals it runs with
+    (``functools.wraps`` copies a library function's ``__module__`` onto a user's wrapper).
+    A library's closure (torch's ``and_masks``) may still hold the user's functions."""
+    return is_library_name(fn.__globals__.get("__name__") or "")
 
 
 def _is_library_type(cls: type) -> bool:
@@ -326,10 +343,7 @@ class _Walk:
         self.seen[id(value)] = len(self.seen)
         self.keep.append(value)
         if cls is torch.Tensor:  # the common captured value: no handler call
-            self.tensors.append(value)
-            self.identities.append(value)
-            self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
-                           value.requires_grad)
+            self.tensor(value)
             return
         known = _HANDLERS.get(id(cls))
         handler = known[1] if known is not None and known[0]() is cls else _handler(cls)
@@ -340,6 +354,10 @@ class _Walk:
         self.identities.append(value)
         self.parts += (("id", id(value)), value.shape, value.dtype, value.device,
                        value.requires_grad)
+        # Python attributes set on it (``table.temperature``; Dynamo, when it steps into
+        # this walk, fails inside on a tensor's ``__dict__``)
+        if not torch.compiler.is_compiling() and value.__dict__:
+            self.attributes(value, value.__dict__)
 
     def number(self, value) -> None:
         self.parts += (type(value), exact(value))
@@ -374,6 +392,10 @@ class _Walk:
         owner = getattr(value, "__self__", None)
         if owner is not None and not isinstance(owner, (types.ModuleType, type)):
             raise Unguardable(f"a method bound to a {type(owner).__name__}")
+        if owner is not None and (owner.__name__ if isinstance(owner, types.ModuleType)
+                                  else owner.__module__) in _IMPURE_MODULES:
+            # a clock, the OS's random bytes: a trace would hold one answer as a constant
+            raise Unguardable(f"{owner.__name__}.{value.__name__}, which answers anew each call")
         self.parts.append(value)  # library code: held, compared by identity
         self.reader(value)
 
@@ -395,17 +417,15 @@ class _Walk:
         self.value(value.fset)
 
     def function(self, fn: types.FunctionType) -> None:
-        if is_library_name(fn.__module__ or ""):
+        if library_function(fn):
             self.identity(fn)
             self.reader(fn)
+            if fn.__closure__:  # (torch's and_masks: the user's masks in its closure)
+                self.cells(fn)
             return
         names = self.add_code(fn.__code__)
         if fn.__closure__:
-            try:
-                cells = tuple(map(_cell_contents, fn.__closure__))
-            except ValueError:  # an empty cell
-                cells = tuple(_cell(c) for c in fn.__closure__)
-            self.value(cells)
+            self.cells(fn)
         if fn.__defaults__:
             self.value(fn.__defaults__)
         if fn.__kwdefaults__:
@@ -424,6 +444,14 @@ class _Walk:
                 self.value(found)
         if fn.__dict__:
             self.attributes(fn, fn.__dict__)
+
+    def cells(self, fn: types.FunctionType) -> None:
+        """A function's closure cells' values."""
+        try:
+            cells = tuple(map(_cell_contents, fn.__closure__))
+        except ValueError:  # an empty cell
+            cells = tuple(_cell(c) for c in fn.__closure__)
+        self.value(cells)
 
     def items(self, value) -> None:
         if len(value) > MAX_ITEMS:
@@ -444,8 +472,12 @@ class _Walk:
             self.value(key)
             self.value(item)
 
-    def attributes(self, owner, namespace: dict) -> None:
-        """The entries of ``namespace`` under the walk's names (absent ones as absent)."""
+    def attributes(self, owner, namespace: dict, whole: bool = False) -> None:
+        """The entries of ``namespace`` under the walk's names (absent ones as absent), or
+        all of them (``whole``)."""
+        if whole:
+            self.mapping(namespace)
+            return
         for name in self.ordered:
             found = namespace.get(name, _MISSING)
             if found is _MISSING:
@@ -465,6 +497,7 @@ class _Walk:
         may call: ``constructed``), ``__init__`` and ``__new__`` too."""
         self.identity(cls)
         if _is_library_type(cls):
+            self.reader(cls)  # (``torch.finfo()`` under another name)
             return
         meta = type(cls)  # ``cls.name`` also finds the metaclass's entries and hooks
         if meta is not type and not _is_library_type(meta) and meta not in self.metaclasses:
@@ -480,24 +513,28 @@ class _Walk:
                     self.value(base.__dict__[name])
                     break
 
-    def instance(self, obj) -> None:
+    def instance(self, obj, whole: bool = False) -> None:
+        """An object: its class's entries and its attributes under the walk's names, or
+        with ``whole`` (a library base class's methods, ``UserDict.__getitem__``,
+        ``ModuleList.__getitem__``, read attributes the code does not name) all of them."""
         cls = type(obj)
         is_module = isinstance(obj, torch.nn.Module)
         if _is_library_type(cls) and not is_module:
             raise Unguardable(f"an object of type {cls.__module__}.{cls.__qualname__}")
         if is_module:  # calling it runs its forward and hooks
             self.add_names(_MODULE_CALL)
-        namespace = self.object_state(obj, is_module)
+        namespace = self.object_state(obj, is_module, whole)
         if namespace is None:
             raise Unguardable(f"an object of type {cls.__qualname__} without attributes")
         if is_module:  # parameters, buffers and submodules live in their own dicts
             for table in ("_parameters", "_buffers", "_modules"):
-                self.attributes(obj, namespace.get(table) or {})
+                self.attributes(obj, namespace.get(table) or {}, whole)
 
-    def object_state(self, obj, is_module: bool = False) -> dict | None:
+    def object_state(self, obj, is_module: bool = False, whole: bool = False) -> dict | None:
         """What an object's attribute reads and special methods may see beyond its value: its
-        class's entries and its own attributes (``__dict__`` or slots) under the walk's names.
-        Returns its attributes, None if it has no attribute storage."""
+        class's entries and its own attributes (``__dict__`` or slots) under the walk's names
+        (all of them with ``whole``). Returns its attributes, None if it has no attribute
+        storage."""
         cls = type(obj)
         _refuse_lookup_hooks(cls, torch.nn.Module if is_module else None)
         self.klass(cls, constructed=False)
@@ -506,8 +543,9 @@ class _Walk:
             slots = [n for base in cls.__mro__ for n in getattr(base, "__slots__", ())]
             if not slots:
                 return None
-            namespace = {n: getattr(obj, n, _ABSENT) for n in slots if n in self.names}
-        self.attributes(obj, namespace)
+            namespace = {n: getattr(obj, n, _ABSENT) for n in slots
+                         if whole or n in self.names}
+        self.attributes(obj, namespace, whole)
         return namespace
 
     def subclassed(self, value, handler) -> None:
@@ -595,7 +633,26 @@ def _handler(cls: type):
     handler = next((h for base, h in _DISPATCH if issubclass(cls, base)), _Walk.instance)
     if handler not in (_Walk.instance, _Walk.klass) and not _is_library_type(cls):
         handler = functools.partial(_Walk.subclassed, handler=handler)
+    elif handler is _Walk.instance:
+        hidden = next((base for base in cls.__mro__ if not base.__flags__ & _HEAP_TYPE
+                       and base not in _ATTRIBUTE_STATE), None)
+        if hidden is not None:
+            handler = functools.partial(_refuse, reason=(
+                f"an object of type {cls.__qualname__}, whose base "
+                f"{hidden.__module__}.{hidden.__qualname__} keeps state outside its attributes"))
+        elif any(_is_library_type(base) for base in cls.__mro__
+                 if base not in (object, torch.nn.Module)):
+            handler = functools.partial(_Walk.instance, whole=True)
     return _keep_per_type(_HANDLERS, id(cls), cls, handler)
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (not C)
+# C types whose objects keep their whole state in their attributes
+_ATTRIBUTE_STATE = frozenset({object, types.SimpleNamespace})
+
+
+def _refuse(walk, value, reason: str):
+    raise Unguardable(reason)
 
 
 _cell_contents = operator.attrgetter("cell_contents")
@@ -621,32 +678,37 @@ _NOT_IMPLICIT = frozenset({"__repr__", "__str__", "__format__", "__del__", "__re
                            "__deepcopy__", "__sizeof__", "__dir__", "__init_subclass__",
                            "__class_getitem__", "__subclasshook__", "__set_name__",
                            "__setattr__", "__delattr__", "__init__", "__new__"})
-# class -> (its implicit names, with construction's); weakly keyed: keeps no class alive
+# class -> (its bases' entry names, its implicit names, with construction's); weakly keyed:
+# keeps no class alive
 _IMPLICIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _implicit_methods(cls: type, constructed: bool) -> frozenset:
     """The special methods (``__call__``, ``__getitem__``, ``__add__``...) that ``cls`` or a
     base outside the libraries defines: Python calls them on operators and calls without
-    naming them in the code, so the walk must read them like named attributes."""
+    naming them in the code, so the walk must read them like named attributes. Kept per
+    class with the names of its bases' entries: one added later (``Flag.__bool__ = ...``)
+    or a base changed is taken anew."""
+    bases = tuple(base for base in cls.__mro__ if not _is_library_type(base))
+    entries = (tuple(map(id, bases)), tuple(tuple(vars(base)) for base in bases))  # (no refs)
     try:
         known = _IMPLICIT.get(cls)
     except TypeError:  # a metaclass without weak references or hashing
         known = None
-    if known is None:
-        found = {name for base in cls.__mro__ if not _is_library_type(base)
-                 for name, entry in vars(base).items()
+    if known is None or known[0] != entries:
+        found = {name for base in bases for name, entry in vars(base).items()
                  if name.startswith("__") and name.endswith("__") and (
-                     callable(entry) or isinstance(entry, (staticmethod, classmethod, property)))}
+                     entry is None or callable(entry)
+                     or isinstance(entry, (staticmethod, classmethod, property)))}
         implicit = frozenset(found - _NOT_IMPLICIT)
-        known = (implicit, implicit | (found & {"__init__", "__new__"}))
+        known = (entries, implicit, implicit | (found & {"__init__", "__new__"}))
         try:
             if len(_IMPLICIT) > 4096:
                 _IMPLICIT.clear()
             _IMPLICIT[cls] = known
         except TypeError:
             pass
-    return known[1] if constructed else known[0]
+    return known[2] if constructed else known[1]
 
 
 def exact(value):
@@ -698,16 +760,19 @@ def _pin(value):
     value the walk compares by identity or as a tensor; None for any other value."""
     cls = type(value)
     if cls is torch.Tensor:
+        if value.__dict__:  # Python attributes: the full guard reads them
+            return None
         return (weakref.ref(value), value.shape, value.dtype, value.device, value.requires_grad)
     if cls in _SCALARS:
         return (value,)
     if cls is types.ModuleType and is_library_name(value.__name__):
         return (value,)
-    if cls is types.FunctionType and is_library_name(value.__module__ or ""):
+    if cls is types.FunctionType and library_function(value) and value.__closure__ is None:
         return (value,)
     if cls is types.BuiltinFunctionType:
         owner = getattr(value, "__self__", None)
-        if owner is None or isinstance(owner, types.ModuleType):
+        if owner is None or isinstance(owner, types.ModuleType) and \
+                owner.__name__ not in _IMPURE_MODULES:
             return (value,)
     return None
 
@@ -724,7 +789,7 @@ def pins(fn) -> tuple | None:
     binding ``_pin`` takes (else None: the full guard). Taken before the trace it serves and
     kept only if ``pins_hold`` still after (the state did not change meanwhile)."""
     if type(fn) is not types.FunctionType or fn.__defaults__ is not None or \
-            fn.__kwdefaults__ is not None or fn.__dict__ or is_library_name(fn.__module__ or ""):
+            fn.__kwdefaults__ is not None or fn.__dict__ or library_function(fn):
         return None
     names, imports, _ = _code_facts(fn.__code__)
     if imports or not names.isdisjoint(DYNAMIC_NAMES):

@@ -290,3 +290,33 @@ def test_import_does_not_load_dynamo_or_triton():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]
+
+
+def test_python_attributes_of_a_captured_tensor_are_refused_under_compile():
+    """A mod reading a Python attribute set on a captured tensor (``table.width``): Dynamo
+    does not guard it, so a changed value ran the old one (1.15 off in a probe); eager
+    flexfa follows it (the trace memo's guard reads it), torch.compile refuses it."""
+    table = torch.zeros(8)
+    table.width = 2.0
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * table.width
+
+    q = torch.randn(1, 1, 16, 16)
+    torch._dynamo.reset()
+    compiled_call = torch.compile(lambda q: flexfa.flex_attention(q, q, q, scaled),
+                                  backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="Python attributes set on a captured tensor"):
+        compiled_call(q)
+    table.other = 1.0  # an attribute no code names: not refused
+    del table.width
+    table_free = torch.zeros(8)
+    table_free.note = "unread"
+
+    def plain(score, b, h, q_idx, kv_idx):
+        return score + table_free[kv_idx % 8]
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda q: flexfa.flex_attention(q, q, q, plain), backend="eager",
+                        fullgraph=True)(q)
+    torch.testing.assert_close(out, flexfa.flex_attention(q, q, q, plain))

@@ -841,3 +841,166 @@ def test_torch_global_state_a_mod_reads():
         torch.use_deterministic_algorithms(False)
     assert trace_entry(_grad_window).state == (("is_grad_enabled", True),)
     assert trace_entry(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).state == ()
+
+
+from torch import finfo as _fi  # noqa: E402  (a class that reads the default dtype, renamed)
+from torch import asarray as _asarray  # noqa: E402
+
+
+def _renamed_finfo_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (5 if _fi().bits == 64 else 2)
+
+
+def _asarray_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (5 if _asarray(1.0).dtype == torch.float64 else 2)
+
+
+def _debug_mode_window(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < (5 if torch.get_deterministic_debug_mode() else 2)
+
+
+def test_more_readers_of_torch_state():
+    """torch.finfo imported under another name, torch.asarray (the default dtype) and
+    torch.get_deterministic_debug_mode() kept the first state's trace (an audit's probes:
+    2.1 off)."""
+    _assert_follows_float64(_renamed_finfo_window)
+    _assert_follows_float64(_asarray_window)
+    try:
+        _assert_follows(_debug_mode_window, lambda: torch.set_deterministic_debug_mode(1))
+    finally:
+        torch.set_deterministic_debug_mode(0)
+
+
+def test_a_library_closure_and_a_wrapper_named_like_a_library_function():
+    """A function whose __module__ names a library was compared by identity alone, its
+    closure not walked: torch's own and_masks (a torch closure over the user's masks) and a
+    user's wrapper made with functools.wraps(<a torch function>) kept the first trace (1.9
+    and 2.1 off in an audit's probes). Library code is told by the globals it runs with,
+    and a library function's closure is walked."""
+    from torch.nn.attention.flex_attention import and_masks as torch_and_masks
+    window = [4]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window[0]
+
+    combined = torch_and_masks(causal, near)
+    assert combined.__module__.startswith("torch")
+    _assert_follows(combined, lambda: window.__setitem__(0, 2))
+    scale = [1.0]
+
+    @functools.wraps(torch.nn.attention.flex_attention._identity)
+    def wrapped(score, b, h, q_idx, kv_idx):
+        return score * scale[0]
+
+    assert wrapped.__module__.startswith("torch")
+    _assert_follows(wrapped, lambda: scale.__setitem__(0, 3.0))
+
+
+def test_objects_keeping_state_outside_their_attributes_are_not_fingerprinted():
+    """Objects of C types outside the libraries (ctypes values, io.StringIO) were walked as
+    plain objects, their state (held in C) unseen: the first trace was kept (an audit's
+    probes). Their mods are traced again on every call, as the docs promise."""
+    import ctypes
+    import io
+    value, text = ctypes.c_double(2.0), io.StringIO("2")
+
+    def from_ctypes(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < int(value.value)
+
+    def from_text(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < int(text.getvalue())
+
+    _assert_follows(from_ctypes, lambda: setattr(value, "value", 5.0))
+    _assert_follows(from_text, lambda: (text.seek(0), text.write("5")))
+    assert guard(from_ctypes) is None and guard(from_text) is None
+
+
+def test_python_attributes_of_captured_tensors():
+    """Attributes set on a captured tensor or Parameter (``table.temperature``) were not in
+    the fingerprint (identity, shape, dtype, device, requires_grad): the first trace was
+    kept. The pins fast path takes no tensor with attributes."""
+    table = torch.zeros(8)
+    table.width = 2
+    weight = torch.nn.Parameter(torch.zeros(8))
+    weight.width = 2
+
+    def from_tensor(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < table.width
+
+    def from_parameter(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < weight.width
+
+    _assert_follows(from_tensor, lambda: setattr(table, "width", 5))
+    _assert_follows(from_parameter, lambda: setattr(weight, "width", 5))
+
+
+class _Width(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.width = width
+
+
+class _Widths(collections.UserList):
+    pass
+
+
+class _Settings(collections.UserDict):
+    pass
+
+
+def test_state_read_by_library_base_classes_methods():
+    """A library base class's methods read attributes the mod's code does not name:
+    nn.ModuleList / nn.Sequential's __getitem__ reads _modules['0'], UserList's and
+    UserDict's read .data. Replacing an item kept the first trace (2.1 off in an audit's
+    probes). Objects with such bases are walked whole."""
+    layers, sequential = torch.nn.ModuleList([_Width(2)]), torch.nn.Sequential(_Width(2))
+    widths, config = _Widths([2]), _Settings(width=2)
+    mods = [lambda b, h, q_idx, kv_idx: q_idx - kv_idx < layers[0].width,
+            lambda b, h, q_idx, kv_idx: q_idx - kv_idx < sequential[0].width,
+            lambda b, h, q_idx, kv_idx: q_idx - kv_idx < widths[0],
+            lambda b, h, q_idx, kv_idx: q_idx - kv_idx < config["width"]]
+    changes = [lambda: layers.__setitem__(0, _Width(5)),
+               lambda: sequential.__setitem__(0, _Width(5)),
+               lambda: widths.__setitem__(0, 5), lambda: config.__setitem__("width", 5)]
+    for mod, change in zip(mods, changes):
+        _assert_follows(mod, change)
+
+
+def test_clocks_and_os_randomness_are_traced_again_each_call():
+    """time.time_ns(), os.urandom() (C functions of modules that answer anew each call) were
+    compared by identity as pure functions: a trace held one answer for good. A mod calling
+    one is traced on every call, as one calling random.random() is."""
+    import os
+    import time
+
+    def clocked(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < time.time_ns() % 7
+
+    def random_bytes(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < os.urandom(1)[0] % 7
+
+    for mod in (clocked, random_bytes):
+        assert guard(mod) is None
+        assert trace_entry(mod, "mask_mod") is not trace_entry(mod, "mask_mod")
+
+
+class _Flag:
+    pass
+
+
+def test_a_special_method_added_to_a_class_later():
+    """The special methods each class defines were kept per class from the first walk: one
+    added later (``Flag.__bool__ = ...``) went unseen and the first trace was kept. They are
+    taken anew when a base's entries change."""
+    flag = _Flag()
+
+    def flagged(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < (2 if flag else 5)
+
+    try:
+        _assert_follows(flagged, lambda: setattr(_Flag, "__bool__", lambda self: False))
+    finally:
+        del _Flag.__bool__
