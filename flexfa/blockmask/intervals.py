@@ -9,7 +9,8 @@ conservative: when an op cannot be bounded the result is "unknown" (``[-inf, inf
 Soundness conventions (so that a decided tile is always right):
 - INT bounds beyond ``INT_CAP`` (or NaN, from ``0 * inf``) become infinite: float64 computes
   every int below 2**53 exactly, and a value near int64 overflow is not worth bounding. Ints
-  are never NaN themselves, so each side can be widened alone.
+  are never NaN themselves, so each side can be widened alone, unless a bound passes int64's
+  range: the value wraps there (as in torch), so both sides become infinite.
 - FLOAT bounds are widened after every op by a relative and an absolute slack, because the
   exact evaluation runs in float32 while these bounds are float64.
 - A FLOAT value may be NaN only where its interval has an infinite end, so FLOAT comparisons
@@ -27,6 +28,7 @@ from ..frontend.evaluate import narrow
 from ..frontend.ir import INT_RANGES, DType, Node, Op
 
 INT_CAP = 2.0 ** 50
+INT64_END = 2.0 ** 63  # int64 holds [-INT64_END, INT64_END)
 FLOAT_CAP = 1e38  # below float32's max, so a bounded float32 value did not overflow
 FLOAT_REL_SLACK = 1e-6
 FLOAT_ABS_SLACK = 1e-30
@@ -55,8 +57,11 @@ def finish(dtype: DType, lo: torch.Tensor, hi: torch.Tensor) -> Interval:
     if dtype is DType.BOOL:
         return Interval(lo, hi)
     if dtype is DType.INT:  # a NaN bound fails both tests, so it becomes infinite too
-        lo = torch.where((lo >= -INT_CAP) & (lo <= INT_CAP), lo, -INF)
-        hi = torch.where((hi >= -INT_CAP) & (hi <= INT_CAP), hi, INF)
+        # past int64 the value wraps (torch's and the kernels' arithmetic; a float past it
+        # casts to -2**63): it may be anything, so both ends go
+        wraps = ~((lo >= -INT64_END) & (hi < INT64_END))
+        lo = torch.where((lo >= -INT_CAP) & (lo <= INT_CAP) & ~wraps, lo, -INF)
+        hi = torch.where((hi >= -INT_CAP) & (hi <= INT_CAP) & ~wraps, hi, INF)
         return Interval(lo, hi)
     bad = torch.isnan(lo) | torch.isnan(hi)  # a float value may be NaN: know nothing
     lo = torch.where(bad, -INF, lo)
@@ -220,8 +225,12 @@ def _both_nonnegative(a, b):
 
 
 def _bit_ceiling(x: torch.Tensor) -> torch.Tensor:
-    """Smallest 2**k - 1 >= x for x >= 0 (bound of a | b and a ^ b for a, b <= x)."""
-    return torch.exp2(torch.ceil(torch.log2(x + 1))) - 1
+    """Smallest 2**k - 1 >= x for x >= 0 (bound of a | b and a ^ b for a, b <= x). By the
+    exponent of x + 1 (exact below 2**53), not a float log2, which rounds log2(2**49 + 1)
+    to 49 and gave 2**49 - 1 for x = 2**49."""
+    mantissa, exponent = torch.frexp(x + 1)  # x + 1 = mantissa * 2**exponent, [0.5, 1)
+    bits = torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.float64)
+    return torch.where(torch.isinf(x), x, torch.exp2(bits) - 1)
 
 
 def _bitwise(op, bound):

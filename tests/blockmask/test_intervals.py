@@ -194,3 +194,47 @@ def test_every_op_with_a_rule_is_covered():
     covered = set(INT_BINARY + FLOAT_BINARY + BOOL_BINARY + INT_UNARY + FLOAT_UNARY
                   + [Op.CAST, Op.WHERE, Op.NARROW])
     assert set(RULES) <= covered
+
+
+def _tables_match_dense(mask_mod, length: int, block: int = 16):
+    """flexfa's full and partial tile counts equal those of the dense mask."""
+    import flexfa
+    dense = flexfa.create_mask(mask_mod, 1, 1, length, length, device="cpu")[0, 0]
+    tiles = dense.reshape(length // block, block, length // block, block)
+    kept = tiles.sum((1, 3))
+    full = (kept == block * block).sum(-1)
+    partial = ((kept > 0) & (kept < block * block)).sum(-1)
+    mask = flexfa.create_block_mask(mask_mod, None, None, length, length, device="cpu",
+                                    BLOCK_SIZE=block)
+    assert torch.equal(mask.full_kv_num_blocks[0, 0].long(), full)
+    assert torch.equal(mask.kv_num_blocks[0, 0].long(), partial)
+
+
+def test_int64_overflow_makes_a_value_unknown():
+    """Past int64 the value wraps (torch's arithmetic, a float cast past it gives -2**63):
+    the rules widened only the end that passed the cap, so ``y * 2**22 > 0`` of a y near
+    2**41 stayed 'always true' and a tile keeping half its pairs was marked full (1.83 off
+    against the float64 reference in an audit's probe)."""
+    def product(b, h, q_idx, kv_idx):
+        return ((q_idx + kv_idx) * 2**40 + 1) * 4096 * 1024 > 0
+
+    def cast(b, h, q_idx, kv_idx):
+        return ((q_idx + kv_idx).float() * 1e18 + 2).long() > 0
+
+    _tables_match_dense(product, 16)
+    _tables_match_dense(cast, 16)
+
+
+def test_or_bound_near_two_to_the_49():
+    """The bound of a | b was 2**ceil(log2(x + 1)) - 1 in float64, which is 2**49 - 1 for
+    x = 2**49: ``(q + 2**49 - 127) | kv < 2**49`` had its last query tile marked full though
+    its last row keeps nothing (0.29 off)."""
+    def near(b, h, q_idx, kv_idx):
+        return ((q_idx + (2**49 - 127)) | kv_idx) < 2**49
+
+    _tables_match_dense(near, 128)
+    from flexfa.blockmask.intervals import _bit_ceiling
+    x = torch.tensor([0.0, 1.0, 2.0, 7.0, 8.0, 2.0**49, 2.0**50 - 1, math.inf],
+                     dtype=torch.float64)
+    assert _bit_ceiling(x).tolist() == [0.0, 1.0, 3.0, 7.0, 15.0, 2.0**50 - 1, 2.0**50 - 1,
+                                        math.inf]
