@@ -172,7 +172,10 @@ def _auto_flag(key: str, value) -> bool | None:
 
 def _choice(choices):
     def check(key: str, value) -> str:
-        text = value.upper() if isinstance(value, str) else value
+        if not isinstance(value, str):
+            raise InputTypeError(f"kernel_options[{key!r}] must be a str, one of "
+                                 f"{list(choices)}, got {type(value).__name__} {value!r}")
+        text = value.upper()
         if text not in choices:
             raise InputError(f"kernel_options[{key!r}] must be one of {list(choices)}, got "
                              f"{value!r}")
