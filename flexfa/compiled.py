@@ -205,6 +205,17 @@ def _traced(mod, kind) -> tuple:
     return entry.traced, sized
 
 
+def _no_numpy(name: str, value):
+    """``value`` of kernel option ``name`` (a str, float or None: ``parse_kernel_options``
+    checks it), or an InputTypeError for another type, such as a NumPy scalar, which Dynamo
+    cannot hand to ``describe`` (it failed there, inside Dynamo)."""
+    if type(value) not in (str, float, type(None)):
+        raise InputTypeError(f"kernel_options[{name!r}] must be a Python int, bool, str, "
+                             "float or None under torch.compile (a NumPy scalar is none of "
+                             "them: pass int(x) or bool(x))")
+    return value
+
+
 def _refuse_pending(traced, run: tuple, pending: dict) -> None:
     """Refuse a mod that reads what the compiled code changed before this call
     (``made_inside.pending_assignments``): an attribute assigned (``self.window = 4`` then a
@@ -812,8 +823,8 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         # (an int that changed between calls becomes symbolic, which ``describe`` cannot take)
         # (bools by a branch, as check_bool: bool() would keep a SymBool symbolic)
         kernel_options = {name: operator.index(value) if type(value) is int else
-                          (True if value else False) if type(value) is bool else value
-                          for name, value in kernel_options.items()}
+                          (True if value else False) if type(value) is bool else
+                          _no_numpy(name, value) for name, value in kernel_options.items()}
     score_cells = mask_cells = ()  # (set by describe for mods made inside: made_inside.py)
     score_parts = ((None, MADE_INSIDE, ("score_mod", "score_cells"))
                    if made_inside("score_mod") else unbound(score_mod))

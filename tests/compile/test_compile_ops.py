@@ -320,3 +320,21 @@ def test_python_attributes_of_a_captured_tensor_are_refused_under_compile():
     out = torch.compile(lambda q: flexfa.flex_attention(q, q, q, plain), backend="eager",
                         fullgraph=True)(q)
     torch.testing.assert_close(out, flexfa.flex_attention(q, q, q, plain))
+
+
+def test_a_numpy_kernel_option_is_a_clear_error_under_compile():
+    """A NumPy int option (np.int64(16)) runs eagerly; under torch.compile it failed inside
+    Dynamo (assume_constant_result's argument conversion). It is an InputTypeError naming
+    the key there, and a Python int runs."""
+    numpy = pytest.importorskip("numpy")
+    q = torch.randn(1, 1, 32, 16)
+
+    def call(q, options):
+        return flexfa.flex_attention(q, q, q, kernel_options=options)
+
+    torch._dynamo.reset()
+    compiled_call = torch.compile(call, backend="eager", fullgraph=True)
+    with pytest.raises(flexfa.errors.InputTypeError,
+                       match=r"kernel_options\['BLOCK_M'\] must be a Python int"):
+        compiled_call(q, {"BLOCK_M": numpy.int64(16)})
+    torch.testing.assert_close(compiled_call(q, {"BLOCK_M": 16}), call(q, {"BLOCK_M": 16}))
