@@ -420,6 +420,11 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
                 raise tracer.error(
                     f"a captured tensor of shape {tuple(tensor.shape)} was indexed with a "
                     "float value; indices must be integers (convert with .int() or // )")
+            if item.node.dtype is DType.BOOL:  # (torch takes a bool index as a mask)
+                raise tracer.error(
+                    f"a captured tensor of shape {tuple(tensor.shape)} was indexed with a "
+                    "bool value, which torch reads as a mask, not as 0 or 1; convert it with "
+                    ".int() (or choose with torch.where)")
             nodes.append(ir.cast(item.node, DType.INT))
         elif isinstance(item, (bool, float)) or not isinstance(item, numbers.Integral):
             raise tracer.error(

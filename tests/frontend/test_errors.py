@@ -115,6 +115,11 @@ def float_index(score, b, h, q_idx, kv_idx):
     return score + bias[q_idx * 0.5]
 
 
+def bool_index(score, b, h, q_idx, kv_idx):
+    # torch reads a bool index as a mask; it was read as 0 / 1, silently
+    return score + bias[q_idx > kv_idx]
+
+
 def python_float_index(score, b, h, q_idx, kv_idx):
     return score + bias[1.5]
 
@@ -238,6 +243,8 @@ CASES = [  # (mod, exception type, regex the message must match)
                                    r"allowed"),
     (float_index, TraceError, r"'float_index': a captured tensor of shape \(16,\) was indexed "
                               r"with a float value; indices must be integers"),
+    (bool_index, TraceError, r"'bool_index': a captured tensor of shape \(16,\) was indexed "
+                             r"with a bool value, which torch reads as a mask"),
     (python_float_index, TraceError, r"'python_float_index': tracing raised IndexError: "
                                      r".*\(got float\)"),
     (slice_index, UnsupportedOpError, r"'slice_index': indexing a captured tensor with "
