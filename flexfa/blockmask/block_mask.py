@@ -372,13 +372,14 @@ class BlockMask(TorchBlockMask):
         return (f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
                 f"sparsity={self.sparsity():.2f}%, mask_mod={name})")
 
-    def to_string(self, grid_size=(24, 24), limit: int = 2) -> str:
+    def to_string(self, grid_size=(20, 20), limit: int = 4) -> str:
         """A drawing of the first ``limit`` (b, h) pairs' tiles in at most ``grid_size``
-        (an int or a (rows, columns) pair) cells; ``-1`` draws every tile, as torch's."""
+        (an int or a (rows, columns) pair) cells; ``-1`` draws every tile, as torch's (and
+        its defaults; ``print(mask)`` draws two pairs in 24 x 24 cells)."""
         return draw.to_text(self, grid_size, limit)
 
     def __repr__(self) -> str:
-        return f"{self.describe()}\n{self.to_string()}"
+        return f"{self.describe()}\n{self.to_string((24, 24), 2)}"
 
     __str__ = __repr__  # torch's class defines its own __str__
 

@@ -274,3 +274,18 @@ def test_to_string_rejects_other_grid_sizes(grid_size, error):
     mask = create_block_mask(mods.causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
     with pytest.raises(error, match="grid_size"):
         mask.to_string(grid_size)
+
+
+def test_to_string_defaults_are_torchs():
+    """to_string's defaults were flexfa's own picture's (24 x 24 cells, 2 pairs) where
+    torch's are 20 x 20 and 4 pairs: a B=2, H=2 mask drew 2 pairs and '... 2 more'.
+    print(mask) keeps flexfa's picture."""
+    import inspect
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    ours = inspect.signature(flexfa.BlockMask.to_string).parameters
+    theirs = inspect.signature(TorchBlockMask.to_string).parameters
+    assert [(p.name, p.default) for p in ours.values()] == \
+        [(p.name, p.default) for p in theirs.values()]
+    mask = flexfa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 2, 2, 64, 64,
+                                    device="cpu", BLOCK_SIZE=16)
+    assert "more" not in mask.to_string() and "more" in repr(mask)
