@@ -5,7 +5,9 @@ import functools
 
 import torch
 
+from ..blockmask.coarsen import block_size_text
 from ..blockmask.tables import transpose_ordered
+from ..errors import InputError
 from ..frontend.trace import TracedMod
 
 TABLE_ARGS = 4 + 14  # two (num_blocks, indices) pairs, then their strides (3 + 4 each)
@@ -65,6 +67,19 @@ def largest_tile(block: int) -> int:
     while tile > 1 and block % tile:
         tile //= 2
     return tile
+
+
+def check_tile(block_mask, key: str, tile: int, block: int, kernel: str = "kernel") -> None:
+    """An InputError unless the pinned or chosen ``tile`` (kernel option ``key``) divides the
+    mask's ``block`` size and is at least 16, saying which way out fits."""
+    if tile >= 16 and block % tile == 0:
+        return
+    way = ("build the mask with a BLOCK_SIZE that is a multiple of 16" if largest_tile(block) < 16
+           else f"pass a kernel_options {key!r} that divides {block} (16 or more), or build the "
+                f"mask with a BLOCK_SIZE that is a multiple of {max(tile, 16)}")
+    raise InputError(f"block_mask has {block_size_text(block_mask)}; the {kernel} tile "
+                     f"{key}={tile} does not fit its block size {block}: a tile must divide it "
+                     f"and be >= 16; {way}")
 
 
 def mask_blocks(block_mask) -> tuple[int, int] | tuple[None, None]:

@@ -5,6 +5,7 @@ The reference is the float64 dense attention over the elements the block tables 
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -133,11 +134,28 @@ def test_a_tile_error_names_the_block_size_the_user_gave():
     q, k, v = make_qkv(1, 1, 1, 64, 64, 16, seed=1)
     mask = create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=24)
     with pytest.raises(flexfa.InputError,
-                       match=r"BLOCK_SIZE \(24, 24\) \(run as \(48, 48\).*BLOCK_N=32 must divide"):
+                       match=r"BLOCK_SIZE \(24, 24\) \(run as \(48, 48\).*BLOCK_N=32 does not fit"):
         flexfa.flex_attention(q, k, v, block_mask=mask, kernel_options={"BLOCK_N": 32})
     with pytest.raises(flexfa.InputError, match=r"BLOCK_SIZE \(24, 24\) \(run as \(48, 48\)"):
         flexfa.flex_decode(q[:, :, :1], k, v, block_mask=mask, kernel_options={"BLOCK_N": 32},
                            kv_lens=torch.tensor([64], dtype=torch.int32))
     tiled = create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    with pytest.raises(flexfa.InputError, match=r"has BLOCK_SIZE \(32, 32\); kernel tile"):
+    with pytest.raises(flexfa.InputError, match=r"has BLOCK_SIZE \(32, 32\); the kernel tile"):
         flexfa.flex_attention(q, k, v, block_mask=tiled, kernel_options={"BLOCK_N": 64})
+
+
+@pytest.mark.parametrize("block, L, S", [((16, 2**31 - 1), 40, 75), (2**28 + 1, 40, 75),
+                                         (100, 150, 70), ((24, 100), 40, 230)])
+def test_a_block_whose_lcm_passes_the_length_runs_as_one_block(block, L, S):
+    """Blocks whose lcm with 16 passes the length run as one block covering it (the same
+    single block): an odd block near 2**28 had an lcm past int32, and flex_attention refused
+    a BLOCK_SIZE the user never gave ((4294967312, ...))."""
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < 9
+
+    q, k, v = make_qkv(1, 1, 1, L, S, 16, seed=3)
+    mask = create_block_mask(window, None, None, L, S, device="cpu", BLOCK_SIZE=block)
+    check_forward(q, k, v, mask_mod=window, block_mask=mask)
+    run = runnable_block_mask(mask, trace(window, "mask_mod"))
+    assert all(int(b) % 16 == 0 and int(b) <= min(math.lcm(int(g), 16), -(-n // 16) * 16)
+               for b, g, n in zip(run.BLOCK_SIZE, mask.BLOCK_SIZE, (L, S)))

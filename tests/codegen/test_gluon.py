@@ -212,6 +212,10 @@ def test_gluon_block_mask_blocks_and_pinned_tiles():
         gluon_spec(q, k, v, _call({**FORCED, "BLOCK_N": 128}, mask), SM90, True, False)
     dense = gluon_spec(*_qkv(L=200, E=64), _call(FORCED), SM90, False, True)
     assert (dense.block_n, dense.num_stages, dense.even_l, dense.even_s) == (128, 3, False, False)
+    for block_n in (16, 32):  # without a mask too (it launched such tiles)
+        with pytest.raises(flexfa.InputError, match=f"BLOCK_N={block_n}: the Gluon forward's "
+                                                    "key tile must be >= 64"):
+            gluon_spec(*_qkv(E=64), _call({**FORCED, "BLOCK_N": block_n}), SM90, False, True)
 
 
 def test_head_dim_256_takes_64_key_tiles_and_overfull_pins_are_named():

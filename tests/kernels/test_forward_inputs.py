@@ -84,8 +84,22 @@ def test_block_mask_for_other_lengths_or_heads():
 
 def test_block_size_must_fit_the_kernel_tiles():
     block_mask = create_block_mask(mods.causal, None, None, 20, 30, device="cpu", BLOCK_SIZE=32)
-    with pytest.raises(InputError, match="BLOCK_M=64 must divide 32"):
+    # (it said 'BLOCK_M=64 must divide 32' and to build the mask with a multiple of 16)
+    with pytest.raises(InputError, match=r"BLOCK_M=64 does not fit its block size 32: .* pass "
+                                         r"a kernel_options 'BLOCK_M' that divides 32 .*"
+                                         r"multiple of 64"):
         call(block_mask=block_mask, kernel_options={"BLOCK_M": 64})
+
+
+def test_pinned_backward_tiles_must_fit_the_mask():
+    """A pinned backward tile larger than the mask's block (BLOCK_M1=128 under 32-blocks) was
+    cut to 32 silently, where the forward's refused; it is refused before any launch."""
+    block_mask = create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    q, k, v = (torch.randn(1, 1, 64, 16, requires_grad=True) for _ in range(3))
+    for key in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
+        out = flexfa.flex_attention(q, k, v, block_mask=block_mask, kernel_options={key: 128})
+        with pytest.raises(InputError, match=rf"backward tile {key}=128 does not fit"):
+            out.sum().backward()
 
 
 def test_captured_tensor_on_another_device_is_rejected():

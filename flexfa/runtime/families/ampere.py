@@ -11,18 +11,16 @@ import functools
 
 import torch
 
-from ...blockmask.coarsen import block_size_text
 from ...codegen.forward import forward_kernel
 from ...codegen.ranges import Domain, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, KernelSpec, next_power_of_two
-from ...errors import InputError
 from .. import binding, plans
 from ..call import AttentionCall
 from ..kernels import generated_module
 from ..launch import Step, cdiv
 from ..outputs import allocate_outputs, out_strides, stat_args
 from ..registry import KernelFamily, register
-from ..tables import largest_tile, mask_blocks
+from ..tables import check_tile, largest_tile, mask_blocks
 from ..target import Target
 
 MIN_SPLIT_KEYS = 512  # split-KV decoding: the fewest keys a split walks
@@ -61,12 +59,7 @@ def choose_tiles(call: AttentionCall, head_dim_pad: int, dtype, target: Target,
     block_n = options.block_n or block_n
     if sparse_q is not None:
         for key, tile, block in (("BLOCK_M", block_m, sparse_q), ("BLOCK_N", block_n, sparse_kv)):
-            if tile < 16 or block % tile:
-                raise InputError(
-                    f"block_mask has {block_size_text(call.block_mask)}; kernel tile {key}="
-                    f"{tile} must divide {block} and be >= 16 (build the mask with a "
-                    "BLOCK_SIZE that is a multiple of 16, or pass a smaller kernel_options "
-                    f"{key!r})")
+            check_tile(call.block_mask, key, tile, block)
     else:
         sparse_q, sparse_kv = block_m, block_n
     return (block_m, block_n, options.num_warps or warps, options.num_stages or stages,

@@ -42,7 +42,8 @@ from ..pipeline import prepare_mask
 from ..kernels import generated_module
 from ..launch import Step, TrustedDescriptor, cdiv
 from ..registry import KernelFamily, register
-from ..tables import broadcast_strides, dummy_table, has_full_blocks, largest_tile, mask_blocks
+from ..tables import (broadcast_strides, check_tile, dummy_table, has_full_blocks, largest_tile,
+                      mask_blocks)
 from ..target import Target
 from .hopper import descriptor_layout_ok, geometry, head_geometry
 
@@ -345,6 +346,13 @@ def _tiled_spec(q, k, v, call: AttentionCall, has_dlse: bool, target: Target, tm
     if options.num_stages:
         stages = dq_stages = options.num_stages
     sparse_q, sparse_kv = mask_blocks(mask)
+    if mask is not None:  # a pinned tile is taken as it is, or refused (the forward's too)
+        for key, tile, block in (("BLOCK_M1", options.block_m1, sparse_q),
+                                 ("BLOCK_N1", options.block_n1, sparse_kv),
+                                 ("BLOCK_M2", options.block_m2, sparse_q),
+                                 ("BLOCK_N2", options.block_n2, sparse_kv)):
+            if tile:
+                check_tile(mask, key, tile, block, "backward")
     m1, m2 = _fit(m1, sparse_q, "query", call), _fit(m2, sparse_q, "query", call)
     n1, n2 = _fit(n1, sparse_kv, "key", call), _fit(n2, sparse_kv, "key", call)
     if mask is None:

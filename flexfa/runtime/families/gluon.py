@@ -193,6 +193,9 @@ def gluon_tiles(call: AttentionCall, pair: tuple[int, int]) -> tuple[int, int]:
     if sparse_kv is not None and (sparse_kv % block_n or block_n < 64):
         raise InputError(f"block_mask has BLOCK_SIZE {tuple(call.block_mask.BLOCK_SIZE)}; "
                          f"kernel_options BLOCK_N={block_n} must divide it and be >= 64")
+    if block_n < 64:  # (without a mask too: it launched 16- and 32-key tiles)
+        raise InputError(f"kernel_options BLOCK_N={block_n}: the Gluon forward's key tile "
+                         "must be >= 64")
     tma_store = call.options.gluon_tma_store
     if options.num_stages:
         stages = options.num_stages
