@@ -106,7 +106,7 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     named += [("a mask_mod captured tensor", t) for t in (mask.buffers if mask is not None else ())]
     check_no_grad(named, score.buffers if score is not None else ())
     sinks = check_sinks(sinks, x.q.shape[1], x.dtype, x.q.device)
-    call = AttentionCall(score, mask, block_mask, scale, parse_kernel_options(kernel_options),
+    call = AttentionCall(score, mask, block_mask, scale, _fp8_options(kernel_options),
                          x.q.shape[1] // x.k.shape[1], sinks)
     check_positive_scales(x)
     # the kernel reads K's and V's scales with one set of strides: standard ones (contiguous()
@@ -117,4 +117,24 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
         count_flops(x.q, x.k.shape[2], x.v.shape[3], block_mask, head_dim=x.head_dim)
     out, lse = run_fp8_forward(x, call, return_lse)
     return (out, lse) if return_lse else out
+
+
+# the kernel_options keys the FP8 kernel reads (bare or with the forward's prefix), and
+# ``deterministic`` (its one forward kernel is)
+FP8_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "USE_TMA",
+                      "HEAD_GROUP", "deterministic"})
+
+
+def _fp8_options(kernel_options):
+    """``kernel_options`` parsed, refusing keys the FP8 kernel does not read (a forced family,
+    SPLIT_KV, the backward's tiles...: it took and ignored them silently)."""
+    options = parse_kernel_options(kernel_options)  # (its type and value errors first)
+    for key, value in (kernel_options or {}).items():
+        bare = key[4:] if key.startswith("fwd_") else key
+        if value is None or bare in FP8_KEYS or \
+                (bare == "BACKEND" and str(value).upper() in ("AUTO", "TRITON")):
+            continue
+        raise InputError(f"kernel_options[{key!r}] does not apply to flex_attention_fp8, whose "
+                         f"one forward kernel takes only {sorted(FP8_KEYS)}")
+    return options
 

@@ -147,6 +147,20 @@ def test_scales_of_the_wrong_dtype():
         flex_attention_fp8(dataclasses.replace(x, k_scale=x.k_scale.half()))
 
 
+@pytest.mark.parametrize("options", [{"BACKEND": "GLUON"}, {"BACKEND": "DECODE"},
+                                     {"SPLIT_KV": 4}, {"DECODE_WALK": "MEMBERS"},
+                                     {"BLOCK_M1": 32}, {"bwd_BLOCK_M": 32}])
+def test_kernel_options_the_fp8_kernel_does_not_read(options):
+    """A forced family, SPLIT_KV, the backward's tiles: flex_attention_fp8 took them and ran
+    its one kernel, silently; they are InputErrors naming the key. Its own keys run."""
+    x = quantize(*_qkv())
+    with pytest.raises(InputError, match=rf"kernel_options\['{next(iter(options))}'\] does "
+                                         "not apply to flex_attention_fp8"):
+        flex_attention_fp8(x, kernel_options=options)
+    flex_attention_fp8(x, kernel_options={"BACKEND": "AUTO", "fwd_BLOCK_M": 16,
+                                          "num_warps": 4, "BLOCK_N": None})
+
+
 @pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64", 2 ** 17,
                                         (16, 2 ** 40)])
 def test_bad_block_sizes(block_size):
