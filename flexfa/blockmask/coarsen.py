@@ -81,14 +81,14 @@ def clipped(block_mask, traced: TracedMod) -> BlockMask:
 
 
 def coarsened(block_mask, traced: TracedMod) -> BlockMask:
-    """The mask of blocks ``lcm(BLOCK_SIZE, 16)`` equal to ``block_mask`` (whose mask_mod is
-    ``traced``) element by element, over its lengths."""
+    """The mask of blocks ``lcm(BLOCK_SIZE, 16)`` (or one block covering a length the lcm
+    passes: ``_coarse``) equal to ``block_mask`` (whose mask_mod is ``traced``) element by
+    element, over its lengths."""
     L, S = (int(n) for n in block_mask.seq_lengths)
     block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
-    coarse_q, coarse_kv = math.lcm(block_q, TILE), math.lcm(block_kv, TILE)
+    (coarse_q, per_q), (coarse_kv, per_kv) = _coarse(block_q, L), _coarse(block_kv, S)
     classes = block_classes(block_mask, -(-L // block_q), -(-S // block_kv))
-    full, partial = _coarse_grids(classes, coarse_q // block_q, coarse_kv // block_kv,
-                                  -(-L // coarse_q), -(-S // coarse_kv))
+    full, partial = _coarse_grids(classes, per_q, per_kv, -(-L // coarse_q), -(-S // coarse_kv))
     tables = [*dense_to_ordered(partial), *dense_to_ordered(full),
               *dense_to_ordered(partial.transpose(-2, -1)),
               *dense_to_ordered(full.transpose(-2, -1))]
@@ -98,6 +98,17 @@ def coarsened(block_mask, traced: TracedMod) -> BlockMask:
     mark_checked(mask)  # built from checked tables
     mask._flexfa_given_block = (block_q, block_kv)  # (block_size_text: errors name it)
     return mask
+
+
+def _coarse(block: int, length: int) -> tuple[int, int]:
+    """(coarse block, original blocks per coarse one) along one dimension: ``lcm(block,
+    16)``, or where that passes the length one block covering it (the same single block:
+    an odd block near 2**28 had an lcm past int32, refused at the call)."""
+    coarse = math.lcm(block, TILE)
+    whole = -(-max(length, 1) // TILE) * TILE
+    if coarse > whole:
+        return whole, max(1, -(-length // block))
+    return coarse, coarse // block
 
 
 def block_size_text(block_mask) -> str:
