@@ -41,8 +41,8 @@ from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .frontend.guards import (DYNAMIC_NAMES, code_names, filled, global_names, is_library_name,
-                              library_function)
+from .frontend.guards import (DYNAMIC_NAMES, code_imports, code_names, filled, global_names,
+                              implicit_methods, is_library_name, library_function)
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
@@ -84,6 +84,8 @@ def _described(score_mod, score_class, score_id, mask_mod, mask_class, mask_id,
     score, score_sized = _traced(score_mod, SCORE_MOD)
     mask, mask_sized = _traced(mask_mod, MASK_MOD)
     score_run, mask_run = functions_run(score_mod), functions_run(mask_mod)
+    _refuse_unfollowed(score, score_run)
+    _refuse_unfollowed(mask, mask_run)
     pending = pending_assignments()
     if pending:
         _refuse_pending(score, score_run, pending)
@@ -228,12 +230,6 @@ def _refuse_pending(traced, run: tuple, pending: dict) -> None:
     if traced is None or not pending:
         return
     functions, names, objects = run
-    if any(obj is UNFOLLOWED for obj in objects):
-        raise InputError(
-            f"the {traced.kind} {traced.name!r} reads through a weakref.proxy, whose object "
-            "flexfa cannot follow, and the compiled function changed values before this call "
-            "that torch.compile applies only after the graph; read the object itself, or "
-            "make those changes outside the compiled function")
     # (object, what a changed name of it is called in the error, the names read of it)
     where = [(obj, lambda name, obj=obj: f"{_named(obj)}.{name}", names) for obj in objects]
     for function in functions:
@@ -374,8 +370,9 @@ def number_paths(mod, names, inside: Inside | None = None) -> tuple:
             f"guards on them are limited to {MAX_PINNED}: hold them in a tensor")
     for path, _ in found:
         _add_cell_readers(mod, path)
-    if inside is not None:
-        found = [(inside.rewrite(path), value) for path, value in found]
+    if inside is not None:  # (its own defaults are the Dynamo values made_inside takes)
+        found = [(inside.rewrite(path), value) for path, value in found
+                 if path[0] not in (("attr", "__defaults__"), ("attr", "__kwdefaults__"))]
     return tuple(found)
 
 
@@ -410,7 +407,7 @@ def _reachable(mod, names=None):
     yield mod, ()
     while queue and len(seen) < MAX_VISITS:
         obj, path = queue.popleft()
-        named = reads and not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
+        named = reads and not _whole(obj)
         for step, child in _children(obj, reads):
             if named and step[0] == "attr" and step[1] not in names:
                 continue
@@ -436,7 +433,7 @@ class _EveryName(frozenset):
 
 
 EVERY_NAME = _EveryName()
-# stands in ``functions_run``'s objects for a weakref.proxy reached: its target is unknown
+# stands in ``functions_run``'s objects for a weak reference reached: its target is unknown
 UNFOLLOWED = object()
 # the special methods Python runs on an attribute lookup without naming them
 _LOOKUP_HOOKS = ("__getattr__", "__getattribute__")
@@ -456,7 +453,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     call runs and reads (a method of a name the code uses on another object counts too).
     Where some code reached looks attributes up by computed names (``guards.DYNAMIC_NAMES``:
     ``getattr(cfg, name)``, a ``__getattr__`` alias map) every attribute but functions is
-    taken and the names are ``EVERY_NAME``; a weakref.proxy met adds ``UNFOLLOWED`` to the
+    taken and the names are ``EVERY_NAME``; a weak reference met adds ``UNFOLLOWED`` to the
     objects. A mod reaching more than ``MAX_RUN_FUNCTIONS`` functions or ``MAX_RUN_VISITS``
     objects is an InputError: what it reads past them could not be checked."""
     functions, names, objects = [], set(), []
@@ -489,6 +486,23 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     numpy = sys.modules.get("numpy")  # (a NumPy value exists only once it is loaded)
     numpy_values = () if numpy is None else (numpy.ndarray, numpy.generic)
 
+    def take(used) -> None:
+        """The names some reached code uses: their methods and deferred attributes too."""
+        if not every and not used.isdisjoint(DYNAMIC_NAMES):
+            every.append(True)
+            for name, values in list(deferred.items()):  # (code stays taken by name)
+                deferred[name] = [value for value in values if _is_code(value)]
+                for value in values:
+                    if not _is_code(value):
+                        visit(value)
+        new = sorted(used - names)
+        names.update(new)
+        for name in new:
+            for owner in list(owners.values()):
+                method(owner, name)
+            for value in deferred.pop(name, ()):
+                visit(value)
+
     def visit(obj) -> None:
         if isinstance(obj, numpy_values):
             _numpy_read(mod, obj)
@@ -497,7 +511,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         if len(seen) >= MAX_RUN_VISITS:
             _too_much(mod, f"{MAX_RUN_VISITS} objects")
         seen.add(id(obj))
-        if isinstance(obj, weakref.ProxyTypes):
+        if isinstance(obj, (*weakref.ProxyTypes, weakref.ReferenceType)):
             objects.append(UNFOLLOWED)
             return
         queue.append(obj)
@@ -507,29 +521,20 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             if len(functions) >= MAX_RUN_FUNCTIONS:
                 _too_much(mod, f"{MAX_RUN_FUNCTIONS} functions")
             functions.append(obj)
-            used = code_names(obj.__code__)
-            if not every and not used.isdisjoint(DYNAMIC_NAMES):
-                every.append(True)
-                for name, values in list(deferred.items()):  # (code stays taken by name)
-                    deferred[name] = [value for value in values if _is_code(value)]
-                    for value in values:
-                        if not _is_code(value):
-                            visit(value)
-            new = sorted(used - names)
-            names.update(new)
-            for name in new:
-                for owner in list(owners.values()):
-                    method(owner, name)
-                for value in deferred.pop(name, ()):
-                    visit(value)
+            _refuse_imports(mod, obj)
+            take(code_names(obj.__code__))
             return
         objects.append(obj)
+        if isinstance(obj, torch.nn.Module):  # calling it runs its hooks
+            take(_MODULE_HOOKS)
         owner = obj if isinstance(obj, (type, types.ModuleType)) else type(obj)
         module = owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__
         if is_library_name(module or "") or id(owner) in owners:
             return
         owners[id(owner)] = owner
-        for name in (*sorted(names), *_LOOKUP_HOOKS):
+        # (the special methods Python runs unnamed: cfg["c"], helper(x), float(obj)...)
+        implicit = implicit_methods(owner, owner is obj) if isinstance(owner, type) else ()
+        for name in (*sorted(names), *_LOOKUP_HOOKS, *sorted(implicit)):
             method(owner, name)
         if owner is not obj and isinstance(owner, type):
             visit(owner)  # its class's attributes too (self.table, a class attribute)
@@ -540,13 +545,43 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             method(type(mod), name)
     while queue:
         obj = queue.popleft()
-        named = not isinstance(obj, (types.MethodType, functools.partial, enum.Enum))
+        named = not _whole(obj)
         for (kind, arg), child in _children(obj, reads=True):
             if named and kind == "attr" and arg not in names and (not every or _is_code(child)):
                 deferred[arg].append(child)  # taken if some code uses the name
             else:
                 visit(child)
     return functions, EVERY_NAME if every else frozenset(names), objects
+
+
+# the attributes an nn.Module's call reads its hooks from
+_MODULE_HOOKS = frozenset({"_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"})
+
+
+def _refuse_imports(mod, function) -> None:
+    """Refuse a function reached from ``mod`` that imports a user module (not a library's or
+    the standard library's) in its body: no path
+    from the mod reaches that module's values for torch.compile's guards (a float it holds
+    ran the old value from its second change on, silently)."""
+    for name, level in code_imports(function.__code__):
+        top = name.partition(".")[0]
+        if level != 0 or not (is_library_name(name) or top in sys.stdlib_module_names):
+            raise InputError(
+                f"the mod {mod_name(mod)!r} runs {function.__name__!r}, which imports {name!r} "
+                "in its body: under torch.compile flexfa cannot follow what it reads there; "
+                "import it at module level (a global the mod reads)")
+
+
+def _refuse_unfollowed(traced, run: tuple) -> None:
+    """Refuse a mod reaching a weak reference (``weakref.ref``, ``weakref.proxy``): flexfa
+    cannot follow its object for torch.compile's guards (a float read through one ran the
+    old value from its second change on, silently)."""
+    if traced is not None and any(obj is UNFOLLOWED for obj in run[2]):
+        raise InputError(
+            f"the {traced.kind} {traced.name!r} reads through a weak reference (weakref.ref or "
+            "weakref.proxy), whose object flexfa cannot follow under torch.compile; read the "
+            "object itself (a closure, a global, a module attribute)")
 
 
 def _is_code(value) -> bool:
@@ -592,11 +627,13 @@ def _children(obj, reads: bool = False):
             return cells
         names = [(("global", n), obj.__globals__[n])
                  for n in sorted(global_names(obj.__code__)) if n in obj.__globals__]
-        return cells + names
-    if isinstance(obj, (tuple, list)):
+        defaults = [(("attr", n), getattr(obj, n)) for n in ("__defaults__", "__kwdefaults__")
+                    if getattr(obj, n)]  # (``def mod(..., cfg=CFG)``)
+        return cells + names + defaults
+    if isinstance(obj, (tuple, list, collections.deque)):
         return [(("item", i), v) for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return [(("item", k), v) for k, v in obj.items() if isinstance(k, (str, int))]
+    if isinstance(obj, (dict, types.MappingProxyType)):
+        return [(("item", k), v) for k, v in obj.items() if _constant_key(k)]
     if isinstance(obj, types.ModuleType):  # a user module's tensors (config.TABLE)
         return [] if is_library_name(obj.__name__) else [
             (("attr", n), v) for n, v in vars(obj).items() if isinstance(v, torch.Tensor)]
@@ -604,7 +641,7 @@ def _children(obj, reads: bool = False):
         return _class_children(obj) if reads else []
     if is_library_name(type(obj).__module__ or "") and not isinstance(obj, torch.nn.Module):
         if reads and type(obj).__module__ == "collections":  # a ChainMap's maps, a UserDict's
-            return [(("item", n), v) for n, v in getattr(obj, "__dict__", {}).items()]
+            return [(("attr", n), v) for n, v in getattr(obj, "__dict__", {}).items()]
         return []
     namespace = getattr(obj, "__dict__", None) or {}
     children = [(("attr", n), v) for n, v in namespace.items() if not n.startswith("__")
@@ -616,6 +653,22 @@ def _children(obj, reads: bool = False):
             children += [(("attr", n), v) for n, v in namespace.get(table, {}).items()
                          if v is not None]
     return children
+
+
+def _constant_key(key) -> bool:
+    """Whether a dict key is one a path may name (Dynamo looks it up as a constant): a str,
+    number, bool, None, bytes, enum member, or a tuple of them."""
+    if isinstance(key, tuple):
+        return all(_constant_key(k) for k in key)
+    return isinstance(key, (str, int, float, bytes, enum.Enum, type(None))) and key == key
+
+
+def _whole(obj) -> bool:
+    """Whether every attribute of ``obj`` is a child the walks take, whatever names the code
+    uses: a function's defaults, a bound method's or partial's parts, an enum member's, the
+    state of ``collections``' containers (read by their own methods)."""
+    return isinstance(obj, (types.FunctionType, types.MethodType, functools.partial,
+                            enum.Enum)) or type(obj).__module__ == "collections"
 
 
 def _user_classes(cls: type):

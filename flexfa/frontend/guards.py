@@ -261,6 +261,11 @@ def code_names(code: types.CodeType) -> frozenset:
     return _code_facts(code)[0]
 
 
+def code_imports(code: types.CodeType) -> tuple:
+    """The modules ``code`` (and the code nested in it) imports: (name, level) pairs."""
+    return _code_facts(code)[1]
+
+
 def global_names(code: types.CodeType) -> frozenset:
     """The globals ``code`` (and the code nested in it) may read: the names it looks up as
     globals or imports, or every name and string constant (``code_names``) where it looks
@@ -504,7 +509,7 @@ class _Walk:
             self.metaclasses.append(meta)
             _refuse_lookup_hooks(meta)
             self.klass(meta, constructed=False)
-        self.add_names(_implicit_methods(cls, constructed))
+        self.add_names(implicit_methods(cls, constructed))
         for name in self.ordered:
             for base in cls.__mro__:
                 if name in base.__dict__:
@@ -683,7 +688,7 @@ _NOT_IMPLICIT = frozenset({"__repr__", "__str__", "__format__", "__del__", "__re
 _IMPLICIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _implicit_methods(cls: type, constructed: bool) -> frozenset:
+def implicit_methods(cls: type, constructed: bool) -> frozenset:
     """The special methods (``__call__``, ``__getitem__``, ``__add__``...) that ``cls`` or a
     base outside the libraries defines: Python calls them on operators and calls without
     naming them in the code, so the walk must read them like named attributes. Kept per

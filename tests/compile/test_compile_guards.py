@@ -344,3 +344,123 @@ def test_a_mod_branching_on_is_compiling_gets_each_trace(eager_first):
     calls = [(layer, plain), (compiled, tripled)]
     for fn, want in (calls if eager_first else calls[::-1]) * 2:
         torch.testing.assert_close(fn(q, k, v), want)
+
+
+import collections  # noqa: E402
+import enum  # noqa: E402
+import types  # noqa: E402
+import weakref  # noqa: E402
+
+
+class _Mode(enum.Enum):
+    A = 1
+
+
+class _Lookup:  # read through __getitem__, which the mod's code never names
+    def __init__(self):
+        self._values = {"c": 0.1}
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+
+class _Slope(torch.nn.Module):
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score
+
+
+_ENUM_KEYED = {_Mode.A: 0.1}
+_QUEUE = collections.deque([0.1])
+_PROXIED = {"c": 0.1}
+_PROXY = types.MappingProxyType(_PROXIED)
+_DEFAULT = {"c": 0.1}
+_LOOKUP = _Lookup()
+_CHAINED = collections.ChainMap({"c": 0.1})
+_HOOKED_VALUE = {"c": 0.1}
+_HOOKED = _Slope()
+_HOOKED.register_forward_hook(
+    lambda module, args, out: out + _HOOKED_VALUE["c"] * (args[3] - args[4]))
+
+
+def _by_enum(score, b, h, q_idx, kv_idx):
+    return score + _ENUM_KEYED[_Mode.A] * (q_idx - kv_idx)
+
+
+def _by_deque(score, b, h, q_idx, kv_idx):
+    return score + _QUEUE[0] * (q_idx - kv_idx)
+
+
+def _by_proxy(score, b, h, q_idx, kv_idx):
+    return score + _PROXY["c"] * (q_idx - kv_idx)
+
+
+def _by_default(score, b, h, q_idx, kv_idx, cfg=_DEFAULT):
+    return score + cfg["c"] * (q_idx - kv_idx)
+
+
+def _by_getitem(score, b, h, q_idx, kv_idx):
+    return score + _LOOKUP["c"] * (q_idx - kv_idx)
+
+
+def _by_chain(score, b, h, q_idx, kv_idx):
+    return score + _CHAINED["c"] * (q_idx - kv_idx)
+
+
+_ROUTES = {
+    "enum key": (_by_enum, lambda x: _ENUM_KEYED.__setitem__(_Mode.A, x)),
+    "deque": (_by_deque, lambda x: _QUEUE.__setitem__(0, x)),
+    "mapping proxy": (_by_proxy, lambda x: _PROXIED.__setitem__("c", x)),
+    "default argument": (_by_default, lambda x: _DEFAULT.__setitem__("c", x)),
+    "__getitem__": (_by_getitem, lambda x: _LOOKUP._values.__setitem__("c", x)),
+    "ChainMap": (_by_chain, lambda x: _CHAINED.maps[0].__setitem__("c", x)),
+    "forward hook": (_HOOKED, lambda x: _HOOKED_VALUE.__setitem__("c", x)),
+}
+
+
+@pytest.mark.parametrize("route", list(_ROUTES))
+def test_a_float_read_through_any_route_follows_its_changes(route):
+    """Dynamo makes a float symbolic at its first change and stops guarding it; flexfa's trace
+    holds it as a constant, so only its pin (number_paths) recompiles. Floats read through
+    an enum- or tuple-keyed dict, a deque, a MappingProxyType, a default argument, a special
+    method (__getitem__, __call__), a ChainMap (a KeyError inside Dynamo) or a module's forward
+    hook were not pinned: from the third value on the compiled call ran the second's (0.46
+    and 0.76 off in an audit's probes)."""
+    mod, set_value = _ROUTES[route]
+    q, k, v = (t.detach() for t in make_inputs(24, seed=2))
+    torch._dynamo.reset()
+    compiled = torch.compile(_given, backend="eager", fullgraph=True)
+    try:
+        for value in (0.1, 0.2, 0.3, 0.4):
+            set_value(value)
+            torch.testing.assert_close(compiled(q, k, v, mod), _given(q, k, v, mod))
+    finally:
+        set_value(0.1)
+
+
+class _Holder:
+    c = 0.1
+
+
+_HOLDER = _Holder()
+_WEAK = weakref.ref(_HOLDER)
+
+
+def _by_weakref(score, b, h, q_idx, kv_idx):
+    return score + _WEAK().c * (q_idx - kv_idx)
+
+
+def _by_import(score, b, h, q_idx, kv_idx):
+    import compile_utils  # a user module imported in the mod's body
+    return score + compile_utils.__name__.count("_") * (q_idx - kv_idx)
+
+
+@pytest.mark.parametrize("mod, message", [
+    (_by_weakref, "reads through a weak reference"),
+    (_by_import, "imports 'compile_utils' in its body")])
+def test_routes_no_path_reaches_are_refused(mod, message):
+    """Through a weak reference, or a module imported in the mod's body, no path from the
+    mod reaches the value for torch.compile's guards (a float there ran stale): refused."""
+    q, k, v = (t.detach() for t in make_inputs(24, seed=2))
+    torch._dynamo.reset()
+    with pytest.raises(flexfa.InputError, match=message):
+        torch.compile(_given, backend="eager", fullgraph=True)(q, k, v, mod)

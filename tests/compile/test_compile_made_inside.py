@@ -633,7 +633,7 @@ def _indirect_cases():
                        lambda: _Member.WINDOW.value.__setitem__("size", 9),
                        "reads a dict that the compiled function changed in place"),
         "weakref.proxy": (lambda: proxy.size, lambda: setattr(target, "size", 9),
-                          "reads through a weakref.proxy"),
+                          "reads through a weak reference"),
     }, (target,)
 
 
