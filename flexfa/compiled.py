@@ -207,7 +207,7 @@ def _traced(mod, kind) -> tuple:
     return entry.traced, sized
 
 
-def _no_numpy(name: str, value):
+def _plain_option(name: str, value):
     """``value`` of kernel option ``name`` (a str, float or None: ``parse_kernel_options``
     checks it), or an InputTypeError for another type, such as a NumPy scalar, which Dynamo
     cannot hand to ``describe`` (it failed there, inside Dynamo)."""
@@ -877,7 +877,7 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         # (bools by a branch, as check_bool: bool() would keep a SymBool symbolic)
         kernel_options = {name: operator.index(value) if type(value) is int else
                           (True if value else False) if type(value) is bool else
-                          _no_numpy(name, value) for name, value in kernel_options.items()}
+                          _plain_option(name, value) for name, value in kernel_options.items()}
     score_cells = mask_cells = ()  # (set by describe for mods made inside: made_inside.py)
     score_parts = ((None, MADE_INSIDE, ("score_mod", "score_cells"))
                    if made_inside("score_mod") else unbound(score_mod))
