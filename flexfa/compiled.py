@@ -47,7 +47,7 @@ from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
 from .inputs import (autocast_inputs, broadcast_batch, check_aux, check_block_mask,
-                     check_scale, check_shapes, check_tensors)
+                     check_block_mask_type, check_scale, check_shapes, check_tensors)
 from .made_inside import MADE_INSIDE, SLOT, Inside, made_inside, pending_assignments
 from .blockmask.validate import TABLES
 from .runtime.options import parse_kernel_options
@@ -849,8 +849,23 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     (inference only). ``kv_lens``, ``q_offsets`` and the page table are operator inputs, so
     new contents need no recompile; the output comes from the graph's allocator (under CUDA
     graphs, their pool), not from a ``DecodeWorkspace``."""
+    check_tensors(query, key, value)  # (the checks the operator's schema would fail on
+    # first, inside Dynamo; shapes and values: the operator's, which raise flexfa's errors)
     query, key, value = autocast_inputs(query, key, value)
     return_lse, validate = check_bool("return_lse", return_lse), check_bool("validate", validate)
+    if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
+        raise InputTypeError("scale must be a float or None, got Tensor")
+    if scale is not None:
+        check_scale(scale, query.shape[3])
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    if block_mask is not None:
+        check_block_mask_type(block_mask)
+    for name, tensor in (("kv_lens", kv_lens), ("q_offsets", q_offsets),
+                         ("page_table", page_table), ("sinks", sinks)):
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor or None, got "
+                                 f"{type(tensor).__name__}")
     if workspace is not None:
         raise InputError("flex_decode: workspace is not supported inside torch.compile (the "
                          "compiled graph allocates the output, from the CUDA graph's pool "

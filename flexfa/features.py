@@ -20,7 +20,7 @@ import torch
 
 from .blockmask.checks import resolve_device
 from .errors import InputError, InputTypeError, check_int
-from .inputs import MAX_CUDA_PROGRAM_ROWS, check_readable
+from .inputs import MAX_CUDA_PROGRAM_ROWS, check_readable, shown
 from .lazy import lazy_function
 from .runtime.call import OFFSET_LIMIT, SEED_LIMIT, Dropout, seed_tensor
 
@@ -58,10 +58,10 @@ def check_dropout_p(dropout_p, name: str = "dropout_p") -> float:
     """``dropout_p`` as a float in [0, 1); ``name``: the argument as the caller calls it."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise InputTypeError(f"{name} must be a float in [0, 1), got "
-                             f"{type(dropout_p).__name__} {dropout_p!r}")
+                             f"{shown(dropout_p, typed=True)}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:  # also refuses NaN
-        raise InputError(f"{name} must be in [0, 1), got {dropout_p!r}")
+        raise InputError(f"{name} must be in [0, 1), got {shown(dropout_p)}")
     return p
 
 
@@ -74,7 +74,7 @@ def _seed_and_offset(dropout_seed, name: str = "dropout_seed") -> tuple[int | No
     if len(pair) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
                                  for x in pair):
         raise InputTypeError(f"{name} must be None, an int or a (seed, offset) pair of "
-                             f"ints, got {dropout_seed!r}")
+                             f"ints, got {shown(dropout_seed)}")
     seed, offset = (int(x) for x in pair)
     if not 0 <= seed < SEED_LIMIT:
         raise InputError(f"{name}'s seed must be in [0, 2**63), got {seed}")

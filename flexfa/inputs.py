@@ -196,6 +196,15 @@ def broadcast_batch(query, key, value) -> tuple:
     return key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
 
 
+def shown(value, typed: bool = False) -> str:
+    """``value`` as an error message shows it: its repr (at most 40 characters; after its
+    type's name with ``typed``), or under torch.compile its type (Dynamo cannot format a
+    value it made symbolic, nor a tensor)."""
+    if torch.compiler.is_compiling():
+        return f"a {type(value).__name__} traced by torch.compile"
+    return f"{type(value).__name__} {value!r:.40}" if typed else f"{value!r:.40}"
+
+
 def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)

@@ -82,3 +82,31 @@ def test_workspace_refused_inside_compile():
     torch._dynamo.reset()
     with pytest.raises(flexfa.InputError, match="workspace is not supported inside torch.compile"):
         torch.compile(step, backend="aot_eager", fullgraph=True)(q)
+
+
+@pytest.mark.parametrize("name, change, error, message", [
+    ("3-D query", lambda a: {**a, "query": a["query"][:, :, 0]}, flexfa.InputError,
+     r"query must be 4-D"),
+    ("key a str", lambda a: {**a, "key": "k"}, flexfa.InputTypeError,
+     r"key must be a torch.Tensor, got str"),
+    ("sinks a list", lambda a: {**a, "sinks": [0.0] * HQ}, flexfa.InputTypeError,
+     r"sinks must be a torch.Tensor or None, got list"),
+    ("kv_lens a list", lambda a: {**a, "kv_lens": [40, 29]}, flexfa.InputTypeError,
+     r"kv_lens must be a torch.Tensor or None, got list"),
+    ("scale a tensor", lambda a: {**a, "scale": torch.tensor(0.5)}, flexfa.InputTypeError,
+     r"scale must be a float or None, got Tensor"),
+    ("block_mask an int", lambda a: {**a, "block_mask": 3}, flexfa.InputTypeError,
+     r"block_mask must be a BlockMask")])
+def test_bad_arguments_raise_flexfa_errors_inside_compile(name, change, error, message):
+    """Arguments of the wrong kind reached the flexfa::flex_decode operator, whose schema or
+    fake implementation failed inside Dynamo (a TorchRuntimeError), or an AttributeError
+    surfaced as Dynamo's 'Observed exception'; they raise eager flex_decode's errors."""
+    q, k, v = _inputs()
+    arguments = change({"query": q, "key": k, "value": v})
+    torch._dynamo.reset()
+    with pytest.raises(error, match=message):
+        flexfa.flex_decode(**arguments)
+    torch._dynamo.reset()
+    with pytest.raises(error, match=message):
+        torch.compile(lambda: flexfa.flex_decode(**arguments), backend="aot_eager",
+                      fullgraph=True)()

@@ -103,3 +103,29 @@ def test_gradients_through_a_mask_without_full_block_tables(backend, made):
     tensors = make_inputs(32, seed=3)
     got = run_step(torch.compile(layer, backend=backend, fullgraph=True), tensors, [])
     assert_same(got, run_step(layer, tensors, []))
+
+
+def test_bad_dropout_arguments_raise_flexfa_errors_inside_compile():
+    """A dropout_p Dynamo made symbolic (its second value) and out of range, or a tensor
+    dropout_p / dropout_seed: formatting flexfa's message failed inside Dynamo
+    (BUILD_STRING, repr() on a tensor); the messages show the value's type there."""
+    q, k, v = make_inputs(16, seed=3)
+    q, k, v = (t.detach() for t in (q, k, v))
+
+    def call(q, p, seed=1):
+        return flexfa.flex_attention(q, k, v, dropout_p=p, dropout_seed=seed)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    compiled(q, 0.1)
+    compiled(q, 0.2)  # p is symbolic from here
+    for p in (1.0, -0.2):
+        with pytest.raises(InputError, match=r"dropout_p must be in \[0, 1\), got a float "
+                                             r"traced by torch.compile"):
+            compiled(q, p)
+    with pytest.raises(flexfa.InputTypeError, match=r"dropout_p must be a float in \[0, 1\), "
+                                                    r"got a Tensor traced by torch.compile"):
+        compiled(q, torch.tensor(0.1))
+    with pytest.raises(flexfa.InputTypeError, match=r"dropout_seed must be None, .*got a "
+                                                    r"Tensor traced by torch.compile"):
+        compiled(q, 0.1, torch.tensor(3))
