@@ -7,13 +7,15 @@ are already simplified and returns ``None`` (no match) or a node of the same dty
 sources are already simplified (at most one new node on top), so the loop stays local.
 
 Every rewrite is exact: the simplified graph evaluates bit for bit like the original under
-``evaluate`` with float64, including nan, inf and the sign of zero. That is why ``x * 0`` and
+``evaluate`` with float32 (the kernels' and torch's arithmetic), including nan, inf and the
+sign of zero, and the identities under float64 too. That is why ``x * 0`` and
 ``x - x`` are INT-only (``nan * 0`` is nan), ``x + 0`` is INT-only (``-0.0 + 0.0`` is
 ``+0.0``; the float identity is ``x + -0.0``), comparisons of a node with itself fold only
 for INT/BOOL (``nan == nan`` is False), and ``(float)(int)x`` / ``(int)(float)x`` are kept.
-Constants fold with ``evaluate.apply_op`` on 0-d tensors (int64, float64: Python's
-semantics), so folding cannot disagree with evaluation; a fold that raises (``1 // 0``)
-leaves the node as it is.
+Constants fold with ``evaluate.apply_op`` on 0-d tensors (int64, float32: a mod's floats
+are float32 tensors, so ``(x - x + 1).float() * 0.1 * 3 == 0.3`` holds as in torch; folding
+in float64 made it False), so folding cannot disagree with evaluation; a fold that raises
+(``1 // 0``) leaves the node as it is.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .ir import DType, Node, Op
 
 Rule = Callable[[Node], Optional[Node]]
 _MAX_REWRITES = 64  # per node; rules shrink or canonicalize, so this is never reached
-_TORCH = {DType.BOOL: torch.bool, DType.INT: torch.int64, DType.FLOAT: torch.float64}
+_TORCH = {DType.BOOL: torch.bool, DType.INT: torch.int64, DType.FLOAT: torch.float32}
 
 
 def simplify(root: Node) -> Node:
@@ -64,7 +66,7 @@ def fold(node: Node) -> Node | None:
         return None
     try:
         srcs = [torch.tensor(s.arg, dtype=_TORCH[s.dtype]) for s in node.src]
-        value = apply_op(node.op, node.dtype, srcs, torch.float64, node.arg).item()
+        value = apply_op(node.op, node.dtype, srcs, torch.float32, node.arg).item()
     except (RuntimeError, ValueError, OverflowError, ZeroDivisionError):
         return None  # e.g. integer division by zero: left for the user's run to meet
     return _c(value, node.dtype)

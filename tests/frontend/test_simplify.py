@@ -1,4 +1,4 @@
-"""simplify: every rewrite is exact (random IR trees against evaluate in float64, bit for bit,
+"""simplify: every rewrite is exact (random IR trees against evaluate in float32, bit for bit,
 nan and the sign of zero included), and the rules do what their table says."""
 import math
 
@@ -71,13 +71,16 @@ def ir_trees(draw, depth=4):
     return ir.cast(a, target)
 
 
-def _evaluate(root):
+def _evaluate(root, float_dtype=torch.float32):
+    """``root`` on every index and special scores, with floats in ``float_dtype`` (float32:
+    the kernels' and torch's arithmetic, which folding follows since the forty-fourth
+    session; it folded in float64, so (x - x + 1).float() * 0.1 * 3 == 0.3 was False)."""
     b, h, q, kv = index_grids(B, H, L, S)
     gen = torch.Generator().manual_seed(0)
-    specials = torch.tensor(_SPECIAL[DType.FLOAT], dtype=torch.float64)
+    specials = torch.tensor(_SPECIAL[DType.FLOAT], dtype=float_dtype)
     score = specials[torch.randint(0, len(specials), (B, H, L, S), generator=gen)]
     value = evaluate_node(root, score=score, b=b, h=h, q_idx=q, kv_idx=kv, buffers=_BUFFERS,
-                          float_dtype=torch.float64)
+                          float_dtype=float_dtype)
     return value.expand(B, H, L, S)
 
 
@@ -129,7 +132,7 @@ def test_every_non_leaf_op_folds_like_evaluation():
     assert simplify(ir.cast(ir.binary(Op.ADD, q, ir.const(-2.7)), DType.INT)).op is Op.CAST
     assert simplify(ir.Node.make(Op.CAST, DType.INT, (ir.const(-2.7),))) is ir.const(-2)
     exp2 = simplify(ir.unary(Op.EXP, ir.const(2.0)))
-    assert exp2.arg == torch.exp(torch.tensor(2.0, dtype=torch.float64)).item()
+    assert exp2.arg == torch.exp(torch.tensor(2.0, dtype=torch.float32)).item()
 
 
 def test_folding_leaves_division_by_zero_alone():
@@ -218,3 +221,23 @@ def test_nan_constants_are_not_compared_equal_to_themselves():
     assert simplify(ir.binary(Op.EQ, ir.score(), ir.score())).op is Op.EQ
     assert simplify(ir.binary(Op.EQ, nan, nan)) is ir.const(False)
     assert math.isnan(simplify(ir.binary(Op.MUL, nan, ir.const(0.0))).arg)
+
+
+def test_constants_fold_in_float32_as_torch_computes():
+    """A subtree simplification turns into constants folds in float32, as torch and the
+    kernels compute it: (x - x + 1).float() * 0.1 * 3 == 0.3 and (x - x + 16777217).float()
+    == 16777216.0 are True in torch and were False folded in float64."""
+    q = ir.index(Op.Q_IDX)
+
+    def constant(value: int):  # q - q + value: a constant only once simplified
+        return ir.binary(Op.ADD, ir.binary(Op.SUB, q, q), ir.const(value))
+
+    tenth = ir.binary(Op.MUL, ir.binary(Op.MUL, ir.cast(constant(1), DType.FLOAT),
+                                        ir.const(0.1)), ir.const(3))
+    for root in (ir.binary(Op.EQ, tenth, ir.const(0.3)),
+                 ir.binary(Op.EQ, ir.cast(constant(16777217), DType.FLOAT),
+                           ir.const(16777216.0))):
+        folded = simplify(root)
+        assert folded is ir.const(True)
+        assert bool(_evaluate(root).all())
+
