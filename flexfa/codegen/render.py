@@ -117,6 +117,9 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.XOR, None): "({0} ^ {1})",
     (Op.NOT, BOOL): "({0} == 0)",
     (Op.NOT, INT): "(~{0})",
+    # (a bool where: != 0 gives the Triton interpreter a bool array where a branch compared a
+    # program's scalar as a float, and its | then failed; the compiled kernel folds it away)
+    (Op.WHERE, BOOL): "(tl.where({0}, {1}, {2}) != 0)",
     (Op.WHERE, None): "tl.where({0}, {1}, {2})",
     # Triton's unary minus is 0 - x, +0.0 for x = 0.0: a product by -1 gives torch's -0.0
     (Op.NEG, FLOAT): "({0} * -1.0)",

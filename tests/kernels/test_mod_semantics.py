@@ -315,3 +315,22 @@ def test_signed_zeros_compiled_for_the_gpu_equal_torch(name, tmp_path):
     same = (got == want) | (got.isnan() & want.isnan())
     assert same.all(), (f"{name}: the GPU gives {got[~same][:4].tolist()}, "
                         f"torch {want[~same][:4].tolist()}")
+
+
+def test_a_bool_where_over_a_program_scalar_comparison_combines():
+    """torch.where choosing between a float comparison of a program's scalar (h as a float)
+    and a block of bools, then | with another block: the Triton interpreter failed in
+    numpy's bitwise_or (the where's result was no bool array); a bool where renders
+    ``!= 0`` after it. Both mods match torch's eager semantics."""
+    from kernels.forward_utils import check_forward, make_qkv
+
+    def keep(b, h, q_idx, kv_idx):
+        return torch.where(h <= b, 0.5 <= h.float(), kv_idx < 3) | (q_idx >= kv_idx)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(keep(b, h, q_idx, kv_idx), score, -1.0)
+
+    q, k, v = make_qkv(1, 2, 2, 32, 16, 16, seed=5)
+    check_forward(q, k, v, score_mod)
+    mask = flexfa.create_block_mask(keep, 1, 2, 32, 16, device="cpu", BLOCK_SIZE=16)
+    check_forward(q, k, v, mask_mod=keep, block_mask=mask)
