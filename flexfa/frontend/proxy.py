@@ -420,11 +420,13 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
                 raise tracer.error(
                     f"a captured tensor of shape {tuple(tensor.shape)} was indexed with a "
                     "float value; indices must be integers (convert with .int() or // )")
-            if item.node.dtype is DType.BOOL:  # (torch takes a bool index as a mask)
+            if item.node.dtype is DType.BOOL or item.storage == torch.uint8:
+                # (torch takes a bool or uint8 index as a mask)
+                what = "bool" if item.node.dtype is DType.BOOL else "uint8"
                 raise tracer.error(
                     f"a captured tensor of shape {tuple(tensor.shape)} was indexed with a "
-                    "bool value, which torch reads as a mask, not as 0 or 1; convert it with "
-                    ".int() (or choose with torch.where)")
+                    f"{what} value, which torch reads as a mask, not as an integer; convert it "
+                    "with .int() (or choose with torch.where)")
             nodes.append(ir.cast(item.node, DType.INT))
         elif isinstance(item, (bool, float)) or not isinstance(item, numbers.Integral):
             raise tracer.error(

@@ -120,6 +120,14 @@ def bool_index(score, b, h, q_idx, kv_idx):
     return score + bias[q_idx > kv_idx]
 
 
+BYTES = torch.tensor([0, 3, 5, 1], dtype=torch.uint8)
+
+
+def uint8_index(score, b, h, q_idx, kv_idx):
+    # torch reads a uint8 index as a mask too; it was read as an integer, silently
+    return score + bias[BYTES[kv_idx % 4]]
+
+
 def python_float_index(score, b, h, q_idx, kv_idx):
     return score + bias[1.5]
 
@@ -245,6 +253,8 @@ CASES = [  # (mod, exception type, regex the message must match)
                               r"with a float value; indices must be integers"),
     (bool_index, TraceError, r"'bool_index': a captured tensor of shape \(16,\) was indexed "
                              r"with a bool value, which torch reads as a mask"),
+    (uint8_index, TraceError, r"'uint8_index': a captured tensor of shape \(16,\) was "
+                              r"indexed with a uint8 value, which torch reads as a mask"),
     (python_float_index, TraceError, r"'python_float_index': tracing raised IndexError: "
                                      r".*\(got float\)"),
     (slice_index, UnsupportedOpError, r"'slice_index': indexing a captured tensor with "
