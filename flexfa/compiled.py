@@ -41,8 +41,9 @@ from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
 from .errors import FlexFAError, InputError, InputTypeError, check_bool
 from .features import check_sinks, prepare_dropout
-from .frontend.guards import (DYNAMIC_NAMES, code_imports, code_names, filled, global_names,
-                              implicit_methods, is_library_name, library_function)
+from .frontend.guards import (DYNAMIC_NAMES, LIBRARY_CONTAINERS, code_imports, code_names, filled,
+                              global_names, implicit_methods, is_library_name,
+                              library_function)
 from .frontend.grad import mask_mod_grad_error
 from .frontend.trace import MASK_MOD, SCORE_MOD, mod_name, trace_entry
 from .decode import check_no_grad as check_decode_no_grad
@@ -211,7 +212,7 @@ def _plain_option(name: str, value):
     """``value`` of kernel option ``name`` (a str, float or None: ``parse_kernel_options``
     checks it), or an InputTypeError for another type, such as a NumPy scalar, which Dynamo
     cannot hand to ``describe`` (it failed there, inside Dynamo)."""
-    if type(value) not in (str, float, type(None)):
+    if not isinstance(value, (str, float, type(None))):
         raise InputTypeError(f"kernel_options[{name!r}] must be a Python int, bool, str, "
                              "float or None under torch.compile (a NumPy scalar is none of "
                              "them: pass int(x) or bool(x))")
@@ -464,6 +465,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     looked: set[tuple[int, str]] = set()
     deferred = collections.defaultdict(list)  # attribute name -> values not yet taken
     every = []  # [True] once some code looks attributes up by computed names
+    owned: set[int] = set()  # ids of the containers a library module holds
 
     def method(owner, name: str) -> None:
         if (id(owner), name) in looked:
@@ -546,7 +548,15 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
     while queue:
         obj = queue.popleft()
         named = not _whole(obj)
+        # (a library module's own weak references, nn.LSTM's _flat_weight_refs, held in its
+        # containers: not the mod's reads)
+        library = id(obj) in owned or (isinstance(obj, torch.nn.Module)
+                                       and is_library_name(type(obj).__module__))
         for (kind, arg), child in _children(obj, reads=True):
+            if library and isinstance(child, (*weakref.ProxyTypes, weakref.ReferenceType)):
+                continue
+            if library and isinstance(child, (list, tuple, dict)):
+                owned.add(id(child))
             if named and kind == "attr" and arg not in names and (not every or _is_code(child)):
                 deferred[arg].append(child)  # taken if some code uses the name
             else:
@@ -666,9 +676,11 @@ def _constant_key(key) -> bool:
 def _whole(obj) -> bool:
     """Whether every attribute of ``obj`` is a child the walks take, whatever names the code
     uses: a function's defaults, a bound method's or partial's parts, an enum member's, the
-    state of ``collections``' containers (read by their own methods)."""
+    state of ``collections``' containers and torch's container modules (read by their own
+    ``__getitem__``, a user subclass's too: ``cfg["c"]``, ``layers[0].c``)."""
     return isinstance(obj, (types.FunctionType, types.MethodType, functools.partial,
-                            enum.Enum)) or type(obj).__module__ == "collections"
+                            enum.Enum, *LIBRARY_CONTAINERS)) or \
+        type(obj).__module__ == "collections"
 
 
 def _user_classes(cls: type):
@@ -849,9 +861,9 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     (inference only). ``kv_lens``, ``q_offsets`` and the page table are operator inputs, so
     new contents need no recompile; the output comes from the graph's allocator (under CUDA
     graphs, their pool), not from a ``DecodeWorkspace``."""
+    query, key, value = autocast_inputs(query, key, value)
     check_tensors(query, key, value)  # (the checks the operator's schema would fail on
     # first, inside Dynamo; shapes and values: the operator's, which raise flexfa's errors)
-    query, key, value = autocast_inputs(query, key, value)
     return_lse, validate = check_bool("return_lse", return_lse), check_bool("validate", validate)
     if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
         raise InputTypeError("scale must be a float or None, got Tensor")
@@ -890,8 +902,10 @@ def _operator_mods(score_mod, block_mask, enable_gqa: bool, kernel_options, devi
         # passed in with one more key, ran the options compiled first), and ints specialized
         # (an int that changed between calls becomes symbolic, which ``describe`` cannot take)
         # (bools by a branch, as check_bool: bool() would keep a SymBool symbolic)
-        kernel_options = {name: operator.index(value) if type(value) is int else
-                          (True if value else False) if type(value) is bool else
+        # (an int subclass, an IntEnum, as its int: operator.index of one recursed in Dynamo)
+        kernel_options = {name: (True if value else False) if isinstance(value, bool) else
+                          operator.index(value) if type(value) is int else
+                          int(value) if isinstance(value, int) else
                           _plain_option(name, value) for name, value in kernel_options.items()}
     score_cells = mask_cells = ()  # (set by describe for mods made inside: made_inside.py)
     score_parts = ((None, MADE_INSIDE, ("score_mod", "score_cells"))

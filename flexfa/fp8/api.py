@@ -16,7 +16,7 @@ from ..flops import count as count_flops
 from ..lazy import lazy_function
 from ..runtime.call import AttentionCall
 from ..calls import check_captured_indices
-from ..runtime.options import parse_kernel_options
+from ..runtime.options import FOREIGN_BACKENDS, HINTS, parse_kernel_options
 from ..runtime.pipeline import prepare_mask, prepare_score_mod
 from .checks import (check_fp8_device, check_fp8_inputs, check_mixed, check_no_grad,
                      check_positive_scales)
@@ -131,9 +131,10 @@ def _fp8_options(kernel_options):
     options = parse_kernel_options(kernel_options)  # (its type and value errors first)
     for key, value in (kernel_options or {}).items():
         bare = key[4:] if key.startswith("fwd_") else key
-        if value is None or bare in FP8_KEYS or \
-                (bare == "BACKEND" and str(value).upper() in ("AUTO", "TRITON")):
-            continue
+        if value is None or bare in FP8_KEYS or bare in HINTS or \
+                (bare == "BACKEND" and str(value).upper() in ("AUTO", "TRITON",
+                                                            *FOREIGN_BACKENDS)):
+            continue  # (torch's hints and foreign backends change nothing anywhere)
         raise InputError(f"kernel_options[{key!r}] does not apply to flex_attention_fp8, whose "
                          f"one forward kernel takes only {sorted(FP8_KEYS)}")
     return options

@@ -40,6 +40,7 @@ import numbers
 import operator
 import sys
 import types
+import typing
 import weakref
 
 import torch
@@ -181,11 +182,24 @@ class Guard:
 
 
 _BUILTIN_NAMES = vars(builtins)
-# modules whose C functions give another answer each call (``time.time_ns()``,
-# ``os.urandom(4)``, ``datetime.now()``): a mod calling one is traced again on every call
-_IMPURE_MODULES = frozenset({"time", "os", "posix", "nt", "random", "_random", "secrets",
-                             "uuid", "_uuid", "datetime", "_datetime", "_thread", "threading",
-                             "select", "socket", "_socket", "resource", "gc", "sys"})
+# C functions that give another answer each call (clocks, the OS's randomness and state),
+# by their module: a mod calling one is traced again on every call
+_CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+           "process_time", "process_time_ns", "thread_time", "thread_time_ns", "clock_gettime",
+           "clock_gettime_ns", "localtime", "gmtime", "ctime", "asctime", "strftime")
+_OS_STATE = ("urandom", "getrandom", "times", "getpid", "getppid", "getloadavg", "getcwd",
+             "listdir", "scandir", "stat", "lstat", "getenv", "get_terminal_size")
+_IMPURE_FUNCTIONS = {"time": frozenset(_CLOCKS), "os": frozenset(_OS_STATE),
+                     "posix": frozenset(_OS_STATE), "nt": frozenset(_OS_STATE),
+                     "datetime": frozenset({"now", "utcnow", "today"}),
+                     "_datetime": frozenset({"now", "utcnow", "today"}),
+                     "_thread": frozenset({"get_ident", "get_native_id"})}
+
+
+def _impure(owner, name: str) -> bool:
+    """Whether ``owner.name`` (a builtin's module or class) answers anew each call."""
+    module = owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__
+    return name in _IMPURE_FUNCTIONS.get(module, ())
 _LIBRARY_MODULES = frozenset({"torch", "math", "numpy", "triton", "torch.nn.functional",
                               "torch.special", "operator", "functools"})
 
@@ -397,8 +411,7 @@ class _Walk:
         owner = getattr(value, "__self__", None)
         if owner is not None and not isinstance(owner, (types.ModuleType, type)):
             raise Unguardable(f"a method bound to a {type(owner).__name__}")
-        if owner is not None and (owner.__name__ if isinstance(owner, types.ModuleType)
-                                  else owner.__module__) in _IMPURE_MODULES:
+        if owner is not None and _impure(owner, value.__name__):
             # a clock, the OS's random bytes: a trace would hold one answer as a constant
             raise Unguardable(f"{owner.__name__}.{value.__name__}, which answers anew each call")
         self.parts.append(value)  # library code: held, compared by identity
@@ -518,28 +531,30 @@ class _Walk:
                     self.value(base.__dict__[name])
                     break
 
-    def instance(self, obj, whole: bool = False) -> None:
-        """An object: its class's entries and its attributes under the walk's names, or
-        with ``whole`` (a library base class's methods, ``UserDict.__getitem__``,
-        ``ModuleList.__getitem__``, read attributes the code does not name) all of them."""
+    def instance(self, obj, container: bool = False) -> None:
+        """An object: its class's entries and its attributes under the walk's names; for a
+        ``container`` (``LIBRARY_CONTAINERS``: their ``__getitem__`` reads what the code
+        does not name) also a UserDict's or UserList's ``data``, a container module's every
+        item."""
         cls = type(obj)
         is_module = isinstance(obj, torch.nn.Module)
         if _is_library_type(cls) and not is_module:
             raise Unguardable(f"an object of type {cls.__module__}.{cls.__qualname__}")
         if is_module:  # calling it runs its forward and hooks
             self.add_names(_MODULE_CALL)
-        namespace = self.object_state(obj, is_module, whole)
+        elif container:
+            self.add_names(("data",))
+        namespace = self.object_state(obj, is_module)
         if namespace is None:
             raise Unguardable(f"an object of type {cls.__qualname__} without attributes")
         if is_module:  # parameters, buffers and submodules live in their own dicts
             for table in ("_parameters", "_buffers", "_modules"):
-                self.attributes(obj, namespace.get(table) or {}, whole)
+                self.attributes(obj, namespace.get(table) or {}, container)
 
-    def object_state(self, obj, is_module: bool = False, whole: bool = False) -> dict | None:
+    def object_state(self, obj, is_module: bool = False) -> dict | None:
         """What an object's attribute reads and special methods may see beyond its value: its
-        class's entries and its own attributes (``__dict__`` or slots) under the walk's names
-        (all of them with ``whole``). Returns its attributes, None if it has no attribute
-        storage."""
+        class's entries and its own attributes (``__dict__`` or slots) under the walk's names.
+        Returns its attributes, None if it has no attribute storage."""
         cls = type(obj)
         _refuse_lookup_hooks(cls, torch.nn.Module if is_module else None)
         self.klass(cls, constructed=False)
@@ -548,9 +563,8 @@ class _Walk:
             slots = [n for base in cls.__mro__ for n in getattr(base, "__slots__", ())]
             if not slots:
                 return None
-            namespace = {n: getattr(obj, n, _ABSENT) for n in slots
-                         if whole or n in self.names}
-        self.attributes(obj, namespace, whole)
+            namespace = {n: getattr(obj, n, _ABSENT) for n in slots if n in self.names}
+        self.attributes(obj, namespace)
         return namespace
 
     def subclassed(self, value, handler) -> None:
@@ -645,15 +659,19 @@ def _handler(cls: type):
             handler = functools.partial(_refuse, reason=(
                 f"an object of type {cls.__qualname__}, whose base "
                 f"{hidden.__module__}.{hidden.__qualname__} keeps state outside its attributes"))
-        elif any(_is_library_type(base) for base in cls.__mro__
-                 if base not in (object, torch.nn.Module)):
-            handler = functools.partial(_Walk.instance, whole=True)
+        elif issubclass(cls, LIBRARY_CONTAINERS):
+            handler = functools.partial(_Walk.instance, container=True)
     return _keep_per_type(_HANDLERS, id(cls), cls, handler)
 
 
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (not C)
+# library classes whose methods read what the code does not name (``cfg["c"]`` reads a
+# UserDict's ``data``, ``layers[0]`` a ModuleList's ``_modules["0"]``), subclasses too
+LIBRARY_CONTAINERS = (collections.UserDict, collections.UserList, collections.UserString,
+                      torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict,
+                      torch.nn.ParameterList, torch.nn.ParameterDict)
 # C types whose objects keep their whole state in their attributes
-_ATTRIBUTE_STATE = frozenset({object, types.SimpleNamespace})
+_ATTRIBUTE_STATE = frozenset({object, types.SimpleNamespace, typing.Generic})  # (C on 3.12)
 
 
 def _refuse(walk, value, reason: str):
@@ -777,7 +795,7 @@ def _pin(value):
     if cls is types.BuiltinFunctionType:
         owner = getattr(value, "__self__", None)
         if owner is None or isinstance(owner, types.ModuleType) and \
-                owner.__name__ not in _IMPURE_MODULES:
+                not _impure(owner, value.__name__):
             return (value,)
     return None
 

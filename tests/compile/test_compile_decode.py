@@ -110,3 +110,20 @@ def test_bad_arguments_raise_flexfa_errors_inside_compile(name, change, error, m
     with pytest.raises(error, match=message):
         torch.compile(lambda: flexfa.flex_decode(**arguments), backend="aot_eager",
                       fullgraph=True)()
+
+
+def test_autocast_casts_before_the_checks():
+    """Under torch.autocast a float32 cache with a bf16 query runs eagerly (the casts come
+    first); compiled, the dtype check ran before the casts and refused it."""
+    q, k, v = _inputs()
+    q = q.bfloat16()
+
+    def step(q, k, v):
+        return flexfa.flex_decode(q, k, v)
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        want = step(q, k, v)
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, want)
+

@@ -406,7 +406,31 @@ def _by_chain(score, b, h, q_idx, kv_idx):
     return score + _CHAINED["c"] * (q_idx - kv_idx)
 
 
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = 0.1
+
+
+class _Settings(collections.UserDict):
+    pass
+
+
+_LAYERS = torch.nn.ModuleList([_Scale()])
+_SETTINGS = _Settings(c=0.1)
+
+
+def _by_module_list(score, b, h, q_idx, kv_idx):
+    return score + _LAYERS[0].c * (q_idx - kv_idx)
+
+
+def _by_user_dict(score, b, h, q_idx, kv_idx):
+    return score + _SETTINGS["c"] * (q_idx - kv_idx)
+
+
 _ROUTES = {
+    "ModuleList item": (_by_module_list, lambda x: setattr(_LAYERS[0], "c", x)),
+    "UserDict subclass": (_by_user_dict, lambda x: _SETTINGS.__setitem__("c", x)),
     "enum key": (_by_enum, lambda x: _ENUM_KEYED.__setitem__(_Mode.A, x)),
     "deque": (_by_deque, lambda x: _QUEUE.__setitem__(0, x)),
     "mapping proxy": (_by_proxy, lambda x: _PROXIED.__setitem__("c", x)),

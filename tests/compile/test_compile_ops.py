@@ -338,3 +338,27 @@ def test_a_numpy_kernel_option_is_a_clear_error_under_compile():
                        match=r"kernel_options\['BLOCK_M'\] must be a Python int"):
         compiled_call(q, {"BLOCK_M": numpy.int64(16)})
     torch.testing.assert_close(compiled_call(q, {"BLOCK_M": 16}), call(q, {"BLOCK_M": 16}))
+    import enum
+
+    class Warps(enum.IntEnum):  # an int subclass runs (the first form of the check refused it)
+        FOUR = 4
+
+    torch.testing.assert_close(compiled_call(q, {"num_warps": Warps.FOUR}),
+                               call(q, {"num_warps": 4}))
+
+
+def test_a_library_objects_own_weak_references_are_not_the_mods_reads():
+    """Under a computed-name walk (getattr) every attribute is taken, a library module's
+    too: nn.LSTM's weak references to its weights made a mod refused under torch.compile."""
+    from flexfa import compiled
+
+    class WithLstm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.use = torch.nn.LSTM(2, 2), 1.0
+
+        def score(self, s, b, h, q_idx, kv_idx):
+            return s * getattr(self, "use")
+
+    run = compiled.functions_run(WithLstm().score)
+    assert not any(obj is compiled.UNFOLLOWED for obj in run[2])

@@ -159,6 +159,9 @@ def test_kernel_options_the_fp8_kernel_does_not_read(options):
         flex_attention_fp8(x, kernel_options=options)
     flex_attention_fp8(x, kernel_options={"BACKEND": "AUTO", "fwd_BLOCK_M": 16,
                                           "num_warps": 4, "BLOCK_N": None})
+    # torch's hints and foreign backends change nothing anywhere: accepted as elsewhere
+    flex_attention_fp8(x, kernel_options={"PRESCALE_QK": False, "BACKEND": "FLASH",
+                                          "ROWS_GUARANTEED_SAFE": False})
 
 
 @pytest.mark.parametrize("block_size", [0, 12, 48, (16, 24), (16,), "64", 2 ** 17,

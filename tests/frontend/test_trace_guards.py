@@ -4,6 +4,7 @@ Each test traces a mod, changes one piece of state the mod reads, and traces aga
 second trace must equal a fresh trace of the mod under the new state (before the guards, each
 of these returned the first trace).
 """
+import abc
 import collections
 import dataclasses
 import enum
@@ -1004,3 +1005,53 @@ def test_a_special_method_added_to_a_class_later():
         _assert_follows(flagged, lambda: setattr(_Flag, "__bool__", lambda self: False))
     finally:
         del _Flag.__bool__
+
+
+class _AbstractConfig(abc.ABC):
+    @abc.abstractmethod
+    def width(self):
+        ...
+
+
+class _LockedConfig(_AbstractConfig):
+    def __init__(self):
+        self.lock, self.calls, self.w = threading.Lock(), 0, 2
+
+    def width(self):
+        return self.w
+
+
+class _Steps(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(_Width(2))
+        self.step = 0
+
+
+def test_unread_state_of_library_based_objects_keeps_the_memo():
+    """Objects with a library base class (abc.ABC, an nn.Sequential subclass) are walked
+    under the names their code uses, as any object: an unread lock made the mod unguardable
+    and an unread counter bumped between calls traced it again on every call (the first
+    form of the library-base walk took every attribute). Pure C functions of os, sys, time
+    and datetime stay guardable; clocks do not."""
+    import datetime
+    import os
+    import time
+    config, steps = _LockedConfig(), _Steps()
+
+    def by_config(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < config.width()
+
+    def by_steps(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < steps[0].width
+
+    for mod, bump in ((by_config, lambda: setattr(config, "calls", config.calls + 1)),
+                      (by_steps, lambda: setattr(steps, "step", steps.step + 1))):
+        first = trace_entry(mod, "mask_mod")
+        bump()
+        assert guard(mod) is not None and trace_entry(mod, "mask_mod") is first
+    pure = [lambda b, h, q_idx, kv_idx: q_idx < len(os.path.join("a", "bc")),
+            lambda b, h, q_idx, kv_idx: q_idx < os.cpu_count() + sys.getrecursionlimit(),
+            lambda b, h, q_idx, kv_idx: q_idx < datetime.timedelta(seconds=3).seconds]
+    for mod in pure:
+        assert guard(mod) is not None
+    assert guard(lambda b, h, q_idx, kv_idx: q_idx < time.perf_counter()) is None
