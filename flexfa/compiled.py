@@ -408,9 +408,9 @@ def _reachable(mod, names=None):
     yield mod, ()
     while queue and len(seen) < MAX_VISITS:
         obj, path = queue.popleft()
-        named = reads and not _whole(obj)
+        taken = _taken(obj) if reads else EVERY_NAME
         for step, child in _children(obj, reads):
-            if named and step[0] == "attr" and step[1] not in names:
+            if reads and step[0] == "attr" and step[1] not in names and step[1] not in taken:
                 continue
             if isinstance(child, (torch.Tensor, int, float)):
                 yield child, (*path, step)
@@ -547,7 +547,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
             method(type(mod), name)
     while queue:
         obj = queue.popleft()
-        named = not _whole(obj)
+        taken = _taken(obj)
         # (a library module's own weak references, nn.LSTM's _flat_weight_refs, held in its
         # containers: not the mod's reads)
         library = id(obj) in owned or (isinstance(obj, torch.nn.Module)
@@ -557,7 +557,8 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
                 continue
             if library and isinstance(child, (list, tuple, dict)):
                 owned.add(id(child))
-            if named and kind == "attr" and arg not in names and (not every or _is_code(child)):
+            if kind == "attr" and arg not in names and arg not in taken and \
+                    (not every or _is_code(child)):
                 deferred[arg].append(child)  # taken if some code uses the name
             else:
                 visit(child)
@@ -673,14 +674,20 @@ def _constant_key(key) -> bool:
     return isinstance(key, (str, int, float, bytes, enum.Enum, type(None))) and key == key
 
 
-def _whole(obj) -> bool:
-    """Whether every attribute of ``obj`` is a child the walks take, whatever names the code
-    uses: a function's defaults, a bound method's or partial's parts, an enum member's, the
-    state of ``collections``' containers and torch's container modules (read by their own
-    ``__getitem__``, a user subclass's too: ``cfg["c"]``, ``layers[0].c``)."""
-    return isinstance(obj, (types.FunctionType, types.MethodType, functools.partial,
-                            enum.Enum, *LIBRARY_CONTAINERS)) or \
-        type(obj).__module__ == "collections"
+def _taken(obj):
+    """The names of ``obj``'s attributes the walks take whatever names the code uses: every
+    one of a function (its defaults), a bound method, a partial, an enum member and
+    ``collections``' own containers (a ChainMap's maps); a library container's items, read
+    by its own ``__getitem__`` (a UserDict's or UserList's ``data``, a container module's
+    modules and parameters, a user subclass's too: ``cfg["c"]``, ``layers[0].c``)."""
+    if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial, enum.Enum)) \
+            or type(obj).__module__ == "collections":
+        return EVERY_NAME
+    if isinstance(obj, LIBRARY_CONTAINERS):
+        if isinstance(obj, torch.nn.Module):
+            return frozenset(obj._modules).union(obj._parameters)
+        return frozenset({"data"})
+    return frozenset()
 
 
 def _user_classes(cls: type):

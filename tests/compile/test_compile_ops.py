@@ -362,3 +362,29 @@ def test_a_library_objects_own_weak_references_are_not_the_mods_reads():
 
     run = compiled.functions_run(WithLstm().score)
     assert not any(obj is compiled.UNFOLLOWED for obj in run[2])
+
+
+def test_a_container_modules_items_are_pinned_not_its_other_state():
+    """Under torch.compile the numbers a mod reads through a container module's item are
+    pinned (compiled again when they change); an unread counter on a Sequential subclass is
+    not (it would compile again at every step)."""
+    from flexfa import compiled
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = 0.5
+
+    class Steps(torch.nn.Sequential):
+        def __init__(self):
+            super().__init__(Scale())
+            self.step = 7
+
+    steps = Steps()
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * steps[0].c
+
+    values = [value for _, value in compiled.number_paths(
+        scaled, compiled.functions_run(scaled)[1])]
+    assert 0.5 in values and 7 not in values
