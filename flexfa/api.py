@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - older torch
         max_scores: torch.Tensor | None = None
 
 run_forward = lazy_function("flexfa.runtime.forward", "run_forward")  # loads Triton
+check_early = lazy_function("flexfa.runtime.backward", "check_early")
 
 # signatures whose tensor, shape and block-mask checks passed: a repeated call skips them (the
 # Python-side cost of a cached call, benchmarks/host_cost.py). An entry holds the block
@@ -199,6 +200,8 @@ def attend(query, key, value, call, return_lse: bool, return_max: bool,
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)
             or (buffers and any(t.requires_grad for t in buffers)) or dropped):
+        if call.options.gluon_bwd_stages:  # (its backward family's refusal, before a launch)
+            check_early(call, query, key, value)
         return FlexAttentionFunction.apply(query, key, value, call, return_max, sinks, *buffers,
                                            *dropped)
     return run_forward(query, key, value, call, return_lse, return_max)

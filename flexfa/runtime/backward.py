@@ -106,6 +106,16 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
     return x.dq, x.dk, x.dv, buffer_grads
 
 
+def check_early(call: AttentionCall, q, k, v) -> None:
+    """Raise at the forward of a call that needs a gradient what its backward family would
+    raise on its first call because of kernel_options (GLUON_BWD_STAGES that do not fit
+    shared memory was refused at the backward, after the forward ran); only where such an
+    option is set (no family choice on the common path)."""
+    if not call.options.gluon_bwd_stages or not (q.numel() and k.numel()):
+        return
+    registry.choose("backward", target_of(q.device), call, q, k, v).check_options(call, q, k, v)
+
+
 def accumulators(call: AttentionCall, grad_slots) -> dict:
     """{slot: the kernels' gradient accumulator}, contiguous in the captured tensor's shape
     (the kernels bind its pointer and strides): float32, or with ``deterministic=True`` int64

@@ -13,6 +13,9 @@ The protocol (``KernelFamily``):
   default), so that a call using one never reaches a family that would ignore it;
 - ``why_not(target, call, *tensors)``: None when the family can run the call, else a phrase
   saying why not (shown when BACKEND forces it);
+- ``check_options(call, *tensors)``: raise what the family's own kernel_options would make
+  its first call raise (none by default), so that a backward family's refusal comes at the
+  forward, before any launch (``runtime.backward.check_early``);
 - ``first_call(key, target, call, *inputs)``: plan (tune, render, load), keep the plan under
   ``key`` (``flexfa.runtime.plans``) and run it;
 - ``run(plan, call, *inputs)``: the cached path.
@@ -40,6 +43,9 @@ class KernelFamily:
     features: frozenset = frozenset()
 
     def why_not(self, target: Target, call, *tensors) -> str | None:
+        return None
+
+    def check_options(self, call, *tensors) -> None:
         return None
 
     def first_call(self, key, target: Target, call, *inputs):

@@ -826,3 +826,25 @@ def test_parts_flow_gives_every_head_its_own_dq(monkeypatch, B, Hq, Hkv, options
     assert in_dq == [True]  # the run's rows were in dQ's memory
     # within one bf16 rounding of want (the interpreter's cast need not round as torch's)
     torch.testing.assert_close(x.dq.float(), want, atol=1e-6, rtol=2 ** -7)
+
+
+def test_a_ring_that_does_not_fit_is_refused_at_the_forward(monkeypatch):
+    """A call that needs a gradient with GLUON_BWD_STAGES that do not fit ran its forward and
+    was refused at the backward; the backward family's refusal comes before any launch.
+    Without a gradient, or where the Gluon backward does not run, the option changes
+    nothing."""
+    from flexfa.runtime import launch
+    launched = []
+    real = launch.Step.launch
+    monkeypatch.setattr(launch.Step, "launch",
+                        lambda self, *a, **kw: launched.append(self) or real(self, *a, **kw))
+    q, k, v = (torch.randn(1, 2, 64, 128, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    options = {"GLUON_EMULATE": True, "GLUON_BACKWARD": True, "GLUON_BWD_STAGES": 4}
+    with pytest.raises(flexfa.InputError, match=r"GLUON_BWD_STAGES=4: .* stages that fit"):
+        flexfa.flex_attention(q, k, v, kernel_options=options)
+    assert launched == []
+    with torch.no_grad():
+        flexfa.flex_attention(q, k, v, kernel_options=options)
+    assert launched
+    flexfa.flex_attention(q, k, v, kernel_options={"GLUON_BWD_STAGES": 4})  # (no Gluon here)

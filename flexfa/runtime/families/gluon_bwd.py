@@ -479,6 +479,9 @@ class GluonBackward(KernelFamily):
     def why_not(self, target: Target, call, q, k, v) -> str | None:
         return why_not_gluon_bwd(target, call, q, k, v)
 
+    def check_options(self, call, q, k, v) -> None:
+        ring_stages(call, q.shape[3], v.shape[3])  # (GLUON_BWD_STAGES that do not fit)
+
     def first_call(self, key, target: Target, call, x: Inputs, fusable: bool, need_dkdv: bool):
         plan = self.make_plan(call, x, target)
         plan.depends = plans.q_tables_depends(call.block_mask)
