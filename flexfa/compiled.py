@@ -208,6 +208,18 @@ def _traced(mod, kind) -> tuple:
     return entry.traced, sized
 
 
+def _checked_scale_and_mod(scale, score_mod, head_dim: int):
+    """``scale`` checked (None stays None) and ``score_mod`` checked callable, as the eager
+    entry points check them, in a form Dynamo traces."""
+    if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
+        raise InputTypeError("scale must be a float or None, got Tensor")
+    if scale is not None:
+        scale = check_scale(scale, head_dim)
+    if score_mod is not None and not callable(score_mod):
+        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    return scale
+
+
 def _plain_option(name: str, value):
     """``value`` of kernel option ``name`` (a str, float or None: ``parse_kernel_options``
     checks it), or an InputTypeError for another type, such as a NumPy scalar, which Dynamo
@@ -436,6 +448,7 @@ class _EveryName(frozenset):
 EVERY_NAME = _EveryName()
 # stands in ``functions_run``'s objects for a weak reference reached: its target is unknown
 UNFOLLOWED = object()
+_WEAK_REFERENCES = (*weakref.ProxyTypes, weakref.ReferenceType)
 # the special methods Python runs on an attribute lookup without naming them
 _LOOKUP_HOOKS = ("__getattr__", "__getattribute__")
 
@@ -513,7 +526,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         if len(seen) >= MAX_RUN_VISITS:
             _too_much(mod, f"{MAX_RUN_VISITS} objects")
         seen.add(id(obj))
-        if isinstance(obj, (*weakref.ProxyTypes, weakref.ReferenceType)):
+        if isinstance(obj, _WEAK_REFERENCES):
             objects.append(UNFOLLOWED)
             return
         queue.append(obj)
@@ -553,7 +566,7 @@ def functions_run(mod) -> tuple[list, frozenset, list]:
         library = id(obj) in owned or (isinstance(obj, torch.nn.Module)
                                        and is_library_name(type(obj).__module__))
         for (kind, arg), child in _children(obj, reads=True):
-            if library and isinstance(child, (*weakref.ProxyTypes, weakref.ReferenceType)):
+            if library and isinstance(child, _WEAK_REFERENCES):
                 continue
             if library and isinstance(child, (list, tuple, dict)):
                 owned.add(id(child))
@@ -837,12 +850,7 @@ def attention(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     return_lse = check_bool("return_lse", return_lse)
     aux_lse, aux_max = check_aux(return_aux, return_lse)
     check_shapes(query, key, value, enable_gqa)
-    if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
-        raise InputTypeError("scale must be a float or None, got Tensor")
-    if scale is not None:
-        scale = check_scale(scale, query.shape[3])
-    if score_mod is not None and not callable(score_mod):
-        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    scale = _checked_scale_and_mod(scale, score_mod, query.shape[3])
     sinks = check_sinks(sinks, query.shape[1], query.dtype, query.device)
     dropout = prepare_dropout(dropout_p, dropout_seed, query.device)
     dropout_p, seed = (0.0, None) if dropout is None else (dropout.p, dropout.seed)
@@ -872,12 +880,7 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     check_tensors(query, key, value)  # (the checks the operator's schema would fail on
     # first, inside Dynamo; shapes and values: the operator's, which raise flexfa's errors)
     return_lse, validate = check_bool("return_lse", return_lse), check_bool("validate", validate)
-    if isinstance(scale, torch.Tensor):  # (check_scale's message has its repr: not traceable)
-        raise InputTypeError("scale must be a float or None, got Tensor")
-    if scale is not None:
-        check_scale(scale, query.shape[3])
-    if score_mod is not None and not callable(score_mod):
-        raise InputTypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
+    _checked_scale_and_mod(scale, score_mod, query.shape[3])
     if block_mask is not None:
         check_block_mask_type(block_mask)
     for name, tensor in (("kv_lens", kv_lens), ("q_offsets", q_offsets),

@@ -109,9 +109,9 @@ def run_backward(q, k, v, out, lse, grad_out, grad_lse, call: AttentionCall,
 def check_early(call: AttentionCall, q, k, v) -> None:
     """Raise at the forward of a call that needs a gradient what its backward family would
     raise on its first call because of kernel_options (GLUON_BWD_STAGES that do not fit
-    shared memory was refused at the backward, after the forward ran); only where such an
-    option is set (no family choice on the common path)."""
-    if not call.options.gluon_bwd_stages or not (q.numel() and k.numel()):
+    shared memory was refused at the backward, after the forward ran). The caller calls it
+    only where such an option is set (no family choice on the common path)."""
+    if not (q.numel() and k.numel()):
         return
     registry.choose("backward", target_of(q.device), call, q, k, v).check_options(call, q, k, v)
 
