@@ -5,6 +5,7 @@ what a ``torch.compile``d graph runs), so both make a call the same way.
 """
 from __future__ import annotations
 
+from .blockmask.analysis import check_broadcast
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import check_tables
 from .frontend.grad import check_mask_mod_grad
@@ -33,6 +34,7 @@ def attention_call(query, key, value, score: TracedMod | None, block_mask, scale
     key, value = broadcast_batch(query, key, value)
     check_score_range(query, key, scale)  # only for an enormous scale
     mask = prepare_mask(block_mask)
+    check_broadcast(mask, block_mask, *query.shape[:3], key.shape[2])
     runnable = runnable_block_mask(block_mask, mask, past)
     if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
         block_mask, mask = runnable, runnable.traced_mask

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .blockmask.analysis import check_broadcast
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import capturing, check_tables
 from .eager import outside_compile
@@ -97,6 +98,7 @@ def decode_call(query, key, value, score_mod, block_mask, scale, kv_lens, q_offs
     options = parse_kernel_options(kernel_options)
     score = traced_score if traced_score is not None else prepare_score_mod(score_mod)
     mask = prepare_mask(block_mask)
+    check_broadcast(mask, block_mask, B, Hq, q_positions, S)
     runnable = runnable_block_mask(block_mask, mask, past)
     if runnable is not block_mask:
         block_mask, mask = runnable, runnable.traced_mask
@@ -178,7 +180,10 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
         raise InputError(f"key has head_dim {key.shape[3]} but query has {E}")
     check_head_dim("query/key head_dim", E)
     check_head_dim("value head_dim", value.shape[3])
-    if Hkv == 0 or Hq % Hkv:
+    if Hkv == 0:
+        raise InputError(f"the cache has 0 heads (query {Hq}); attention needs at least one "
+                         "head")
+    if Hq % Hkv:
         raise InputError(f"query has {Hq} heads but the cache has {Hkv}; query heads must be a "
                          "multiple of kv heads")
     for name, tensor in (("kv_lens", kv_lens), ("q_offsets", q_offsets)):

@@ -19,11 +19,13 @@ import functools
 
 import torch
 
+from ..errors import InputError
 from ..frontend.evaluate import evaluate_node
 from ..frontend.ir import DType, Node, Op
 from ..frontend.trace import TracedMod
 from . import intervals
 from .intervals import Interval
+from .validate import every_tile_partial
 
 EMPTY, PARTIAL, FULL, UNDECIDED = 0, 1, 2, 3
 MAX_GRID_ELEMENTS = 1 << 21  # tiles per chunk of the interval pass / values per 1-D evaluation
@@ -72,6 +74,34 @@ def dependencies(root: Node) -> dict[int, frozenset]:
         own = {_LEAF_DEPS[node.op]} if node.op in _LEAF_DEPS else set()
         deps[id(node)] = frozenset(own.union(*(deps[id(s)] for s in node.src)))
     return deps
+
+
+def check_broadcast(traced: TracedMod | None, block_mask, B: int, H: int, L: int,
+                    S: int) -> None:
+    """An InputError where a block mask's tables of batch (head) size 1 serve a call of more
+    batch entries (heads), its mask_mod reads ``b`` (``h``) and the tables mark some tiles
+    full or leave some out: create_block_mask classified them for b = 0 (h = 0) only, and the
+    other batch entries (heads) would run without the mask in the full tiles and skip the left
+    out ones, silently (torch's kernels do). Tables listing every tile as partial are right
+    for every b and h (the mask_mod decides each element)."""
+    if traced is None:
+        return
+    mask_B, mask_H = (int(n) for n in block_mask.kv_num_blocks.shape[:2])
+    spread = [(name, size, built) for name, size, built in (("b", B, mask_B), ("h", H, mask_H))
+              if built == 1 < size]
+    if not spread:
+        return
+    reads = dependencies(traced.root)[id(traced.root)]
+    spread = [entry for entry in spread if entry[0] in reads]
+    if not spread or every_tile_partial(block_mask, L, S):
+        return
+    name, size, built = spread[0]
+    dim = "B" if name == "b" else "H"
+    raise InputError(
+        f"block_mask was built for {dim}={built} (create_block_mask's {dim}=None or 1: the "
+        f"same mask for every {'batch entry' if name == 'b' else 'head'}) but its mask_mod "
+        f"{traced.name} reads {name} and the call has {dim}={size}: the tables mark tiles full "
+        f"or empty for {name}=0 only; build the mask with {dim}={size}")
 
 
 def _mixed(deps: frozenset) -> bool:

@@ -188,6 +188,44 @@ def _storage_key(tables, geometry):
     return (tuple(int(b) for b in block_size), int(L), int(S), found[0]), found[1]
 
 
+# (geometry, each table's storage and view) -> whether the kv tables list every tile of the
+# lengths as partial (``every_tile_partial``)
+_EVERY_PARTIAL = StorageRecords(64, "block-mask tables listing every tile")
+
+
+def every_tile_partial(block_mask, L: int, S: int) -> bool | None:
+    """Whether the kv tables (checked: ``check_tables``) list every kv tile of S as partial in
+    every q tile of L, none full: then the mask_mod decides every element, whatever batch or
+    head the tables were built for. One device sync per state of the tables (remembered by
+    what they are, as checks are); None inside a CUDA graph capture when not known before."""
+    tables = tables_of(block_mask)
+    geometry = (block_mask.BLOCK_SIZE, L, S)
+    found = _storage_key(tables, geometry)
+    if found is not None:
+        known = _EVERY_PARTIAL.get(found[0])
+        if known is not None:
+            return known
+    block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
+    q_tiles, kv_tiles = -(-int(L) // block_q), -(-int(S) // block_kv)
+    counts = block_mask.kv_num_blocks[..., :q_tiles]
+    indices = block_mask.kv_indices[..., :q_tiles, :].long()
+    listed = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
+    # (an index past S's tiles lands in the extra column: it adds nothing)
+    grid = torch.zeros((*indices.shape[:-1], kv_tiles + 1), dtype=torch.bool,
+                       device=indices.device)
+    grid.scatter_(-1, torch.where(listed, indices.clamp(0, kv_tiles), kv_tiles), True)
+    result = grid[..., :kv_tiles].all()
+    full = block_mask.full_kv_num_blocks
+    if full is not None:
+        result = result & (full[..., :q_tiles] == 0).all()
+    if _capturing(result):
+        return None
+    result = bool(result)  # the sync
+    if found is not None:
+        _EVERY_PARTIAL.put(found[0], found[1], result)
+    return result
+
+
 def _record_checked(tables, geometry, past: bool | None) -> None:
     found = _storage_key(tables, geometry)
     if found is not None and past is not None:

@@ -7,6 +7,7 @@ import torch
 
 from ..inputs import (broadcast_batch, check_block_mask, check_buffers, check_scale,
                       refuse_transforms)
+from ..blockmask.analysis import check_broadcast
 from ..blockmask.coarsen import runnable_block_mask
 from ..blockmask.validate import check_tables
 from ..errors import InputError, InputTypeError, check_bool
@@ -94,6 +95,7 @@ def flex_attention_fp8(query, key=None, value=None, score_mod=None, block_mask=N
     check_block_mask(block_mask, x.q, x.k)
     past = check_tables(block_mask, x.q.shape[2], x.k.shape[2])
     score, mask = prepare_score_mod(score_mod), prepare_mask(block_mask)
+    check_broadcast(mask, block_mask, *x.q.shape[:3], x.k.shape[2])
     runnable = runnable_block_mask(block_mask, mask, past)
     if runnable is not block_mask:  # blocks the kernels cannot tile: an equal coarser mask
         block_mask, mask = runnable, runnable.traced_mask

@@ -180,3 +180,73 @@ def test_flex_attention_names_a_malformed_table(table, bad):
     with pytest.raises(InputError, match=f"block_mask.{table} has "
                                          f"{'shape' if bad == 'flattened' else 'layout'}"):
         flex_attention(q, q, q, block_mask=odd)
+
+
+def _causal_except_batch0(b, h, q_idx, kv_idx):
+    return (b == 0) | (kv_idx <= q_idx)
+
+
+def _causal_except_head1(b, h, q_idx, kv_idx):
+    return (h == 1) | (kv_idx <= q_idx)
+
+
+@pytest.mark.parametrize("mask_mod,dim", [(_causal_except_batch0, "B"),
+                                          (_causal_except_head1, "H")])
+@pytest.mark.parametrize("entry", ["flex_attention", "torch_mask", "flex_decode", "fp8"])
+def test_a_mask_reading_b_or_h_is_not_broadcast(mask_mod, dim, entry):
+    # tables of batch (head) size 1 hold b = 0's (h = 0's) tiles: the tiles full there would
+    # run without the mask for the other batch entries (heads), 1.8 off in an audit's probe
+    import flexfa
+    from flexfa.fp8 import flex_attention_fp8
+    q = k = v = torch.randn(2, 2, 64, 16)
+    L = 16 if entry == "flex_decode" else 64  # (flex_decode: at most 16 query rows)
+    q = q[:, :, :L]
+    if entry == "fp8":  # (it takes half-precision inputs)
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    if entry == "torch_mask":
+        from torch.nn.attention.flex_attention import create_block_mask as torch_create
+        mask = torch_create(mask_mod, None, None, L, 64, device="cpu", BLOCK_SIZE=16)
+    else:
+        mask = create_block_mask(mask_mod, None, None, L, 64, device="cpu", BLOCK_SIZE=16)
+    call = {"flex_attention": flexfa.flex_attention, "torch_mask": flexfa.flex_attention,
+            "flex_decode": flexfa.flex_decode, "fp8": flex_attention_fp8}[entry]
+    with pytest.raises(InputError, match=rf"built for {dim}=1 .* reads {dim.lower()} and the "
+                                         rf"call has {dim}=2: the tables mark tiles full or "
+                                         rf"empty for {dim.lower()}=0 only; build the mask "
+                                         rf"with {dim}=2"):
+        call(q, k, v, block_mask=mask)
+    # built for every batch entry and head, it runs and is right
+    full = create_block_mask(mask_mod, 2, 2, 64, 64, device="cpu", BLOCK_SIZE=16)
+    if entry in ("flex_attention", "torch_mask"):
+        from flexfa.reference import attention_reference
+        out = flexfa.flex_attention(q, k, v, block_mask=full)
+        want = attention_reference(q, k, v, None, mask_mod)
+        assert (out.double() - want).abs().max() < 1e-5
+
+
+def test_a_mask_not_reading_b_or_h_is_broadcast():
+    import flexfa
+    from flexfa.reference import attention_reference
+    q = k = v = torch.randn(2, 2, 64, 16)
+    mask = create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert (out.double() - attention_reference(q, k, v, None, mods.causal)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("mask_mod", [_causal_except_batch0, _causal_except_head1])
+def test_tables_listing_every_tile_partial_serve_every_batch_and_head(mask_mod):
+    # the mask_mod decides every element: tables of size 1 are right for every b and h (the
+    # compiled decode step of docs/torch-compile.md keeps such a mask); an edit that marks a
+    # tile full makes them unproven again
+    import flexfa
+    from flexfa.reference import attention_reference
+    q = k = v = torch.randn(2, 2, 64, 16)
+    counts = torch.full((1, 1, 4), 4, dtype=torch.int32)
+    indices = torch.arange(4, dtype=torch.int32).expand(1, 1, 4, 4).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, mask_mod=mask_mod)
+    out = flexfa.flex_attention(q, k, v, block_mask=mask)
+    assert (out.double() - attention_reference(q, k, v, None, mask_mod)).abs().max() < 1e-5
+    counts[0, 0, 3] = 3  # q tile 3 leaves kv tile 3 out
+    mask = flexfa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=16, mask_mod=mask_mod)
+    with pytest.raises(InputError, match="mark tiles full or empty"):
+        flexfa.flex_attention(q, k, v, block_mask=mask)
