@@ -63,7 +63,10 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
     has_any = (scores != -math.inf).any(dim=-1, keepdim=True)
     lse = torch.logsumexp(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1,
                           keepdim=True)
-    probs = torch.exp(scores - lse)
+    # softmax (its row max subtracted), not exp(scores - lse): where log(sum) is below half an
+    # ulp of a huge row max, lse rounds to that max and exp(scores - lse) sums V instead of
+    # averaging it
+    probs = torch.softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1) * has_any
     if sinks is not None:
         probs = probs[..., :S]
     if dropout_mask is not None:

@@ -173,6 +173,21 @@ def test_the_reference_lse_of_nan_and_inf_rows_is_torchs():
             torch.testing.assert_close(lse.float(), want, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype,shift", [(torch.float64, -1e17), (torch.float32, 1e9)])
+def test_the_reference_averages_values_at_huge_scores(dtype, shift):
+    """Where log(sum) is below half an ulp of a huge row max, lse rounds to the max: the
+    reference's probabilities (exp(scores - lse) before) were each 1 and out summed V."""
+    q, k, v = qkv(L=4, S=8)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + shift  # every score rounds to the shift: uniform attention
+
+    out = attention_reference(q, k, v, shifted, dtype=dtype)
+    mean = v.to(dtype).mean(dim=2, keepdim=True).expand_as(out)
+    torch.testing.assert_close(out, mean)
+    torch.testing.assert_close(flexfa.flex_attention(q, k, v, shifted), mean.float())
+
+
 def test_nan_in_a_key_reaches_only_rows_that_attend_to_it():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
