@@ -173,7 +173,10 @@ def check_shapes(query, key, value, enable_gqa: bool) -> None:
     check_head_dim("query/key head_dim", E)
     check_head_dim("value head_dim", value.shape[3])
     Hkv = key.shape[1]
-    if Hkv == 0 or Hq % Hkv:
+    if Hkv == 0:
+        raise InputError(f"key and value have 0 heads (query {Hq}); attention needs at least "
+                         "one head")
+    if Hq % Hkv:
         raise InputError(f"query has {Hq} heads but key has {Hkv}; query heads must be a "
                          "multiple of key heads (grouped-query attention)")
     if Hq != Hkv and not enable_gqa:

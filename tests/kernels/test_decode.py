@@ -470,6 +470,9 @@ def test_bad_inputs_fail_before_launch(monkeypatch):
         flexfa.flex_decode(q, k_cache, v_cache, page_table=table, kv_lens=lens.long())
     with pytest.raises(InputError, match="query has 17 rows per head"):
         flexfa.flex_decode(torch.zeros(2, 4, 17, 16), k_cache, v_cache, page_table=table)
+    with pytest.raises(InputError, match=r"the cache has 0 heads \(query 0\)"):
+        flexfa.flex_decode(torch.zeros(2, 0, 1, 16), torch.zeros(2, 0, 8, 16),
+                           torch.zeros(2, 0, 8, 16))
     # a page entry past the sequence's length is never read: -1 is fine there
     monkeypatch.undo()
     out = flexfa.flex_decode(q, k_cache, v_cache, kv_lens=torch.tensor([16, 3], dtype=torch.int32),

@@ -33,6 +33,8 @@ BAD = [
     (dict(key=torch.randn(1, 3, 30, 16), value=torch.randn(1, 3, 30, 8)), InputError,
      "query has 4 heads but key has 3"),
     (dict(enable_gqa=False), InputError, "pass enable_gqa=True"),
+    (dict(query=torch.randn(1, 0, 20, 16), key=torch.randn(1, 0, 30, 16),
+          value=torch.randn(1, 0, 30, 8)), InputError, r"key and value have 0 heads \(query 0\)"),
     (dict(query=q.to_sparse()), InputError, "query has layout torch.sparse_coo"),
     (dict(value=torch._neg_view(v)), InputError, "value is a lazily negated view"),
     (dict(query=torch.randn(1, 2, 20, 264), key=torch.randn(1, 2, 30, 264)), InputError,
