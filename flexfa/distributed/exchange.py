@@ -17,10 +17,17 @@ class RingExchange:
         self.ring, self.incoming = ring, None
 
     def shards(self, kv):
-        """Each step's [K, V]; the next shift is in flight while the caller computes."""
+        """Each step's [K, V]; the next shift is in flight while the caller computes. Closed
+        early (a step raised: ``close``), it waits for that shift: every rank raising at the
+        same step leaves the group with nothing in flight, so its next collective runs."""
         for step in range(self.ring.world):
             transfer = self.ring.shift(kv, KV_TAG) if step < self.ring.world - 1 else None
-            yield kv
+            try:
+                yield kv
+            except GeneratorExit:
+                if transfer is not None:
+                    transfer.wait()
+                raise
             if transfer is not None:
                 kv = transfer.wait()
 
@@ -32,6 +39,12 @@ class RingExchange:
 
     def grads(self):
         return self.incoming.wait()
+
+    def close(self) -> None:
+        """Wait for the dK/dV shift in flight, if any (a step raised: see ``shards``)."""
+        if self.incoming is not None:
+            self.incoming.wait()
+            self.incoming = None
 
 
 class GatherExchange:
@@ -51,6 +64,9 @@ class GatherExchange:
 
     def grads(self):
         return reduce_scatter_shards(self.ring, self.per_source)
+
+    def close(self) -> None:
+        """Nothing is in flight between steps (the shards were gathered up front)."""
 
 
 EXCHANGES = {"ring": RingExchange, "allgather": GatherExchange}

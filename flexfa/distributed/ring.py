@@ -213,11 +213,15 @@ class _RingAttention(torch.autograd.Function):
         out = query.new_zeros(*query.shape[:3], value.shape[-1], dtype=torch.float32)
         lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
         plan.steps = []
-        for step, kv in enumerate(EXCHANGES[plan.method](ring).shards([key, value])):
-            runs, mask = plan.mods.at_step(plan.kv_pos[ring.source(step)])
-            plan.steps.append((runs, mask))
-            if runs:
-                merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
+        shards = EXCHANGES[plan.method](ring).shards([key, value])
+        try:
+            for step, kv in enumerate(shards):
+                runs, mask = plan.mods.at_step(plan.kv_pos[ring.source(step)])
+                plan.steps.append((runs, mask))
+                if runs:
+                    merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
+        finally:  # a step that raised: the K/V shift in flight completes (no hung group)
+            shards.close()
         out = out.to(query.dtype)
         ctx.plan = plan
         ctx.watched = [(what, t, t._version) for what, t, copy in plan.watched if copy is None]
@@ -259,18 +263,24 @@ def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
     dq = torch.zeros_like(query, dtype=torch.float32)
     d_learned = [torch.zeros_like(t, dtype=torch.float32) for t in learned]
     exchange = EXCHANGES[plan.method](ring)
-    for step, kv in enumerate(exchange.shards([key, value])):
-        runs, mask = plan.steps[step]
-        dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
-        if runs:
-            plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
-            grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
-                                row_dot)
-            dq += grads[0]
-            for acc, g in zip(dkv + d_learned, grads[1:]):
-                if g is not None:
-                    acc += g
-        exchange.add_grads(step, dkv)
+    shards = exchange.shards([key, value])
+    try:
+        for step, kv in enumerate(shards):
+            runs, mask = plan.steps[step]
+            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+            if runs:
+                plan.mods.kv_pos.copy_(plan.kv_pos[ring.source(step)])
+                grads = _step_grads(plan, query, kv, mask, learned, lse, grad_out, grad_lse,
+                                    row_dot)
+                dq += grads[0]
+                for acc, g in zip(dkv + d_learned, grads[1:]):
+                    if g is not None:
+                        acc += g
+            exchange.add_grads(step, dkv)
+    except BaseException:  # a step that raised: the shifts in flight complete
+        shards.close()
+        exchange.close()
+        raise
     dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
     for g in d_learned:
         dist.all_reduce(g, group=ring.group)

@@ -40,6 +40,8 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
     from flexfa.distributed import ring, ring_attention, shard_sequence
     from .ring_cases import LENGTH, heads, inputs, mods
 
+    if case == "refused_options":
+        return _refused_options()
     length = LENGTH
     full = inputs(length, case)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
@@ -74,6 +76,29 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
             "dv": v.grad, "dlearned": [t.grad for t in learned],
             "forward_calls": forward_calls, "backward_calls": len(calls) - forward_calls,
             "kernel_kv_heads": sorted(set(calls))}
+
+
+def _refused_options() -> dict:
+    """Two calls whose kernel_options only the first step's kernel choice refuses (after the
+    first K/V shift was posted), then a collective: it hung on the shifts left in flight."""
+    import torch
+    import torch.distributed as dist
+
+    from flexfa.distributed import ring_attention
+    from flexfa.errors import InputError
+
+    errors = []
+    for options, rows in (({"BACKEND": "DECODE"}, 20), ({"BLOCK_N": 128}, 10)):
+        q = torch.randn(1, 2, rows, 16)
+        try:
+            ring_attention(q, q, q, mask_mod=lambda b, h, i, j: i >= j, method="ring",
+                           block_size=16, kernel_options=options)
+        except InputError as error:
+            errors.append(str(error))
+    total = torch.ones(1)
+    work = dist.all_reduce(total, async_op=True)
+    finished = work.wait(timeout=datetime.timedelta(seconds=30))
+    return {"errors": errors, "all_reduce": total.item() if finished else None}
 
 
 def _group(variant: str, world: int, q):

@@ -34,6 +34,8 @@ RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
            ("gqa_learned_bias", False, "ring"), ("gqa_learned_bias", False, "allgather")],
         3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
         4: [("causal", True, "ring")]}
+# runs of their own after those (ring_workers._one_run's special cases)
+EXTRA_RUNS = {2: [("refused_options", False, "ring")]}
 
 
 def _free_port() -> int:
@@ -44,7 +46,8 @@ def _free_port() -> int:
 
 def _spawn(world: int, out_dir: str) -> None:
     """Run every case of RUNS[world] on ``world`` ranks; fail on an error or a hang."""
-    context = mp.spawn(run_rank, args=(world, _free_port(), RUNS[world], out_dir),
+    runs = RUNS[world] + EXTRA_RUNS.get(world, [])
+    context = mp.spawn(run_rank, args=(world, _free_port(), runs, out_dir),
                        nprocs=world, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -106,6 +109,17 @@ def _single_process(case: str, length: int, dtype_reference: bool):
     ((out * grad_out.to(out.dtype)).sum() + (lse * grad_lse.to(lse.dtype)).sum()).backward()
     return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "dlearned": [t.grad for t in learned]}
+
+
+def test_options_a_step_refuses_leave_nothing_in_flight(ranks_dir):
+    """Options only the first step's kernel choice refuses raise on every rank after the K/V
+    shift in flight completes: the group's next collective runs (it timed out before)."""
+    for rank in range(2):
+        result = _load(ranks_dir(2), "refused_options", False, "ring", rank)
+        assert len(result["errors"]) == 2, result["errors"]
+        assert "BACKEND='DECODE'" in result["errors"][0]
+        assert "BLOCK_N=128" in result["errors"][1]
+        assert result["all_reduce"] == 2.0
 
 
 @pytest.mark.parametrize("world,case,load_balance,variant",
