@@ -9,6 +9,8 @@ lse is differentiable), so no per-step activation is kept between forward and ba
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -73,8 +75,64 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
         t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     plan.watched, plan.traces = _captured(score_mod, mask_mod)
+    _check_agreement(ring, device, _call_facts(query, key, value, plan.traces, load_balance,
+                                               method, block_size, scale, enable_gqa))
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
+
+
+def _call_facts(query, key, value, traces, load_balance, method: str, block_size, scale,
+                enable_gqa) -> list[tuple[str, int, object]]:
+    """(name, int64 code, value shown) of what every rank's call must agree on: shard
+    shapes and dtype, the mods (their traces' structural keys: code and Python values read),
+    the layout, the exchange, the block size, the scale."""
+    keys = {what: traced.key for what, _, _, traced in traces}
+
+    def code(text: str) -> int:  # (the same in every process, unlike hash())
+        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+    facts = [("query shape", code(repr(tuple(query.shape))), tuple(query.shape)),
+             ("key shape", code(repr(tuple(key.shape))), tuple(key.shape)),
+             ("value shape", code(repr(tuple(value.shape))), tuple(value.shape)),
+             ("dtype", code(str(query.dtype)), query.dtype)]
+    for what in ("score_mod", "mask_mod"):
+        found = keys.get(what)
+        facts.append((what, code(found or "None"),
+                      "None" if found is None else f"a trace of key {found[:12]}"))
+    facts += [("load_balance", int(bool(load_balance)), bool(load_balance)),
+              ("method", code(method), method),
+              ("block_size", code(repr(block_size_pair("ring_attention", block_size,
+                                                       "block_size"))), block_size),
+              ("scale", code(repr(scale)), scale),
+              ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
+    return facts
+
+
+def _check_agreement(ring: Ring, device: torch.device, facts: list) -> None:
+    """An InputError (a device-side assert on a GPU, which a host comparison would have to
+    sync for) where the group's ranks called ring_attention with different ``facts``: each
+    rank computes with its own mods and layout, so ranks that disagree on the mask_mod or
+    load_balance gave wrong results silently, and on the exchange or the shard lengths hung
+    or aborted inside the collectives. One small all_gather, before any K/V transfer."""
+    if ring.world == 1:
+        return
+    mine = torch.tensor([value for _, value, _ in facts], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(ring.world)]
+    dist.all_gather(gathered, mine, group=ring.group)
+    if device.type != "cpu":
+        torch._assert_async(torch.stack(gathered).eq(mine).all(),
+                            "flexfa ring_attention: the ranks of the group called it with "
+                            "different shard shapes, dtypes, mods, load_balance, method, "
+                            "block_size, scale or enable_gqa")
+        return
+    for rank, theirs in enumerate(torch.stack(gathered).tolist()):
+        for (name, value, shown), other in zip(facts, theirs):
+            if other != value:
+                raise InputError(
+                    f"ring_attention: rank {ring.rank} and rank {rank} of the group disagree "
+                    f"on {name} (this rank's: {shown}); every rank must call it with the "
+                    "same mods, load_balance, method, block_size, scale and shard shapes "
+                    "(each rank computes with its own: a mismatch gives wrong results or "
+                    "hangs)")
 
 
 def _captured(score_mod, mask_mod) -> tuple[list, list]:

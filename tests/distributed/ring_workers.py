@@ -42,6 +42,8 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
 
     if case == "refused_options":
         return _refused_options()
+    if case == "disagreeing_ranks":
+        return _disagreeing_ranks(rank)
     length = LENGTH
     full = inputs(length, case)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
@@ -99,6 +101,43 @@ def _refused_options() -> dict:
     work = dist.all_reduce(total, async_op=True)
     finished = work.wait(timeout=datetime.timedelta(seconds=30))
     return {"errors": errors, "all_reduce": total.item() if finished else None}
+
+
+def _disagreeing_ranks(rank: int) -> dict:
+    """Calls whose ranks disagree on the mask_mod, its window, load_balance, the method or
+    the shard length: each rank computed with its own (wrong results or hangs); each is an
+    InputError on every rank now, and the group stays usable."""
+    import torch
+    import torch.distributed as dist
+
+    from flexfa.distributed import ring_attention
+    from flexfa.errors import InputError
+
+    window = 4 + rank
+
+    def causal(b, h, i, j):
+        return i >= j
+
+    def sliding(b, h, i, j):
+        return (i >= j) & (i - j < window)
+
+    q = torch.randn(1, 2, 12, 16)
+    calls = {"mask_mod": dict(mask_mod=causal if rank == 0 else None),
+             "window": dict(mask_mod=sliding),
+             "load_balance": dict(mask_mod=causal, load_balance=rank == 0),
+             "method": dict(mask_mod=causal, method=("ring", "allgather")[rank]),
+             "length": dict(mask_mod=causal, rows=12 - 2 * rank)}
+    errors = {}
+    for name, kwargs in calls.items():
+        rows = kwargs.pop("rows", 12)
+        try:
+            ring_attention(q[:, :, :rows], q[:, :, :rows], q[:, :, :rows], **kwargs)
+        except InputError as error:
+            errors[name] = str(error)
+    agreed = ring_attention(q, q, q, mask_mod=causal)  # the same call on every rank runs
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"errors": errors, "agreed": agreed, "all_reduce": total.item()}
 
 
 def _group(variant: str, world: int, q):

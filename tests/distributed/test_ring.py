@@ -35,7 +35,7 @@ RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
         3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
         4: [("causal", True, "ring")]}
 # runs of their own after those (ring_workers._one_run's special cases)
-EXTRA_RUNS = {2: [("refused_options", False, "ring")]}
+EXTRA_RUNS = {2: [("refused_options", False, "ring"), ("disagreeing_ranks", False, "ring")]}
 
 
 def _free_port() -> int:
@@ -120,6 +120,21 @@ def test_options_a_step_refuses_leave_nothing_in_flight(ranks_dir):
         assert "BACKEND='DECODE'" in result["errors"][0]
         assert "BLOCK_N=128" in result["errors"][1]
         assert result["all_reduce"] == 2.0
+
+
+def test_ranks_that_disagree_are_refused(ranks_dir):
+    """Ranks calling with different mods, windows, load_balance, method or shard lengths: an
+    InputError on every rank naming what differs (silently wrong results, a hang or an abort
+    inside gloo before), before any K/V transfer: the group's next calls run."""
+    for rank in range(2):
+        result = _load(ranks_dir(2), "disagreeing_ranks", False, "ring", rank)
+        shown = {"mask_mod": "mask_mod", "window": "mask_mod", "load_balance": "load_balance",
+                 "method": "method", "length": "query shape"}
+        assert sorted(result["errors"]) == sorted(shown)
+        for name, field in shown.items():
+            assert f"rank {rank} and rank {1 - rank} of the group disagree on {field}" in \
+                result["errors"][name]
+        assert result["all_reduce"] == 2.0 and result["agreed"].shape == (1, 2, 12, 16)
 
 
 @pytest.mark.parametrize("world,case,load_balance,variant",
