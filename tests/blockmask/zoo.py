@@ -101,6 +101,22 @@ def where_mask(B, H, L, S):
     return where_window
 
 
+def one_hole(B, H, L, S):
+    # every pair kept but one off the diagonals the exact pass probes first: its tile is
+    # partial (an exact pass counting one short would mark it full)
+    def all_but_one(b, h, q_idx, kv_idx):
+        return ~((q_idx == 5) & (kv_idx == 9))
+    return all_but_one
+
+
+def pow_window(B, H, L, S):
+    # an integer power of a mixed exponent: the interval rule's upper bound must take the
+    # exponent's upper bound (a tile would be proven full)
+    def power_of_distance(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (2 ** ((q_idx - kv_idx) // 16) <= 4)
+    return power_of_distance
+
+
 ZOO = {
     "causal": lambda B, H, L, S: mods.causal,
     "sliding_window": lambda B, H, L, S: mods.sliding_window(48),
@@ -123,4 +139,6 @@ ZOO = {
     "noop": lambda B, H, L, S: __import__("flexfa").noop_mask,
     "always_false": always_false,
     "where_min": where_mask,
+    "one_hole": one_hole,
+    "pow_window": pow_window,
 }
