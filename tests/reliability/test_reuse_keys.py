@@ -121,16 +121,35 @@ def test_dropout_and_sinks_after_the_same_call_without_them():
     assert error(out, attention_reference(*_double(q, k, v), sinks=sinks.double())) < 1e-4
 
 
-def test_varlen_with_another_window_on_the_same_offsets():
+def test_a_module_score_mod_reading_a_replaced_buffer_is_traced_again():
+    # float(self.temperature) is a constant of the trace: a new buffer tensor (registered
+    # buffers live in _buffers) must be seen by the trace's guard
+    class Temperature(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("temperature", torch.tensor(1.0))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score / float(self.temperature)
+    module = Temperature()
+    q, k, v = qkv()
+    flexfa.flex_attention(q, k, v, score_mod=module)
+    module.temperature = torch.tensor(0.25)
+    out = flexfa.flex_attention(q, k, v, score_mod=module)
+    want = attention_reference(*_double(q, k, v), score_mod=lambda s, b, h, i, j: s / 0.25)
+    assert error(out, want) < 1e-4
+
+
+def test_varlen_with_another_window_or_causal_flag_on_the_same_offsets():
     cu = torch.tensor([0, 40, 100], dtype=torch.int32)
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(100, 2, 16, generator=generator) for _ in range(3))
-    for window in (None, 4):
-        out = flexfa.varlen_attention(q, k, v, cu, cu, causal=True, window=window)
+    for causal, window in ((False, None), (True, None), (True, 4)):
+        out = flexfa.varlen_attention(q, k, v, cu, cu, causal=causal, window=window)
         for start, end in ((0, 40), (40, 100)):
-            def kept(b, h, q_idx, kv_idx, window=window):
+            def kept(b, h, q_idx, kv_idx, window=window, causal=causal):
                 near = (q_idx - kv_idx < window) if window is not None else q_idx >= 0
-                return (q_idx >= kv_idx) & near
+                return ((q_idx >= kv_idx) | (not causal)) & near
             piece = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
             want = attention_reference(*_double(*piece), mask_mod=kept)[0].transpose(0, 1)
             assert error(out[start:end], want) < 1e-4, (window, start)
