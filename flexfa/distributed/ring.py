@@ -102,7 +102,7 @@ def _call_facts(query, key, value, traces, load_balance, method: str, block_size
               ("method", code(method), method),
               ("block_size", code(repr(block_size_pair("ring_attention", block_size,
                                                        "block_size"))), block_size),
-              ("scale", code(repr(scale)), scale),
+              ("scale", code(repr(check_scale(scale, query.shape[3]))), scale),
               ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
     return facts
 
