@@ -132,3 +132,28 @@ def test_hopper_strided_inputs_with_gqa_batches_and_wider_values():
         want, want_lse = attention_reference(q, k, v, enable_gqa=gqa, return_lse=True)
         assert (out.double() - want).abs().max() < 3e-2, (B, Hq, Hkv, Ev)
         assert (lse.double() - want_lse).abs().max() < 1e-2, (B, Hq, Hkv, Ev)
+
+
+def test_wide_gluon_backward_captured_gradient_at_a_length_one_short_of_a_split():
+    # E = 256's Gluon backward: at S % SPLIT == SPLIT - 1 the consumer tile holding the key
+    # past S must take the bounds check, or its zero-filled key's dS lands on a per-key bias's
+    # last entry (its clamped index)
+    generator = torch.Generator().manual_seed(0)
+    S = 127
+    bias = (0.1 * torch.randn(S, generator=generator)).requires_grad_()
+    q, k, v = (torch.randn(1, 1, n, 256, generator=generator).bfloat16() for n in (128, S, S))
+    # every real score -2: the zero-filled key's score 0 would weigh the most
+    q, k = 0.25 * torch.ones_like(q), -0.5 * torch.ones_like(k)
+    grad = torch.randn(1, 1, 128, 256, generator=generator).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    plans.PLANS.clear()
+    out = flexfa.flex_attention(*leaves, score_mod=lambda s, b, h, i, j: s + bias[j],
+                                kernel_options={"GLUON_EMULATE": True, "BACKEND": "GLUON",
+                                                "GLUON_BACKWARD": True})
+    *_, dbias = torch.autograd.grad(out, [*leaves, bias], grad)  # (with dK/dV to make)
+    assert "gluon_bwd" in {p.family.name for p in plans.PLANS.values()}
+    bias64 = bias.detach().double().requires_grad_()
+    ref = attention_reference(*(t.double() for t in (q, k, v)),
+                              lambda s, b, h, i, j: s + bias64[j])
+    (want,) = torch.autograd.grad(ref, [bias64], grad.double())
+    assert (dbias.double() - want).abs().max() < 2e-2, (dbias[-1].item(), want[-1].item())
