@@ -65,8 +65,11 @@ def attention_reference(query, key, value, score_mod=None, mask_mod=None, *, sca
                           keepdim=True)
     # softmax (its row max subtracted), not exp(scores - lse): where log(sum) is below half an
     # ulp of a huge row max, lse rounds to that max and exp(scores - lse) sums V instead of
-    # averaging it
-    probs = torch.softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1) * has_any
+    # averaging it. A row whose lse is +inf (a +inf sink or score) keeps exp(scores - lse):
+    # the limit, 0 for its finite scores (its softmax input zeroed: no NaN in the backward)
+    limit = lse == math.inf
+    finite = torch.where(has_any & ~limit, scores, torch.zeros_like(scores))
+    probs = torch.where(limit, torch.exp(scores - lse), torch.softmax(finite, dim=-1) * has_any)
     if sinks is not None:
         probs = probs[..., :S]
     if dropout_mask is not None:

@@ -188,6 +188,17 @@ def test_the_reference_averages_values_at_huge_scores(dtype, shift):
     torch.testing.assert_close(flexfa.flex_attention(q, k, v, shifted), mean.float())
 
 
+def test_the_reference_keeps_the_limit_of_a_plus_infinite_sink():
+    """A +inf sink takes all of its head's probability: the reference's out is 0 there (the
+    kernels' limit) and lse +inf, the other head's unchanged."""
+    q, k, v = (t.double() for t in qkv(L=8, S=12))
+    sinks = torch.tensor([math.inf, 0.5], dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, sinks=sinks, return_lse=True)
+    assert (out[:, 0] == 0).all() and (lse[:, 0] == math.inf).all()
+    torch.testing.assert_close(out[:, 1], attention_reference(q, k, v, sinks=torch.tensor(
+        [0.0, 0.5], dtype=torch.float64))[:, 1])
+
+
 def test_nan_in_a_key_reaches_only_rows_that_attend_to_it():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
