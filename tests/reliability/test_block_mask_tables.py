@@ -222,8 +222,15 @@ def _by_batch(b, h, q_idx, kv_idx):  # batch 1 drops the first 40 keys
 def test_tables_reshaped_in_place_by_set_are_read_with_their_new_strides():
     """Tables built for B=1 (broadcast), then ``set_`` in place to tables of two batches:
     the same objects, so the launch plan of the first call (which fixes the tables' strides,
-    0 along the broadcast batch) was taken again, and batch 1 read batch 0's tables."""
-    mask = flexfa.create_block_mask(_by_batch, None, 1, L, S, device="cpu", BLOCK_SIZE=16)
+    0 along the broadcast batch) was taken again, and batch 1 read batch 0's tables. (The
+    first tables list every tile as partial: only such tables of batch 1 may serve a mask_mod
+    reading b for two batches.)"""
+    tiles = -(-L // 16)
+    every = torch.arange(tiles, dtype=torch.int32).expand(1, 1, tiles, tiles).contiguous()
+    mask = flexfa.BlockMask.from_kv_blocks(
+        torch.full((1, 1, tiles), tiles, dtype=torch.int32), every,
+        torch.zeros(1, 1, tiles, dtype=torch.int32), torch.zeros_like(every), BLOCK_SIZE=16,
+        mask_mod=_by_batch, seq_lengths=(L, S))
     two = flexfa.create_block_mask(_by_batch, 2, 1, L, S, device="cpu", BLOCK_SIZE=16)
     q, k, v = qkv(B=2, Hq=1, Hkv=1, L=L, S=S)
     flexfa.flex_attention(q, k, v, block_mask=mask)
