@@ -207,14 +207,9 @@ def every_tile_partial(block_mask, L: int, S: int) -> bool | None:
             return known
     block_q, block_kv = (int(b) for b in block_mask.BLOCK_SIZE)
     q_tiles, kv_tiles = -(-int(L) // block_q), -(-int(S) // block_kv)
-    counts = block_mask.kv_num_blocks[..., :q_tiles]
-    indices = block_mask.kv_indices[..., :q_tiles, :].long()
-    listed = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
-    # (an index past S's tiles lands in the extra column: it adds nothing)
-    grid = torch.zeros((*indices.shape[:-1], kv_tiles + 1), dtype=torch.bool,
-                       device=indices.device)
-    grid.scatter_(-1, torch.where(listed, indices.clamp(0, kv_tiles), kv_tiles), True)
-    result = grid[..., :kv_tiles].all()
+    # (the tables passed check_tables: the faults and past entries it collects are not needed)
+    result = _listed_tiles("", "kv", block_mask.kv_num_blocks, block_mask.kv_indices, q_tiles,
+                           kv_tiles, "", [], []).all()
     full = block_mask.full_kv_num_blocks
     if full is not None:
         result = result & (full[..., :q_tiles] == 0).all()

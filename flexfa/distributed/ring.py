@@ -53,8 +53,8 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     # under torch.autocast, as flex_attention (torch's rule): out comes in the autocast dtype,
     # and the backward's recompute (which runs outside the autocast) sees the forward's inputs
     query, key, value = autocast_inputs(query, key, value)
-    _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
-                  block_size)
+    checked_scale, block_pair = _check_shards(query, key, value, load_balance, enable_gqa,
+                                              scale, kernel_options, block_size)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
     ring = Ring(group)
@@ -76,16 +76,18 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     plan.watched, plan.traces = _captured(score_mod, mask_mod)
     _check_agreement(ring, device, _call_facts(query, key, value, plan.traces, load_balance,
-                                               method, block_size, scale, enable_gqa))
+                                               method, block_pair, checked_scale, block_size,
+                                               scale, enable_gqa))
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
 
 
-def _call_facts(query, key, value, traces, load_balance, method: str, block_size, scale,
-                enable_gqa) -> list[tuple[str, int, object]]:
+def _call_facts(query, key, value, traces, load_balance, method: str, block_pair: tuple,
+                checked_scale: float, block_size, scale, enable_gqa) -> list:
     """(name, int64 code, value shown) of what every rank's call must agree on: shard
     shapes and dtype, the mods (their traces' structural keys: code and Python values read),
-    the layout, the exchange, the block size, the scale."""
+    the layout, the exchange, the block size and the scale (compared as ``_check_shards``
+    resolved them: ``block_pair``, ``checked_scale``; shown as given)."""
     keys = {what: traced.key for what, _, _, traced in traces}
 
     def code(text: str) -> int:  # (the same in every process, unlike hash())
@@ -100,9 +102,8 @@ def _call_facts(query, key, value, traces, load_balance, method: str, block_size
                       "None" if found is None else f"a trace of key {found[:12]}"))
     facts += [("load_balance", int(bool(load_balance)), bool(load_balance)),
               ("method", code(method), method),
-              ("block_size", code(repr(block_size_pair("ring_attention", block_size,
-                                                       "block_size"))), block_size),
-              ("scale", code(repr(check_scale(scale, query.shape[3]))), scale),
+              ("block_size", code(repr(block_pair)), block_size),
+              ("scale", code(repr(checked_scale)), scale),
               ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
     return facts
 
@@ -199,7 +200,9 @@ def _check_mods(score_mod, mask_mod) -> None:
 
 
 def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
-                  block_size) -> None:
+                  block_size) -> tuple[float, tuple]:
+    """Raise what a step would raise, before any communication; else (the scale as a float,
+    the block size as a pair)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
@@ -217,16 +220,17 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
     # kernel_options), refused before the first K/V transfer is posted
     check_tensors(query, key, value)
     check_shapes(query, key, value, enable_gqa)
-    check_scale(scale, query.shape[3])
+    checked_scale = check_scale(scale, query.shape[3])
     parse_kernel_options(kernel_options)
     # (the steps' create_block_mask refused it only after the first K/V transfer was posted)
-    block_size_pair("ring_attention", block_size, "block_size")
+    block_pair = block_size_pair("ring_attention", block_size, "block_size")
     if load_balance and query.shape[2] % 2:
         raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
                          f"chunks; its length {query.shape[2]} is odd")
     if not dist.is_initialized():
         raise InputError("ring_attention: torch.distributed is not initialized "
                          "(call torch.distributed.init_process_group first)")
+    return checked_scale, block_pair
 
 
 def _check_heads(q_heads: int, k_heads: int, v_heads: int, enable_gqa) -> None:
