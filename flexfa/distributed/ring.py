@@ -22,6 +22,7 @@ from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
 from ..inputs import (autocast_inputs, check_scale, check_shapes, check_tensors, dual_level_open,
                       refuse_tangents, refuse_transforms)
+from ..runtime.indices import check_captured_indices
 from ..runtime.options import parse_kernel_options
 from .comm import Ring
 from .exchange import EXCHANGES
@@ -75,9 +76,19 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
         t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     plan.watched, plan.traces = _captured(score_mod, mask_mod)
-    _check_agreement(ring, device, _call_facts(query, key, value, plan.traces, load_balance,
-                                               method, block_pair, checked_scale, block_size,
-                                               scale, enable_gqa))
+    index_error = _global_index_error(plan.traces, query, key, ring.world)
+    facts = _call_facts(query, key, value, plan.traces, load_balance, method, block_pair,
+                        checked_scale, block_size, scale, enable_gqa)
+    facts.append(("the captured tensors' indices", int(index_error is None),
+                  "in range" if index_error is None else "out of range"))
+    try:
+        _check_agreement(ring, device, facts)
+    except InputError:  # (this rank's own error says more than the disagreement)
+        if index_error is not None:
+            raise index_error from None
+        raise
+    if index_error is not None:  # (every rank raises it: no rank waits in a collective)
+        raise index_error
     out, lse = _RingAttention.apply(plan, query, key, value, *learned)
     return (out, lse) if return_lse else out
 
@@ -106,6 +117,24 @@ def _call_facts(query, key, value, traces, load_balance, method: str, block_pair
               ("scale", code(repr(checked_scale)), scale),
               ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
     return facts
+
+
+def _global_index_error(traces, query, key, world: int) -> InputError | None:
+    """The InputError of a captured tensor read out of range at the global positions the
+    user's mods see (q_idx < world * L, kv_idx < world * S), else None. Checked once before
+    any K/V transfer, as flex_attention checks its domain; the error is returned, not raised,
+    so that every rank learns of it in the agreement check (a captured tensor's values may
+    differ between ranks) and none waits in a collective for a rank that raised."""
+    mods = {what: traced for what, _, _, traced in traces}
+    B, Hq, L, E = query.shape
+    try:
+        check_captured_indices(mods.get("score_mod"), mods.get("mask_mod"),
+                               (B, Hq, world * L, E), world * key.shape[2], query.device)
+    except InputError as error:
+        return InputError(f"ring_attention: {error} (the mods see global positions: the "
+                          f"sequence of {world} ranks' shards, {world * L} queries and "
+                          f"{world * key.shape[2]} keys)")
+    return None
 
 
 def _check_agreement(ring: Ring, device: torch.device, facts: list) -> None:

@@ -44,6 +44,8 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
         return _refused_options()
     if case == "disagreeing_ranks":
         return _disagreeing_ranks(rank)
+    if case == "short_captured":
+        return _short_captured(rank)
     length = LENGTH
     full = inputs(length, case)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
@@ -138,6 +140,42 @@ def _disagreeing_ranks(rank: int) -> dict:
     total = torch.ones(1)
     dist.all_reduce(total)
     return {"errors": errors, "agreed": agreed, "all_reduce": total.item()}
+
+
+def _short_captured(rank: int) -> dict:
+    """Captured tensors read at global positions out of their range: a bias shorter than the
+    sequence on every rank (each step's check named the internal wrapper and the shard's
+    domain), and index values out of range on one rank only (that rank raised inside its
+    steps, the other waited on the ring). Both raise on every rank before any K/V transfer,
+    naming the global domain; the group's next collective runs."""
+    import torch
+    import torch.distributed as dist
+
+    from flexfa.distributed import ring_attention
+    from flexfa.errors import InputError
+
+    q = torch.randn(1, 2, 12, 16)
+    short = torch.randn(20)
+    where = torch.arange(24)
+    where[5] += 24 * rank  # rank 1 reads past the bias there
+
+    def short_bias(score, b, h, i, j):
+        return score + short[j]
+
+    full = torch.randn(24)
+
+    def indirect(score, b, h, i, j):
+        return score + full[where[j]]
+
+    errors = {}
+    for name, score_mod in (("short", short_bias), ("one_rank", indirect)):
+        try:
+            ring_attention(q, q, q, score_mod, lambda b, h, i, j: i >= j, block_size=16)
+        except InputError as error:
+            errors[name] = str(error)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"errors": errors, "all_reduce": total.item()}
 
 
 def _group(variant: str, world: int, q):

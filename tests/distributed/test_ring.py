@@ -35,7 +35,8 @@ RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
         3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
         4: [("causal", True, "ring")]}
 # runs of their own after those (ring_workers._one_run's special cases)
-EXTRA_RUNS = {2: [("refused_options", False, "ring"), ("disagreeing_ranks", False, "ring")]}
+EXTRA_RUNS = {2: [("refused_options", False, "ring"), ("disagreeing_ranks", False, "ring"),
+                  ("short_captured", False, "ring")]}
 
 
 def _free_port() -> int:
@@ -135,6 +136,25 @@ def test_ranks_that_disagree_are_refused(ranks_dir):
             assert f"rank {rank} and rank {1 - rank} of the group disagree on {field}" in \
                 result["errors"][name]
         assert result["all_reduce"] == 2.0 and result["agreed"].shape == (1, 2, 12, 16)
+
+
+def test_captured_tensors_read_past_their_size_at_global_positions(ranks_dir):
+    """A captured tensor read out of range at the global positions the mods see: an
+    InputError naming the user's mod and the global domain on every rank, before any K/V
+    transfer (each step's check named the internal wrapper and the shard's domain; where
+    one rank's values were out of range, that rank raised inside its steps alone)."""
+    results = [_load(ranks_dir(2), "short_captured", False, "ring", rank) for rank in range(2)]
+    for result in results:
+        assert sorted(result["errors"]) == ["one_rank", "short"]
+        short = result["errors"]["short"]
+        assert short.startswith("ring_attention: the score_mod 'short_bias' reads a captured "
+                                "tensor of shape (20,)") and "q_idx < 24, kv_idx < 24" in short
+        assert "global positions" in short and "global_" not in short
+        assert result["all_reduce"] == 2.0
+    assert "indices" in results[1]["errors"]["one_rank"] and \
+        "(size 24)" in results[1]["errors"]["one_rank"]
+    assert "rank 0 and rank 1 of the group disagree on the captured tensors' indices" in \
+        results[0]["errors"]["one_rank"]
 
 
 @pytest.mark.parametrize("world,case,load_balance,variant",
