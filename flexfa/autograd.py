@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from .blockmask.validate import TABLES, check_tables, table_state, tables_of
-from .errors import InputError
+from .errors import InputError, dims
 from .flops import count as count_flops
 from .inputs import refuse_transforms
 from .lazy import lazy_function
@@ -188,7 +188,7 @@ def _as_saved(call: AttentionCall, seed, buffers: tuple, versions: tuple) -> Att
         for s, o, version in zip(buffers, own, versions):
             if version is not None and o._version != version and _same_memory(s, o):
                 raise InputError(
-                    f"a tensor the score_mod captures (shape {tuple(o.shape)}) was edited in "
+                    f"a tensor the score_mod captures (shape {dims(o)}) was edited in "
                     "place between flex_attention's forward and its backward, which reads it "
                     "(saved-tensor hooks kept the tensor itself, so torch's own check did not "
                     "run); the gradients would be those of another forward: edit it after the "
@@ -260,7 +260,7 @@ def check_versions(reads, prefix: str = "",
     for what, tensor, version in reads:
         if tensor._version != version:
             raise InputError(
-                f"{prefix}{what} (shape {tuple(tensor.shape)}) was edited in place between "
+                f"{prefix}{what} (shape {dims(tensor)}) was edited in place between "
                 f"{between}; the gradients would be those of another forward: edit it after "
                 "the backward, or pass a copy to the forward")
 

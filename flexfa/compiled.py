@@ -39,7 +39,7 @@ import torch
 from .blockmask.block_mask import BlockMask, TracedMaskMod
 from .blockmask.checks import batch_size, block_size_pair, default_device
 from .eager import in_graph
-from .errors import FlexFAError, InputError, InputTypeError, check_bool
+from .errors import FlexFAError, InputError, InputTypeError, check_bool, dims
 from .features import check_sinks, prepare_dropout
 from .frontend.guards import (DYNAMIC_NAMES, LIBRARY_CONTAINERS, code_imports, code_names, filled,
                               global_names, implicit_methods, is_library_name,
@@ -817,7 +817,7 @@ def pin_sizes(mod, sized: tuple, cells: tuple = ()) -> None:
         tensor = follow(mod, path, cells)
         # (size by size: torch 2.11's Dynamo fails on != of a shape tuple and a constant one)
         if tensor.dim() != len(shape) or any(tensor.shape[d] != n for d, n in enumerate(shape)):
-            raise AssertionError(f"captured tensor of shape {tuple(tensor.shape)}, traced with "
+            raise AssertionError(f"captured tensor of shape {dims(tensor)}, traced with "
                                  f"{shape}")  # the graph is traced for this shape only
 
 

@@ -16,7 +16,7 @@ from .blockmask.analysis import check_broadcast
 from .blockmask.coarsen import runnable_block_mask
 from .blockmask.validate import capturing, check_tables
 from .eager import outside_compile
-from .errors import InputError, InputTypeError, check_bool
+from .errors import InputError, InputTypeError, check_bool, dims
 from .features import check_sinks
 from .flops import count as count_flops
 from .inputs import (autocast_inputs, broadcast_batch, check_block_mask_type, check_buffers,
@@ -141,7 +141,7 @@ def _int32_rows(name: str, tensor, shape: tuple, device) -> None:
                              f"{type(tensor).__name__}")
     if tensor.dtype != torch.int32 or tuple(tensor.shape) != shape:
         raise InputError(f"{name} must be int32 of shape {shape}, got {tensor.dtype} of shape "
-                         f"{tuple(tensor.shape)}")
+                         f"{dims(tensor)}")
     if tensor.device != device:
         raise InputError(f"{name} is on {tensor.device} but query is on {device}")
     if tensor.dim() == 1 and tensor.stride(0) != 1:
@@ -162,8 +162,8 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
         _int32_rows("page_table", page_table, (B, page_table.shape[1]), query.device)
         pages, page_size, Hkv, _ = key.shape
         if tuple(value.shape[:3]) != (pages, page_size, Hkv):
-            raise InputError(f"value cache has shape {tuple(value.shape)} but key cache "
-                             f"{tuple(key.shape)}; both are [num_pages, page_size, Hkv, dim]")
+            raise InputError(f"value cache has shape {dims(value)} but key cache "
+                             f"{dims(key)}; both are [num_pages, page_size, Hkv, dim]")
         if page_size == 0 or page_size % 16:
             raise InputError(f"the paged cache has page_size {page_size}; the decode kernel "
                              "needs a positive multiple of 16")
@@ -174,7 +174,7 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
                              "cache shared by every query)")
         Hkv = key.shape[1]
         if tuple(value.shape[1:3]) != tuple(key.shape[1:3]):
-            raise InputError(f"value has shape {tuple(value.shape)} but key {tuple(key.shape)}; "
+            raise InputError(f"value has shape {dims(value)} but key {dims(key)}; "
                              "they need the same heads and length")
     if key.shape[3] != E:
         raise InputError(f"key has head_dim {key.shape[3]} but query has {E}")

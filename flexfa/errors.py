@@ -69,3 +69,12 @@ def shown(values, limit: int = 12) -> str:
     and the count."""
     values = values.tolist()
     return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} entries)"
+
+
+def dims(tensor) -> str:
+    """A tensor's shape for an error message, as ``tuple(tensor.shape)`` shows it. Under
+    torch.compile with dynamic shapes its sizes are symbolic: Dynamo formats each size alone
+    into a constant (a guard on the error's path), but not a tuple of them, and a message
+    that is not a constant cannot reach the caller as flexfa's error."""
+    sizes = [f"{size}" for size in tensor.shape]
+    return "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"

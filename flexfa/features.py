@@ -19,7 +19,7 @@ import numbers
 import torch
 
 from .blockmask.checks import resolve_device
-from .errors import InputError, InputTypeError, check_int
+from .errors import InputError, InputTypeError, check_int, dims
 from .inputs import MAX_CUDA_PROGRAM_ROWS, check_readable, shown
 from .lazy import lazy_function
 from .runtime.call import OFFSET_LIMIT, SEED_LIMIT, Dropout, seed_tensor
@@ -36,7 +36,7 @@ def check_sinks(sinks, heads: int, dtype: torch.dtype, device) -> torch.Tensor |
     if not isinstance(sinks, torch.Tensor):
         raise InputTypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
     if tuple(sinks.shape) != (heads,):
-        raise InputError(f"sinks has shape {tuple(sinks.shape)} but query has {heads} heads; "
+        raise InputError(f"sinks has shape {dims(sinks)} but query has {heads} heads; "
                          f"sinks must be [{heads}]: one logit per query head")
     if sinks.dtype not in (torch.float32, dtype):
         raise InputTypeError(f"sinks has dtype {sinks.dtype}; it must be float32 or the "

@@ -12,7 +12,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .blockmask.block_mask import SLICED, sliced_mask_mod
-from .errors import InputError, InputTypeError, check_bool
+from .errors import InputError, InputTypeError, check_bool, dims
 from .frontend.trace import TracedMod
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,7 +37,7 @@ def check_tensors(query, key, value) -> None:
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dim() != 4:
             raise InputError(f"{name} must be 4-D [B, H, seq_len, head_dim], got shape "
-                             f"{tuple(tensor.shape)} ({tensor.dim()}-D)")
+                             f"{dims(tensor)} ({tensor.dim()}-D)")
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise InputTypeError(f"{name} has dtype {tensor.dtype}; flex_attention supports "
                                  "float16, bfloat16 and float32")
@@ -255,19 +255,19 @@ def check_block_mask_type(block_mask) -> None:
         raise InputError(SLICED)
     # torch's from_kv_blocks keeps 2- or 3-dim tables as given; the kernels index [B, H, ...]
     # (the full and q tables may be None; a sparse table has no memory the kernels can read)
-    for name, dims in _TABLE_DIMS:
+    for name, ndim in _TABLE_DIMS:
         table = getattr(block_mask, name, None)
         if table is None and name not in ("kv_num_blocks", "kv_indices"):
             continue
         if isinstance(table, torch.Tensor) and table.layout is not torch.strided:
             raise InputError(f"block_mask.{name} has layout {table.layout}; the kernels read "
                              "strided tables: pass dense ones (.to_dense())")
-        if not isinstance(table, torch.Tensor) or table.dim() != dims:
-            found = (f"shape {tuple(table.shape)}" if isinstance(table, torch.Tensor)
+        if not isinstance(table, torch.Tensor) or table.dim() != ndim:
+            found = (f"shape {dims(table)}" if isinstance(table, torch.Tensor)
                      else type(table).__name__)
             rows, cols = ("KV_TILES", "Q_TILES") if "q_" in name else ("Q_TILES", "KV_TILES")
             raise InputError(f"block_mask.{name} has {found}; flex_attention needs [B, H, "
-                             f"{rows}{f', {cols}' if dims == 4 else ''}] tables: build the "
+                             f"{rows}{f', {cols}' if ndim == 4 else ''}] tables: build the "
                              "mask with flexfa.BlockMask.from_kv_blocks, which adds size-1 "
                              "batch and head dims to tables without them")
 
@@ -310,12 +310,12 @@ def check_buffers(traced: TracedMod | None, what: str, device: torch.device) -> 
     if traced is None:
         return
     for slot, tensor in enumerate(traced.buffers):
-        check_readable(f"the captured tensor of shape {tuple(tensor.shape)} that the {what} "
+        check_readable(f"the captured tensor of shape {dims(tensor)} that the {what} "
                        f"{traced.name!r} reads", tensor)
         if tensor.numel() == 0:  # a kernel would read out of bounds: there is no element
             raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
-                             f"{tuple(tensor.shape)}, which has no elements")
+                             f"{dims(tensor)}, which has no elements")
         if tensor.device != device:
             raise InputError(f"the {what} {traced.name!r} reads a captured tensor of shape "
-                             f"{tuple(tensor.shape)} on {tensor.device} but query is on "
+                             f"{dims(tensor)} on {tensor.device} but query is on "
                              f"{device}; move the captured tensor to {device}")

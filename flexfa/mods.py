@@ -17,7 +17,7 @@ import numbers
 import torch
 
 from .blockmask.checks import MAX_SIZE, resolve_device
-from .errors import InputError, InputTypeError, check_bool, check_int, shown
+from .errors import InputError, InputTypeError, check_bool, check_int, dims, shown
 
 __all__ = ["causal", "sliding_window", "prefix_lm", "document", "document_ids", "alibi",
            "alibi_slopes", "softcap", "relative_bias", "dilated_window", "global_sliding",
@@ -67,7 +67,7 @@ def _one_dim(func: str, name: str, values, dtype: torch.dtype, device) -> torch.
                              f"{type(values).__name__} {values!r:.80} ({exc})") from None
     if tensor.dim() != 1 or tensor.numel() == 0:
         raise InputError(f"{func}: {name} must be a non-empty 1-d sequence, got shape "
-                         f"{tuple(tensor.shape)}")
+                         f"{dims(tensor)}")
     if dtype is torch.bool and tensor.dtype is not torch.bool:
         raise InputTypeError(f"{func}: {name} must be bool (True = global token), got {tensor.dtype}")
     if dtype is not torch.bool and (tensor.dtype.is_floating_point or tensor.dtype.is_complex
@@ -385,7 +385,7 @@ def relative_bias(table: torch.Tensor, offset: int | None = None):
                              f"{table.dtype}")
     if table.dim() not in (1, 2) or table.numel() == 0:
         raise InputError(f"relative_bias: table must have shape [R] or [H, R] with H, R >= 1, "
-                         f"got shape {tuple(table.shape)}")
+                         f"got shape {dims(table)}")
     size = table.shape[-1]
     offset = (size - 1) // 2 if offset is None else _position("relative_bias", "offset", offset, 0)
     last = size - 1

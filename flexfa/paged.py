@@ -25,7 +25,7 @@ import torch
 from .blockmask.checks import positive_int, resolve_device
 from .blockmask.validate import capturing
 from .decode import flex_decode
-from .errors import InputError, InputTypeError, check_bool, check_int
+from .errors import InputError, InputTypeError, check_bool, check_int, dims
 from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
 from .memo import version_of
 
@@ -171,16 +171,16 @@ class PagedKVCache:
         ``validate=False``, as under CUDA-graph capture; the positions must be reserved).
         Lengths are not changed: ``set_length``, or ``kv_lens`` updated on the device."""
         validate = check_bool("PagedKVCache.assign: validate", validate)  # None skipped checks
-        for name, tensor, dims in (("batch_idx", batch_idx, 1), ("input_pos", input_pos, 2)):
+        for name, tensor, ndim in (("batch_idx", batch_idx, 1), ("input_pos", input_pos, 2)):
             if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or \
-                    tensor.is_complex() or tensor.dtype is torch.bool or tensor.dim() != dims:
-                raise InputTypeError(f"{name} must be a {dims}-D integer tensor, got "
+                    tensor.is_complex() or tensor.dtype is torch.bool or tensor.dim() != ndim:
+                raise InputTypeError(f"{name} must be a {ndim}-D integer tensor, got "
                                      f"{getattr(tensor, 'dtype', type(tensor).__name__)} of shape "
                                      f"{tuple(getattr(tensor, 'shape', ()))}")
         B, L = input_pos.shape
         if tuple(batch_idx.shape) != (B,):
-            raise InputError(f"batch_idx has shape {tuple(batch_idx.shape)} but input_pos "
-                             f"{tuple(input_pos.shape)}; they must be [B] and [B, L]")
+            raise InputError(f"batch_idx has shape {dims(batch_idx)} but input_pos "
+                             f"{dims(input_pos)}; they must be [B] and [B, L]")
         self._check_values(k_val, v_val, B, L)
         if capturing():  # replays may advance kv_lens unseen (a decode step's += 1)
             self._device_lengths = True
@@ -231,7 +231,7 @@ class PagedKVCache:
                 raise InputError(f"{name} is on {tensor.device} but the cache is on "
                                  f"{self.k_cache.device}")
         if tuple(k_val.shape) != (B, Hkv, L, E) or tuple(v_val.shape) != (B, Hkv, L, Ev):
-            raise InputError(f"k_val {tuple(k_val.shape)} and v_val {tuple(v_val.shape)} must be "
+            raise InputError(f"k_val {dims(k_val)} and v_val {dims(v_val)} must be "
                              f"[B={B}, Hkv={Hkv}, L={L}, E={E}] and [B, Hkv, L, Ev={Ev}] for "
                              "this cache")
 

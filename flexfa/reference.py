@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from .errors import InputError, InputTypeError, check_bool
+from .errors import InputError, InputTypeError, check_bool, dims
 from .frontend import dense_mask, evaluate, index_grids, trace
 from .runtime.dropout import scale as dropout_scale
 
@@ -96,8 +96,8 @@ def _check_inputs(query, key, value, scale, enable_gqa, sinks, dropout_mask, dro
     B, Hq, L, E = query.shape
     if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B) or key.shape[1] != \
             value.shape[1] or key.shape[2] != value.shape[2] or key.shape[3] != E:
-        raise InputError(f"{func}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-                         f"{tuple(value.shape)} must be [B, Hq, L, E], [B or 1, Hkv, S, E] and "
+        raise InputError(f"{func}: query {dims(query)}, key {dims(key)} and value "
+                         f"{dims(value)} must be [B, Hq, L, E], [B or 1, Hkv, S, E] and "
                          "[B or 1, Hkv, S, Ev]")
     check_bool(f"{func}: enable_gqa", enable_gqa)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)

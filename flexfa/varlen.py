@@ -20,7 +20,7 @@ from .blockmask.checks import block_size_pair
 from .blockmask.offsets import check_offsets, check_window
 from .blockmask.varlen import checked_block_mask
 from .eager import outside_compile
-from .errors import InputError, InputTypeError, check_bool
+from .errors import InputError, InputTypeError, check_bool, dims
 from .features import check_sinks, prepare_dropout
 from .frontend import ir
 from .frontend.ir import DType, Op
@@ -73,7 +73,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     for name, tensor in zip(_NAMES, (q, k, v)):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
             raise InputError(f"{func}: {name} must be 3-D [total_tokens, heads, head_dim], got "
-                             f"shape {tuple(tensor.shape)}")
+                             f"shape {dims(tensor)}")
     query, key, value = autocast_inputs(*(t.unsqueeze(0).transpose(1, 2)
                                           if isinstance(t, torch.Tensor) else t
                                           for t in (q, k, v)))  # (as flex_attention)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
-from ..errors import InputError, InputTypeError, check_bool, is_bool
+from ..errors import InputError, InputTypeError, check_bool, dims, is_bool
 from ..frontend.combinators import noop_mask
 from ..frontend.evaluate import evaluate
 from ..frontend.trace import MASK_MOD, TracedMod, trace
@@ -96,7 +96,7 @@ class BlockMask(TorchBlockMask):
             dq_kv_order_spt = check_bool("BlockMask: dq_kv_order_spt", dq_kv_order_spt)
         if kv_indices.dim() < 2:  # as torch's
             raise InputError(f"BlockMask: kv_indices must have at least 2 dims ([B, H,] "
-                             f"Q_TILES, KV_TILES), got shape {tuple(kv_indices.shape)}")
+                             f"Q_TILES, KV_TILES), got shape {dims(kv_indices)}")
         self.BLOCK_SIZE = block_size_pair("BlockMask", BLOCK_SIZE)
         self.seq_lengths = _seq_lengths("BlockMask", seq_lengths, kv_indices, self.BLOCK_SIZE)
         self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
@@ -458,10 +458,10 @@ def _check_entries(index, size: int) -> None:
 
 def _take(table: torch.Tensor, index: tuple) -> torch.Tensor:
     """``table`` indexed dim by dim (two list or tensor indices together would pick pairs)."""
-    dims = table.dim()
+    ndim = table.dim()
     for dim, i in enumerate(index):
         table = table[(slice(None),) * dim + (i,)]
-        if table.dim() != dims:  # a nested list
+        if table.dim() != ndim:  # a nested list
             raise InputError(f"{_INDICES}, got {i!r}")
     return table
 
@@ -519,7 +519,7 @@ def _mask_mod(func: str, mask_mod):
 
 
 def _given(table) -> str:
-    return "None" if table is None else f"a tensor of shape {tuple(table.shape)}"
+    return "None" if table is None else f"a tensor of shape {dims(table)}"
 
 
 def _table_pair(func: str, name: str, num_blocks, indices):
@@ -530,10 +530,10 @@ def _table_pair(func: str, name: str, num_blocks, indices):
             raise InputTypeError(f"{func}: {label} must hold integers, got {value.dtype}")
     if not 2 <= indices.dim() <= 4:
         raise InputError(f"{func}: {name}_indices must have 2 to 4 dims ([B, H,] Q_TILES, "
-                         f"KV_TILES), got shape {tuple(indices.shape)}")
+                         f"KV_TILES), got shape {dims(indices)}")
     if tuple(num_blocks.shape) != tuple(indices.shape[:-1]):
-        raise InputError(f"{func}: {name}_num_blocks has shape {tuple(num_blocks.shape)} but "
-                         f"{name}_indices has {tuple(indices.shape)}; expected "
+        raise InputError(f"{func}: {name}_num_blocks has shape {dims(num_blocks)} but "
+                         f"{name}_indices has {dims(indices)}; expected "
                          f"{tuple(indices.shape[:-1])}")
     for label, value in ((f"{name}_num_blocks", num_blocks), (f"{name}_indices", indices)):
         if value.dtype not in _NARROW_INTS and value.numel():  # would wrap in the int32 cast

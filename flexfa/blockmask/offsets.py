@@ -18,7 +18,7 @@ import numbers
 import numpy
 import torch
 
-from ..errors import InputError, InputTypeError, shown
+from ..errors import InputError, InputTypeError, dims, shown
 
 MIN_PADDED = 128  # the shortest padded per-token tensor
 PAD_DOC_Q, PAD_DOC_K = -1, -2  # documents of padded positions: they never match
@@ -152,7 +152,7 @@ def _check_layout(func: str, name: str, cu, device: torch.device) -> None:
                          "(.to_dense())")
     if cu.dim() != 1 or cu.numel() < 2:
         raise InputError(f"{func}: {name} must be 1-D with at least 2 entries (0 and the total), "
-                         f"got shape {tuple(cu.shape)}")
+                         f"got shape {dims(cu)}")
     if cu.device.type != "cpu" and cu.device != device:
         raise InputError(f"{func}: {name} is on {cu.device} but the attention runs on {device}; "
                          + (f"pass offsets on {device} or on the CPU"

@@ -43,7 +43,7 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..errors import InputError
+from ..errors import InputError, dims
 from ..memo import BoundedMemo
 
 PAIRS = ("kv", "full_kv", "q", "full_q")
@@ -357,16 +357,16 @@ def capturing() -> bool:
 
 def _check_layout(where: str, pair: str, num_blocks, indices, kv_num_blocks, rows: int) -> None:
     """Shapes and dtypes of one table pair: what the kernels' pointer arithmetic assumes."""
-    for name, table, dims in ((f"{pair}_num_blocks", num_blocks, 3),
+    for name, table, ndim in ((f"{pair}_num_blocks", num_blocks, 3),
                               (f"{pair}_indices", indices, 4)):
         if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype is torch.bool:
             raise InputError(f"{where}{name} must hold integers, got {table.dtype}")
-        if table.dim() != dims or table.device != kv_num_blocks.device:
-            raise InputError(f"{where}{name} has shape {tuple(table.shape)} on {table.device}; "
-                             f"expected {dims} dims on {kv_num_blocks.device}, as kv_num_blocks")
+        if table.dim() != ndim or table.device != kv_num_blocks.device:
+            raise InputError(f"{where}{name} has shape {dims(table)} on {table.device}; "
+                             f"expected {ndim} dims on {kv_num_blocks.device}, as kv_num_blocks")
     if num_blocks.shape != indices.shape[:-1] or num_blocks.shape[:2] != kv_num_blocks.shape[:2]:
-        raise InputError(f"{where}{pair}_num_blocks has shape {tuple(num_blocks.shape)} and "
-                         f"{pair}_indices {tuple(indices.shape)}; expected [B, H, ROWS] and "
+        raise InputError(f"{where}{pair}_num_blocks has shape {dims(num_blocks)} and "
+                         f"{pair}_indices {dims(indices)}; expected [B, H, ROWS] and "
                          f"[B, H, ROWS, COLS] with the (B, H) of kv_num_blocks "
                          f"{tuple(kv_num_blocks.shape[:2])}")
     if num_blocks.shape[-1] < rows:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..api import flex_attention
 from ..autograd import check_versions, not_differentiable, outside_dynamo
 from ..blockmask.checks import block_size_pair
-from ..errors import InputError, InputTypeError, check_bool
+from ..errors import InputError, InputTypeError, check_bool, dims
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
 from ..inputs import (autocast_inputs, check_scale, check_shapes, check_tensors, dual_level_open,
@@ -210,7 +210,7 @@ def _check_unedited(watched, copies) -> None:
     for what, tensor, copy in copies:
         if not torch.equal(tensor, copy):
             raise InputError(f"ring_attention: {what} (an inference tensor, shape "
-                             f"{tuple(tensor.shape)}) was edited between the forward and "
+                             f"{dims(tensor)}) was edited between the forward and "
                              "the backward, which recomputes the ring's steps with it; the "
                              "gradients would be those of another forward: edit it after "
                              "the backward")
@@ -238,7 +238,7 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
                                  f"{type(t).__name__}")
         if t.dim() != 4:
             raise InputError(f"ring_attention: {name} must be [B, H, S_local, E], got shape "
-                             f"{tuple(t.shape)}")
+                             f"{dims(t)}")
     if query.shape[2] != key.shape[2] or key.shape[2] != value.shape[2]:
         raise InputError(f"ring_attention: query, key and value shards must have one length; "
                          f"got {query.shape[2]}, {key.shape[2]}, {value.shape[2]}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..blockmask.checks import resolve_device
-from ..errors import InputError, InputTypeError, check_bool, check_int
+from ..errors import InputError, InputTypeError, check_bool, check_int, dims
 
 
 def check_layout(func: str, rank, world, length: int, load_balance) -> None:
@@ -105,8 +105,8 @@ def unshard(shards, load_balance: bool = True, dim: int = -2) -> torch.Tensor:
         others = [n for n in range(first.dim()) if n != dim % first.dim()]
         if [shard.shape[n] for n in others] != [first.shape[n] for n in others] or \
                 shard.dtype != first.dtype or shard.device != first.device:
-            raise InputError(f"unshard: shards[{rank}] is {shard.dtype} {tuple(shard.shape)} on "
-                             f"{shard.device} but shards[0] {first.dtype} {tuple(first.shape)} "
+            raise InputError(f"unshard: shards[{rank}] is {shard.dtype} {dims(shard)} on "
+                             f"{shard.device} but shards[0] {first.dtype} {dims(first)} "
                              f"on {first.device}; they may differ along dim {dim} only")
     lengths = [shard.shape[dim] for shard in shards]
     if len(set(lengths)) > 1 or (load_balance and lengths[0] % 2):

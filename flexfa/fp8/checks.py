@@ -7,7 +7,7 @@ import torch
 
 from ..inputs import (check_readable, check_shapes, dual_level_open, refuse_tangents,
                       requiring_grad)
-from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int
+from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int, dims
 from .inputs import FP8_DTYPE, FP8Inputs
 
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,7 +54,7 @@ def check_quantize_inputs(q, k, v, rotate, per_tensor, fused=None) -> None:
                                  "float16 or float32")
         if tensor.dim() != 4:
             raise InputError(f"{name} must be 4-D [B, H, seq_len, head_dim], got shape "
-                             f"{tuple(tensor.shape)}")
+                             f"{dims(tensor)}")
         if tensor.device != q.device:
             raise InputError(f"{name} is on {tensor.device} but query is on {q.device}")
         if tensor.dtype != q.dtype:  # as flex_attention: no dtype is picked among them
@@ -87,7 +87,7 @@ def check_scale(name: str, scale, want: tuple[int, ...], device) -> None:
     if not isinstance(scale, torch.Tensor):
         raise InputTypeError(f"{name} must be a float32 tensor, got {type(scale).__name__}")
     if tuple(scale.shape) != want:
-        raise InputError(f"{name} has shape {tuple(scale.shape)}; expected {want} "
+        raise InputError(f"{name} has shape {dims(scale)}; expected {want} "
                          "[B, heads, ceil(seq_len / block)] for these inputs and block sizes")
     if scale.dtype != torch.float32:
         raise InputTypeError(f"{name} has dtype {scale.dtype}; scales must be float32")

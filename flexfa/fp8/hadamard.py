@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..blockmask.checks import indexed, resolve_device
-from ..errors import InputError, InputTypeError, check_int
+from ..errors import InputError, InputTypeError, check_int, dims
 
 
 def is_power_of_two(n: int) -> bool:
@@ -141,7 +141,7 @@ def _check_rotation(func: str, x, signs) -> int:
                          "0-d tensor")
     if signs.dim() != 1 or not is_power_of_two(signs.numel()):
         raise InputError(f"{func}: signs must be 1-D with a power-of-two length (from "
-                         f"random_signs), got shape {tuple(signs.shape)}")
+                         f"random_signs), got shape {dims(signs)}")
     if signs.device.type == "meta" and x.device.type != "meta":
         raise InputError(f"{func}: signs is a meta tensor (no values) but x is on {x.device}")
     if signs.device.type != "meta" and not bool(((signs == 1) | (signs == -1)).all()):

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..errors import InputError, UnsupportedOpError
+from ..errors import InputError, UnsupportedOpError, dims
 from . import ir
 from .evaluate import evaluate_node
 from .ir import DType, Node, Op
@@ -334,7 +334,7 @@ def check_mask_mod_grad(traced: TracedMod) -> None:
 def mask_mod_grad_error(name: str, buffers) -> InputError:
     """The error of a mask_mod ``name`` whose captured tensors ``buffers`` (by slot) include
     some that require grad (also raised inside torch.compile: ``flexfa.compiled``)."""
-    shapes = ", ".join(f"slot {s} of shape {tuple(t.shape)}" for s, t in enumerate(buffers)
+    shapes = ", ".join(f"slot {s} of shape {dims(t)}" for s, t in enumerate(buffers)
                        if t.requires_grad)
     return InputError(f"mask_mod {name!r} reads captured tensors that require grad ({shapes}); "
                       "a mask has no gradient: pass tensor.detach() to the mask_mod, or move "

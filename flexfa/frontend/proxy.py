@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from ..errors import TraceError, UnsupportedOpError
+from ..errors import TraceError, UnsupportedOpError, dims
 from . import ir
 from .ir import DType, Node, Op
 from .names import TORCH_FUNCTIONS, func_name, reduction_error, supported_functions, unsupported
@@ -331,7 +331,7 @@ def lift(value, tracer: Tracer) -> Node:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise tracer.error(
-                f"a captured tensor of shape {tuple(value.shape)} was used as a value; "
+                f"a captured tensor of shape {dims(value)} was used as a value; "
                 "index it with traced values (e.g. bias[h, q_idx]) to read one element")
         if value.dim() != 0:
             value_dims = value.dim()
@@ -418,25 +418,25 @@ def index_buffer(tracer: Tracer, tensor: torch.Tensor, done: tuple[Node, ...], i
         if isinstance(item, Proxy):
             if item.node.dtype is DType.FLOAT:
                 raise tracer.error(
-                    f"a captured tensor of shape {tuple(tensor.shape)} was indexed with a "
+                    f"a captured tensor of shape {dims(tensor)} was indexed with a "
                     "float value; indices must be integers (convert with .int() or // )")
             if item.node.dtype is DType.BOOL or item.storage == torch.uint8:
                 # (torch takes a bool or uint8 index as a mask)
                 what = "bool" if item.node.dtype is DType.BOOL else "uint8"
                 raise tracer.error(
-                    f"a captured tensor of shape {tuple(tensor.shape)} was indexed with a "
+                    f"a captured tensor of shape {dims(tensor)} was indexed with a "
                     f"{what} value, which torch reads as a mask, not as an integer; convert it "
                     "with .int() (or choose with torch.where)")
             nodes.append(ir.cast(item.node, DType.INT))
         elif isinstance(item, (bool, float)) or not isinstance(item, numbers.Integral):
             raise tracer.error(
-                f"a captured tensor of shape {tuple(tensor.shape)} was indexed with "
+                f"a captured tensor of shape {dims(tensor)} was indexed with "
                 f"{type(item).__name__} {item!r:.40}; indices must be integers")
         else:
             nodes.append(ir.const(int(item)))
     if len(nodes) > tensor.dim():
         raise tracer.error(
-            f"captured tensor of shape {tuple(tensor.shape)} indexed with {len(nodes)} indices")
+            f"captured tensor of shape {dims(tensor)} indexed with {len(nodes)} indices")
     if len(nodes) < tensor.dim():
         return BufferView(tensor, tuple(nodes), tracer)
     # an element of a narrow integer tensor is held in its dtype, as torch's is (t8[i] + 100

@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from ..errors import TraceError
+from ..errors import TraceError, dims
 from . import ir
 from . import torch_functions  # noqa: F401  (registers the torch-function handlers)
 from ..memo import OwnedMemo, version_of
@@ -266,7 +266,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
         # no error of the mod; the memo then holds the versions read before, so it is stale)
         if version_of(tensor) != version and reads.mutated:
             raise tracer.error(
-                f"the mod modified the captured tensor of shape {tuple(tensor.shape)} in place "
+                f"the mod modified the captured tensor of shape {dims(tensor)} in place "
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
     raw = _result_node(tracer, result, kind)
     root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))

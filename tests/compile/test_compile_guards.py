@@ -488,3 +488,50 @@ def test_routes_no_path_reaches_are_refused(mod, message):
     torch._dynamo.reset()
     with pytest.raises(flexfa.InputError, match=message):
         torch.compile(_given, backend="eager", fullgraph=True)(q, k, v, mod)
+
+
+def _bad_calls() -> dict:
+    """name: (function, arguments) of calls flexfa refuses, whose messages show a tensor's
+    shape (symbolic under dynamic=True)."""
+    q = torch.randn(1, 4, 32, 16)
+    pages = torch.randn(4, 16, 2, 16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+
+    def attention(q, k, v, sinks=None):
+        return flexfa.flex_attention(q, k, v, sinks=sinks)
+
+    def decode(q, k, v, kv_lens=None, page_table=None):
+        return flexfa.flex_decode(q, k, v, kv_lens=kv_lens, page_table=page_table)
+    return {
+        "sinks": (attention, (q, q, q, torch.zeros(3))),
+        "three_dims": (attention, (q[0], q[0], q[0])),
+        "decode_value": (decode, (q[:, :, :2], q, q[:, :2])),
+        "decode_kv_lens": (decode, (q[:, :, :2], q, q, torch.zeros(3, dtype=torch.int32))),
+        "paged_value": (decode, (q[:, :, :2], pages, pages[:, :8], None, table)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bad_calls()))
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_shapes_in_error_messages_under_dynamic_shapes(name, dynamic):
+    """Regression (a carried gap): under dynamic=True an error message that showed a tensor's
+    shape as a tuple of symbolic sizes failed inside Dynamo ("assume_constant_result argument
+    conversion failed") instead of raising flexfa's error, as an eager call and a static
+    compile do: the same type and message now."""
+    function, args = _bad_calls()[name]
+    with pytest.raises(flexfa.FlexFAError) as eager:
+        function(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(function, backend="eager", fullgraph=True, dynamic=dynamic)
+    with pytest.raises(type(eager.value)) as got:
+        compiled(*args)
+    assert str(got.value).split("\n")[0] == str(eager.value), (str(got.value), str(eager.value))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (0,), (1, 2), (4, 0, 3), (2, 3, 4, 5, 6)])
+def test_dims_shows_a_shape_as_a_tuple_does(shape):
+    """The messages' ``errors.dims`` (sizes formatted one by one, for Dynamo) reads as
+    ``tuple(tensor.shape)`` did eagerly."""
+    from flexfa.errors import dims
+    assert dims(torch.empty(shape)) == str(tuple(shape))
