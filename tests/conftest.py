@@ -58,3 +58,24 @@ def triton_language_left_intact():
                 setattr(obj, name, saved[name]) if name in saved else delattr(obj, name)
     if changed:
         pytest.fail(f"the test left triton.language patched (restored now): {changed[:5]}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing GPU test's report carries the process's and the device's memory at that
+    point (allocated, reserved and peak by this process; free and total on the device): GPU
+    suites run several processes on one GPU, where one process's cached blocks are memory the
+    others cannot have."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "gpu" in item.keywords and torch.cuda.is_available():
+        try:
+            free, total = torch.cuda.mem_get_info()
+            mib = 2 ** 20
+            report.sections.append(("GPU memory", (
+                f"this process: allocated {torch.cuda.memory_allocated() // mib} MiB, "
+                f"reserved {torch.cuda.memory_reserved() // mib} MiB, peak allocated "
+                f"{torch.cuda.max_memory_allocated() // mib} MiB; device: "
+                f"{free // mib} of {total // mib} MiB free")))
+        except RuntimeError as error:  # (a failed context: the report keeps its own error)
+            report.sections.append(("GPU memory", f"not read: {error}"))
