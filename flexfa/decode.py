@@ -158,7 +158,8 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
     if page_table is not None:
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
             raise InputError(f"page_table must be a 2-D int32 tensor [B, max_pages], got "
-                             f"{getattr(page_table, 'shape', type(page_table).__name__)}")
+                             + (f"shape {dims(page_table)}" if isinstance(page_table, torch.Tensor)
+                                else type(page_table).__name__))
         _int32_rows("page_table", page_table, (B, page_table.shape[1]), query.device)
         pages, page_size, Hkv, _ = key.shape
         if tuple(value.shape[:3]) != (pages, page_size, Hkv):
