@@ -178,3 +178,26 @@ def test_inference_tables_edited_in_place_are_read_again_by_the_union_walk():
                                        lambda b, h, i, j: j // 16 < blocks[h], enable_gqa=True)
             torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5,
                                        msg=lambda m: f"blocks {blocks.tolist()}: {m}")
+
+
+def test_lse_after_a_call_without_it_on_the_same_plan():
+    """A call without return_lse and then one with it on the same shapes: the second gets its
+    own plan, whose lse is the reference's (the plan's key names return_lse; without it in
+    the key the suite noticed only through a torch.compile test)."""
+    q, k, v = _qkv(S=40)
+    flexfa.flex_decode(q, k, v, kernel_options={"SPLIT_KV": 2})
+    out, lse = flexfa.flex_decode(q, k, v, kernel_options={"SPLIT_KV": 2}, return_lse=True)
+    want, want_lse = attention_reference(q, k, v, None, return_lse=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_split_parts_of_every_split_are_combined():
+    """With SPLIT_KV = 4 each split's partial rows land in their own slice of the parts
+    buffer (one split fewer overran it: the suite saw only a heap-corruption abort): out and
+    lse against the reference, at B * H * rows larger than one split's."""
+    q, k, v = _qkv(B=3, Hq=4, Hkv=2, L=3, S=130)
+    out, lse = flexfa.flex_decode(q, k, v, kernel_options={"SPLIT_KV": 4}, return_lse=True)
+    want, want_lse = attention_reference(q, k, v, None, return_lse=True, enable_gqa=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
