@@ -73,8 +73,8 @@ def shown(values, limit: int = 12) -> str:
 
 def dims(tensor) -> str:
     """A tensor's shape for an error message, as ``tuple(tensor.shape)`` shows it. Under
-    torch.compile with dynamic shapes its sizes are symbolic: Dynamo formats each size alone
-    into a constant (a guard on the error's path), but not a tuple of them, and a message
-    that is not a constant cannot reach the caller as flexfa's error."""
+    torch.compile with dynamic shapes its sizes are symbolic: Dynamo makes a constant string of
+    each size formatted alone, but not of a tuple of them, and a message that is not a
+    constant cannot reach the caller as flexfa's error (compiled.raise_through)."""
     sizes = [f"{size}" for size in tensor.shape]
     return "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"

@@ -65,7 +65,7 @@ def gpu_memory_returned(request):
     """After a GPU test, the blocks torch's caching allocator keeps go back to the device: GPU
     suites run 8 processes on one GPU, and the blocks one process caches after its large
     references are memory the others cannot have (two GPU files over 8 processes reached
-    78.4 of an H100's 79.6 GiB)."""
+    76.6 of an H100's 79.6 GiB)."""
     yield
     if "gpu" in request.node.keywords and torch.cuda.is_available():
         torch.cuda.empty_cache()
