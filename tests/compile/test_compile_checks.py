@@ -255,3 +255,24 @@ def test_torch_and_masks_of_a_mask_capturing_a_tensor():
     doc_ids[40:] = 2
     torch.testing.assert_close(compiled(*inputs), layer(*inputs))
 
+
+
+def test_a_parameter_list_item_a_mod_reads():
+    """A score_mod reading an nn.ParameterList's item (a container module's parameter, read
+    through its own __getitem__): the compiled call equals eager and follows an item
+    replaced by a new parameter. (The audit's mutant taking only a container's modules, not
+    its parameters, passes this too: no result of it was found to differ.)"""
+    biases = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(2))])
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + biases[0][h]
+
+    def layer(q, k, v):
+        return flexfa.flex_attention(q, k, v, biased)
+    compiled = _compiled(layer)
+    inputs = _inputs()
+    with torch.no_grad():
+        for value in ([0.0, 1.0], [3.0, -2.0]):
+            biases[0] = torch.nn.Parameter(torch.tensor(value))
+            torch.testing.assert_close(compiled(*inputs), layer(*inputs), rtol=1e-5,
+                                       atol=1e-5, msg=lambda m: f"biases {value}: {m}")
