@@ -120,6 +120,7 @@ def test_int_and_numpy_scales_are_served_as_the_float_they_run_with(monkeypatch)
     path, which refuses them."""
     import numpy as np
 
+    prepared.PREPARED.clear()  # (0.25 is E = 16's default scale: an earlier test's entry)
     hits = _prepared_hits(monkeypatch)
     q, k, v = _qkv()
     expected = {}
