@@ -272,19 +272,37 @@ def relative_bias(score, b, h, q_idx, kv_idx):
     return score + relative.table[q_idx - kv_idx + relative.table.shape[0] // 2]
 
 
-def test_a_size_the_trace_read_is_guarded_under_dynamic_shapes():
+def relative_mask(b, h, q_idx, kv_idx):
+    # the same read in a mask_mod
+    return relative.table[q_idx - kv_idx + relative.table.shape[0] // 2] > -0.5
+
+
+def _relative_layer(kind: str):
+    """flex_attention with the relative table read by the score_mod, or by the mask_mod of
+    a block mask built inside the compiled function."""
+    def layer(q, k, v):
+        if kind == "score_mod":
+            return flexfa.flex_attention(q, k, v, relative_bias)
+        mask = flexfa.create_block_mask(relative_mask, None, None, q.shape[2], k.shape[2],
+                                        device="cpu", BLOCK_SIZE=16)
+        return flexfa.flex_attention(q, k, v, block_mask=mask)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["score_mod", "mask_mod"])
+def test_a_size_the_trace_read_is_guarded_under_dynamic_shapes(kind):
     """A mod whose IR holds a captured tensor's size (the centre of a relative-bias table of
     2 L - 1 entries) compiles again for a new size: the graph ran the first length's IR
-    (a wrong offset) for every later length."""
-    def layer(q, k, v):
-        return flexfa.flex_attention(q, k, v, relative_bias)
-
+    (a wrong offset) for every later length (a mask_mod's too, through the mask's sized
+    paths)."""
+    layer = _relative_layer(kind)
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
     for length in (32, 48, 40):
         q, k, v = (t.detach() for t in make_inputs(length, seed=length))
         relative.table = torch.randn(2 * length - 1, generator=torch.Generator().manual_seed(1))
         torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
 
 
 def _bad_calls():
@@ -364,26 +382,3 @@ def test_a_negated_view_compiles_to_the_resolved_inputs_result():
                              backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(negated, k, v), flexfa.flex_attention(q, k, v),
                                atol=0, rtol=0)
-
-
-def relative_mask(b, h, q_idx, kv_idx):
-    # the table's centre is read in Python: the trace holds it as a constant
-    return relative.table[q_idx - kv_idx + relative.table.shape[0] // 2] > -0.5
-
-
-def test_a_size_a_mask_mod_read_is_guarded_under_dynamic_shapes():
-    """As above for a mask_mod (a mask built inside the compiled function from a relative
-    table of 2 L - 1 entries): without the mask's sized paths the graph kept the first
-    length's centre."""
-    def layer(q, k, v):
-        mask = flexfa.create_block_mask(relative_mask, None, None, q.shape[2], k.shape[2],
-                                        device="cpu", BLOCK_SIZE=16)
-        return flexfa.flex_attention(q, k, v, block_mask=mask)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
-    for length in (32, 48, 40):
-        q, k, v = (t.detach() for t in make_inputs(length, seed=length))
-        relative.table = torch.randn(2 * length - 1, generator=torch.Generator().manual_seed(1))
-        torch.testing.assert_close(compiled(q, k, v), layer(q, k, v), rtol=1e-5, atol=1e-5)
-    torch._dynamo.reset()
