@@ -27,3 +27,15 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_part: torch.Tensor,
     keep, add = weight(lse, merged), weight(lse_part.float(), merged)
     out.mul_(keep.unsqueeze(-1)).add_(out_part.float() * add.unsqueeze(-1))
     lse.copy_(merged)
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold the attention sinks ``[Hq]`` into the merged float32 (out, lse), in place: each
+    row's sink joins its denominator as a term without a value (docs/sinks.md), so lse
+    becomes logaddexp(lse, sink) and out shrinks by exp(lse - that). A row empty in every step
+    gets the sink alone (out 0, lse = sink); a sink of -inf changes nothing (a weight of
+    exactly 1); one of +inf gives the limit (out 0, lse +inf)."""
+    sink = sinks.detach().float().view(1, -1, 1).expand_as(lse)
+    merged = torch.logaddexp(lse, sink)
+    out.mul_(weight(lse, merged).unsqueeze(-1))
+    lse.copy_(merged)

@@ -18,23 +18,26 @@ from ..api import flex_attention
 from ..autograd import check_versions, not_differentiable, outside_dynamo
 from ..blockmask.checks import block_size_pair
 from ..errors import InputError, InputTypeError, check_bool, dims
+from ..features import check_sinks
 from ..frontend import MASK_MOD, trace
 from ..frontend.grad import check_mask_mod_grad
 from ..inputs import (autocast_inputs, check_scale, check_shapes, check_tensors, dual_level_open,
                       refuse_tangents, refuse_transforms)
+from ..runtime.backward import sinks_grad
 from ..runtime.indices import check_captured_indices
 from ..runtime.options import parse_kernel_options
 from .comm import Ring
 from .exchange import EXCHANGES
 from .group import choose_method, resolve_group
-from .merge import merge_into, weight
+from .merge import fold_sinks, merge_into, weight
 from .sharding import positions
 from .steps import RingMods
 
 
 def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
                    load_balance=True, scale=None, kernel_options=None, *, block_size=128,
-                   return_lse=False, method="auto", mesh_dim=None, enable_gqa=False):
+                   return_lse=False, method="auto", mesh_dim=None, enable_gqa=False,
+                   sinks=None):
     """Attention over a sequence sharded across ``group`` (default: the world group).
 
     ``query`` ``[B, Hq, S_local, E]`` / ``key`` / ``value`` ``[B, Hkv, S_local, E]`` are this
@@ -47,6 +50,9 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     the block mask's, built per ring step from ``mask_mod``. ``group`` may be a DeviceMesh
     (1-D, or with ``mesh_dim``); ``method`` picks the K/V exchange: ``"ring"``,
     ``"allgather"`` or ``"auto"`` (by shard size, ``group.ALLGATHER_MAX_BYTES``).
+    ``sinks``: ``[Hq]`` attention-sink logits as flex_attention takes them (docs/sinks.md),
+    the same on every rank, folded into each row once its steps are merged; their gradient
+    is summed over the group.
     """
     refuse_transforms("ring_attention")
     return_lse = check_bool("ring_attention: return_lse", return_lse)
@@ -54,8 +60,9 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     # under torch.autocast, as flex_attention (torch's rule): out comes in the autocast dtype,
     # and the backward's recompute (which runs outside the autocast) sees the forward's inputs
     query, key, value = autocast_inputs(query, key, value)
-    checked_scale, block_pair = _check_shards(query, key, value, load_balance, enable_gqa,
-                                              scale, kernel_options, block_size)
+    checked_scale, block_pair, sinks = _check_shards(query, key, value, load_balance,
+                                                     enable_gqa, scale, kernel_options,
+                                                     block_size, sinks)
     group = resolve_group(group, mesh_dim)
     method = choose_method(method, key, value)
     ring = Ring(group)
@@ -70,31 +77,34 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     traced = None if score_mod is None else trace(mods.score_mod)
     if dual_level_open():
         refuse_tangents("ring_attention", (("query", query), ("key", key), ("value", value),
+                                           ("sinks", sinks),
                                            *(("score_mod's captured tensor", t) for t in (
                                                traced.buffers if traced else ()))))
     learned = () if traced is None else tuple(
         t for t in (*traced.buffers, *traced.dropped) if t.requires_grad)
     plan = _Plan(ring, mods, kv_pos, scale, kernel_options, method, enable_gqa)
     plan.watched, plan.traces = _captured(score_mod, mask_mod)
+    if sinks is not None:
+        plan.watched.append(("sinks", sinks, sinks.clone() if sinks.is_inference() else None))
     index_error = _global_index_error(plan.traces, query, key, ring.world)
     facts = _call_facts(query, key, value, plan.traces, load_balance, method, block_pair,
-                        checked_scale, block_size, scale, enable_gqa)
+                        checked_scale, block_size, scale, enable_gqa, sinks)
     facts.append(("the captured tensors' indices", int(index_error is None),
                   "in range" if index_error is None else "out of range"))
     try:
-        _check_agreement(ring, device, facts)
+        _check_agreement(ring, device, facts, _sink_values(sinks, device))
     except InputError:  # (this rank's own error says more than the disagreement)
         if index_error is not None:
             raise index_error from None
         raise
     if index_error is not None:  # (every rank raises it: no rank waits in a collective)
         raise index_error
-    out, lse = _RingAttention.apply(plan, query, key, value, *learned)
+    out, lse = _RingAttention.apply(plan, query, key, value, sinks, *learned)
     return (out, lse) if return_lse else out
 
 
 def _call_facts(query, key, value, traces, load_balance, method: str, block_pair: tuple,
-                checked_scale: float, block_size, scale, enable_gqa) -> list:
+                checked_scale: float, block_size, scale, enable_gqa, sinks) -> list:
     """(name, int64 code, value shown) of what every rank's call must agree on: shard
     shapes and dtype, the mods (their traces' structural keys: code and Python values read),
     the layout, the exchange, the block size and the scale (compared as ``_check_shards``
@@ -116,7 +126,39 @@ def _call_facts(query, key, value, traces, load_balance, method: str, block_pair
               ("block_size", code(repr(block_pair)), block_size),
               ("scale", code(repr(checked_scale)), scale),
               ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
+    # (their values: _sink_values)
+    shown = None if sinks is None else (
+        f"[{sinks.shape[0]}] {sinks.dtype}, requires_grad={sinks.requires_grad}")
+    facts.append(("sinks", code(repr(shown)), shown))
     return facts
+
+
+def _sink_values(sinks, device: torch.device) -> list:
+    """[(name, int64 tensor, shown)] of the sinks' values for ``_check_agreement``: two
+    words that differ where the values' bits do, of a fixed size whether or not there are
+    sinks (ranks that disagree on having them must still all_gather as many elements), made
+    on the device (no sync). Each rank folds its own sinks into its rows and their gradient
+    is summed over the group, so ranks whose sinks differ would train one parameter from
+    several values."""
+    if sinks is None:
+        return [("sinks' values", torch.zeros(2, dtype=torch.int64, device=device), None)]
+    bits = sinks.detach().double().contiguous().view(torch.int64)
+    # (products wrap in int64; odd multipliers that differ per position keep the order)
+    position = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device)
+    digest = torch.stack([(bits * (2 * position + 1)).sum(),
+                          ((bits ^ (bits >> 29)) * (0x9E3779B97F4A7C15 - 2 ** 64
+                                                    + 2 * position)).sum()])
+    return [("sinks' values", digest, sinks.detach().tolist() if sinks.device.type == "cpu"
+             else "on the device")]
+
+
+def _check_sinks(sinks, query):
+    """``sinks`` checked as flex_attention checks them (``check_sinks``), before any
+    communication; its errors name ring_attention."""
+    try:
+        return check_sinks(sinks, query.shape[1], query.dtype, query.device)
+    except (InputError, InputTypeError) as error:
+        raise type(error)(f"ring_attention: {error}") from None
 
 
 def _global_index_error(traces, query, key, world: int) -> InputError | None:
@@ -137,30 +179,38 @@ def _global_index_error(traces, query, key, world: int) -> InputError | None:
     return None
 
 
-def _check_agreement(ring: Ring, device: torch.device, facts: list) -> None:
+def _check_agreement(ring: Ring, device: torch.device, facts: list,
+                     values: list = ()) -> None:
     """An InputError (a device-side assert on a GPU, which a host comparison would have to
     sync for) where the group's ranks called ring_attention with different ``facts``: each
     rank computes with its own mods and layout, so ranks that disagree on the mask_mod or
     load_balance gave wrong results silently, and on the exchange or the shard lengths hung
-    or aborted inside the collectives. One small all_gather, before any K/V transfer."""
+    or aborted inside the collectives. ``values``: (name, int64 tensor on ``device``, shown)
+    compared element by element too, each of one size on every rank. One small all_gather,
+    before any K/V transfer."""
     if ring.world == 1:
         return
-    mine = torch.tensor([value for _, value, _ in facts], dtype=torch.int64, device=device)
+    mine = torch.cat([torch.tensor([value for _, value, _ in facts], dtype=torch.int64,
+                                   device=device), *(t.to(device) for _, t, _ in values)])
+    # (each element's fact: the values' name and shown value for each of their elements)
+    named = [(name, shown) for name, _, shown in facts] + [
+        (name, shown) for name, t, shown in values for _ in range(t.numel())]
     gathered = [torch.empty_like(mine) for _ in range(ring.world)]
     dist.all_gather(gathered, mine, group=ring.group)
     if device.type != "cpu":
         torch._assert_async(torch.stack(gathered).eq(mine).all(),
                             "flexfa ring_attention: the ranks of the group called it with "
                             "different shard shapes, dtypes, mods, load_balance, method, "
-                            "block_size, scale or enable_gqa")
+                            "block_size, scale, enable_gqa or sinks")
         return
     for rank, theirs in enumerate(torch.stack(gathered).tolist()):
-        for (name, value, shown), other in zip(facts, theirs):
+        for (name, shown), value, other in zip(named, mine.tolist(), theirs):
             if other != value:
                 raise InputError(
                     f"ring_attention: rank {ring.rank} and rank {rank} of the group disagree "
                     f"on {name} (this rank's: {shown}); every rank must call it with the "
-                    "same mods, load_balance, method, block_size, scale and shard shapes "
+                    "same mods, load_balance, method, block_size, scale, sinks and shard "
+                    "shapes "
                     "(each rank computes with its own: a mismatch gives wrong results or "
                     "hangs)")
 
@@ -229,9 +279,9 @@ def _check_mods(score_mod, mask_mod) -> None:
 
 
 def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_options,
-                  block_size) -> tuple[float, tuple]:
+                  block_size, sinks) -> tuple:
     """Raise what a step would raise, before any communication; else (the scale as a float,
-    the block size as a pair)."""
+    the block size as a pair, the sinks as ``check_sinks`` gives them)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"ring_attention: {name} must be a tensor, got "
@@ -256,10 +306,11 @@ def _check_shards(query, key, value, load_balance, enable_gqa, scale, kernel_opt
     if load_balance and query.shape[2] % 2:
         raise InputError(f"ring_attention: with load_balance=True a shard holds two equal "
                          f"chunks; its length {query.shape[2]} is odd")
+    sinks = _check_sinks(sinks, query)
     if not dist.is_initialized():
         raise InputError("ring_attention: torch.distributed is not initialized "
                          "(call torch.distributed.init_process_group first)")
-    return checked_scale, block_pair
+    return checked_scale, block_pair, sinks
 
 
 def _check_heads(q_heads: int, k_heads: int, v_heads: int, enable_gqa) -> None:
@@ -299,7 +350,7 @@ class _Plan:
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, plan: _Plan, query, key, value, *learned):
+    def forward(ctx, plan: _Plan, query, key, value, sinks, *learned):
         ring = plan.ring
         out = query.new_zeros(*query.shape[:3], value.shape[-1], dtype=torch.float32)
         lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
@@ -313,11 +364,13 @@ class _RingAttention(torch.autograd.Function):
                     merge_into(out, lse, *plan.attend(query, kv[0], kv[1], mask))
         finally:  # a step that raised: the K/V shift in flight completes (no hung group)
             shards.close()
+        if sinks is not None:
+            fold_sinks(out, lse, sinks)
         out = out.to(query.dtype)
         ctx.plan = plan
         ctx.watched = [(what, t, t._version) for what, t, copy in plan.watched if copy is None]
         ctx.copies = [(what, t, copy) for what, t, copy in plan.watched if copy is not None]
-        ctx.save_for_backward(query, key, value, out, lse, *learned)
+        ctx.save_for_backward(query, key, value, out, lse, sinks, *learned)
         return out, lse
 
     @staticmethod
@@ -339,14 +392,14 @@ def _backward(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     # that would silently drop a gradient penalty's term
     with torch.no_grad():
         grads = _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
-    query, key, value, _, _, *learned = saved
-    return (None, *not_differentiable(grads[1:], (query, key, value, *learned)))
+    query, key, value, _, _, sinks, *learned = saved
+    return (None, *not_differentiable(grads[1:], (query, key, value, sinks, *learned)))
 
 
 def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
-    """_RingAttention's gradients: (None for the plan, dq, dk, dv, *d_learned)."""
+    """_RingAttention's gradients: (None for the plan, dq, dk, dv, d_sinks, *d_learned)."""
     ring = plan.ring
-    query, key, value, out, lse, *learned = saved
+    query, key, value, out, lse, sinks, *learned = saved
     grad_out = grad_out.float()
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
     # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below
@@ -373,9 +426,14 @@ def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
         exchange.close()
         raise
     dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
-    for g in d_learned:
+    d_sinks = None
+    if sinks is not None and sinks.requires_grad:
+        # the sink is a merged part whose out is 0; lse is the one it was folded into
+        d_sinks = sinks_grad(sinks, lse, row_dot - grad_lse).float()
+    for g in (*d_learned, *(() if d_sinks is None else (d_sinks,))):
         dist.all_reduce(g, group=ring.group)
     return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            None if d_sinks is None else d_sinks.to(sinks.dtype),
             *(g.to(t.dtype) for g, t in zip(d_learned, learned)))
 
 

@@ -10,7 +10,7 @@ WINDOW = 20
 # the global length: 24 rows per rank on 2 ranks, 16 on 3; chunks of 12 and 8 rows with load
 # balancing, none a multiple of the 16-row blocks
 LENGTH = 48
-CASES = ("full", "causal", "document", "sliding_window", "learned_bias")
+CASES = ("full", "causal", "document", "sliding_window", "learned_bias", "sinks")
 # grouped-query attention: "gqa_<case>" is <case> with GQA_GROUP x HEADS query heads sharing
 # HEADS key/value heads (two kv heads, so a wrong head-to-group map shows)
 GQA_GROUP = 2
@@ -58,6 +58,10 @@ def mods(case: str, length: int):
         def sliding_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
         return None, sliding_window, ()
+    if case == "sinks":  # (with rows that attend to nothing: out 0, lse the sink)
+        def causal_gaps(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx % 7 != 3)
+        return None, causal_gaps, ()
     if case == "learned_bias":
         bias = (0.1 * torch.arange(q_heads * (2 * length - 1), dtype=torch.float32).sin()
                 ).reshape(q_heads, 2 * length - 1).requires_grad_()
@@ -66,3 +70,14 @@ def mods(case: str, length: int):
             return score + bias[h, q_idx - kv_idx + length - 1]
         return relative_bias, causal, (bias,)
     raise ValueError(f"unknown case {case!r}")
+
+
+def sinks(case: str, values=None):
+    """The learnable attention sinks [Hq] of ``case`` (a new tensor on each call), or None;
+    ``values``: other values than the case's own (one per query head)."""
+    if case.removeprefix(GQA_PREFIX) != "sinks" and values is None:
+        return None
+    q_heads = heads(case)[0]
+    if values is None:
+        values = [0.5 - 0.6 * h for h in range(q_heads)]
+    return torch.tensor(values, dtype=torch.float32).requires_grad_()

@@ -38,7 +38,7 @@ def result_name(case: str, load_balance: bool, variant: str, rank: int) -> str:
 
 def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int) -> dict:
     from flexfa.distributed import ring, ring_attention, shard_sequence
-    from .ring_cases import LENGTH, heads, inputs, mods
+    from .ring_cases import LENGTH, heads, inputs, mods, sinks
 
     if case == "refused_options":
         return _refused_options()
@@ -46,12 +46,15 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
         return _disagreeing_ranks(rank)
     if case == "short_captured":
         return _short_captured(rank)
+    if case == "limit_sinks":
+        return _limit_sinks(rank, world)
     length = LENGTH
     full = inputs(length, case)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
                                    for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     score_mod, mask_mod, learned = mods(case, length)
+    case_sinks = sinks(case)
     group, mesh_dim, mesh_error = _group(variant, world, q)
     method = {"ring": "ring", "allgather": "allgather", "mesh": "auto", "mesh2d": "ring"}[variant]
     q_heads, kv_heads = heads(case)
@@ -70,7 +73,7 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
         out, lse = ring_attention(q, k, v, score_mod, mask_mod, group=group,
                                   load_balance=load_balance, block_size=16, return_lse=True,
                                   method=method, mesh_dim=mesh_dim,
-                                  enable_gqa=q_heads != kv_heads)
+                                  enable_gqa=q_heads != kv_heads, sinks=case_sinks)
         forward_calls = len(calls)
         ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
     finally:
@@ -78,6 +81,7 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
     return {"method": chosen, "mesh_error": mesh_error,
             "out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
             "dv": v.grad, "dlearned": [t.grad for t in learned],
+            "dsinks": None if case_sinks is None else case_sinks.grad,
             "forward_calls": forward_calls, "backward_calls": len(calls) - forward_calls,
             "kernel_kv_heads": sorted(set(calls))}
 
@@ -128,6 +132,8 @@ def _disagreeing_ranks(rank: int) -> dict:
              "window": dict(mask_mod=sliding),
              "load_balance": dict(mask_mod=causal, load_balance=rank == 0),
              "method": dict(mask_mod=causal, method=("ring", "allgather")[rank]),
+             "sinks": dict(mask_mod=causal, sinks=torch.zeros(2) if rank == 0 else None),
+             "sinks' values": dict(mask_mod=causal, sinks=torch.tensor([0.5, 0.5 * rank])),
              "length": dict(mask_mod=causal, rows=12 - 2 * rank)}
     errors = {}
     for name, kwargs in calls.items():
@@ -176,6 +182,28 @@ def _short_captured(rank: int) -> dict:
     total = torch.ones(1)
     dist.all_reduce(total)
     return {"errors": errors, "all_reduce": total.item()}
+
+
+def _limit_sinks(rank: int, world: int) -> dict:
+    """Sinks of +inf (head 0: the limit, out 0 and lse +inf, d sink the sum of dlse) and -inf
+    (head 1: nothing changes), beside the same call without sinks."""
+
+    from flexfa.distributed import ring_attention, shard_sequence
+    from .ring_cases import LENGTH, inputs, mods, sinks
+
+    results = {}
+    for name, values in (("limits", [float("inf"), float("-inf")]), ("none", None)):
+        full = inputs(LENGTH, "sinks")
+        q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, True, dim=2)
+                                       for t in full)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        limit = None if values is None else sinks("sinks", values)
+        out, lse = ring_attention(q, k, v, mask_mod=mods("sinks", LENGTH)[1], block_size=16,
+                                  return_lse=True, sinks=limit)
+        ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+        results[name] = {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
+                         "dv": v.grad, "dsinks": None if limit is None else limit.grad}
+    return results
 
 
 def _group(variant: str, world: int, q):

@@ -19,7 +19,7 @@ import flexfa
 from flexfa.distributed import positions, shard_sequence, unshard
 from flexfa.errors import InputError, InputTypeError
 from reference import assert_close_to_reference, reference_attention
-from .ring_cases import CASES, HEADS, LENGTH, heads, inputs, mods
+from .ring_cases import CASES, HEADS, LENGTH, heads, inputs, mods, sinks
 from .ring_workers import result_name, run_rank
 
 TIMEOUT_S = 240
@@ -27,16 +27,19 @@ TIMEOUT_S = 240
 # exchange, a 1-D DeviceMesh group with method "auto" (which picks all-gather for these
 # small shards) and a 2-D mesh's "cp" dimension, and grouped-query attention through both
 # exchanges (balanced causal on the ring; the learned bias unbalanced on the ring and the
-# all-gather); 3 and 4 ranks for the ring alone
+# all-gather); attention sinks through both exchanges and with GQA; 3 and 4 ranks for the
+# ring alone
 RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
         + [("causal", True, "allgather"), ("learned_bias", False, "mesh"),
            ("causal", False, "mesh2d"), ("gqa_causal", True, "ring"),
-           ("gqa_learned_bias", False, "ring"), ("gqa_learned_bias", False, "allgather")],
-        3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring")],
+           ("gqa_learned_bias", False, "ring"), ("gqa_learned_bias", False, "allgather"),
+           ("sinks", True, "allgather"), ("gqa_sinks", False, "ring")],
+        3: [("causal", False, "ring"), ("causal", True, "ring"), ("document", True, "ring"),
+            ("sinks", True, "ring")],
         4: [("causal", True, "ring")]}
 # runs of their own after those (ring_workers._one_run's special cases)
 EXTRA_RUNS = {2: [("refused_options", False, "ring"), ("disagreeing_ranks", False, "ring"),
-                  ("short_captured", False, "ring")]}
+                  ("short_captured", False, "ring"), ("limit_sinks", True, "ring")]}
 
 
 def _free_port() -> int:
@@ -87,6 +90,7 @@ def _gathered(out_dir: str, case: str, load_balance: bool, variant: str, world: 
     result = {name: unshard([s[name] for s in shards], load_balance, dim=2)
               for name in ("out", "lse", "dq", "dk", "dv")}
     result["dlearned"] = shards[0]["dlearned"]
+    result["dsinks"] = shards[0]["dsinks"]
     result["ranks"] = shards
     return result
 
@@ -97,19 +101,21 @@ def _single_process(case: str, length: int, dtype_reference: bool):
     float64 / float32 (``dtype_reference`` None: flexfa)."""
     q, k, v, grad_out, grad_lse = inputs(length, case)
     score_mod, mask_mod, learned = mods(case, length)
+    case_sinks = sinks(case)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     if dtype_reference is None:
         mask = None if mask_mod is None else flexfa.create_block_mask(
             mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=16)
         out, lse = flexfa.flex_attention(q, k, v, score_mod, mask, enable_gqa=gqa,
-                                         return_lse=True)
+                                         return_lse=True, sinks=case_sinks)
     else:
         out, lse = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=gqa,
-                                       dtype=dtype_reference)
+                                       dtype=dtype_reference, sinks=case_sinks)
     ((out * grad_out.to(out.dtype)).sum() + (lse * grad_lse.to(lse.dtype)).sum()).backward()
     return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "dlearned": [t.grad for t in learned]}
+            "dlearned": [t.grad for t in learned],
+            "dsinks": None if case_sinks is None else case_sinks.grad}
 
 
 def test_options_a_step_refuses_leave_nothing_in_flight(ranks_dir):
@@ -130,11 +136,13 @@ def test_ranks_that_disagree_are_refused(ranks_dir):
     for rank in range(2):
         result = _load(ranks_dir(2), "disagreeing_ranks", False, "ring", rank)
         shown = {"mask_mod": "mask_mod", "window": "mask_mod", "load_balance": "load_balance",
-                 "method": "method", "length": "query shape"}
+                 "method": "method", "length": "query shape", "sinks": "sinks",
+                 "sinks' values": "sinks' values"}
         assert sorted(result["errors"]) == sorted(shown)
         for name, field in shown.items():
-            assert f"rank {rank} and rank {1 - rank} of the group disagree on {field}" in \
+            assert f"rank {rank} and rank {1 - rank} of the group disagree on {field} " in \
                 result["errors"][name]
+        assert f"(this rank's: [0.5, {0.5 * rank}])" in result["errors"]["sinks' values"]
         assert result["all_reduce"] == 2.0 and result["agreed"].shape == (1, 2, 12, 16)
 
 
@@ -157,6 +165,35 @@ def test_captured_tensors_read_past_their_size_at_global_positions(ranks_dir):
         results[0]["errors"]["one_rank"]
 
 
+def test_sinks_of_plus_and_minus_infinity(ranks_dir):
+    """Sinks of +inf and -inf through the ring: head 0 takes the limit (out 0, lse +inf, no
+    gradient into q, k, v from its rows, d sink = the sum of its rows' dlse), as
+    single-process flex_attention gives it; head 1 is bit for bit the call without sinks."""
+    shards = [_load(ranks_dir(2), "limit_sinks", True, "ring", rank) for rank in range(2)]
+    got = {run: {name: unshard([s[run][name] for s in shards], True, dim=2)
+                 for name in ("out", "lse", "dq", "dk", "dv")} for run in ("limits", "none")}
+    limits, none = got["limits"], got["none"]
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(limits[name][:, 1], none[name][:, 1]), name
+    assert torch.equal(limits["out"][:, 0], torch.zeros_like(limits["out"][:, 0]))
+    assert torch.equal(limits["lse"][:, 0], torch.full_like(limits["lse"][:, 0], float("inf")))
+    assert torch.equal(limits["dq"][:, 0], torch.zeros_like(limits["dq"][:, 0]))
+    q, k, v, grad_out, grad_lse = inputs(LENGTH, "sinks")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    limit = sinks("sinks", [float("inf"), float("-inf")])
+    mask = flexfa.create_block_mask(mods("sinks", LENGTH)[1], None, None, LENGTH, LENGTH,
+                                    device="cpu", BLOCK_SIZE=16)
+    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, return_lse=True, sinks=limit)
+    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    for name, want in (("out", out), ("lse", lse), ("dq", q.grad), ("dk", k.grad),
+                       ("dv", v.grad)):
+        torch.testing.assert_close(limits[name], want.detach(), atol=2e-5, rtol=2e-5)
+    for shard in shards:
+        assert torch.equal(shard["limits"]["dsinks"], shards[0]["limits"]["dsinks"])
+        torch.testing.assert_close(shard["limits"]["dsinks"], limit.grad, atol=1e-5, rtol=1e-5)
+    assert torch.equal(limit.grad[0], grad_lse[:, 0].sum())
+
+
 @pytest.mark.parametrize("world,case,load_balance,variant",
                          [(w, *run) for w, runs in RUNS.items() for run in runs])
 def test_ring_matches_single_process_and_reference(ranks_dir, world, case, load_balance,
@@ -172,9 +209,16 @@ def test_ring_matches_single_process_and_reference(ranks_dir, world, case, load_
                                    msg=lambda m: f"ring vs single-process {name}: {m}")
     for ours, ref64, ref32 in zip(ring["dlearned"], exact["dlearned"], eager["dlearned"]):
         assert_close_to_reference(ours, ref64, ref32, name="ring learned-bias grad")
+    assert (ring["dsinks"] is None) == (exact["dsinks"] is None)
+    if ring["dsinks"] is not None:
+        assert_close_to_reference(ring["dsinks"], exact["dsinks"], eager["dsinks"],
+                                  name="ring sinks grad")
+        torch.testing.assert_close(ring["dsinks"], single["dsinks"], atol=2e-5, rtol=2e-5)
     for shard in ring["ranks"][1:]:  # summed over the group: every rank has the same
         for ours, first in zip(shard["dlearned"], ring["dlearned"]):
             assert torch.equal(ours, first)
+        if ring["dsinks"] is not None:
+            assert torch.equal(shard["dsinks"], ring["dsinks"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -215,6 +259,8 @@ def test_allgather_and_mesh_match_the_ring(ranks_dir, case, load_balance, varian
         torch.testing.assert_close(other[name], ring[name], atol=1e-6, rtol=1e-6)
     for ours, theirs in zip(other["dlearned"], ring["dlearned"]):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    if ring["dsinks"] is not None:
+        torch.testing.assert_close(other["dsinks"], ring["dsinks"], atol=1e-6, rtol=1e-6)
     for rank, shard in enumerate(other["ranks"]):  # the same steps skipped
         plain = ring["ranks"][rank]
         assert (shard["forward_calls"], shard["backward_calls"]) == \
@@ -300,6 +346,14 @@ def test_ring_attention_rejects_bad_shards_before_communicating():
         ring_attention(q, q, q, scale=float("nan"))
     with pytest.raises(InputError, match="NO_SUCH_OPTION"):
         ring_attention(q, q, q, kernel_options={"NO_SUCH_OPTION": 1})
+    # attention sinks as flex_attention checks them, named ring_attention's
+    with pytest.raises(InputError, match=r"ring_attention: sinks has shape \(3,\) but query "
+                                         r"has 2 heads"):
+        ring_attention(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(InputTypeError, match="ring_attention: sinks has dtype torch.float64"):
+        ring_attention(q, q, q, sinks=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(InputTypeError, match="ring_attention: sinks must be a torch.Tensor"):
+        ring_attention(q, q, q, sinks=[0.0, 0.0])
     # the steps' block masks refused it inside the first step, naming create_block_mask's
     # BLOCK_SIZE, after the first K/V transfer was posted
     with pytest.raises(InputError, match="ring_attention: block_size must be positive, got "
