@@ -89,6 +89,9 @@ def _apply_frames(frame, stop) -> tuple[list, bool]:
 
 
 _FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# (uint16, uint32 and uint64 were taken as integers and failed in the code generator with a
+# bare KeyError; qint8's dtype is neither float nor complex and failed deep inside)
+_INT_TORCH = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def _buffer_dtype(tracer: Tracer, tensor: torch.Tensor) -> DType:
@@ -96,11 +99,11 @@ def _buffer_dtype(tracer: Tracer, tensor: torch.Tensor) -> DType:
         return DType.BOOL
     if tensor.dtype in _FLOAT_TORCH:
         return DType.FLOAT
-    if not tensor.dtype.is_floating_point and not tensor.dtype.is_complex and \
-            not tensor.is_quantized:  # (qint8's dtype is neither: it failed deep inside)
+    if tensor.dtype in _INT_TORCH and not tensor.is_quantized:
         return DType.INT
-    raise tracer.error(f"captured tensor of dtype {tensor.dtype} is not supported "
-                       "(use bool, an integer type, float16, bfloat16, float32 or float64)")
+    raise tracer.error(f"captured tensor of dtype {tensor.dtype} is not supported (use bool, "
+                       "int8, uint8, int16, int32, int64, float16, bfloat16, float32 or "
+                       "float64)")
 
 
 class Proxy:

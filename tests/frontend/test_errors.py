@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flexfa.errors import FlexFAError, InputTypeError, TraceError, UnsupportedOpError
+from flexfa import flex_attention
 from flexfa.frontend import and_masks, trace
 
 bias = torch.zeros(16)
@@ -375,3 +376,23 @@ def test_flexfa_inside_a_custom_autograd_function_still_traces():
 
     Outer.apply(torch.ones(1))
     assert traced[0].root.op.name == "MUL"
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_a_captured_table_of_an_unsigned_wide_type_is_refused_when_traced(dtype):
+    """Regression (the forty-seventh session's range audit): a captured uint16, uint32 or
+    uint64 tensor was taken as an integer table by the tracer and failed in the code
+    generator with a bare KeyError (torch.uint16) at the first call; the kernels have no
+    such loads. A TraceError naming the dtype and the supported ones, when traced."""
+    table = torch.tensor([1, 2]).to(dtype)
+
+    def unsigned_table(score, b, h, q_idx, kv_idx):
+        return score + table[h].float()
+
+    with pytest.raises(TraceError, match=rf"'unsigned_table': captured tensor of dtype "
+                                         rf"{dtype} is not supported \(use bool, int8, uint8, "
+                                         r"int16, int32, int64, float16"):
+        trace(unsigned_table)
+    q = torch.zeros(1, 2, 16, 16)
+    with pytest.raises(TraceError, match=f"dtype {dtype} is not supported"):
+        flex_attention(q, q, q, unsigned_table)
