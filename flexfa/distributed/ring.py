@@ -92,7 +92,7 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     facts.append(("the captured tensors' indices", int(index_error is None),
                   "in range" if index_error is None else "out of range"))
     try:
-        _check_agreement(ring, device, facts, _sink_values(sinks, device))
+        _check_agreement(ring, device, facts, _values(plan.traces, sinks, device))
     except InputError:  # (this rank's own error says more than the disagreement)
         if index_error is not None:
             raise index_error from None
@@ -126,30 +126,48 @@ def _call_facts(query, key, value, traces, load_balance, method: str, block_pair
               ("block_size", code(repr(block_pair)), block_size),
               ("scale", code(repr(checked_scale)), scale),
               ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
-    # (their values: _sink_values)
+    # (their values: _values)
     shown = None if sinks is None else (
         f"[{sinks.shape[0]}] {sinks.dtype}, requires_grad={sinks.requires_grad}")
     facts.append(("sinks", code(repr(shown)), shown))
     return facts
 
 
-def _sink_values(sinks, device: torch.device) -> list:
-    """[(name, int64 tensor, shown)] of the sinks' values for ``_check_agreement``: two
-    words that differ where the values' bits do, of a fixed size whether or not there are
-    sinks (ranks that disagree on having them must still all_gather as many elements), made
-    on the device (no sync). Each rank folds its own sinks into its rows and their gradient
-    is summed over the group, so ranks whose sinks differ would train one parameter from
-    several values."""
-    if sinks is None:
-        return [("sinks' values", torch.zeros(2, dtype=torch.int64, device=device), None)]
-    bits = sinks.detach().double().contiguous().view(torch.int64)
-    # (products wrap in int64; odd multipliers that differ per position keep the order)
-    position = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device)
-    digest = torch.stack([(bits * (2 * position + 1)).sum(),
-                          ((bits ^ (bits >> 29)) * (0x9E3779B97F4A7C15 - 2 ** 64
-                                                    + 2 * position)).sum()])
-    return [("sinks' values", digest, sinks.detach().tolist() if sinks.device.type == "cpu"
-             else "on the device")]
+def _values(traces, sinks, device: torch.device) -> list:
+    """[(name, int64 tensor, shown)] for ``_check_agreement``: digests of the values of the
+    mods' captured tensors (``_captured``'s traces) and of the sinks, each of a fixed size
+    whatever the ranks hold (ranks that disagree on the mods or on having sinks must still
+    all_gather as many elements), made on the device (no sync). The mods see global
+    positions, so their captured tensors (document ids, a bias over the whole sequence)
+    describe the whole sequence and must be the same on every rank: where one rank's
+    differed it computed another mask or bias than the others, silently (the sinks alike,
+    and their gradient is summed over the group)."""
+    captured = [t for _, _, _, traced in traces for t in traced.buffers]
+    return [("the captured tensors' values", _digest(captured, device),
+             f"{len(captured)} tensor(s)"),
+            ("sinks' values", _digest([] if sinks is None else [sinks], device),
+             None if sinks is None else (sinks.detach().tolist() if sinks.device.type == "cpu"
+                                         else "on the device"))]
+
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2 ** 64  # (an odd int64 multiplier)
+
+
+def _digest(tensors, device: torch.device) -> torch.Tensor:
+    """Two int64 words that differ where the tensors' values (their bits: floats through
+    float64, integers and bools as int64) or their order do, computed on ``device`` (products
+    and sums wrap in int64; odd multipliers that differ per position and per tensor keep
+    positions apart); zeros for no tensors."""
+    digest = torch.zeros(2, dtype=torch.int64, device=device)
+    for index, tensor in enumerate(tensors):
+        tensor = tensor.detach().to(device)
+        words = (tensor.double().reshape(-1).view(torch.int64) if tensor.is_floating_point()
+                 else tensor.reshape(-1).long())
+        position = torch.arange(words.numel(), dtype=torch.int64, device=device)
+        digest += (2 * index + 1) * torch.stack([
+            (words * (2 * position + 1)).sum(),
+            ((words ^ (words >> 29)) * (_GOLDEN + 2 * position)).sum()])
+    return digest
 
 
 def _check_sinks(sinks, query):

@@ -110,9 +110,10 @@ def _refused_options() -> dict:
 
 
 def _disagreeing_ranks(rank: int) -> dict:
-    """Calls whose ranks disagree on the mask_mod, its window, load_balance, the method or
-    the shard length: each rank computed with its own (wrong results or hangs); each is an
-    InputError on every rank now, and the group stays usable."""
+    """Calls whose ranks disagree on the mask_mod, its window, load_balance, the method, the
+    shard length, the sinks or a captured tensor's values: each rank computed with its own
+    (wrong results or hangs); each is an InputError on every rank now, and the group stays
+    usable."""
     import torch
     import torch.distributed as dist
 
@@ -127,6 +128,12 @@ def _disagreeing_ranks(rank: int) -> dict:
     def sliding(b, h, i, j):
         return (i >= j) & (i - j < window)
 
+    documents = torch.tensor([0] * 10 + [1] * 14)
+    documents[9] += rank  # one position's document differs on rank 1
+
+    def same_document(b, h, i, j):
+        return documents[i] == documents[j]
+
     q = torch.randn(1, 2, 12, 16)
     calls = {"mask_mod": dict(mask_mod=causal if rank == 0 else None),
              "window": dict(mask_mod=sliding),
@@ -134,6 +141,7 @@ def _disagreeing_ranks(rank: int) -> dict:
              "method": dict(mask_mod=causal, method=("ring", "allgather")[rank]),
              "sinks": dict(mask_mod=causal, sinks=torch.zeros(2) if rank == 0 else None),
              "sinks' values": dict(mask_mod=causal, sinks=torch.tensor([0.5, 0.5 * rank])),
+             "captured values": dict(mask_mod=same_document),
              "length": dict(mask_mod=causal, rows=12 - 2 * rank)}
     errors = {}
     for name, kwargs in calls.items():

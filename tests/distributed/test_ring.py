@@ -130,14 +130,16 @@ def test_options_a_step_refuses_leave_nothing_in_flight(ranks_dir):
 
 
 def test_ranks_that_disagree_are_refused(ranks_dir):
-    """Ranks calling with different mods, windows, load_balance, method or shard lengths: an
-    InputError on every rank naming what differs (silently wrong results, a hang or an abort
-    inside gloo before), before any K/V transfer: the group's next calls run."""
+    """Ranks calling with different mods, windows, load_balance, method, shard lengths, sinks
+    or values of a captured tensor (document ids): an InputError on every rank naming what
+    differs (silently wrong results, a hang or an abort inside gloo before), before any K/V
+    transfer: the group's next calls run."""
     for rank in range(2):
         result = _load(ranks_dir(2), "disagreeing_ranks", False, "ring", rank)
         shown = {"mask_mod": "mask_mod", "window": "mask_mod", "load_balance": "load_balance",
                  "method": "method", "length": "query shape", "sinks": "sinks",
-                 "sinks' values": "sinks' values"}
+                 "sinks' values": "sinks' values",
+                 "captured values": "the captured tensors' values"}
         assert sorted(result["errors"]) == sorted(shown)
         for name, field in shown.items():
             assert f"rank {rank} and rank {1 - rank} of the group disagree on {field} " in \
