@@ -1,5 +1,8 @@
 """Soundness of the interval rules: every value an op can produce from inputs inside the
-source intervals lies inside the rule's result (and a finite FLOAT interval holds no NaN)."""
+source intervals lies inside the rule's result (and a finite FLOAT interval holds no NaN).
+Each op (cast, dtype) is a test case of its own, drawing the profile's examples for itself:
+drawn from one list, an op got one or two of CI's 15 draws, and a mutation audit found eleven
+unsound rules the tests let pass (test_interval_edges.py holds a case of each)."""
 import math
 
 import pytest
@@ -72,7 +75,8 @@ def check_binary(op: Op, dtype: DType, a, b):
     assert_inside(apply_rule(node, [ia, ib]), values, node.dtype)
 
 
-@given(st.sampled_from(INT_BINARY), st.data())
+@pytest.mark.parametrize("op", INT_BINARY)
+@given(st.data())
 def test_int_binary(op, data):
     if op is Op.POW:  # int64 powers: small bases, exponents 0..5 (negative ones raise)
         a = data.draw(interval_samples(DType.INT, high=12))
@@ -83,22 +87,25 @@ def test_int_binary(op, data):
     check_binary(op, DType.INT, a, b)
 
 
-@given(st.sampled_from(FLOAT_BINARY), st.data())
+@pytest.mark.parametrize("op", FLOAT_BINARY)
+@given(st.data())
 def test_float_binary(op, data):
     a = data.draw(interval_samples(DType.FLOAT))
     b = data.draw(interval_samples(DType.FLOAT))
     check_binary(op, DType.FLOAT, a, b)
 
 
-@given(st.sampled_from(BOOL_BINARY), st.data())
+@pytest.mark.parametrize("op", BOOL_BINARY)
+@given(st.data())
 def test_bool_binary(op, data):
     a = data.draw(interval_samples(DType.BOOL))
     b = data.draw(interval_samples(DType.BOOL))
     check_binary(op, DType.BOOL, a, b)
 
 
-@given(st.sampled_from([(DType.INT, o) for o in INT_UNARY] + [(DType.FLOAT, o) for o in FLOAT_UNARY]
-                       + [(DType.BOOL, Op.NOT)]), st.data())
+@pytest.mark.parametrize("case", [(DType.INT, o) for o in INT_UNARY]
+                         + [(DType.FLOAT, o) for o in FLOAT_UNARY] + [(DType.BOOL, Op.NOT)])
+@given(st.data())
 def test_unary(case, data):
     dtype, op = case
     ia, xs = data.draw(interval_samples(dtype))
@@ -107,7 +114,8 @@ def test_unary(case, data):
     assert_inside(apply_rule(node, [ia]), values, node.dtype)
 
 
-@given(st.sampled_from([(s, t) for s in DType for t in DType if s is not t]), st.data())
+@pytest.mark.parametrize("case", [(s, t) for s in DType for t in DType if s is not t])
+@given(st.data())
 def test_cast(case, data):
     source, target = case
     ia, xs = data.draw(interval_samples(source))
@@ -116,9 +124,10 @@ def test_cast(case, data):
     assert_inside(apply_rule(node, [ia]), values, target)
 
 
-@given(st.sampled_from([(s, t) for s in (DType.INT, DType.FLOAT) for t in ir.NARROW_TYPES
-                        if s is DType.FLOAT or ir.NARROW_TYPES[t] is DType.INT]),
-       st.sampled_from([1.0, 300.0, 7e4, 3e9]), st.data())
+@pytest.mark.parametrize("case", [(s, t) for s in (DType.INT, DType.FLOAT)
+                                  for t in ir.NARROW_TYPES
+                                  if s is DType.FLOAT or ir.NARROW_TYPES[t] is DType.INT])
+@given(st.sampled_from([1.0, 300.0, 7e4, 3e9]), st.data())
 def test_narrow(case, scale, data):
     """float16/bfloat16 rounding (overflow to inf included) and int wrapping (from ints and
     from floats, out-of-range conversions included) stay inside the rule's result."""
@@ -131,7 +140,8 @@ def test_narrow(case, scale, data):
     assert_inside(apply_rule(node, [ia]), values, node.dtype)
 
 
-@given(st.sampled_from(list(DType)), st.data())
+@pytest.mark.parametrize("dtype", list(DType))
+@given(st.data())
 def test_where(dtype, data):
     ic, cs = data.draw(interval_samples(DType.BOOL))
     ia, xs = data.draw(interval_samples(dtype))
