@@ -92,7 +92,8 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     facts.append(("the captured tensors' indices", int(index_error is None),
                   "in range" if index_error is None else "out of range"))
     try:
-        _check_agreement(ring, device, facts, _values(plan.traces, sinks, device))
+        _check_agreement(ring, device, facts,
+                         _values(plan.traces, sinks, device) if ring.world > 1 else [])
     except InputError:  # (this rank's own error says more than the disagreement)
         if index_error is not None:
             raise index_error from None
@@ -228,9 +229,8 @@ def _check_agreement(ring: Ring, device: torch.device, facts: list,
                     f"ring_attention: rank {ring.rank} and rank {rank} of the group disagree "
                     f"on {name} (this rank's: {shown}); every rank must call it with the "
                     "same mods, load_balance, method, block_size, scale, sinks and shard "
-                    "shapes "
-                    "(each rank computes with its own: a mismatch gives wrong results or "
-                    "hangs)")
+                    "shapes (each rank computes with its own: a mismatch gives wrong results "
+                    "or hangs)")
 
 
 def _captured(score_mod, mask_mod) -> tuple[list, list]:
@@ -446,8 +446,9 @@ def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
     dk, dv = exchange.grads()  # this rank's own shard's, summed over the group
     d_sinks = None
     if sinks is not None and sinks.requires_grad:
-        # the sink is a merged part whose out is 0; lse is the one it was folded into
-        d_sinks = sinks_grad(sinks, lse, row_dot - grad_lse).float()
+        # the sink is a merged part whose out is 0; lse is the one it was folded into (summed
+        # over the group in float32, rounded to the sinks' dtype once)
+        d_sinks = sinks_grad(sinks.detach().float(), lse, row_dot - grad_lse)
     for g in (*d_learned, *(() if d_sinks is None else (d_sinks,))):
         dist.all_reduce(g, group=ring.group)
     return (None, dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
