@@ -256,7 +256,6 @@ def test_torch_and_masks_of_a_mask_capturing_a_tensor():
     torch.testing.assert_close(compiled(*inputs), layer(*inputs))
 
 
-
 def test_a_parameter_list_item_a_mod_reads():
     """A score_mod reading an nn.ParameterList's item (a container module's parameter, read
     through its own __getitem__): the compiled call equals eager and follows an item

@@ -15,6 +15,9 @@ CASES = ("full", "causal", "document", "sliding_window", "learned_bias", "sinks"
 # HEADS key/value heads (two kv heads, so a wrong head-to-group map shows)
 GQA_GROUP = 2
 GQA_PREFIX = "gqa_"
+# the mask of the sinks cases: "sinks" with learnable ones, "limit_sinks" with +inf and -inf
+# (two heads), "gaps" the same mask without sinks
+SINK_CASES = ("sinks", "limit_sinks", "gaps")
 
 
 def heads(case: str) -> tuple[int, int]:
@@ -58,7 +61,7 @@ def mods(case: str, length: int):
         def sliding_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
         return None, sliding_window, ()
-    if case == "sinks":  # (with rows that attend to nothing: out 0, lse the sink)
+    if case in SINK_CASES:  # (with rows that attend to nothing: out 0, lse the sink)
         def causal_gaps(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx % 7 != 3)
         return None, causal_gaps, ()
@@ -72,12 +75,13 @@ def mods(case: str, length: int):
     raise ValueError(f"unknown case {case!r}")
 
 
-def sinks(case: str, values=None):
-    """The learnable attention sinks [Hq] of ``case`` (a new tensor on each call), or None;
-    ``values``: other values than the case's own (one per query head)."""
-    if case.removeprefix(GQA_PREFIX) != "sinks" and values is None:
-        return None
-    q_heads = heads(case)[0]
-    if values is None:
+def sinks(case: str):
+    """The learnable attention sinks [Hq] of ``case`` (a new tensor on each call), or None."""
+    q_heads, case = heads(case)[0], case.removeprefix(GQA_PREFIX)
+    if case == "limit_sinks":
+        values = [float("inf"), float("-inf")]
+    elif case == "sinks":
         values = [0.5 - 0.6 * h for h in range(q_heads)]
+    else:
+        return None
     return torch.tensor(values, dtype=torch.float32).requires_grad_()

@@ -46,8 +46,6 @@ def _one_run(case: str, load_balance: bool, variant: str, rank: int, world: int)
         return _disagreeing_ranks(rank)
     if case == "short_captured":
         return _short_captured(rank)
-    if case == "limit_sinks":
-        return _limit_sinks(rank, world)
     length = LENGTH
     full = inputs(length, case)
     q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, load_balance, dim=2)
@@ -190,28 +188,6 @@ def _short_captured(rank: int) -> dict:
     total = torch.ones(1)
     dist.all_reduce(total)
     return {"errors": errors, "all_reduce": total.item()}
-
-
-def _limit_sinks(rank: int, world: int) -> dict:
-    """Sinks of +inf (head 0: the limit, out 0 and lse +inf, d sink the sum of dlse) and -inf
-    (head 1: nothing changes), beside the same call without sinks."""
-
-    from flexfa.distributed import ring_attention, shard_sequence
-    from .ring_cases import LENGTH, inputs, mods, sinks
-
-    results = {}
-    for name, values in (("limits", [float("inf"), float("-inf")]), ("none", None)):
-        full = inputs(LENGTH, "sinks")
-        q, k, v, grad_out, grad_lse = (shard_sequence(t, rank, world, True, dim=2)
-                                       for t in full)
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        limit = None if values is None else sinks("sinks", values)
-        out, lse = ring_attention(q, k, v, mask_mod=mods("sinks", LENGTH)[1], block_size=16,
-                                  return_lse=True, sinks=limit)
-        ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
-        results[name] = {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad,
-                         "dv": v.grad, "dsinks": None if limit is None else limit.grad}
-    return results
 
 
 def _group(variant: str, world: int, q):

@@ -39,7 +39,8 @@ RUNS = {2: [(case, lb, "ring") for case in CASES for lb in (False, True)]
         4: [("causal", True, "ring")]}
 # runs of their own after those (ring_workers._one_run's special cases)
 EXTRA_RUNS = {2: [("refused_options", False, "ring"), ("disagreeing_ranks", False, "ring"),
-                  ("short_captured", False, "ring"), ("limit_sinks", True, "ring")]}
+                  ("short_captured", False, "ring"), ("limit_sinks", True, "ring"),
+                  ("gaps", True, "ring")]}
 
 
 def _free_port() -> int:
@@ -171,29 +172,21 @@ def test_sinks_of_plus_and_minus_infinity(ranks_dir):
     """Sinks of +inf and -inf through the ring: head 0 takes the limit (out 0, lse +inf, no
     gradient into q, k, v from its rows, d sink = the sum of its rows' dlse), as
     single-process flex_attention gives it; head 1 is bit for bit the call without sinks."""
-    shards = [_load(ranks_dir(2), "limit_sinks", True, "ring", rank) for rank in range(2)]
-    got = {run: {name: unshard([s[run][name] for s in shards], True, dim=2)
-                 for name in ("out", "lse", "dq", "dk", "dv")} for run in ("limits", "none")}
-    limits, none = got["limits"], got["none"]
+    limits = _gathered(ranks_dir(2), "limit_sinks", True, "ring", 2)
+    none = _gathered(ranks_dir(2), "gaps", True, "ring", 2)
     for name in ("out", "lse", "dq", "dk", "dv"):
         assert torch.equal(limits[name][:, 1], none[name][:, 1]), name
     assert torch.equal(limits["out"][:, 0], torch.zeros_like(limits["out"][:, 0]))
     assert torch.equal(limits["lse"][:, 0], torch.full_like(limits["lse"][:, 0], float("inf")))
     assert torch.equal(limits["dq"][:, 0], torch.zeros_like(limits["dq"][:, 0]))
-    q, k, v, grad_out, grad_lse = inputs(LENGTH, "sinks")
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    limit = sinks("sinks", [float("inf"), float("-inf")])
-    mask = flexfa.create_block_mask(mods("sinks", LENGTH)[1], None, None, LENGTH, LENGTH,
-                                    device="cpu", BLOCK_SIZE=16)
-    out, lse = flexfa.flex_attention(q, k, v, block_mask=mask, return_lse=True, sinks=limit)
-    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
-    for name, want in (("out", out), ("lse", lse), ("dq", q.grad), ("dk", k.grad),
-                       ("dv", v.grad)):
-        torch.testing.assert_close(limits[name], want.detach(), atol=2e-5, rtol=2e-5)
-    for shard in shards:
-        assert torch.equal(shard["limits"]["dsinks"], shards[0]["limits"]["dsinks"])
-        torch.testing.assert_close(shard["limits"]["dsinks"], limit.grad, atol=1e-5, rtol=1e-5)
-    assert torch.equal(limit.grad[0], grad_lse[:, 0].sum())
+    single = _single_process("limit_sinks", LENGTH, None)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        torch.testing.assert_close(limits[name], single[name].detach(), atol=2e-5, rtol=2e-5)
+    for shard in limits["ranks"]:
+        assert torch.equal(shard["dsinks"], limits["dsinks"])
+        torch.testing.assert_close(shard["dsinks"], single["dsinks"], atol=1e-5, rtol=1e-5)
+    grad_lse = inputs(LENGTH, "limit_sinks")[4]
+    assert torch.equal(single["dsinks"][0], grad_lse[:, 0].sum())
 
 
 @pytest.mark.parametrize("world,case,load_balance,variant",
