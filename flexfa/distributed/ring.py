@@ -388,7 +388,10 @@ class _RingAttention(torch.autograd.Function):
         ctx.plan = plan
         ctx.watched = [(what, t, t._version) for what, t, copy in plan.watched if copy is None]
         ctx.copies = [(what, t, copy) for what, t, copy in plan.watched if copy is not None]
-        ctx.save_for_backward(query, key, value, out, lse, sinks, *learned)
+        # (the sinks on ctx, not saved: an inference tensor cannot be, and plan.watched
+        # checks them for edits as it checks the mods' tensors)
+        ctx.sinks = sinks
+        ctx.save_for_backward(query, key, value, out, lse, *learned)
         return out, lse
 
     @staticmethod
@@ -404,20 +407,20 @@ def _backward(ctx, saved: tuple, grad_out, grad_lse) -> tuple:
     _check_unedited(ctx.watched, ctx.copies)
     _check_same_mods(ctx.plan.traces)
     if not torch.is_grad_enabled():
-        return _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
+        return _ring_gradients(ctx.plan, saved, ctx.sinks, grad_out, grad_lse)
     # create_graph=True: the steps' gradients have no derivative (flex_attention's
     # backward kernels have none); ones that raise when differentiated, not constants
     # that would silently drop a gradient penalty's term
     with torch.no_grad():
-        grads = _ring_gradients(ctx.plan, saved, grad_out, grad_lse)
-    query, key, value, _, _, sinks, *learned = saved
-    return (None, *not_differentiable(grads[1:], (query, key, value, sinks, *learned)))
+        grads = _ring_gradients(ctx.plan, saved, ctx.sinks, grad_out, grad_lse)
+    query, key, value, _, _, *learned = saved
+    return (None, *not_differentiable(grads[1:], (query, key, value, ctx.sinks, *learned)))
 
 
-def _ring_gradients(plan: _Plan, saved: tuple, grad_out, grad_lse) -> tuple:
+def _ring_gradients(plan: _Plan, saved: tuple, sinks, grad_out, grad_lse) -> tuple:
     """_RingAttention's gradients: (None for the plan, dq, dk, dv, d_sinks, *d_learned)."""
     ring = plan.ring
-    query, key, value, out, lse, sinks, *learned = saved
+    query, key, value, out, lse, *learned = saved
     grad_out = grad_out.float()
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
     # d out / d lse_i = w_i (out_i - out): the part through out is the row dot below

@@ -592,6 +592,33 @@ def test_a_mods_state_changed_before_the_backward_is_refused(changed):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_sinks_edited_before_the_backward_are_refused(inference):
+    """The backward forms d sinks from the forward's lse, which holds the sinks' values then:
+    sinks edited in place between the forward and the backward are an InputError there (by
+    their version, or for inference-mode sinks, which have none, by the forward's copy), as
+    flex_attention's backward refuses them. Inference-mode sinks failed in the forward
+    ("Inference tensors cannot be saved for backward"), where flex_attention takes them."""
+    import torch.distributed as dist
+    from flexfa.distributed import ring_attention
+
+    with torch.inference_mode(inference):
+        sinks = torch.tensor([0.5, -1.0])
+    q, k, v = (torch.randn(1, HEADS, 32, 16, requires_grad=True) for _ in range(3))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        ring_attention(q, k, v, load_balance=False, sinks=sinks).sum().backward()
+        out = ring_attention(q, k, v, load_balance=False, sinks=sinks)
+        with torch.inference_mode(inference):
+            sinks.add_(1.0)
+        with pytest.raises(InputError, match=r"sinks \(an inference tensor, shape \(2,\)\) "
+                           "was edited" if inference else "sinks .*edited in place"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_inference_tensor_edited_before_the_backward_is_refused():
     """An inference tensor has no version counter: a score_mod table made under
     inference_mode and edited inside it between the forward and the backward went unseen by
