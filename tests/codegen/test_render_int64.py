@@ -2,7 +2,7 @@
 and the kernel's value equals the int64 eager evaluation (interpreter probe kernels)."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexfa.codegen.ranges import FLOAT_CAST, Domain, mods_int64_nodes
@@ -142,3 +142,14 @@ def test_random_int_expressions_match_int64_eager(tmp_path_factory, root, batch,
         root = cast(root, DType.FLOAT)
     got, want = _run(root, tmp_path_factory.mktemp("probe"), Domain(batch, heads, q_len, kv_len))
     assert torch.equal(got, want), (got, want)
+
+
+# the random trees above draw their binary op from one list: CI's 15 examples reached 4 of
+# _BINARY's 8, so each op is also drawn at the root of its own expressions
+@pytest.mark.parametrize("op", _BINARY, ids=lambda op: op.name)
+@settings(max_examples=3)
+@given(a=_INT_EXPRS, b=_INT_EXPRS, q_len=st.integers(1, 1 << 22), kv_len=st.integers(1, 1 << 22))
+def test_each_binary_op_matches_int64_eager(tmp_path_factory, op, a, b, q_len, kv_len):
+    got, want = _run(binary(op, a, b), tmp_path_factory.mktemp("probe"),
+                     Domain(2, 3, q_len, kv_len))
+    assert torch.equal(got, want), (op, got, want)

@@ -3,7 +3,7 @@ module gives new keys, so a stale renderer's kernels are never reused."""
 import shutil
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from flexfa.codegen import versions
 from flexfa.codegen.forward import forward_kernel
@@ -39,8 +39,10 @@ def test_the_renderer_templates_and_ir_are_hashed():
     assert f"sources={versions.sources_hash()}" in versions.versions_key()
 
 
-@given(name=st.sampled_from(HASHED), fraction=st.floats(0, 1), byte=st.binary(min_size=1,
-                                                                               max_size=3))
+# every file (drawn from one list, CI's 15 examples reached 12 of the 47), a few edits each
+@pytest.mark.parametrize("name", HASHED)
+@settings(max_examples=3)
+@given(fraction=st.floats(0, 1), byte=st.binary(min_size=1, max_size=3))
 def test_editing_any_hashed_file_changes_the_hash(package_copy, name, fraction, byte):
     path = package_copy / name
     original = path.read_bytes()

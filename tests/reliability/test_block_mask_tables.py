@@ -5,7 +5,7 @@ the edit (flexfa and torch BlockMasks). Valid edits, in place or by replacing a 
 by the next call; unchanged tables are not checked again."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexfa
@@ -61,11 +61,12 @@ def _listed_entry(num_blocks, data, at_least=1):
     return b, h, row, column
 
 
-@given(kind=st.sampled_from(["flexfa", "torch"]),
-       pair=st.sampled_from(["kv", "full_kv", "q", "full_q"]),
-       fault=st.sampled_from(["index past the tiles", "negative index", "count past the row",
-                              "negative count", "tile listed twice", "tile dropped"]),
-       data=st.data())
+# each fault and kind apart (drawn from one list, CI's 15 examples never met "tile dropped")
+@pytest.mark.parametrize("fault", ["index past the tiles", "negative index", "count past the row",
+                                   "negative count", "tile listed twice", "tile dropped"])
+@pytest.mark.parametrize("kind", ["flexfa", "torch"])
+@settings(max_examples=4)
+@given(pair=st.sampled_from(["kv", "full_kv", "q", "full_q"]), data=st.data())
 def test_a_corrupted_table_is_an_input_error_before_launch(kind, pair, fault, data):
     mask = _fresh(kind)
     num_blocks, indices = getattr(mask, f"{pair}_num_blocks"), getattr(mask, f"{pair}_indices")

@@ -124,3 +124,20 @@ def test_the_machine_sees_a_stale_trace(monkeypatch):
         run_state_machine_as_test(CachedCalls, settings=settings(
             max_examples=30, stateful_step_count=12, deadline=None, database=None,
             phases=(Phase.generate,)))  # no shrinking: only that it fails matters here
+
+
+def test_each_dtype_of_the_captured_bias_in_turn():
+    """recast_bias in a fixed order: CI's derandomized sessions draw float16 only, and each
+    cast changes what the kernel loads (a cache keyed on the tensor alone would keep it)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, E, generator=generator) for n in (L, S, S))
+    config = Config()
+    config.bias = torch.randn(H, S, generator=generator) * 4
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + config.bias[h, kv_idx]
+    for dtype in (torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float32):
+        config.bias = (config.bias.float() + 0.25).to(dtype)
+        out = flexfa.flex_attention(q, k, v, score_mod)
+        (out64, _), (out32, _) = reference_pair(q, k, v, score_mod, None)
+        assert_close_to_reference(out, out64, out32, name=f"out with a {dtype} bias")
