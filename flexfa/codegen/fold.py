@@ -91,6 +91,14 @@ def fold_scales(root: Node) -> Folded:
     return Folded(root, in_scale, out_scale)
 
 
+def rendered_roots(root: Node) -> list[Node]:
+    """The graphs a kernel may render for the mod ``root``: itself and, where a factor folds,
+    the folded root. Their nodes have other keys wherever the score's scaled use was (an
+    int64 mark is a node key: ``ranges.mods_int64_nodes`` marks both)."""
+    folded = fold_scales(root).root
+    return [root] if folded is root else [root, folded]
+
+
 @dataclasses.dataclass(frozen=True)
 class FoldedJoint:
     joint: JointGraph  # the folded mod and its derivative (no captured-tensor gradients)

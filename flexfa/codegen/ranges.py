@@ -22,6 +22,7 @@ import torch
 
 from ..blockmask.intervals import Interval, apply_rule, exact, unknown
 from ..frontend.ir import DType, Node, Op
+from .fold import rendered_roots
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 _MAX_MEMO = 1024  # analyses kept (each a dict over one graph's nodes)
@@ -187,7 +188,7 @@ def mods_int64_nodes(mods, domain: Domain) -> tuple[str, ...]:
         for mod in mods:
             if mod is not None:
                 dtypes = tuple(dtype for _, dtype in mod.buffer_specs)
-                merged.update(int64_nodes([mod.root], dtypes, domain))
+                merged.update(int64_nodes(rendered_roots(mod.root), dtypes, domain))
         keys = tuple(sorted(merged))
         if len(_MODS_WIDE) >= _MAX_MEMO:
             _MODS_WIDE.clear()

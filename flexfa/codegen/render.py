@@ -417,14 +417,19 @@ def _order(roots: Sequence[Node]) -> list[Node]:
     return order
 
 
-def lift_float_casts(roots: Sequence[Node], wide: Collection[str]) -> list[Node]:
-    """``roots`` with each cast that ``wide`` marks (``ranges.FLOAT_CAST`` + its key: integer
+def lift_float_casts(roots: Sequence[Node], wide: Collection[str]
+                     ) -> tuple[list[Node], frozenset[str]]:
+    """(``roots`` with each cast that ``wide`` marks (``ranges.FLOAT_CAST`` + its key: integer
     index math exact in float32) computed in float: its graph rebuilt on FLOAT values, each
     index and constant cast alone (a row's q_idx, a column's kv_idx: once per row or column,
-    not per score). Exact: every value is an integer float32 holds (ranges.float_casts)."""
+    not per score), ``wide`` with the keys of the rebuilt INT nodes it marked). Exact: every
+    value is an integer float32 holds (ranges.float_casts). The nodes above a lifted cast are
+    new nodes, of new keys: an int64 mark carries to its node's rebuild (without, a
+    ``.long()`` over index math lifted to float rendered in int32 and wrapped)."""
+    wide = frozenset(wide)
     marked = {key[len(FLOAT_CAST):] for key in wide if key.startswith(FLOAT_CAST)}
     if not marked:
-        return list(roots)
+        return list(roots), wide
 
     def in_float(node: Node) -> Node:
         if node.op in (Op.CONST, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
@@ -433,7 +438,11 @@ def lift_float_casts(roots: Sequence[Node], wide: Collection[str]) -> list[Node]
 
     def lift(node: Node) -> Node:
         return in_float(node.src[0]) if node.op is Op.CAST and node.key in marked else node
-    return [rewrite(root, lift) for root in roots]
+    done: dict[Node, Node] = {}
+    lifted = [rewrite(root, lift, done) for root in roots]
+    carried = {new.key for old, new in done.items()
+               if old.key in wide and new.dtype is INT and new.key != old.key}
+    return lifted, wide | carried
 
 
 def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
@@ -447,7 +456,7 @@ def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
     reads ``tanh(x)`` (1 - tanh(x)**2) reuses the forward value's name. ``wide``: keys of
     the INT nodes computed in int64 (see the module docstring) and the marks of the casts
     computed in float32 (``lift_float_casts``)."""
-    roots = lift_float_casts(roots, wide)
+    roots, wide = lift_float_casts(roots, wide)
     renderer = _Renderer(leaves, buffers, prefix, fast_math, wide)
     counts = _use_counts(roots)
     root_ids = {id(r) for r in roots}

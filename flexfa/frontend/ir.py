@@ -333,10 +333,11 @@ def where(cond: Node, a: Node, b: Node) -> Node:
     return Node.make(Op.WHERE, common, (cast(cond, DType.BOOL), cast(a, common), cast(b, common)))
 
 
-def rewrite(root: Node, fn) -> Node:
+def rewrite(root: Node, fn, done: dict[Node, Node] | None = None) -> Node:
     """Rebuild the graph sources-first: every node, rebuilt on its already rewritten sources,
-    is replaced by ``fn(node)``. Returns the new root (``root`` itself if nothing changed)."""
-    done: dict[Node, Node] = {}
+    is replaced by ``fn(node)``. Returns the new root (``root`` itself if nothing changed).
+    ``done``: filled with each old node's replacement (shared across calls, as a memo)."""
+    done = {} if done is None else done
     for node in root.toposort():
         src = tuple(done[s] for s in node.src)
         rebuilt = node

@@ -29,6 +29,7 @@ from ...blockmask.density import density_class, record
 from ...blockmask.validate import capturing, mark_checked
 from ...codegen.backward import (BackwardSpec, backward_kernel, dscore_is_one,
                                  has_buffer_grads, joint_roots, wide_head_dims)
+from ...codegen.fold import fold_joint
 from ...codegen.ranges import Domain, int64_nodes, mods_int64_nodes
 from ...codegen.spec import DTYPE_NAMES, head_dim_blocks, next_power_of_two
 from ...errors import InputError
@@ -288,6 +289,9 @@ def int64_nodes_of(q, k, call: AttentionCall) -> tuple[str, ...]:
     if joint is not None:
         dtypes = tuple(dtype for _, dtype in call.score.buffer_specs)
         wide.update(int64_nodes(joint_roots(joint), dtypes, domain))
+        folded = fold_joint(joint)  # what the kernels render where a factor folds (new keys)
+        if folded is not None:
+            wide.update(int64_nodes(joint_roots(folded.joint), dtypes, domain))
     return tuple(sorted(wide))
 
 
