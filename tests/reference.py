@@ -3,7 +3,10 @@
 ``reference_attention`` is dense attention computed through ``flexfa.frontend.evaluate`` on
 ``[B, H, L, S]`` grids (it wraps ``flexfa.reference.attention_reference``): differentiable in
 q, k, v and captured tensors, so ``torch.autograd`` on it gives reference gradients. A row
-with nothing to attend gives out = 0 and lse = -inf, never NaN.
+with nothing to attend gives out = 0 and lse = -inf, never NaN. Each call also runs the mods
+as torch does on the same scores and index grids and fails where that differs from the traced
+evaluation (``_mod_as_torch_runs_it``): the frontend the kernels are generated from is not
+the oracle's only source.
 
 ``assert_close_to_reference(actual, ref64, eager)``: the error of flexfa against the float64
 reference must be at most ``fudge`` times the error of the same computation done eagerly in
@@ -13,8 +16,11 @@ exactly, and flexfa must not produce NaN where the reference has none.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from flexfa.frontend import dense_mask, evaluate, index_grids, trace
 from flexfa.reference import attention_reference, max_error
 
 # per input dtype: the floor added to the bound (float32 accumulation in another order)
@@ -30,8 +36,54 @@ def reference_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enab
                         dtype=torch.float64, **features):
     """(out, lse) of dense attention in ``dtype``; lse is natural-log, -inf for empty rows;
     ``features``: attention_reference's sinks, dropout_mask, dropout_p."""
+    _mod_as_torch_runs_it(q, k, score_mod, mask_mod, scale, enable_gqa)
     return attention_reference(q, k, v, score_mod, mask_mod, scale=scale, enable_gqa=enable_gqa,
                                return_lse=True, dtype=dtype, **features)
+
+
+def _mod_as_torch_runs_it(q, k, score_mod, mask_mod, scale, enable_gqa) -> None:
+    """The reference's scores come from flexfa's own frontend (trace, simplify, evaluate), as
+    the kernels' do: a wrong rewrite or evaluator rule moves kernel and reference together.
+    So every reference also runs the mods as torch does, on the same float64 scores and index
+    grids, and fails where the two differ beyond the rounding of captured low-precision
+    tensors (torch computes in their dtype, flexfa in float32: 2e-2 relative covers bf16),
+    NaN and infinities (signed) matching exactly. A mod torch cannot run on tensors (Python
+    control flow on values) is checked by its trace alone."""
+    if score_mod is None and mask_mod is None:
+        return
+    try:
+        B, Hq, L, E = q.shape
+        S, Hkv = k.shape[2], k.shape[1]
+        keys = k.detach().double().repeat_interleave(Hq // Hkv, dim=1)
+        scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+        scores = q.detach().double() @ keys.transpose(-1, -2) * scale
+    except Exception:  # bad inputs: attention_reference's checks name them
+        return
+    grids = index_grids(B, Hq, L, S, device=q.device)
+    if score_mod is not None:
+        try:
+            direct = torch.as_tensor(score_mod(scores, *grids)).double()
+        except Exception:  # not runnable by torch on tensors: the trace stands alone
+            direct = None
+        if direct is not None:
+            traced = evaluate(trace(score_mod), score=scores, b=grids[0], h=grids[1],
+                              q_idx=grids[2], kv_idx=grids[3], float_dtype=torch.float64)
+            traced, direct = traced.expand(B, Hq, L, S), direct.expand(B, Hq, L, S)
+            same = torch.isclose(traced, direct, rtol=2e-2, atol=1e-6, equal_nan=True)
+            assert same.all(), (
+                f"reference: score_mod {getattr(score_mod, '__name__', score_mod)} traced gives "
+                f"{traced[~same][:4].tolist()} where torch running it gives "
+                f"{direct[~same][:4].tolist()}")
+    if mask_mod is not None:
+        try:
+            direct = torch.as_tensor(mask_mod(*grids)).bool()
+        except Exception:
+            return
+        traced = dense_mask(trace(mask_mod), B, Hq, L, S, device=q.device)
+        assert torch.equal(traced, direct.expand(B, Hq, L, S)), (
+            f"reference: mask_mod {getattr(mask_mod, '__name__', mask_mod)} traced keeps "
+            f"{int(traced.sum())} pairs where torch running it keeps "
+            f"{int(direct.expand(B, Hq, L, S).sum())}")
 
 
 def reference_pair(q, k, v, score_mod=None, mask_mod=None, **kwargs):
