@@ -3,10 +3,10 @@
 ``reference_attention`` is dense attention computed through ``flexfa.frontend.evaluate`` on
 ``[B, H, L, S]`` grids (it wraps ``flexfa.reference.attention_reference``): differentiable in
 q, k, v and captured tensors, so ``torch.autograd`` on it gives reference gradients. A row
-with nothing to attend gives out = 0 and lse = -inf, never NaN. Each call also runs the mods
-as torch does on the same scores and index grids and fails where that differs from the traced
-evaluation (``_mod_as_torch_runs_it``): the frontend the kernels are generated from is not
-the oracle's only source.
+with nothing to attend gives out = 0 and lse = -inf, never NaN. Each float64 call also runs
+the mods as torch does on the same scores and index grids and fails where that differs from
+the traced evaluation (``_mod_as_torch_runs_it``): the frontend the kernels are generated
+from is not the oracle's only source.
 
 ``assert_close_to_reference(actual, ref64, eager)``: the error of flexfa against the float64
 reference must be at most ``fudge`` times the error of the same computation done eagerly in
@@ -36,15 +36,16 @@ def reference_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, enab
                         dtype=torch.float64, **features):
     """(out, lse) of dense attention in ``dtype``; lse is natural-log, -inf for empty rows;
     ``features``: attention_reference's sinks, dropout_mask, dropout_p."""
-    _mod_as_torch_runs_it(q, k, score_mod, mask_mod, scale, enable_gqa)
+    if dtype == torch.float64:  # (reference_pair's same-dtype call would repeat it exactly)
+        _mod_as_torch_runs_it(q, k, score_mod, mask_mod, scale)
     return attention_reference(q, k, v, score_mod, mask_mod, scale=scale, enable_gqa=enable_gqa,
                                return_lse=True, dtype=dtype, **features)
 
 
-def _mod_as_torch_runs_it(q, k, score_mod, mask_mod, scale, enable_gqa) -> None:
+def _mod_as_torch_runs_it(q, k, score_mod, mask_mod, scale) -> None:
     """The reference's scores come from flexfa's own frontend (trace, simplify, evaluate), as
     the kernels' do: a wrong rewrite or evaluator rule moves kernel and reference together.
-    So every reference also runs the mods as torch does, on the same float64 scores and index
+    So every float64 reference also runs the mods as torch does, on the same scores and index
     grids, and fails where the two differ beyond the rounding of captured low-precision
     tensors (torch computes in their dtype, flexfa in float32: 2e-2 relative covers bf16),
     NaN and infinities (signed) matching exactly. A mod torch cannot run on tensors (Python
