@@ -95,11 +95,15 @@ _RULES: dict[tuple[Op, DType | None], str] = {
     (Op.ADD, None): "({0} + {1})",
     (Op.SUB, None): "({0} - {1})",
     (Op.MUL, None): "({0} * {1})",
+    # float % and // exact as torch's (a GPU's are not: helpers.tmpl); / is a GPU's div.full
+    # (two units in the last place) where only arithmetic reads it, else _EXACT_DIV
     (Op.DIV, None): "({0} / {1})",
     (Op.FLOORDIV, INT): "flexfa_floordiv({0}, {1})",
     (Op.FLOORDIV, FLOAT): "flexfa_ffloordiv({0}, {1})",
-    (Op.MOD, None): "flexfa_mod({0}, {1})",
-    (Op.FMOD, None): "({0} % {1})",  # Triton's % is C's fmod / srem: the dividend's sign
+    (Op.MOD, INT): "flexfa_mod({0}, {1})",
+    (Op.MOD, FLOAT): "flexfa_fremainder({0}, {1})",
+    (Op.FMOD, INT): "({0} % {1})",  # Triton's % of ints is C's srem: the dividend's sign
+    (Op.FMOD, FLOAT): "flexfa_ffmod({0}, {1})",
     (Op.POW, INT): "flexfa_ipow({0}, {1}, 31)",
     (Op.POW, FLOAT): "flexfa_pow({0}, {1})",
     (Op.MAX, FLOAT): "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
@@ -187,6 +191,30 @@ _NARROWS: dict[tuple[DType, str], str] = {
 _LOAD_CONVERT = {FLOAT: "{0}.to(tl.float32)", INT: "{0}.to(tl.int32)", BOOL: "({0} != 0)"}
 
 # rules of INT nodes computed in int64 (``wide``) where the int32 rule differs
+# a division whose value reaches one of these (through any float arithmetic) is correctly
+# rounded, as torch's: a floor, comparison or integer cast turns an ulp into a whole unit
+# ((q * 3) / 3 floored to q - 1), and POW's exponent decides its integral and odd cases
+_EXACT_DIV = "flexfa_div({0}, {1})"
+_DISCRETE = frozenset({Op.FLOOR, Op.CEIL, Op.SIGN, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.LT, Op.LE,
+                       Op.EQ, Op.NE, Op.CAST, Op.NARROW})
+
+
+def _exact_divisions(roots: Sequence[Node]) -> frozenset[int]:
+    """Ids of the DIV nodes whose quotient reaches a discrete use (_DISCRETE, POW's
+    exponent) through float values."""
+    order = _order(roots)
+    reaches: set[int] = set()
+    for node in reversed(order):  # every consumer before its sources
+        if node.op in _DISCRETE or id(node) in reaches:
+            sources = node.src
+        elif node.op is Op.POW:
+            sources = node.src[1:]
+        else:
+            continue
+        reaches.update(id(s) for s in sources if s.dtype is FLOAT)
+    return frozenset(id(n) for n in order if n.op is Op.DIV and id(n) in reaches)
+
+
 _WIDE_RULES: dict[tuple[Op, DType | None], str] = {
     (Op.POW, INT): "flexfa_ipow({0}, {1}, 63)",
 }
@@ -294,6 +322,21 @@ def _power(node: Node, base: str) -> str | None:
     return "(" + " * ".join([base] * n) + ")"
 
 
+def _power_of_two_divisor(node: Node, dividend: str) -> str | None:
+    """x / c for a constant c = +-2**k as x * (1 / c): the same correctly rounded value of the
+    same real number, one multiply instead of a correctly rounded division."""
+    divisor = node.src[1]
+    if divisor.op is not Op.CONST or isinstance(divisor.arg, bool):
+        return None
+    c = float(divisor.arg)
+    if not math.isfinite(c) or c == 0.0:
+        return None
+    mantissa, exponent = math.frexp(abs(c))
+    if mantissa != 0.5 or not -100 <= exponent <= 100:
+        return None
+    return f"({dividend} * {literal(1.0 / c)})"
+
+
 def _constant_power(node: Node, base: str, exponent_text: str) -> str | None:
     """A float power by a finite constant exponent (not unrolled): ``flexfa_pow_const``, its
     cases chosen here."""
@@ -328,6 +371,7 @@ class _Renderer:
         self.exprs: dict[int, str] = {}
         self.int64: set[int] = set()  # ids of nodes whose kernel value is int64
         self.constant: set[int] = set()  # ids of folded nodes (computed from constants)
+        self.exact: frozenset[int] = frozenset()  # ids of correctly rounded divisions
 
     def name(self) -> str:
         return f"{self.prefix}{len(self.lines)}"
@@ -358,6 +402,12 @@ class _Renderer:
             return self.load(node, operands, wide)
         if wide:
             operands = [self.widen(s, text) for s, text in zip(node.src, operands)]
+        if op is Op.DIV:
+            scaled = _power_of_two_divisor(node, operands[0])
+            if scaled is not None:
+                return scaled
+            if id(node) in self.exact:
+                return _EXACT_DIV.format(*operands)
         if op is Op.POW:
             unrolled = _power(node, operands[0])
             if unrolled is not None:
@@ -458,6 +508,7 @@ def render(roots: Sequence[Node], leaves: Leaves = Leaves(),
     computed in float32 (``lift_float_casts``)."""
     roots, wide = lift_float_casts(roots, wide)
     renderer = _Renderer(leaves, buffers, prefix, fast_math, wide)
+    renderer.exact = _exact_divisions(roots)
     counts = _use_counts(roots)
     root_ids = {id(r) for r in roots}
     depth: dict[int, int] = {}  # ops nested in a node's inlined text (0: a name or a leaf)

@@ -33,9 +33,10 @@ def probe(SCORE, Q, KV, OUT, off_b, off_h{params}, M: tl.constexpr, N: tl.conste
 _OUT_DTYPE = {DType.FLOAT: torch.float32, DType.INT: torch.int64, DType.BOOL: torch.int32}
 
 
-def probe_source(root: Node, buffers: tuple[torch.Tensor, ...], wide=()) -> str:
+def probe_source(root: Node, buffers: tuple[torch.Tensor, ...], wide=(),
+                 fast_math: bool = False) -> str:
     args = [buffer_args(i, t.dim()) for i, t in enumerate(buffers)]
-    rendered = render([root], Leaves(), args, wide=wide)
+    rendered = render([root], Leaves(), args, wide=wide, fast_math=fast_math)
     params = "".join(", " + p for a in args for p in a.params)
     value = rendered.values[0]
     if needs_tile_broadcast(root):
@@ -53,18 +54,22 @@ def _tl_type(dtype: DType) -> str:
 
 
 def run_probe(root: Node, tmp_path, *, score, b: int, h: int, q_idx, kv_idx,
-              buffers: tuple[torch.Tensor, ...] = (), wide=()) -> torch.Tensor:
-    """The rendered value of ``root`` on the [len(q_idx), len(kv_idx)] grid (interpreter);
-    ``wide``: keys of the INT nodes rendered in int64 (``render``'s argument)."""
-    source = probe_source(root, buffers, wide)
+              buffers: tuple[torch.Tensor, ...] = (), wide=(), fast_math: bool = False,
+              device: str = "cpu") -> torch.Tensor:
+    """The rendered value of ``root`` on the [len(q_idx), len(kv_idx)] grid, on the CPU
+    (interpreter) or compiled for ``device`` "cuda"; returned on the CPU. ``wide``: keys of
+    the INT nodes rendered in int64; ``fast_math``: the GPU kernels' transcendentals
+    (``render``'s arguments)."""
+    source = probe_source(root, buffers, wide, fast_math)
     path = tmp_path / f"probe_{hashlib.sha256(source.encode()).hexdigest()[:12]}.py"
     path.write_text(source)
-    module = load_module(path, interpret=True)
+    module = load_module(path, interpret=device == "cpu")
     M, N = len(q_idx), len(kv_idx)
-    out = torch.empty(M, N, dtype=_OUT_DTYPE[root.dtype])
+    out = torch.empty(M, N, dtype=_OUT_DTYPE[root.dtype], device=device)
     buffer_values = []
     for t in buffers:
-        buffer_values += [t, *t.stride(), *t.shape]
-    module.probe[(1,)](score.float().contiguous(), q_idx.to(torch.int32), kv_idx.to(torch.int32),
-                       out, b, h, *buffer_values, M=M, N=N)
+        buffer_values += [t.to(device), *t.stride(), *t.shape]
+    module.probe[(1,)](score.float().contiguous().to(device), q_idx.to(device, torch.int32),
+                       kv_idx.to(device, torch.int32), out, b, h, *buffer_values, M=M, N=N)
+    out = out.cpu()
     return out.bool() if root.dtype is DType.BOOL else out

@@ -5,6 +5,7 @@ cast to float computed in float32) and the fold of constant factors into the ker
 (``fold.fold_scales`` / ``fold_joint``). Before, a ``.long()`` above either rendered in int32
 and wrapped silently (1.3-4.5 off against the float64 reference; a render/evaluate mutation
 audit's find)."""
+import pytest
 import torch
 
 import flexfa
@@ -63,3 +64,25 @@ def test_folded_factors_keep_their_int64_cast_in_the_gluon_kernels():
     out = flexfa.flex_attention(q, k, v, score_mod=_scaled_long, kernel_options=options)
     want = attention_reference(q, k, v, _scaled_long, dtype=torch.float64)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def _index_long_mask(b, h, q_idx, kv_idx):
+    # ((q - kv) * 1e9).long() leaves int32 past three positions apart
+    return (((q_idx - kv_idx).float() * 1e9).long() % 7 == 0) | (q_idx >= kv_idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("options", [
+    None, {"BACKEND": "AMPERE"}, {"BACKEND": "HOPPER"},
+    {"BACKEND": "GLUON", "GLUON_BACKWARD": True}], ids=["auto", "ampere", "hopper", "gluon"])
+def test_int64_casts_above_the_rewrites_on_the_gpu(options, dtype):
+    """The compiled kernels of each family (the interpreter tests above run the Triton ones
+    and the Gluon emulator): a folded factor's int64 cast in the score_mod and an int64 cast
+    above float index math in the mask, forward and gradients against float64."""
+    g = torch.Generator().manual_seed(1)
+    L, E = 2048, 128
+    q, k, v = (torch.randn(1, 2, L, E, generator=g).to("cuda", dtype).requires_grad_()
+               for _ in range(3))
+    block_mask = flexfa.create_block_mask(_index_long_mask, 1, 2, L, L, device="cuda")
+    check_backward(q, k, v, _scaled_long, _index_long_mask, block_mask, kernel_options=options)
