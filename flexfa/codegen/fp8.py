@@ -21,6 +21,14 @@ FP8_TEMPLATES = ("fwd_fp8.tmpl", "helpers.tmpl", "fp8_helpers.tmpl", "common.tmp
                  "fwd_common.tmpl")
 QUANTIZE_TEMPLATES = ("fwd_fp8_quantize.tmpl", "helpers.tmpl", "fp8_helpers.tmpl")
 P_SHIFT = 8  # P is cast to e4m3 as P * 2**8: [0, 1] -> [0, 256], well inside e4m3's 448
+# the smallest descale ``quantize`` writes (a block's amax / 448 below it is raised to it: its
+# values, under 448 * 2**-60 = 3.9e-16, then land on e4m3's subnormals or 0, at most 2**-69
+# off; before, a float32 block of subnormals got descale 0). Two such descales multiply to
+# 2**-120, inside float32's normal range, so the folded score scale (FOLD_QK_SCALE:
+# q_descale * k_descale * scale * log2(e)) cannot underflow to 0, where a masked -inf score
+# times 0 was NaN, for a softmax scale >= FOLD_MIN_SCALE (0.0108; smaller ones: no fold)
+DESCALE_MIN = 2.0 ** -60
+FOLD_MIN_SCALE = 2.0 ** -126 / (DESCALE_MIN * DESCALE_MIN * 1.4426950408889634)
 FP8_MIN_DIM = 32  # e4m3 dots reduce over K >= 32: E and BLOCK_N pad/tile to at least this
 
 

@@ -8,7 +8,7 @@ import torch
 from ..inputs import (check_readable, check_shapes, dual_level_open, refuse_tangents,
                       requiring_grad)
 from ..errors import FlexFAError, InputError, InputTypeError, check_bool, check_int, dims
-from .inputs import FP8_DTYPE, FP8Inputs
+from .inputs import DESCALE_MIN, FP8_DTYPE, FP8Inputs
 
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have e4m3 tensor cores
@@ -142,14 +142,16 @@ def check_positive_scales(x: FP8Inputs) -> None:
         return
     for name in ("q_scale", "k_scale", "v_scale"):
         scale = getattr(x, name)
-        good = (scale > 0) & torch.isfinite(scale)
+        good = (scale >= DESCALE_MIN) & torch.isfinite(scale)
         if not bool(good.all()):  # (True for no elements)
             bad = scale[~good].flatten()[0].item()
             raise InputError(
                 f"FP8Inputs.positive_scales is True but {name} holds {bad!r}; the kernel folds "
-                "descales into the softmax's exponent only where every one is finite and > 0: "
-                "pass positive_scales=False (dataclasses.replace(x, positive_scales=False)) "
-                "for descales of any sign")
+                "descales into the softmax's exponent only where every one is finite and at "
+                f"least {DESCALE_MIN!r} (2**-60, quantize's smallest: a product of smaller "
+                "ones can underflow to 0): pass positive_scales=False "
+                "(dataclasses.replace(x, positive_scales=False)) for descales of any sign "
+                "or size")
 
 
 def check_fp8_device(device: torch.device) -> None:

@@ -6,11 +6,13 @@ import weakref
 
 import torch
 
+from ..codegen import fp8 as fp8_codegen
 from ..errors import check_bool
 from .hadamard import unrotate as hadamard_unrotate
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+DESCALE_MIN = fp8_codegen.DESCALE_MIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +30,8 @@ class FP8Inputs:
     head_dim: int  # E before padding: the default softmax scale is 1/sqrt(head_dim)
     dtype: torch.dtype  # dtype of the original inputs, and of the attention output
     signs: torch.Tensor | None = None  # the rotation's +-1 signs (None: not rotated)
-    # every descale is > 0, as ``quantize`` writes them (amax / 448, or 1 for an all-zero
-    # block): without a score_mod the kernel then scales q.k inside exp2's FMA (2-3% faster
+    # every descale is finite and >= DESCALE_MIN, as ``quantize`` writes them (amax / 448, at
+    # least DESCALE_MIN, or 1 for an all-zero block): without a score_mod the kernel then scales q.k inside exp2's FMA (2-3% faster
     # on the H200). False (the default for inputs built by hand) keeps a separate multiply,
     # exact for descales of any sign. Replacing the scales of quantize's output by others
     # that are not all > 0 needs ``positive_scales=False`` too.

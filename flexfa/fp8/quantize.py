@@ -14,7 +14,7 @@ import torch
 from ..inputs import broadcast_batch
 from .hadamard import check_seed, padded_dim, random_signs, signed_hadamard
 from .hadamard import rotate_unchecked as hadamard_rotate
-from .inputs import E4M3_MAX, FP8_DTYPE, FP8Inputs, expand_scales, written
+from .inputs import DESCALE_MIN, E4M3_MAX, FP8_DTYPE, FP8Inputs, expand_scales, written
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "FP8Inputs", "output_dtype", "quantize"]
 
@@ -37,8 +37,10 @@ def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
-    # an all-zero block gets scale 1 (any scale represents zeros; 0 would divide by zero)
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
+    # an all-zero block gets scale 1 (any scale represents zeros; 0 would divide by zero);
+    # others at least DESCALE_MIN (a float32 block of amax below 448 * 2**-149 divided to 0)
+    scale = (amax / E4M3_MAX).clamp_min(DESCALE_MIN)
+    return torch.where(amax > 0, scale, torch.ones_like(amax)).float()
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:

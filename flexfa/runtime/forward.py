@@ -8,6 +8,7 @@ family's ``run`` (allocate the outputs, bind the tensors, launch the compiled ke
 from __future__ import annotations
 
 from .. import memo
+from ..codegen.fp8 import FOLD_MIN_SCALE
 from . import families  # noqa: F401  (registers the kernel families)
 from . import plans, registry
 from .call import AttentionCall
@@ -67,7 +68,9 @@ def _run(q, k, v, call: AttentionCall, return_lse: bool, return_max: bool, kept)
 def run_fp8_forward(x, call: AttentionCall, return_lse: bool):
     """(out [B, Hq, L, Ev] in ``x.dtype``, lse [B, Hq, L] float32 or None) of the FP8
     forward on quantized inputs ``x`` (``flexfa.fp8.quantize``)."""
+    # (the scale's size decides the fold of the descales: FOLD_MIN_SCALE)
     key = ("fp8", return_lse, x.dtype, x.block_q, x.block_kv, x.positive_scales,
+           call.scale >= FOLD_MIN_SCALE,
            x.q_scale.stride(), x.k_scale.stride(), x.v_scale.stride(),
            plans.aligned(x.q_scale, x.k_scale, x.v_scale),
            *plans.layout_key(x.q, x.k, x.v, call))

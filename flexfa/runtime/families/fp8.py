@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ...codegen.fp8 import FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel, quantize_kernel
+from ...codegen.fp8 import (FOLD_MIN_SCALE, FP8_MIN_DIM, FP8KernelSpec, fp8_forward_kernel,
+                            quantize_kernel)
 from ...codegen.spec import DTYPE_NAMES, next_power_of_two
 from ...errors import InputError
 from .. import autotune, binding, plans
@@ -112,7 +113,9 @@ def fp8_spec(x, call: AttentionCall, target: Target, return_lse: bool) -> FP8Ker
         sparse_q=sparse_q, sparse_kv=sparse_kv, scale_q=x.block_q, scale_kv=x.block_kv,
         even_l=L % block_m == 0, even_s=S % block_n == 0 and S % sparse_kv == 0,
         return_lse=return_lse, gqa_group=call.gqa_group, target=target.name, use_tma=tma,
-        fold_qk_scale=call.score is None and call.scale > 0 and bool(x.positive_scales),
+        # (a smaller scale could take the folded factor to 0: -inf * 0 at masked scores)
+        fold_qk_scale=(call.score is None and call.scale >= FOLD_MIN_SCALE
+                       and bool(x.positive_scales)),
         wide_ints=int64_nodes(x.q, x.k, call), sinks_dtype=call.sinks_dtype)
 
 
