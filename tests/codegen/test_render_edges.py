@@ -414,11 +414,12 @@ def test_sqrt_is_correctly_rounded(tmp_path, device):
 def test_fast_transcendentals_on_the_gpu(tmp_path):
     """The GPU kernels' fast tanh (tanh.approx.f32, sigmoid through it) and exp (ex2 of
     x * log2(e)) within the accuracy their comment states: tanh and sigmoid 2**-10 absolute
-    (tanh.approx's relative error is about 2**-11), exp 2e-6 relative on [-30, 30]."""
+    (tanh.approx's relative error is about 2**-11), exp 4e-6 relative on [-30, 30] (x *
+    log2(e) is rounded, up to 2**-24 * 43 in the exponent)."""
     score = torch.linspace(-30.0, 30.0, M * N).view(M, N)
     score[0, :8] = torch.tensor([0.0, -0.0, 1e-6, -1e-6, 1e-3, 0.3, 4.0, 9.0])
     for fn, rtol, atol in ((torch.tanh, 0.0, 2 ** -10), (torch.sigmoid, 0.0, 2 ** -10),
-                           (torch.exp, 2e-6, 0.0)):
+                           (torch.exp, 4e-6, 0.0)):
         traced = trace(lambda s, b, h, q, kv: fn(s))
         got = run_probe(traced.root, tmp_path, score=score, b=0, h=1, q_idx=Q_IDX,
                         kv_idx=KV_IDX, fast_math=True, device="cuda")
