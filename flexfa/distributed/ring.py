@@ -87,8 +87,10 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
     if sinks is not None:
         plan.watched.append(("sinks", sinks, sinks.clone() if sinks.is_inference() else None))
     index_error = _global_index_error(plan.traces, query, key, ring.world)
+    learnable = () if traced is None else tuple(
+        bool(t.requires_grad) for t in (*traced.buffers, *traced.dropped))
     facts = _call_facts(query, key, value, plan.traces, load_balance, method, block_pair,
-                        checked_scale, block_size, scale, enable_gqa, sinks)
+                        checked_scale, block_size, scale, enable_gqa, sinks, learnable)
     facts.append(("the captured tensors' indices", int(index_error is None),
                   "in range" if index_error is None else "out of range"))
     try:
@@ -105,11 +107,15 @@ def ring_attention(query, key, value, score_mod=None, mask_mod=None, group=None,
 
 
 def _call_facts(query, key, value, traces, load_balance, method: str, block_pair: tuple,
-                checked_scale: float, block_size, scale, enable_gqa, sinks) -> list:
+                checked_scale: float, block_size, scale, enable_gqa, sinks,
+                learnable: tuple = ()) -> list:
     """(name, int64 code, value shown) of what every rank's call must agree on: shard
     shapes and dtype, the mods (their traces' structural keys: code and Python values read),
     the layout, the exchange, the block size and the scale (compared as ``_check_shards``
-    resolved them: ``block_pair``, ``checked_scale``; shown as given)."""
+    resolved them: ``block_pair``, ``checked_scale``; shown as given), and which of the
+    score_mod's captured tensors require grad (``learnable``: the backward all-reduces each
+    one's gradient, so a rank with one more paired its all_reduce with another rank's next
+    collective: a wrong gradient there, another all_reduce's result corrupted)."""
     keys = {what: traced.key for what, _, _, traced in traces}
 
     def code(text: str) -> int:  # (the same in every process, unlike hash())
@@ -126,7 +132,9 @@ def _call_facts(query, key, value, traces, load_balance, method: str, block_pair
               ("method", code(method), method),
               ("block_size", code(repr(block_pair)), block_size),
               ("scale", code(repr(checked_scale)), scale),
-              ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa))]
+              ("enable_gqa", int(bool(enable_gqa)), bool(enable_gqa)),
+              ("which score_mod captured tensors require grad", code(repr(learnable)),
+               learnable)]
     # (their values: _values)
     shown = None if sinks is None else (
         f"[{sinks.shape[0]}] {sinks.dtype}, requires_grad={sinks.requires_grad}")
