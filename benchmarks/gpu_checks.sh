@@ -134,6 +134,11 @@
 # decode (paged-cache checks) and the backward's deterministic / captured / dropout GPU tests,
 # FlopCounterMode on a CUDA training step (its backward on autograd's device thread), sharded
 # (ZI_LIMIT, default 400);
+# zn: the forty-ninth session's changes on a GPU, never run there: the render-edge probes
+# compiled for the GPU (float division with discrete uses, exact float remainders, f2i32's
+# range edges, NaN max/min, narrow casts, sqrt, fast transcendentals), the int64 casts above
+# the rewrites in each family, the FP8 GPU tests (descale floor, the fold's scale), sharded
+# (ZN_LIMIT, default 300);
 # zl: every GPU test but the timed ones (z's first step), sharded (ZL_LIMIT, default 540;
 # a second call on the warm machine finishes what a cold one's limit cut);
 # zk: the forty-third session's changes on a GPU: the backward and Gluon backward GPU files
@@ -158,7 +163,7 @@
 case "${1:-}" in -h|--help) sed -n '2,/^# Writes/p' "$0" | cut -c3-; exit 0;; esac
 set -o pipefail
 PART=${1:-all}
-case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi|zj|zk|zl) ;;  # each letter names one block below
+case "$PART" in a|b|c|d|wd|wdb|wdc|we|wf|wg|wh|wi|wj|wk|wl|wm|wn|wo|wp|wq|wr|wv|ws|wt|wb|bq|bqb|ov|ovb|ovc|pz|all|e|f|g|h|i|j|k|l|m|v|r|n|o|p|q|s|t|u|w|x|y|z|za|zb|zc|zd|ze|zf|zg|zh|zi|zj|zk|zl|zn) ;;  # each letter names one block below
   *) echo "unknown part '$PART' (see --help)" >&2; exit 2;; esac
 # caches inside the checkout (ignored): a warm device machine keeps them for the next call
 export PYTHONUNBUFFERED=1 PYTHONPATH=. FLEXFA_CACHE_DIR=$PWD/.gpucache/flexfa \
@@ -698,6 +703,12 @@ if [ "$PART" = wr ]; then  # the timed tests; dropout at 256 on 32-row dK/dV til
     'm64={"GLUON_BACKWARD": false};m32={"GLUON_BACKWARD": false, "bwd_BLOCK_M1": 32}' \
     --cases 256:2048:causal+drop,256:8192:causal+drop,256:4000:causal+drop,256:16384:document+drop,256:512:full+drop,256:960:full+drop
   tail -n 3 "$OUT/timed.log"; tail -n 12 "$OUT/m1_drop.log"
+fi
+if [ "$PART" = zn ]; then  # the forty-ninth session's changes on a GPU (see --help)
+  step gpu_tests "${ZN_LIMIT:-300}" $SHARD/zn -- -m gpu -p no:cacheprovider -rfE \
+    tests/codegen/test_render_edges.py tests/codegen/test_wide_after_rewrites.py \
+    tests/gpu/test_fp8_gpu.py tests/kernels/test_mod_semantics.py
+  tail -n 6 "$OUT/gpu_tests.log"
 fi
 if [ "$PART" = zl ]; then  # every GPU test but the timed ones, sharded (see --help)
   T="dispatch_of_a_cached_call or faster_than_bf16 or within_flexattention"
