@@ -159,6 +159,14 @@ class Proxy:
                 dtype = a
             elif isinstance(a, (Proxy, torch.Tensor)):
                 dtype = a.dtype
+            elif not (isinstance(a, torch.device) or (isinstance(a, str) and _is_device(a))):
+                # torch refuses these ("float16" is no device string, np.float16 no dtype):
+                # ignoring them left the value uncast
+                raise self.tracer.error(f".to({a!r}): not a torch.dtype, device or tensor "
+                                        "(torch refuses it too); use .to(torch.float16)")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise self.tracer.error(f".to(dtype={dtype!r}): not a torch.dtype (torch refuses "
+                                    "it too)")
         if dtype is None:
             return self  # .to(device) and friends change nothing for a scalar
         return convert(self.tracer, self.node, dtype)
@@ -167,8 +175,18 @@ class Proxy:
         if dtype is None:
             raise self.tracer.error(".type() without a dtype returns a type name string; a mod "
                                     "computes numbers: use .dtype, or .type(torch.float16)")
+        if isinstance(dtype, type):  # torch.FloatTensor, torch.cuda.HalfTensor
+            dtype = f"{dtype.__module__}.{dtype.__name__}"
         if isinstance(dtype, str):
-            dtype = _TYPE_NAMES.get(dtype.replace("torch.cuda.", "torch."), dtype)
+            name = dtype
+            dtype = _TYPE_NAMES.get(name.replace("torch.cuda.", "torch."))
+            if dtype is None:  # torch: "invalid type"
+                raise self.tracer.error(f".type({name!r}): not a tensor type name such as "
+                                        "'torch.FloatTensor' (torch refuses it too); use "
+                                        ".type(torch.float32) or .to(torch.float32)")
+        if not isinstance(dtype, torch.dtype):
+            raise self.tracer.error(f".type({dtype!r}): not a torch.dtype or tensor type name "
+                                    "(torch refuses it too)")
         return self.to(dtype)
 
     # -- what code written for real index tensors asks of them (torch's noop_mask and
@@ -486,6 +504,10 @@ def binary_op(op: Op, swap: bool = False):
             raise tracer.error(f"operator {op.name.lower()} needs bool or int operands, got float",
                                UnsupportedOpError)
         bools = (x.dtype is DType.BOOL) + (y.dtype is DType.BOOL)
+        if bools == 2 and op is Op.POW and not swap and isinstance(b, bool):
+            # torch takes a bool tensor to a Python bool power (pow(x, 1), pow(x, 0)): x ** True
+            # is x, x ** False is True; two bool tensors it refuses (below)
+            return a if b else Proxy(ir.const(True), tracer)
         if bools and op is Op.SUB:  # torch refuses it too (Python's bools would subtract as ints)
             raise tracer.error("subtraction with a bool value; use ^ or torch.logical_xor for two "
                                "masks, ~ to invert one", UnsupportedOpError)
@@ -537,6 +559,15 @@ def shift_op(left: bool, swap: bool = False):
     return apply
 
 
+def _is_device(text: str) -> bool:
+    """Whether torch takes ``text`` as a device string ("cpu", "cuda:0")."""
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def unary_op(op: Op):
     def apply(a):
         tracer = find_tracer(a)
@@ -549,11 +580,20 @@ def unary_op(op: Op):
     return apply
 
 
+def _rtruediv(a, b):
+    """``b / a`` for a traced ``a``: torch computes a Python number over a tensor as
+    ``a.reciprocal() * b`` (two roundings; Tensor.__rdiv__), a tensor over it as a division."""
+    if isinstance(b, numbers.Number):
+        return _MUL(_RDIV(a, 1.0), b)
+    return _RDIV(a, b)
+
+
+_MUL, _RDIV = binary_op(Op.MUL), binary_op(Op.DIV, swap=True)
 DUNDERS = {
     "__add__": binary_op(Op.ADD), "__radd__": binary_op(Op.ADD, swap=True),
     "__sub__": binary_op(Op.SUB), "__rsub__": binary_op(Op.SUB, swap=True),
     "__mul__": binary_op(Op.MUL), "__rmul__": binary_op(Op.MUL, swap=True),
-    "__truediv__": binary_op(Op.DIV), "__rtruediv__": binary_op(Op.DIV, swap=True),
+    "__truediv__": binary_op(Op.DIV), "__rtruediv__": _rtruediv,
     "__floordiv__": binary_op(Op.FLOORDIV), "__rfloordiv__": binary_op(Op.FLOORDIV, swap=True),
     "__mod__": binary_op(Op.MOD), "__rmod__": binary_op(Op.MOD, swap=True),
     "__pow__": binary_op(Op.POW), "__rpow__": binary_op(Op.POW, swap=True),

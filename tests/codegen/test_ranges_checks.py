@@ -173,9 +173,16 @@ def test_gluon_static_max_keeps_small_probabilities_of_a_wide_softcap():
 
 def test_a_constant_divided_by_the_mod_does_not_fold():
     def mod(score, b, h, q_idx, kv_idx):
-        return 3.0 / (2.0 + torch.tanh(score))
+        return torch.div(3.0, 2.0 + torch.tanh(score))
 
     root = trace(mod, "score_mod").root
     fold = fold_scales(root)
     assert fold.root is root and (fold.in_scale, fold.out_scale) == (1.0, 1.0)
     _assert_matches_reference(mod, L=32, S=32)
+
+    def operator(score, b, h, q_idx, kv_idx):  # torch: (2 + tanh(s)).reciprocal() * 3.0
+        return 3.0 / (2.0 + torch.tanh(score))
+
+    fold = fold_scales(trace(operator, "score_mod").root)
+    assert (fold.in_scale, fold.out_scale) == (1.0, 3.0)
+    _assert_matches_reference(operator, L=32, S=32)
