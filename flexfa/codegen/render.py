@@ -190,7 +190,6 @@ _NARROWS: dict[tuple[DType, str], str] = {
 # how a loaded element becomes a kernel value of the LOAD node's dtype
 _LOAD_CONVERT = {FLOAT: "{0}.to(tl.float32)", INT: "{0}.to(tl.int32)", BOOL: "({0} != 0)"}
 
-# rules of INT nodes computed in int64 (``wide``) where the int32 rule differs
 # a division whose value reaches one of these (through any float arithmetic) is correctly
 # rounded, as torch's: a floor, comparison or integer cast turns an ulp into a whole unit
 # ((q * 3) / 3 floored to q - 1), and POW's exponent decides its integral and odd cases
@@ -215,6 +214,7 @@ def _exact_divisions(roots: Sequence[Node]) -> frozenset[int]:
     return frozenset(id(n) for n in order if n.op is Op.DIV and id(n) in reaches)
 
 
+# rules of INT nodes computed in int64 (``wide``) where the int32 rule differs
 _WIDE_RULES: dict[tuple[Op, DType | None], str] = {
     (Op.POW, INT): "flexfa_ipow({0}, {1}, 63)",
 }
