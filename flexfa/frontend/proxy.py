@@ -159,7 +159,8 @@ class Proxy:
                 dtype = a
             elif isinstance(a, (Proxy, torch.Tensor)):
                 dtype = a.dtype
-            elif not (isinstance(a, torch.device) or (isinstance(a, str) and _is_device(a))):
+            elif not (isinstance(a, (torch.device, bool, torch.memory_format))  # non_blocking, copy
+                      or (isinstance(a, str) and _is_device(a))):
                 # torch refuses these ("float16" is no device string, np.float16 no dtype):
                 # ignoring them left the value uncast
                 raise self.tracer.error(f".to({a!r}): not a torch.dtype, device or tensor "
