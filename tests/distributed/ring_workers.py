@@ -2,9 +2,60 @@
 interpreter) runs every requested case and saves its shards of the outputs and gradients."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
+import time
 import traceback
+
+
+@contextlib.contextmanager
+def rank_group(rank: int, world: int, port: int, out_dir: str):
+    """A rank process's gloo group on 127.0.0.1:``port`` (kernels under the interpreter),
+    destroyed after the body; an exception leaves ``error_<rank>.txt`` with its traceback
+    (``spawn_ranks`` reports it) and is raised again."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, args: tuple, world: int, out_dir: str, timeout_s: float) -> None:
+    """Run ``target(rank, *args)`` on ``world`` spawned processes; fail the test on a rank's
+    error (its ``error_<rank>.txt``) or when they take longer than ``timeout_s``."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(target, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"ring attention on {world} ranks did not finish in {timeout_s} s")
+    except mp.ProcessRaisedException:
+        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)
+                  if f.startswith("error_")]
+        pytest.fail("\n".join(errors) or "a rank failed")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
 
 
 def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None:
@@ -13,23 +64,11 @@ def run_rank(rank: int, world: int, port: int, runs: list, out_dir: str) -> None
     traceback. ``variant``: ``"ring"`` / ``"allgather"`` (the method, group None) or
     ``"mesh"`` (method ``"auto"`` over a 1-D CPU DeviceMesh) or ``"mesh2d"`` (the ring over
     the "cp" dimension of a (1, world) mesh)."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    with rank_group(rank, world, port, out_dir):
         import torch
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        try:
-            for case, load_balance, variant in runs:
-                torch.save(_one_run(case, load_balance, variant, rank, world),
-                           os.path.join(out_dir, result_name(case, load_balance, variant, rank)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+        for case, load_balance, variant in runs:
+            torch.save(_one_run(case, load_balance, variant, rank, world),
+                       os.path.join(out_dir, result_name(case, load_balance, variant, rank)))
 
 
 def result_name(case: str, load_balance: bool, variant: str, rank: int) -> str:

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
-import time
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import flexfa
 from flexfa.distributed import positions, shard_sequence, unshard
 from flexfa.errors import InputError, InputTypeError
 from reference import assert_close_to_reference, reference_attention
 from .ring_cases import CASES, HEADS, LENGTH, heads, inputs, mods, sinks
-from .ring_workers import result_name, run_rank
+from .ring_workers import free_port, result_name, run_rank, spawn_ranks
 
 TIMEOUT_S = 240
 # (case, load_balance, variant): the ring for every case; on two ranks also the all-gather
@@ -43,30 +40,10 @@ EXTRA_RUNS = {2: [("refused_options", False, "ring"), ("disagreeing_ranks", Fals
                   ("gaps", True, "ring")]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, out_dir: str) -> None:
     """Run every case of RUNS[world] on ``world`` ranks; fail on an error or a hang."""
     runs = RUNS[world] + EXTRA_RUNS.get(world, [])
-    context = mp.spawn(run_rank, args=(world, _free_port(), runs, out_dir),
-                       nprocs=world, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ring attention on {world} ranks did not finish in {TIMEOUT_S} s")
-    except mp.ProcessRaisedException:
-        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)
-                  if f.startswith("error_")]
-        pytest.fail("\n".join(errors) or "a rank failed")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    spawn_ranks(run_rank, (world, free_port(), runs, out_dir), world, out_dir, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +399,7 @@ def test_a_learnable_tensor_the_trace_removed_gets_zeros():
         return torch.where(q_idx < q_idx, score * gain[h], score)
 
     q = torch.randn(1, HEADS, 16, 16, requires_grad=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         ring_attention(q, q, q, dead_gain).sum().backward()
@@ -445,7 +422,7 @@ def test_an_empty_sequence_gives_empty_results_with_a_mask_mod(batch, rows):
         return q_idx >= kv_idx
 
     q = torch.randn(batch, HEADS, rows, 16, requires_grad=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         out, lse = ring_attention(q, q, q, mask_mod=causal, return_lse=True)
@@ -470,7 +447,7 @@ def test_a_gradient_penalty_raises_instead_of_losing_its_term():
         return score + bias[kv_idx]
 
     q, k, v = (torch.randn(1, HEADS, 16, 16, requires_grad=True) for _ in range(3))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         out = ring_attention(q, k, v, add_bias)
@@ -513,7 +490,7 @@ def test_compiled_autograd_over_the_ring_backward():
             out.square().sum().backward()
         return [t.grad.clone() for t in (q, k, v, bias)]
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         wanted = grads(False)  # first: the mods' trace memo then has an entry to check
@@ -543,7 +520,7 @@ def test_a_captured_tensor_edited_before_the_backward_is_refused(edited):
         return docs[q_idx] == docs[kv_idx]
 
     q, k, v = (torch.randn(1, HEADS, length, 16, requires_grad=True) for _ in range(3))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         out = ring_attention(q, k, v, relative, same_document, load_balance=False)
@@ -577,7 +554,7 @@ def test_a_mods_state_changed_before_the_backward_is_refused(changed):
         return docs[q_idx] == docs[kv_idx]
 
     q, k, v = (torch.randn(1, HEADS, length, 16, requires_grad=True) for _ in range(3))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         ring_attention(q, k, v, tempered, same_document, load_balance=False).sum().backward()
@@ -605,7 +582,7 @@ def test_sinks_edited_before_the_backward_are_refused(inference):
     with torch.inference_mode(inference):
         sinks = torch.tensor([0.5, -1.0])
     q, k, v = (torch.randn(1, HEADS, 32, 16, requires_grad=True) for _ in range(3))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         ring_attention(q, k, v, load_balance=False, sinks=sinks).sum().backward()
@@ -635,7 +612,7 @@ def test_an_inference_tensor_edited_before_the_backward_is_refused():
         return score + table[kv_idx]
 
     q, k, v = (torch.randn(1, HEADS, length, 16, requires_grad=True) for _ in range(3))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         ring_attention(q, k, v, biased, load_balance=False).sum().backward()
@@ -662,7 +639,7 @@ def test_under_autocast_as_flex_attention():
     ring_inputs = [t.clone().requires_grad_() for t in full]
     flex_inputs = [t.clone().requires_grad_() for t in full]
     mask = flexfa.create_block_mask(causal, None, None, 32, 32, device="cpu")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -12,16 +12,14 @@ float64 reference written here in plain torch (dense scores on the whole, unshar
 sequence; no flexfa helper is used for the reference)."""
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import socket
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from .ring_workers import free_port, rank_group, spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 300
@@ -103,25 +101,14 @@ CASES = ("scale", "head_mask", "batch_mask", "batch_sinks", "sinks_no_grad", "no
 
 # ---------------------------------------------------------------- the rank side
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        try:
-            for name in CASES:
-                try:
-                    result = _one_case(name, rank, world)
-                except Exception:  # one case's failure must not hide the others'
-                    result = {"error": traceback.format_exc()}
-                torch.save(result, os.path.join(out_dir, f"{name}_{rank}.pt"))
-            torch.save(_disagreements(rank), os.path.join(out_dir, f"disagree_{rank}.pt"))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    with rank_group(rank, world, port, out_dir):
+        for name in CASES:
+            try:
+                result = _one_case(name, rank, world)
+            except Exception:  # one case's failure must not hide the others'
+                result = {"error": traceback.format_exc()}
+            torch.save(result, os.path.join(out_dir, f"{name}_{rank}.pt"))
+        torch.save(_disagreements(rank), os.path.join(out_dir, f"disagree_{rank}.pt"))
 
 
 def _one_case(name: str, rank: int, world: int) -> dict:
@@ -234,29 +221,10 @@ def _call_with(mod, replacements, *args):
 
 
 # ---------------------------------------------------------------- the process side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks_dir(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("proposed_ring"))
-    context = mp.spawn(run_rank, args=(WORLD, _free_port(), out_dir), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ring attention on {WORLD} ranks did not finish in {TIMEOUT_S} s")
-    except mp.ProcessRaisedException:
-        errors = [open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)
-                  if f.startswith("error_")]
-        pytest.fail("\n".join(errors) or "a rank failed")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    spawn_ranks(run_rank, (WORLD, free_port(), out_dir), WORLD, out_dir, TIMEOUT_S)
     return out_dir
 
 

@@ -241,18 +241,24 @@ def test_tensor_descriptors_are_not_used_for_a_value_tensor_without_unit_s_strid
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def _query_on_the_first_key(keys: int, E: int = 32):
+    """bf16 q [1, 1, 1, E] and k [1, 1, keys, E], zeros but q's and the first key's channel
+    0 (1.0): the first key's score is the scale, every other key's 0."""
+    q = torch.zeros(1, 1, 1, E, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, keys, E, dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    k[..., 0, 0] = 1.0
+    return q, k
+
+
 def test_p_rounding_carries_into_the_next_power_of_two():
     """One query, two keys whose weights are 256 and 125 after P's 2**8 shift: e4m3 rounds
     125 up to 128 (a carry across a power of two, which the interpreter's plain float32 ->
     e4m3 cast drops at odd exponents, giving 64). With V all ones the output is
     sum(round(p)) / sum(p), within e4m3's 2**-4 of 1 (0.84 without the emulated rounding).
     Inputs are exactly representable: q = k0 = e0, k1 = 0."""
-    E = 32
-    q = torch.zeros(1, 1, 1, E, dtype=torch.bfloat16)
-    k = torch.zeros(1, 1, 2, E, dtype=torch.bfloat16)
-    q[..., 0] = 1.0
-    k[..., 0, 0] = 1.0
-    v = torch.ones(1, 1, 2, E, dtype=torch.bfloat16)
+    q, k = _query_on_the_first_key(2)
+    v = torch.ones(1, 1, 2, 32, dtype=torch.bfloat16)
     scale = float(torch.log(torch.tensor(256.0 / 125.0, dtype=torch.float64)))
     with torch.no_grad():
         out = flex_attention_fp8(q, k, v, scale=scale, rotate=False, block_size=16)
@@ -264,12 +270,8 @@ def test_the_largest_weight_is_not_clipped_by_the_e4m3_range():
     448 (with a shift of 9 it is 512, saturated to 448: 12.5% low). One dominant key (score
     4 above the 15 others), V one-hot on it: out is its softmax weight, as float64 says,
     within e4m3's 2**-4."""
-    E = 32
-    q = torch.zeros(1, 1, 1, E, dtype=torch.bfloat16)
-    k = torch.zeros(1, 1, 16, E, dtype=torch.bfloat16)
-    q[..., 0] = 1.0
-    k[..., 0, 0] = 1.0
-    v = torch.zeros(1, 1, 16, E, dtype=torch.bfloat16)
+    q, k = _query_on_the_first_key(16)
+    v = torch.zeros(1, 1, 16, 32, dtype=torch.bfloat16)
     v[..., 0, 0] = 1.0
     with torch.no_grad():
         out = flex_attention_fp8(q, k, v, scale=4.0, rotate=False, block_size=16)
