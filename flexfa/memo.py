@@ -7,9 +7,12 @@ tensors, block-mask tables). ``clear_all`` empties every memo (tests, benchmarks
 """
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections import OrderedDict
+
+import torch
 
 _ALL: "weakref.WeakSet" = weakref.WeakSet()
 # memos emptied so far (any memo, by clear or clear_all): what a caller keeps of a memo's
@@ -223,6 +226,52 @@ class MaskedMemo:
     def clear(self) -> None:
         self.dense.clear()
         self.masked.clear()
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def contents_keys(tensors) -> list | None:
+    """What tells whether each of ``tensors``' (a sequence) values may have changed since: its
+    version counter, bumped by each in-place edit, and its memory's address (``data_ptr``),
+    which ``t.data = other`` changes while keeping the counter. An address names memory only
+    while it is allocated: keep ``memory_of`` each tensor beside the keys. Not told apart:
+    another view of the same memory at the same address (``t.data = t.data[:2]``), and writes
+    neither shows (through a NumPy or DLPack view, a kernel of one's own). None if one is an
+    inference tensor (no version counter) or has no plain memory (sparse, a subclass's
+    wrapper): whoever keeps it treats None as never unchanged. (C functions over the
+    sequence, no Python function entered per tensor: a cached call checks up to 8
+    block-mask tables this way, about 1.5 us.)"""
+    try:
+        return list(zip(map(_VERSION, tensors), map(torch.Tensor.data_ptr, tensors)))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def contents_key(tensor) -> tuple | None:
+    """``contents_keys`` of one tensor."""
+    keys = contents_keys((tensor,))
+    return None if keys is None else keys[0]
+
+
+def memory_of(tensor):
+    """``tensor``'s storage, held beside a ``contents_keys`` key: while held, its address is
+    no other memory's (a freed block's address is given to the next allocation). A tensor
+    given other memory (``t.data = other``) keeps its old memory alive until the key is
+    replaced (the next call that compares it). None without a plain storage."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def contents_of(tensors) -> tuple | None:
+    """(the ``contents_keys`` of ``tensors`` as a tuple, ``memory_of`` each), or None where
+    one has no key: a memo compares the keys and keeps the memory beside them."""
+    keys = contents_keys(tensors)
+    if keys is None:
+        return None
+    return tuple(keys), tuple(map(memory_of, tensors))
 
 
 def version_of(tensor) -> int | None:

@@ -11,12 +11,14 @@ with the GPU; ``assign`` writes on the device and can run inside a CUDA graph.
 
 The host keeps a copy of the lengths, which ``append`` and ``length`` read. It is right
 while only this cache's methods write ``kv_lens``; once ``kv_lens`` is changed on the device
-(an in-place update, as a decode step with ``assign`` does, seen by its version counter) or
+(an in-place update, as a decode step with ``assign`` does, seen by its version counter,
+or ``kv_lens.data = other``, seen by its memory) or
 one of the cache's calls runs inside a CUDA-graph capture (whose replays change it unseen),
 the cache reads the lengths back from the device for each of those calls (a
 synchronisation). Until the forty-second session the stale copy made ``append`` write over
-the last tokens and shrink ``kv_lens``. A write the version counter cannot see (``.data``,
-a kernel of one's own) needs ``sync_lengths()`` before the next ``append``.
+the last tokens and shrink ``kv_lens``. A write the version counter cannot see (a kernel of
+one's own, a write through a NumPy array or DLPack view) needs ``sync_lengths()`` before the
+next ``append``.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .blockmask.validate import capturing
 from .decode import flex_decode
 from .errors import InputError, InputTypeError, check_bool, check_int, dims
 from .inputs import SUPPORTED_DTYPES, check_block_mask_type, check_head_dim
-from .memo import version_of
+from .memo import contents_key, memory_of
 
 MAX_SEQUENCES = 2 ** 20  # a cache's sequences (max_batch_size)
 
@@ -72,7 +74,7 @@ class PagedKVCache:
         self.kv_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self._pages: list[list[int]] = [[] for _ in range(max_batch_size)]
         self._lens = [0] * max_batch_size  # host copy of kv_lens (_host_lens)
-        self._lens_version = version_of(self.kv_lens)  # kv_lens's when _lens was last right
+        self._lens_right()
         # kv_lens is changed on the device: read it back (made under inference_mode, it has
         # no version counter: read back from the start)
         self._device_lengths = self.kv_lens.is_inference()
@@ -132,7 +134,7 @@ class PagedKVCache:
         self._see_device_writes()  # (before this write: the other sequences' copies)
         self._lens[batch_idx] = seq_len
         self.kv_lens[batch_idx] = seq_len
-        self._lens_version = version_of(self.kv_lens)
+        self._lens_right()
 
     def length(self, batch_idx: int) -> int:
         return self._host_lens()[self._row(batch_idx)]
@@ -140,14 +142,19 @@ class PagedKVCache:
     def sync_lengths(self) -> None:
         """Read ``kv_lens`` back from the device into the host's copy (one synchronisation),
         and keep doing so before each ``append`` / ``length``: for writes to ``kv_lens`` its
-        version counter does not see (through ``.data``, a kernel of one's own)."""
+        version counter does not see (a kernel of one's own)."""
         self._device_lengths = True
         self._host_lens()
 
+    def _lens_right(self) -> None:
+        """The host's copy of the lengths is right for ``kv_lens`` as it is now."""
+        # (its memory held: the key's address stays its own)
+        self._lens_key, self._lens_memory = contents_key(self.kv_lens), memory_of(self.kv_lens)
+
     def _see_device_writes(self) -> None:
         """Once ``kv_lens`` changed since the host's copy was last right (its version
-        counter), the lengths are read back from the device from then on."""
-        if version_of(self.kv_lens) != self._lens_version:
+        counter or its memory), the lengths are read back from the device from then on."""
+        if contents_key(self.kv_lens) != self._lens_key:
             self._device_lengths = True
 
     def _host_lens(self) -> list[int]:
@@ -161,7 +168,7 @@ class PagedKVCache:
                                  "graph is being captured; call append / length / set_length "
                                  "outside the capture")
             self._lens = self.kv_lens.tolist()
-            self._lens_version = version_of(self.kv_lens)
+            self._lens_right()
         return self._lens
 
     def assign(self, batch_idx: torch.Tensor, input_pos: torch.Tensor, k_val: torch.Tensor,

@@ -27,10 +27,9 @@ from .frontend.ir import DType, Op
 from .frontend.trace import SCORE_MOD, TracedMod
 from .inputs import (autocast_inputs, check_buffers, check_scale, check_shapes, check_tensors,
                      refuse_transforms)
-from .memo import BoundedMemo, OwnedMemo
+from .memo import BoundedMemo, OwnedMemo, contents_of
 from .calls import check_captured_indices
 from .runtime.call import AttentionCall
-from .runtime.indices import versions_of
 from .runtime.options import parse_kernel_options
 from .runtime.pipeline import prepare_score_mod
 from .scores import check_score_range
@@ -122,16 +121,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
 
 def packed_block_mask(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int,
                       causal: bool, window, block, device) -> BlockMask:
-    """The documents' BlockMask, kept per offsets tensors (identity and version counter: an
-    in-place edit builds a new one) for the calls of the same batch. Offsets on the CPU are
-    also keyed by their contents: a write through a NumPy array sharing their memory (a
-    loader refilling one buffer) bumps no version counter."""
-    try:
-        versions = (cu_seqlens_q._version, cu_seqlens_k._version)
-        if cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu":
-            versions += tuple(t.detach().numpy().tobytes() for t in (cu_seqlens_q, cu_seqlens_k))
-    except (AttributeError, RuntimeError, TypeError):  # not tensors (checked below), inference
-        versions = None
+    """The documents' BlockMask, kept per offsets tensors (identity, version counter and
+    memory: an in-place edit or ``cu.data = other`` builds a new one) for the calls of the
+    same batch. Offsets on the CPU are also keyed by their contents: a write through a NumPy
+    array sharing their memory (a loader refilling one buffer) bumps no version counter."""
+    offsets = (cu_seqlens_q, cu_seqlens_k)
+    contents = (contents_of(offsets) if all(isinstance(t, torch.Tensor) for t in offsets)
+                else None)  # (not tensors: refused below; inference tensors: no key)
+    versions = None if contents is None else contents[0]
+    if versions is not None and all(t.device.type == "cpu" for t in offsets):
+        try:
+            versions += tuple(t.detach().numpy().tobytes() for t in offsets)
+        except (RuntimeError, TypeError):  # a dtype NumPy lacks: refused below
+            versions = None
     key = (versions, id(cu_seqlens_k), total_q, total_k, causal, window, block, device)
     if versions is not None:
         found = _MASKS.get(cu_seqlens_q, key)
@@ -140,7 +142,7 @@ def packed_block_mask(func: str, cu_seqlens_q, cu_seqlens_k, total_q: int, total
     mask = checked_block_mask(func, cu_seqlens_q, cu_seqlens_k, device, (total_q, total_k),
                               causal, window, block)
     if versions is not None:
-        _MASKS.put(cu_seqlens_q, key, (weakref.ref(cu_seqlens_k), mask))
+        _MASKS.put(cu_seqlens_q, key, (weakref.ref(cu_seqlens_k), mask, contents[1]))
     return mask
 
 
@@ -162,8 +164,9 @@ _LOCAL = ((Op.B, "doc_q", Op.Q_IDX), (Op.Q_IDX, "pos_q", Op.Q_IDX),
           (Op.KV_IDX, "pos_k", Op.KV_IDX))
 # (IR root, buffer count) -> (localized root, TokenTensors field of each added slot)
 _LOCALIZED = BoundedMemo(256, "varlen score_mods")
-# a mask's Documents -> {(score_mod trace's id, query heads, its captured tensors' versions):
-# weakref to the trace}: score_mods whose reads were checked document by document
+# a mask's Documents -> {(score_mod trace's id, query heads, its captured tensors'
+# ``contents_of`` keys): (weakref to the trace, the storages' references)}: score_mods whose
+# reads were checked document by document
 _PER_DOCUMENT = OwnedMemo(owners=64, per_owner=8, name="varlen per-document index checks")
 
 
@@ -201,10 +204,10 @@ def _check_reads(func: str, traced: TracedMod, documents, heads: int) -> None:
         return
     except InputError:
         pass
-    buffer_versions = versions_of(traced.buffers)  # (None for inference tensors: every call)
-    versions = None if buffer_versions is None else (id(traced), heads, buffer_versions)
-    found = None if versions is None else _PER_DOCUMENT.get(documents, versions)
-    if found is not None and found() is traced:
+    contents = contents_of(traced.buffers)  # (None for inference tensors: every call)
+    key = None if contents is None else (id(traced), heads, contents[0])
+    found = None if key is None else _PER_DOCUMENT.get(documents, key)
+    if found is not None and found[0]() is traced:
         return
     # one host read of the offsets (a device sync for CUDA ones), on this path only
     starts_q, starts_k = offsets.cu_q.tolist(), offsets.cu_k.tolist()
@@ -220,8 +223,8 @@ def _check_reads(func: str, traced: TracedMod, documents, heads: int) -> None:
             message = str(error).replace("for b < 1,", f"for b = {doc},")
             raise InputError(f"{func}: in document {doc} ({lq} queries, {lk} keys) "
                              f"{message}") from None
-    if versions is not None:
-        _PER_DOCUMENT.put(documents, versions, weakref.ref(traced))
+    if key is not None:  # (the storages' references keep the key's addresses theirs)
+        _PER_DOCUMENT.put(documents, key, (weakref.ref(traced), contents[1]))
 
 
 def _localize(root: ir.Node, slots: int) -> tuple[ir.Node, tuple[str, ...]]:

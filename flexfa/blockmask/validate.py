@@ -44,7 +44,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import InputError, dims
-from ..memo import BoundedMemo
+from ..memo import BoundedMemo, contents_keys, memory_of
 
 PAIRS = ("kv", "full_kv", "q", "full_q")
 TABLES = tuple(f"{pair}_{part}" for pair in PAIRS for part in ("num_blocks", "indices"))
@@ -56,18 +56,21 @@ _table_getter = operator.attrgetter(*TABLES)
 class TableState:
     """The tables a mask had when they were last checked: their ids (kept valid by weakref
     callbacks: a table that dies marks the state stale, so its id cannot be taken by a new
-    table), versions, views (``views``: shape, strides, dtype, device, alignment) and geometry
+    table), contents (``memo.contents_keys``: version counters, memory addresses), views
+    (``views``: shape, strides, dtype, device, alignment) and geometry
     (BLOCK_SIZE, L, S). ``layout`` changes when a table is replaced, its view changes or the
     geometry does (plans fix the block size) and ``contents`` whenever a table may have
     changed: memos of what the runtime derives from the tables key on them
     (``table_generations``). ``past``: whether they list tiles past the lengths (None:
     unknown, checked inside a CUDA graph capture)."""
 
-    __slots__ = ("ids", "versions", "views", "geometry", "layout", "contents", "live", "refs",
-                 "past", "__weakref__")
+    __slots__ = ("ids", "versions", "storages", "views", "geometry", "layout", "contents",
+                 "live", "refs", "past", "__weakref__")
 
     def __init__(self, tables, versions, views, geometry, layout: int, past: bool | None):
         self.ids, self.versions, self.geometry = tuple(map(id, tables)), versions, geometry
+        # (their memory held: the addresses in ``versions`` name no other memory)
+        self.storages = [memory_of(t) for t in tables if t is not None]
         self.views, self.layout, self.past = views, layout, past
         self.contents = next(_GENERATION) if versions is not None else None
         self.live = True
@@ -75,9 +78,11 @@ class TableState:
         self.refs = [weakref.ref(t, stale) for t in tables if t is not None]
 
     def matches(self, tables, geometry) -> bool:
-        """Same table objects, none edited since (version counters), same geometry."""
+        """Same table objects, none edited or given other memory since (``t.data = other``
+        keeps the version counter), same geometry."""
         return (self.live and self.versions is not None and geometry == self.geometry
-                and self.ids == tuple(map(id, tables)) and self.versions == _versions(tables))
+                and self.ids == tuple(map(id, tables))
+                and self.versions == contents_keys(list(filter(_present, tables))))
 
 
 def _stale_callback(state_ref):
@@ -96,17 +101,7 @@ def tables_of(block_mask) -> tuple:
         return tuple(getattr(block_mask, name, None) for name in TABLES)
 
 
-_version = operator.attrgetter("_version")
 _present = functools.partial(operator.is_not, None)
-
-
-def _versions(tables) -> list | None:
-    """The present tables' version counters; None when a table is an inference tensor,
-    which has none."""
-    try:
-        return list(map(_version, filter(_present, tables)))
-    except RuntimeError:
-        return None
 
 
 def check_tables(block_mask, L: int, S: int) -> bool | None:
@@ -268,8 +263,8 @@ def _remember(block_mask, tables, geometry, state, past: bool | None) -> None:
             and state.views == views and state.geometry == geometry)
     layout = state.layout if same else next(_GENERATION)
     try:
-        setattr(block_mask, _STATE, TableState(tables, _versions(tables), views, geometry,
-                                               layout, past))
+        keys = contents_keys(list(filter(_present, tables)))
+        setattr(block_mask, _STATE, TableState(tables, keys, views, geometry, layout, past))
     except AttributeError:  # a frozen or slotted mask object: checked on every call
         pass
 

@@ -8,6 +8,7 @@ import torch
 
 from ..codegen import fp8 as fp8_codegen
 from ..errors import check_bool
+from ..memo import contents_key, memory_of
 from .hadamard import unrotate as hadamard_unrotate
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -36,8 +37,9 @@ class FP8Inputs:
     # exact for descales of any sign. Replacing the scales of quantize's output by others
     # that are not all > 0 needs ``positive_scales=False`` too.
     positive_scales: bool = False
-    # (weak reference, version) of each descale as ``quantize`` wrote it: while the three are
-    # those tensors, unedited, ``positive_scales`` needs no check (``scales_as_written``);
+    # (weak reference, ``memo.contents_key``, ``memo.memory_of``) of each descale as
+    # ``quantize`` wrote it: while the three are those tensors, unedited and in the same
+    # memory, ``positive_scales`` needs no check (``scales_as_written``);
     # replaced or edited ones are checked once per call (a host synchronisation)
     written: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
@@ -45,7 +47,7 @@ class FP8Inputs:
         """Whether q_scale, k_scale and v_scale are the tensors ``quantize`` wrote, unedited."""
         scales = (self.q_scale, self.k_scale, self.v_scale)
         return len(self.written) == 3 and all(
-            ref() is t and t._version == version for (ref, version), t in zip(self.written, scales))
+            ref() is t and contents_key(t) == key for (ref, key, _), t in zip(self.written, scales))
 
     def dequantize(self, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 (q, k, v): descaled, and with ``unrotate`` back in the original basis with
@@ -64,9 +66,10 @@ class FP8Inputs:
 def written(scales) -> tuple:
     """``FP8Inputs.written`` of the descales ``quantize`` just wrote; none for inference
     tensors (no version counter to tell an edit: such descales are checked on every call)."""
-    if any(t.is_inference() for t in scales):
+    keys = tuple(map(contents_key, scales))
+    if None in keys:
         return ()
-    return tuple((weakref.ref(t), t._version) for t in scales)
+    return tuple((weakref.ref(t), key, memory_of(t)) for t, key in zip(scales, keys))
 
 
 def expand_scales(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ is one tuple comparison (ids, values, types) and a flag that the kept one's obje
 """
 from __future__ import annotations
 
+import abc
 import builtins
 import collections
 import dis
@@ -38,6 +39,8 @@ import enum
 import functools
 import numbers
 import operator
+import re
+import struct
 import sys
 import types
 import typing
@@ -96,6 +99,11 @@ STATE_READERS = {
     "is_exporting": torch.compiler.is_exporting,
     "is_tracing": torch.jit.is_tracing,
 }
+try:  # numpy's error state (np.geterr() / np.errstate): global, read by name
+    import numpy as _numpy
+    STATE_READERS["geterr"] = _numpy.geterr
+except ImportError:
+    pass
 # names of torch functions that read the default dtype and device without naming them
 # (``torch.finfo()``, a factory without dtype=): where the reached code names one, those two
 # are compared as for their readers
@@ -234,9 +242,15 @@ def _code_facts(code: types.CodeType) -> tuple:
     imports = {(ins.argval, level) for ins, level in _import_levels(code)}
     loaded = {ins.argval.partition(".")[0] for ins in dis.get_instructions(code)
               if ins.opcode in _GLOBAL_OPS and isinstance(ins.argval, str)}
+    if _MATCH_CLASS in code.co_code[::2]:  # class patterns read ``__match_args__``'s names
+        names.add("__match_args__")
     for const in code.co_consts:
         if isinstance(const, str) and const.isidentifier():
             names.add(const)
+        elif isinstance(const, str) and "{" in const:  # str.format's fields: "{0.window}"
+            names.update(_FORMAT_ATTRIBUTE.findall(const))
+        elif isinstance(const, tuple):  # a class pattern's keywords: ("window",)
+            names.update(c for c in const if isinstance(c, str) and c.isidentifier())
         elif isinstance(const, types.CodeType):
             nested_names, nested_imports, nested_loaded = _code_facts(const)
             names |= nested_names
@@ -255,6 +269,9 @@ _GLOBAL_OPS = frozenset(op for name, op in dis.opmap.items()
                             "LOAD_NAME", "STORE_NAME", "DELETE_NAME", "IMPORT_NAME",
                             "IMPORT_FROM", "LOAD_FROM_DICT_OR_GLOBALS"))
 _IMPORT_NAME = dis.opmap["IMPORT_NAME"]
+_MATCH_CLASS = dis.opmap["MATCH_CLASS"]
+# an attribute a format field reads: ``{0.window}``, ``{cfg.a.b}``
+_FORMAT_ATTRIBUTE = re.compile(r"\.([A-Za-z_][A-Za-z_0-9]*)")
 
 
 def _import_levels(code: types.CodeType):
@@ -322,6 +339,24 @@ class _Walk:
         self.parts.append(("id", id(obj)))
         self.identities.append(obj)
 
+    def kind(self, cls: type) -> None:
+        """The type of a value walked by content: a user's class by identity (a kept guard
+        holds it weakly), a C or library type held."""
+        if cls.__flags__ & _HEAP_TYPE and not _is_library_type(cls):
+            self.identity(cls)
+        else:
+            self.parts.append(cls)
+
+    def accessor(self, value) -> None:
+        """A slot's or __dict__'s C accessor: by id, with its class (held weakly; the
+        accessor, which cannot be weakly referenced, holds that class)."""
+        owner = getattr(value, "__objclass__", None)
+        if owner is None:  # (a namedtuple's field accessor holds no class)
+            self.identity(value)
+            return
+        self.parts.append(("accessor", id(value)))
+        self.identity(owner)
+
     def add_code(self, code: types.CodeType) -> frozenset:
         """Record ``code`` and add its names to the walk's; returns them. The modules it
         imports (``import cfg`` inside a mod: no global names them) are walked too."""
@@ -350,7 +385,8 @@ class _Walk:
     def value(self, value) -> None:
         cls = type(value)
         if cls in _VALUE_TYPES:
-            self.parts.append(value if cls is not float else value.hex())
+            self.parts.append(value if cls is not float and cls is not complex
+                              else exact(value))
             self.parts.append(cls)
             return
         if len(self.parts) > MAX_STEPS:
@@ -379,11 +415,13 @@ class _Walk:
             self.attributes(value, value.__dict__)
 
     def number(self, value) -> None:
-        self.parts += (type(value), exact(value))
+        self.kind(type(value))
+        self.parts.append(exact(value))
 
     def enum_member(self, value: enum.Enum) -> None:
         """A member by its class and name, and its value's contents (which may be mutable)."""
-        self.parts += (type(value), value._name_)
+        self.kind(type(value))
+        self.parts.append(value._name_)
         self.value(value._value_)
 
     def method(self, value: types.MethodType) -> None:
@@ -397,9 +435,33 @@ class _Walk:
         self.value(value.args)
         self.value(value.keywords)
 
+    def library_module(self, value: types.ModuleType) -> None:
+        """A library module: by identity; torch.backends' flags (``cudnn.deterministic``)
+        by value under the walk's names; numpy's global generator refused."""
+        self.parts.append(value)  # modules live as long as the process: held, compared
+        name = value.__name__
+        if name == "torch" and "backends" in self.names:
+            self.value(torch.backends)
+        elif name.startswith("torch.backends"):
+            for attribute in self.ordered:
+                found = _flag(value, attribute)
+                if type(found) in _VALUE_TYPES:
+                    self.parts += (attribute, found)
+                elif isinstance(found, types.ModuleType):
+                    if found.__name__.startswith("torch.backends"):
+                        self.value(found)
+                elif found is not _MISSING and type(found).__module__.startswith("torch.backends"):
+                    # (cuda.matmul: an object whose properties read C flags)
+                    for flag in self.ordered:
+                        inner = _MISSING if flag.startswith("_") else _flag(found, flag)
+                        if type(inner) in _VALUE_TYPES:
+                            self.parts += (attribute, flag, inner)
+        elif name.partition(".")[0] == "numpy" and "random" in self.names:
+            raise Unguardable("numpy's global random generator: a draw would be kept")
+
     def module(self, value: types.ModuleType) -> None:
         if is_library_name(value.__name__):
-            self.parts.append(value)  # modules live as long as the process: held, compared
+            self.library_module(value)
             return
         self.identity(value)
         namespace = vars(value)
@@ -457,7 +519,7 @@ class _Walk:
                     continue
             parts.append(name)
             if type(found) is types.ModuleType and found.__name__ in _LIBRARY_MODULES:
-                parts.append(found)  # the common ``torch``: held, compared by identity
+                self.library_module(found)  # the common ``torch``: compared by identity
             else:
                 self.value(found)
         if fn.__dict__:
@@ -472,21 +534,30 @@ class _Walk:
         self.value(cells)
 
     def items(self, value) -> None:
-        if len(value) > MAX_ITEMS:
-            raise Unguardable(f"a {type(value).__name__} of {len(value)} items")
-        self.parts += (type(value), len(value))
-        if isinstance(value, (set, frozenset)):
-            value = sorted(value, key=repr)
-        for item in value:
+        # the base type's iteration, not a subclass's __iter__ / __len__; a set in its own
+        # order (the order the mod iterates it in), not sorted by repr()
+        cls = type(value)
+        base = next(b for b in (tuple, list, set, frozenset) if isinstance(value, b))
+        items = list(base.__iter__(value))
+        if len(items) > MAX_ITEMS:
+            raise Unguardable(f"a {cls.__name__} of {len(items)} items")
+        self.kind(cls)
+        self.parts.append(len(items))
+        for item in items:
             self.value(item)
 
     def mapping(self, value: dict) -> None:
-        if len(value) > MAX_ITEMS:
-            raise Unguardable(f"a dict of {len(value)} items")
-        self.parts += (type(value), len(value))
         # a copy first (one C call): walking the items runs Python code, during which another
         # thread may add or remove a key, which stops a dict's own iteration with RuntimeError
-        for key, item in list(value.items()):
+        # (dict's own items(), not a user subclass's; a library one's: an OrderedDict's order)
+        entries = list(value.items() if _is_library_type(type(value)) else dict.items(value))
+        if len(entries) > MAX_ITEMS:
+            raise Unguardable(f"a dict of {len(entries)} items")
+        self.kind(type(value))
+        self.parts.append(len(entries))
+        if isinstance(value, collections.defaultdict):  # its missing keys' values
+            self.value(value.default_factory)
+        for key, item in entries:
             self.value(key)
             self.value(item)
 
@@ -522,13 +593,18 @@ class _Walk:
             self.metaclasses.append(meta)
             _refuse_lookup_hooks(meta)
             self.klass(meta, constructed=False)
+        if isinstance(cls, abc.ABCMeta):  # isinstance() reads its registry (register())
+            self.parts.append(("abc", abc.get_cache_token()))
         self.add_names(implicit_methods(cls, constructed))
         for name in self.ordered:
             for base in cls.__mro__:
                 if name in base.__dict__:
                     self.parts.append(name)
                     self.identity(base)
-                    self.value(base.__dict__[name])
+                    entry = base.__dict__[name]
+                    self.value(entry)
+                    if name == "__match_args__" and type(entry) is tuple:
+                        self.add_names(tuple(n for n in entry if type(n) is str))
                     break
 
     def instance(self, obj, container: bool = False) -> None:
@@ -557,15 +633,27 @@ class _Walk:
         Returns its attributes, None if it has no attribute storage."""
         cls = type(obj)
         _refuse_lookup_hooks(cls, torch.nn.Module if is_module else None)
-        self.klass(cls, constructed=False)
+        self.klass(cls, constructed=not self.names.isdisjoint(_CLASS_OF))
         namespace = getattr(obj, "__dict__", None)
-        if namespace is None:
-            slots = [n for base in cls.__mro__ for n in getattr(base, "__slots__", ())]
-            if not slots:
-                return None
-            namespace = {n: getattr(obj, n, _ABSENT) for n in slots if n in self.names}
-        self.attributes(obj, namespace)
-        return namespace
+        # slots (beside a __dict__ too), under their attribute names (mangled ones included,
+        # ``__slots__ = "name"`` too): the member descriptors in the classes' dicts
+        known = _SLOTS.get(id(cls))
+        every = known[1] if known is not None and known[0]() is cls else _keep_per_type(
+            _SLOTS, id(cls), cls, tuple(name for base in cls.__mro__
+                                        for name, entry in vars(base).items()
+                                        if type(entry) is types.MemberDescriptorType))
+        if namespace is None and not every:
+            return None
+        for name in every:
+            if name in self.names:
+                self.parts.append(("slot", name))
+                found = _slot_value(obj, cls, name)
+                if found is _MISSING:
+                    self.parts.append(_UNSET_SLOT)
+                else:
+                    self.value(found)
+        self.attributes(obj, namespace if namespace is not None else {})
+        return namespace if namespace is not None else {}
 
     def subclassed(self, value, handler) -> None:
         """A value of a user's subclass of a type the walk knows (a float, dict or tuple
@@ -642,9 +730,11 @@ _DISPATCH = ((torch.Tensor, _Walk.tensor), (enum.Enum, _Walk.enum_member),
              (dict, _Walk.mapping), (types.ModuleType, _Walk.module), (type, _Walk.klass),
              (_BUILTINS, _Walk.builtin), ((staticmethod, classmethod), _Walk.wrapped),
              ((property, types.DynamicClassAttribute), _Walk.property_),
-             (_ACCESSORS, _Walk.identity))
+             (_ACCESSORS, _Walk.accessor))
 # id(type) -> (weak reference to the type, its handler): see _keep_per_type
 _HANDLERS: dict[int, tuple] = {}
+# id(type) -> (weak reference to the type, its slots' attribute names): see _keep_per_type
+_SLOTS: dict[int, tuple] = {}
 
 
 def _handler(cls: type):
@@ -693,6 +783,32 @@ def filled(cell) -> bool:
     return _cell(cell) is not _ABSENT
 
 
+def _flag(owner, name: str):
+    """``owner.name`` for a torch.backends module or object (a property reading a C flag),
+    _MISSING where it has none or reading it fails (a backend this build lacks)."""
+    try:
+        return getattr(owner, name)
+    except Exception:  # noqa: BLE001 (AttributeError, or a backend's RuntimeError)
+        return _MISSING
+
+
+def _slot_value(obj, cls: type, name: str):
+    """The value of slot ``name`` (an attribute name: mangled for ``__name``) through its
+    member descriptor, not ``getattr``: a subclass's property of that name is not called;
+    _MISSING when unset."""
+    for base in cls.__mro__:
+        entry = vars(base).get(name)
+        if type(entry) is types.MemberDescriptorType:
+            try:
+                return entry.__get__(obj, cls)
+            except AttributeError:
+                return _MISSING
+    return _MISSING
+
+
+_UNSET_SLOT = object()  # an unset slot's part: equal to no value's
+# names by which code reaches an object's class to call it (``type(self)()``)
+_CLASS_OF = frozenset({"type", "__class__"})
 _MODULE_CALL = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
 # special methods no mod invokes implicitly while tracing (printing, pickling, copying,
 # attribute stores); construction's are added only for a class the code may call
@@ -723,6 +839,8 @@ def implicit_methods(cls: type, constructed: bool) -> frozenset:
                  if name.startswith("__") and name.endswith("__") and (
                      entry is None or callable(entry)
                      or isinstance(entry, (staticmethod, classmethod, property)))}
+        if any("keys" in vars(base) for base in bases):  # dict(obj), f(**obj) call keys()
+            found.add("keys")
         implicit = frozenset(found - _NOT_IMPLICIT)
         known = (entries, implicit, implicit | (found & {"__init__", "__new__"}))
         try:
@@ -738,9 +856,11 @@ def exact(value):
     """A number as the fingerprint compares it: floats by their bits (0.0 == -0.0, but
     ``1 / x`` and ``copysign`` tell them apart)."""
     if isinstance(value, float):
-        return value.hex()
+        return value.hex() if value == value else struct.pack("<d", value)  # NaN: its bits
     if isinstance(value, complex):
-        return value.real.hex(), value.imag.hex()
+        return exact(value.real), exact(value.imag)
+    if isinstance(value, int) and type(value) is not int and type(value) is not bool:
+        return int.__int__(value)  # an int subclass: a plain int (its __eq__ is the user's)
     if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
         return value, float(value).hex()  # numpy's float32, fractions: the value and its sign
     return value
@@ -803,7 +923,8 @@ def _pin(value):
 def _pinned(value, pin) -> bool:
     if len(pin) == 1:
         return value is pin[0]
-    return (pin[0]() is value and value.shape == pin[1] and value.dtype is pin[2]
+    return (pin[0]() is value and not value.__dict__ and value.shape == pin[1]
+            and value.dtype is pin[2]
             and value.device == pin[3] and value.requires_grad == pin[4])
 
 
@@ -815,8 +936,8 @@ def pins(fn) -> tuple | None:
             fn.__kwdefaults__ is not None or fn.__dict__ or library_function(fn):
         return None
     names, imports, _ = _code_facts(fn.__code__)
-    if imports or not names.isdisjoint(DYNAMIC_NAMES):
-        return None
+    if imports or not names.isdisjoint(DYNAMIC_NAMES) or "backends" in names:
+        return None  # (torch.backends' flags: the full guard compares them)
     cells = []
     for cell in fn.__closure__ or ():
         try:

@@ -17,7 +17,7 @@ import torch
 from ..errors import TraceError, dims
 from . import ir
 from . import torch_functions  # noqa: F401  (registers the torch-function handlers)
-from ..memo import OwnedMemo, version_of
+from ..memo import OwnedMemo, contents_key, memory_of, version_of
 from .guards import Guard, guard, pins, pins_hold, torch_state, torch_state_holds
 from .ir import DType, Node, Op
 from .proxy import BufferView, Proxy, Tracer, lift, supported_functions
@@ -149,13 +149,15 @@ def trace(fn, kind: str | None = None) -> TracedMod:
 
 @dataclasses.dataclass(eq=False)
 class TraceEntry:
-    """A trace and what it was made under: the mod's guard and the versions of the captured
-    tensors whose values Python read while tracing (``float(t)``, ``if t.sum() > 0``), and
+    """A trace and what it was made under: the mod's guard and the contents (version
+    counters, memory) of the captured tensors whose values Python read while tracing (``float(t)``, ``if t.sum() > 0``), and
     room for what later steps derive from it (``derived``, e.g. the simplified mod)."""
 
     traced: TracedMod
     guard: Guard | None
-    reads: tuple = ()  # (weakref to tensor, its _version when read)
+    # (weakref to tensor, its contents_key before the trace, its memory_of keeping that key
+    # valid) of each captured tensor whose values were read
+    reads: tuple = ()
     raw_root: Node | None = None  # the IR as traced, before simplification (debug dumps)
     derived: dict = dataclasses.field(default_factory=dict)
     # weakrefs to the captured tensors whose sizes Python read while tracing (``t.shape[0]``):
@@ -168,9 +170,9 @@ class TraceEntry:
     state: tuple = ()
 
     def reads_unchanged(self) -> bool:
-        for ref, version in self.reads:
+        for ref, key, _storage in self.reads:
             tensor = ref()
-            if tensor is None or version is None or tensor._version != version:
+            if tensor is None or key is None or contents_key(tensor) != key:
                 return False  # (None: an inference tensor, whose edits cannot be told)
         return True
 
@@ -243,7 +245,7 @@ def _reusable(current: Guard | None, traced: TracedMod) -> bool:
 
 
 def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
-    """(the trace of ``fn``, the (weakref, version) of each captured tensor whose values
+    """(the trace of ``fn``, ``TraceEntry.reads`` of each captured tensor whose values
     Python read while tracing, the IR before simplification, weakrefs to the captured tensors
     whose sizes it read)."""
     name = mod_name(fn)
@@ -253,6 +255,8 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
     args = [Proxy(leaves[a], tracer) for a in _ARGS[kind]]
     watched = list(current.tensors) if current is not None else _captured_tensors(fn)
     versions = [version_of(t) for t in watched]
+    # (read before the trace: an edit meanwhile, another thread's, leaves the entry stale)
+    keys = [(contents_key(t), memory_of(t)) for t in watched]
     reads = _ValueReads({id(t) for t in watched}, tracer)
     try:
         with reads:
@@ -270,8 +274,7 @@ def _trace_uncached(fn, kind: str, current: Guard | None) -> tuple:
                 "(e.g. bias.add_(1) or bias[0] = 0); mods must be pure")
     raw = _result_node(tracer, result, kind)
     root, buffers = _drop_unused_buffers(simplify(raw), tuple(tracer.buffers))
-    read = tuple((weakref.ref(t), version) for t, version in zip(watched, versions)
-                 if id(t) in reads.read)
+    read = tuple((weakref.ref(t), *key) for t, key in zip(watched, keys) if id(t) in reads.read)
     sized = tuple(weakref.ref(t) for t in watched if id(t) in reads.sized)
     kept = {id(t) for t in buffers}
     dropped = tuple(t for t in tracer.buffers if id(t) not in kept)

@@ -36,7 +36,7 @@ from ..errors import InputError
 from ..frontend.evaluate import evaluate_node
 from ..frontend.ir import DType, Node, Op
 from ..frontend.trace import TracedMod
-from ..memo import OwnedMemo
+from ..memo import OwnedMemo, contents_of
 
 _CHUNK = 1 << 22  # index values evaluated at once
 _MAX_MEMO = 1024
@@ -151,7 +151,8 @@ def _static(mod: TracedMod, domain: Domain, device) -> tuple[_OutOfRange | None,
 
 
 _STATIC: dict[tuple, tuple] = {}
-# mod -> {(domain, read): versions of the tensors its index read when it was last checked},
+# mod -> {(domain, read): ``memo.contents_of`` the tensors its index read when it was last
+# checked (their versions and memory: ``t.data = other`` keeps the version)},
 # weakly keyed on the mod and bounded per mod: a mod kept for a run of varying lengths meets
 # a new domain per length
 _CHECKED_VALUES = OwnedMemo(owners=1024, per_owner=256, name="captured-value index checks")
@@ -202,22 +203,16 @@ def _check_mod(mod: TracedMod, q_shape, kv_len: int, device) -> None:
 def _check_values(mod: TracedMod, reads: tuple[_Read, ...], domain: Domain) -> None:
     for read in reads:
         slots = sorted({n.arg for n in read.index.toposort() if n.op is Op.LOAD})
-        versions = versions_of([mod.buffers[slot] for slot in slots])
-        if versions is not None and _CHECKED_VALUES.get(mod, (domain, read)) == versions:
+        contents = contents_of([mod.buffers[slot] for slot in slots])
+        known = None if contents is None else _CHECKED_VALUES.get(mod, (domain, read))
+        if known is not None and known[0] == contents[0]:
             continue
         device = mod.buffers[slots[0]].device
         lo, hi, zero = _exact_range(read.index, mod.buffers, domain, device)
         if not _in_range(read, lo, hi, zero):
             raise _error(mod, _OutOfRange(read, _shape(mod, read), lo, hi), domain)
-        _CHECKED_VALUES.put(mod, (domain, read), versions)
-
-
-def versions_of(tensors) -> tuple[int, ...] | None:
-    """The tensors' version counters (None for inference tensors, which have none)."""
-    try:
-        return tuple(t._version for t in tensors)
-    except RuntimeError:
-        return None
+        if contents is not None:
+            _CHECKED_VALUES.put(mod, (domain, read), contents)
 
 
 def _shape(mod: TracedMod, read: _Read) -> tuple[int, ...]:
