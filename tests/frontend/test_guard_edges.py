@@ -20,32 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from flexfa.frontend import evaluate, index_grids
 from flexfa.frontend.guards import guard
 from flexfa.frontend.trace import TRACE_MEMO, trace, trace_entry
-
-GRID = index_grids(1, 1, 8, 8)
-
-
-def _values(traced) -> torch.Tensor:
-    b, h, q, k = GRID
-    if traced.kind == "mask_mod":
-        return evaluate(traced, b=b, h=h, q_idx=q, kv_idx=k)
-    return evaluate(traced, score=torch.ones(1, 1, 8, 8, dtype=torch.float64), b=b, h=h,
-                    q_idx=q, kv_idx=k)
-
-
-def _assert_follows(fn, change):
-    """Trace ``fn``, apply ``change()``, trace again: the result must be the new behaviour."""
-    TRACE_MEMO.clear()
-    first = _values(trace(fn))
-    change()
-    second = _values(trace(fn))
-    TRACE_MEMO.clear()
-    fresh = _values(trace(fn))
-    assert torch.equal(second, fresh), "the memo returned the trace of the old state"
-    assert not torch.equal(first, second), "the change should change the mod's values"
-
+from trace_checks import assert_follows, values_of
 
 def test_bool_and_int_of_equal_value_are_different_state():
     """True == 1, but a mod can tell them apart (type(), isinstance, repr)."""
@@ -53,7 +30,7 @@ def test_bool_and_int_of_equal_value_are_different_state():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < (2 if type(flags[0]) is bool else 5)
-    _assert_follows(mask, lambda: flags.__setitem__(0, 1))
+    assert_follows(mask, lambda: flags.__setitem__(0, 1))
 
 
 def test_which_earlier_object_a_repeated_reference_is():
@@ -63,7 +40,7 @@ def test_which_earlier_object_a_repeated_reference_is():
 
     def mask(b_, h, q_idx, kv_idx):
         return q_idx - kv_idx < table[2]["w"]
-    _assert_follows(mask, lambda: table.__setitem__(2, b))
+    assert_follows(mask, lambda: table.__setitem__(2, b))
 
 
 def test_requires_grad_of_a_captured_tensor_is_state():
@@ -88,7 +65,7 @@ def test_sign_of_a_zero_numpy_scalar_is_state(make):
     TRACE_MEMO.clear()
     trace(mod)
     box[0] = make(-0.0)
-    got = _values(trace(mod))
+    got = values_of(trace(mod))
     assert torch.signbit(got).all(), "the +0.0 trace was reused for -0.0"
 
 
@@ -99,7 +76,7 @@ def test_a_partial_positional_argument_is_state():
         return q_idx - kv_idx < w[0]
 
     bound = functools.partial(lambda w, b, h, q, k: base(b, h, q, k, w), window)
-    _assert_follows(bound, lambda: window.__setitem__(0, 5))
+    assert_follows(bound, lambda: window.__setitem__(0, 5))
 
 
 def test_a_staticmethod_replaced_on_the_class():
@@ -111,7 +88,7 @@ def test_a_staticmethod_replaced_on_the_class():
         def mask(self, b, h, q_idx, kv_idx):
             return q_idx - kv_idx < self.width()
     config = Config()
-    _assert_follows(config.mask, lambda: setattr(Config, "width", staticmethod(lambda: 5)))
+    assert_follows(config.mask, lambda: setattr(Config, "width", staticmethod(lambda: 5)))
 
 
 def test_a_builtin_replaced_in_builtins(monkeypatch):
@@ -119,7 +96,7 @@ def test_a_builtin_replaced_in_builtins(monkeypatch):
         def mask(self, b, h, q_idx, kv_idx):
             return q_idx - kv_idx < divmod(7, 3)[0]
     config = Config()
-    _assert_follows(config.mask,
+    assert_follows(config.mask,
                     lambda: monkeypatch.setattr(builtins, "divmod", lambda a, b: (5, 0)))
 
 
@@ -129,7 +106,7 @@ def test_lengths_of_nested_containers_are_state():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 3 * len(table[0])
-    _assert_follows(mask, lambda: table.__setitem__(slice(None), [(2, 3)]))
+    assert_follows(mask, lambda: table.__setitem__(slice(None), [(2, 3)]))
 
 
 def test_a_tuple_and_a_list_of_the_same_items_differ():
@@ -137,7 +114,7 @@ def test_a_tuple_and_a_list_of_the_same_items_differ():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < (5 if type(holder[0]) is list else 2)
-    _assert_follows(mask, lambda: holder.__setitem__(0, [2]))
+    assert_follows(mask, lambda: holder.__setitem__(0, [2]))
 
 
 def test_dict_keys_are_state():
@@ -145,7 +122,7 @@ def test_dict_keys_are_state():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < config.get("window", 5)
-    _assert_follows(mask, lambda: (config.pop("window"), config.__setitem__("other", 2)))
+    assert_follows(mask, lambda: (config.pop("window"), config.__setitem__("other", 2)))
 
 
 def test_a_relative_import_inside_the_mod_is_followed(tmp_path, monkeypatch):
@@ -163,7 +140,7 @@ def test_a_relative_import_inside_the_mod_is_followed(tmp_path, monkeypatch):
     import importlib
     mods = importlib.import_module("relpkg_probe.mods")
     cfg = importlib.import_module("relpkg_probe.cfg")
-    _assert_follows(mods.mask, lambda: setattr(cfg, "WINDOW", 5))
+    assert_follows(mods.mask, lambda: setattr(cfg, "WINDOW", 5))
 
 
 class _Width:
@@ -181,7 +158,7 @@ def test_a_method_named_by_a_string_constant():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < operator.methodcaller("width")(config)
-    _assert_follows(mask, lambda: setattr(config, "w", 5))
+    assert_follows(mask, lambda: setattr(config, "w", 5))
 
 
 def test_a_c_method_bound_to_a_container():
@@ -191,7 +168,7 @@ def test_a_c_method_bound_to_a_container():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < get(0)
-    _assert_follows(mask, lambda: windows.__setitem__(0, 5))
+    assert_follows(mask, lambda: windows.__setitem__(0, 5))
 
 
 def test_an_empty_closure_cell_beside_a_filled_one():
@@ -209,7 +186,7 @@ def test_an_empty_closure_cell_beside_a_filled_one():
         return mask, set_window
         later = 0  # noqa  (makes ``later`` a cell that is never filled)
     mask, set_window = outer()
-    _assert_follows(mask, lambda: set_window(5))
+    assert_follows(mask, lambda: set_window(5))
 
 
 @pytest.mark.parametrize("hook", ["__getattr__", "__getattribute__"])
@@ -248,7 +225,7 @@ def test_slots_beside_a_dict_and_slots_named_by_a_string(cls):
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < obj.window
-    _assert_follows(mask, lambda: setattr(obj, "window", 5))
+    assert_follows(mask, lambda: setattr(obj, "window", 5))
 
 
 class _Private:
@@ -266,7 +243,7 @@ class _Private:
 
 def test_a_private_slot():
     obj = _Private()
-    _assert_follows(obj.mask, lambda: obj.set(5))
+    assert_follows(obj.mask, lambda: obj.set(5))
 
 
 def test_an_abc_registered_after_the_trace():
@@ -279,7 +256,7 @@ def test_an_abc_registered_after_the_trace():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < (5 if isinstance(config, Windowed) else 2)
-    _assert_follows(mask, lambda: Windowed.register(Config))
+    assert_follows(mask, lambda: Windowed.register(Config))
 
 
 _WINDOW = [2]
@@ -295,7 +272,7 @@ class _Rebuilt:
 
 def test_a_mod_constructing_its_own_class():
     _WINDOW[0] = 2
-    _assert_follows(_Rebuilt().mask, lambda: _WINDOW.__setitem__(0, 5))
+    assert_follows(_Rebuilt().mask, lambda: _WINDOW.__setitem__(0, 5))
 
 
 def test_containers_whose_iteration_a_subclass_overrides():
@@ -313,8 +290,8 @@ def test_containers_whose_iteration_a_subclass_overrides():
 
     def from_list(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < windows[0]
-    _assert_follows(from_dict, lambda: cfg.__setitem__("_window", 5))
-    _assert_follows(from_list, lambda: windows.__setitem__(0, 5))
+    assert_follows(from_dict, lambda: cfg.__setitem__("_window", 5))
+    assert_follows(from_list, lambda: windows.__setitem__(0, 5))
 
 
 class _Holder:
@@ -337,9 +314,9 @@ def test_attributes_read_by_format_fields_and_class_patterns():
         match d:
             case _Holder(w):
                 return q_idx - kv_idx < w
-    _assert_follows(formatted, lambda: setattr(a, "window", 5))
-    _assert_follows(keyword, lambda: setattr(c, "window", 5))
-    _assert_follows(positional, lambda: setattr(d, "window", 5))
+    assert_follows(formatted, lambda: setattr(a, "window", 5))
+    assert_follows(keyword, lambda: setattr(c, "window", 5))
+    assert_follows(positional, lambda: setattr(d, "window", 5))
 
 
 def test_library_flags_read_through_torch_backends():
@@ -348,7 +325,7 @@ def test_library_flags_read_through_torch_backends():
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < (5 if torch.backends.cudnn.deterministic else 2)
     try:
-        _assert_follows(mask, lambda: setattr(torch.backends.cudnn, "deterministic", not old))
+        assert_follows(mask, lambda: setattr(torch.backends.cudnn, "deterministic", not old))
     finally:
         torch.backends.cudnn.deterministic = old
 
@@ -358,7 +335,7 @@ def test_a_defaultdict_factory():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < table.default_factory()
-    _assert_follows(mask, lambda: setattr(table, "default_factory", lambda: 5))
+    assert_follows(mask, lambda: setattr(table, "default_factory", lambda: 5))
 
 
 _TABLE = torch.zeros(8)
@@ -377,7 +354,7 @@ def test_an_attribute_set_later_on_a_pinned_tensor():
         assert trace_entry(mask).pins is not None
         _TABLE.width = 5
     try:
-        _assert_follows(mask, change)
+        assert_follows(mask, change)
     finally:
         del _TABLE.width
 
@@ -387,7 +364,7 @@ def test_a_tensor_value_read_while_tracing_after_data_is_replaced():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < int(t.item())
-    _assert_follows(mask, lambda: setattr(t, "data", torch.tensor(5.0)))
+    assert_follows(mask, lambda: setattr(t, "data", torch.tensor(5.0)))
 
 
 def test_set_order_is_state_and_items_need_no_repr():
@@ -396,7 +373,7 @@ def test_set_order_is_state_and_items_need_no_repr():
 
     def first(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < next(iter(holder[0]))
-    _assert_follows(first, lambda: holder.__setitem__(0, {9, 1}))
+    assert_follows(first, lambda: holder.__setitem__(0, {9, 1}))
 
     class NoRepr:
         def __repr__(self):
@@ -413,7 +390,7 @@ def test_scalars_by_bits():
 
     def mod(score, b, h, q_idx, kv_idx):
         return score * math.copysign(1.0, box[0].real)
-    _assert_follows(mod, lambda: box.__setitem__(0, complex(-0.0, 0.0)))
+    assert_follows(mod, lambda: box.__setitem__(0, complex(-0.0, 0.0)))
 
 
 def test_kept_guards_hold_no_user_class():
@@ -446,4 +423,4 @@ def test_numpy_global_random_draws_are_drawn_again_each_call():
         return score * float(np.random.rand())
     TRACE_MEMO.clear()
     assert guard(mod) is None
-    assert not torch.equal(_values(trace(mod)), _values(trace(mod)))
+    assert not torch.equal(values_of(trace(mod)), values_of(trace(mod)))

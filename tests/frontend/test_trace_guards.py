@@ -19,32 +19,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from flexfa.frontend import evaluate, index_grids
 from flexfa.frontend.guards import guard
 from flexfa.frontend.trace import TRACE_MEMO, trace, trace_entry
 from threads import run_in_threads
-
-GRID = index_grids(1, 1, 8, 8)
-
-
-def _values(traced) -> torch.Tensor:
-    b, h, q, k = GRID
-    if traced.kind == "mask_mod":
-        return evaluate(traced, b=b, h=h, q_idx=q, kv_idx=k)
-    return evaluate(traced, score=torch.ones(1, 1, 8, 8, dtype=torch.float64), b=b, h=h,
-                    q_idx=q, kv_idx=k)
-
-
-def _assert_follows(fn, change):
-    """Trace ``fn``, apply ``change()``, trace again: the result must be the new behaviour."""
-    first = _values(trace(fn))
-    change()
-    second = _values(trace(fn))
-    TRACE_MEMO.clear()
-    fresh = _values(trace(fn))
-    assert torch.equal(second, fresh)
-    assert not torch.equal(first, second), "the change should change the mod's values"
-
+from trace_checks import GRID, assert_follows, values_of
 
 class Window:
     window = 2
@@ -72,14 +50,14 @@ class Window:
 def test_instance_attribute_of_a_stored_bound_method():
     m = Window()
     mask = m.mask  # one bound-method object, called again
-    _assert_follows(mask, lambda: setattr(m, "window", 5))
+    assert_follows(mask, lambda: setattr(m, "window", 5))
 
 
 def test_instance_attribute_of_fresh_bound_methods():
     m = Window()
-    first = _values(trace(m.mask))
+    first = values_of(trace(m.mask))
     m.offset = 1
-    assert not torch.equal(first, _values(trace(m.mask)))
+    assert not torch.equal(first, values_of(trace(m.mask)))
 
 
 def test_class_attribute():
@@ -87,16 +65,16 @@ def test_class_attribute():
     mask = m.mask
     old = Window.window
     try:
-        _assert_follows(mask, lambda: setattr(Window, "window", 6))
+        assert_follows(mask, lambda: setattr(Window, "window", 6))
     finally:
         Window.window = old
 
 
 def test_state_read_through_a_helper_method_and_a_property():
     m = Window()
-    _assert_follows(m.via_helper, lambda: setattr(m, "offset", 3))
+    assert_follows(m.via_helper, lambda: setattr(m, "offset", 3))
     m = Window()
-    _assert_follows(m.via_property, lambda: setattr(m, "offset", 2))
+    assert_follows(m.via_property, lambda: setattr(m, "offset", 2))
 
 
 def test_module_attribute():
@@ -105,7 +83,7 @@ def test_module_attribute():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < config.WINDOW
-    _assert_follows(mask, lambda: setattr(config, "WINDOW", 6))
+    assert_follows(mask, lambda: setattr(config, "WINDOW", 6))
 
 
 LIMIT = 2
@@ -120,7 +98,7 @@ def test_global_read_by_a_nested_function():
         global LIMIT
         LIMIT = 5
     try:
-        _assert_follows(mask, change)
+        assert_follows(mask, change)
     finally:
         globals()["LIMIT"] = 2
 
@@ -134,17 +112,17 @@ def test_functools_wraps_wrapper_and_list_contents():
     @functools.wraps(base)
     def wrapped(score, b, h, q_idx, kv_idx):
         return base(score, b, h, q_idx, kv_idx) * factor[0]
-    _assert_follows(wrapped, lambda: factor.__setitem__(0, 5.0))
+    assert_follows(wrapped, lambda: factor.__setitem__(0, 5.0))
 
 
 def test_keyword_only_and_positional_defaults():
     def kw(score, b, h, q_idx, kv_idx, *, scale=2.0):
         return score * scale + q_idx
-    _assert_follows(kw, lambda: kw.__kwdefaults__.__setitem__("scale", 3.0))
+    assert_follows(kw, lambda: kw.__kwdefaults__.__setitem__("scale", 3.0))
 
     def positional(score, b, h, q_idx, kv_idx, scale=2.0):
         return score * scale + q_idx
-    _assert_follows(positional, lambda: setattr(positional, "__defaults__", (7.0,)))
+    assert_follows(positional, lambda: setattr(positional, "__defaults__", (7.0,)))
 
 
 def test_dict_config_and_dataclass_and_partial():
@@ -152,7 +130,7 @@ def test_dict_config_and_dataclass_and_partial():
 
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < config["window"]
-    _assert_follows(mask, lambda: config.__setitem__("window", 4))
+    assert_follows(mask, lambda: config.__setitem__("window", 4))
 
     @dataclasses.dataclass
     class Cfg:
@@ -161,12 +139,12 @@ def test_dict_config_and_dataclass_and_partial():
 
     def by_dataclass(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < cfg.window
-    _assert_follows(by_dataclass, lambda: setattr(cfg, "window", 5))
+    assert_follows(by_dataclass, lambda: setattr(cfg, "window", 5))
 
     def windowed(b, h, q_idx, kv_idx, window):
         return q_idx - kv_idx < window[0]
     window = [2]
-    _assert_follows(functools.partial(windowed, window=window),
+    assert_follows(functools.partial(windowed, window=window),
                     lambda: window.__setitem__(0, 6))
 
 
@@ -180,14 +158,14 @@ def test_nn_module_attribute_and_callable_object():
             return q_idx - kv_idx < self.limit
 
     gate = Gate()
-    _assert_follows(gate, lambda: setattr(gate, "limit", 5))
+    assert_follows(gate, lambda: setattr(gate, "limit", 5))
 
 
 def test_function_attribute():
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < mask.limit
     mask.limit = 2
-    _assert_follows(mask, lambda: setattr(mask, "limit", 6))
+    assert_follows(mask, lambda: setattr(mask, "limit", 6))
 
 
 def test_captured_tensor_values_read_while_tracing():
@@ -196,16 +174,16 @@ def test_captured_tensor_values_read_while_tracing():
 
     def mod(score, b, h, q_idx, kv_idx):
         return score * 2 if flag.sum() > 0 else score - 1
-    _assert_follows(mod, lambda: flag.mul_(-1))
+    assert_follows(mod, lambda: flag.mul_(-1))
 
 
 def test_captured_tensor_values_read_by_printing_it():
     """Formatting a tensor reads its values: float(f"{t}") was taken for a metadata query,
     so an in-place change gave the old trace."""
     scale = torch.tensor(2.0)
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * float(f"{scale}"),
+    assert_follows(lambda score, b, h, q_idx, kv_idx: score * float(f"{scale}"),
                     lambda: scale.fill_(5.0))
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * len(repr(scale)),
+    assert_follows(lambda score, b, h, q_idx, kv_idx: score * len(repr(scale)),
                     lambda: scale.fill_(-15.0))
 
 
@@ -230,7 +208,7 @@ def test_dynamic_attribute_lookup_is_never_memoized():
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < getattr(m, "win" + "dow")
     assert guard(mask) is None
-    _assert_follows(mask, lambda: setattr(m, "window", 6))
+    assert_follows(mask, lambda: setattr(m, "window", 6))
 
 
 @given(st.lists(st.integers(-4, 8), min_size=2, max_size=6))
@@ -241,7 +219,7 @@ def test_any_sequence_of_window_values(windows):
         m.window = window
         b, h, q, k = GRID
         expected = (q - k < window) & (q >= k)
-        assert torch.equal(_values(trace(mask)), expected)
+        assert torch.equal(values_of(trace(mask)), expected)
 
 
 def test_dropping_a_mod_drops_its_trace_and_captured_tensors():
@@ -365,16 +343,16 @@ def test_state_read_by_special_methods_python_calls_implicitly():
     read is guarded like named attributes (it was not: the old trace came back, a wrong
     output)."""
     scaler, config, offset, slope = _Scaler(2.0), _Config(), _Offset(1.0), _Slope(0.5)
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: scaler(score),
+    assert_follows(lambda score, b, h, q_idx, kv_idx: scaler(score),
                     lambda: setattr(scaler, "w", -3.0))
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * config["w"],
+    assert_follows(lambda score, b, h, q_idx, kv_idx: score * config["w"],
                     lambda: config._values.__setitem__("w", -1.0))
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: offset + score,
+    assert_follows(lambda score, b, h, q_idx, kv_idx: offset + score,
                     lambda: setattr(offset, "offset", 4.0))
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: slope(score, q_idx, kv_idx),
+    assert_follows(lambda score, b, h, q_idx, kv_idx: slope(score, q_idx, kv_idx),
                     lambda: setattr(slope, "slope", -0.25))
     # a class the mod constructs: its __init__'s state too
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: _Made(score).value,
+    assert_follows(lambda score, b, h, q_idx, kv_idx: _Made(score).value,
                     lambda: _MADE_SCALE.__setitem__(0, 5.0))
 
 
@@ -386,7 +364,7 @@ def test_a_float_sign_is_state():
 
     def mod(score, b, h, q_idx, kv_idx):
         return score * math.copysign(2.0, cell[0])
-    _assert_follows(mod, lambda: cell.__setitem__(0, -0.0))
+    assert_follows(mod, lambda: cell.__setitem__(0, -0.0))
     cell[0] = 0.0
     guarded = guard(mod)
     cell[0] = -0.0
@@ -411,7 +389,7 @@ def test_a_module_closed_over_as_self_stays_guarded():
     mod = module.mask()
     assert guard(mod) is not None
     assert trace(mod) is trace(mod)
-    _assert_follows(mod, lambda: setattr(module, "window", 6))
+    assert_follows(mod, lambda: setattr(module, "window", 6))
 
 
 _SUBCLASS_SCALE = [2.0]
@@ -460,28 +438,28 @@ def test_state_of_subclasses_of_numbers_containers_enums_and_modules():
     _SUBCLASS_SCALE[0] = 2.0
     tagged = _Tagged(2.0)
     tagged.offset = 1.0
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * tagged + tagged.offset,
+    assert_follows(lambda score, b, h, q_idx, kv_idx: score * tagged + tagged.offset,
                     lambda: setattr(tagged, "offset", 7.0))
     window = _Window([0])
     window.size = 2
-    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window.size,
+    assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window.size,
                     lambda: setattr(window, "size", 5))
     scaled = _ScaledDict(w=1.0)
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * scaled["w"],
+    assert_follows(lambda score, b, h, q_idx, kv_idx: score * scaled["w"],
                     lambda: _SUBCLASS_SCALE.__setitem__(0, 3.0))
     mode = _Mode.SCALED
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: mode.apply(score),
+    assert_follows(lambda score, b, h, q_idx, kv_idx: mode.apply(score),
                     lambda: _SUBCLASS_SCALE.__setitem__(0, 5.0))
     table = _Mode.TABLE
-    _assert_follows(lambda score, b, h, q_idx, kv_idx: score * table.value[0],
+    assert_follows(lambda score, b, h, q_idx, kv_idx: score * table.value[0],
                     lambda: table.value.__setitem__(0, -1.0))
     pair = _Pair(0, 1)
-    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < pair.width,
+    assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < pair.width,
                     lambda: _SUBCLASS_SCALE.__setitem__(0, 4.0))
     module = types.ModuleType("flexfa_test_window_module")
     module.base = 1
     module.__class__ = _WindowModule
-    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < module.window,
+    assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < module.window,
                     lambda: _SUBCLASS_SCALE.__setitem__(0, 2.0))
 
 
@@ -496,7 +474,7 @@ def test_common_subclasses_stay_guarded():
     for mod in mods:
         assert guard(mod) is not None
         assert trace(mod) is trace(mod)
-    _assert_follows(mods[1], lambda: attrs.__setitem__("window", 5))
+    assert_follows(mods[1], lambda: attrs.__setitem__("window", 5))
 
 
 class _AttrDict(dict):
@@ -522,9 +500,9 @@ def test_class_attributes_a_metaclass_provides():
     metaclass reads; the class's own entries were walked, not its metaclass's (stale)."""
     by_property = _PropertyMeta("ByProperty", (), {})
     by_lookup = _LookupMeta("ByLookup", (), {})
-    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < by_property.window,
+    assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < by_property.window,
                     lambda: _CLASS_CONFIG.__setitem__("window", 5))
-    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < by_lookup.window,
+    assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < by_lookup.window,
                     lambda: _CLASS_CONFIG.__setitem__("window", 1))
 
 
@@ -534,7 +512,7 @@ def test_module_getattr_and_modules_imported_inside_the_mod(monkeypatch):
     lazy = types.ModuleType("flexfa_test_lazy_config")
     exec("_VALUES = {'window': 2}\ndef __getattr__(name):\n    return _VALUES[name]\n",
          vars(lazy))
-    _assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < lazy.window,
+    assert_follows(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < lazy.window,
                     lambda: lazy._VALUES.__setitem__("window", 5))
     config = types.ModuleType("flexfa_test_imported_config")
     config.WINDOW = 2
@@ -547,8 +525,8 @@ def test_module_getattr_and_modules_imported_inside_the_mod(monkeypatch):
     def imports_from(b, h, q_idx, kv_idx):
         from flexfa_test_imported_config import WINDOW
         return q_idx - kv_idx < WINDOW
-    _assert_follows(imports, lambda: setattr(config, "WINDOW", 5))
-    _assert_follows(imports_from, lambda: setattr(config, "WINDOW", 1))
+    assert_follows(imports, lambda: setattr(config, "WINDOW", 5))
+    assert_follows(imports_from, lambda: setattr(config, "WINDOW", 1))
 
 
 class _Slotted:
@@ -580,7 +558,7 @@ def test_dataclass_and_slots_configs_are_guarded_not_retraced():
             return q_idx - kv_idx < holder.window
         assert guard(mask) is not None, name
         assert trace(mask) is trace(mask), name
-        _assert_follows(mask, lambda holder=holder: object.__setattr__(holder, "window", 5))
+        assert_follows(mask, lambda holder=holder: object.__setattr__(holder, "window", 5))
 
 
 def test_threads_walking_more_code_than_the_memo_keeps_do_not_fail():
@@ -704,7 +682,7 @@ def test_pinned_plain_functions_follow_their_state(index):
     try:
         trace(fn)
         assert trace_entry(fn).pins is not None, "the mod should be served by its pins"
-        _assert_follows(fn, change)
+        assert_follows(fn, change)
     finally:
         globals().update(saved)
         globals().pop("abs", None)
@@ -749,7 +727,7 @@ def test_any_sequence_of_a_pinned_global(values):
     try:
         for value in values:
             globals()["PIN_SCALE"] = tables.get(value, value) if isinstance(value, str) else value
-            got = _values(trace(mod))
+            got = values_of(trace(mod))
             assert torch.equal(got, torch.ones(1, 1, 8, 8, dtype=torch.float64) * PIN_SCALE)
             if isinstance(value, float):  # the sign of a zero is state too
                 assert torch.equal(torch.signbit(got), torch.signbit(torch.tensor(value)).expand(
@@ -781,7 +759,7 @@ class _GradWindow:
 
 def _assert_follows_grad_off(fn):
     try:
-        _assert_follows(fn, lambda: torch.set_grad_enabled(False))
+        assert_follows(fn, lambda: torch.set_grad_enabled(False))
     finally:
         torch.set_grad_enabled(True)
 
@@ -789,7 +767,7 @@ def _assert_follows_grad_off(fn):
 def _assert_follows_float64(fn):
     before = torch.get_default_dtype()
     try:
-        _assert_follows(fn, lambda: torch.set_default_dtype(torch.float64))
+        assert_follows(fn, lambda: torch.set_default_dtype(torch.float64))
     finally:
         torch.set_default_dtype(before)
 
@@ -828,15 +806,15 @@ def test_torch_global_state_a_mod_reads():
     def set_grad():
         torch.set_grad_enabled(False)
     try:
-        _assert_follows(_grad_window, set_grad)
+        assert_follows(_grad_window, set_grad)
         torch.set_grad_enabled(True)
-        assert torch.equal(_values(trace(_grad_window)), _values(trace(_grad_window)))
-        _assert_follows(_GradWindow().mask, set_grad)
+        assert torch.equal(values_of(trace(_grad_window)), values_of(trace(_grad_window)))
+        assert_follows(_GradWindow().mask, set_grad)
     finally:
         torch.set_grad_enabled(True)
     _assert_follows_float64(_dtype_window)
     try:
-        _assert_follows(_deterministic_window,
+        assert_follows(_deterministic_window,
                         lambda: torch.use_deterministic_algorithms(True, warn_only=True))
     finally:
         torch.use_deterministic_algorithms(False)
@@ -867,7 +845,7 @@ def test_more_readers_of_torch_state():
     _assert_follows_float64(_renamed_finfo_window)
     _assert_follows_float64(_asarray_window)
     try:
-        _assert_follows(_debug_mode_window, lambda: torch.set_deterministic_debug_mode(1))
+        assert_follows(_debug_mode_window, lambda: torch.set_deterministic_debug_mode(1))
     finally:
         torch.set_deterministic_debug_mode(0)
 
@@ -889,7 +867,7 @@ def test_a_library_closure_and_a_wrapper_named_like_a_library_function():
 
     combined = torch_and_masks(causal, near)
     assert combined.__module__.startswith("torch")
-    _assert_follows(combined, lambda: window.__setitem__(0, 2))
+    assert_follows(combined, lambda: window.__setitem__(0, 2))
     scale = [1.0]
 
     @functools.wraps(torch.nn.attention.flex_attention._identity)
@@ -897,7 +875,7 @@ def test_a_library_closure_and_a_wrapper_named_like_a_library_function():
         return score * scale[0]
 
     assert wrapped.__module__.startswith("torch")
-    _assert_follows(wrapped, lambda: scale.__setitem__(0, 3.0))
+    assert_follows(wrapped, lambda: scale.__setitem__(0, 3.0))
 
 
 def test_objects_keeping_state_outside_their_attributes_are_not_fingerprinted():
@@ -914,8 +892,8 @@ def test_objects_keeping_state_outside_their_attributes_are_not_fingerprinted():
     def from_text(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < int(text.getvalue())
 
-    _assert_follows(from_ctypes, lambda: setattr(value, "value", 5.0))
-    _assert_follows(from_text, lambda: (text.seek(0), text.write("5")))
+    assert_follows(from_ctypes, lambda: setattr(value, "value", 5.0))
+    assert_follows(from_text, lambda: (text.seek(0), text.write("5")))
     assert guard(from_ctypes) is None and guard(from_text) is None
 
 
@@ -934,8 +912,8 @@ def test_python_attributes_of_captured_tensors():
     def from_parameter(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < weight.width
 
-    _assert_follows(from_tensor, lambda: setattr(table, "width", 5))
-    _assert_follows(from_parameter, lambda: setattr(weight, "width", 5))
+    assert_follows(from_tensor, lambda: setattr(table, "width", 5))
+    assert_follows(from_parameter, lambda: setattr(weight, "width", 5))
 
 
 class _Width(torch.nn.Module):
@@ -967,7 +945,7 @@ def test_state_read_by_library_base_classes_methods():
                lambda: sequential.__setitem__(0, _Width(5)),
                lambda: widths.__setitem__(0, 5), lambda: config.__setitem__("width", 5)]
     for mod, change in zip(mods, changes):
-        _assert_follows(mod, change)
+        assert_follows(mod, change)
 
 
 def test_clocks_and_os_randomness_are_traced_again_each_call():
@@ -1002,7 +980,7 @@ def test_a_special_method_added_to_a_class_later():
         return q_idx - kv_idx < (2 if flag else 5)
 
     try:
-        _assert_follows(flagged, lambda: setattr(_Flag, "__bool__", lambda self: False))
+        assert_follows(flagged, lambda: setattr(_Flag, "__bool__", lambda self: False))
     finally:
         del _Flag.__bool__
 
