@@ -279,8 +279,19 @@ class BlockMask(TorchBlockMask):
         rows, cols = (-(-n // b) for n, b in zip(lengths, self.BLOCK_SIZE))
         full = (None, None) if self.full_kv_num_blocks is None else \
             derive.crop_pair(self.full_kv_num_blocks, self.full_kv_indices, rows, cols)
+        partial = derive.crop_pair(self.kv_num_blocks, self.kv_indices, rows, cols)
+        # longer lengths: the tables were classified with the positions past the old lengths
+        # masked; the tiles holding new positions must run the mask_mod (partial), else a
+        # tile left out (or full) there drops (or unmasks) the new positions silently. Without
+        # a mask_mod the tables are the mask (a listed tile is attended whole): kept; tables
+        # without the new lengths' tiles are refused at the call (kept as torch's too)
+        grown = [(old // b) if new > old else None
+                 for new, old, b in zip(lengths, self.seq_lengths, self.BLOCK_SIZE)]
+        if grown != [None, None] and self.mask_mod is not noop_mask \
+                and tuple(partial[1].shape[-2:]) == (rows, cols):
+            partial, full = derive.grow_partial(partial, full, *grown, cols)
         adjusted = type(self).from_kv_blocks(
-            *derive.crop_pair(self.kv_num_blocks, self.kv_indices, rows, cols), *full,
+            *partial, *full,
             BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod, seq_lengths=lengths,
             compute_q_blocks=self.q_indices is not None, traced_mask=self._kept_trace())
         return derive.with_dq_metadata(adjusted, self)

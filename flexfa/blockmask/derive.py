@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
-from .tables import dense_to_ordered
+from .tables import dense_to_ordered, ordered_to_dense
 
 
 def crop_pair(num_blocks: torch.Tensor, indices: torch.Tensor, rows: int,
@@ -26,6 +26,25 @@ def crop_pair(num_blocks: torch.Tensor, indices: torch.Tensor, rows: int,
     num_blocks, ordered = dense_to_ordered(dense[..., :cols])
     # as wide as torch's (its columns sliced to cols): a row lists at most width tiles
     return num_blocks, ordered[..., :indices.shape[-1]].contiguous()
+
+
+def grow_partial(partial: tuple, full: tuple, first_row: int | None, first_col: int | None,
+                 cols: int) -> tuple[tuple, tuple]:
+    """(partial, full) ordered table pairs of ``cols`` kv tiles with every tile of rows
+    ``first_row`` and up and of columns ``first_col`` and up (None: none) listed as partial
+    and not full (tiles holding positions past the lengths a mask was classified for:
+    ``BlockMask._adjust`` to longer lengths); ``cols`` wide."""
+    dense = ordered_to_dense(*partial, cols).bool()
+    fresh = torch.zeros_like(dense)
+    if first_row is not None:
+        fresh[..., first_row:, :] = True
+    if first_col is not None:
+        fresh[..., first_col:] = True
+    dense |= fresh
+    if full[0] is not None:
+        full_dense = ordered_to_dense(*full, cols).bool() & ~fresh
+        full = dense_to_ordered(full_dense)
+    return dense_to_ordered(dense), full
 
 
 def dq_write_order(block_mask, descending: bool | None) -> tuple:

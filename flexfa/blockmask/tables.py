@@ -30,10 +30,11 @@ def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
     """The int32 0/1 grid ``[..., ROWS, cols]``: ones where a row's first ``num_blocks``
     indices point; listed indices of ``cols`` and up (tiles past the lengths, which torch's
-    ``_adjust`` leaves listed and its kernels mask) are dropped."""
+    ``_adjust`` leaves listed and its kernels mask) and negative ones (in rows past the
+    lengths, which no check reads) are dropped."""
     listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
     # unlisted entries and tiles past the lengths go to a spare column dropped afterwards
-    target = torch.where(listed & (indices < cols), indices.long(), cols)
+    target = torch.where(listed & (indices >= 0) & (indices < cols), indices.long(), cols)
     dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.int32, device=indices.device)
     dense.scatter_(-1, target, 1)
     return dense[..., :cols].contiguous()

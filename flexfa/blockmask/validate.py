@@ -314,6 +314,18 @@ def check_contents(tables: dict, geometry: tuple, where: str = "block_mask.") ->
         grids[pair] = _listed_tiles(where, pair, num_blocks, indices, rows, tiles, what, faults,
                                     past)
     for kv, q in (("kv", "q"), ("full_kv", "full_q")):
+        if q in grids and kv not in grids:  # (a q table without its kv table: none listed)
+            faults.append((grids[q], lambda at, kv=kv, q=q: (
+                f"{where}{q}_indices lists (kv tile {at[2]}, q tile {at[3]}) of batch {at[0]}, "
+                f"head {at[1]} but {where}{kv}_num_blocks/{kv}_indices are None: the q tables "
+                "must be the kv tables transposed")))
+        if kv in grids and q not in grids:
+            # no q tables: the backward transposes the kv tables whole, so listed tiles in
+            # rows past L's q tiles become q tiles past L (clipped: ``past``)
+            num_blocks, indices = tables[f"{kv}_num_blocks"], tables[f"{kv}_indices"]
+            extra_n, extra_i = num_blocks[..., q_tiles:], indices[..., q_tiles:, :]
+            listed = torch.arange(extra_i.shape[-1], device=extra_i.device) < extra_n[..., None]
+            past.append(listed & (extra_i >= 0))
         if kv in grids and q in grids:
             differ = grids[kv] != grids[q].transpose(-2, -1)
             faults.append((differ, lambda at, kv=kv, q=q: _untransposed(where, kv, q, grids, at)))
