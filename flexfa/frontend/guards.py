@@ -538,9 +538,9 @@ class _Walk:
         # order (the order the mod iterates it in), not sorted by repr()
         cls = type(value)
         base = next(b for b in (tuple, list, set, frozenset) if isinstance(value, b))
+        if base.__len__(value) > MAX_ITEMS:  # (before a copy of a large one)
+            raise Unguardable(f"a {cls.__name__} of {base.__len__(value)} items")
         items = list(base.__iter__(value))
-        if len(items) > MAX_ITEMS:
-            raise Unguardable(f"a {cls.__name__} of {len(items)} items")
         self.kind(cls)
         self.parts.append(len(items))
         for item in items:
@@ -550,9 +550,9 @@ class _Walk:
         # a copy first (one C call): walking the items runs Python code, during which another
         # thread may add or remove a key, which stops a dict's own iteration with RuntimeError
         # (dict's own items(), not a user subclass's; a library one's: an OrderedDict's order)
+        if dict.__len__(value) > MAX_ITEMS:  # (before a copy of a large one)
+            raise Unguardable(f"a dict of {dict.__len__(value)} items")
         entries = list(value.items() if _is_library_type(type(value)) else dict.items(value))
-        if len(entries) > MAX_ITEMS:
-            raise Unguardable(f"a dict of {len(entries)} items")
         self.kind(type(value))
         self.parts.append(len(entries))
         if isinstance(value, collections.defaultdict):  # its missing keys' values
