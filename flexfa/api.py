@@ -113,7 +113,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     ``1/sqrt(E)``. ``block_mask=None`` is dense attention. CUDA inputs run compiled kernels;
     CPU inputs run the same kernels under the Triton interpreter. Inside ``torch.compile`` a
     call is captured as the ``flexfa::flex_attention`` operator (``flexfa.compiled``).
-    ``kernel_options``: see ``flexfa.runtime.options.ALLOWED``.
+    ``kernel_options``: docs/kernel-options.md (``flexfa.runtime.options.SCHEMA``).
     ``sinks`` (flexfa's, docs/sinks.md): ``[Hq]`` per-head sink logits (float32 or the query's
     dtype), one more term of each row's softmax denominator with no value; lse includes it,
     a row with nothing to attend gets out 0 and lse = its sink; gradients flow into it.

@@ -48,7 +48,8 @@ def flex_decode(query, key, value, score_mod=None, block_mask=None, scale=None, 
     [B, max_pages] int32, a paged cache [num_pages, page_size, Hkv, E] / [..., Ev] (vLLM's
     layout; ``flexfa.PagedKVCache`` keeps one), where logical key ``i`` of sequence ``b`` is
     row ``i % page_size`` of page ``page_table[b, i // page_size]``; S is then max_pages *
-    page_size. Hq must be a multiple of Hkv (any ratio).
+    page_size. Hq must be a multiple of Hkv (any ratio whose query heads per kv head times L
+    are at most 128: one tile packs them).
 
     ``kv_lens`` [B] int32: sequence b has keys ``0 .. kv_lens[b] - 1`` (default: S).
     ``q_offsets`` [B] int32: the position of query row 0 of sequence b, so that row i has
@@ -157,7 +158,7 @@ def _decode_inputs(query, key, value, kv_lens, q_offsets, page_table, workspace)
     page_size = 0
     if page_table is not None:
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
-            raise InputError(f"page_table must be a 2-D int32 tensor [B, max_pages], got "
+            raise InputError("page_table must be a 2-D int32 tensor [B, max_pages], got "
                              + (f"shape {dims(page_table)}" if isinstance(page_table, torch.Tensor)
                                 else type(page_table).__name__))
         _int32_rows("page_table", page_table, (B, page_table.shape[1]), query.device)

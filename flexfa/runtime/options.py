@@ -343,8 +343,8 @@ def _split_prefix(key: str) -> tuple[str | None, str]:
 
 
 def _unknown(key) -> InputError:
-    names = [*SCHEMA, *HINTS]
-    names += [f"{p}_{n}" for p in ("fwd", "bwd") for n in names]
+    names = [*SCHEMA, *HINTS]  # suggest only spellings that parse: a prefix where it applies
+    names += [f"{p}_{n}" for n, (_, scope, _, _) in SCHEMA.items() for p in scope]
     by_lower = {n.lower(): n for n in names}
     close = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1)
     close = [by_lower[c] for c in close]

@@ -818,3 +818,109 @@ def test_per_call_tensors_at_other_alignments_get_their_own_plan(monkeypatch):
                                       return_lse=True)
         assert_matches(out, lse, *reference_rows(q, k, v, None, None, lens, offsets))
     assert launched and not changed, f"specialized otherwise than at first: {changed}"
+
+
+# ---- edges from the fiftieth session's audit of the decode family: each test fails under a
+# rule changed with the rest of the suite passing (value checks off by one, the members' walk
+# of the q block holding only the last row, bounds under mask blocks wider than the key tile,
+# a cache with a strided head dim, a sink far above the scores, split lse / row-max workspaces)
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_value_checks_are_exact_at_the_boundaries():
+    """kv_lens = S and q_offsets + L = kv_lens are the last accepted values; one more is an
+    InputError (the checks off by one accept a read past the cache)."""
+    q, k, v = make_qkv(1, 2, 1, 3, 32, 16)
+    flexfa.flex_decode(q, k, v, kv_lens=_i32(32))
+    flexfa.flex_decode(q, k, v, kv_lens=_i32(10), q_offsets=_i32(7))
+    flexfa.flex_decode(q, k, v, q_offsets=_i32(29))
+    with pytest.raises(InputError, match=r"kv_lens\[0\] = 33 is outside the cache's 0..32"):
+        flexfa.flex_decode(q, k, v, kv_lens=_i32(33))
+    with pytest.raises(InputError, match=r"q_offsets\[0\] = 8 puts the 3 query rows"):
+        flexfa.flex_decode(q, k, v, kv_lens=_i32(10), q_offsets=_i32(8))
+    with pytest.raises(InputError, match=r"q_offsets\[0\] = 30 puts the 3 query rows"):
+        flexfa.flex_decode(q, k, v, q_offsets=_i32(30))
+
+
+@pytest.mark.parametrize("walk", ["UNION", "MEMBERS"])
+def test_last_row_alone_in_the_next_q_block(walk):
+    """Rows at offsets 15, 16 with 16-row q blocks: only the last row is in q block 1, whose
+    blocks the walk must visit (last_block one row short skips q block 1 in the
+    members' walk; with two members the other member's row 15 must be masked in q block
+    1's full blocks)."""
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    B, Hq, Hkv, L, S = 2, 4, 2, 2, 64
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, 16, seed=22)
+    offs = _i32(15, 31)
+    mask = flexfa.create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+    out, lse = flexfa.flex_decode(q, k, v, None, mask, q_offsets=offs, return_lse=True,
+                                  kernel_options={"DECODE_WALK": walk, "SPLIT_KV": 2})
+    assert_matches(out, lse, *reference_rows(q, k, v, None, causal, _i32(S, S), offs))
+
+
+def test_a_ragged_last_mask_block_is_bounds_checked():
+    """S = 192 under 128-key mask blocks, walked as 64-key tiles: S is a multiple of the tile,
+    not of the mask block, so the last block's second tile (keys 192..255) lies past the cache
+    and must be masked. The cache is a slice of a wider one whose keys past 192 would win the
+    softmax (EVEN_S from S % BLOCK_N reads them unchecked)."""
+    def everything(b, h, q_idx, kv_idx):
+        return kv_idx >= 0
+    B, Hq, Hkv, L, S = 1, 2, 1, 1, 192
+    q, k, v = make_qkv(B, Hq, Hkv, L, 256, 16, seed=23)
+    k[:, :, S:] = 50.0 * q[:, :1, :1]  # huge scores past S
+    v[:, :, S:] = 1e3
+    k, v = k[:, :, :S], v[:, :, :S]
+    mask = flexfa.create_block_mask(everything, None, None, L, S, device="cpu", BLOCK_SIZE=128)
+    out, lse = flexfa.flex_decode(q, k, v, None, mask, return_lse=True,
+                                  kernel_options={"BLOCK_N": 64})
+    assert_matches(out, lse, *reference_rows(q, k, v, None, everything, _i32(S), _i32(0)))
+
+
+def test_cache_with_a_strided_head_dim():
+    """K and V whose head dim is not the innermost (stride S): the kernel reads all four
+    strides (a unit head-dim stride assumed for a contiguous-layout cache)."""
+    B, Hq, Hkv, L, S = 2, 4, 2, 2, 40
+    q = make_qkv(B, Hq, Hkv, L, S, 16, seed=24)[0]
+    g = torch.Generator().manual_seed(25)
+    k = torch.randn(B, Hkv, 16, S, generator=g).transpose(2, 3)
+    v = torch.randn(B, Hkv, 8, S, generator=g).transpose(2, 3)
+    lens = _i32(40, 17)
+    out, lse = flexfa.flex_decode(q, k, v, kv_lens=lens, return_lse=True,
+                                  kernel_options={"SPLIT_KV": 2})
+    assert_matches(out, lse, *reference_rows(q, k, v, None, None, lens, lens - L))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_sink_far_above_the_scores(splits):
+    """A sink 100 above every score: lse = the sink (about 100), out about 0. The combine of
+    the splits takes the sink into its max before exponentiating (exp(sink - max
+    of the splits' lse) overflows float32 to inf, lse inf)."""
+    B, Hq, Hkv, L, S = 1, 2, 1, 2, 64
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, 16, seed=26)
+    sinks = torch.tensor([100.0, -3.0])
+    out, lse = flexfa.flex_decode(q, k, v, sinks=sinks, return_lse=True,
+                                  kernel_options={"SPLIT_KV": splits})
+    ref_out, ref_lse = attention_reference(q, k, v, enable_gqa=True, sinks=sinks,
+                                           return_lse=True)
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+
+
+def test_split_lse_and_row_max_through_flex_attention():
+    """flex_attention's decode calls (L <= 16) with lse and max_scores over 3 splits: the
+    splits' lse and row max are separate workspaces (PART_MAX aliasing PART_LSE,
+    the row max overwrote each split's lse)."""
+    B, Hq, Hkv, L, S = 1, 4, 2, 3, 96
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, 16, seed=27)
+    out, aux = flexfa.flex_attention(q, k, v, enable_gqa=True,
+                                     return_aux=flexfa.AuxRequest(lse=True, max_scores=True),
+                                     kernel_options={"SPLIT_KV": 3, "BACKEND": "DECODE"})
+    ref_out, ref_lse, ref_max = attention_reference(q, k, v, enable_gqa=True, return_lse=True,
+                                                    return_max=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(aux.lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(aux.max_scores.double(), ref_max, atol=2e-5, rtol=2e-5)
