@@ -150,8 +150,9 @@ def trace(fn, kind: str | None = None) -> TracedMod:
 @dataclasses.dataclass(eq=False)
 class TraceEntry:
     """A trace and what it was made under: the mod's guard and the contents (version
-    counters, memory) of the captured tensors whose values Python read while tracing (``float(t)``, ``if t.sum() > 0``), and
-    room for what later steps derive from it (``derived``, e.g. the simplified mod)."""
+    counters, memory addresses) of the captured tensors whose values Python read while
+    tracing (``float(t)``, ``if t.sum() > 0``), and room for what later steps derive from it
+    (``derived``, e.g. the simplified mod)."""
 
     traced: TracedMod
     guard: Guard | None

@@ -77,9 +77,10 @@ def _rand(*shape, dtype=torch.float32, seed=0):
 def test_a_plan_is_not_shared_across_the_sign_of_the_scale():
     """scale > 0 folds the scale into the softmax; scale <= 0 forms q.k * scale
     first (scores_first). The second call must not take the first one's kernel."""
-    q, k, v = _rand(1, 2, 40, 16, seed=1), _rand(1, 2, 40, 16, seed=2), _rand(1, 2, 40, 16, seed=3)
+    q, k, v = (_rand(1, 2, 40, 16, seed=seed) for seed in (1, 2, 3))
     for scale in (0.25, -0.25, 0.0, -0.5, 0.25):
-        _close(flexfa.flex_attention(q, k, v, scale=scale), attention_reference(q, k, v, scale=scale))
+        _close(flexfa.flex_attention(q, k, v, scale=scale),
+               attention_reference(q, k, v, scale=scale))
 
 
 def test_a_plan_is_not_shared_across_dtypes():
