@@ -360,9 +360,11 @@ class _Walk:
     def add_code(self, code: types.CodeType) -> frozenset:
         """Record ``code`` and add its names to the walk's; returns them. The modules it
         imports (``import cfg`` inside a mod: no global names them) are walked too."""
-        names, imports, _ = _code_facts(code)
+        names, imports, loaded = _code_facts(code)
         if not names.isdisjoint(DYNAMIC_NAMES):
             raise Unguardable(f"code {code.co_name!r} looks attributes up dynamically")
+        if "type" in loaded:  # ``type(self)()`` reaches a class to call as ``__class__`` does
+            names = names | _CLASS_OF
         if not names <= self.names:
             self.names |= names
             self.grew = True
@@ -807,8 +809,9 @@ def _slot_value(obj, cls: type, name: str):
 
 
 _UNSET_SLOT = object()  # an unset slot's part: equal to no value's
-# names by which code reaches an object's class to call it (``type(self)()``)
-_CLASS_OF = frozenset({"type", "__class__"})
+# the name by which code reaches an object's class to call it (``self.__class__()``; code
+# calling the builtin ``type`` adds it: ``type(self)()``; not a ``.type`` attribute)
+_CLASS_OF = frozenset({"__class__"})
 _MODULE_CALL = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
 # special methods no mod invokes implicitly while tracing (printing, pickling, copying,
 # attribute stores); construction's are added only for a class the code may call

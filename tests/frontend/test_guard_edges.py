@@ -424,3 +424,22 @@ def test_numpy_global_random_draws_are_drawn_again_each_call():
     TRACE_MEMO.clear()
     assert guard(mod) is None
     assert not torch.equal(values_of(trace(mod)), values_of(trace(mod)))
+
+
+class _Built:
+    def __init__(self):
+        self.w = 2 if hasattr(self, "unused") else 2  # (a dynamic lookup: unguardable code)
+
+    def cast(self, score, b, h, q_idx, kv_idx):
+        return score.type(torch.float32) * self.w
+
+    def rebuilt(self, score, b, h, q_idx, kv_idx):
+        return score * type(self)().w
+
+
+def test_only_a_call_of_type_walks_the_constructor():
+    """``type(self)()`` runs ``__init__`` (walked: here a dynamic lookup, so the mod is traced
+    each call); a ``.type(...)`` method call does not (the mod stays guarded)."""
+    obj = _Built()
+    assert guard(obj.cast) is not None
+    assert guard(obj.rebuilt) is None
