@@ -241,7 +241,8 @@ def contents_keys(tensors) -> list | None:
     inference tensor (no version counter) or has no plain memory (sparse, a subclass's
     wrapper): whoever keeps it treats None as never unchanged. (C functions over the
     sequence, no Python function entered per tensor: a cached call checks up to 8
-    block-mask tables this way, about 1.5 us.)"""
+    block-mask tables this way, 2.8 us on the development CPU against 0.8 us for the version
+    counters alone.)"""
     try:
         return list(zip(map(_VERSION, tensors), map(torch.Tensor.data_ptr, tensors)))
     except (RuntimeError, NotImplementedError, TypeError):
