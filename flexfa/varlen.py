@@ -165,8 +165,8 @@ _LOCAL = ((Op.B, "doc_q", Op.Q_IDX), (Op.Q_IDX, "pos_q", Op.Q_IDX),
 # (IR root, buffer count) -> (localized root, TokenTensors field of each added slot)
 _LOCALIZED = BoundedMemo(256, "varlen score_mods")
 # a mask's Documents -> {(score_mod trace's id, query heads, its captured tensors'
-# ``contents_of`` keys): (weakref to the trace, the storages' references)}: score_mods whose
-# reads were checked document by document
+# ``contents_of`` keys): (weakref to the trace, their memory, held so the keys' addresses name
+# no other)}: score_mods whose reads were checked document by document
 _PER_DOCUMENT = OwnedMemo(owners=64, per_owner=8, name="varlen per-document index checks")
 
 
@@ -223,7 +223,7 @@ def _check_reads(func: str, traced: TracedMod, documents, heads: int) -> None:
             message = str(error).replace("for b < 1,", f"for b = {doc},")
             raise InputError(f"{func}: in document {doc} ({lq} queries, {lk} keys) "
                              f"{message}") from None
-    if key is not None:  # (the storages' references keep the key's addresses theirs)
+    if key is not None:
         _PER_DOCUMENT.put(documents, key, (weakref.ref(traced), contents[1]))
 
 

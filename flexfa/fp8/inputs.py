@@ -8,7 +8,7 @@ import torch
 
 from ..codegen import fp8 as fp8_codegen
 from ..errors import check_bool
-from ..memo import contents_key, memory_of
+from ..memo import contents_key, contents_of
 from .hadamard import unrotate as hadamard_unrotate
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -66,10 +66,8 @@ class FP8Inputs:
 def written(scales) -> tuple:
     """``FP8Inputs.written`` of the descales ``quantize`` just wrote; none for inference
     tensors (no version counter to tell an edit: such descales are checked on every call)."""
-    keys = tuple(map(contents_key, scales))
-    if None in keys:
-        return ()
-    return tuple((weakref.ref(t), key, memory_of(t)) for t, key in zip(scales, keys))
+    found = contents_of(scales)
+    return () if found is None else tuple(zip(map(weakref.ref, scales), *found))
 
 
 def expand_scales(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:
